@@ -1,0 +1,81 @@
+#include "common/names.h"
+
+#include <cctype>
+
+#include <fmt/format.h>
+
+#include <string>
+
+namespace ckpt {
+namespace {
+
+bool IsNameChar(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+}
+
+// Escapes control and non-ASCII bytes so that hostile names print safely in messages.
+std::string Printable(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 200)) {
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      out += fmt::format("\\x{:02x}", c);
+    }
+  }
+  if (s.size() > 200) out += "...";
+  return out;
+}
+
+}  // namespace
+
+absl::Status ValidateJobName(std::string_view job) {
+  if (job.empty() || job.size() > 128) {
+    return absl::InvalidArgumentError(
+        fmt::format("invalid job name \"{}\": must be 1 to 128 characters", Printable(job)));
+  }
+  if (!std::isalnum(static_cast<unsigned char>(job[0]))) {
+    return absl::InvalidArgumentError(fmt::format(
+        "invalid job name \"{}\": must start with a letter or digit", Printable(job)));
+  }
+  for (char c : job) {
+    if (!IsNameChar(c)) {
+      return absl::InvalidArgumentError(fmt::format(
+          "invalid job name \"{}\": only letters, digits, '.', '_' and '-' are allowed",
+          Printable(job)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateTensorName(std::string_view name) {
+  if (name.empty() || name.size() > 512) {
+    return absl::InvalidArgumentError(fmt::format(
+        "invalid tensor name \"{}\": must be 1 to 512 characters", Printable(name)));
+  }
+  if (name.substr(0, 2) == "__") {
+    return absl::InvalidArgumentError(fmt::format(
+        "invalid tensor name \"{}\": the \"__\" prefix is reserved", Printable(name)));
+  }
+  for (char c : name) {
+    if (c < 0x20 || c > 0x7e || c == '"' || c == '\\') {
+      return absl::InvalidArgumentError(fmt::format(
+          "invalid tensor name \"{}\": only printable ASCII without quotes or backslashes",
+          Printable(name)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateShmName(std::string_view name) {
+  bool ok = name.size() >= 2 && name.size() <= 201 && name[0] == '/';
+  for (size_t i = 1; ok && i < name.size(); ++i) ok = IsNameChar(name[i]);
+  if (!ok || name == "/." || name == "/..") {
+    return absl::InvalidArgumentError(fmt::format(
+        "invalid shared-memory name \"{}\": expected \"/\" then 1 to 200 of [A-Za-z0-9._-]",
+        Printable(name)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt

@@ -1,0 +1,22 @@
+// Validation of every name that reaches a path, a shm segment or a file header. Hostile
+// input (path traversal, control characters, reserved prefixes) is refused with a message
+// that names the offending value.
+#pragma once
+
+#include <string_view>
+
+#include "absl/status/status.h"
+
+namespace ckpt {
+
+// Job names become directory names: [A-Za-z0-9][A-Za-z0-9._-]{0,127}.
+absl::Status ValidateJobName(std::string_view job);
+
+// Tensor and train-state names become safetensors keys: 1..512 printable ASCII characters,
+// not starting with "__" (reserved for ckptd's own entries such as "__metadata__").
+absl::Status ValidateTensorName(std::string_view name);
+
+// Shared-memory segment names: "/" followed by [A-Za-z0-9._-]{1,200}, no further "/".
+absl::Status ValidateShmName(std::string_view name);
+
+}  // namespace ckpt
