@@ -1,0 +1,34 @@
+// Copies registered buffers into staging memory and back. One interface, several
+// same-shaped implementations: the host twin (memcpy on a thread pool) here, the CUDA
+// engine (D2H/H2D on the daemon's own streams) beside it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string_view>
+
+#include "absl/status/status.h"
+
+namespace ckpt::cuda {
+
+struct CopyRegion {
+  void* dst;
+  const void* src;
+  size_t bytes;
+};
+
+class CopyEngine {
+ public:
+  virtual ~CopyEngine() = default;
+  virtual std::string_view name() const = 0;
+  // Copies every region and returns when all bytes have landed.
+  virtual absl::Status Copy(std::span<const CopyRegion> regions) = 0;
+};
+
+using CopyEnginePtr = std::unique_ptr<CopyEngine>;
+
+// Splits regions into chunks of `chunk_bytes` and copies them on `threads` workers.
+CopyEnginePtr MakeHostCopyEngine(int threads, size_t chunk_bytes = 8u << 20);
+
+}  // namespace ckpt::cuda

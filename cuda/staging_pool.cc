@@ -1,0 +1,71 @@
+#include "cuda/staging_pool.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <fmt/format.h>
+
+#include "common/status.h"
+
+namespace ckpt::cuda {
+
+StagingBlock::~StagingBlock() { pool_->Release(offset_, size_); }
+
+absl::StatusOr<StagingPoolPtr> StagingPool::Create(size_t bytes, bool prefault) {
+  if (bytes == 0) return absl::InvalidArgumentError("staging budget must be positive");
+  bytes = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  int flags = MAP_PRIVATE | MAP_ANONYMOUS | (prefault ? MAP_POPULATE : 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
+  if (p == MAP_FAILED) {
+    return ErrnoStatus(errno, fmt::format("map {} bytes of staging memory", bytes));
+  }
+  ::madvise(p, bytes, MADV_HUGEPAGE);
+  return StagingPoolPtr(new StagingPool(static_cast<char*>(p), bytes));
+}
+
+StagingPool::StagingPool(char* base, size_t capacity) : base_(base), capacity_(capacity) {
+  free_[0] = capacity;
+}
+
+StagingPool::~StagingPool() { ::munmap(base_, capacity_); }
+
+absl::StatusOr<StagingBlockPtr> StagingPool::Allocate(size_t bytes) {
+  size_t size = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+  std::lock_guard lock(mu_);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < size) continue;
+    size_t offset = it->first;
+    size_t rest = it->second - size;
+    free_.erase(it);
+    if (rest > 0) free_[offset + size] = rest;
+    used_ += size;
+    return std::make_unique<StagingBlock>(this, offset, size, base_ + offset);
+  }
+  return absl::ResourceExhaustedError(fmt::format(
+      "staging budget exhausted: {} bytes needed, {} of {} in use", size, used_, capacity_));
+}
+
+void StagingPool::Release(size_t offset, size_t size) {
+  std::lock_guard lock(mu_);
+  used_ -= size;
+  auto [it, inserted] = free_.emplace(offset, size);
+  auto next = std::next(it);
+  if (next != free_.end() && it->first + it->second == next->first) {
+    it->second += next->second;
+    free_.erase(next);
+  }
+  if (it != free_.begin()) {
+    auto prev = std::prev(it);
+    if (prev->first + prev->second == it->first) {
+      prev->second += it->second;
+      free_.erase(it);
+    }
+  }
+}
+
+size_t StagingPool::used() const {
+  std::lock_guard lock(mu_);
+  return used_;
+}
+
+}  // namespace ckpt::cuda

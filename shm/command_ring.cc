@@ -1,0 +1,172 @@
+#include "shm/command_ring.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+#include "shm/futex.h"
+
+namespace ckpt::shm {
+
+void InitializeControlBlock(void* memory, int32_t daemon_pid, int32_t trainer_pid) {
+  std::memset(memory, 0, sizeof(ControlBlock));
+  auto* block = new (memory) ControlBlock();
+  block->magic = kControlMagic;
+  block->abi_version = kControlAbiVersion;
+  block->ring_slots = kRingSlots;
+  block->ticket_slots = kTicketSlots;
+  block->slot_payload_bytes = kSlotPayloadBytes;
+  block->daemon_pid = daemon_pid;
+  block->trainer_pid = trainer_pid;
+  block->daemon_heartbeat_ns.store(MonotonicNanos(), std::memory_order_release);
+}
+
+absl::StatusOr<ControlBlock*> ValidateControlBlock(void* memory, size_t size) {
+  if (size < sizeof(ControlBlock)) {
+    return absl::FailedPreconditionError(
+        fmt::format("control block is {} bytes, expected at least {}", size, sizeof(ControlBlock)));
+  }
+  auto* block = static_cast<ControlBlock*>(memory);
+  if (block->magic != kControlMagic) {
+    return absl::FailedPreconditionError("control block has a bad magic number");
+  }
+  if (block->abi_version != kControlAbiVersion || block->ring_slots != kRingSlots ||
+      block->ticket_slots != kTicketSlots || block->slot_payload_bytes != kSlotPayloadBytes) {
+    return absl::FailedPreconditionError(fmt::format(
+        "control block ABI version {} does not match this client's {}; upgrade ckptd and the "
+        "client together",
+        block->abi_version, kControlAbiVersion));
+  }
+  return block;
+}
+
+absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
+                                                          const SnapshotPayload& payload) {
+  uint64_t tail = block_->tail.load(std::memory_order_relaxed);
+  uint64_t head = block_->head.load(std::memory_order_acquire);
+  if (tail - head >= kRingSlots) {
+    return absl::ResourceExhaustedError(
+        fmt::format("command ring full: ckptd has not picked up the last {} snapshots", kRingSlots));
+  }
+  CommandSlot& slot = block_->commands[tail % kRingSlots];
+  auto written = EncodePayload(payload, slot.payload, kSlotPayloadBytes);
+  if (!written.ok()) return written.status();
+  uint64_t ticket = tail + 1;
+  slot.ticket = ticket;
+  slot.step = step;
+  slot.kind = kCommandSnapshot;
+  slot.payload_bytes = static_cast<uint32_t>(*written);
+
+  TicketSlot& t = block_->tickets[ticket % kTicketSlots];
+  t.state.store(kTicketPending, std::memory_order_relaxed);
+  t.step = step;
+  t.error[0] = '\0';
+  t.ticket.store(ticket, std::memory_order_release);
+
+  block_->tail.store(tail + 1, std::memory_order_release);
+  block_->doorbell.fetch_add(1, std::memory_order_release);
+  FutexWakeAll(&block_->doorbell);
+  return ticket;
+}
+
+TicketResult CommandProducer::Poll(uint64_t ticket) const {
+  const TicketSlot& t = block_->tickets[ticket % kTicketSlots];
+  TicketResult result;
+  if (t.ticket.load(std::memory_order_acquire) != ticket) {
+    result.error = fmt::format("ticket {} is unknown or too old", ticket);
+    return result;
+  }
+  result.state = static_cast<TicketStateValue>(t.state.load(std::memory_order_acquire));
+  if (result.state == kTicketFailed || result.state == kTicketRejected) {
+    result.error.assign(t.error, strnlen(t.error, kTicketErrorBytes));
+  }
+  return result;
+}
+
+absl::Status CommandProducer::CheckDaemonAlive(std::chrono::milliseconds dead_after) const {
+  if (block_->closed.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("ckptd closed this session (daemon shutting down?)");
+  }
+  uint64_t beat = block_->daemon_heartbeat_ns.load(std::memory_order_acquire);
+  uint64_t now = MonotonicNanos();
+  auto age = std::chrono::nanoseconds(now > beat ? now - beat : 0);
+  if (age > dead_after) {
+    return absl::UnavailableError(fmt::format(
+        "ckptd is not responding: no heartbeat for {} ms",
+        std::chrono::duration_cast<std::chrono::milliseconds>(age).count()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TicketResult> CommandProducer::Wait(
+    uint64_t ticket, bool until_committed, std::chrono::milliseconds timeout,
+    std::chrono::milliseconds daemon_dead_after) const {
+  auto done = [until_committed](TicketStateValue s) {
+    if (s == kTicketUnknown) return true;
+    return until_committed ? s >= kTicketCommitted : s != kTicketPending;
+  };
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  TicketSlot& t = block_->tickets[ticket % kTicketSlots];
+  while (true) {
+    TicketResult result = Poll(ticket);
+    if (done(result.state)) return result;
+    if (absl::Status alive = CheckDaemonAlive(daemon_dead_after); !alive.ok()) return alive;
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) {
+      return absl::DeadlineExceededError(fmt::format(
+          "ticket {} not {} after {} ms", ticket, until_committed ? "committed" : "staged",
+          timeout.count()));
+    }
+    auto slice = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
+    FutexWait(&t.state, static_cast<uint32_t>(result.state), slice);
+  }
+}
+
+std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
+  uint32_t bell = block_->doorbell.load(std::memory_order_acquire);
+  uint64_t head = block_->head.load(std::memory_order_relaxed);
+  if (block_->tail.load(std::memory_order_acquire) == head) {
+    FutexWait(&block_->doorbell, bell, wait);
+    if (block_->tail.load(std::memory_order_acquire) == head) return std::nullopt;
+  }
+  const CommandSlot& slot = block_->commands[head % kRingSlots];
+  Command command;
+  command.ticket = slot.ticket;
+  command.step = slot.step;
+  command.kind = static_cast<CommandKind>(slot.kind);
+  if (command.ticket != head + 1 || slot.kind != kCommandSnapshot ||
+      slot.payload_bytes > kSlotPayloadBytes) {
+    command.ticket = head + 1;
+    command.payload = absl::InvalidArgumentError("malformed command in the session ring");
+  } else {
+    command.payload = DecodePayload(slot.payload, slot.payload_bytes);
+  }
+  block_->head.store(head + 1, std::memory_order_release);
+  return command;
+}
+
+void CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
+                                     std::string_view error) {
+  TicketSlot& t = block_->tickets[ticket % kTicketSlots];
+  if (t.ticket.load(std::memory_order_acquire) != ticket) return;
+  if (!error.empty()) {
+    size_t n = std::min(error.size(), static_cast<size_t>(kTicketErrorBytes - 1));
+    std::memcpy(t.error, error.data(), n);
+    t.error[n] = '\0';
+  }
+  t.state.store(state, std::memory_order_release);
+  FutexWakeAll(&t.state);
+}
+
+void CommandConsumer::Heartbeat() {
+  block_->daemon_heartbeat_ns.store(MonotonicNanos(), std::memory_order_release);
+}
+
+void CommandConsumer::Close() {
+  block_->closed.store(1, std::memory_order_release);
+  for (auto& t : block_->tickets) FutexWakeAll(&t.state);
+}
+
+}  // namespace ckpt::shm

@@ -1,0 +1,80 @@
+// The two ends of a session's control block (shm/layout.h).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "shm/layout.h"
+#include "shm/payload.h"
+
+namespace ckpt::shm {
+
+// Daemon side: formats a fresh block.
+void InitializeControlBlock(void* memory, int32_t daemon_pid, int32_t trainer_pid);
+
+// Trainer side: checks magic, ABI version and size before trusting the block.
+absl::StatusOr<ControlBlock*> ValidateControlBlock(void* memory, size_t size);
+
+struct TicketResult {
+  TicketStateValue state = kTicketUnknown;
+  std::string error;
+};
+
+// Trainer end: publishes snapshot commands and waits on tickets. One producer thread at a
+// time (the client serialises calls).
+class CommandProducer {
+ public:
+  explicit CommandProducer(ControlBlock* block) : block_(block) {}
+
+  // Returns the ticket, or ResourceExhausted when the ring is full (the daemon has not yet
+  // picked up kRingSlots earlier commands). Never blocks.
+  absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const SnapshotPayload& payload);
+
+  TicketResult Poll(uint64_t ticket) const;
+
+  // Waits until the ticket leaves `pending` (until_committed=false) or reaches a final state
+  // (committed, failed, rejected). DeadlineExceeded on timeout; Unavailable when the daemon
+  // closed the session or stopped its heartbeat for `daemon_dead_after`.
+  absl::StatusOr<TicketResult> Wait(uint64_t ticket, bool until_committed,
+                                    std::chrono::milliseconds timeout,
+                                    std::chrono::milliseconds daemon_dead_after) const;
+
+  // Unavailable if the daemon closed the session or its heartbeat is older than `dead_after`.
+  absl::Status CheckDaemonAlive(std::chrono::milliseconds dead_after) const;
+
+ private:
+  ControlBlock* block_;
+};
+
+struct Command {
+  uint64_t ticket = 0;
+  uint64_t step = 0;
+  CommandKind kind = kCommandSnapshot;
+  absl::StatusOr<SnapshotPayload> payload;  // decode errors fail the ticket, not the daemon
+};
+
+// Daemon end.
+class CommandConsumer {
+ public:
+  explicit CommandConsumer(ControlBlock* block) : block_(block) {}
+
+  // Takes the next command, sleeping up to `wait` for one to arrive.
+  std::optional<Command> Next(std::chrono::nanoseconds wait);
+
+  // Updates a ticket's state (ignored if the slot was reused by a newer ticket) and wakes
+  // waiters.
+  void SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
+
+  void Heartbeat();
+  void Close();
+  ControlBlock* block() const { return block_; }
+
+ private:
+  ControlBlock* block_;
+};
+
+}  // namespace ckpt::shm

@@ -1,0 +1,84 @@
+// Shared-memory ABI between a trainer (client library) and ckptd. Fixed layout, versioned,
+// offsets not pointers, only lock-free atomics: a crashed peer can leave nothing locked.
+//
+// One control block per session, created by the daemon and mapped by the trainer:
+//   - a single-producer (trainer) / single-consumer (daemon) ring of snapshot commands;
+//   - a ticket table that the daemon updates as a snapshot is staged, committed or failed;
+//   - liveness words for both sides.
+// The trainer publishes a command with a release store of `tail` and a futex wake on
+// `doorbell`; it waits for a ticket with a futex wait on that ticket's `state`.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+namespace ckpt::shm {
+
+inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
+inline constexpr uint32_t kControlAbiVersion = 1;
+inline constexpr uint32_t kRingSlots = 8;
+inline constexpr uint32_t kTicketSlots = 64;
+inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
+inline constexpr uint32_t kTicketErrorBytes = 480;
+
+// Values of TicketSlot::state; they match proto TicketState.
+enum TicketStateValue : uint32_t {
+  kTicketUnknown = 0,
+  kTicketPending = 1,
+  kTicketStaged = 2,
+  kTicketCommitted = 3,
+  kTicketFailed = 4,
+  kTicketRejected = 5,
+};
+
+enum CommandKind : uint32_t {
+  kCommandSnapshot = 1,
+};
+
+struct alignas(64) CommandSlot {
+  uint64_t ticket;
+  uint64_t step;
+  uint32_t kind;           // CommandKind
+  uint32_t payload_bytes;  // encoded by shm/payload.h
+  uint8_t payload[kSlotPayloadBytes];
+};
+
+struct alignas(64) TicketSlot {
+  std::atomic<uint64_t> ticket;  // which ticket this slot describes (ticket % kTicketSlots)
+  std::atomic<uint32_t> state;   // TicketStateValue; futex word
+  uint32_t reserved;
+  uint64_t step;
+  char error[kTicketErrorBytes];  // NUL-terminated, valid once state is failed/rejected
+};
+
+struct alignas(64) ControlBlock {
+  uint64_t magic;
+  uint32_t abi_version;
+  uint32_t ring_slots;
+  uint32_t ticket_slots;
+  uint32_t slot_payload_bytes;
+  int32_t daemon_pid;
+  int32_t trainer_pid;
+
+  alignas(64) std::atomic<uint64_t> tail;        // written by the trainer
+  alignas(64) std::atomic<uint64_t> head;        // written by the daemon
+  alignas(64) std::atomic<uint32_t> doorbell;    // futex word: bumped on every publish
+  std::atomic<uint32_t> closed;                  // daemon ended the session
+  std::atomic<uint64_t> daemon_heartbeat_ns;     // CLOCK_MONOTONIC, refreshed every 100 ms
+
+  CommandSlot commands[kRingSlots];
+  TicketSlot tickets[kTicketSlots];
+};
+
+static_assert(std::is_standard_layout_v<ControlBlock>);
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words must be 32-bit");
+static_assert(offsetof(ControlBlock, tail) % 64 == 0);
+static_assert(offsetof(ControlBlock, commands) % 64 == 0);
+
+inline constexpr size_t kControlBlockBytes = sizeof(ControlBlock);
+
+}  // namespace ckpt::shm
