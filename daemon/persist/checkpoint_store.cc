@@ -1,0 +1,138 @@
+#include "daemon/persist/checkpoint_store.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+
+#include "common/names.h"
+#include "common/status.h"
+
+namespace ckpt::persist {
+namespace {
+
+constexpr char kManifestName[] = "manifest.json";
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+bool ParseStepDirName(const std::string& name, uint64_t* step) {
+  if (name.size() < 6 || name.compare(0, 5, "step-") != 0 || name.size() > 5 + 19) return false;
+  uint64_t v = 0;
+  for (size_t i = 5; i < name.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return false;
+    v = v * 10 + static_cast<uint64_t>(name[i] - '0');
+  }
+  *step = v;
+  return true;
+}
+
+CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root)
+    : fs_(std::move(fs)), root_(std::move(root)) {}
+
+std::string CheckpointStore::JobDir(const std::string& job) const { return root_ + "/" + job; }
+
+std::string CheckpointStore::StepDir(const std::string& job, uint64_t step) const {
+  return fmt::format("{}/{}/step-{:08d}", root_, job, step);
+}
+
+std::string CheckpointStore::TempStepDir(const std::string& job, uint64_t step) const {
+  return StepDir(job, step) + ".tmp";
+}
+
+absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  std::string tmp = TempStepDir(job, step);
+  CKPT_RETURN_IF_ERROR(fs_->RemoveTree(tmp));
+  CKPT_RETURN_IF_ERROR(fs_->MakeDir(tmp));
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::Commit(const Manifest& manifest) {
+  const std::string tmp = TempStepDir(manifest.job, manifest.step);
+  const std::string final_dir = StepDir(manifest.job, manifest.step);
+  CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, tmp + "/" + kManifestName, ManifestToJson(manifest)));
+  if (fs_->Exists(final_dir)) {
+    return absl::AlreadyExistsError(fmt::format(
+        "{} already exists: step {} of job {} was committed before", final_dir, manifest.step,
+        manifest.job));
+  }
+  CKPT_RETURN_IF_ERROR(fs_->Rename(tmp, final_dir));
+  return fs_->SyncDir(JobDir(manifest.job));
+}
+
+absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {
+  return fs_->RemoveTree(TempStepDir(job, step));
+}
+
+absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::string& job) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  std::vector<uint64_t> steps;
+  if (!fs_->Exists(JobDir(job))) return steps;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
+  for (const std::string& name : names) {
+    uint64_t step;
+    if (!ParseStepDirName(name, &step)) continue;
+    if (fs_->Exists(JobDir(job) + "/" + name + "/" + kManifestName)) steps.push_back(step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {
+  std::vector<std::string> jobs;
+  if (!fs_->Exists(root_)) return jobs;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(root_));
+  for (const std::string& name : names) {
+    if (ValidateJobName(name).ok()) jobs.push_back(name);
+  }
+  std::sort(jobs.begin(), jobs.end());
+  return jobs;
+}
+
+absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, uint64_t step) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  std::string path = StepDir(job, step) + "/" + kManifestName;
+  if (!fs_->Exists(path)) {
+    return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
+  CKPT_ASSIGN_OR_RETURN(Manifest manifest, ParseManifest(text, path));
+  if (manifest.job != job || manifest.step != step) {
+    return absl::DataLossError(fmt::format("{} describes job {} step {}", path, manifest.job,
+                                           manifest.step));
+  }
+  return manifest;
+}
+
+absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  std::string dir = StepDir(job, step);
+  if (!fs_->Exists(dir + "/" + kManifestName)) {
+    return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
+  }
+  std::string aside = dir + ".deleting";
+  CKPT_RETURN_IF_ERROR(fs_->Rename(dir, aside));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(JobDir(job)));
+  return fs_->RemoveTree(aside);
+}
+
+absl::StatusOr<int> CheckpointStore::RemoveStaleTemp() {
+  int removed = 0;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, ListJobs());
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
+    for (const std::string& name : names) {
+      if (name.compare(0, 5, "step-") == 0 && (EndsWith(name, ".tmp") || EndsWith(name, ".deleting"))) {
+        CKPT_RETURN_IF_ERROR(fs_->RemoveTree(JobDir(job) + "/" + name));
+        ++removed;
+      }
+    }
+  }
+  return removed;
+}
+
+}  // namespace ckpt::persist

@@ -1,0 +1,54 @@
+// The on-disk layout under --root and the commit protocol (docs/format.md):
+//   <root>/<job>/step-NNNNNNNN.tmp/   in progress: shards are written here
+//   <root>/<job>/step-NNNNNNNN/       committed: manifest.json written last
+// Commit: shards fsynced by the writer; manifest written to a temp name, fsynced and
+// renamed; the step directory renamed from .tmp; the job directory fsynced. A crash at
+// any instant leaves the previous checkpoint intact and the new one either whole or absent.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/filesystem.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::persist {
+
+class CheckpointStore {
+ public:
+  CheckpointStore(FilesystemPtr fs, std::string root);
+
+  const std::string& root() const { return root_; }
+  Filesystem& fs() { return *fs_; }
+  std::string JobDir(const std::string& job) const;
+  std::string StepDir(const std::string& job, uint64_t step) const;
+  std::string TempStepDir(const std::string& job, uint64_t step) const;
+
+  // Creates an empty <step>.tmp directory, replacing a leftover one.
+  absl::Status BeginStep(const std::string& job, uint64_t step);
+  // Writes the manifest and publishes the step directory.
+  absl::Status Commit(const Manifest& manifest);
+  // Removes an unfinished step directory.
+  absl::Status AbortStep(const std::string& job, uint64_t step);
+
+  // Committed steps (directories with a manifest), ascending.
+  absl::StatusOr<std::vector<uint64_t>> ListSteps(const std::string& job);
+  absl::StatusOr<std::vector<std::string>> ListJobs();
+  absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
+  // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
+  // directory that still looks committed.
+  absl::Status Delete(const std::string& job, uint64_t step);
+  // Start-up sweep: removes every *.tmp and *.deleting directory. Returns how many.
+  absl::StatusOr<int> RemoveStaleTemp();
+
+ private:
+  FilesystemPtr fs_;
+  std::string root_;
+};
+
+// Parses "step-00001200" -> 1200; false for anything else.
+bool ParseStepDirName(const std::string& name, uint64_t* step);
+
+}  // namespace ckpt::persist

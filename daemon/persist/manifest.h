@@ -1,0 +1,69 @@
+// manifest.json: the record that makes a step directory a checkpoint (docs/format.md).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::persist {
+
+inline constexpr int kManifestFormatVersion = 1;
+
+// Where one rank's piece of a tensor lives and where it goes in the global tensor.
+struct TensorShard {
+  uint32_t rank = 0;
+  std::string file;
+  uint64_t begin = 0;  // byte range within the file's data region
+  uint64_t end = 0;
+  std::vector<int64_t> offset;  // placement: start index per dimension in the global tensor
+  std::vector<int64_t> shape;   // placement: local shape
+  std::string checksum;
+};
+
+struct ManifestTensor {
+  std::string dtype;
+  std::vector<int64_t> global_shape;
+  std::vector<TensorShard> shards;
+};
+
+struct TrainStateEntry {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  std::string checksum;
+};
+
+struct ManifestShard {
+  uint32_t rank = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  std::map<std::string, std::string> metadata;  // this rank's snapshot metadata
+  std::map<std::string, TrainStateEntry> train_state;  // stored as U8 entries in the file
+};
+
+struct Manifest {
+  int format_version = kManifestFormatVersion;
+  std::string job;
+  uint64_t step = 0;
+  double unix_time = 0;
+  std::string wall_time;  // ISO 8601, UTC
+  uint32_t world_size = 0;
+  std::string ckptd_version;
+  std::map<std::string, std::string> metadata;  // rank 0's user metadata
+  std::map<std::string, ManifestTensor> tensors;
+  std::vector<ManifestShard> shards;  // by rank
+
+  uint64_t total_bytes() const;
+};
+
+std::string ManifestToJson(const Manifest& manifest);
+
+// Parses and checks a manifest: version, required fields, shard ranks 0..world_size-1.
+absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::string& source);
+
+// The key under which a train-state blob is stored in a shard file.
+std::string TrainStateKey(const std::string& name);
+
+}  // namespace ckpt::persist

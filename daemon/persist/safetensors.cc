@@ -1,0 +1,142 @@
+#include "daemon/persist/safetensors.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+
+namespace ckpt::persist {
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own limit
+
+const std::map<std::string, size_t>& DTypes() {
+  static const std::map<std::string, size_t> kSizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2},
+      {"U16", 2},  {"F16", 2}, {"BF16", 2}, {"I32", 4},    {"U32", 4},     {"F32", 4},
+      {"F64", 8},  {"I64", 8}, {"U64", 8}};
+  return kSizes;
+}
+
+}  // namespace
+
+absl::StatusOr<size_t> DTypeSize(const std::string& dtype) {
+  auto it = DTypes().find(dtype);
+  if (it == DTypes().end()) {
+    return absl::InvalidArgumentError(fmt::format("unknown dtype \"{}\"", dtype.substr(0, 32)));
+  }
+  return it->second;
+}
+
+absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
+                              const std::vector<int64_t>& shape, uint64_t nbytes) {
+  auto itemsize = DTypeSize(dtype);
+  if (!itemsize.ok()) return Annotate(itemsize.status(), fmt::format("tensor {}", name));
+  unsigned __int128 expected = *itemsize;
+  for (int64_t d : shape) {
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          fmt::format("tensor {}: negative dimension in shape [{}]", name, fmt::join(shape, ", ")));
+    }
+    expected *= static_cast<uint64_t>(d);
+    if (expected > (static_cast<unsigned __int128>(1) << 62)) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: shape too large", name));
+    }
+  }
+  if (expected != nbytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: size mismatch: {} [{}] needs {} bytes, buffer has {}", name, dtype,
+        fmt::join(shape, ", "), static_cast<uint64_t>(expected), nbytes));
+  }
+  return absl::OkStatus();
+}
+
+std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
+                         const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  for (const TensorEntry& t : tensors) {
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  }
+  std::string json = header.dump();
+  json.append((8 - (json.size() % 8)) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + json;
+}
+
+absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t file_size,
+                                             const std::string& path) {
+  auto bad = [&](const std::string& why) {
+    return absl::DataLossError(fmt::format("{}: not a valid safetensors file: {}", path, why));
+  };
+  if (file_size < 8) return bad(fmt::format("only {} bytes", file_size));
+  unsigned char prefix[8];
+  CKPT_RETURN_IF_ERROR(Annotate(fs.ReadAt(fd, prefix, 8, 0), path));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[i];
+  if (n > kMaxHeaderBytes || n > file_size - 8) {
+    return bad(fmt::format("header length {} exceeds the file ({} bytes)", n, file_size));
+  }
+  std::string json(n, '\0');
+  CKPT_RETURN_IF_ERROR(Annotate(fs.ReadAt(fd, json.data(), n, 8), path));
+  nlohmann::json parsed = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  if (!parsed.is_object()) return bad("header is not a JSON object");
+
+  SafetensorsHeader header;
+  header.data_start = 8 + n;
+  header.data_bytes = file_size - header.data_start;
+  for (auto it = parsed.begin(); it != parsed.end(); ++it) {
+    if (it.key() == "__metadata__") {
+      if (!it->is_object()) return bad("__metadata__ is not an object");
+      for (auto m = it->begin(); m != it->end(); ++m) {
+        if (!m->is_string()) return bad("__metadata__ values must be strings");
+        header.metadata[m.key()] = m->get<std::string>();
+      }
+      continue;
+    }
+    const nlohmann::json& v = *it;
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
+        !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
+      return bad(fmt::format("entry for tensor {} is malformed", it.key()));
+    }
+    TensorEntry t;
+    t.name = it.key();
+    t.dtype = v["dtype"].get<std::string>();
+    for (const auto& d : v["shape"]) {
+      if (!d.is_number_integer()) return bad(fmt::format("tensor {} has a bad shape", t.name));
+      t.shape.push_back(d.get<int64_t>());
+    }
+    if (!v["data_offsets"][0].is_number_unsigned() || !v["data_offsets"][1].is_number_unsigned()) {
+      return bad(fmt::format("tensor {} has bad data_offsets", t.name));
+    }
+    t.begin = v["data_offsets"][0].get<uint64_t>();
+    t.end = v["data_offsets"][1].get<uint64_t>();
+    if (t.end < t.begin) return bad(fmt::format("tensor {} ends before it begins", t.name));
+    if (absl::Status s = CheckTensorBytes(t.name, t.dtype, t.shape, t.end - t.begin); !s.ok()) {
+      return bad(Message(s));
+    }
+    header.tensors.push_back(std::move(t));
+  }
+  std::sort(header.tensors.begin(), header.tensors.end(),
+            [](const TensorEntry& a, const TensorEntry& b) { return a.begin < b.begin; });
+  uint64_t expected = 0;
+  for (const TensorEntry& t : header.tensors) {
+    if (t.begin != expected) {
+      return bad(fmt::format("tensor {} starts at {}, expected {} (hole or overlap)", t.name,
+                             t.begin, expected));
+    }
+    expected = t.end;
+  }
+  if (expected != header.data_bytes) {
+    return bad(fmt::format("tensors cover {} data bytes but the file holds {} (truncated?)",
+                           expected, header.data_bytes));
+  }
+  return header;
+}
+
+}  // namespace ckpt::persist

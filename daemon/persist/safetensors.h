@@ -1,0 +1,49 @@
+// The safetensors file format (https://github.com/huggingface/safetensors): an 8-byte
+// little-endian header length N, N bytes of JSON (padded with spaces so that the data
+// region starts 8-byte aligned), then a data region that the tensors cover exactly,
+// without holes. Stock `safetensors` opens every file written here.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/filesystem.h"
+
+namespace ckpt::persist {
+
+// Bytes per element of a safetensors dtype ("F32" -> 4); InvalidArgument for unknown ones.
+absl::StatusOr<size_t> DTypeSize(const std::string& dtype);
+
+// Checks that nbytes == prod(shape) * itemsize(dtype) and that no dimension is negative.
+absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
+                              const std::vector<int64_t>& shape, uint64_t nbytes);
+
+struct TensorEntry {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0;  // offsets within the data region
+  uint64_t end = 0;
+};
+
+struct SafetensorsHeader {
+  std::vector<TensorEntry> tensors;  // in data order
+  std::map<std::string, std::string> metadata;
+  uint64_t data_start = 0;  // file offset of the data region (8 + N)
+  uint64_t data_bytes = 0;
+};
+
+// The 8-byte prefix plus the padded JSON header for `tensors` (which must be contiguous).
+std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
+                         const std::map<std::string, std::string>& metadata);
+
+// Reads and validates the header of the open file `path` of `file_size` bytes: JSON shape,
+// known dtypes, sizes matching shapes, contiguous offsets covering the data region, and a
+// file that is neither truncated nor extended.
+absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t file_size,
+                                             const std::string& path);
+
+}  // namespace ckpt::persist

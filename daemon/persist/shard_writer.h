@@ -1,0 +1,46 @@
+// Writes one rank's staged snapshot as a safetensors shard. The interface is what the
+// persist stage depends on; LocalFsShardWriter implements it over an injectable Filesystem.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/filesystem.h"
+#include "daemon/persist/safetensors.h"
+
+namespace ckpt::persist {
+
+// A staged snapshot: `data` holds every entry back to back, exactly the shard's data region.
+struct StagedShard {
+  uint32_t rank = 0;
+  const char* data = nullptr;  // owned by the caller's staging block for the call's duration
+  uint64_t data_bytes = 0;
+  std::vector<TensorEntry> entries;  // tensors and train-state blobs, contiguous, in order
+  std::map<std::string, std::string> metadata;
+};
+
+struct WrittenShard {
+  std::string file;  // name within the step directory
+  uint64_t bytes = 0;
+  std::map<std::string, std::string> checksums;  // entry name -> "xxh3:..."
+};
+
+class ShardWriter {
+ public:
+  virtual ~ShardWriter() = default;
+  // Writes `shard` into `dir` and makes it durable (fsync) before returning.
+  virtual absl::StatusOr<WrittenShard> Write(const StagedShard& shard, const std::string& dir) = 0;
+};
+
+using ShardWriterPtr = std::unique_ptr<ShardWriter>;
+
+ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs);
+
+// "rank-00003.safetensors"
+std::string ShardFileName(uint32_t rank);
+
+}  // namespace ckpt::persist

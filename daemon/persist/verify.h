@@ -1,0 +1,24 @@
+// Full verification of a committed checkpoint: every shard's size and header, and every
+// tensor and train-state entry against the manifest's dtype, shape, offsets and checksum.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/persist/checkpoint_store.h"
+
+namespace ckpt::persist {
+
+struct VerifyReport {
+  bool ok() const { return problems.empty(); }
+  std::vector<std::string> problems;  // each names the file and, where known, the tensor
+  uint64_t bytes_checked = 0;
+};
+
+// Errors only when the manifest itself cannot be read; damage is reported in the report.
+absl::StatusOr<VerifyReport> VerifyCheckpoint(CheckpointStore& store, const std::string& job,
+                                              uint64_t step);
+
+}  // namespace ckpt::persist
