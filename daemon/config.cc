@@ -1,0 +1,153 @@
+#include "daemon/config.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cctype>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+
+namespace ckpt::daemon {
+
+absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
+  size_t pos = 0;
+  uint64_t value = 0;
+  while (pos < text.size() && std::isdigit(static_cast<unsigned char>(text[pos]))) {
+    if (value > (UINT64_MAX - 9) / 10) return absl::InvalidArgumentError("byte count too large");
+    value = value * 10 + static_cast<uint64_t>(text[pos++] - '0');
+  }
+  if (pos == 0) return absl::InvalidArgumentError(fmt::format("\"{}\" is not a byte count", text));
+  std::string suffix = text.substr(pos);
+  int shift = 0;
+  if (suffix.empty() || suffix == "B") {
+    shift = 0;
+  } else if (suffix == "K" || suffix == "KiB") {
+    shift = 10;
+  } else if (suffix == "M" || suffix == "MiB") {
+    shift = 20;
+  } else if (suffix == "G" || suffix == "GiB") {
+    shift = 30;
+  } else if (suffix == "T" || suffix == "TiB") {
+    shift = 40;
+  } else {
+    return absl::InvalidArgumentError(
+        fmt::format("\"{}\": unknown size suffix \"{}\" (use K, M, G or T)", text, suffix));
+  }
+  if (shift > 0 && value > (UINT64_MAX >> shift)) {
+    return absl::InvalidArgumentError(fmt::format("\"{}\" is too large", text));
+  }
+  return value << shift;
+}
+
+std::string Config::ToJson() const {
+  nlohmann::json j = {{"root", root},
+                      {"socket", socket},
+                      {"admin_addr", admin_addr},
+                      {"admin_allow_remote", admin_allow_remote},
+                      {"staging_bytes", staging_bytes},
+                      {"prefault_staging", prefault_staging},
+                      {"keep_last", keep_last},
+                      {"keep_every", keep_every},
+                      {"io_threads", io_threads},
+                      {"copy_threads", copy_threads},
+                      {"when_busy", when_busy == WhenBusy::kSkip ? "skip" : "wait"},
+                      {"busy_wait_ms", busy_wait_ms},
+                      {"shutdown_timeout_ms", shutdown_timeout_ms},
+                      {"allow_uids", allow_uids},
+                      {"log_level", log_level},
+                      {"version", kVersion}};
+  return j.dump();
+}
+
+ParseResult ParseFlags(int argc, char** argv) {
+  ParseResult result;
+  Config& c = result.config;
+  CLI::App app{"ckptd: per-node checkpoint daemon for GPU training"};
+  std::string staging = "4G";
+  std::string when_busy = "skip";
+  app.add_option("--root", c.root, "checkpoint root directory")->capture_default_str();
+  app.add_option("--socket", c.socket, "Unix socket for trainers and ckptctl (mode 0660)")
+      ->capture_default_str();
+  app.add_option("--admin-addr", c.admin_addr, "also serve the admin API on HOST:PORT (loopback)");
+  app.add_flag("--admin-allow-remote", c.admin_allow_remote,
+               "allow a non-loopback --admin-addr (unauthenticated: use a firewall)");
+  app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")->capture_default_str();
+  app.add_option("--prefault-staging", c.prefault_staging, "touch staging memory at start")
+      ->capture_default_str();
+  app.add_option("--keep-last", c.keep_last, "keep the newest K checkpoints (0: all)")
+      ->capture_default_str();
+  app.add_option("--keep-every", c.keep_every, "also keep every step divisible by N (0: off)")
+      ->capture_default_str();
+  app.add_option("--io-threads", c.io_threads, "threads writing shards")->capture_default_str();
+  app.add_option("--copy-threads", c.copy_threads, "threads of the host copy engine")
+      ->capture_default_str();
+  app.add_option("--when-busy", when_busy,
+                 "staging memory full: skip the snapshot (reported on its ticket) or wait")
+      ->check(CLI::IsMember({"skip", "wait"}))
+      ->capture_default_str();
+  app.add_option("--busy-wait-ms", c.busy_wait_ms, "longest wait with --when-busy=wait")
+      ->capture_default_str();
+  app.add_option("--shutdown-timeout-ms", c.shutdown_timeout_ms,
+                 "on SIGTERM, how long to let in-flight writes finish")
+      ->capture_default_str();
+  app.add_option("--allow-uid", c.allow_uids,
+                 "uids allowed to connect besides the daemon's own and root");
+  app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
+      ->capture_default_str();
+  app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");
+  app.set_version_flag("--version", kVersion);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    result.exit = true;
+    result.exit_code = e.get_exit_code();
+    std::ostringstream out, err;
+    app.exit(e, out, err);
+    result.message = out.str() + err.str();
+    return result;
+  }
+  auto bytes = ParseBytes(staging);
+  if (!bytes.ok()) {
+    result.exit = true;
+    result.exit_code = 2;
+    result.message = fmt::format("--staging-bytes: {}\n", std::string(bytes.status().message()));
+    return result;
+  }
+  c.staging_bytes = *bytes;
+  c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
+  return result;
+}
+
+absl::Status Validate(const Config& c) {
+  auto bad = [](const std::string& m) { return absl::InvalidArgumentError(m); };
+  if (c.root.empty()) return bad("--root must not be empty");
+  if (c.socket.empty()) return bad("--socket must not be empty");
+  if (c.socket.size() > 100) return bad("--socket path is longer than a Unix socket allows (100)");
+  if (c.staging_bytes < (1u << 20)) return bad("--staging-bytes must be at least 1M");
+  if (c.io_threads < 1 || c.io_threads > 256) return bad("--io-threads must be 1..256");
+  if (c.copy_threads < 1 || c.copy_threads > 256) return bad("--copy-threads must be 1..256");
+  if (!c.admin_addr.empty()) {
+    auto colon = c.admin_addr.rfind(':');
+    if (colon == std::string::npos || colon + 1 == c.admin_addr.size()) {
+      return bad(fmt::format("--admin-addr \"{}\" is not HOST:PORT", c.admin_addr));
+    }
+    std::string host = c.admin_addr.substr(0, colon);
+    bool loopback = host == "localhost" || host == "127.0.0.1" || host == "[::1]" ||
+                    host.rfind("127.", 0) == 0;
+    if (!loopback && !c.admin_allow_remote) {
+      return bad(fmt::format(
+          "--admin-addr {} is not a loopback address; add --admin-allow-remote to expose the "
+          "admin API beyond this host",
+          c.admin_addr));
+    }
+  }
+  spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);
+  if (level == spdlog::level::off && c.log_level != "off") {
+    return bad(fmt::format("--log-level \"{}\" is not one of trace, debug, info, warn, error",
+                           c.log_level));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,54 @@
+// ckptd's one typed configuration: parsed from flags once, validated once
+// (`ckptd --check-config`), logged at start and returned by `ckptctl status`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::daemon {
+
+enum class WhenBusy { kSkip, kWait };
+
+struct Config {
+  std::string root = "/var/lib/ckptd";
+  std::string socket = "/run/ckptd/ckptd.sock";
+  std::string admin_addr;              // empty: admin only on the Unix socket
+  bool admin_allow_remote = false;     // allow a non-loopback --admin-addr
+  uint64_t staging_bytes = 4ull << 30;
+  bool prefault_staging = true;
+  uint32_t keep_last = 3;              // 0 keeps everything
+  uint64_t keep_every = 0;
+  int io_threads = 2;
+  int copy_threads = 2;
+  WhenBusy when_busy = WhenBusy::kSkip;
+  uint32_t busy_wait_ms = 30000;
+  uint32_t shutdown_timeout_ms = 30000;
+  std::vector<uint32_t> allow_uids;    // beside the daemon's own uid and root
+  std::string log_level = "info";
+  bool check_config = false;
+
+  std::string ToJson() const;
+};
+
+// Parses argv (CLI11). Returns the config, or an error whose message is the usage text or
+// the problem; `exit_code` is set when the process should exit (help, version, errors).
+struct ParseResult {
+  Config config;
+  bool exit = false;
+  int exit_code = 0;
+  std::string message;
+};
+ParseResult ParseFlags(int argc, char** argv);
+
+// Checks ranges and combinations; the message names the flag.
+absl::Status Validate(const Config& config);
+
+// "4G" -> 4 GiB, "512M", "1048576"; InvalidArgument otherwise.
+absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
+
+inline constexpr char kVersion[] = "0.1.0";
+
+}  // namespace ckpt::daemon

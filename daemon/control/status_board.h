@@ -1,0 +1,32 @@
+// Counters and recent errors that every stage reports into and `ckptctl status` reads.
+// Counters are atomics; the error list is a small ring under a mutex (never held while
+// calling out).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace ckpt::daemon {
+
+class StatusBoard {
+ public:
+  std::atomic<uint64_t> snapshots_staged{0};
+  std::atomic<uint64_t> snapshots_rejected{0};
+  std::atomic<uint64_t> checkpoints_committed{0};
+  std::atomic<uint64_t> checkpoints_failed{0};
+  std::atomic<uint64_t> bytes_persisted{0};
+
+  void RecordError(std::string message);
+  std::vector<std::string> RecentErrors() const;
+
+ private:
+  static constexpr size_t kMaxErrors = 32;
+  mutable std::mutex mu_;
+  std::deque<std::string> errors_;
+};
+
+}  // namespace ckpt::daemon

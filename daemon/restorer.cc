@@ -1,0 +1,160 @@
+#include "daemon/restorer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/persist/shard_reader.h"
+
+namespace ckpt::daemon {
+namespace {
+
+std::string ListSome(const std::vector<std::string>& names) {
+  std::vector<std::string> shown(names.begin(), names.begin() + std::min<size_t>(names.size(), 5));
+  return fmt::format("{}{}", fmt::join(shown, ", "), names.size() > 5 ? ", ..." : "");
+}
+
+absl::Status CheckSameLayout(const RegisteredTensor& t, const std::string& dtype,
+                             const std::vector<int64_t>& shape, uint64_t step) {
+  if (t.dtype != dtype || t.shape != shape) {
+    return absl::FailedPreconditionError(fmt::format(
+        "tensor {}: registered as {} [{}] but checkpoint step {} holds {} [{}]", t.name, t.dtype,
+        fmt::join(t.shape, ", "), step, dtype, fmt::join(shape, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckSameNames(const std::vector<RegisteredTensor>& registered,
+                            const std::vector<std::string>& stored, uint64_t step) {
+  std::set<std::string> have(stored.begin(), stored.end());
+  std::set<std::string> want;
+  std::vector<std::string> missing, unexpected;
+  for (const RegisteredTensor& t : registered) {
+    want.insert(t.name);
+    if (!have.count(t.name)) missing.push_back(t.name);
+  }
+  for (const std::string& name : stored) {
+    if (!want.count(name)) unexpected.push_back(name);
+  }
+  if (missing.empty() && unexpected.empty()) return absl::OkStatus();
+  std::string message = fmt::format("checkpoint step {} does not match the registered tensors:", step);
+  if (!missing.empty()) {
+    message += fmt::format(" {} registered but not in the checkpoint ({});", missing.size(),
+                           ListSome(missing));
+  }
+  if (!unexpected.empty()) {
+    message += fmt::format(" {} in the checkpoint but not registered ({});", unexpected.size(),
+                           ListSome(unexpected));
+  }
+  message.pop_back();
+  return absl::FailedPreconditionError(message);
+}
+
+absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
+                                                std::optional<uint64_t> step) {
+  RestoreResult result;
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(session.job));
+  if (!step) {
+    if (steps.empty()) return result;  // nothing to restore: a fresh start
+    step = steps.back();
+  } else if (!std::binary_search(steps.begin(), steps.end(), *step)) {
+    return absl::NotFoundError(
+        fmt::format("job {} has no committed checkpoint at step {}", session.job, *step));
+  }
+  Checkpointer::Pin pin(&checkpointer_, session.job, *step);
+  CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, *step));
+  if (manifest.world_size != session.world_size) {
+    return absl::FailedPreconditionError(fmt::format(
+        "checkpoint step {} of job {} was written by {} ranks; this trainer runs {} "
+        "(restoring across world sizes is not supported yet)",
+        *step, session.job, manifest.world_size, session.world_size));
+  }
+  result.found = true;
+  result.step = *step;
+  if (StagedSnapshotPtr hot = checkpointer_.FindHot(session.job, session.rank, *step)) {
+    result.source = RestoreResult::Source::kMemory;
+    CKPT_RETURN_IF_ERROR(FromMemory(session, *hot, result));
+  } else {
+    result.source = RestoreResult::Source::kDisk;
+    CKPT_RETURN_IF_ERROR(FromDisk(session, manifest, result));
+  }
+  log::Get(log::Component::kControl)
+      .info("[{}/r{} s{}] restored {} bytes from {}", session.job, session.rank, *step,
+            result.bytes, result.source == RestoreResult::Source::kMemory ? "memory" : "disk");
+  return result;
+}
+
+absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapshot& snap,
+                                  RestoreResult& result) {
+  std::map<std::string, const persist::TensorEntry*> entries;
+  std::vector<std::string> stored;
+  for (size_t i = 0; i < snap.tensor_count; ++i) {
+    entries[snap.shard.entries[i].name] = &snap.shard.entries[i];
+    stored.push_back(snap.shard.entries[i].name);
+  }
+  CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, snap.step));
+  std::vector<cuda::CopyRegion> regions;
+  for (const RegisteredTensor& t : *session.tensors) {
+    const persist::TensorEntry& e = *entries.at(t.name);
+    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
+    regions.push_back({t.data, snap.shard.data + e.begin, t.nbytes});
+    result.bytes += t.nbytes;
+  }
+  CKPT_RETURN_IF_ERROR(engine_.Copy(regions));
+  for (size_t i = snap.tensor_count; i < snap.shard.entries.size(); ++i) {
+    const persist::TensorEntry& e = snap.shard.entries[i];
+    result.train_state.push_back({snap.train_state_names[i - snap.tensor_count],
+                                  std::string(snap.shard.data + e.begin, e.end - e.begin)});
+  }
+  result.metadata = snap.shard.metadata;
+  return absl::OkStatus();
+}
+
+absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manifest& manifest,
+                                RestoreResult& result) {
+  const persist::ManifestShard& shard = manifest.shards.at(session.rank);
+  std::string path = store_.StepDir(manifest.job, manifest.step) + "/" + shard.file;
+  CKPT_ASSIGN_OR_RETURN(persist::ShardReaderPtr reader,
+                        persist::ShardReader::Open(store_.fs(), path, shard.bytes));
+  std::map<std::string, const persist::TensorShard*> mine;
+  std::vector<std::string> stored;
+  for (const auto& [name, tensor] : manifest.tensors) {
+    for (const persist::TensorShard& s : tensor.shards) {
+      if (s.rank == session.rank) {
+        mine[name] = &s;
+        stored.push_back(name);
+      }
+    }
+  }
+  CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, manifest.step));
+  for (const RegisteredTensor& t : *session.tensors) {
+    const persist::TensorShard& s = *mine.at(t.name);
+    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, manifest.tensors.at(t.name).dtype, s.shape, manifest.step));
+    const persist::TensorEntry* entry = reader->Find(t.name);
+    if (entry == nullptr || entry->begin != s.begin || entry->end != s.end) {
+      return absl::DataLossError(
+          fmt::format("tensor {} in {}: header disagrees with the manifest", t.name, path));
+    }
+    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, t.data, s.checksum));
+    result.bytes += t.nbytes;
+  }
+  for (const auto& [name, e] : shard.train_state) {
+    const persist::TensorEntry* entry = reader->Find(persist::TrainStateKey(name));
+    if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
+      return absl::DataLossError(
+          fmt::format("train state {} in {}: header disagrees with the manifest", name, path));
+    }
+    std::string data(e.end - e.begin, '\0');
+    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, data.data(), e.checksum));
+    result.train_state.push_back({name, std::move(data)});
+  }
+  result.metadata = shard.metadata;
+  return absl::OkStatus();
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,250 @@
+#include "daemon/session/session.h"
+
+#include <poll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <random>
+#include <set>
+
+#include "common/log.h"
+#include "common/names.h"
+#include "common/status.h"
+#include "daemon/persist/safetensors.h"
+#include "shm/futex.h"
+
+namespace ckpt::daemon {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kSession); }
+
+std::string RandomId() {
+  std::random_device rd;
+  std::uniform_int_distribution<uint64_t> dist;
+  std::mt19937_64 gen((static_cast<uint64_t>(rd()) << 32) ^ rd());
+  return fmt::format("{:016x}{:016x}", dist(gen), dist(gen));
+}
+
+absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
+  if (t.global_shape_size() == 0 && t.global_offset_size() == 0) return absl::OkStatus();
+  if (t.global_shape_size() != t.shape_size() || t.global_offset_size() != t.shape_size()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: global_shape and global_offset need one entry per dimension ({})", t.name(),
+        t.shape_size()));
+  }
+  for (int d = 0; d < t.shape_size(); ++d) {
+    if (t.global_offset(d) < 0 || t.global_shape(d) < 0 ||
+        t.global_offset(d) + t.shape(d) > t.global_shape(d)) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: dimension {} at offset {} with size {} does not fit global size {}",
+          t.name(), d, t.global_offset(d), t.shape(d), t.global_shape(d)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> OpenPidfd(int32_t pid) {
+  int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return ErrnoStatus(errno, fmt::format("pidfd_open({})", pid));
+  return UniqueFd(fd);
+}
+
+}  // namespace
+
+absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& req, const Limits& limits) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(req.job()));
+  if (req.world_size() < 1 || req.world_size() > 1'000'000) {
+    return absl::InvalidArgumentError(fmt::format("world size {} is out of range", req.world_size()));
+  }
+  if (req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("rank {} is not below world size {}", req.rank(), req.world_size()));
+  }
+  if (req.tensors_size() == 0) return absl::InvalidArgumentError("no tensors to register");
+  if (req.pid() <= 0) return absl::InvalidArgumentError(fmt::format("bad trainer pid {}", req.pid()));
+
+  SessionPtr s(new Session());
+  s->id_ = RandomId();
+  s->job_ = req.job();
+  s->rank_ = req.rank();
+  s->world_size_ = req.world_size();
+  s->pid_ = req.pid();
+  auto pidfd = OpenPidfd(req.pid());
+  if (pidfd.ok()) {
+    s->pidfd_ = std::move(*pidfd);
+  } else {
+    // Not in our PID namespace (a sidecar without shareProcessNamespace): the session ends
+    // on Unregister or when its control block is abandoned.
+    Log().warn("[{}/r{}] cannot watch trainer pid {}: {}", req.job(), req.rank(), req.pid(),
+               Message(pidfd.status()));
+  }
+
+  std::set<std::string> names;
+  for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
+    CKPT_RETURN_IF_ERROR(ValidateTensorName(t.name()));
+    if (!names.insert(t.name()).second) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} is registered twice", t.name()));
+    }
+    std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+    CKPT_RETURN_IF_ERROR(persist::CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
+    CKPT_RETURN_IF_ERROR(ValidatePlacement(t));
+    CKPT_RETURN_IF_ERROR(Annotate(ValidateShmName(t.shm_name()), fmt::format("tensor {}", t.name())));
+    auto it = s->arenas_.find(t.shm_name());
+    if (it == s->arenas_.end()) {
+      auto segment = shm::Segment::Open(t.shm_name());
+      if (!segment.ok()) return Annotate(segment.status(), fmt::format("tensor {}", t.name()));
+      uid_t owner = (*segment)->owner_uid();
+      bool allowed = owner == 0 || owner == limits.daemon_uid ||
+                     std::find(limits.allow_uids.begin(), limits.allow_uids.end(), owner) !=
+                         limits.allow_uids.end();
+      if (!allowed) {
+        return absl::PermissionDeniedError(fmt::format(
+            "tensor {}: shared memory {} is owned by uid {}, which is not allowed (--allow-uid)",
+            t.name(), t.shm_name(), owner));
+      }
+      it = s->arenas_.emplace(t.shm_name(), std::move(*segment)).first;
+    }
+    const shm::Segment& seg = *it->second;
+    if (t.offset() > seg.size() || t.nbytes() > seg.size() - t.offset()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: bytes [{}, {}) lie outside shared memory {} ({} bytes)", t.name(), t.offset(),
+          t.offset() + t.nbytes(), t.shm_name(), seg.size()));
+    }
+    RegisteredTensor rt;
+    rt.name = t.name();
+    rt.dtype = t.dtype();
+    rt.shape = std::move(shape);
+    rt.nbytes = t.nbytes();
+    rt.data = static_cast<char*>(seg.data()) + t.offset();
+    rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
+    rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
+    s->registered_bytes_ += rt.nbytes;
+    s->tensors_.push_back(std::move(rt));
+  }
+  if (s->registered_bytes_ > limits.staging_bytes) {
+    return absl::FailedPreconditionError(fmt::format(
+        "rank {} registers {} bytes but the staging budget (--staging-bytes) is {} bytes",
+        req.rank(), s->registered_bytes_, limits.staging_bytes));
+  }
+
+  std::string control_name = fmt::format("/ckptd-ctl.{}.{}", ::getpid(), s->id_);
+  CKPT_ASSIGN_OR_RETURN(s->control_, shm::Segment::Create(control_name, shm::kControlBlockBytes,
+                                                          0660, /*unlink_on_destroy=*/true));
+  // The trainer maps the control block read-write: give it to the arena's owner.
+  uid_t trainer_uid = s->arenas_.begin()->second->owner_uid();
+  if (::geteuid() == 0 && trainer_uid != 0) {
+    std::string path = "/dev/shm" + control_name;
+    if (::chown(path.c_str(), trainer_uid, static_cast<gid_t>(-1)) != 0) {
+      Log().warn("chown {} to uid {}: {}", path, trainer_uid, std::strerror(errno));
+    }
+  }
+  shm::InitializeControlBlock(s->control_->data(), ::getpid(), req.pid());
+  s->control_block_ = static_cast<shm::ControlBlock*>(s->control_->data());
+  s->consumer_ = std::make_unique<shm::CommandConsumer>(s->control_block_);
+  return s;
+}
+
+Session::~Session() {
+  if (thread_.joinable()) {
+    if (thread_.get_id() == std::this_thread::get_id()) {
+      thread_.detach();  // the loop has already returned
+    } else {
+      Stop();
+    }
+  }
+}
+
+void Session::Start(Stager& stager, Checkpointer& checkpointer, StatusBoard& board) {
+  thread_ = std::thread([this, &stager, &checkpointer, &board] {
+    CommandLoop(stager, checkpointer, board);
+  });
+}
+
+void Session::Stop() {
+  stop_ = true;
+  if (consumer_) consumer_->Close();
+  shm::FutexWakeAll(&control_block_->doorbell);
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  ended_ = true;
+}
+
+bool Session::PollTrainerAlive() {
+  if (!pidfd_.valid()) return true;
+  struct pollfd p = {pidfd_.get(), POLLIN, 0};
+  return ::poll(&p, 1, 0) == 0;  // readable once the process has exited
+}
+
+void Session::CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoard& board) {
+  while (!stop_) {
+    consumer_->Heartbeat();
+    if (!PollTrainerAlive()) {
+      trainer_alive_ = false;
+      Log().info("[{}/r{}] trainer pid {} exited; session ends", job_, rank_, pid_);
+      break;
+    }
+    std::optional<shm::Command> command = consumer_->Next(std::chrono::milliseconds(100));
+    if (command) HandleSnapshot(std::move(*command), stager, checkpointer, board);
+  }
+  consumer_->Close();
+  ended_ = true;
+}
+
+void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer& checkpointer,
+                             StatusBoard& board) {
+  auto reject = [&](shm::TicketStateValue state, const std::string& why) {
+    Log().warn("[{}/r{} s{}] snapshot {}: {}", job_, rank_, command.step,
+               state == shm::kTicketRejected ? "rejected" : "failed", why);
+    board.snapshots_rejected++;
+    board.RecordError(fmt::format("[{}/r{} s{}] {}", job_, rank_, command.step, why));
+    SetTicketState(command.ticket, state, why);
+  };
+  if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  uint64_t last = last_staged_step_.load();
+  if (last != 0 && command.step <= last) {
+    return reject(shm::kTicketRejected,
+                  fmt::format("step {} is not after this session's last snapshot (step {})",
+                              command.step, last));
+  }
+  absl::StatusOr<StagedSnapshotPtr> staged;
+  {
+    std::lock_guard lock(data_mu_);
+    staged = stager.Stage(view(), command.step, std::move(*command.payload));
+  }
+  if (!staged.ok()) {
+    bool busy = absl::IsResourceExhausted(staged.status());
+    return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()));
+  }
+  (*staged)->sink = weak_from_this();
+  (*staged)->ticket = command.ticket;
+  {
+    std::lock_guard lock(ticket_mu_);
+    ticket_steps_[command.ticket] = command.step;
+    while (ticket_steps_.size() > shm::kTicketSlots) ticket_steps_.erase(ticket_steps_.begin());
+  }
+  last_staged_step_ = command.step;
+  board.snapshots_staged++;
+  SetTicketState(command.ticket, shm::kTicketStaged);
+  Log().debug("[{}/r{} s{}] staged ({} bytes)", job_, rank_, command.step, (*staged)->shard.data_bytes);
+  checkpointer.Submit(std::move(*staged));
+}
+
+absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {
+  std::lock_guard lock(rpc_mu_);
+  return producer().PublishSnapshot(step, payload);
+}
+
+void Session::SetTicketState(uint64_t ticket, shm::TicketStateValue state, std::string_view error) {
+  std::lock_guard lock(ticket_mu_);
+  if (state == shm::kTicketCommitted) {
+    auto it = ticket_steps_.find(ticket);
+    if (it != ticket_steps_.end() && it->second > last_committed_step_) {
+      last_committed_step_ = it->second;
+    }
+  }
+  consumer_->SetTicketState(ticket, state, error);
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,101 @@
+// One trainer rank's session: the buffers it registered (mapped from its shared-memory
+// arenas), its control block, and the thread that takes its snapshot commands. The session
+// watches its trainer (pidfd) and ends when the trainer exits; snapshots already staged
+// are still written and committed.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/unique_fd.h"
+#include "daemon/control/status_board.h"
+#include "daemon/staging/stager.h"
+#include "proto/trainer.pb.h"
+#include "shm/command_ring.h"
+#include "shm/segment.h"
+
+namespace ckpt::daemon {
+
+class Session final : public TicketSink, public std::enable_shared_from_this<Session> {
+ public:
+  struct Limits {
+    uint64_t staging_bytes = 0;  // registrations larger than the budget are refused
+    uid_t daemon_uid = 0;
+    std::vector<uint32_t> allow_uids;
+  };
+
+  // Validates the request, maps the trainer's arenas and creates the control block.
+  static absl::StatusOr<std::shared_ptr<Session>> Create(const ::ckptd::v1::RegisterRequest& request,
+                                                         const Limits& limits);
+  ~Session() override;
+
+  // Starts the command thread.
+  void Start(Stager& stager, Checkpointer& checkpointer, StatusBoard& board);
+  // Closes the control block (waking trainer waiters) and joins the command thread.
+  void Stop();
+
+  const std::string& id() const { return id_; }
+  const std::string& job() const { return job_; }
+  uint32_t rank() const { return rank_; }
+  uint32_t world_size() const { return world_size_; }
+  int32_t pid() const { return pid_; }
+  const std::string& control_name() const { return control_->name(); }
+  uint64_t registered_bytes() const { return registered_bytes_; }
+  const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
+  SessionView view() const { return {job_, rank_, world_size_, &tensors_}; }
+  bool trainer_alive() const { return trainer_alive_.load(); }
+  bool ended() const { return ended_.load(); }
+  uint64_t last_staged_step() const { return last_staged_step_.load(); }
+  uint64_t last_committed_step() const { return last_committed_step_.load(); }
+
+  // The RPC path of a snapshot: publishes into this session's ring as the trainer would.
+  absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload);
+  shm::CommandProducer producer() const { return shm::CommandProducer(control_block_); }
+
+  void SetTicketState(uint64_t ticket, shm::TicketStateValue state,
+                      std::string_view error = {}) override;
+
+  // Serialises restores with snapshots of this session.
+  std::mutex& data_mutex() { return data_mu_; }
+
+ private:
+  Session() = default;
+  void CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoard& board);
+  void HandleSnapshot(shm::Command command, Stager& stager, Checkpointer& checkpointer,
+                      StatusBoard& board);
+  bool PollTrainerAlive();
+
+  std::string id_;
+  std::string job_;
+  uint32_t rank_ = 0;
+  uint32_t world_size_ = 0;
+  int32_t pid_ = 0;
+  UniqueFd pidfd_;
+  std::map<std::string, shm::SegmentPtr> arenas_;
+  std::vector<RegisteredTensor> tensors_;
+  uint64_t registered_bytes_ = 0;
+  shm::SegmentPtr control_;
+  shm::ControlBlock* control_block_ = nullptr;
+  std::mutex ticket_mu_;  // SetTicketState from I/O threads and the command thread
+  std::mutex rpc_mu_;     // RPC snapshots are a second producer: one at a time
+  std::mutex data_mu_;
+  std::unique_ptr<shm::CommandConsumer> consumer_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> ended_{false};
+  std::atomic<bool> trainer_alive_{true};
+  std::atomic<uint64_t> last_staged_step_{0};
+  std::atomic<uint64_t> last_committed_step_{0};
+  std::map<uint64_t, uint64_t> ticket_steps_;  // guarded by ticket_mu_
+};
+
+using SessionPtr = std::shared_ptr<Session>;
+
+}  // namespace ckpt::daemon

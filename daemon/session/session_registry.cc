@@ -1,0 +1,76 @@
+#include "daemon/session/session_registry.h"
+
+#include <fmt/format.h>
+
+namespace ckpt::daemon {
+
+std::vector<SessionPtr> SessionRegistry::ReapLocked() {
+  std::vector<SessionPtr> reaped;
+  for (auto it = sessions_.begin(); it != sessions_.end();) {
+    if (it->second->ended()) {
+      reaped.push_back(std::move(it->second));
+      it = sessions_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return reaped;
+}
+
+absl::Status SessionRegistry::Add(SessionPtr session) {
+  std::vector<SessionPtr> reaped;
+  std::lock_guard lock(mu_);
+  reaped = ReapLocked();
+  for (const auto& [id, other] : sessions_) {
+    if (other->job() == session->job() && other->rank() == session->rank()) {
+      return absl::AlreadyExistsError(fmt::format(
+          "rank {} of job {} is already registered by pid {} (session {})", session->rank(),
+          session->job(), other->pid(), id));
+    }
+  }
+  sessions_[session->id()] = std::move(session);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionPtr> SessionRegistry::Find(const std::string& id) const {
+  std::lock_guard lock(mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->ended()) {
+    return absl::NotFoundError(fmt::format("unknown session \"{}\" (never registered, or ended)",
+                                           id.substr(0, 64)));
+  }
+  return it->second;
+}
+
+absl::Status SessionRegistry::Remove(const std::string& id) {
+  SessionPtr session;
+  {
+    std::lock_guard lock(mu_);
+    auto it = sessions_.find(id);
+    if (it == sessions_.end()) {
+      return absl::NotFoundError(fmt::format("unknown session \"{}\"", id.substr(0, 64)));
+    }
+    session = std::move(it->second);
+    sessions_.erase(it);
+  }
+  session->Stop();
+  return absl::OkStatus();
+}
+
+std::vector<SessionPtr> SessionRegistry::All() const {
+  std::lock_guard lock(mu_);
+  std::vector<SessionPtr> all;
+  for (const auto& [id, s] : sessions_) all.push_back(s);
+  return all;
+}
+
+void SessionRegistry::Clear() {
+  std::map<std::string, SessionPtr> sessions;
+  {
+    std::lock_guard lock(mu_);
+    sessions.swap(sessions_);
+  }
+  for (auto& [id, s] : sessions) s->Stop();
+}
+
+}  // namespace ckpt::daemon

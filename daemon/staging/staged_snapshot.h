@@ -1,0 +1,47 @@
+// A snapshot that has been copied into staging memory: everything the persist stage needs
+// to write and commit it, and what hot restore reads back.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cuda/staging_pool.h"
+#include "daemon/persist/shard_writer.h"
+#include "shm/layout.h"
+
+namespace ckpt::daemon {
+
+// Where ticket updates go: the session that took the snapshot. Held weakly, so a trainer
+// that died after "staged" still has its checkpoint committed.
+class TicketSink {
+ public:
+  virtual ~TicketSink() = default;
+  virtual void SetTicketState(uint64_t ticket, shm::TicketStateValue state,
+                              std::string_view error = {}) = 0;
+};
+
+struct TensorPlacement {
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> offset;
+};
+
+struct StagedSnapshot {
+  std::string job;
+  uint64_t step = 0;
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  cuda::StagingBlockPtr block;
+  persist::StagedShard shard;  // entries: tensors first, then train-state blobs
+  size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
+  std::vector<TensorPlacement> placements;  // per tensor entry
+  std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
+  std::weak_ptr<TicketSink> sink;
+  uint64_t ticket = 0;
+};
+
+using StagedSnapshotPtr = std::shared_ptr<StagedSnapshot>;
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,60 @@
+// Copies a session's registered buffers (and the snapshot's train-state blobs) into one
+// staging block laid out exactly as the shard's data region, so that the writer can
+// stream it to disk in one pass and hot restore can copy straight back.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "cuda/copy_engine.h"
+#include "cuda/staging_pool.h"
+#include "daemon/checkpointer.h"
+#include "daemon/config.h"
+#include "shm/payload.h"
+
+namespace ckpt::daemon {
+
+// A buffer a trainer registered, as the daemon sees it (mapped into the daemon).
+struct RegisteredTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t nbytes = 0;
+  char* data = nullptr;  // inside a segment the owning session keeps mapped
+  TensorPlacement placement;
+};
+
+// What the stager and restorer need to know about a session.
+struct SessionView {
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t world_size = 0;
+  const std::vector<RegisteredTensor>* tensors = nullptr;
+};
+
+class Stager {
+ public:
+  Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, Checkpointer& checkpointer,
+         WhenBusy when_busy, std::chrono::milliseconds busy_wait)
+      : pool_(pool), engine_(engine), checkpointer_(checkpointer), when_busy_(when_busy),
+        busy_wait_(busy_wait) {}
+
+  // ResourceExhausted when staging memory cannot be had under the --when-busy policy.
+  absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
+                                          shm::SnapshotPayload payload);
+
+ private:
+  absl::StatusOr<cuda::StagingBlockPtr> Reserve(size_t bytes, const std::string& context);
+
+  cuda::StagingPool& pool_;
+  cuda::CopyEngine& engine_;
+  Checkpointer& checkpointer_;
+  const WhenBusy when_busy_;
+  const std::chrono::milliseconds busy_wait_;
+};
+
+}  // namespace ckpt::daemon
