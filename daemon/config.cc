@@ -55,6 +55,7 @@ std::string Config::ToJson() const {
                       {"busy_wait_ms", busy_wait_ms},
                       {"shutdown_timeout_ms", shutdown_timeout_ms},
                       {"allow_uids", allow_uids},
+                      {"allow_gids", allow_gids},
                       {"log_level", log_level},
                       {"version", kVersion}};
   return j.dump();
@@ -93,6 +94,8 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--allow-uid", c.allow_uids,
                  "uids allowed to connect besides the daemon's own and root");
+  app.add_option("--allow-gid", c.allow_gids,
+                 "gids allowed to connect besides the daemon's own");
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");

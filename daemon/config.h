@@ -27,6 +27,7 @@ struct Config {
   uint32_t busy_wait_ms = 30000;
   uint32_t shutdown_timeout_ms = 30000;
   std::vector<uint32_t> allow_uids;    // beside the daemon's own uid and root
+  std::vector<uint32_t> allow_gids;    // beside the daemon's own gid
   std::string log_level = "info";
   bool check_config = false;
 

@@ -1,0 +1,127 @@
+#include "daemon/control/admin_service.h"
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/names.h"
+#include "common/status.h"
+#include "daemon/control/grpc_status.h"
+#include "daemon/persist/manifest.h"
+#include "daemon/persist/verify.h"
+
+namespace ckpt::daemon {
+
+using namespace ::ckptd::v1;
+
+grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, StatusReply* reply) {
+  return Guarded("Status", [&]() -> absl::Status {
+    reply->set_version(kVersion);
+    reply->set_root(config_.root);
+    reply->set_uptime_s(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    reply->set_config_json(config_.ToJson());
+    reply->set_staging_bytes_total(pool_.capacity());
+    reply->set_staging_bytes_used(pool_.used());
+    for (const SessionPtr& s : sessions_.All()) {
+      SessionStatus* out = reply->add_sessions();
+      out->set_session_id(s->id());
+      out->set_job(s->job());
+      out->set_rank(s->rank());
+      out->set_world_size(s->world_size());
+      out->set_pid(s->pid());
+      out->set_tensors(static_cast<uint32_t>(s->tensors().size()));
+      out->set_bytes(s->registered_bytes());
+      out->set_last_staged_step(s->last_staged_step());
+      out->set_last_committed_step(s->last_committed_step());
+      out->set_trainer_alive(s->trainer_alive() && !s->ended());
+    }
+    auto view = checkpointer_.View();
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, store_.ListJobs());
+    for (const auto& [job, v] : view) {
+      if (std::find(jobs.begin(), jobs.end(), job) == jobs.end()) jobs.push_back(job);
+    }
+    for (const std::string& job : jobs) {
+      JobStatus* out = reply->add_jobs();
+      out->set_job(job);
+      auto steps = store_.ListSteps(job);
+      if (steps.ok() && !steps->empty()) {
+        out->set_has_committed(true);
+        out->set_latest_committed_step(steps->back());
+      }
+      if (auto it = view.find(job); it != view.end()) {
+        for (uint64_t s : it->second.pending_steps) out->add_pending_steps(s);
+        for (uint64_t s : it->second.hot_steps) out->add_hot_steps(s);
+      }
+    }
+    for (std::string& e : board_.RecentErrors()) reply->add_recent_errors(std::move(e));
+    reply->set_snapshots_staged(board_.snapshots_staged);
+    reply->set_snapshots_rejected(board_.snapshots_rejected);
+    reply->set_checkpoints_committed(board_.checkpoints_committed);
+    reply->set_checkpoints_failed(board_.checkpoints_failed);
+    reply->set_bytes_persisted(board_.bytes_persisted);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request, ListReply* reply) {
+  return Guarded("List", [&]() -> absl::Status {
+    std::vector<std::string> jobs;
+    if (request->job().empty()) {
+      CKPT_ASSIGN_OR_RETURN(jobs, store_.ListJobs());
+    } else {
+      CKPT_RETURN_IF_ERROR(ValidateJobName(request->job()));
+      jobs.push_back(request->job());
+    }
+    for (const std::string& job : jobs) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(job));
+      for (uint64_t step : steps) {
+        CheckpointInfo* info = reply->add_checkpoints();
+        info->set_job(job);
+        info->set_step(step);
+        auto manifest = store_.LoadManifest(job, step);
+        if (!manifest.ok()) continue;  // listed; `verify` explains what is wrong with it
+        info->set_world_size(manifest->world_size);
+        info->set_bytes(manifest->total_bytes());
+        info->set_unix_time(manifest->unix_time);
+        info->set_tensors(static_cast<uint32_t>(manifest->tensors.size()));
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AdminService::Show(grpc::ServerContext*, const CheckpointRef* request, ShowReply* reply) {
+  return Guarded("Show", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(persist::Manifest m, store_.LoadManifest(request->job(), request->step()));
+    reply->set_manifest_json(persist::ManifestToJson(m));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* request,
+                                  VerifyReply* reply) {
+  return Guarded("Verify", [&]() -> absl::Status {
+    Checkpointer::Pin pin(&checkpointer_, request->job(), request->step());
+    CKPT_ASSIGN_OR_RETURN(persist::VerifyReport report,
+                          persist::VerifyCheckpoint(store_, request->job(), request->step()));
+    reply->set_ok(report.ok());
+    reply->set_bytes_checked(report.bytes_checked);
+    for (const std::string& p : report.problems) reply->add_problems(p);
+    if (!report.ok()) {
+      board_.RecordError(fmt::format("[{} s{}] verify: {}", request->job(), request->step(),
+                                     report.problems.front()));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AdminService::Delete(grpc::ServerContext*, const CheckpointRef* request, DeleteReply*) {
+  return Guarded("Delete", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(store_.Delete(request->job(), request->step()));
+    log::Get(log::Component::kControl)
+        .info("[{} s{}] deleted by an operator", request->job(), request->step());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,11 @@
+#include "daemon/control/grpc_status.h"
+
+namespace ckpt::daemon {
+
+grpc::Status ToGrpc(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+}  // namespace ckpt::daemon

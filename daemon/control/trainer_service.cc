@@ -1,0 +1,101 @@
+#include "daemon/control/trainer_service.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/control/grpc_status.h"
+
+namespace ckpt::daemon {
+
+using namespace ::ckptd::v1;
+
+grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterRequest* request,
+                                      RegisterReply* reply) {
+  return Guarded("Register", [&]() -> absl::Status {
+    auto session = Session::Create(*request, limits_);
+    if (!session.ok()) {
+      log::Get(log::Component::kControl)
+          .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),
+                request->rank(), Message(session.status()));
+      return session.status();
+    }
+    SessionPtr s = std::move(*session);
+    s->Start(stager_, checkpointer_, board_);
+    if (absl::Status added = sessions_.Add(s); !added.ok()) {
+      s->Stop();
+      return added;
+    }
+    reply->set_session_id(s->id());
+    reply->set_control_shm(s->control_name());
+    reply->set_registered_bytes(s->registered_bytes());
+    log::Get(log::Component::kControl)
+        .info("[{}/r{}] registered pid {}: {} tensors, {} bytes (session {})", s->job(), s->rank(),
+              s->pid(), s->tensors().size(), s->registered_bytes(), s->id());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status TrainerService::Snapshot(grpc::ServerContext*, const SnapshotRequest* request,
+                                      SnapshotReply* reply) {
+  return Guarded("Snapshot", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    shm::SnapshotPayload payload;
+    payload.metadata.insert(request->metadata().begin(), request->metadata().end());
+    for (const Blob& b : request->train_state()) payload.train_state.push_back({b.name(), b.data()});
+    CKPT_ASSIGN_OR_RETURN(uint64_t ticket, s->PublishSnapshot(request->step(), payload));
+    reply->set_ticket(ticket);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status TrainerService::Wait(grpc::ServerContext*, const WaitRequest* request,
+                                  WaitReply* reply) {
+  return Guarded("Wait", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    auto timeout = std::chrono::milliseconds(std::min<uint32_t>(request->timeout_ms(), 600'000));
+    CKPT_ASSIGN_OR_RETURN(shm::TicketResult result,
+                          s->producer().Wait(request->ticket(), request->until_committed(), timeout,
+                                             std::chrono::milliseconds(5000)));
+    if (result.state == shm::kTicketUnknown) return absl::NotFoundError(result.error);
+    reply->set_state(static_cast<TicketState>(result.state));
+    reply->set_error(result.error);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status TrainerService::Restore(grpc::ServerContext*, const RestoreRequest* request,
+                                     RestoreReply* reply) {
+  return Guarded("Restore", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    std::optional<uint64_t> step;
+    if (request->has_step()) step = request->step();
+    std::lock_guard lock(s->data_mutex());
+    CKPT_ASSIGN_OR_RETURN(RestoreResult result, restorer_.Restore(s->view(), step));
+    reply->set_found(result.found);
+    reply->set_step(result.step);
+    reply->set_bytes(result.bytes);
+    reply->set_source(result.source == RestoreResult::Source::kMemory ? RESTORE_SOURCE_MEMORY
+                                                                       : RESTORE_SOURCE_DISK);
+    reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());
+    for (auto& blob : result.train_state) {
+      Blob* b = reply->add_train_state();
+      b->set_name(blob.name);
+      b->set_data(std::move(blob.data));
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status TrainerService::Unregister(grpc::ServerContext*, const UnregisterRequest* request,
+                                        UnregisterReply*) {
+  return Guarded("Unregister", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(sessions_.Remove(request->session_id()));
+    log::Get(log::Component::kControl).info("session {} unregistered", request->session_id());
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace ckpt::daemon

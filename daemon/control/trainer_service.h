@@ -1,0 +1,40 @@
+// gRPC Trainer service: registration, the RPC snapshot path, waits, restore.
+#pragma once
+
+#include "daemon/checkpointer.h"
+#include "daemon/control/status_board.h"
+#include "daemon/restorer.h"
+#include "daemon/session/session_registry.h"
+#include "daemon/staging/stager.h"
+#include "proto/trainer.grpc.pb.h"
+
+namespace ckpt::daemon {
+
+class TrainerService final : public ::ckptd::v1::Trainer::Service {
+ public:
+  TrainerService(SessionRegistry& sessions, Stager& stager, Checkpointer& checkpointer,
+                 Restorer& restorer, StatusBoard& board, Session::Limits limits)
+      : sessions_(sessions), stager_(stager), checkpointer_(checkpointer), restorer_(restorer),
+        board_(board), limits_(std::move(limits)) {}
+
+  grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
+                        ::ckptd::v1::RegisterReply* reply) override;
+  grpc::Status Snapshot(grpc::ServerContext*, const ::ckptd::v1::SnapshotRequest* request,
+                        ::ckptd::v1::SnapshotReply* reply) override;
+  grpc::Status Wait(grpc::ServerContext*, const ::ckptd::v1::WaitRequest* request,
+                    ::ckptd::v1::WaitReply* reply) override;
+  grpc::Status Restore(grpc::ServerContext*, const ::ckptd::v1::RestoreRequest* request,
+                       ::ckptd::v1::RestoreReply* reply) override;
+  grpc::Status Unregister(grpc::ServerContext*, const ::ckptd::v1::UnregisterRequest* request,
+                          ::ckptd::v1::UnregisterReply* reply) override;
+
+ private:
+  SessionRegistry& sessions_;
+  Stager& stager_;
+  Checkpointer& checkpointer_;
+  Restorer& restorer_;
+  StatusBoard& board_;
+  const Session::Limits limits_;
+};
+
+}  // namespace ckpt::daemon

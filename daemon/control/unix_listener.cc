@@ -1,0 +1,120 @@
+#include "daemon/control/unix_listener.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <grpcpp/server_posix.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "common/log.h"
+#include "common/status.h"
+
+namespace ckpt::daemon {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kControl); }
+
+sockaddr_un Address(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  return addr;
+}
+
+bool Contains(const std::vector<uint32_t>& v, uint32_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+}  // namespace
+
+bool PeerPolicy::Allows(uid_t uid, gid_t gid) const {
+  return uid == 0 || uid == daemon_uid || gid == daemon_gid || Contains(allow_uids, uid) ||
+         Contains(allow_gids, gid);
+}
+
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path) {
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
+  }
+  std::filesystem::path dir = std::filesystem::path(path).parent_path();
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return ErrnoStatus(ec.value(), fmt::format("create socket directory {}", dir.string()));
+  }
+  sockaddr_un addr = Address(path);
+  struct stat st;
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return absl::FailedPreconditionError(fmt::format("{} exists and is not a socket", path));
+    }
+    UniqueFd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (::connect(probe.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      return absl::AlreadyExistsError(
+          fmt::format("another ckptd is already listening on {}", path));
+    }
+    ::unlink(path.c_str());  // stale: its daemon is gone
+  }
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus(errno, "socket");
+  // The umask makes the socket 0660 from the instant it exists; chmod below makes it exact.
+  mode_t old_mask = ::umask(0117);
+  int rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  int bind_errno = errno;
+  ::umask(old_mask);
+  if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
+  ::chmod(path.c_str(), 0660);
+  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
+  return std::unique_ptr<UnixListener>(new UnixListener(path, std::move(fd)));
+}
+
+UnixListener::~UnixListener() {
+  Stop();
+  ::unlink(path_.c_str());
+}
+
+void UnixListener::Serve(grpc::Server* server, PeerPolicy policy) {
+  thread_ = std::thread([this, server, policy] { AcceptLoop(server, policy); });
+}
+
+void UnixListener::Stop() {
+  stopping_ = true;
+  if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);  // wakes accept()
+  if (thread_.joinable()) thread_.join();
+}
+
+void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy) {
+  while (!stopping_) {
+    int conn = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    if (conn < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (!stopping_) Log().error("accept on {}: {}", path_, std::strerror(errno));
+      if (errno == EMFILE || errno == ENFILE) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    ucred cred{};
+    socklen_t len = sizeof cred;
+    if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+        !policy.Allows(cred.uid, cred.gid)) {
+      Log().warn("refused connection from pid {} uid {} gid {}: not allowed (--allow-uid, "
+                 "--allow-gid)",
+                 cred.pid, cred.uid, cred.gid);
+      ::close(conn);
+      continue;
+    }
+    Log().debug("connection from pid {} uid {}", cred.pid, cred.uid);
+    grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns the fd from here
+  }
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,50 @@
+// The daemon's Unix socket. ckptd accepts connections itself so that it can check each
+// peer's credentials (SO_PEERCRED) before handing the connection to gRPC; the socket file
+// is created with mode 0660 so that filesystem permissions are the first gate.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/statusor.h"
+#include "common/unique_fd.h"
+
+namespace ckpt::daemon {
+
+struct PeerPolicy {
+  uid_t daemon_uid = 0;
+  gid_t daemon_gid = 0;
+  std::vector<uint32_t> allow_uids;
+  std::vector<uint32_t> allow_gids;
+  bool Allows(uid_t uid, gid_t gid) const;
+};
+
+class UnixListener {
+ public:
+  // Creates the socket's directory if needed, removes a stale socket file (refusing if a
+  // live daemon answers on it), binds and listens.
+  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
+  ~UnixListener();
+
+  // Accepts on a thread until Stop(); allowed peers are added to `server`.
+  void Serve(grpc::Server* server, PeerPolicy policy);
+  void Stop();
+
+ private:
+  UnixListener(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+  void AcceptLoop(grpc::Server* server, PeerPolicy policy);
+
+  std::string path_;
+  UniqueFd fd_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,48 @@
+// ckptd: per-node checkpoint daemon. See docs/operators.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/config.h"
+#include "daemon/server.h"
+
+int main(int argc, char** argv) {
+  using namespace ckpt;
+  daemon::ParseResult parsed = daemon::ParseFlags(argc, argv);
+  if (parsed.exit) {
+    std::fputs(parsed.message.c_str(), parsed.exit_code == 0 ? stdout : stderr);
+    return parsed.exit_code;
+  }
+  const daemon::Config& config = parsed.config;
+  if (absl::Status valid = daemon::Validate(config); !valid.ok()) {
+    std::cerr << "ckptd: invalid configuration: " << Message(valid) << "\n";
+    return 2;
+  }
+  if (config.check_config) {
+    std::cout << config.ToJson() << "\n";
+    return 0;
+  }
+  log::SetLevel(config.log_level);
+
+  // Signals are taken synchronously by this thread; every other thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+
+  auto server = daemon::Server::Start(config);
+  if (!server.ok()) {
+    log::Get(log::Component::kMain).critical("cannot start: {}", Message(server.status()));
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&signals, &sig);
+  log::Get(log::Component::kMain).info("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  (*server)->Shutdown();
+  return 0;
+}
