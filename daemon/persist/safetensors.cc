@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace ckpt::persist {
@@ -12,47 +13,7 @@ namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own limit
 
-const std::map<std::string, size_t>& DTypes() {
-  static const std::map<std::string, size_t> kSizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2},
-      {"U16", 2},  {"F16", 2}, {"BF16", 2}, {"I32", 4},    {"U32", 4},     {"F32", 4},
-      {"F64", 8},  {"I64", 8}, {"U64", 8}};
-  return kSizes;
-}
-
 }  // namespace
-
-absl::StatusOr<size_t> DTypeSize(const std::string& dtype) {
-  auto it = DTypes().find(dtype);
-  if (it == DTypes().end()) {
-    return absl::InvalidArgumentError(fmt::format("unknown dtype \"{}\"", dtype.substr(0, 32)));
-  }
-  return it->second;
-}
-
-absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
-                              const std::vector<int64_t>& shape, uint64_t nbytes) {
-  auto itemsize = DTypeSize(dtype);
-  if (!itemsize.ok()) return Annotate(itemsize.status(), fmt::format("tensor {}", name));
-  unsigned __int128 expected = *itemsize;
-  for (int64_t d : shape) {
-    if (d < 0) {
-      return absl::InvalidArgumentError(
-          fmt::format("tensor {}: negative dimension in shape [{}]", name, fmt::join(shape, ", ")));
-    }
-    expected *= static_cast<uint64_t>(d);
-    if (expected > (static_cast<unsigned __int128>(1) << 62)) {
-      return absl::InvalidArgumentError(fmt::format("tensor {}: shape too large", name));
-    }
-  }
-  if (expected != nbytes) {
-    return absl::InvalidArgumentError(fmt::format(
-        "tensor {}: size mismatch: {} [{}] needs {} bytes, buffer has {}", name, dtype,
-        fmt::join(shape, ", "), static_cast<uint64_t>(expected), nbytes));
-  }
-  return absl::OkStatus();
-}
-
 std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
                          const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();

@@ -10,16 +10,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/dtype.h"
 #include "common/filesystem.h"
 
 namespace ckpt::persist {
-
-// Bytes per element of a safetensors dtype ("F32" -> 4); InvalidArgument for unknown ones.
-absl::StatusOr<size_t> DTypeSize(const std::string& dtype);
-
-// Checks that nbytes == prod(shape) * itemsize(dtype) and that no dimension is negative.
-absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
-                              const std::vector<int64_t>& shape, uint64_t nbytes);
 
 struct TensorEntry {
   std::string name;

@@ -13,7 +13,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
-#include "daemon/persist/safetensors.h"
+#include "common/dtype.h"
 #include "shm/futex.h"
 
 namespace ckpt::daemon {
@@ -89,7 +89,7 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
       return absl::InvalidArgumentError(fmt::format("tensor {} is registered twice", t.name()));
     }
     std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
-    CKPT_RETURN_IF_ERROR(persist::CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
+    CKPT_RETURN_IF_ERROR(CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
     CKPT_RETURN_IF_ERROR(ValidatePlacement(t));
     CKPT_RETURN_IF_ERROR(Annotate(ValidateShmName(t.shm_name()), fmt::format("tensor {}", t.name())));
     auto it = s->arenas_.find(t.shm_name());

@@ -1,0 +1,235 @@
+#include "client/ckpt_client.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include <mutex>
+
+#include "common/status.h"
+#include "common/dtype.h"
+#include "proto/trainer.grpc.pb.h"
+#include "shm/arena.h"
+#include "shm/command_ring.h"
+#include "shm/segment.h"
+
+namespace ckpt {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, const std::string& what, const std::string& socket) {
+  if (s.ok()) return absl::OkStatus();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
+      s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    return absl::UnavailableError(
+        fmt::format("{}: cannot reach ckptd at {}: {}", what, socket, s.error_message()));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      fmt::format("{}: {}", what, s.error_message()));
+}
+
+TicketStatus ToTicketStatus(const shm::TicketResult& r) {
+  return {static_cast<TicketState>(r.state), r.error};
+}
+
+}  // namespace
+
+const char* ToString(TicketState state) {
+  switch (state) {
+    case TicketState::kPending: return "pending";
+    case TicketState::kStaged: return "staged";
+    case TicketState::kCommitted: return "committed";
+    case TicketState::kFailed: return "failed";
+    case TicketState::kRejected: return "rejected";
+    default: return "unknown";
+  }
+}
+
+struct Client::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
+  std::vector<shm::ArenaPtr> arenas;
+  shm::SegmentPtr control;
+  std::unique_ptr<shm::CommandProducer> producer;
+  std::mutex publish_mu;  // the ring has one producer
+
+  std::unique_ptr<grpc::ClientContext> Context() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout);
+    return ctx;
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Client::~Client() {
+  if (!session_id_.empty()) (void)Unregister();
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
+  if (options.world_size == 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(
+        fmt::format("rank {} is not below world size {}", options.rank, options.world_size));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = std::move(options);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  impl->channel = grpc::CreateCustomChannel("unix:" + impl->options.socket,
+                                            grpc::InsecureChannelCredentials(), args);
+  auto deadline = std::chrono::system_clock::now() + std::min(impl->options.rpc_timeout,
+                                                              std::chrono::milliseconds(5000));
+  if (!impl->channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(fmt::format(
+        "cannot reach ckptd at {} (is it running, and may this user use the socket?)",
+        impl->options.socket));
+  }
+  impl->stub = ::ckptd::v1::Trainer::NewStub(impl->channel);
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const std::string& dtype,
+                                               const std::vector<int64_t>& shape,
+                                               const std::vector<int64_t>& global_shape,
+                                               const std::vector<int64_t>& global_offset) {
+  if (!session_id_.empty()) {
+    return absl::FailedPreconditionError("AllocateTensor after Register(): register once, at the end");
+  }
+  CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(dtype));
+  size_t nbytes = itemsize;
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError(fmt::format("tensor {}: negative dimension", name));
+    nbytes *= static_cast<size_t>(d);
+  }
+  size_t alloc = std::max<size_t>(nbytes, 1);
+  absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
+  if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
+  if (!offset.ok()) {
+    CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena,
+                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096)));
+    impl_->arenas.push_back(std::move(arena));
+    CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
+  }
+  auto t = std::make_unique<Tensor>();
+  t->name = name;
+  t->dtype = dtype;
+  t->shape = shape;
+  t->data = impl_->arenas.back()->at(*offset);
+  t->nbytes = nbytes;
+  t->global_shape = global_shape;
+  t->global_offset = global_offset;
+  tensors_.push_back(std::move(t));
+  return tensors_.back().get();
+}
+
+absl::Status Client::Register() {
+  if (!session_id_.empty()) return absl::FailedPreconditionError("already registered");
+  ::ckptd::v1::RegisterRequest req;
+  req.set_job(impl_->options.job);
+  req.set_rank(impl_->options.rank);
+  req.set_world_size(impl_->options.world_size);
+  req.set_pid(::getpid());
+  for (const auto& t : tensors_) {
+    const shm::Arena* owner = nullptr;
+    for (const auto& a : impl_->arenas) {
+      char* base = static_cast<char*>(a->at(0));
+      if (static_cast<char*>(t->data) >= base && static_cast<char*>(t->data) < base + a->capacity()) {
+        owner = a.get();
+      }
+    }
+    ::ckptd::v1::TensorSpec* spec = req.add_tensors();
+    spec->set_name(t->name);
+    spec->set_dtype(t->dtype);
+    for (int64_t d : t->shape) spec->add_shape(d);
+    spec->set_shm_name(owner->name());
+    spec->set_offset(static_cast<uint64_t>(static_cast<char*>(t->data) - static_cast<char*>(owner->at(0))));
+    spec->set_nbytes(t->nbytes);
+    for (int64_t d : t->global_shape) spec->add_global_shape(d);
+    for (int64_t d : t->global_offset) spec->add_global_offset(d);
+  }
+  ::ckptd::v1::RegisterReply reply;
+  auto ctx = impl_->Context();
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",
+                                impl_->options.socket));
+  // The daemon has mapped the arenas: drop their names so nothing leaks if we crash.
+  for (auto& a : impl_->arenas) a->UnlinkName();
+  CKPT_ASSIGN_OR_RETURN(impl_->control, shm::Segment::Open(reply.control_shm()));
+  CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
+                        shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
+  impl_->producer = std::make_unique<shm::CommandProducer>(block);
+  session_id_ = reply.session_id();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadata,
+                                          const TrainState& train_state) {
+  if (!impl_->producer) return absl::FailedPreconditionError("Snapshot before Register()");
+  CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after));
+  shm::SnapshotPayload payload;
+  payload.metadata = metadata;
+  for (const auto& [name, data] : train_state) payload.train_state.push_back({name, data});
+  std::lock_guard lock(impl_->publish_mu);
+  return impl_->producer->PublishSnapshot(step, payload);
+}
+
+TicketStatus Client::Poll(uint64_t ticket) const {
+  if (!impl_->producer) return {TicketState::kUnknown, "not registered"};
+  return ToTicketStatus(impl_->producer->Poll(ticket));
+}
+
+absl::StatusOr<TicketStatus> Client::WaitStaged(uint64_t ticket, std::chrono::milliseconds timeout) {
+  if (!impl_->producer) return absl::FailedPreconditionError("WaitStaged before Register()");
+  CKPT_ASSIGN_OR_RETURN(shm::TicketResult r,
+                        impl_->producer->Wait(ticket, false, timeout, impl_->options.daemon_dead_after));
+  return ToTicketStatus(r);
+}
+
+absl::StatusOr<TicketStatus> Client::WaitCommitted(uint64_t ticket,
+                                                   std::chrono::milliseconds timeout) {
+  if (!impl_->producer) return absl::FailedPreconditionError("WaitCommitted before Register()");
+  CKPT_ASSIGN_OR_RETURN(shm::TicketResult r,
+                        impl_->producer->Wait(ticket, true, timeout, impl_->options.daemon_dead_after));
+  return ToTicketStatus(r);
+}
+
+absl::StatusOr<RestoreInfo> Client::Restore(std::optional<uint64_t> step) {
+  if (session_id_.empty()) return absl::FailedPreconditionError("Restore before Register()");
+  ::ckptd::v1::RestoreRequest req;
+  req.set_session_id(session_id_);
+  if (step) {
+    req.set_step(*step);
+    req.set_has_step(true);
+  }
+  ::ckptd::v1::RestoreReply reply;
+  auto ctx = std::make_unique<grpc::ClientContext>();  // restores of large states take a while
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::hours(1));
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Restore(ctx.get(), req, &reply), "restore",
+                                impl_->options.socket));
+  RestoreInfo info;
+  info.found = reply.found();
+  info.step = reply.step();
+  info.bytes = reply.bytes();
+  info.source = reply.source() == ::ckptd::v1::RESTORE_SOURCE_MEMORY ? RestoreInfo::Source::kMemory
+                                                                      : RestoreInfo::Source::kDisk;
+  info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
+  for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
+  return info;
+}
+
+absl::Status Client::Unregister() {
+  if (session_id_.empty()) return absl::OkStatus();
+  ::ckptd::v1::UnregisterRequest req;
+  req.set_session_id(session_id_);
+  ::ckptd::v1::UnregisterReply reply;
+  auto ctx = impl_->Context();
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  session_id_.clear();
+  impl_->producer.reset();
+  impl_->control.reset();
+  return FromGrpc(impl_->stub->Unregister(ctx.get(), req, &reply), "unregister",
+                  impl_->options.socket);
+}
+
+}  // namespace ckpt

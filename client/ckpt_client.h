@@ -1,0 +1,120 @@
+// ckpt::Client: the trainer side of ckptd.
+//
+//   auto client = ckpt::Client::Connect({.socket = "/run/ckptd/ckptd.sock", .job = "llm",
+//                                        .rank = 0, .world_size = 8});
+//   ckpt::Tensor* w = *(*client)->AllocateTensor("layer0.weight", "F32", {4096, 4096});
+//   (*client)->Register();
+//   if (auto r = (*client)->Restore(); r.ok() && r->found) step = r->step;
+//   ... train; every N steps:
+//   uint64_t t = *(*client)->Snapshot(step, {{"loss", "1.23"}}, {{"rng", rng_bytes}});
+//   (*client)->WaitStaged(t);      // before the next optimizer step mutates the buffers
+//
+// Snapshot() writes one command into a shared-memory ring and returns in microseconds;
+// the daemon copies the registered buffers, then writes and commits in the background.
+// Every call returns a status: when ckptd is absent or dies, training can carry on.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt {
+
+enum class TicketState { kUnknown = 0, kPending, kStaged, kCommitted, kFailed, kRejected };
+
+const char* ToString(TicketState state);
+
+struct TicketStatus {
+  TicketState state = TicketState::kUnknown;
+  std::string error;  // why, for failed and rejected tickets
+};
+
+// A host tensor in shared memory that ckptd can read without a copy in the trainer.
+struct Tensor {
+  std::string name;
+  std::string dtype;  // safetensors dtype: F32, BF16, I64, ...
+  std::vector<int64_t> shape;
+  void* data = nullptr;
+  size_t nbytes = 0;
+  // Placement in a global tensor sharded across ranks; empty when the tensor is whole.
+  std::vector<int64_t> global_shape;
+  std::vector<int64_t> global_offset;
+};
+
+using Metadata = std::map<std::string, std::string>;
+using TrainState = std::map<std::string, std::string>;  // small opaque per-rank blobs
+
+struct RestoreInfo {
+  enum class Source { kMemory, kDisk };
+  bool found = false;  // false: no committed checkpoint yet (a fresh start)
+  uint64_t step = 0;
+  Source source = Source::kDisk;
+  uint64_t bytes = 0;
+  Metadata metadata;
+  TrainState train_state;
+};
+
+struct ClientOptions {
+  std::string socket = "/run/ckptd/ckptd.sock";
+  std::string job;
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  size_t arena_bytes = 64u << 20;  // shared-memory arenas are allocated in chunks of this
+  std::chrono::milliseconds rpc_timeout{30000};
+  std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
+};
+
+class Client {
+ public:
+  // Connects to ckptd; Unavailable with the socket path in the message if it is not there.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(ClientOptions options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Allocates a zeroed host tensor in shared memory. Only before Register().
+  absl::StatusOr<Tensor*> AllocateTensor(const std::string& name, const std::string& dtype,
+                                         const std::vector<int64_t>& shape,
+                                         const std::vector<int64_t>& global_shape = {},
+                                         const std::vector<int64_t>& global_offset = {});
+
+  // Registers every allocated tensor with the daemon and opens the session.
+  absl::Status Register();
+
+  // Queues a snapshot of every registered tensor plus `train_state`; returns a ticket in
+  // microseconds. Do not mutate the tensors until WaitStaged(ticket) returns.
+  absl::StatusOr<uint64_t> Snapshot(uint64_t step, const Metadata& metadata = {},
+                                    const TrainState& train_state = {});
+
+  TicketStatus Poll(uint64_t ticket) const;
+  // Until the snapshot is staged (or failed/rejected): the tensors may be mutated again.
+  absl::StatusOr<TicketStatus> WaitStaged(uint64_t ticket,
+                                          std::chrono::milliseconds timeout = std::chrono::minutes(10));
+  // Until the checkpoint is durable on storage for every rank (or failed).
+  absl::StatusOr<TicketStatus> WaitCommitted(uint64_t ticket,
+                                             std::chrono::milliseconds timeout = std::chrono::minutes(30));
+
+  // Restores the latest committed checkpoint (or `step`) into the registered tensors.
+  absl::StatusOr<RestoreInfo> Restore(std::optional<uint64_t> step = std::nullopt);
+
+  absl::Status Unregister();
+
+  const std::vector<std::unique_ptr<Tensor>>& tensors() const { return tensors_; }
+  const std::string& session_id() const { return session_id_; }
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+
+  std::unique_ptr<Impl> impl_;
+  std::vector<std::unique_ptr<Tensor>> tensors_;
+  std::string session_id_;
+};
+
+}  // namespace ckpt

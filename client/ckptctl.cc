@@ -1,0 +1,232 @@
+// ckptctl: the operator's view of ckptd (status, list, show, verify, delete).
+#include <grpcpp/grpcpp.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <ctime>
+#include <iostream>
+#include <optional>
+
+#include "client/table.h"
+#include "proto/admin.grpc.pb.h"
+
+namespace {
+
+using namespace ::ckptd::v1;
+
+struct Options {
+  std::string socket = "/run/ckptd/ckptd.sock";
+  std::string addr;
+  std::string job;
+  bool json = false;
+  uint64_t step = 0;
+};
+
+std::string Bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
+}
+
+std::string Steps(const google::protobuf::RepeatedField<uint64_t>& steps) {
+  if (steps.empty()) return "-";
+  return fmt::format("{}", fmt::join(steps, ","));
+}
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+int Fail(const std::string& what, const grpc::Status& s, const Options& o) {
+  std::string where = o.addr.empty() ? o.socket : o.addr;
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    std::cerr << fmt::format("ckptctl: cannot reach ckptd at {}: {}\n", where, s.error_message());
+  } else {
+    std::cerr << fmt::format("ckptctl {}: {}\n", what, s.error_message());
+  }
+  return 1;
+}
+
+class Ctl {
+ public:
+  explicit Ctl(const Options& o) : o_(o) {
+    std::string target = o.addr.empty() ? "unix:" + o.socket : o.addr;
+    stub_ = Admin::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  }
+
+  std::unique_ptr<grpc::ClientContext> Context(int seconds = 30) {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+    return ctx;
+  }
+
+  int Status() {
+    StatusReply r;
+    grpc::Status s = stub_->Status(Context().get(), StatusRequest(), &r);
+    if (!s.ok()) return Fail("status", s, o_);
+    if (o_.json) {
+      std::cout << Json(r) << "\n";
+      return 0;
+    }
+    std::cout << fmt::format("ckptd {}  up {:.1f} s  root {}\n", r.version(), r.uptime_s(), r.root());
+    std::cout << fmt::format("staging   {} of {} in use\n", Bytes(r.staging_bytes_used()),
+                             Bytes(r.staging_bytes_total()));
+    std::cout << fmt::format(
+        "counters  staged {}  rejected {}  committed {}  failed {}  persisted {}\n\n",
+        r.snapshots_staged(), r.snapshots_rejected(), r.checkpoints_committed(),
+        r.checkpoints_failed(), Bytes(r.bytes_persisted()));
+    ckpt::Table sessions({"JOB", "RANK", "PID", "TENSORS", "BYTES", "STAGED", "COMMITTED", "ALIVE"});
+    for (const auto& x : r.sessions()) {
+      sessions.Add({x.job(), fmt::format("{}/{}", x.rank(), x.world_size()), std::to_string(x.pid()),
+                    std::to_string(x.tensors()), Bytes(x.bytes()), std::to_string(x.last_staged_step()),
+                    std::to_string(x.last_committed_step()), x.trainer_alive() ? "yes" : "no"});
+    }
+    std::cout << "SESSIONS\n" << (r.sessions().empty() ? "(none)\n" : sessions.Render()) << "\n";
+    ckpt::Table jobs({"JOB", "LATEST", "PENDING", "IN MEMORY"});
+    for (const auto& j : r.jobs()) {
+      jobs.Add({j.job(), j.has_committed() ? std::to_string(j.latest_committed_step()) : "-",
+                Steps(j.pending_steps()), Steps(j.hot_steps())});
+    }
+    std::cout << "JOBS\n" << (r.jobs().empty() ? "(none)\n" : jobs.Render());
+    if (!r.recent_errors().empty()) {
+      std::cout << "\nRECENT ERRORS\n";
+      for (const auto& e : r.recent_errors()) std::cout << "  " << e << "\n";
+    }
+    return 0;
+  }
+
+  int List() {
+    ListRequest req;
+    req.set_job(o_.job);
+    ListReply r;
+    grpc::Status s = stub_->List(Context().get(), req, &r);
+    if (!s.ok()) return Fail("list", s, o_);
+    if (o_.json) {
+      std::cout << Json(r) << "\n";
+      return 0;
+    }
+    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)"});
+    for (const auto& c : r.checkpoints()) {
+      t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()),
+             std::to_string(c.tensors()), Bytes(c.bytes()),
+             fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time())))});
+    }
+    std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
+    return 0;
+  }
+
+  // --job may be left out when the daemon holds exactly one job.
+  std::optional<std::string> Job() {
+    if (!o_.job.empty()) return o_.job;
+    ListReply r;
+    grpc::Status s = stub_->List(Context().get(), ListRequest(), &r);
+    if (!s.ok()) {
+      Fail("list", s, o_);
+      return std::nullopt;
+    }
+    std::set<std::string> jobs;
+    for (const auto& c : r.checkpoints()) jobs.insert(c.job());
+    if (jobs.size() == 1) return *jobs.begin();
+    std::cerr << (jobs.empty() ? "ckptctl: no checkpoints exist\n"
+                               : fmt::format("ckptctl: several jobs ({}); pass --job\n",
+                                             fmt::join(jobs, ", ")));
+    return std::nullopt;
+  }
+
+  int Show() {
+    auto job = Job();
+    if (!job) return 1;
+    CheckpointRef ref;
+    ref.set_job(*job);
+    ref.set_step(o_.step);
+    ShowReply r;
+    grpc::Status s = stub_->Show(Context().get(), ref, &r);
+    if (!s.ok()) return Fail("show", s, o_);
+    std::cout << r.manifest_json() << "\n";
+    return 0;
+  }
+
+  int Verify() {
+    auto job = Job();
+    if (!job) return 1;
+    CheckpointRef ref;
+    ref.set_job(*job);
+    ref.set_step(o_.step);
+    VerifyReply r;
+    grpc::Status s = stub_->Verify(Context(3600).get(), ref, &r);
+    if (!s.ok()) return Fail("verify", s, o_);
+    if (o_.json) {
+      std::cout << Json(r) << "\n";
+    } else if (r.ok()) {
+      std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", o_.step, *job,
+                               Bytes(r.bytes_checked()));
+    } else {
+      std::cout << fmt::format("step {} of job {}: DAMAGED\n", o_.step, *job);
+      for (const auto& p : r.problems()) std::cout << "  " << p << "\n";
+    }
+    return r.ok() ? 0 : 3;
+  }
+
+  int Delete() {
+    auto job = Job();
+    if (!job) return 1;
+    CheckpointRef ref;
+    ref.set_job(*job);
+    ref.set_step(o_.step);
+    DeleteReply r;
+    grpc::Status s = stub_->Delete(Context().get(), ref, &r);
+    if (!s.ok()) return Fail("delete", s, o_);
+    if (o_.json) {
+      std::cout << fmt::format("{{\"deleted\": {{\"job\": \"{}\", \"step\": {}}}}}\n", *job, o_.step);
+    } else {
+      std::cout << fmt::format("deleted step {} of job {}\n", o_.step, *job);
+    }
+    return 0;
+  }
+
+ private:
+  const Options& o_;
+  std::unique_ptr<Admin::Stub> stub_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (const char* env = std::getenv("CKPTD_SOCKET")) o.socket = env;
+  CLI::App app{"ckptctl: inspect and manage ckptd checkpoints"};
+  app.require_subcommand(1);
+  app.add_option("--socket", o.socket, "ckptd Unix socket (env CKPTD_SOCKET)")->capture_default_str();
+  app.add_option("--addr", o.addr, "ckptd admin HOST:PORT instead of the socket");
+  app.add_option("--job", o.job, "job name (optional when only one job exists)");
+  app.add_flag("--json", o.json, "machine-readable output");
+  auto* status = app.add_subcommand("status", "what the daemon is doing");
+  auto* list = app.add_subcommand("list", "committed checkpoints");
+  auto* show = app.add_subcommand("show", "print a checkpoint's manifest");
+  auto* verify = app.add_subcommand("verify", "re-read a checkpoint and check every checksum");
+  auto* del = app.add_subcommand("delete", "delete a committed checkpoint");
+  for (auto* sub : {show, verify, del}) sub->add_option("STEP", o.step, "step number")->required();
+  for (auto* sub : {status, list, show, verify, del}) sub->fallthrough();
+  CLI11_PARSE(app, argc, argv);
+  Ctl ctl(o);
+  if (status->parsed()) return ctl.Status();
+  if (list->parsed()) return ctl.List();
+  if (show->parsed()) return ctl.Show();
+  if (verify->parsed()) return ctl.Verify();
+  return ctl.Delete();
+}

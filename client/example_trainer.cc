@@ -1,0 +1,190 @@
+// A deterministic stand-in for a training loop that checkpoints through ckptd. Its
+// parameters and optimizer state are float32 tensors in shared memory; every step
+// mutates them from an RNG whose state is saved as train state. A run that is killed
+// and resumed prints the same final checksum as one that never stopped.
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+
+namespace {
+
+struct Flags {
+  std::string socket = "/run/ckptd/ckptd.sock";
+  std::string job = "example";
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  uint64_t steps = 100;
+  uint64_t save_every = 10;
+  uint64_t state_bytes = 8u << 20;
+  bool resume = false;
+  uint32_t step_sleep_ms = 0;
+};
+
+struct State {
+  float* params = nullptr;
+  float* momentum = nullptr;
+  size_t n = 0;
+  uint64_t rng = 0;
+};
+
+void Initialize(State& s, uint32_t rank) {
+  for (size_t i = 0; i < s.n; ++i) {
+    s.params[i] = static_cast<float>((i * 2654435761u + rank) % 1000) * 1e-3f;
+    s.momentum[i] = 0.0f;
+  }
+  s.rng = 0x9E3779B97F4A7C15ULL ^ rank;
+}
+
+void TrainStep(State& s) {
+  s.rng = s.rng * 6364136223846793005ULL + 1442695040888963407ULL;
+  float lr = static_cast<float>(s.rng >> 40) * 1e-9f;
+  for (size_t i = 0; i < s.n; ++i) {
+    float grad = s.params[i] * 0.01f - lr * static_cast<float>(i % 7);
+    s.momentum[i] = 0.9f * s.momentum[i] + grad;
+    s.params[i] -= 0.05f * s.momentum[i];
+  }
+}
+
+std::string Checksum(const State& s) {
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  XXH3_64bits_update(h, s.params, s.n * sizeof(float));
+  XXH3_64bits_update(h, s.momentum, s.n * sizeof(float));
+  XXH3_64bits_update(h, &s.rng, sizeof s.rng);
+  std::string out = fmt::format("{:016x}", XXH3_64bits_digest(h));
+  XXH3_freeState(h);
+  return out;
+}
+
+std::string RngBytes(uint64_t rng) { return std::string(reinterpret_cast<const char*>(&rng), sizeof rng); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"example_trainer: a deterministic training loop that checkpoints through ckptd"};
+  app.add_option("--socket", f.socket, "ckptd socket")->capture_default_str();
+  app.add_option("--job", f.job, "job name")->capture_default_str();
+  app.add_option("--rank", f.rank, "this rank")->capture_default_str();
+  app.add_option("--world-size", f.world_size, "number of ranks")->capture_default_str();
+  app.add_option("--steps", f.steps, "last step to train")->capture_default_str();
+  app.add_option("--save-every", f.save_every, "snapshot every K steps (0: never)")->capture_default_str();
+  app.add_option("--state-bytes", f.state_bytes, "bytes of float32 state (params + momentum)")
+      ->capture_default_str();
+  app.add_flag("--resume", f.resume, "restore the latest checkpoint first");
+  app.add_option("--step-sleep-ms", f.step_sleep_ms, "sleep after each step (tests)");
+  CLI11_PARSE(app, argc, argv);
+
+  State state;
+  state.n = std::max<uint64_t>(f.state_bytes / 8, 1);
+  std::vector<float> local;  // used only when ckptd is unavailable
+  std::unique_ptr<ckpt::Client> client;
+  auto connected = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
+                                          .world_size = f.world_size});
+  absl::Status ready = connected.status();
+  if (connected.ok()) {
+    client = std::move(*connected);
+    auto params = client->AllocateTensor("model.params", "F32", {static_cast<int64_t>(state.n)});
+    auto momentum = client->AllocateTensor("optim.momentum", "F32", {static_cast<int64_t>(state.n)});
+    ready = !params.ok() ? params.status() : !momentum.ok() ? momentum.status() : absl::OkStatus();
+    if (ready.ok()) {
+      state.params = static_cast<float*>((*params)->data);
+      state.momentum = static_cast<float*>((*momentum)->data);
+      ready = client->Register();
+    }
+  }
+  if (!ready.ok()) {
+    std::cerr << "warning: ckptd unavailable (" << ckpt::Message(ready)
+              << "); training without checkpoints\n";
+    client.reset();
+    local.assign(2 * state.n, 0.0f);
+    state.params = local.data();
+    state.momentum = local.data() + state.n;
+  }
+  Initialize(state, f.rank);
+
+  uint64_t start = 0;
+  if (f.resume && client) {
+    auto restored = client->Restore();
+    if (!restored.ok()) {
+      std::cerr << "error: restore failed: " << ckpt::Message(restored.status()) << "\n";
+      return 1;
+    }
+    if (restored->found) {
+      start = restored->step;
+      const std::string& rng = restored->train_state["rng"];
+      if (rng.size() != sizeof state.rng) {
+        std::cerr << "error: checkpoint has no valid rng train state\n";
+        return 1;
+      }
+      std::memcpy(&state.rng, rng.data(), sizeof state.rng);
+      std::cout << fmt::format("resumed step={} source={}\n", start,
+                               restored->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk")
+                << std::flush;
+    } else {
+      std::cout << "no checkpoint to resume from; starting at step 0\n" << std::flush;
+    }
+  }
+
+  std::map<uint64_t, uint64_t> outstanding;  // ticket -> step, until committed or failed
+  uint64_t last_ticket = 0;
+  auto report = [&](bool wait) {
+    for (auto it = outstanding.begin(); it != outstanding.end();) {
+      ckpt::TicketStatus st = client->Poll(it->first);
+      if (wait && st.state != ckpt::TicketState::kCommitted && st.state != ckpt::TicketState::kFailed &&
+          st.state != ckpt::TicketState::kRejected) {
+        auto waited = client->WaitCommitted(it->first, std::chrono::minutes(10));
+        st = waited.ok() ? *waited : ckpt::TicketStatus{ckpt::TicketState::kFailed, ckpt::Message(waited.status())};
+      }
+      if (st.state == ckpt::TicketState::kCommitted) {
+        std::cout << fmt::format("committed step={}\n", it->second) << std::flush;
+      } else if (st.state == ckpt::TicketState::kFailed || st.state == ckpt::TicketState::kRejected ||
+                 st.state == ckpt::TicketState::kUnknown) {
+        std::cerr << fmt::format("warning: checkpoint of step {} {}: {}\n", it->second,
+                                 ckpt::ToString(st.state), st.error);
+      } else {
+        ++it;
+        continue;
+      }
+      it = outstanding.erase(it);
+    }
+  };
+
+  for (uint64_t step = start + 1; step <= f.steps; ++step) {
+    if (client && last_ticket != 0) {
+      // The next update mutates registered buffers: the last snapshot must be staged.
+      auto staged = client->WaitStaged(last_ticket);
+      if (!staged.ok()) std::cerr << "warning: " << ckpt::Message(staged.status()) << "\n";
+      last_ticket = 0;
+    }
+    TrainStep(state);
+    if (client && f.save_every != 0 && step % f.save_every == 0) {
+      auto ticket = client->Snapshot(step, {{"trainer", "example_trainer"}},
+                                     {{"rng", RngBytes(state.rng)}});
+      if (ticket.ok()) {
+        last_ticket = *ticket;
+        outstanding[*ticket] = step;
+      } else {
+        std::cerr << fmt::format("warning: snapshot of step {} not taken: {}\n", step,
+                                 ckpt::Message(ticket.status()));
+      }
+    }
+    if (client) report(false);
+    if (f.step_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(f.step_sleep_ms));
+  }
+  if (client) report(true);
+  std::cout << fmt::format("final checksum={}\n", Checksum(state)) << std::flush;
+  return 0;
+}
