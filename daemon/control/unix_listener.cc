@@ -92,7 +92,8 @@ void UnixListener::Stop() {
 
 void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy) {
   while (!stopping_) {
-    int conn = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    // gRPC's endpoint expects a non-blocking socket.
+    int conn = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (conn < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (!stopping_) Log().error("accept on {}: {}", path_, std::strerror(errno));
