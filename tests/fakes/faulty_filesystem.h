@@ -1,0 +1,78 @@
+// A Filesystem that forwards to the real one but fails a chosen operation with a chosen
+// errno, after a number of successful calls: ENOSPC on the third write, EIO on fsync...
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "common/filesystem.h"
+#include "common/status.h"
+
+namespace ckpt::testing {
+
+class FaultyFilesystem final : public Filesystem {
+ public:
+  enum class Op { kNone, kCreate, kWrite, kSync, kSyncDir, kRename, kMakeDir };
+
+  explicit FaultyFilesystem(FilesystemPtr real) : real_(std::move(real)) {}
+
+  // Fails the (skip+1)-th call of `op` and every later one with `err`.
+  void FailAfter(Op op, int skip, int err) {
+    op_ = op;
+    remaining_ = skip;
+    err_ = err;
+  }
+  void Heal() { op_ = Op::kNone; }
+
+  absl::StatusOr<UniqueFd> CreateFile(const std::string& path) override {
+    if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
+    return real_->CreateFile(path);
+  }
+  absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
+    return real_->OpenForRead(path);
+  }
+  absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {
+    if (Trip(Op::kWrite)) return ErrnoStatus(err_, "write");
+    return real_->WriteAt(fd, data, size, offset);
+  }
+  absl::Status ReadAt(int fd, void* data, size_t size, uint64_t offset) override {
+    return real_->ReadAt(fd, data, size, offset);
+  }
+  absl::Status SyncFile(int fd) override {
+    if (Trip(Op::kSync)) return ErrnoStatus(err_, "fsync");
+    return real_->SyncFile(fd);
+  }
+  absl::Status SyncDir(const std::string& path) override {
+    if (Trip(Op::kSyncDir)) return ErrnoStatus(err_, "fsync directory " + path);
+    return real_->SyncDir(path);
+  }
+  absl::Status Rename(const std::string& from, const std::string& to) override {
+    if (Trip(Op::kRename)) return ErrnoStatus(err_, "rename " + from);
+    return real_->Rename(from, to);
+  }
+  absl::Status MakeDir(const std::string& path) override {
+    if (Trip(Op::kMakeDir)) return ErrnoStatus(err_, "mkdir " + path);
+    return real_->MakeDir(path);
+  }
+  absl::Status RemoveTree(const std::string& path) override { return real_->RemoveTree(path); }
+  absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
+    return real_->ListDir(path);
+  }
+  absl::StatusOr<uint64_t> FileSize(const std::string& path) override {
+    return real_->FileSize(path);
+  }
+  bool Exists(const std::string& path) override { return real_->Exists(path); }
+
+ private:
+  bool Trip(Op op) {
+    if (op != op_) return false;
+    return remaining_.fetch_sub(1) <= 0;
+  }
+
+  FilesystemPtr real_;
+  std::atomic<Op> op_{Op::kNone};
+  std::atomic<int> remaining_{0};
+  int err_ = 0;
+};
+
+}  // namespace ckpt::testing

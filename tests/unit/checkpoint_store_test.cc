@@ -1,0 +1,146 @@
+// The commit protocol under injected failures: whatever fails, the previous checkpoint
+// stays listed and intact, and no half-written step is ever listed.
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+
+#include "common/status.h"
+#include "daemon/persist/checkpoint_store.h"
+#include "daemon/persist/shard_writer.h"
+#include "daemon/persist/verify.h"
+#include "tests/fakes/faulty_filesystem.h"
+#include "tests/fakes/temp_dir.h"
+
+using namespace ckpt;
+using namespace ckpt::persist;
+using Op = ckpt::testing::FaultyFilesystem::Op;
+
+namespace {
+
+struct Fixture {
+  testing::TempDir dir;
+  std::shared_ptr<testing::FaultyFilesystem> fs =
+      std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+  CheckpointStore store{fs, dir.path()};
+  ShardWriterPtr writer = MakeLocalFsShardWriter(fs);
+  std::vector<float> data = std::vector<float>(1024, 1.5f);
+
+  absl::Status Save(uint64_t step) {
+    CKPT_RETURN_IF_ERROR(store.BeginStep("job", step));
+    StagedShard shard;
+    shard.rank = 0;
+    shard.data = reinterpret_cast<const char*>(data.data());
+    shard.data_bytes = data.size() * sizeof(float);
+    shard.entries = {{"w", "F32", {1024}, 0, shard.data_bytes}};
+    auto written = writer->Write(shard, store.TempStepDir("job", step));
+    if (!written.ok()) {
+      (void)store.AbortStep("job", step);
+      return written.status();
+    }
+    Manifest m;
+    m.job = "job";
+    m.step = step;
+    m.world_size = 1;
+    m.ckptd_version = "test";
+    m.shards.push_back({0, written->file, written->bytes, {}, {}});
+    m.tensors["w"] = {"F32", {1024}, {{0, written->file, 0, shard.data_bytes, {0}, {1024},
+                                       written->checksums.at("w")}}};
+    absl::Status committed = store.Commit(m);
+    if (!committed.ok()) (void)store.AbortStep("job", step);
+    return committed;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a committed step is listed and verifies") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  auto report = VerifyCheckpoint(f.store, "job", 10);
+  REQUIRE(report.ok());
+  CHECK(report->ok());
+  CHECK(report->bytes_checked == 4096);
+}
+
+TEST_CASE("a failure at any stage of a save leaves the previous checkpoint intact") {
+  struct Case {
+    Op op;
+    int skip;
+    int err;
+  };
+  for (Case c : {Case{Op::kCreate, 0, EACCES}, Case{Op::kWrite, 1, ENOSPC}, Case{Op::kSync, 0, EIO},
+                 Case{Op::kRename, 0, EIO}, Case{Op::kRename, 1, EXDEV}, Case{Op::kSyncDir, 0, EIO},
+                 Case{Op::kMakeDir, 0, ENOSPC}}) {
+    Fixture f;
+    REQUIRE(f.Save(10).ok());
+    f.fs->FailAfter(c.op, c.skip, c.err);
+    absl::Status s = f.Save(20);
+    f.fs->Heal();
+    INFO("op " << static_cast<int>(c.op) << " errno " << c.err);
+    CHECK_FALSE(s.ok());
+    auto steps = *f.store.ListSteps("job");
+    CHECK(steps.front() == 10);
+    CHECK(VerifyCheckpoint(f.store, "job", 10)->ok());
+    if (steps.size() == 2) {
+      // Failing only the final directory fsync happens after the atomic rename: the new
+      // step is complete, and must verify.
+      CHECK(c.op == Op::kSyncDir);
+      CHECK(VerifyCheckpoint(f.store, "job", 20)->ok());
+    }
+  }
+}
+
+TEST_CASE("ENOSPC is reported as resource exhaustion with the file named") {
+  Fixture f;
+  f.fs->FailAfter(Op::kWrite, 0, ENOSPC);
+  absl::Status s = f.Save(10);
+  CHECK(absl::IsResourceExhausted(s));
+  CHECK(Message(s).find("rank-00000.safetensors") != std::string::npos);
+  CHECK(Message(s).find("No space left") != std::string::npos);
+}
+
+TEST_CASE("start-up sweep removes unfinished and half-deleted steps only") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  REQUIRE(f.store.BeginStep("job", 20).ok());
+  REQUIRE(f.fs->MakeDir(f.dir / "job/step-00000005.deleting").ok());
+  CHECK(*f.store.RemoveStaleTemp() == 2);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 20)));
+}
+
+TEST_CASE("a step directory without a manifest is not a checkpoint") {
+  Fixture f;
+  REQUIRE(f.fs->MakeDir(f.dir / "job/step-00000030").ok());
+  CHECK(f.store.ListSteps("job")->empty());
+  CHECK(absl::IsNotFound(f.store.LoadManifest("job", 30).status()));
+}
+
+TEST_CASE("delete removes a committed step; unknown steps and bad jobs are refused") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  REQUIRE(f.Save(20).ok());
+  REQUIRE(f.store.Delete("job", 10).ok());
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{20});
+  CHECK(absl::IsNotFound(f.store.Delete("job", 10)));
+  CHECK(absl::IsInvalidArgument(f.store.Delete("../etc", 10)));
+  CHECK(absl::IsInvalidArgument(f.store.ListSteps("../etc").status()));
+}
+
+TEST_CASE("committing a step twice is refused and keeps the first") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  absl::Status again = f.Save(10);
+  CHECK(absl::IsAlreadyExists(again));
+  CHECK(VerifyCheckpoint(f.store, "job", 10)->ok());
+}
+
+TEST_CASE("step directory names parse strictly") {
+  uint64_t step = 0;
+  CHECK(ParseStepDirName("step-00001200", &step));
+  CHECK(step == 1200);
+  CHECK_FALSE(ParseStepDirName("step-12.tmp", &step));
+  CHECK_FALSE(ParseStepDirName("step-", &step));
+  CHECK_FALSE(ParseStepDirName("stop-1", &step));
+}

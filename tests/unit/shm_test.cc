@@ -1,0 +1,218 @@
+// Segments, arenas and the command ring, across real processes (fork).
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/status.h"
+#include "shm/arena.h"
+#include "shm/command_ring.h"
+#include "shm/futex.h"
+#include "shm/payload.h"
+#include "shm/segment.h"
+
+using namespace ckpt;
+using namespace ckpt::shm;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string UniqueName(const char* tag) {
+  static int n = 0;
+  return "/ckpt-test." + std::to_string(::getpid()) + "." + tag + std::to_string(n++);
+}
+
+// Runs `child` in a forked process; returns its exit status.
+template <typename Fn>
+int InChild(Fn child) {
+  pid_t pid = ::fork();
+  if (pid == 0) _exit(child());
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+}
+
+struct Ring {
+  SegmentPtr segment;
+  ControlBlock* block;
+  Ring() {
+    segment = *Segment::Create(UniqueName("ctl"), kControlBlockBytes, 0600, true);
+    InitializeControlBlock(segment->data(), ::getpid(), ::getpid());
+    block = *ValidateControlBlock(segment->data(), segment->size());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a segment is shared between processes and has the asked-for mode") {
+  auto seg = Segment::Create(UniqueName("seg"), 4096, 0660, true);
+  REQUIRE(seg.ok());
+  struct stat st;
+  REQUIRE(::stat(("/dev/shm" + (*seg)->name()).c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0660);
+  std::string name = (*seg)->name();
+  CHECK(InChild([&] {
+          auto other = Segment::Open(name);
+          if (!other.ok()) return 1;
+          std::memcpy((*other)->data(), "hello", 6);
+          return 0;
+        }) == 0);
+  CHECK(std::string(static_cast<char*>((*seg)->data())) == "hello");
+  CHECK_FALSE(Segment::Create(name, 4096, 0600, false).ok());  // exists already
+}
+
+TEST_CASE("opening a missing segment names it") {
+  auto missing = Segment::Open("/ckpt-test-does-not-exist");
+  REQUIRE_FALSE(missing.ok());
+  CHECK(absl::IsNotFound(missing.status()));
+  CHECK(Message(missing.status()).find("ckpt-test-does-not-exist") != std::string::npos);
+  CHECK(absl::IsInvalidArgument(Segment::Open("../../etc/passwd").status()));
+}
+
+TEST_CASE("arena allocations are aligned, zeroed and bounded") {
+  auto arena = Arena::Create(1 << 20);
+  REQUIRE(arena.ok());
+  auto a = (*arena)->Allocate(10);
+  auto b = (*arena)->Allocate(100, 4096);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(*a % 64 == 0);
+  CHECK(*b % 4096 == 0);
+  CHECK(*b >= *a + 10);
+  CHECK(static_cast<char*>((*arena)->at(*b))[50] == 0);
+  auto full = (*arena)->Allocate(2 << 20);
+  CHECK(absl::IsResourceExhausted(full.status()));
+  CHECK(Message(full.status()).find((*arena)->name()) != std::string::npos);
+}
+
+TEST_CASE("an unlinked arena stays mapped for both sides and leaves no name behind") {
+  auto arena = Arena::Create(4096);
+  REQUIRE(arena.ok());
+  std::string name = (*arena)->name();
+  auto daemon_side = Segment::Open(name);
+  REQUIRE(daemon_side.ok());
+  (*arena)->UnlinkName();
+  CHECK(absl::IsNotFound(Segment::Open(name).status()));
+  std::memcpy((*arena)->at(0), "x", 1);
+  CHECK(static_cast<char*>((*daemon_side)->data())[0] == 'x');
+}
+
+TEST_CASE("payloads round-trip and hostile bytes are refused, never trusted") {
+  SnapshotPayload p;
+  p.metadata = {{"loss", "0.5"}, {"", ""}};
+  p.train_state = {{"rng", std::string("\0\1\2", 3)}, {"empty", ""}};
+  std::vector<uint8_t> buf(EncodedSize(p));
+  REQUIRE(EncodePayload(p, buf.data(), buf.size()).ok());
+  auto back = DecodePayload(buf.data(), buf.size());
+  REQUIRE(back.ok());
+  CHECK(back->metadata == p.metadata);
+  CHECK(back->train_state[0].data == p.train_state[0].data);
+  CHECK(absl::IsResourceExhausted(EncodePayload(p, buf.data(), buf.size() - 1).status()));
+  for (size_t cut = 0; cut < buf.size(); ++cut) CHECK_FALSE(DecodePayload(buf.data(), cut).ok());
+  std::vector<uint8_t> lying = {1, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f};
+  CHECK_FALSE(DecodePayload(lying.data(), lying.size()).ok());
+}
+
+TEST_CASE("the ring carries snapshots from a trainer process to the daemon") {
+  Ring ring;
+  CommandConsumer consumer(ring.block);
+  int rc = InChild([&] {
+    CommandProducer producer(ring.block);
+    for (uint64_t step = 1; step <= 3; ++step) {
+      SnapshotPayload p;
+      p.metadata["step"] = std::to_string(step);
+      if (!producer.PublishSnapshot(step * 10, p).ok()) return 1;
+    }
+    return 0;
+  });
+  REQUIRE(rc == 0);
+  for (uint64_t step = 1; step <= 3; ++step) {
+    auto cmd = consumer.Next(1s);
+    REQUIRE(cmd.has_value());
+    CHECK(cmd->ticket == step);
+    CHECK(cmd->step == step * 10);
+    REQUIRE(cmd->payload.ok());
+    CHECK(cmd->payload->metadata.at("step") == std::to_string(step));
+  }
+  CHECK_FALSE(consumer.Next(10ms).has_value());
+}
+
+TEST_CASE("ticket states reach a waiting trainer in another process") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  uint64_t ticket = *producer.PublishSnapshot(5, {});
+  std::thread daemon([&] {
+    auto cmd = consumer.Next(1s);
+    std::this_thread::sleep_for(20ms);
+    consumer.SetTicketState(cmd->ticket, kTicketStaged);
+    std::this_thread::sleep_for(20ms);
+    consumer.SetTicketState(cmd->ticket, kTicketFailed, "disk on fire");
+  });
+  int rc = InChild([&] {
+    auto staged = producer.Wait(ticket, false, 5s, 5s);
+    if (!staged.ok() || staged->state == kTicketPending) return 1;
+    auto final_state = producer.Wait(ticket, true, 5s, 5s);
+    if (!final_state.ok() || final_state->state != kTicketFailed) return 2;
+    return final_state->error == "disk on fire" ? 0 : 3;
+  });
+  daemon.join();
+  CHECK(rc == 0);
+}
+
+TEST_CASE("a full ring refuses at once instead of blocking the trainer") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  for (uint32_t i = 0; i < kRingSlots; ++i) REQUIRE(producer.PublishSnapshot(i + 1, {}).ok());
+  auto start = std::chrono::steady_clock::now();
+  auto full = producer.PublishSnapshot(100, {});
+  CHECK(std::chrono::steady_clock::now() - start < 50ms);
+  CHECK(absl::IsResourceExhausted(full.status()));
+}
+
+TEST_CASE("oversized train state is refused with its size") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  SnapshotPayload big;
+  big.train_state = {{"blob", std::string(kSlotPayloadBytes, 'x')}};
+  auto r = producer.PublishSnapshot(1, big);
+  CHECK(absl::IsResourceExhausted(r.status()));
+  CHECK(Message(r.status()).find("at most") != std::string::npos);
+}
+
+TEST_CASE("a silent or closed daemon is detected instead of waiting forever") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  uint64_t ticket = *producer.PublishSnapshot(1, {});
+  ring.block->daemon_heartbeat_ns = MonotonicNanos() - 10'000'000'000ULL;
+  auto r = producer.Wait(ticket, false, 5s, 1s);
+  CHECK(absl::IsUnavailable(r.status()));
+  CHECK(Message(r.status()).find("not responding") != std::string::npos);
+  CommandConsumer(ring.block).Heartbeat();
+  CommandConsumer(ring.block).Close();
+  auto closed = producer.Wait(ticket, false, 5s, 1s);
+  CHECK(absl::IsUnavailable(closed.status()));
+}
+
+TEST_CASE("waiting times out with a clear message") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  uint64_t ticket = *producer.PublishSnapshot(1, {});
+  auto r = producer.Wait(ticket, false, 100ms, 5s);
+  CHECK(absl::IsDeadlineExceeded(r.status()));
+  CHECK(Message(r.status()).find("not staged") != std::string::npos);
+}
+
+TEST_CASE("a control block from another ABI is refused") {
+  Ring ring;
+  ring.block->abi_version = 99;
+  CHECK_FALSE(ValidateControlBlock(ring.segment->data(), ring.segment->size()).ok());
+  ring.block->magic = 0;
+  CHECK_FALSE(ValidateControlBlock(ring.segment->data(), ring.segment->size()).ok());
+  CHECK_FALSE(ValidateControlBlock(ring.segment->data(), 16).ok());
+}
