@@ -166,6 +166,10 @@ TEST_CASE("ranks that disagree on the world size are refused") {
   Fixture f;
   f.writer.Open();
   uint64_t a = f.Submit(10, 0, 2);
+  // The first rank to arrive defines the step's world size.
+  for (int i = 0; i < 200 && f.checkpointer->View()["job"].pending_steps.empty(); ++i) {
+    std::this_thread::sleep_for(5ms);
+  }
   uint64_t b = f.Submit(10, 1, 3);
   CHECK(f.sink->WaitFinal(b) == shm::kTicketFailed);
   CHECK(f.sink->error(b).find("world size") != std::string::npos);
