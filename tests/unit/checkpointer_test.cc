@@ -167,7 +167,8 @@ TEST_CASE("ranks that disagree on the world size are refused") {
   f.writer.Open();
   uint64_t a = f.Submit(10, 0, 2);
   // The first rank to arrive defines the step's world size.
-  for (int i = 0; i < 200 && f.checkpointer->View()["job"].pending_steps.empty(); ++i) {
+  const std::string rank0 = f.store.TempStepDir("job", 10) + "/rank-00000.safetensors";
+  for (int i = 0; i < 200 && !f.fs->Exists(rank0); ++i) {
     std::this_thread::sleep_for(5ms);
   }
   uint64_t b = f.Submit(10, 1, 3);
