@@ -65,6 +65,8 @@ ParseResult ParseFlags(int argc, char** argv) {
   ParseResult result;
   Config& c = result.config;
   CLI::App app{"ckptd: per-node checkpoint daemon for GPU training"};
+  // The last value of a repeated flag wins, so drop-ins and wrappers can override.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string staging = "4G";
   std::string when_busy = "skip";
   app.add_option("--root", c.root, "checkpoint root directory")->capture_default_str();
@@ -93,9 +95,11 @@ ParseResult ParseFlags(int argc, char** argv) {
                  "on SIGTERM, how long to let in-flight writes finish")
       ->capture_default_str();
   app.add_option("--allow-uid", c.allow_uids,
-                 "uids allowed to connect besides the daemon's own and root");
+                 "uids allowed to connect besides the daemon's own and root")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--allow-gid", c.allow_gids,
-                 "gids allowed to connect besides the daemon's own");
+                 "gids allowed to connect besides the daemon's own")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");

@@ -171,6 +171,11 @@ void Session::Stop() {
   ended_ = true;
 }
 
+bool Session::CheckTrainerAlive() {
+  if (trainer_alive_ && !PollTrainerAlive()) trainer_alive_ = false;
+  return trainer_alive_;
+}
+
 bool Session::PollTrainerAlive() {
   if (!pidfd_.valid()) return true;
   struct pollfd p = {pidfd_.get(), POLLIN, 0};

@@ -51,6 +51,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
   SessionView view() const { return {job_, rank_, world_size_, &tensors_}; }
   bool trainer_alive() const { return trainer_alive_.load(); }
+  // Checks the trainer now rather than at the command thread's next tick.
+  bool CheckTrainerAlive();
   bool ended() const { return ended_.load(); }
   uint64_t last_staged_step() const { return last_staged_step_.load(); }
   uint64_t last_committed_step() const { return last_committed_step_.load(); }

@@ -21,8 +21,15 @@ absl::Status SessionRegistry::Add(SessionPtr session) {
   std::vector<SessionPtr> reaped;
   std::lock_guard lock(mu_);
   reaped = ReapLocked();
-  for (const auto& [id, other] : sessions_) {
+  for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+    const auto& [id, other] = *it;
     if (other->job() == session->job() && other->rank() == session->rank()) {
+      // A trainer restarted right after a crash: its predecessor's session is stale.
+      if (!other->CheckTrainerAlive()) {
+        reaped.push_back(std::move(it->second));
+        sessions_.erase(it);
+        break;
+      }
       return absl::AlreadyExistsError(fmt::format(
           "rank {} of job {} is already registered by pid {} (session {})", session->rank(),
           session->job(), other->pid(), id));

@@ -9,8 +9,9 @@ namespace ckpt::testing {
 
 class TempDir {
  public:
-  TempDir() {
-    const char* base = std::getenv("TEST_TMPDIR");
+  // `base` overrides $TEST_TMPDIR, e.g. "/tmp" for Unix sockets, whose paths must be short.
+  explicit TempDir(const char* base = nullptr) {
+    if (base == nullptr) base = std::getenv("TEST_TMPDIR");
     if (base == nullptr) base = std::getenv("TMPDIR");
     std::string pattern = std::string(base ? base : "/tmp") + "/ckpt-XXXXXX";
     path_ = ::mkdtemp(pattern.data());

@@ -1,0 +1,163 @@
+// Every bad input gets a clear error naming the problem, and nothing stored is lost.
+#include <sys/stat.h>
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+#include <signal.h>
+
+#include "tests/integration/common.h"
+
+using namespace ckpt::testing;
+
+namespace {
+
+void SaveOk(Daemon& d, const TempDir& dir, const std::string& job, int seed, int step) {
+  auto r = Run(Helper(d, {"--job", job, "--seed", std::to_string(seed), "--bytes", "1000000", "save",
+                          "--step", std::to_string(step), "--wait-committed"}),
+               dir.path());
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+}
+
+void FlipByte(const std::string& path, uint64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(offset));
+  char c;
+  f.read(&c, 1);
+  c ^= 0x40;
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(&c, 1);
+}
+
+}  // namespace
+
+TEST_CASE("bad registrations are refused with a message naming the problem") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  struct Case {
+    const char* name;
+    const char* job;
+    const char* expect;
+  };
+  for (Case c : {Case{"wrong-size", "j", "tensor w: size mismatch: F32 [16] needs 64 bytes, buffer has 60"},
+                 Case{"bad-dtype", "j", "unknown dtype \"F99\""},
+                 Case{"outside-segment", "j", "lie outside shared memory"},
+                 Case{"duplicate-name", "j", "tensor w is registered twice"},
+                 Case{"reserved-name", "j", "reserved"},
+                 Case{"missing-shm", "j", "does not exist"},
+                 Case{"traversal-shm", "j", "invalid shared-memory name"},
+                 Case{"bad-rank", "j", "rank 1 is not below world size 1"},
+                 Case{"bad-job", "../etc", "invalid job name \"../etc\""}}) {
+    auto r = Run(Helper(d, {"--job", c.job, "register-bad", "--case", c.name}), dir.path());
+    INFO(c.name << ": " << r.out << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, c.expect));
+  }
+  CHECK_FALSE(std::filesystem::exists(dir / "etc"));
+  CHECK(Run(Helper(d, {"register-bad", "--case", "none"}), dir.path()).exit_code == 1);
+}
+
+TEST_CASE("unknown sessions and tickets get clear errors") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  auto r = Run(Helper(d, {"unknown"}), dir.path());
+  INFO(r.out << r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(Contains(r.out, "wait-session code=5 message=unknown session \"no-such-session\""));
+  CHECK(Contains(r.out, "restore-session code=5 message=unknown session"));
+  CHECK(Contains(r.out, "wait-ticket code=5 message=ticket 4242 is unknown"));
+  CHECK(Contains(r.out, "poll-ticket state=unknown error=ticket 4242 is unknown"));
+}
+
+TEST_CASE("a truncated shard: verify names file and tensor, restore refuses, nothing else lost") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  SaveOk(d, dir, "tr", 1, 10);
+  SaveOk(d, dir, "tr", 2, 20);
+  REQUIRE(d.Stop() == 0);  // restart so restore cannot use memory
+  std::string shard = d.root() + "/tr/step-00000020/rank-00000.safetensors";
+  std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 1000);
+  d.Start();
+  auto v = d.Ctl({"--job", "tr", "verify", "20"});
+  INFO(v.out << v.err);
+  CHECK(v.exit_code == 3);
+  CHECK(Contains(v.out, "DAMAGED"));
+  CHECK(Contains(v.out, "rank-00000.safetensors"));
+  CHECK(Contains(v.out, "truncated"));
+  auto c = Run(Helper(d, {"--job", "tr", "--seed", "2", "--bytes", "1000000", "check"}), dir.path());
+  CHECK(c.exit_code == 2);
+  CHECK(Contains(c.out, "truncated"));
+  CHECK(d.Ctl({"--job", "tr", "verify", "10"}).exit_code == 0);
+  CHECK(Run(Helper(d, {"--job", "tr", "--seed", "1", "--bytes", "1000000", "check", "--step", "10"}),
+            dir.path()).exit_code == 0);
+  CHECK(Contains(d.Ctl({"status"}).out, "verify"));
+}
+
+TEST_CASE("a bit-flipped shard: verify names tensor and file, restore refuses") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  SaveOk(d, dir, "bf", 3, 10);
+  REQUIRE(d.Stop() == 0);
+  std::string shard = d.root() + "/bf/step-00000010/rank-00000.safetensors";
+  FlipByte(shard, std::filesystem::file_size(shard) - 200000);  // inside the I64 tensor model.b
+  d.Start();
+  auto v = d.Ctl({"--job", "bf", "verify", "10"});
+  INFO(v.out);
+  CHECK(v.exit_code == 3);
+  CHECK(Contains(v.out, "checksum mismatch"));
+  CHECK(Contains(v.out, "rank-00000.safetensors"));
+  CHECK((Contains(v.out, "tensor model.b") || Contains(v.out, "tensor optim.c")));
+  auto c = Run(Helper(d, {"--job", "bf", "--seed", "3", "--bytes", "1000000", "check"}), dir.path());
+  CHECK(c.exit_code == 2);
+  CHECK(Contains(c.out, "checksum mismatch"));
+  auto json = d.Ctl({"--job", "bf", "--json", "verify", "10"});
+  CHECK(Contains(json.out, "\"ok\": false"));
+}
+
+TEST_CASE("a registration larger than the staging budget is refused at once") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "4M"});
+  d.Start();
+  auto r = Run(Helper(d, {"--job", "big", "--bytes", "8000000", "save"}), dir.path());
+  CHECK(r.exit_code == 2);
+  CHECK(Contains(r.out, "staging budget (--staging-bytes)"));
+}
+
+TEST_CASE("the socket is 0660 and peers without permission are turned away") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  struct stat st;
+  REQUIRE(::stat(d.socket().c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0660);
+  if (::geteuid() != 0) return;  // dropping to another uid needs root
+  ::chmod(std::filesystem::path(d.socket()).parent_path().c_str(), 0755);
+  ::chmod(d.socket().c_str(), 0666);  // filesystem lets everyone in: peer credentials must not
+  auto r = Run(Helper(d, {"--as-uid", "65534", "--job", "x", "save"}), dir.path());
+  CHECK(r.exit_code == 2);
+  CHECK(Contains(r.out, "cannot reach ckptd"));
+  CHECK(Contains(d.Log(), "refused connection"));
+  CHECK(Contains(d.Log(), "uid 65534"));
+}
+
+TEST_CASE("duplicate rank registration is refused while the first trainer lives") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  Process first(Trainer(d, {"--job", "dup", "--steps", "400", "--save-every", "100", "--step-sleep-ms", "10",
+                            "--state-bytes", "1000"}),
+                dir.path(), "first");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  auto second = Run(Helper(d, {"--job", "dup", "save"}), dir.path());
+  CHECK(second.exit_code == 2);
+  CHECK(Contains(second.out, "rank 0 of job dup is already registered by pid"));
+  first.Signal(SIGKILL);
+  first.Wait();
+}

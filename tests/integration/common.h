@@ -1,0 +1,36 @@
+// Shortcuts shared by the integration tests.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tests/integration/harness.h"
+
+namespace ckpt::testing {
+
+inline std::vector<std::string> Helper(const Daemon& d, std::vector<std::string> args) {
+  std::vector<std::string> argv = {Runfile("tests/integration/trainer_helper"), "--socket", d.socket()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+inline std::vector<std::string> Trainer(const Daemon& d, std::vector<std::string> args) {
+  std::vector<std::string> argv = {Runfile("client/example_trainer"), "--socket", d.socket()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+// The value after "key=" on the line of `text` that contains it.
+inline std::string Field(const std::string& text, const std::string& key) {
+  size_t at = text.find(key + "=");
+  if (at == std::string::npos) return "";
+  size_t start = at + key.size() + 1;
+  size_t end = text.find_first_of(" \n", start);
+  return text.substr(start, end - start);
+}
+
+inline bool Contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+}  // namespace ckpt::testing

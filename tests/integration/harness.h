@@ -1,0 +1,79 @@
+// Real processes for integration tests: ckptd, trainers and ckptctl started from the
+// Bazel runfiles, each with a private temp root and socket, output captured to files.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tests/fakes/temp_dir.h"
+
+namespace ckpt::testing {
+
+// Absolute path of a runfile, e.g. Runfile("daemon/ckptd").
+std::string Runfile(const std::string& workspace_relative);
+
+class Process {
+ public:
+  // Starts argv[0] with stdout and stderr sent to files under `dir`.
+  Process(std::vector<std::string> argv, const std::string& dir, const std::string& tag);
+  ~Process();
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  // Exit code, or 128+signal; kills the process and fails the wait after `timeout`.
+  int Wait(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  void Signal(int sig);
+  bool Running();
+  pid_t pid() const { return pid_; }
+  std::string Stdout() const;
+  std::string Stderr() const;
+  // Waits until stdout contains `needle`; false on timeout or exit without it.
+  bool WaitForStdout(const std::string& needle,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+ private:
+  pid_t pid_ = -1;
+  int status_ = -1;
+  std::string out_path_, err_path_;
+};
+
+struct RunResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs to completion.
+RunResult Run(std::vector<std::string> argv, const std::string& dir,
+              std::chrono::milliseconds timeout = std::chrono::seconds(120));
+
+// A ckptd on a private root and socket.
+class Daemon {
+ public:
+  explicit Daemon(const TempDir& dir, std::vector<std::string> extra_flags = {});
+  ~Daemon();
+
+  void Start();  // and wait until the socket answers
+  int Stop();    // SIGTERM; returns the exit code
+  void Kill();   // SIGKILL
+  const std::string& socket() const { return socket_; }
+  const std::string& root() const { return root_; }
+  std::string Log() const;
+
+  // ckptctl against this daemon.
+  RunResult Ctl(std::vector<std::string> args) const;
+
+ private:
+  const TempDir& dir_;
+  TempDir socket_dir_{"/tmp"};  // unique, but short enough for sun_path
+  std::vector<std::string> flags_;
+  std::string socket_, root_;
+  std::unique_ptr<Process> process_;
+  int starts_ = 0;
+};
+
+}  // namespace ckpt::testing

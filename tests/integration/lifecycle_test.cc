@@ -1,0 +1,197 @@
+// Save, crash, restore: real ckptd, real trainer processes, real sockets and shared memory.
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <catch2/catch.hpp>
+
+#include <filesystem>
+#include <thread>
+
+#include "tests/integration/common.h"
+
+using namespace ckpt::testing;
+using namespace std::chrono_literals;
+
+TEST_CASE("two ranks save and restore bit for bit, from memory and from disk") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  Process r0(Helper(d, {"--job", "mr2", "--rank", "0", "--world-size", "2", "--seed", "100",
+                        "--bytes", "4000000", "save", "--step", "7", "--wait-committed"}),
+             dir.path(), "r0");
+  Process r1(Helper(d, {"--job", "mr2", "--rank", "1", "--world-size", "2", "--seed", "101",
+                        "--bytes", "4000000", "save", "--step", "7", "--wait-committed"}),
+             dir.path(), "r1");
+  REQUIRE(r0.Wait() == 0);
+  REQUIRE(r1.Wait() == 0);
+  CHECK(Contains(r0.Stdout(), "committed"));
+  for (int rank : {0, 1}) {
+    auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
+                            "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
+                 dir.path());
+    INFO(c.out << c.err);
+    CHECK(c.exit_code == 0);
+    CHECK(Contains(c.out, "restored step=7 source=memory"));
+    CHECK(Contains(c.out, "match"));
+  }
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  for (int rank : {0, 1}) {
+    auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
+                            "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
+                 dir.path());
+    INFO(c.out << c.err);
+    CHECK(c.exit_code == 0);
+    CHECK(Contains(c.out, "restored step=7 source=disk"));
+  }
+  // Restoring with a different world size is refused, clearly.
+  auto wrong = Run(Helper(d, {"--job", "mr2", "--rank", "0", "--world-size", "1", "--seed", "100",
+                              "--bytes", "8000000", "check"}),
+                   dir.path());
+  CHECK(wrong.exit_code == 2);
+  CHECK(Contains(wrong.out, "written by 2 ranks; this trainer runs 1"));
+}
+
+TEST_CASE("a training run SIGKILLed part-way resumes to the same final checksum") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  std::vector<std::string> common = {"--world-size", "2", "--steps", "60", "--save-every", "10",
+                                     "--state-bytes", "2000000"};
+  auto args = [&](const std::string& job, int rank, std::vector<std::string> extra) {
+    std::vector<std::string> a = {"--job", job, "--rank", std::to_string(rank)};
+    a.insert(a.end(), common.begin(), common.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return Trainer(d, a);
+  };
+  // Reference: uninterrupted.
+  Process ref0(args("ref", 0, {}), dir.path(), "ref0"), ref1(args("ref", 1, {}), dir.path(), "ref1");
+  REQUIRE(ref0.Wait() == 0);
+  REQUIRE(ref1.Wait() == 0);
+  std::string want0 = Field(ref0.Stdout(), "final checksum"), want1 = Field(ref1.Stdout(), "final checksum");
+  REQUIRE(!want0.empty());
+  CHECK(want0 != want1);
+
+  // Interrupted: killed once step 30 is committed, somewhere before the end.
+  Process a0(args("run", 0, {"--step-sleep-ms", "20"}), dir.path(), "a0");
+  Process a1(args("run", 1, {"--step-sleep-ms", "20"}), dir.path(), "a1");
+  REQUIRE(a0.WaitForStdout("committed step=30"));
+  a0.Signal(SIGKILL);
+  a1.Signal(SIGKILL);
+  CHECK(a0.Wait() == 128 + SIGKILL);
+  a1.Wait();
+  CHECK_FALSE(Contains(a0.Stdout(), "final checksum"));
+
+  Process b0(args("run", 0, {"--resume"}), dir.path(), "b0"), b1(args("run", 1, {"--resume"}), dir.path(), "b1");
+  REQUIRE(b0.Wait() == 0);
+  REQUIRE(b1.Wait() == 0);
+  INFO(b0.Stdout() << b0.Stderr());
+  CHECK(Contains(b0.Stdout(), "resumed step="));
+  CHECK(Contains(b0.Stdout(), "source=memory"));
+  CHECK(std::stoi(Field(b0.Stdout(), "resumed step")) >= 30);
+  CHECK(Field(b0.Stdout(), "final checksum") == want0);
+  CHECK(Field(b1.Stdout(), "final checksum") == want1);
+}
+
+TEST_CASE("a trainer SIGKILLed right after staged still gets its checkpoint committed") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  Process p(Helper(d, {"--job", "k", "--seed", "5", "--bytes", "64000000", "save", "--step", "3",
+                       "--die-after-staged"}),
+            dir.path(), "die");
+  CHECK(p.Wait() == 128 + SIGKILL);
+  REQUIRE(Contains(p.Stdout(), "staged ticket="));
+  auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (!Contains(d.Ctl({"--job", "k", "list"}).out, "k    3") && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(20ms);
+  }
+  auto listed = d.Ctl({"--job", "k", "list"});
+  REQUIRE(Contains(listed.out, "k    3"));
+  auto c = Run(Helper(d, {"--job", "k", "--seed", "5", "--bytes", "64000000", "check"}), dir.path());
+  INFO(c.out);
+  CHECK(c.exit_code == 0);
+  CHECK(Contains(c.out, "restored step=3 source=memory"));
+  CHECK(Contains(d.Log(), "exited; session ends"));
+}
+
+TEST_CASE("ckptd SIGKILLed during a write leaves the previous checkpoint intact and restorable") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "1G"});
+  d.Start();
+  REQUIRE(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", "400000000", "save", "--step", "10",
+                         "--wait-committed"}),
+              dir.path())
+              .exit_code == 0);
+  Process second(Helper(d, {"--job", "w", "--seed", "2", "--bytes", "400000000", "save", "--step", "20",
+                            "--wait-committed"}),
+                 dir.path(), "second");
+  REQUIRE(second.WaitForStdout("staged ticket="));
+  const std::string shard = d.root() + "/w/step-00000020.tmp/rank-00000.safetensors";
+  auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (!std::filesystem::exists(shard) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  d.Kill();  // mid-write
+  second.Wait();
+  bool torn_left = std::filesystem::exists(d.root() + "/w/step-00000020.tmp");
+  bool committed = std::filesystem::exists(d.root() + "/w/step-00000020/manifest.json");
+  INFO("tmp left: " << torn_left << ", step 20 committed anyway: " << committed);
+  CHECK((torn_left || committed));
+  d.Start();
+  CHECK_FALSE(std::filesystem::exists(d.root() + "/w/step-00000020.tmp"));
+  auto verify10 = d.Ctl({"--job", "w", "verify", "10"});
+  CHECK(verify10.exit_code == 0);
+  auto c = Run(Helper(d, {"--job", "w", "--seed", committed ? "2" : "1", "--bytes", "400000000", "check"}),
+               dir.path());
+  INFO(c.out);
+  CHECK(c.exit_code == 0);
+  CHECK(Contains(c.out, committed ? "restored step=20 source=disk" : "restored step=10 source=disk"));
+  CHECK(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", "400000000", "check", "--step", "10"}),
+            dir.path()).exit_code == 0);
+}
+
+TEST_CASE("SIGTERM lets an in-flight write finish, then ckptd exits cleanly") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  Process p(Helper(d, {"--job", "t", "--seed", "9", "--bytes", "200000000", "save", "--step", "4",
+                       "--wait-committed"}),
+            dir.path(), "term");
+  REQUIRE(p.WaitForStdout("staged ticket="));
+  CHECK(d.Stop() == 0);
+  p.Wait();
+  CHECK(std::filesystem::exists(d.root() + "/t/step-00000004/manifest.json"));
+  CHECK(Contains(d.Log(), "shut down cleanly"));
+}
+
+TEST_CASE("retention keeps the last K and every N-th, never blocking saves") {
+  TempDir dir;
+  Daemon d(dir, {"--keep-last", "2", "--keep-every", "20"});
+  d.Start();
+  auto r = Run(Trainer(d, {"--job", "ret", "--steps", "60", "--save-every", "10", "--state-bytes", "100000"}),
+               dir.path());
+  REQUIRE(r.exit_code == 0);
+  std::this_thread::sleep_for(200ms);  // retention runs just after the last commit
+  auto list = d.Ctl({"--job", "ret", "--json", "list"});
+  for (const char* kept : {"\"20\"", "\"40\"", "\"50\"", "\"60\""}) CHECK(Contains(list.out, kept));
+  for (const char* gone : {"\"10\"", "\"30\""}) CHECK_FALSE(Contains(list.out, gone));
+}
+
+TEST_CASE("training carries on when ckptd is absent or dies") {
+  TempDir dir;
+  Daemon d(dir);
+  std::vector<std::string> args = {"--job", "gone", "--steps", "80", "--save-every", "5", "--state-bytes", "100000"};
+  auto alone = Run(Trainer(d, args), dir.path());  // never started
+  REQUIRE(alone.exit_code == 0);
+  CHECK(Contains(alone.err, "ckptd unavailable"));
+  std::string want = Field(alone.out, "final checksum");
+  d.Start();
+  args.insert(args.end(), {"--step-sleep-ms", "25"});
+  Process p(Trainer(d, args), dir.path(), "orphan");
+  REQUIRE(p.WaitForStdout("committed step=10"));
+  d.Kill();
+  REQUIRE(p.Wait() == 0);
+  CHECK(Field(p.Stdout(), "final checksum") == want);
+  CHECK(Contains(p.Stderr(), "not responding"));
+}

@@ -1,0 +1,332 @@
+// A scriptable trainer for integration tests: saves tensors of several dtypes filled with a
+// seeded pattern, checks restores bit for bit, and sends hand-made (bad) requests.
+#include <grp.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <iostream>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+#include "proto/trainer.grpc.pb.h"
+#include "shm/arena.h"
+
+namespace {
+
+struct Flags {
+  std::string socket, job = "job", dump, bad_case;
+  uint32_t rank = 0, world_size = 1;
+  uint64_t step = 10, seed = 1, bytes = 1 << 20;
+  bool die_after_staged = false, wait_committed = false, has_step = false;
+  int as_uid = -1;
+};
+
+struct Spec {
+  const char* name;
+  const char* dtype;
+  size_t itemsize;
+  int share;  // eighths of --bytes
+};
+constexpr Spec kSpecs[] = {{"model.a", "F32", 4, 4}, {"model.b", "I64", 8, 2}, {"optim.c", "BF16", 2, 2}};
+
+uint8_t Pattern(uint64_t seed, size_t tensor, size_t i) {
+  uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ULL ^ (seed * 0xC2B2AE3D27D4EB4FULL) ^ (tensor << 56);
+  x ^= x >> 29;
+  return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ULL >> 56);
+}
+
+std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
+  auto c = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
+                                  .world_size = f.world_size});
+  if (!c.ok()) {
+    std::cout << "error: " << ckpt::Message(c.status()) << "\n";
+    std::exit(2);
+  }
+  return std::move(*c);
+}
+
+// Allocates the standard tensors (plus a scalar and a tiny one) and registers them.
+std::vector<ckpt::Tensor*> Setup(ckpt::Client& c, const Flags& f) {
+  std::vector<ckpt::Tensor*> out;
+  for (const Spec& s : kSpecs) {
+    int64_t n = static_cast<int64_t>(f.bytes * s.share / 8 / s.itemsize);
+    // Sharded along dim 0 across ranks: the manifest records the placement.
+    auto t = c.AllocateTensor(s.name, s.dtype, {n}, {n * f.world_size}, {n * f.rank});
+    if (!t.ok()) {
+      std::cout << "error: " << ckpt::Message(t.status()) << "\n";
+      std::exit(2);
+    }
+    out.push_back(*t);
+  }
+  out.push_back(*c.AllocateTensor("step_scalar", "F32", {}));
+  out.push_back(*c.AllocateTensor("tiny", "U8", {3}));
+  if (absl::Status s = c.Register(); !s.ok()) {
+    std::cout << "error: " << ckpt::Message(s) << "\n";
+    std::exit(2);
+  }
+  return out;
+}
+
+int Save(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    auto* p = static_cast<uint8_t*>(tensors[t]->data);
+    for (size_t i = 0; i < tensors[t]->nbytes; ++i) p[i] = Pattern(f.seed, t, i);
+    if (!f.dump.empty()) {
+      std::ofstream(f.dump + "/" + tensors[t]->name + ".bin", std::ios::binary)
+          .write(static_cast<const char*>(tensors[t]->data), static_cast<std::streamsize>(tensors[t]->nbytes));
+    }
+  }
+  auto ticket = c->Snapshot(f.step, {{"seed", std::to_string(f.seed)}},
+                            {{"note", fmt::format("seed={} rank={}", f.seed, f.rank)}});
+  if (!ticket.ok()) {
+    std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
+    return 2;
+  }
+  auto staged = c->WaitStaged(*ticket);
+  if (!staged.ok() || staged->state != ckpt::TicketState::kStaged) {
+    std::cout << "not staged: " << (staged.ok() ? ckpt::ToString(staged->state) + std::string(" ") + staged->error
+                                                : ckpt::Message(staged.status()))
+              << "\n";
+    return 3;
+  }
+  std::cout << "staged ticket=" << *ticket << std::endl;
+  if (f.die_after_staged) ::raise(SIGKILL);
+  // Mutating right after "staged" must not change the checkpoint.
+  for (auto* t : tensors) std::memset(t->data, 0xAB, t->nbytes);
+  if (f.wait_committed) {
+    auto done = c->WaitCommitted(*ticket);
+    if (!done.ok()) {
+      std::cout << "error: " << ckpt::Message(done.status()) << "\n";
+      return 4;
+    }
+    std::cout << ckpt::ToString(done->state) << " " << done->error << std::endl;
+    return done->state == ckpt::TicketState::kCommitted ? 0 : 5;
+  }
+  return 0;
+}
+
+int Check(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  std::optional<uint64_t> step;
+  if (f.has_step) step = f.step;
+  auto r = c->Restore(step);
+  if (!r.ok()) {
+    std::cout << "error: " << ckpt::Message(r.status()) << "\n";
+    return 2;
+  }
+  if (!r->found) {
+    std::cout << "nothing to restore\n";
+    return 3;
+  }
+  std::cout << fmt::format("restored step={} source={} bytes={}\n", r->step,
+                           r->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk", r->bytes);
+  std::string note = fmt::format("seed={} rank={}", f.seed, f.rank);
+  if (r->train_state["note"] != note) {
+    std::cout << "mismatch train state: " << r->train_state["note"] << "\n";
+    return 1;
+  }
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    auto* p = static_cast<const uint8_t*>(tensors[t]->data);
+    for (size_t i = 0; i < tensors[t]->nbytes; ++i) {
+      if (p[i] != Pattern(f.seed, t, i)) {
+        std::cout << "mismatch tensor=" << tensors[t]->name << " byte=" << i << "\n";
+        return 1;
+      }
+    }
+  }
+  std::cout << "match\n";
+  return 0;
+}
+
+// Hand-made Register requests that a correct daemon must refuse.
+int RegisterBad(const Flags& f) {
+  auto arena = *ckpt::shm::Arena::Create(1 << 20);
+  ::ckptd::v1::RegisterRequest req;
+  req.set_job(f.job);
+  req.set_rank(f.rank);
+  req.set_world_size(f.world_size);
+  req.set_pid(::getpid());
+  auto* t = req.add_tensors();
+  t->set_name("w");
+  t->set_dtype("F32");
+  t->add_shape(16);
+  t->set_shm_name(arena->name());
+  t->set_offset(0);
+  t->set_nbytes(64);
+  const std::string& c = f.bad_case;
+  if (c == "wrong-size") t->set_nbytes(60);
+  else if (c == "bad-dtype") t->set_dtype("F99");
+  else if (c == "outside-segment") t->set_offset((1 << 20) - 32);
+  else if (c == "duplicate-name") *req.add_tensors() = *t;
+  else if (c == "reserved-name") t->set_name("__metadata__");
+  else if (c == "missing-shm") t->set_shm_name("/ckpt-arena.does-not-exist");
+  else if (c == "traversal-shm") t->set_shm_name("/../../etc/passwd");
+  else if (c == "bad-rank") req.set_rank(f.world_size);
+  else if (c != "bad-job" && c != "none") return 64;
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ::ckptd::v1::RegisterReply reply;
+  grpc::Status s = stub->Register(&ctx, req, &reply);
+  std::cout << "code=" << s.error_code() << " message=" << s.error_message() << "\n";
+  return s.ok() ? 1 : 0;
+}
+
+// Calls that name sessions and tickets the daemon never issued.
+int Unknown(const Flags& f) {
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    ::ckptd::v1::WaitRequest req;
+    req.set_session_id("no-such-session");
+    req.set_ticket(1);
+    ::ckptd::v1::WaitReply reply;
+    grpc::Status s = stub->Wait(&ctx, req, &reply);
+    std::cout << "wait-session code=" << s.error_code() << " message=" << s.error_message() << "\n";
+  }
+  {
+    grpc::ClientContext ctx;
+    ::ckptd::v1::RestoreRequest req;
+    req.set_session_id("no-such-session");
+    ::ckptd::v1::RestoreReply reply;
+    grpc::Status s = stub->Restore(&ctx, req, &reply);
+    std::cout << "restore-session code=" << s.error_code() << " message=" << s.error_message() << "\n";
+  }
+  auto c = Connect(f);
+  Setup(*c, f);
+  grpc::ClientContext ctx;
+  ::ckptd::v1::WaitRequest req;
+  req.set_session_id(c->session_id());
+  req.set_ticket(4242);
+  req.set_timeout_ms(1000);
+  ::ckptd::v1::WaitReply reply;
+  grpc::Status s = stub->Wait(&ctx, req, &reply);
+  std::cout << "wait-ticket code=" << s.error_code() << " message=" << s.error_message() << "\n";
+  ckpt::TicketStatus polled = c->Poll(4242);
+  std::cout << "poll-ticket state=" << ckpt::ToString(polled.state) << " error=" << polled.error << "\n";
+  return 0;
+}
+
+// The RPC snapshot path, as a generic gRPC tool would use it.
+int RpcSnapshot(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    auto* p = static_cast<uint8_t*>(tensors[t]->data);
+    for (size_t i = 0; i < tensors[t]->nbytes; ++i) p[i] = Pattern(f.seed, t, i);
+  }
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ::ckptd::v1::SnapshotRequest req;
+  req.set_session_id(c->session_id());
+  req.set_step(f.step);
+  auto* blob = req.add_train_state();
+  blob->set_name("note");
+  blob->set_data(fmt::format("seed={} rank={}", f.seed, f.rank));
+  ::ckptd::v1::SnapshotReply reply;
+  grpc::Status s = stub->Snapshot(&ctx, req, &reply);
+  if (!s.ok()) {
+    std::cout << "error: " << s.error_message() << "\n";
+    return 2;
+  }
+  grpc::ClientContext wctx;
+  ::ckptd::v1::WaitRequest wreq;
+  wreq.set_session_id(c->session_id());
+  wreq.set_ticket(reply.ticket());
+  wreq.set_until_committed(true);
+  wreq.set_timeout_ms(30000);
+  ::ckptd::v1::WaitReply wreply;
+  s = stub->Wait(&wctx, wreq, &wreply);
+  std::cout << "ticket=" << reply.ticket() << " state=" << ::ckptd::v1::TicketState_Name(wreply.state())
+            << " grpc=" << s.error_code() << "\n";
+  return s.ok() && wreply.state() == ::ckptd::v1::TICKET_COMMITTED ? 0 : 1;
+}
+
+// grpc.health.v1.Health/Check with an empty request, through a generic stub.
+int Health(const Flags& f) {
+  auto channel = grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::ByteBuffer request, response;
+  grpc::Slice empty("");
+  request = grpc::ByteBuffer(&empty, 1);
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  grpc::Status status;
+  stub.UnaryCall(&ctx, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   std::lock_guard lock(mu);
+                   status = s;
+                   done = true;
+                   cv.notify_all();
+                 });
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] { return done; });
+  std::vector<grpc::Slice> slices;
+  (void)response.Dump(&slices);
+  std::string bytes;
+  for (auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  // HealthCheckResponse{status = SERVING (1)} encodes as 08 01.
+  std::cout << (status.ok() && bytes == std::string("\x08\x01", 2) ? "SERVING" : "NOT SERVING " + status.error_message())
+            << "\n";
+  return status.ok() ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"trainer_helper"};
+  app.require_subcommand(1);
+  app.add_option("--socket", f.socket)->required();
+  app.add_option("--job", f.job);
+  app.add_option("--rank", f.rank);
+  app.add_option("--world-size", f.world_size);
+  app.add_option("--seed", f.seed);
+  app.add_option("--bytes", f.bytes);
+  app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
+  auto* save = app.add_subcommand("save");
+  save->add_option("--step", f.step);
+  save->add_flag("--die-after-staged", f.die_after_staged);
+  save->add_flag("--wait-committed", f.wait_committed);
+  save->add_option("--dump", f.dump);
+  auto* check = app.add_subcommand("check");
+  check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
+  auto* bad = app.add_subcommand("register-bad");
+  bad->add_option("--case", f.bad_case)->required();
+  auto* unknown = app.add_subcommand("unknown");
+  auto* rpc = app.add_subcommand("rpc-snapshot");
+  rpc->add_option("--step", f.step);
+  auto* health = app.add_subcommand("health");
+  for (auto* sub : {save, check, bad, unknown, rpc, health}) sub->fallthrough();
+  CLI11_PARSE(app, argc, argv);
+  if (f.as_uid >= 0 && (::setgroups(0, nullptr) != 0 || ::setresgid(f.as_uid, f.as_uid, f.as_uid) != 0 ||
+                        ::setresuid(f.as_uid, f.as_uid, f.as_uid) != 0)) {
+    std::perror("setresuid");
+    return 70;
+  }
+  if (save->parsed()) return Save(f);
+  if (check->parsed()) return Check(f);
+  if (bad->parsed()) return RegisterBad(f);
+  if (unknown->parsed()) return Unknown(f);
+  if (rpc->parsed()) return RpcSnapshot(f);
+  return Health(f);
+}
