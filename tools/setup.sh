@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Installs what a fresh Debian 12 machine needs to build and test ckptd. Idempotent: does
+# nothing (and touches no network) when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  bazel-bootstrap bazel-rules-java bazel-platforms g++ git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+  libboost-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev
+  libxxhash-dev liburing-dev libssl-dev
+  python3-dev pybind11-dev python3-venv python3-numpy python3-torch python3-pytest
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if [ ! -f /usr/local/cuda/include/cuda_runtime_api.h ] || [ ! -e /usr/local/cuda/lib64/libcudart.so ]; then
+  echo "setup: the CUDA toolkit is required at /usr/local/cuda (headers and libcudart.so)." >&2
+  echo "setup: ckptd compiles and links against it everywhere and detects 'no GPU' at run time." >&2
+  exit 1
+fi
+
+# Stock safetensors (PyPI) for the compatibility test, beside Debian's torch.
+if ! .venv/bin/python -c "import safetensors, torch" 2>/dev/null; then
+  echo "setup: creating .venv (Debian python3 + system site packages) with safetensors"
+  rm -rf .venv
+  /usr/bin/python3 -m venv --system-site-packages .venv
+  .venv/bin/pip install -q --disable-pip-version-check "safetensors>=0.4"
+fi

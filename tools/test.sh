@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The one command that runs every test: installs what is missing, builds, runs
+# `bazel test //...`, and ends with the line "N passed, N failed" counting test cases.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+tools/setup.sh || exit 1
+
+bazel test //... -k --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python" "$@"
+bazel_rc=$?
+
+passed=0
+failed=0
+while IFS= read -r target; do
+  path=${target#//}
+  log="bazel-testlogs/${path/://}/test.log"
+  summary=$(grep -aE "^All tests passed|^test cases:" "$log" 2>/dev/null | tail -n 1)
+  if [[ $summary =~ All\ tests\ passed.*in\ ([0-9]+)\ test\ case ]]; then
+    p=${BASH_REMATCH[1]}; f=0
+  elif [[ $summary =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ passed\ \|\ +([0-9]+)\ failed ]]; then
+    p=${BASH_REMATCH[2]}; f=${BASH_REMATCH[3]}
+  else
+    p=0; f=1  # crashed or timed out before Catch2 could report
+  fi
+  printf '%-60s %4d passed %4d failed\n' "$target" "$p" "$f"
+  passed=$((passed + p))
+  failed=$((failed + f))
+done < <(bazel query 'tests(//...)' 2>/dev/null | sort)
+
+if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
+  failed=1  # the build itself failed
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
