@@ -1,0 +1,382 @@
+// ckpt_bench: ckptd's data-path figures against this machine's own limits, in one run.
+//
+//   bazel run //tests/bench:ckpt_bench -- [--ranks 2] [--bytes-per-rank 2G] [--json]
+//
+// Limits measured first: memcpy bandwidth (1 and --copy-threads threads, best taken) and
+// sequential write bandwidth with fdatasync on the filesystem of --root. Then a real ckptd
+// and one client per rank (threads of this process, each its own session):
+//   snapshot()   latency of the call, p50/p99 over many calls (small state: the call is a
+//                ring write and does not depend on size; the big snapshots' calls are
+//                reported too);
+//   staging      bytes / (first snapshot() -> every rank staged), all ranks at once;
+//   persist      bytes on disk / (last staged -> committed), fsync included;
+//   restore      from daemon memory (hot), then from disk after a daemon restart with the
+//                page cache dropped where permitted;
+//   torch.save   the same state saved by Debian's python3-torch, fsync included.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <thread>
+#include <vector>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ckpt::Message;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Gbps(uint64_t bytes, double seconds) { return bytes / seconds / 1e9; }
+
+struct Flags {
+  int ranks = 2;
+  std::string bytes_per_rank = "2G";
+  uint64_t bytes = 0;
+  int rounds = 2;
+  int latency_samples = 2000;
+  int copy_threads = 2;
+  int io_threads = 2;
+  std::string root;
+  std::string ckptd;
+  std::string python = "/usr/bin/python3";
+  bool json = false;
+  bool skip_torch = false;
+};
+
+[[noreturn]] void Die(const std::string& why) {
+  std::cerr << "ckpt_bench: " << why << "\n";
+  std::exit(1);
+}
+
+// --- machine limits -------------------------------------------------------------------
+
+double MemcpyGbps(int threads) {
+  const size_t bytes = size_t{1} << 30;
+  std::vector<char> src(bytes, 1), dst(bytes, 0);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto t0 = Clock::now();
+    std::vector<std::thread> pool;
+    size_t part = bytes / threads;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] { std::memcpy(dst.data() + t * part, src.data() + t * part, part); });
+    }
+    for (auto& th : pool) th.join();
+    best = std::max(best, Gbps(bytes, Seconds(Clock::now() - t0)));
+  }
+  return best;
+}
+
+double DiskWriteGbps(const std::string& dir, uint64_t bytes) {
+  std::string path = dir + "/write-limit.bin";
+  std::vector<char> chunk(16 << 20, 7);
+  auto t0 = Clock::now();
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (fd < 0) Die("cannot create " + path);
+  for (uint64_t off = 0; off < bytes; off += chunk.size()) {
+    if (::write(fd, chunk.data(), chunk.size()) != static_cast<ssize_t>(chunk.size())) Die("write failed");
+  }
+  ::fdatasync(fd);
+  ::close(fd);
+  double gbps = Gbps(bytes, Seconds(Clock::now() - t0));
+  std::filesystem::remove(path);
+  return gbps;
+}
+
+bool DropPageCache() {
+  ::sync();
+  std::ofstream f("/proc/sys/vm/drop_caches");
+  f << "3\n";
+  f.flush();
+  return f.good();
+}
+
+// --- the daemon -------------------------------------------------------------------------
+
+class DaemonProcess {
+ public:
+  DaemonProcess(const Flags& f, uint64_t staging) {
+    socket_ = f.root + "/ckptd.sock";
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int log = ::open((f.root + "/ckptd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      ::dup2(log, 2);
+      std::string staging_arg = std::to_string(staging);
+      execl(f.ckptd.c_str(), f.ckptd.c_str(), "--root", (f.root + "/ckpt").c_str(), "--socket",
+            socket_.c_str(), "--staging-bytes", staging_arg.c_str(), "--keep-last", "1",
+            "--copy-threads", std::to_string(f.copy_threads).c_str(), "--io-threads",
+            std::to_string(f.io_threads).c_str(), "--log-level", "warn", nullptr);
+      _exit(127);
+    }
+    for (int i = 0; i < 600 && !std::filesystem::exists(socket_); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!std::filesystem::exists(socket_)) Die("ckptd did not start; see " + f.root + "/ckptd.log");
+  }
+  ~DaemonProcess() {
+    ::kill(pid_, SIGTERM);
+    ::waitpid(pid_, nullptr, 0);
+  }
+  const std::string& socket() const { return socket_; }
+
+ private:
+  pid_t pid_;
+  std::string socket_;
+};
+
+struct Rank {
+  std::unique_ptr<ckpt::Client> client;
+  std::vector<ckpt::Tensor*> tensors;
+};
+
+// Registers `bytes` of F32 state per rank as 8 tensors ("layer.k").
+std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::string& job, uint64_t bytes) {
+  std::vector<Rank> ranks(f.ranks);
+  for (int r = 0; r < f.ranks; ++r) {
+    auto c = ckpt::Client::Connect({.socket = d.socket(), .job = job, .rank = static_cast<uint32_t>(r),
+                                    .world_size = static_cast<uint32_t>(f.ranks),
+                                    .arena_bytes = bytes + (1 << 20)});
+    if (!c.ok()) Die(Message(c.status()));
+    ranks[r].client = std::move(*c);
+    const int pieces = bytes >= (8u << 20) ? 8 : 1;
+    for (int k = 0; k < pieces; ++k) {
+      int64_t n = static_cast<int64_t>(bytes / pieces / 4);
+      auto t = ranks[r].client->AllocateTensor(fmt::format("layer.{}", k), "F32", {n});
+      if (!t.ok()) Die(Message(t.status()));
+      std::memset((*t)->data, r + k + 1, (*t)->nbytes);  // touch every page
+      ranks[r].tensors.push_back(*t);
+    }
+    if (absl::Status s = ranks[r].client->Register(); !s.ok()) Die(Message(s));
+  }
+  return ranks;
+}
+
+double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+// Runs fn(rank) on one thread per rank and waits.
+template <typename Fn>
+void OnEveryRank(int ranks, Fn fn) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back([&, r] { fn(r); });
+  for (auto& t : threads) t.join();
+}
+
+double TorchSaveGbps(const Flags& f, uint64_t bytes_per_rank) {
+  std::string script = fmt::format(R"(
+import os, time, torch
+ranks, n = {}, {}
+state = [{{f"layer.{{k}}": torch.full((n // 8,), float(r + k + 1)) for k in range(8)}} for r in range(ranks)]
+t0 = time.perf_counter()
+for r in range(ranks):
+    path = os.path.join("{}", f"torch-rank{{r}}.pt")
+    with open(path, "wb") as fh:
+        torch.save(state[r], fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+print(time.perf_counter() - t0)
+for r in range(ranks):
+    os.remove(os.path.join("{}", f"torch-rank{{r}}.pt"))
+)", f.ranks, bytes_per_rank / 4, f.root, f.root);
+  std::string path = f.root + "/torch_save_bench.py";
+  std::ofstream(path) << script;
+  std::string cmd = f.python + " " + path;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  char buf[128] = {0};
+  if (p == nullptr || std::fgets(buf, sizeof buf, p) == nullptr) Die("torch.save benchmark failed");
+  ::pclose(p);
+  return Gbps(bytes_per_rank * f.ranks, std::atof(buf));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"ckpt_bench: ckptd throughput and latency against this machine's limits"};
+  app.add_option("--ranks", f.ranks)->capture_default_str();
+  app.add_option("--bytes-per-rank", f.bytes_per_rank, "e.g. 2G, 256M")->capture_default_str();
+  app.add_option("--rounds", f.rounds, "checkpoints timed (best taken)")->capture_default_str();
+  app.add_option("--latency-samples", f.latency_samples, "snapshot() calls per rank")->capture_default_str();
+  app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
+  app.add_option("--io-threads", f.io_threads)->capture_default_str();
+  app.add_option("--root", f.root, "directory on the storage to measure (default: a temp dir)");
+  app.add_option("--ckptd", f.ckptd, "ckptd binary (default: from runfiles)");
+  app.add_option("--python", f.python)->capture_default_str();
+  app.add_flag("--skip-torch", f.skip_torch);
+  app.add_flag("--json", f.json, "print one JSON object");
+  CLI11_PARSE(app, argc, argv);
+  {
+    uint64_t mult = 1;
+    std::string s = f.bytes_per_rank;
+    char unit = s.empty() ? 'B' : s.back();
+    if (unit == 'K' || unit == 'M' || unit == 'G') {
+      mult = unit == 'K' ? 1ull << 10 : unit == 'M' ? 1ull << 20 : 1ull << 30;
+      s.pop_back();
+    }
+    f.bytes = std::stoull(s) * mult / 64 * 64;
+  }
+  if (f.ckptd.empty()) {
+    const char* rf = std::getenv("RUNFILES_DIR");
+    f.ckptd = rf ? std::string(rf) + "/ckptd/daemon/ckptd" : "bazel-bin/daemon/ckptd";
+  }
+  bool own_root = f.root.empty();
+  if (own_root) {
+    std::string tmpl = "/var/tmp/ckpt-bench.XXXXXX";
+    f.root = ::mkdtemp(tmpl.data());
+  }
+  const uint64_t total = f.bytes * f.ranks;
+  auto note = [&](const std::string& s) { if (!f.json) std::cerr << s << std::flush; };
+
+  nlohmann::ordered_json out;
+  out["ranks"] = f.ranks;
+  out["bytes_per_rank"] = f.bytes;
+  out["cpus"] = std::thread::hardware_concurrency();
+
+  note("measuring memcpy bandwidth... ");
+  double memcpy1 = MemcpyGbps(1), memcpyn = MemcpyGbps(f.copy_threads);
+  out["memcpy_gbps"] = std::max(memcpy1, memcpyn);
+  out["memcpy_1thread_gbps"] = memcpy1;
+  note(fmt::format("{:.2f} GB/s\nmeasuring write bandwidth with fdatasync... ", out["memcpy_gbps"].get<double>()));
+  out["disk_write_gbps"] = DiskWriteGbps(f.root, total);
+  note(fmt::format("{:.2f} GB/s\n", out["disk_write_gbps"].get<double>()));
+
+  {
+    DaemonProcess daemon(f, total * 9 / 4 + (64 << 20));
+    // snapshot() latency: many calls on a small state (the call's cost does not depend on it).
+    note("measuring snapshot() latency... ");
+    {
+      auto ranks = Connect(f, daemon, "latency", 64 << 10);
+      std::vector<std::vector<double>> lat(f.ranks);
+      OnEveryRank(f.ranks, [&](int r) {
+        for (int i = 1; i <= f.latency_samples; ++i) {
+          auto t0 = Clock::now();
+          auto ticket = ranks[r].client->Snapshot(i);
+          double us = Seconds(Clock::now() - t0) * 1e6;
+          if (!ticket.ok()) Die(Message(ticket.status()));
+          lat[r].push_back(us);
+          (void)ranks[r].client->WaitStaged(*ticket);
+        }
+      });
+      std::vector<double> all;
+      for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+      out["snapshot_p50_us"] = Percentile(all, 0.50);
+      out["snapshot_p99_us"] = Percentile(all, 0.99);
+      out["snapshot_samples"] = all.size();
+      note(fmt::format("p50 {:.1f} us, p99 {:.1f} us\n", out["snapshot_p50_us"].get<double>(),
+                       out["snapshot_p99_us"].get<double>()));
+    }
+
+    note(fmt::format("registering {} ranks x {} bytes...\n", f.ranks, f.bytes));
+    auto ranks = Connect(f, daemon, "bench", f.bytes);
+    double best_stage = 1e30, best_persist = 1e30, big_call_us = 0;
+    uint64_t disk_bytes = 0;
+    for (int round = 1; round <= f.rounds; ++round) {
+      std::vector<uint64_t> tickets(f.ranks);
+      std::vector<Clock::time_point> staged_at(f.ranks), committed_at(f.ranks);
+      auto t0 = Clock::now();
+      OnEveryRank(f.ranks, [&](int r) {
+        auto c0 = Clock::now();
+        auto t = ranks[r].client->Snapshot(round * 100);
+        big_call_us = std::max(big_call_us, Seconds(Clock::now() - c0) * 1e6);
+        if (!t.ok()) Die(Message(t.status()));
+        auto s = ranks[r].client->WaitStaged(*t);
+        staged_at[r] = Clock::now();
+        if (!s.ok() || s->state != ckpt::TicketState::kStaged) Die("not staged: " + (s.ok() ? s->error : Message(s.status())));
+        auto c = ranks[r].client->WaitCommitted(*t);
+        committed_at[r] = Clock::now();
+        if (!c.ok() || c->state != ckpt::TicketState::kCommitted) Die("not committed: " + (c.ok() ? c->error : Message(c.status())));
+      });
+      auto staged = *std::max_element(staged_at.begin(), staged_at.end());
+      auto committed = *std::max_element(committed_at.begin(), committed_at.end());
+      best_stage = std::min(best_stage, Seconds(staged - t0));
+      best_persist = std::min(best_persist, Seconds(committed - staged));
+      note(fmt::format("round {}: staged in {:.3f} s, committed {:.3f} s later\n", round,
+                       Seconds(staged - t0), Seconds(committed - staged)));
+    }
+    for (const auto& e : std::filesystem::recursive_directory_iterator(f.root + "/ckpt/bench")) {
+      if (e.is_regular_file() && e.path().extension() == ".safetensors") disk_bytes += e.file_size();
+    }
+    out["snapshot_big_call_max_us"] = big_call_us;
+    out["staging_gbps"] = Gbps(total, best_stage);
+    out["persist_gbps"] = Gbps(disk_bytes, best_persist);
+
+    std::vector<double> secs(f.ranks);
+    std::vector<std::string> source(f.ranks);
+    auto t0 = Clock::now();
+    OnEveryRank(f.ranks, [&](int r) {
+      auto info = ranks[r].client->Restore();
+      if (!info.ok() || !info->found) Die("hot restore failed");
+      source[r] = info->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+    });
+    out["restore_memory_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
+    out["restore_memory_source"] = source[0];
+  }
+  {
+    bool cold = DropPageCache();
+    DaemonProcess daemon(f, total + (64 << 20));
+    auto ranks = Connect(f, daemon, "bench", f.bytes);
+    if (cold) cold = DropPageCache();
+    std::vector<std::string> source(f.ranks);
+    auto t0 = Clock::now();
+    OnEveryRank(f.ranks, [&](int r) {
+      auto info = ranks[r].client->Restore();
+      if (!info.ok() || !info->found) Die("disk restore failed: " + (info.ok() ? "" : Message(info.status())));
+      source[r] = info->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+    });
+    out["restore_disk_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
+    out["restore_disk_source"] = source[0];
+    out["restore_disk_page_cache"] = cold ? "dropped" : "warm (could not drop)";
+  }
+  if (!f.skip_torch) {
+    note("torch.save of the same state... ");
+    out["torch_save_gbps"] = TorchSaveGbps(f, f.bytes);
+    note(fmt::format("{:.2f} GB/s\n", out["torch_save_gbps"].get<double>()));
+  }
+  double memcpy = out["memcpy_gbps"], disk = out["disk_write_gbps"];
+  out["staging_vs_memcpy"] = out["staging_gbps"].get<double>() / memcpy;
+  out["persist_vs_disk"] = out["persist_gbps"].get<double>() / disk;
+  out["restore_memory_vs_memcpy"] = out["restore_memory_gbps"].get<double>() / memcpy;
+  if (own_root) std::filesystem::remove_all(f.root);
+
+  if (f.json) {
+    std::cout << out.dump() << "\n";
+    return 0;
+  }
+  auto row = [](const std::string& what, const std::string& value, const std::string& target) {
+    std::cout << fmt::format("{:<34} {:>16}   {}\n", what, value, target);
+  };
+  std::cout << fmt::format("\n{} ranks x {:.2f} GiB, {} CPUs\n", f.ranks, f.bytes / double(1 << 30),
+                           out["cpus"].get<unsigned>());
+  row("memcpy (limit)", fmt::format("{:.2f} GB/s", memcpy), "");
+  row("write + fdatasync (limit)", fmt::format("{:.2f} GB/s", disk), "");
+  row("snapshot() p50", fmt::format("{:.1f} us", out["snapshot_p50_us"].get<double>()), "");
+  row("snapshot() p99", fmt::format("{:.1f} us", out["snapshot_p99_us"].get<double>()), "target < 200 us");
+  row("staging", fmt::format("{:.2f} GB/s", out["staging_gbps"].get<double>()),
+      fmt::format("{:.0f}% of memcpy (target >= 70%)", 100 * out["staging_vs_memcpy"].get<double>()));
+  row("persist", fmt::format("{:.2f} GB/s", out["persist_gbps"].get<double>()),
+      fmt::format("{:.0f}% of write (target >= 80%)", 100 * out["persist_vs_disk"].get<double>()));
+  row("restore from memory", fmt::format("{:.2f} GB/s", out["restore_memory_gbps"].get<double>()),
+      fmt::format("{:.0f}% of memcpy (target >= 70%)", 100 * out["restore_memory_vs_memcpy"].get<double>()));
+  row("restore from disk", fmt::format("{:.2f} GB/s", out["restore_disk_gbps"].get<double>()),
+      "page cache " + out["restore_disk_page_cache"].get<std::string>());
+  if (out.contains("torch_save_gbps")) {
+    row("torch.save + fsync", fmt::format("{:.2f} GB/s", out["torch_save_gbps"].get<double>()), "");
+  }
+  return 0;
+}
