@@ -103,6 +103,8 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");
+  app.set_config("--config", "", "read options from a TOML file (keys are the long flag names)");
+  app.allow_config_extras(false);  // a misspelt key is an error, not a silent default
   app.set_version_flag("--version", kVersion);
   try {
     app.parse(argc, argv);

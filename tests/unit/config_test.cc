@@ -1,5 +1,7 @@
 #include <catch2/catch.hpp>
 
+#include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
@@ -41,6 +43,22 @@ TEST_CASE("flags parse into the typed config") {
   CHECK(Validate(r.config).ok());
   auto j = nlohmann::json::parse(r.config.ToJson());
   CHECK(j["staging_bytes"] == 1ull << 30);
+}
+
+TEST_CASE("a TOML config file sets options; flags on the command line still apply") {
+  std::string path = std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR") : "/tmp") +
+                     "/ckptd-config-test.toml";
+  std::ofstream(path) << "root = \"/srv/ckpt\"\nstaging-bytes = \"2G\"\nkeep-last = 7\n"
+                         "when-busy = \"wait\"\nallow-uid = [1000, 1001]\n";
+  auto r = Parse({"--config", path, "--keep-last", "9"});
+  REQUIRE_FALSE(r.exit);
+  CHECK(r.config.root == "/srv/ckpt");
+  CHECK(r.config.staging_bytes == 2ull << 30);
+  CHECK(r.config.keep_last == 9);
+  CHECK(r.config.when_busy == WhenBusy::kWait);
+  CHECK(r.config.allow_uids == std::vector<uint32_t>{1000, 1001});
+  std::ofstream(path) << "no-such-option = 1\n";
+  CHECK(Parse({"--config", path}).exit);
 }
 
 TEST_CASE("bad flags and combinations are refused naming the flag") {
