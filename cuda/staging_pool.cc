@@ -6,20 +6,24 @@
 #include <fmt/format.h>
 
 #include "common/status.h"
+#include "shm/prefault.h"
 
 namespace ckpt::cuda {
+
+using shm::PrefaultWritable;
 
 StagingBlock::~StagingBlock() { pool_->Release(offset_, size_); }
 
 absl::StatusOr<StagingPoolPtr> StagingPool::Create(size_t bytes, bool prefault) {
   if (bytes == 0) return absl::InvalidArgumentError("staging budget must be positive");
   bytes = (bytes + kAlignment - 1) / kAlignment * kAlignment;
-  int flags = MAP_PRIVATE | MAP_ANONYMOUS | (prefault ? MAP_POPULATE : 0);
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, flags, -1, 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
     return ErrnoStatus(errno, fmt::format("map {} bytes of staging memory", bytes));
   }
+  // Huge pages first, then populate: populating first would fix 4 KiB pages in place.
   ::madvise(p, bytes, MADV_HUGEPAGE);
+  if (prefault) PrefaultWritable(p, bytes);
   return StagingPoolPtr(new StagingPool(static_cast<char*>(p), bytes));
 }
 

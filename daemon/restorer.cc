@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 
 #include "common/log.h"
@@ -76,6 +77,7 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
   }
   result.found = true;
   result.step = *step;
+  auto started = std::chrono::steady_clock::now();
   if (StagedSnapshotPtr hot = checkpointer_.FindHot(session.job, session.rank, *step)) {
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, *hot, result));
@@ -84,8 +86,9 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
     CKPT_RETURN_IF_ERROR(FromDisk(session, manifest, result));
   }
   log::Get(log::Component::kControl)
-      .info("[{}/r{} s{}] restored {} bytes from {}", session.job, session.rank, *step,
-            result.bytes, result.source == RestoreResult::Source::kMemory ? "memory" : "disk");
+      .info("[{}/r{} s{}] restored {} bytes from {} in {:.1f} ms", session.job, session.rank, *step,
+            result.bytes, result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;
 }
 
