@@ -27,6 +27,8 @@ class Filesystem {
   // Reads exactly `size` bytes at `offset`; a short file is an error (OutOfRange).
   virtual absl::Status ReadAt(int fd, void* data, size_t size, uint64_t offset) = 0;
   virtual absl::Status SyncFile(int fd) = 0;
+  // Drops a durable file's pages from the page cache (best effort).
+  virtual void DropFromCache(int fd) = 0;
   virtual absl::Status SyncDir(const std::string& path) = 0;
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   virtual absl::Status MakeDir(const std::string& path) = 0;          // ok if it exists

@@ -67,6 +67,8 @@ class PosixFilesystem final : public Filesystem {
     return absl::OkStatus();
   }
 
+  void DropFromCache(int fd) override { ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED); }
+
   absl::Status SyncDir(const std::string& path) override {
     UniqueFd fd(::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
     if (!fd.valid()) return ErrnoStatus(errno, fmt::format("open directory {}", path));

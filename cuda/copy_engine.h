@@ -28,7 +28,8 @@ class CopyEngine {
 
 using CopyEnginePtr = std::unique_ptr<CopyEngine>;
 
-// Splits regions into chunks of `chunk_bytes` and copies them on `threads` workers.
-CopyEnginePtr MakeHostCopyEngine(int threads, size_t chunk_bytes = 8u << 20);
+// memcpy on `threads` threads (the caller is one of them), each copying one contiguous
+// share of the job.
+CopyEnginePtr MakeHostCopyEngine(int threads);
 
 }  // namespace ckpt::cuda

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
@@ -10,12 +11,14 @@
 namespace ckpt::cuda {
 namespace {
 
-// A fixed pool of workers that share one job at a time; the caller works too, so one
-// thread means a plain memcpy on the caller.
+// Copies one job on a fixed pool of threads, the caller included. Each thread takes one
+// contiguous, equal share of the job's bytes (regions laid end to end): long sequential
+// streams let the hardware prefetchers work, and measured ~25% faster than handing out
+// interleaved chunks (docs/benchmarks.md).
 class HostCopyEngine final : public CopyEngine {
  public:
-  HostCopyEngine(int threads, size_t chunk_bytes) : chunk_bytes_(chunk_bytes) {
-    for (int i = 1; i < std::max(1, threads); ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  explicit HostCopyEngine(int threads) : threads_(std::max(1, threads)) {
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i] { WorkerLoop(i); });
   }
 
   ~HostCopyEngine() override {
@@ -31,61 +34,73 @@ class HostCopyEngine final : public CopyEngine {
 
   absl::Status Copy(std::span<const CopyRegion> regions) override {
     std::lock_guard serial(copy_mu_);  // one job at a time
-    std::vector<CopyRegion> chunks;
-    for (const CopyRegion& r : regions) {
-      for (size_t off = 0; off < r.bytes; off += chunk_bytes_) {
-        size_t n = std::min(chunk_bytes_, r.bytes - off);
-        chunks.push_back({static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off, n});
-      }
-    }
+    uint64_t total = 0;
+    for (const CopyRegion& r : regions) total += r.bytes;
+    // Small jobs are not worth waking anyone for.
+    int parts = total < (kMinBytesPerThread * 2) ? 1 : threads_;
     {
       std::lock_guard lock(mu_);
-      chunks_ = &chunks;
-      next_ = 0;
-      busy_ = workers_.size();
+      regions_ = regions;
+      total_ = total;
+      parts_ = parts;
+      busy_ = parts - 1;
       ++generation_;
     }
-    wake_.notify_all();
-    Drain(chunks);
+    if (parts > 1) wake_.notify_all();
+    CopyShare(regions, total, 0, parts);
     std::unique_lock lock(mu_);
     done_.wait(lock, [this] { return busy_ == 0; });
-    chunks_ = nullptr;
     return absl::OkStatus();
   }
 
  private:
-  void Drain(const std::vector<CopyRegion>& chunks) {
-    while (true) {
-      size_t i = next_.fetch_add(1, std::memory_order_relaxed);
-      if (i >= chunks.size()) return;
-      std::memcpy(chunks[i].dst, chunks[i].src, chunks[i].bytes);
+  static constexpr uint64_t kMinBytesPerThread = 1u << 20;
+
+  // Copies bytes [total*part/parts, total*(part+1)/parts) of the concatenated regions.
+  static void CopyShare(std::span<const CopyRegion> regions, uint64_t total, int part, int parts) {
+    uint64_t begin = total * part / parts, end = total * (part + 1) / parts;
+    uint64_t base = 0;
+    for (const CopyRegion& r : regions) {
+      uint64_t lo = std::max(begin, base), hi = std::min(end, base + r.bytes);
+      if (lo < hi) {
+        std::memcpy(static_cast<char*>(r.dst) + (lo - base),
+                    static_cast<const char*>(r.src) + (lo - base), hi - lo);
+      }
+      base += r.bytes;
+      if (base >= end) break;
     }
   }
 
-  void WorkerLoop() {
+  void WorkerLoop(int index) {
     uint64_t seen = 0;
     while (true) {
-      const std::vector<CopyRegion>* chunks;
+      std::span<const CopyRegion> regions;
+      uint64_t total;
+      int parts;
       {
         std::unique_lock lock(mu_);
         wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
         if (stopping_) return;
         seen = generation_;
-        chunks = chunks_;
+        if (index >= parts_) continue;  // a small job: not needed this time
+        regions = regions_;
+        total = total_;
+        parts = parts_;
       }
-      Drain(*chunks);
+      CopyShare(regions, total, index, parts);
       std::lock_guard lock(mu_);
       if (--busy_ == 0) done_.notify_one();
     }
   }
 
-  const size_t chunk_bytes_;
+  const int threads_;
   std::mutex copy_mu_;
   std::mutex mu_;
   std::condition_variable wake_, done_;
-  const std::vector<CopyRegion>* chunks_ = nullptr;
-  std::atomic<size_t> next_{0};
-  size_t busy_ = 0;
+  std::span<const CopyRegion> regions_;  // valid while a Copy() call is in progress
+  uint64_t total_ = 0;
+  int parts_ = 1;
+  int busy_ = 0;
   uint64_t generation_ = 0;
   bool stopping_ = false;
   std::vector<std::thread> workers_;
@@ -93,8 +108,6 @@ class HostCopyEngine final : public CopyEngine {
 
 }  // namespace
 
-CopyEnginePtr MakeHostCopyEngine(int threads, size_t chunk_bytes) {
-  return std::make_unique<HostCopyEngine>(threads, chunk_bytes);
-}
+CopyEnginePtr MakeHostCopyEngine(int threads) { return std::make_unique<HostCopyEngine>(threads); }
 
 }  // namespace ckpt::cuda

@@ -7,6 +7,10 @@
 #include <ctime>
 #include <optional>
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/config.h"
@@ -15,6 +19,8 @@ namespace ckpt::daemon {
 namespace {
 
 spdlog::logger& Log() { return log::Get(log::Component::kPersist); }
+
+constexpr int kIoThreadNice = 10;
 
 std::string Prefix(const std::string& job, uint64_t step) {
   return fmt::format("[{} s{}]", job, step);
@@ -37,6 +43,7 @@ Checkpointer::Checkpointer(persist::CheckpointStore& store, persist::ShardWriter
                            StatusBoard& board, Options options)
     : store_(store), writer_(writer), board_(board), options_(options) {
   for (int i = 0; i < options_.io_threads; ++i) threads_.emplace_back([this] { IoLoop(); });
+  janitor_ = std::thread([this] { JanitorLoop(); });
 }
 
 Checkpointer::~Checkpointer() { Shutdown(std::chrono::milliseconds(0)); }
@@ -54,6 +61,9 @@ void Checkpointer::Submit(StagedSnapshotPtr snapshot) {
 }
 
 void Checkpointer::IoLoop() {
+  // Trainers wait for staging, never for persisting: when both want the CPU (a rank's
+  // shard is written while the next rank is still being copied), the copy goes first.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), kIoThreadNice);
   while (true) {
     StagedSnapshotPtr snapshot;
     {
@@ -214,6 +224,11 @@ void Checkpointer::Commit(const StepKey& key, PendingStep step) {
   }
   step.written.clear();
   Notify(waiting, shm::kTicketCommitted, "");
+  {
+    std::lock_guard lock(mu_);
+    retention_jobs_.push_back(job);
+    janitor_cv_.notify_one();
+  }
   for (auto& [old_key, old] : superseded) {
     std::string message = fmt::format(
         "step {} abandoned: step {} committed before all {} ranks of step {} arrived",
@@ -224,7 +239,24 @@ void Checkpointer::Commit(const StepKey& key, PendingStep step) {
     (void)store_.AbortStep(job, old_key.second);
     Notify(old.waiting, shm::kTicketFailed, message);
   }
-  ApplyRetention(job);
+}
+
+void Checkpointer::JanitorLoop() {
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), 19);
+  constexpr int kIoprioClassIdle = 3, kIoprioClassShift = 13;
+  ::syscall(SYS_ioprio_set, 1 /* IOPRIO_WHO_PROCESS */, ::gettid(),
+            kIoprioClassIdle << kIoprioClassShift);
+  while (true) {
+    std::string job;
+    {
+      std::unique_lock lock(mu_);
+      janitor_cv_.wait(lock, [this] { return aborting_ || !retention_jobs_.empty(); });
+      if (retention_jobs_.empty()) return;  // aborting, nothing left
+      job = std::move(retention_jobs_.front());
+      retention_jobs_.pop_front();
+    }
+    ApplyRetention(job);
+  }
 }
 
 void Checkpointer::FailStep(const StepKey& key, const std::string& error) {
@@ -339,6 +371,11 @@ void Checkpointer::Shutdown(std::chrono::milliseconds timeout) {
   }
   for (auto& t : threads_) t.join();
   threads_.clear();
+  {
+    std::lock_guard lock(mu_);
+    janitor_cv_.notify_all();
+  }
+  janitor_.join();
   {
     std::lock_guard lock(mu_);
     for (auto& entry : pending_) unfinished.emplace_back(entry.first, std::move(entry.second));

@@ -92,6 +92,9 @@ class Checkpointer {
   void Commit(const StepKey& key, PendingStep step);
   void FailStep(const StepKey& key, const std::string& error);
   void ApplyRetention(const std::string& job);
+  // Deletions run here, at idle CPU and I/O priority, so that freeing gigabytes of page
+  // cache never competes with the next snapshot's copy.
+  void JanitorLoop();
   static void Notify(const std::vector<StagedSnapshotPtr>& snapshots,
                      shm::TicketStateValue state, const std::string& error);
 
@@ -110,7 +113,10 @@ class Checkpointer {
   std::map<StepKey, PendingStep> pending_;
   std::map<std::pair<std::string, uint32_t>, StagedSnapshotPtr> hot_;
   std::multiset<StepKey> pins_;
+  std::deque<std::string> retention_jobs_;  // jobs whose retention is due
+  std::condition_variable janitor_cv_;
   std::vector<std::thread> threads_;
+  std::thread janitor_;
 };
 
 }  // namespace ckpt::daemon

@@ -37,6 +37,9 @@ class LocalFsShardWriter final : public ShardWriter {
       out.checksums[e.name] = sum.Finish();
     }
     CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(fd.get()), path));
+    // Durable now, and never read back from the cache (hot restores use daemon memory):
+    // keep checkpoints from crowding out the trainer's own page cache.
+    fs_->DropFromCache(fd.get());
     out.bytes = base + shard.data_bytes;
     return out;
   }

@@ -236,7 +236,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer&
   last_staged_step_ = command.step;
   board.snapshots_staged++;
   SetTicketState(command.ticket, shm::kTicketStaged);
-  Log().debug("[{}/r{} s{}] staged ({} bytes)", job_, rank_, command.step, (*staged)->shard.data_bytes);
+  Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
+              (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
+              (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
   checkpointer.Submit(std::move(*staged));
 }
 

@@ -38,6 +38,7 @@ struct StagedSnapshot {
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
+  double copy_seconds = 0;  // time the copy engine took
   std::weak_ptr<TicketSink> sink;
   uint64_t ticket = 0;
 };

@@ -54,7 +54,9 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     snap->placements.push_back(t.placement);
     offset += t.nbytes;
   }
+  auto copy_started = std::chrono::steady_clock::now();
   CKPT_RETURN_IF_ERROR(Annotate(engine_.Copy(regions), context));
+  snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {
     std::memcpy(block->data() + offset, blob.data.data(), blob.data.size());
     snap->shard.entries.push_back({persist::TrainStateKey(blob.name), "U8",

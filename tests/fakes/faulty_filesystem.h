@@ -42,6 +42,7 @@ class FaultyFilesystem final : public Filesystem {
     if (Trip(Op::kSync)) return ErrnoStatus(err_, "fsync");
     return real_->SyncFile(fd);
   }
+  void DropFromCache(int fd) override { real_->DropFromCache(fd); }
   absl::Status SyncDir(const std::string& path) override {
     if (Trip(Op::kSyncDir)) return ErrnoStatus(err_, "fsync directory " + path);
     return real_->SyncDir(path);

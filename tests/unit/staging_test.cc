@@ -42,14 +42,14 @@ struct HostEngine1 {
   static CopyEnginePtr Make() { return MakeHostCopyEngine(1); }
 };
 struct HostEngine4 {
-  static CopyEnginePtr Make() { return MakeHostCopyEngine(4, 4096); }
+  static CopyEnginePtr Make() { return MakeHostCopyEngine(4); }
 };
 
 TEMPLATE_TEST_CASE("copy engines copy every byte of every region", "[copy_engine]", HostEngine1,
                    HostEngine4) {
   CopyEnginePtr engine = TestType::Make();
   for (size_t size : {size_t{0}, size_t{1}, size_t{4095}, size_t{4096}, size_t{1} << 20,
-                      (size_t{3} << 20) + 7}) {
+                      (size_t{3} << 20) + 7, (size_t{9} << 20) + 13}) {
     std::vector<uint8_t> src(size), dst(size, 0xEE);
     std::iota(src.begin(), src.end(), static_cast<uint8_t>(size));
     std::vector<uint8_t> src2(size / 2 + 3, 0x42), dst2(size / 2 + 3, 0);
@@ -64,10 +64,11 @@ TEMPLATE_TEST_CASE("copy engines copy every byte of every region", "[copy_engine
 TEMPLATE_TEST_CASE("copy engines survive many small regions and repeated jobs", "[copy_engine]",
                    HostEngine1, HostEngine4) {
   CopyEnginePtr engine = TestType::Make();
+  // Sizes straddle the per-thread split points (a few MiB in all).
   std::vector<std::vector<uint32_t>> src(1000), dst(1000);
   std::vector<CopyRegion> regions;
   for (size_t i = 0; i < src.size(); ++i) {
-    src[i].assign(i % 17 + 1, static_cast<uint32_t>(i));
+    src[i].assign((i % 17 + 1) * (i % 3 == 0 ? 997 : 1), static_cast<uint32_t>(i));
     dst[i].assign(src[i].size(), 0);
     regions.push_back({dst[i].data(), src[i].data(), src[i].size() * 4});
   }
