@@ -21,6 +21,10 @@ class Filesystem {
 
   // Creates (truncating) a file for writing with mode 0640.
   virtual absl::StatusOr<UniqueFd> CreateFile(const std::string& path) = 0;
+  // The same with O_DIRECT: writes then need 4 KiB-aligned buffers, offsets and sizes.
+  // InvalidArgument where the filesystem does not support it (tmpfs, some FUSE mounts).
+  virtual absl::StatusOr<UniqueFd> CreateFileDirect(const std::string& path) = 0;
+  virtual absl::Status Truncate(int fd, uint64_t size) = 0;
   virtual absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) = 0;
   // Writes all of [data, data + size) at `offset`, retrying short writes.
   virtual absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) = 0;

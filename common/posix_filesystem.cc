@@ -22,6 +22,17 @@ class PosixFilesystem final : public Filesystem {
     return UniqueFd(fd);
   }
 
+  absl::StatusOr<UniqueFd> CreateFileDirect(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0640);
+    if (fd < 0) return ErrnoStatus(errno, fmt::format("create {} (O_DIRECT)", path));
+    return UniqueFd(fd);
+  }
+
+  absl::Status Truncate(int fd, uint64_t size) override {
+    if (::ftruncate(fd, static_cast<off_t>(size)) != 0) return ErrnoStatus(errno, "ftruncate");
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) return ErrnoStatus(errno, fmt::format("open {}", path));

@@ -213,7 +213,10 @@ void Checkpointer::Commit(const StepKey& key, PendingStep step) {
       if (!slot || slot->step < number) slot = snap;
     }
     for (auto it = pending_.begin(); it != pending_.end();) {
-      if (it->first.first == job && it->first.second < number && !it->second.failed) {
+      // Older steps whose ranks are all accounted for (none queued or being written) can
+      // never complete now. One still in flight on another I/O thread may: leave it.
+      if (it->first.first == job && it->first.second < number && !it->second.failed &&
+          !InFlightLocked(it->first, it->second)) {
         superseded.emplace_back(it->first, std::move(it->second));
         it = pending_.erase(it);
       } else {
@@ -257,6 +260,14 @@ void Checkpointer::JanitorLoop() {
     }
     ApplyRetention(job);
   }
+}
+
+bool Checkpointer::InFlightLocked(const StepKey& key, const PendingStep& step) const {
+  if (step.arrived.size() != step.written.size()) return true;
+  for (const StagedSnapshotPtr& queued : queue_) {
+    if (queued->job == key.first && queued->step == key.second) return true;
+  }
+  return false;
 }
 
 void Checkpointer::FailStep(const StepKey& key, const std::string& error) {

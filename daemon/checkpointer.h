@@ -91,6 +91,8 @@ class Checkpointer {
   void Process(const StagedSnapshotPtr& snapshot);
   void Commit(const StepKey& key, PendingStep step);
   void FailStep(const StepKey& key, const std::string& error);
+  // True while some rank of `step` is queued or being written.
+  bool InFlightLocked(const StepKey& key, const PendingStep& step) const;
   void ApplyRetention(const std::string& job);
   // Deletions run here, at idle CPU and I/O priority, so that freeing gigabytes of page
   // cache never competes with the next snapshot's copy.

@@ -15,14 +15,14 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own limit
 
 }  // namespace
 std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
-                         const std::map<std::string, std::string>& metadata) {
+                         const std::map<std::string, std::string>& metadata, size_t alignment) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   for (const TensorEntry& t : tensors) {
     header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
   }
   std::string json = header.dump();
-  json.append((8 - (json.size() % 8)) % 8, ' ');
+  json.append((alignment - ((8 + json.size()) % alignment)) % alignment, ' ');
   std::string out(8, '\0');
   uint64_t n = json.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);

@@ -30,9 +30,12 @@ struct SafetensorsHeader {
   uint64_t data_bytes = 0;
 };
 
-// The 8-byte prefix plus the padded JSON header for `tensors` (which must be contiguous).
+// The 8-byte prefix plus the JSON header for `tensors` (which must be contiguous), padded
+// with spaces so that the data region starts at a multiple of `alignment` (at least 8, as
+// safetensors wants; ckptd uses 4096 so that shards can be written with O_DIRECT).
 std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
-                         const std::map<std::string, std::string>& metadata);
+                         const std::map<std::string, std::string>& metadata,
+                         size_t alignment = 8);
 
 // Reads and validates the header of the open file `path` of `file_size` bytes: JSON shape,
 // known dtypes, sizes matching shapes, contiguous offsets covering the data region, and a

@@ -28,6 +28,14 @@ class FaultyFilesystem final : public Filesystem {
     if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
     return real_->CreateFile(path);
   }
+  absl::StatusOr<UniqueFd> CreateFileDirect(const std::string& path) override {
+    if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
+    if (no_direct_) return ErrnoStatus(EINVAL, "create " + path + " (O_DIRECT)");
+    return real_->CreateFileDirect(path);
+  }
+  absl::Status Truncate(int fd, uint64_t size) override { return real_->Truncate(fd, size); }
+  // Behave like a filesystem without O_DIRECT support (tmpfs).
+  void DisableDirectIo() { no_direct_ = true; }
   absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
     return real_->OpenForRead(path);
   }
@@ -74,6 +82,7 @@ class FaultyFilesystem final : public Filesystem {
   std::atomic<Op> op_{Op::kNone};
   std::atomic<int> remaining_{0};
   int err_ = 0;
+  bool no_direct_ = false;
 };
 
 }  // namespace ckpt::testing

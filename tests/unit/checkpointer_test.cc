@@ -54,7 +54,11 @@ class GatedWriter : public persist::ShardWriter {
   absl::StatusOr<persist::WrittenShard> Write(const persist::StagedShard& shard,
                                               const std::string& dir) override {
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return open_; });
+    cv_.wait(lock, [&] {
+      bool held = !held_dir_.empty() && shard.rank == held_rank_ &&
+                  dir.find(held_dir_) != std::string::npos;
+      return open_ && !held;
+    });
     lock.unlock();
     return real_.Write(shard, dir);
   }
@@ -63,12 +67,25 @@ class GatedWriter : public persist::ShardWriter {
     open_ = true;
     cv_.notify_all();
   }
+  // Holds back only the writes of `rank` into step directories containing `dir_part`.
+  void Hold(uint32_t rank, std::string dir_part) {
+    std::lock_guard lock(mu_);
+    held_rank_ = rank;
+    held_dir_ = std::move(dir_part);
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    held_dir_.clear();
+    cv_.notify_all();
+  }
 
  private:
   persist::ShardWriter& real_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;
+  uint32_t held_rank_ = 0;
+  std::string held_dir_;
 };
 
 struct Fixture {
@@ -160,6 +177,22 @@ TEST_CASE("a step missing a rank is abandoned when a newer step commits") {
   CHECK(f.sink->WaitFinal(lonely) == shm::kTicketFailed);
   CHECK(f.sink->error(lonely).find("abandoned") != std::string::npos);
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{20});
+}
+
+TEST_CASE("a step whose last rank is still being written is not abandoned by a newer commit") {
+  Fixture f;
+  // Rank 1's write of step 10 is held while step 20 commits on the other I/O thread.
+  f.writer.Hold(1, "step-00000010");
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2);
+  uint64_t b = f.Submit(10, 1, 2);
+  uint64_t c = f.Submit(20, 0, 2), d = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(c) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(d) == shm::kTicketCommitted);
+  f.writer.Release();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketCommitted);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20});
 }
 
 TEST_CASE("ranks that disagree on the world size are refused") {

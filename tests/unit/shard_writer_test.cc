@@ -1,0 +1,80 @@
+// The shard writer's two paths (O_DIRECT from aligned staging memory, and buffered where
+// the filesystem refuses O_DIRECT) write the same valid safetensors file.
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "common/status.h"
+#include "cuda/staging_pool.h"
+#include "daemon/persist/shard_writer.h"
+#include "daemon/persist/shard_reader.h"
+#include "tests/fakes/faulty_filesystem.h"
+#include "tests/fakes/temp_dir.h"
+
+using namespace ckpt;
+using namespace ckpt::persist;
+
+namespace {
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("direct and buffered shards are identical, aligned and valid") {
+  for (uint64_t bytes : {uint64_t{4}, uint64_t{4096}, uint64_t{(40u << 20) + 12}, uint64_t{12345}}) {
+    auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
+    auto block = std::move(*pool->Allocate(bytes));
+    for (uint64_t i = 0; i < bytes; ++i) block->data()[i] = static_cast<char>(i * 7 + 3);
+    StagedShard shard;
+    shard.rank = 3;
+    shard.data = block->data();
+    shard.data_bytes = bytes;
+    shard.entries = {{"a", "U8", {static_cast<int64_t>(bytes - 4)}, 0, bytes - 4},
+                     {"b", "F32", {}, bytes - 4, bytes}};
+    shard.metadata = {{"k", "v"}};
+
+    testing::TempDir direct_dir, buffered_dir;
+    auto direct_fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+    auto buffered_fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+    buffered_fs->DisableDirectIo();
+    auto a = MakeLocalFsShardWriter(direct_fs)->Write(shard, direct_dir.path());
+    auto b = MakeLocalFsShardWriter(buffered_fs)->Write(shard, buffered_dir.path());
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    INFO("bytes " << bytes);
+    CHECK(a->file == "rank-00003.safetensors");
+    CHECK(a->checksums == b->checksums);
+    std::string fa = Slurp(direct_dir / a->file), fb = Slurp(buffered_dir / b->file);
+    CHECK(fa.size() == a->bytes);
+    CHECK(fa == fb);
+    auto reader = ShardReader::Open(*direct_fs, direct_dir / a->file, a->bytes);
+    REQUIRE(reader.ok());
+    CHECK((*reader)->header().data_start % 4096 == 0);
+    std::string got(bytes - 4, '\0');
+    CHECK((*reader)->ReadEntry(*(*reader)->Find("a"), got.data(), a->checksums.at("a")).ok());
+    CHECK(got == std::string(block->data(), bytes - 4));
+  }
+}
+
+TEST_CASE("a full disk during an O_DIRECT write is reported with the file named") {
+  auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
+  auto block = std::move(*pool->Allocate(40 << 20));
+  StagedShard shard;
+  shard.data = block->data();
+  shard.data_bytes = 40 << 20;
+  shard.entries = {{"w", "U8", {40 << 20}, 0, 40 << 20}};
+  testing::TempDir dir;
+  auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+  fs->FailAfter(testing::FaultyFilesystem::Op::kWrite, 1, ENOSPC);
+  auto r = MakeLocalFsShardWriter(fs)->Write(shard, dir.path());
+  CHECK(absl::IsResourceExhausted(r.status()));
+  CHECK(Message(r.status()).find("rank-00000.safetensors") != std::string::npos);
+}
