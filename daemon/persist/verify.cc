@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "common/status.h"
@@ -17,6 +18,25 @@ struct Expected {
   std::string dtype;  // empty for train-state entries (U8)
   std::vector<int64_t> shape;
 };
+
+// A shard shorter than the manifest says: the data region ends the file, so the manifest's
+// offsets tell which entries the missing bytes belong to.
+void ReportTruncatedEntries(Filesystem& fs, const std::string& path, uint64_t expected_bytes,
+                            const std::vector<Expected>& entries, VerifyReport& report) {
+  auto size = fs.FileSize(path);
+  if (!size.ok() || *size >= expected_bytes) return;
+  uint64_t data_bytes = 0;
+  for (const Expected& e : entries) data_bytes = std::max(data_bytes, e.end);
+  uint64_t data_start = expected_bytes - data_bytes;
+  uint64_t available = *size > data_start ? *size - data_start : 0;
+  for (const Expected& e : entries) {
+    if (e.end > available) {
+      report.problems.push_back(fmt::format(
+          "tensor {} in {}: truncated ({} of its {} bytes missing)", e.name, path,
+          e.end - std::max(e.begin, std::min(available, e.end)), e.end - e.begin));
+    }
+  }
+}
 
 }  // namespace
 
@@ -40,6 +60,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(CheckpointStore& store, const std:
     auto reader = ShardReader::Open(store.fs(), path, shard.bytes);
     if (!reader.ok()) {
       report.problems.push_back(Message(reader.status()));
+      ReportTruncatedEntries(store.fs(), path, shard.bytes, by_rank[shard.rank], report);
       continue;
     }
     for (const Expected& want : by_rank[shard.rank]) {

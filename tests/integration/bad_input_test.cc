@@ -90,6 +90,7 @@ TEST_CASE("a truncated shard: verify names file and tensor, restore refuses, not
   CHECK(Contains(v.out, "DAMAGED"));
   CHECK(Contains(v.out, "rank-00000.safetensors"));
   CHECK(Contains(v.out, "truncated"));
+  CHECK(Contains(v.out, "tensor tiny in"));  // the last entry is the one cut short
   auto c = Run(Helper(d, {"--job", "tr", "--seed", "2", "--bytes", "1000000", "check"}), dir.path());
   CHECK(c.exit_code == 2);
   CHECK(Contains(c.out, "truncated"));
