@@ -148,53 +148,56 @@ class Ctl {
     return std::nullopt;
   }
 
-  int Show() {
+  // The checkpoint that show/verify/delete name: --job (or the only job) and STEP.
+  std::optional<CheckpointRef> Ref() {
     auto job = Job();
-    if (!job) return 1;
+    if (!job) return std::nullopt;
     CheckpointRef ref;
     ref.set_job(*job);
     ref.set_step(o_.step);
+    return ref;
+  }
+
+  int Show() {
+    auto ref = Ref();
+    if (!ref) return 1;
     ShowReply r;
-    grpc::Status s = stub_->Show(Context().get(), ref, &r);
+    grpc::Status s = stub_->Show(Context().get(), *ref, &r);
     if (!s.ok()) return Fail("show", s, o_);
     std::cout << r.manifest_json() << "\n";
     return 0;
   }
 
   int Verify() {
-    auto job = Job();
-    if (!job) return 1;
-    CheckpointRef ref;
-    ref.set_job(*job);
-    ref.set_step(o_.step);
+    auto ref = Ref();
+    if (!ref) return 1;
+    const std::string& job = ref->job();
     VerifyReply r;
-    grpc::Status s = stub_->Verify(Context(3600).get(), ref, &r);
+    grpc::Status s = stub_->Verify(Context(3600).get(), *ref, &r);
     if (!s.ok()) return Fail("verify", s, o_);
     if (o_.json) {
       std::cout << Json(r) << "\n";
     } else if (r.ok()) {
-      std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", o_.step, *job,
+      std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", o_.step, job,
                                Bytes(r.bytes_checked()));
     } else {
-      std::cout << fmt::format("step {} of job {}: DAMAGED\n", o_.step, *job);
+      std::cout << fmt::format("step {} of job {}: DAMAGED\n", o_.step, job);
       for (const auto& p : r.problems()) std::cout << "  " << p << "\n";
     }
     return r.ok() ? 0 : 3;
   }
 
   int Delete() {
-    auto job = Job();
-    if (!job) return 1;
-    CheckpointRef ref;
-    ref.set_job(*job);
-    ref.set_step(o_.step);
+    auto ref = Ref();
+    if (!ref) return 1;
+    const std::string& job = ref->job();
     DeleteReply r;
-    grpc::Status s = stub_->Delete(Context().get(), ref, &r);
+    grpc::Status s = stub_->Delete(Context().get(), *ref, &r);
     if (!s.ok()) return Fail("delete", s, o_);
     if (o_.json) {
-      std::cout << fmt::format("{{\"deleted\": {{\"job\": \"{}\", \"step\": {}}}}}\n", *job, o_.step);
+      std::cout << fmt::format("{{\"deleted\": {{\"job\": \"{}\", \"step\": {}}}}}\n", job, o_.step);
     } else {
-      std::cout << fmt::format("deleted step {} of job {}\n", o_.step, *job);
+      std::cout << fmt::format("deleted step {} of job {}\n", o_.step, job);
     }
     return 0;
   }

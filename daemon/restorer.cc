@@ -108,7 +108,10 @@ absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapsh
     regions.push_back({t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
   }
-  CKPT_RETURN_IF_ERROR(engine_.Copy(regions));
+  {
+    cuda::CopyPriority::Copying copying(priority_);
+    CKPT_RETURN_IF_ERROR(engine_.Copy(regions));
+  }
   for (size_t i = snap.tensor_count; i < snap.shard.entries.size(); ++i) {
     const persist::TensorEntry& e = snap.shard.entries[i];
     result.train_state.push_back({snap.train_state_names[i - snap.tensor_count],

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "cuda/copy_engine.h"
+#include "cuda/copy_priority.h"
 #include "daemon/checkpointer.h"
 #include "daemon/persist/checkpoint_store.h"
 #include "daemon/staging/stager.h"
@@ -31,8 +32,9 @@ struct RestoreResult {
 
 class Restorer {
  public:
-  Restorer(persist::CheckpointStore& store, Checkpointer& checkpointer, cuda::CopyEngine& engine)
-      : store_(store), checkpointer_(checkpointer), engine_(engine) {}
+  Restorer(persist::CheckpointStore& store, Checkpointer& checkpointer, cuda::CopyEngine& engine,
+           cuda::CopyPriority* priority = nullptr)
+      : store_(store), checkpointer_(checkpointer), engine_(engine), priority_(priority) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, std::optional<uint64_t> step);
 
@@ -45,6 +47,7 @@ class Restorer {
   persist::CheckpointStore& store_;
   Checkpointer& checkpointer_;
   cuda::CopyEngine& engine_;
+  cuda::CopyPriority* priority_;  // may be null; outlives the restorer
 };
 
 // Checks that the registered tensors and the checkpoint's tensors for this rank have the

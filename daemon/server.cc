@@ -9,6 +9,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "cuda/copy_engine.h"
+#include "cuda/copy_priority.h"
 #include "cuda/device.h"
 #include "cuda/staging_pool.h"
 #include "daemon/checkpointer.h"
@@ -33,6 +34,7 @@ struct Server::Parts {
   std::unique_ptr<persist::CheckpointStore> store;
   cuda::StagingPoolPtr pool;
   cuda::CopyEnginePtr engine;
+  cuda::CopyPriority copy_priority;
   persist::ShardWriterPtr writer;
   std::unique_ptr<Checkpointer> checkpointer;
   std::unique_ptr<Stager> stager;
@@ -74,14 +76,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   CKPT_ASSIGN_OR_RETURN(p->pool, cuda::StagingPool::Create(config.staging_bytes,
                                                            config.prefault_staging));
   p->engine = cuda::MakeHostCopyEngine(config.copy_threads);
-  p->writer = persist::MakeLocalFsShardWriter(p->fs);
+  // Persisting steps aside (between its 32 MiB writes) while a copy that a trainer waits
+  // for is running; a copy never takes long, so the wait is bounded small.
+  p->writer = persist::MakeLocalFsShardWriter(p->fs, [priority = &p->copy_priority] {
+    priority->YieldToCopies(std::chrono::milliseconds(500));
+  });
   Checkpointer::Options options;
   options.retention = {config.keep_last, config.keep_every};
   options.io_threads = config.io_threads;
   p->checkpointer = std::make_unique<Checkpointer>(*p->store, *p->writer, p->board, options);
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, config.when_busy,
-                                       std::chrono::milliseconds(config.busy_wait_ms));
-  p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine);
+                                       std::chrono::milliseconds(config.busy_wait_ms),
+                                       &p->copy_priority);
+  p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
+                                           &p->copy_priority);
 
   Session::Limits limits;
   limits.staging_bytes = p->pool->capacity();

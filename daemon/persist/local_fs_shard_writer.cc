@@ -25,7 +25,8 @@ struct FreeDeleter {
 // refuses O_DIRECT, buffered writes and a page-cache drop after fsync do the same job.
 class LocalFsShardWriter final : public ShardWriter {
  public:
-  explicit LocalFsShardWriter(FilesystemPtr fs) : fs_(std::move(fs)) {}
+  LocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks)
+      : fs_(std::move(fs)), between_chunks_(std::move(between_chunks)) {}
 
   absl::StatusOr<WrittenShard> Write(const StagedShard& shard, const std::string& dir) override {
     WrittenShard out;
@@ -34,6 +35,7 @@ class LocalFsShardWriter final : public ShardWriter {
     const std::string header = EncodeHeader(shard.entries, shard.metadata, kBlock);
     const uint64_t base = header.size();
     for (const TensorEntry& e : shard.entries) {
+      if (between_chunks_) between_chunks_();
       out.checksums[e.name] = ChecksumOf(shard.data + e.begin, e.end - e.begin);
     }
     bool aligned = reinterpret_cast<uintptr_t>(shard.data) % kBlock == 0;
@@ -59,6 +61,7 @@ class LocalFsShardWriter final : public ShardWriter {
     CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, bounce.get(), base, 0));
     const uint64_t body = shard.data_bytes / kBlock * kBlock;
     for (uint64_t off = 0; off < body; off += kWriteChunk) {
+      if (between_chunks_) between_chunks_();
       CKPT_RETURN_IF_ERROR(
           fs_->WriteAt(fd, shard.data + off, std::min(kWriteChunk, body - off), base + off));
     }
@@ -75,6 +78,7 @@ class LocalFsShardWriter final : public ShardWriter {
   absl::Status WriteBuffered(int fd, const std::string& header, const StagedShard& shard) {
     CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, header.data(), header.size(), 0));
     for (uint64_t off = 0; off < shard.data_bytes; off += kWriteChunk) {
+      if (between_chunks_) between_chunks_();
       CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, shard.data + off,
                                         std::min(kWriteChunk, shard.data_bytes - off),
                                         header.size() + off));
@@ -83,14 +87,15 @@ class LocalFsShardWriter final : public ShardWriter {
   }
 
   FilesystemPtr fs_;
+  std::function<void()> between_chunks_;
 };
 
 }  // namespace
 
 std::string ShardFileName(uint32_t rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
 
-ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs) {
-  return std::make_unique<LocalFsShardWriter>(std::move(fs));
+ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks) {
+  return std::make_unique<LocalFsShardWriter>(std::move(fs), std::move(between_chunks));
 }
 
 }  // namespace ckpt::persist

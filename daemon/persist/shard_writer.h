@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -38,7 +39,9 @@ class ShardWriter {
 
 using ShardWriterPtr = std::unique_ptr<ShardWriter>;
 
-ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs);
+// `between_chunks`, if set, runs between the writer's large writes (ckptd passes a wait for
+// staging copies to finish, so persisting never slows what trainers wait for).
+ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks = {});
 
 // "rank-00003.safetensors"
 std::string ShardFileName(uint32_t rank);

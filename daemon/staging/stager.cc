@@ -55,7 +55,10 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     offset += t.nbytes;
   }
   auto copy_started = std::chrono::steady_clock::now();
-  CKPT_RETURN_IF_ERROR(Annotate(engine_.Copy(regions), context));
+  {
+    cuda::CopyPriority::Copying copying(priority_);
+    CKPT_RETURN_IF_ERROR(Annotate(engine_.Copy(regions), context));
+  }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {
     std::memcpy(block->data() + offset, blob.data.data(), blob.data.size());

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "cuda/copy_engine.h"
+#include "cuda/copy_priority.h"
 #include "cuda/staging_pool.h"
 #include "daemon/checkpointer.h"
 #include "daemon/config.h"
@@ -39,9 +40,10 @@ struct SessionView {
 class Stager {
  public:
   Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, Checkpointer& checkpointer,
-         WhenBusy when_busy, std::chrono::milliseconds busy_wait)
+         WhenBusy when_busy, std::chrono::milliseconds busy_wait,
+         cuda::CopyPriority* priority = nullptr)
       : pool_(pool), engine_(engine), checkpointer_(checkpointer), when_busy_(when_busy),
-        busy_wait_(busy_wait) {}
+        busy_wait_(busy_wait), priority_(priority) {}
 
   // ResourceExhausted when staging memory cannot be had under the --when-busy policy.
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
@@ -55,6 +57,7 @@ class Stager {
   Checkpointer& checkpointer_;
   const WhenBusy when_busy_;
   const std::chrono::milliseconds busy_wait_;
+  cuda::CopyPriority* priority_;  // may be null; outlives the stager
 };
 
 }  // namespace ckpt::daemon

@@ -25,25 +25,21 @@ TEST_CASE("two ranks save and restore bit for bit, from memory and from disk") {
   REQUIRE(r0.Wait() == 0);
   REQUIRE(r1.Wait() == 0);
   CHECK(Contains(r0.Stdout(), "committed"));
-  for (int rank : {0, 1}) {
-    auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
-                            "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
-                 dir.path());
-    INFO(c.out << c.err);
-    CHECK(c.exit_code == 0);
-    CHECK(Contains(c.out, "restored step=7 source=memory"));
-    CHECK(Contains(c.out, "match"));
-  }
+  auto restore_both = [&](const std::string& source) {
+    for (int rank : {0, 1}) {
+      auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
+                              "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
+                   dir.path());
+      INFO(c.out << c.err);
+      CHECK(c.exit_code == 0);
+      CHECK(Contains(c.out, "restored step=7 source=" + source));
+      CHECK(Contains(c.out, "match"));
+    }
+  };
+  restore_both("memory");
   REQUIRE(d.Stop() == 0);
   d.Start();
-  for (int rank : {0, 1}) {
-    auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
-                            "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
-                 dir.path());
-    INFO(c.out << c.err);
-    CHECK(c.exit_code == 0);
-    CHECK(Contains(c.out, "restored step=7 source=disk"));
-  }
+  restore_both("disk");
   // Restoring with a different world size is refused, clearly.
   auto wrong = Run(Helper(d, {"--job", "mr2", "--rank", "0", "--world-size", "1", "--seed", "100",
                               "--bytes", "8000000", "check"}),
