@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "common/status.h"
+#include "cuda/cuda_check.h"
 #include "shm/prefault.h"
 
 namespace ckpt::cuda {
@@ -31,7 +32,18 @@ StagingPool::StagingPool(char* base, size_t capacity) : base_(base), capacity_(c
   free_[0] = capacity;
 }
 
-StagingPool::~StagingPool() { ::munmap(base_, capacity_); }
+StagingPool::~StagingPool() {
+  if (pinned_) (void)cudaHostUnregister(base_);
+  ::munmap(base_, capacity_);
+}
+
+absl::Status StagingPool::PinForCuda() {
+  if (pinned_) return absl::OkStatus();
+  CKPT_CUDA_RETURN_IF_ERROR(cudaHostRegister(base_, capacity_, cudaHostRegisterPortable),
+                            fmt::format("staging pool ({} bytes)", capacity_));
+  pinned_ = true;
+  return absl::OkStatus();
+}
 
 absl::StatusOr<StagingBlockPtr> StagingPool::Allocate(size_t bytes) {
   size_t size = std::max(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);

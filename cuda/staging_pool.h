@@ -48,6 +48,11 @@ class StagingPool {
   // First-fit allocation; ResourceExhausted when no free range is large enough.
   absl::StatusOr<StagingBlockPtr> Allocate(size_t bytes);
 
+  // Page-locks the whole pool for CUDA (cudaHostRegister), so device copies into it run at
+  // full DMA speed. Needs a usable device; unregistered again on destruction.
+  absl::Status PinForCuda();
+  bool pinned() const { return pinned_; }
+
   size_t capacity() const { return capacity_; }
   size_t used() const;
   char* base() const { return base_; }
@@ -59,6 +64,7 @@ class StagingPool {
 
   char* base_;
   size_t capacity_;
+  bool pinned_ = false;
   mutable std::mutex mu_;
   std::map<size_t, size_t> free_;  // offset -> size, coalesced
   size_t used_ = 0;

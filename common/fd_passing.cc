@@ -1,0 +1,77 @@
+#include "common/fd_passing.h"
+
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fmt/format.h>
+
+#include "common/status.h"
+
+namespace ckpt {
+
+absl::Status SendFds(int socket, std::span<const int> fds, std::string_view payload) {
+  if (payload.empty()) return absl::InvalidArgumentError("SendFds needs a non-empty payload");
+  if (fds.size() > kMaxPassedFds) {
+    return absl::InvalidArgumentError(fmt::format("{} descriptors; at most {}", fds.size(), kMaxPassedFds));
+  }
+  iovec iov{const_cast<char*>(payload.data()), payload.size()};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(fds.size(), 1)), 0);
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (!fds.empty()) {
+    msg.msg_control = control.data();
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus(errno, "sendmsg");
+  if (static_cast<size_t>(n) != payload.size()) return absl::InternalError("sendmsg: short write");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload) {
+  ReceivedFds out;
+  out.payload.resize(std::max<size_t>(max_payload, 1));
+  iovec iov{out.payload.data(), out.payload.size()};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * std::max<size_t>(max_fds, 1)), 0);
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  ssize_t n;
+  do {
+    n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus(errno, "recvmsg");
+  // Take ownership of whatever arrived before judging the message, so nothing leaks.
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      out.fds.emplace_back(fd);
+    }
+  }
+  if (n == 0) return absl::UnavailableError("peer closed the socket");
+  if (msg.msg_flags & MSG_CTRUNC) {
+    return absl::InvalidArgumentError(fmt::format("more than {} descriptors were sent", max_fds));
+  }
+  if (msg.msg_flags & MSG_TRUNC) {
+    return absl::InvalidArgumentError(fmt::format("message longer than {} bytes", max_payload));
+  }
+  out.payload.resize(static_cast<size_t>(n));
+  return out;
+}
+
+}  // namespace ckpt

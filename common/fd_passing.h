@@ -1,0 +1,31 @@
+// Passing file descriptors between processes over a Unix socket (SCM_RIGHTS): how a
+// trainer hands ckptd a shareable handle of memory that CUDA IPC cannot export (CUDA's
+// virtual memory API, PyTorch's expandable segments).
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/unique_fd.h"
+
+namespace ckpt {
+
+inline constexpr size_t kMaxPassedFds = 64;
+
+// Sends `payload` (at least one byte) with `fds` attached.
+absl::Status SendFds(int socket, std::span<const int> fds, std::string_view payload);
+
+struct ReceivedFds {
+  std::string payload;
+  std::vector<UniqueFd> fds;
+};
+
+// Receives one message of at most `max_payload` bytes and `max_fds` descriptors. More
+// descriptors than that, or a cut message, is an error (the extra fds are closed).
+absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload);
+
+}  // namespace ckpt

@@ -1,0 +1,23 @@
+#include "cuda/chunk_plan.h"
+
+#include <algorithm>
+
+namespace ckpt::cuda {
+
+std::vector<std::vector<CopyRegion>> PlanChunks(std::span<const CopyRegion> regions, int streams,
+                                                size_t chunk_bytes) {
+  streams = std::max(1, streams);
+  chunk_bytes = std::max<size_t>(1, chunk_bytes);
+  std::vector<std::vector<CopyRegion>> plan(streams);
+  size_t next = 0;
+  for (const CopyRegion& r : regions) {
+    for (size_t off = 0; off < r.bytes; off += chunk_bytes) {
+      size_t n = std::min(chunk_bytes, r.bytes - off);
+      plan[next++ % streams].push_back(
+          {static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off, n});
+    }
+  }
+  return plan;
+}
+
+}  // namespace ckpt::cuda
