@@ -5,9 +5,11 @@
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
+#include <map>
 #include <mutex>
 
 #include "common/status.h"
+#include "cuda/device_buffer.h"
 #include "common/dtype.h"
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
@@ -47,6 +49,7 @@ const char* ToString(TicketState state) {
 
 struct Client::Impl {
   ClientOptions options;
+  std::map<const Tensor*, cuda::DeviceBufferDescriptor> gpu;  // for tensors on a device
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
@@ -124,6 +127,35 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
   return tensors_.back().get();
 }
 
+absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std::string& dtype,
+                                              const std::vector<int64_t>& shape, void* device_ptr,
+                                              const std::vector<int64_t>& global_shape,
+                                              const std::vector<int64_t>& global_offset) {
+  if (!session_id_.empty()) {
+    return absl::FailedPreconditionError("AddCudaTensor after Register(): register once, at the end");
+  }
+  CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(dtype));
+  size_t nbytes = itemsize;
+  for (int64_t d : shape) {
+    if (d < 0) return absl::InvalidArgumentError(fmt::format("tensor {}: negative dimension", name));
+    nbytes *= static_cast<size_t>(d);
+  }
+  CKPT_ASSIGN_OR_RETURN(cuda::DeviceBufferDescriptor descriptor,
+                        cuda::DescribeDeviceBuffer(name, device_ptr, nbytes));
+  auto t = std::make_unique<Tensor>();
+  t->name = name;
+  t->dtype = dtype;
+  t->shape = shape;
+  t->data = device_ptr;
+  t->nbytes = nbytes;
+  t->global_shape = global_shape;
+  t->global_offset = global_offset;
+  t->on_device = true;
+  impl_->gpu[t.get()] = std::move(descriptor);
+  tensors_.push_back(std::move(t));
+  return tensors_.back().get();
+}
+
 absl::Status Client::Register() {
   if (!session_id_.empty()) return absl::FailedPreconditionError("already registered");
   ::ckptd::v1::RegisterRequest req;
@@ -132,6 +164,21 @@ absl::Status Client::Register() {
   req.set_world_size(impl_->options.world_size);
   req.set_pid(::getpid());
   for (const auto& t : tensors_) {
+    if (t->on_device) {
+      const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(t.get());
+      ::ckptd::v1::TensorSpec* spec = req.add_tensors();
+      spec->set_name(t->name);
+      spec->set_dtype(t->dtype);
+      for (int64_t x : t->shape) spec->add_shape(x);
+      spec->set_nbytes(t->nbytes);
+      for (int64_t x : t->global_shape) spec->add_global_shape(x);
+      for (int64_t x : t->global_offset) spec->add_global_offset(x);
+      spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());
+      spec->mutable_cuda()->set_offset(d.offset);
+      spec->mutable_cuda()->set_allocation_bytes(d.allocation_bytes);
+      spec->mutable_cuda()->set_device_uuid(d.device_uuid);
+      continue;
+    }
     const shm::Arena* owner = nullptr;
     for (const auto& a : impl_->arenas) {
       char* base = static_cast<char*>(a->at(0));

@@ -45,6 +45,7 @@ struct Tensor {
   // Placement in a global tensor sharded across ranks; empty when the tensor is whole.
   std::vector<int64_t> global_shape;
   std::vector<int64_t> global_offset;
+  bool on_device = false;  // a GPU buffer registered with AddCudaTensor
 };
 
 using Metadata = std::map<std::string, std::string>;
@@ -83,6 +84,15 @@ class Client {
                                          const std::vector<int64_t>& shape,
                                          const std::vector<int64_t>& global_shape = {},
                                          const std::vector<int64_t>& global_offset = {});
+
+  // Adds an existing GPU buffer (allocated with cudaMalloc or PyTorch's default caching
+  // allocator) that ckptd will map through CUDA IPC. Only before Register(). Fails at once,
+  // naming the tensor, for memory CUDA IPC cannot share (expandable segments,
+  // cudaMallocAsync pools) or when CUDA is unusable in this process.
+  absl::StatusOr<Tensor*> AddCudaTensor(const std::string& name, const std::string& dtype,
+                                        const std::vector<int64_t>& shape, void* device_ptr,
+                                        const std::vector<int64_t>& global_shape = {},
+                                        const std::vector<int64_t>& global_offset = {});
 
   // Registers every allocated tensor with the daemon and opens the session.
   absl::Status Register();

@@ -32,9 +32,13 @@ struct RestoreResult {
 
 class Restorer {
  public:
+  // GPU tensors are restored through `device_engine` (from memory directly; from disk via a
+  // bounce block of `pool`).
   Restorer(persist::CheckpointStore& store, Checkpointer& checkpointer, cuda::CopyEngine& engine,
-           cuda::CopyPriority* priority = nullptr)
-      : store_(store), checkpointer_(checkpointer), engine_(engine), priority_(priority) {}
+           cuda::CopyPriority* priority = nullptr, cuda::CopyEngine* device_engine = nullptr,
+           cuda::StagingPool* pool = nullptr)
+      : store_(store), checkpointer_(checkpointer), engine_(engine), priority_(priority),
+        device_engine_(device_engine), pool_(pool) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, std::optional<uint64_t> step);
 
@@ -48,6 +52,8 @@ class Restorer {
   Checkpointer& checkpointer_;
   cuda::CopyEngine& engine_;
   cuda::CopyPriority* priority_;  // may be null; outlives the restorer
+  cuda::CopyEngine* device_engine_;  // may be null
+  cuda::StagingPool* pool_;          // may be null
 };
 
 // Checks that the registered tensors and the checkpoint's tensors for this rank have the

@@ -10,6 +10,8 @@
 #include "common/status.h"
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"
+#include "cuda/cuda_copy_engine.h"
+#include "cuda/ipc_memory_cache.h"
 #include "cuda/device.h"
 #include "cuda/staging_pool.h"
 #include "daemon/checkpointer.h"
@@ -34,6 +36,8 @@ struct Server::Parts {
   std::unique_ptr<persist::CheckpointStore> store;
   cuda::StagingPoolPtr pool;
   cuda::CopyEnginePtr engine;
+  cuda::CopyEnginePtr device_engine;  // null without a usable GPU
+  std::unique_ptr<cuda::IpcMemoryCache> gpu_memory;
   cuda::CopyPriority copy_priority;
   persist::ShardWriterPtr writer;
   std::unique_ptr<Checkpointer> checkpointer;
@@ -66,18 +70,28 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     log.info("removed {} stale control segments", swept);
   }
 
-  const cuda::DeviceInfo& device = cuda::DetectDevices();
-  if (device.available()) {
-    log.info("CUDA: {} device(s); GPU buffers are served by the CUDA path when registered",
-             device.device_count);
-  } else {
-    log.info("CUDA: no usable device ({}); host copy engine only", device.reason);
-  }
   CKPT_ASSIGN_OR_RETURN(p->pool, cuda::StagingPool::Create(config.staging_bytes,
                                                            config.prefault_staging));
   p->engine = cuda::MakeHostCopyEngine(config.copy_threads);
-  // Persisting steps aside (between its 32 MiB writes) while a copy that a trainer waits
-  // for is running; a copy never takes long, so the wait is bounded small.
+  // CUDA is detected once. Without a usable device the host path serves everything and
+  // GPU tensors are refused at registration with this reason.
+  const cuda::DeviceInfo& device = cuda::DetectDevices();
+  std::string no_gpu_reason = device.reason;
+  if (device.available()) {
+    auto engine = cuda::MakeCudaCopyEngine({.device = 0, .streams = 4});
+    absl::Status pinned = engine.ok() ? p->pool->PinForCuda() : engine.status();
+    if (pinned.ok()) {
+      p->device_engine = std::move(*engine);
+      p->gpu_memory = std::make_unique<cuda::IpcMemoryCache>();
+      log.info("CUDA: {} device(s); staging memory pinned; GPU tensors copied on 4 streams",
+               device.device_count);
+    } else {
+      no_gpu_reason = Message(pinned);
+      log.error("CUDA: device present but unusable ({}); host copy engine only", no_gpu_reason);
+    }
+  } else {
+    log.info("CUDA: no usable device ({}); host copy engine only", device.reason);
+  }
   p->writer = persist::MakeLocalFsShardWriter(p->fs, [priority = &p->copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));
   });
@@ -87,12 +101,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->checkpointer = std::make_unique<Checkpointer>(*p->store, *p->writer, p->board, options);
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, config.when_busy,
                                        std::chrono::milliseconds(config.busy_wait_ms),
-                                       &p->copy_priority);
+                                       &p->copy_priority, p->device_engine.get());
   p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
-                                           &p->copy_priority);
+                                           &p->copy_priority, p->device_engine.get(),
+                                           p->pool.get());
 
   Session::Limits limits;
   limits.staging_bytes = p->pool->capacity();
+  limits.gpu_memory = p->gpu_memory.get();
+  limits.no_gpu_reason = no_gpu_reason;
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
   p->trainer_service = std::make_unique<TrainerService>(p->sessions, *p->stager, *p->checkpointer,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <random>
+#include <cstring>
 #include <set>
 
 #include "common/log.h"
@@ -92,6 +93,19 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
     std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
     CKPT_RETURN_IF_ERROR(CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
     CKPT_RETURN_IF_ERROR(ValidatePlacement(t));
+    if (t.has_cuda()) {
+      RegisteredTensor rt;
+      rt.name = t.name();
+      rt.dtype = t.dtype();
+      rt.shape = std::move(shape);
+      rt.nbytes = t.nbytes();
+      rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
+      rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
+      CKPT_RETURN_IF_ERROR(s->AddGpuTensor(t, limits, rt));
+      s->registered_bytes_ += rt.nbytes;
+      s->tensors_.push_back(std::move(rt));
+      continue;
+    }
     CKPT_RETURN_IF_ERROR(Annotate(ValidateShmName(t.shm_name()), fmt::format("tensor {}", t.name())));
     auto it = s->arenas_.find(t.shm_name());
     if (it == s->arenas_.end()) {
@@ -138,7 +152,7 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   CKPT_ASSIGN_OR_RETURN(s->control_, shm::Segment::Create(control_name, shm::kControlBlockBytes,
                                                           0660, /*unlink_on_destroy=*/true));
   // The trainer maps the control block read-write: give it to the arena's owner.
-  uid_t trainer_uid = s->arenas_.begin()->second->owner_uid();
+  uid_t trainer_uid = s->arenas_.empty() ? 0 : s->arenas_.begin()->second->owner_uid();
   if (::geteuid() == 0 && trainer_uid != 0) {
     std::string path = "/dev/shm" + control_name;
     if (::chown(path.c_str(), trainer_uid, static_cast<gid_t>(-1)) != 0) {
@@ -149,6 +163,37 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   s->control_block_ = static_cast<shm::ControlBlock*>(s->control_->data());
   s->consumer_ = std::make_unique<shm::CommandConsumer>(s->control_block_);
   return s;
+}
+
+absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,
+                                   RegisteredTensor& out) {
+  if (limits.gpu_memory == nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "tensor {} is on GPU {}, but this ckptd has no usable CUDA device ({})", t.name(),
+        t.cuda().device_uuid(), limits.no_gpu_reason));
+  }
+  const auto& c = t.cuda();
+  if (c.ipc_handle().size() != cuda::kIpcHandleBytes) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: CUDA IPC handle of {} bytes, expected {}", t.name(), c.ipc_handle().size(),
+        cuda::kIpcHandleBytes));
+  }
+  if (c.offset() > c.allocation_bytes() || t.nbytes() > c.allocation_bytes() - c.offset()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: bytes [{}, {}) lie outside its CUDA allocation ({} bytes)", t.name(),
+        c.offset(), c.offset() + t.nbytes(), c.allocation_bytes()));
+  }
+  cuda::DeviceBufferDescriptor d;
+  std::memcpy(d.ipc_handle.data(), c.ipc_handle().data(), cuda::kIpcHandleBytes);
+  d.offset = c.offset();
+  d.allocation_bytes = c.allocation_bytes();
+  d.device_uuid = c.device_uuid();
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<cuda::IpcMapping> mapping,
+                        limits.gpu_memory->Acquire(d, t.name()));
+  out.data = mapping->base() + c.offset();
+  out.on_device = true;
+  gpu_mappings_.push_back(std::move(mapping));
+  return absl::OkStatus();
 }
 
 Session::~Session() {

@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "cuda/ipc_memory_cache.h"
 #include "daemon/control/status_board.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
@@ -27,6 +28,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
  public:
   struct Limits {
     uint64_t staging_bytes = 0;  // registrations larger than the budget are refused
+    cuda::IpcMemoryCache* gpu_memory = nullptr;  // null: this daemon has no usable GPU
+    std::string no_gpu_reason;
     uid_t daemon_uid = 0;
     std::vector<uint32_t> allow_uids;
   };
@@ -69,6 +72,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
 
  private:
   Session() = default;
+  absl::Status AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,
+                            RegisteredTensor& out);
   void CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoard& board);
   void HandleSnapshot(shm::Command command, Stager& stager, Checkpointer& checkpointer,
                       StatusBoard& board);
@@ -81,6 +86,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   int32_t pid_ = 0;
   UniqueFd pidfd_;
   std::map<std::string, shm::SegmentPtr> arenas_;
+  std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
   std::vector<RegisteredTensor> tensors_;
   uint64_t registered_bytes_ = 0;
   shm::SegmentPtr control_;

@@ -11,6 +11,16 @@
 
 namespace ckpt::daemon {
 
+absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
+                       const std::vector<cuda::CopyRegion>& host_regions,
+                       const std::vector<cuda::CopyRegion>& device_regions) {
+  if (!device_regions.empty()) {
+    if (device == nullptr) return absl::FailedPreconditionError("GPU tensors but no CUDA engine");
+    CKPT_RETURN_IF_ERROR(device->Copy(device_regions));
+  }
+  return host_regions.empty() ? absl::OkStatus() : host.Copy(host_regions);
+}
+
 absl::StatusOr<cuda::StagingBlockPtr> Stager::Reserve(size_t bytes, const std::string& context) {
   auto deadline = std::chrono::steady_clock::now() + busy_wait_;
   while (true) {
@@ -45,11 +55,11 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   snap->rank = session.rank;
   snap->world_size = session.world_size;
   snap->tensor_count = tensors.size();
-  std::vector<cuda::CopyRegion> regions;
+  std::vector<cuda::CopyRegion> regions, device_regions;
   regions.reserve(tensors.size());
   uint64_t offset = 0;
   for (const RegisteredTensor& t : tensors) {
-    regions.push_back({block->data() + offset, t.data, t.nbytes});
+    (t.on_device ? device_regions : regions).push_back({block->data() + offset, t.data, t.nbytes});
     snap->shard.entries.push_back({t.name, t.dtype, t.shape, offset, offset + t.nbytes});
     snap->placements.push_back(t.placement);
     offset += t.nbytes;
@@ -57,7 +67,8 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   auto copy_started = std::chrono::steady_clock::now();
   {
     cuda::CopyPriority::Copying copying(priority_);
-    CKPT_RETURN_IF_ERROR(Annotate(engine_.Copy(regions), context));
+    CKPT_RETURN_IF_ERROR(
+        Annotate(CopySplit(engine_, device_engine_, regions, device_regions), context));
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {

@@ -25,7 +25,8 @@ struct RegisteredTensor {
   std::string dtype;
   std::vector<int64_t> shape;
   uint64_t nbytes = 0;
-  char* data = nullptr;  // inside a segment the owning session keeps mapped
+  char* data = nullptr;  // in a segment or CUDA allocation the owning session keeps mapped
+  bool on_device = false;  // a GPU buffer: copied by the CUDA engine
   TensorPlacement placement;
 };
 
@@ -39,11 +40,13 @@ struct SessionView {
 
 class Stager {
  public:
+  // `device_engine` copies GPU tensors; null where the daemon has no usable GPU (sessions
+  // then refuse GPU tensors at registration).
   Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, Checkpointer& checkpointer,
          WhenBusy when_busy, std::chrono::milliseconds busy_wait,
-         cuda::CopyPriority* priority = nullptr)
+         cuda::CopyPriority* priority = nullptr, cuda::CopyEngine* device_engine = nullptr)
       : pool_(pool), engine_(engine), checkpointer_(checkpointer), when_busy_(when_busy),
-        busy_wait_(busy_wait), priority_(priority) {}
+        busy_wait_(busy_wait), priority_(priority), device_engine_(device_engine) {}
 
   // ResourceExhausted when staging memory cannot be had under the --when-busy policy.
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
@@ -58,6 +61,12 @@ class Stager {
   const WhenBusy when_busy_;
   const std::chrono::milliseconds busy_wait_;
   cuda::CopyPriority* priority_;  // may be null; outlives the stager
+  cuda::CopyEngine* device_engine_;  // may be null
 };
+
+// Copies host regions on `host` and device regions on `device` (which must then be set).
+absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
+                       const std::vector<cuda::CopyRegion>& host_regions,
+                       const std::vector<cuda::CopyRegion>& device_regions);
 
 }  // namespace ckpt::daemon

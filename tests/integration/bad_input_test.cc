@@ -51,7 +51,10 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
                  Case{"missing-shm", "j", "does not exist"},
                  Case{"traversal-shm", "j", "invalid shared-memory name"},
                  Case{"bad-rank", "j", "rank 1 is not below world size 1"},
-                 Case{"bad-job", "../etc", "invalid job name \"../etc\""}}) {
+                 Case{"bad-job", "../etc", "invalid job name \"../etc\""},
+                 Case{"cuda-on-host-daemon", "j",
+                      "tensor w is on GPU GPU-00000000-0000-0000-0000-000000000000, but this "
+                      "ckptd has no usable CUDA device"}}) {
     auto r = Run(Helper(d, {"--job", c.job, "register-bad", "--case", c.name}), dir.path());
     INFO(c.name << ": " << r.out << r.err);
     CHECK(r.exit_code == 0);
@@ -59,6 +62,17 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
   }
   CHECK_FALSE(std::filesystem::exists(dir / "etc"));
   CHECK(Run(Helper(d, {"register-bad", "--case", "none"}), dir.path()).exit_code == 1);
+}
+
+TEST_CASE("a GPU tensor from a process without usable CUDA is refused, naming the tensor") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  auto r = Run(Helper(d, {"add-cuda"}), dir.path());
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(Contains(r.out, "tensor gpu.weight: CUDA is not usable in this process"));
+  CHECK(Contains(d.Log(), "host copy engine only"));
 }
 
 TEST_CASE("unknown sessions and tickets get clear errors") {

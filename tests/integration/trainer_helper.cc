@@ -176,6 +176,12 @@ int RegisterBad(const Flags& f) {
   else if (c == "missing-shm") t->set_shm_name("/ckpt-arena.does-not-exist");
   else if (c == "traversal-shm") t->set_shm_name("/../../etc/passwd");
   else if (c == "bad-rank") req.set_rank(f.world_size);
+  else if (c == "cuda-on-host-daemon") {
+    t->clear_shm_name();
+    t->mutable_cuda()->set_ipc_handle(std::string(64, '\x01'));
+    t->mutable_cuda()->set_allocation_bytes(1 << 20);
+    t->mutable_cuda()->set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
+  }
   else if (c != "bad-job" && c != "none") return 64;
   auto stub = ::ckptd::v1::Trainer::NewStub(
       grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
@@ -219,6 +225,18 @@ int Unknown(const Flags& f) {
   std::cout << "wait-ticket code=" << s.error_code() << " message=" << s.error_message() << "\n";
   ckpt::TicketStatus polled = c->Poll(4242);
   std::cout << "poll-ticket state=" << ckpt::ToString(polled.state) << " error=" << polled.error << "\n";
+  return 0;
+}
+
+// A GPU tensor from a process where CUDA is unusable: refused before any request is sent.
+int AddCuda(const Flags& f) {
+  auto c = Connect(f);
+  auto t = c->AddCudaTensor("gpu.weight", "BF16", {1024}, reinterpret_cast<void*>(0x7f0000000000));
+  if (t.ok()) {
+    std::cout << "accepted\n";
+    return 1;
+  }
+  std::cout << "error: " << ckpt::Message(t.status()) << "\n";
   return 0;
 }
 
@@ -316,7 +334,8 @@ int main(int argc, char** argv) {
   auto* rpc = app.add_subcommand("rpc-snapshot");
   rpc->add_option("--step", f.step);
   auto* health = app.add_subcommand("health");
-  for (auto* sub : {save, check, bad, unknown, rpc, health}) sub->fallthrough();
+  auto* add_cuda = app.add_subcommand("add-cuda");
+  for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda}) sub->fallthrough();
   CLI11_PARSE(app, argc, argv);
   if (f.as_uid >= 0 && (::setgroups(0, nullptr) != 0 || ::setresgid(f.as_uid, f.as_uid, f.as_uid) != 0 ||
                         ::setresuid(f.as_uid, f.as_uid, f.as_uid) != 0)) {
@@ -328,5 +347,6 @@ int main(int argc, char** argv) {
   if (bad->parsed()) return RegisterBad(f);
   if (unknown->parsed()) return Unknown(f);
   if (rpc->parsed()) return RpcSnapshot(f);
+  if (add_cuda->parsed()) return AddCuda(f);
   return Health(f);
 }

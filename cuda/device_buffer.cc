@@ -1,0 +1,130 @@
+#include "cuda/device_buffer.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+#include "common/status.h"
+#include "cuda/device.h"
+
+namespace ckpt::cuda {
+namespace {
+
+// Driver entry points fetched through the runtime, so that binaries never link libcuda
+// and still start on machines without a driver.
+using PointerGetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+
+absl::StatusOr<PointerGetAttribute> GetPointerAttributeFn() {
+  static PointerGetAttribute fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<PointerGetAttribute>(p);
+  }();
+  if (fn == nullptr) return absl::FailedPreconditionError("the CUDA driver API is not available");
+  return fn;
+}
+
+template <typename T>
+absl::Status Attribute(PointerGetAttribute fn, T* out, CUpointer_attribute what, const void* ptr,
+                       const std::string& name) {
+  CUresult r = fn(out, what, reinterpret_cast<CUdeviceptr>(ptr));
+  if (r != CUDA_SUCCESS) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: cuPointerGetAttribute({}) failed with CUresult {}; is it CUDA memory?", name,
+        static_cast<int>(what), static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
+std::string FormatUuid(const cudaUUID_t& uuid) {
+  const auto* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+  return fmt::format("GPU-{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-"
+                     "{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+                     b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11],
+                     b[12], b[13], b[14], b[15]);
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> DeviceUuid(int device) {
+  cudaDeviceProp prop;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), fmt::format("device {}", device));
+  return FormatUuid(prop.uuid);
+}
+
+absl::StatusOr<int> DeviceOrdinalByUuid(const std::string& uuid) {
+  const DeviceInfo& info = DetectDevices();
+  if (!info.available()) {
+    return absl::FailedPreconditionError(fmt::format("no usable CUDA device ({})", info.reason));
+  }
+  for (int d = 0; d < info.device_count; ++d) {
+    auto mine = DeviceUuid(d);
+    if (mine.ok() && *mine == uuid) return d;
+  }
+  return absl::NotFoundError(fmt::format("GPU {} is not visible to this process", uuid));
+}
+
+absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& name,
+                                                            const void* ptr, size_t bytes) {
+  const DeviceInfo& info = DetectDevices();
+  if (!info.available()) {
+    return absl::FailedPreconditionError(
+        fmt::format("tensor {}: CUDA is not usable in this process ({})", name, info.reason));
+  }
+  cudaPointerAttributes attrs;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attrs, ptr), fmt::format("tensor {}", name));
+  if (attrs.type != cudaMemoryTypeDevice) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: not device memory (register host tensors through a shared-memory arena)", name));
+  }
+  auto fn = GetPointerAttributeFn();
+  if (!fn.ok()) return fn.status();
+  void* pool = nullptr;
+  CKPT_RETURN_IF_ERROR(Attribute(*fn, &pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr, name));
+  if (pool != nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "tensor {}: allocated from a stream-ordered pool (cudaMallocAsync), which CUDA IPC "
+        "cannot export; allocate checkpointed buffers with cudaMalloc",
+        name));
+  }
+  int legacy_ipc = 0;
+  CKPT_RETURN_IF_ERROR(
+      Attribute(*fn, &legacy_ipc, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, ptr, name));
+  if (!legacy_ipc) {
+    return absl::FailedPreconditionError(fmt::format(
+        "tensor {}: allocated with CUDA's virtual memory API (PyTorch: "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which CUDA IPC cannot export; "
+        "set expandable_segments:False for this process",
+        name));
+  }
+  CUdeviceptr base = 0;
+  size_t range = 0;
+  CKPT_RETURN_IF_ERROR(Attribute(*fn, &base, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr, name));
+  CKPT_RETURN_IF_ERROR(Attribute(*fn, &range, CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr, name));
+  DeviceBufferDescriptor d;
+  d.offset = reinterpret_cast<uintptr_t>(ptr) - static_cast<uintptr_t>(base);
+  d.allocation_bytes = range;
+  if (d.offset + bytes > range) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: {} bytes at offset {} run past the end of its allocation ({} bytes)", name,
+        bytes, d.offset, range));
+  }
+  cudaIpcMemHandle_t handle;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)),
+                            fmt::format("tensor {}", name));
+  static_assert(sizeof(handle) == kIpcHandleBytes);
+  std::memcpy(d.ipc_handle.data(), &handle, kIpcHandleBytes);
+  CKPT_ASSIGN_OR_RETURN(d.device_uuid, DeviceUuid(attrs.device));
+  return d;
+}
+
+}  // namespace ckpt::cuda

@@ -1,0 +1,37 @@
+// What a trainer tells ckptd about a GPU buffer so that the daemon can map it: the CUDA IPC
+// handle of the allocation that holds it (IPC exports whole allocations), the buffer's
+// offset in that allocation, and the device's UUID (ordinals differ between processes
+// with different CUDA_VISIBLE_DEVICES).
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::cuda {
+
+inline constexpr size_t kIpcHandleBytes = 64;
+
+struct DeviceBufferDescriptor {
+  std::array<char, kIpcHandleBytes> ipc_handle{};
+  uint64_t offset = 0;            // from the allocation base
+  uint64_t allocation_bytes = 0;  // the whole allocation
+  std::string device_uuid;        // "GPU-xxxxxxxx-xxxx-..."
+};
+
+// Describes `bytes` at device pointer `ptr` (trainer side). Clear errors for memory that
+// cannot be shared through CUDA IPC: host memory, CUDA's virtual memory API (PyTorch's
+// expandable_segments), stream-ordered pools (cudaMallocAsync), and no usable device.
+absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& name,
+                                                            const void* ptr, size_t bytes);
+
+// "GPU-..." for a device ordinal of this process.
+absl::StatusOr<std::string> DeviceUuid(int device);
+
+// The ordinal (in this process) of the device with `uuid`; NotFound if it is not visible.
+absl::StatusOr<int> DeviceOrdinalByUuid(const std::string& uuid);
+
+}  // namespace ckpt::cuda

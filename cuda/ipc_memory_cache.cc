@@ -1,0 +1,48 @@
+#include "cuda/ipc_memory_cache.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "cuda/cuda_check.h"
+
+namespace ckpt::cuda {
+
+IpcMapping::~IpcMapping() {
+  int previous = 0;
+  (void)cudaGetDevice(&previous);
+  (void)cudaSetDevice(device_);
+  (void)cudaIpcCloseMemHandle(base_);
+  (void)cudaSetDevice(previous);
+}
+
+absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
+    const DeviceBufferDescriptor& d, const std::string& tensor) {
+  std::string key = d.device_uuid + std::string(d.ipc_handle.data(), d.ipc_handle.size());
+  std::lock_guard lock(mu_);
+  if (auto it = open_.find(key); it != open_.end()) {
+    if (auto live = it->second.lock()) return live;
+  }
+  auto device = DeviceOrdinalByUuid(d.device_uuid);
+  if (!device.ok()) {
+    return absl::Status(device.status().code(),
+                        fmt::format("tensor {}: {}", tensor, std::string(device.status().message())));
+  }
+  int previous = 0;
+  (void)cudaGetDevice(&previous);
+  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(*device), fmt::format("tensor {}", tensor));
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, d.ipc_handle.data(), sizeof handle);
+  void* base = nullptr;
+  cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+  (void)cudaSetDevice(previous);
+  CKPT_CUDA_RETURN_IF_ERROR(err, fmt::format("tensor {} (cudaIpcOpenMemHandle on {})", tensor,
+                                             d.device_uuid));
+  std::shared_ptr<IpcMapping> mapping(new IpcMapping(static_cast<char*>(base), *device,
+                                                     d.allocation_bytes));
+  open_[key] = mapping;
+  return mapping;
+}
+
+}  // namespace ckpt::cuda
