@@ -6,10 +6,13 @@
 #include <grpcpp/grpcpp.h>
 
 #include <map>
+#include <atomic>
 #include <mutex>
+#include <thread>
 
 #include "common/status.h"
 #include "cuda/device_buffer.h"
+#include "cuda/trainer_sync.h"
 #include "common/dtype.h"
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
@@ -50,6 +53,15 @@ const char* ToString(TicketState state) {
 struct Client::Impl {
   ClientOptions options;
   std::map<const Tensor*, cuda::DeviceBufferDescriptor> gpu;  // for tensors on a device
+  std::unique_ptr<cuda::TrainerSync> gpu_sync;  // created with the first GPU tensor
+  void* cuda_stream = nullptr;
+  std::thread watchdog;            // releases GPU waiters if ckptd dies
+  std::atomic<bool> stop_watchdog{false};
+
+  ~Impl() {
+    stop_watchdog = true;
+    if (watchdog.joinable()) watchdog.join();
+  }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
@@ -142,6 +154,9 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
   }
   CKPT_ASSIGN_OR_RETURN(cuda::DeviceBufferDescriptor descriptor,
                         cuda::DescribeDeviceBuffer(name, device_ptr, nbytes));
+  if (!impl_->gpu_sync) {
+    CKPT_ASSIGN_OR_RETURN(impl_->gpu_sync, cuda::TrainerSync::Create(descriptor.device_ordinal));
+  }
   auto t = std::make_unique<Tensor>();
   t->name = name;
   t->dtype = dtype;
@@ -163,6 +178,7 @@ absl::Status Client::Register() {
   req.set_rank(impl_->options.rank);
   req.set_world_size(impl_->options.world_size);
   req.set_pid(::getpid());
+  if (impl_->gpu_sync) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
   for (const auto& t : tensors_) {
     if (t->on_device) {
       const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(t.get());
@@ -207,6 +223,18 @@ absl::Status Client::Register() {
                         shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
   impl_->producer = std::make_unique<shm::CommandProducer>(block);
   session_id_ = reply.session_id();
+  if (impl_->gpu_sync) {
+    CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
+        reinterpret_cast<uint64_t*>(&block->staged_ticket)));
+    impl_->watchdog = std::thread([impl = impl_.get(), block] {
+      while (!impl->stop_watchdog) {
+        if (!impl->producer || !impl->producer->CheckDaemonAlive(impl->options.daemon_dead_after).ok()) {
+          block->staged_ticket.store(UINT64_MAX, std::memory_order_release);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+  }
   return absl::OkStatus();
 }
 
@@ -218,7 +246,18 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
   payload.metadata = metadata;
   for (const auto& [name, data] : train_state) payload.train_state.push_back({name, data});
   std::lock_guard lock(impl_->publish_mu);
+  if (impl_->gpu_sync) CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream));
   return impl_->producer->PublishSnapshot(step, payload);
+}
+
+void Client::SetCudaStream(void* stream) { impl_->cuda_stream = stream; }
+
+absl::Status Client::StreamWaitStaged(uint64_t ticket, void* stream) {
+  if (!impl_->gpu_sync || !impl_->producer) {
+    return absl::FailedPreconditionError("StreamWaitStaged needs registered GPU tensors");
+  }
+  CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after));
+  return impl_->gpu_sync->StreamWaitStaged(stream, ticket);
 }
 
 TicketStatus Client::Poll(uint64_t ticket) const {
@@ -273,6 +312,8 @@ absl::Status Client::Unregister() {
   auto ctx = impl_->Context();
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   session_id_.clear();
+  impl_->stop_watchdog = true;  // it reads the control block we are about to unmap
+  if (impl_->watchdog.joinable()) impl_->watchdog.join();
   impl_->producer.reset();
   impl_->control.reset();
   return FromGrpc(impl_->stub->Unregister(ctx.get(), req, &reply), "unregister",

@@ -103,6 +103,15 @@ class Client {
                                     const TrainState& train_state = {});
 
   TicketStatus Poll(uint64_t ticket) const;
+
+  // GPU tensors only. Snapshots are taken at a point of `stream` (a cudaStream_t; by
+  // default the legacy default stream): Snapshot() records an event there and ckptd's copy
+  // waits for it on the device, so the CPU never waits.
+  void SetCudaStream(void* stream);
+  // Makes `stream` wait on the device until `ticket` is staged (or failed): the CPU goes on
+  // launching kernels; only work queued after this on `stream` waits. If ckptd dies, the
+  // wait is released (the client's watchdog) rather than hanging the GPU.
+  absl::Status StreamWaitStaged(uint64_t ticket, void* stream);
   // Until the snapshot is staged (or failed/rejected): the tensors may be mutated again.
   absl::StatusOr<TicketStatus> WaitStaged(uint64_t ticket,
                                           std::chrono::milliseconds timeout = std::chrono::minutes(10));

@@ -22,8 +22,10 @@ class CopyEngine {
  public:
   virtual ~CopyEngine() = default;
   virtual std::string_view name() const = 0;
-  // Copies every region and returns when all bytes have landed.
-  virtual absl::Status Copy(std::span<const CopyRegion> regions) = 0;
+  // Copies every region and returns when all bytes have landed. `after`, when not null, is
+  // a cudaEvent_t the copy must wait for on the device (the trainer's snapshot point);
+  // engines without a device ignore it.
+  virtual absl::Status Copy(std::span<const CopyRegion> regions, void* after = nullptr) = 0;
 };
 
 using CopyEnginePtr = std::unique_ptr<CopyEngine>;

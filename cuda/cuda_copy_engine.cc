@@ -40,10 +40,20 @@ class CudaCopyEngine final : public CopyEngine {
 
   std::string_view name() const override { return "cuda"; }
 
-  absl::Status Copy(std::span<const CopyRegion> regions) override {
+  absl::Status Copy(std::span<const CopyRegion> regions, void* after) override {
     std::lock_guard lock(mu_);  // one job at a time; its chunks run on every stream
     DeviceGuard guard(options_.device);
     if (!guard.ok()) return absl::FailedPreconditionError("cannot select the CUDA device");
+    if (after != nullptr) {
+      // Copy exactly the state at the trainer's snapshot point: every stream waits for the
+      // event the trainer recorded before publishing the command (the most recent record
+      // when this call is made is that one or a later one).
+      for (size_t s = 0; s < streams_.size(); ++s) {
+        CKPT_CUDA_RETURN_IF_ERROR(
+            cudaStreamWaitEvent(streams_[s], static_cast<cudaEvent_t>(after), 0),
+            fmt::format("trainer snapshot event on stream {}", s));
+      }
+    }
     auto plan = PlanChunks(regions, static_cast<int>(streams_.size()), options_.chunk_bytes);
     for (size_t s = 0; s < plan.size(); ++s) {
       for (const CopyRegion& c : plan[s]) {

@@ -124,6 +124,7 @@ absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& n
   static_assert(sizeof(handle) == kIpcHandleBytes);
   std::memcpy(d.ipc_handle.data(), &handle, kIpcHandleBytes);
   CKPT_ASSIGN_OR_RETURN(d.device_uuid, DeviceUuid(attrs.device));
+  d.device_ordinal = attrs.device;
   return d;
 }
 

@@ -20,6 +20,7 @@ struct DeviceBufferDescriptor {
   uint64_t offset = 0;            // from the allocation base
   uint64_t allocation_bytes = 0;  // the whole allocation
   std::string device_uuid;        // "GPU-xxxxxxxx-xxxx-..."
+  int device_ordinal = 0;         // in the describing process
 };
 
 // Describes `bytes` at device pointer `ptr` (trainer side). Clear errors for memory that

@@ -32,7 +32,7 @@ class HostCopyEngine final : public CopyEngine {
 
   std::string_view name() const override { return "host"; }
 
-  absl::Status Copy(std::span<const CopyRegion> regions) override {
+  absl::Status Copy(std::span<const CopyRegion> regions, void* /*after*/) override {
     std::lock_guard serial(copy_mu_);  // one job at a time
     uint64_t total = 0;
     for (const CopyRegion& r : regions) total += r.bytes;

@@ -157,6 +157,10 @@ void CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
     t.error[n] = '\0';
   }
   t.state.store(state, std::memory_order_release);
+  // Failed or rejected tickets release GPU waiters too: they wait for "not pending".
+  if (state != kTicketCommitted && ticket > block_->staged_ticket.load(std::memory_order_relaxed)) {
+    block_->staged_ticket.store(ticket, std::memory_order_release);
+  }
   FutexWakeAll(&t.state);
 }
 

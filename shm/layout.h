@@ -17,7 +17,7 @@
 namespace ckpt::shm {
 
 inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
-inline constexpr uint32_t kControlAbiVersion = 1;
+inline constexpr uint32_t kControlAbiVersion = 2;
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr uint32_t kTicketSlots = 64;
 inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
@@ -68,6 +68,12 @@ struct alignas(64) ControlBlock {
   std::atomic<uint32_t> closed;                  // daemon ended the session
   std::atomic<uint64_t> daemon_heartbeat_ns;     // CLOCK_MONOTONIC, refreshed every 100 ms
 
+  // The highest ticket staged so far (tickets are staged in order). Its own 4 KiB page so
+  // that a trainer can map it into a GPU's address space and make a stream wait for it
+  // (cuStreamWaitValue64 >= ticket) without the CPU waiting.
+  alignas(4096) std::atomic<uint64_t> staged_ticket;
+  char staged_page_padding[4096 - sizeof(std::atomic<uint64_t>)];
+
   CommandSlot commands[kRingSlots];
   TicketSlot tickets[kTicketSlots];
 };
@@ -78,6 +84,7 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free);
 static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words must be 32-bit");
 static_assert(offsetof(ControlBlock, tail) % 64 == 0);
 static_assert(offsetof(ControlBlock, commands) % 64 == 0);
+static_assert(offsetof(ControlBlock, staged_ticket) % 4096 == 0);
 
 inline constexpr size_t kControlBlockBytes = sizeof(ControlBlock);
 

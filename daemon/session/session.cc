@@ -142,6 +142,11 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
     s->registered_bytes_ += rt.nbytes;
     s->tensors_.push_back(std::move(rt));
   }
+  if (!s->gpu_mappings_.empty() && !req.cuda_event_handle().empty()) {
+    auto event = cuda::IpcEvent::Open(req.cuda_event_handle(), s->gpu_mappings_.front()->device());
+    if (!event.ok()) return Annotate(event.status(), "snapshot event");
+    s->snapshot_event_ = std::move(*event);
+  }
   if (s->registered_bytes_ > limits.staging_bytes) {
     return absl::FailedPreconditionError(fmt::format(
         "rank {} registers {} bytes but the staging budget (--staging-bytes) is {} bytes",

@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
 #include "cuda/ipc_memory_cache.h"
+#include "cuda/trainer_sync.h"
 #include "daemon/control/status_board.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
@@ -52,7 +53,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   const std::string& control_name() const { return control_->name(); }
   uint64_t registered_bytes() const { return registered_bytes_; }
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
-  SessionView view() const { return {job_, rank_, world_size_, &tensors_}; }
+  SessionView view() const {
+    return {job_, rank_, world_size_, &tensors_, snapshot_event_ ? snapshot_event_->get() : nullptr};
+  }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Checks the trainer now rather than at the command thread's next tick.
   bool CheckTrainerAlive();
@@ -87,6 +90,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   UniqueFd pidfd_;
   std::map<std::string, shm::SegmentPtr> arenas_;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
+  std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
   std::vector<RegisteredTensor> tensors_;
   uint64_t registered_bytes_ = 0;
   shm::SegmentPtr control_;

@@ -13,10 +13,11 @@ namespace ckpt::daemon {
 
 absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
                        const std::vector<cuda::CopyRegion>& host_regions,
-                       const std::vector<cuda::CopyRegion>& device_regions) {
+                       const std::vector<cuda::CopyRegion>& device_regions,
+                       void* device_after) {
   if (!device_regions.empty()) {
     if (device == nullptr) return absl::FailedPreconditionError("GPU tensors but no CUDA engine");
-    CKPT_RETURN_IF_ERROR(device->Copy(device_regions));
+    CKPT_RETURN_IF_ERROR(device->Copy(device_regions, device_after));
   }
   return host_regions.empty() ? absl::OkStatus() : host.Copy(host_regions);
 }
@@ -68,7 +69,8 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   {
     cuda::CopyPriority::Copying copying(priority_);
     CKPT_RETURN_IF_ERROR(
-        Annotate(CopySplit(engine_, device_engine_, regions, device_regions), context));
+        Annotate(CopySplit(engine_, device_engine_, regions, device_regions, session.cuda_after),
+                 context));
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {

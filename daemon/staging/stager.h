@@ -36,6 +36,7 @@ struct SessionView {
   uint32_t rank = 0;
   uint32_t world_size = 0;
   const std::vector<RegisteredTensor>* tensors = nullptr;
+  void* cuda_after = nullptr;  // the trainer's snapshot event (cudaEvent_t), if any
 };
 
 class Stager {
@@ -67,6 +68,7 @@ class Stager {
 // Copies host regions on `host` and device regions on `device` (which must then be set).
 absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
                        const std::vector<cuda::CopyRegion>& host_regions,
-                       const std::vector<cuda::CopyRegion>& device_regions);
+                       const std::vector<cuda::CopyRegion>& device_regions,
+                       void* device_after = nullptr);
 
 }  // namespace ckpt::daemon

@@ -1,0 +1,107 @@
+#include "cuda/trainer_sync.h"
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "common/status.h"
+#include "cuda/cuda_check.h"
+
+namespace ckpt::cuda {
+namespace {
+
+using StreamWaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+
+absl::StatusOr<StreamWaitValue64> GetStreamWaitValue64() {
+  static StreamWaitValue64 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &p, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      p = nullptr;
+    }
+    return reinterpret_cast<StreamWaitValue64>(p);
+  }();
+  if (fn == nullptr) return absl::FailedPreconditionError("cuStreamWaitValue64 is not available");
+  return fn;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<TrainerSync>> TrainerSync::Create(int device) {
+  std::unique_ptr<TrainerSync> s(new TrainerSync());
+  s->device_ = device;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "snapshot event");
+  cudaEvent_t event;
+  CKPT_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+      "snapshot event");
+  s->event_ = event;
+  cudaIpcEventHandle_t handle;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetEventHandle(&handle, event), "snapshot event");
+  s->event_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+  return s;
+}
+
+TrainerSync::~TrainerSync() {
+  if (word_ != nullptr) (void)cudaHostUnregister(word_);
+  if (event_ != nullptr) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+absl::Status TrainerSync::RecordSnapshotPoint(void* stream) {
+  CKPT_CUDA_RETURN_IF_ERROR(
+      cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)),
+      "snapshot event");
+  return absl::OkStatus();
+}
+
+absl::Status TrainerSync::MapStagedWord(uint64_t* word) {
+  CKPT_CUDA_RETURN_IF_ERROR(cudaHostRegister(word, 4096, cudaHostRegisterMapped), "staged word");
+  void* device_ptr = nullptr;
+  CKPT_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_ptr, word, 0), "staged word");
+  word_ = word;
+  word_device_ = reinterpret_cast<uint64_t>(device_ptr);
+  return absl::OkStatus();
+}
+
+absl::Status TrainerSync::StreamWaitStaged(void* stream, uint64_t ticket) {
+  if (word_ == nullptr) return absl::FailedPreconditionError("no GPU tensors registered");
+  CKPT_ASSIGN_OR_RETURN(StreamWaitValue64 wait, GetStreamWaitValue64());
+  CUresult r = wait(static_cast<CUstream>(stream), static_cast<CUdeviceptr>(word_device_), ticket,
+                    CU_STREAM_WAIT_VALUE_GEQ);
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(fmt::format("cuStreamWaitValue64 for ticket {} failed (CUresult {})",
+                                           ticket, static_cast<int>(r)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<IpcEvent>> IpcEvent::Open(const std::string& handle, int device) {
+  if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+    return absl::InvalidArgumentError(fmt::format("CUDA event handle of {} bytes, expected {}",
+                                                  handle.size(), sizeof(cudaIpcEventHandle_t)));
+  }
+  std::unique_ptr<IpcEvent> e(new IpcEvent());
+  e->device_ = device;
+  cudaIpcEventHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof h);
+  int previous = 0;
+  (void)cudaGetDevice(&previous);
+  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "trainer snapshot event");
+  cudaEvent_t event;
+  cudaError_t err = cudaIpcOpenEventHandle(&event, h);
+  (void)cudaSetDevice(previous);
+  CKPT_CUDA_RETURN_IF_ERROR(err, "trainer snapshot event");
+  e->event_ = event;
+  return e;
+}
+
+IpcEvent::~IpcEvent() {
+  if (event_ != nullptr) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+}
+
+}  // namespace ckpt::cuda
