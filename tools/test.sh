@@ -18,8 +18,8 @@ while IFS= read -r target; do
   summary=$(grep -aE "^All tests passed|^test cases:" "$log" 2>/dev/null | tail -n 1)
   if [[ $summary =~ All\ tests\ passed.*in\ ([0-9]+)\ test\ case ]]; then
     p=${BASH_REMATCH[1]}; f=0
-  elif [[ $summary =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ passed\ \|\ +([0-9]+)\ failed ]]; then
-    p=${BASH_REMATCH[2]}; f=${BASH_REMATCH[3]}
+  elif [[ $summary =~ test\ cases:\ +([0-9]+)\ \|\ +([0-9]+)\ passed(\ \|\ +([0-9]+)\ failed)? ]]; then
+    p=${BASH_REMATCH[2]}; f=${BASH_REMATCH[4]:-0}
   else
     p=0; f=1  # crashed or timed out before Catch2 could report
   fi

@@ -1,0 +1,50 @@
+// The CUDA data path end to end on a real GPU: IPC registration of many buffers in one
+// allocation, ordering against queued device work, restore into fresh allocations, and a
+// trainer SIGKILLed while ckptd holds its handles. Skipped (and counted so) without a GPU.
+#include <signal.h>
+
+#include <catch2/catch.hpp>
+
+#include <iostream>
+
+#include "cuda/device.h"
+#include "tests/integration/common.h"
+
+using namespace ckpt::testing;
+
+TEST_CASE("GPU buffers: the checkpoint holds exactly the pre-snapshot state; restore is exact") {
+  if (!ckpt::cuda::DetectDevices().available()) {
+    std::cout << "SKIPPED: no CUDA device (" << ckpt::cuda::DetectDevices().reason << ")\n";
+    return;
+  }
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "2G"});
+  d.Start();
+  auto trainer = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {Runfile("tests/gpu/gpu_trainer"), "--socket", d.socket()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  };
+  auto save = Run(trainer({"--mode", "save", "--job", "g"}), dir.path());
+  INFO(save.out << save.err << d.Log());
+  REQUIRE(save.exit_code == 0);
+  auto hot = Run(trainer({"--mode", "check", "--job", "g"}), dir.path());
+  INFO(hot.out);
+  CHECK(Contains(hot.out, "match source=memory"));
+  // Unregister and register again (a new process, new allocations): works, restores exactly.
+  auto again = Run(trainer({"--mode", "check", "--job", "g"}), dir.path());
+  CHECK(Contains(again.out, "match"));
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  auto cold = Run(trainer({"--mode", "check", "--job", "g"}), dir.path());
+  CHECK(Contains(cold.out, "match source=disk"));
+
+  // A trainer killed while ckptd has its allocations open.
+  Process dying(trainer({"--mode", "save", "--job", "k", "--die-after-staged"}), dir.path(), "die");
+  CHECK(dying.Wait() == 128 + SIGKILL);
+  CHECK(Contains(dying.Stdout(), "staged"));
+  auto after = Run(trainer({"--mode", "check", "--job", "k"}), dir.path());
+  INFO(after.out << d.Log());
+  CHECK(Contains(after.out, "match"));
+  CHECK(d.Ctl({"status"}).exit_code == 0);  // the daemon is fine
+}
