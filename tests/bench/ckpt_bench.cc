@@ -35,6 +35,8 @@
 
 #include "client/ckpt_client.h"
 #include "common/status.h"
+#include "cuda/device.h"
+#include "tests/bench/gpu_bench.h"
 
 namespace {
 
@@ -57,6 +59,9 @@ struct Flags {
   std::string python = "/usr/bin/python3";
   bool json = false;
   bool skip_torch = false;
+  bool gpu = false;
+  std::string gpu_bytes = "8G";
+  int gpu_step_ms = 100;
 };
 
 [[noreturn]] void Die(const std::string& why) {
@@ -226,6 +231,9 @@ int main(int argc, char** argv) {
   app.add_option("--python", f.python)->capture_default_str();
   app.add_flag("--skip-torch", f.skip_torch);
   app.add_flag("--json", f.json, "print one JSON object");
+  app.add_flag("--gpu", f.gpu, "also run the GPU benchmark (pinned limits, IPC staging, step overhead)");
+  app.add_option("--gpu-bytes", f.gpu_bytes, "GPU state for the GPU benchmark")->capture_default_str();
+  app.add_option("--gpu-step-ms", f.gpu_step_ms, "busy GPU time per synthetic step")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   {
     uint64_t mult = 1;
@@ -237,6 +245,15 @@ int main(int argc, char** argv) {
     }
     f.bytes = std::stoull(s) * mult / 64 * 64;
   }
+  auto parse_bytes = [](std::string s) {
+    uint64_t mult = 1;
+    char unit = s.empty() ? 'B' : s.back();
+    if (unit == 'K' || unit == 'M' || unit == 'G') {
+      mult = unit == 'K' ? 1ull << 10 : unit == 'M' ? 1ull << 20 : 1ull << 30;
+      s.pop_back();
+    }
+    return std::stoull(s) * mult;
+  };
   if (f.ckptd.empty()) {
     const char* rf = std::getenv("RUNFILES_DIR");
     // `bazel run` starts us in our runfiles tree; a direct start is usually the repo root.
@@ -367,6 +384,20 @@ int main(int argc, char** argv) {
     out["restore_disk_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
     out["restore_disk_source"] = source[0];
     out["restore_disk_page_cache"] = cold ? "dropped" : "warm (could not drop)";
+  }
+  if (f.gpu && !ckpt::cuda::DetectDevices().available()) {
+    out["gpu_error"] = "no usable CUDA device: " + ckpt::cuda::DetectDevices().reason;
+    note("GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
+  } else if (f.gpu) {
+    note("GPU benchmark... ");
+    uint64_t gpu_bytes = parse_bytes(f.gpu_bytes);
+    DaemonProcess daemon(f, 2 * gpu_bytes + (1ull << 30));
+    ckpt::bench::GpuBenchOptions g;
+    g.socket = daemon.socket();
+    g.bytes = gpu_bytes;
+    g.step_ms = f.gpu_step_ms;
+    bool ran = ckpt::bench::RunGpuBench(g, out);
+    note(ran ? "done\n" : "not run: " + out["gpu_error"].get<std::string>() + "\n");
   }
   if (!f.skip_torch) {
     note("torch.save of the same state... ");

@@ -1,0 +1,156 @@
+#include "tests/bench/gpu_bench.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+#include "cuda/device.h"
+
+namespace ckpt::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// Peak bandwidth of plain cudaMemcpyAsync between pinned host memory and the device.
+void PinnedLimits(uint64_t bytes, nlohmann::ordered_json& out) {
+  void *host = nullptr, *dev = nullptr;
+  cudaHostAlloc(&host, bytes, cudaHostAllocDefault);
+  cudaMalloc(&dev, bytes);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  double d2h = 0, h2d = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto t0 = Clock::now();
+    cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s);
+    cudaStreamSynchronize(s);
+    d2h = std::max(d2h, bytes / Seconds(Clock::now() - t0) / 1e9);
+    t0 = Clock::now();
+    cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s);
+    cudaStreamSynchronize(s);
+    h2d = std::max(h2d, bytes / Seconds(Clock::now() - t0) / 1e9);
+  }
+  out["gpu_pinned_d2h_gbps"] = d2h;
+  out["gpu_pinned_h2d_gbps"] = h2d;
+  cudaStreamDestroy(s);
+  cudaFree(dev);
+  cudaFreeHost(host);
+}
+
+struct GpuState {
+  char* base = nullptr;
+  std::unique_ptr<Client> client;
+};
+
+// `count` buffers splitting `bytes` of one allocation, registered with ckptd as job `job`.
+absl::StatusOr<GpuState> Register(const GpuBenchOptions& o, const std::string& job, int count) {
+  GpuState g;
+  if (cudaMalloc(reinterpret_cast<void**>(&g.base), o.bytes) != cudaSuccess) {
+    return absl::ResourceExhaustedError("cudaMalloc of the benchmark state failed");
+  }
+  cudaMemset(g.base, 1, o.bytes);
+  CKPT_ASSIGN_OR_RETURN(g.client, Client::Connect({.socket = o.socket, .job = job}));
+  uint64_t each = o.bytes / count / 256 * 256;
+  for (int i = 0; i < count; ++i) {
+    auto t = g.client->AddCudaTensor(fmt::format("b{}", i), "U8", {static_cast<int64_t>(each)},
+                                     g.base + i * each);
+    if (!t.ok()) return t.status();
+  }
+  CKPT_RETURN_IF_ERROR(g.client->Register());
+  return g;
+}
+
+}  // namespace
+
+bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
+  const cuda::DeviceInfo& device = cuda::DetectDevices();
+  if (!device.available()) {
+    out["gpu_error"] = "no usable CUDA device: " + device.reason;
+    return false;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+  out["gpu"] = prop.name;
+  out["gpu_bytes"] = o.bytes;
+  PinnedLimits(std::min<uint64_t>(o.bytes, 2ull << 30), out);
+
+  for (int count : {1, 100, 10000}) {
+    auto g = Register(o, fmt::format("gpu{}", count), count);
+    if (!g.ok()) {
+      out["gpu_error"] = Message(g.status());
+      return false;
+    }
+    auto t0 = Clock::now();
+    auto ticket = g->client->Snapshot(1);
+    auto staged = ticket.ok() ? g->client->WaitStaged(*ticket) : ticket.status();
+    double stage = Seconds(Clock::now() - t0);
+    if (!staged.ok() || staged->state != TicketState::kStaged) {
+      out["gpu_error"] = "GPU snapshot not staged";
+      return false;
+    }
+    (void)g->client->WaitCommitted(*ticket);
+    t0 = Clock::now();
+    auto restored = g->client->Restore();
+    double restore = Seconds(Clock::now() - t0);
+    out[fmt::format("gpu_staging_gbps_{}_buffers", count)] = o.bytes / stage / 1e9;
+    out[fmt::format("gpu_staging_vs_d2h_{}_buffers", count)] =
+        o.bytes / stage / 1e9 / out["gpu_pinned_d2h_gbps"].get<double>();
+    if (restored.ok() && restored->source == RestoreInfo::Source::kMemory) {
+      out[fmt::format("gpu_restore_memory_gbps_{}_buffers", count)] = o.bytes / restore / 1e9;
+      out[fmt::format("gpu_restore_vs_h2d_{}_buffers", count)] =
+          o.bytes / restore / 1e9 / out["gpu_pinned_h2d_gbps"].get<double>();
+    }
+    cudaFree(g->base);
+  }
+
+  // Synthetic training: each step keeps the GPU busy for ~step_ms (memsets of a scratch
+  // buffer), then an "optimizer" memset of the checkpointed state. With checkpoints, a
+  // snapshot every step and a GPU-side wait for "staged" before the optimizer.
+  const uint64_t state_bytes = 1ull << 30;
+  GpuBenchOptions small = o;
+  small.bytes = state_bytes;
+  auto g = Register(small, "gpu_loop", 16);
+  if (!g.ok()) {
+    out["gpu_error"] = Message(g.status());
+    return false;
+  }
+  cudaStream_t stream;
+  cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  g->client->SetCudaStream(stream);
+  char* scratch = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&scratch), 1ull << 30);
+  // Calibrate: memsets of 1 GiB per step_ms.
+  auto t0 = Clock::now();
+  for (int i = 0; i < 10; ++i) cudaMemsetAsync(scratch, i, 1ull << 30, stream);
+  cudaStreamSynchronize(stream);
+  int per_step = std::max(1, static_cast<int>(o.step_ms / 1000.0 / (Seconds(Clock::now() - t0) / 10)));
+  auto run = [&](bool checkpoint) {
+    auto start = Clock::now();
+    for (int step = 1; step <= o.steps; ++step) {
+      for (int i = 0; i < per_step; ++i) cudaMemsetAsync(scratch, step + i, 1ull << 30, stream);
+      if (checkpoint) {
+        auto ticket = g->client->Snapshot(static_cast<uint64_t>(step) + (checkpoint ? 1000 : 0));
+        if (ticket.ok()) (void)g->client->StreamWaitStaged(*ticket, stream);
+      }
+      cudaMemsetAsync(g->base, step, state_bytes, stream);  // the optimizer step
+    }
+    cudaStreamSynchronize(stream);
+    return Seconds(Clock::now() - start) / o.steps;
+  };
+  double plain = run(false);
+  double with_ckpt = run(true);
+  out["gpu_step_ms"] = plain * 1e3;
+  out["gpu_step_with_snapshot_ms"] = with_ckpt * 1e3;
+  out["gpu_step_overhead"] = (with_ckpt - plain) / plain;
+  cudaFree(scratch);
+  cudaFree(g->base);
+  cudaStreamDestroy(stream);
+  return true;
+}
+
+}  // namespace ckpt::bench

@@ -1,0 +1,22 @@
+// The GPU part of ckpt_bench (--gpu): pinned copy limits, ckptd staging and hot restore of
+// GPU buffers through CUDA IPC, and the step-time overhead of a snapshot every step.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace ckpt::bench {
+
+struct GpuBenchOptions {
+  std::string socket;          // a running ckptd
+  uint64_t bytes = 8ull << 30; // GPU state checkpointed
+  int step_ms = 100;           // busy GPU time per synthetic training step
+  int steps = 20;
+};
+
+// Fills `out` with the figures; returns false (with out["gpu_error"]) when no GPU is usable.
+bool RunGpuBench(const GpuBenchOptions& options, nlohmann::ordered_json& out);
+
+}  // namespace ckpt::bench
