@@ -28,6 +28,9 @@
 
 namespace ckpt::daemon {
 
+// Arenas of dead trainers are removed only once this old (see shm/sweep.h).
+constexpr std::chrono::seconds kArenaSweepAge{600};
+
 // Declared in dependency order: destroyed in reverse.
 struct Server::Parts {
   Config config;
@@ -68,6 +71,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   if (stale > 0) log.info("removed {} unfinished step directories left by an earlier run", stale);
   if (int swept = shm::RemoveStaleSegments("ckptd-ctl."); swept > 0) {
     log.info("removed {} stale control segments", swept);
+  }
+  if (int swept = shm::RemoveStaleSegments("ckpt-arena.", kArenaSweepAge); swept > 0) {
+    log.info("removed {} shared-memory arenas of trainers that died before registering", swept);
   }
 
   CKPT_ASSIGN_OR_RETURN(p->pool, cuda::StagingPool::Create(config.staging_bytes,

@@ -10,7 +10,8 @@
 
 namespace ckpt::shm {
 
-int RemoveStaleSegments(std::string_view prefix) {
+int RemoveStaleSegments(std::string_view prefix, std::chrono::seconds min_age) {
+  const auto now = std::filesystem::file_time_type::clock::now();
   int removed = 0;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator("/dev/shm", ec)) {
@@ -20,6 +21,9 @@ int RemoveStaleSegments(std::string_view prefix) {
     if (dot == std::string::npos) continue;
     long pid = std::strtol(name.substr(prefix.size(), dot - prefix.size()).c_str(), nullptr, 10);
     if (pid <= 0) continue;
+    std::error_code age_ec;
+    auto modified = std::filesystem::last_write_time(entry.path(), age_ec);
+    if (age_ec || now - modified < min_age) continue;
     if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
       Segment::Unlink("/" + name);
       ++removed;

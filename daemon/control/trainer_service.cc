@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
+#include "shm/sweep.h"
 
 namespace ckpt::daemon {
 
@@ -15,6 +16,8 @@ using namespace ::ckptd::v1;
 grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterRequest* request,
                                       RegisterReply* reply) {
   return Guarded("Register", [&]() -> absl::Status {
+    // Trainers that died between allocating and registering leave arenas behind.
+    shm::RemoveStaleSegments("ckpt-arena.", std::chrono::seconds(600));
     auto session = Session::Create(*request, limits_);
     if (!session.ok()) {
       log::Get(log::Component::kControl)

@@ -15,6 +15,7 @@
 #include "shm/futex.h"
 #include "shm/payload.h"
 #include "shm/segment.h"
+#include "shm/sweep.h"
 
 using namespace ckpt;
 using namespace ckpt::shm;
@@ -215,4 +216,20 @@ TEST_CASE("a control block from another ABI is refused") {
   ring.block->magic = 0;
   CHECK_FALSE(ValidateControlBlock(ring.segment->data(), ring.segment->size()).ok());
   CHECK_FALSE(ValidateControlBlock(ring.segment->data(), 16).ok());
+}
+
+TEST_CASE("the sweep removes segments of dead processes once they are old enough") {
+  pid_t child = ::fork();
+  if (child == 0) _exit(0);
+  ::waitpid(child, nullptr, 0);  // a pid that no longer exists
+  std::string stale = "/ckpt-sweep-test." + std::to_string(child) + ".x";
+  std::string live = "/ckpt-sweep-test." + std::to_string(::getpid()) + ".y";
+  auto a = Segment::Create(stale, 4096, 0600, false);
+  auto b = Segment::Create(live, 4096, 0600, true);
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.", std::chrono::seconds(3600)) == 0);
+  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.") == 1);
+  CHECK(absl::IsNotFound(Segment::Open(stale).status()));
+  CHECK(Segment::Open(live).ok());
 }
