@@ -112,12 +112,7 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
   if (!session_id_.empty()) {
     return absl::FailedPreconditionError("AllocateTensor after Register(): register once, at the end");
   }
-  CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(dtype));
-  size_t nbytes = itemsize;
-  for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError(fmt::format("tensor {}: negative dimension", name));
-    nbytes *= static_cast<size_t>(d);
-  }
+  CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
   size_t alloc = std::max<size_t>(nbytes, 1);
   absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
   if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
@@ -127,15 +122,12 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
     impl_->arenas.push_back(std::move(arena));
     CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
   }
-  auto t = std::make_unique<Tensor>();
-  t->name = name;
-  t->dtype = dtype;
-  t->shape = shape;
-  t->data = impl_->arenas.back()->at(*offset);
-  t->nbytes = nbytes;
-  t->global_shape = global_shape;
-  t->global_offset = global_offset;
-  tensors_.push_back(std::move(t));
+  return AddRecord({name, dtype, shape, impl_->arenas.back()->at(*offset), nbytes, global_shape,
+                    global_offset, /*on_device=*/false});
+}
+
+Tensor* Client::AddRecord(Tensor tensor) {
+  tensors_.push_back(std::make_unique<Tensor>(std::move(tensor)));
   return tensors_.back().get();
 }
 
@@ -146,29 +138,16 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
   if (!session_id_.empty()) {
     return absl::FailedPreconditionError("AddCudaTensor after Register(): register once, at the end");
   }
-  CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(dtype));
-  size_t nbytes = itemsize;
-  for (int64_t d : shape) {
-    if (d < 0) return absl::InvalidArgumentError(fmt::format("tensor {}: negative dimension", name));
-    nbytes *= static_cast<size_t>(d);
-  }
+  CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
   CKPT_ASSIGN_OR_RETURN(cuda::DeviceBufferDescriptor descriptor,
                         cuda::DescribeDeviceBuffer(name, device_ptr, nbytes));
   if (!impl_->gpu_sync) {
     CKPT_ASSIGN_OR_RETURN(impl_->gpu_sync, cuda::TrainerSync::Create(descriptor.device_ordinal));
   }
-  auto t = std::make_unique<Tensor>();
-  t->name = name;
-  t->dtype = dtype;
-  t->shape = shape;
-  t->data = device_ptr;
-  t->nbytes = nbytes;
-  t->global_shape = global_shape;
-  t->global_offset = global_offset;
-  t->on_device = true;
-  impl_->gpu[t.get()] = std::move(descriptor);
-  tensors_.push_back(std::move(t));
-  return tensors_.back().get();
+  Tensor* t = AddRecord({name, dtype, shape, device_ptr, nbytes, global_shape, global_offset,
+                         /*on_device=*/true});
+  impl_->gpu[t] = std::move(descriptor);
+  return t;
 }
 
 absl::Status Client::Register() {
@@ -180,15 +159,15 @@ absl::Status Client::Register() {
   req.set_pid(::getpid());
   if (impl_->gpu_sync) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
   for (const auto& t : tensors_) {
+    ::ckptd::v1::TensorSpec* spec = req.add_tensors();
+    spec->set_name(t->name);
+    spec->set_dtype(t->dtype);
+    for (int64_t d : t->shape) spec->add_shape(d);
+    spec->set_nbytes(t->nbytes);
+    for (int64_t d : t->global_shape) spec->add_global_shape(d);
+    for (int64_t d : t->global_offset) spec->add_global_offset(d);
     if (t->on_device) {
       const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(t.get());
-      ::ckptd::v1::TensorSpec* spec = req.add_tensors();
-      spec->set_name(t->name);
-      spec->set_dtype(t->dtype);
-      for (int64_t x : t->shape) spec->add_shape(x);
-      spec->set_nbytes(t->nbytes);
-      for (int64_t x : t->global_shape) spec->add_global_shape(x);
-      for (int64_t x : t->global_offset) spec->add_global_offset(x);
       spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());
       spec->mutable_cuda()->set_offset(d.offset);
       spec->mutable_cuda()->set_allocation_bytes(d.allocation_bytes);
@@ -202,15 +181,8 @@ absl::Status Client::Register() {
         owner = a.get();
       }
     }
-    ::ckptd::v1::TensorSpec* spec = req.add_tensors();
-    spec->set_name(t->name);
-    spec->set_dtype(t->dtype);
-    for (int64_t d : t->shape) spec->add_shape(d);
     spec->set_shm_name(owner->name());
     spec->set_offset(static_cast<uint64_t>(static_cast<char*>(t->data) - static_cast<char*>(owner->at(0))));
-    spec->set_nbytes(t->nbytes);
-    for (int64_t d : t->global_shape) spec->add_global_shape(d);
-    for (int64_t d : t->global_offset) spec->add_global_offset(d);
   }
   ::ckptd::v1::RegisterReply reply;
   auto ctx = impl_->Context();

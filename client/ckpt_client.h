@@ -130,6 +130,7 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  Tensor* AddRecord(Tensor tensor);
 
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

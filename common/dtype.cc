@@ -27,25 +27,31 @@ absl::StatusOr<size_t> DTypeSize(const std::string& dtype) {
   return it->second;
 }
 
-absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
-                              const std::vector<int64_t>& shape, uint64_t nbytes) {
+absl::StatusOr<uint64_t> TensorBytes(const std::string& name, const std::string& dtype,
+                                     const std::vector<int64_t>& shape) {
   auto itemsize = DTypeSize(dtype);
   if (!itemsize.ok()) return Annotate(itemsize.status(), fmt::format("tensor {}", name));
-  unsigned __int128 expected = *itemsize;
+  unsigned __int128 bytes = *itemsize;
   for (int64_t d : shape) {
     if (d < 0) {
       return absl::InvalidArgumentError(
           fmt::format("tensor {}: negative dimension in shape [{}]", name, fmt::join(shape, ", ")));
     }
-    expected *= static_cast<uint64_t>(d);
-    if (expected > (static_cast<unsigned __int128>(1) << 62)) {
+    bytes *= static_cast<uint64_t>(d);
+    if (bytes > (static_cast<unsigned __int128>(1) << 62)) {
       return absl::InvalidArgumentError(fmt::format("tensor {}: shape too large", name));
     }
   }
+  return static_cast<uint64_t>(bytes);
+}
+
+absl::Status CheckTensorBytes(const std::string& name, const std::string& dtype,
+                              const std::vector<int64_t>& shape, uint64_t nbytes) {
+  CKPT_ASSIGN_OR_RETURN(uint64_t expected, TensorBytes(name, dtype, shape));
   if (expected != nbytes) {
     return absl::InvalidArgumentError(fmt::format(
         "tensor {}: size mismatch: {} [{}] needs {} bytes, buffer has {}", name, dtype,
-        fmt::join(shape, ", "), static_cast<uint64_t>(expected), nbytes));
+        fmt::join(shape, ", "), expected, nbytes));
   }
   return absl::OkStatus();
 }
