@@ -233,3 +233,21 @@ TEST_CASE("the sweep removes segments of dead processes once they are old enough
   CHECK(absl::IsNotFound(Segment::Open(stale).status()));
   CHECK(Segment::Open(live).ok());
 }
+
+TEST_CASE("the staged-ticket word only moves forward, and failures release waiters too") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  uint64_t t1 = *producer.PublishSnapshot(1, {});
+  uint64_t t2 = *producer.PublishSnapshot(2, {});
+  CHECK(ring.block->staged_ticket.load() == 0);
+  consumer.SetTicketState(t1, kTicketStaged);
+  CHECK(ring.block->staged_ticket.load() == t1);
+  consumer.SetTicketState(t1, kTicketCommitted);  // committing does not move it
+  CHECK(ring.block->staged_ticket.load() == t1);
+  consumer.SetTicketState(t2, kTicketRejected, "busy");  // GPU waiters for t2 must wake too
+  CHECK(ring.block->staged_ticket.load() == t2);
+  consumer.SetTicketState(t1, kTicketFailed, "late persist failure");  // never backwards
+  CHECK(ring.block->staged_ticket.load() == t2);
+  CHECK(reinterpret_cast<uintptr_t>(&ring.block->staged_ticket) % 4096 == 0);
+}
