@@ -101,16 +101,16 @@ absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapsh
     stored.push_back(snap.shard.entries[i].name);
   }
   CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, snap.step));
-  std::vector<cuda::CopyRegion> regions, device_regions;
+  SplitCopy job;
   for (const RegisteredTensor& t : *session.tensors) {
     const persist::TensorEntry& e = *entries.at(t.name);
     CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
-    (t.on_device ? device_regions : regions).push_back({t.data, snap.shard.data + e.begin, t.nbytes});
+    job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
   }
   {
     cuda::CopyPriority::Copying copying(priority_);
-    CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engine_, regions, device_regions));
+    CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, job));
   }
   for (size_t i = snap.tensor_count; i < snap.shard.entries.size(); ++i) {
     const persist::TensorEntry& e = snap.shard.entries[i];
@@ -148,13 +148,12 @@ absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manif
     }
     if (t.on_device) {
       // Files cannot be read into GPU memory: bounce through staging memory.
-      if (pool_ == nullptr || device_engine_ == nullptr) {
-        return absl::FailedPreconditionError("GPU tensors but no CUDA engine");
-      }
+      if (pool_ == nullptr) return absl::FailedPreconditionError("GPU tensors but no staging pool");
       CKPT_ASSIGN_OR_RETURN(cuda::StagingBlockPtr bounce, pool_->Allocate(t.nbytes));
       CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, bounce->data(), s.checksum));
-      cuda::CopyRegion up{t.data, bounce->data(), t.nbytes};
-      CKPT_RETURN_IF_ERROR(device_engine_->Copy({&up, 1}));
+      SplitCopy up;
+      up.Add(t, {t.data, bounce->data(), t.nbytes});
+      CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, up));
     } else {
       CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, t.data, s.checksum));
     }

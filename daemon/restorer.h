@@ -35,10 +35,10 @@ class Restorer {
   // GPU tensors are restored through `device_engine` (from memory directly; from disk via a
   // bounce block of `pool`).
   Restorer(persist::CheckpointStore& store, Checkpointer& checkpointer, cuda::CopyEngine& engine,
-           cuda::CopyPriority* priority = nullptr, cuda::CopyEngine* device_engine = nullptr,
-           cuda::StagingPool* pool = nullptr)
+           cuda::CopyPriority* priority = nullptr,
+           std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr)
       : store_(store), checkpointer_(checkpointer), engine_(engine), priority_(priority),
-        device_engine_(device_engine), pool_(pool) {}
+        device_engines_(std::move(device_engines)), pool_(pool) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, std::optional<uint64_t> step);
 
@@ -52,7 +52,7 @@ class Restorer {
   Checkpointer& checkpointer_;
   cuda::CopyEngine& engine_;
   cuda::CopyPriority* priority_;  // may be null; outlives the restorer
-  cuda::CopyEngine* device_engine_;  // may be null
+  std::vector<cuda::CopyEngine*> device_engines_;  // by device ordinal
   cuda::StagingPool* pool_;          // may be null
 };
 

@@ -39,7 +39,7 @@ struct Server::Parts {
   std::unique_ptr<persist::CheckpointStore> store;
   cuda::StagingPoolPtr pool;
   cuda::CopyEnginePtr engine;
-  cuda::CopyEnginePtr device_engine;  // null without a usable GPU
+  std::vector<cuda::CopyEnginePtr> device_engines;  // one per GPU; empty without one
   std::unique_ptr<cuda::IpcMemoryCache> gpu_memory;
   cuda::CopyPriority copy_priority;
   persist::ShardWriterPtr writer;
@@ -84,15 +84,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   const cuda::DeviceInfo& device = cuda::DetectDevices();
   std::string no_gpu_reason = device.reason;
   if (device.available()) {
-    auto engine = cuda::MakeCudaCopyEngine({.device = 0, .streams = 4});
-    absl::Status pinned = engine.ok() ? p->pool->PinForCuda() : engine.status();
-    if (pinned.ok()) {
-      p->device_engine = std::move(*engine);
+    // One engine (4 streams) per GPU, so that each GPU's copies use its own DMA engines.
+    absl::Status usable = p->pool->PinForCuda();
+    for (int d = 0; usable.ok() && d < device.device_count; ++d) {
+      auto engine = cuda::MakeCudaCopyEngine({.device = d, .streams = 4});
+      if (engine.ok()) {
+        p->device_engines.push_back(std::move(*engine));
+      } else {
+        usable = engine.status();
+      }
+    }
+    if (usable.ok()) {
       p->gpu_memory = std::make_unique<cuda::IpcMemoryCache>();
-      log.info("CUDA: {} device(s); staging memory pinned; GPU tensors copied on 4 streams",
+      log.info("CUDA: {} device(s); staging memory pinned; a copy engine of 4 streams per device",
                device.device_count);
     } else {
-      no_gpu_reason = Message(pinned);
+      p->device_engines.clear();
+      no_gpu_reason = Message(usable);
       log.error("CUDA: device present but unusable ({}); host copy engine only", no_gpu_reason);
     }
   } else {
@@ -105,12 +113,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   options.retention = {config.keep_last, config.keep_every};
   options.io_threads = config.io_threads;
   p->checkpointer = std::make_unique<Checkpointer>(*p->store, *p->writer, p->board, options);
+  std::vector<cuda::CopyEngine*> device_engines;
+  for (const auto& e : p->device_engines) device_engines.push_back(e.get());
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, config.when_busy,
                                        std::chrono::milliseconds(config.busy_wait_ms),
-                                       &p->copy_priority, p->device_engine.get());
+                                       &p->copy_priority, device_engines);
   p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
-                                           &p->copy_priority, p->device_engine.get(),
-                                           p->pool.get());
+                                           &p->copy_priority, device_engines, p->pool.get());
 
   Session::Limits limits;
   limits.staging_bytes = p->pool->capacity();

@@ -197,6 +197,7 @@ absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limit
                         limits.gpu_memory->Acquire(d, t.name()));
   out.data = mapping->base() + c.offset();
   out.on_device = true;
+  out.device = mapping->device();
   gpu_mappings_.push_back(std::move(mapping));
   return absl::OkStatus();
 }

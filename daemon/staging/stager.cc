@@ -11,15 +11,16 @@
 
 namespace ckpt::daemon {
 
-absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
-                       const std::vector<cuda::CopyRegion>& host_regions,
-                       const std::vector<cuda::CopyRegion>& device_regions,
-                       void* device_after) {
-  if (!device_regions.empty()) {
-    if (device == nullptr) return absl::FailedPreconditionError("GPU tensors but no CUDA engine");
-    CKPT_RETURN_IF_ERROR(device->Copy(device_regions, device_after));
+absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngine*>& device_engines,
+                       const SplitCopy& job, void* device_after) {
+  for (const auto& [device, regions] : job.device) {
+    if (device < 0 || static_cast<size_t>(device) >= device_engines.size() ||
+        device_engines[device] == nullptr) {
+      return absl::FailedPreconditionError(fmt::format("GPU {} tensors but no CUDA engine for it", device));
+    }
+    CKPT_RETURN_IF_ERROR(device_engines[device]->Copy(regions, device_after));
   }
-  return host_regions.empty() ? absl::OkStatus() : host.Copy(host_regions);
+  return job.host.empty() ? absl::OkStatus() : host.Copy(job.host);
 }
 
 absl::StatusOr<cuda::StagingBlockPtr> Stager::Reserve(size_t bytes, const std::string& context) {
@@ -56,11 +57,10 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   snap->rank = session.rank;
   snap->world_size = session.world_size;
   snap->tensor_count = tensors.size();
-  std::vector<cuda::CopyRegion> regions, device_regions;
-  regions.reserve(tensors.size());
+  SplitCopy job;
   uint64_t offset = 0;
   for (const RegisteredTensor& t : tensors) {
-    (t.on_device ? device_regions : regions).push_back({block->data() + offset, t.data, t.nbytes});
+    job.Add(t, {block->data() + offset, t.data, t.nbytes});
     snap->shard.entries.push_back({t.name, t.dtype, t.shape, offset, offset + t.nbytes});
     snap->placements.push_back(t.placement);
     offset += t.nbytes;
@@ -69,8 +69,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   {
     cuda::CopyPriority::Copying copying(priority_);
     CKPT_RETURN_IF_ERROR(
-        Annotate(CopySplit(engine_, device_engine_, regions, device_regions, session.cuda_after),
-                 context));
+        Annotate(CopySplit(engine_, device_engines_, job, session.cuda_after), context));
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {

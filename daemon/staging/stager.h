@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -26,7 +27,8 @@ struct RegisteredTensor {
   std::vector<int64_t> shape;
   uint64_t nbytes = 0;
   char* data = nullptr;  // in a segment or CUDA allocation the owning session keeps mapped
-  bool on_device = false;  // a GPU buffer: copied by the CUDA engine
+  bool on_device = false;  // a GPU buffer: copied by its device's CUDA engine
+  int device = -1;         // the daemon's ordinal of that device
   TensorPlacement placement;
 };
 
@@ -41,13 +43,14 @@ struct SessionView {
 
 class Stager {
  public:
-  // `device_engine` copies GPU tensors; null where the daemon has no usable GPU (sessions
-  // then refuse GPU tensors at registration).
+  // `device_engines[d]` copies GPU tensors of device d; empty where the daemon has no usable
+  // GPU (sessions then refuse GPU tensors at registration).
   Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, Checkpointer& checkpointer,
          WhenBusy when_busy, std::chrono::milliseconds busy_wait,
-         cuda::CopyPriority* priority = nullptr, cuda::CopyEngine* device_engine = nullptr)
+         cuda::CopyPriority* priority = nullptr,
+         std::vector<cuda::CopyEngine*> device_engines = {})
       : pool_(pool), engine_(engine), checkpointer_(checkpointer), when_busy_(when_busy),
-        busy_wait_(busy_wait), priority_(priority), device_engine_(device_engine) {}
+        busy_wait_(busy_wait), priority_(priority), device_engines_(std::move(device_engines)) {}
 
   // ResourceExhausted when staging memory cannot be had under the --when-busy policy.
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
@@ -62,13 +65,21 @@ class Stager {
   const WhenBusy when_busy_;
   const std::chrono::milliseconds busy_wait_;
   cuda::CopyPriority* priority_;  // may be null; outlives the stager
-  cuda::CopyEngine* device_engine_;  // may be null
+  std::vector<cuda::CopyEngine*> device_engines_;  // by device ordinal
 };
 
-// Copies host regions on `host` and device regions on `device` (which must then be set).
-absl::Status CopySplit(cuda::CopyEngine& host, cuda::CopyEngine* device,
-                       const std::vector<cuda::CopyRegion>& host_regions,
-                       const std::vector<cuda::CopyRegion>& device_regions,
-                       void* device_after = nullptr);
+// A copy job split by where its tensors live: host regions, and regions per GPU.
+struct SplitCopy {
+  std::vector<cuda::CopyRegion> host;
+  std::map<int, std::vector<cuda::CopyRegion>> device;  // by device ordinal
+  void Add(const RegisteredTensor& t, cuda::CopyRegion region) {
+    (t.on_device ? device[t.device] : host).push_back(region);
+  }
+};
+
+// Runs each part on its engine: GPU parts on `device_engines[d]` after `device_after` (the
+// trainer's snapshot event, or null), the host part on `host`.
+absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngine*>& device_engines,
+                       const SplitCopy& job, void* device_after = nullptr);
 
 }  // namespace ckpt::daemon
