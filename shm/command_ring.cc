@@ -43,7 +43,8 @@ absl::StatusOr<ControlBlock*> ValidateControlBlock(void* memory, size_t size) {
 }
 
 absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
-                                                          const SnapshotPayload& payload) {
+                                                          const SnapshotPayload& payload,
+                                                          uint32_t wait_client_copy) {
   uint64_t tail = block_->tail.load(std::memory_order_relaxed);
   uint64_t head = block_->head.load(std::memory_order_acquire);
   if (tail - head >= kRingSlots) {
@@ -58,6 +59,7 @@ absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
   slot.step = step;
   slot.kind = kCommandSnapshot;
   slot.payload_bytes = static_cast<uint32_t>(*written);
+  slot.wait_client_copy = wait_client_copy;
 
   TicketSlot& t = block_->tickets[ticket % kTicketSlots];
   t.state.store(kTicketPending, std::memory_order_relaxed);
@@ -69,6 +71,11 @@ absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
   block_->doorbell.fetch_add(1, std::memory_order_release);
   FutexWakeAll(&block_->doorbell);
   return ticket;
+}
+
+void CommandProducer::MarkClientCopyDone(uint32_t seq) {
+  block_->client_copy_done.store(seq, std::memory_order_release);
+  FutexWakeAll(&block_->client_copy_done);
 }
 
 TicketResult CommandProducer::Poll(uint64_t ticket) const {
@@ -136,6 +143,7 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
   command.ticket = slot.ticket;
   command.step = slot.step;
   command.kind = static_cast<CommandKind>(slot.kind);
+  command.wait_client_copy = slot.wait_client_copy;
   if (command.ticket != head + 1 || slot.kind != kCommandSnapshot ||
       slot.payload_bytes > kSlotPayloadBytes) {
     command.ticket = head + 1;
@@ -162,6 +170,20 @@ void CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
     block_->staged_ticket.store(ticket, std::memory_order_release);
   }
   FutexWakeAll(&t.state);
+}
+
+bool CommandConsumer::WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    uint32_t done = block_->client_copy_done.load(std::memory_order_acquire);
+    // Sequence numbers wrap: compare by signed distance.
+    if (static_cast<int32_t>(done - seq) >= 0) return true;
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline || block_->closed.load(std::memory_order_acquire)) return false;
+    Heartbeat();
+    FutexWait(&block_->client_copy_done, done,
+              std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
+  }
 }
 
 void CommandConsumer::Heartbeat() {

@@ -32,7 +32,12 @@ class CommandProducer {
 
   // Returns the ticket, or ResourceExhausted when the ring is full (the daemon has not yet
   // picked up kRingSlots earlier commands). Never blocks.
-  absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const SnapshotPayload& payload);
+  absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const SnapshotPayload& payload,
+                                           uint32_t wait_client_copy = 0);
+
+  // Host-copy transport, called when the trainer's copies for `seq` have landed (from a
+  // CUDA host callback: no CUDA calls, no blocking).
+  void MarkClientCopyDone(uint32_t seq);
 
   TicketResult Poll(uint64_t ticket) const;
 
@@ -54,6 +59,7 @@ struct Command {
   uint64_t ticket = 0;
   uint64_t step = 0;
   CommandKind kind = kCommandSnapshot;
+  uint32_t wait_client_copy = 0;
   absl::StatusOr<SnapshotPayload> payload;  // decode errors fail the ticket, not the daemon
 };
 
@@ -68,6 +74,9 @@ class CommandConsumer {
   // Updates a ticket's state (ignored if the slot was reused by a newer ticket) and wakes
   // waiters.
   void SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
+
+  // Waits until the trainer's copy `seq` has landed: false on timeout or a closed session.
+  bool WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout);
 
   void Heartbeat();
   void Close();

@@ -17,7 +17,7 @@
 namespace ckpt::shm {
 
 inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
-inline constexpr uint32_t kControlAbiVersion = 2;
+inline constexpr uint32_t kControlAbiVersion = 3;
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr uint32_t kTicketSlots = 64;
 inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
@@ -42,6 +42,10 @@ struct alignas(64) CommandSlot {
   uint64_t step;
   uint32_t kind;           // CommandKind
   uint32_t payload_bytes;  // encoded by shm/payload.h
+  // Host-copy transport: the daemon stages this command only once `client_copy_done`
+  // reaches this value (the trainer's GPU-to-mirror copies have landed). 0: no wait.
+  uint32_t wait_client_copy;
+  uint32_t reserved;
   uint8_t payload[kSlotPayloadBytes];
 };
 
@@ -66,6 +70,7 @@ struct alignas(64) ControlBlock {
   alignas(64) std::atomic<uint64_t> head;        // written by the daemon
   alignas(64) std::atomic<uint32_t> doorbell;    // futex word: bumped on every publish
   std::atomic<uint32_t> closed;                  // daemon ended the session
+  std::atomic<uint32_t> client_copy_done;        // futex word: last finished client copy
   std::atomic<uint64_t> daemon_heartbeat_ns;     // CLOCK_MONOTONIC, refreshed every 100 ms
 
   // The highest ticket staged so far (tickets are staged in order). Its own 4 KiB page so

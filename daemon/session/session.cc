@@ -262,6 +262,11 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer&
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  if (command.wait_client_copy != 0 &&
+      !consumer_->WaitClientCopy(command.wait_client_copy, std::chrono::seconds(60))) {
+    return reject(shm::kTicketFailed,
+                  "the trainer's GPU-to-host copy for this snapshot did not finish within 60 s");
+  }
   uint64_t last = last_staged_step_.load();
   if (last != 0 && command.step <= last) {
     return reject(shm::kTicketRejected,

@@ -251,3 +251,29 @@ TEST_CASE("the staged-ticket word only moves forward, and failures release waite
   CHECK(ring.block->staged_ticket.load() == t2);
   CHECK(reinterpret_cast<uintptr_t>(&ring.block->staged_ticket) % 4096 == 0);
 }
+
+TEST_CASE("host-copy transport: the daemon stages only after the trainer's copy lands") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  REQUIRE(producer.PublishSnapshot(7, {}, /*wait_client_copy=*/1).ok());
+  auto cmd = consumer.Next(1s);
+  REQUIRE(cmd.has_value());
+  CHECK(cmd->wait_client_copy == 1);
+  CHECK_FALSE(consumer.WaitClientCopy(1, 50ms));  // not copied yet: times out
+  int rc = InChild([&] {  // the trainer's CUDA callback, in the trainer's process
+    std::this_thread::sleep_for(50ms);
+    producer.MarkClientCopyDone(1);
+    return 0;
+  });
+  CHECK(rc == 0);
+  CHECK(consumer.WaitClientCopy(1, 1s));
+  CHECK_FALSE(consumer.WaitClientCopy(1000, 10ms));  // ahead of the last copy: not done
+  producer.MarkClientCopyDone(0xFFFFFFFFu);
+  CHECK(consumer.WaitClientCopy(0xFFFFFFF0u, 10ms));
+  producer.MarkClientCopyDone(2);  // the counter wrapped (0 is never used)
+  CHECK(consumer.WaitClientCopy(0xFFFFFFFFu, 10ms));
+  CHECK_FALSE(consumer.WaitClientCopy(3, 10ms));
+  CommandConsumer(ring.block).Close();
+  CHECK_FALSE(consumer.WaitClientCopy(5, 5s));  // a closed session gives up at once
+}
