@@ -7,11 +7,13 @@
 
 #include <map>
 #include <atomic>
+#include <cstdlib>
 #include <mutex>
 #include <thread>
 
 #include "common/status.h"
 #include "cuda/device_buffer.h"
+#include "cuda/host_mirror.h"
 #include "cuda/trainer_sync.h"
 #include "common/dtype.h"
 #include "proto/trainer.grpc.pb.h"
@@ -54,6 +56,9 @@ struct Client::Impl {
   ClientOptions options;
   std::map<const Tensor*, cuda::DeviceBufferDescriptor> gpu;  // for tensors on a device
   std::unique_ptr<cuda::TrainerSync> gpu_sync;  // created with the first GPU tensor
+  std::unique_ptr<cuda::HostMirror> mirror;     // host-copy transport only
+  std::map<const Tensor*, void*> mirror_of;     // GPU tensor -> its host mirror
+  uint32_t copy_seq = 0;
   void* cuda_stream = nullptr;
   std::thread watchdog;            // releases GPU waiters if ckptd dies
   std::atomic<bool> stop_watchdog{false};
@@ -89,6 +94,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   }
   auto impl = std::make_unique<Impl>();
   impl->options = std::move(options);
+  if (const char* t = std::getenv("CKPTD_CUDA_TRANSPORT"); t && std::string(t) == "host-copy") {
+    impl->options.cuda_transport = CudaTransport::kHostCopy;
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
@@ -113,7 +121,13 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
     return absl::FailedPreconditionError("AllocateTensor after Register(): register once, at the end");
   }
   CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
-  size_t alloc = std::max<size_t>(nbytes, 1);
+  CKPT_ASSIGN_OR_RETURN(void* data, AllocateInArena(nbytes));
+  return AddRecord({name, dtype, shape, data, nbytes, global_shape, global_offset,
+                    /*on_device=*/false});
+}
+
+absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
+  size_t alloc = std::max<size_t>(bytes, 1);
   absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
   if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
   if (!offset.ok()) {
@@ -122,8 +136,7 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
     impl_->arenas.push_back(std::move(arena));
     CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
   }
-  return AddRecord({name, dtype, shape, impl_->arenas.back()->at(*offset), nbytes, global_shape,
-                    global_offset, /*on_device=*/false});
+  return impl_->arenas.back()->at(*offset);
 }
 
 Tensor* Client::AddRecord(Tensor tensor) {
@@ -139,6 +152,21 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
     return absl::FailedPreconditionError("AddCudaTensor after Register(): register once, at the end");
   }
   CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
+  if (impl_->options.cuda_transport == CudaTransport::kHostCopy) {
+    CKPT_ASSIGN_OR_RETURN(int device, cuda::DeviceOfPointer(name, device_ptr));
+    if (!impl_->gpu_sync) {
+      CKPT_ASSIGN_OR_RETURN(impl_->gpu_sync, cuda::TrainerSync::Create(device));
+    }
+    if (!impl_->mirror) {
+      CKPT_ASSIGN_OR_RETURN(impl_->mirror, cuda::HostMirror::Create(device));
+    }
+    CKPT_ASSIGN_OR_RETURN(void* host, AllocateInArena(nbytes));
+    Tensor* t = AddRecord({name, dtype, shape, device_ptr, nbytes, global_shape, global_offset,
+                           /*on_device=*/true});
+    impl_->mirror_of[t] = host;
+    impl_->mirror->Add(device_ptr, host, nbytes);
+    return t;
+  }
   CKPT_ASSIGN_OR_RETURN(cuda::DeviceBufferDescriptor descriptor,
                         cuda::DescribeDeviceBuffer(name, device_ptr, nbytes));
   if (!impl_->gpu_sync) {
@@ -157,7 +185,7 @@ absl::Status Client::Register() {
   req.set_rank(impl_->options.rank);
   req.set_world_size(impl_->options.world_size);
   req.set_pid(::getpid());
-  if (impl_->gpu_sync) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
+  if (!impl_->gpu.empty()) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
   for (const auto& t : tensors_) {
     ::ckptd::v1::TensorSpec* spec = req.add_tensors();
     spec->set_name(t->name);
@@ -166,7 +194,7 @@ absl::Status Client::Register() {
     spec->set_nbytes(t->nbytes);
     for (int64_t d : t->global_shape) spec->add_global_shape(d);
     for (int64_t d : t->global_offset) spec->add_global_offset(d);
-    if (t->on_device) {
+    if (t->on_device && impl_->gpu.count(t.get())) {
       const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(t.get());
       spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());
       spec->mutable_cuda()->set_offset(d.offset);
@@ -174,28 +202,31 @@ absl::Status Client::Register() {
       spec->mutable_cuda()->set_device_uuid(d.device_uuid);
       continue;
     }
+    // Host tensors, and the host mirrors of GPU tensors under the host-copy transport.
+    char* host = static_cast<char*>(t->on_device ? impl_->mirror_of.at(t.get()) : t->data);
     const shm::Arena* owner = nullptr;
     for (const auto& a : impl_->arenas) {
       char* base = static_cast<char*>(a->at(0));
-      if (static_cast<char*>(t->data) >= base && static_cast<char*>(t->data) < base + a->capacity()) {
-        owner = a.get();
-      }
+      if (host >= base && host < base + a->capacity()) owner = a.get();
     }
     spec->set_shm_name(owner->name());
-    spec->set_offset(static_cast<uint64_t>(static_cast<char*>(t->data) - static_cast<char*>(owner->at(0))));
+    spec->set_offset(static_cast<uint64_t>(host - static_cast<char*>(owner->at(0))));
   }
   ::ckptd::v1::RegisterReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",
                                 impl_->options.socket));
   // The daemon has mapped the arenas: drop their names so nothing leaks if we crash.
-  for (auto& a : impl_->arenas) a->UnlinkName();
+  for (auto& a : impl_->arenas) {
+    a->UnlinkName();
+    if (impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
+  }
   CKPT_ASSIGN_OR_RETURN(impl_->control, shm::Segment::Open(reply.control_shm()));
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
                         shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
   impl_->producer = std::make_unique<shm::CommandProducer>(block);
   session_id_ = reply.session_id();
-  if (impl_->gpu_sync) {
+  if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
         reinterpret_cast<uint64_t*>(&block->staged_ticket)));
     impl_->watchdog = std::thread([impl = impl_.get(), block] {
@@ -219,7 +250,16 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
   for (const auto& [name, data] : train_state) payload.train_state.push_back({name, data});
   std::lock_guard lock(impl_->publish_mu);
   if (impl_->gpu_sync) CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream));
-  return impl_->producer->PublishSnapshot(step, payload);
+  uint32_t wait_copy = 0;
+  if (impl_->mirror) {
+    // The side stream copies GPU tensors to their mirrors after the snapshot point; ckptd
+    // stages this command once the callback says the copy landed. 0 means "no wait".
+    wait_copy = ++impl_->copy_seq == 0 ? ++impl_->copy_seq : impl_->copy_seq;
+    shm::CommandProducer* producer = impl_->producer.get();
+    CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToHostAsync(
+        impl_->gpu_sync->event(), [producer, wait_copy] { producer->MarkClientCopyDone(wait_copy); }));
+  }
+  return impl_->producer->PublishSnapshot(step, payload, wait_copy);
 }
 
 void Client::SetCudaStream(void* stream) { impl_->cuda_stream = stream; }
@@ -229,6 +269,8 @@ absl::Status Client::StreamWaitStaged(uint64_t ticket, void* stream) {
     return absl::FailedPreconditionError("StreamWaitStaged needs registered GPU tensors");
   }
   CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after));
+  // Host-copy transport: the GPU buffers are free once the mirror copies are done.
+  if (impl_->mirror) return impl_->mirror->StreamWaitCopied(stream);
   return impl_->gpu_sync->StreamWaitStaged(stream, ticket);
 }
 
@@ -273,6 +315,8 @@ absl::StatusOr<RestoreInfo> Client::Restore(std::optional<uint64_t> step) {
                                                                       : RestoreInfo::Source::kDisk;
   info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
   for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
+  // Host-copy transport: ckptd restored the mirrors; bring them up to the GPU.
+  if (info.found && impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToDevice());
   return info;
 }
 
@@ -286,6 +330,7 @@ absl::Status Client::Unregister() {
   session_id_.clear();
   impl_->stop_watchdog = true;  // it reads the control block we are about to unmap
   if (impl_->watchdog.joinable()) impl_->watchdog.join();
+  if (impl_->mirror) impl_->mirror->Synchronize();  // its callbacks use the producer
   impl_->producer.reset();
   impl_->control.reset();
   return FromGrpc(impl_->stub->Unregister(ctx.get(), req, &reply), "unregister",

@@ -61,6 +61,12 @@ struct RestoreInfo {
   TrainState train_state;
 };
 
+// How GPU tensors reach ckptd. kIpc: ckptd maps them through CUDA IPC and copies them on
+// its own streams (zero copies in the trainer). kHostCopy: where CUDA IPC is impossible
+// (containers without a shared PID namespace), the trainer copies them into host mirrors on
+// a side stream and ckptd stages the mirrors. $CKPTD_CUDA_TRANSPORT=host-copy selects it too.
+enum class CudaTransport { kIpc, kHostCopy };
+
 struct ClientOptions {
   std::string socket = "/run/ckptd/ckptd.sock";
   std::string job;
@@ -69,6 +75,7 @@ struct ClientOptions {
   size_t arena_bytes = 64u << 20;  // shared-memory arenas are allocated in chunks of this
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
+  CudaTransport cuda_transport = CudaTransport::kIpc;
 };
 
 class Client {
@@ -131,6 +138,7 @@ class Client {
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   Tensor* AddRecord(Tensor tensor);
+  absl::StatusOr<void*> AllocateInArena(size_t bytes);
 
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

@@ -31,6 +31,7 @@ absl::Status Annotate(const absl::Status& status, std::string_view context);
     }                                           \
   } while (0)
 
+// Expands to several statements: after `if`, always use braces.
 #define CKPT_ASSIGN_OR_RETURN(lhs, expr) \
   CKPT_ASSIGN_OR_RETURN_IMPL(CKPT_STATUS_CONCAT(_status_or_, __LINE__), lhs, expr)
 

@@ -22,6 +22,8 @@ class TrainerSync {
   TrainerSync(const TrainerSync&) = delete;
   TrainerSync& operator=(const TrainerSync&) = delete;
 
+  // The snapshot event itself (cudaEvent_t), for the host-copy transport.
+  void* event() const { return event_; }
   // cudaIpcEventHandle_t bytes for the daemon.
   const std::string& event_handle() const { return event_handle_; }
   // Records the snapshot point on `stream` (a cudaStream_t; null: the legacy default stream).

@@ -47,4 +47,11 @@ TEST_CASE("GPU buffers: the checkpoint holds exactly the pre-snapshot state; res
   INFO(after.out << d.Log());
   CHECK(Contains(after.out, "match"));
   CHECK(d.Ctl({"status"}).exit_code == 0);  // the daemon is fine
+
+  // The host-copy transport (no CUDA IPC): same guarantees through the trainer's mirrors.
+  auto hc = Run(trainer({"--mode", "save", "--job", "hc", "--transport", "host-copy"}), dir.path());
+  INFO(hc.out << hc.err);
+  CHECK(hc.exit_code == 0);
+  auto hc_check = Run(trainer({"--mode", "check", "--job", "hc", "--transport", "host-copy"}), dir.path());
+  CHECK(Contains(hc_check.out, "match"));
 }

@@ -27,13 +27,14 @@ int Fail(const std::string& what) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string socket, mode = "save", job = "gpu";
+  std::string socket, mode = "save", job = "gpu", transport = "ipc";
   bool die = false;
   CLI::App app{"gpu_trainer"};
   app.add_option("--socket", socket)->required();
   app.add_option("--mode", mode)->check(CLI::IsMember({"save", "check"}));
   app.add_option("--job", job);
   app.add_flag("--die-after-staged", die);
+  app.add_option("--transport", transport)->check(CLI::IsMember({"ipc", "host-copy"}));
   CLI11_PARSE(app, argc, argv);
 
   const size_t total = kSmall * kSmallBytes + kLargeBytes;
@@ -41,7 +42,9 @@ int main(int argc, char** argv) {
   if (cudaMalloc(reinterpret_cast<void**>(&base), total) != cudaSuccess) return Fail("cudaMalloc");
   cudaStream_t stream;
   cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-  auto client = ckpt::Client::Connect({.socket = socket, .job = job});
+  auto client = ckpt::Client::Connect(
+      {.socket = socket, .job = job,
+       .cuda_transport = transport == "ipc" ? ckpt::CudaTransport::kIpc : ckpt::CudaTransport::kHostCopy});
   if (!client.ok()) return Fail(ckpt::Message(client.status()));
   for (size_t i = 0; i < kSmall; ++i) {
     auto t = (*client)->AddCudaTensor("small." + std::to_string(i), "U8",

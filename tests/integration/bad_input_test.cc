@@ -73,6 +73,12 @@ TEST_CASE("a GPU tensor from a process without usable CUDA is refused, naming th
   CHECK(r.exit_code == 0);
   CHECK(Contains(r.out, "tensor gpu.weight: CUDA is not usable in this process"));
   CHECK(Contains(d.Log(), "host copy engine only"));
+  // The host-copy transport (no CUDA IPC) refuses the same way.
+  ::setenv("CKPTD_CUDA_TRANSPORT", "host-copy", 1);
+  auto copy = Run(Helper(d, {"add-cuda"}), dir.path());
+  ::unsetenv("CKPTD_CUDA_TRANSPORT");
+  CHECK(copy.exit_code == 0);
+  CHECK(Contains(copy.out, "tensor gpu.weight: CUDA is not usable in this process"));
 }
 
 TEST_CASE("unknown sessions and tickets get clear errors") {
