@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fmt/format.h>
 
@@ -11,7 +12,10 @@
 
 namespace ckpt::cuda {
 
+using shm::PopulateWritable;
 using shm::PrefaultWritable;
+
+constexpr size_t kStep = 64u << 20;  // background prefault granularity
 
 StagingBlock::~StagingBlock() { pool_->Release(offset_, size_); }
 
@@ -24,8 +28,22 @@ absl::StatusOr<StagingPoolPtr> StagingPool::Create(size_t bytes, bool prefault) 
   }
   // Huge pages first, then populate: populating first would fix 4 KiB pages in place.
   ::madvise(p, bytes, MADV_HUGEPAGE);
-  if (prefault) PrefaultWritable(p, bytes);
-  return StagingPoolPtr(new StagingPool(static_cast<char*>(p), bytes));
+  StagingPoolPtr pool(new StagingPool(static_cast<char*>(p), bytes));
+  if (prefault) {
+    if (shm::PopulateWritable(p, std::min(bytes, kStep))) {
+      // Tens of GiB take seconds: serve meanwhile (populating skips pages in use).
+      pool->prefault_done_ = false;
+      pool->prefault_thread_ = std::thread([raw = pool.get()] {
+        for (size_t off = kStep; off < raw->capacity_ && !raw->stop_prefault_; off += kStep) {
+          shm::PopulateWritable(raw->base_ + off, std::min(kStep, raw->capacity_ - off));
+        }
+        raw->prefault_done_ = true;
+      });
+    } else {
+      PrefaultWritable(p, bytes);  // old kernel: touch every page, before anyone uses them
+    }
+  }
+  return pool;
 }
 
 StagingPool::StagingPool(char* base, size_t capacity) : base_(base), capacity_(capacity) {
@@ -33,6 +51,8 @@ StagingPool::StagingPool(char* base, size_t capacity) : base_(base), capacity_(c
 }
 
 StagingPool::~StagingPool() {
+  stop_prefault_ = true;
+  if (prefault_thread_.joinable()) prefault_thread_.join();
   if (pinned_) (void)cudaHostUnregister(base_);
   ::munmap(base_, capacity_);
 }

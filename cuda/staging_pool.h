@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <atomic>
 #include <mutex>
+#include <thread>
 
 #include "absl/status/statusor.h"
 
@@ -40,8 +42,9 @@ class StagingPool {
  public:
   static constexpr size_t kAlignment = 4096;
 
-  // Maps `bytes` of anonymous memory; `prefault` touches every page now so that the first
-  // snapshot does not pay for page faults.
+  // Maps `bytes` of anonymous memory. `prefault` populates every page so that snapshots do
+  // not pay for page faults: in the background where the kernel allows it (the pool is
+  // usable at once; see prefault_done()), else before returning.
   static absl::StatusOr<std::unique_ptr<StagingPool>> Create(size_t bytes, bool prefault);
   ~StagingPool();
 
@@ -54,6 +57,7 @@ class StagingPool {
   bool pinned() const { return pinned_; }
 
   size_t capacity() const { return capacity_; }
+  bool prefault_done() const { return prefault_done_.load(); }
   size_t used() const;
   char* base() const { return base_; }
 
@@ -65,6 +69,9 @@ class StagingPool {
   char* base_;
   size_t capacity_;
   bool pinned_ = false;
+  std::atomic<bool> prefault_done_{true};
+  std::atomic<bool> stop_prefault_{false};
+  std::thread prefault_thread_;
   mutable std::mutex mu_;
   std::map<size_t, size_t> free_;  // offset -> size, coalesced
   size_t used_ = 0;

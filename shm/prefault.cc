@@ -11,6 +11,10 @@
 
 namespace ckpt::shm {
 
+bool PopulateWritable(void* addr, size_t bytes) {
+  return bytes == 0 || ::madvise(addr, bytes, MADV_POPULATE_WRITE) == 0;
+}
+
 void PrefaultWritable(void* addr, size_t bytes) {
   if (bytes == 0 || ::madvise(addr, bytes, MADV_POPULATE_WRITE) == 0) return;
   // Fallback: a write that changes nothing, once per page.

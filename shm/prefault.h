@@ -9,4 +9,8 @@ namespace ckpt::shm {
 // MADV_POPULATE_WRITE (Linux 5.14+); on older kernels, touches every page.
 void PrefaultWritable(void* addr, size_t bytes);
 
+// MADV_POPULATE_WRITE only; false where the kernel lacks it. It never changes pages that
+// are already present, so it may run while others write to the memory.
+bool PopulateWritable(void* addr, size_t bytes);
+
 }  // namespace ckpt::shm

@@ -1,7 +1,9 @@
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <chrono>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "cuda/copy_engine.h"
@@ -74,4 +76,21 @@ TEMPLATE_TEST_CASE("copy engines survive many small regions and repeated jobs", 
   }
   for (int round = 0; round < 20; ++round) REQUIRE(engine->Copy(regions).ok());
   CHECK(dst == src);
+}
+
+TEST_CASE("the pool is usable at once while it is pre-faulted in the background") {
+  auto pool = StagingPool::Create(512u << 20, /*prefault=*/true);
+  REQUIRE(pool.ok());
+  auto block = (*pool)->Allocate(256u << 20);
+  REQUIRE(block.ok());
+  for (size_t off = 0; off < (256u << 20); off += 4096) (*block)->data()[off] = static_cast<char>(off >> 12);
+  for (int i = 0; i < 500 && !(*pool)->prefault_done(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK((*pool)->prefault_done());
+  bool intact = true;
+  for (size_t off = 0; off < (256u << 20); off += 4096) {
+    intact &= (*block)->data()[off] == static_cast<char>(off >> 12);
+  }
+  CHECK(intact);  // populating never overwrote what was written meanwhile
 }
