@@ -84,8 +84,9 @@ class Ctl {
       return 0;
     }
     std::cout << fmt::format("ckptd {}  up {:.1f} s  root {}\n", r.version(), r.uptime_s(), r.root());
-    std::cout << fmt::format("staging   {} of {} in use\n", Bytes(r.staging_bytes_used()),
-                             Bytes(r.staging_bytes_total()));
+    std::cout << fmt::format("staging   {} of {} in use{}\n", Bytes(r.staging_bytes_used()),
+                             Bytes(r.staging_bytes_total()),
+                             r.staging_prefaulted() ? "" : " (still being pre-faulted)");
     std::cout << fmt::format(
         "counters  staged {}  rejected {}  committed {}  failed {}  persisted {}\n\n",
         r.snapshots_staged(), r.snapshots_rejected(), r.checkpoints_committed(),

@@ -22,6 +22,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
     reply->set_config_json(config_.ToJson());
     reply->set_staging_bytes_total(pool_.capacity());
     reply->set_staging_bytes_used(pool_.used());
+    reply->set_staging_prefaulted(pool_.prefault_done());
     for (const SessionPtr& s : sessions_.All()) {
       SessionStatus* out = reply->add_sessions();
       out->set_session_id(s->id());

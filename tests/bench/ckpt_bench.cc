@@ -137,6 +137,19 @@ class DaemonProcess {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     if (!std::filesystem::exists(socket_)) Die("ckptd did not start; see " + f.root + "/ckptd.log");
+    // Measure a daemon whose staging memory is fully populated, as it is in steady state.
+    std::string ctl = std::filesystem::path(f.ckptd).parent_path().parent_path().string() +
+                      "/client/ckptctl";
+    for (int i = 0; i < 1200; ++i) {
+      std::string cmd = ctl + " --socket " + socket_ + " --json status 2>/dev/null";
+      FILE* p = ::popen(cmd.c_str(), "r");
+      std::string text;
+      char buf[4096];
+      while (p && std::fgets(buf, sizeof buf, p)) text += buf;
+      if (p) ::pclose(p);
+      if (text.find("\"staging_prefaulted\": true") != std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
   ~DaemonProcess() {
     ::kill(pid_, SIGTERM);
