@@ -73,8 +73,7 @@ absl::StatusOr<int> DeviceOrdinalByUuid(const std::string& uuid) {
   return absl::NotFoundError(fmt::format("GPU {} is not visible to this process", uuid));
 }
 
-absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& name,
-                                                            const void* ptr, size_t bytes) {
+absl::StatusOr<int> DeviceOfPointer(const std::string& name, const void* ptr) {
   const DeviceInfo& info = DetectDevices();
   if (!info.available()) {
     return absl::FailedPreconditionError(
@@ -86,6 +85,12 @@ absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& n
     return absl::InvalidArgumentError(fmt::format(
         "tensor {}: not device memory (register host tensors through a shared-memory arena)", name));
   }
+  return attrs.device;
+}
+
+absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& name,
+                                                            const void* ptr, size_t bytes) {
+  CKPT_ASSIGN_OR_RETURN(int device, DeviceOfPointer(name, ptr));
   auto fn = GetPointerAttributeFn();
   if (!fn.ok()) return fn.status();
   void* pool = nullptr;
@@ -123,8 +128,8 @@ absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& n
                             fmt::format("tensor {}", name));
   static_assert(sizeof(handle) == kIpcHandleBytes);
   std::memcpy(d.ipc_handle.data(), &handle, kIpcHandleBytes);
-  CKPT_ASSIGN_OR_RETURN(d.device_uuid, DeviceUuid(attrs.device));
-  d.device_ordinal = attrs.device;
+  CKPT_ASSIGN_OR_RETURN(d.device_uuid, DeviceUuid(device));
+  d.device_ordinal = device;
   return d;
 }
 

@@ -29,6 +29,10 @@ struct DeviceBufferDescriptor {
 absl::StatusOr<DeviceBufferDescriptor> DescribeDeviceBuffer(const std::string& name,
                                                             const void* ptr, size_t bytes);
 
+// The device ordinal of device memory at `ptr` (any allocator). FailedPrecondition when
+// CUDA is unusable in this process, InvalidArgument for host memory; both name the tensor.
+absl::StatusOr<int> DeviceOfPointer(const std::string& name, const void* ptr);
+
 // "GPU-..." for a device ordinal of this process.
 absl::StatusOr<std::string> DeviceUuid(int device);
 

@@ -5,7 +5,6 @@
 
 #include "common/status.h"
 #include "cuda/cuda_check.h"
-#include "cuda/device.h"
 
 namespace ckpt::cuda {
 namespace {
@@ -17,20 +16,6 @@ void RunDone(void* data) {
 }
 
 }  // namespace
-
-absl::StatusOr<int> DeviceOfPointer(const std::string& name, const void* ptr) {
-  const DeviceInfo& info = DetectDevices();
-  if (!info.available()) {
-    return absl::FailedPreconditionError(
-        fmt::format("tensor {}: CUDA is not usable in this process ({})", name, info.reason));
-  }
-  cudaPointerAttributes attrs;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaPointerGetAttributes(&attrs, ptr), fmt::format("tensor {}", name));
-  if (attrs.type != cudaMemoryTypeDevice) {
-    return absl::InvalidArgumentError(fmt::format("tensor {}: not device memory", name));
-  }
-  return attrs.device;
-}
 
 absl::StatusOr<std::unique_ptr<HostMirror>> HostMirror::Create(int device) {
   std::unique_ptr<HostMirror> m(new HostMirror());

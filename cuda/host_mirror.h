@@ -48,7 +48,4 @@ class HostMirror {
   std::vector<void*> pinned_;
 };
 
-// The device ordinal of device memory at `ptr` (any allocator); InvalidArgument otherwise.
-absl::StatusOr<int> DeviceOfPointer(const std::string& name, const void* ptr);
-
 }  // namespace ckpt::cuda
