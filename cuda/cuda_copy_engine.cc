@@ -8,25 +8,10 @@
 
 #include "cuda/chunk_plan.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 
 namespace ckpt::cuda {
 namespace {
-
-// Restores the caller's current device on scope exit (STYLE.md: a device guard in each
-// CUDA method).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    (void)cudaGetDevice(&previous_);
-    ok_ = cudaSetDevice(device) == cudaSuccess;
-  }
-  ~DeviceGuard() { (void)cudaSetDevice(previous_); }
-  bool ok() const { return ok_; }
-
- private:
-  int previous_ = 0;
-  bool ok_ = false;
-};
 
 class CudaCopyEngine final : public CopyEngine {
  public:
@@ -79,7 +64,6 @@ class CudaCopyEngine final : public CopyEngine {
 absl::StatusOr<CopyEnginePtr> MakeCudaCopyEngine(const CudaCopyEngineOptions& options) {
   DeviceGuard guard(options.device);
   if (!guard.ok()) {
-    (void)cudaGetLastError();
     return absl::FailedPreconditionError(
         fmt::format("CUDA device {} is not usable on this machine", options.device));
   }

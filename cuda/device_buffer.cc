@@ -9,26 +9,15 @@
 #include "cuda/cuda_check.h"
 #include "common/status.h"
 #include "cuda/device.h"
+#include "cuda/driver_entry.h"
 
 namespace ckpt::cuda {
 namespace {
 
-// Driver entry points fetched through the runtime, so that binaries never link libcuda
-// and still start on machines without a driver.
 using PointerGetAttribute = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
 
 absl::StatusOr<PointerGetAttribute> GetPointerAttributeFn() {
-  static PointerGetAttribute fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &p, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<PointerGetAttribute>(p);
-  }();
+  static auto fn = reinterpret_cast<PointerGetAttribute>(DriverEntryPoint("cuPointerGetAttribute"));
   if (fn == nullptr) return absl::FailedPreconditionError("the CUDA driver API is not available");
   return fn;
 }

@@ -5,6 +5,7 @@
 
 #include "common/status.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 
 namespace ckpt::cuda {
 namespace {
@@ -20,7 +21,8 @@ void RunDone(void* data) {
 absl::StatusOr<std::unique_ptr<HostMirror>> HostMirror::Create(int device) {
   std::unique_ptr<HostMirror> m(new HostMirror());
   m->device_ = device;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "host mirror");
+  DeviceGuard guard(device);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "host mirror");
   cudaStream_t stream;
   CKPT_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "host mirror");
   m->stream_ = stream;

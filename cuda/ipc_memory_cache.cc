@@ -6,15 +6,13 @@
 #include <cstring>
 
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 
 namespace ckpt::cuda {
 
 IpcMapping::~IpcMapping() {
-  int previous = 0;
-  (void)cudaGetDevice(&previous);
-  (void)cudaSetDevice(device_);
+  DeviceGuard guard(device_);
   (void)cudaIpcCloseMemHandle(base_);
-  (void)cudaSetDevice(previous);
 }
 
 absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
@@ -29,16 +27,14 @@ absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
     return absl::Status(device.status().code(),
                         fmt::format("tensor {}: {}", tensor, std::string(device.status().message())));
   }
-  int previous = 0;
-  (void)cudaGetDevice(&previous);
-  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(*device), fmt::format("tensor {}", tensor));
+  DeviceGuard guard(*device);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), fmt::format("tensor {}", tensor));
   cudaIpcMemHandle_t handle;
   std::memcpy(&handle, d.ipc_handle.data(), sizeof handle);
   void* base = nullptr;
-  cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
-  (void)cudaSetDevice(previous);
-  CKPT_CUDA_RETURN_IF_ERROR(err, fmt::format("tensor {} (cudaIpcOpenMemHandle on {})", tensor,
-                                             d.device_uuid));
+  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+                            fmt::format("tensor {} (cudaIpcOpenMemHandle on {})", tensor,
+                                        d.device_uuid));
   std::shared_ptr<IpcMapping> mapping(new IpcMapping(static_cast<char*>(base), *device,
                                                      d.allocation_bytes));
   open_[key] = mapping;

@@ -8,6 +8,8 @@
 
 #include "common/status.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
+#include "cuda/driver_entry.h"
 
 namespace ckpt::cuda {
 namespace {
@@ -15,17 +17,7 @@ namespace {
 using StreamWaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
 
 absl::StatusOr<StreamWaitValue64> GetStreamWaitValue64() {
-  static StreamWaitValue64 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue64", &p, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      p = nullptr;
-    }
-    return reinterpret_cast<StreamWaitValue64>(p);
-  }();
+  static auto fn = reinterpret_cast<StreamWaitValue64>(DriverEntryPoint("cuStreamWaitValue64"));
   if (fn == nullptr) return absl::FailedPreconditionError("cuStreamWaitValue64 is not available");
   return fn;
 }
@@ -35,7 +27,8 @@ absl::StatusOr<StreamWaitValue64> GetStreamWaitValue64() {
 absl::StatusOr<std::unique_ptr<TrainerSync>> TrainerSync::Create(int device) {
   std::unique_ptr<TrainerSync> s(new TrainerSync());
   s->device_ = device;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "snapshot event");
+  DeviceGuard guard(device);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "snapshot event");
   cudaEvent_t event;
   CKPT_CUDA_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
@@ -89,13 +82,10 @@ absl::StatusOr<std::unique_ptr<IpcEvent>> IpcEvent::Open(const std::string& hand
   e->device_ = device;
   cudaIpcEventHandle_t h;
   std::memcpy(&h, handle.data(), sizeof h);
-  int previous = 0;
-  (void)cudaGetDevice(&previous);
-  CKPT_CUDA_RETURN_IF_ERROR(cudaSetDevice(device), "trainer snapshot event");
+  DeviceGuard guard(device);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "trainer snapshot event");
   cudaEvent_t event;
-  cudaError_t err = cudaIpcOpenEventHandle(&event, h);
-  (void)cudaSetDevice(previous);
-  CKPT_CUDA_RETURN_IF_ERROR(err, "trainer snapshot event");
+  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&event, h), "trainer snapshot event");
   e->event_ = event;
   return e;
 }
