@@ -193,12 +193,8 @@ void Checkpointer::Commit(const StepKey& key, PendingStep step) {
   absl::Status committed = error.empty() ? store_.Commit(m) : absl::InvalidArgumentError(error);
   std::vector<StagedSnapshotPtr> waiting = std::move(step.waiting);
   if (!committed.ok()) {
-    std::string message = fmt::format("commit of step {} failed: {}", number, Message(committed));
-    (void)store_.AbortStep(job, number);
-    Log().error("{} {}", Prefix(job, number), message);
-    board_.checkpoints_failed++;
-    board_.RecordError(fmt::format("{} {}", Prefix(job, number), message));
-    Notify(waiting, shm::kTicketFailed, message);
+    ReportFailure(key, fmt::format("commit of step {} failed: {}", number, Message(committed)),
+                  waiting, spdlog::level::err);
     std::lock_guard lock(mu_);
     progress_cv_.notify_all();
     return;
@@ -233,14 +229,11 @@ void Checkpointer::Commit(const StepKey& key, PendingStep step) {
     janitor_cv_.notify_one();
   }
   for (auto& [old_key, old] : superseded) {
-    std::string message = fmt::format(
-        "step {} abandoned: step {} committed before all {} ranks of step {} arrived",
-        old_key.second, number, old.world_size, old_key.second);
-    Log().warn("{} {}", Prefix(job, old_key.second), message);
-    board_.checkpoints_failed++;
-    board_.RecordError(fmt::format("{} {}", Prefix(job, old_key.second), message));
-    (void)store_.AbortStep(job, old_key.second);
-    Notify(old.waiting, shm::kTicketFailed, message);
+    ReportFailure(old_key,
+                  fmt::format("step {} abandoned: step {} committed before all {} ranks of step {} "
+                              "arrived",
+                              old_key.second, number, old.world_size, old_key.second),
+                  old.waiting, spdlog::level::warn);
   }
 }
 
@@ -283,13 +276,18 @@ void Checkpointer::FailStep(const StepKey& key, const std::string& error) {
     it->second.written.clear();
     progress_cv_.notify_all();
   }
-  Log().error("{} checkpoint failed: {}", Prefix(key.first, key.second), error);
+  ReportFailure(key, error, waiting, spdlog::level::err);
+}
+
+void Checkpointer::ReportFailure(const StepKey& key, const std::string& message,
+                                 const std::vector<StagedSnapshotPtr>& waiting,
+                                 spdlog::level::level_enum level) {
+  Log().log(level, "{} checkpoint failed: {}", Prefix(key.first, key.second), message);
   board_.checkpoints_failed++;
-  board_.RecordError(fmt::format("{} {}", Prefix(key.first, key.second), error));
-  if (error.find("already committed") == std::string::npos) {
-    (void)store_.AbortStep(key.first, key.second);
-  }
-  Notify(waiting, shm::kTicketFailed, error);
+  board_.RecordError(fmt::format("{} {}", Prefix(key.first, key.second), message));
+  // Only the unfinished step-N.tmp goes; a committed step-N is never touched.
+  (void)store_.AbortStep(key.first, key.second);
+  Notify(waiting, shm::kTicketFailed, message);
 }
 
 void Checkpointer::ApplyRetention(const std::string& job) {

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <spdlog/spdlog.h>
+
 #include "daemon/control/status_board.h"
 #include "daemon/persist/checkpoint_store.h"
 #include "daemon/persist/retention.h"
@@ -91,6 +93,10 @@ class Checkpointer {
   void Process(const StagedSnapshotPtr& snapshot);
   void Commit(const StepKey& key, PendingStep step);
   void FailStep(const StepKey& key, const std::string& error);
+  // Logs, counts and records a failed step, removes its .tmp directory and fails the
+  // tickets of `waiting`. Call without holding mu_.
+  void ReportFailure(const StepKey& key, const std::string& message,
+                     const std::vector<StagedSnapshotPtr>& waiting, spdlog::level::level_enum level);
   // True while some rank of `step` is queued or being written.
   bool InFlightLocked(const StepKey& key, const PendingStep& step) const;
   void ApplyRetention(const std::string& job);
