@@ -36,6 +36,7 @@
 #include "client/ckpt_client.h"
 #include "common/status.h"
 #include "cuda/device.h"
+#include "daemon/config.h"
 #include "tests/bench/gpu_bench.h"
 
 namespace {
@@ -248,25 +249,13 @@ int main(int argc, char** argv) {
   app.add_option("--gpu-bytes", f.gpu_bytes, "GPU state for the GPU benchmark")->capture_default_str();
   app.add_option("--gpu-step-ms", f.gpu_step_ms, "busy GPU time per synthetic step")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
-  {
-    uint64_t mult = 1;
-    std::string s = f.bytes_per_rank;
-    char unit = s.empty() ? 'B' : s.back();
-    if (unit == 'K' || unit == 'M' || unit == 'G') {
-      mult = unit == 'K' ? 1ull << 10 : unit == 'M' ? 1ull << 20 : 1ull << 30;
-      s.pop_back();
-    }
-    f.bytes = std::stoull(s) * mult / 64 * 64;
-  }
-  auto parse_bytes = [](std::string s) {
-    uint64_t mult = 1;
-    char unit = s.empty() ? 'B' : s.back();
-    if (unit == 'K' || unit == 'M' || unit == 'G') {
-      mult = unit == 'K' ? 1ull << 10 : unit == 'M' ? 1ull << 20 : 1ull << 30;
-      s.pop_back();
-    }
-    return std::stoull(s) * mult;
+  // The same size syntax as ckptd's flags (K, M, G, T).
+  auto parse_bytes = [](const std::string& flag, const std::string& text) {
+    auto bytes = ckpt::daemon::ParseBytes(text);
+    if (!bytes.ok()) Die(flag + ": " + Message(bytes.status()));
+    return *bytes;
   };
+  f.bytes = parse_bytes("--bytes-per-rank", f.bytes_per_rank) / 64 * 64;
   if (f.ckptd.empty()) {
     const char* rf = std::getenv("RUNFILES_DIR");
     // `bazel run` starts us in our runfiles tree; a direct start is usually the repo root.
@@ -403,7 +392,7 @@ int main(int argc, char** argv) {
     note("GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
   } else if (f.gpu) {
     note("GPU benchmark... ");
-    uint64_t gpu_bytes = parse_bytes(f.gpu_bytes);
+    uint64_t gpu_bytes = parse_bytes("--gpu-bytes", f.gpu_bytes);
     DaemonProcess daemon(f, 2 * gpu_bytes + (1ull << 30));
     ckpt::bench::GpuBenchOptions g;
     g.socket = daemon.socket();
