@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "tests/fakes/wait_until.h"
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
@@ -98,12 +99,7 @@ TEST_CASE("a trainer SIGKILLed right after staged still gets its checkpoint comm
             dir.path(), "die");
   CHECK(p.Wait() == 128 + SIGKILL);
   REQUIRE(Contains(p.Stdout(), "staged ticket="));
-  auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (!Contains(d.Ctl({"--job", "k", "list"}).out, "k    3") && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(20ms);
-  }
-  auto listed = d.Ctl({"--job", "k", "list"});
-  REQUIRE(Contains(listed.out, "k    3"));
+  REQUIRE(WaitUntil([&] { return Contains(d.Ctl({"--job", "k", "list"}).out, "k    3"); }, 30s, 20ms));
   auto c = Run(Helper(d, {"--job", "k", "--seed", "5", "--bytes", "64000000", "check"}), dir.path());
   INFO(c.out);
   CHECK(c.exit_code == 0);
@@ -124,10 +120,7 @@ TEST_CASE("ckptd SIGKILLed during a write leaves the previous checkpoint intact 
                  dir.path(), "second");
   REQUIRE(second.WaitForStdout("staged ticket="));
   const std::string shard = d.root() + "/w/step-00000020.tmp/rank-00000.safetensors";
-  auto deadline = std::chrono::steady_clock::now() + 30s;
-  while (!std::filesystem::exists(shard) && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  WaitUntil([&] { return std::filesystem::exists(shard); }, 30s, 1ms);
   d.Kill();  // mid-write
   second.Wait();
   bool torn_left = std::filesystem::exists(d.root() + "/w/step-00000020.tmp");

@@ -11,11 +11,13 @@
 #include "daemon/persist/verify.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
 
 using namespace ckpt;
 using namespace ckpt::daemon;
 using namespace std::chrono_literals;
 using Op = ckpt::testing::FaultyFilesystem::Op;
+using ckpt::testing::WaitUntil;
 
 namespace {
 
@@ -201,9 +203,7 @@ TEST_CASE("ranks that disagree on the world size are refused") {
   uint64_t a = f.Submit(10, 0, 2);
   // The first rank to arrive defines the step's world size.
   const std::string rank0 = f.store.TempStepDir("job", 10) + "/rank-00000.safetensors";
-  for (int i = 0; i < 200 && !f.fs->Exists(rank0); ++i) {
-    std::this_thread::sleep_for(5ms);
-  }
+  WaitUntil([&] { return f.fs->Exists(rank0); }, 1s);
   uint64_t b = f.Submit(10, 1, 3);
   CHECK(f.sink->WaitFinal(b) == shm::kTicketFailed);
   CHECK(f.sink->error(b).find("world size") != std::string::npos);
@@ -221,7 +221,7 @@ TEST_CASE("committed snapshots stay in memory for hot restore until evicted") {
   size_t used = f.pool->used();
   CHECK(f.checkpointer->EvictOneHot());
   // The block returns to the pool once the I/O thread has let go of it too.
-  for (int i = 0; i < 100 && f.pool->used() >= used; ++i) std::this_thread::sleep_for(10ms);
+  WaitUntil([&] { return f.pool->used() < used; }, 1s);
   CHECK(f.pool->used() < used);
   CHECK(f.checkpointer->FindHot("job", 0, 10) == nullptr);
   CHECK_FALSE(f.checkpointer->EvictOneHot());
@@ -234,7 +234,7 @@ TEST_CASE("retention runs after each commit and spares pinned steps") {
   for (uint64_t step : {10, 20, 30, 40}) REQUIRE(f.sink->WaitFinal(f.Submit(step, 0, 1)) == shm::kTicketCommitted);
   // Retention runs right after the commit is announced, off the trainer's path.
   std::vector<uint64_t> expected = {10, 30, 40};
-  for (int i = 0; i < 100 && *f.store.ListSteps("job") != expected; ++i) std::this_thread::sleep_for(10ms);
+  WaitUntil([&] { return *f.store.ListSteps("job") == expected; }, 1s);
   CHECK(*f.store.ListSteps("job") == expected);
 }
 

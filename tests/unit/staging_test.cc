@@ -8,6 +8,7 @@
 
 #include "cuda/copy_engine.h"
 #include "cuda/staging_pool.h"
+#include "tests/fakes/wait_until.h"
 
 using namespace ckpt::cuda;
 
@@ -84,10 +85,7 @@ TEST_CASE("the pool is usable at once while it is pre-faulted in the background"
   auto block = (*pool)->Allocate(256u << 20);
   REQUIRE(block.ok());
   for (size_t off = 0; off < (256u << 20); off += 4096) (*block)->data()[off] = static_cast<char>(off >> 12);
-  for (int i = 0; i < 500 && !(*pool)->prefault_done(); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  CHECK((*pool)->prefault_done());
+  CHECK(ckpt::testing::WaitUntil([&] { return (*pool)->prefault_done(); }, std::chrono::seconds(5)));
   bool intact = true;
   for (size_t off = 0; off < (256u << 20); off += 4096) {
     intact &= (*block)->data()[off] == static_cast<char>(off >> 12);
