@@ -161,7 +161,8 @@ TEST_CASE("retention keeps the last K and every N-th, never blocking saves") {
   auto r = Run(Trainer(d, {"--job", "ret", "--steps", "60", "--save-every", "10", "--state-bytes", "100000"}),
                dir.path());
   REQUIRE(r.exit_code == 0);
-  std::this_thread::sleep_for(200ms);  // retention runs just after the last commit
+  // Retention runs just after the last commit, off the trainer's path.
+  WaitUntil([&] { return !Contains(d.Ctl({"--job", "ret", "--json", "list"}).out, "\"30\""); }, 10s, 20ms);
   auto list = d.Ctl({"--job", "ret", "--json", "list"});
   for (const char* kept : {"\"20\"", "\"40\"", "\"50\"", "\"60\""}) CHECK(Contains(list.out, kept));
   for (const char* gone : {"\"10\"", "\"30\""}) CHECK_FALSE(Contains(list.out, gone));
