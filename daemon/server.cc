@@ -115,8 +115,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->checkpointer = std::make_unique<Checkpointer>(*p->store, *p->writer, p->board, options);
   std::vector<cuda::CopyEngine*> device_engines;
   for (const auto& e : p->device_engines) device_engines.push_back(e.get());
-  p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, config.when_busy,
-                                       std::chrono::milliseconds(config.busy_wait_ms),
+  Stager::Options staging;
+  staging.when_busy = config.when_busy;
+  staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
+  p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, staging,
                                        &p->copy_priority, device_engines);
   p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
                                            &p->copy_priority, device_engines, p->pool.get());

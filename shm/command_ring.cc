@@ -159,14 +159,18 @@ void CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
                                      std::string_view error) {
   TicketSlot& t = block_->tickets[ticket % kTicketSlots];
   if (t.ticket.load(std::memory_order_acquire) != ticket) return;
+  // A decided ticket stays decided: the persist stage may commit (or fail) a snapshot
+  // before the stager reports it staged, and the first error is the one that explains.
+  if (t.state.load(std::memory_order_acquire) >= kTicketCommitted) return;
   if (!error.empty()) {
     size_t n = std::min(error.size(), static_cast<size_t>(kTicketErrorBytes - 1));
     std::memcpy(t.error, error.data(), n);
     t.error[n] = '\0';
   }
   t.state.store(state, std::memory_order_release);
-  // Failed or rejected tickets release GPU waiters too: they wait for "not pending".
-  if (state != kTicketCommitted && ticket > block_->staged_ticket.load(std::memory_order_relaxed)) {
+  // Every state past pending releases GPU waiters: committed implies staged, and failed or
+  // rejected tickets must not leave a stream waiting.
+  if (state != kTicketPending && ticket > block_->staged_ticket.load(std::memory_order_relaxed)) {
     block_->staged_ticket.store(ticket, std::memory_order_release);
   }
   FutexWakeAll(&t.state);

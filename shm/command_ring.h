@@ -71,8 +71,9 @@ class CommandConsumer {
   // Takes the next command, sleeping up to `wait` for one to arrive.
   std::optional<Command> Next(std::chrono::nanoseconds wait);
 
-  // Updates a ticket's state (ignored if the slot was reused by a newer ticket) and wakes
-  // waiters.
+  // Updates a ticket's state (ignored if the slot was reused by a newer ticket, or the
+  // ticket is already committed, failed or rejected) and wakes waiters. Callers serialise
+  // calls for one ticket.
   void SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
 
   // Waits until the trainer's copy `seq` has landed: false on timeout or a closed session.

@@ -15,6 +15,8 @@ Checksum::~Checksum() = default;
 
 void Checksum::Update(const void* data, size_t size) { XXH3_64bits_update(state_->xxh, data, size); }
 
+void Checksum::Reset() { XXH3_64bits_reset(state_->xxh); }
+
 std::string Checksum::Finish() const {
   return fmt::format("xxh3:{:016x}", XXH3_64bits_digest(state_->xxh));
 }

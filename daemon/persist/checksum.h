@@ -17,6 +17,7 @@ class Checksum {
 
   void Update(const void* data, size_t size);
   std::string Finish() const;  // "xxh3:..."
+  void Reset();
 
  private:
   struct State;

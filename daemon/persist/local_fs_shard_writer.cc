@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 
 #include "common/status.h"
@@ -19,10 +20,42 @@ struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 
+// Checksums each entry of a shard's data region as the writer's position moves through it,
+// so that a large tensor is hashed chunk by chunk as it lands rather than in one pass first.
+class RunningChecksums {
+ public:
+  RunningChecksums(const StagedShard& shard, std::map<std::string, std::string>& out)
+      : shard_(shard), out_(out) {}
+
+  // Hashes bytes [position, upto) of the data region.
+  void AdvanceTo(uint64_t upto) {
+    while (next_ < shard_.entries.size()) {
+      const TensorEntry& e = shard_.entries[next_];
+      position_ = std::max(position_, e.begin);
+      if (uint64_t stop = std::min(upto, e.end); stop > position_) {
+        current_.Update(shard_.data + position_, stop - position_);
+        position_ = stop;
+      }
+      if (position_ < e.end) return;  // the rest of this entry has not been reached yet
+      out_[e.name] = current_.Finish();
+      current_.Reset();
+      ++next_;
+    }
+  }
+
+ private:
+  const StagedShard& shard_;
+  std::map<std::string, std::string>& out_;
+  Checksum current_;
+  size_t next_ = 0;
+  uint64_t position_ = 0;
+};
+
 // Writes shards straight from staging memory with O_DIRECT: no copy into the page cache
 // (which profiling showed took most of the daemon's CPU, competing with the next rank's
 // staging copy) and no eviction of the trainer's own cached data. Where the filesystem
 // refuses O_DIRECT, buffered writes and a page-cache drop after fsync do the same job.
+// Either way the data region goes out in chunks as soon as each has landed.
 class LocalFsShardWriter final : public ShardWriter {
  public:
   LocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks)
@@ -33,38 +66,52 @@ class LocalFsShardWriter final : public ShardWriter {
     out.file = ShardFileName(shard.rank);
     const std::string path = dir + "/" + out.file;
     const std::string header = EncodeHeader(shard.entries, shard.metadata, kBlock);
-    const uint64_t base = header.size();
-    for (const TensorEntry& e : shard.entries) {
-      if (between_chunks_) between_chunks_();
-      out.checksums[e.name] = ChecksumOf(shard.data + e.begin, e.end - e.begin);
-    }
+    RunningChecksums checksums(shard, out.checksums);
+    Chunks chunks{shard, checksums, between_chunks_};
     bool aligned = reinterpret_cast<uintptr_t>(shard.data) % kBlock == 0;
     auto direct = aligned ? fs_->CreateFileDirect(path) : absl::InvalidArgumentError("unaligned");
     if (direct.ok()) {
-      CKPT_RETURN_IF_ERROR(Annotate(WriteDirect(direct->get(), header, shard), path));
+      CKPT_RETURN_IF_ERROR(Annotate(WriteDirect(direct->get(), header, chunks), path));
       CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(direct->get()), path));
     } else {
       CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateFile(path));
-      CKPT_RETURN_IF_ERROR(Annotate(WriteBuffered(fd.get(), header, shard), path));
+      CKPT_RETURN_IF_ERROR(Annotate(WriteBuffered(fd.get(), header, chunks), path));
       CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(fd.get()), path));
       fs_->DropFromCache(fd.get());  // durable; never read back from the cache
     }
-    out.bytes = base + shard.data_bytes;
+    out.bytes = header.size() + shard.data_bytes;
     return out;
   }
 
  private:
-  absl::Status WriteDirect(int fd, const std::string& header, const StagedShard& shard) {
+  // The data region, handed out in order: each Next(end) returns once [.., end) has landed
+  // and been checksummed.
+  struct Chunks {
+    const StagedShard& shard;
+    RunningChecksums& checksums;
+    const std::function<void()>& between_chunks;
+
+    absl::Status Next(uint64_t end) {
+      if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(end));
+      if (between_chunks) between_chunks();
+      checksums.AdvanceTo(end);
+      return absl::OkStatus();
+    }
+  };
+
+  absl::Status WriteDirect(int fd, const std::string& header, Chunks& chunks) {
+    const StagedShard& shard = chunks.shard;
     const uint64_t base = header.size();  // a multiple of kBlock
     std::unique_ptr<char, FreeDeleter> bounce(static_cast<char*>(std::aligned_alloc(kBlock, base)));
     std::memcpy(bounce.get(), header.data(), base);
     CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, bounce.get(), base, 0));
     const uint64_t body = shard.data_bytes / kBlock * kBlock;
     for (uint64_t off = 0; off < body; off += kWriteChunk) {
-      if (between_chunks_) between_chunks_();
-      CKPT_RETURN_IF_ERROR(
-          fs_->WriteAt(fd, shard.data + off, std::min(kWriteChunk, body - off), base + off));
+      const uint64_t n = std::min(kWriteChunk, body - off);
+      CKPT_RETURN_IF_ERROR(chunks.Next(off + n));
+      CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, shard.data + off, n, base + off));
     }
+    CKPT_RETURN_IF_ERROR(chunks.Next(shard.data_bytes));  // the tail, and empty entries
     if (uint64_t tail = shard.data_bytes - body; tail > 0) {
       std::unique_ptr<char, FreeDeleter> last(static_cast<char*>(std::aligned_alloc(kBlock, kBlock)));
       std::memset(last.get(), 0, kBlock);
@@ -75,15 +122,15 @@ class LocalFsShardWriter final : public ShardWriter {
     return absl::OkStatus();
   }
 
-  absl::Status WriteBuffered(int fd, const std::string& header, const StagedShard& shard) {
+  absl::Status WriteBuffered(int fd, const std::string& header, Chunks& chunks) {
+    const StagedShard& shard = chunks.shard;
     CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, header.data(), header.size(), 0));
     for (uint64_t off = 0; off < shard.data_bytes; off += kWriteChunk) {
-      if (between_chunks_) between_chunks_();
-      CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, shard.data + off,
-                                        std::min(kWriteChunk, shard.data_bytes - off),
-                                        header.size() + off));
+      const uint64_t n = std::min(kWriteChunk, shard.data_bytes - off);
+      CKPT_RETURN_IF_ERROR(chunks.Next(off + n));
+      CKPT_RETURN_IF_ERROR(fs_->WriteAt(fd, shard.data + off, n, header.size() + off));
     }
-    return absl::OkStatus();
+    return chunks.Next(shard.data_bytes);  // empty entries at the end
   }
 
   FilesystemPtr fs_;

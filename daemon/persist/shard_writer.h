@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
 #include "daemon/persist/safetensors.h"
+#include "daemon/persist/staging_watermark.h"
 
 namespace ckpt::persist {
 
@@ -22,6 +23,8 @@ struct StagedShard {
   uint64_t data_bytes = 0;
   std::vector<TensorEntry> entries;  // tensors and train-state blobs, contiguous, in order
   std::map<std::string, std::string> metadata;
+  // Null when all of `data` is in place; otherwise the writer reads only what has landed.
+  const StagingWatermark* landed = nullptr;
 };
 
 struct WrittenShard {
@@ -33,7 +36,8 @@ struct WrittenShard {
 class ShardWriter {
  public:
   virtual ~ShardWriter() = default;
-  // Writes `shard` into `dir` and makes it durable (fsync) before returning.
+  // Writes `shard` into `dir` and makes it durable (fsync) before returning. Streams the
+  // data region in order as it lands (see StagedShard::landed).
   virtual absl::StatusOr<WrittenShard> Write(const StagedShard& shard, const std::string& dir) = 0;
 };
 

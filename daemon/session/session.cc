@@ -273,29 +273,35 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer&
                   fmt::format("step {} is not after this session's last snapshot (step {})",
                               command.step, last));
   }
+  // The persist stage gets the snapshot as soon as it is laid out, so that writing starts
+  // while the copy is still running (see Stager).
+  auto submit = [&](const StagedSnapshotPtr& snap) {
+    snap->sink = weak_from_this();
+    snap->ticket = command.ticket;
+    {
+      std::lock_guard lock(ticket_mu_);
+      ticket_steps_[command.ticket] = command.step;
+      while (ticket_steps_.size() > shm::kTicketSlots) ticket_steps_.erase(ticket_steps_.begin());
+    }
+    last_staged_step_ = command.step;
+    checkpointer.Submit(snap);
+  };
   absl::StatusOr<StagedSnapshotPtr> staged;
   {
     std::lock_guard lock(data_mu_);
-    staged = stager.Stage(view(), command.step, std::move(*command.payload));
+    staged = stager.Stage(view(), command.step, std::move(*command.payload), submit);
   }
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()));
   }
-  (*staged)->sink = weak_from_this();
-  (*staged)->ticket = command.ticket;
-  {
-    std::lock_guard lock(ticket_mu_);
-    ticket_steps_[command.ticket] = command.step;
-    while (ticket_steps_.size() > shm::kTicketSlots) ticket_steps_.erase(ticket_steps_.begin());
-  }
-  last_staged_step_ = command.step;
   board.snapshots_staged++;
+  // The step may already be committed (its writer finished the moment the last byte
+  // landed); the ring keeps a decided ticket decided.
   SetTicketState(command.ticket, shm::kTicketStaged);
   Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
               (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
               (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
-  checkpointer.Submit(std::move(*staged));
 }
 
 absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {

@@ -10,6 +10,7 @@
 
 #include "cuda/staging_pool.h"
 #include "daemon/persist/shard_writer.h"
+#include "daemon/persist/staging_watermark.h"
 #include "shm/layout.h"
 
 namespace ckpt::daemon {
@@ -34,7 +35,8 @@ struct StagedSnapshot {
   uint32_t rank = 0;
   uint32_t world_size = 0;
   cuda::StagingBlockPtr block;
-  persist::StagedShard shard;  // entries: tensors first, then train-state blobs
+  persist::StagingWatermark landed;  // how much of `block` the stager has filled
+  persist::StagedShard shard;        // shard.landed points at `landed`  // entries: tensors first, then train-state blobs
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix

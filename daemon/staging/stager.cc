@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/log.h"
@@ -24,23 +25,24 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
 }
 
 absl::StatusOr<cuda::StagingBlockPtr> Stager::Reserve(size_t bytes, const std::string& context) {
-  auto deadline = std::chrono::steady_clock::now() + busy_wait_;
+  auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
   while (true) {
     auto block = pool_.Allocate(bytes);
     if (block.ok()) return block;
     if (checkpointer_.EvictOneHot()) continue;
-    if (when_busy_ == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
+    if (options_.when_busy == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
       return absl::ResourceExhaustedError(fmt::format(
           "{} skipped: staging memory busy ({}; earlier snapshots are still being written; "
           "--when-busy={})",
-          context, Message(block.status()), when_busy_ == WhenBusy::kSkip ? "skip" : "wait"));
+          context, Message(block.status()), options_.when_busy == WhenBusy::kSkip ? "skip" : "wait"));
     }
     checkpointer_.WaitForProgress(std::chrono::milliseconds(50));
   }
 }
 
 absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint64_t step,
-                                                shm::SnapshotPayload payload) {
+                                                shm::SnapshotPayload payload,
+                                                const OnLaidOut& on_laid_out) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
@@ -57,23 +59,13 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   snap->rank = session.rank;
   snap->world_size = session.world_size;
   snap->tensor_count = tensors.size();
-  SplitCopy job;
   uint64_t offset = 0;
   for (const RegisteredTensor& t : tensors) {
-    job.Add(t, {block->data() + offset, t.data, t.nbytes});
     snap->shard.entries.push_back({t.name, t.dtype, t.shape, offset, offset + t.nbytes});
     snap->placements.push_back(t.placement);
     offset += t.nbytes;
   }
-  auto copy_started = std::chrono::steady_clock::now();
-  {
-    cuda::CopyPriority::Copying copying(priority_);
-    CKPT_RETURN_IF_ERROR(
-        Annotate(CopySplit(engine_, device_engines_, job, session.cuda_after), context));
-  }
-  snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (const shm::NamedBlob& blob : payload.train_state) {
-    std::memcpy(block->data() + offset, blob.data.data(), blob.data.size());
     snap->shard.entries.push_back({persist::TrainStateKey(blob.name), "U8",
                                    {static_cast<int64_t>(blob.data.size())}, offset,
                                    offset + blob.data.size()});
@@ -82,10 +74,46 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   }
   snap->shard.rank = session.rank;
   snap->shard.data = block->data();
-  snap->shard.data_bytes = offset;
+  snap->shard.data_bytes = total;
   snap->shard.metadata = std::move(payload.metadata);
+  snap->shard.landed = &snap->landed;
   snap->block = std::move(block);
+  if (on_laid_out) on_laid_out(snap);
+
+  auto copy_started = std::chrono::steady_clock::now();
+  if (absl::Status copied = Annotate(CopyTensors(session, *snap), context); !copied.ok()) {
+    snap->landed.Fail(Message(copied));
+    return copied;
+  }
+  snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
+  for (size_t i = 0; i < payload.train_state.size(); ++i) {
+    const persist::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
+    std::memcpy(snap->block->data() + e.begin, payload.train_state[i].data.data(), e.end - e.begin);
+  }
+  snap->landed.Advance(total);
   return snap;
+}
+
+absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap) {
+  const std::vector<RegisteredTensor>& tensors = *session.tensors;
+  const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
+  size_t first = 0;  // the first tensor not wholly copied yet
+  for (uint64_t lo = 0; lo < tensor_bytes; lo += options_.chunk_bytes) {
+    const uint64_t hi = std::min(tensor_bytes, lo + options_.chunk_bytes);
+    SplitCopy chunk;
+    for (size_t i = first; i < snap.tensor_count; ++i) {
+      const persist::TensorEntry& e = snap.shard.entries[i];
+      if (e.begin >= hi) break;
+      const uint64_t a = std::max(lo, e.begin), b = std::min(hi, e.end);
+      if (b > a) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});
+      if (e.end <= hi) first = i + 1;
+    }
+    // Only memcpy competes with persisting for the CPU; DMA copies do not hold writers back.
+    cuda::CopyPriority::Copying copying(chunk.host.empty() ? nullptr : priority_);
+    CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, chunk, session.cuda_after));
+    snap.landed.Advance(hi);
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt::daemon

@@ -23,6 +23,8 @@ class FaultyFilesystem final : public Filesystem {
     err_ = err;
   }
   void Heal() { op_ = Op::kNone; }
+  // Bytes passed to successful WriteAt calls so far.
+  uint64_t bytes_written() const { return bytes_written_; }
 
   absl::StatusOr<UniqueFd> CreateFile(const std::string& path) override {
     if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
@@ -41,7 +43,9 @@ class FaultyFilesystem final : public Filesystem {
   }
   absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {
     if (Trip(Op::kWrite)) return ErrnoStatus(err_, "write");
-    return real_->WriteAt(fd, data, size, offset);
+    absl::Status s = real_->WriteAt(fd, data, size, offset);
+    if (s.ok()) bytes_written_ += size;
+    return s;
   }
   absl::Status ReadAt(int fd, void* data, size_t size, uint64_t offset) override {
     return real_->ReadAt(fd, data, size, offset);
@@ -80,6 +84,7 @@ class FaultyFilesystem final : public Filesystem {
 
   FilesystemPtr real_;
   std::atomic<Op> op_{Op::kNone};
+  std::atomic<uint64_t> bytes_written_{0};
   std::atomic<int> remaining_{0};
   int err_ = 0;
   bool no_direct_ = false;

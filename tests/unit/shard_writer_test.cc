@@ -6,13 +6,16 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "common/status.h"
 #include "cuda/staging_pool.h"
+#include "daemon/persist/checksum.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/shard_reader.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
 
 using namespace ckpt;
 using namespace ckpt::persist;
@@ -77,4 +80,80 @@ TEST_CASE("a full disk during an O_DIRECT write is reported with the file named"
   auto r = MakeLocalFsShardWriter(fs)->Write(shard, dir.path());
   CHECK(absl::IsResourceExhausted(r.status()));
   CHECK(Message(r.status()).find("rank-00000.safetensors") != std::string::npos);
+}
+
+// The writer streams what has landed while the rest is still being copied, and never
+// reads past the watermark: bytes beyond it hold garbage until the "copy" puts the real
+// ones there, and the file and checksums must still be exactly the real bytes.
+TEST_CASE("a shard is written chunk by chunk as its data lands") {
+  for (bool direct : {true, false}) {
+    INFO((direct ? "O_DIRECT" : "buffered"));
+    constexpr uint64_t kBytes = (100u << 20) + 1000;  // four writer chunks and a ragged tail
+    auto pool = std::move(*cuda::StagingPool::Create(128 << 20, false));
+    auto block = std::move(*pool->Allocate(kBytes));
+    std::string real(kBytes, '\0');
+    for (uint64_t i = 0; i < kBytes; ++i) real[i] = static_cast<char>(i * 13 + 5);
+    std::memset(block->data(), 0xEE, kBytes);  // garbage until "copied"
+    StagingWatermark landed;
+    StagedShard shard;
+    shard.rank = 0;
+    shard.data = block->data();
+    shard.data_bytes = kBytes;
+    // Entries straddle the writer's chunks; an empty one sits at the end.
+    shard.entries = {{"a", "U8", {50 << 20}, 0, 50u << 20},
+                     {"b", "U8", {static_cast<int64_t>(kBytes - (50u << 20))}, 50u << 20, kBytes},
+                     {"empty", "U8", {0}, kBytes, kBytes}};
+    shard.landed = &landed;
+
+    testing::TempDir dir;
+    auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+    if (!direct) fs->DisableDirectIo();
+    auto writer = MakeLocalFsShardWriter(fs);
+    absl::StatusOr<WrittenShard> written;
+    std::thread writing([&] { written = writer->Write(shard, dir.path()); });
+
+    uint64_t done = 0;
+    auto land = [&](uint64_t upto) {
+      std::memcpy(block->data() + done, real.data() + done, upto - done);
+      done = upto;
+      landed.Advance(upto);
+    };
+    land(40u << 20);
+    // The first 32 MiB chunk goes out while 60 MiB are still to come.
+    CHECK(ckpt::testing::WaitUntil([&] { return fs->bytes_written() >= (32u << 20); },
+                                   std::chrono::seconds(10)));
+    CHECK(fs->bytes_written() < (64u << 20));
+    land(90u << 20);
+    land(kBytes);
+    writing.join();
+    REQUIRE(written.ok());
+    CHECK(written->checksums.at("a") == ChecksumOf(real.data(), 50u << 20));
+    CHECK(written->checksums.at("b") == ChecksumOf(real.data() + (50u << 20), kBytes - (50u << 20)));
+    CHECK(written->checksums.at("empty") == ChecksumOf(nullptr, 0));
+    std::string file = Slurp(dir / written->file);
+    REQUIRE(file.size() == written->bytes);
+    CHECK(file.compare(file.size() - kBytes, kBytes, real) == 0);
+  }
+}
+
+TEST_CASE("a failed copy stops the writer with the copy's error") {
+  auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
+  auto block = std::move(*pool->Allocate(40u << 20));
+  StagingWatermark landed;
+  StagedShard shard;
+  shard.data = block->data();
+  shard.data_bytes = 40u << 20;
+  shard.entries = {{"a", "U8", {40 << 20}, 0, 40u << 20}};
+  shard.landed = &landed;
+  testing::TempDir dir;
+  auto writer = MakeLocalFsShardWriter(std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem()));
+  absl::StatusOr<WrittenShard> written;
+  std::thread writing([&] { written = writer->Write(shard, dir.path()); });
+  landed.Advance(33u << 20);
+  landed.Fail("cudaMemcpyAsync: an illegal memory access was encountered (tensor w)");
+  writing.join();
+  REQUIRE(!written.ok());
+  CHECK_THAT(Message(written.status()),
+             Catch::Contains("staging copy failed: cudaMemcpyAsync: an illegal memory access") &&
+                 Catch::Contains("rank-00000.safetensors"));
 }
