@@ -46,6 +46,7 @@ std::string Config::ToJson() const {
                       {"admin_addr", admin_addr},
                       {"admin_allow_remote", admin_allow_remote},
                       {"staging_bytes", staging_bytes},
+                      {"staging_chunk_bytes", staging_chunk_bytes},
                       {"prefault_staging", prefault_staging},
                       {"keep_last", keep_last},
                       {"keep_every", keep_every},
@@ -68,6 +69,7 @@ ParseResult ParseFlags(int argc, char** argv) {
   // The last value of a repeated flag wins, so drop-ins and wrappers can override.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string staging = "4G";
+  std::string staging_chunk = "128M";
   std::string when_busy = "skip";
   app.add_option("--root", c.root, "checkpoint root directory")->capture_default_str();
   app.add_option("--socket", c.socket, "Unix socket for trainers and ckptctl (mode 0660)")
@@ -76,6 +78,10 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_flag("--admin-allow-remote", c.admin_allow_remote,
                "allow a non-loopback --admin-addr (unauthenticated: use a firewall)");
   app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")->capture_default_str();
+  app.add_option("--staging-chunk", staging_chunk,
+                 "bytes per staging copy call; the shard writer starts on each chunk once it "
+                 "has landed")
+      ->capture_default_str();
   app.add_option("--prefault-staging", c.prefault_staging, "touch staging memory at start")
       ->capture_default_str();
   app.add_option("--keep-last", c.keep_last, "keep the newest K checkpoints (0: all)")
@@ -124,6 +130,14 @@ ParseResult ParseFlags(int argc, char** argv) {
     return result;
   }
   c.staging_bytes = *bytes;
+  auto chunk = ParseBytes(staging_chunk);
+  if (!chunk.ok()) {
+    result.exit = true;
+    result.exit_code = 2;
+    result.message = fmt::format("--staging-chunk: {}\n", std::string(chunk.status().message()));
+    return result;
+  }
+  c.staging_chunk_bytes = *chunk;
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
   return result;
 }
@@ -134,6 +148,7 @@ absl::Status Validate(const Config& c) {
   if (c.socket.empty()) return bad("--socket must not be empty");
   if (c.socket.size() > 100) return bad("--socket path is longer than a Unix socket allows (100)");
   if (c.staging_bytes < (1u << 20)) return bad("--staging-bytes must be at least 1M");
+  if (c.staging_chunk_bytes < (1u << 20)) return bad("--staging-chunk must be at least 1M");
   if (c.io_threads < 1 || c.io_threads > 256) return bad("--io-threads must be 1..256");
   if (c.copy_threads < 1 || c.copy_threads > 256) return bad("--copy-threads must be 1..256");
   if (!c.admin_addr.empty()) {

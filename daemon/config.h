@@ -18,6 +18,7 @@ struct Config {
   std::string admin_addr;              // empty: admin only on the Unix socket
   bool admin_allow_remote = false;     // allow a non-loopback --admin-addr
   uint64_t staging_bytes = 4ull << 30;
+  uint64_t staging_chunk_bytes = 128ull << 20;  // per copy call; writing follows chunk by chunk
   bool prefault_staging = true;
   uint32_t keep_last = 3;              // 0 keeps everything
   uint64_t keep_every = 0;

@@ -118,6 +118,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   Stager::Options staging;
   staging.when_busy = config.when_busy;
   staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
+  staging.chunk_bytes = config.staging_chunk_bytes;
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, staging,
                                        &p->copy_priority, device_engines);
   p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
@@ -157,7 +158,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     log.info("admin API on {} (port {})", config.admin_addr, admin_port);
   }
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
-  p->listener->Serve(p->grpc_server.get(), policy);
+  CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy));
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }

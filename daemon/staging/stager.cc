@@ -97,9 +97,17 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
 absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
+  // memcpy competes with persisting for the CPU, and the trainer is waiting for it: while
+  // host tensors are copied, writers hold back (they yield between their writes), and the
+  // copy runs as one job (per-chunk barriers cost more than overlap gains on the host).
+  // DMA copies do not need the CPU: snapshots of GPU tensors alone overlap with writing.
+  bool any_host = std::any_of(tensors.begin(), tensors.end(),
+                              [](const RegisteredTensor& t) { return !t.on_device; });
+  cuda::CopyPriority::Copying copying(any_host ? priority_ : nullptr);
+  const uint64_t chunk_bytes = any_host ? std::max<uint64_t>(tensor_bytes, 1) : options_.chunk_bytes;
   size_t first = 0;  // the first tensor not wholly copied yet
-  for (uint64_t lo = 0; lo < tensor_bytes; lo += options_.chunk_bytes) {
-    const uint64_t hi = std::min(tensor_bytes, lo + options_.chunk_bytes);
+  for (uint64_t lo = 0; lo < tensor_bytes; lo += chunk_bytes) {
+    const uint64_t hi = std::min(tensor_bytes, lo + chunk_bytes);
     SplitCopy chunk;
     for (size_t i = first; i < snap.tensor_count; ++i) {
       const persist::TensorEntry& e = snap.shard.entries[i];
@@ -108,8 +116,6 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
       if (b > a) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});
       if (e.end <= hi) first = i + 1;
     }
-    // Only memcpy competes with persisting for the CPU; DMA copies do not hold writers back.
-    cuda::CopyPriority::Copying copying(chunk.host.empty() ? nullptr : priority_);
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, chunk, session.cuda_after));
     snap.landed.Advance(hi);
   }

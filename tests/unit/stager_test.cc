@@ -1,6 +1,7 @@
 // The stager copies a session's buffers in chunks, in order, handing the snapshot to the
 // persist stage before the first byte: a real checkpointer writes while it copies, and the
-// committed shard holds exactly the registered bytes.
+// committed shard holds exactly the registered bytes. GPU tensors are stood in for by host
+// memory marked as device 0, copied by a recording twin of the device engine.
 #include <catch2/catch.hpp>
 
 #include <mutex>
@@ -66,7 +67,8 @@ struct Fixture {
   StatusBoard board;
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(4 << 20, false));
   Checkpointer checkpointer{store, *writer, board, {}};
-  RecordingEngine engine;
+  RecordingEngine engine;  // device 0's engine
+  cuda::CopyEnginePtr host_engine = cuda::MakeHostCopyEngine(2);
   std::shared_ptr<LastStateSink> sink = std::make_shared<LastStateSink>();
 
   // Odd sizes, an empty tensor, and tensors larger than a chunk.
@@ -83,6 +85,8 @@ struct Fixture {
       t.shape = {static_cast<int64_t>(size)};
       t.nbytes = size;
       t.data = buffers.back().data();
+      t.on_device = true;
+      t.device = 0;
       tensors.push_back(std::move(t));
     }
   }
@@ -90,7 +94,7 @@ struct Fixture {
   absl::StatusOr<StagedSnapshotPtr> Stage(uint64_t step, uint64_t chunk_bytes) {
     Stager::Options options;
     options.chunk_bytes = chunk_bytes;
-    Stager stager(*pool, engine, checkpointer, options);
+    Stager stager(*pool, *host_engine, checkpointer, options, nullptr, {&engine});
     SessionView view{"job", 0, 1, &tensors, nullptr};
     shm::SnapshotPayload payload;
     payload.train_state.push_back({"step", std::string(8, '\x07')});
@@ -149,4 +153,19 @@ TEST_CASE("a copy error mid-snapshot fails the ticket and leaves no step behind"
   f.sink->state = shm::kTicketUnknown;
   REQUIRE(f.Stage(30, 1 << 20).ok());
   CHECK(ckpt::testing::WaitUntil([&] { return f.sink->Get() == shm::kTicketCommitted; }, 10s));
+}
+
+TEST_CASE("host tensors are copied as one job: the writer could not overlap them anyway") {
+  Fixture f;
+  for (RegisteredTensor& t : f.tensors) t.on_device = false;
+  Stager::Options options;
+  options.chunk_bytes = 16384;
+  Stager stager(*f.pool, f.engine, f.checkpointer, options);
+  SessionView view{"job", 0, 1, &f.tensors, nullptr};
+  auto staged = stager.Stage(view, 40, {});
+  REQUIRE(staged.ok());
+  CHECK(f.engine.calls.size() == 1);
+  const persist::TensorEntry& last = (*staged)->shard.entries.back();
+  CHECK(std::string((*staged)->block->data() + last.begin, last.end - last.begin) ==
+        std::string(f.buffers.back().begin(), f.buffers.back().end()));
 }
