@@ -100,6 +100,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(64 << 20);
   args.SetMaxSendMessageSize(64 << 20);
+  // gRPC shares connections between channels to the same target process-wide: a client
+  // made after ckptd restarted would inherit the dead daemon's connection and fail its
+  // first call with "Broken pipe".
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   impl->channel = grpc::CreateCustomChannel("unix:" + impl->options.socket,
                                             grpc::InsecureChannelCredentials(), args);
   auto deadline = std::chrono::system_clock::now() + std::min(impl->options.rpc_timeout,
@@ -185,6 +189,7 @@ absl::Status Client::Register() {
   req.set_rank(impl_->options.rank);
   req.set_world_size(impl_->options.world_size);
   req.set_pid(::getpid());
+  req.set_keep_last(impl_->options.keep_last);
   if (!impl_->gpu.empty()) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
   for (const auto& t : tensors_) {
     ::ckptd::v1::TensorSpec* spec = req.add_tensors();

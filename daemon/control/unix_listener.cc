@@ -40,7 +40,8 @@ bool PeerPolicy::Allows(uid_t uid, gid_t gid) const {
 }
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path) {
-  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+  const std::string bound = path + ".new";
+  if (bound.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
   }
   std::filesystem::path dir = std::filesystem::path(path).parent_path();
@@ -62,6 +63,8 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
     }
     ::unlink(path.c_str());  // stale: its daemon is gone
   }
+  ::unlink(bound.c_str());  // left by a daemon that died while starting
+  addr = Address(bound);
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return ErrnoStatus(errno, "socket");
   // The umask makes the socket 0660 from the instant it exists; chmod below makes it exact.
@@ -70,18 +73,23 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
   int bind_errno = errno;
   ::umask(old_mask);
   if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
-  ::chmod(path.c_str(), 0660);
-  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
-  return std::unique_ptr<UnixListener>(new UnixListener(path, std::move(fd)));
+  ::chmod(bound.c_str(), 0660);
+  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", bound));
+  return std::unique_ptr<UnixListener>(new UnixListener(path, bound, std::move(fd)));
 }
 
 UnixListener::~UnixListener() {
   Stop();
+  ::unlink(bound_.c_str());
   ::unlink(path_.c_str());
 }
 
-void UnixListener::Serve(grpc::Server* server, PeerPolicy policy) {
+absl::Status UnixListener::Serve(grpc::Server* server, PeerPolicy policy) {
   thread_ = std::thread([this, server, policy] { AcceptLoop(server, policy); });
+  if (::rename(bound_.c_str(), path_.c_str()) != 0) {
+    return ErrnoStatus(errno, fmt::format("rename {} to {}", bound_, path_));
+  }
+  return absl::OkStatus();
 }
 
 void UnixListener::Stop() {

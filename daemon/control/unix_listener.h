@@ -29,19 +29,22 @@ struct PeerPolicy {
 class UnixListener {
  public:
   // Creates the socket's directory if needed, removes a stale socket file (refusing if a
-  // live daemon answers on it), binds and listens.
+  // live daemon answers on it), binds and listens under a temporary name beside `path`.
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
   ~UnixListener();
 
-  // Accepts on a thread until Stop(); allowed peers are added to `server`.
-  void Serve(grpc::Server* server, PeerPolicy policy);
+  // Accepts on a thread until Stop(); allowed peers are added to `server`. Then renames
+  // the socket to its path: whoever sees the path can use the daemon at once.
+  absl::Status Serve(grpc::Server* server, PeerPolicy policy);
   void Stop();
 
  private:
-  UnixListener(std::string path, UniqueFd fd) : path_(std::move(path)), fd_(std::move(fd)) {}
+  UnixListener(std::string path, std::string bound, UniqueFd fd)
+      : path_(std::move(path)), bound_(std::move(bound)), fd_(std::move(fd)) {}
   void AcceptLoop(grpc::Server* server, PeerPolicy policy);
 
   std::string path_;
+  std::string bound_;  // where the socket lives until Serve() publishes it at path_
   UniqueFd fd_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
