@@ -76,6 +76,7 @@ struct ClientOptions {
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
   CudaTransport cuda_transport = CudaTransport::kIpc;
+  uint32_t keep_last = 0;  // this job keeps its newest K checkpoints; 0: ckptd's --keep-last
 };
 
 class Client {

@@ -294,13 +294,15 @@ void Checkpointer::ApplyRetention(const std::string& job) {
   auto steps = store_.ListSteps(job);
   if (!steps.ok()) return;
   std::vector<uint64_t> pinned;
+  persist::RetentionPolicy policy = options_.retention;
   {
     std::lock_guard lock(mu_);
+    if (auto it = keep_last_.find(job); it != keep_last_.end()) policy.keep_last = it->second;
     for (const auto& [pjob, pstep] : pins_) {
       if (pjob == job) pinned.push_back(pstep);
     }
   }
-  for (uint64_t step : persist::StepsToDelete(*steps, options_.retention, pinned)) {
+  for (uint64_t step : persist::StepsToDelete(*steps, policy, pinned)) {
     absl::Status s = store_.Delete(job, step);
     if (s.ok()) {
       Log().info("{} deleted by retention", Prefix(job, step));
@@ -308,6 +310,15 @@ void Checkpointer::ApplyRetention(const std::string& job) {
       Log().warn("{} retention could not delete: {}", Prefix(job, step), Message(s));
       board_.RecordError(fmt::format("{} retention: {}", Prefix(job, step), Message(s)));
     }
+  }
+}
+
+void Checkpointer::SetKeepLast(const std::string& job, uint32_t keep_last) {
+  std::lock_guard lock(mu_);
+  if (keep_last == 0) {
+    keep_last_.erase(job);
+  } else {
+    keep_last_[job] = keep_last;
   }
 }
 

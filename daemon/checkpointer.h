@@ -52,6 +52,10 @@ class Checkpointer {
   // Sleeps until a write, commit or eviction may have freed staging memory, or `timeout`.
   void WaitForProgress(std::chrono::milliseconds timeout);
 
+  // Overrides --keep-last for `job` (a trainer asked for it at registration); 0 restores
+  // the daemon's setting.
+  void SetKeepLast(const std::string& job, uint32_t keep_last);
+
   // Keeps `step` of `job` from being deleted by retention while it is read.
   class Pin {
    public:
@@ -121,6 +125,7 @@ class Checkpointer {
   std::map<StepKey, PendingStep> pending_;
   std::map<std::pair<std::string, uint32_t>, StagedSnapshotPtr> hot_;
   std::multiset<StepKey> pins_;
+  std::map<std::string, uint32_t> keep_last_;  // per-job overrides of options_.retention
   std::deque<std::string> retention_jobs_;  // jobs whose retention is due
   std::condition_variable janitor_cv_;
   std::vector<std::thread> threads_;

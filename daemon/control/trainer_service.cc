@@ -26,6 +26,7 @@ grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterReques
       return session.status();
     }
     SessionPtr s = std::move(*session);
+    if (request->keep_last() != 0) checkpointer_.SetKeepLast(s->job(), request->keep_last());
     s->Start(stager_, checkpointer_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {
       s->Stop();

@@ -1,0 +1,226 @@
+// ckptd._native: the C++ client (client/ckpt_client.h) for Python. Only bindings live here;
+// everything the client does stays in C++.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// Raised for every failed call; `code` is the absl status code name ("UNAVAILABLE", ...).
+PyObject* g_error = nullptr;
+PyObject* g_unavailable = nullptr;
+
+[[noreturn]] void Raise(const absl::Status& status) {
+  PyObject* type = absl::IsUnavailable(status) ? g_unavailable : g_error;
+  py::object error = py::reinterpret_borrow<py::object>(type)(ckpt::Message(status));
+  error.attr("code") = absl::StatusCodeToString(status.code());
+  PyErr_SetObject(type, error.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T ValueOr(absl::StatusOr<T> result) {
+  if (!result.ok()) Raise(result.status());
+  return *std::move(result);
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+// A tensor's bytes in a shared-memory arena, exposed through the buffer protocol so that
+// torch.frombuffer() wraps them without a copy. Holds the client: the arena stays mapped
+// while any tensor uses it, even after the session is closed.
+struct ArenaBuffer {
+  std::shared_ptr<ckpt::Client> client;
+  ckpt::Tensor* tensor;
+};
+
+py::dict TicketDict(const ckpt::TicketStatus& status) {
+  py::dict d;
+  d["state"] = ckpt::ToString(status.state);
+  d["error"] = status.error;
+  return d;
+}
+
+std::chrono::milliseconds Millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+class PyClient {
+ public:
+  explicit PyClient(std::shared_ptr<ckpt::Client> client) : client_(std::move(client)) {}
+
+  ArenaBuffer Allocate(const std::string& name, const std::string& dtype,
+                       const std::vector<int64_t>& shape, const std::vector<int64_t>& global_shape,
+                       const std::vector<int64_t>& global_offset) {
+    return {client_, ValueOr(client_->AllocateTensor(name, dtype, shape, global_shape, global_offset))};
+  }
+
+  void AddCuda(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
+               uintptr_t device_ptr, const std::vector<int64_t>& global_shape,
+               const std::vector<int64_t>& global_offset) {
+    ValueOr(client_->AddCudaTensor(name, dtype, shape, reinterpret_cast<void*>(device_ptr),
+                                   global_shape, global_offset));
+  }
+
+  // Exceptions need the GIL: every call that releases it raises after taking it back.
+  void Register() {
+    absl::Status status;
+    {
+      py::gil_scoped_release unlocked;
+      status = client_->Register();
+    }
+    Check(status);
+  }
+
+  uint64_t Snapshot(uint64_t step, const ckpt::Metadata& metadata, const std::map<std::string, py::bytes>& state) {
+    ckpt::TrainState train_state;
+    for (const auto& [k, v] : state) train_state[k] = std::string(v);
+    absl::StatusOr<uint64_t> ticket;
+    {
+      py::gil_scoped_release unlocked;
+      ticket = client_->Snapshot(step, metadata, train_state);
+    }
+    return ValueOr(std::move(ticket));
+  }
+
+  py::dict Poll(uint64_t ticket) { return TicketDict(client_->Poll(ticket)); }
+
+  py::dict WaitStaged(uint64_t ticket, double timeout_s) {
+    absl::StatusOr<ckpt::TicketStatus> status;
+    {
+      py::gil_scoped_release unlocked;
+      status = client_->WaitStaged(ticket, Millis(timeout_s));
+    }
+    return TicketDict(ValueOr(std::move(status)));
+  }
+
+  py::dict WaitCommitted(uint64_t ticket, double timeout_s) {
+    absl::StatusOr<ckpt::TicketStatus> status;
+    {
+      py::gil_scoped_release unlocked;
+      status = client_->WaitCommitted(ticket, Millis(timeout_s));
+    }
+    return TicketDict(ValueOr(std::move(status)));
+  }
+
+  void SetCudaStream(uintptr_t stream) { client_->SetCudaStream(reinterpret_cast<void*>(stream)); }
+
+  void StreamWaitStaged(uint64_t ticket, uintptr_t stream) {
+    Check(client_->StreamWaitStaged(ticket, reinterpret_cast<void*>(stream)));
+  }
+
+  py::dict Restore(std::optional<uint64_t> step) {
+    absl::StatusOr<ckpt::RestoreInfo> info;
+    {
+      py::gil_scoped_release unlocked;
+      info = client_->Restore(step);
+    }
+    ckpt::RestoreInfo r = ValueOr(std::move(info));
+    py::dict d;
+    d["found"] = r.found;
+    d["step"] = r.step;
+    d["source"] = r.source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+    d["bytes"] = r.bytes;
+    d["metadata"] = r.metadata;
+    py::dict state;
+    for (const auto& [k, v] : r.train_state) state[py::str(k)] = py::bytes(v);
+    d["train_state"] = state;
+    return d;
+  }
+
+  void Unregister() {
+    absl::Status status;
+    {
+      py::gil_scoped_release unlocked;
+      status = client_->Unregister();
+    }
+    Check(status);
+  }
+
+  std::string session_id() const { return client_->session_id(); }
+
+ private:
+  std::shared_ptr<ckpt::Client> client_;
+};
+
+PyClient Connect(const std::string& socket, const std::string& job, uint32_t rank,
+                 uint32_t world_size, size_t arena_bytes, double rpc_timeout_s,
+                 const std::string& cuda_transport, uint32_t keep_last) {
+  ckpt::ClientOptions options;
+  options.socket = socket;
+  options.job = job;
+  options.rank = rank;
+  options.world_size = world_size;
+  options.arena_bytes = arena_bytes;
+  options.rpc_timeout = Millis(rpc_timeout_s);
+  options.keep_last = keep_last;
+  if (cuda_transport == "host-copy") {
+    options.cuda_transport = ckpt::CudaTransport::kHostCopy;
+  } else if (cuda_transport != "ipc") {
+    Raise(absl::InvalidArgumentError("cuda_transport must be \"ipc\" or \"host-copy\", not \"" +
+                                     cuda_transport + "\""));
+  }
+  absl::StatusOr<std::unique_ptr<ckpt::Client>> client;
+  {
+    py::gil_scoped_release unlocked;
+    client = ckpt::Client::Connect(options);
+  }
+  return PyClient(std::shared_ptr<ckpt::Client>(ValueOr(std::move(client))));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "ckptd's C++ trainer client (see ckptd.Client and ckptd.torch)";
+  g_error = PyErr_NewException("ckptd.Error", PyExc_RuntimeError, nullptr);
+  g_unavailable = PyErr_NewException("ckptd.Unavailable", g_error, nullptr);
+  m.attr("Error") = py::handle(g_error);
+  m.attr("Unavailable") = py::handle(g_unavailable);
+
+  py::class_<ArenaBuffer>(m, "ArenaBuffer", py::buffer_protocol())
+      .def_buffer([](ArenaBuffer& b) {
+        return py::buffer_info(b.tensor->data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.tensor->nbytes)}, {1});
+      })
+      .def_property_readonly("name", [](const ArenaBuffer& b) { return b.tensor->name; })
+      .def_property_readonly("nbytes", [](const ArenaBuffer& b) { return b.tensor->nbytes; })
+      .def_property_readonly("address", [](const ArenaBuffer& b) {
+        return reinterpret_cast<uintptr_t>(b.tensor->data);
+      });
+
+  py::class_<PyClient>(m, "Client")
+      .def("allocate", &PyClient::Allocate, py::arg("name"), py::arg("dtype"), py::arg("shape"),
+           py::arg("global_shape") = std::vector<int64_t>{},
+           py::arg("global_offset") = std::vector<int64_t>{},
+           "A zeroed tensor in shared memory (before register()), as a writable buffer")
+      .def("add_cuda", &PyClient::AddCuda, py::arg("name"), py::arg("dtype"), py::arg("shape"),
+           py::arg("device_ptr"), py::arg("global_shape") = std::vector<int64_t>{},
+           py::arg("global_offset") = std::vector<int64_t>{})
+      .def("register", &PyClient::Register)
+      .def("snapshot", &PyClient::Snapshot, py::arg("step"),
+           py::arg("metadata") = ckpt::Metadata{},
+           py::arg("train_state") = std::map<std::string, py::bytes>{})
+      .def("poll", &PyClient::Poll, py::arg("ticket"))
+      .def("wait_staged", &PyClient::WaitStaged, py::arg("ticket"), py::arg("timeout") = 600.0)
+      .def("wait_committed", &PyClient::WaitCommitted, py::arg("ticket"), py::arg("timeout") = 1800.0)
+      .def("set_cuda_stream", &PyClient::SetCudaStream, py::arg("stream"))
+      .def("stream_wait_staged", &PyClient::StreamWaitStaged, py::arg("ticket"), py::arg("stream"))
+      .def("restore", &PyClient::Restore, py::arg("step") = std::nullopt)
+      .def("unregister", &PyClient::Unregister)
+      .def_property_readonly("session_id", &PyClient::session_id);
+
+  m.def("connect", &Connect, py::arg("socket"), py::arg("job"), py::arg("rank") = 0,
+        py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
+        py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,
+        "Connects to ckptd; raises ckptd.Unavailable when it is not there");
+}

@@ -1,0 +1,471 @@
+"""Checkpointing PyTorch training state through ckptd.
+
+    manager = CheckpointManager("my-job", model, optimizer, lr_scheduler, interval_steps=100)
+    start = (manager.load() or 0) + 1
+    for step in range(start, steps + 1):
+        loss = train_step(...)                  # forward, backward, optimizer.step()
+        manager.maybe_save(step)                # returns at once
+    manager.close()
+
+Host tensors are moved once into shared memory that ckptd reads directly, so a snapshot
+copies nothing in the trainer; CUDA tensors are shared with ckptd through CUDA IPC. Until
+ckptd has copied a snapshot, the manager holds back the next optimizer step and the next
+forward pass (which may update buffers such as BatchNorm statistics), so every checkpoint
+holds the values of the moment `save()` was called.
+"""
+import functools
+import io
+import logging
+import os
+import pickle
+import random
+import time
+import warnings
+
+import torch
+
+import ckptd
+
+__all__ = ["CheckpointManager", "CheckpointError"]
+
+log = logging.getLogger("ckptd")
+
+# torch dtype -> safetensors dtype, the names ckptd stores.
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+# How long after a failed connection the manager tries again (at the next save).
+_RECONNECT_SECONDS = 30.0
+
+
+class CheckpointError(ckptd.Error):
+    """A checkpoint that was asked for could not be taken, committed or loaded."""
+
+
+class _Entry:
+    """One registered tensor: its checkpoint key, the tensor, and how to swap its storage."""
+
+    __slots__ = ("name", "tensor", "replace")
+
+    def __init__(self, name, tensor, replace):
+        self.name, self.tensor, self.replace = name, tensor, replace
+
+
+def _env_int(*names):
+    for name in names:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return None
+
+
+def _to_bytes(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(data):
+    return torch.load(io.BytesIO(data), map_location="cpu")
+
+
+class CheckpointManager:
+    """Checkpoints a model, its optimizer and the rest of the training state through ckptd.
+
+    Model parameters and buffers are keyed by their fully qualified names, optimizer state
+    by `optim.<param fqn>.<state key>`; the step, RNG states, LR scheduler, optimizer
+    hyper-parameters and every `extra_state` object (anything with `state_dict()`) go in as
+    small train-state entries. When ckptd is not there, training goes on: a warning is
+    logged and saves are skipped until it answers again.
+    """
+
+    def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
+                 socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
+                 rank=None, world_size=None, arena_bytes=64 << 20):
+        if interval_steps is not None and interval_steps < 1:
+            raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
+        if interval_seconds is not None and interval_seconds <= 0:
+            raise ValueError(f"interval_seconds must be positive, not {interval_seconds}")
+        if keep_last is not None and keep_last < 0:
+            raise ValueError(f"keep_last must be 0 (keep all) or more, not {keep_last}")
+        self.job = job
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.extra_state = dict(extra_state or {})
+        for name, obj in self.extra_state.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
+        self.socket = socket or ckptd.default_socket()
+        self.interval_steps = interval_steps
+        self.interval_seconds = interval_seconds
+        self.keep_last = keep_last
+        self.rank = rank if rank is not None else (_env_int("RANK") or 0)
+        self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.arena_bytes = arena_bytes
+
+        self._client = None
+        self._names = None          # the registered keys, in order
+        self._entries = []
+        self._uses_cuda = False
+        self._retry_after = 0.0     # monotonic time before which no reconnect is tried
+        self._unstaged = None       # a ticket whose tensors must not be mutated yet
+        self._last_ticket = None
+        self._last_save_time = time.monotonic()
+        self._closed = False
+        self._install_hooks()
+
+    # --- public API ---------------------------------------------------------------------
+
+    def maybe_save(self, step):
+        """Saves when `interval_steps` or `interval_seconds` says so; returns at once.
+
+        Returns True when a snapshot was queued.
+        """
+        due = self.interval_steps is not None and step % self.interval_steps == 0
+        if self.interval_seconds is not None:
+            due = due or time.monotonic() - self._last_save_time >= self.interval_seconds
+        return self.save(step) if due else False
+
+    def save(self, step, blocking=False):
+        """Queues a checkpoint of the current state as `step`.
+
+        Returns at once (True) unless `blocking`, which waits until the checkpoint is
+        committed on every rank and raises CheckpointError if it is not. Returns False when
+        ckptd is unreachable (training goes on; a warning says so).
+        """
+        self._check_open()
+        self.wait_staged()
+        if not self._connected():
+            if blocking:
+                raise CheckpointError(f"step {step} not saved: ckptd is not reachable at {self.socket}")
+            return False
+        try:
+            self._register_current_tensors()
+            ticket = self._client.snapshot(int(step), self._metadata(), self._train_state(step))
+        except ckptd.Unavailable as e:
+            self._lost(e)
+            if blocking:
+                raise CheckpointError(f"step {step} not saved: {e}") from e
+            return False
+        self._unstaged = ticket
+        self._last_ticket = ticket
+        self._last_save_time = time.monotonic()
+        if blocking:
+            self.wait(committed=True)
+        return True
+
+    def wait(self, committed=False):
+        """Waits for the latest save to be staged (or, with `committed`, durable on every
+        rank). Returns its state ("staged" or "committed"), or None when nothing was saved;
+        raises CheckpointError if the checkpoint failed or was rejected."""
+        if self._last_ticket is None or self._client is None:
+            return None
+        ticket = self._last_ticket
+        wait = self._client.wait_committed if committed else self._client.wait_staged
+        status = wait(ticket)
+        if ticket == self._unstaged:
+            self._unstaged = None
+        if status["state"] not in ("staged", "committed"):
+            raise CheckpointError(f"checkpoint {status['state']}: {status['error']}")
+        return status["state"]
+
+    def wait_staged(self):
+        """Returns once ckptd has copied the latest snapshot, so the registered tensors may
+        change again. The manager calls it before every optimizer step and forward pass;
+        call it yourself before mutating registered tensors any other way. With CUDA
+        tensors the wait is enqueued on the current stream and the CPU goes on at once."""
+        ticket = self._unstaged
+        if ticket is None:
+            return
+        self._unstaged = None
+        try:
+            if self._uses_cuda:
+                self._client.stream_wait_staged(ticket, torch.cuda.current_stream().cuda_stream)
+                if self._has_host_tensors():
+                    self._client.wait_staged(ticket)
+            else:
+                status = self._client.wait_staged(ticket)
+                if status["state"] in ("failed", "rejected"):
+                    log.warning("ckptd: checkpoint %s: %s", status["state"], status["error"])
+        except ckptd.Error as e:
+            self._lost(e)
+
+    def load(self, step=None):
+        """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
+        there is none. Raises CheckpointError when the checkpoint does not match the model
+        (names and shapes are listed) or cannot be read."""
+        self._check_open()
+        if not self._connected():
+            return None
+        created = self._create_optimizer_state()
+        try:
+            self._register_current_tensors()
+            info = self._client.restore(step)
+        except ckptd.Unavailable as e:
+            self._lost(e)
+            self._drop_optimizer_state(created)
+            return None
+        except ckptd.Error as e:
+            self._drop_optimizer_state(created)
+            raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: {e}") from e
+        if not info["found"]:
+            self._drop_optimizer_state(created)
+            return None
+        self._apply_train_state(info["train_state"])
+        log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
+        return info["step"]
+
+    def close(self):
+        """Waits until the latest snapshot is staged and leaves ckptd (which still commits
+        it). The tensors stay usable."""
+        if self._closed:
+            return
+        self.wait_staged()
+        if self._client is not None:
+            try:
+                self._client.unregister()
+            except ckptd.Error as e:
+                log.warning("ckptd: unregister: %s", e)
+        self._client = None
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # --- connection ---------------------------------------------------------------------
+
+    def _check_open(self):
+        if self._closed:
+            raise CheckpointError("this CheckpointManager is closed")
+
+    def _connected(self):
+        if self._client is not None:
+            return True
+        if time.monotonic() < self._retry_after:
+            return False
+        try:
+            self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
+                                         self.arena_bytes, keep_last=self.keep_last or 0)
+            self._names = None
+            return True
+        except ckptd.Unavailable as e:
+            self._lost(e)
+            return False
+
+    def _lost(self, error):
+        warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
+                      RuntimeWarning, stacklevel=3)
+        self._client = None
+        self._unstaged = None
+        self._retry_after = time.monotonic() + _RECONNECT_SECONDS
+
+    # --- what is registered -------------------------------------------------------------
+
+    def _collect(self):
+        """Every tensor to checkpoint, in a stable order, with how to replace its storage."""
+        entries, seen = [], set()
+        param_names = {}
+        for name, p in self.model.named_parameters():
+            param_names[id(p)] = name
+            if id(p) not in seen:
+                seen.add(id(p))
+                entries.append(_Entry(name, p, functools.partial(_set_data, p)))
+        for module_name, module in self.model.named_modules():
+            for leaf, b in module._buffers.items():
+                if b is None or leaf in module._non_persistent_buffers_set or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                entries.append(_Entry(name, b, functools.partial(_set_buffer, module, leaf)))
+        if self.optimizer is not None:
+            for g, group in enumerate(self.optimizer.param_groups):
+                for i, p in enumerate(group["params"]):
+                    owner = param_names.get(id(p), f"group{g}.param{i}")
+                    state = self.optimizer.state.get(p, {})
+                    for key in sorted(state):
+                        if torch.is_tensor(state[key]):
+                            entries.append(_Entry(f"optim.{owner}.{key}", state[key],
+                                                  functools.partial(_set_item, state, key)))
+        return entries
+
+    def _register_current_tensors(self):
+        """Registers the current tensors; registers again when the set changed (optimizer
+        state appears after the first step). Host tensors move into shared memory once."""
+        entries = self._collect()
+        names = [e.name for e in entries]
+        if names == self._names and all(a.tensor is b.tensor for a, b in zip(entries, self._entries)):
+            return
+        if self._names is not None:
+            self._client.unregister()
+            self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
+                                         self.arena_bytes, keep_last=self.keep_last or 0)
+        uses_cuda = False
+        for e in entries:
+            t = e.tensor
+            dtype = _DTYPES.get(t.dtype)
+            if dtype is None:
+                raise CheckpointError(f"tensor {e.name}: dtype {t.dtype} cannot be checkpointed")
+            if t.is_cuda:
+                if not t.is_contiguous():
+                    raise CheckpointError(f"tensor {e.name}: CUDA tensors must be contiguous")
+                self._client.add_cuda(e.name, dtype, list(t.shape), t.data_ptr())
+                uses_cuda = True
+            elif t.device.type != "cpu":
+                raise CheckpointError(f"tensor {e.name}: {t.device} tensors are not supported")
+            elif t.numel() > 0:
+                e.replace(_move_to_arena(self._client, e.name, dtype, t))
+        self._client.register()
+        self._uses_cuda = uses_cuda
+        if uses_cuda:
+            self._client.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+        self._entries = self._collect()
+        self._names = [e.name for e in self._entries]
+
+    def _has_host_tensors(self):
+        return any(not e.tensor.is_cuda for e in self._entries)
+
+    # --- train state ----------------------------------------------------------------------
+
+    def _metadata(self):
+        return {"framework": "torch", "torch_version": torch.__version__}
+
+    def _train_state(self, step):
+        state = {
+            "step": pickle.dumps(int(step)),
+            "rng.torch": torch.get_rng_state().numpy().tobytes(),
+            "rng.python": pickle.dumps(random.getstate()),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["rng.cuda"] = _to_bytes(torch.cuda.get_rng_state_all())
+        if self.optimizer is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            other = {name: {k: v for k, v in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(v)}
+                     for name, p in self._optimizer_params()}
+            state["optim.param_groups"] = _to_bytes(groups)
+            state["optim.other_state"] = _to_bytes({k: v for k, v in other.items() if v})
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = _to_bytes(self.lr_scheduler.state_dict())
+        for name, obj in self.extra_state.items():
+            state[f"extra.{name}"] = _to_bytes(obj.state_dict())
+        return state
+
+    def _apply_train_state(self, state):
+        if "rng.torch" in state:
+            torch.set_rng_state(torch.frombuffer(bytearray(state["rng.torch"]), dtype=torch.uint8))
+        if "rng.python" in state:
+            random.setstate(pickle.loads(state["rng.python"]))
+        if "rng.cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(_from_bytes(state["rng.cuda"]))
+        if self.optimizer is not None and "optim.param_groups" in state:
+            groups = _from_bytes(state["optim.param_groups"])
+            if len(groups) != len(self.optimizer.param_groups):
+                raise CheckpointError(f"the checkpoint has {len(groups)} optimizer parameter groups, "
+                                      f"the optimizer {len(self.optimizer.param_groups)}")
+            for group, saved in zip(self.optimizer.param_groups, groups):
+                group.update(saved)
+            other = _from_bytes(state.get("optim.other_state", _to_bytes({})))
+            for name, p in self._optimizer_params():
+                self.optimizer.state[p].update(other.get(name, {}))
+        if self.lr_scheduler is not None:
+            if "lr_scheduler" not in state:
+                raise CheckpointError("the checkpoint has no LR scheduler state")
+            self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
+        for name, obj in self.extra_state.items():
+            key = f"extra.{name}"
+            if key not in state:
+                raise CheckpointError(f"the checkpoint has no extra_state[{name!r}]")
+            obj.load_state_dict(_from_bytes(state[key]))
+
+    def _optimizer_params(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                yield names.get(id(p), f"group{g}.param{i}"), p
+
+    # --- optimizer state for a fresh optimizer ------------------------------------------
+
+    def _create_optimizer_state(self):
+        """Optimizers create their state at the first step; a checkpoint can only be restored
+        into state that exists. Runs one step with zero gradients and a learning rate of 0
+        (parameters are overwritten by the restore anyway). Returns the parameters whose
+        state was created, to drop again if there is nothing to restore."""
+        if self.optimizer is None:
+            return []
+        params = [p for _, p in self._optimizer_params() if not self.optimizer.state.get(p)]
+        if not params:
+            return []
+        saved_grads = {id(p): p.grad for p in params}
+        saved_lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            for g in self.optimizer.param_groups:
+                if "lr" in g:
+                    g["lr"] = 0.0
+            try:
+                self._original_step()
+            finally:
+                for g, lr in zip(self.optimizer.param_groups, saved_lrs):
+                    if lr is not None:
+                        g["lr"] = lr
+                for p in params:
+                    p.grad = saved_grads[id(p)]
+        return params
+
+    def _drop_optimizer_state(self, params):
+        for p in params:
+            self.optimizer.state.pop(p, None)
+
+    # --- hooks --------------------------------------------------------------------------
+
+    def _install_hooks(self):
+        """Nothing may change a registered tensor before ckptd has copied it."""
+        self.model.register_forward_pre_hook(lambda module, inputs: self.wait_staged())
+        if self.optimizer is None:
+            self._original_step = None
+            return
+        step = self.optimizer.step
+        self._original_step = step
+        if hasattr(self.optimizer, "register_step_pre_hook"):  # PyTorch >= 2.0
+            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_staged())
+            return
+
+        @functools.wraps(step)  # keeps the LR scheduler's step counter attributes
+        def step_after_staged(*args, **kwargs):
+            self.wait_staged()
+            return step(*args, **kwargs)
+
+        self.optimizer.step = step_after_staged
+
+
+def _set_data(param, tensor):
+    param.data = tensor
+
+
+def _set_buffer(module, leaf, tensor):
+    module._buffers[leaf] = tensor
+
+
+def _set_item(mapping, key, tensor):
+    mapping[key] = tensor
+
+
+def _move_to_arena(client, name, dtype, tensor):
+    """A copy of `tensor` in ckptd's shared memory, same dtype and shape."""
+    buffer = client.allocate(name, dtype, list(tensor.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer's note on non-writable buffers
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    moved = flat.view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        moved.copy_(tensor)
+    return moved

@@ -1,0 +1,90 @@
+"""Fixtures: a real ckptd per test, started from the Bazel-built binary."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+REPO = os.getcwd()  # the runfiles tree under `bazel test`, the repository root otherwise
+CKPTD = os.environ.get("CKPTD_BIN") or next(
+    (p for p in ("daemon/ckptd", "bazel-bin/daemon/ckptd") if os.path.exists(p)), "daemon/ckptd")
+PYTHONPATH = os.environ.get("PYTHONPATH", "")
+
+
+class Daemon:
+    """A ckptd process on its own socket and checkpoint root."""
+
+    def __init__(self, workdir):
+        self.workdir = workdir
+        self.socket = os.path.join(workdir, "ckptd.sock")
+        self.root = os.path.join(workdir, "ckpt")
+        self.log = os.path.join(workdir, "ckptd.log")
+        self.process = None
+
+    def start(self):
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [CKPTD, "--root", self.root, "--socket", self.socket, "--staging-bytes", "512M",
+                 "--prefault-staging", "false", "--keep-last", "0", "--log-level", "info"],
+                stdout=log, stderr=log)
+        deadline = time.monotonic() + 20
+        while not os.path.exists(self.socket):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ckptd did not start:\n{open(self.log).read()}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, sig=signal.SIGTERM):
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(timeout=30)
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+
+    def restart(self):
+        self.stop()
+        return self.start()
+
+    def steps(self, job):
+        """Committed steps of `job`, from the directory names."""
+        path = os.path.join(self.root, job)
+        if not os.path.isdir(path):
+            return []
+        return sorted(int(d[5:]) for d in os.listdir(path) if d.startswith("step-") and "." not in d)
+
+
+@pytest.fixture
+def workdir():
+    # Unix socket paths are limited to ~100 bytes: Bazel's TEST_TMPDIR can be longer.
+    path = tempfile.mkdtemp(prefix="ckptd-py.", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(workdir):
+    d = Daemon(workdir).start()
+    yield d
+    d.stop()
+
+
+def run_example(*args, env=None, **kwargs):
+    """Starts the example trainer with this interpreter; returns the Popen."""
+    full_env = dict(os.environ, PYTHONPATH=PYTHONPATH, **(env or {}))
+    return subprocess.Popen([sys.executable, "client/python/examples/train_mlp.py", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, **kwargs)
+
+
+def losses(stdout):
+    """{step: loss hex} from the example's output."""
+    out = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "step" and parts[2] == "loss":
+            out[int(parts[1])] = parts[3]
+    return out

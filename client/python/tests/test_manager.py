@@ -1,0 +1,284 @@
+"""ckptd.torch.CheckpointManager against a real ckptd, with Debian's PyTorch (CPU)."""
+import copy
+import glob
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.torch import CheckpointError, CheckpointManager
+
+from conftest import losses, run_example
+
+
+def make_training(seed=0, hidden=16):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler):
+    x = torch.randn(16, 8)
+    loss = model(x).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
+
+
+def clone_state(model, optimizer, scheduler):
+    return copy.deepcopy((model.state_dict(), optimizer.state_dict(), scheduler.state_dict()))
+
+
+def assert_same(a, b):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def load_file(path):
+    """A safetensors file's tensors (the format is a JSON header and raw bytes)."""
+    dtypes = {"F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}
+    with open(path, "rb") as f:
+        data = f.read()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    body = bytearray(data[8 + size:])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__" or info["dtype"] not in dtypes:
+            continue
+        lo, hi = info["data_offsets"]
+        out[name] = torch.frombuffer(body[lo:hi], dtype=dtypes[info["dtype"]]).view(info["shape"])
+    return out
+
+
+def is_shared_memory(address):
+    """Whether `address` lies in one of ckptd's shared-memory arenas in this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *_, path = line.split(maxsplit=5) + [""]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return "/dev/shm/ckpt-arena." in line
+    return False
+
+
+# --- the issue's scenarios ---------------------------------------------------------------
+
+def test_sigkill_and_resume_gives_the_uninterrupted_loss_trajectory(daemon):
+    common = ["--socket", daemon.socket, "--steps", "40", "--save-every", "10"]
+    reference = run_example(*common, "--job", "reference")
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+    expected = losses(out)
+    assert sorted(expected) == list(range(1, 41))
+
+    victim = run_example(*common, "--job", "resumed")
+    seen = []
+    for line in victim.stdout:
+        seen.append(line)
+        if line.startswith("step 25 "):
+            victim.send_signal(signal.SIGKILL)
+            break
+    victim.wait(timeout=60)
+    assert victim.returncode == -signal.SIGKILL
+    before = losses("".join(seen))
+
+    resumed = run_example(*common, "--job", "resumed", "--resume")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    first = out.splitlines()[0]
+    assert first.startswith("resumed from step "), out
+    restored = int(first.split()[-1])
+    assert restored in (10, 20)  # step 20 may still be in flight when the trainer dies
+    after = losses(out)
+    assert sorted(after) == list(range(restored + 1, 41))
+    for step, loss in {**before, **after}.items():
+        assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
+    assert daemon.steps("resumed")[-1] == 40
+
+
+@pytest.mark.parametrize("source", ["memory", "disk"])
+def test_load_into_a_freshly_built_model_and_optimizer(daemon, source):
+    model, optimizer, scheduler = make_training(seed=1)
+    sampler = torch.Generator().manual_seed(7)
+    with CheckpointManager("fresh", model, optimizer, scheduler, extra_state={"sampler": _Sampler(sampler)},
+                           socket=daemon.socket) as manager:
+        for step in range(1, 6):
+            train_step(model, optimizer, scheduler)
+        assert manager.save(5, blocking=True)
+        saved = clone_state(model, optimizer, scheduler)
+        rng = torch.get_rng_state()
+        sampler_state = sampler.get_state()
+        step6 = train_step(model, optimizer, scheduler)  # moves on after the checkpoint
+    if source == "disk":
+        daemon.restart()
+
+    model2, optimizer2, scheduler2 = make_training(seed=2)  # different initial values
+    sampler2 = torch.Generator().manual_seed(99)
+    torch.manual_seed(1234)
+    with CheckpointManager("fresh", model2, optimizer2, scheduler2, extra_state={"sampler": _Sampler(sampler2)},
+                           socket=daemon.socket) as manager:
+        assert manager.load() == 5
+        assert_same(clone_state(model2, optimizer2, scheduler2), saved)
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert torch.equal(sampler2.get_state(), sampler_state)
+        # Training goes on from there exactly as the original did.
+        assert train_step(model2, optimizer2, scheduler2) == step6
+
+
+class _Sampler:
+    """Anything with state_dict()/load_state_dict() can ride along as extra state."""
+
+    def __init__(self, generator):
+        self.generator = generator
+
+    def state_dict(self):
+        return {"rng": self.generator.get_state()}
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state["rng"])
+
+
+def test_a_key_mismatch_names_the_keys(daemon):
+    model, optimizer, _ = make_training()
+    with CheckpointManager("keys", model, optimizer, socket=daemon.socket) as manager:
+        train_step(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0))
+        manager.save(1, blocking=True)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 2), torch.nn.Linear(2, 2))
+    with CheckpointManager("keys", other, torch.optim.Adam(other.parameters()), socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError) as error:
+            manager.load()
+    message = str(error.value)
+    assert "registered but not in the checkpoint" in message
+    assert "4.weight" in message
+
+
+def test_a_shape_mismatch_names_the_tensor_and_both_shapes(daemon):
+    model, optimizer, scheduler = make_training(hidden=16)
+    with CheckpointManager("shapes", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+    model2, optimizer2, scheduler2 = make_training(hidden=32)
+    before = clone_state(model2, optimizer2, scheduler2)[0]
+    with CheckpointManager("shapes", model2, optimizer2, scheduler2, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"tensor 0\.weight: registered as F32 \[32, 8\] "
+                                                  r"but checkpoint step 1 holds F32 \[16, 8\]"):
+            manager.load()
+    assert_same(model2.state_dict(), before)  # nothing half-restored
+    assert not optimizer2.state  # the state created for the attempt is gone again
+
+
+def test_two_ranks_on_one_node(daemon):
+    common = ["--socket", daemon.socket, "--steps", "10", "--save-every", "5", "--job", "pair"]
+    ranks = [run_example(*common, "--seed", str(r), env={"RANK": str(r), "WORLD_SIZE": "2"})
+             for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in ranks]
+    for p, (out, err) in zip(ranks, outs):
+        assert p.returncode == 0, err
+    assert daemon.steps("pair") == [5, 10]
+    shards = sorted(os.listdir(os.path.join(daemon.root, "pair", "step-00000010")))
+    assert shards == ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    # Each rank gets its own state back.
+    more = ["--socket", daemon.socket, "--steps", "12", "--save-every", "5", "--job", "pair", "--resume"]
+    again = [run_example(*more, "--seed", str(r), env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
+    for r, p in enumerate(again):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert out.splitlines()[0] == "resumed from step 10"
+        reference = losses(outs[r][0])
+        assert losses(out).keys() == {11, 12}
+        assert reference[10] != losses(outs[1 - r][0])[10]  # the ranks really differ
+
+
+def test_training_continues_without_a_daemon(workdir):
+    model, optimizer, scheduler = make_training()
+    torch.manual_seed(5)
+    plain = [train_step(model, optimizer, scheduler) for _ in range(6)]
+
+    model, optimizer, scheduler = make_training()
+    torch.manual_seed(5)
+    with pytest.warns(RuntimeWarning, match="ckptd unavailable.*training continues"):
+        with CheckpointManager("absent", model, optimizer, scheduler,
+                               socket=os.path.join(workdir, "nobody.sock"), interval_steps=2) as manager:
+            assert manager.load() is None
+            observed = []
+            for step in range(1, 7):
+                observed.append(train_step(model, optimizer, scheduler))
+                assert manager.maybe_save(step) is False
+            assert manager.wait() is None
+            with pytest.raises(CheckpointError, match="not reachable"):
+                manager.save(7, blocking=True)
+    assert observed == plain
+
+
+# --- safety and zero copy ----------------------------------------------------------------
+
+def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(daemon):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))  # 128 MiB
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    with CheckpointManager("safety", model, optimizer, socket=daemon.socket) as manager:
+        for step in range(1, 4):
+            model(torch.randn(4, 2048)).sum().backward()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            assert manager.save(step)          # returns before the copy is done
+            optimizer.step()                   # waits for "staged", then mutates
+            optimizer.zero_grad()
+            assert not torch.equal(before["0.weight"], model[0].weight)
+            manager.wait(committed=True)
+            stored = load_file(os.path.join(daemon.root, "safety", f"step-{step:08d}", "rank-00000.safetensors"))
+            for k, v in before.items():
+                assert torch.equal(stored[k], v), k
+
+
+def test_host_tensors_move_into_shared_memory_once_and_keep_their_identity(daemon):
+    model, optimizer, scheduler = make_training()
+    params = list(model.parameters())
+    with CheckpointManager("zero-copy", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+        assert list(model.parameters()) == params  # same Parameter objects
+        assert optimizer.param_groups[0]["params"][0] is params[0]
+        tensors = [p.data for p in params] + [model[1].running_mean]
+        tensors += [s["exp_avg"] for s in optimizer.state.values()]
+        assert all(is_shared_memory(t.data_ptr()) for t in tensors)
+        addresses = [t.data_ptr() for t in tensors]
+        for step in range(2, 5):
+            train_step(model, optimizer, scheduler)
+            manager.save(step)
+        manager.wait(committed=True)
+        assert [p.data_ptr() for p in params] == addresses[:len(params)]  # not moved again
+
+
+def test_the_package_installs_into_a_virtual_environment(workdir):
+    # In the test's runfiles, or built beside the sources.
+    wheel = (glob.glob("client/python/ckptd-*.whl") + glob.glob("bazel-bin/client/python/ckptd-*.whl"))[0]
+    venv = os.path.join(workdir, "venv")
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([os.path.join(venv, "bin", "pip"), "install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", wheel], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([os.path.join(venv, "bin", "python"), "-c",
+                            "import ckptd, ckptd.torch; print(ckptd.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=workdir, check=True)
+    assert probe.stdout.startswith(os.path.join(venv, "lib"))
