@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cctype>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -122,22 +123,17 @@ ParseResult ParseFlags(int argc, char** argv) {
     result.message = out.str() + err.str();
     return result;
   }
-  auto bytes = ParseBytes(staging);
-  if (!bytes.ok()) {
-    result.exit = true;
-    result.exit_code = 2;
-    result.message = fmt::format("--staging-bytes: {}\n", std::string(bytes.status().message()));
-    return result;
+  for (auto [flag, text, out] : {std::tuple{"--staging-bytes", &staging, &c.staging_bytes},
+                                 std::tuple{"--staging-chunk", &staging_chunk, &c.staging_chunk_bytes}}) {
+    auto bytes = ParseBytes(*text);
+    if (!bytes.ok()) {
+      result.exit = true;
+      result.exit_code = 2;
+      result.message = fmt::format("{}: {}\n", flag, std::string(bytes.status().message()));
+      return result;
+    }
+    *out = *bytes;
   }
-  c.staging_bytes = *bytes;
-  auto chunk = ParseBytes(staging_chunk);
-  if (!chunk.ok()) {
-    result.exit = true;
-    result.exit_code = 2;
-    result.message = fmt::format("--staging-chunk: {}\n", std::string(chunk.status().message()));
-    return result;
-  }
-  c.staging_chunk_bytes = *chunk;
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
   return result;
 }

@@ -63,6 +63,13 @@ TEST_CASE("a TOML config file sets options; flags on the command line still appl
 
 TEST_CASE("bad flags and combinations are refused naming the flag") {
   CHECK(Parse({"--staging-bytes", "lots"}).exit);
+  auto chunk = Parse({"--staging-chunk", "huge"});
+  CHECK(chunk.exit);
+  CHECK(chunk.message.find("--staging-chunk") != std::string::npos);
+  CHECK(Parse({"--staging-chunk", "64M"}).config.staging_chunk_bytes == (64u << 20));
+  Config small;
+  small.staging_chunk_bytes = 4096;
+  CHECK(ckpt::Message(Validate(small)).find("--staging-chunk") != std::string::npos);
   CHECK(Parse({"--when-busy", "panic"}).exit);
   CHECK(Parse({"--no-such-flag"}).exit);
   Config c;

@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 import torch
@@ -282,3 +283,26 @@ def test_the_package_installs_into_a_virtual_environment(workdir):
                             "import ckptd, ckptd.torch; print(ckptd.__file__)"],
                            capture_output=True, text=True, env=env, cwd=workdir, check=True)
     assert probe.stdout.startswith(os.path.join(venv, "lib"))
+
+
+def test_keep_last_and_intervals(daemon):
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("retained", model, optimizer, scheduler, socket=daemon.socket,
+                           interval_steps=2, keep_last=2) as manager:
+        saved = []
+        for step in range(1, 9):
+            train_step(model, optimizer, scheduler)
+            if manager.maybe_save(step):
+                saved.append(step)
+                manager.wait(committed=True)
+        assert saved == [2, 4, 6, 8]
+    # ckptd runs with --keep-last 0: the job asked for 2. Retention runs after the commit.
+    deadline = time.monotonic() + 10
+    while daemon.steps("retained") != [6, 8] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.steps("retained") == [6, 8]
+
+    with CheckpointManager("timed", model, optimizer, socket=daemon.socket, interval_seconds=3600) as manager:
+        assert manager.maybe_save(1) is False  # an hour has not passed
+    with pytest.raises(ValueError, match="interval_steps must be at least 1"):
+        CheckpointManager("bad", model, interval_steps=0)
