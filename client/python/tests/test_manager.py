@@ -306,3 +306,20 @@ def test_keep_last_and_intervals(daemon):
         assert manager.maybe_save(1) is False  # an hour has not passed
     with pytest.raises(ValueError, match="interval_steps must be at least 1"):
         CheckpointManager("bad", model, interval_steps=0)
+
+
+def test_replaced_tensors_are_registered_again(daemon):
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("replaced", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+        # load_state_dict puts new tensors (not in shared memory) into the optimizer state.
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        exp_avg = optimizer.state[model[0].weight]["exp_avg"]
+        assert not is_shared_memory(exp_avg.data_ptr())
+        train_step(model, optimizer, scheduler)
+        manager.save(2, blocking=True)
+        exp_avg = optimizer.state[model[0].weight]["exp_avg"]
+        assert is_shared_memory(exp_avg.data_ptr())
+        stored = load_file(os.path.join(daemon.root, "replaced", "step-00000002", "rank-00000.safetensors"))
+        assert torch.equal(stored["optim.0.weight.exp_avg"], exp_avg)

@@ -109,7 +109,8 @@ class CheckpointManager:
         self.arena_bytes = arena_bytes
 
         self._client = None
-        self._names = None          # the registered keys, in order
+        self._registered = False
+        self._registered_fingerprint = None  # see _fingerprint
         self._entries = []
         self._uses_cuda = False
         self._retry_after = 0.0     # monotonic time before which no reconnect is tried
@@ -255,7 +256,7 @@ class CheckpointManager:
         try:
             self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
                                          self.arena_bytes, keep_last=self.keep_last or 0)
-            self._names = None
+            self._registered = False
             return True
         except ckptd.Unavailable as e:
             self._lost(e)
@@ -297,14 +298,38 @@ class CheckpointManager:
                                                   functools.partial(_set_item, state, key)))
         return entries
 
+    def _fingerprint(self):
+        """Where every tensor to checkpoint lives, in _collect's order, cheaply: a save only
+        compares this with the registered one (thousands of tensors in about a millisecond).
+        It changes when tensors appear (optimizer state after the first step) or move
+        (`optimizer.load_state_dict`, `model.to(...)`, a replaced `.data`)."""
+        if not self._registered:
+            return None
+        addresses = [t.data_ptr() for t in self._slots_model()]
+        if self.optimizer is not None:
+            state = self.optimizer.state
+            for p in self._optimizer_param_list:
+                for key, value in sorted(state.get(p, {}).items()):
+                    if torch.is_tensor(value):
+                        addresses.append(value.data_ptr())
+        return addresses
+
+    def _slots_model(self):
+        for p in self._model_params:
+            yield p
+        for module, leaf in self._buffer_slots:
+            b = module._buffers.get(leaf)
+            if b is not None:
+                yield b
+
     def _register_current_tensors(self):
-        """Registers the current tensors; registers again when the set changed (optimizer
-        state appears after the first step). Host tensors move into shared memory once."""
-        entries = self._collect()
-        names = [e.name for e in entries]
-        if names == self._names and all(a.tensor is b.tensor for a, b in zip(entries, self._entries)):
+        """Registers the current tensors; registers again when they changed (optimizer state
+        appears after the first step, or tensors were replaced). Host tensors move into
+        shared memory once."""
+        if self._registered and self._fingerprint() == self._registered_fingerprint:
             return
-        if self._names is not None:
+        entries = self._collect()
+        if self._registered:
             self._client.unregister()
             self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
                                          self.arena_bytes, keep_last=self.keep_last or 0)
@@ -328,7 +353,15 @@ class CheckpointManager:
         if uses_cuda:
             self._client.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
         self._entries = self._collect()
-        self._names = [e.name for e in self._entries]
+        self._model_params = list(dict.fromkeys(self.model.parameters()))
+        self._buffer_slots = [(m, leaf) for _, m in self.model.named_modules()
+                              for leaf, b in m._buffers.items()
+                              if b is not None and leaf not in m._non_persistent_buffers_set]
+        self._param_names = {id(p): n for n, p in self.model.named_parameters()}
+        self._optimizer_param_list = ([p for g in self.optimizer.param_groups for p in g["params"]]
+                                      if self.optimizer is not None else [])
+        self._registered = True
+        self._registered_fingerprint = self._fingerprint()
 
     def _has_host_tensors(self):
         return any(not e.tensor.is_cuda for e in self._entries)
@@ -386,7 +419,8 @@ class CheckpointManager:
             obj.load_state_dict(_from_bytes(state[key]))
 
     def _optimizer_params(self):
-        names = {id(p): n for n, p in self.model.named_parameters()}
+        names = self._param_names if self._registered else {
+            id(p): n for n, p in self.model.named_parameters()}
         for g, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 yield names.get(id(p), f"group{g}.param{i}"), p
