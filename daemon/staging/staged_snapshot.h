@@ -36,7 +36,7 @@ struct StagedSnapshot {
   uint32_t world_size = 0;
   cuda::StagingBlockPtr block;
   persist::StagingWatermark landed;  // how much of `block` the stager has filled
-  persist::StagedShard shard;        // shard.landed points at `landed`  // entries: tensors first, then train-state blobs
+  persist::StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix

@@ -111,8 +111,8 @@ class CheckpointManager:
         self._client = None
         self._registered = False
         self._registered_fingerprint = None  # see _fingerprint
-        self._entries = []
-        self._uses_cuda = False
+        self._uses_cuda = False     # what the registered tensors are: decides how to wait
+        self._uses_host = False
         self._retry_after = 0.0     # monotonic time before which no reconnect is tried
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
@@ -187,7 +187,7 @@ class CheckpointManager:
         try:
             if self._uses_cuda:
                 self._client.stream_wait_staged(ticket, torch.cuda.current_stream().cuda_stream)
-                if self._has_host_tensors():
+                if self._uses_host:
                     self._client.wait_staged(ticket)
             else:
                 status = self._client.wait_staged(ticket)
@@ -254,13 +254,16 @@ class CheckpointManager:
         if time.monotonic() < self._retry_after:
             return False
         try:
-            self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
-                                         self.arena_bytes, keep_last=self.keep_last or 0)
+            self._client = self._connect()
             self._registered = False
             return True
         except ckptd.Unavailable as e:
             self._lost(e)
             return False
+
+    def _connect(self):
+        return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
+                             keep_last=self.keep_last or 0)
 
     def _lost(self, error):
         warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
@@ -274,28 +277,21 @@ class CheckpointManager:
     def _collect(self):
         """Every tensor to checkpoint, in a stable order, with how to replace its storage."""
         entries, seen = [], set()
-        param_names = {}
         for name, p in self.model.named_parameters():
-            param_names[id(p)] = name
-            if id(p) not in seen:
-                seen.add(id(p))
-                entries.append(_Entry(name, p, functools.partial(_set_data, p)))
-        for module_name, module in self.model.named_modules():
-            for leaf, b in module._buffers.items():
-                if b is None or leaf in module._non_persistent_buffers_set or id(b) in seen:
-                    continue
+            seen.add(id(p))
+            entries.append(_Entry(name, p, functools.partial(_set_data, p)))
+        for name, module, leaf in _persistent_buffers(self.model):
+            b = module._buffers[leaf]
+            if id(b) not in seen:
                 seen.add(id(b))
-                name = f"{module_name}.{leaf}" if module_name else leaf
                 entries.append(_Entry(name, b, functools.partial(_set_buffer, module, leaf)))
         if self.optimizer is not None:
-            for g, group in enumerate(self.optimizer.param_groups):
-                for i, p in enumerate(group["params"]):
-                    owner = param_names.get(id(p), f"group{g}.param{i}")
-                    state = self.optimizer.state.get(p, {})
-                    for key in sorted(state):
-                        if torch.is_tensor(state[key]):
-                            entries.append(_Entry(f"optim.{owner}.{key}", state[key],
-                                                  functools.partial(_set_item, state, key)))
+            for owner, p in self._optimizer_params(_param_names(self.model)):
+                state = self.optimizer.state.get(p, {})
+                for key in sorted(state):
+                    if torch.is_tensor(state[key]):
+                        entries.append(_Entry(f"optim.{owner}.{key}", state[key],
+                                              functools.partial(_set_item, state, key)))
         return entries
 
     def _fingerprint(self):
@@ -303,8 +299,6 @@ class CheckpointManager:
         compares this with the registered one (thousands of tensors in about a millisecond).
         It changes when tensors appear (optimizer state after the first step) or move
         (`optimizer.load_state_dict`, `model.to(...)`, a replaced `.data`)."""
-        if not self._registered:
-            return None
         addresses = [t.data_ptr() for t in self._slots_model()]
         if self.optimizer is not None:
             state = self.optimizer.state
@@ -331,9 +325,8 @@ class CheckpointManager:
         entries = self._collect()
         if self._registered:
             self._client.unregister()
-            self._client = ckptd.connect(self.socket, self.job, self.rank, self.world_size,
-                                         self.arena_bytes, keep_last=self.keep_last or 0)
-        uses_cuda = False
+            self._client = self._connect()
+        uses_cuda = uses_host = False
         for e in entries:
             t = e.tensor
             dtype = _DTYPES.get(t.dtype)
@@ -348,23 +341,18 @@ class CheckpointManager:
                 raise CheckpointError(f"tensor {e.name}: {t.device} tensors are not supported")
             elif t.numel() > 0:
                 e.replace(_move_to_arena(self._client, e.name, dtype, t))
+                uses_host = True
         self._client.register()
-        self._uses_cuda = uses_cuda
+        self._uses_cuda, self._uses_host = uses_cuda, uses_host
         if uses_cuda:
             self._client.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
-        self._entries = self._collect()
-        self._model_params = list(dict.fromkeys(self.model.parameters()))
-        self._buffer_slots = [(m, leaf) for _, m in self.model.named_modules()
-                              for leaf, b in m._buffers.items()
-                              if b is not None and leaf not in m._non_persistent_buffers_set]
-        self._param_names = {id(p): n for n, p in self.model.named_parameters()}
+        self._model_params = list(self.model.parameters())
+        self._buffer_slots = [(module, leaf) for _, module, leaf in _persistent_buffers(self.model)]
+        self._param_names = _param_names(self.model)
         self._optimizer_param_list = ([p for g in self.optimizer.param_groups for p in g["params"]]
                                       if self.optimizer is not None else [])
         self._registered = True
         self._registered_fingerprint = self._fingerprint()
-
-    def _has_host_tensors(self):
-        return any(not e.tensor.is_cuda for e in self._entries)
 
     # --- train state ----------------------------------------------------------------------
 
@@ -405,7 +393,7 @@ class CheckpointManager:
                                       f"the optimizer {len(self.optimizer.param_groups)}")
             for group, saved in zip(self.optimizer.param_groups, groups):
                 group.update(saved)
-            other = _from_bytes(state.get("optim.other_state", _to_bytes({})))
+            other = _from_bytes(state["optim.other_state"]) if "optim.other_state" in state else {}
             for name, p in self._optimizer_params():
                 self.optimizer.state[p].update(other.get(name, {}))
         if self.lr_scheduler is not None:
@@ -418,9 +406,11 @@ class CheckpointManager:
                 raise CheckpointError(f"the checkpoint has no extra_state[{name!r}]")
             obj.load_state_dict(_from_bytes(state[key]))
 
-    def _optimizer_params(self):
-        names = self._param_names if self._registered else {
-            id(p): n for n, p in self.model.named_parameters()}
+    def _optimizer_params(self, names=None):
+        """(name, parameter) for every optimizer parameter: its name in the model, else
+        group<g>.param<i>. `names` defaults to the names cached at registration."""
+        if names is None:
+            names = self._param_names if self._registered else _param_names(self.model)
         for g, group in enumerate(self.optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 yield names.get(id(p), f"group{g}.param{i}"), p
@@ -479,6 +469,18 @@ class CheckpointManager:
             return step(*args, **kwargs)
 
         self.optimizer.step = step_after_staged
+
+
+def _param_names(model):
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _persistent_buffers(model):
+    """(fully qualified name, module, attribute) of every buffer that belongs in a checkpoint."""
+    for module_name, module in model.named_modules():
+        for leaf, b in module._buffers.items():
+            if b is not None and leaf not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{leaf}" if module_name else leaf), module, leaf
 
 
 def _set_data(param, tensor):
