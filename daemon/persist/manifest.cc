@@ -2,6 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <set>
+
 #include <nlohmann/json.hpp>
 
 namespace ckpt::persist {
@@ -12,6 +17,13 @@ uint64_t Manifest::total_bytes() const {
   uint64_t total = 0;
   for (const ManifestShard& s : shards) total += s.bytes;
   return total;
+}
+
+std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
+  for (const ManifestNode& n : nodes) {
+    if (std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end()) return n.node;
+  }
+  return std::nullopt;
 }
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
@@ -53,10 +65,16 @@ std::string ManifestToJson(const Manifest& m) {
             {"metadata", m.metadata},
             {"shards", shards},
             {"tensors", tensors}};
+  if (!m.nodes.empty()) {
+    json nodes = json::array();
+    for (const ManifestNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"ranks", n.ranks}});
+    j["nodes"] = nodes;
+  }
   return j.dump(1);
 }
 
-absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::string& source) {
+absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::string& source,
+                                       ManifestScope scope) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: invalid manifest: {}", source, why));
@@ -90,11 +108,22 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         e.checksum = it->at("checksum").get<std::string>();
         shard.train_state[it.key()] = e;
       }
-      if (shard.rank != m.shards.size()) return bad("shards are not ranks 0..world_size-1");
+      if (scope == ManifestScope::kWhole ? shard.rank != m.shards.size()
+                                         : (shard.rank >= m.world_size ||
+                                            (!m.shards.empty() && shard.rank <= m.shards.back().rank))) {
+        return bad("shards are not ranks 0..world_size-1");
+      }
       if (shard.file.find('/') != std::string::npos) return bad("shard file names a directory");
       m.shards.push_back(std::move(shard));
     }
-    if (m.shards.size() != m.world_size) return bad("shard count differs from world_size");
+    if (scope == ManifestScope::kWhole && m.shards.size() != m.world_size) {
+      return bad("shard count differs from world_size");
+    }
+    if (auto nodes = j.find("nodes"); nodes != j.end()) {
+      for (const auto& n : *nodes) {
+        m.nodes.push_back({n.at("node").get<uint32_t>(), n.at("ranks").get<std::vector<uint32_t>>()});
+      }
+    }
     for (auto it = j.at("tensors").begin(); it != j.at("tensors").end(); ++it) {
       ManifestTensor t;
       t.dtype = it->at("dtype").get<std::string>();
@@ -117,6 +146,74 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
   } catch (const json::exception& e) {
     return bad(e.what());
   }
+}
+
+}  // namespace ckpt::persist
+
+namespace ckpt::persist {
+
+absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
+  if (parts.empty()) return absl::InvalidArgumentError("no manifest parts to merge");
+  const Manifest& first = parts.front().second;
+  Manifest m;
+  m.job = first.job;
+  m.step = first.step;
+  m.world_size = first.world_size;
+  m.ckptd_version = first.ckptd_version;
+  m.unix_time = first.unix_time;
+  m.wall_time = first.wall_time;
+  std::map<uint32_t, const ManifestShard*> by_rank;
+  std::map<uint32_t, std::vector<uint32_t>> by_node;
+  for (const auto& [node, part] : parts) {
+    if (part.job != m.job || part.step != m.step || part.world_size != m.world_size) {
+      return absl::FailedPreconditionError(fmt::format(
+          "node {} prepared job {} step {} with world size {}; another node prepared job {} step {} "
+          "with world size {}",
+          node, part.job, part.step, part.world_size, m.job, m.step, m.world_size));
+    }
+    // The latest clock among the nodes: the moment the last part became durable.
+    if (part.unix_time > m.unix_time) {
+      m.unix_time = part.unix_time;
+      m.wall_time = part.wall_time;
+    }
+    for (const ManifestShard& s : part.shards) {
+      if (!by_rank.emplace(s.rank, &s).second) {
+        return absl::FailedPreconditionError(
+            fmt::format("rank {} of step {} was prepared twice", s.rank, m.step));
+      }
+      by_node[node].push_back(s.rank);
+    }
+    for (const auto& [name, t] : part.tensors) {
+      auto [it, inserted] = m.tensors.try_emplace(name, ManifestTensor{t.dtype, t.global_shape, {}});
+      if (!inserted && (it->second.dtype != t.dtype || it->second.global_shape != t.global_shape)) {
+        return absl::FailedPreconditionError(fmt::format(
+            "tensor {}: node {} has {} [{}], another node has {} [{}]", name, node, t.dtype,
+            fmt::join(t.global_shape, ","), it->second.dtype, fmt::join(it->second.global_shape, ",")));
+      }
+      it->second.shards.insert(it->second.shards.end(), t.shards.begin(), t.shards.end());
+    }
+  }
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < m.world_size; ++r) {
+    if (!by_rank.count(r)) missing.push_back(r);
+  }
+  if (!missing.empty() || by_rank.size() != m.world_size) {
+    return absl::FailedPreconditionError(
+        fmt::format("step {} is missing ranks {}", m.step, fmt::join(missing, ", ")));
+  }
+  for (const auto& [rank, shard] : by_rank) {
+    m.shards.push_back(*shard);
+    if (rank == 0) m.metadata = shard->metadata;
+  }
+  for (auto& [name, t] : m.tensors) {
+    std::sort(t.shards.begin(), t.shards.end(),
+              [](const TensorShard& a, const TensorShard& b) { return a.rank < b.rank; });
+  }
+  for (auto& [node, ranks] : by_node) {
+    std::sort(ranks.begin(), ranks.end());
+    m.nodes.push_back({node, ranks});
+  }
+  return m;
 }
 
 }  // namespace ckpt::persist

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,12 @@ struct ManifestShard {
   std::map<std::string, TrainStateEntry> train_state;  // stored as U8 entries in the file
 };
 
+// Which ranks' shards a node holds (group commit; docs/format.md).
+struct ManifestNode {
+  uint32_t node = 0;
+  std::vector<uint32_t> ranks;
+};
+
 struct Manifest {
   int format_version = kManifestFormatVersion;
   std::string job;
@@ -54,14 +61,29 @@ struct Manifest {
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
   std::map<std::string, ManifestTensor> tensors;
   std::vector<ManifestShard> shards;  // by rank
+  std::vector<ManifestNode> nodes;     // where each rank's shard was written; by node
 
   uint64_t total_bytes() const;
+  // The node holding `rank`'s shard; nullopt when the manifest does not say (single node).
+  std::optional<uint32_t> NodeOf(uint32_t rank) const;
 };
 
 std::string ManifestToJson(const Manifest& manifest);
 
-// Parses and checks a manifest: version, required fields, shard ranks 0..world_size-1.
-absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::string& source);
+enum class ManifestScope {
+  kWhole,  // a committed step: shards are exactly ranks 0..world_size-1
+  kPart,   // one node's ranks before a group commit: any ascending subset
+};
+
+// Parses and checks a manifest: version, required fields, shard ranks.
+absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::string& source,
+                                       ManifestScope scope = ManifestScope::kWhole);
+
+// Joins the parts that nodes prepared into the manifest of the whole step: shards and
+// tensor pieces of every rank, `nodes` listing who holds what. Fails, naming the problem,
+// when parts disagree (job, step, world size, a tensor's dtype or global shape), a rank
+// appears twice or is missing.
+absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts);
 
 // The key under which a train-state blob is stored in a shard file.
 std::string TrainStateKey(const std::string& name);

@@ -1,0 +1,297 @@
+#include "daemon/group/commit_coordinator.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/names.h"
+#include "common/status.h"
+
+namespace ckpt::group {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
+
+constexpr size_t kRecentDecisions = 4096;
+
+std::string Prefix(const std::string& job, uint64_t step) { return fmt::format("[{} s{}]", job, step); }
+
+}  // namespace
+
+const char* OutcomeName(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kUnknown: return "unknown";
+    case Outcome::kPending: return "pending";
+    case Outcome::kCommitted: return "committed";
+    case Outcome::kAborted: return "aborted";
+  }
+  return "?";
+}
+
+CommitCoordinator::CommitCoordinator(DecisionLog& log, Options options)
+    : log_(log), options_(options) {}
+
+Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part) {
+  const Key key{part.job, part.step};
+  auto refuse = [&](std::string why) { return Decision{Outcome::kAborted, std::move(why), {}}; };
+  if (absl::Status valid = ValidateJobName(part.job); !valid.ok()) return refuse(Message(valid));
+  if (part.world_size == 0 || part.world_size > options_.max_world_size) {
+    return refuse(fmt::format("world size {} is not in 1..{}", part.world_size,
+                              options_.max_world_size));
+  }
+  if (part.shards.empty()) return refuse("a prepare must name at least one rank");
+  for (const persist::ManifestShard& s : part.shards) {
+    if (s.rank >= part.world_size) {
+      return refuse(fmt::format("rank {} is outside world size {}", s.rank, part.world_size));
+    }
+  }
+  Notifications notify;
+  Decision result;
+  {
+    std::lock_guard lock(mu_);
+    if (auto decided = recent_.find(key); decided != recent_.end() || !rounds_.count(key)) {
+      Decision before = decided != recent_.end() ? decided->second : Decision{};
+      if (before.outcome == Outcome::kUnknown) {
+        // Not in memory: a coordinator restart forgets rounds but not commits.
+        auto recorded = log_.FindCommit(key.first, key.second);
+        if (recorded.ok() && recorded->has_value()) before = {Outcome::kCommitted, {}, **recorded};
+      }
+      if (before.outcome == Outcome::kCommitted) {
+        auto committed = persist::ParseManifest(before.manifest_json, "decision record");
+        bool retry = committed.ok();
+        for (const persist::ManifestShard& s : part.shards) {
+          retry = retry && committed->NodeOf(s.rank) == node;
+        }
+        if (retry) return before;  // a prepare whose reply was lost: same answer again
+        return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
+      }
+      // An abort is forgotten here: this is a new attempt at the step (trainers that
+      // restarted and saved it again). Nodes drop late ranks of the old attempt themselves.
+      if (decided != recent_.end()) recent_.erase(decided);
+    }
+    auto [it, inserted] = rounds_.try_emplace(key);
+    Round& round = it->second;
+    if (inserted) {
+      round.world_size = part.world_size;
+      round.started = Clock::now();
+      Log().debug("{} first prepare (node {}, world size {})", Prefix(key.first, key.second), node,
+                  part.world_size);
+    }
+    if (round.world_size != part.world_size) {
+      AbortLocked(key, fmt::format("node {} prepared world size {}, earlier nodes {}", node,
+                                   part.world_size, round.world_size),
+                  notify);
+      result = recent_[key];
+    } else {
+      std::string conflict;
+      for (const persist::ManifestShard& s : part.shards) {
+        auto [r, fresh] = round.node_of_rank.emplace(s.rank, node);
+        if (!fresh && r->second != node) {
+          conflict = fmt::format("rank {} was prepared by node {} and by node {}", s.rank,
+                                 r->second, node);
+        }
+      }
+      bool retry = false;
+      if (conflict.empty()) {
+        // A retried prepare (same node, same ranks) adds nothing new.
+        for (const auto& [n, p] : round.parts) {
+          retry = retry || (n == node && p.shards.size() == part.shards.size() &&
+                            p.shards.front().rank == part.shards.front().rank);
+        }
+        if (!retry) round.parts.emplace_back(node, part);
+      }
+      if (!conflict.empty()) {
+        AbortLocked(key, conflict, notify);
+        result = recent_[key];
+      } else if (round.node_of_rank.size() == round.world_size) {
+        CommitLocked(key, round, notify);
+        result = recent_[key];
+      } else {
+        result.outcome = Outcome::kPending;
+      }
+    }
+  }
+  Deliver(notify);
+  return result;
+}
+
+void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
+  auto merged = persist::MergeManifestParts(round.parts);
+  if (!merged.ok()) {
+    AbortLocked(key, Message(merged.status()), out);
+    return;
+  }
+  std::string json = persist::ManifestToJson(*merged);
+  // Durable before anyone hears "committed": a node that renames on this answer must
+  // find the same answer after a coordinator crash.
+  if (absl::Status recorded = log_.RecordCommit(key.first, key.second, json); !recorded.ok()) {
+    AbortLocked(key, fmt::format("the coordinator could not record the decision: {}",
+                                 Message(recorded)),
+                out);
+    return;
+  }
+  Decision decision{Outcome::kCommitted, {}, std::move(json)};
+  for (PendingWaiter& w : round.waiters) out.emplace_back(std::move(w.waiter), decision);
+  uint64_t& latest = latest_committed_[key.first];
+  latest = std::max(latest, key.second);
+  Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
+             round.world_size, merged->nodes.size());
+  rounds_.erase(key);
+  RememberLocked(key, std::move(decision));
+}
+
+void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, Notifications& out) {
+  Decision decision{Outcome::kAborted, reason, {}};
+  if (auto it = rounds_.find(key); it != rounds_.end()) {
+    for (PendingWaiter& w : it->second.waiters) out.emplace_back(std::move(w.waiter), decision);
+    rounds_.erase(it);
+  }
+  Log().warn("{} aborted: {}", Prefix(key.first, key.second), reason);
+  RememberLocked(key, std::move(decision));
+}
+
+void CommitCoordinator::RememberLocked(const Key& key, Decision decision) {
+  if (recent_.insert_or_assign(key, std::move(decision)).second) recent_order_.push_back(key);
+  while (recent_order_.size() > kRecentDecisions) {
+    recent_.erase(recent_order_.front());
+    recent_order_.erase(recent_order_.begin());
+  }
+}
+
+void CommitCoordinator::Abort(const std::string& job, uint64_t step, const std::string& reason) {
+  Notifications notify;
+  {
+    std::lock_guard lock(mu_);
+    Key key{job, step};
+    // Only an undecided step can be aborted: a commit already announced stands.
+    if (!rounds_.count(key)) return;
+    AbortLocked(key, reason, notify);
+  }
+  Deliver(notify);
+}
+
+void CommitCoordinator::Await(const std::string& job, uint64_t step, Clock::time_point deadline,
+                              Waiter waiter) {
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = rounds_.find({job, step}); it != rounds_.end()) {
+      it->second.waiters.push_back({deadline, std::move(waiter)});
+      return;
+    }
+  }
+  waiter(Lookup(job, step));
+}
+
+Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step) {
+  {
+    std::lock_guard lock(mu_);
+    Key key{job, step};
+    if (rounds_.count(key)) return {Outcome::kPending, {}, {}};
+    if (auto it = recent_.find(key); it != recent_.end()) return it->second;
+  }
+  auto recorded = log_.FindCommit(job, step);
+  if (!recorded.ok()) {
+    // Cannot tell: the asker keeps its step in doubt and asks again.
+    return {Outcome::kPending, Message(recorded.status()), {}};
+  }
+  if (recorded->has_value()) return {Outcome::kCommitted, {}, std::move(**recorded)};
+  return {Outcome::kUnknown, "the coordinator holds no record of this step (presumed aborted)", {}};
+}
+
+std::string CommitCoordinator::MissingRanks(const Round& round, size_t limit) {
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < round.world_size && missing.size() <= limit; ++r) {
+    if (!round.node_of_rank.count(r)) missing.push_back(r);
+  }
+  size_t shown = std::min(missing.size(), limit);
+  return fmt::format("{}{}", fmt::join(missing.begin(), missing.begin() + shown, ", "),
+                     missing.size() > limit ? ", ..." : "");
+}
+
+void CommitCoordinator::AbortIncomplete(const std::string& why) {
+  Notifications notify;
+  {
+    std::lock_guard lock(mu_);
+    std::vector<std::pair<Key, std::string>> doomed;
+    for (const auto& [key, round] : rounds_) {
+      doomed.emplace_back(key, fmt::format("{}; missing ranks {}", why, MissingRanks(round)));
+    }
+    for (const auto& [key, reason] : doomed) AbortLocked(key, reason, notify);
+  }
+  Deliver(notify);
+}
+
+void CommitCoordinator::Tick(Clock::time_point now) {
+  Notifications notify;
+  {
+    std::lock_guard lock(mu_);
+    std::vector<std::pair<Key, std::string>> timed_out;
+    for (auto& [key, round] : rounds_) {
+      if (now - round.started >= options_.step_timeout) {
+        std::vector<uint32_t> nodes;
+        for (const auto& [node, part] : round.parts) nodes.push_back(node);
+        std::sort(nodes.begin(), nodes.end());
+        nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+        timed_out.emplace_back(
+            key, fmt::format("step {} timed out after {:.1f} s (--step-timeout): missing ranks {} "
+                             "of {} (prepared by nodes {})",
+                             key.second, std::chrono::duration<double>(now - round.started).count(),
+                             MissingRanks(round), round.world_size, fmt::join(nodes, ", ")));
+        continue;
+      }
+      for (auto w = round.waiters.begin(); w != round.waiters.end();) {
+        if (w->deadline <= now) {
+          notify.emplace_back(std::move(w->waiter), Decision{Outcome::kPending, {}, {}});
+          w = round.waiters.erase(w);
+        } else {
+          ++w;
+        }
+      }
+    }
+    for (const auto& [key, reason] : timed_out) AbortLocked(key, reason, notify);
+  }
+  Deliver(notify);
+}
+
+std::vector<StepProgress> CommitCoordinator::InFlight() const {
+  std::vector<StepProgress> out;
+  auto now = Clock::now();
+  std::lock_guard lock(mu_);
+  for (const auto& [key, round] : rounds_) {
+    StepProgress p{key.first, key.second, round.world_size, {},
+                   std::chrono::duration<double>(now - round.started).count()};
+    for (uint32_t r = 0; r < round.world_size && p.missing_ranks.size() < 64; ++r) {
+      if (!round.node_of_rank.count(r)) p.missing_ranks.push_back(r);
+    }
+    out.push_back(std::move(p));
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.age_s > b.age_s; });
+  return out;
+}
+
+std::map<std::string, uint64_t> CommitCoordinator::LatestCommitted() const {
+  std::lock_guard lock(mu_);
+  return latest_committed_;
+}
+
+void CommitCoordinator::ReleaseWaiters() {
+  Notifications notify;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [key, round] : rounds_) {
+      for (PendingWaiter& w : round.waiters) {
+        notify.emplace_back(std::move(w.waiter), Decision{Outcome::kPending, {}, {}});
+      }
+      round.waiters.clear();
+    }
+  }
+  Deliver(notify);
+}
+
+void CommitCoordinator::Deliver(Notifications& notifications) {
+  for (auto& [waiter, decision] : notifications) waiter(decision);
+}
+
+}  // namespace ckpt::group

@@ -1,0 +1,115 @@
+// The coordinator's half of the two-phase commit (node 0 runs it). Nodes report the ranks
+// whose shards are durable in their step-N.tmp ("prepared"); once every rank of the
+// world is prepared the coordinator merges the parts into the step's manifest, records
+// the decision durably, and only then announces "committed". A step that cannot complete
+// (timeout, a node lost or restarted, an error reported by a node, parts that disagree)
+// is aborted. Pure logic over an injected DecisionLog and clock: the gRPC service and the
+// tests drive it the same way.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/group/decision_log.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::group {
+
+enum class Outcome { kUnknown, kPending, kCommitted, kAborted };
+
+struct Decision {
+  Outcome outcome = Outcome::kUnknown;
+  std::string reason;         // why aborted
+  std::string manifest_json;  // the whole step, when committed
+};
+
+struct StepProgress {
+  std::string job;
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  std::vector<uint32_t> missing_ranks;
+  double age_s = 0;
+};
+
+class CommitCoordinator {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Waiter = std::function<void(const Decision&)>;
+
+  struct Options {
+    std::chrono::milliseconds step_timeout{300'000};
+    uint32_t max_world_size = 1u << 20;
+  };
+
+  CommitCoordinator(DecisionLog& log, Options options);
+
+  // `node` has made `ranks` of (job, step) durable; `part` is their manifest. Returns the
+  // step's state after this: pending, committed (this completed it, or a retry of a
+  // prepare that was part of the commit), or aborted with the reason.
+  Decision Prepare(uint32_t node, const persist::Manifest& part);
+
+  // A node cannot finish the step (a rank failed to write, its own timeout).
+  void Abort(const std::string& job, uint64_t step, const std::string& reason);
+
+  // Calls `waiter` once the step is decided, or with what is known at `deadline`
+  // (pending while undecided; unknown when there is no record).
+  void Await(const std::string& job, uint64_t step, Clock::time_point deadline, Waiter waiter);
+
+  // What is known now, without waiting.
+  Decision Lookup(const std::string& job, uint64_t step);
+
+  // Aborts undecided steps that are missing ranks, naming `why` (a node was lost or
+  // restarted: its trainers' ranks can no longer arrive).
+  void AbortIncomplete(const std::string& why);
+
+  // Step timeouts and waiter deadlines; call a few times a second.
+  void Tick(Clock::time_point now);
+
+  std::vector<StepProgress> InFlight() const;
+  std::map<std::string, uint64_t> LatestCommitted() const;
+
+  // Fails every waiter (shutdown): they hear "pending" and ask again elsewhere.
+  void ReleaseWaiters();
+
+ private:
+  struct PendingWaiter {
+    Clock::time_point deadline;
+    Waiter waiter;
+  };
+  struct Round {
+    uint32_t world_size = 0;
+    Clock::time_point started;
+    std::map<uint32_t, uint32_t> node_of_rank;
+    std::vector<std::pair<uint32_t, persist::Manifest>> parts;
+    std::vector<PendingWaiter> waiters;
+  };
+  using Key = std::pair<std::string, uint64_t>;
+  using Notifications = std::vector<std::pair<Waiter, Decision>>;
+
+  // Both return with mu_ held; the waiters to notify go to `out`, called after unlocking.
+  void CommitLocked(const Key& key, Round& round, Notifications& out);
+  void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
+  void RememberLocked(const Key& key, Decision decision);
+  static std::string MissingRanks(const Round& round, size_t limit = 16);
+  static void Deliver(Notifications& notifications);
+
+  DecisionLog& log_;
+  const Options options_;
+  mutable std::mutex mu_;
+  std::map<Key, Round> rounds_;
+  // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
+  std::map<Key, Decision> recent_;
+  std::vector<Key> recent_order_;
+  std::map<std::string, uint64_t> latest_committed_;
+};
+
+const char* OutcomeName(Outcome outcome);
+
+}  // namespace ckpt::group

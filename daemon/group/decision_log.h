@@ -1,0 +1,34 @@
+// Where the coordinator records its commit decisions before announcing them, so that a
+// coordinator that restarts answers "committed" for every step it ever announced as such.
+// Aborts are not recorded: a step with no record is presumed aborted (docs/format.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/filesystem.h"
+
+namespace ckpt::group {
+
+class DecisionLog {
+ public:
+  virtual ~DecisionLog() = default;
+  // Durable when it returns OK: the whole step's manifest.
+  virtual absl::Status RecordCommit(const std::string& job, uint64_t step,
+                                    const std::string& manifest_json) = 0;
+  // The recorded manifest, or nullopt when the step was never committed (or the record
+  // was pruned long after).
+  virtual absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
+                                                                uint64_t step) = 0;
+};
+
+using DecisionLogPtr = std::unique_ptr<DecisionLog>;
+
+// One file per committed step under `dir`/<job>/step-NNNNNNNN.json, written atomically;
+// keeps the newest `keep_per_job` records of each job.
+DecisionLogPtr MakeFileDecisionLog(FilesystemPtr fs, std::string dir, size_t keep_per_job = 1024);
+
+}  // namespace ckpt::group

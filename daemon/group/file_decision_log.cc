@@ -1,0 +1,80 @@
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "common/names.h"
+#include "common/status.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/persist/checkpoint_store.h"
+
+namespace ckpt::group {
+namespace {
+
+class FileDecisionLog : public DecisionLog {
+ public:
+  FileDecisionLog(FilesystemPtr fs, std::string dir, size_t keep)
+      : fs_(std::move(fs)), dir_(std::move(dir)), keep_(keep) {}
+
+  absl::Status RecordCommit(const std::string& job, uint64_t step,
+                            const std::string& manifest_json) override {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    std::lock_guard lock(mu_);
+    std::string job_dir = dir_ + "/" + job;
+    if (!fs_->Exists(job_dir)) {
+      CKPT_RETURN_IF_ERROR(fs_->MakeDir(dir_));
+      CKPT_RETURN_IF_ERROR(fs_->MakeDir(job_dir));
+      CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
+    }
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, Path(job, step), manifest_json));
+    Prune(job_dir);
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
+                                                        uint64_t step) override {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    std::string path = Path(job, step);
+    if (!fs_->Exists(path)) return std::optional<std::string>();
+    CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
+    return std::optional<std::string>(std::move(text));
+  }
+
+ private:
+  std::string Path(const std::string& job, uint64_t step) const {
+    return fmt::format("{}/{}/step-{:08d}.json", dir_, job, step);
+  }
+
+  // Old records are dropped best effort: a failure here never fails a commit.
+  void Prune(const std::string& job_dir) {
+    auto names = fs_->ListDir(job_dir);
+    if (!names.ok()) return;
+    std::vector<uint64_t> steps;
+    for (const std::string& name : *names) {
+      uint64_t step;
+      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
+          persist::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
+        steps.push_back(step);
+      }
+    }
+    if (steps.size() <= keep_) return;
+    std::sort(steps.begin(), steps.end());
+    for (size_t i = 0; i + keep_ < steps.size(); ++i) {
+      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, steps[i]));
+    }
+  }
+
+  FilesystemPtr fs_;
+  const std::string dir_;
+  const size_t keep_;
+  std::mutex mu_;
+};
+
+}  // namespace
+
+DecisionLogPtr MakeFileDecisionLog(FilesystemPtr fs, std::string dir, size_t keep_per_job) {
+  return std::make_unique<FileDecisionLog>(std::move(fs), std::move(dir), keep_per_job);
+}
+
+}  // namespace ckpt::group

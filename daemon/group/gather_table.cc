@@ -1,0 +1,152 @@
+#include "daemon/group/gather_table.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <memory>
+#include <optional>
+#include <utility>
+
+namespace ckpt::group {
+namespace {
+
+// "1, 3, 5" (at most 16 named): who a timed-out round still waits for.
+template <typename Arrived>
+std::string Missing(uint32_t participants, const Arrived& arrived) {
+  std::vector<uint32_t> missing;
+  for (uint32_t p = 0; p < participants && missing.size() <= 16; ++p) {
+    if (!arrived.count(p)) missing.push_back(p);
+  }
+  size_t shown = std::min<size_t>(missing.size(), 16);
+  return fmt::format("{}{}", fmt::join(missing.begin(), missing.begin() + shown, ", "),
+                     missing.size() > 16 ? ", ..." : "");
+}
+
+}  // namespace
+
+void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
+                         std::string payload, Clock::time_point deadline, Done done) {
+  if (participants == 0 || participant >= participants) {
+    done(absl::InvalidArgumentError(fmt::format(
+        "gather {}: participant {} is not in 0..{}", key, participant,
+        participants == 0 ? 0 : participants - 1)));
+    return;
+  }
+  std::vector<Done> replaced;
+  std::vector<Done> finish;
+  std::vector<std::string> payloads;
+  std::string refused;
+  {
+    std::lock_guard lock(mu_);
+    auto [it, inserted] = rounds_.try_emplace(key);
+    Round& round = it->second;
+    if (inserted) {
+      round.participants = participants;
+      round.started = Clock::now();
+    } else if (round.participants != participants) {
+      // Reported to this participant only: the round keeps its size.
+      refused = fmt::format(
+          "gather {}: participant {} says {} participants, the round in progress has {}", key,
+          participant, participants, round.participants);
+    }
+    if (refused.empty()) {
+      if (auto old = round.arrived.find(participant); old != round.arrived.end()) {
+        replaced.push_back(std::move(old->second.done));
+        round.arrived.erase(old);
+      }
+      round.arrived.emplace(participant, Arrival{std::move(payload), deadline, std::move(done)});
+      if (round.arrived.size() == round.participants) {
+        payloads.reserve(round.participants);
+        for (auto& [p, arrival] : round.arrived) {
+          payloads.push_back(std::move(arrival.payload));
+          finish.push_back(std::move(arrival.done));
+        }
+        rounds_.erase(it);
+      }
+    }
+  }
+  if (!refused.empty()) {
+    done(absl::InvalidArgumentError(refused));
+    return;
+  }
+  for (Done& d : replaced) {
+    d(absl::AbortedError(fmt::format("gather {}: participant {} arrived again", key, participant)));
+  }
+  for (Done& d : finish) d(payloads);
+}
+
+void GatherTable::Expire(Clock::time_point now) {
+  std::vector<std::pair<Done, std::string>> expired;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = rounds_.begin(); it != rounds_.end();) {
+      Round& round = it->second;
+      std::string missing;
+      for (auto a = round.arrived.begin(); a != round.arrived.end();) {
+        if (a->second.deadline > now) {
+          ++a;
+          continue;
+        }
+        if (missing.empty()) missing = Missing(round.participants, round.arrived);
+        double waited = std::chrono::duration<double>(now - round.started).count();
+        expired.emplace_back(
+            std::move(a->second.done),
+            fmt::format("{}: timed out after {:.1f} s with {} of {} arrived; missing: {}",
+                        it->first, waited, round.arrived.size(), round.participants, missing));
+        a = round.arrived.erase(a);
+      }
+      it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);
+    }
+  }
+  for (auto& [done, why] : expired) done(absl::DeadlineExceededError(why));
+}
+
+void GatherTable::FailAll(const std::string& why) {
+  std::vector<Done> failed;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [key, round] : rounds_) {
+      for (auto& [p, arrival] : round.arrived) failed.push_back(std::move(arrival.done));
+    }
+    rounds_.clear();
+  }
+  for (Done& d : failed) d(absl::UnavailableError(why));
+}
+
+absl::StatusOr<std::vector<std::string>> GatherTable::ArriveAndWait(
+    const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+    std::chrono::milliseconds timeout) {
+  struct Result {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<absl::StatusOr<std::vector<std::string>>> value;
+  };
+  auto result = std::make_shared<Result>();
+  auto deadline = Clock::now() + timeout;
+  Arrive(key, participant, participants, std::move(payload), deadline,
+         [result](absl::StatusOr<std::vector<std::string>> r) {
+           std::lock_guard lock(result->mu);
+           result->value = std::move(r);
+           result->cv.notify_all();
+         });
+  std::unique_lock lock(result->mu);
+  while (!result->value) {
+    // Nobody else may be expiring this table: whoever waits past its deadline does it.
+    if (result->cv.wait_until(lock, deadline + std::chrono::milliseconds(5)) ==
+        std::cv_status::timeout) {
+      lock.unlock();
+      Expire(Clock::now());
+      lock.lock();
+    }
+  }
+  return std::move(*result->value);
+}
+
+size_t GatherTable::open_rounds() const {
+  std::lock_guard lock(mu_);
+  return rounds_.size();
+}
+
+}  // namespace ckpt::group

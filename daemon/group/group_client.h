@@ -1,0 +1,59 @@
+// A node's connection to the coordinator: one gRPC channel (keepalive, optional mutual
+// TLS), the shared token on every call, deadlines on every call, retries with back-off
+// only where a call is idempotent (all of them are: prepare and abort are keyed by job,
+// step and rank).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/group/commit_coordinator.h"
+#include "daemon/group/group_options.h"
+#include "daemon/group/membership.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::group {
+
+struct GroupViewData {
+  std::vector<MemberView> members;
+  std::vector<StepProgress> steps;
+  std::map<std::string, uint64_t> committed;  // newest globally committed step per job
+};
+
+class GroupClient {
+ public:
+  virtual ~GroupClient() = default;
+
+  // Joins under `incarnation`, retrying with exponential back-off (100 ms doubling to 2 s)
+  // while the coordinator is unreachable, until `deadline`. Refusals (wrong token, wrong
+  // --num-nodes) are returned at once.
+  virtual absl::StatusOr<GroupViewData> Join(std::chrono::steady_clock::time_point deadline) = 0;
+  // FailedPrecondition: the coordinator does not know this incarnation (it restarted, or
+  // marked this node lost): join again.
+  virtual absl::StatusOr<GroupViewData> Heartbeat() = 0;
+  virtual absl::StatusOr<Decision> Prepare(const persist::Manifest& part) = 0;
+  virtual absl::Status Abort(const std::string& job, uint64_t step, const std::string& reason) = 0;
+  // Long-poll: returns when decided or after `wait` (then kPending).
+  virtual absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
+                                              std::chrono::milliseconds wait) = 0;
+  // All-gather among `participants` (any node may host any participant); the payloads by
+  // participant, or DeadlineExceeded naming who is missing.
+  virtual absl::StatusOr<std::vector<std::string>> Gather(const std::string& key,
+                                                          uint32_t participant,
+                                                          uint32_t participants,
+                                                          std::string payload,
+                                                          std::chrono::milliseconds timeout) = 0;
+};
+
+using GroupClientPtr = std::unique_ptr<GroupClient>;
+
+// Connects (lazily) to options.coordinator.
+absl::StatusOr<GroupClientPtr> MakeGrpcGroupClient(const GroupOptions& options,
+                                                   uint64_t incarnation,
+                                                   std::string advertised_address);
+
+}  // namespace ckpt::group

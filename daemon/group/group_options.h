@@ -1,0 +1,26 @@
+// The group's part of ckptd's configuration (docs/operators.md, "Multi-node").
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+namespace ckpt::group {
+
+struct GroupOptions {
+  uint32_t node_rank = 0;
+  uint32_t num_nodes = 1;                // 1: no group, single-node commit
+  std::string coordinator;               // HOST:PORT of node 0's group server
+  std::string listen_addr;               // HOST:PORT this node's group server binds
+  std::string token;                     // shared secret, read from --group-token-file
+  std::string tls_cert_pem, tls_key_pem, tls_ca_pem;  // all three, or none (plaintext)
+  std::chrono::milliseconds group_timeout{10'000};   // silent this long: a member is lost
+  std::chrono::milliseconds step_timeout{300'000};   // a step still missing ranks aborts
+  std::chrono::milliseconds rpc_timeout{5'000};      // per call, beside long polls
+
+  bool enabled() const { return num_nodes > 1; }
+  bool coordinator_role() const { return enabled() && node_rank == 0; }
+  bool tls() const { return !tls_cert_pem.empty(); }
+};
+
+}  // namespace ckpt::group

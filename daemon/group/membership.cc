@@ -1,0 +1,90 @@
+#include "daemon/group/membership.h"
+
+#include <fmt/format.h>
+
+namespace ckpt::group {
+
+const char* MemberStateName(MemberState state) {
+  switch (state) {
+    case MemberState::kWaiting: return "waiting";
+    case MemberState::kAlive: return "alive";
+    case MemberState::kLost: return "lost";
+  }
+  return "?";
+}
+
+Membership::Membership(uint32_t num_nodes, std::chrono::milliseconds timeout)
+    : timeout_(timeout), members_(num_nodes) {}
+
+absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::string& address,
+                              uint64_t incarnation, bool* restarted) {
+  *restarted = false;
+  if (num_nodes != members_.size()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "node {} was started with --num-nodes {}, the coordinator with {}", node, num_nodes,
+        members_.size()));
+  }
+  if (node >= members_.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("node rank {} is not in 0..{}", node, members_.size() - 1));
+  }
+  if (incarnation == 0) return absl::InvalidArgumentError("incarnation 0 is reserved");
+  std::lock_guard lock(mu_);
+  Member& m = members_[node];
+  *restarted = m.incarnation != 0 && m.incarnation != incarnation;
+  m.address = address.substr(0, 256);
+  m.incarnation = incarnation;
+  m.state = MemberState::kAlive;
+  m.last_heard = Clock::now();
+  return absl::OkStatus();
+}
+
+absl::Status Membership::Heartbeat(uint32_t node, uint64_t incarnation) {
+  if (node >= members_.size()) {
+    return absl::InvalidArgumentError(
+        fmt::format("node rank {} is not in 0..{}", node, members_.size() - 1));
+  }
+  std::lock_guard lock(mu_);
+  Member& m = members_[node];
+  if (m.incarnation != incarnation || m.state == MemberState::kWaiting) {
+    return absl::FailedPreconditionError(
+        fmt::format("node {} is not joined under incarnation {:x}: join first", node, incarnation));
+  }
+  if (m.state == MemberState::kLost) {
+    // A lost member comes back only by joining again, so that the coordinator and the node
+    // agree on what happened to steps in between.
+    return absl::FailedPreconditionError(fmt::format("node {} was marked lost: join again", node));
+  }
+  m.last_heard = Clock::now();
+  return absl::OkStatus();
+}
+
+std::vector<std::pair<uint32_t, std::string>> Membership::Expire(Clock::time_point now) {
+  std::vector<std::pair<uint32_t, std::string>> lost;
+  std::lock_guard lock(mu_);
+  for (uint32_t n = 0; n < members_.size(); ++n) {
+    Member& m = members_[n];
+    if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
+      m.state = MemberState::kLost;
+      lost.emplace_back(n, fmt::format("node {} ({}) lost: no heartbeat for {:.1f} s", n, m.address,
+                                       std::chrono::duration<double>(now - m.last_heard).count()));
+    }
+  }
+  return lost;
+}
+
+std::vector<MemberView> Membership::View() const {
+  std::vector<MemberView> view;
+  auto now = Clock::now();
+  std::lock_guard lock(mu_);
+  for (uint32_t n = 0; n < members_.size(); ++n) {
+    const Member& m = members_[n];
+    double age = m.state == MemberState::kWaiting
+                     ? -1
+                     : std::chrono::duration<double>(now - m.last_heard).count();
+    view.push_back({n, m.address, m.state, age, m.incarnation});
+  }
+  return view;
+}
+
+}  // namespace ckpt::group

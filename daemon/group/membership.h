@@ -1,0 +1,56 @@
+// The coordinator's table of the static group: nodes 0..num_nodes-1, each waiting, alive
+// or lost. A node joins with a random incarnation; a join with a new incarnation is a
+// restart. A member whose heartbeats stop for the group timeout is lost. Pure logic.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace ckpt::group {
+
+enum class MemberState { kWaiting, kAlive, kLost };
+
+struct MemberView {
+  uint32_t node = 0;
+  std::string address;
+  MemberState state = MemberState::kWaiting;
+  double last_heartbeat_age_s = -1;
+  uint64_t incarnation = 0;
+};
+
+class Membership {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Membership(uint32_t num_nodes, std::chrono::milliseconds timeout);
+
+  // `restarted` is set when the node was known under another incarnation.
+  absl::Status Join(uint32_t node, uint32_t num_nodes, const std::string& address,
+                    uint64_t incarnation, bool* restarted);
+  // FailedPrecondition when the node must join (again) first.
+  absl::Status Heartbeat(uint32_t node, uint64_t incarnation);
+  // Marks members silent for longer than the timeout as lost; returns them with why.
+  std::vector<std::pair<uint32_t, std::string>> Expire(Clock::time_point now);
+  std::vector<MemberView> View() const;
+  uint32_t num_nodes() const { return static_cast<uint32_t>(members_.size()); }
+
+ private:
+  struct Member {
+    std::string address;
+    MemberState state = MemberState::kWaiting;
+    uint64_t incarnation = 0;
+    Clock::time_point last_heard{};
+  };
+  const std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  std::vector<Member> members_;
+};
+
+const char* MemberStateName(MemberState state);
+
+}  // namespace ckpt::group
