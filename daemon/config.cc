@@ -41,6 +41,34 @@ absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
   return value << shift;
 }
 
+absl::StatusOr<uint32_t> ParseDurationMs(const std::string& text) {
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    return absl::InvalidArgumentError(fmt::format("\"{}\" is not a duration", text));
+  }
+  std::string unit = text.substr(pos);
+  double ms = 0;
+  if (unit.empty() || unit == "s") {
+    ms = value * 1000;
+  } else if (unit == "ms") {
+    ms = value;
+  } else if (unit == "m") {
+    ms = value * 60'000;
+  } else if (unit == "h") {
+    ms = value * 3'600'000;
+  } else {
+    return absl::InvalidArgumentError(
+        fmt::format("\"{}\": unknown duration unit \"{}\" (use ms, s, m or h)", text, unit));
+  }
+  if (!(ms >= 1) || ms > 24 * 3'600'000.0) {
+    return absl::InvalidArgumentError(fmt::format("\"{}\" is not between 1ms and 24h", text));
+  }
+  return static_cast<uint32_t>(ms);
+}
+
 std::string Config::ToJson() const {
   nlohmann::json j = {{"root", root},
                       {"socket", socket},
@@ -59,6 +87,15 @@ std::string Config::ToJson() const {
                       {"allow_uids", allow_uids},
                       {"allow_gids", allow_gids},
                       {"log_level", log_level},
+                      {"node_rank", node_rank},
+                      {"num_nodes", num_nodes},
+                      {"coordinator", coordinator},
+                      {"group_addr", group_addr},
+                      {"group_token_file", group_token_file},
+                      {"group_tls", !group_tls_cert.empty()},
+                      {"group_timeout_ms", group_timeout_ms},
+                      {"step_timeout_ms", step_timeout_ms},
+                      {"restore_timeout_ms", restore_timeout_ms},
                       {"version", kVersion}};
   return j.dump();
 }
@@ -109,6 +146,39 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
+  std::string group_timeout = "10s", step_timeout = "5m", restore_timeout = "5m";
+  app.add_option("--node-rank", c.node_rank, "this node's rank in the group (0: coordinator)")
+      ->envname("CKPTD_NODE_RANK")
+      ->capture_default_str();
+  app.add_option("--num-nodes", c.num_nodes, "nodes in the group (1: no group)")
+      ->envname("CKPTD_NUM_NODES")
+      ->capture_default_str();
+  app.add_option("--coordinator", c.coordinator, "HOST:PORT of node 0's group server")
+      ->envname("CKPTD_COORDINATOR");
+  app.add_option("--group-addr", c.group_addr,
+                 "HOST:PORT this node's group server listens on (default: the coordinator's "
+                 "port on node 0, an ephemeral port elsewhere)")
+      ->envname("CKPTD_GROUP_ADDR");
+  app.add_option("--group-token-file", c.group_token_file,
+                 "file holding the group's shared token (every group call carries it)")
+      ->envname("CKPTD_GROUP_TOKEN_FILE");
+  app.add_option("--group-tls-cert", c.group_tls_cert, "PEM certificate for mutual TLS")
+      ->envname("CKPTD_GROUP_TLS_CERT");
+  app.add_option("--group-tls-key", c.group_tls_key, "PEM private key for mutual TLS")
+      ->envname("CKPTD_GROUP_TLS_KEY");
+  app.add_option("--group-tls-ca", c.group_tls_ca, "PEM CA that signed every node's certificate")
+      ->envname("CKPTD_GROUP_TLS_CA");
+  app.add_option("--group-timeout", group_timeout, "a member silent this long is lost")
+      ->envname("CKPTD_GROUP_TIMEOUT")
+      ->capture_default_str();
+  app.add_option("--step-timeout", step_timeout,
+                 "a step still missing ranks this long after its first rank is aborted")
+      ->envname("CKPTD_STEP_TIMEOUT")
+      ->capture_default_str();
+  app.add_option("--restore-timeout", restore_timeout,
+                 "how long restoring ranks wait for every rank of their job")
+      ->envname("CKPTD_RESTORE_TIMEOUT")
+      ->capture_default_str();
   app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");
   app.set_config("--config", "", "read options from a TOML file (keys are the long flag names)");
   app.allow_config_extras(false);  // a misspelt key is an error, not a silent default
@@ -133,6 +203,19 @@ ParseResult ParseFlags(int argc, char** argv) {
       return result;
     }
     *out = *bytes;
+  }
+  for (auto [flag, text, out] :
+       {std::tuple{"--group-timeout", &group_timeout, &c.group_timeout_ms},
+        std::tuple{"--step-timeout", &step_timeout, &c.step_timeout_ms},
+        std::tuple{"--restore-timeout", &restore_timeout, &c.restore_timeout_ms}}) {
+    auto ms = ParseDurationMs(*text);
+    if (!ms.ok()) {
+      result.exit = true;
+      result.exit_code = 2;
+      result.message = fmt::format("{}: {}\n", flag, std::string(ms.status().message()));
+      return result;
+    }
+    *out = *ms;
   }
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
   return result;
@@ -162,6 +245,32 @@ absl::Status Validate(const Config& c) {
           c.admin_addr));
     }
   }
+  if (c.num_nodes == 0 || c.num_nodes > 65536) return bad("--num-nodes must be 1..65536");
+  if (c.node_rank >= c.num_nodes) {
+    return bad(fmt::format("--node-rank {} is not in 0..{} (--num-nodes {})", c.node_rank,
+                           c.num_nodes - 1, c.num_nodes));
+  }
+  if (c.num_nodes > 1) {
+    if (c.coordinator.empty()) return bad("--coordinator HOST:PORT is required with --num-nodes > 1");
+    if (c.group_token_file.empty()) {
+      return bad("--group-token-file is required with --num-nodes > 1: every group call is "
+                 "authenticated with the shared token");
+    }
+    int tls = !c.group_tls_cert.empty() + !c.group_tls_key.empty() + !c.group_tls_ca.empty();
+    if (tls != 0 && tls != 3) {
+      return bad("--group-tls-cert, --group-tls-key and --group-tls-ca go together (mutual TLS)");
+    }
+    for (const auto& [flag, addr] : {std::pair{"--coordinator", &c.coordinator},
+                                     std::pair{"--group-addr", &c.group_addr}}) {
+      if (addr->empty()) continue;
+      auto colon = addr->rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == addr->size()) {
+        return bad(fmt::format("{} \"{}\" is not HOST:PORT", flag, *addr));
+      }
+    }
+  }
+  if (c.step_timeout_ms < 100) return bad("--step-timeout must be at least 100ms");
+  if (c.group_timeout_ms < 100) return bad("--group-timeout must be at least 100ms");
   spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);
   if (level == spdlog::level::off && c.log_level != "off") {
     return bad(fmt::format("--log-level \"{}\" is not one of trace, debug, info, warn, error",

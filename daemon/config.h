@@ -30,6 +30,17 @@ struct Config {
   std::vector<uint32_t> allow_uids;    // beside the daemon's own uid and root
   std::vector<uint32_t> allow_gids;    // beside the daemon's own gid
   std::string log_level = "info";
+
+  // The group (docs/operators.md, "Several nodes"). num_nodes 1: no group.
+  uint32_t node_rank = 0;
+  uint32_t num_nodes = 1;
+  std::string coordinator;           // HOST:PORT of node 0's group server
+  std::string group_addr;            // HOST:PORT this node's group server binds
+  std::string group_token_file;      // the shared secret (required with num_nodes > 1)
+  std::string group_tls_cert, group_tls_key, group_tls_ca;  // mutual TLS: all three or none
+  uint32_t group_timeout_ms = 10'000;   // a member silent this long is lost
+  uint32_t step_timeout_ms = 300'000;   // a step still missing ranks this long is aborted
+  uint32_t restore_timeout_ms = 300'000;  // ranks wait this long for each other at restore
   bool check_config = false;
 
   std::string ToJson() const;
@@ -47,6 +58,9 @@ ParseResult ParseFlags(int argc, char** argv);
 
 // Checks ranges and combinations; the message names the flag.
 absl::Status Validate(const Config& config);
+
+// "500ms", "3s", "2m", "1h"; a bare number is seconds. InvalidArgument otherwise.
+absl::StatusOr<uint32_t> ParseDurationMs(const std::string& text);
 
 // "4G" -> 4 GiB, "512M", "1048576"; InvalidArgument otherwise.
 absl::StatusOr<uint64_t> ParseBytes(const std::string& text);

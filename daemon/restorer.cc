@@ -59,15 +59,19 @@ absl::Status CheckSameNames(const std::vector<RegisteredTensor>& registered,
 absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
                                                 std::optional<uint64_t> step) {
   RestoreResult result;
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(session.job));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, Available(session));
   if (!step) {
-    if (steps.empty()) return result;  // nothing to restore: a fresh start
-    step = steps.back();
+    CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> agreed,
+                          agreement_.Agree(session.job, session.rank, session.world_size, steps,
+                                           agree_timeout_));
+    if (!agreed) return result;  // no rank has anything to restore: a fresh start
+    step = *agreed;
   } else if (!std::binary_search(steps.begin(), steps.end(), *step)) {
-    return absl::NotFoundError(
-        fmt::format("job {} has no committed checkpoint at step {}", session.job, *step));
+    return absl::NotFoundError(fmt::format(
+        "job {} has no committed checkpoint at step {} for rank {} on this node", session.job,
+        *step, session.rank));
   }
-  Checkpointer::Pin pin(&checkpointer_, session.job, *step);
+  persist::RetentionKeeper::Pin pin(retention_, session.job, *step);
   CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, *step));
   if (manifest.world_size != session.world_size) {
     return absl::FailedPreconditionError(fmt::format(
@@ -78,7 +82,7 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
   result.found = true;
   result.step = *step;
   auto started = std::chrono::steady_clock::now();
-  if (StagedSnapshotPtr hot = checkpointer_.FindHot(session.job, session.rank, *step)) {
+  if (StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, *step)) {
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, *hot, result));
   } else {
@@ -90,6 +94,20 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
             result.bytes, result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;
+}
+
+absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& session) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> committed, store_.ListSteps(session.job));
+  std::vector<uint64_t> available;
+  for (uint64_t step : committed) {
+    // In a group each node holds only its own ranks' shards of a step.
+    if (hot_.Find(session.job, session.rank, step) ||
+        store_.fs().Exists(store_.StepDir(session.job, step) + "/" +
+                           persist::ShardFileName(session.rank))) {
+      available.push_back(step);
+    }
+  }
+  return available;
 }
 
 absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapshot& snap,

@@ -1,9 +1,11 @@
 // Restores a session's registered buffers from the latest (or a given) committed
 // checkpoint of its job: from the daemon's memory when that snapshot is still there (hot),
 // else from the rank's shard on disk, every tensor checked against its manifest checksum.
-// Same topology only: the checkpoint's world size must match the session's.
+// "Latest" is agreed by all ranks of the job (restore/step_agreement.h), so every rank
+// gets the same step. Same topology only: the checkpoint's world size must match.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -13,8 +15,10 @@
 #include "absl/status/statusor.h"
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"
-#include "daemon/checkpointer.h"
 #include "daemon/persist/checkpoint_store.h"
+#include "daemon/persist/retention_keeper.h"
+#include "daemon/restore/step_agreement.h"
+#include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "shm/payload.h"
 
@@ -34,10 +38,13 @@ class Restorer {
  public:
   // GPU tensors are restored through `device_engine` (from memory directly; from disk via a
   // bounce block of `pool`).
-  Restorer(persist::CheckpointStore& store, Checkpointer& checkpointer, cuda::CopyEngine& engine,
-           cuda::CopyPriority* priority = nullptr,
+  // Ranks wait up to `agree_timeout` for each other when restoring the latest step.
+  Restorer(persist::CheckpointStore& store, HotCache& hot, persist::RetentionKeeper& retention,
+           StepAgreement& agreement, std::chrono::milliseconds agree_timeout,
+           cuda::CopyEngine& engine, cuda::CopyPriority* priority = nullptr,
            std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr)
-      : store_(store), checkpointer_(checkpointer), engine_(engine), priority_(priority),
+      : store_(store), hot_(hot), retention_(retention), agreement_(agreement),
+        agree_timeout_(agree_timeout), engine_(engine), priority_(priority),
         device_engines_(std::move(device_engines)), pool_(pool) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, std::optional<uint64_t> step);
@@ -48,8 +55,14 @@ class Restorer {
   absl::Status FromDisk(const SessionView& session, const persist::Manifest& manifest,
                         RestoreResult& result);
 
+  // Committed steps this rank can restore here: hot, or its shard file on this node's disk.
+  absl::StatusOr<std::vector<uint64_t>> Available(const SessionView& session);
+
   persist::CheckpointStore& store_;
-  Checkpointer& checkpointer_;
+  HotCache& hot_;
+  persist::RetentionKeeper& retention_;
+  StepAgreement& agreement_;
+  const std::chrono::milliseconds agree_timeout_;
   cuda::CopyEngine& engine_;
   cuda::CopyPriority* priority_;  // may be null; outlives the restorer
   std::vector<cuda::CopyEngine*> device_engines_;  // by device ordinal

@@ -14,17 +14,32 @@
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/device.h"
 #include "cuda/staging_pool.h"
-#include "daemon/checkpointer.h"
+#include "daemon/commit/group_committer.h"
+#include "daemon/commit/single_node_committer.h"
 #include "daemon/control/admin_service.h"
 #include "daemon/control/status_board.h"
 #include "daemon/control/trainer_service.h"
 #include "daemon/control/unix_listener.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/group_client.h"
+#include "daemon/group/group_member.h"
+#include "daemon/group/group_server.h"
 #include "daemon/persist/checkpoint_store.h"
+#include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
+#include "daemon/persist/write_queue.h"
+#include "daemon/restore/step_agreement.h"
 #include "daemon/restorer.h"
 #include "daemon/session/session_registry.h"
+#include "daemon/staging/hot_cache.h"
+#include "daemon/staging/progress_signal.h"
 #include "daemon/staging/stager.h"
 #include "shm/sweep.h"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <random>
 
 namespace ckpt::daemon {
 
@@ -43,7 +58,17 @@ struct Server::Parts {
   std::unique_ptr<cuda::IpcMemoryCache> gpu_memory;
   cuda::CopyPriority copy_priority;
   persist::ShardWriterPtr writer;
-  std::unique_ptr<Checkpointer> checkpointer;
+  ProgressSignal progress;
+  std::unique_ptr<HotCache> hot;
+  std::unique_ptr<persist::RetentionKeeper> retention;
+  group::GroupOptions group_options;
+  group::DecisionLogPtr decision_log;
+  group::GroupServerPtr group_server;
+  group::GroupClientPtr group_client;
+  std::unique_ptr<commit::Committer> committer;
+  std::unique_ptr<persist::WriteQueue> writes;
+  std::unique_ptr<group::GroupMember> group_member;
+  StepAgreementPtr agreement;
   std::unique_ptr<Stager> stager;
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
@@ -53,6 +78,131 @@ struct Server::Parts {
   std::unique_ptr<UnixListener> listener;
   bool shut_down = false;
 };
+
+namespace {
+
+absl::StatusOr<std::string> ReadSecretFile(const std::string& path, const char* flag) {
+  auto fs = MakePosixFilesystem();
+  auto text = ReadSmallFile(*fs, path);
+  if (!text.ok()) return Annotate(text.status(), flag);
+  return *text;
+}
+
+// Test-only fault: the coordinator exits right after recording a commit decision, before
+// anyone hears it (tests/integration/group_test.cc kills it "between decision and rename").
+class ExitAfterRecord : public group::DecisionLog {
+ public:
+  explicit ExitAfterRecord(group::DecisionLogPtr inner) : inner_(std::move(inner)) {}
+  absl::Status RecordCommit(const std::string& job, uint64_t step,
+                            const std::string& manifest_json) override {
+    absl::Status s = inner_->RecordCommit(job, step, manifest_json);
+    if (s.ok()) {
+      log::Get(log::Component::kGroup)
+          .warn("[{} s{}] CKPTD_FAULT=exit-after-commit-record: exiting", job, step);
+      spdlog::shutdown();
+      ::_exit(99);
+    }
+    return s;
+  }
+  absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
+                                                        uint64_t step) override {
+    return inner_->FindCommit(job, step);
+  }
+
+ private:
+  group::DecisionLogPtr inner_;
+};
+
+// The group's server (every node), coordinator role on node 0, and the client to it.
+absl::Status StartGroup(Server::Parts& p) {
+  const Config& c = p.config;
+  auto& log = log::Get(log::Component::kGroup);
+  group::GroupOptions& o = p.group_options;
+  o.node_rank = c.node_rank;
+  o.num_nodes = c.num_nodes;
+  o.coordinator = c.coordinator;
+  o.listen_addr = !c.group_addr.empty() ? c.group_addr
+                  : c.node_rank == 0    ? c.coordinator
+                                        : "0.0.0.0:0";
+  o.group_timeout = std::chrono::milliseconds(c.group_timeout_ms);
+  o.step_timeout = std::chrono::milliseconds(c.step_timeout_ms);
+  CKPT_ASSIGN_OR_RETURN(o.token, ReadSecretFile(c.group_token_file, "--group-token-file"));
+  while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) o.token.pop_back();
+  if (o.token.size() < 16) {
+    return absl::InvalidArgumentError(
+        "--group-token-file must hold a token of at least 16 characters (e.g. openssl rand -hex 32)");
+  }
+  if (!c.group_tls_cert.empty()) {
+    CKPT_ASSIGN_OR_RETURN(o.tls_cert_pem, ReadSecretFile(c.group_tls_cert, "--group-tls-cert"));
+    CKPT_ASSIGN_OR_RETURN(o.tls_key_pem, ReadSecretFile(c.group_tls_key, "--group-tls-key"));
+    CKPT_ASSIGN_OR_RETURN(o.tls_ca_pem, ReadSecretFile(c.group_tls_ca, "--group-tls-ca"));
+  } else {
+    log.warn("group traffic is not encrypted (no --group-tls-*): acceptable only on a private, "
+             "trusted network; calls are still authenticated by the token");
+  }
+  uint64_t incarnation = 0;
+  std::random_device random;
+  while (incarnation == 0) incarnation = (uint64_t{random()} << 32) | random();
+  if (o.coordinator_role()) {
+    p.decision_log = group::MakeFileDecisionLog(p.fs, c.root + "/.group/decisions");
+    if (const char* fault = std::getenv("CKPTD_FAULT");
+        fault != nullptr && std::string(fault) == "exit-after-commit-record") {
+      p.decision_log = std::make_unique<ExitAfterRecord>(std::move(p.decision_log));
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(p.group_server,
+                        group::StartGroupServer(o, incarnation, p.decision_log.get()));
+  log.info("group server listening on {} (node {} of {}{})", p.group_server->address(),
+           c.node_rank, c.num_nodes, o.coordinator_role() ? ", coordinator" : "");
+  // Node 0 talks to its own coordinator like every other node (one code path), at the
+  // address it really bound (the port may have been 0).
+  if (o.coordinator_role()) o.coordinator = p.group_server->address();
+  CKPT_ASSIGN_OR_RETURN(p.group_client,
+                        group::MakeGrpcGroupClient(o, incarnation, p.group_server->address()));
+  return absl::OkStatus();
+}
+
+const char* MemberState(group::MemberState s) { return group::MemberStateName(s); }
+
+void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
+  ::ckptd::v1::GroupStatus* g = reply->mutable_group();
+  g->set_enabled(true);
+  g->set_node_rank(p.config.node_rank);
+  g->set_num_nodes(p.config.num_nodes);
+  g->set_coordinator(p.group_options.coordinator);
+  g->set_address(p.group_server ? p.group_server->address() : "");
+  g->set_tls(p.group_options.tls());
+  if (!p.group_member) return;
+  group::GroupMember::State state = p.group_member->state();
+  g->set_joined(state.joined);
+  g->set_last_error(state.last_error);
+  g->set_last_contact_age_s(state.last_ok_age_s);
+  for (const group::MemberView& m : state.view.members) {
+    ::ckptd::v1::GroupMember* out = g->add_members();
+    out->set_node_rank(m.node);
+    out->set_address(m.address);
+    out->set_state(MemberState(m.state));
+    out->set_last_heartbeat_age_s(m.last_heartbeat_age_s);
+  }
+  for (auto& job : *reply->mutable_jobs()) {
+    if (auto it = state.view.committed.find(job.job()); it != state.view.committed.end()) {
+      job.set_has_global(true);
+      job.set_latest_global_step(it->second);
+    }
+    for (const group::StepProgress& s : state.view.steps) {
+      if (s.job != job.job()) continue;
+      ::ckptd::v1::StepInFlight* step = job.add_in_flight();
+      step->set_step(s.step);
+      step->set_world_size(s.world_size);
+      for (uint32_t r : s.missing_ranks) step->add_missing_ranks(r);
+      step->set_age_s(s.age_s);
+      step->set_state("prepared");
+      step->set_scope("group");
+    }
+  }
+}
+
+}  // namespace
 
 Server::Server(std::unique_ptr<Parts> parts) : parts_(std::move(parts)) {}
 
@@ -67,8 +217,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->fs = MakePosixFilesystem();
   CKPT_RETURN_IF_ERROR(Annotate(p->fs->MakeDir(config.root), "--root"));
   p->store = std::make_unique<persist::CheckpointStore>(p->fs, config.root);
-  CKPT_ASSIGN_OR_RETURN(int stale, p->store->RemoveStaleTemp());
-  if (stale > 0) log.info("removed {} unfinished step directories left by an earlier run", stale);
+  const bool grouped = config.num_nodes > 1;
+  std::vector<std::pair<std::string, uint64_t>> in_doubt;
+  if (grouped) {
+    // Unfinished steps may have been committed by the group meanwhile: ask, don't remove.
+    CKPT_ASSIGN_OR_RETURN(in_doubt, p->store->ListTempSteps());
+  }
+  CKPT_ASSIGN_OR_RETURN(int stale, p->store->RemoveStaleTemp(/*keep_step_tmp=*/grouped));
+  if (stale > 0) log.info("removed {} unfinished directories left by an earlier run", stale);
   if (int swept = shm::RemoveStaleSegments("ckptd-ctl."); swept > 0) {
     log.info("removed {} stale control segments", swept);
   }
@@ -109,20 +265,54 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->writer = persist::MakeLocalFsShardWriter(p->fs, [priority = &p->copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));
   });
-  Checkpointer::Options options;
-  options.retention = {config.keep_last, config.keep_every};
-  options.io_threads = config.io_threads;
-  p->checkpointer = std::make_unique<Checkpointer>(*p->store, *p->writer, p->board, options);
+  p->hot = std::make_unique<HotCache>(p->progress);
+  p->retention = std::make_unique<persist::RetentionKeeper>(
+      *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
+      [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
+      [board = &p->board](const std::string& message) { board->RecordError(message); });
+  commit::CommitHooks hooks;
+  hooks.committed = [parts = p.get()](const persist::Manifest& manifest,
+                                      const std::vector<StagedSnapshotPtr>& local) {
+    parts->board.checkpoints_committed++;
+    parts->hot->Insert(local);
+    parts->retention->Schedule(manifest.job);
+  };
+  hooks.failed = [board = &p->board](const std::string& job, uint64_t step, const std::string& m) {
+    board->checkpoints_failed++;
+    board->RecordError(fmt::format("[{} s{}] {}", job, step, m));
+  };
+  hooks.progress = [progress = &p->progress] { progress->Notify(); };
+  commit::CommitOptions commit_options{std::chrono::milliseconds(config.step_timeout_ms)};
+  if (grouped) {
+    CKPT_RETURN_IF_ERROR(StartGroup(*p));
+    auto committer = std::make_unique<commit::GroupCommitter>(
+        *p->store, hooks, commit_options, *p->group_client, config.node_rank);
+    committer->AdoptInDoubt(in_doubt);
+    p->committer = std::move(committer);
+    p->agreement = MakeGroupStepAgreement(*p->group_client);
+  } else {
+    p->committer = std::make_unique<commit::SingleNodeCommitter>(*p->store, hooks, commit_options);
+    p->agreement = MakeLocalStepAgreement();
+  }
+  p->writes = std::make_unique<persist::WriteQueue>(
+      *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads},
+      [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });
+  if (grouped) {
+    p->group_member = std::make_unique<group::GroupMember>(p->group_options, *p->group_client,
+                                                           [] {});
+  }
   std::vector<cuda::CopyEngine*> device_engines;
   for (const auto& e : p->device_engines) device_engines.push_back(e.get());
   Stager::Options staging;
   staging.when_busy = config.when_busy;
   staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
   staging.chunk_bytes = config.staging_chunk_bytes;
-  p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->checkpointer, staging,
+  p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->hot, p->progress, staging,
                                        &p->copy_priority, device_engines);
-  p->restorer = std::make_unique<Restorer>(*p->store, *p->checkpointer, *p->engine,
-                                           &p->copy_priority, device_engines, p->pool.get());
+  p->restorer = std::make_unique<Restorer>(
+      *p->store, *p->hot, *p->retention, *p->agreement,
+      std::chrono::milliseconds(config.restore_timeout_ms), *p->engine, &p->copy_priority,
+      device_engines, p->pool.get());
 
   Session::Limits limits;
   limits.staging_bytes = p->pool->capacity();
@@ -130,10 +320,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.no_gpu_reason = no_gpu_reason;
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
-  p->trainer_service = std::make_unique<TrainerService>(p->sessions, *p->stager, *p->checkpointer,
-                                                        *p->restorer, p->board, limits);
-  p->admin_service = std::make_unique<AdminService>(p->config, *p->store, *p->checkpointer,
-                                                    p->sessions, *p->pool, p->board);
+  p->trainer_service = std::make_unique<TrainerService>(
+      p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits);
+  AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
+                       *p->writes,   p->sessions, *p->pool,      p->board,
+                       {}};
+  if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
+  p->admin_service = std::make_unique<AdminService>(p->config, std::move(sources));
 
   CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   grpc::EnableDefaultHealthCheckService(true);
@@ -171,7 +364,12 @@ void Server::Shutdown() {
   log.info("shutting down: finishing in-flight writes (up to {} ms)", p.config.shutdown_timeout_ms);
   p.listener->Stop();
   p.grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  p.checkpointer->Shutdown(std::chrono::milliseconds(p.config.shutdown_timeout_ms));
+  p.writes->Shutdown(std::chrono::milliseconds(p.config.shutdown_timeout_ms));
+  p.committer->Shutdown();
+  p.group_member.reset();
+  if (p.group_server) p.group_server->Shutdown();
+  p.retention->Stop();
+  p.hot->Clear();
   p.sessions.Clear();
   log.info("shut down cleanly");
 }

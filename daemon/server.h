@@ -11,6 +11,8 @@ namespace ckpt::daemon {
 
 class Server {
  public:
+  struct Parts;  // every stage, in dependency order (server.cc)
+
   static absl::StatusOr<std::unique_ptr<Server>> Start(const Config& config);
   ~Server();
 
@@ -19,7 +21,6 @@ class Server {
   void Shutdown();
 
  private:
-  struct Parts;
   explicit Server(std::unique_ptr<Parts> parts);
   std::unique_ptr<Parts> parts_;
 };

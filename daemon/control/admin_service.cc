@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
@@ -36,10 +38,15 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
       out->set_last_committed_step(s->last_committed_step());
       out->set_trainer_alive(s->trainer_alive() && !s->ended());
     }
-    auto view = checkpointer_.View();
+    auto pending = src_.writes.Pending();
+    auto hot = src_.hot.Steps();
+    auto in_flight = src_.committer.InFlight();
+    for (const commit::StepInFlight& f : in_flight) pending[f.job].push_back(f.step);
     CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, store_.ListJobs());
-    for (const auto& [job, v] : view) {
-      if (std::find(jobs.begin(), jobs.end(), job) == jobs.end()) jobs.push_back(job);
+    for (const auto* view : {&pending, &hot}) {
+      for (const auto& [job, v] : *view) {
+        if (std::find(jobs.begin(), jobs.end(), job) == jobs.end()) jobs.push_back(job);
+      }
     }
     for (const std::string& job : jobs) {
       JobStatus* out = reply->add_jobs();
@@ -49,11 +56,26 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
         out->set_has_committed(true);
         out->set_latest_committed_step(steps->back());
       }
-      if (auto it = view.find(job); it != view.end()) {
-        for (uint64_t s : it->second.pending_steps) out->add_pending_steps(s);
-        for (uint64_t s : it->second.hot_steps) out->add_hot_steps(s);
+      if (auto it = pending.find(job); it != pending.end()) {
+        std::sort(it->second.begin(), it->second.end());
+        it->second.erase(std::unique(it->second.begin(), it->second.end()), it->second.end());
+        for (uint64_t s : it->second) out->add_pending_steps(s);
+      }
+      if (auto it = hot.find(job); it != hot.end()) {
+        for (uint64_t s : it->second) out->add_hot_steps(s);
+      }
+      for (const commit::StepInFlight& f : in_flight) {
+        if (f.job != job) continue;
+        ::ckptd::v1::StepInFlight* step = out->add_in_flight();
+        step->set_step(f.step);
+        step->set_world_size(f.world_size);
+        for (uint32_t r : f.missing_ranks) step->add_missing_ranks(r);
+        step->set_age_s(f.age_s);
+        step->set_state(f.state);
+        step->set_scope("node");
       }
     }
+    if (src_.group_status) src_.group_status(reply);
     for (std::string& e : board_.RecentErrors()) reply->add_recent_errors(std::move(e));
     reply->set_snapshots_staged(board_.snapshots_staged);
     reply->set_snapshots_rejected(board_.snapshots_rejected);
@@ -102,7 +124,7 @@ grpc::Status AdminService::Show(grpc::ServerContext*, const CheckpointRef* reque
 grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* request,
                                   VerifyReply* reply) {
   return Guarded("Verify", [&]() -> absl::Status {
-    Checkpointer::Pin pin(&checkpointer_, request->job(), request->step());
+    persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
     CKPT_ASSIGN_OR_RETURN(persist::VerifyReport report,
                           persist::VerifyCheckpoint(store_, request->job(), request->step()));
     reply->set_ok(report.ok());
@@ -119,6 +141,7 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
 grpc::Status AdminService::Delete(grpc::ServerContext*, const CheckpointRef* request, DeleteReply*) {
   return Guarded("Delete", [&]() -> absl::Status {
     CKPT_RETURN_IF_ERROR(store_.Delete(request->job(), request->step()));
+    src_.hot.Drop(request->job(), request->step());
     log::Get(log::Component::kControl)
         .info("[{} s{}] deleted by an operator", request->job(), request->step());
     return absl::OkStatus();

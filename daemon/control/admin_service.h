@@ -5,21 +5,39 @@
 #include <string>
 
 #include "cuda/staging_pool.h"
-#include "daemon/checkpointer.h"
+#include <functional>
+
+#include "daemon/commit/committer.h"
 #include "daemon/config.h"
 #include "daemon/control/status_board.h"
 #include "daemon/persist/checkpoint_store.h"
+#include "daemon/persist/retention_keeper.h"
+#include "daemon/persist/write_queue.h"
+#include "daemon/staging/hot_cache.h"
 #include "daemon/session/session_registry.h"
 #include "proto/admin.grpc.pb.h"
 
 namespace ckpt::daemon {
 
+// What the admin service reads; all outlive it.
+struct AdminSources {
+  persist::CheckpointStore& store;
+  HotCache& hot;
+  persist::RetentionKeeper& retention;
+  commit::Committer& committer;
+  persist::WriteQueue& writes;
+  SessionRegistry& sessions;
+  cuda::StagingPool& pool;
+  StatusBoard& board;
+  // Fills the group section and each job's global view; empty without a group.
+  std::function<void(::ckptd::v1::StatusReply*)> group_status;
+};
+
 class AdminService final : public ::ckptd::v1::Admin::Service {
  public:
-  AdminService(const Config& config, persist::CheckpointStore& store, Checkpointer& checkpointer,
-               SessionRegistry& sessions, cuda::StagingPool& pool, StatusBoard& board)
-      : config_(config), store_(store), checkpointer_(checkpointer), sessions_(sessions),
-        pool_(pool), board_(board), started_(std::chrono::steady_clock::now()) {}
+  AdminService(const Config& config, AdminSources sources)
+      : config_(config), src_(std::move(sources)), store_(src_.store), sessions_(src_.sessions),
+        pool_(src_.pool), board_(src_.board), started_(std::chrono::steady_clock::now()) {}
 
   grpc::Status Status(grpc::ServerContext*, const ::ckptd::v1::StatusRequest*,
                       ::ckptd::v1::StatusReply* reply) override;
@@ -34,8 +52,8 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
 
  private:
   const Config& config_;
+  AdminSources src_;
   persist::CheckpointStore& store_;
-  Checkpointer& checkpointer_;
   SessionRegistry& sessions_;
   cuda::StagingPool& pool_;
   StatusBoard& board_;

@@ -26,8 +26,8 @@ grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterReques
       return session.status();
     }
     SessionPtr s = std::move(*session);
-    if (request->keep_last() != 0) checkpointer_.SetKeepLast(s->job(), request->keep_last());
-    s->Start(stager_, checkpointer_, board_);
+    if (request->keep_last() != 0) retention_.SetKeepLast(s->job(), request->keep_last());
+    s->Start(stager_, persist_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {
       s->Stop();
       return added;

@@ -1,10 +1,11 @@
 // gRPC Trainer service: registration, the RPC snapshot path, waits, restore.
 #pragma once
 
-#include "daemon/checkpointer.h"
 #include "daemon/control/status_board.h"
+#include "daemon/persist/retention_keeper.h"
 #include "daemon/restorer.h"
 #include "daemon/session/session_registry.h"
+#include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.grpc.pb.h"
 
@@ -12,10 +13,11 @@ namespace ckpt::daemon {
 
 class TrainerService final : public ::ckptd::v1::Trainer::Service {
  public:
-  TrainerService(SessionRegistry& sessions, Stager& stager, Checkpointer& checkpointer,
-                 Restorer& restorer, StatusBoard& board, Session::Limits limits)
-      : sessions_(sessions), stager_(stager), checkpointer_(checkpointer), restorer_(restorer),
-        board_(board), limits_(std::move(limits)) {}
+  TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
+                 persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
+                 Session::Limits limits)
+      : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
+        restorer_(restorer), board_(board), limits_(std::move(limits)) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
                         ::ckptd::v1::RegisterReply* reply) override;
@@ -31,7 +33,8 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
  private:
   SessionRegistry& sessions_;
   Stager& stager_;
-  Checkpointer& checkpointer_;
+  SnapshotSink& persist_;
+  persist::RetentionKeeper& retention_;
   Restorer& restorer_;
   StatusBoard& board_;
   const Session::Limits limits_;

@@ -120,13 +120,29 @@ absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   return fs_->RemoveTree(aside);
 }
 
-absl::StatusOr<int> CheckpointStore::RemoveStaleTemp() {
+absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> CheckpointStore::ListTempSteps() {
+  std::vector<std::pair<std::string, uint64_t>> found;
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, ListJobs());
+  for (const std::string& job : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
+    for (const std::string& name : names) {
+      uint64_t step;
+      if (EndsWith(name, ".tmp") && ParseStepDirName(name.substr(0, name.size() - 4), &step)) {
+        found.emplace_back(job, step);
+      }
+    }
+  }
+  return found;
+}
+
+absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
   int removed = 0;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, ListJobs());
   for (const std::string& job : jobs) {
     CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
     for (const std::string& name : names) {
-      if (name.compare(0, 5, "step-") == 0 && (EndsWith(name, ".tmp") || EndsWith(name, ".deleting"))) {
+      if (name.compare(0, 5, "step-") == 0 &&
+          ((EndsWith(name, ".tmp") && !keep_step_tmp) || EndsWith(name, ".deleting"))) {
         CKPT_RETURN_IF_ERROR(fs_->RemoveTree(JobDir(job) + "/" + name));
         ++removed;
       }

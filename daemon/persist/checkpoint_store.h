@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -40,8 +41,12 @@ class CheckpointStore {
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
   // directory that still looks committed.
   absl::Status Delete(const std::string& job, uint64_t step);
-  // Start-up sweep: removes every *.tmp and *.deleting directory. Returns how many.
-  absl::StatusOr<int> RemoveStaleTemp();
+  // Start-up sweep: removes every *.deleting directory and, unless `keep_step_tmp`, every
+  // step-N.tmp (a group keeps those: their outcome is asked of the coordinator). Returns
+  // how many.
+  absl::StatusOr<int> RemoveStaleTemp(bool keep_step_tmp = false);
+  // Unfinished step-N.tmp directories, by job and step.
+  absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
 
  private:
   FilesystemPtr fs_;

@@ -212,9 +212,9 @@ Session::~Session() {
   }
 }
 
-void Session::Start(Stager& stager, Checkpointer& checkpointer, StatusBoard& board) {
-  thread_ = std::thread([this, &stager, &checkpointer, &board] {
-    CommandLoop(stager, checkpointer, board);
+void Session::Start(Stager& stager, SnapshotSink& persist, StatusBoard& board) {
+  thread_ = std::thread([this, &stager, &persist, &board] {
+    CommandLoop(stager, persist, board);
   });
 }
 
@@ -237,7 +237,7 @@ bool Session::PollTrainerAlive() {
   return ::poll(&p, 1, 0) == 0;  // readable once the process has exited
 }
 
-void Session::CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoard& board) {
+void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& board) {
   while (!stop_) {
     consumer_->Heartbeat();
     if (!PollTrainerAlive()) {
@@ -246,13 +246,13 @@ void Session::CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoar
       break;
     }
     std::optional<shm::Command> command = consumer_->Next(std::chrono::milliseconds(100));
-    if (command) HandleSnapshot(std::move(*command), stager, checkpointer, board);
+    if (command) HandleSnapshot(std::move(*command), stager, persist, board);
   }
   consumer_->Close();
   ended_ = true;
 }
 
-void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer& checkpointer,
+void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                              StatusBoard& board) {
   auto reject = [&](shm::TicketStateValue state, const std::string& why) {
     Log().warn("[{}/r{} s{}] snapshot {}: {}", job_, rank_, command.step,
@@ -278,13 +278,14 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, Checkpointer&
   auto submit = [&](const StagedSnapshotPtr& snap) {
     snap->sink = weak_from_this();
     snap->ticket = command.ticket;
+    snap->session_started = started_;
     {
       std::lock_guard lock(ticket_mu_);
       ticket_steps_[command.ticket] = command.step;
       while (ticket_steps_.size() > shm::kTicketSlots) ticket_steps_.erase(ticket_steps_.begin());
     }
     last_staged_step_ = command.step;
-    checkpointer.Submit(snap);
+    persist.Submit(snap);
   };
   absl::StatusOr<StagedSnapshotPtr> staged;
   {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -18,6 +19,7 @@
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
 #include "daemon/control/status_board.h"
+#include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
 #include "shm/command_ring.h"
@@ -41,7 +43,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   ~Session() override;
 
   // Starts the command thread.
-  void Start(Stager& stager, Checkpointer& checkpointer, StatusBoard& board);
+  void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
   // Closes the control block (waking trainer waiters) and joins the command thread.
   void Stop();
 
@@ -77,8 +79,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   Session() = default;
   absl::Status AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,
                             RegisteredTensor& out);
-  void CommandLoop(Stager& stager, Checkpointer& checkpointer, StatusBoard& board);
-  void HandleSnapshot(shm::Command command, Stager& stager, Checkpointer& checkpointer,
+  void CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& board);
+  void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       StatusBoard& board);
   bool PollTrainerAlive();
 
@@ -87,6 +89,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint32_t rank_ = 0;
   uint32_t world_size_ = 0;
   int32_t pid_ = 0;
+  const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   UniqueFd pidfd_;
   std::map<std::string, shm::SegmentPtr> arenas_;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session

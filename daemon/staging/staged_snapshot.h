@@ -2,6 +2,7 @@
 // to write and commit it, and what hot restore reads back.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -42,6 +43,9 @@ struct StagedSnapshot {
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
   double copy_seconds = 0;  // time the copy engine took
   std::weak_ptr<TicketSink> sink;
+  // When the session that took it registered: a snapshot from a session registered after
+  // its step was aborted is a new attempt at that step, not a late rank of the old one.
+  std::chrono::steady_clock::time_point session_started{};
   uint64_t ticket = 0;
 };
 

@@ -29,14 +29,14 @@ absl::StatusOr<cuda::StagingBlockPtr> Stager::Reserve(size_t bytes, const std::s
   while (true) {
     auto block = pool_.Allocate(bytes);
     if (block.ok()) return block;
-    if (checkpointer_.EvictOneHot()) continue;
+    if (hot_.EvictOne()) continue;
     if (options_.when_busy == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
       return absl::ResourceExhaustedError(fmt::format(
           "{} skipped: staging memory busy ({}; earlier snapshots are still being written; "
           "--when-busy={})",
           context, Message(block.status()), options_.when_busy == WhenBusy::kSkip ? "skip" : "wait"));
     }
-    checkpointer_.WaitForProgress(std::chrono::milliseconds(50));
+    progress_.WaitFor(std::chrono::milliseconds(50));
   }
 }
 

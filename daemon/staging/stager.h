@@ -17,8 +17,9 @@
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"
 #include "cuda/staging_pool.h"
-#include "daemon/checkpointer.h"
 #include "daemon/config.h"
+#include "daemon/staging/hot_cache.h"
+#include "daemon/staging/progress_signal.h"
 #include "shm/payload.h"
 
 namespace ckpt::daemon {
@@ -56,10 +57,12 @@ class Stager {
     uint64_t chunk_bytes = 128ull << 20;
   };
 
-  Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, Checkpointer& checkpointer,
-         Options options, cuda::CopyPriority* priority = nullptr,
+  // When the pool is full the stager evicts hot copies from `hot` and waits on `progress`
+  // (under --when-busy=wait) for writes to free memory.
+  Stager(cuda::StagingPool& pool, cuda::CopyEngine& engine, HotCache& hot,
+         ProgressSignal& progress, Options options, cuda::CopyPriority* priority = nullptr,
          std::vector<cuda::CopyEngine*> device_engines = {})
-      : pool_(pool), engine_(engine), checkpointer_(checkpointer), options_(options),
+      : pool_(pool), engine_(engine), hot_(hot), progress_(progress), options_(options),
         priority_(priority), device_engines_(std::move(device_engines)) {}
 
   // Called once the snapshot's staging block is reserved and laid out, before any byte is
@@ -80,7 +83,8 @@ class Stager {
 
   cuda::StagingPool& pool_;
   cuda::CopyEngine& engine_;
-  Checkpointer& checkpointer_;
+  HotCache& hot_;
+  ProgressSignal& progress_;
   const Options options_;
   cuda::CopyPriority* priority_;  // may be null; outlives the stager
   std::vector<cuda::CopyEngine*> device_engines_;  // by device ordinal

@@ -1,5 +1,5 @@
 // The stager copies a session's buffers in chunks, in order, handing the snapshot to the
-// persist stage before the first byte: a real checkpointer writes while it copies, and the
+// persist stage before the first byte: the real write queue writes while it copies, and the
 // committed shard holds exactly the registered bytes. GPU tensors are stood in for by host
 // memory marked as device 0, copied by a recording twin of the device engine.
 #include <catch2/catch.hpp>
@@ -8,8 +8,11 @@
 #include <numeric>
 
 #include "cuda/staging_pool.h"
-#include "daemon/checkpointer.h"
+#include "daemon/commit/single_node_committer.h"
+#include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/verify.h"
+#include "daemon/persist/write_queue.h"
+#include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
@@ -64,12 +67,22 @@ struct Fixture {
   FilesystemPtr fs = MakePosixFilesystem();
   persist::CheckpointStore store{fs, dir.path()};
   persist::ShardWriterPtr writer = persist::MakeLocalFsShardWriter(fs);
-  StatusBoard board;
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(4 << 20, false));
-  Checkpointer checkpointer{store, *writer, board, {}};
+  ProgressSignal progress;
+  HotCache hot{progress};
+  commit::SingleNodeCommitter committer{store, Hooks(), {}};
+  persist::WriteQueue writes{*writer, committer, progress, {2}};
   RecordingEngine engine;  // device 0's engine
   cuda::CopyEnginePtr host_engine = cuda::MakeHostCopyEngine(2);
   std::shared_ptr<LastStateSink> sink = std::make_shared<LastStateSink>();
+
+  commit::CommitHooks Hooks() {
+    commit::CommitHooks hooks;
+    hooks.committed = [this](const persist::Manifest&, const std::vector<StagedSnapshotPtr>& local) {
+      hot.Insert(local);
+    };
+    return hooks;
+  }
 
   // Odd sizes, an empty tensor, and tensors larger than a chunk.
   std::vector<std::vector<char>> buffers;
@@ -94,7 +107,7 @@ struct Fixture {
   absl::StatusOr<StagedSnapshotPtr> Stage(uint64_t step, uint64_t chunk_bytes) {
     Stager::Options options;
     options.chunk_bytes = chunk_bytes;
-    Stager stager(*pool, *host_engine, checkpointer, options, nullptr, {&engine});
+    Stager stager(*pool, *host_engine, hot, progress, options, nullptr, {&engine});
     SessionView view{"job", 0, 1, &tensors, nullptr};
     shm::SnapshotPayload payload;
     payload.train_state.push_back({"step", std::string(8, '\x07')});
@@ -102,7 +115,7 @@ struct Fixture {
       CHECK(snap->shard.landed == &snap->landed);
       snap->sink = sink;
       snap->ticket = 1;
-      checkpointer.Submit(snap);
+      writes.Submit(snap);
     });
   }
 };
@@ -160,7 +173,7 @@ TEST_CASE("host tensors are copied as one job: the writer could not overlap them
   for (RegisteredTensor& t : f.tensors) t.on_device = false;
   Stager::Options options;
   options.chunk_bytes = 16384;
-  Stager stager(*f.pool, f.engine, f.checkpointer, options);
+  Stager stager(*f.pool, f.engine, f.hot, f.progress, options);
   SessionView view{"job", 0, 1, &f.tensors, nullptr};
   auto staged = stager.Stage(view, 40, {});
   REQUIRE(staged.ok());

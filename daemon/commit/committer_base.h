@@ -1,0 +1,77 @@
+// What both committers share: the table of this node's undecided steps (which ranks
+// arrived, which are durable, whose tickets wait), creating each step's .tmp directory
+// once, refusing late ranks of an attempt that already ended, and ending a step (tickets,
+// hooks, staging memory, the .tmp directory). Subclasses decide when a step commits.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/commit/committer.h"
+#include "daemon/commit/manifest_builder.h"
+#include "daemon/persist/checkpoint_store.h"
+
+namespace ckpt::daemon::commit {
+
+class CommitterBase : public Committer {
+ public:
+  CommitterBase(persist::CheckpointStore& store, CommitHooks hooks, CommitOptions options);
+
+  absl::Status Arrived(const StagedSnapshotPtr& snapshot) override;
+  absl::StatusOr<std::string> StepDirectory(const StagedSnapshotPtr& snapshot) override;
+  void Failed(const StagedSnapshotPtr& snapshot, const std::string& error) override;
+  std::vector<StepInFlight> InFlight() const override;
+
+ protected:
+  using Clock = std::chrono::steady_clock;
+  using Key = std::pair<std::string, uint64_t>;
+
+  struct Step {
+    uint32_t world_size = 0;
+    Clock::time_point started;
+    std::shared_future<absl::Status> dir;  // the .tmp directory exists (valid once begun)
+    std::set<uint32_t> arrived;
+    DurableShards durable;
+    std::vector<StagedSnapshotPtr> waiting;  // tickets to tell once decided
+    std::string state = "writing";
+  };
+
+  // Ends `key` as committed: the hot cache gets this node's snapshots, then the tickets
+  // hear "committed". No-op when the step is not in the table.
+  void FinishCommitted(const Key& key, const persist::Manifest& manifest);
+  // Ends `key` as failed: tickets hear `message`, staging memory is released, the .tmp
+  // directory is removed (unless `keep_tmp`: its outcome is not known yet). Later ranks of
+  // this attempt are refused with `message`.
+  void FinishAborted(const Key& key, const std::string& message, bool keep_tmp = false);
+  // Called when a rank of `key` failed to write (the base has marked nothing yet).
+  virtual void OnLocalFailure(const Key& key, const std::string& message);
+  // Extra refusals before a step's directory is created (group: a step in doubt).
+  virtual absl::Status CheckStepAllowed(const Key& key) { return absl::OkStatus(); }
+  // `world_size` minus the ranks in `have`: "1, 3" (at most 16 named).
+  static std::string MissingRanks(uint32_t world_size, const std::set<uint32_t>& have);
+  static std::set<uint32_t> Ranks(const DurableShards& shards);
+
+  persist::CheckpointStore& store_;
+  const CommitHooks hooks_;
+  const CommitOptions options_;
+
+  mutable std::mutex mu_;
+  std::map<Key, Step> steps_;
+
+ private:
+  struct Ended {
+    Clock::time_point when;
+    std::string why;
+  };
+  void ForgetOldEndedLocked(Clock::time_point now);
+  std::map<Key, Ended> ended_;  // aborted attempts, to refuse their late ranks
+};
+
+}  // namespace ckpt::daemon::commit

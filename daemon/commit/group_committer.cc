@@ -1,0 +1,271 @@
+#include "daemon/commit/group_committer.h"
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+namespace ckpt::daemon::commit {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
+
+// One outcome long poll; the loop re-checks shutdown and unsent prepares between polls.
+constexpr std::chrono::milliseconds kOutcomePoll{2000};
+// Back-off while the coordinator is unreachable.
+constexpr std::chrono::milliseconds kRetryPause{250};
+
+}  // namespace
+
+GroupCommitter::GroupCommitter(persist::CheckpointStore& store, CommitHooks hooks,
+                               CommitOptions options, group::GroupClient& client,
+                               uint32_t node_rank)
+    : CommitterBase(store, std::move(hooks), options), client_(client), node_rank_(node_rank) {}
+
+GroupCommitter::~GroupCommitter() { Shutdown(); }
+
+void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) {
+  const Key key{snapshot->job, snapshot->step};
+  {
+    std::lock_guard lock(mu_);
+    auto it = steps_.find(key);
+    if (it == steps_.end()) return;  // the step already ended and its tickets were told
+    it->second.durable[snapshot->rank] = {snapshot, std::move(shard)};
+    it->second.state = "prepared";
+    Watch& w = watches_[key];
+    if (w.since == Clock::time_point{}) w.since = Clock::now();
+    w.unsent.insert(snapshot->rank);
+  }
+  // Prepared from the I/O thread at once: one round trip, so the commit follows the last
+  // rank's fsync without waiting for a poll.
+  SendPrepare(key, {snapshot->rank});
+  std::lock_guard lock(mu_);
+  if (steps_.count(key) || watches_.count(key)) EnsureWatcherLocked(key);
+}
+
+bool GroupCommitter::SendPrepare(const Key& key, const std::set<uint32_t>& ranks) {
+  absl::StatusOr<persist::Manifest> part;
+  {
+    std::lock_guard lock(mu_);
+    auto it = steps_.find(key);
+    if (it == steps_.end()) return false;
+    DurableShards chosen;
+    for (uint32_t r : ranks) {
+      if (auto d = it->second.durable.find(r); d != it->second.durable.end()) chosen.insert(*d);
+    }
+    if (chosen.empty()) return false;
+    part = BuildManifest(key.first, key.second, it->second.world_size, chosen);
+  }
+  if (!part.ok()) {
+    OnLocalFailure(key, Message(part.status()));
+    return false;
+  }
+  auto reply = client_.Prepare(*part);
+  if (!reply.ok()) {
+    Log().warn("[{} s{}] prepare of ranks {} not delivered (will retry): {}", key.first,
+               key.second, ranks.size(), Message(reply.status()));
+    return false;
+  }
+  {
+    std::lock_guard lock(mu_);
+    if (auto w = watches_.find(key); w != watches_.end()) {
+      for (uint32_t r : ranks) w->second.unsent.erase(r);
+      w->second.acknowledged = true;
+    }
+  }
+  if (reply->outcome == group::Outcome::kCommitted || reply->outcome == group::Outcome::kAborted) {
+    Apply(key, *reply);
+  }
+  return true;
+}
+
+void GroupCommitter::EnsureWatcherLocked(const Key& key) {
+  Watch& w = watches_[key];
+  if (w.since == Clock::time_point{}) w.since = Clock::now();
+  if (stopping_ || !watched_.insert(key).second) return;  // one watcher per step
+  ++watchers_;
+  // Detached, counted: Shutdown waits for the count to reach zero.
+  std::thread([this, key] { WatchLoop(key); }).detach();
+}
+
+void GroupCommitter::WatchLoop(Key key) {
+  while (true) {
+    std::set<uint32_t> unsent;
+    bool acknowledged = false, adopted = false, released = false;
+    Clock::time_point since;
+    {
+      std::unique_lock lock(mu_);
+      if (stopping_) break;
+      auto w = watches_.find(key);
+      if (w == watches_.end()) break;  // decided
+      unsent = w->second.unsent;
+      acknowledged = w->second.acknowledged;
+      adopted = w->second.adopted;
+      released = w->second.released;
+      since = w->second.since;
+    }
+    if (!unsent.empty() && !SendPrepare(key, unsent)) {
+      std::unique_lock lock(mu_);
+      watch_cv_.wait_for(lock, kRetryPause, [&] { return stopping_; });
+    } else {
+      auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll);
+      if (decision.ok()) {
+        bool decided = decision->outcome == group::Outcome::kCommitted ||
+                       decision->outcome == group::Outcome::kAborted ||
+                       // No record while this node's prepare was acknowledged: the
+                       // coordinator restarted before deciding (presumed abort).
+                       (decision->outcome == group::Outcome::kUnknown && (acknowledged || adopted));
+        if (decided) {
+          Apply(key, *decision);
+          continue;
+        }
+      } else {
+        std::unique_lock lock(mu_);
+        watch_cv_.wait_for(lock, kRetryPause, [&] { return stopping_; });
+      }
+    }
+    double waited = std::chrono::duration<double>(Clock::now() - since).count();
+    // The coordinator's own step timeout decides first whenever it can be reached; this
+    // node gives its memory back only when it cannot hear the decision.
+    if (!released && !adopted &&
+        Clock::now() - since > options_.step_timeout + std::chrono::seconds(10)) {
+      ReleaseInDoubt(key, waited);
+    }
+  }
+  std::lock_guard lock(mu_);
+  watched_.erase(key);
+  --watchers_;
+  watch_cv_.notify_all();
+}
+
+void GroupCommitter::ReleaseInDoubt(const Key& key, double waited_s) {
+  {
+    std::lock_guard lock(mu_);
+    auto w = watches_.find(key);
+    if (w == watches_.end()) return;
+    w->second.released = true;
+  }
+  FinishAborted(key,
+                fmt::format("outcome unknown: the coordinator has not decided step {} after {:.0f} "
+                            "s; this node keeps its shards and commits or removes them when it "
+                            "hears the decision",
+                            key.second, waited_s),
+                /*keep_tmp=*/true);
+}
+
+void GroupCommitter::Apply(const Key& key, const group::Decision& decision) {
+  {
+    std::lock_guard lock(mu_);
+    // The I/O thread (prepare reply) and the watcher (outcome poll) may both hear it.
+    if (applying_.count(key) || (!watches_.count(key) && !steps_.count(key))) return;
+    applying_.insert(key);
+    watches_.erase(key);
+  }
+  struct Done {
+    GroupCommitter* self;
+    Key key;
+    ~Done() {
+      std::lock_guard lock(self->mu_);
+      self->applying_.erase(key);
+    }
+  } done{this, key};
+  if (decision.outcome != group::Outcome::kCommitted) {
+    std::string why = decision.reason.empty() ? "aborted by the coordinator" : decision.reason;
+    if (why.rfind("aborted", 0) != 0) why = "aborted: " + why;
+    FinishAborted(key, why);
+    (void)store_.AbortStep(key.first, key.second);  // also when the step was in doubt
+    return;
+  }
+  auto manifest = persist::ParseManifest(decision.manifest_json, "the coordinator's decision");
+  absl::Status published = manifest.status();
+  if (manifest.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
+    published = store_.Commit(*manifest);
+  }
+  if (!published.ok()) {
+    FinishAborted(key,
+                  fmt::format("step {} committed globally, but this node could not publish its "
+                              "part: {}",
+                              key.second, Message(published)),
+                  /*keep_tmp=*/true);
+    return;
+  }
+  FinishCommitted(key, *manifest);
+  Log().info("[{} s{}] committed (global decision applied on node {})", key.first, key.second,
+             node_rank_);
+}
+
+void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) {
+  std::string why = fmt::format("node {}: {}", node_rank_, message);
+  if (absl::Status told = client_.Abort(key.first, key.second, why); !told.ok()) {
+    Log().warn("[{} s{}] could not tell the coordinator about the failure: {}", key.first,
+               key.second, Message(told));
+  }
+  {
+    std::lock_guard lock(mu_);
+    watches_.erase(key);
+  }
+  FinishAborted(key, message);
+}
+
+absl::Status GroupCommitter::CheckStepAllowed(const Key& key) {
+  std::lock_guard lock(mu_);
+  auto w = watches_.find(key);
+  if (w != watches_.end() && (w->second.adopted || w->second.released)) {
+    return absl::FailedPreconditionError(fmt::format(
+        "step {} of job {} is in doubt: this node holds it from before and has not yet heard the "
+        "coordinator's decision",
+        key.second, key.first));
+  }
+  return absl::OkStatus();
+}
+
+void GroupCommitter::AdoptInDoubt(const std::vector<std::pair<std::string, uint64_t>>& steps) {
+  std::lock_guard lock(mu_);
+  for (const auto& key : steps) {
+    Watch& w = watches_[key];
+    w.adopted = true;
+    w.since = Clock::now();
+    Log().info("[{} s{}] found in .tmp at start-up: asking the coordinator for its outcome",
+               key.first, key.second);
+    EnsureWatcherLocked(key);
+  }
+}
+
+std::vector<StepInFlight> GroupCommitter::InFlight() const {
+  std::vector<StepInFlight> out = CommitterBase::InFlight();
+  auto now = Clock::now();
+  std::lock_guard lock(mu_);
+  for (const auto& [key, w] : watches_) {
+    if (!w.adopted && !w.released) continue;
+    out.push_back({key.first, key.second, 0, {},
+                   std::chrono::duration<double>(now - w.since).count(), "in doubt"});
+  }
+  return out;
+}
+
+void GroupCommitter::Shutdown() {
+  {
+    std::unique_lock lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    watch_cv_.notify_all();
+    // A watcher in a long poll returns within kOutcomePoll plus the RPC deadline.
+    watch_cv_.wait(lock, [this] { return watchers_ == 0; });
+  }
+  std::vector<std::pair<Key, bool>> unfinished;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [key, step] : steps_) {
+      auto w = watches_.find(key);
+      unfinished.emplace_back(key, w != watches_.end() && w->second.acknowledged);
+    }
+  }
+  for (const auto& [key, prepared] : unfinished) {
+    // A prepared step may be committed by the others: its .tmp stays for the next start.
+    FinishAborted(key,
+                  fmt::format("ckptd shut down before step {} was decided", key.second),
+                  /*keep_tmp=*/prepared);
+  }
+}
+
+}  // namespace ckpt::daemon::commit

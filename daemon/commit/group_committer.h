@@ -1,0 +1,68 @@
+// Ranks of a job run on several nodes: each node prepares its durable ranks with the
+// coordinator (two-phase commit, daemon/group/), and renames step-N.tmp only once the
+// coordinator has recorded "committed"; the tickets hear the global decision, never a
+// local one. A step whose outcome this node cannot learn (the coordinator is unreachable)
+// stays "in doubt": its .tmp is kept and asked about until answered, its staging memory
+// released after the step timeout. Steps found in .tmp at start-up are in doubt too.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "daemon/commit/committer_base.h"
+#include "daemon/group/group_client.h"
+
+namespace ckpt::daemon::commit {
+
+class GroupCommitter : public CommitterBase {
+ public:
+  GroupCommitter(persist::CheckpointStore& store, CommitHooks hooks, CommitOptions options,
+                 group::GroupClient& client, uint32_t node_rank);
+  ~GroupCommitter() override;
+
+  void Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) override;
+  std::vector<StepInFlight> InFlight() const override;
+  void Shutdown() override;
+
+  // Steps this node holds in step-N.tmp from an earlier run: their outcome is asked of the
+  // coordinator, then they are renamed or removed.
+  void AdoptInDoubt(const std::vector<std::pair<std::string, uint64_t>>& steps);
+
+ protected:
+  void OnLocalFailure(const Key& key, const std::string& message) override;
+  absl::Status CheckStepAllowed(const Key& key) override;
+
+ private:
+  struct Watch {
+    std::set<uint32_t> unsent;   // durable ranks whose prepare was not acknowledged
+    bool acknowledged = false;   // the coordinator has seen a prepare of this node
+    Clock::time_point since;     // first prepare (or adoption)
+    bool released = false;       // tickets told "in doubt", memory released
+    bool adopted = false;        // found on disk at start-up: no snapshots here
+  };
+
+  // Sends prepares for `ranks` of `key`; true when acknowledged. Applies a decision that
+  // comes back with the reply.
+  bool SendPrepare(const Key& key, const std::set<uint32_t>& ranks);
+  void EnsureWatcherLocked(const Key& key);
+  void WatchLoop(Key key);
+  // Renames (committed) or removes (aborted, unknown) the step on disk and ends it.
+  void Apply(const Key& key, const group::Decision& decision);
+  void ReleaseInDoubt(const Key& key, double waited_s);
+
+  group::GroupClient& client_;
+  const uint32_t node_rank_;
+  std::map<Key, Watch> watches_;  // guarded by mu_
+  std::condition_variable watch_cv_;
+  bool stopping_ = false;  // guarded by mu_
+  std::set<Key> applying_;  // decisions being applied; guarded by mu_
+  std::set<Key> watched_;  // steps with a watcher thread; guarded by mu_
+  int watchers_ = 0;        // running watcher threads; guarded by mu_
+};
+
+}  // namespace ckpt::daemon::commit

@@ -1,0 +1,111 @@
+#include "daemon/commit/single_node_committer.h"
+
+#include <fmt/format.h>
+
+#include "common/log.h"
+#include "common/status.h"
+
+namespace ckpt::daemon::commit {
+
+SingleNodeCommitter::SingleNodeCommitter(persist::CheckpointStore& store, CommitHooks hooks,
+                                         CommitOptions options)
+    : CommitterBase(store, std::move(hooks), options) {
+  timeouts_ = std::thread([this] { TimeoutLoop(); });
+}
+
+SingleNodeCommitter::~SingleNodeCommitter() { Shutdown(); }
+
+void SingleNodeCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) {
+  const Key key{snapshot->job, snapshot->step};
+  bool complete = false;
+  {
+    std::lock_guard lock(mu_);
+    auto it = steps_.find(key);
+    if (it == steps_.end()) return;  // the step already ended and its tickets were told
+    Step& step = it->second;
+    step.durable[snapshot->rank] = {snapshot, std::move(shard)};
+    complete = step.durable.size() == step.world_size;
+  }
+  if (complete) Commit(key);
+}
+
+void SingleNodeCommitter::Commit(const Key& key) {
+  absl::StatusOr<persist::Manifest> manifest;
+  {
+    std::lock_guard lock(mu_);
+    auto it = steps_.find(key);
+    if (it == steps_.end()) return;
+    manifest = BuildManifest(key.first, key.second, it->second.world_size, it->second.durable);
+  }
+  absl::Status committed = manifest.ok() ? store_.Commit(*manifest) : manifest.status();
+  if (!committed.ok()) {
+    FinishAborted(key, fmt::format("commit of step {} failed: {}", key.second, Message(committed)));
+    return;
+  }
+  FinishCommitted(key, *manifest);
+  AbandonOlder(key);
+}
+
+void SingleNodeCommitter::AbandonOlder(const Key& committed) {
+  std::vector<std::pair<Key, uint32_t>> abandoned;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [key, step] : steps_) {
+      // Older steps whose arrived ranks are all written can never complete now; one with a
+      // rank still queued or being written may: leave it.
+      if (key.first == committed.first && key.second < committed.second &&
+          step.arrived.size() == step.durable.size()) {
+        abandoned.emplace_back(key, step.world_size);
+      }
+    }
+  }
+  for (const auto& [key, world_size] : abandoned) {
+    FinishAborted(key, fmt::format("step {} abandoned: step {} committed before all {} ranks of "
+                                   "step {} arrived",
+                                   key.second, committed.second, world_size, key.second));
+  }
+}
+
+void SingleNodeCommitter::TimeoutLoop() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    stop_cv_.wait_for(lock, std::chrono::milliseconds(200));
+    std::vector<std::pair<Key, std::string>> expired;
+    auto now = Clock::now();
+    for (const auto& [key, step] : steps_) {
+      // A step whose ranks have all arrived is being written: writing has no timeout here.
+      if (now - step.started < options_.step_timeout || step.arrived.size() == step.world_size) {
+        continue;
+      }
+      expired.emplace_back(
+          key, fmt::format("aborted: step {} still missing ranks {} of {} after {:.1f} s "
+                           "(--step-timeout)",
+                           key.second, MissingRanks(step.world_size, step.arrived),
+                           step.world_size, std::chrono::duration<double>(now - step.started).count()));
+    }
+    lock.unlock();
+    for (const auto& [key, why] : expired) FinishAborted(key, why);
+    lock.lock();
+  }
+}
+
+void SingleNodeCommitter::Shutdown() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    stop_cv_.notify_all();
+  }
+  timeouts_.join();
+  std::vector<Key> unfinished;
+  {
+    std::lock_guard lock(mu_);
+    for (const auto& [key, step] : steps_) unfinished.push_back(key);
+  }
+  for (const Key& key : unfinished) {
+    FinishAborted(key, fmt::format("ckptd shut down before all ranks of step {} were written",
+                                   key.second));
+  }
+}
+
+}  // namespace ckpt::daemon::commit

@@ -1,0 +1,373 @@
+#include "daemon/group/group_service.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "common/log.h"
+#include "common/names.h"
+#include "common/status.h"
+#include "daemon/group/grpc_util.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::group {
+namespace {
+
+namespace pb = ckptd::group::v1;
+using Clock = std::chrono::steady_clock;
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
+
+// Bounds on what a request may ask for: a hostile or confused peer cannot make the
+// coordinator hold unbounded memory or time.
+constexpr uint32_t kMaxWorldSize = 1u << 20;
+constexpr uint32_t kMaxParticipants = 1u << 20;
+constexpr size_t kMaxKeyBytes = 512;
+constexpr size_t kMaxPayloadBytes = 1u << 20;
+constexpr size_t kMaxAddressBytes = 256;
+constexpr size_t kMaxReasonBytes = 4096;
+constexpr std::chrono::milliseconds kMaxOutcomeWait{30'000};
+constexpr std::chrono::milliseconds kMaxGatherTimeout{600'000};
+
+// Runs `fn` (returning absl::Status), turning any exception into INTERNAL: nothing may
+// escape into gRPC's threads.
+template <typename Fn>
+grpc::Status Guarded(const char* method, Fn&& fn) {
+  try {
+    return ToGrpc(fn());
+  } catch (const std::exception& e) {
+    Log().error("{}: unexpected exception: {}", method, e.what());
+    return grpc::Status(grpc::StatusCode::INTERNAL, fmt::format("{}: {}", method, e.what()));
+  } catch (...) {
+    Log().error("{}: unexpected exception", method);
+    return grpc::Status(grpc::StatusCode::INTERNAL, fmt::format("{}: unexpected exception", method));
+  }
+}
+
+// A call answered later, by whichever thread decides it (a waiter callback, the ticker,
+// shutdown). Finishes the reactor exactly once and fills the reply only then, so that a
+// late second answer can never touch a reply gRPC has already freed.
+class Completion {
+ public:
+  explicit Completion(grpc::ServerUnaryReactor* reactor) : reactor_(reactor) {}
+
+  void Finish(const char* method, const std::function<absl::Status()>& fill) {
+    if (done_.exchange(true)) return;
+    reactor_->Finish(Guarded(method, fill));
+  }
+
+ private:
+  grpc::ServerUnaryReactor* const reactor_;
+  std::atomic<bool> done_{false};
+};
+
+pb::Outcome ToProto(Outcome outcome) {
+  switch (outcome) {
+    case Outcome::kUnknown: return pb::OUTCOME_UNKNOWN;
+    case Outcome::kPending: return pb::OUTCOME_PENDING;
+    case Outcome::kCommitted: return pb::OUTCOME_COMMITTED;
+    case Outcome::kAborted: return pb::OUTCOME_ABORTED;
+  }
+  return pb::OUTCOME_UNKNOWN;
+}
+
+pb::MemberState ToProto(MemberState state) {
+  switch (state) {
+    case MemberState::kWaiting: return pb::MEMBER_WAITING;
+    case MemberState::kAlive: return pb::MEMBER_ALIVE;
+    case MemberState::kLost: return pb::MEMBER_LOST;
+  }
+  return pb::MEMBER_UNKNOWN;
+}
+
+absl::Status CheckJob(const std::string& job) { return Annotate(ValidateJobName(job), "job"); }
+
+// The part a node prepared must say what its request says.
+absl::Status CheckPartMatches(const pb::PrepareRequest& request, const persist::Manifest& part) {
+  if (part.job != request.job() || part.step != request.step() ||
+      part.world_size != request.world_size()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "manifest_part_json is for job {} step {} world size {}, the request for job {} step {} "
+        "world size {}",
+        part.job, part.step, part.world_size, request.job(), request.step(),
+        request.world_size()));
+  }
+  bool same_ranks = part.shards.size() == static_cast<size_t>(request.ranks_size());
+  for (size_t i = 0; same_ranks && i < part.shards.size(); ++i) {
+    same_ranks = part.shards[i].rank == request.ranks(static_cast<int>(i));
+  }
+  if (!same_ranks) {
+    return absl::InvalidArgumentError("ranks differ from the shards of manifest_part_json");
+  }
+  return absl::OkStatus();
+}
+
+std::string Truncated(const std::string& text, size_t limit) {
+  return text.size() <= limit ? text : text.substr(0, limit) + "...";
+}
+
+}  // namespace
+
+GroupService::GroupService(const GroupOptions& options, uint64_t incarnation,
+                           CoordinatorState* coordinator)
+    : options_(options), incarnation_(incarnation), coordinator_(coordinator) {}
+
+absl::Status GroupService::Admit(grpc::CallbackServerContext* ctx, const char* method, Role role) {
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find(kTokenMetadata);
+  std::string_view given;
+  if (it != metadata.end()) given = std::string_view(it->second.data(), it->second.size());
+  if (!ConstantTimeEquals(given, options_.token)) {
+    WarnRefused(ctx->peer(), method);
+    return absl::UnauthenticatedError("the group token is missing or wrong");
+  }
+  if (role == Role::kCoordinatorOnly && coordinator_ == nullptr) {
+    return absl::FailedPreconditionError(fmt::format(
+        "node {} is not the coordinator (node 0 is)", options_.node_rank));
+  }
+  return absl::OkStatus();
+}
+
+void GroupService::WarnRefused(const std::string& peer, const char* method) {
+  auto now = Clock::now();
+  {
+    std::lock_guard lock(warn_mu_);
+    // Bounded: a scan from many addresses must not grow this map without limit.
+    if (last_warned_.size() > 1024) last_warned_.clear();
+    auto [it, inserted] = last_warned_.try_emplace(peer, now);
+    if (!inserted) {
+      if (now - it->second < std::chrono::seconds(1)) return;
+      it->second = now;
+    }
+  }
+  Log().warn("refused a {} call from {}: the group token is missing or wrong", method, peer);
+}
+
+absl::Status GroupService::CheckNode(const char* field, uint32_t node) const {
+  if (node >= options_.num_nodes) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} {} is not in 0..{}", field, node, options_.num_nodes - 1));
+  }
+  return absl::OkStatus();
+}
+
+void GroupService::FillView(pb::GroupView* view) const {
+  for (const MemberView& m : coordinator_->membership.View()) {
+    pb::Member* member = view->add_members();
+    member->set_node_rank(m.node);
+    member->set_address(m.address);
+    member->set_state(ToProto(m.state));
+    member->set_last_heartbeat_age_s(m.last_heartbeat_age_s);
+    member->set_incarnation(m.incarnation);
+  }
+  for (const StepProgress& s : coordinator_->commits.InFlight()) {
+    pb::StepInFlight* step = view->add_steps();
+    step->set_job(s.job);
+    step->set_step(s.step);
+    step->set_world_size(s.world_size);
+    for (uint32_t r : s.missing_ranks) step->add_missing_ranks(r);
+    step->set_age_s(s.age_s);
+  }
+  for (const auto& [job, step] : coordinator_->commits.LatestCommitted()) {
+    pb::JobCommitted* committed = view->add_committed();
+    committed->set_job(job);
+    committed->set_step(step);
+  }
+}
+
+grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
+                                             const pb::JoinRequest* request, pb::JoinReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("Join", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Join", Role::kCoordinatorOnly));
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
+    if (request->address().size() > kMaxAddressBytes) {
+      return absl::InvalidArgumentError(
+          fmt::format("address is longer than {} bytes", kMaxAddressBytes));
+    }
+    bool restarted = false;
+    CKPT_RETURN_IF_ERROR(coordinator_->membership.Join(request->node_rank(), request->num_nodes(),
+                                                       request->address(),
+                                                       request->incarnation(), &restarted));
+    Log().info("node {} joined from {} (incarnation {:x}{}{})", request->node_rank(),
+               request->address(), request->incarnation(),
+               request->version().empty() ? "" : ", ckptd ",
+               Truncated(request->version(), 64));
+    if (restarted) {
+      // Its trainers' ranks of any undecided step died with the old daemon.
+      std::string why = fmt::format("node {} restarted", request->node_rank());
+      Log().warn("{}: aborting undecided steps", why);
+      coordinator_->commits.AbortIncomplete(why);
+    }
+    FillView(reply->mutable_view());
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::Heartbeat(grpc::CallbackServerContext* ctx,
+                                                  const pb::HeartbeatRequest* request,
+                                                  pb::HeartbeatReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("Heartbeat", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Heartbeat", Role::kCoordinatorOnly));
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
+    CKPT_RETURN_IF_ERROR(
+        coordinator_->membership.Heartbeat(request->node_rank(), request->incarnation()));
+    FillView(reply->mutable_view());
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx,
+                                                const pb::PrepareRequest* request,
+                                                pb::PrepareReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("Prepare", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Prepare", Role::kCoordinatorOnly));
+    uint32_t node = request->node_rank();
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", node));
+    CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    if (request->world_size() == 0 || request->world_size() > kMaxWorldSize) {
+      return absl::InvalidArgumentError(fmt::format("world_size {} is not in 1..{}",
+                                                    request->world_size(), kMaxWorldSize));
+    }
+    if (request->ranks_size() == 0) return absl::InvalidArgumentError("ranks is empty");
+    for (uint32_t rank : request->ranks()) {
+      if (rank >= request->world_size()) {
+        return absl::InvalidArgumentError(
+            fmt::format("ranks: {} is outside world_size {}", rank, request->world_size()));
+      }
+    }
+    // Only a member in good standing may vote: a prepare from an old incarnation (sent
+    // before a restart) or from a node marked lost must not count. Counts as a heartbeat.
+    CKPT_RETURN_IF_ERROR(coordinator_->membership.Heartbeat(node, request->incarnation()));
+    absl::StatusOr<persist::Manifest> part =
+        persist::ParseManifest(request->manifest_part_json(),
+                               fmt::format("prepare from node {}", node),
+                               persist::ManifestScope::kPart);
+    if (!part.ok()) {
+      return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(part.status())));
+    }
+    CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, *part));
+    Decision decision = coordinator_->commits.Prepare(node, *part);
+    reply->set_outcome(ToProto(decision.outcome));
+    reply->set_reason(decision.reason);
+    reply->set_manifest_json(decision.manifest_json);
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
+                                              const pb::AbortRequest* request, pb::AbortReply*) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("Abort", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Abort", Role::kCoordinatorOnly));
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
+    CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    std::string reason = request->reason().empty() ? "no reason given" : request->reason();
+    coordinator_->commits.Abort(
+        request->job(), request->step(),
+        fmt::format("node {}: {}", request->node_rank(), Truncated(reason, kMaxReasonBytes)));
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::GetOutcome(grpc::CallbackServerContext* ctx,
+                                                   const pb::OutcomeRequest* request,
+                                                   pb::OutcomeReply* reply) {
+  // DefaultReactor() constructs the reactor: call it once per call.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto completion = std::make_shared<Completion>(reactor);
+  grpc::Status early = Guarded("GetOutcome", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "GetOutcome", Role::kCoordinatorOnly));
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
+    CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    auto wait = std::min<std::chrono::milliseconds>(
+        std::chrono::milliseconds(request->wait_ms()), kMaxOutcomeWait);
+    if (stop_waiting_) wait = std::chrono::milliseconds(0);
+    // `reply` lives until the reactor finishes, which only the completion does.
+    coordinator_->commits.Await(
+        request->job(), request->step(), Clock::now() + wait,
+        [completion, reply](const Decision& decision) {
+          completion->Finish("GetOutcome", [&]() -> absl::Status {
+            reply->set_outcome(ToProto(decision.outcome));
+            reply->set_reason(decision.reason);
+            reply->set_manifest_json(decision.manifest_json);
+            return absl::OkStatus();
+          });
+        });
+    return absl::OkStatus();
+  });
+  if (!early.ok()) completion->Finish("GetOutcome", [&] { return FromGrpc(early); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
+                                               const pb::GatherRequest* request,
+                                               pb::GatherReply* reply) {
+  // DefaultReactor() constructs the reactor: call it once per call.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto completion = std::make_shared<Completion>(reactor);
+  grpc::Status early = Guarded("Gather", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Gather", Role::kCoordinatorOnly));
+    if (request->key().empty() || request->key().size() > kMaxKeyBytes) {
+      return absl::InvalidArgumentError(
+          fmt::format("key must be 1..{} bytes, not {}", kMaxKeyBytes, request->key().size()));
+    }
+    if (request->participants() == 0 || request->participants() > kMaxParticipants) {
+      return absl::InvalidArgumentError(fmt::format("participants {} is not in 1..{}",
+                                                    request->participants(), kMaxParticipants));
+    }
+    if (request->participant() >= request->participants()) {
+      return absl::InvalidArgumentError(fmt::format("participant {} is not in 0..{}",
+                                                    request->participant(),
+                                                    request->participants() - 1));
+    }
+    if (request->payload().size() > kMaxPayloadBytes) {
+      return absl::InvalidArgumentError(fmt::format("payload of {} bytes is over the {} byte limit",
+                                                    request->payload().size(), kMaxPayloadBytes));
+    }
+    if (request->timeout_ms() == 0) return absl::InvalidArgumentError("timeout_ms is 0");
+    if (stop_waiting_) return absl::UnavailableError("the coordinator is shutting down");
+    auto timeout = std::min<std::chrono::milliseconds>(
+        std::chrono::milliseconds(request->timeout_ms()), kMaxGatherTimeout);
+    coordinator_->gathers.Arrive(
+        request->key(), request->participant(), request->participants(), request->payload(),
+        Clock::now() + timeout,
+        [completion, reply](absl::StatusOr<std::vector<std::string>> payloads) {
+          completion->Finish("Gather", [&]() -> absl::Status {
+            if (!payloads.ok()) return payloads.status();
+            for (std::string& p : *payloads) reply->add_payloads(std::move(p));
+            return absl::OkStatus();
+          });
+        });
+    return absl::OkStatus();
+  });
+  if (!early.ok()) completion->Finish("Gather", [&] { return FromGrpc(early); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::Ping(grpc::CallbackServerContext* ctx,
+                                             const pb::PingRequest*, pb::PingReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("Ping", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Ping", Role::kAnyNode));
+    reply->set_node_rank(options_.node_rank);
+    reply->set_incarnation(incarnation_);
+    reply->set_coordinator(coordinator_ != nullptr);
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
+}  // namespace ckpt::group

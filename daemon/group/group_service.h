@@ -1,0 +1,83 @@
+// The Group gRPC service behind GroupServer: token check, request validation and the
+// mapping of each call onto the coordinator's pure-logic objects. Long polls (an outcome,
+// a gather) register a callback and return: the thread that decides them finishes the
+// call, so a waiting call holds no thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "daemon/group/commit_coordinator.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/gather_table.h"
+#include "daemon/group/group_options.h"
+#include "daemon/group/membership.h"
+#include "proto/group.grpc.pb.h"
+
+namespace ckpt::group {
+
+// What only node 0 holds. Owned by the server, outlives the service.
+struct CoordinatorState {
+  CoordinatorState(const GroupOptions& options, DecisionLog& log)
+      : membership(options.num_nodes, options.group_timeout),
+        commits(log, CommitCoordinator::Options{options.step_timeout}) {}
+  Membership membership;
+  CommitCoordinator commits;
+  GatherTable gathers;
+};
+
+class GroupService final : public ckptd::group::v1::Group::CallbackService {
+ public:
+  // `coordinator` is null on nodes other than 0; otherwise it must outlive the service.
+  GroupService(const GroupOptions& options, uint64_t incarnation, CoordinatorState* coordinator);
+
+  // From now on long polls answer at once (shutdown: nothing may wait any more).
+  void StopWaiting() { stop_waiting_ = true; }
+
+  grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx,
+                                 const ckptd::group::v1::JoinRequest* request,
+                                 ckptd::group::v1::JoinReply* reply) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
+                                      const ckptd::group::v1::HeartbeatRequest* request,
+                                      ckptd::group::v1::HeartbeatReply* reply) override;
+  grpc::ServerUnaryReactor* Prepare(grpc::CallbackServerContext* ctx,
+                                    const ckptd::group::v1::PrepareRequest* request,
+                                    ckptd::group::v1::PrepareReply* reply) override;
+  grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* ctx,
+                                  const ckptd::group::v1::AbortRequest* request,
+                                  ckptd::group::v1::AbortReply* reply) override;
+  grpc::ServerUnaryReactor* GetOutcome(grpc::CallbackServerContext* ctx,
+                                       const ckptd::group::v1::OutcomeRequest* request,
+                                       ckptd::group::v1::OutcomeReply* reply) override;
+  grpc::ServerUnaryReactor* Gather(grpc::CallbackServerContext* ctx,
+                                   const ckptd::group::v1::GatherRequest* request,
+                                   ckptd::group::v1::GatherReply* reply) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx,
+                                 const ckptd::group::v1::PingRequest* request,
+                                 ckptd::group::v1::PingReply* reply) override;
+
+ private:
+  enum class Role { kAnyNode, kCoordinatorOnly };
+
+  // The token, then the role: the checks every handler makes before reading its request.
+  absl::Status Admit(grpc::CallbackServerContext* ctx, const char* method, Role role);
+  void WarnRefused(const std::string& peer, const char* method);
+  absl::Status CheckNode(const char* field, uint32_t node) const;
+  void FillView(ckptd::group::v1::GroupView* view) const;
+
+  const GroupOptions options_;
+  const uint64_t incarnation_;
+  CoordinatorState* const coordinator_;
+  std::atomic<bool> stop_waiting_{false};
+
+  // Refused peers, so that a misconfigured node logs one line a second, not one a call.
+  std::mutex warn_mu_;
+  std::map<std::string, std::chrono::steady_clock::time_point> last_warned_;
+};
+
+}  // namespace ckpt::group

@@ -1,0 +1,241 @@
+// GroupClient over one gRPC channel to the coordinator.
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "common/status.h"
+#include "daemon/group/group_client.h"
+#include "daemon/group/grpc_util.h"
+#include "proto/group.grpc.pb.h"
+
+namespace ckpt::group {
+namespace {
+
+namespace pb = ckptd::group::v1;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr int kMaxMessageBytes = 64 << 20;
+constexpr milliseconds kFirstBackoff{100};
+constexpr milliseconds kMaxBackoff{2'000};
+
+Outcome FromProto(pb::Outcome outcome) {
+  switch (outcome) {
+    case pb::OUTCOME_PENDING: return Outcome::kPending;
+    case pb::OUTCOME_COMMITTED: return Outcome::kCommitted;
+    case pb::OUTCOME_ABORTED: return Outcome::kAborted;
+    default: return Outcome::kUnknown;
+  }
+}
+
+MemberState FromProto(pb::MemberState state) {
+  switch (state) {
+    case pb::MEMBER_ALIVE: return MemberState::kAlive;
+    case pb::MEMBER_LOST: return MemberState::kLost;
+    default: return MemberState::kWaiting;
+  }
+}
+
+GroupViewData FromProto(const pb::GroupView& view) {
+  GroupViewData data;
+  for (const pb::Member& m : view.members()) {
+    data.members.push_back({m.node_rank(), m.address(), FromProto(m.state()),
+                            m.last_heartbeat_age_s(), m.incarnation()});
+  }
+  for (const pb::StepInFlight& s : view.steps()) {
+    data.steps.push_back({s.job(), s.step(), s.world_size(),
+                          {s.missing_ranks().begin(), s.missing_ranks().end()}, s.age_s()});
+  }
+  for (const pb::JobCommitted& c : view.committed()) data.committed[c.job()] = c.step();
+  return data;
+}
+
+std::shared_ptr<grpc::ChannelCredentials> Credentials(const GroupOptions& options) {
+  if (!options.tls()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = options.tls_ca_pem;
+  ssl.pem_private_key = options.tls_key_pem;
+  ssl.pem_cert_chain = options.tls_cert_pem;
+  return grpc::SslCredentials(ssl);
+}
+
+grpc::ChannelArguments ChannelArgs(const GroupOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessageBytes);
+  args.SetMaxSendMessageSize(kMaxMessageBytes);
+  // Pings find a dead coordinator (or a silently dropped connection) within about the
+  // group timeout even between calls. The server accepts pings this frequent.
+  int keepalive_ms = static_cast<int>(
+      std::max<milliseconds>(options.group_timeout / 2, milliseconds(1'000)).count());
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, keepalive_ms);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Reconnect quickly once the coordinator is back (the default backs off to 2 min).
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, static_cast<int>(kMaxBackoff.count()));
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, static_cast<int>(kFirstBackoff.count()));
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(kFirstBackoff.count()));
+  // A private connection: two clients in one process (tests, or a node that is also the
+  // coordinator) must not share a subchannel's fate.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return args;
+}
+
+class GrpcGroupClient final : public GroupClient {
+ public:
+  GrpcGroupClient(const GroupOptions& options, uint64_t incarnation, std::string address)
+      : options_(options),
+        incarnation_(incarnation),
+        address_(std::move(address)),
+        stub_(pb::Group::NewStub(grpc::CreateCustomChannel(options.coordinator,
+                                                           Credentials(options),
+                                                           ChannelArgs(options)))) {}
+
+  absl::StatusOr<GroupViewData> Join(Clock::time_point deadline) override {
+    pb::JoinRequest request;
+    request.set_node_rank(options_.node_rank);
+    request.set_num_nodes(options_.num_nodes);
+    request.set_address(address_);
+    request.set_incarnation(incarnation_);
+    milliseconds backoff = kFirstBackoff;
+    while (true) {
+      grpc::ClientContext ctx;
+      StartCall(ctx, std::min(deadline, Clock::now() + options_.rpc_timeout));
+      pb::JoinReply reply;
+      grpc::Status status = stub_->Join(&ctx, request, &reply);
+      if (status.ok()) return FromProto(reply.view());
+      bool unreachable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                         status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+      if (!unreachable) return Describe("join", status);
+      if (Clock::now() + backoff >= deadline) {
+        return absl::UnavailableError(fmt::format(
+            "could not reach the group coordinator at {} to join: {}", options_.coordinator,
+            status.error_message()));
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, kMaxBackoff);
+    }
+  }
+
+  absl::StatusOr<GroupViewData> Heartbeat() override {
+    pb::HeartbeatRequest request;
+    request.set_node_rank(options_.node_rank);
+    request.set_incarnation(incarnation_);
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    pb::HeartbeatReply reply;
+    CKPT_RETURN_IF_ERROR(Describe("heartbeat", stub_->Heartbeat(&ctx, request, &reply)));
+    return FromProto(reply.view());
+  }
+
+  absl::StatusOr<Decision> Prepare(const persist::Manifest& part) override {
+    pb::PrepareRequest request;
+    request.set_node_rank(options_.node_rank);
+    request.set_incarnation(incarnation_);
+    request.set_job(part.job);
+    request.set_step(part.step);
+    request.set_world_size(part.world_size);
+    for (const persist::ManifestShard& s : part.shards) request.add_ranks(s.rank);
+    request.set_manifest_part_json(persist::ManifestToJson(part));
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    pb::PrepareReply reply;
+    CKPT_RETURN_IF_ERROR(Describe("prepare", stub_->Prepare(&ctx, request, &reply)));
+    return Decision{FromProto(reply.outcome()), reply.reason(), reply.manifest_json()};
+  }
+
+  absl::Status Abort(const std::string& job, uint64_t step, const std::string& reason) override {
+    pb::AbortRequest request;
+    request.set_node_rank(options_.node_rank);
+    request.set_job(job);
+    request.set_step(step);
+    request.set_reason(reason);
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    pb::AbortReply reply;
+    return Describe("abort", stub_->Abort(&ctx, request, &reply));
+  }
+
+  absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
+                                      milliseconds wait) override {
+    pb::OutcomeRequest request;
+    request.set_job(job);
+    request.set_step(step);
+    request.set_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(wait.count(), 0, UINT32_MAX)));
+    request.set_node_rank(options_.node_rank);
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + wait + options_.rpc_timeout);
+    pb::OutcomeReply reply;
+    CKPT_RETURN_IF_ERROR(Describe("outcome", stub_->GetOutcome(&ctx, request, &reply)));
+    return Decision{FromProto(reply.outcome()), reply.reason(), reply.manifest_json()};
+  }
+
+  absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
+                                                  uint32_t participants, std::string payload,
+                                                  milliseconds timeout) override {
+    pb::GatherRequest request;
+    request.set_key(key);
+    request.set_participant(participant);
+    request.set_participants(participants);
+    request.set_payload(std::move(payload));
+    request.set_timeout_ms(
+        static_cast<uint32_t>(std::clamp<int64_t>(timeout.count(), 1, UINT32_MAX)));
+    grpc::ClientContext ctx;
+    // The coordinator expires the round first and names who is missing; our deadline is
+    // only for a coordinator that does not answer at all.
+    StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
+    pb::GatherReply reply;
+    CKPT_RETURN_IF_ERROR(Describe("gather " + key, stub_->Gather(&ctx, request, &reply)));
+    return std::vector<std::string>(reply.payloads().begin(), reply.payloads().end());
+  }
+
+ private:
+  // Every call: a deadline and the token.
+  void StartCall(grpc::ClientContext& ctx, Clock::time_point deadline) const {
+    // gRPC takes wall-clock deadlines only.
+    auto left = std::chrono::duration_cast<std::chrono::system_clock::duration>(deadline - Clock::now());
+    ctx.set_deadline(std::chrono::system_clock::now() + left);
+    ctx.AddMetadata(kTokenMetadata, options_.token);
+  }
+
+  // The coordinator's status with the call named; codes are kept so that callers can
+  // tell "join again" (FailedPrecondition) from "unreachable" (Unavailable).
+  absl::Status Describe(const std::string& call, const grpc::Status& status) const {
+    if (status.ok()) return absl::OkStatus();
+    if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      return absl::UnauthenticatedError(fmt::format(
+          "group {}: the coordinator at {} refused this node's group token ({})", call,
+          options_.coordinator, status.error_message()));
+    }
+    return Annotate(FromGrpc(status), fmt::format("group {} at {}", call, options_.coordinator));
+  }
+
+  const GroupOptions options_;
+  const uint64_t incarnation_;
+  const std::string address_;
+  const std::unique_ptr<pb::Group::Stub> stub_;
+};
+
+}  // namespace
+
+absl::StatusOr<GroupClientPtr> MakeGrpcGroupClient(const GroupOptions& options,
+                                                   uint64_t incarnation,
+                                                   std::string advertised_address) {
+  if (options.coordinator.empty()) {
+    return absl::InvalidArgumentError("the group needs the coordinator's address");
+  }
+  if (options.token.empty()) {
+    return absl::InvalidArgumentError("the group needs a group token (--group-token-file)");
+  }
+  if (options.tls() && (options.tls_key_pem.empty() || options.tls_ca_pem.empty())) {
+    return absl::InvalidArgumentError(
+        "group TLS needs a certificate, its key and the CA, all three");
+  }
+  if (incarnation == 0) return absl::InvalidArgumentError("incarnation 0 is reserved");
+  return GroupClientPtr(
+      std::make_unique<GrpcGroupClient>(options, incarnation, std::move(advertised_address)));
+}
+
+}  // namespace ckpt::group

@@ -1,0 +1,70 @@
+// Applies retention after commits, on a thread of its own at idle CPU and I/O priority
+// (deleting gigabytes must never compete with the next snapshot's copy). Holds per-job
+// --keep-last overrides and pins: a step being read (restore, verify) is never deleted.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "daemon/persist/checkpoint_store.h"
+#include "daemon/persist/retention.h"
+
+namespace ckpt::persist {
+
+class RetentionKeeper {
+ public:
+  // `on_deleted` runs after each deletion (the hot cache drops that step); `on_error` gets
+  // a message for the operator.
+  RetentionKeeper(CheckpointStore& store, RetentionPolicy policy,
+                  std::function<void(const std::string&, uint64_t)> on_deleted,
+                  std::function<void(const std::string&)> on_error);
+  ~RetentionKeeper();  // finishes what is scheduled
+  RetentionKeeper(const RetentionKeeper&) = delete;
+  RetentionKeeper& operator=(const RetentionKeeper&) = delete;
+
+  // A step of `job` was committed: retention is due.
+  void Schedule(const std::string& job);
+  // Overrides --keep-last for `job`; 0 restores the daemon's setting.
+  void SetKeepLast(const std::string& job, uint32_t keep_last);
+
+  // Keeps `step` of `job` from being deleted while it lives.
+  class Pin {
+   public:
+    Pin(RetentionKeeper& owner, std::string job, uint64_t step);
+    ~Pin();
+    Pin(const Pin&) = delete;
+    Pin& operator=(const Pin&) = delete;
+
+   private:
+    RetentionKeeper& owner_;
+    std::pair<std::string, uint64_t> key_;
+  };
+
+  void Stop();
+
+ private:
+  void Loop();
+  void Apply(const std::string& job);
+
+  CheckpointStore& store_;
+  const RetentionPolicy policy_;
+  std::function<void(const std::string&, uint64_t)> on_deleted_;
+  std::function<void(const std::string&)> on_error_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::deque<std::string> due_;
+  std::map<std::string, uint32_t> keep_last_;
+  std::multiset<std::pair<std::string, uint64_t>> pins_;
+  std::thread thread_;
+};
+
+}  // namespace ckpt::persist

@@ -1,0 +1,121 @@
+#include "daemon/restore/step_agreement.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <charconv>
+#include <set>
+
+#include "common/status.h"
+#include "daemon/group/gather_table.h"
+#include "daemon/group/group_client.h"
+
+namespace ckpt::daemon {
+namespace {
+
+std::string Key(const std::string& job) { return "restore/" + job; }
+
+absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
+                                               absl::StatusOr<std::vector<std::string>> gathered) {
+  if (!gathered.ok()) {
+    return absl::DeadlineExceededError(fmt::format(
+        "restore barrier of job {}: {} (every rank of the job must ask to restore; "
+        "--restore-timeout)",
+        job, Message(gathered.status())));
+  }
+  std::vector<std::vector<uint64_t>> lists;
+  for (const std::string& payload : *gathered) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, DecodeSteps(payload));
+    lists.push_back(std::move(steps));
+  }
+  return ChooseCommonStep(job, lists);
+}
+
+class LocalStepAgreement : public StepAgreement {
+ public:
+  absl::StatusOr<std::optional<uint64_t>> Agree(const std::string& job, uint32_t rank,
+                                                uint32_t world_size,
+                                                const std::vector<uint64_t>& available,
+                                                std::chrono::milliseconds timeout) override {
+    return Decide(job, table_.ArriveAndWait(Key(job), rank, world_size, EncodeSteps(available),
+                                            timeout));
+  }
+
+ private:
+  group::GatherTable table_;
+};
+
+class GroupStepAgreement : public StepAgreement {
+ public:
+  explicit GroupStepAgreement(group::GroupClient& client) : client_(client) {}
+  absl::StatusOr<std::optional<uint64_t>> Agree(const std::string& job, uint32_t rank,
+                                                uint32_t world_size,
+                                                const std::vector<uint64_t>& available,
+                                                std::chrono::milliseconds timeout) override {
+    return Decide(job, client_.Gather(Key(job), rank, world_size, EncodeSteps(available), timeout));
+  }
+
+ private:
+  group::GroupClient& client_;
+};
+
+}  // namespace
+
+StepAgreementPtr MakeLocalStepAgreement() { return std::make_unique<LocalStepAgreement>(); }
+
+StepAgreementPtr MakeGroupStepAgreement(group::GroupClient& client) {
+  return std::make_unique<GroupStepAgreement>(client);
+}
+
+absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
+    const std::string& job, const std::vector<std::vector<uint64_t>>& available) {
+  bool any = false;
+  std::optional<std::set<uint64_t>> common;
+  for (const auto& list : available) {
+    any = any || !list.empty();
+    std::set<uint64_t> mine(list.begin(), list.end());
+    if (!common) {
+      common = std::move(mine);
+      continue;
+    }
+    std::set<uint64_t> both;
+    std::set_intersection(common->begin(), common->end(), mine.begin(), mine.end(),
+                          std::inserter(both, both.end()));
+    common = std::move(both);
+  }
+  if (!any) return std::optional<uint64_t>();
+  if (common && !common->empty()) return std::optional<uint64_t>(*common->rbegin());
+  std::vector<std::string> per_rank;
+  for (size_t r = 0; r < available.size() && per_rank.size() < 8; ++r) {
+    const auto& list = available[r];
+    per_rank.push_back(list.empty() ? fmt::format("rank {}: none", r)
+                                    : fmt::format("rank {}: newest {}", r, list.back()));
+  }
+  return absl::FailedPreconditionError(fmt::format(
+      "job {}: no committed step is present for every rank ({}{})", job,
+      fmt::join(per_rank, "; "), available.size() > 8 ? "; ..." : ""));
+}
+
+std::string EncodeSteps(const std::vector<uint64_t>& steps) {
+  size_t first = steps.size() > kMaxAdvertised ? steps.size() - kMaxAdvertised : 0;
+  return fmt::format("{}", fmt::join(steps.begin() + first, steps.end(), ","));
+}
+
+absl::StatusOr<std::vector<uint64_t>> DecodeSteps(const std::string& text) {
+  std::vector<uint64_t> steps;
+  const char* p = text.data();
+  const char* end = p + text.size();
+  while (p < end) {
+    uint64_t v = 0;
+    auto [next, ec] = std::from_chars(p, end, v);
+    if (ec != std::errc() || (next < end && *next != ',')) {
+      return absl::InvalidArgumentError(fmt::format("bad step list \"{}\"", text.substr(0, 64)));
+    }
+    steps.push_back(v);
+    p = next < end ? next + 1 : next;
+  }
+  return steps;
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,408 @@
+// The persist and commit stages together with real files: the write queue, a committer
+// (single node, or group with an in-process coordinator over loopback gRPC), the hot
+// cache and retention. One suite runs over both committers; cases that only one of them
+// has follow.
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+
+#include "cuda/staging_pool.h"
+#include "daemon/commit/group_committer.h"
+#include "daemon/commit/single_node_committer.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/group_client.h"
+#include "daemon/group/group_server.h"
+#include "daemon/persist/retention_keeper.h"
+#include "daemon/persist/verify.h"
+#include "daemon/persist/write_queue.h"
+#include "daemon/staging/hot_cache.h"
+#include "tests/fakes/faulty_filesystem.h"
+#include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
+
+using namespace ckpt;
+using namespace ckpt::daemon;
+using namespace std::chrono_literals;
+using Op = ckpt::testing::FaultyFilesystem::Op;
+using ckpt::testing::WaitUntil;
+
+namespace {
+
+class RecordingSink : public TicketSink {
+ public:
+  void SetTicketState(uint64_t ticket, shm::TicketStateValue state, std::string_view error) override {
+    std::lock_guard lock(mu_);
+    states_[ticket] = state;
+    errors_[ticket] = std::string(error);
+    cv_.notify_all();
+  }
+  shm::TicketStateValue WaitFinal(uint64_t ticket, std::chrono::milliseconds timeout = 10s) {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, timeout, [&] {
+      auto it = states_.find(ticket);
+      return it != states_.end() && it->second != shm::kTicketStaged;
+    });
+    return states_.count(ticket) ? states_[ticket] : shm::kTicketUnknown;
+  }
+  std::string error(uint64_t ticket) {
+    std::lock_guard lock(mu_);
+    return errors_[ticket];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, shm::TicketStateValue> states_;
+  std::map<uint64_t, std::string> errors_;
+};
+
+// Holds every write until Open() so tests can see the state in between.
+class GatedWriter : public persist::ShardWriter {
+ public:
+  explicit GatedWriter(persist::ShardWriter& real) : real_(real) {}
+  absl::StatusOr<persist::WrittenShard> Write(const persist::StagedShard& shard,
+                                              const std::string& dir) override {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] {
+      bool held = !held_dir_.empty() && shard.rank == held_rank_ &&
+                  dir.find(held_dir_) != std::string::npos;
+      return open_ && !held;
+    });
+    lock.unlock();
+    return real_.Write(shard, dir);
+  }
+  void Open() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  // Holds back only the writes of `rank` into step directories containing `dir_part`.
+  void Hold(uint32_t rank, std::string dir_part) {
+    std::lock_guard lock(mu_);
+    held_rank_ = rank;
+    held_dir_ = std::move(dir_part);
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    held_dir_.clear();
+    cv_.notify_all();
+  }
+
+ private:
+  persist::ShardWriter& real_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+  uint32_t held_rank_ = 0;
+  std::string held_dir_;
+};
+
+// Everything below the stager, as server.cc wires it, minus the committer.
+struct Stages {
+  testing::TempDir dir;
+  std::shared_ptr<testing::FaultyFilesystem> fs =
+      std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+  persist::CheckpointStore store{fs, dir.path() + "/root"};
+  persist::ShardWriterPtr real_writer = persist::MakeLocalFsShardWriter(fs);
+  GatedWriter writer{*real_writer};
+  cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(16 << 20, false));
+  ProgressSignal progress;
+  HotCache hot{progress};  // holds blocks of `pool`: destroyed first
+  persist::RetentionKeeper retention;
+  std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>();
+  int committed = 0, failed = 0;
+  commit::CommitOptions options;
+
+  explicit Stages(uint32_t keep_last, std::chrono::milliseconds step_timeout)
+      : retention(store, {keep_last, 0}, [this](const std::string& j, uint64_t s) { hot.Drop(j, s); },
+                  [](const std::string&) {}) {
+    (void)fs->MakeDir(store.root());
+    options.step_timeout = step_timeout;
+  }
+
+  commit::CommitHooks Hooks() {
+    commit::CommitHooks hooks;
+    hooks.committed = [this](const persist::Manifest& m, const std::vector<StagedSnapshotPtr>& local) {
+      ++committed;
+      hot.Insert(local);
+      retention.Schedule(m.job);
+    };
+    hooks.failed = [this](const std::string&, uint64_t, const std::string&) { ++failed; };
+    hooks.progress = [this] { progress.Notify(); };
+    return hooks;
+  }
+};
+
+struct SingleNode {
+  static constexpr bool kGroup = false;
+  explicit SingleNode(Stages& s) : committer(s.store, s.Hooks(), s.options) {}
+  commit::SingleNodeCommitter committer;
+};
+
+// A coordinator and this node's client over loopback gRPC, as on node 0 of a group.
+struct Group {
+  static constexpr bool kGroup = true;
+  explicit Group(Stages& s) {
+    group::GroupOptions o;
+    o.num_nodes = 2;
+    o.node_rank = 0;
+    o.listen_addr = "127.0.0.1:0";
+    o.token = "0123456789abcdef0123456789abcdef";
+    o.step_timeout = s.options.step_timeout;
+    log = group::MakeFileDecisionLog(s.fs, s.dir.path() + "/decisions");
+    server = std::move(*group::StartGroupServer(o, 7, log.get()));
+    o.coordinator = server->address();
+    client = std::move(*group::MakeGrpcGroupClient(o, 7, server->address()));
+    REQUIRE(client->Join(std::chrono::steady_clock::now() + 5s).ok());  // prepares need it
+    committer = std::make_unique<commit::GroupCommitter>(s.store, s.Hooks(), s.options, *client, 0);
+  }
+  group::DecisionLogPtr log;
+  group::GroupServerPtr server;
+  group::GroupClientPtr client;
+  std::unique_ptr<commit::GroupCommitter> committer;
+};
+
+template <typename Kind>
+struct Fixture : Stages {
+  Kind kind;
+  commit::Committer& committer;
+  persist::WriteQueue writes;
+  uint64_t next_ticket = 1;
+
+  explicit Fixture(uint32_t keep_last = 0, std::chrono::milliseconds step_timeout = 30s)
+      : Stages(keep_last, step_timeout), kind(*this), committer(Committer(kind)),
+        writes(writer, committer, progress, {2}) {}
+
+  static commit::Committer& Committer(SingleNode& k) { return k.committer; }
+  static commit::Committer& Committer(Group& k) { return *k.committer; }
+
+  uint64_t Submit(uint64_t step, uint32_t rank, uint32_t world_size, float value = 1.0f,
+                  std::chrono::steady_clock::time_point session_started = {}) {
+    auto snap = std::make_shared<StagedSnapshot>();
+    snap->job = "job";
+    snap->step = step;
+    snap->rank = rank;
+    snap->world_size = world_size;
+    snap->block = std::move(*pool->Allocate(64));
+    std::fill_n(reinterpret_cast<float*>(snap->block->data()), 16, value);
+    snap->shard.rank = rank;
+    snap->shard.data = snap->block->data();
+    snap->shard.data_bytes = 64;
+    snap->shard.entries = {{"w", "F32", {16}, 0, 64}};
+    snap->tensor_count = 1;
+    snap->placements = {{{16 * world_size}, {16 * rank}}};
+    snap->sink = sink;
+    snap->ticket = next_ticket++;
+    snap->session_started = session_started;
+    writes.Submit(snap);
+    return snap->ticket;
+  }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a step commits only when every rank is written", "[commit]", SingleNode, Group) {
+  Fixture<TestType> f;
+  uint64_t t0 = f.Submit(10, 0, 2);
+  f.writer.Open();
+  std::this_thread::sleep_for(100ms);
+  CHECK(f.store.ListSteps("job")->empty());
+  CHECK(f.writes.Pending().empty());
+  auto in_flight = f.committer.InFlight();
+  REQUIRE(in_flight.size() == 1);
+  CHECK(in_flight[0].step == 10);
+  CHECK(in_flight[0].missing_ranks == std::vector<uint32_t>{1});
+  uint64_t t1 = f.Submit(10, 1, 2);
+  CHECK(f.sink->WaitFinal(t0) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(t1) == shm::kTicketCommitted);
+  auto manifest = f.store.LoadManifest("job", 10);
+  REQUIRE(manifest.ok());
+  CHECK(manifest->world_size == 2);
+  CHECK(manifest->tensors.at("w").global_shape == std::vector<int64_t>{32});
+  CHECK(manifest->tensors.at("w").shards.size() == 2);
+  if (TestType::kGroup) {
+    REQUIRE(manifest->nodes.size() == 1);
+    CHECK(manifest->nodes[0].ranks == std::vector<uint32_t>{0, 1});
+  }
+  CHECK(persist::VerifyCheckpoint(f.store, "job", 10)->ok());
+  CHECK(f.committed == 1);
+  CHECK(f.committer.InFlight().empty());
+}
+
+TEMPLATE_TEST_CASE("one rank's failed write fails the step for every rank and keeps the older one",
+                   "[commit]", SingleNode, Group) {
+  Fixture<TestType> f;
+  f.writer.Open();
+  uint64_t good = f.Submit(10, 0, 1);
+  REQUIRE(f.sink->WaitFinal(good) == shm::kTicketCommitted);
+  f.fs->FailAfter(Op::kWrite, 1, ENOSPC);
+  uint64_t a = f.Submit(20, 0, 2);
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
+  CHECK(f.sink->error(a).find("No space left") != std::string::npos);
+  f.fs->Heal();
+  // The other rank of the failed attempt is refused with the step's error.
+  uint64_t b = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketFailed);
+  CHECK(f.sink->error(b).find("No space left") != std::string::npos);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 20)));
+  CHECK(f.failed == 1);
+}
+
+TEMPLATE_TEST_CASE("a step still missing ranks after the step timeout is aborted and forgotten",
+                   "[commit]", SingleNode, Group) {
+  Fixture<TestType> f(0, 600ms);
+  f.writer.Open();
+  size_t idle = f.pool->used();
+  uint64_t lonely = f.Submit(10, 0, 3);
+  CHECK(f.sink->WaitFinal(lonely, 5s) == shm::kTicketFailed);
+  CHECK(f.sink->error(lonely).find("aborted") != std::string::npos);
+  CHECK(f.sink->error(lonely).find("1, 2") != std::string::npos);  // the missing ranks
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+  WaitUntil([&] { return f.pool->used() == idle; }, 2s);
+  CHECK(f.pool->used() == idle);  // staging memory released
+  CHECK(f.committer.InFlight().empty());
+  // A late rank of that attempt is refused; trainers that registered since may save it again.
+  uint64_t late = f.Submit(10, 1, 3);
+  CHECK(f.sink->WaitFinal(late) == shm::kTicketFailed);
+  auto now = std::chrono::steady_clock::now();
+  std::vector<uint64_t> again;
+  for (uint32_t r = 0; r < 3; ++r) again.push_back(f.Submit(10, r, 3, 2.0f, now));
+  for (uint64_t t : again) CHECK(f.sink->WaitFinal(t) == shm::kTicketCommitted);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+}
+
+TEMPLATE_TEST_CASE("ranks that disagree on the world size are refused", "[commit]", SingleNode, Group) {
+  Fixture<TestType> f;
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2);
+  uint64_t b = f.Submit(10, 1, 3);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketFailed);
+  CHECK(f.sink->error(b).find("world size") != std::string::npos);
+  f.Submit(10, 1, 2);
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketCommitted);
+}
+
+TEMPLATE_TEST_CASE("committed snapshots stay in memory for hot restore until evicted", "[commit]",
+                   SingleNode, Group) {
+  Fixture<TestType> f;
+  f.writer.Open();
+  uint64_t t = f.Submit(10, 0, 1);
+  REQUIRE(f.sink->WaitFinal(t) == shm::kTicketCommitted);
+  CHECK(f.hot.Find("job", 0, 10) != nullptr);
+  CHECK(f.hot.Find("job", 0, 9) == nullptr);
+  size_t used = f.pool->used();
+  CHECK(f.hot.EvictOne());
+  // The block returns to the pool once the I/O thread has let go of it too.
+  WaitUntil([&] { return f.pool->used() < used; }, 1s);
+  CHECK(f.pool->used() < used);
+  CHECK(f.hot.Find("job", 0, 10) == nullptr);
+  CHECK_FALSE(f.hot.EvictOne());
+}
+
+TEMPLATE_TEST_CASE("retention runs after each commit and spares pinned steps", "[commit]",
+                   SingleNode, Group) {
+  Fixture<TestType> f(2);
+  f.writer.Open();
+  persist::RetentionKeeper::Pin pin(f.retention, "job", 10);
+  for (uint64_t step : {10, 20, 30, 40}) {
+    REQUIRE(f.sink->WaitFinal(f.Submit(step, 0, 1)) == shm::kTicketCommitted);
+  }
+  std::vector<uint64_t> expected = {10, 30, 40};
+  WaitUntil([&] { return *f.store.ListSteps("job") == expected; }, 2s);
+  CHECK(*f.store.ListSteps("job") == expected);
+  CHECK(f.hot.Find("job", 0, 20) == nullptr);  // deleted steps leave memory too
+}
+
+TEMPLATE_TEST_CASE("a step already committed is refused, the committed one untouched", "[commit]",
+                   SingleNode, Group) {
+  Fixture<TestType> f;
+  f.writer.Open();
+  REQUIRE(f.sink->WaitFinal(f.Submit(10, 0, 1)) == shm::kTicketCommitted);
+  uint64_t again = f.Submit(10, 0, 1, 3.0f, std::chrono::steady_clock::now());
+  CHECK(f.sink->WaitFinal(again) == shm::kTicketFailed);
+  CHECK(f.sink->error(again).find("already committed") != std::string::npos);
+  CHECK(persist::VerifyCheckpoint(f.store, "job", 10)->ok());
+}
+
+TEST_CASE("single node: a step missing a rank is abandoned when a newer step commits", "[commit]") {
+  Fixture<SingleNode> f;
+  f.writer.Open();
+  uint64_t lonely = f.Submit(10, 0, 2);
+  uint64_t a = f.Submit(20, 0, 2);
+  uint64_t b = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(lonely) == shm::kTicketFailed);
+  CHECK(f.sink->error(lonely).find("abandoned") != std::string::npos);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{20});
+}
+
+TEST_CASE("single node: a step whose last rank is still being written is not abandoned",
+          "[commit]") {
+  Fixture<SingleNode> f;
+  f.writer.Hold(1, "step-00000010");
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2);
+  uint64_t b = f.Submit(10, 1, 2);
+  uint64_t c = f.Submit(20, 0, 2), d = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(c) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(d) == shm::kTicketCommitted);
+  f.writer.Release();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketCommitted);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20});
+}
+
+TEST_CASE("single node: shutdown fails what it cannot finish and leaves no unfinished directory",
+          "[commit]") {
+  Fixture<SingleNode> f;
+  uint64_t a = f.Submit(10, 0, 2);  // rank 1 never arrives
+  std::thread opener([&] {
+    std::this_thread::sleep_for(50ms);
+    f.writer.Open();
+  });
+  f.writes.Shutdown(2s);
+  f.committer.Shutdown();
+  opener.join();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
+  CHECK(f.sink->error(a).find("shut down") != std::string::npos);
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+  uint64_t late = f.Submit(20, 0, 1);
+  CHECK(f.sink->WaitFinal(late) == shm::kTicketFailed);
+}
+
+TEST_CASE("group: a prepared step survives shutdown in .tmp and is resolved at the next start",
+          "[commit]") {
+  Fixture<Group> f;
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2);  // rank 1 (on "another node") has not prepared yet
+  WaitUntil([&] { return !f.committer.InFlight().empty() &&
+                         f.committer.InFlight()[0].state == "prepared"; }, 2s);
+  f.writes.Shutdown(2s);
+  f.kind.committer->Shutdown();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
+  REQUIRE(f.fs->Exists(f.store.TempStepDir("job", 10)));  // in doubt: kept
+  // The other node's rank prepares: the coordinator commits.
+  persist::Manifest part;
+  part.job = "job";
+  part.step = 10;
+  part.world_size = 2;
+  part.ckptd_version = "test";
+  persist::ManifestShard shard;
+  shard.rank = 1;
+  shard.file = "rank-00001.safetensors";
+  part.shards.push_back(shard);
+  auto other = f.kind.client->Prepare(part);  // as node 0 too: the coordinator only counts ranks
+  REQUIRE(other.ok());
+  CHECK(other->outcome == group::Outcome::kCommitted);
+  // "Restart": a new committer adopts the .tmp and applies the recorded decision.
+  commit::GroupCommitter restarted(f.store, f.Hooks(), f.options, *f.kind.client, 0);
+  restarted.AdoptInDoubt(*f.store.ListTempSteps());
+  WaitUntil([&] { return f.store.ListSteps("job")->size() == 1; }, 5s);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+}

@@ -1,0 +1,446 @@
+// The group's pure logic, driven directly with an injected clock and an in-memory
+// decision log: the gather table, membership and the two-phase commit coordinator.
+#include <catch2/catch.hpp>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "common/status.h"
+#include "daemon/group/commit_coordinator.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/gather_table.h"
+#include "daemon/group/membership.h"
+#include "daemon/persist/manifest.h"
+#include "tests/fakes/temp_dir.h"
+
+using namespace ckpt;
+using namespace ckpt::group;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Keeps decisions in memory; can be told to fail, as a full disk would.
+class MemoryDecisionLog : public DecisionLog {
+ public:
+  absl::Status RecordCommit(const std::string& job, uint64_t step,
+                            const std::string& manifest_json) override {
+    std::lock_guard lock(mu_);
+    if (fail_) return absl::ResourceExhaustedError("decision log: no space left on device");
+    records_[{job, step}] = manifest_json;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
+                                                        uint64_t step) override {
+    std::lock_guard lock(mu_);
+    auto it = records_.find({job, step});
+    if (it == records_.end()) return std::optional<std::string>();
+    return std::optional<std::string>(it->second);
+  }
+  bool Has(const std::string& job, uint64_t step) {
+    std::lock_guard lock(mu_);
+    return records_.count({job, step}) > 0;
+  }
+  void set_fail(bool fail) {
+    std::lock_guard lock(mu_);
+    fail_ = fail;
+  }
+
+ private:
+  std::mutex mu_;
+  bool fail_ = false;
+  std::map<std::pair<std::string, uint64_t>, std::string> records_;
+};
+
+// One node's manifest part: shards of `ranks` only.
+persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
+                       std::vector<uint32_t> ranks) {
+  persist::Manifest m;
+  m.job = job;
+  m.step = step;
+  m.world_size = world_size;
+  m.ckptd_version = "test";
+  m.wall_time = "2024-01-01T00:00:00Z";
+  for (uint32_t r : ranks) {
+    persist::ManifestShard s;
+    s.rank = r;
+    s.file = fmt::format("rank-{:05d}.safetensors", r);
+    s.bytes = 1000 + r;
+    m.shards.push_back(std::move(s));
+  }
+  return m;
+}
+
+using Result = absl::StatusOr<std::vector<std::string>>;
+
+// Collects a gather participant's result.
+struct Catcher {
+  std::optional<Result> result;
+  GatherTable::Done done() {
+    return [this](Result r) { result = std::move(r); };
+  }
+};
+
+}  // namespace
+
+// ---- gather table ----
+
+TEST_CASE("gather: the last arrival completes the round for everyone") {
+  GatherTable table;
+  auto deadline = Clock::now() + 10s;
+  Catcher c[3];
+  table.Arrive("restore/job", 2, 3, "two", deadline, c[2].done());
+  table.Arrive("restore/job", 0, 3, "zero", deadline, c[0].done());
+  CHECK_FALSE(c[0].result.has_value());
+  CHECK(table.open_rounds() == 1);
+  table.Arrive("restore/job", 1, 3, "one", deadline, c[1].done());
+  for (auto& catcher : c) {
+    REQUIRE(catcher.result.has_value());
+    REQUIRE(catcher.result->ok());
+    CHECK(**catcher.result == std::vector<std::string>{"zero", "one", "two"});
+  }
+  CHECK(table.open_rounds() == 0);
+}
+
+TEST_CASE("gather: a participant arriving again replaces its payload") {
+  GatherTable table;
+  auto deadline = Clock::now() + 10s;
+  Catcher first, retry, other;
+  table.Arrive("k", 0, 2, "old", deadline, first.done());
+  table.Arrive("k", 0, 2, "new", deadline, retry.done());
+  REQUIRE(first.result.has_value());
+  CHECK(absl::IsAborted(first.result->status()));
+  table.Arrive("k", 1, 2, "b", deadline, other.done());
+  REQUIRE(retry.result.has_value());
+  CHECK(**retry.result == std::vector<std::string>{"new", "b"});
+}
+
+TEST_CASE("gather: a participant count that differs from the round's is refused") {
+  GatherTable table;
+  auto deadline = Clock::now() + 10s;
+  Catcher a, wrong, b;
+  table.Arrive("k", 0, 2, "a", deadline, a.done());
+  table.Arrive("k", 1, 3, "x", deadline, wrong.done());
+  REQUIRE(wrong.result.has_value());
+  CHECK(absl::IsInvalidArgument(wrong.result->status()));
+  CHECK_FALSE(a.result.has_value());  // the round goes on
+  table.Arrive("k", 1, 2, "b", deadline, b.done());
+  REQUIRE(a.result.has_value());
+  CHECK(a.result->ok());
+
+  Catcher outside;
+  table.Arrive("k", 5, 2, "x", deadline, outside.done());
+  REQUIRE(outside.result.has_value());
+  CHECK(absl::IsInvalidArgument(outside.result->status()));
+}
+
+TEST_CASE("gather: expiry names the participants still missing") {
+  GatherTable table;
+  auto now = Clock::now();
+  Catcher a, c;
+  table.Arrive("barrier", 0, 4, "", now + 100ms, a.done());
+  table.Arrive("barrier", 2, 4, "", now + 100ms, c.done());
+  table.Expire(now + 50ms);
+  CHECK_FALSE(a.result.has_value());
+  table.Expire(now + 200ms);
+  REQUIRE(a.result.has_value());
+  CHECK(absl::IsDeadlineExceeded(a.result->status()));
+  CHECK_THAT(Message(a.result->status()), Catch::Contains("missing: 1, 3"));
+  CHECK_THAT(Message(a.result->status()), Catch::Contains("barrier"));
+  REQUIRE(c.result.has_value());
+  CHECK(table.open_rounds() == 0);
+}
+
+TEST_CASE("gather: FailAll fails every waiting arrival") {
+  GatherTable table;
+  Catcher a;
+  table.Arrive("k", 0, 2, "", Clock::now() + 10s, a.done());
+  table.FailAll("shutting down");
+  REQUIRE(a.result.has_value());
+  CHECK(absl::IsUnavailable(a.result->status()));
+}
+
+TEST_CASE("gather: ArriveAndWait returns across threads, and times out alone") {
+  GatherTable table;
+  Result other;
+  std::thread t([&] { other = table.ArriveAndWait("k", 1, 2, "b", 5s); });
+  Result mine = table.ArriveAndWait("k", 0, 2, "a", 5s);
+  t.join();
+  REQUIRE(mine.ok());
+  CHECK(*mine == std::vector<std::string>{"a", "b"});
+  REQUIRE(other.ok());
+
+  auto start = Clock::now();
+  Result alone = table.ArriveAndWait("lonely", 0, 2, "a", 50ms);
+  CHECK(absl::IsDeadlineExceeded(alone.status()));
+  CHECK_THAT(Message(alone.status()), Catch::Contains("missing: 1"));
+  CHECK(Clock::now() - start < 2s);
+}
+
+// ---- membership ----
+
+TEST_CASE("membership: nodes join and are seen alive") {
+  Membership m(3, 1s);
+  bool restarted = true;
+  REQUIRE(m.Join(1, 3, "10.0.0.2:7000", 42, &restarted).ok());
+  CHECK_FALSE(restarted);
+  auto view = m.View();
+  REQUIRE(view.size() == 3);
+  CHECK(view[0].state == MemberState::kWaiting);
+  CHECK(view[0].last_heartbeat_age_s == -1);
+  CHECK(view[1].state == MemberState::kAlive);
+  CHECK(view[1].address == "10.0.0.2:7000");
+  CHECK(view[1].incarnation == 42);
+  CHECK(m.Heartbeat(1, 42).ok());
+}
+
+TEST_CASE("membership: a node with another --num-nodes or rank is refused") {
+  Membership m(3, 1s);
+  bool restarted;
+  absl::Status wrong = m.Join(1, 4, "a", 1, &restarted);
+  CHECK(absl::IsFailedPrecondition(wrong));
+  CHECK_THAT(Message(wrong), Catch::Contains("--num-nodes 4"));
+  CHECK(absl::IsInvalidArgument(m.Join(3, 3, "a", 1, &restarted)));
+  CHECK(absl::IsInvalidArgument(m.Join(1, 3, "a", 0, &restarted)));
+}
+
+TEST_CASE("membership: a join under a new incarnation is a restart") {
+  Membership m(2, 1s);
+  bool restarted;
+  REQUIRE(m.Join(1, 2, "a", 1, &restarted).ok());
+  REQUIRE(m.Join(1, 2, "a", 1, &restarted).ok());
+  CHECK_FALSE(restarted);  // the same daemon joining again
+  REQUIRE(m.Join(1, 2, "a", 2, &restarted).ok());
+  CHECK(restarted);
+  // The old incarnation's heartbeats are refused.
+  CHECK(absl::IsFailedPrecondition(m.Heartbeat(1, 1)));
+  CHECK(m.Heartbeat(1, 2).ok());
+}
+
+TEST_CASE("membership: a silent member is lost and must join again") {
+  Membership m(2, 100ms);
+  bool restarted;
+  REQUIRE(m.Join(1, 2, "10.0.0.2:7000", 7, &restarted).ok());
+  CHECK(m.Expire(Clock::now() + 50ms).empty());
+  auto lost = m.Expire(Clock::now() + 500ms);
+  REQUIRE(lost.size() == 1);
+  CHECK(lost[0].first == 1);
+  CHECK_THAT(lost[0].second, Catch::Contains("node 1"));
+  CHECK_THAT(lost[0].second, Catch::Contains("lost"));
+  CHECK(m.View()[1].state == MemberState::kLost);
+  CHECK(m.Expire(Clock::now() + 1s).empty());  // reported once
+
+  absl::Status heartbeat = m.Heartbeat(1, 7);
+  CHECK(absl::IsFailedPrecondition(heartbeat));
+  CHECK_THAT(Message(heartbeat), Catch::Contains("join again"));
+  REQUIRE(m.Join(1, 2, "10.0.0.2:7000", 7, &restarted).ok());
+  CHECK_FALSE(restarted);
+  CHECK(m.View()[1].state == MemberState::kAlive);
+  CHECK(absl::IsFailedPrecondition(m.Heartbeat(0, 5)));  // never joined
+}
+
+// ---- commit coordinator ----
+
+TEST_CASE("commit: all ranks prepared across three nodes commit with a merged manifest") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  CHECK(c.Prepare(0, Part("job", 100, 4, {0, 1})).outcome == Outcome::kPending);
+  CHECK(c.Prepare(1, Part("job", 100, 4, {2})).outcome == Outcome::kPending);
+  auto in_flight = c.InFlight();
+  REQUIRE(in_flight.size() == 1);
+  CHECK(in_flight[0].missing_ranks == std::vector<uint32_t>{3});
+
+  Decision d = c.Prepare(2, Part("job", 100, 4, {3}));
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  auto merged = persist::ParseManifest(d.manifest_json, "test");
+  REQUIRE(merged.ok());
+  CHECK(merged->shards.size() == 4);
+  REQUIRE(merged->nodes.size() == 3);
+  CHECK(merged->nodes[0].ranks == std::vector<uint32_t>{0, 1});
+  CHECK(merged->NodeOf(3) == 2u);
+  CHECK(log.Has("job", 100));
+  CHECK(c.InFlight().empty());
+  CHECK(c.LatestCommitted().at("job") == 100);
+  CHECK(c.Lookup("job", 100).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: the decision is durable before any waiter hears committed") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 5, 2, {0}));
+  std::optional<Decision> heard;
+  bool recorded_when_heard = false;
+  c.Await("job", 5, Clock::now() + 10s, [&](const Decision& d) {
+    heard = d;
+    recorded_when_heard = log.Has("job", 5);
+  });
+  CHECK_FALSE(heard.has_value());
+  c.Prepare(1, Part("job", 5, 2, {1}));
+  REQUIRE(heard.has_value());
+  CHECK(heard->outcome == Outcome::kCommitted);
+  CHECK(recorded_when_heard);
+}
+
+TEST_CASE("commit: a decision that cannot be recorded aborts the step") {
+  MemoryDecisionLog log;
+  log.set_fail(true);
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 5, 2, {0}));
+  std::optional<Decision> heard;
+  c.Await("job", 5, Clock::now() + 10s, [&](const Decision& d) { heard = d; });
+  Decision d = c.Prepare(1, Part("job", 5, 2, {1}));
+  CHECK(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("could not record"));
+  REQUIRE(heard.has_value());
+  CHECK(heard->outcome == Outcome::kAborted);
+  CHECK_FALSE(log.Has("job", 5));
+}
+
+TEST_CASE("commit: a step still missing ranks at the step timeout aborts naming them") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {.step_timeout = 100ms});
+  c.Prepare(0, Part("job", 9, 4, {0, 2}));
+  std::optional<Decision> heard;
+  c.Await("job", 9, Clock::now() + 1h, [&](const Decision& d) { heard = d; });
+  c.Tick(Clock::now());
+  CHECK_FALSE(heard.has_value());
+  c.Tick(Clock::now() + 1s);
+  REQUIRE(heard.has_value());
+  CHECK(heard->outcome == Outcome::kAborted);
+  CHECK_THAT(heard->reason, Catch::Contains("missing ranks 1, 3"));
+  CHECK_THAT(heard->reason, Catch::Contains("prepared by nodes 0"));
+  CHECK(c.Lookup("job", 9).outcome == Outcome::kAborted);
+}
+
+TEST_CASE("commit: a waiter whose deadline passes hears pending") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 9, 2, {0}));
+  std::optional<Decision> heard;
+  c.Await("job", 9, Clock::now() + 50ms, [&](const Decision& d) { heard = d; });
+  c.Tick(Clock::now() + 100ms);
+  REQUIRE(heard.has_value());
+  CHECK(heard->outcome == Outcome::kPending);
+}
+
+TEST_CASE("commit: a rank prepared by two nodes aborts the step") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 3, 3, {0, 1}));
+  Decision d = c.Prepare(1, Part("job", 3, 3, {1}));
+  CHECK(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("rank 1 was prepared by node 0 and by node 1"));
+
+  Decision mismatch = c.Prepare(0, Part("job", 4, 3, {0}));
+  REQUIRE(mismatch.outcome == Outcome::kPending);
+  mismatch = c.Prepare(1, Part("job", 4, 5, {1}));
+  CHECK(mismatch.outcome == Outcome::kAborted);
+  CHECK_THAT(mismatch.reason, Catch::Contains("world size 5"));
+}
+
+TEST_CASE("commit: a retried prepare after the commit hears committed again") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 7, 2, {0}));
+  REQUIRE(c.Prepare(1, Part("job", 7, 2, {1})).outcome == Outcome::kCommitted);
+  Decision again = c.Prepare(1, Part("job", 7, 2, {1}));
+  CHECK(again.outcome == Outcome::kCommitted);
+  // Another node claiming a rank of the committed step is refused.
+  Decision other = c.Prepare(0, Part("job", 7, 2, {1}));
+  CHECK(other.outcome == Outcome::kAborted);
+  CHECK_THAT(other.reason, Catch::Contains("already committed"));
+  // A retried prepare in an open round adds nothing.
+  c.Prepare(0, Part("job", 8, 3, {0}));
+  CHECK(c.Prepare(0, Part("job", 8, 3, {0})).outcome == Outcome::kPending);
+  c.Prepare(1, Part("job", 8, 3, {1}));
+  CHECK(c.Prepare(2, Part("job", 8, 3, {2})).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: a new attempt after an abort starts a new round") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 11, 2, {0}));
+  c.Abort("job", 11, "node 1: rank 1 failed to write");
+  Decision aborted = c.Lookup("job", 11);
+  CHECK(aborted.outcome == Outcome::kAborted);
+  CHECK_THAT(aborted.reason, Catch::Contains("rank 1 failed"));
+
+  CHECK(c.Prepare(0, Part("job", 11, 2, {0})).outcome == Outcome::kPending);
+  CHECK(c.Lookup("job", 11).outcome == Outcome::kPending);
+  CHECK(c.Prepare(1, Part("job", 11, 2, {1})).outcome == Outcome::kCommitted);
+  // An abort after the commit changes nothing.
+  c.Abort("job", 11, "too late");
+  CHECK(c.Lookup("job", 11).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: a lost node aborts undecided steps naming their missing ranks") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, Part("job", 12, 3, {0}));
+  c.AbortIncomplete("node 2 lost");
+  Decision d = c.Lookup("job", 12);
+  CHECK(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("node 2 lost"));
+  CHECK_THAT(d.reason, Catch::Contains("missing ranks 1, 2"));
+}
+
+TEST_CASE("commit: a restarted coordinator answers from the decision log") {
+  MemoryDecisionLog log;
+  {
+    CommitCoordinator before(log, {});
+    before.Prepare(0, Part("job", 20, 2, {0}));
+    REQUIRE(before.Prepare(1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
+    before.Prepare(0, Part("job", 21, 2, {0}));  // undecided when the coordinator dies
+  }
+  CommitCoordinator after(log, {});
+  Decision committed = after.Lookup("job", 20);
+  CHECK(committed.outcome == Outcome::kCommitted);
+  CHECK(persist::ParseManifest(committed.manifest_json, "test").ok());
+  CHECK(after.Lookup("job", 21).outcome == Outcome::kUnknown);
+  CHECK(after.Lookup("other", 1).outcome == Outcome::kUnknown);
+  // A node retrying its prepare of the committed step hears committed.
+  CHECK(after.Prepare(1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
+  std::optional<Decision> heard;
+  after.Await("job", 20, Clock::now() + 10s, [&](const Decision& d) { heard = d; });
+  REQUIRE(heard.has_value());
+  CHECK(heard->outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: invalid prepares are refused") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  CHECK(c.Prepare(0, Part("../etc", 1, 1, {0})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, Part("job", 1, 0, {})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, Part("job", 1, 2, {})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, Part("job", 1, 2, {5})).outcome == Outcome::kAborted);
+  CHECK(c.InFlight().empty());
+}
+
+// ---- file decision log ----
+
+TEST_CASE("file decision log: records survive and old ones are pruned") {
+  testing::TempDir dir;
+  {
+    DecisionLogPtr log = MakeFileDecisionLog(MakePosixFilesystem(), dir / "decisions", 2);
+    REQUIRE(log->RecordCommit("job", 1, "{\"one\":1}").ok());
+    REQUIRE(log->RecordCommit("job", 2, "{\"two\":2}").ok());
+    REQUIRE(log->RecordCommit("job", 3, "{\"three\":3}").ok());
+    CHECK(absl::IsInvalidArgument(log->RecordCommit("../x", 1, "{}")));
+  }
+  DecisionLogPtr log = MakeFileDecisionLog(MakePosixFilesystem(), dir / "decisions", 2);
+  auto found = log->FindCommit("job", 3);
+  REQUIRE(found.ok());
+  REQUIRE(found->has_value());
+  CHECK(**found == "{\"three\":3}");
+  auto pruned = log->FindCommit("job", 1);
+  REQUIRE(pruned.ok());
+  CHECK_FALSE(pruned->has_value());
+  auto never = log->FindCommit("other", 1);
+  REQUIRE(never.ok());
+  CHECK_FALSE(never->has_value());
+}

@@ -1,0 +1,502 @@
+// The group over real gRPC on 127.0.0.1 (port 0): a coordinator server, node clients,
+// hostile peers (wrong token, garbage bytes, a silent connection), member loss, and
+// mutual TLS with certificates made here by the openssl CLI.
+#include <catch2/catch.hpp>
+
+#include <arpa/inet.h>
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/filesystem.h"
+#include "common/status.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/group_client.h"
+#include "daemon/group/group_member.h"
+#include "daemon/group/group_server.h"
+#include "daemon/persist/manifest.h"
+#include "proto/group.grpc.pb.h"
+#include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
+
+using namespace ckpt;
+using namespace ckpt::group;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+namespace pb = ckptd::group::v1;
+
+namespace {
+
+constexpr char kToken[] = "test-group-token-0123456789";
+
+GroupOptions NodeOptions(uint32_t node, uint32_t nodes, std::string coordinator) {
+  GroupOptions o;
+  o.node_rank = node;
+  o.num_nodes = nodes;
+  o.coordinator = std::move(coordinator);
+  o.listen_addr = "127.0.0.1:0";
+  o.token = kToken;
+  o.group_timeout = 3s;
+  o.step_timeout = 10s;
+  o.rpc_timeout = 2s;
+  return o;
+}
+
+persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
+                       std::vector<uint32_t> ranks) {
+  persist::Manifest m;
+  m.job = job;
+  m.step = step;
+  m.world_size = world_size;
+  m.ckptd_version = "test";
+  m.wall_time = "2024-01-01T00:00:00Z";
+  for (uint32_t r : ranks) {
+    persist::ManifestShard s;
+    s.rank = r;
+    s.file = fmt::format("rank-{:05d}.safetensors", r);
+    s.bytes = 4096;
+    m.shards.push_back(std::move(s));
+  }
+  return m;
+}
+
+// A coordinator (node 0) over a file decision log in a private directory.
+struct Group {
+  explicit Group(uint32_t nodes, GroupOptions base = NodeOptions(0, 3, "")) {
+    base.num_nodes = nodes;
+    options = base;
+    log = MakeFileDecisionLog(MakePosixFilesystem(), dir / "decisions");
+    auto started = StartGroupServer(options, 1000, log.get());
+    REQUIRE(started.ok());
+    server = std::move(*started);
+  }
+
+  GroupClientPtr Client(uint32_t node, std::string token = kToken) {
+    GroupOptions o = options;
+    o.node_rank = node;
+    o.coordinator = server->address();
+    o.token = std::move(token);
+    auto client = MakeGrpcGroupClient(o, 2000 + node, fmt::format("127.0.0.1:{}", 9000 + node));
+    REQUIRE(client.ok());
+    return std::move(*client);
+  }
+
+  testing::TempDir dir;
+  GroupOptions options;
+  DecisionLogPtr log;
+  GroupServerPtr server;
+};
+
+// A raw stub, for what GroupClient does not expose (Ping, malformed requests).
+struct RawCall {
+  explicit RawCall(const std::string& address, const std::string& token = kToken)
+      : stub(pb::Group::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {
+    ctx.set_deadline(std::chrono::system_clock::now() + 3s);
+    if (!token.empty()) ctx.AddMetadata("x-ckptd-group-token", token);
+  }
+  std::unique_ptr<pb::Group::Stub> stub;
+  grpc::ClientContext ctx;
+};
+
+int ConnectTcp(const std::string& address) {
+  size_t colon = address.rfind(':');
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+  inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  return fd;
+}
+
+// Three participants gather through three clients at once.
+void GatherAmongThree(std::vector<GroupClientPtr>& clients, const std::string& key) {
+  std::vector<absl::StatusOr<std::vector<std::string>>> results(3);
+  std::vector<std::thread> threads;
+  for (uint32_t p = 0; p < 3; ++p) {
+    threads.emplace_back([&, p] {
+      results[p] = clients[p]->Gather(key, p, 3, fmt::format("from-{}", p), 3s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& r : results) {
+    REQUIRE(r.ok());
+    CHECK(*r == std::vector<std::string>{"from-0", "from-1", "from-2"});
+  }
+}
+
+}  // namespace
+
+TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
+  Group g(3);
+  std::vector<GroupClientPtr> clients;
+  for (uint32_t n = 0; n < 3; ++n) clients.push_back(g.Client(n));
+  GroupViewData view;
+  for (auto& c : clients) {
+    auto joined = c->Join(Clock::now() + 3s);
+    REQUIRE(joined.ok());
+    view = *joined;
+  }
+  REQUIRE(view.members.size() == 3);
+  for (const MemberView& m : view.members) CHECK(m.state == MemberState::kAlive);
+  CHECK(view.members[2].address == "127.0.0.1:9002");
+
+  auto first = clients[0]->Prepare(Part("job", 100, 4, {0, 1}));
+  REQUIRE(first.ok());
+  CHECK(first->outcome == Outcome::kPending);
+  REQUIRE(clients[1]->Prepare(Part("job", 100, 4, {2})).ok());
+  auto heartbeat = clients[1]->Heartbeat();
+  REQUIRE(heartbeat.ok());
+  REQUIRE(heartbeat->steps.size() == 1);
+  CHECK(heartbeat->steps[0].missing_ranks == std::vector<uint32_t>{3});
+
+  // Node 0 waits for the outcome while node 2 completes the step.
+  absl::StatusOr<Decision> polled;
+  Clock::duration poll_took{};
+  std::thread poller([&] {
+    auto start = Clock::now();
+    polled = clients[0]->GetOutcome("job", 100, 5s);
+    poll_took = Clock::now() - start;
+  });
+  std::this_thread::sleep_for(200ms);
+  auto last = clients[2]->Prepare(Part("job", 100, 4, {3}));
+  poller.join();
+  REQUIRE(last.ok());
+  CHECK(last->outcome == Outcome::kCommitted);
+  REQUIRE(polled.ok());
+  CHECK(polled->outcome == Outcome::kCommitted);
+  CHECK(poll_took < 3s);  // answered by the commit, not by the wait running out
+  auto manifest = persist::ParseManifest(polled->manifest_json, "outcome");
+  REQUIRE(manifest.ok());
+  CHECK(manifest->nodes.size() == 3);
+  CHECK(clients[1]->Heartbeat()->committed.at("job") == 100);
+
+  // An undecided step's long poll answers pending when the wait runs out.
+  REQUIRE(clients[0]->Prepare(Part("job", 101, 2, {0})).ok());
+  auto pending = clients[1]->GetOutcome("job", 101, 100ms);
+  REQUIRE(pending.ok());
+  CHECK(pending->outcome == Outcome::kPending);
+  REQUIRE(clients[1]->Abort("job", 101, "rank 1 failed to write").ok());
+  auto aborted = clients[0]->GetOutcome("job", 101, 0ms);
+  REQUIRE(aborted.ok());
+  CHECK(aborted->outcome == Outcome::kAborted);
+  CHECK_THAT(aborted->reason, Catch::Contains("node 1: rank 1 failed to write"));
+  CHECK(clients[0]->GetOutcome("job", 999, 0ms)->outcome == Outcome::kUnknown);
+
+  GatherAmongThree(clients, "restore/job");
+
+  auto alone = clients[0]->Gather("barrier/alone", 0, 2, "", 200ms);
+  CHECK(absl::IsDeadlineExceeded(alone.status()));
+  CHECK_THAT(Message(alone.status()), Catch::Contains("missing: 1"));
+}
+
+TEST_CASE("rpc: requests are validated field by field") {
+  Group g(2);
+  auto client = g.Client(1);
+  REQUIRE(client->Join(Clock::now() + 3s).ok());
+
+  auto bad_job = client->Prepare(Part("../escape", 1, 1, {0}));
+  CHECK(absl::IsInvalidArgument(bad_job.status()));
+  CHECK_THAT(Message(bad_job.status()), Catch::Contains("job"));
+
+  auto huge_key = client->Gather(std::string(600, 'k'), 0, 1, "", 1s);
+  CHECK(absl::IsInvalidArgument(huge_key.status()));
+  CHECK_THAT(Message(huge_key.status()), Catch::Contains("key"));
+  auto huge_payload = client->Gather("k", 0, 1, std::string((1 << 20) + 1, 'x'), 1s);
+  CHECK(absl::IsInvalidArgument(huge_payload.status()));
+  CHECK_THAT(Message(huge_payload.status()), Catch::Contains("payload"));
+
+  {
+    RawCall call(g.server->address());
+    pb::PrepareRequest request;
+    request.set_node_rank(1);
+    request.set_incarnation(2001);
+    request.set_job("job");
+    request.set_step(1);
+    request.set_world_size(2);
+    request.add_ranks(1);
+    request.set_manifest_part_json("{not json");
+    pb::PrepareReply reply;
+    grpc::Status s = call.stub->Prepare(&call.ctx, request, &reply);
+    CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(s.error_message(), Catch::Contains("manifest_part_json"));
+  }
+  {
+    RawCall call(g.server->address());
+    pb::JoinRequest request;
+    request.set_node_rank(7);
+    request.set_num_nodes(2);
+    request.set_incarnation(5);
+    pb::JoinReply reply;
+    grpc::Status s = call.stub->Join(&call.ctx, request, &reply);
+    CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(s.error_message(), Catch::Contains("node_rank 7"));
+  }
+  // A node that has not joined under this incarnation cannot vote.
+  GroupOptions stranger = g.options;
+  stranger.node_rank = 0;
+  stranger.coordinator = g.server->address();
+  auto unjoined = MakeGrpcGroupClient(stranger, 77, "x");
+  REQUIRE(unjoined.ok());
+  CHECK(absl::IsFailedPrecondition((*unjoined)->Prepare(Part("job", 1, 2, {0})).status()));
+}
+
+TEST_CASE("rpc: a wrong token is refused on every call") {
+  Group g(2);
+  auto intruder = g.Client(1, "not-the-token");
+  auto join = intruder->Join(Clock::now() + 3s);
+  CHECK(absl::IsUnauthenticated(join.status()));
+  CHECK_THAT(Message(join.status()), Catch::Contains("refused this node's group token"));
+  CHECK(absl::IsUnauthenticated(intruder->Heartbeat().status()));
+  CHECK(absl::IsUnauthenticated(intruder->Prepare(Part("job", 1, 2, {1})).status()));
+  CHECK(absl::IsUnauthenticated(intruder->Abort("job", 1, "x")));
+  CHECK(absl::IsUnauthenticated(intruder->GetOutcome("job", 1, 1s).status()));
+  CHECK(absl::IsUnauthenticated(intruder->Gather("k", 0, 2, "", 1s).status()));
+  auto prefix = g.Client(1, std::string(kToken).substr(0, 10));
+  CHECK(absl::IsUnauthenticated(prefix->Heartbeat().status()));
+  for (std::string token : {std::string(), std::string("wrong")}) {
+    RawCall call(g.server->address(), token);
+    pb::PingReply reply;
+    grpc::Status s = call.stub->Ping(&call.ctx, pb::PingRequest(), &reply);
+    CHECK(s.error_code() == grpc::StatusCode::UNAUTHENTICATED);
+  }
+  RawCall call(g.server->address());
+  pb::PingReply reply;
+  REQUIRE(call.stub->Ping(&call.ctx, pb::PingRequest(), &reply).ok());
+  CHECK(reply.coordinator());
+  CHECK(reply.incarnation() == 1000);
+}
+
+TEST_CASE("rpc: a node other than 0 answers Ping only") {
+  auto started = StartGroupServer(NodeOptions(1, 3, "127.0.0.1:1"), 55, nullptr);
+  REQUIRE(started.ok());
+  GroupServerPtr server = std::move(*started);
+  CHECK(server->membership() == nullptr);
+  CHECK(server->coordinator() == nullptr);
+  {
+    RawCall call(server->address());
+    pb::PingReply reply;
+    REQUIRE(call.stub->Ping(&call.ctx, pb::PingRequest(), &reply).ok());
+    CHECK(reply.node_rank() == 1);
+    CHECK_FALSE(reply.coordinator());
+  }
+  RawCall call(server->address());
+  pb::JoinReply reply;
+  grpc::Status s = call.stub->Join(&call.ctx, pb::JoinRequest(), &reply);
+  CHECK(s.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(s.error_message(), Catch::Contains("node 1 is not the coordinator (node 0 is)"));
+}
+
+TEST_CASE("rpc: binding an address that cannot be bound fails naming it") {
+  Group g(2);
+  GroupOptions o = g.options;
+  // gRPC binds with SO_REUSEPORT, so a second server on a port in use may succeed on
+  // Linux; an address that is not this host's never does.
+  o.listen_addr = "192.0.2.1:0";
+  auto foreign = StartGroupServer(o, 1, g.log.get());
+  REQUIRE_FALSE(foreign.ok());
+  CHECK_THAT(Message(foreign.status()), Catch::Contains("192.0.2.1:0"));
+}
+
+TEST_CASE("rpc: garbage bytes and silent connections do not stop the group") {
+  Group g(3);
+  int garbage = ConnectTcp(g.server->address());
+  int silent = ConnectTcp(g.server->address());
+  std::mt19937 random(42);
+  std::string noise(64 << 10, '\0');
+  for (char& c : noise) c = static_cast<char>(random());
+  (void)::send(garbage, noise.data(), noise.size(), MSG_NOSIGNAL);
+  // A second garbage peer that claims HTTP/2 and then talks nonsense.
+  int half = ConnectTcp(g.server->address());
+  std::string preface = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + noise.substr(0, 4096);
+  (void)::send(half, preface.data(), preface.size(), MSG_NOSIGNAL);
+
+  std::vector<GroupClientPtr> clients;
+  for (uint32_t n = 0; n < 3; ++n) {
+    clients.push_back(g.Client(n));
+    REQUIRE(clients.back()->Join(Clock::now() + 3s).ok());
+  }
+  GatherAmongThree(clients, "after-garbage");
+  ::close(garbage);
+  ::close(silent);
+  ::close(half);
+}
+
+TEST_CASE("rpc: a member whose heartbeats stop is lost and its undecided step aborts") {
+  GroupOptions o = NodeOptions(0, 2, "");
+  o.group_timeout = 300ms;
+  Group g(2, o);
+  auto node1 = g.Client(1);
+  REQUIRE(node1->Join(Clock::now() + 3s).ok());
+  REQUIRE(node1->Prepare(Part("job", 7, 2, {1})).ok());
+  REQUIRE(testing::WaitUntil(
+      [&] { return g.server->membership()->View()[1].state == MemberState::kLost; }, 3s));
+  auto outcome = node1->GetOutcome("job", 7, 0ms);
+  REQUIRE(outcome.ok());
+  CHECK(outcome->outcome == Outcome::kAborted);
+  CHECK_THAT(outcome->reason, Catch::Contains("node 1"));
+  CHECK_THAT(outcome->reason, Catch::Contains("lost"));
+  auto heartbeat = node1->Heartbeat();
+  CHECK(absl::IsFailedPrecondition(heartbeat.status()));
+  REQUIRE(node1->Join(Clock::now() + 3s).ok());
+  CHECK(g.server->membership()->View()[1].state == MemberState::kAlive);
+}
+
+TEST_CASE("rpc: a GroupMember keeps its node alive and rejoins a restarted coordinator") {
+  GroupOptions o = NodeOptions(0, 2, "");
+  o.group_timeout = 300ms;
+  o.rpc_timeout = 500ms;
+  Group g(2, o);
+  const std::string address = g.server->address();
+  auto client = g.Client(1);
+  std::atomic<int> on_joined_calls{0};
+  GroupOptions member_options = g.options;
+  member_options.node_rank = 1;
+  GroupMember member(member_options, *client, [&] { ++on_joined_calls; });
+  REQUIRE(member.WaitJoined(3s));
+  CHECK(on_joined_calls == 1);
+  std::this_thread::sleep_for(700ms);  // more than two group timeouts
+  CHECK(g.server->membership()->View()[1].state == MemberState::kAlive);
+  CHECK(member.state().joined);
+  CHECK(member.state().last_ok_age_s >= 0);
+
+  // The coordinator restarts on the same address: it no longer knows node 1.
+  g.server->Shutdown();
+  g.server.reset();
+  GroupOptions again = g.options;
+  again.listen_addr = address;
+  auto restarted = StartGroupServer(again, 1001, g.log.get());
+  REQUIRE(restarted.ok());
+  g.server = std::move(*restarted);
+  REQUIRE(testing::WaitUntil([&] { return member.state().joins >= 2; }, 5s));
+  CHECK(on_joined_calls >= 2);
+  CHECK(g.server->membership()->View()[1].state == MemberState::kAlive);
+}
+
+TEST_CASE("rpc: shutdown answers waiting long polls") {
+  Group g(2);
+  auto client = g.Client(1);
+  REQUIRE(client->Join(Clock::now() + 3s).ok());
+  REQUIRE(client->Prepare(Part("job", 3, 2, {1})).ok());
+  absl::StatusOr<Decision> polled;
+  absl::StatusOr<std::vector<std::string>> gathered;
+  std::thread poller([&] { polled = client->GetOutcome("job", 3, 20s); });
+  std::thread gatherer([&] { gathered = client->Gather("k", 0, 2, "", 20s); });
+  std::this_thread::sleep_for(300ms);
+  auto start = Clock::now();
+  g.server->Shutdown();
+  poller.join();
+  gatherer.join();
+  CHECK(Clock::now() - start < 3s);
+  REQUIRE(polled.ok());
+  CHECK(polled->outcome == Outcome::kPending);
+  CHECK_FALSE(gathered.ok());
+}
+
+// ---- mutual TLS ----
+
+namespace {
+
+bool Run(const std::string& command) { return std::system((command + " >/dev/null 2>&1").c_str()) == 0; }
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A CA and a certificate it signs for 127.0.0.1, in `dir`.
+bool MakeCa(const std::string& dir, const std::string& name) {
+  return Run(fmt::format(
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 "
+      "-subj /CN={1} -keyout {0}/{1}.key -out {0}/{1}.pem "
+      "-addext basicConstraints=critical,CA:TRUE -addext keyUsage=critical,keyCertSign",
+      dir, name));
+}
+
+bool MakeCert(const std::string& dir, const std::string& ca, const std::string& name) {
+  std::ofstream(dir + "/ext.cnf")
+      << "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+         "keyUsage=digitalSignature,keyAgreement\nextendedKeyUsage=serverAuth,clientAuth\n";
+  return Run(fmt::format(
+             "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN={2} "
+             "-keyout {0}/{2}.key -out {0}/{2}.csr",
+             dir, ca, name)) &&
+         Run(fmt::format(
+             "openssl x509 -req -in {0}/{2}.csr -CA {0}/{1}.pem -CAkey {0}/{1}.key "
+             "-CAcreateserial -days 1 -extfile {0}/ext.cnf -out {0}/{2}.pem",
+             dir, ca, name));
+}
+
+void UseTls(GroupOptions& o, const std::string& dir, const std::string& ca,
+            const std::string& cert) {
+  o.tls_ca_pem = ReadFile(dir + "/" + ca + ".pem");
+  o.tls_cert_pem = ReadFile(dir + "/" + cert + ".pem");
+  o.tls_key_pem = ReadFile(dir + "/" + cert + ".key");
+}
+
+}  // namespace
+
+TEST_CASE("rpc: mutual TLS admits nodes with the group's certificates only") {
+  if (!Run("command -v openssl")) {
+    WARN("openssl CLI not found: skipping the TLS test");
+    return;
+  }
+  testing::TempDir certs;
+  const std::string& d = certs.path();
+  REQUIRE(MakeCa(d, "ca"));
+  REQUIRE(MakeCert(d, "ca", "server"));
+  REQUIRE(MakeCert(d, "ca", "node1"));
+  REQUIRE(MakeCa(d, "rogue-ca"));
+  REQUIRE(MakeCert(d, "rogue-ca", "rogue"));
+
+  GroupOptions o = NodeOptions(0, 2, "");
+  UseTls(o, d, "ca", "server");
+  Group g(2, o);
+
+  GroupOptions node = g.options;
+  node.node_rank = 1;
+  node.coordinator = g.server->address();
+  UseTls(node, d, "ca", "node1");
+  auto client = MakeGrpcGroupClient(node, 31, "127.0.0.1:9001");
+  REQUIRE(client.ok());
+  REQUIRE((*client)->Join(Clock::now() + 3s).ok());
+  REQUIRE((*client)->Gather("tls", 0, 1, "hello", 1s).ok());
+
+  // A certificate from another CA: the handshake fails, the call never arrives.
+  GroupOptions rogue = node;
+  UseTls(rogue, d, "ca", "rogue");
+  auto rogue_client = MakeGrpcGroupClient(rogue, 32, "x");
+  REQUIRE(rogue_client.ok());
+  auto refused = (*rogue_client)->Join(Clock::now() + 500ms);
+  CHECK_FALSE(refused.ok());
+  CHECK_FALSE(absl::IsUnauthenticated(refused.status()));  // refused before the token check
+
+  // No client certificate at all.
+  grpc::SslCredentialsOptions server_only;
+  server_only.pem_root_certs = node.tls_ca_pem;
+  auto stub = pb::Group::NewStub(
+      grpc::CreateChannel(g.server->address(), grpc::SslCredentials(server_only)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + 1s);
+  ctx.AddMetadata("x-ckptd-group-token", kToken);
+  pb::PingReply reply;
+  CHECK_FALSE(stub->Ping(&ctx, pb::PingRequest(), &reply).ok());
+
+  // Plaintext to a TLS server.
+  GroupOptions plain = node;
+  plain.tls_ca_pem = plain.tls_cert_pem = plain.tls_key_pem = "";
+  auto plain_client = MakeGrpcGroupClient(plain, 33, "x");
+  REQUIRE(plain_client.ok());
+  CHECK_FALSE((*plain_client)->Join(Clock::now() + 500ms).ok());
+}
