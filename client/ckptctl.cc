@@ -5,11 +5,13 @@
 #include <CLI/CLI.hpp>
 #include <fmt/chrono.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <optional>
+#include <vector>
 
 #include "client/table.h"
 #include "proto/admin.grpc.pb.h"
@@ -98,17 +100,46 @@ class Ctl {
                     std::to_string(x.last_committed_step()), x.trainer_alive() ? "yes" : "no"});
     }
     std::cout << "SESSIONS\n" << (r.sessions().empty() ? "(none)\n" : sessions.Render()) << "\n";
-    ckpt::Table jobs({"JOB", "LATEST", "PENDING", "IN MEMORY"});
+    if (r.group().enabled()) PrintGroup(r.group());
+    ckpt::Table jobs({"JOB", "LATEST", "GLOBAL", "PENDING", "IN MEMORY"});
     for (const auto& j : r.jobs()) {
       jobs.Add({j.job(), j.has_committed() ? std::to_string(j.latest_committed_step()) : "-",
+                j.has_global() ? std::to_string(j.latest_global_step()) : "-",
                 Steps(j.pending_steps()), Steps(j.hot_steps())});
     }
     std::cout << "JOBS\n" << (r.jobs().empty() ? "(none)\n" : jobs.Render());
+    ckpt::Table flight({"JOB", "STEP", "STATE", "SCOPE", "AGE", "MISSING RANKS"});
+    for (const auto& j : r.jobs()) {
+      for (const auto& f : j.in_flight()) {
+        std::vector<uint32_t> missing(f.missing_ranks().begin(), f.missing_ranks().end());
+        flight.Add({j.job(), std::to_string(f.step()), f.state(), f.scope(),
+                    fmt::format("{:.1f} s", f.age_s()),
+                    missing.empty() ? "-" : fmt::format("{}", fmt::join(missing, ","))});
+      }
+    }
+    if (!flight.empty()) std::cout << "\nSTEPS IN FLIGHT\n" << flight.Render();
     if (!r.recent_errors().empty()) {
       std::cout << "\nRECENT ERRORS\n";
       for (const auto& e : r.recent_errors()) std::cout << "  " << e << "\n";
     }
     return 0;
+  }
+
+  static void PrintGroup(const ckptd::v1::GroupStatus& g) {
+    std::cout << fmt::format("group     node {} of {}  listening on {}  coordinator {}  {}{}\n",
+                             g.node_rank(), g.num_nodes(), g.address(), g.coordinator(),
+                             g.joined() ? "joined" : "NOT JOINED", g.tls() ? "  (TLS)" : "");
+    if (!g.last_error().empty()) std::cout << "          last error: " << g.last_error() << "\n";
+    ckpt::Table members({"NODE", "ADDRESS", "STATE", "LAST HEARTBEAT"});
+    for (const auto& m : g.members()) {
+      members.Add({std::to_string(m.node_rank()), m.address().empty() ? "-" : m.address(),
+                   m.state(),
+                   m.last_heartbeat_age_s() < 0 ? "never"
+                                                : fmt::format("{:.1f} s ago", m.last_heartbeat_age_s())});
+    }
+    std::cout << "MEMBERS\n" << (g.members().empty() ? "(not heard from the coordinator)\n"
+                                                        : members.Render())
+              << "\n";
   }
 
   int List() {

@@ -26,15 +26,21 @@ TEST_CASE("two ranks save and restore bit for bit, from memory and from disk") {
   REQUIRE(r0.Wait() == 0);
   REQUIRE(r1.Wait() == 0);
   CHECK(Contains(r0.Stdout(), "committed"));
+  // Every rank of a job restores together: they meet at a barrier that fixes the step.
   auto restore_both = [&](const std::string& source) {
+    std::vector<std::unique_ptr<Process>> ranks;
     for (int rank : {0, 1}) {
-      auto c = Run(Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2",
-                              "--seed", std::to_string(100 + rank), "--bytes", "4000000", "check"}),
-                   dir.path());
-      INFO(c.out << c.err);
-      CHECK(c.exit_code == 0);
-      CHECK(Contains(c.out, "restored step=7 source=" + source));
-      CHECK(Contains(c.out, "match"));
+      ranks.push_back(std::make_unique<Process>(
+          Helper(d, {"--job", "mr2", "--rank", std::to_string(rank), "--world-size", "2", "--seed",
+                     std::to_string(100 + rank), "--bytes", "4000000", "check"}),
+          dir.path(), "restore" + std::to_string(rank)));
+    }
+    for (auto& c : ranks) {
+      int rc = c->Wait();
+      INFO(c->Stdout() << c->Stderr());
+      CHECK(rc == 0);
+      CHECK(Contains(c->Stdout(), "restored step=7 source=" + source));
+      CHECK(Contains(c->Stdout(), "match"));
     }
   };
   restore_both("memory");
