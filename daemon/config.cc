@@ -92,6 +92,7 @@ std::string Config::ToJson() const {
                       {"coordinator", coordinator},
                       {"group_addr", group_addr},
                       {"group_token_file", group_token_file},
+                      {"shared_root", shared_root},
                       {"group_tls", !group_tls_cert.empty()},
                       {"group_timeout_ms", group_timeout_ms},
                       {"step_timeout_ms", step_timeout_ms},
@@ -162,6 +163,10 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--group-token-file", c.group_token_file,
                  "file holding the group's shared token (every group call carries it)")
       ->envname("CKPTD_GROUP_TOKEN_FILE");
+  app.add_flag("--shared-root", c.shared_root,
+               "--root is one filesystem shared by every node: the coordinator writes the one "
+               "manifest and renames; nodes write only their shards")
+      ->envname("CKPTD_SHARED_ROOT");
   app.add_option("--group-tls-cert", c.group_tls_cert, "PEM certificate for mutual TLS")
       ->envname("CKPTD_GROUP_TLS_CERT");
   app.add_option("--group-tls-key", c.group_tls_key, "PEM private key for mutual TLS")
@@ -269,6 +274,7 @@ absl::Status Validate(const Config& c) {
       }
     }
   }
+  if (c.shared_root && c.num_nodes < 2) return bad("--shared-root needs --num-nodes > 1");
   if (c.step_timeout_ms < 100) return bad("--step-timeout must be at least 100ms");
   if (c.group_timeout_ms < 100) return bad("--group-timeout must be at least 100ms");
   spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);

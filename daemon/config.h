@@ -37,6 +37,7 @@ struct Config {
   std::string coordinator;           // HOST:PORT of node 0's group server
   std::string group_addr;            // HOST:PORT this node's group server binds
   std::string group_token_file;      // the shared secret (required with num_nodes > 1)
+  bool shared_root = false;          // --root is one filesystem shared by every node
   std::string group_tls_cert, group_tls_key, group_tls_ca;  // mutual TLS: all three or none
   uint32_t group_timeout_ms = 10'000;   // a member silent this long is lost
   uint32_t step_timeout_ms = 300'000;   // a step still missing ranks this long is aborted

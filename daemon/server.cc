@@ -150,8 +150,15 @@ absl::Status StartGroup(Server::Parts& p) {
       p.decision_log = std::make_unique<ExitAfterRecord>(std::move(p.decision_log));
     }
   }
-  CKPT_ASSIGN_OR_RETURN(p.group_server,
-                        group::StartGroupServer(o, incarnation, p.decision_log.get()));
+  group::CommitCoordinator::Publisher publish;
+  if (c.shared_root) {
+    publish.commit = [store = p.store.get()](const persist::Manifest& m) { return store->Commit(m); };
+    publish.discard = [store = p.store.get()](const std::string& job, uint64_t step) {
+      (void)store->AbortStep(job, step);
+    };
+  }
+  CKPT_ASSIGN_OR_RETURN(p.group_server, group::StartGroupServer(o, incarnation, p.decision_log.get(),
+                                                                std::move(publish)));
   log.info("group server listening on {} (node {} of {}{})", p.group_server->address(),
            c.node_rank, c.num_nodes, o.coordinator_role() ? ", coordinator" : "");
   // Node 0 talks to its own coordinator like every other node (one code path), at the
@@ -217,9 +224,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->fs = MakePosixFilesystem();
   CKPT_RETURN_IF_ERROR(Annotate(p->fs->MakeDir(config.root), "--root"));
   p->store = std::make_unique<persist::CheckpointStore>(p->fs, config.root);
+  p->store->set_shared(config.shared_root);
   const bool grouped = config.num_nodes > 1;
   std::vector<std::pair<std::string, uint64_t>> in_doubt;
-  if (grouped) {
+  // On a shared root only the coordinator looks after step directories.
+  const bool own_steps = !config.shared_root || config.node_rank == 0;
+  if (grouped && own_steps) {
     // Unfinished steps may have been committed by the group meanwhile: ask, don't remove.
     CKPT_ASSIGN_OR_RETURN(in_doubt, p->store->ListTempSteps());
   }
@@ -275,7 +285,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                       const std::vector<StagedSnapshotPtr>& local) {
     parts->board.checkpoints_committed++;
     parts->hot->Insert(local);
-    parts->retention->Schedule(manifest.job);
+    // On a shared root retention is the coordinator's (every node would delete the same).
+    if (!parts->config.shared_root || parts->config.node_rank == 0) {
+      parts->retention->Schedule(manifest.job);
+    }
   };
   hooks.failed = [board = &p->board](const std::string& job, uint64_t step, const std::string& m) {
     board->checkpoints_failed++;

@@ -122,7 +122,7 @@ void CommitterBase::FinishAborted(const Key& key, const std::string& message, bo
   Log().error("[{} s{}] checkpoint failed: {}", key.first, key.second, message);
   hooks_.failed(key.first, key.second, message);
   // Only the unfinished step-N.tmp goes; a committed step-N is never touched.
-  if (!keep_tmp) (void)store_.AbortStep(key.first, key.second);
+  if (!keep_tmp) DiscardUnfinished(key);
   persist::NotifyTickets(waiting, shm::kTicketFailed, message);
   waiting.clear();  // the staging blocks return to the pool here
   hooks_.progress();

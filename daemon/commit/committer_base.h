@@ -52,6 +52,8 @@ class CommitterBase : public Committer {
   void FinishAborted(const Key& key, const std::string& message, bool keep_tmp = false);
   // Called when a rank of `key` failed to write (the base has marked nothing yet).
   virtual void OnLocalFailure(const Key& key, const std::string& message);
+  // Removes an unfinished step's files (group on a shared root: the coordinator does).
+  virtual void DiscardUnfinished(const Key& key) { (void)store_.AbortStep(key.first, key.second); }
   // Extra refusals before a step's directory is created (group: a step in doubt).
   virtual absl::Status CheckStepAllowed(const Key& key) { return absl::OkStatus(); }
   // `world_size` minus the ranks in `have`: "1, 3" (at most 16 named).

@@ -173,13 +173,17 @@ void GroupCommitter::Apply(const Key& key, const group::Decision& decision) {
     std::string why = decision.reason.empty() ? "aborted by the coordinator" : decision.reason;
     if (why.rfind("aborted", 0) != 0) why = "aborted: " + why;
     FinishAborted(key, why);
-    (void)store_.AbortStep(key.first, key.second);  // also when the step was in doubt
+    DiscardUnfinished(key);  // also when the step was in doubt
     return;
   }
   auto manifest = persist::ParseManifest(decision.manifest_json, "the coordinator's decision");
   absl::Status published = manifest.status();
   if (manifest.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
-    published = store_.Commit(*manifest);
+    // On a shared root the coordinator publishes the step before announcing it, and
+    // again (here, on node 0) when it restarted in between.
+    published = store_.shared() && node_rank_ != 0
+                    ? absl::DataLossError("the coordinator did not publish it on the shared root")
+                    : store_.Commit(*manifest);
   }
   if (!published.ok()) {
     FinishAborted(key,
@@ -205,6 +209,11 @@ void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) 
     watches_.erase(key);
   }
   FinishAborted(key, message);
+}
+
+void GroupCommitter::DiscardUnfinished(const Key& key) {
+  // A shared step directory holds other nodes' shards too: the coordinator removes it.
+  if (!store_.shared()) (void)store_.AbortStep(key.first, key.second);
 }
 
 absl::Status GroupCommitter::CheckStepAllowed(const Key& key) {

@@ -36,6 +36,7 @@ class GroupCommitter : public CommitterBase {
  protected:
   void OnLocalFailure(const Key& key, const std::string& message) override;
   absl::Status CheckStepAllowed(const Key& key) override;
+  void DiscardUnfinished(const Key& key) override;
 
  private:
   struct Watch {

@@ -132,6 +132,14 @@ void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications
                 out);
     return;
   }
+  if (options_.publish.commit) {
+    // The decision stands either way; a coordinator restart publishes it again (the step
+    // stays in .tmp and is resolved from the log).
+    if (absl::Status published = options_.publish.commit(*merged); !published.ok()) {
+      Log().error("{} committed but not published on the shared root: {}",
+                  Prefix(key.first, key.second), Message(published));
+    }
+  }
   Decision decision{Outcome::kCommitted, {}, std::move(json)};
   for (PendingWaiter& w : round.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
@@ -149,6 +157,7 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
     rounds_.erase(it);
   }
   Log().warn("{} aborted: {}", Prefix(key.first, key.second), reason);
+  if (options_.publish.discard) options_.publish.discard(key.first, key.second);
   RememberLocked(key, std::move(decision));
 }
 

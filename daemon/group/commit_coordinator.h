@@ -43,9 +43,19 @@ class CommitCoordinator {
   using Clock = std::chrono::steady_clock;
   using Waiter = std::function<void(const Decision&)>;
 
+  // With one shared filesystem (--shared-root) the coordinator itself publishes a step
+  // (writes the one manifest, renames the directory) after recording the decision and
+  // before announcing it, and removes an aborted step's directory. Empty: every node
+  // publishes its own part (node-local disks).
+  struct Publisher {
+    std::function<absl::Status(const persist::Manifest&)> commit;
+    std::function<void(const std::string& job, uint64_t step)> discard;
+  };
+
   struct Options {
     std::chrono::milliseconds step_timeout{300'000};
     uint32_t max_world_size = 1u << 20;
+    Publisher publish;
   };
 
   CommitCoordinator(DecisionLog& log, Options options);

@@ -53,10 +53,12 @@ std::string BoundAddress(const std::string& listen_addr, int port) {
 
 class GrpcGroupServer final : public GroupServer {
  public:
-  GrpcGroupServer(const GroupOptions& options, uint64_t incarnation, DecisionLog* log)
+  GrpcGroupServer(const GroupOptions& options, uint64_t incarnation, DecisionLog* log,
+                  CommitCoordinator::Publisher publish)
       : options_(options),
-        state_(options.coordinator_role() ? std::make_unique<CoordinatorState>(options, *log)
-                                          : nullptr),
+        state_(options.coordinator_role()
+                   ? std::make_unique<CoordinatorState>(options, *log, std::move(publish))
+                   : nullptr),
         service_(options, incarnation, state_.get()) {}
 
   ~GrpcGroupServer() override { Shutdown(); }
@@ -182,7 +184,8 @@ class GrpcGroupServer final : public GroupServer {
 }  // namespace
 
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
-                                                DecisionLog* log) {
+                                                DecisionLog* log,
+                                                CommitCoordinator::Publisher publish) {
   if (options.token.empty()) {
     return absl::InvalidArgumentError("the group server needs a group token (--group-token-file)");
   }
@@ -193,7 +196,7 @@ absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uin
   if (options.coordinator_role() && log == nullptr) {
     return absl::InvalidArgumentError("the coordinator needs a decision log");
   }
-  auto server = std::make_unique<GrpcGroupServer>(options, incarnation, log);
+  auto server = std::make_unique<GrpcGroupServer>(options, incarnation, log, std::move(publish));
   CKPT_RETURN_IF_ERROR(server->Start());
   return GroupServerPtr(std::move(server));
 }

@@ -30,9 +30,10 @@ class GroupServer {
 
 using GroupServerPtr = std::unique_ptr<GroupServer>;
 
-// Binds options.listen_addr (port 0: an ephemeral port). `log` is used by the coordinator
-// role only and must outlive the server.
+// Binds options.listen_addr (port 0: an ephemeral port). `log` and `publish` are used by
+// the coordinator role only; `log` must outlive the server.
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
-                                                DecisionLog* log);
+                                                DecisionLog* log,
+                                                CommitCoordinator::Publisher publish = {});
 
 }  // namespace ckpt::group

@@ -23,9 +23,11 @@ namespace ckpt::group {
 
 // What only node 0 holds. Owned by the server, outlives the service.
 struct CoordinatorState {
-  CoordinatorState(const GroupOptions& options, DecisionLog& log)
+  CoordinatorState(const GroupOptions& options, DecisionLog& log,
+                   CommitCoordinator::Publisher publish)
       : membership(options.num_nodes, options.group_timeout),
-        commits(log, CommitCoordinator::Options{options.step_timeout}) {}
+        commits(log, CommitCoordinator::Options{options.step_timeout, 1u << 20,
+                                                std::move(publish)}) {}
   Membership membership;
   CommitCoordinator commits;
   GatherTable gathers;

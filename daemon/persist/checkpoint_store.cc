@@ -46,6 +46,10 @@ std::string CheckpointStore::TempStepDir(const std::string& job, uint64_t step) 
 absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::string tmp = TempStepDir(job, step);
+  if (shared_) {
+    CKPT_RETURN_IF_ERROR(fs_->MakeDir(JobDir(job)));
+    return fs_->MakeDir(tmp);
+  }
   CKPT_RETURN_IF_ERROR(fs_->RemoveTree(tmp));
   CKPT_RETURN_IF_ERROR(fs_->MakeDir(tmp));
   return absl::OkStatus();

@@ -27,8 +27,12 @@ class CheckpointStore {
   std::string StepDir(const std::string& job, uint64_t step) const;
   std::string TempStepDir(const std::string& job, uint64_t step) const;
 
-  // Creates an empty <step>.tmp directory, replacing a leftover one.
+  // Creates an empty <step>.tmp directory, replacing a leftover one. On a root that
+  // several nodes share it only makes sure the directory exists: the others write there too.
   absl::Status BeginStep(const std::string& job, uint64_t step);
+  // --shared-root: this root is one filesystem for every node of the group.
+  void set_shared(bool shared) { shared_ = shared; }
+  bool shared() const { return shared_; }
   // Writes the manifest and publishes the step directory.
   absl::Status Commit(const Manifest& manifest);
   // Removes an unfinished step directory.
@@ -51,6 +55,7 @@ class CheckpointStore {
  private:
   FilesystemPtr fs_;
   std::string root_;
+  bool shared_ = false;
 };
 
 // Parses "step-00001200" -> 1200; false for anything else.
