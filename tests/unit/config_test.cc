@@ -89,3 +89,54 @@ TEST_CASE("bad flags and combinations are refused naming the flag") {
   f.socket = std::string(200, 's');
   CHECK_FALSE(Validate(f).ok());
 }
+
+TEST_CASE("durations take ms/s/m/h units; a bare number is seconds") {
+  CHECK(*ParseDurationMs("500ms") == 500);
+  CHECK(*ParseDurationMs("3s") == 3000);
+  CHECK(*ParseDurationMs("2.5") == 2500);
+  CHECK(*ParseDurationMs("2m") == 120'000);
+  CHECK(*ParseDurationMs("1h") == 3'600'000);
+  CHECK_FALSE(ParseDurationMs("soon").ok());
+  CHECK_FALSE(ParseDurationMs("5d").ok());
+  CHECK_FALSE(ParseDurationMs("0s").ok());
+  CHECK_FALSE(ParseDurationMs("48h").ok());
+}
+
+TEST_CASE("group flags: validated together, each error names its flag") {
+  auto group = [](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"--num-nodes", "4", "--node-rank", "2", "--coordinator",
+                                     "10.0.0.1:7070", "--group-token-file", "/etc/ckptd/token",
+                                     "--step-timeout", "90s", "--group-timeout", "500ms"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return Parse(args);
+  };
+  auto ok = group({});
+  REQUIRE_FALSE(ok.exit);
+  CHECK(ok.config.num_nodes == 4);
+  CHECK(ok.config.node_rank == 2);
+  CHECK(ok.config.step_timeout_ms == 90'000);
+  CHECK(ok.config.group_timeout_ms == 500);
+  CHECK(Validate(ok.config).ok());
+  auto message = [](const ParseResult& r) { return ckpt::Message(Validate(r.config)); };
+  CHECK(message(group({"--node-rank", "4"})).find("--node-rank 4 is not in 0..3") != std::string::npos);
+  CHECK(message(group({"--group-token-file", ""})).find("--group-token-file is required") !=
+        std::string::npos);
+  CHECK(message(group({"--coordinator", "nohost"})).find("--coordinator") != std::string::npos);
+  CHECK(message(group({"--group-tls-cert", "/c.pem"})).find("go together") != std::string::npos);
+  CHECK(message(Parse({"--shared-root"})).find("--shared-root needs --num-nodes > 1") !=
+        std::string::npos);
+  auto bad_duration = group({"--step-timeout", "forever"});
+  CHECK(bad_duration.exit);
+  CHECK(bad_duration.message.find("--step-timeout") != std::string::npos);
+}
+
+TEST_CASE("group flags come from the environment too (Kubernetes)") {
+  ::setenv("CKPTD_NODE_RANK", "3", 1);
+  ::setenv("CKPTD_NUM_NODES", "8", 1);
+  auto r = Parse({});
+  ::unsetenv("CKPTD_NODE_RANK");
+  ::unsetenv("CKPTD_NUM_NODES");
+  REQUIRE_FALSE(r.exit);
+  CHECK(r.config.node_rank == 3);
+  CHECK(r.config.num_nodes == 8);
+}

@@ -78,3 +78,59 @@ TEST_CASE("damaged manifests are refused with the source named") {
   CHECK_FALSE(ParseManifest("{", "x").ok());
   CHECK_FALSE(ParseManifest("[]", "x").ok());
 }
+
+namespace {
+
+ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::string dtype = "F32") {
+  ckpt::persist::Manifest m;
+  m.job = "llm";
+  m.step = 40;
+  m.world_size = world;
+  m.ckptd_version = "test";
+  for (uint32_t r : ranks) {
+    ckpt::persist::ManifestShard s;
+    s.rank = r;
+    s.file = "rank-" + std::to_string(r) + ".safetensors";
+    s.bytes = 64;
+    m.shards.push_back(s);
+    m.tensors["w"].dtype = dtype;
+    m.tensors["w"].global_shape = {16 * static_cast<int64_t>(world)};
+    m.tensors["w"].shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, "c"});
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("nodes' manifest parts merge into the whole step, with who holds what") {
+  using ckpt::persist::MergeManifestParts;
+  auto merged = MergeManifestParts({{2, Part(4, {3})}, {0, Part(4, {0, 1})}, {1, Part(4, {2})}});
+  REQUIRE(merged.ok());
+  CHECK(merged->shards.size() == 4);
+  CHECK(merged->tensors.at("w").shards.size() == 4);
+  CHECK(merged->tensors.at("w").shards[3].rank == 3);
+  REQUIRE(merged->nodes.size() == 3);
+  CHECK(merged->nodes[0].ranks == std::vector<uint32_t>{0, 1});
+  CHECK(merged->NodeOf(3) == 2u);
+  // The merged manifest is a whole one: it round-trips, nodes included.
+  auto parsed = ckpt::persist::ParseManifest(ckpt::persist::ManifestToJson(*merged), "merged");
+  REQUIRE(parsed.ok());
+  CHECK(parsed->nodes.size() == 3);
+  // A part parses only as a part.
+  std::string part = ckpt::persist::ManifestToJson(Part(4, {1, 3}));
+  CHECK_FALSE(ckpt::persist::ParseManifest(part, "p").ok());
+  CHECK(ckpt::persist::ParseManifest(part, "p", ckpt::persist::ManifestScope::kPart).ok());
+}
+
+TEST_CASE("parts that disagree or leave a gap are refused, naming the problem") {
+  using ckpt::persist::MergeManifestParts;
+  auto missing = MergeManifestParts({{0, Part(3, {0})}, {1, Part(3, {2})}});
+  REQUIRE_FALSE(missing.ok());
+  CHECK(ckpt::Message(missing.status()).find("missing ranks 1") != std::string::npos);
+  auto twice = MergeManifestParts({{0, Part(2, {0, 1})}, {1, Part(2, {1})}});
+  CHECK(ckpt::Message(twice.status()).find("rank 1 of step 40 was prepared twice") != std::string::npos);
+  auto dtype = MergeManifestParts({{0, Part(2, {0})}, {1, Part(2, {1}, "BF16")}});
+  CHECK(ckpt::Message(dtype.status()).find("tensor w") != std::string::npos);
+  auto world = MergeManifestParts({{0, Part(2, {0})}, {1, Part(3, {1})}});
+  CHECK(ckpt::Message(world.status()).find("world size") != std::string::npos);
+}

@@ -1,0 +1,50 @@
+// Restoring ranks agree on one step: the newest every rank has.
+#include <catch2/catch.hpp>
+
+#include <future>
+#include <thread>
+
+#include "common/status.h"
+#include "daemon/restore/step_agreement.h"
+
+using namespace ckpt::daemon;
+using namespace std::chrono_literals;
+
+TEST_CASE("the newest step every rank has is chosen") {
+  CHECK(**ChooseCommonStep("j", {{10, 20, 30}, {10, 20}, {20, 30}}) == 20);
+  CHECK(**ChooseCommonStep("j", {{10}}) == 10);
+  CHECK_FALSE(ChooseCommonStep("j", {{}, {}})->has_value());  // a fresh start
+  auto none = ChooseCommonStep("j", {{10}, {20}, {}});
+  REQUIRE_FALSE(none.ok());
+  CHECK(ckpt::Message(none.status()).find("no committed step is present for every rank") !=
+        std::string::npos);
+  CHECK(ckpt::Message(none.status()).find("rank 2: none") != std::string::npos);
+}
+
+TEST_CASE("step lists travel as text and bad text is refused") {
+  CHECK(EncodeSteps({1, 20, 300}) == "1,20,300");
+  CHECK(*DecodeSteps("1,20,300") == std::vector<uint64_t>{1, 20, 300});
+  CHECK(DecodeSteps("")->empty());
+  CHECK_FALSE(DecodeSteps("1,x").ok());
+  CHECK_FALSE(DecodeSteps("1;2").ok());
+  std::vector<uint64_t> many(1000);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = i;
+  CHECK(DecodeSteps(EncodeSteps(many))->size() == kMaxAdvertised);
+}
+
+TEST_CASE("local ranks meet at the barrier; a rank alone times out naming the missing") {
+  auto agreement = MakeLocalStepAgreement();
+  auto other = std::async(std::launch::async, [&] {
+    return agreement->Agree("j", 1, 2, {10, 20}, 5s);
+  });
+  auto mine = agreement->Agree("j", 0, 2, {10, 20, 30}, 5s);
+  REQUIRE(mine.ok());
+  CHECK(**mine == 20);
+  CHECK(**other.get() == 20);
+  auto alone = agreement->Agree("j", 0, 3, {10}, 200ms);
+  REQUIRE_FALSE(alone.ok());
+  std::string message = ckpt::Message(alone.status());
+  CHECK(message.find("restore barrier of job j") != std::string::npos);
+  CHECK(message.find("missing: 1, 2") != std::string::npos);
+  CHECK(message.find("--restore-timeout") != std::string::npos);
+}
