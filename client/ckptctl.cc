@@ -212,6 +212,11 @@ class Ctl {
     } else if (r.ok()) {
       std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", o_.step, job,
                                Bytes(r.bytes_checked()));
+      if (!r.skipped_ranks().empty()) {
+        std::vector<uint32_t> skipped(r.skipped_ranks().begin(), r.skipped_ranks().end());
+        std::cout << fmt::format("  ranks {} are held by other nodes: verify them there\n",
+                                 fmt::join(skipped, ","));
+      }
     } else {
       std::cout << fmt::format("step {} of job {}: DAMAGED\n", o_.step, job);
       for (const auto& p : r.problems()) std::cout << "  " << p << "\n";

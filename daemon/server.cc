@@ -159,8 +159,6 @@ absl::Status StartGroup(Server::Parts& p) {
   }
   CKPT_ASSIGN_OR_RETURN(p.group_server, group::StartGroupServer(o, incarnation, p.decision_log.get(),
                                                                 std::move(publish)));
-  log.info("group server listening on {} (node {} of {}{})", p.group_server->address(),
-           c.node_rank, c.num_nodes, o.coordinator_role() ? ", coordinator" : "");
   // Node 0 talks to its own coordinator like every other node (one code path), at the
   // address it really bound (the port may have been 0).
   if (o.coordinator_role()) o.coordinator = p.group_server->address();

@@ -40,6 +40,7 @@ absl::Status CommitterBase::Arrived(const StagedSnapshotPtr& snapshot) {
   if (inserted) {
     step.world_size = snapshot->world_size;
     step.started = now;
+    step.attempt = ++attempts_;
   }
   if (snapshot->world_size != step.world_size) {
     return absl::InvalidArgumentError(

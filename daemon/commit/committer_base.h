@@ -41,6 +41,7 @@ class CommitterBase : public Committer {
     DurableShards durable;
     std::vector<StagedSnapshotPtr> waiting;  // tickets to tell once decided
     std::string state = "writing";
+    uint64_t attempt = 0;  // tells a step from an earlier attempt at the same number
   };
 
   // Ends `key` as committed: the hot cache gets this node's snapshots, then the tickets
@@ -66,6 +67,7 @@ class CommitterBase : public Committer {
 
   mutable std::mutex mu_;
   std::map<Key, Step> steps_;
+  uint64_t attempts_ = 0;  // guarded by mu_
 
  private:
   struct Ended {

@@ -26,29 +26,38 @@ GroupCommitter::~GroupCommitter() { Shutdown(); }
 
 void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) {
   const Key key{snapshot->job, snapshot->step};
+  uint64_t attempt = 0;
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
     if (it == steps_.end()) return;  // the step already ended and its tickets were told
+    attempt = it->second.attempt;
     it->second.durable[snapshot->rank] = {snapshot, std::move(shard)};
     it->second.state = "prepared";
     Watch& w = watches_[key];
+    if (w.attempt != attempt) {
+      w = Watch{};
+      w.attempt = attempt;
+    }
     if (w.since == Clock::time_point{}) w.since = Clock::now();
     w.unsent.insert(snapshot->rank);
   }
   // Prepared from the I/O thread at once: one round trip, so the commit follows the last
   // rank's fsync without waiting for a poll.
-  SendPrepare(key, {snapshot->rank});
+  SendPrepare(key, attempt, {snapshot->rank});
   std::lock_guard lock(mu_);
-  if (steps_.count(key) || watches_.count(key)) EnsureWatcherLocked(key);
+  if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
+    EnsureWatcherLocked(key);
+  }
 }
 
-bool GroupCommitter::SendPrepare(const Key& key, const std::set<uint32_t>& ranks) {
+bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
+                                 const std::set<uint32_t>& ranks) {
   absl::StatusOr<persist::Manifest> part;
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
-    if (it == steps_.end()) return false;
+    if (it == steps_.end() || it->second.attempt != attempt) return false;
     DurableShards chosen;
     for (uint32_t r : ranks) {
       if (auto d = it->second.durable.find(r); d != it->second.durable.end()) chosen.insert(*d);
@@ -68,13 +77,13 @@ bool GroupCommitter::SendPrepare(const Key& key, const std::set<uint32_t>& ranks
   }
   {
     std::lock_guard lock(mu_);
-    if (auto w = watches_.find(key); w != watches_.end()) {
+    if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
       for (uint32_t r : ranks) w->second.unsent.erase(r);
       w->second.acknowledged = true;
     }
   }
   if (reply->outcome == group::Outcome::kCommitted || reply->outcome == group::Outcome::kAborted) {
-    Apply(key, *reply);
+    Apply(key, attempt, *reply);
   }
   return true;
 }
@@ -92,6 +101,7 @@ void GroupCommitter::WatchLoop(Key key) {
   while (true) {
     std::set<uint32_t> unsent;
     bool acknowledged = false, adopted = false, released = false;
+    uint64_t attempt = 0;
     Clock::time_point since;
     {
       std::unique_lock lock(mu_);
@@ -103,8 +113,9 @@ void GroupCommitter::WatchLoop(Key key) {
       adopted = w->second.adopted;
       released = w->second.released;
       since = w->second.since;
+      attempt = w->second.attempt;
     }
-    if (!unsent.empty() && !SendPrepare(key, unsent)) {
+    if (!unsent.empty() && !SendPrepare(key, attempt, unsent)) {
       std::unique_lock lock(mu_);
       watch_cv_.wait_for(lock, kRetryPause, [&] { return stopping_; });
     } else {
@@ -116,7 +127,7 @@ void GroupCommitter::WatchLoop(Key key) {
                        // coordinator restarted before deciding (presumed abort).
                        (decision->outcome == group::Outcome::kUnknown && (acknowledged || adopted));
         if (decided) {
-          Apply(key, *decision);
+          Apply(key, attempt, *decision);
           continue;
         }
       } else {
@@ -153,13 +164,23 @@ void GroupCommitter::ReleaseInDoubt(const Key& key, double waited_s) {
                 /*keep_tmp=*/true);
 }
 
-void GroupCommitter::Apply(const Key& key, const group::Decision& decision) {
+void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decision& decision) {
+  bool ours = false;  // the step in the table is the attempt decided
   {
     std::lock_guard lock(mu_);
+    auto step = steps_.find(key);
+    auto watch = watches_.find(key);
+    ours = step != steps_.end() && step->second.attempt == attempt;
+    bool watched = watch != watches_.end() && watch->second.attempt == attempt;
     // The I/O thread (prepare reply) and the watcher (outcome poll) may both hear it.
-    if (applying_.count(key) || (!watches_.count(key) && !steps_.count(key))) return;
+    if (applying_.count(key) || (!ours && !watched)) return;
+    // A newer attempt at the same step is writing: leave its directory alone.
+    if (!ours && step != steps_.end()) {
+      watches_.erase(watch);
+      return;
+    }
     applying_.insert(key);
-    watches_.erase(key);
+    if (watched) watches_.erase(watch);
   }
   struct Done {
     GroupCommitter* self;
@@ -172,8 +193,11 @@ void GroupCommitter::Apply(const Key& key, const group::Decision& decision) {
   if (decision.outcome != group::Outcome::kCommitted) {
     std::string why = decision.reason.empty() ? "aborted by the coordinator" : decision.reason;
     if (why.rfind("aborted", 0) != 0) why = "aborted: " + why;
-    FinishAborted(key, why);
-    DiscardUnfinished(key);  // also when the step was in doubt
+    if (ours) {
+      FinishAborted(key, why);
+    } else {
+      DiscardUnfinished(key);  // a step in doubt: only its files are left
+    }
     return;
   }
   auto manifest = persist::ParseManifest(decision.manifest_json, "the coordinator's decision");
@@ -186,14 +210,16 @@ void GroupCommitter::Apply(const Key& key, const group::Decision& decision) {
                     : store_.Commit(*manifest);
   }
   if (!published.ok()) {
-    FinishAborted(key,
+    Log().error("[{} s{}] committed globally, but not published here: {}", key.first, key.second,
+                Message(published));
+    if (ours) FinishAborted(key,
                   fmt::format("step {} committed globally, but this node could not publish its "
                               "part: {}",
                               key.second, Message(published)),
                   /*keep_tmp=*/true);
     return;
   }
-  FinishCommitted(key, *manifest);
+  if (ours) FinishCommitted(key, *manifest);
   Log().info("[{} s{}] committed (global decision applied on node {})", key.first, key.second,
              node_rank_);
 }

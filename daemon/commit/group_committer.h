@@ -45,15 +45,17 @@ class GroupCommitter : public CommitterBase {
     Clock::time_point since;     // first prepare (or adoption)
     bool released = false;       // tickets told "in doubt", memory released
     bool adopted = false;        // found on disk at start-up: no snapshots here
+    uint64_t attempt = 0;        // the Step::attempt it watches; 0 when adopted
   };
 
   // Sends prepares for `ranks` of `key`; true when acknowledged. Applies a decision that
   // comes back with the reply.
-  bool SendPrepare(const Key& key, const std::set<uint32_t>& ranks);
+  bool SendPrepare(const Key& key, uint64_t attempt, const std::set<uint32_t>& ranks);
   void EnsureWatcherLocked(const Key& key);
   void WatchLoop(Key key);
   // Renames (committed) or removes (aborted, unknown) the step on disk and ends it.
-  void Apply(const Key& key, const group::Decision& decision);
+  // Only for `attempt`: a decision about an earlier attempt never ends a newer one.
+  void Apply(const Key& key, uint64_t attempt, const group::Decision& decision);
   void ReleaseInDoubt(const Key& key, double waited_s);
 
   group::GroupClient& client_;

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <optional>
+
 #include "common/log.h"
 #include "common/status.h"
 
@@ -18,6 +21,7 @@ SingleNodeCommitter::~SingleNodeCommitter() { Shutdown(); }
 void SingleNodeCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) {
   const Key key{snapshot->job, snapshot->step};
   bool complete = false;
+  std::optional<uint64_t> newer;
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
@@ -25,8 +29,15 @@ void SingleNodeCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Wr
     Step& step = it->second;
     step.durable[snapshot->rank] = {snapshot, std::move(shard)};
     complete = step.durable.size() == step.world_size;
+    // A newer step committed while this rank was being written: nothing more can arrive.
+    if (auto latest = latest_committed_.find(key.first);
+        !complete && latest != latest_committed_.end() && latest->second > key.second &&
+        step.arrived.size() == step.durable.size()) {
+      newer = latest->second;
+    }
   }
   if (complete) Commit(key);
+  if (newer) AbandonOlder({key.first, *newer});
 }
 
 void SingleNodeCommitter::Commit(const Key& key) {
@@ -41,6 +52,11 @@ void SingleNodeCommitter::Commit(const Key& key) {
   if (!committed.ok()) {
     FinishAborted(key, fmt::format("commit of step {} failed: {}", key.second, Message(committed)));
     return;
+  }
+  {
+    std::lock_guard lock(mu_);
+    uint64_t& latest = latest_committed_[key.first];
+    latest = std::max(latest, key.second);
   }
   FinishCommitted(key, *manifest);
   AbandonOlder(key);

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <condition_variable>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "daemon/commit/committer_base.h"
@@ -23,6 +25,7 @@ class SingleNodeCommitter : public CommitterBase {
   void AbandonOlder(const Key& committed);
   void TimeoutLoop();
 
+  std::map<std::string, uint64_t> latest_committed_;  // per job; guarded by mu_
   std::condition_variable stop_cv_;
   bool stopping_ = false;  // guarded by mu_
   std::thread timeouts_;

@@ -126,9 +126,11 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
   return Guarded("Verify", [&]() -> absl::Status {
     persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
     CKPT_ASSIGN_OR_RETURN(persist::VerifyReport report,
-                          persist::VerifyCheckpoint(store_, request->job(), request->step()));
+                          persist::VerifyCheckpoint(store_, request->job(), request->step(),
+                                                    LocalNode()));
     reply->set_ok(report.ok());
     reply->set_bytes_checked(report.bytes_checked);
+    for (uint32_t r : report.skipped_ranks) reply->add_skipped_ranks(r);
     for (const std::string& p : report.problems) reply->add_problems(p);
     if (!report.ok()) {
       board_.RecordError(fmt::format("[{} s{}] verify: {}", request->job(), request->step(),

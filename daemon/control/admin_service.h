@@ -6,6 +6,7 @@
 
 #include "cuda/staging_pool.h"
 #include <functional>
+#include <optional>
 
 #include "daemon/commit/committer.h"
 #include "daemon/config.h"
@@ -51,6 +52,13 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
                       ::ckptd::v1::DeleteReply* reply) override;
 
  private:
+  // This node's rank when its disk holds only its own ranks' shards (a group without
+  // --shared-root); nullopt when it holds every shard.
+  std::optional<uint32_t> LocalNode() const {
+    if (config_.num_nodes > 1 && !config_.shared_root) return config_.node_rank;
+    return std::nullopt;
+  }
+
   const Config& config_;
   AdminSources src_;
   persist::CheckpointStore& store_;

@@ -41,7 +41,7 @@ void ReportTruncatedEntries(Filesystem& fs, const std::string& path, uint64_t ex
 }  // namespace
 
 absl::StatusOr<VerifyReport> VerifyCheckpoint(CheckpointStore& store, const std::string& job,
-                                              uint64_t step) {
+                                              uint64_t step, std::optional<uint32_t> node) {
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, store.LoadManifest(job, step));
   VerifyReport report;
   std::vector<std::vector<Expected>> by_rank(manifest.world_size);
@@ -52,6 +52,10 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(CheckpointStore& store, const std:
   }
   std::vector<char> buffer;
   for (const ManifestShard& shard : manifest.shards) {
+    if (auto holder = manifest.NodeOf(shard.rank); node && holder && *holder != *node) {
+      report.skipped_ranks.push_back(shard.rank);
+      continue;
+    }
     for (const auto& [name, e] : shard.train_state) {
       by_rank[shard.rank].push_back({TrainStateKey(name), e.begin, e.end, e.checksum, "U8",
                                      {static_cast<int64_t>(e.end - e.begin)}});

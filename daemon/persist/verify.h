@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,10 +16,14 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
   std::vector<std::string> problems;  // each names the file and, where known, the tensor
   uint64_t bytes_checked = 0;
+  std::vector<uint32_t> skipped_ranks;  // held by other nodes (node-local disks)
 };
 
 // Errors only when the manifest itself cannot be read; damage is reported in the report.
+// With `node`, shards the manifest places on another node are skipped (and listed): with
+// node-local disks each node holds only its own.
 absl::StatusOr<VerifyReport> VerifyCheckpoint(CheckpointStore& store, const std::string& job,
-                                              uint64_t step);
+                                              uint64_t step,
+                                              std::optional<uint32_t> node = std::nullopt);
 
 }  // namespace ckpt::persist

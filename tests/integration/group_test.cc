@@ -1,0 +1,714 @@
+// The daemons' group (issue 8): several real ckptd on loopback, each with its own root and
+// its own trainer processes, one job spanning all of them. Global commit, the restore
+// barrier, a daemon or the coordinator killed, a rank that never saves, a partition through
+// a TCP proxy the test controls, and hostile peers. Every wait is bounded.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "tests/fakes/wait_until.h"
+#include "tests/integration/common.h"
+#include "tests/integration/tcp_proxy.h"
+
+using namespace ckpt::testing;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Short timeouts keep every case bounded (and the whole file well under a few minutes).
+constexpr auto kGroupTimeout = 1s;   // --group-timeout
+constexpr auto kStepTimeout = 3s;    // --step-timeout
+constexpr auto kJoinBound = 20s;     // daemons start, join and report every member alive
+constexpr auto kProcessBound = 40s;  // any trainer process
+constexpr uint64_t kBytes = 1'000'000;  // per rank
+
+const std::string kToken = "integration-test-group-token-0123456789abcdef";
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFile(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+std::string Tail(const std::string& text, size_t n = 6000) {
+  return text.size() <= n ? text : "..." + text.substr(text.size() - n);
+}
+
+// A port that was free a moment ago (node 0's group port must survive its restarts).
+int PickFreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  socklen_t len = sizeof addr;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+int ConnectTcp(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  return fd;
+}
+
+// Whether the peer closes (EOF or reset) `fd` within `timeout`; whatever it sends first
+// (an HTTP/2 GOAWAY, say) is read and ignored.
+bool PeerClosesWithin(int fd, std::chrono::milliseconds timeout) {
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (true) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    int r = ::poll(&p, 1, static_cast<int>(left.count()));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    char buf[4096];
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n == 0) return true;
+    if (n < 0 && errno != EINTR && errno != EAGAIN) return true;
+  }
+}
+
+// ckptctl status --json of one daemon; an empty object when it does not answer.
+json Status(const Daemon& d) {
+  RunResult r = d.Ctl({"status", "--json"});
+  json j = json::parse(r.out, nullptr, false);
+  if (r.exit_code != 0 || j.is_discarded() || !j.is_object()) return json::object();
+  return j;
+}
+
+// Proto JSON prints 64-bit integers as strings.
+uint64_t U64(const json& v) {
+  if (v.is_null()) return 0;
+  if (v.is_number_unsigned() || v.is_number_integer()) return v.get<uint64_t>();
+  if (v.is_string() && !v.get<std::string>().empty()) return std::stoull(v.get<std::string>());
+  return 0;
+}
+
+std::string MemberState(const json& status, uint32_t node) {
+  if (!status.contains("group") || !status["group"].contains("members")) return "";
+  for (const json& m : status["group"]["members"]) {
+    if (m.value("node_rank", 0u) == node) return m.value("state", "");
+  }
+  return "";
+}
+
+std::string MemberAddress(const json& status, uint32_t node) {
+  if (!status.contains("group") || !status["group"].contains("members")) return "";
+  for (const json& m : status["group"]["members"]) {
+    if (m.value("node_rank", 0u) == node) return m.value("address", "");
+  }
+  return "";
+}
+
+// The in-flight entries of `job` at `step` in one daemon's status.
+std::vector<json> InFlight(const json& status, const std::string& job, uint64_t step) {
+  std::vector<json> out;
+  if (!status.contains("jobs")) return out;
+  for (const json& j : status["jobs"]) {
+    if (j.value("job", "") != job || !j.contains("in_flight")) continue;
+    for (const json& s : j["in_flight"]) {
+      if (s.contains("step") && U64(s["step"]) == step) out.push_back(s);
+    }
+  }
+  return out;
+}
+
+std::vector<uint32_t> MissingRanks(const json& in_flight) {
+  std::vector<uint32_t> out;
+  if (in_flight.contains("missing_ranks")) {
+    for (const json& r : in_flight["missing_ranks"]) out.push_back(r.get<uint32_t>());
+  }
+  return out;
+}
+
+size_t TotalInFlight(const json& status) {
+  size_t n = 0;
+  if (!status.contains("jobs")) return 0;
+  for (const json& j : status["jobs"]) {
+    if (j.contains("in_flight")) n += j["in_flight"].size();
+  }
+  return n;
+}
+
+std::string StepName(uint64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08llu", static_cast<unsigned long long>(step));
+  return name;
+}
+
+std::string ShardName(uint32_t rank) {
+  char name[48];
+  std::snprintf(name, sizeof name, "rank-%05u.safetensors", rank);
+  return name;
+}
+
+uint64_t Seed(uint64_t step, uint32_t rank) { return step * 100 + rank + 1; }
+
+// K daemons on loopback, node 0 the coordinator; `layout[n]` are node n's ranks of job
+// "g", whose world size is the total number of ranks.
+class Cluster {
+ public:
+  explicit Cluster(std::vector<std::vector<uint32_t>> layout)
+      : layout_(std::move(layout)), port_(PickFreePort()) {
+    for (size_t n = 0; n < layout_.size(); ++n) {
+      dirs_.push_back(std::make_unique<TempDir>());
+      daemons_.emplace_back();
+      world_size_ += static_cast<uint32_t>(layout_[n].size());
+    }
+    token_file_ = shared_ / "token";
+    WriteFile(token_file_, kToken + "\n");
+  }
+
+  std::string step_timeout = "3s";  // --step-timeout of daemons not started yet
+
+  int num_nodes() const { return static_cast<int>(layout_.size()); }
+  uint32_t world_size() const { return world_size_; }
+  const std::vector<uint32_t>& ranks(int node) const { return layout_[node]; }
+  int coordinator_port() const { return port_; }
+  std::string coordinator() const { return "127.0.0.1:" + std::to_string(port_); }
+  const TempDir& shared() const { return shared_; }
+  const std::string& token_file() const { return token_file_; }
+  Daemon& node(int n) { return *daemons_[n]; }
+  const TempDir& dir(int n) const { return *dirs_[n]; }
+  std::string StepDir(int n, uint64_t step) const { return dirs_[n]->path() + "/root/g/" + StepName(step); }
+
+  std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
+    std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
+                                  "--coordinator", coordinator, "--group-token-file", token_file_,
+                                  "--group-timeout", "1s", "--step-timeout", step_timeout, "--restore-timeout", "10s"};
+    if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
+    return f;
+  }
+
+  // Creates node n on its first start (dialing `coordinator`, default node 0's address)
+  // and starts it: until its socket answers.
+  void Start(int n, const std::string& coordinator = "") {
+    if (!daemons_[n]) {
+      daemons_[n] = std::make_unique<Daemon>(*dirs_[n], GroupFlags(n, coordinator.empty() ? this->coordinator() : coordinator));
+    }
+    daemons_[n]->Start();
+  }
+  void StartAll() {
+    for (int n = 0; n < num_nodes(); ++n) Start(n);
+  }
+
+  // Every node reports itself joined and the coordinator reports every member alive.
+  bool AllAlive() {
+    json coordinator = Status(node(0));
+    for (int n = 0; n < num_nodes(); ++n) {
+      if (MemberState(coordinator, n) != "alive") return false;
+      json mine = Status(node(n));
+      if (!mine.contains("group") || !mine["group"].value("joined", false)) return false;
+    }
+    return true;
+  }
+
+  std::string Logs() const {
+    std::string out;
+    for (int n = 0; n < num_nodes(); ++n) {
+      if (daemons_[n]) out += "---- node " + std::to_string(n) + " log (tail) ----\n" + Tail(daemons_[n]->Log()) + "\n";
+    }
+    return out;
+  }
+
+  int NodeOf(uint32_t rank) const {
+    for (int n = 0; n < num_nodes(); ++n) {
+      if (std::count(layout_[n].begin(), layout_[n].end(), rank)) return n;
+    }
+    FAIL("rank " << rank << " is on no node");
+    return -1;
+  }
+
+  std::vector<std::string> RankArgs(uint32_t rank, uint64_t seed_step) {
+    return {"--job", "g", "--rank", std::to_string(rank), "--world-size", std::to_string(world_size_),
+            "--seed", std::to_string(Seed(seed_step, rank)), "--bytes", std::to_string(kBytes)};
+  }
+
+  // A trainer process of `rank` on its node, saving `step` (and waiting for the global
+  // decision unless told otherwise).
+  std::unique_ptr<Process> Save(uint32_t rank, uint64_t step, bool wait_committed = true) {
+    int n = NodeOf(rank);
+    auto args = RankArgs(rank, step);
+    args.insert(args.end(), {"save", "--step", std::to_string(step)});
+    if (wait_committed) args.push_back("--wait-committed");
+    return std::make_unique<Process>(Helper(node(n), args), dir(n).path(),
+                                     "save" + std::to_string(step) + "r" + std::to_string(rank));
+  }
+  std::vector<std::unique_ptr<Process>> SaveRanks(const std::vector<uint32_t>& ranks, uint64_t step,
+                                                  bool wait_committed = true) {
+    std::vector<std::unique_ptr<Process>> out;
+    for (uint32_t r : ranks) out.push_back(Save(r, step, wait_committed));
+    return out;
+  }
+  std::vector<uint32_t> AllRanks() const {
+    std::vector<uint32_t> out;
+    for (uint32_t r = 0; r < world_size_; ++r) out.push_back(r);
+    return out;
+  }
+  std::vector<uint32_t> RanksOfNodes(std::initializer_list<int> nodes) const {
+    std::vector<uint32_t> out;
+    for (int n : nodes) out.insert(out.end(), layout_[n].begin(), layout_[n].end());
+    return out;
+  }
+
+  // Saves `step` on every rank at once and requires every one to report "committed".
+  void SaveAllCommitted(uint64_t step) {
+    auto procs = SaveRanks(AllRanks(), step);
+    for (size_t i = 0; i < procs.size(); ++i) {
+      int rc = procs[i]->Wait(kProcessBound);
+      INFO("rank " << i << " saving step " << step << ": " << procs[i]->Stdout() << procs[i]->Stderr() << Logs());
+      REQUIRE(rc == 0);
+      REQUIRE(Contains(procs[i]->Stdout(), "committed"));
+    }
+    for (int n = 0; n < num_nodes(); ++n) {
+      INFO("node " << n);
+      CHECK(fs::exists(StepDir(n, step) + "/manifest.json"));
+      CHECK_FALSE(fs::exists(StepDir(n, step) + ".tmp"));
+    }
+  }
+
+  // Every rank restores at once (they meet at the restore barrier) and checks its bytes
+  // against the seed of `step`; `source[n]` is what node n's ranks must report.
+  void RestoreAll(uint64_t step, const std::vector<std::string>& source) {
+    std::vector<std::unique_ptr<Process>> procs;
+    for (uint32_t r = 0; r < world_size_; ++r) {
+      int n = NodeOf(r);
+      auto args = RankArgs(r, step);
+      args.push_back("check");
+      procs.push_back(std::make_unique<Process>(Helper(node(n), args), dir(n).path(), "check" + std::to_string(r)));
+    }
+    for (uint32_t r = 0; r < world_size_; ++r) {
+      int rc = procs[r]->Wait(kProcessBound);
+      INFO("rank " << r << " restoring (expect step " << step << " from " << source[NodeOf(r)] << "): "
+                   << procs[r]->Stdout() << procs[r]->Stderr() << Logs());
+      CHECK(rc == 0);
+      CHECK(Contains(procs[r]->Stdout(), "restored step=" + std::to_string(step) + " source=" + source[NodeOf(r)]));
+      CHECK(Contains(procs[r]->Stdout(), "match"));
+    }
+  }
+
+ private:
+  std::vector<std::vector<uint32_t>> layout_;
+  int port_;
+  uint32_t world_size_ = 0;
+  TempDir shared_;
+  std::string token_file_;
+  std::vector<std::unique_ptr<TempDir>> dirs_;
+  std::vector<std::unique_ptr<Daemon>> daemons_;
+};
+
+// Fails the test (with every daemon's log) unless `condition` holds within `timeout`.
+#define REQUIRE_WITHIN(cluster, timeout, what, ...)                                                \
+  do {                                                                                             \
+    if (!WaitUntil([&] { return static_cast<bool>(__VA_ARGS__); }, timeout, 25ms)) {               \
+      FAIL(what << " (not within " << std::chrono::duration_cast<std::chrono::milliseconds>(timeout).count() \
+                << " ms)\n" << (cluster).Logs());                                                  \
+    }                                                                                              \
+  } while (0)
+
+// The ranks a failed ticket must name, as "missing ranks a, b".
+std::string MissingText(const std::vector<uint32_t>& ranks) {
+  std::string s = "missing ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+// Waits for savers that must fail because the step was aborted, naming `missing`.
+void RequireAborted(Cluster& c, std::vector<std::unique_ptr<Process>>& procs, const std::vector<uint32_t>& missing,
+                    std::chrono::milliseconds bound) {
+  for (auto& p : procs) {
+    int rc = p->Wait(bound);
+    INFO("saver stdout: " << p->Stdout() << "stderr: " << p->Stderr() << c.Logs());
+    CHECK(rc == 5);  // trainer_helper: the ticket ended, not committed
+    CHECK(Contains(p->Stdout(), "aborted"));
+    CHECK(Contains(p->Stdout(), MissingText(missing)));
+  }
+}
+
+// Whether one line of `log` contains every one of `parts`.
+bool HasLine(const std::string& log, std::initializer_list<std::string> parts) {
+  std::istringstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    if (std::all_of(parts.begin(), parts.end(), [&](const std::string& p) { return Contains(line, p); })) return true;
+  }
+  return false;
+}
+
+std::set<std::string> Entries(const std::string& dir) {
+  std::set<std::string> out;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) out.insert(e.path().filename().string());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("three daemons commit one step globally and restore it bit-exactly, hot then from disk") {
+  Cluster c({{0, 1}, {2, 3}, {4}});
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  {
+    json s = Status(c.node(1));
+    CHECK(s["group"].value("num_nodes", 0u) == 3);
+    CHECK(s["group"].value("node_rank", 9u) == 1);
+    CHECK(s["group"]["members"].size() == 3);
+  }
+  c.SaveAllCommitted(10);
+
+  // Each node holds only its own ranks' shards, and a manifest of the whole step.
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n);
+    std::set<std::string> want = {"manifest.json"};
+    for (uint32_t r : c.ranks(n)) want.insert(ShardName(r));
+    CHECK(Entries(c.StepDir(n, 10)) == want);
+    json m = json::parse(ReadFile(c.StepDir(n, 10) + "/manifest.json"), nullptr, false);
+    REQUIRE_FALSE(m.is_discarded());
+    CHECK(m.value("world_size", 0u) == 5);
+    CHECK(U64(m["step"]) == 10);
+    std::vector<uint32_t> shard_ranks;
+    for (const json& s : m["shards"]) shard_ranks.push_back(s["rank"].get<uint32_t>());
+    CHECK(shard_ranks == std::vector<uint32_t>{0, 1, 2, 3, 4});
+    REQUIRE(m.contains("nodes"));
+    std::map<uint32_t, std::vector<uint32_t>> nodes;
+    for (const json& e : m["nodes"]) nodes[e["node"].get<uint32_t>()] = e["ranks"].get<std::vector<uint32_t>>();
+    CHECK(nodes == std::map<uint32_t, std::vector<uint32_t>>{{0, {0, 1}}, {1, {2, 3}}, {2, {4}}});
+  }
+  // The group's newest committed step, as node 2 last heard it from the coordinator.
+  REQUIRE_WITHIN(c, 5s, "node 2 reports latest_global_step 10", [&] {
+    json s = Status(c.node(2));
+    if (!s.contains("jobs")) return false;
+    for (const json& j : s["jobs"]) {
+      if (j.value("job", "") == "g" && j.value("has_global", false) && j.contains("latest_global_step") &&
+          U64(j["latest_global_step"]) == 10) {
+        return true;
+      }
+    }
+    return false;
+  }());
+
+  c.RestoreAll(10, {"memory", "memory", "memory"});
+
+  for (int n = c.num_nodes() - 1; n >= 0; --n) {
+    INFO("stopping node " << n << "\n" << c.Logs());
+    CHECK(c.node(n).Stop() == 0);
+  }
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node rejoined after the restart", c.AllAlive());
+  c.RestoreAll(10, {"disk", "disk", "disk"});
+}
+
+TEST_CASE("a daemon SIGKILLed mid-checkpoint: the step aborts everywhere, the group heals, training goes on") {
+  Cluster c({{0, 1}, {2, 3}, {4}});
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+
+  // Node 2 dies before its rank saves step 20; the ranks of nodes 0 and 1 save it.
+  c.node(2).Kill();
+  auto started = std::chrono::steady_clock::now();
+  auto savers = c.SaveRanks(c.RanksOfNodes({0, 1}), 20);
+  RequireAborted(c, savers, {4}, kStepTimeout + 15s);
+  double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  CHECK(took < std::chrono::duration<double>(kStepTimeout + 5s).count());
+
+  REQUIRE_WITHIN(c, 5s, "the coordinator marks node 2 lost", MemberState(Status(c.node(0)), 2) == "lost");
+  for (int n : {0, 1}) {
+    INFO("node " << n << "\n" << c.Logs());
+    // Nothing of step 20 stays behind on the survivors; step 10 is untouched.
+    REQUIRE_WITHIN(c, 5s, "step 20 gone from node " << n,
+                   !fs::exists(c.StepDir(n, 20)) && !fs::exists(c.StepDir(n, 20) + ".tmp"));
+    REQUIRE_WITHIN(c, 5s, "node " << n << " holds no step in flight", TotalInFlight(Status(c.node(n))) == 0);
+    // This node's part of step 10 is intact (verify checks the shards this node holds).
+    RunResult verify = c.node(n).Ctl({"--job", "g", "verify", "10"});
+    INFO("ckptctl verify 10 on node " << n << ": " << verify.out << verify.err);
+    CHECK(verify.exit_code == 0);
+    CHECK(verify.out.find("held by other nodes") != std::string::npos);
+  }
+
+  // The killed daemon restarts with the same root and flags, and rejoins.
+  c.Start(2);
+  REQUIRE_WITHIN(c, kJoinBound, "node 2 rejoined and every member is alive", c.AllAlive());
+  CHECK_FALSE(fs::exists(c.StepDir(2, 20)));
+  // Step 10 is still what every rank restores: hot where the node kept it, else disk.
+  c.RestoreAll(10, {"memory", "memory", "disk"});
+  // Training continues.
+  c.SaveAllCommitted(30);
+  c.RestoreAll(30, {"memory", "memory", "memory"});
+}
+
+TEST_CASE("the coordinator dies between recording a commit and announcing it: after restart all nodes agree") {
+  Cluster c({{0}, {1, 2}, {3}});
+  ::setenv("CKPTD_FAULT", "exit-after-commit-record", 1);
+  c.Start(0);
+  ::unsetenv("CKPTD_FAULT");
+  c.Start(1);
+  c.Start(2);
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+
+  auto savers = c.SaveRanks(c.AllRanks(), 10);
+  REQUIRE_WITHIN(c, 30s, "the coordinator records the decision and exits",
+                 Contains(c.node(0).Log(), "CKPTD_FAULT=exit-after-commit-record: exiting"));
+  std::string coordinator_log = c.node(0).Log();
+  {
+    INFO(coordinator_log);
+    CHECK(c.node(0).Stop() == 99);
+  }
+  // The decision is durable on node 0; nobody has heard it, so nobody renamed.
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n << "\n" << c.Logs());
+    CHECK_FALSE(fs::exists(c.StepDir(n, 10)));
+    CHECK(fs::exists(c.StepDir(n, 10) + ".tmp"));
+  }
+  // Node 0's trainer loses its daemon; it must not claim a commit.
+  {
+    int rc = savers[0]->Wait(kProcessBound);
+    INFO(savers[0]->Stdout());
+    CHECK(rc != 0);
+    CHECK_FALSE(Contains(savers[0]->Stdout(), "committed"));
+  }
+
+  c.Start(0);  // without the fault
+  REQUIRE_WITHIN(c, 30s, "every node publishes step 10 and leaves no .tmp", [&] {
+    for (int n = 0; n < c.num_nodes(); ++n) {
+      if (!fs::exists(c.StepDir(n, 10) + "/manifest.json") || fs::exists(c.StepDir(n, 10) + ".tmp")) return false;
+    }
+    return true;
+  }());
+  // The ranks of the other nodes were waiting all along: they hear "committed".
+  for (size_t i = 1; i < savers.size(); ++i) {
+    int rc = savers[i]->Wait(kProcessBound);
+    INFO("rank " << i << ": " << savers[i]->Stdout() << c.Logs());
+    CHECK(rc == 0);
+    CHECK(Contains(savers[i]->Stdout(), "committed"));
+  }
+  // The same manifest (the same committed set) on every node.
+  std::string manifest0 = ReadFile(c.StepDir(0, 10) + "/manifest.json");
+  for (int n = 1; n < c.num_nodes(); ++n) {
+    json a = json::parse(manifest0, nullptr, false), b = json::parse(ReadFile(c.StepDir(n, 10) + "/manifest.json"), nullptr, false);
+    REQUIRE_FALSE(a.is_discarded());
+    REQUIRE_FALSE(b.is_discarded());
+    CHECK(a["shards"] == b["shards"]);
+    CHECK(a["nodes"] == b["nodes"]);
+  }
+  REQUIRE_WITHIN(c, kJoinBound, "every member alive after the coordinator restart", c.AllAlive());
+  c.RestoreAll(10, {"disk", "memory", "memory"});
+  c.SaveAllCommitted(20);
+}
+
+TEST_CASE("a rank that never snapshots: the step aborts after --step-timeout, staging is freed, the next step commits") {
+  Cluster c({{0, 1}, {2}});
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  for (int n = 0; n < c.num_nodes(); ++n) CHECK(U64(Status(c.node(n))["staging_bytes_used"]) == 0);
+
+  // Rank 1 (on node 0) never saves step 10.
+  auto started = std::chrono::steady_clock::now();
+  auto savers = c.SaveRanks({0, 2}, 10);
+  // While the step waits: the coordinator shows it in flight, missing exactly rank 1, and
+  // the staged ranks hold staging memory.
+  REQUIRE_WITHIN(c, kStepTimeout, "step 10 in flight, missing rank 1, in the coordinator's view", [&] {
+    for (const json& s : InFlight(Status(c.node(0)), "g", 10)) {
+      if (s.value("scope", "") == "group" && MissingRanks(s) == std::vector<uint32_t>{1}) return true;
+    }
+    return false;
+  }());
+  RequireAborted(c, savers, {1}, kStepTimeout + 15s);
+  double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  CHECK(took >= std::chrono::duration<double>(kStepTimeout).count() - 0.5);  // not before the timeout
+
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n);
+    REQUIRE_WITHIN(c, 5s, "node " << n << " gives its staging memory back and holds nothing in flight", [&] {
+      json s = Status(c.node(n));
+      return !s.empty() && U64(s["staging_bytes_used"]) == 0 && TotalInFlight(s) == 0;
+    }());
+    CHECK_FALSE(fs::exists(c.StepDir(n, 10)));
+    CHECK_FALSE(fs::exists(c.StepDir(n, 10) + ".tmp"));
+  }
+  c.SaveAllCommitted(20);
+}
+
+TEST_CASE("a network partition through a TCP proxy: the step aborts, the node rejoins after healing") {
+  // A partition that resets connections, and one that silently swallows them.
+  const auto mode = GENERATE(TcpProxy::CutMode::kRefuse, TcpProxy::CutMode::kBlackhole);
+  INFO("cut mode: " << (mode == TcpProxy::CutMode::kRefuse ? "refuse" : "blackhole"));
+  Cluster c({{0}, {1, 2}, {3}});
+  c.Start(0);
+  TcpProxy proxy("127.0.0.1", c.coordinator_port());
+  c.Start(1, proxy.address());  // node 1 reaches the coordinator only through the proxy
+  c.Start(2);
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  CHECK(proxy.forwarded_connections() >= 1);
+  c.SaveAllCommitted(10);
+
+  // Step 20 starts on nodes 0 and 2; then node 1 is cut off.
+  auto savers = c.SaveRanks(c.RanksOfNodes({0, 2}), 20);
+  REQUIRE_WITHIN(c, kStepTimeout, "step 20 in flight at the coordinator, missing node 1's ranks", [&] {
+    for (const json& s : InFlight(Status(c.node(0)), "g", 20)) {
+      if (s.value("scope", "") == "group" && MissingRanks(s) == std::vector<uint32_t>{1, 2}) return true;
+    }
+    return false;
+  }());
+  proxy.Cut(mode);
+  // Node 1's ranks save step 20 during the partition: their prepare cannot get through.
+  auto cut_off = c.SaveRanks(c.RanksOfNodes({1}), 20, /*wait_committed=*/false);
+  RequireAborted(c, savers, {1, 2}, kGroupTimeout + kStepTimeout + 15s);
+  for (auto& p : cut_off) {
+    INFO(p->Stdout() << p->Stderr());
+    CHECK(p->Wait(kProcessBound) == 0);  // staged
+  }
+  REQUIRE_WITHIN(c, 5s, "the coordinator marks node 1 lost", MemberState(Status(c.node(0)), 1) == "lost");
+  CHECK(HasLine(c.node(0).Log(), {"node 1 (", ") lost: no heartbeat"}));
+  CHECK(proxy.refused_connections() >= 1);      // node 1 kept trying through the cut proxy
+  CHECK_FALSE(fs::exists(c.StepDir(0, 20)));
+  CHECK_FALSE(fs::exists(c.StepDir(2, 20)));
+
+  proxy.Heal();
+  REQUIRE_WITHIN(c, kJoinBound, "node 1 rejoins after the partition heals", c.AllAlive());
+  // Node 1's late ranks of step 20 never complete a step: no node keeps any of step 20.
+  REQUIRE_WITHIN(c, kStepTimeout + 15s, "step 20 gone everywhere, nothing in flight", [&] {
+    for (int n = 0; n < c.num_nodes(); ++n) {
+      if (fs::exists(c.StepDir(n, 20)) || fs::exists(c.StepDir(n, 20) + ".tmp")) return false;
+      if (TotalInFlight(Status(c.node(n))) != 0) return false;
+    }
+    return true;
+  }());
+  c.SaveAllCommitted(30);
+  c.RestoreAll(30, {"memory", "memory", "memory"});
+}
+
+TEST_CASE("hostile peers: a wrong token, random bytes and a silent client are refused; the group keeps working") {
+  Cluster c({{0}, {1, 2}});
+  c.step_timeout = "10s";  // room for the hostile calls while a step waits; nothing here times out
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  const std::string node1_address = MemberAddress(Status(c.node(0)), 1);
+  REQUIRE_FALSE(node1_address.empty());
+  const std::string wrong_token = "a-different-token-that-is-long-enough";
+
+  // A daemon with the wrong token claims to be node 1.
+  TempDir hostile_dir;
+  WriteFile(hostile_dir / "token", wrong_token + "\n");
+  Daemon hostile(hostile_dir, {"--node-rank", "1", "--num-nodes", "2", "--coordinator", c.coordinator(),
+                               "--group-token-file", hostile_dir / "token", "--group-timeout", "1s",
+                               "--step-timeout", "3s", "--restore-timeout", "10s"});
+  hostile.Start();
+  REQUIRE_WITHIN(c, 15s, "the coordinator logs that it refused the token",
+                 Contains(c.node(0).Log(), "refused a Join call") && Contains(c.node(0).Log(), "token"));
+  REQUIRE_WITHIN(c, 15s, "the impostor logs that its token was refused", Contains(hostile.Log(), "token"));
+  {
+    json s = Status(hostile);
+    INFO(s.dump(2) << "\n" << hostile.Log());
+    REQUIRE(s.contains("group"));
+    CHECK_FALSE(s["group"].value("joined", true));
+    CHECK(Contains(s["group"].value("last_error", ""), "token"));
+  }
+
+  // While step 10 waits for rank 2, group calls without the token or with a wrong one are
+  // refused: they can neither abort the step nor join.
+  auto early = c.SaveRanks({0, 1}, 10);
+  REQUIRE_WITHIN(c, 10s, "step 10 in flight at the coordinator, missing rank 2", [&] {
+    for (const json& s : InFlight(Status(c.node(0)), "g", 10)) {
+      if (s.value("scope", "") == "group" && MissingRanks(s) == std::vector<uint32_t>{2}) return true;
+    }
+    return false;
+  }());
+  auto peer = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {Runfile("tests/integration/group_peer"), "--addr", c.coordinator()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return Run(argv, c.shared().path(), 20s);
+  };
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"abort", "--job", "g", "--step", "10"},
+           {"--token", wrong_token, "abort", "--job", "g", "--step", "10"},
+           {"--token", "", "abort", "--job", "g", "--step", "10"},
+           {"--token", wrong_token, "join", "--node-rank", "1", "--num-nodes", "2"}}) {
+    RunResult r = peer(args);
+    INFO(args.front() << " " << args.back() << ": " << r.out << r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(Contains(r.out, "code=16 "));  // UNAUTHENTICATED
+  }
+  // The same tool with the right token is answered (an abort of a step nobody saves is a no-op).
+  {
+    RunResult r = peer({"--token", kToken, "abort", "--job", "other", "--step", "99"});
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 0);
+  }
+  REQUIRE_WITHIN(c, 5s, "the coordinator logs the refused abort",
+                 Contains(c.node(0).Log(), "refused a Abort call") || Contains(c.node(0).Log(), "refused an Abort call"));
+  CHECK(InFlight(Status(c.node(0)), "g", 10).size() >= 1);  // still waiting, not aborted
+  auto last = c.Save(2, 10);
+  early.push_back(std::move(last));
+  for (size_t i = 0; i < early.size(); ++i) {
+    int rc = early[i]->Wait(kProcessBound);
+    INFO("saver " << i << ": " << early[i]->Stdout() << c.Logs());
+    CHECK(rc == 0);
+    CHECK(Contains(early[i]->Stdout(), "committed"));
+  }
+
+  // Silent clients connect and never speak; another sends garbage.
+  std::vector<int> silent;
+  for (int i = 0; i < 8; ++i) silent.push_back(ConnectTcp(c.coordinator_port()));
+  auto silent_since = std::chrono::steady_clock::now();
+  int garbage = ConnectTcp(c.coordinator_port());
+  {
+    std::mt19937 random(8);
+    std::string bytes(16 * 1024, '\0');
+    for (char& b : bytes) b = static_cast<char>(random());
+    ssize_t sent = ::send(garbage, bytes.data(), bytes.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+    CHECK(sent > 0);
+  }
+  // The real group commits a step while those connections are open.
+  c.SaveAllCommitted(20);
+  // The garbage is dropped.
+  CHECK(PeerClosesWithin(garbage, 5s));
+  ::close(garbage);
+  {
+    json s = Status(c.node(0));
+    CHECK(MemberState(s, 1) == "alive");
+    CHECK(MemberAddress(s, 1) == node1_address);  // the impostor did not take node 1's place
+  }
+  // The silent clients are dropped too, boundedly.
+  for (int fd : silent) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(silent_since + 15s - std::chrono::steady_clock::now());
+    CHECK(PeerClosesWithin(fd, std::max(left, 1ms)));
+    ::close(fd);
+  }
+  CHECK(hostile.Stop() == 0);
+  c.SaveAllCommitted(30);
+  c.RestoreAll(30, {"memory", "memory"});
+}
