@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <set>
 
 #include "common/log.h"
 #include "common/names.h"
@@ -93,14 +94,11 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
                                  r->second, node);
         }
       }
-      bool retry = false;
       if (conflict.empty()) {
-        // A retried prepare (same node, same ranks) adds nothing new.
-        for (const auto& [n, p] : round.parts) {
-          retry = retry || (n == node && p.shards.size() == part.shards.size() &&
-                            p.shards.front().rank == part.shards.front().rank);
-        }
-        if (!retry) round.parts.emplace_back(node, part);
+        // The node's newest word on a rank wins: a retried prepare, or the rank written
+        // again (a new attempt after an abort this node had not heard of yet), replaces
+        // what it said before, so the manifest describes the file now on disk.
+        ReplaceRanksLocked(round, node, part);
       }
       if (!conflict.empty()) {
         AbortLocked(key, conflict, notify);
@@ -115,6 +113,24 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
   }
   Deliver(notify);
   return result;
+}
+
+void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
+                                           const persist::Manifest& part) {
+  std::set<uint32_t> ranks;
+  for (const persist::ManifestShard& s : part.shards) ranks.insert(s.rank);
+  for (auto it = round.parts.begin(); it != round.parts.end();) {
+    if (it->first == node) {
+      persist::Manifest& old = it->second;
+      std::erase_if(old.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
+      for (auto& [name, tensor] : old.tensors) {
+        std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
+      }
+      std::erase_if(old.tensors, [](const auto& t) { return t.second.shards.empty(); });
+    }
+    it = it->second.shards.empty() ? round.parts.erase(it) : std::next(it);
+  }
+  round.parts.emplace_back(node, part);
 }
 
 void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {

@@ -107,6 +107,7 @@ class CommitCoordinator {
   void CommitLocked(const Key& key, Round& round, Notifications& out);
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision);
+  static void ReplaceRanksLocked(Round& round, uint32_t node, const persist::Manifest& part);
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   static void Deliver(Notifications& notifications);
 

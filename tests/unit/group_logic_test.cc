@@ -444,3 +444,27 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
   REQUIRE(never.ok());
   CHECK_FALSE(never->has_value());
 }
+
+TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  persist::Manifest old_part = Part("job", 12, 2, {0});
+  old_part.shards[0].bytes = 111;
+  old_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "old"}}};
+  c.Prepare(0, old_part);
+  // The rank was written again (a new attempt this coordinator had not told apart): the
+  // manifest must describe the file now on disk.
+  persist::Manifest new_part = Part("job", 12, 2, {0});
+  new_part.shards[0].bytes = 222;
+  new_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "new"}}};
+  CHECK(c.Prepare(0, new_part).outcome == Outcome::kPending);
+  persist::Manifest other = Part("job", 12, 2, {1});
+  other.tensors["w"] = {"F32", {2}, {{1, "rank-00001.safetensors", 0, 4, {1}, {1}, "one"}}};
+  Decision d = c.Prepare(1, other);
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  auto m = persist::ParseManifest(d.manifest_json, "decision");
+  REQUIRE(m.ok());
+  CHECK(m->shards[0].bytes == 222);
+  REQUIRE(m->tensors.at("w").shards.size() == 2);
+  CHECK(m->tensors.at("w").shards[0].checksum == "new");
+}
