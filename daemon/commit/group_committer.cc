@@ -225,8 +225,8 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
 }
 
 void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) {
-  std::string why = fmt::format("node {}: {}", node_rank_, message);
-  if (absl::Status told = client_.Abort(key.first, key.second, why); !told.ok()) {
+  // The coordinator names this node in the reason it announces.
+  if (absl::Status told = client_.Abort(key.first, key.second, message); !told.ok()) {
     Log().warn("[{} s{}] could not tell the coordinator about the failure: {}", key.first,
                key.second, Message(told));
   }

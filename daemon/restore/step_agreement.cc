@@ -19,7 +19,9 @@ std::string Key(const std::string& job) { return "restore/" + job; }
 absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
                                                absl::StatusOr<std::vector<std::string>> gathered) {
   if (!gathered.ok()) {
-    return absl::DeadlineExceededError(fmt::format(
+    // Not DeadlineExceeded or Unavailable: clients read those as "ckptd unreachable" and
+    // may start from scratch, while the other ranks of the job resume.
+    return absl::FailedPreconditionError(fmt::format(
         "restore barrier of job {}: {} (every rank of the job must ask to restore; "
         "--restore-timeout)",
         job, Message(gathered.status())));
