@@ -181,6 +181,19 @@ void GroupService::FillView(pb::GroupView* view) const {
   }
 }
 
+// A node bound to every interface ("0.0.0.0:PORT") is shown at the host it called from.
+static std::string AdvertisedAddress(const std::string& advertised, const std::string& peer) {
+  auto colon = advertised.rfind(':');
+  if (colon == std::string::npos) return advertised;
+  std::string host = advertised.substr(0, colon);
+  if (host != "0.0.0.0" && host != "[::]" && host != "::") return advertised;
+  // gRPC peers look like "ipv4:10.0.0.7:51234" or "ipv6:[fd00::7]:51234".
+  auto kind = peer.find(':');
+  auto port = peer.rfind(':');
+  if (kind == std::string::npos || port == kind) return advertised;
+  return peer.substr(kind + 1, port - kind - 1) + advertised.substr(colon);
+}
+
 grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
                                              const pb::JoinRequest* request, pb::JoinReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
@@ -192,11 +205,12 @@ grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
           fmt::format("address is longer than {} bytes", kMaxAddressBytes));
     }
     bool restarted = false;
+    std::string address = AdvertisedAddress(request->address(), ctx->peer());
     CKPT_RETURN_IF_ERROR(coordinator_->membership.Join(request->node_rank(), request->num_nodes(),
-                                                       request->address(),
-                                                       request->incarnation(), &restarted));
+                                                       address, request->incarnation(),
+                                                       &restarted));
     Log().info("node {} joined from {} (incarnation {:x}{}{})", request->node_rank(),
-               request->address(), request->incarnation(),
+               address, request->incarnation(),
                request->version().empty() ? "" : ", ckptd ",
                Truncated(request->version(), 64));
     if (restarted) {
