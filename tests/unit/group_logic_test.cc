@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/status.h"
+#include "tests/fakes/manifest_part.h"
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
 #include "daemon/group/gather_table.h"
@@ -57,23 +58,11 @@ class MemoryDecisionLog : public DecisionLog {
   std::map<std::pair<std::string, uint64_t>, std::string> records_;
 };
 
-// One node's manifest part: shards of `ranks` only.
+using ckpt::testing::ManifestPart;
+
 persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
                        std::vector<uint32_t> ranks) {
-  persist::Manifest m;
-  m.job = job;
-  m.step = step;
-  m.world_size = world_size;
-  m.ckptd_version = "test";
-  m.wall_time = "2024-01-01T00:00:00Z";
-  for (uint32_t r : ranks) {
-    persist::ManifestShard s;
-    s.rank = r;
-    s.file = fmt::format("rank-{:05d}.safetensors", r);
-    s.bytes = 1000 + r;
-    m.shards.push_back(std::move(s));
-  }
-  return m;
+  return ManifestPart(job, step, world_size, std::move(ranks));
 }
 
 using Result = absl::StatusOr<std::vector<std::string>>;

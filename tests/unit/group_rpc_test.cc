@@ -18,6 +18,7 @@
 
 #include "common/filesystem.h"
 #include "common/status.h"
+#include "tests/fakes/manifest_part.h"
 #include "daemon/group/decision_log.h"
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_member.h"
@@ -50,22 +51,11 @@ GroupOptions NodeOptions(uint32_t node, uint32_t nodes, std::string coordinator)
   return o;
 }
 
+using ckpt::testing::ManifestPart;
+
 persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
                        std::vector<uint32_t> ranks) {
-  persist::Manifest m;
-  m.job = job;
-  m.step = step;
-  m.world_size = world_size;
-  m.ckptd_version = "test";
-  m.wall_time = "2024-01-01T00:00:00Z";
-  for (uint32_t r : ranks) {
-    persist::ManifestShard s;
-    s.rank = r;
-    s.file = fmt::format("rank-{:05d}.safetensors", r);
-    s.bytes = 4096;
-    m.shards.push_back(std::move(s));
-  }
-  return m;
+  return ManifestPart(job, step, world_size, std::move(ranks));
 }
 
 // A coordinator (node 0) over a file decision log in a private directory.
