@@ -51,6 +51,14 @@ class GroupClient {
 
 using GroupClientPtr = std::unique_ptr<GroupClient>;
 
+// The other collectives, as gathers: a barrier is a gather of empty payloads; a broadcast
+// is a gather in which only `root`'s payload is read.
+absl::Status Barrier(GroupClient& client, const std::string& key, uint32_t participant,
+                     uint32_t participants, std::chrono::milliseconds timeout);
+absl::StatusOr<std::string> Broadcast(GroupClient& client, const std::string& key,
+                                      uint32_t participant, uint32_t participants, uint32_t root,
+                                      std::string payload, std::chrono::milliseconds timeout);
+
 // Connects (lazily) to options.coordinator.
 absl::StatusOr<GroupClientPtr> MakeGrpcGroupClient(const GroupOptions& options,
                                                    uint64_t incarnation,

@@ -238,4 +238,25 @@ absl::StatusOr<GroupClientPtr> MakeGrpcGroupClient(const GroupOptions& options,
       std::make_unique<GrpcGroupClient>(options, incarnation, std::move(advertised_address)));
 }
 
+absl::Status Barrier(GroupClient& client, const std::string& key, uint32_t participant,
+                     uint32_t participants, std::chrono::milliseconds timeout) {
+  return client.Gather(key, participant, participants, "", timeout).status();
+}
+
+absl::StatusOr<std::string> Broadcast(GroupClient& client, const std::string& key,
+                                      uint32_t participant, uint32_t participants, uint32_t root,
+                                      std::string payload, std::chrono::milliseconds timeout) {
+  if (root >= participants) {
+    return absl::InvalidArgumentError(
+        fmt::format("broadcast {}: root {} is not a participant (0..{})", key, root,
+                    participants == 0 ? 0 : participants - 1));
+  }
+  // Only the root's payload travels: the others send nothing.
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                        client.Gather(key, participant, participants,
+                                      participant == root ? std::move(payload) : std::string(),
+                                      timeout));
+  return std::move(all.at(root));
+}
+
 }  // namespace ckpt::group

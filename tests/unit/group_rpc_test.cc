@@ -184,6 +184,19 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
 
   GatherAmongThree(clients, "restore/job");
 
+  // Barrier and broadcast are gathers too.
+  std::vector<absl::StatusOr<std::string>> got(3);
+  std::vector<std::thread> threads;
+  for (uint32_t p = 0; p < 3; ++p) {
+    threads.emplace_back([&, p] {
+      REQUIRE(Barrier(*clients[p], "barrier/b", p, 3, 3s).ok());
+      got[p] = Broadcast(*clients[p], "bcast/b", p, 3, 2, p == 2 ? "step 40" : "ignored", 3s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& g : got) CHECK(*g == "step 40");
+  CHECK(absl::IsInvalidArgument(Broadcast(*clients[0], "bcast/x", 0, 3, 3, "", 1s).status()));
+
   auto alone = clients[0]->Gather("barrier/alone", 0, 2, "", 200ms);
   CHECK(absl::IsDeadlineExceeded(alone.status()));
   CHECK_THAT(Message(alone.status()), Catch::Contains("missing: 1"));
