@@ -374,6 +374,9 @@ void Server::Shutdown() {
   auto& log = log::Get(log::Component::kMain);
   log.info("shutting down: finishing in-flight writes (up to {} ms)", p.config.shutdown_timeout_ms);
   p.listener->Stop();
+  // A restore waiting at the barrier for ranks that never come would hold the gRPC
+  // shutdown for up to --restore-timeout.
+  p.agreement->Cancel("ckptd is shutting down");
   p.grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   p.writes->Shutdown(std::chrono::milliseconds(p.config.shutdown_timeout_ms));
   p.committer->Shutdown();

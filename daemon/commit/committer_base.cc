@@ -22,7 +22,20 @@ constexpr std::chrono::minutes kRememberEnded{30};
 
 CommitterBase::CommitterBase(persist::CheckpointStore& store, CommitHooks hooks,
                              CommitOptions options)
-    : store_(store), hooks_(std::move(hooks)), options_(options) {}
+    : store_(store),
+      hooks_(std::move(hooks)),
+      options_(options),
+      attempts_(static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          std::chrono::system_clock::now().time_since_epoch())
+                                          .count())) {}
+
+CommitterBase::Step* CommitterBase::CurrentStepLocked(const StagedSnapshotPtr& snapshot) {
+  auto it = steps_.find({snapshot->job, snapshot->step});
+  if (it == steps_.end()) return nullptr;
+  const auto& waiting = it->second.waiting;
+  return std::find(waiting.begin(), waiting.end(), snapshot) != waiting.end() ? &it->second
+                                                                               : nullptr;
+}
 
 absl::Status CommitterBase::Arrived(const StagedSnapshotPtr& snapshot) {
   const Key key{snapshot->job, snapshot->step};
@@ -62,13 +75,13 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
   bool first = false;
   {
     std::lock_guard lock(mu_);
-    auto it = steps_.find(key);
-    if (it == steps_.end()) return absl::AbortedError("the step already ended");
-    if (!it->second.dir.valid()) {
-      it->second.dir = begin.get_future().share();
+    Step* step = CurrentStepLocked(snapshot);
+    if (step == nullptr) return absl::AbortedError("the step already ended");
+    if (!step->dir.valid()) {
+      step->dir = begin.get_future().share();
       first = true;
     }
-    dir = it->second.dir;
+    dir = step->dir;
   }
   if (first) {
     absl::Status s = CheckStepAllowed(key);
@@ -76,7 +89,12 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
       s = absl::AlreadyExistsError(
           fmt::format("step {} of job {} is already committed", key.second, key.first));
     }
-    if (s.ok()) s = store_.BeginStep(key.first, key.second);
+    if (!s.ok()) {
+      std::lock_guard lock(mu_);
+      if (Step* step = CurrentStepLocked(snapshot)) step->foreign_dir = true;
+    } else {
+      s = store_.BeginStep(key.first, key.second);
+    }
     begin.set_value(s);
   }
   CKPT_RETURN_IF_ERROR(dir.get());
@@ -84,6 +102,10 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
 }
 
 void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string& error) {
+  {
+    std::lock_guard lock(mu_);
+    if (CurrentStepLocked(snapshot) == nullptr) return;  // its attempt ended; ticket told
+  }
   OnLocalFailure({snapshot->job, snapshot->step}, error);
 }
 
@@ -118,6 +140,7 @@ void CommitterBase::FinishAborted(const Key& key, const std::string& message, bo
     auto it = steps_.find(key);
     if (it == steps_.end()) return;
     waiting = std::move(it->second.waiting);
+    keep_tmp = keep_tmp || it->second.foreign_dir;
     steps_.erase(it);
   }
   Log().error("[{} s{}] checkpoint failed: {}", key.first, key.second, message);

@@ -42,6 +42,9 @@ class CommitterBase : public Committer {
     std::vector<StagedSnapshotPtr> waiting;  // tickets to tell once decided
     std::string state = "writing";
     uint64_t attempt = 0;  // tells a step from an earlier attempt at the same number
+    // The .tmp directory was refused to this attempt (it belongs to a step in doubt, or
+    // the step is already committed): ending the attempt must leave it alone.
+    bool foreign_dir = false;
   };
 
   // Ends `key` as committed: the hot cache gets this node's snapshots, then the tickets
@@ -60,6 +63,10 @@ class CommitterBase : public Committer {
   // `world_size` minus the ranks in `have`: "1, 3" (at most 16 named).
   static std::string MissingRanks(uint32_t world_size, const std::set<uint32_t>& have);
   static std::set<uint32_t> Ranks(const DurableShards& shards);
+  // The step `snapshot` belongs to, when it is still the attempt that snapshot arrived
+  // in; nullptr for a late result of an attempt that already ended (its ticket was told),
+  // which must never count towards, or fail, a newer attempt at the same step.
+  Step* CurrentStepLocked(const StagedSnapshotPtr& snapshot);
 
   persist::CheckpointStore& store_;
   const CommitHooks hooks_;
@@ -67,7 +74,9 @@ class CommitterBase : public Committer {
 
   mutable std::mutex mu_;
   std::map<Key, Step> steps_;
-  uint64_t attempts_ = 0;  // guarded by mu_
+  // Attempt ids grow across restarts too (they start at the wall clock in ns), so the
+  // coordinator can tell this node's newer attempt at a step from a late older one.
+  uint64_t attempts_;  // guarded by mu_
 
  private:
   struct Ended {

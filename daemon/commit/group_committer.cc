@@ -29,11 +29,11 @@ void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Written
   uint64_t attempt = 0;
   {
     std::lock_guard lock(mu_);
-    auto it = steps_.find(key);
-    if (it == steps_.end()) return;  // the step already ended and its tickets were told
-    attempt = it->second.attempt;
-    it->second.durable[snapshot->rank] = {snapshot, std::move(shard)};
-    it->second.state = "prepared";
+    Step* step = CurrentStepLocked(snapshot);
+    if (step == nullptr) return;  // its attempt already ended and its ticket was told
+    attempt = step->attempt;
+    step->durable[snapshot->rank] = {snapshot, std::move(shard)};
+    step->state = "prepared";
     Watch& w = watches_[key];
     if (w.attempt != attempt) {
       w = Watch{};
@@ -57,7 +57,14 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
-    if (it == steps_.end() || it->second.attempt != attempt) return false;
+    if (it == steps_.end() || it->second.attempt != attempt) {
+      // The attempt ended here (released in doubt, or superseded): its snapshots are gone,
+      // so there is nothing left to send; the watcher only asks for the outcome now.
+      if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
+        w->second.unsent.clear();
+      }
+      return true;
+    }
     DurableShards chosen;
     for (uint32_t r : ranks) {
       if (auto d = it->second.durable.find(r); d != it->second.durable.end()) chosen.insert(*d);
@@ -69,7 +76,7 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
     OnLocalFailure(key, Message(part.status()));
     return false;
   }
-  auto reply = client_.Prepare(*part);
+  auto reply = client_.Prepare(*part, attempt);
   if (!reply.ok()) {
     Log().warn("[{} s{}] prepare of ranks {} not delivered (will retry): {}", key.first,
                key.second, ranks.size(), Message(reply.status()));
@@ -123,9 +130,11 @@ void GroupCommitter::WatchLoop(Key key) {
       if (decision.ok()) {
         bool decided = decision->outcome == group::Outcome::kCommitted ||
                        decision->outcome == group::Outcome::kAborted ||
-                       // No record while this node's prepare was acknowledged: the
-                       // coordinator restarted before deciding (presumed abort).
-                       (decision->outcome == group::Outcome::kUnknown && (acknowledged || adopted));
+                       // No record although the coordinator saw this node's prepare (or
+                       // this node gave up waiting, long after the coordinator's own step
+                       // timeout): it restarted before deciding (presumed abort).
+                       (decision->outcome == group::Outcome::kUnknown &&
+                        (acknowledged || adopted || released));
         if (decided) {
           Apply(key, attempt, *decision);
           continue;
@@ -201,8 +210,8 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     return;
   }
   auto manifest = persist::ParseManifest(decision.manifest_json, "the coordinator's decision");
-  absl::Status published = manifest.status();
-  if (manifest.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
+  absl::Status published = manifest.ok() ? CheckDecision(key, *manifest) : manifest.status();
+  if (published.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
     // On a shared root the coordinator publishes the step before announcing it, and
     // again (here, on node 0) when it restarted in between.
     published = store_.shared() && node_rank_ != 0
@@ -224,15 +233,62 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
              node_rank_);
 }
 
+absl::Status GroupCommitter::CheckDecision(const Key& key, const persist::Manifest& manifest) {
+  if (manifest.job != key.first || manifest.step != key.second) {
+    return absl::DataLossError(fmt::format(
+        "the coordinator answered for job {} step {} with the manifest of job {} step {}",
+        key.first, key.second, manifest.job, manifest.step));
+  }
+  std::lock_guard lock(mu_);
+  auto step = steps_.find(key);
+  if (step == steps_.end()) return absl::OkStatus();  // in doubt: nothing here to compare
+  if (manifest.world_size != step->second.world_size) {
+    return absl::DataLossError(fmt::format("the coordinator committed world size {}, this node's "
+                                           "ranks have world size {}",
+                                           manifest.world_size, step->second.world_size));
+  }
+  // Every rank this node made durable must be listed as held here with the file written:
+  // otherwise the commit describes files this node does not hold.
+  for (const auto& [rank, entry] : step->second.durable) {
+    std::optional<uint32_t> holder = manifest.NodeOf(rank);
+    const persist::WrittenShard& written = entry.second;
+    if (holder != node_rank_ || rank >= manifest.shards.size() ||
+        manifest.shards[rank].bytes != written.bytes) {
+      return absl::DataLossError(fmt::format(
+          "the coordinator's manifest does not list rank {} as this node's (node {}) shard of "
+          "{} bytes",
+          rank, node_rank_, written.bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
 void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) {
+  bool foreign_dir = false;
+  uint64_t attempt = 0;
+  {
+    std::lock_guard lock(mu_);
+    auto step = steps_.find(key);
+    if (step == steps_.end()) return;  // already ended
+    foreign_dir = step->second.foreign_dir;
+    attempt = step->second.attempt;
+  }
+  if (foreign_dir) {
+    // Refused a directory that a step in doubt (or a committed step) owns: only this
+    // attempt ends; the other step's files and watch are not this attempt's to touch.
+    FinishAborted(key, message, /*keep_tmp=*/true);
+    return;
+  }
   // The coordinator names this node in the reason it announces.
-  if (absl::Status told = client_.Abort(key.first, key.second, message); !told.ok()) {
+  if (absl::Status told = client_.Abort(key.first, key.second, attempt, message); !told.ok()) {
     Log().warn("[{} s{}] could not tell the coordinator about the failure: {}", key.first,
                key.second, Message(told));
   }
   {
     std::lock_guard lock(mu_);
-    watches_.erase(key);
+    if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
+      watches_.erase(w);
+    }
   }
   FinishAborted(key, message);
 }

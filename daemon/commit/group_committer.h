@@ -57,6 +57,9 @@ class GroupCommitter : public CommitterBase {
   // Only for `attempt`: a decision about an earlier attempt never ends a newer one.
   void Apply(const Key& key, uint64_t attempt, const group::Decision& decision);
   void ReleaseInDoubt(const Key& key, double waited_s);
+  // A committed decision must be about `key` and list this node's durable ranks as the
+  // files it wrote; anything else is refused rather than renamed into place.
+  absl::Status CheckDecision(const Key& key, const persist::Manifest& manifest);
 
   group::GroupClient& client_;
   const uint32_t node_rank_;

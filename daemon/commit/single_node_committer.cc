@@ -24,9 +24,9 @@ void SingleNodeCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Wr
   std::optional<uint64_t> newer;
   {
     std::lock_guard lock(mu_);
-    auto it = steps_.find(key);
-    if (it == steps_.end()) return;  // the step already ended and its tickets were told
-    Step& step = it->second;
+    Step* current = CurrentStepLocked(snapshot);
+    if (current == nullptr) return;  // its attempt already ended and its ticket was told
+    Step& step = *current;
     step.durable[snapshot->rank] = {snapshot, std::move(shard)};
     complete = step.durable.size() == step.world_size;
     // A newer step committed while this rank was being written: nothing more can arrive.

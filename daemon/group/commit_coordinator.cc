@@ -34,7 +34,7 @@ const char* OutcomeName(Outcome outcome) {
 CommitCoordinator::CommitCoordinator(DecisionLog& log, Options options)
     : log_(log), options_(options) {}
 
-Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part) {
+Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persist::Manifest& part) {
   const Key key{part.job, part.step};
   auto refuse = [&](std::string why) { return Decision{Outcome::kAborted, std::move(why), {}}; };
   if (absl::Status valid = ValidateJobName(part.job); !valid.ok()) return refuse(Message(valid));
@@ -53,7 +53,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
   {
     std::lock_guard lock(mu_);
     if (auto decided = recent_.find(key); decided != recent_.end() || !rounds_.count(key)) {
-      Decision before = decided != recent_.end() ? decided->second : Decision{};
+      Decision before = decided != recent_.end() ? decided->second.decision : Decision{};
       if (before.outcome == Outcome::kUnknown) {
         // Not in memory: a coordinator restart forgets rounds but not commits.
         auto recorded = log_.FindCommit(key.first, key.second);
@@ -68,8 +68,14 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
         if (retry) return before;  // a prepare whose reply was lost: same answer again
         return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
       }
+      if (before.outcome == Outcome::kAborted) {
+        // A prepare of the attempt that was aborted, late: the same answer again, and no
+        // new round that would hold files the node has already removed.
+        auto seen = decided->second.attempts.find(node);
+        if (seen != decided->second.attempts.end() && attempt <= seen->second) return before;
+      }
       // An abort is forgotten here: this is a new attempt at the step (trainers that
-      // restarted and saved it again). Nodes drop late ranks of the old attempt themselves.
+      // restarted and saved it again).
       if (decided != recent_.end()) recent_.erase(decided);
     }
     auto [it, inserted] = rounds_.try_emplace(key);
@@ -80,11 +86,21 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
       Log().debug("{} first prepare (node {}, world size {})", Prefix(key.first, key.second), node,
                   part.world_size);
     }
+    auto [said, first_word] = round.attempt_of_node.try_emplace(node, attempt);
+    if (attempt < said->second) {
+      return refuse(fmt::format("node {} has since started a newer attempt at step {}", node,
+                                key.second));
+    }
+    if (attempt > said->second) {
+      // The node abandoned its older attempt (its files are gone or being rewritten).
+      ForgetNodeLocked(round, node);
+      said->second = attempt;
+    }
     if (round.world_size != part.world_size) {
       AbortLocked(key, fmt::format("node {} prepared world size {}, earlier nodes {}", node,
                                    part.world_size, round.world_size),
                   notify);
-      result = recent_[key];
+      result = recent_[key].decision;
     } else {
       std::string conflict;
       for (const persist::ManifestShard& s : part.shards) {
@@ -102,10 +118,10 @@ Decision CommitCoordinator::Prepare(uint32_t node, const persist::Manifest& part
       }
       if (!conflict.empty()) {
         AbortLocked(key, conflict, notify);
-        result = recent_[key];
+        result = recent_[key].decision;
       } else if (round.node_of_rank.size() == round.world_size) {
         CommitLocked(key, round, notify);
-        result = recent_[key];
+        result = recent_[key].decision;
       } else {
         result.outcome = Outcome::kPending;
       }
@@ -131,6 +147,11 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
     it = it->second.shards.empty() ? round.parts.erase(it) : std::next(it);
   }
   round.parts.emplace_back(node, part);
+}
+
+void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
+  std::erase_if(round.node_of_rank, [&](const auto& entry) { return entry.second == node; });
+  std::erase_if(round.parts, [&](const auto& part) { return part.first == node; });
 }
 
 void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
@@ -168,30 +189,42 @@ void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications
 
 void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, Notifications& out) {
   Decision decision{Outcome::kAborted, reason, {}};
+  std::map<uint32_t, uint64_t> attempts;
   if (auto it = rounds_.find(key); it != rounds_.end()) {
     for (PendingWaiter& w : it->second.waiters) out.emplace_back(std::move(w.waiter), decision);
+    attempts = std::move(it->second.attempt_of_node);
     rounds_.erase(it);
   }
   Log().warn("{} aborted: {}", Prefix(key.first, key.second), reason);
   if (options_.publish.discard) options_.publish.discard(key.first, key.second);
-  RememberLocked(key, std::move(decision));
+  RememberLocked(key, std::move(decision), std::move(attempts));
 }
 
-void CommitCoordinator::RememberLocked(const Key& key, Decision decision) {
-  if (recent_.insert_or_assign(key, std::move(decision)).second) recent_order_.push_back(key);
+void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
+                                       std::map<uint32_t, uint64_t> attempts) {
+  if (recent_.insert_or_assign(key, Remembered{std::move(decision), std::move(attempts)}).second) {
+    recent_order_.push_back(key);
+  }
   while (recent_order_.size() > kRecentDecisions) {
     recent_.erase(recent_order_.front());
     recent_order_.erase(recent_order_.begin());
   }
 }
 
-void CommitCoordinator::Abort(const std::string& job, uint64_t step, const std::string& reason) {
+void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t node,
+                              uint64_t attempt, const std::string& reason) {
   Notifications notify;
   {
     std::lock_guard lock(mu_);
     Key key{job, step};
     // Only an undecided step can be aborted: a commit already announced stands.
-    if (!rounds_.count(key)) return;
+    auto round = rounds_.find(key);
+    if (round == rounds_.end()) return;
+    auto said = round->second.attempt_of_node.find(node);
+    if (said != round->second.attempt_of_node.end() && attempt < said->second) {
+      Log().info("{} ignored a late abort from node {}'s earlier attempt", Prefix(job, step), node);
+      return;
+    }
     AbortLocked(key, reason, notify);
   }
   Deliver(notify);
@@ -214,7 +247,7 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     Key key{job, step};
     if (rounds_.count(key)) return {Outcome::kPending, {}, {}};
-    if (auto it = recent_.find(key); it != recent_.end()) return it->second;
+    if (auto it = recent_.find(key); it != recent_.end()) return it->second.decision;
   }
   auto recorded = log_.FindCommit(job, step);
   if (!recorded.ok()) {

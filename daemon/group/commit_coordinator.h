@@ -60,13 +60,19 @@ class CommitCoordinator {
 
   CommitCoordinator(DecisionLog& log, Options options);
 
-  // `node` has made `ranks` of (job, step) durable; `part` is their manifest. Returns the
-  // step's state after this: pending, committed (this completed it, or a retry of a
-  // prepare that was part of the commit), or aborted with the reason.
-  Decision Prepare(uint32_t node, const persist::Manifest& part);
+  // `node` has made `ranks` of (job, step) durable in its attempt `attempt` at the step;
+  // `part` is their manifest. Attempt ids of a node grow: a prepare of a newer attempt
+  // replaces everything the node said in older ones (their files are gone or rewritten),
+  // and a late prepare of an older attempt is refused, so a commit never mixes attempts.
+  // Returns the step's state after this: pending, committed (this completed it, or a
+  // retry of a prepare that was part of the commit), or aborted with the reason.
+  Decision Prepare(uint32_t node, uint64_t attempt, const persist::Manifest& part);
 
-  // A node cannot finish the step (a rank failed to write, its own timeout).
-  void Abort(const std::string& job, uint64_t step, const std::string& reason);
+  // `node` cannot finish its attempt `attempt` at the step (a rank failed to write). An
+  // abort from an attempt older than the one the node prepared in this round is late and
+  // ignored.
+  void Abort(const std::string& job, uint64_t step, uint32_t node, uint64_t attempt,
+             const std::string& reason);
 
   // Calls `waiter` once the step is decided, or with what is known at `deadline`
   // (pending while undecided; unknown when there is no record).
@@ -97,8 +103,13 @@ class CommitCoordinator {
     uint32_t world_size = 0;
     Clock::time_point started;
     std::map<uint32_t, uint32_t> node_of_rank;
+    std::map<uint32_t, uint64_t> attempt_of_node;
     std::vector<std::pair<uint32_t, persist::Manifest>> parts;
     std::vector<PendingWaiter> waiters;
+  };
+  struct Remembered {
+    Decision decision;
+    std::map<uint32_t, uint64_t> attempts;  // of an aborted round, by node
   };
   using Key = std::pair<std::string, uint64_t>;
   using Notifications = std::vector<std::pair<Waiter, Decision>>;
@@ -106,8 +117,9 @@ class CommitCoordinator {
   // Both return with mu_ held; the waiters to notify go to `out`, called after unlocking.
   void CommitLocked(const Key& key, Round& round, Notifications& out);
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
-  void RememberLocked(const Key& key, Decision decision);
+  void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
   static void ReplaceRanksLocked(Round& round, uint32_t node, const persist::Manifest& part);
+  static void ForgetNodeLocked(Round& round, uint32_t node);
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   static void Deliver(Notifications& notifications);
 
@@ -116,7 +128,7 @@ class CommitCoordinator {
   mutable std::mutex mu_;
   std::map<Key, Round> rounds_;
   // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
-  std::map<Key, Decision> recent_;
+  std::map<Key, Remembered> recent_;
   std::vector<Key> recent_order_;
   std::map<std::string, uint64_t> latest_committed_;
 };

@@ -39,7 +39,13 @@ void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t 
   std::vector<std::string> payloads;
   std::string refused;
   {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
+    if (!closed_.empty()) {
+      std::string closed = closed_;
+      lock.unlock();
+      done(absl::UnavailableError(closed));
+      return;
+    }
     auto [it, inserted] = rounds_.try_emplace(key);
     Round& round = it->second;
     if (inserted) {
@@ -103,10 +109,15 @@ void GatherTable::Expire(Clock::time_point now) {
   for (auto& [done, why] : expired) done(absl::DeadlineExceededError(why));
 }
 
-void GatherTable::FailAll(const std::string& why) {
+void GatherTable::Close(const std::string& why) { FailAll(why, /*close=*/true); }
+
+void GatherTable::FailAll(const std::string& why) { FailAll(why, /*close=*/false); }
+
+void GatherTable::FailAll(const std::string& why, bool close) {
   std::vector<Done> failed;
   {
     std::lock_guard lock(mu_);
+    if (close) closed_ = why.empty() ? "closed" : why;
     for (auto& [key, round] : rounds_) {
       for (auto& [p, arrival] : round.arrived) failed.push_back(std::move(arrival.done));
     }

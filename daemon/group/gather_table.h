@@ -37,6 +37,9 @@ class GatherTable {
   // Fails every waiting arrival (shutdown).
   void FailAll(const std::string& why);
 
+  // FailAll, and every later arrival fails at once with `why`.
+  void Close(const std::string& why);
+
   // Blocking convenience: Arrive and wait for the result.
   absl::StatusOr<std::vector<std::string>> ArriveAndWait(const std::string& key,
                                                          uint32_t participant,
@@ -58,8 +61,11 @@ class GatherTable {
     std::map<uint32_t, Arrival> arrived;
   };
 
+  void FailAll(const std::string& why, bool close);
+
   mutable std::mutex mu_;
   std::map<std::string, Round> rounds_;
+  std::string closed_;  // why, once closed
 };
 
 }  // namespace ckpt::group

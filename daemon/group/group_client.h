@@ -35,8 +35,10 @@ class GroupClient {
   // FailedPrecondition: the coordinator does not know this incarnation (it restarted, or
   // marked this node lost): join again.
   virtual absl::StatusOr<GroupViewData> Heartbeat() = 0;
-  virtual absl::StatusOr<Decision> Prepare(const persist::Manifest& part) = 0;
-  virtual absl::Status Abort(const std::string& job, uint64_t step, const std::string& reason) = 0;
+  // `attempt`: see CommitCoordinator::Prepare.
+  virtual absl::StatusOr<Decision> Prepare(const persist::Manifest& part, uint64_t attempt) = 0;
+  virtual absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+                             const std::string& reason) = 0;
   // Long-poll: returns when decided or after `wait` (then kPending).
   virtual absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
                                               std::chrono::milliseconds wait) = 0;
@@ -47,6 +49,8 @@ class GroupClient {
                                                           uint32_t participants,
                                                           std::string payload,
                                                           std::chrono::milliseconds timeout) = 0;
+  // Ends the gathers in flight and fails later ones at once with `why` (shutdown).
+  virtual void CancelGathers(const std::string& why) = 0;
 };
 
 using GroupClientPtr = std::unique_ptr<GroupClient>;

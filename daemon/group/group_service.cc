@@ -271,7 +271,7 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
       return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(part.status())));
     }
     CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, *part));
-    Decision decision = coordinator_->commits.Prepare(node, *part);
+    Decision decision = coordinator_->commits.Prepare(node, request->attempt(), *part);
     reply->set_outcome(ToProto(decision.outcome));
     reply->set_reason(decision.reason);
     reply->set_manifest_json(decision.manifest_json);
@@ -289,7 +289,7 @@ grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
     CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
     std::string reason = request->reason().empty() ? "no reason given" : request->reason();
     coordinator_->commits.Abort(
-        request->job(), request->step(),
+        request->job(), request->step(), request->node_rank(), request->attempt(),
         fmt::format("node {}: {}", request->node_rank(), Truncated(reason, kMaxReasonBytes)));
     return absl::OkStatus();
   }));

@@ -3,6 +3,8 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "common/status.h"
@@ -130,7 +132,7 @@ class GrpcGroupClient final : public GroupClient {
     return FromProto(reply.view());
   }
 
-  absl::StatusOr<Decision> Prepare(const persist::Manifest& part) override {
+  absl::StatusOr<Decision> Prepare(const persist::Manifest& part, uint64_t attempt) override {
     pb::PrepareRequest request;
     request.set_node_rank(options_.node_rank);
     request.set_incarnation(incarnation_);
@@ -139,6 +141,7 @@ class GrpcGroupClient final : public GroupClient {
     request.set_world_size(part.world_size);
     for (const persist::ManifestShard& s : part.shards) request.add_ranks(s.rank);
     request.set_manifest_part_json(persist::ManifestToJson(part));
+    request.set_attempt(attempt);
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     pb::PrepareReply reply;
@@ -146,9 +149,11 @@ class GrpcGroupClient final : public GroupClient {
     return Decision{FromProto(reply.outcome()), reply.reason(), reply.manifest_json()};
   }
 
-  absl::Status Abort(const std::string& job, uint64_t step, const std::string& reason) override {
+  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+                     const std::string& reason) override {
     pb::AbortRequest request;
     request.set_node_rank(options_.node_rank);
+    request.set_attempt(attempt);
     request.set_job(job);
     request.set_step(step);
     request.set_reason(reason);
@@ -186,9 +191,26 @@ class GrpcGroupClient final : public GroupClient {
     // The coordinator expires the round first and names who is missing; our deadline is
     // only for a coordinator that does not answer at all.
     StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
+    {
+      std::lock_guard lock(gathers_mu_);
+      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
+      gathers_.insert(&ctx);
+    }
     pb::GatherReply reply;
-    CKPT_RETURN_IF_ERROR(Describe("gather " + key, stub_->Gather(&ctx, request, &reply)));
+    grpc::Status status = stub_->Gather(&ctx, request, &reply);
+    {
+      std::lock_guard lock(gathers_mu_);
+      gathers_.erase(&ctx);
+      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
+    }
+    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
     return std::vector<std::string>(reply.payloads().begin(), reply.payloads().end());
+  }
+
+  void CancelGathers(const std::string& why) override {
+    std::lock_guard lock(gathers_mu_);
+    gathers_cancelled_ = why.empty() ? "cancelled" : why;
+    for (grpc::ClientContext* ctx : gathers_) ctx->TryCancel();
   }
 
  private:
@@ -216,6 +238,9 @@ class GrpcGroupClient final : public GroupClient {
   const uint64_t incarnation_;
   const std::string address_;
   const std::unique_ptr<pb::Group::Stub> stub_;
+  std::mutex gathers_mu_;
+  std::set<grpc::ClientContext*> gathers_;  // in flight, for CancelGathers
+  std::string gathers_cancelled_;           // why, once cancelled
 };
 
 }  // namespace

@@ -3,6 +3,18 @@
 #include <fmt/format.h>
 
 namespace ckpt::group {
+namespace {
+
+// "10.0.0.5:7000" -> "10.0.0.5", "[::1]:7000" -> "::1".
+std::string HostOf(const std::string& address) {
+  std::string host = address.substr(0, address.rfind(':'));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  return host;
+}
+
+}  // namespace
 
 const char* MemberStateName(MemberState state) {
   switch (state) {
@@ -31,6 +43,16 @@ absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::stri
   if (incarnation == 0) return absl::InvalidArgumentError("incarnation 0 is reserved");
   std::lock_guard lock(mu_);
   Member& m = members_[node];
+  if (m.state == MemberState::kAlive && m.incarnation != incarnation &&
+      HostOf(m.address) != HostOf(address)) {
+    // A daemon that restarts comes back from its own host; one from another host while the
+    // first still heartbeats is a second daemon with the same --node-rank. Retryable, so a
+    // genuine replacement elsewhere gets in once the old one is marked lost.
+    return absl::UnavailableError(fmt::format(
+        "node {} is alive at {} under another incarnation: is a second daemon (at {}) started "
+        "with --node-rank {}? It is admitted once the first is marked lost (--group-timeout)",
+        node, m.address, address.substr(0, 256), node));
+  }
   *restarted = m.incarnation != 0 && m.incarnation != incarnation;
   m.address = address.substr(0, 256);
   m.incarnation = incarnation;

@@ -139,7 +139,6 @@ class LocalFsShardWriter final : public ShardWriter {
 
 }  // namespace
 
-std::string ShardFileName(uint32_t rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
 
 ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks) {
   return std::make_unique<LocalFsShardWriter>(std::move(fs), std::move(between_chunks));

@@ -9,9 +9,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/names.h"
+
 namespace ckpt::persist {
 
 using nlohmann::json;
+
+std::string ShardFileName(uint32_t rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
 
 uint64_t Manifest::total_bytes() const {
   uint64_t total = 0;
@@ -89,6 +93,7 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
                              m.format_version, kManifestFormatVersion));
     }
     m.job = j.at("job").get<std::string>();
+    if (absl::Status valid = ValidateJobName(m.job); !valid.ok()) return bad(std::string(valid.message()));
     m.step = j.at("step").get<uint64_t>();
     m.unix_time = j.at("unix_time").get<double>();
     m.wall_time = j.at("wall_time").get<std::string>();
@@ -106,6 +111,10 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         e.begin = it->at("data_offsets").at(0).get<uint64_t>();
         e.end = it->at("data_offsets").at(1).get<uint64_t>();
         e.checksum = it->at("checksum").get<std::string>();
+        if (e.begin > e.end || e.end > shard.bytes) {
+          return bad(fmt::format("train state {} of rank {}: byte range outside the file",
+                                 it.key(), shard.rank));
+        }
         shard.train_state[it.key()] = e;
       }
       if (scope == ManifestScope::kWhole ? shard.rank != m.shards.size()
@@ -113,7 +122,10 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
                                             (!m.shards.empty() && shard.rank <= m.shards.back().rank))) {
         return bad("shards are not ranks 0..world_size-1");
       }
-      if (shard.file.find('/') != std::string::npos) return bad("shard file names a directory");
+      if (shard.file != ShardFileName(shard.rank)) {
+        return bad(fmt::format("rank {}'s shard file is not named {}", shard.rank,
+                               ShardFileName(shard.rank)));
+      }
       m.shards.push_back(std::move(shard));
     }
     if (scope == ManifestScope::kWhole && m.shards.size() != m.world_size) {
@@ -122,12 +134,20 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     if (auto nodes = j.find("nodes"); nodes != j.end()) {
       for (const auto& n : *nodes) {
         m.nodes.push_back({n.at("node").get<uint32_t>(), n.at("ranks").get<std::vector<uint32_t>>()});
+        for (uint32_t r : m.nodes.back().ranks) {
+          if (r >= m.world_size) return bad(fmt::format("node lists rank {} outside the world", r));
+        }
       }
     }
+    std::map<uint32_t, const ManifestShard*> by_rank;
+    for (const ManifestShard& s : m.shards) by_rank[s.rank] = &s;
     for (auto it = j.at("tensors").begin(); it != j.at("tensors").end(); ++it) {
       ManifestTensor t;
       t.dtype = it->at("dtype").get<std::string>();
       t.global_shape = it->at("global_shape").get<std::vector<int64_t>>();
+      if (absl::Status valid = ValidateTensorName(it.key()); !valid.ok()) {
+        return bad(std::string(valid.message()));
+      }
       for (const auto& s : it->at("shards")) {
         TensorShard shard;
         shard.rank = s.at("rank").get<uint32_t>();
@@ -137,7 +157,30 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         shard.offset = s.at("offset").get<std::vector<int64_t>>();
         shard.shape = s.at("shape").get<std::vector<int64_t>>();
         shard.checksum = s.at("checksum").get<std::string>();
-        if (shard.rank >= m.world_size) return bad(fmt::format("tensor {}: bad rank", it.key()));
+        auto owner = by_rank.find(shard.rank);
+        if (owner == by_rank.end() || shard.file != owner->second->file) {
+          return bad(fmt::format("tensor {}: a piece names rank {} or file {} that the shards "
+                                 "list does not",
+                                 it.key(), shard.rank, shard.file));
+        }
+        if (shard.begin > shard.end || shard.end > owner->second->bytes) {
+          return bad(fmt::format("tensor {}: byte range [{}, {}) is not inside rank {}'s file",
+                                 it.key(), shard.begin, shard.end, shard.rank));
+        }
+        if (shard.offset.size() != t.global_shape.size() ||
+            shard.shape.size() != t.global_shape.size()) {
+          return bad(fmt::format("tensor {}: rank {}'s placement has a different rank than the "
+                                 "global shape",
+                                 it.key(), shard.rank));
+        }
+        for (size_t d = 0; d < t.global_shape.size(); ++d) {
+          if (shard.offset[d] < 0 || shard.shape[d] < 0 ||
+              shard.offset[d] > t.global_shape[d] - shard.shape[d]) {
+            return bad(fmt::format("tensor {}: rank {}'s piece lies outside the global shape in "
+                                   "dimension {}",
+                                   it.key(), shard.rank, d));
+          }
+        }
         t.shards.push_back(std::move(shard));
       }
       m.tensors[it.key()] = std::move(t);

@@ -70,12 +70,18 @@ struct Manifest {
 
 std::string ManifestToJson(const Manifest& manifest);
 
+// "rank-00003.safetensors": the one name a rank's shard file may have.
+std::string ShardFileName(uint32_t rank);
+
 enum class ManifestScope {
   kWhole,  // a committed step: shards are exactly ranks 0..world_size-1
   kPart,   // one node's ranks before a group commit: any ascending subset
 };
 
-// Parses and checks a manifest: version, required fields, shard ranks.
+// Parses and checks a manifest: version, required fields, the job name, shard ranks and
+// file names (each rank's file is ShardFileName(rank), so no manifest can point outside
+// its step directory or at another rank's file), every tensor piece inside a listed
+// rank's file with a placement of the tensor's rank.
 absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::string& source,
                                        ManifestScope scope = ManifestScope::kWhole);
 

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
+#include "daemon/persist/manifest.h"  // ShardFileName
 #include "daemon/persist/safetensors.h"
 #include "daemon/persist/staging_watermark.h"
 
@@ -46,8 +47,5 @@ using ShardWriterPtr = std::unique_ptr<ShardWriter>;
 // `between_chunks`, if set, runs between the writer's large writes (ckptd passes a wait for
 // staging copies to finish, so persisting never slows what trainers wait for).
 ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks = {});
-
-// "rank-00003.safetensors"
-std::string ShardFileName(uint32_t rank);
 
 }  // namespace ckpt::persist

@@ -43,6 +43,7 @@ class LocalStepAgreement : public StepAgreement {
     return Decide(job, table_.ArriveAndWait(Key(job), rank, world_size, EncodeSteps(available),
                                             timeout));
   }
+  void Cancel(const std::string& why) override { table_.Close(why); }
 
  private:
   group::GatherTable table_;
@@ -57,6 +58,7 @@ class GroupStepAgreement : public StepAgreement {
                                                 std::chrono::milliseconds timeout) override {
     return Decide(job, client_.Gather(Key(job), rank, world_size, EncodeSteps(available), timeout));
   }
+  void Cancel(const std::string& why) override { client_.CancelGathers(why); }
 
  private:
   group::GroupClient& client_;

@@ -30,6 +30,9 @@ class StepAgreement {
                                                         uint32_t world_size,
                                                         const std::vector<uint64_t>& available,
                                                         std::chrono::milliseconds timeout) = 0;
+  // Ends every Agree that waits, and every later one, with `why` (shutdown: a restore
+  // that waits for ranks that never come must not hold the daemon up).
+  virtual void Cancel(const std::string& why) = 0;
 };
 
 using StepAgreementPtr = std::unique_ptr<StepAgreement>;

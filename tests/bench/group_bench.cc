@@ -208,7 +208,7 @@ absl::Status RunNode(Board& board, const std::string& coordinator, uint32_t node
     ckpt::persist::Manifest part = Part(node, n, r + 1);
     board.Gate(kCommit, r);
     board.Slot(kCommit, r, node, 1) = NowNs();
-    CKPT_ASSIGN_OR_RETURN(group::Decision d, client->Prepare(part));
+    CKPT_ASSIGN_OR_RETURN(group::Decision d, client->Prepare(part, 1));
     // Splits the commit's time between the deciding call and the long polls' answers.
     board.Slot(kCommit, r, node, 3) = d.outcome == group::Outcome::kCommitted ? NowNs() : 0;
     while (d.outcome == group::Outcome::kPending) {

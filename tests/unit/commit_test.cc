@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "cuda/staging_pool.h"
+#include "tests/fakes/manifest_part.h"
 #include "daemon/commit/group_committer.h"
 #include "daemon/commit/single_node_committer.h"
 #include "daemon/group/decision_log.h"
@@ -50,6 +51,10 @@ class RecordingSink : public TicketSink {
   std::string error(uint64_t ticket) {
     std::lock_guard lock(mu_);
     return errors_[ticket];
+  }
+  bool told(uint64_t ticket) {
+    std::lock_guard lock(mu_);
+    return states_.count(ticket) > 0;
   }
 
  private:
@@ -158,7 +163,17 @@ struct Group {
     client = std::move(*group::MakeGrpcGroupClient(o, 7, server->address()));
     REQUIRE(client->Join(std::chrono::steady_clock::now() + 5s).ok());  // prepares need it
     committer = std::make_unique<commit::GroupCommitter>(s.store, s.Hooks(), s.options, *client, 0);
+    options = o;
   }
+  // Another node of the group, joined: it prepares the ranks node 0 does not hold.
+  group::GroupClientPtr OtherNode() const {
+    group::GroupOptions o = options;
+    o.node_rank = 1;
+    auto other = std::move(*group::MakeGrpcGroupClient(o, 8, "127.0.0.1:1"));
+    REQUIRE(other->Join(std::chrono::steady_clock::now() + 5s).ok());
+    return other;
+  }
+  group::GroupOptions options;
   group::DecisionLogPtr log;
   group::GroupServerPtr server;
   group::GroupClientPtr client;
@@ -181,6 +196,13 @@ struct Fixture : Stages {
 
   uint64_t Submit(uint64_t step, uint32_t rank, uint32_t world_size, float value = 1.0f,
                   std::chrono::steady_clock::time_point session_started = {}) {
+    auto snap = Snapshot(step, rank, world_size, value, session_started);
+    writes.Submit(snap);
+    return snap->ticket;
+  }
+
+  StagedSnapshotPtr Snapshot(uint64_t step, uint32_t rank, uint32_t world_size, float value = 1.0f,
+                             std::chrono::steady_clock::time_point session_started = {}) {
     auto snap = std::make_shared<StagedSnapshot>();
     snap->job = "job";
     snap->step = step;
@@ -197,8 +219,7 @@ struct Fixture : Stages {
     snap->sink = sink;
     snap->ticket = next_ticket++;
     snap->session_started = session_started;
-    writes.Submit(snap);
-    return snap->ticket;
+    return snap;
   }
 };
 
@@ -328,6 +349,29 @@ TEMPLATE_TEST_CASE("a step already committed is refused, the committed one untou
   CHECK(persist::VerifyCheckpoint(f.store, "job", 10)->ok());
 }
 
+TEMPLATE_TEST_CASE("late results of an ended attempt never count towards, or fail, a newer one",
+                   "[commit]", SingleNode, Group) {
+  Fixture<TestType> f;
+  auto old = f.Snapshot(10, 0, 1);
+  REQUIRE(f.committer.Arrived(old).ok());
+  f.committer.Failed(old, "rank 0 failed to write");  // attempt 1 ends
+  CHECK(f.sink->WaitFinal(old->ticket) == shm::kTicketFailed);
+  // The trainer registers again and saves the step once more: attempt 2.
+  auto fresh = f.Snapshot(10, 0, 1, 2.0f, std::chrono::steady_clock::now());
+  REQUIRE(f.committer.Arrived(fresh).ok());
+  // Attempt 1's I/O thread reports late: neither its shard nor its failure is attempt 2's.
+  f.committer.Durable(old, {persist::ShardFileName(0), 64, {}});
+  f.committer.Failed(old, "late failure of attempt 1");
+  CHECK_FALSE(f.committer.StepDirectory(old).ok());
+  auto in_flight = f.committer.InFlight();
+  REQUIRE(in_flight.size() == 1);
+  CHECK(in_flight[0].missing_ranks == std::vector<uint32_t>{0});
+  CHECK(f.store.ListSteps("job")->empty());
+  CHECK_FALSE(f.sink->told(fresh->ticket));
+  f.committer.Shutdown();
+  CHECK(f.sink->WaitFinal(fresh->ticket) == shm::kTicketFailed);
+}
+
 TEST_CASE("single node: a step missing a rank is abandoned when a newer step commits", "[commit]") {
   Fixture<SingleNode> f;
   f.writer.Open();
@@ -396,7 +440,7 @@ TEST_CASE("group: a prepared step survives shutdown in .tmp and is resolved at t
   shard.rank = 1;
   shard.file = "rank-00001.safetensors";
   part.shards.push_back(shard);
-  auto other = f.kind.client->Prepare(part);  // as node 0 too: the coordinator only counts ranks
+  auto other = f.kind.OtherNode()->Prepare(part, 1);
   REQUIRE(other.ok());
   CHECK(other->outcome == group::Outcome::kCommitted);
   // "Restart": a new committer adopts the .tmp and applies the recorded decision.
@@ -405,4 +449,36 @@ TEST_CASE("group: a prepared step survives shutdown in .tmp and is resolved at t
   WaitUntil([&] { return f.store.ListSteps("job")->size() == 1; }, 5s);
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
   CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+}
+
+TEST_CASE("group: a new attempt at a step in doubt is refused and leaves the step's files alone",
+          "[commit]") {
+  Fixture<Group> f;
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2, 1.0f);
+  WaitUntil([&] { return !f.committer.InFlight().empty() &&
+                         f.committer.InFlight()[0].state == "prepared"; }, 2s);
+  f.writes.Shutdown(2s);
+  f.kind.committer->Shutdown();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
+  // The next start holds step 10 in doubt; its trainer saves step 10 again meanwhile.
+  commit::GroupCommitter restarted(f.store, f.Hooks(), f.options, *f.kind.client, 0);
+  persist::WriteQueue queue(f.writer, restarted, f.progress, {2});
+  restarted.AdoptInDoubt(*f.store.ListTempSteps());
+  auto again = f.Snapshot(10, 0, 2, 2.0f, std::chrono::steady_clock::now());
+  queue.Submit(again);
+  CHECK(f.sink->WaitFinal(again->ticket) == shm::kTicketFailed);
+  CHECK_THAT(f.sink->error(again->ticket), Catch::Contains("in doubt"));
+  REQUIRE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+  // The other node's rank completes the step: the first attempt's shard is what commits.
+  auto other = f.kind.OtherNode()->Prepare(testing::ManifestPart("job", 10, 2, {1}), 1);
+  REQUIRE(other.ok());
+  CHECK(other->outcome == group::Outcome::kCommitted);
+  WaitUntil([&] { return f.store.ListSteps("job")->size() == 1; }, 5s);
+  REQUIRE(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  auto manifest = f.store.LoadManifest("job", 10);
+  REQUIRE(manifest.ok());
+  CHECK(manifest->shards[0].bytes > 0);
+  queue.Shutdown(2s);
+  restarted.Shutdown();
 }

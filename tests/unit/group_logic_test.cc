@@ -211,6 +211,23 @@ TEST_CASE("membership: a join under a new incarnation is a restart") {
   CHECK(m.Heartbeat(1, 2).ok());
 }
 
+TEST_CASE("membership: a second daemon with the same node rank on another host waits") {
+  Membership m(2, 100ms);
+  bool restarted;
+  REQUIRE(m.Join(1, 2, "10.0.0.2:7000", 7, &restarted).ok());
+  absl::Status twin = m.Join(1, 2, "10.0.0.3:7000", 8, &restarted);
+  CHECK(absl::IsUnavailable(twin));  // retried by the joiner
+  CHECK_THAT(Message(twin), Catch::Contains("--node-rank 1"));
+  CHECK_THAT(Message(twin), Catch::Contains("10.0.0.2:7000"));
+  CHECK(m.Heartbeat(1, 7).ok());  // the first keeps its place
+  // A restart comes from the same host, on any port.
+  REQUIRE(m.Join(1, 2, "10.0.0.2:7100", 9, &restarted).ok());
+  CHECK(restarted);
+  // Once the old one is lost, a replacement on another host gets in.
+  m.Expire(Clock::now() + 1s);
+  REQUIRE(m.Join(1, 2, "[fd00::3]:7000", 10, &restarted).ok());
+}
+
 TEST_CASE("membership: a silent member is lost and must join again") {
   Membership m(2, 100ms);
   bool restarted;
@@ -238,13 +255,13 @@ TEST_CASE("membership: a silent member is lost and must join again") {
 TEST_CASE("commit: all ranks prepared across three nodes commit with a merged manifest") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  CHECK(c.Prepare(0, Part("job", 100, 4, {0, 1})).outcome == Outcome::kPending);
-  CHECK(c.Prepare(1, Part("job", 100, 4, {2})).outcome == Outcome::kPending);
+  CHECK(c.Prepare(0, 1, Part("job", 100, 4, {0, 1})).outcome == Outcome::kPending);
+  CHECK(c.Prepare(1, 1, Part("job", 100, 4, {2})).outcome == Outcome::kPending);
   auto in_flight = c.InFlight();
   REQUIRE(in_flight.size() == 1);
   CHECK(in_flight[0].missing_ranks == std::vector<uint32_t>{3});
 
-  Decision d = c.Prepare(2, Part("job", 100, 4, {3}));
+  Decision d = c.Prepare(2, 1, Part("job", 100, 4, {3}));
   REQUIRE(d.outcome == Outcome::kCommitted);
   auto merged = persist::ParseManifest(d.manifest_json, "test");
   REQUIRE(merged.ok());
@@ -261,7 +278,7 @@ TEST_CASE("commit: all ranks prepared across three nodes commit with a merged ma
 TEST_CASE("commit: the decision is durable before any waiter hears committed") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 5, 2, {0}));
+  c.Prepare(0, 1, Part("job", 5, 2, {0}));
   std::optional<Decision> heard;
   bool recorded_when_heard = false;
   c.Await("job", 5, Clock::now() + 10s, [&](const Decision& d) {
@@ -269,7 +286,7 @@ TEST_CASE("commit: the decision is durable before any waiter hears committed") {
     recorded_when_heard = log.Has("job", 5);
   });
   CHECK_FALSE(heard.has_value());
-  c.Prepare(1, Part("job", 5, 2, {1}));
+  c.Prepare(1, 1, Part("job", 5, 2, {1}));
   REQUIRE(heard.has_value());
   CHECK(heard->outcome == Outcome::kCommitted);
   CHECK(recorded_when_heard);
@@ -279,10 +296,10 @@ TEST_CASE("commit: a decision that cannot be recorded aborts the step") {
   MemoryDecisionLog log;
   log.set_fail(true);
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 5, 2, {0}));
+  c.Prepare(0, 1, Part("job", 5, 2, {0}));
   std::optional<Decision> heard;
   c.Await("job", 5, Clock::now() + 10s, [&](const Decision& d) { heard = d; });
-  Decision d = c.Prepare(1, Part("job", 5, 2, {1}));
+  Decision d = c.Prepare(1, 1, Part("job", 5, 2, {1}));
   CHECK(d.outcome == Outcome::kAborted);
   CHECK_THAT(d.reason, Catch::Contains("could not record"));
   REQUIRE(heard.has_value());
@@ -293,7 +310,7 @@ TEST_CASE("commit: a decision that cannot be recorded aborts the step") {
 TEST_CASE("commit: a step still missing ranks at the step timeout aborts naming them") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {.step_timeout = 100ms});
-  c.Prepare(0, Part("job", 9, 4, {0, 2}));
+  c.Prepare(0, 1, Part("job", 9, 4, {0, 2}));
   std::optional<Decision> heard;
   c.Await("job", 9, Clock::now() + 1h, [&](const Decision& d) { heard = d; });
   c.Tick(Clock::now());
@@ -309,7 +326,7 @@ TEST_CASE("commit: a step still missing ranks at the step timeout aborts naming 
 TEST_CASE("commit: a waiter whose deadline passes hears pending") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 9, 2, {0}));
+  c.Prepare(0, 1, Part("job", 9, 2, {0}));
   std::optional<Decision> heard;
   c.Await("job", 9, Clock::now() + 50ms, [&](const Decision& d) { heard = d; });
   c.Tick(Clock::now() + 100ms);
@@ -320,14 +337,14 @@ TEST_CASE("commit: a waiter whose deadline passes hears pending") {
 TEST_CASE("commit: a rank prepared by two nodes aborts the step") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 3, 3, {0, 1}));
-  Decision d = c.Prepare(1, Part("job", 3, 3, {1}));
+  c.Prepare(0, 1, Part("job", 3, 3, {0, 1}));
+  Decision d = c.Prepare(1, 1, Part("job", 3, 3, {1}));
   CHECK(d.outcome == Outcome::kAborted);
   CHECK_THAT(d.reason, Catch::Contains("rank 1 was prepared by node 0 and by node 1"));
 
-  Decision mismatch = c.Prepare(0, Part("job", 4, 3, {0}));
+  Decision mismatch = c.Prepare(0, 1, Part("job", 4, 3, {0}));
   REQUIRE(mismatch.outcome == Outcome::kPending);
-  mismatch = c.Prepare(1, Part("job", 4, 5, {1}));
+  mismatch = c.Prepare(1, 1, Part("job", 4, 5, {1}));
   CHECK(mismatch.outcome == Outcome::kAborted);
   CHECK_THAT(mismatch.reason, Catch::Contains("world size 5"));
 }
@@ -335,42 +352,67 @@ TEST_CASE("commit: a rank prepared by two nodes aborts the step") {
 TEST_CASE("commit: a retried prepare after the commit hears committed again") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 7, 2, {0}));
-  REQUIRE(c.Prepare(1, Part("job", 7, 2, {1})).outcome == Outcome::kCommitted);
-  Decision again = c.Prepare(1, Part("job", 7, 2, {1}));
+  c.Prepare(0, 1, Part("job", 7, 2, {0}));
+  REQUIRE(c.Prepare(1, 1, Part("job", 7, 2, {1})).outcome == Outcome::kCommitted);
+  Decision again = c.Prepare(1, 1, Part("job", 7, 2, {1}));
   CHECK(again.outcome == Outcome::kCommitted);
   // Another node claiming a rank of the committed step is refused.
-  Decision other = c.Prepare(0, Part("job", 7, 2, {1}));
+  Decision other = c.Prepare(0, 1, Part("job", 7, 2, {1}));
   CHECK(other.outcome == Outcome::kAborted);
   CHECK_THAT(other.reason, Catch::Contains("already committed"));
   // A retried prepare in an open round adds nothing.
-  c.Prepare(0, Part("job", 8, 3, {0}));
-  CHECK(c.Prepare(0, Part("job", 8, 3, {0})).outcome == Outcome::kPending);
-  c.Prepare(1, Part("job", 8, 3, {1}));
-  CHECK(c.Prepare(2, Part("job", 8, 3, {2})).outcome == Outcome::kCommitted);
+  c.Prepare(0, 1, Part("job", 8, 3, {0}));
+  CHECK(c.Prepare(0, 1, Part("job", 8, 3, {0})).outcome == Outcome::kPending);
+  c.Prepare(1, 1, Part("job", 8, 3, {1}));
+  CHECK(c.Prepare(2, 1, Part("job", 8, 3, {2})).outcome == Outcome::kCommitted);
 }
 
 TEST_CASE("commit: a new attempt after an abort starts a new round") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 11, 2, {0}));
-  c.Abort("job", 11, "node 1: rank 1 failed to write");
+  c.Prepare(0, 1, Part("job", 11, 2, {0}));
+  c.Abort("job", 11, 1, 1, "node 1: rank 1 failed to write");
   Decision aborted = c.Lookup("job", 11);
   CHECK(aborted.outcome == Outcome::kAborted);
   CHECK_THAT(aborted.reason, Catch::Contains("rank 1 failed"));
 
-  CHECK(c.Prepare(0, Part("job", 11, 2, {0})).outcome == Outcome::kPending);
+  // A late prepare of the aborted attempt hears the abort again and opens no round.
+  CHECK(c.Prepare(0, 1, Part("job", 11, 2, {0})).outcome == Outcome::kAborted);
+  CHECK(c.InFlight().empty());
+
+  CHECK(c.Prepare(0, 2, Part("job", 11, 2, {0})).outcome == Outcome::kPending);
   CHECK(c.Lookup("job", 11).outcome == Outcome::kPending);
-  CHECK(c.Prepare(1, Part("job", 11, 2, {1})).outcome == Outcome::kCommitted);
+  CHECK(c.Prepare(1, 2, Part("job", 11, 2, {1})).outcome == Outcome::kCommitted);
   // An abort after the commit changes nothing.
-  c.Abort("job", 11, "too late");
+  c.Abort("job", 11, 1, 2, "too late");
   CHECK(c.Lookup("job", 11).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: a node's newer attempt replaces its older one; late words of the older are "
+          "refused") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  // Node 1 holds ranks 2 and 3. A rank 3 prepare of its first attempt arrives in a round
+  // of its own (the abort of that attempt came first and node 1 removed the files).
+  CHECK(c.Prepare(1, 10, Part("job", 30, 4, {3})).outcome == Outcome::kPending);
+  // The job retries the step: node 0 prepares ranks 0 and 1, node 1 rank 2 in attempt 11.
+  c.Prepare(0, 20, Part("job", 30, 4, {0, 1}));
+  CHECK(c.Prepare(1, 11, Part("job", 30, 4, {2})).outcome == Outcome::kPending);
+  // Rank 3 of attempt 10 no longer counts: the step waits for rank 3 of attempt 11.
+  REQUIRE(c.InFlight().size() == 1);
+  CHECK(c.InFlight()[0].missing_ranks == std::vector<uint32_t>{3});
+  // A late prepare or abort of attempt 10 changes nothing.
+  CHECK(c.Prepare(1, 10, Part("job", 30, 4, {3})).outcome == Outcome::kAborted);
+  c.Abort("job", 30, 1, 10, "late failure of the old attempt");
+  CHECK(c.Lookup("job", 30).outcome == Outcome::kPending);
+  Decision d = c.Prepare(1, 11, Part("job", 30, 4, {3}));
+  CHECK(d.outcome == Outcome::kCommitted);
 }
 
 TEST_CASE("commit: a lost node aborts undecided steps naming their missing ranks") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  c.Prepare(0, Part("job", 12, 3, {0}));
+  c.Prepare(0, 1, Part("job", 12, 3, {0}));
   c.AbortIncomplete("node 2 lost");
   Decision d = c.Lookup("job", 12);
   CHECK(d.outcome == Outcome::kAborted);
@@ -382,9 +424,9 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
   MemoryDecisionLog log;
   {
     CommitCoordinator before(log, {});
-    before.Prepare(0, Part("job", 20, 2, {0}));
-    REQUIRE(before.Prepare(1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
-    before.Prepare(0, Part("job", 21, 2, {0}));  // undecided when the coordinator dies
+    before.Prepare(0, 1, Part("job", 20, 2, {0}));
+    REQUIRE(before.Prepare(1, 1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
+    before.Prepare(0, 1, Part("job", 21, 2, {0}));  // undecided when the coordinator dies
   }
   CommitCoordinator after(log, {});
   Decision committed = after.Lookup("job", 20);
@@ -393,7 +435,7 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
   CHECK(after.Lookup("job", 21).outcome == Outcome::kUnknown);
   CHECK(after.Lookup("other", 1).outcome == Outcome::kUnknown);
   // A node retrying its prepare of the committed step hears committed.
-  CHECK(after.Prepare(1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
+  CHECK(after.Prepare(1, 1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
   std::optional<Decision> heard;
   after.Await("job", 20, Clock::now() + 10s, [&](const Decision& d) { heard = d; });
   REQUIRE(heard.has_value());
@@ -403,10 +445,10 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
 TEST_CASE("commit: invalid prepares are refused") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  CHECK(c.Prepare(0, Part("../etc", 1, 1, {0})).outcome == Outcome::kAborted);
-  CHECK(c.Prepare(0, Part("job", 1, 0, {})).outcome == Outcome::kAborted);
-  CHECK(c.Prepare(0, Part("job", 1, 2, {})).outcome == Outcome::kAborted);
-  CHECK(c.Prepare(0, Part("job", 1, 2, {5})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, 1, Part("../etc", 1, 1, {0})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, 1, Part("job", 1, 0, {})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, 1, Part("job", 1, 2, {})).outcome == Outcome::kAborted);
+  CHECK(c.Prepare(0, 1, Part("job", 1, 2, {5})).outcome == Outcome::kAborted);
   CHECK(c.InFlight().empty());
 }
 
@@ -440,16 +482,16 @@ TEST_CASE("commit: a node's newest prepare of a rank replaces what it said befor
   persist::Manifest old_part = Part("job", 12, 2, {0});
   old_part.shards[0].bytes = 111;
   old_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "old"}}};
-  c.Prepare(0, old_part);
+  c.Prepare(0, 1, old_part);
   // The rank was written again (a new attempt this coordinator had not told apart): the
   // manifest must describe the file now on disk.
   persist::Manifest new_part = Part("job", 12, 2, {0});
   new_part.shards[0].bytes = 222;
   new_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "new"}}};
-  CHECK(c.Prepare(0, new_part).outcome == Outcome::kPending);
+  CHECK(c.Prepare(0, 1, new_part).outcome == Outcome::kPending);
   persist::Manifest other = Part("job", 12, 2, {1});
   other.tensors["w"] = {"F32", {2}, {{1, "rank-00001.safetensors", 0, 4, {1}, {1}, "one"}}};
-  Decision d = c.Prepare(1, other);
+  Decision d = c.Prepare(1, 1, other);
   REQUIRE(d.outcome == Outcome::kCommitted);
   auto m = persist::ParseManifest(d.manifest_json, "decision");
   REQUIRE(m.ok());

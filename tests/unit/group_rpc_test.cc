@@ -140,10 +140,10 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   for (const MemberView& m : view.members) CHECK(m.state == MemberState::kAlive);
   CHECK(view.members[2].address == "127.0.0.1:9002");
 
-  auto first = clients[0]->Prepare(Part("job", 100, 4, {0, 1}));
+  auto first = clients[0]->Prepare(Part("job", 100, 4, {0, 1}), 1);
   REQUIRE(first.ok());
   CHECK(first->outcome == Outcome::kPending);
-  REQUIRE(clients[1]->Prepare(Part("job", 100, 4, {2})).ok());
+  REQUIRE(clients[1]->Prepare(Part("job", 100, 4, {2}), 1).ok());
   auto heartbeat = clients[1]->Heartbeat();
   REQUIRE(heartbeat.ok());
   REQUIRE(heartbeat->steps.size() == 1);
@@ -158,7 +158,7 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
     poll_took = Clock::now() - start;
   });
   std::this_thread::sleep_for(200ms);
-  auto last = clients[2]->Prepare(Part("job", 100, 4, {3}));
+  auto last = clients[2]->Prepare(Part("job", 100, 4, {3}), 1);
   poller.join();
   REQUIRE(last.ok());
   CHECK(last->outcome == Outcome::kCommitted);
@@ -171,11 +171,11 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   CHECK(clients[1]->Heartbeat()->committed.at("job") == 100);
 
   // An undecided step's long poll answers pending when the wait runs out.
-  REQUIRE(clients[0]->Prepare(Part("job", 101, 2, {0})).ok());
+  REQUIRE(clients[0]->Prepare(Part("job", 101, 2, {0}), 1).ok());
   auto pending = clients[1]->GetOutcome("job", 101, 100ms);
   REQUIRE(pending.ok());
   CHECK(pending->outcome == Outcome::kPending);
-  REQUIRE(clients[1]->Abort("job", 101, "rank 1 failed to write").ok());
+  REQUIRE(clients[1]->Abort("job", 101, 1, "rank 1 failed to write").ok());
   auto aborted = clients[0]->GetOutcome("job", 101, 0ms);
   REQUIRE(aborted.ok());
   CHECK(aborted->outcome == Outcome::kAborted);
@@ -200,6 +200,17 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   auto alone = clients[0]->Gather("barrier/alone", 0, 2, "", 200ms);
   CHECK(absl::IsDeadlineExceeded(alone.status()));
   CHECK_THAT(Message(alone.status()), Catch::Contains("missing: 1"));
+
+  // Shutdown cancels a gather in flight, and later ones fail at once.
+  auto start = std::chrono::steady_clock::now();
+  std::thread waiter([&] { alone = clients[1]->Gather("barrier/never", 0, 2, "", 30s); });
+  std::this_thread::sleep_for(100ms);
+  clients[1]->CancelGathers("ckptd is shutting down");
+  waiter.join();
+  CHECK_THAT(Message(alone.status()), Catch::Contains("shutting down"));
+  CHECK_THAT(Message(clients[1]->Gather("k", 0, 2, "", 30s).status()),
+             Catch::Contains("shutting down"));
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
 TEST_CASE("rpc: requests are validated field by field") {
@@ -207,7 +218,7 @@ TEST_CASE("rpc: requests are validated field by field") {
   auto client = g.Client(1);
   REQUIRE(client->Join(Clock::now() + 3s).ok());
 
-  auto bad_job = client->Prepare(Part("../escape", 1, 1, {0}));
+  auto bad_job = client->Prepare(Part("../escape", 1, 1, {0}), 1);
   CHECK(absl::IsInvalidArgument(bad_job.status()));
   CHECK_THAT(Message(bad_job.status()), Catch::Contains("job"));
 
@@ -250,7 +261,7 @@ TEST_CASE("rpc: requests are validated field by field") {
   stranger.coordinator = g.server->address();
   auto unjoined = MakeGrpcGroupClient(stranger, 77, "x");
   REQUIRE(unjoined.ok());
-  CHECK(absl::IsFailedPrecondition((*unjoined)->Prepare(Part("job", 1, 2, {0})).status()));
+  CHECK(absl::IsFailedPrecondition((*unjoined)->Prepare(Part("job", 1, 2, {0}), 1).status()));
 }
 
 TEST_CASE("rpc: a wrong token is refused on every call") {
@@ -260,8 +271,8 @@ TEST_CASE("rpc: a wrong token is refused on every call") {
   CHECK(absl::IsUnauthenticated(join.status()));
   CHECK_THAT(Message(join.status()), Catch::Contains("refused this node's group token"));
   CHECK(absl::IsUnauthenticated(intruder->Heartbeat().status()));
-  CHECK(absl::IsUnauthenticated(intruder->Prepare(Part("job", 1, 2, {1})).status()));
-  CHECK(absl::IsUnauthenticated(intruder->Abort("job", 1, "x")));
+  CHECK(absl::IsUnauthenticated(intruder->Prepare(Part("job", 1, 2, {1}), 1).status()));
+  CHECK(absl::IsUnauthenticated(intruder->Abort("job", 1, 1, "x")));
   CHECK(absl::IsUnauthenticated(intruder->GetOutcome("job", 1, 1s).status()));
   CHECK(absl::IsUnauthenticated(intruder->Gather("k", 0, 2, "", 1s).status()));
   auto prefix = g.Client(1, std::string(kToken).substr(0, 10));
@@ -340,7 +351,7 @@ TEST_CASE("rpc: a member whose heartbeats stop is lost and its undecided step ab
   Group g(2, o);
   auto node1 = g.Client(1);
   REQUIRE(node1->Join(Clock::now() + 3s).ok());
-  REQUIRE(node1->Prepare(Part("job", 7, 2, {1})).ok());
+  REQUIRE(node1->Prepare(Part("job", 7, 2, {1}), 1).ok());
   REQUIRE(testing::WaitUntil(
       [&] { return g.server->membership()->View()[1].state == MemberState::kLost; }, 3s));
   auto outcome = node1->GetOutcome("job", 7, 0ms);
@@ -389,7 +400,7 @@ TEST_CASE("rpc: shutdown answers waiting long polls") {
   Group g(2);
   auto client = g.Client(1);
   REQUIRE(client->Join(Clock::now() + 3s).ok());
-  REQUIRE(client->Prepare(Part("job", 3, 2, {1})).ok());
+  REQUIRE(client->Prepare(Part("job", 3, 2, {1}), 1).ok());
   absl::StatusOr<Decision> polled;
   absl::StatusOr<std::vector<std::string>> gathered;
   std::thread poller([&] { polled = client->GetOutcome("job", 3, 20s); });

@@ -21,7 +21,7 @@ Manifest Sample() {
   for (uint32_t r = 0; r < 2; ++r) {
     ManifestShard s;
     s.rank = r;
-    s.file = "rank-0000" + std::to_string(r) + ".safetensors";
+    s.file = ckpt::persist::ShardFileName(r);
     s.bytes = 100 + r;
     s.train_state["rng"] = {16, 24, "xxh3:00000000000000ab"};
     m.shards.push_back(s);
@@ -79,6 +79,44 @@ TEST_CASE("damaged manifests are refused with the source named") {
   CHECK_FALSE(ParseManifest("[]", "x").ok());
 }
 
+TEST_CASE("a manifest cannot point a reader outside its files or its tensors") {
+  auto j = nlohmann::json::parse(ManifestToJson(Sample()));
+  auto refused_for = [](const nlohmann::json& doc, const std::string& why,
+                        ManifestScope scope = ManifestScope::kWhole) {
+    auto parsed = ParseManifest(doc.dump(), "m.json", scope);
+    REQUIRE_FALSE(parsed.ok());
+    CHECK_THAT(ckpt::Message(parsed.status()), Catch::Contains(why));
+  };
+  auto job = j;
+  job["job"] = "../other";
+  refused_for(job, "job");
+  auto other_file = j;
+  other_file["shards"][0]["file"] = ShardFileName(1);  // rank 0 claiming rank 1's file
+  refused_for(other_file, "rank 0's shard file");
+  auto piece_file = j;
+  piece_file["tensors"]["w"]["shards"][0]["file"] = ShardFileName(1);
+  refused_for(piece_file, "tensor w");
+  auto beyond = j;
+  beyond["tensors"]["w"]["shards"][1]["data_offsets"] = {0, 4096};
+  refused_for(beyond, "not inside rank 1's file");
+  auto outside = j;
+  outside["tensors"]["w"]["shards"][1]["offset"] = {3, 0};
+  refused_for(outside, "outside the global shape");
+  auto dims = j;
+  dims["tensors"]["w"]["shards"][1]["shape"] = {2};
+  refused_for(dims, "placement");
+  auto state = j;
+  state["shards"][0]["train_state"]["rng"]["data_offsets"] = {16, 1 << 20};
+  refused_for(state, "train state rng");
+  // A node's part may not describe pieces of ranks it does not hold.
+  auto part = j;
+  part["shards"].erase(1);
+  refused_for(part, "that the shards list does not", ManifestScope::kPart);
+  auto name = j;
+  name["tensors"]["__metadata__"] = name["tensors"]["w"];
+  refused_for(name, "__");
+}
+
 namespace {
 
 ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::string dtype = "F32") {
@@ -90,7 +128,7 @@ ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::s
   for (uint32_t r : ranks) {
     ckpt::persist::ManifestShard s;
     s.rank = r;
-    s.file = "rank-" + std::to_string(r) + ".safetensors";
+    s.file = ckpt::persist::ShardFileName(r);
     s.bytes = 64;
     m.shards.push_back(s);
     m.tensors["w"].dtype = dtype;

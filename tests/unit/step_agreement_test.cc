@@ -48,3 +48,19 @@ TEST_CASE("local ranks meet at the barrier; a rank alone times out naming the mi
   CHECK(message.find("missing: 1, 2") != std::string::npos);
   CHECK(message.find("--restore-timeout") != std::string::npos);
 }
+
+TEST_CASE("shutdown ends a restore waiting at the barrier, and every later one at once") {
+  auto agreement = MakeLocalStepAgreement();
+  auto start = std::chrono::steady_clock::now();
+  auto waiting = std::async(std::launch::async, [&] {
+    return agreement->Agree("j", 0, 2, {10}, 30s);  // rank 1 never comes
+  });
+  std::this_thread::sleep_for(50ms);
+  agreement->Cancel("ckptd is shutting down");
+  auto ended = waiting.get();
+  REQUIRE_FALSE(ended.ok());
+  CHECK(ckpt::Message(ended.status()).find("shutting down") != std::string::npos);
+  auto later = agreement->Agree("j", 1, 2, {10}, 30s);
+  REQUIRE_FALSE(later.ok());
+  CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
