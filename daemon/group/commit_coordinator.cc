@@ -16,6 +16,9 @@ namespace {
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr size_t kRecentDecisions = 4096;
+// Steps undecided at once, over all jobs: far beyond what jobs keep in flight (one or two
+// each), small enough that a peer opening rounds for made-up steps cannot exhaust memory.
+constexpr size_t kMaxRounds = 4096;
 
 std::string Prefix(const std::string& job, uint64_t step) { return fmt::format("[{} s{}]", job, step); }
 
@@ -77,6 +80,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persi
       // An abort is forgotten here: this is a new attempt at the step (trainers that
       // restarted and saved it again).
       if (decided != recent_.end()) recent_.erase(decided);
+    }
+    if (!rounds_.count(key) && rounds_.size() >= kMaxRounds) {
+      return refuse(fmt::format("the coordinator already has {} steps in flight", kMaxRounds));
     }
     auto [it, inserted] = rounds_.try_emplace(key);
     Round& round = it->second;

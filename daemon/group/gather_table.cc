@@ -24,6 +24,11 @@ std::string Missing(uint32_t participants, const Arrived& arrived) {
                      missing.size() > 16 ? ", ..." : "");
 }
 
+// Rounds open at once and payload bytes held, over all keys: one round per restoring job
+// is the normal load; a peer that opens rounds without end is refused, not obeyed.
+constexpr size_t kMaxOpenRounds = 4096;
+constexpr size_t kMaxHeldBytes = size_t{256} << 20;
+
 }  // namespace
 
 void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
@@ -46,6 +51,14 @@ void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t 
       done(absl::UnavailableError(closed));
       return;
     }
+    if ((!rounds_.count(key) && rounds_.size() >= kMaxOpenRounds) ||
+        held_bytes_ + payload.size() > kMaxHeldBytes) {
+      lock.unlock();
+      done(absl::ResourceExhaustedError(fmt::format(
+          "gather {}: too many gathers in progress ({} rounds, {} bytes held)", key,
+          kMaxOpenRounds, kMaxHeldBytes)));
+      return;
+    }
     auto [it, inserted] = rounds_.try_emplace(key);
     Round& round = it->second;
     if (inserted) {
@@ -60,12 +73,15 @@ void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t 
     if (refused.empty()) {
       if (auto old = round.arrived.find(participant); old != round.arrived.end()) {
         replaced.push_back(std::move(old->second.done));
+        held_bytes_ -= old->second.payload.size();
         round.arrived.erase(old);
       }
+      held_bytes_ += payload.size();
       round.arrived.emplace(participant, Arrival{std::move(payload), deadline, std::move(done)});
       if (round.arrived.size() == round.participants) {
         payloads.reserve(round.participants);
         for (auto& [p, arrival] : round.arrived) {
+          held_bytes_ -= arrival.payload.size();
           payloads.push_back(std::move(arrival.payload));
           finish.push_back(std::move(arrival.done));
         }
@@ -101,6 +117,7 @@ void GatherTable::Expire(Clock::time_point now) {
             std::move(a->second.done),
             fmt::format("{}: timed out after {:.1f} s with {} of {} arrived; missing: {}",
                         it->first, waited, round.arrived.size(), round.participants, missing));
+        held_bytes_ -= a->second.payload.size();
         a = round.arrived.erase(a);
       }
       it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);
@@ -122,6 +139,7 @@ void GatherTable::FailAll(const std::string& why, bool close) {
       for (auto& [p, arrival] : round.arrived) failed.push_back(std::move(arrival.done));
     }
     rounds_.clear();
+    held_bytes_ = 0;
   }
   for (Done& d : failed) d(absl::UnavailableError(why));
 }

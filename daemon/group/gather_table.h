@@ -65,7 +65,8 @@ class GatherTable {
 
   mutable std::mutex mu_;
   std::map<std::string, Round> rounds_;
-  std::string closed_;  // why, once closed
+  size_t held_bytes_ = 0;  // payloads of open rounds
+  std::string closed_;    // why, once closed
 };
 
 }  // namespace ckpt::group

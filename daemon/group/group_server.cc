@@ -29,6 +29,10 @@ constexpr milliseconds kShutdownGrace{1'000};
 // A peer that connects and never completes the TLS/HTTP2 handshake is dropped after this.
 constexpr milliseconds kHandshakeTimeout{5'000};
 constexpr int kMaxMessageBytes = 64 << 20;
+// A node has a few prepares, one outcome poll per step in flight and one gather per
+// restoring rank open at a time.
+constexpr int kMaxStreamsPerConnection = 256;
+constexpr size_t kMemoryQuotaBytes = size_t{1} << 30;
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const GroupOptions& options) {
   if (!options.tls()) return grpc::InsecureServerCredentials();
@@ -82,6 +86,13 @@ class GrpcGroupServer final : public GroupServer {
     builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
     builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
                                static_cast<int>(kHandshakeTimeout.count()));
+    // The token is checked once a request is read, so bound what peers that do not hold
+    // it can make the server hold: calls per connection, and memory for them all (gRPC
+    // answers RESOURCE_EXHAUSTED beyond it, and nodes retry).
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+    grpc::ResourceQuota quota("ckptd-group");
+    quota.Resize(kMemoryQuotaBytes);
+    builder.SetResourceQuota(quota);
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port == 0) {
       server_.reset();

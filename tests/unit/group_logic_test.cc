@@ -109,6 +109,26 @@ TEST_CASE("gather: a participant arriving again replaces its payload") {
   CHECK(**retry.result == std::vector<std::string>{"new", "b"});
 }
 
+TEST_CASE("gather: a peer that opens rounds without end is refused, the table keeps working") {
+  GatherTable table;
+  auto deadline = Clock::now() + 10s;
+  std::vector<Catcher> held(4096);
+  for (size_t i = 0; i < held.size(); ++i) {
+    table.Arrive(fmt::format("k{}", i), 0, 2, "", deadline, held[i].done());
+  }
+  Catcher refused;
+  table.Arrive("one-too-many", 0, 2, "", deadline, refused.done());
+  REQUIRE(refused.result.has_value());
+  CHECK(absl::IsResourceExhausted(refused.result->status()));
+  Catcher big;
+  table.Arrive("k0", 1, 2, std::string((256 << 20) + 1, 'x'), deadline, big.done());
+  CHECK(absl::IsResourceExhausted(big.result->status()));
+  Catcher completes;  // an open round still completes
+  table.Arrive("k1", 1, 2, "b", deadline, completes.done());
+  REQUIRE(completes.result.has_value());
+  CHECK(completes.result->ok());
+}
+
 TEST_CASE("gather: a participant count that differs from the round's is refused") {
   GatherTable table;
   auto deadline = Clock::now() + 10s;
@@ -407,6 +427,18 @@ TEST_CASE("commit: a node's newer attempt replaces its older one; late words of 
   CHECK(c.Lookup("job", 30).outcome == Outcome::kPending);
   Decision d = c.Prepare(1, 11, Part("job", 30, 4, {3}));
   CHECK(d.outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: a peer cannot open rounds without end") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  for (uint64_t step = 1; step <= 4096; ++step) {
+    REQUIRE(c.Prepare(0, 1, Part("job", step, 2, {0})).outcome == Outcome::kPending);
+  }
+  Decision refused = c.Prepare(0, 1, Part("job", 5000, 2, {0}));
+  CHECK(refused.outcome == Outcome::kAborted);
+  CHECK_THAT(refused.reason, Catch::Contains("steps in flight"));
+  CHECK(c.Prepare(1, 1, Part("job", 1, 2, {1})).outcome == Outcome::kCommitted);  // open ones go on
 }
 
 TEST_CASE("commit: a lost node aborts undecided steps naming their missing ranks") {
