@@ -9,6 +9,8 @@
 
 #include <cstdlib>
 #include <ctime>
+#include <cctype>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <vector>
@@ -23,6 +25,8 @@ using namespace ::ckptd::v1;
 struct Options {
   std::string socket = "/run/ckptd/ckptd.sock";
   std::string addr;
+  std::string token_file;
+  std::string token;  // read from token_file
   std::string job;
   bool json = false;
   uint64_t step = 0;
@@ -74,6 +78,7 @@ class Ctl {
   std::unique_ptr<grpc::ClientContext> Context(int seconds = 30) {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+    if (!o_.token.empty()) ctx->AddMetadata("x-ckptd-admin-token", o_.token);
     return ctx;
   }
 
@@ -253,6 +258,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.add_option("--socket", o.socket, "ckptd Unix socket (env CKPTD_SOCKET)")->capture_default_str();
   app.add_option("--addr", o.addr, "ckptd admin HOST:PORT instead of the socket");
+  app.add_option("--token-file", o.token_file,
+                 "file holding the admin token (delete over --addr; env CKPTD_ADMIN_TOKEN_FILE)")
+      ->envname("CKPTD_ADMIN_TOKEN_FILE");
   app.add_option("--job", o.job, "job name (optional when only one job exists)");
   app.add_flag("--json", o.json, "machine-readable output");
   auto* status = app.add_subcommand("status", "what the daemon is doing");
@@ -263,6 +271,16 @@ int main(int argc, char** argv) {
   for (auto* sub : {show, verify, del}) sub->add_option("STEP", o.step, "step number")->required();
   for (auto* sub : {status, list, show, verify, del}) sub->fallthrough();
   CLI11_PARSE(app, argc, argv);
+  if (!o.token_file.empty()) {
+    std::ifstream in(o.token_file);
+    if (!in || !std::getline(in, o.token)) {
+      std::cerr << fmt::format("ckptctl: cannot read --token-file {}\n", o.token_file);
+      return 2;
+    }
+    while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) {
+      o.token.pop_back();
+    }
+  }
   Ctl ctl(o);
   if (status->parsed()) return ctl.Status();
   if (list->parsed()) return ctl.List();

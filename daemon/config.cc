@@ -74,6 +74,7 @@ std::string Config::ToJson() const {
                       {"socket", socket},
                       {"admin_addr", admin_addr},
                       {"admin_allow_remote", admin_allow_remote},
+                      {"admin_token_file", admin_token_file},
                       {"staging_bytes", staging_bytes},
                       {"staging_chunk_bytes", staging_chunk_bytes},
                       {"prefault_staging", prefault_staging},
@@ -115,7 +116,10 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--admin-addr", c.admin_addr, "also serve the admin API on HOST:PORT (loopback)");
   app.add_flag("--admin-allow-remote", c.admin_allow_remote,
-               "allow a non-loopback --admin-addr (unauthenticated: use a firewall)");
+               "allow a non-loopback --admin-addr (reads are unauthenticated: use a firewall)");
+  app.add_option("--admin-token-file", c.admin_token_file,
+                 "file holding the token that delete calls over --admin-addr must carry")
+      ->envname("CKPTD_ADMIN_TOKEN_FILE");
   app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")->capture_default_str();
   app.add_option("--staging-chunk", staging_chunk,
                  "bytes per staging copy call; the shard writer starts on each chunk once it "

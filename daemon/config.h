@@ -17,6 +17,9 @@ struct Config {
   std::string socket = "/run/ckptd/ckptd.sock";
   std::string admin_addr;              // empty: admin only on the Unix socket
   bool admin_allow_remote = false;     // allow a non-loopback --admin-addr
+  // Holds the token that destructive admin calls over --admin-addr must carry; empty:
+  // they are refused over TCP (the Unix socket, where peers are checked, still allows them).
+  std::string admin_token_file;
   uint64_t staging_bytes = 4ull << 30;
   uint64_t staging_chunk_bytes = 128ull << 20;  // per copy call; writing follows chunk by chunk
   bool prefault_staging = true;

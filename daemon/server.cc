@@ -7,6 +7,7 @@
 
 #include "common/filesystem.h"
 #include "common/log.h"
+#include "common/secret.h"
 #include "common/status.h"
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"
@@ -74,7 +75,9 @@ struct Server::Parts {
   SessionRegistry sessions;
   std::unique_ptr<TrainerService> trainer_service;
   std::unique_ptr<AdminService> admin_service;
+  std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<grpc::Server> tcp_admin_server;  // --admin-addr: the admin service only
   std::unique_ptr<UnixListener> listener;
   bool shut_down = false;
 };
@@ -126,12 +129,8 @@ absl::Status StartGroup(Server::Parts& p) {
                                         : "0.0.0.0:0";
   o.group_timeout = std::chrono::milliseconds(c.group_timeout_ms);
   o.step_timeout = std::chrono::milliseconds(c.step_timeout_ms);
-  CKPT_ASSIGN_OR_RETURN(o.token, ReadSecretFile(c.group_token_file, "--group-token-file"));
-  while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) o.token.pop_back();
-  if (o.token.size() < 16) {
-    return absl::InvalidArgumentError(
-        "--group-token-file must hold a token of at least 16 characters (e.g. openssl rand -hex 32)");
-  }
+  CKPT_ASSIGN_OR_RETURN(o.token,
+                        ReadToken(*MakePosixFilesystem(), c.group_token_file, "--group-token-file"));
   if (!c.group_tls_cert.empty()) {
     CKPT_ASSIGN_OR_RETURN(o.tls_cert_pem, ReadSecretFile(c.group_tls_cert, "--group-tls-cert"));
     CKPT_ASSIGN_OR_RETURN(o.tls_key_pem, ReadSecretFile(c.group_tls_key, "--group-tls-key"));
@@ -337,29 +336,41 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
   if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
-  p->admin_service = std::make_unique<AdminService>(p->config, std::move(sources));
+  p->admin_service = std::make_unique<AdminService>(p->config, sources);
 
   CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // The Unix socket's server has no port of its own: the listener hands it each connection
+  // whose peer it has checked. Trainers are served only here.
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
   builder.RegisterService(p->trainer_service.get());
   builder.RegisterService(p->admin_service.get());
-  int admin_port = 0;
-  if (!config.admin_addr.empty()) {
-    // Only the admin service is reachable over TCP: trainers must use the Unix socket,
-    // where peer credentials are checked.
-    builder.AddListeningPort(config.admin_addr, grpc::InsecureServerCredentials(), &admin_port);
-  }
   p->grpc_server = builder.BuildAndStart();
   if (!p->grpc_server) return absl::InternalError("gRPC server failed to start");
   if (!config.admin_addr.empty()) {
-    if (admin_port == 0) {
+    // A server of its own with only the admin service: nothing a trainer calls is
+    // reachable over TCP, where peers cannot be checked.
+    AdminExposure tcp{.over_tcp = true};
+    if (!config.admin_token_file.empty()) {
+      CKPT_ASSIGN_OR_RETURN(tcp.token, ReadToken(*p->fs, config.admin_token_file,
+                                                 "--admin-token-file"));
+    }
+    p->tcp_admin_service = std::make_unique<AdminService>(p->config, sources, std::move(tcp));
+    grpc::ServerBuilder tcp_builder;
+    int admin_port = 0;
+    tcp_builder.AddListeningPort(config.admin_addr, grpc::InsecureServerCredentials(), &admin_port);
+    tcp_builder.SetMaxReceiveMessageSize(1 << 20);
+    tcp_builder.RegisterService(p->tcp_admin_service.get());
+    p->tcp_admin_server = tcp_builder.BuildAndStart();
+    if (!p->tcp_admin_server || admin_port == 0) {
       return absl::UnavailableError(fmt::format("cannot listen on --admin-addr {}", config.admin_addr));
     }
-    log.info("admin API on {} (port {})", config.admin_addr, admin_port);
+    log.info("admin API on {} (port {}); delete {}", config.admin_addr, admin_port,
+             config.admin_token_file.empty() ? "refused over TCP (no --admin-token-file)"
+                                             : "needs the admin token");
   }
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
   CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy));
@@ -377,6 +388,9 @@ void Server::Shutdown() {
   // A restore waiting at the barrier for ranks that never come would hold the gRPC
   // shutdown for up to --restore-timeout.
   p.agreement->Cancel("ckptd is shutting down");
+  if (p.tcp_admin_server) {
+    p.tcp_admin_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  }
   p.grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   p.writes->Shutdown(std::chrono::milliseconds(p.config.shutdown_timeout_ms));
   p.committer->Shutdown();

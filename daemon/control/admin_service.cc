@@ -6,6 +6,7 @@
 
 #include "common/log.h"
 #include "common/names.h"
+#include "common/secret.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
 #include "daemon/persist/manifest.h"
@@ -140,8 +141,34 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
   });
 }
 
-grpc::Status AdminService::Delete(grpc::ServerContext*, const CheckpointRef* request, DeleteReply*) {
+absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call) const {
+  if (!exposure_.over_tcp) return absl::OkStatus();
+  if (exposure_.token.empty()) {
+    return absl::PermissionDeniedError(fmt::format(
+        "{} over --admin-addr is refused: this daemon has no --admin-token-file (use the Unix "
+        "socket, or give ckptd --admin-token-file and ckptctl --token-file)",
+        call));
+  }
+  const auto& metadata = ctx->client_metadata();
+  auto given = metadata.find(kAdminTokenMetadata);
+  std::string_view token = given == metadata.end()
+                               ? std::string_view()
+                               : std::string_view(given->second.data(), given->second.size());
+  if (!SecretEquals(token, exposure_.token)) {
+    log::Get(log::Component::kControl)
+        .warn("refused {} from {}: the admin token is missing or wrong", call, ctx->peer());
+    return absl::UnauthenticatedError(fmt::format(
+        "{} over --admin-addr needs the admin token (ckptctl --token-file): it is missing or "
+        "wrong",
+        call));
+  }
+  return absl::OkStatus();
+}
+
+grpc::Status AdminService::Delete(grpc::ServerContext* ctx, const CheckpointRef* request,
+                                  DeleteReply*) {
   return Guarded("Delete", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(MayDestroy(ctx, "delete"));
     CKPT_RETURN_IF_ERROR(store_.Delete(request->job(), request->step()));
     src_.hot.Drop(request->job(), request->step());
     log::Get(log::Component::kControl)

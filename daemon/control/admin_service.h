@@ -34,11 +34,23 @@ struct AdminSources {
   std::function<void(::ckptd::v1::StatusReply*)> group_status;
 };
 
+// Where an AdminService answers. On the Unix socket peers were checked when they
+// connected; over TCP (--admin-addr) anyone who reaches the port may read, and a call that
+// destroys data must carry the admin token.
+struct AdminExposure {
+  bool over_tcp = false;
+  std::string token;  // empty: destructive calls over TCP are refused
+};
+
+// The metadata key of the admin token.
+inline constexpr char kAdminTokenMetadata[] = "x-ckptd-admin-token";
+
 class AdminService final : public ::ckptd::v1::Admin::Service {
  public:
-  AdminService(const Config& config, AdminSources sources)
-      : config_(config), src_(std::move(sources)), store_(src_.store), sessions_(src_.sessions),
-        pool_(src_.pool), board_(src_.board), started_(std::chrono::steady_clock::now()) {}
+  AdminService(const Config& config, AdminSources sources, AdminExposure exposure = {})
+      : config_(config), src_(std::move(sources)), exposure_(std::move(exposure)),
+        store_(src_.store), sessions_(src_.sessions), pool_(src_.pool), board_(src_.board),
+        started_(std::chrono::steady_clock::now()) {}
 
   grpc::Status Status(grpc::ServerContext*, const ::ckptd::v1::StatusRequest*,
                       ::ckptd::v1::StatusReply* reply) override;
@@ -48,10 +60,12 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
                     ::ckptd::v1::ShowReply* reply) override;
   grpc::Status Verify(grpc::ServerContext*, const ::ckptd::v1::CheckpointRef* request,
                       ::ckptd::v1::VerifyReply* reply) override;
-  grpc::Status Delete(grpc::ServerContext*, const ::ckptd::v1::CheckpointRef* request,
+  grpc::Status Delete(grpc::ServerContext* ctx, const ::ckptd::v1::CheckpointRef* request,
                       ::ckptd::v1::DeleteReply* reply) override;
 
  private:
+  // OK on the Unix socket; over TCP only with the admin token.
+  absl::Status MayDestroy(grpc::ServerContext* ctx, const char* call) const;
   // This node's rank when its disk holds only its own ranks' shards (a group without
   // --shared-root); nullopt when it holds every shard.
   std::optional<uint32_t> LocalNode() const {
@@ -61,6 +75,7 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
 
   const Config& config_;
   AdminSources src_;
+  const AdminExposure exposure_;
   persist::CheckpointStore& store_;
   SessionRegistry& sessions_;
   cuda::StagingPool& pool_;

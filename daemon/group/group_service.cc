@@ -12,6 +12,7 @@
 
 #include "common/log.h"
 #include "common/names.h"
+#include "common/secret.h"
 #include "common/status.h"
 #include "daemon/group/grpc_util.h"
 #include "daemon/persist/manifest.h"
@@ -123,7 +124,7 @@ absl::Status GroupService::Admit(grpc::CallbackServerContext* ctx, const char* m
   auto it = metadata.find(kTokenMetadata);
   std::string_view given;
   if (it != metadata.end()) given = std::string_view(it->second.data(), it->second.size());
-  if (!ConstantTimeEquals(given, options_.token)) {
+  if (!SecretEquals(given, options_.token)) {
     WarnRefused(ctx->peer(), method);
     return absl::UnauthenticatedError("the group token is missing or wrong");
   }

@@ -1,5 +1,5 @@
 // What the group's client and server share about gRPC: the status conversion (absl and
-// gRPC use the same canonical codes), the token metadata and its constant-time check.
+// gRPC use the same canonical codes), and the token metadata.
 #pragma once
 
 #include <grpcpp/support/status.h>
@@ -15,9 +15,5 @@ inline constexpr char kTokenMetadata[] = "x-ckptd-group-token";
 
 grpc::Status ToGrpc(const absl::Status& status);
 absl::Status FromGrpc(const grpc::Status& status);
-
-// True when `a` equals `b`, in time that depends on their lengths only, so that a peer
-// cannot learn the token a byte at a time by timing refusals.
-bool ConstantTimeEquals(std::string_view a, std::string_view b);
 
 }  // namespace ckpt::group

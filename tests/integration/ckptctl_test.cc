@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fstream>
+
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
@@ -75,4 +77,68 @@ TEST_CASE("standard gRPC health checks answer SERVING; the RPC snapshot path com
   auto c = Run(Helper(d, {"--job", "rpc", "--seed", "4", "--bytes", "100000", "check"}), dir.path());
   CHECK(Contains(c.out, "match"));
   CHECK(Contains(d.Log(), "admin API on 127.0.0.1:0"));
+}
+
+namespace {
+
+// The port ckptd logged for --admin-addr 127.0.0.1:0.
+std::string AdminAddress(const Daemon& d) {
+  std::string log = d.Log();
+  auto at = log.find("admin API on 127.0.0.1:0 (port ");
+  REQUIRE(at != std::string::npos);
+  at += std::string("admin API on 127.0.0.1:0 (port ").size();
+  return "127.0.0.1:" + log.substr(at, log.find(')', at) - at);
+}
+
+}  // namespace
+
+TEST_CASE("over --admin-addr only the admin service answers, and delete needs the admin token") {
+  TempDir dir;
+  std::string token = dir.path() + "/admin.token";
+  {
+    std::ofstream(token) << "s3cret-admin-token-0123456789\n";
+  }
+  Daemon d(dir, {"--admin-addr", "127.0.0.1:0", "--admin-token-file", token, "--keep-last", "0"});
+  d.Start();
+  REQUIRE(Run(Helper(d, {"--job", "tcp", "--bytes", "100000", "save", "--step", "3",
+                         "--wait-committed"}),
+              dir.path()).exit_code == 0);
+  std::string addr = AdminAddress(d);
+
+  // A trainer call on the TCP port: not served there at all.
+  auto trainer = Run(Helper(d, {"--job", "tcp", "register-at", "--target", addr}), dir.path());
+  INFO(trainer.out << trainer.err);
+  CHECK(trainer.exit_code == 1);
+  CHECK(Contains(trainer.out, "code=UNIMPLEMENTED"));
+
+  // Reads need nothing; delete needs the token.
+  CHECK(d.Ctl({"--addr", addr, "list"}).exit_code == 0);
+  auto bare = d.Ctl({"--addr", addr, "--job", "tcp", "delete", "3"});
+  CHECK(bare.exit_code == 1);
+  CHECK(Contains(bare.err, "needs the admin token"));
+  std::string wrong = dir.path() + "/wrong.token";
+  {
+    std::ofstream(wrong) << "not-the-admin-token-at-all\n";
+  }
+  auto guessed = d.Ctl({"--addr", addr, "--token-file", wrong, "--job", "tcp", "delete", "3"});
+  CHECK(guessed.exit_code == 1);
+  CHECK(Contains(d.Log(), "refused delete from"));
+  REQUIRE(Contains(d.Ctl({"list"}).out, "3"));  // still there
+  auto allowed = d.Ctl({"--addr", addr, "--token-file", token, "--job", "tcp", "delete", "3"});
+  INFO(allowed.err);
+  CHECK(allowed.exit_code == 0);
+  CHECK(d.Ctl({"--job", "tcp", "show", "3"}).exit_code == 1);
+}
+
+TEST_CASE("without --admin-token-file, delete over TCP is refused and the socket still works") {
+  TempDir dir;
+  Daemon d(dir, {"--admin-addr", "127.0.0.1:0", "--keep-last", "0"});
+  d.Start();
+  REQUIRE(Run(Helper(d, {"--job", "tcp", "--bytes", "100000", "save", "--step", "3",
+                         "--wait-committed"}),
+              dir.path()).exit_code == 0);
+  auto refused = d.Ctl({"--addr", AdminAddress(d), "--job", "tcp", "delete", "3"});
+  CHECK(refused.exit_code == 1);
+  CHECK(Contains(refused.err, "no --admin-token-file"));
+  CHECK(d.Ctl({"--job", "tcp", "delete", "3"}).exit_code == 0);  // over the socket
 }

@@ -25,7 +25,7 @@
 namespace {
 
 struct Flags {
-  std::string socket, job = "job", dump, bad_case;
+  std::string socket, job = "job", dump, bad_case, target;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
@@ -276,6 +276,27 @@ int RpcSnapshot(const Flags& f) {
   return s.ok() && wreply.state() == ::ckptd::v1::TICKET_COMMITTED ? 0 : 1;
 }
 
+// Trainer.Register at any gRPC target (a TCP address, to show it is not served there);
+// prints the status code's name.
+int RegisterAt(const Flags& f) {
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel(f.target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  ::ckptd::v1::RegisterRequest request;
+  request.set_job(f.job);
+  request.set_world_size(1);
+  ::ckptd::v1::RegisterReply reply;
+  grpc::Status s = stub->Register(&ctx, request, &reply);
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  std::cout << "code=" << kNames[s.error_code()] << " " << s.error_message() << "\n";
+  return s.ok() ? 0 : 1;
+}
+
 // grpc.health.v1.Health/Check with an empty request, through a generic stub.
 int Health(const Flags& f) {
   auto channel = grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials());
@@ -334,8 +355,10 @@ int main(int argc, char** argv) {
   auto* rpc = app.add_subcommand("rpc-snapshot");
   rpc->add_option("--step", f.step);
   auto* health = app.add_subcommand("health");
+  auto* register_at = app.add_subcommand("register-at");
+  register_at->add_option("--target", f.target)->required();
   auto* add_cuda = app.add_subcommand("add-cuda");
-  for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda}) sub->fallthrough();
+  for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at}) sub->fallthrough();
   CLI11_PARSE(app, argc, argv);
   if (f.as_uid >= 0 && (::setgroups(0, nullptr) != 0 || ::setresgid(f.as_uid, f.as_uid, f.as_uid) != 0 ||
                         ::setresuid(f.as_uid, f.as_uid, f.as_uid) != 0)) {
@@ -348,5 +371,6 @@ int main(int argc, char** argv) {
   if (unknown->parsed()) return Unknown(f);
   if (rpc->parsed()) return RpcSnapshot(f);
   if (add_cuda->parsed()) return AddCuda(f);
+  if (register_at->parsed()) return RegisterAt(f);
   return Health(f);
 }
