@@ -6,6 +6,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/fault_guard.h"
 #include "cuda/copy_engine.h"
 
 namespace ckpt::cuda {
@@ -47,28 +48,37 @@ class HostCopyEngine final : public CopyEngine {
       ++generation_;
     }
     if (parts > 1) wake_.notify_all();
-    CopyShare(regions, total, 0, parts);
+    bool ok = CopyShare(regions, total, 0, parts);
     std::unique_lock lock(mu_);
     done_.wait(lock, [this] { return busy_ == 0; });
+    ok = ok && !faulted_;
+    faulted_ = false;
+    if (!ok) {
+      return absl::DataLossError(
+          "a page of the copy could not be read or written (SIGBUS): the trainer's shared memory "
+          "was truncated or resized after it was registered");
+    }
     return absl::OkStatus();
   }
 
  private:
   static constexpr uint64_t kMinBytesPerThread = 1u << 20;
 
-  // Copies bytes [total*part/parts, total*(part+1)/parts) of the concatenated regions.
-  static void CopyShare(std::span<const CopyRegion> regions, uint64_t total, int part, int parts) {
+  // Copies bytes [total*part/parts, total*(part+1)/parts) of the concatenated regions;
+  // false when a page faulted (the share stops there).
+  static bool CopyShare(std::span<const CopyRegion> regions, uint64_t total, int part, int parts) {
     uint64_t begin = total * part / parts, end = total * (part + 1) / parts;
     uint64_t base = 0;
     for (const CopyRegion& r : regions) {
       uint64_t lo = std::max(begin, base), hi = std::min(end, base + r.bytes);
-      if (lo < hi) {
-        std::memcpy(static_cast<char*>(r.dst) + (lo - base),
-                    static_cast<const char*>(r.src) + (lo - base), hi - lo);
+      if (lo < hi && !GuardedMemcpy(static_cast<char*>(r.dst) + (lo - base),
+                                    static_cast<const char*>(r.src) + (lo - base), hi - lo)) {
+        return false;
       }
       base += r.bytes;
       if (base >= end) break;
     }
+    return true;
   }
 
   void WorkerLoop(int index) {
@@ -87,8 +97,9 @@ class HostCopyEngine final : public CopyEngine {
         total = total_;
         parts = parts_;
       }
-      CopyShare(regions, total, index, parts);
+      bool ok = CopyShare(regions, total, index, parts);
       std::lock_guard lock(mu_);
+      if (!ok) faulted_ = true;
       if (--busy_ == 0) done_.notify_one();
     }
   }
@@ -102,6 +113,7 @@ class HostCopyEngine final : public CopyEngine {
   int parts_ = 1;
   int busy_ = 0;
   uint64_t generation_ = 0;
+  bool faulted_ = false;  // a worker's share of the current job faulted
   bool stopping_ = false;
   std::vector<std::thread> workers_;
 };

@@ -5,6 +5,10 @@
 
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -276,4 +280,20 @@ TEST_CASE("host-copy transport: the daemon stages only after the trainer's copy 
   CHECK_FALSE(consumer.WaitClientCopy(3, 10ms));
   CommandConsumer(ring.block).Close();
   CHECK_FALSE(consumer.WaitClientCopy(5, 5s));  // a closed session gives up at once
+}
+
+TEST_CASE("a segment with holes is refused: touching a hole on a full tmpfs would be SIGBUS") {
+  std::string name = UniqueName("sparse");
+  int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 1 << 20) == 0);  // size without pages
+  ::close(fd);
+  auto opened = Segment::Open(name);
+  Segment::Unlink(name);
+  REQUIRE_FALSE(opened.ok());
+  CHECK(ckpt::Message(opened.status()).find("not fully allocated") != std::string::npos);
+  // Segments made by Create have every page reserved and open fine.
+  auto made = Segment::Create(UniqueName("full"), 1 << 20, 0600, true);
+  REQUIRE(made.ok());
+  CHECK(Segment::Open((*made)->name()).ok());
 }
