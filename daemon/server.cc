@@ -31,6 +31,7 @@
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
 #include "daemon/restorer.h"
+#include "daemon/root_lock.h"
 #include "daemon/session/session_registry.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/progress_signal.h"
@@ -74,6 +75,7 @@ struct Server::Parts {
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
   std::unique_ptr<TrainerService> trainer_service;
+  std::unique_ptr<RootLock> root_lock;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
@@ -220,6 +222,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
 
   p->fs = MakePosixFilesystem();
   CKPT_RETURN_IF_ERROR(Annotate(p->fs->MakeDir(config.root), "--root"));
+  // Before anything on the root is touched. On a shared root every node has a lock of its
+  // own: one daemon per node rank.
+  CKPT_ASSIGN_OR_RETURN(
+      p->root_lock,
+      RootLock::Acquire(config.root, config.shared_root
+                                         ? fmt::format(".ckptd.node-{}.lock", config.node_rank)
+                                         : std::string(".ckptd.lock")));
   p->store = std::make_unique<persist::CheckpointStore>(p->fs, config.root);
   p->store->set_shared(config.shared_root);
   const bool grouped = config.num_nodes > 1;
