@@ -392,7 +392,9 @@ void Server::Shutdown() {
   if (p.shut_down) return;
   p.shut_down = true;
   auto& log = log::Get(log::Component::kMain);
-  log.info("shutting down: finishing in-flight writes (up to {} ms)", p.config.shutdown_timeout_ms);
+  log.info("shutting down: new snapshots are refused; finishing in-flight writes (up to {} ms)",
+           p.config.shutdown_timeout_ms);
+  p.sessions.RefuseNewSnapshots();
   p.listener->Stop();
   // A restore waiting at the barrier for ranks that never come would hold the gRPC
   // shutdown for up to --restore-timeout.

@@ -262,6 +262,11 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  if (refusing_) {
+    return reject(shm::kTicketRejected,
+                  "ckptd is shutting down: this snapshot was not taken (those already staged "
+                  "are still written)");
+  }
   if (command.wait_client_copy != 0 &&
       !consumer_->WaitClientCopy(command.wait_client_copy, std::chrono::seconds(60))) {
     return reject(shm::kTicketFailed,

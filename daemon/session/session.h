@@ -45,6 +45,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   // Starts the command thread.
   void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
   // Closes the control block (waking trainer waiters) and joins the command thread.
+  // From now on snapshot commands are rejected (shutdown); staged ones carry on.
+  void RefuseNewSnapshots() { refusing_ = true; }
   void Stop();
 
   const std::string& id() const { return id_; }
@@ -106,6 +108,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   std::atomic<bool> stop_{false};
   std::atomic<bool> ended_{false};
   std::atomic<bool> trainer_alive_{true};
+  std::atomic<bool> refusing_{false};  // shutting down: new snapshots are rejected
   std::atomic<uint64_t> last_staged_step_{0};
   std::atomic<uint64_t> last_committed_step_{0};
   std::map<uint64_t, uint64_t> ticket_steps_;  // guarded by ticket_mu_

@@ -80,4 +80,8 @@ void SessionRegistry::Clear() {
   for (auto& [id, s] : sessions) s->Stop();
 }
 
+void SessionRegistry::RefuseNewSnapshots() {
+  for (const SessionPtr& s : All()) s->RefuseNewSnapshots();
+}
+
 }  // namespace ckpt::daemon

@@ -20,6 +20,8 @@ class SessionRegistry {
   // Removes and stops the session; NotFound if unknown.
   absl::Status Remove(const std::string& id);
   std::vector<SessionPtr> All() const;
+  // Every session rejects new snapshots from now on (the start of shutdown).
+  void RefuseNewSnapshots();
   // Stops and removes every session (shutdown).
   void Clear();
 
