@@ -87,6 +87,7 @@ std::string Config::ToJson() const {
                       {"shutdown_timeout_ms", shutdown_timeout_ms},
                       {"allow_uids", allow_uids},
                       {"allow_gids", allow_gids},
+                      {"job_gids", job_gids},
                       {"log_level", log_level},
                       {"node_rank", node_rank},
                       {"num_nodes", num_nodes},
@@ -145,6 +146,10 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--allow-uid", c.allow_uids,
                  "uids allowed to connect besides the daemon's own and root")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--job-group", c.job_gids,
+                 "a GID whose members share the jobs any of them creates (repeatable); "
+                 "otherwise only the uid that created a job may use it")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_option("--allow-gid", c.allow_gids,
                  "gids allowed to connect besides the daemon's own")

@@ -32,6 +32,9 @@ struct Config {
   uint32_t shutdown_timeout_ms = 30000;
   std::vector<uint32_t> allow_uids;    // beside the daemon's own uid and root
   std::vector<uint32_t> allow_gids;    // beside the daemon's own gid
+  // Members of these groups share the jobs any of them creates (otherwise a job is its
+  // creator's uid's alone).
+  std::vector<uint32_t> job_gids;
   std::string log_level = "info";
 
   // The group (docs/operators.md, "Several nodes"). num_nodes 1: no group.

@@ -76,6 +76,8 @@ struct Server::Parts {
   SessionRegistry sessions;
   std::unique_ptr<TrainerService> trainer_service;
   std::unique_ptr<RootLock> root_lock;
+  PeerTable peers;  // who is at the other end of each accepted socket connection
+  std::unique_ptr<JobOwners> owners;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
@@ -339,13 +341,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.no_gpu_reason = no_gpu_reason;
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
+  p->owners = std::make_unique<JobOwners>(
+      *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
   p->trainer_service = std::make_unique<TrainerService>(
-      p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits);
+      p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
+      p->peers, *p->owners);
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
   if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
-  p->admin_service = std::make_unique<AdminService>(p->config, sources);
+  p->admin_service = std::make_unique<AdminService>(
+      p->config, sources, AdminExposure{.peers = &p->peers, .owners = p->owners.get()});
 
   CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   grpc::EnableDefaultHealthCheckService(true);
@@ -382,7 +388,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                              : "needs the admin token");
   }
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
-  CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy));
+  CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy, p->peers));
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }

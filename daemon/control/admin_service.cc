@@ -28,7 +28,8 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
     reply->set_staging_prefaulted(pool_.prefault_done());
     for (const SessionPtr& s : sessions_.All()) {
       SessionStatus* out = reply->add_sessions();
-      out->set_session_id(s->id());
+      // No session id: status is readable by anyone who may connect, and an id is what a
+      // caller names a session by (it is still no use to anyone but the session's process).
       out->set_job(s->job());
       out->set_rank(s->rank());
       out->set_world_size(s->world_size());
@@ -141,8 +142,15 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
   });
 }
 
-absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call) const {
-  if (!exposure_.over_tcp) return absl::OkStatus();
+absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call,
+                                      const std::string& job) const {
+  if (!exposure_.over_tcp) {
+    // On the socket the caller is known: only who may act on the job (its owner, root, the
+    // daemon's user, or the job's group) may destroy its steps.
+    if (exposure_.peers == nullptr || exposure_.owners == nullptr) return absl::OkStatus();
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, exposure_.peers->Of(ctx->peer()));
+    return exposure_.owners->Check(job, caller, fmt::format("{} steps of", call));
+  }
   if (exposure_.token.empty()) {
     return absl::PermissionDeniedError(fmt::format(
         "{} over --admin-addr is refused: this daemon has no --admin-token-file (use the Unix "
@@ -168,7 +176,7 @@ absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call
 grpc::Status AdminService::Delete(grpc::ServerContext* ctx, const CheckpointRef* request,
                                   DeleteReply*) {
   return Guarded("Delete", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(MayDestroy(ctx, "delete"));
+    CKPT_RETURN_IF_ERROR(MayDestroy(ctx, "delete", request->job()));
     CKPT_RETURN_IF_ERROR(store_.Delete(request->job(), request->step()));
     src_.hot.Drop(request->job(), request->step());
     log::Get(log::Component::kControl)

@@ -15,6 +15,8 @@
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
+#include "daemon/session/job_owners.h"
+#include "daemon/session/peer_identity.h"
 #include "daemon/session/session_registry.h"
 #include "proto/admin.grpc.pb.h"
 
@@ -40,6 +42,9 @@ struct AdminSources {
 struct AdminExposure {
   bool over_tcp = false;
   std::string token;  // empty: destructive calls over TCP are refused
+  // On the socket: who is calling, and whose jobs are whose (null: no checks, for tests).
+  const PeerTable* peers = nullptr;
+  JobOwners* owners = nullptr;
 };
 
 // The metadata key of the admin token.
@@ -65,7 +70,7 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
 
  private:
   // OK on the Unix socket; over TCP only with the admin token.
-  absl::Status MayDestroy(grpc::ServerContext* ctx, const char* call) const;
+  absl::Status MayDestroy(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
   // This node's rank when its disk holds only its own ranks' shards (a group without
   // --shared-root); nullopt when it holds every shard.
   std::optional<uint32_t> LocalNode() const {

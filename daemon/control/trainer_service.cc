@@ -13,12 +13,20 @@ namespace ckpt::daemon {
 
 using namespace ::ckptd::v1;
 
-grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterRequest* request,
+grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRequest* request,
                                       RegisterReply* reply) {
   return Guarded("Register", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     // Trainers that died between allocating and registering leave arenas behind.
     shm::RemoveStaleSegments("ckpt-arena.", std::chrono::seconds(600));
-    auto session = Session::Create(*request, limits_);
+    // The job is the caller's (or it may join it) before anything else is looked at.
+    if (absl::Status owned = owners_.Claim(request->job(), caller); !owned.ok()) {
+      log::Get(log::Component::kControl)
+          .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),
+                request->rank(), Message(owned));
+      return owned;
+    }
+    auto session = Session::Create(*request, limits_, caller);
     if (!session.ok()) {
       log::Get(log::Component::kControl)
           .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),
@@ -42,10 +50,11 @@ grpc::Status TrainerService::Register(grpc::ServerContext*, const RegisterReques
   });
 }
 
-grpc::Status TrainerService::Snapshot(grpc::ServerContext*, const SnapshotRequest* request,
+grpc::Status TrainerService::Snapshot(grpc::ServerContext* ctx, const SnapshotRequest* request,
                                       SnapshotReply* reply) {
   return Guarded("Snapshot", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
     shm::SnapshotPayload payload;
     payload.metadata.insert(request->metadata().begin(), request->metadata().end());
     for (const Blob& b : request->train_state()) payload.train_state.push_back({b.name(), b.data()});
@@ -55,10 +64,11 @@ grpc::Status TrainerService::Snapshot(grpc::ServerContext*, const SnapshotReques
   });
 }
 
-grpc::Status TrainerService::Wait(grpc::ServerContext*, const WaitRequest* request,
+grpc::Status TrainerService::Wait(grpc::ServerContext* ctx, const WaitRequest* request,
                                   WaitReply* reply) {
   return Guarded("Wait", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
     auto timeout = std::chrono::milliseconds(std::min<uint32_t>(request->timeout_ms(), 600'000));
     CKPT_ASSIGN_OR_RETURN(shm::TicketResult result,
                           s->producer().Wait(request->ticket(), request->until_committed(), timeout,
@@ -70,10 +80,11 @@ grpc::Status TrainerService::Wait(grpc::ServerContext*, const WaitRequest* reque
   });
 }
 
-grpc::Status TrainerService::Restore(grpc::ServerContext*, const RestoreRequest* request,
+grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequest* request,
                                      RestoreReply* reply) {
   return Guarded("Restore", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.Find(request->session_id()));
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
     std::optional<uint64_t> step;
     if (request->has_step()) step = request->step();
     std::lock_guard lock(s->data_mutex());
@@ -93,9 +104,11 @@ grpc::Status TrainerService::Restore(grpc::ServerContext*, const RestoreRequest*
   });
 }
 
-grpc::Status TrainerService::Unregister(grpc::ServerContext*, const UnregisterRequest* request,
+grpc::Status TrainerService::Unregister(grpc::ServerContext* ctx, const UnregisterRequest* request,
                                         UnregisterReply*) {
   return Guarded("Unregister", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    CKPT_RETURN_IF_ERROR(sessions_.FindFor(request->session_id(), caller).status());
     CKPT_RETURN_IF_ERROR(sessions_.Remove(request->session_id()));
     log::Get(log::Component::kControl).info("session {} unregistered", request->session_id());
     return absl::OkStatus();

@@ -4,6 +4,8 @@
 #include "daemon/control/status_board.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restorer.h"
+#include "daemon/session/job_owners.h"
+#include "daemon/session/peer_identity.h"
 #include "daemon/session/session_registry.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
@@ -15,9 +17,10 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
  public:
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
-                 Session::Limits limits)
+                 Session::Limits limits, const PeerTable& peers, JobOwners& owners)
       : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
-        restorer_(restorer), board_(board), limits_(std::move(limits)) {}
+        restorer_(restorer), board_(board), limits_(std::move(limits)), peers_(peers),
+        owners_(owners) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
                         ::ckptd::v1::RegisterReply* reply) override;
@@ -38,6 +41,8 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   Restorer& restorer_;
   StatusBoard& board_;
   const Session::Limits limits_;
+  const PeerTable& peers_;  // who is calling, from the socket
+  JobOwners& owners_;
 };
 
 }  // namespace ckpt::daemon

@@ -34,9 +34,13 @@ bool Contains(const std::vector<uint32_t>& v, uint32_t x) {
 
 }  // namespace
 
-bool PeerPolicy::Allows(uid_t uid, gid_t gid) const {
-  return uid == 0 || uid == daemon_uid || gid == daemon_gid || Contains(allow_uids, uid) ||
-         Contains(allow_gids, gid);
+bool PeerPolicy::Allows(const PeerIdentity& peer) const {
+  if (peer.uid == 0 || peer.uid == daemon_uid || peer.InGroup(daemon_gid) ||
+      Contains(allow_uids, peer.uid)) {
+    return true;
+  }
+  return std::any_of(allow_gids.begin(), allow_gids.end(),
+                     [&](uint32_t gid) { return peer.InGroup(gid); });
 }
 
 absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path) {
@@ -84,8 +88,8 @@ UnixListener::~UnixListener() {
   ::unlink(path_.c_str());
 }
 
-absl::Status UnixListener::Serve(grpc::Server* server, PeerPolicy policy) {
-  thread_ = std::thread([this, server, policy] { AcceptLoop(server, policy); });
+absl::Status UnixListener::Serve(grpc::Server* server, PeerPolicy policy, PeerTable& peers) {
+  thread_ = std::thread([this, server, policy, &peers] { AcceptLoop(server, policy, peers); });
   if (::rename(bound_.c_str(), path_.c_str()) != 0) {
     return ErrnoStatus(errno, fmt::format("rename {} to {}", bound_, path_));
   }
@@ -98,7 +102,7 @@ void UnixListener::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy) {
+void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable& peers) {
   while (!stopping_) {
     // gRPC's endpoint expects a non-blocking socket.
     int conn = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
@@ -111,17 +115,16 @@ void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy) {
       }
       return;
     }
-    ucred cred{};
-    socklen_t len = sizeof cred;
-    if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
-        !policy.Allows(cred.uid, cred.gid)) {
-      Log().warn("refused connection from pid {} uid {} gid {}: not allowed (--allow-uid, "
-                 "--allow-gid)",
-                 cred.pid, cred.uid, cred.gid);
+    absl::StatusOr<PeerIdentity> peer = ReadPeerIdentity(conn);
+    if (!peer.ok() || !policy.Allows(*peer)) {
+      Log().warn("refused connection from {}: not allowed (--allow-uid, --allow-gid)",
+                 peer.ok() ? peer->Describe() : std::string(peer.status().message()));
       ::close(conn);
       continue;
     }
-    Log().debug("connection from pid {} uid {}", cred.pid, cred.uid);
+    Log().debug("connection from {}", peer->Describe());
+    // Before gRPC sees the connection: its first call must find who made it.
+    peers.Remember(conn, std::move(*peer));
     grpc::AddInsecureChannelFromFd(server, conn);  // gRPC owns the fd from here
   }
 }

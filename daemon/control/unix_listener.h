@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {
 
@@ -22,8 +23,8 @@ struct PeerPolicy {
   uid_t daemon_uid = 0;
   gid_t daemon_gid = 0;
   std::vector<uint32_t> allow_uids;
-  std::vector<uint32_t> allow_gids;
-  bool Allows(uid_t uid, gid_t gid) const;
+  std::vector<uint32_t> allow_gids;  // matched against primary and supplementary groups
+  bool Allows(const PeerIdentity& peer) const;
 };
 
 class UnixListener {
@@ -33,15 +34,16 @@ class UnixListener {
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
   ~UnixListener();
 
-  // Accepts on a thread until Stop(); allowed peers are added to `server`. Then renames
-  // the socket to its path: whoever sees the path can use the daemon at once.
-  absl::Status Serve(grpc::Server* server, PeerPolicy policy);
+  // Accepts on a thread until Stop(); allowed peers are remembered in `peers` and added to
+  // `server`. Then renames the socket to its path: whoever sees the path can use the
+  // daemon at once.
+  absl::Status Serve(grpc::Server* server, PeerPolicy policy, PeerTable& peers);
   void Stop();
 
  private:
   UnixListener(std::string path, std::string bound, UniqueFd fd)
       : path_(std::move(path)), bound_(std::move(bound)), fd_(std::move(fd)) {}
-  void AcceptLoop(grpc::Server* server, PeerPolicy policy);
+  void AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable& peers);
 
   std::string path_;
   std::string bound_;  // where the socket lives until Serve() publishes it at path_

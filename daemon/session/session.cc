@@ -56,7 +56,8 @@ absl::StatusOr<UniqueFd> OpenPidfd(int32_t pid) {
 
 }  // namespace
 
-absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& req, const Limits& limits) {
+absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& req, const Limits& limits,
+                                           const PeerIdentity& caller) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(req.job()));
   if (req.world_size() < 1 || req.world_size() > 1'000'000) {
     return absl::InvalidArgumentError(fmt::format("world size {} is out of range", req.world_size()));
@@ -66,21 +67,27 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         fmt::format("rank {} is not below world size {}", req.rank(), req.world_size()));
   }
   if (req.tensors_size() == 0) return absl::InvalidArgumentError("no tensors to register");
-  if (req.pid() <= 0) return absl::InvalidArgumentError(fmt::format("bad trainer pid {}", req.pid()));
+  if (caller.pid <= 0) {
+    return absl::InvalidArgumentError(
+        "the caller's pid is unknown (it is in another PID namespace: run the trainer and ckptd "
+        "in one, e.g. Kubernetes shareProcessNamespace)");
+  }
 
   SessionPtr s(new Session());
   s->id_ = RandomId();
   s->job_ = req.job();
   s->rank_ = req.rank();
   s->world_size_ = req.world_size();
-  s->pid_ = req.pid();
-  auto pidfd = OpenPidfd(req.pid());
+  // Who the kernel says connected, never what the request says.
+  s->pid_ = caller.pid;
+  s->uid_ = caller.uid;
+  auto pidfd = OpenPidfd(caller.pid);
   if (pidfd.ok()) {
     s->pidfd_ = std::move(*pidfd);
   } else {
     // Not in our PID namespace (a sidecar without shareProcessNamespace): the session ends
     // on Unregister or when its control block is abandoned.
-    Log().warn("[{}/r{}] cannot watch trainer pid {}: {}", req.job(), req.rank(), req.pid(),
+    Log().warn("[{}/r{}] cannot watch trainer pid {}: {}", req.job(), req.rank(), caller.pid,
                Message(pidfd.status()));
   }
 
@@ -111,14 +118,13 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
     if (it == s->arenas_.end()) {
       auto segment = shm::Segment::Open(t.shm_name());
       if (!segment.ok()) return Annotate(segment.status(), fmt::format("tensor {}", t.name()));
+      // Only the trainer's own memory: naming another process's segment must not let a
+      // trainer read it through a restore, or overwrite it.
       uid_t owner = (*segment)->owner_uid();
-      bool allowed = owner == 0 || owner == limits.daemon_uid ||
-                     std::find(limits.allow_uids.begin(), limits.allow_uids.end(), owner) !=
-                         limits.allow_uids.end();
-      if (!allowed) {
+      if (owner != caller.uid) {
         return absl::PermissionDeniedError(fmt::format(
-            "tensor {}: shared memory {} is owned by uid {}, which is not allowed (--allow-uid)",
-            t.name(), t.shm_name(), owner));
+            "tensor {}: shared memory {} is owned by uid {}, not by the caller ({})", t.name(),
+            t.shm_name(), owner, caller.Describe()));
       }
       // Fault the whole mapping in now, writable: snapshots and restores then copy at
       // memory speed instead of taking a page fault every 4 KiB.
@@ -156,8 +162,8 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   std::string control_name = fmt::format("/ckptd-ctl.{}.{}", ::getpid(), s->id_);
   CKPT_ASSIGN_OR_RETURN(s->control_, shm::Segment::Create(control_name, shm::kControlBlockBytes,
                                                           0660, /*unlink_on_destroy=*/true));
-  // The trainer maps the control block read-write: give it to the arena's owner.
-  uid_t trainer_uid = s->arenas_.empty() ? 0 : s->arenas_.begin()->second->owner_uid();
+  // The trainer maps the control block read-write: give it to the caller.
+  uid_t trainer_uid = caller.uid;
   if (::geteuid() == 0 && trainer_uid != 0) {
     std::string path = "/dev/shm" + control_name;
     if (::chown(path.c_str(), trainer_uid, static_cast<gid_t>(-1)) != 0) {

@@ -19,6 +19,7 @@
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
 #include "daemon/control/status_board.h"
+#include "daemon/session/peer_identity.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
@@ -38,15 +39,17 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   };
 
   // Validates the request, maps the trainer's arenas and creates the control block.
+  // `caller` is who connected (PeerTable), never taken from the request.
   static absl::StatusOr<std::shared_ptr<Session>> Create(const ::ckptd::v1::RegisterRequest& request,
-                                                         const Limits& limits);
+                                                         const Limits& limits,
+                                                         const PeerIdentity& caller);
   ~Session() override;
 
   // Starts the command thread.
   void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
-  // Closes the control block (waking trainer waiters) and joins the command thread.
   // From now on snapshot commands are rejected (shutdown); staged ones carry on.
   void RefuseNewSnapshots() { refusing_ = true; }
+  // Closes the control block (waking trainer waiters) and joins the command thread.
   void Stop();
 
   const std::string& id() const { return id_; }
@@ -54,6 +57,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint32_t rank() const { return rank_; }
   uint32_t world_size() const { return world_size_; }
   int32_t pid() const { return pid_; }
+  uid_t uid() const { return uid_; }
   const std::string& control_name() const { return control_->name(); }
   uint64_t registered_bytes() const { return registered_bytes_; }
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
@@ -91,6 +95,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint32_t rank_ = 0;
   uint32_t world_size_ = 0;
   int32_t pid_ = 0;
+  uid_t uid_ = 0;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
   UniqueFd pidfd_;
   std::map<std::string, shm::SegmentPtr> arenas_;

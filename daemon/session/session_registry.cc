@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "common/status.h"
+
 namespace ckpt::daemon {
 
 std::vector<SessionPtr> SessionRegistry::ReapLocked() {
@@ -47,6 +49,17 @@ absl::StatusOr<SessionPtr> SessionRegistry::Find(const std::string& id) const {
                                            id.substr(0, 64)));
   }
   return it->second;
+}
+
+absl::StatusOr<SessionPtr> SessionRegistry::FindFor(const std::string& id,
+                                                    const PeerIdentity& caller) const {
+  CKPT_ASSIGN_OR_RETURN(SessionPtr s, Find(id));
+  if (s->pid() != caller.pid || s->uid() != caller.uid) {
+    return absl::PermissionDeniedError(fmt::format(
+        "session {} belongs to pid {} uid {}; {} may not use it", id.substr(0, 64), s->pid(),
+        s->uid(), caller.Describe()));
+  }
+  return s;
 }
 
 absl::Status SessionRegistry::Remove(const std::string& id) {

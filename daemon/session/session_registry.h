@@ -17,6 +17,9 @@ class SessionRegistry {
   // Adds a started session. AlreadyExists if a live session holds the same (job, rank).
   absl::Status Add(SessionPtr session);
   absl::StatusOr<SessionPtr> Find(const std::string& id) const;
+  // Find, for a call from `caller`: a session id is not a credential, so only the process
+  // that registered the session may use it (PermissionDenied otherwise).
+  absl::StatusOr<SessionPtr> FindFor(const std::string& id, const PeerIdentity& caller) const;
   // Removes and stops the session; NotFound if unknown.
   absl::Status Remove(const std::string& id);
   std::vector<SessionPtr> All() const;

@@ -15,21 +15,25 @@
 #include <fstream>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <iostream>
 
 #include "client/ckpt_client.h"
 #include "common/status.h"
+#include "proto/admin.grpc.pb.h"
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
 
 namespace {
 
 struct Flags {
-  std::string socket, job = "job", dump, bad_case, target;
+  std::string socket, job = "job", dump, bad_case, target, session, shm;
+  int hold_seconds = 30;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
   int as_uid = -1;
+  int extra_gid = -1;  // a supplementary group to keep after dropping to --as-uid
 };
 
 struct Spec {
@@ -276,6 +280,106 @@ int RpcSnapshot(const Flags& f) {
   return s.ok() && wreply.state() == ::ckptd::v1::TICKET_COMMITTED ? 0 : 1;
 }
 
+const char* CodeName(grpc::StatusCode code) {
+  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
+                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  return code >= 0 && code <= 16 ? kNames[code] : "?";
+}
+
+// Registers one tensor in an arena of its own, prints the session and the arena's name,
+// and stays alive (a victim for the tests that try to act on another's session or memory).
+int Hold(const Flags& f) {
+  auto arena = *ckpt::shm::Arena::Create(1 << 20);
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  ::ckptd::v1::RegisterRequest req;
+  req.set_job(f.job);
+  req.set_world_size(f.world_size);
+  req.set_rank(f.rank);
+  req.set_pid(::getpid());
+  auto* t = req.add_tensors();
+  t->set_name("w");
+  t->set_dtype("U8");
+  t->add_shape(64);
+  t->set_shm_name(arena->name());
+  t->set_nbytes(64);
+  grpc::ClientContext ctx;
+  ::ckptd::v1::RegisterReply reply;
+  grpc::Status s = stub->Register(&ctx, req, &reply);
+  if (!s.ok()) {
+    std::cout << "error: " << s.error_message() << std::endl;
+    return 2;
+  }
+  std::cout << "session=" << reply.session_id() << "\nshm=" << arena->name() << std::endl;
+  std::this_thread::sleep_for(std::chrono::seconds(f.hold_seconds));
+  return 0;
+}
+
+// Tries to use a session it did not register and to register memory it does not own.
+int Steal(const Flags& f) {
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    ::ckptd::v1::SnapshotRequest req;
+    req.set_session_id(f.session);
+    req.set_step(99);
+    ::ckptd::v1::SnapshotReply reply;
+    grpc::Status s = stub->Snapshot(&ctx, req, &reply);
+    std::cout << "snapshot code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  }
+  {
+    grpc::ClientContext ctx;
+    ::ckptd::v1::RestoreRequest req;
+    req.set_session_id(f.session);
+    ::ckptd::v1::RestoreReply reply;
+    grpc::Status s = stub->Restore(&ctx, req, &reply);
+    std::cout << "restore code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  }
+  {
+    grpc::ClientContext ctx;
+    ::ckptd::v1::UnregisterRequest req;
+    req.set_session_id(f.session);
+    ::ckptd::v1::UnregisterReply reply;
+    grpc::Status s = stub->Unregister(&ctx, req, &reply);
+    std::cout << "unregister code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  }
+  if (!f.shm.empty()) {
+    ::ckptd::v1::RegisterRequest req;
+    req.set_job(f.job);
+    req.set_world_size(1);
+    req.set_pid(::getpid());
+    auto* t = req.add_tensors();
+    t->set_name("w");
+    t->set_dtype("U8");
+    t->add_shape(64);
+    t->set_shm_name(f.shm);
+    t->set_nbytes(64);
+    grpc::ClientContext ctx;
+    ::ckptd::v1::RegisterReply reply;
+    grpc::Status s = stub->Register(&ctx, req, &reply);
+    std::cout << "register code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  }
+  return 0;
+}
+
+// Admin.Delete over the socket, as whoever this process is.
+int AdminDelete(const Flags& f) {
+  auto stub = ::ckptd::v1::Admin::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ::ckptd::v1::CheckpointRef req;
+  req.set_job(f.job);
+  req.set_step(f.step);
+  ::ckptd::v1::DeleteReply reply;
+  grpc::Status s = stub->Delete(&ctx, req, &reply);
+  std::cout << "delete code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  return s.ok() ? 0 : 1;
+}
+
 // Trainer.Register at any gRPC target (a TCP address, to show it is not served there);
 // prints the status code's name.
 int RegisterAt(const Flags& f) {
@@ -288,12 +392,7 @@ int RegisterAt(const Flags& f) {
   request.set_world_size(1);
   ::ckptd::v1::RegisterReply reply;
   grpc::Status s = stub->Register(&ctx, request, &reply);
-  static const char* kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT",
-                                 "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-                                 "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                                 "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
-  std::cout << "code=" << kNames[s.error_code()] << " " << s.error_message() << "\n";
+  std::cout << "code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
   return s.ok() ? 0 : 1;
 }
 
@@ -342,6 +441,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed);
   app.add_option("--bytes", f.bytes);
   app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
+  app.add_option("--extra-gid", f.extra_gid, "with --as-uid: keep this supplementary group");
   auto* save = app.add_subcommand("save");
   save->add_option("--step", f.step);
   save->add_flag("--die-after-staged", f.die_after_staged);
@@ -355,12 +455,24 @@ int main(int argc, char** argv) {
   auto* rpc = app.add_subcommand("rpc-snapshot");
   rpc->add_option("--step", f.step);
   auto* health = app.add_subcommand("health");
+  auto* hold = app.add_subcommand("hold");
+  hold->add_option("--hold-seconds", f.hold_seconds);
+  auto* steal = app.add_subcommand("steal");
+  steal->add_option("--session", f.session)->required();
+  steal->add_option("--shm", f.shm);
+  auto* admin_delete = app.add_subcommand("admin-delete");
+  admin_delete->add_option("--step", f.step)->required();
   auto* register_at = app.add_subcommand("register-at");
   register_at->add_option("--target", f.target)->required();
   auto* add_cuda = app.add_subcommand("add-cuda");
-  for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at}) sub->fallthrough();
+  for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
+                    admin_delete}) {
+    sub->fallthrough();
+  }
   CLI11_PARSE(app, argc, argv);
-  if (f.as_uid >= 0 && (::setgroups(0, nullptr) != 0 || ::setresgid(f.as_uid, f.as_uid, f.as_uid) != 0 ||
+  gid_t extra = static_cast<gid_t>(f.extra_gid);
+  if (f.as_uid >= 0 && (::setgroups(f.extra_gid >= 0 ? 1 : 0, &extra) != 0 ||
+                        ::setresgid(f.as_uid, f.as_uid, f.as_uid) != 0 ||
                         ::setresuid(f.as_uid, f.as_uid, f.as_uid) != 0)) {
     std::perror("setresuid");
     return 70;
@@ -372,5 +484,8 @@ int main(int argc, char** argv) {
   if (rpc->parsed()) return RpcSnapshot(f);
   if (add_cuda->parsed()) return AddCuda(f);
   if (register_at->parsed()) return RegisterAt(f);
+  if (hold->parsed()) return Hold(f);
+  if (steal->parsed()) return Steal(f);
+  if (admin_delete->parsed()) return AdminDelete(f);
   return Health(f);
 }

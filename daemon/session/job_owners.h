@@ -1,0 +1,58 @@
+// Jobs belong to someone. The uid that registers the first rank of a job owns it (recorded
+// in <root>/<job>/.owner, so a restart keeps it); afterwards only the owner, root, the
+// daemon's own uid, and members of the job's group (one of --job-group that the creator was
+// in) may register ranks into it, change its retention, restore it or delete its steps.
+#pragma once
+
+#include <sys/types.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "common/filesystem.h"
+#include "daemon/session/peer_identity.h"
+
+namespace ckpt::daemon {
+
+class JobOwners {
+ public:
+  struct Options {
+    uid_t daemon_uid = 0;
+    std::vector<uint32_t> job_gids;  // --job-group: members share the jobs they create
+  };
+
+  JobOwners(Filesystem& fs, std::string root, Options options);
+
+  // The caller registers a rank of `job`: the first one becomes its owner; anyone else
+  // must be allowed. PermissionDenied names the owner.
+  absl::Status Claim(const std::string& job, const PeerIdentity& caller);
+
+  // May `caller` `what` (e.g. "delete steps of") `job`? A job without an owner record (made
+  // by an older ckptd, or never registered) is open to root and the daemon's uid only.
+  absl::Status Check(const std::string& job, const PeerIdentity& caller, std::string_view what);
+
+ private:
+  struct Owner {
+    uid_t uid = 0;
+    std::optional<gid_t> gid;  // the --job-group whose members share the job
+  };
+
+  bool Allowed(const Owner& owner, const PeerIdentity& caller) const;
+  // The owner from memory or from the job's .owner file; nullopt when there is none.
+  std::optional<Owner> LoadLocked(const std::string& job);
+  absl::Status Refuse(const std::string& job, const Owner& owner, const PeerIdentity& caller,
+                      std::string_view what) const;
+
+  Filesystem& fs_;
+  const std::string root_;
+  const Options options_;
+  std::mutex mu_;
+  std::map<std::string, Owner> owners_;
+};
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,68 @@
+#include "daemon/session/peer_identity.h"
+
+#include <sys/socket.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+
+namespace ckpt::daemon {
+
+bool PeerIdentity::InGroup(gid_t group) const {
+  return gid == group || std::find(groups.begin(), groups.end(), group) != groups.end();
+}
+
+std::string PeerIdentity::Describe() const {
+  return fmt::format("pid {} uid {} gid {}", pid, uid, gid);
+}
+
+absl::StatusOr<PeerIdentity> ReadPeerIdentity(int fd) {
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return absl::InternalError(fmt::format("SO_PEERCRED: {}", std::strerror(errno)));
+  }
+  PeerIdentity peer{cred.pid, cred.uid, cred.gid, {}};
+  // The supplementary groups as they were when the peer connected (Linux 4.13+).
+  std::vector<gid_t> groups(64);
+  len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+  int rc = ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len);
+  if (rc != 0 && errno == ERANGE) {
+    groups.resize(len / sizeof(gid_t));
+    rc = ::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len);
+  }
+  if (rc == 0) {
+    groups.resize(len / sizeof(gid_t));
+    peer.groups = std::move(groups);
+  }
+  return peer;
+}
+
+void PeerTable::Remember(int fd, PeerIdentity peer) {
+  std::lock_guard lock(mu_);
+  by_fd_[fd] = std::move(peer);
+}
+
+absl::StatusOr<PeerIdentity> PeerTable::Of(const std::string& grpc_peer) const {
+  constexpr std::string_view kPrefix = "fd:";
+  int fd = -1;
+  if (grpc_peer.rfind(kPrefix, 0) == 0) {
+    const char* begin = grpc_peer.data() + kPrefix.size();
+    const char* end = grpc_peer.data() + grpc_peer.size();
+    if (std::from_chars(begin, end, fd).ptr != end) fd = -1;
+  }
+  std::lock_guard lock(mu_);
+  auto it = by_fd_.find(fd);
+  if (it == by_fd_.end()) {
+    return absl::UnauthenticatedError(fmt::format(
+        "trainer calls are served only on ckptd's Unix socket, where the caller is known (not "
+        "from {})",
+        grpc_peer.substr(0, 128)));
+  }
+  return it->second;
+}
+
+}  // namespace ckpt::daemon

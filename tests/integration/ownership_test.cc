@@ -1,0 +1,130 @@
+// Trust boundaries between local users (issue 9): the caller's identity comes from the
+// socket, a job belongs to the uid that created it, a session only to the process that
+// registered it, and shared memory only to its owner. The test runs as root and drops to
+// other uids in the trainer processes it starts.
+#include <catch2/catch.hpp>
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "tests/integration/common.h"
+
+using namespace ckpt::testing;
+
+namespace {
+
+// Lets every local user reach the socket: only ckptd's own checks stand in the way.
+void OpenSocket(const Daemon& d) {
+  ::chmod(std::filesystem::path(d.socket()).parent_path().c_str(), 0755);
+  ::chmod(d.socket().c_str(), 0666);
+}
+
+std::string Line(const std::string& out, const std::string& key) {
+  auto at = out.find(key + "=");
+  REQUIRE(at != std::string::npos);
+  at += key.size() + 1;
+  return out.substr(at, out.find('\n', at) - at);
+}
+
+std::vector<std::string> As(int uid, std::vector<std::string> args) {
+  args.insert(args.begin(), {"--as-uid", std::to_string(uid)});
+  return args;
+}
+
+}  // namespace
+
+TEST_CASE("a job belongs to the uid that created it, across restarts") {
+  REQUIRE(::geteuid() == 0);  // the suite runs as root so that it can be other users
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0"});
+  d.Start();
+  OpenSocket(d);
+  auto save = [&](int uid, uint64_t step) {
+    return Run(Helper(d, As(uid, {"--job", "mine", "--bytes", "100000", "save", "--step",
+                                   std::to_string(step), "--wait-committed"})),
+               dir.path());
+  };
+  REQUIRE(save(1000, 1).exit_code == 0);
+  REQUIRE(save(1000, 2).exit_code == 0);
+
+  auto intruder = save(1001, 3);
+  INFO(intruder.out << intruder.err);
+  CHECK(intruder.exit_code != 0);
+  CHECK(Contains(intruder.out, "job mine belongs to uid 1000"));
+  auto restore = Run(Helper(d, As(1001, {"--job", "mine", "--bytes", "100000", "check"})),
+                     dir.path());
+  CHECK(restore.exit_code != 0);
+  CHECK(Contains(restore.out, "belongs to uid 1000"));
+  auto del = Run(Helper(d, As(1001, {"--job", "mine", "admin-delete", "--step", "1"})), dir.path());
+  CHECK(del.exit_code == 1);
+  CHECK(Contains(del.out, "PERMISSION_DENIED"));
+  CHECK(Contains(d.Ctl({"--job", "mine", "list"}).out, "1"));
+
+  // The owner may; so may root (the operator).
+  CHECK(Run(Helper(d, As(1000, {"--job", "mine", "admin-delete", "--step", "1"})), dir.path())
+            .exit_code == 0);
+  CHECK(Run(Helper(d, {"--job", "mine", "admin-delete", "--step", "2"}), dir.path()).exit_code == 0);
+
+  // Ownership is on disk: a restarted ckptd still refuses the other uid.
+  CHECK(d.Stop() == 0);
+  d.Start();
+  OpenSocket(d);
+  CHECK(Contains(save(1001, 4).out, "belongs to uid 1000"));
+  CHECK(save(1000, 4).exit_code == 0);
+}
+
+TEST_CASE("a session id is not a credential, and memory must be the caller's own") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001"});
+  d.Start();
+  OpenSocket(d);
+  Process victim(Helper(d, As(1000, {"--job", "held", "hold", "--hold-seconds", "60"})),
+                 dir.path(), "victim");
+  REQUIRE(victim.WaitForStdout("shm="));
+  std::string session = Line(victim.Stdout(), "session");
+  std::string shm = Line(victim.Stdout(), "shm");
+
+  for (int uid : {1001, 0}) {  // another user, and root in another process
+    auto r = Run(Helper(d, As(uid, {"--job", "thief", "steal", "--session", session, "--shm", shm})),
+                 dir.path());
+    INFO("as uid " << uid << ": " << r.out << r.err);
+    CHECK(Contains(r.out, "snapshot code=PERMISSION_DENIED"));
+    CHECK(Contains(r.out, "restore code=PERMISSION_DENIED"));
+    CHECK(Contains(r.out, "unregister code=PERMISSION_DENIED"));
+    CHECK(Contains(r.out, "register code=PERMISSION_DENIED"));
+    CHECK(Contains(r.out, "is owned by uid 1000, not by the caller"));
+  }
+  // The victim's session is untouched.
+  auto status = d.Ctl({"status", "--json"});
+  CHECK(Contains(status.out, "\"job\": \"held\""));
+  CHECK_FALSE(Contains(status.out, session));  // status does not hand session ids out
+  victim.Signal(SIGKILL);
+  victim.Wait();
+}
+
+TEST_CASE("members of a --job-group share its jobs; supplementary groups count") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  // Only the group may connect: the documented systemd set-up (trainers in group ckptd).
+  Daemon d(dir, {"--allow-gid", "2000", "--job-group", "2000"});
+  d.Start();
+  OpenSocket(d);
+  auto save = [&](int uid, std::vector<std::string> extra, uint64_t step) {
+    std::vector<std::string> args = As(uid, extra);
+    for (std::string a : {"--job", "team", "--bytes", "100000", "save", "--step"}) args.push_back(a);
+    args.push_back(std::to_string(step));
+    args.push_back("--wait-committed");
+    return Run(Helper(d, args), dir.path());
+  };
+  auto first = save(1000, {"--extra-gid", "2000"}, 1);
+  INFO(first.out << first.err);
+  REQUIRE(first.exit_code == 0);
+  CHECK(save(1001, {"--extra-gid", "2000"}, 2).exit_code == 0);  // a teammate
+  auto outsider = save(1002, {}, 3);
+  CHECK(outsider.exit_code != 0);
+  CHECK(Contains(d.Log(), "refused connection from pid"));
+}
