@@ -67,7 +67,15 @@ void WriteQueue::Loop() {
       queue_.pop_front();
       writing_.push_back(snapshot);
     }
-    Write(snapshot);
+    try {
+      Write(snapshot);
+    } catch (const std::exception& e) {
+      // Nothing a trainer sent may end the thread (and with it the daemon): the snapshot
+      // fails, named, and the thread goes on.
+      Log().error("[{} s{}] r{}: {}", snapshot->job, snapshot->step, snapshot->rank, e.what());
+      listener_.Failed(snapshot, fmt::format("internal error while writing rank {}: {}",
+                                             snapshot->rank, e.what()));
+    }
     {
       std::lock_guard lock(mu_);
       writing_.erase(std::find(writing_.begin(), writing_.end(), snapshot));

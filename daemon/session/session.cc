@@ -252,7 +252,15 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& bo
       break;
     }
     std::optional<shm::Command> command = consumer_->Next(std::chrono::milliseconds(100));
-    if (command) HandleSnapshot(std::move(*command), stager, persist, board);
+    if (!command) continue;
+    uint64_t ticket = command->ticket;
+    try {
+      HandleSnapshot(std::move(*command), stager, persist, board);
+    } catch (const std::exception& e) {
+      // One session's bad input fails its own snapshot, never the daemon.
+      Log().error("[{}/r{}] snapshot failed: {}", job_, rank_, e.what());
+      SetTicketState(ticket, shm::kTicketFailed, fmt::format("internal error: {}", e.what()));
+    }
   }
   consumer_->Close();
   ended_ = true;

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
+#include <string_view>
 #include <cstring>
 
 #include "common/log.h"
@@ -46,8 +48,16 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
+  // Everything the trainer sent is checked before any of it is used: it ends up in JSON
+  // headers and manifests, where a byte that is not text would fail the write later.
+  CKPT_RETURN_IF_ERROR(ValidateMetadata(payload.metadata));
+  std::set<std::string_view> names;
   for (const shm::NamedBlob& blob : payload.train_state) {
     CKPT_RETURN_IF_ERROR(Annotate(ValidateTensorName(blob.name), "train state"));
+    if (!names.insert(blob.name).second) {
+      return absl::InvalidArgumentError(
+          fmt::format("train state \"{}\" is given twice", blob.name));
+    }
     total += blob.data.size();
   }
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);

@@ -182,3 +182,20 @@ TEST_CASE("duplicate rank registration is refused while the first trainer lives"
   first.Signal(SIGKILL);
   first.Wait();
 }
+
+TEST_CASE("metadata that is not text fails that snapshot alone; ckptd and the others go on") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  auto bad = Run(Helper(d, {"--job", "utf", "--bytes", "100000", "save", "--step", "1",
+                            "--bad-metadata", "--wait-committed"}),
+                 dir.path());
+  INFO(bad.out << bad.err);
+  CHECK(bad.exit_code != 0);
+  CHECK(Contains(bad.out, "not valid UTF-8"));
+  auto good = Run(Helper(d, {"--job", "utf", "--bytes", "100000", "save", "--step", "2",
+                             "--wait-committed"}),
+                  dir.path());
+  CHECK(good.exit_code == 0);
+  CHECK(d.Ctl({"status"}).exit_code == 0);
+}

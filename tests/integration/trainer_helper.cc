@@ -32,6 +32,7 @@ struct Flags {
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
+  bool bad_metadata = false;  // metadata that is not text
   int as_uid = -1;
   int extra_gid = -1;  // a supplementary group to keep after dropping to --as-uid
 };
@@ -93,7 +94,9 @@ int Save(const Flags& f) {
           .write(static_cast<const char*>(tensors[t]->data), static_cast<std::streamsize>(tensors[t]->nbytes));
     }
   }
-  auto ticket = c->Snapshot(f.step, {{"seed", std::to_string(f.seed)}},
+  ckpt::Metadata metadata = {{"seed", std::to_string(f.seed)}};
+  if (f.bad_metadata) metadata["\xff\xfe"] = "\xc0\xaf";
+  auto ticket = c->Snapshot(f.step, metadata,
                             {{"note", fmt::format("seed={} rank={}", f.seed, f.rank)}});
   if (!ticket.ok()) {
     std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
@@ -443,6 +446,7 @@ int main(int argc, char** argv) {
   app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
   app.add_option("--extra-gid", f.extra_gid, "with --as-uid: keep this supplementary group");
   auto* save = app.add_subcommand("save");
+  save->add_flag("--bad-metadata", f.bad_metadata);
   save->add_option("--step", f.step);
   save->add_flag("--die-after-staged", f.die_after_staged);
   save->add_flag("--wait-committed", f.wait_committed);

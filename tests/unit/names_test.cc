@@ -39,3 +39,28 @@ TEST_CASE("shared-memory names: one leading slash, no traversal") {
   CHECK_FALSE(ckpt::ValidateShmName("/..").ok());
   CHECK_FALSE(ckpt::ValidateShmName("/").ok());
 }
+
+TEST_CASE("UTF-8 is checked byte by byte") {
+  for (std::string ok : {std::string(), std::string("loss"), std::string("\xc3\xbc"),
+                         std::string("\xe6\x97\xa5\xe6\x9c\xac"), std::string("\xf0\x9f\x98\x80"),
+                         std::string("a\0b", 3)}) {
+    CHECK(ckpt::IsValidUtf8(ok));
+  }
+  for (std::string bad : {"\xff", "\x80", "\xc0\xaf", "\xed\xa0\x80", "\xe6\x97", "\xf4\x90\x80\x80",
+                          "ok\xc3", "\xf8\x88\x80\x80\x80"}) {
+    CHECK_FALSE(ckpt::IsValidUtf8(bad));
+  }
+}
+
+TEST_CASE("snapshot metadata must be text with sane keys") {
+  CHECK(ckpt::ValidateMetadata({{"loss", "1.5"}, {"note", "\xc3\xbc"}}).ok());
+  CHECK_FALSE(ckpt::ValidateMetadata({{"", "x"}}).ok());
+  CHECK_FALSE(ckpt::ValidateMetadata({{std::string(257, 'k'), "x"}}).ok());
+  CHECK_FALSE(ckpt::ValidateMetadata({{"a\nb", "x"}}).ok());
+  auto bad_key = ckpt::ValidateMetadata({{"\xff\xfe", "x"}});
+  REQUIRE_FALSE(bad_key.ok());
+  CHECK(ckpt::Message(bad_key).find("not valid UTF-8") != std::string::npos);
+  auto bad_value = ckpt::ValidateMetadata({{"k", "\xc0\xaf"}});
+  REQUIRE_FALSE(bad_value.ok());
+  CHECK(ckpt::Message(bad_value).find("train state") != std::string::npos);
+}
