@@ -86,6 +86,21 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::stri
   return steps;
 }
 
+absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsByCommit(const std::string& job) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps(job));
+  std::vector<std::pair<int64_t, uint64_t>> by_time;
+  by_time.reserve(steps.size());
+  for (uint64_t step : steps) {
+    auto when = fs_->ModifiedNs(StepDir(job, step) + "/" + kManifestName);
+    if (!when.ok()) continue;  // deleted meanwhile
+    by_time.emplace_back(*when, step);
+  }
+  std::sort(by_time.begin(), by_time.end());
+  steps.clear();
+  for (const auto& [when, step] : by_time) steps.push_back(step);
+  return steps;
+}
+
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {
   std::vector<std::string> jobs;
   if (!fs_->Exists(root_)) return jobs;

@@ -40,6 +40,10 @@ class CheckpointStore {
 
   // Committed steps (directories with a manifest), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListSteps(const std::string& job);
+  // The same steps in the order they were committed, oldest first (by the manifest's
+  // write time; ties by step). "Latest" is the last: a job that went back to an older
+  // step and trained on has its new steps last, not the abandoned higher-numbered ones.
+  absl::StatusOr<std::vector<uint64_t>> ListStepsByCommit(const std::string& job);
   absl::StatusOr<std::vector<std::string>> ListJobs();
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted

@@ -12,8 +12,9 @@ struct RetentionPolicy {
   uint64_t keep_every = 0;  // also keep steps divisible by N; 0 disables
 };
 
-// `committed` ascending. Never returns the newest step, nor any step in `pinned` (steps in
-// use, such as one being restored).
+// `committed` in commit order, oldest first: keep_last keeps the K most recently committed.
+// Never returns the most recent, nor any step in `pinned` (steps in use, such as one being
+// restored).
 std::vector<uint64_t> StepsToDelete(const std::vector<uint64_t>& committed,
                                     const RetentionPolicy& policy,
                                     const std::vector<uint64_t>& pinned = {});

@@ -89,7 +89,13 @@ absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
     common = std::move(both);
   }
   if (!any) return std::optional<uint64_t>();
-  if (common && !common->empty()) return std::optional<uint64_t>(*common->rbegin());
+  if (common && !common->empty()) {
+    // The most recently committed step they all have, in rank 0's commit order (nodes may
+    // see two steps that committed together in either order; one rank's view decides).
+    for (auto it = available[0].rbegin(); it != available[0].rend(); ++it) {
+      if (common->count(*it)) return std::optional<uint64_t>(*it);
+    }
+  }
   std::vector<std::string> per_rank;
   for (size_t r = 0; r < available.size() && per_rank.size() < 8; ++r) {
     const auto& list = available[r];

@@ -191,3 +191,37 @@ TEST_CASE("training carries on when ckptd is absent or dies") {
   CHECK(Field(p.Stdout(), "final checksum") == want);
   CHECK(Contains(p.Stderr(), "not responding"));
 }
+
+TEST_CASE("a job that goes back to an older step trains on: its new steps are kept and are latest") {
+  TempDir dir;
+  Daemon d(dir, {"--keep-last", "2"});
+  d.Start();
+  auto save = [&](uint64_t step) {
+    return Run(Helper(d, {"--job", "back", "--bytes", "100000", "--seed", std::to_string(step),
+                          "save", "--step", std::to_string(step), "--wait-committed"}),
+               dir.path());
+  };
+  for (uint64_t step : {10, 20, 30}) REQUIRE(save(step).exit_code == 0);
+  WaitUntil([&] { return !Contains(d.Ctl({"--job", "back", "--json", "list"}).out, "\"10\""); },
+            10s, 20ms);
+  // The job resumes from step 20 (say the run after it diverged) and trains on.
+  auto back = Run(Helper(d, {"--job", "back", "--bytes", "100000", "--seed", "20", "check",
+                             "--step", "20"}),
+                  dir.path());
+  REQUIRE(Contains(back.out, "restored step=20"));
+  std::this_thread::sleep_for(20ms);  // commit times a clock tick apart
+  REQUIRE(save(25).exit_code == 0);
+  std::this_thread::sleep_for(20ms);
+  REQUIRE(save(26).exit_code == 0);
+  // Retention keeps the two most recently committed, not the two highest numbers.
+  WaitUntil([&] { return !Contains(d.Ctl({"--job", "back", "--json", "list"}).out, "\"30\""); },
+            10s, 20ms);
+  auto list = d.Ctl({"--job", "back", "--json", "list"}).out;
+  CHECK(Contains(list, "\"25\""));
+  CHECK(Contains(list, "\"26\""));
+  // "Latest" is the last committed: the abandoned step 30 is not resumed.
+  auto latest = Run(Helper(d, {"--job", "back", "--bytes", "100000", "--seed", "26", "check"}),
+                    dir.path());
+  CHECK(Contains(latest.out, "restored step=26"));
+  CHECK(Contains(latest.out, "match"));
+}

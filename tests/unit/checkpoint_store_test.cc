@@ -2,6 +2,9 @@
 // stays listed and intact, and no half-written step is ever listed.
 #include <catch2/catch.hpp>
 
+#include <chrono>
+#include <thread>
+
 #include <cerrno>
 
 #include "common/status.h"
@@ -61,6 +64,16 @@ TEST_CASE("a committed step is listed and verifies") {
   REQUIRE(report.ok());
   CHECK(report->ok());
   CHECK(report->bytes_checked == 4096);
+}
+
+TEST_CASE("steps are listed by number, and by commit order for retention and \"latest\"") {
+  Fixture f;
+  for (uint64_t step : {30, 10, 20}) {
+    REQUIRE(f.Save(step).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a clock tick apart
+  }
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20, 30});
+  CHECK(*f.store.ListStepsByCommit("job") == std::vector<uint64_t>{30, 10, 20});
 }
 
 TEST_CASE("a failure at any stage of a save leaves the previous checkpoint intact") {
