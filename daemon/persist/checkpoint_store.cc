@@ -65,7 +65,17 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
         manifest.job));
   }
   CKPT_RETURN_IF_ERROR(fs_->Rename(tmp, final_dir));
-  return fs_->SyncDir(JobDir(manifest.job));
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(JobDir(manifest.job)));
+  // The job's own directory entry must be durable too, or a crash could lose the whole
+  // job after its first commit was reported; once per job per run is enough.
+  {
+    std::lock_guard lock(root_synced_mu_);
+    if (root_synced_.count(manifest.job)) return absl::OkStatus();
+  }
+  CKPT_RETURN_IF_ERROR(fs_->SyncDir(root_));
+  std::lock_guard lock(root_synced_mu_);
+  root_synced_.insert(manifest.job);
+  return absl::OkStatus();
 }
 
 absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -60,6 +62,8 @@ class CheckpointStore {
   FilesystemPtr fs_;
   std::string root_;
   bool shared_ = false;
+  std::mutex root_synced_mu_;
+  std::set<std::string> root_synced_;  // jobs whose entry in the root was fsynced this run
 };
 
 // Parses "step-00001200" -> 1200; false for anything else.

@@ -70,6 +70,9 @@ struct Manifest {
 
 std::string ManifestToJson(const Manifest& manifest);
 
+// The largest step a step directory's name can hold ("step-" and at most 19 digits).
+inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
+
 // "rank-00003.safetensors": the one name a rank's shard file may have.
 std::string ShardFileName(uint32_t rank);
 

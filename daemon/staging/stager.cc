@@ -48,6 +48,11 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
+  if (step > persist::kMaxStep) {
+    return absl::InvalidArgumentError(fmt::format(
+        "step {} is beyond the largest step a checkpoint directory can name ({})", step,
+        persist::kMaxStep));
+  }
   // Everything the trainer sent is checked before any of it is used: it ends up in JSON
   // headers and manifests, where a byte that is not text would fail the write later.
   CKPT_RETURN_IF_ERROR(ValidateMetadata(payload.metadata));

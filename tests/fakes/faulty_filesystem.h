@@ -3,6 +3,8 @@
 #pragma once
 
 #include <atomic>
+#include <mutex>
+#include <vector>
 #include <string>
 
 #include "common/filesystem.h"
@@ -57,7 +59,16 @@ class FaultyFilesystem final : public Filesystem {
   void DropFromCache(int fd) override { real_->DropFromCache(fd); }
   absl::Status SyncDir(const std::string& path) override {
     if (Trip(Op::kSyncDir)) return ErrnoStatus(err_, "fsync directory " + path);
+    {
+      std::lock_guard lock(synced_mu_);
+      synced_dirs_.push_back(path);
+    }
     return real_->SyncDir(path);
+  }
+  // Directories passed to SyncDir so far, in order.
+  std::vector<std::string> synced_dirs() const {
+    std::lock_guard lock(synced_mu_);
+    return synced_dirs_;
   }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (Trip(Op::kRename)) return ErrnoStatus(err_, "rename " + from);
@@ -91,6 +102,8 @@ class FaultyFilesystem final : public Filesystem {
   std::atomic<int> remaining_{0};
   int err_ = 0;
   bool no_direct_ = false;
+  mutable std::mutex synced_mu_;
+  std::vector<std::string> synced_dirs_;
 };
 
 }  // namespace ckpt::testing

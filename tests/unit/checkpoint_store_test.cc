@@ -2,6 +2,7 @@
 // stays listed and intact, and no half-written step is ever listed.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -74,6 +75,18 @@ TEST_CASE("steps are listed by number, and by commit order for retention and \"l
   }
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20, 30});
   CHECK(*f.store.ListStepsByCommit("job") == std::vector<uint64_t>{30, 10, 20});
+}
+
+TEST_CASE("a job's first commit makes the job's own directory entry durable") {
+  Fixture f;
+  auto root_syncs = [&] {
+    auto dirs = f.fs->synced_dirs();
+    return std::count(dirs.begin(), dirs.end(), f.dir.path());
+  };
+  REQUIRE(f.Save(10).ok());
+  CHECK(root_syncs() == 1);
+  REQUIRE(f.Save(20).ok());
+  CHECK(root_syncs() == 1);  // once per job
 }
 
 TEST_CASE("a failure at any stage of a save leaves the previous checkpoint intact") {

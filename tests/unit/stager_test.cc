@@ -182,3 +182,27 @@ TEST_CASE("host tensors are copied as one job: the writer could not overlap them
   CHECK(std::string((*staged)->block->data() + last.begin, last.end - last.begin) ==
         std::string(f.buffers.back().begin(), f.buffers.back().end()));
 }
+
+TEST_CASE("a snapshot is checked whole before anything is staged") {
+  Fixture f;
+  for (RegisteredTensor& t : f.tensors) t.on_device = false;
+  Stager stager(*f.pool, *f.host_engine, f.hot, f.progress, {});
+  SessionView view{"job", 0, 1, &f.tensors, nullptr};
+  auto refused = [&](uint64_t step, shm::SnapshotPayload payload, const std::string& why) {
+    bool laid_out = false;
+    auto staged = stager.Stage(view, step, std::move(payload),
+                               [&](const StagedSnapshotPtr&) { laid_out = true; });
+    REQUIRE_FALSE(staged.ok());
+    CHECK_THAT(Message(staged.status()), Catch::Contains(why));
+    CHECK_FALSE(laid_out);
+    CHECK(f.pool->used() == 0);
+  };
+  refused(persist::kMaxStep + 1, {}, "beyond the largest step");
+  shm::SnapshotPayload twice;
+  twice.train_state = {{"rng", "a"}, {"rng", "b"}};
+  refused(1, std::move(twice), "given twice");
+  shm::SnapshotPayload not_text;
+  not_text.metadata["loss"] = "\xff";
+  refused(1, std::move(not_text), "not valid UTF-8");
+  CHECK(stager.Stage(view, persist::kMaxStep, {}, nullptr).ok());
+}
