@@ -1,6 +1,7 @@
 #include "shm/segment.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 
 #include <cerrno>
@@ -63,6 +64,9 @@ absl::StatusOr<SegmentPtr> Segment::Create(const std::string& name, size_t size,
                                              size, std::strerror(err)));
     }
     impl->region = bip::mapped_region(impl->object, bip::read_write);
+    // Held as long as the creator keeps the segment: the start-up sweep of any process, in
+    // any PID namespace, can tell a live segment from a leftover by this lock, not by a pid.
+    (void)::flock(impl->object.get_mapping_handle().handle, LOCK_SH | LOCK_NB);
     return SegmentPtr(new Segment(name, std::move(impl), unlink_on_destroy));
   } catch (const bip::interprocess_exception& e) {
     bip::shared_memory_object::remove(name.c_str());

@@ -1,6 +1,9 @@
 #include "shm/sweep.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <filesystem>
@@ -9,6 +12,18 @@
 #include "shm/segment.h"
 
 namespace ckpt::shm {
+namespace {
+
+// Segment::Create keeps a shared lock on every segment while its creator holds it.
+bool HeldByItsCreator(const std::filesystem::path& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  bool held = ::flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
+}
+
+}  // namespace
 
 int RemoveStaleSegments(std::string_view prefix, std::chrono::seconds min_age) {
   const auto now = std::filesystem::file_time_type::clock::now();
@@ -24,7 +39,7 @@ int RemoveStaleSegments(std::string_view prefix, std::chrono::seconds min_age) {
     std::error_code age_ec;
     auto modified = std::filesystem::last_write_time(entry.path(), age_ec);
     if (age_ec || now - modified < min_age) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+    if (::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH && !HeldByItsCreator(entry.path())) {
       Segment::Unlink("/" + name);
       ++removed;
     }

@@ -7,8 +7,9 @@
 
 namespace ckpt::shm {
 
-// Returns how many segments were removed. Only segments unchanged for at least `min_age`
-// go: a pid that looks dead may be alive in another PID namespace, and its segment fresh.
+// Returns how many segments were removed. A segment goes only when its pid looks dead, it is
+// not held by its creator (Segment::Create's lock: a pid from another PID namespace looks
+// dead here), and it has been unchanged for at least `min_age`.
 int RemoveStaleSegments(std::string_view prefix,
                         std::chrono::seconds min_age = std::chrono::seconds(0));
 

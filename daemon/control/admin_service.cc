@@ -177,8 +177,7 @@ grpc::Status AdminService::Delete(grpc::ServerContext* ctx, const CheckpointRef*
                                   DeleteReply*) {
   return Guarded("Delete", [&]() -> absl::Status {
     CKPT_RETURN_IF_ERROR(MayDestroy(ctx, "delete", request->job()));
-    CKPT_RETURN_IF_ERROR(store_.Delete(request->job(), request->step()));
-    src_.hot.Drop(request->job(), request->step());
+    CKPT_RETURN_IF_ERROR(src_.retention.DeleteStep(request->job(), request->step()));
     log::Get(log::Component::kControl)
         .info("[{} s{}] deleted by an operator", request->job(), request->step());
     return absl::OkStatus();

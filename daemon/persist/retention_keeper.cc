@@ -23,6 +23,19 @@ void LowerPriority() {
 
 }  // namespace
 
+absl::Status RetentionKeeper::DeleteStep(const std::string& job, uint64_t step) {
+  {
+    std::lock_guard lock(mu_);
+    if (pins_.count({job, step})) {
+      return absl::FailedPreconditionError(fmt::format(
+          "step {} of job {} is being restored; delete it once the restore is done", step, job));
+    }
+  }
+  CKPT_RETURN_IF_ERROR(store_.Delete(job, step));
+  on_deleted_(job, step);
+  return absl::OkStatus();
+}
+
 RetentionKeeper::Pin::Pin(RetentionKeeper& owner, std::string job, uint64_t step)
     : owner_(owner), key_(std::move(job), step) {
   std::lock_guard lock(owner_.mu_);

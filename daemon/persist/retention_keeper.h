@@ -35,6 +35,10 @@ class RetentionKeeper {
   // Overrides --keep-last for `job`; 0 restores the daemon's setting.
   void SetKeepLast(const std::string& job, uint32_t keep_last);
 
+  // Deletes a committed step on an operator's word, unless it is pinned (being restored):
+  // FailedPrecondition then. Its in-memory copy goes too (the on_deleted callback).
+  absl::Status DeleteStep(const std::string& job, uint64_t step);
+
   // Keeps `step` of `job` from being deleted while it lives.
   class Pin {
    public:

@@ -336,6 +336,14 @@ TEMPLATE_TEST_CASE("retention runs after each commit and spares pinned steps", "
   WaitUntil([&] { return *f.store.ListSteps("job") == expected; }, 2s);
   CHECK(*f.store.ListSteps("job") == expected);
   CHECK(f.hot.Find("job", 0, 20) == nullptr);  // deleted steps leave memory too
+  // An operator's delete spares a step being restored, and takes the in-memory copy along.
+  absl::Status pinned = f.retention.DeleteStep("job", 10);
+  CHECK(absl::IsFailedPrecondition(pinned));
+  CHECK_THAT(Message(pinned), Catch::Contains("being restored"));
+  REQUIRE(f.hot.Find("job", 0, 40) != nullptr);
+  REQUIRE(f.retention.DeleteStep("job", 40).ok());
+  CHECK(f.hot.Find("job", 0, 40) == nullptr);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 30});
 }
 
 TEMPLATE_TEST_CASE("a step already committed is refused, the committed one untouched", "[commit]",

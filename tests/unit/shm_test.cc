@@ -233,6 +233,10 @@ TEST_CASE("the sweep removes segments of dead processes once they are old enough
   REQUIRE(a.ok());
   REQUIRE(b.ok());
   CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.", std::chrono::seconds(3600)) == 0);
+  // Its pid looks dead (as one from another PID namespace would), but the segment is still
+  // held open by whoever created it: kept.
+  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.") == 0);
+  a->reset();  // closed, and left behind
   CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.") == 1);
   CHECK(absl::IsNotFound(Segment::Open(stale).status()));
   CHECK(Segment::Open(live).ok());
