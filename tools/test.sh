@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command that runs every test: installs what is missing, builds, runs
-# `bazel test //...`, and ends with the line "N passed, N failed, N skipped" counting test
+# `bazel test //...` and the integration suite again under ASan + UBSan, and ends with the line "N passed, N failed, N skipped" counting test
 # cases (GPU tests are skipped, and say so, on machines without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -8,13 +8,28 @@ tools/setup.sh || exit 1
 
 bazel test //... -k --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python" "$@"
 bazel_rc=$?
+main_logs="$(bazel info bazel-testlogs 2>/dev/null)"
+
+# The integration suite again, built with AddressSanitizer and UBSan (.bazelrc --config=asan),
+# in an output base of its own so that neither build evicts the other. CKPTD_SKIP_ASAN=1
+# leaves it out (a quick local run); CI always runs it.
+asan_base="${CKPTD_ASAN_OUTPUT_BASE:-$HOME/.cache/bazel_asan}"
+asan_rc=0
+if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
+  # --symlink_prefix=/: leave the workspace's bazel-* links pointing at the main build.
+  bazel --output_base="$asan_base" test --config=asan --symlink_prefix=/ //tests/integration/... -k \
+    --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python"
+  asan_rc=$?
+  asan_logs="$(bazel --output_base="$asan_base" info --config=asan bazel-testlogs 2>/dev/null)"
+fi
 
 passed=0
 failed=0
 skipped=0
-while IFS= read -r target; do
-  path=${target#//}
-  log="bazel-testlogs/${path/://}/test.log"
+# Adds up one test log: Catch2's or pytest's summary, and "SKIPPED:" lines.
+report() {
+  local target=$1 log=$2 label=$3
+  local summary pytest_summary p f k
   summary=$(grep -aE "^All tests passed|^test cases:" "$log" 2>/dev/null | tail -n 1)
   # pytest's last line: "2 failed, 8 passed, 1 skipped in 28.34s" (Python package tests).
   pytest_summary=$(grep -aE "^=* ?[0-9]+ (passed|failed|error).* in [0-9.]+s" "$log" 2>/dev/null | tail -n 1)
@@ -35,14 +50,25 @@ while IFS= read -r target; do
   k=${k:-0}
   if [ -n "$pytest_summary" ]; then k=$(count skipped); p=$((p + k)); fi
   p=$((p > k ? p - k : 0))
-  printf '%-60s %4d passed %4d failed %4d skipped\n' "$target" "$p" "$f" "$k"
+  printf '%-60s %4d passed %4d failed %4d skipped\n' "$target$label" "$p" "$f" "$k"
   passed=$((passed + p))
   failed=$((failed + f))
   skipped=$((skipped + k))
-done < <(bazel query 'tests(//...)' 2>/dev/null | sort)
+}
 
-if [ "$bazel_rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
-  failed=1  # the build itself failed
+while IFS= read -r target; do
+  path=${target#//}
+  report "$target" "$main_logs/${path/://}/test.log" ""
+done < <(bazel query 'tests(//...)' 2>/dev/null | sort)
+if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
+  while IFS= read -r target; do
+    path=${target#//}
+    report "$target" "$asan_logs/${path/://}/test.log" " (asan)"
+  done < <(bazel query 'tests(//tests/integration/...)' 2>/dev/null | sort)
+fi
+
+if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
+  failed=1  # a build itself failed
 fi
 echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]
