@@ -57,7 +57,8 @@ struct alignas(64) TicketSlot {
   char error[kTicketErrorBytes];  // NUL-terminated, valid once state is failed/rejected
 };
 
-struct alignas(64) ControlBlock {
+// Page-aligned: staged_ticket below needs a page of its own.
+struct alignas(4096) ControlBlock {
   uint64_t magic;
   uint32_t abi_version;
   uint32_t ring_slots;

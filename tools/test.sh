@@ -23,6 +23,14 @@ if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
   asan_logs="$(bazel --output_base="$asan_base" info --config=asan bazel-testlogs 2>/dev/null)"
 fi
 
+# The libFuzzer targets, each for a bounded time (CKPTD_FUZZ_SECONDS, 30 by default) over
+# its seed corpus; CKPTD_SKIP_FUZZ=1 leaves them out.
+fuzz_out=""
+if [ "${CKPTD_SKIP_FUZZ:-0}" != 1 ]; then
+  fuzz_out=$(tests/fuzz/run.sh 2>&1)
+  echo "$fuzz_out"
+fi
+
 passed=0
 failed=0
 skipped=0
@@ -66,6 +74,16 @@ if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
     report "$target" "$asan_logs/${path/://}/test.log" " (asan)"
   done < <(bazel query 'tests(//tests/integration/...)' 2>/dev/null | sort)
 fi
+
+while IFS= read -r line; do
+  if [[ $line =~ ^fuzz\ ([a-z_]+):\ passed ]]; then
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/fuzz:${BASH_REMATCH[1]} (30 s)" 1 0 0
+    passed=$((passed + 1))
+  elif [[ $line =~ ^fuzz\ ([a-z_]+):\ FAILED ]]; then
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/fuzz:${BASH_REMATCH[1]}" 0 1 0
+    failed=$((failed + 1))
+  fi
+done <<< "$fuzz_out"
 
 if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
   failed=1  # a build itself failed
