@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <new>
 #include <chrono>
 #include <set>
 
@@ -156,37 +157,84 @@ absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manif
     }
   }
   CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, manifest.step));
+
+  // 1. Every piece is checked against the manifest, the file's header and the registration
+  //    before a byte is read: dtype, shape, and a byte range of exactly the registered size.
+  struct Piece {
+    const RegisteredTensor* tensor;
+    const persist::TensorEntry* entry;
+    const std::string* checksum;
+  };
+  std::vector<Piece> pieces;
+  uint64_t total = 0;
   for (const RegisteredTensor& t : *session.tensors) {
     const persist::TensorShard& s = *mine.at(t.name);
     CKPT_RETURN_IF_ERROR(CheckSameLayout(t, manifest.tensors.at(t.name).dtype, s.shape, manifest.step));
     const persist::TensorEntry* entry = reader->Find(t.name);
-    if (entry == nullptr || entry->begin != s.begin || entry->end != s.end) {
-      return absl::DataLossError(
-          fmt::format("tensor {} in {}: header disagrees with the manifest", t.name, path));
+    if (entry == nullptr || entry->begin != s.begin || entry->end != s.end ||
+        entry->dtype != t.dtype || entry->shape != t.shape || entry->end - entry->begin != t.nbytes) {
+      return absl::DataLossError(fmt::format(
+          "tensor {} in {}: the file's header disagrees with the manifest or the registration "
+          "(nothing was restored)",
+          t.name, path));
     }
-    if (t.on_device) {
-      // Files cannot be read into GPU memory: bounce through staging memory.
-      if (pool_ == nullptr) return absl::FailedPreconditionError("GPU tensors but no staging pool");
-      CKPT_ASSIGN_OR_RETURN(cuda::StagingBlockPtr bounce, pool_->Allocate(t.nbytes));
-      CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, bounce->data(), s.checksum));
-      SplitCopy up;
-      up.Add(t, {t.data, bounce->data(), t.nbytes});
-      CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, up));
-    } else {
-      CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, t.data, s.checksum));
-    }
-    result.bytes += t.nbytes;
+    pieces.push_back({&t, entry, &s.checksum});
+    total += t.nbytes;
   }
+  std::vector<std::pair<std::string, const persist::TensorEntry*>> states;
   for (const auto& [name, e] : shard.train_state) {
     const persist::TensorEntry* entry = reader->Find(persist::TrainStateKey(name));
     if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
-      return absl::DataLossError(
-          fmt::format("train state {} in {}: header disagrees with the manifest", name, path));
+      return absl::DataLossError(fmt::format(
+          "train state {} in {}: the file's header disagrees with the manifest (nothing was "
+          "restored)",
+          name, path));
     }
-    std::string data(e.end - e.begin, '\0');
-    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, data.data(), e.checksum));
+    states.emplace_back(name, entry);
+  }
+
+  // 2. Everything is read into ckptd's memory and checked against its checksum first, so a
+  //    corrupt or crafted file is refused without having touched the trainer's buffers.
+  cuda::StagingBlockPtr block;
+  std::unique_ptr<char[]> heap;
+  char* bounce = nullptr;
+  if (pool_ != nullptr) {
+    if (auto allocated = pool_->Allocate(std::max<uint64_t>(total, 1)); allocated.ok()) {
+      block = std::move(*allocated);
+      bounce = block->data();
+    }
+  }
+  if (bounce == nullptr) {
+    // Staging memory is busy with snapshots: borrow ordinary memory for the restore.
+    heap.reset(new (std::nothrow) char[std::max<uint64_t>(total, 1)]);
+    if (heap == nullptr) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "restoring rank {} needs {} bytes of memory to check the checkpoint before it reaches "
+          "the trainer, and none is free",
+          session.rank, total));
+    }
+    bounce = heap.get();
+  }
+  uint64_t offset = 0;
+  SplitCopy copy;
+  for (const Piece& p : pieces) {
+    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*p.entry, bounce + offset, *p.checksum));
+    copy.Add(*p.tensor, {p.tensor->data, bounce + offset, p.tensor->nbytes});
+    offset += p.tensor->nbytes;
+  }
+  for (const auto& [name, entry] : states) {
+    std::string data(entry->end - entry->begin, '\0');
+    CKPT_RETURN_IF_ERROR(
+        reader->ReadEntry(*entry, data.data(), shard.train_state.at(name).checksum));
     result.train_state.push_back({name, std::move(data)});
   }
+
+  // 3. Only now into the trainer's buffers (GPU tensors through their device's engine).
+  {
+    cuda::CopyPriority::Copying copying(priority_);
+    CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, copy));
+  }
+  result.bytes += total;
   result.metadata = shard.metadata;
   return absl::OkStatus();
 }

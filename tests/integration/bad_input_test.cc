@@ -138,6 +138,7 @@ TEST_CASE("a bit-flipped shard: verify names tensor and file, restore refuses") 
   auto c = Run(Helper(d, {"--job", "bf", "--seed", "3", "--bytes", "1000000", "check"}), dir.path());
   CHECK(c.exit_code == 2);
   CHECK(Contains(c.out, "checksum mismatch"));
+  CHECK(Contains(c.out, "buffers untouched"));  // checked before a byte reached the trainer
   auto json = d.Ctl({"--job", "bf", "--json", "verify", "10"});
   CHECK(Contains(json.out, "\"ok\": false"));
 }

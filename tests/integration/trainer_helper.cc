@@ -10,6 +10,7 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <fstream>
@@ -128,11 +129,19 @@ int Save(const Flags& f) {
 int Check(const Flags& f) {
   auto c = Connect(f);
   auto tensors = Setup(*c, f);
+  // A refused restore must leave the trainer's buffers as they were.
+  for (auto* t : tensors) std::memset(t->data, 0x5A, t->nbytes);
   std::optional<uint64_t> step;
   if (f.has_step) step = f.step;
   auto r = c->Restore(step);
   if (!r.ok()) {
-    std::cout << "error: " << ckpt::Message(r.status()) << "\n";
+    bool untouched = true;
+    for (auto* t : tensors) {
+      const auto* p = static_cast<const uint8_t*>(t->data);
+      untouched = untouched && std::all_of(p, p + t->nbytes, [](uint8_t b) { return b == 0x5A; });
+    }
+    std::cout << "error: " << ckpt::Message(r.status()) << "\n"
+              << (untouched ? "buffers untouched" : "buffers overwritten") << "\n";
     return 2;
   }
   if (!r->found) {
