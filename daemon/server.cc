@@ -42,19 +42,23 @@
 
 #include <cstdlib>
 #include <random>
+#include <set>
 
 namespace ckpt::daemon {
 
 // Arenas of dead trainers are removed only once this old (see shm/sweep.h).
 constexpr std::chrono::seconds kArenaSweepAge{600};
 
-// Declared in dependency order: destroyed in reverse.
+// Declared in dependency order: destroyed in reverse (the root's lock last of all, the
+// ledger after every snapshot that holds a share).
 struct Server::Parts {
   Config config;
+  std::unique_ptr<RootLock> root_lock;
   StatusBoard board;
   FilesystemPtr fs;
   std::unique_ptr<persist::CheckpointStore> store;
   cuda::StagingPoolPtr pool;
+  std::unique_ptr<StagingLedger> ledger;  // fair shares of staging memory between jobs
   cuda::CopyEnginePtr engine;
   std::vector<cuda::CopyEnginePtr> device_engines;  // one per GPU; empty without one
   std::unique_ptr<cuda::IpcMemoryCache> gpu_memory;
@@ -75,7 +79,6 @@ struct Server::Parts {
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
   std::unique_ptr<TrainerService> trainer_service;
-  std::unique_ptr<RootLock> root_lock;
   PeerTable peers;  // who is at the other end of each accepted socket connection
   std::unique_ptr<JobOwners> owners;
   std::unique_ptr<AdminService> admin_service;
@@ -328,6 +331,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   staging.when_busy = config.when_busy;
   staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
   staging.chunk_bytes = config.staging_chunk_bytes;
+  p->ledger = std::make_unique<StagingLedger>(p->pool->capacity(), [parts = p.get()] {
+    std::set<std::string> jobs;
+    for (const SessionPtr& s : parts->sessions.All()) jobs.insert(s->job());
+    return jobs.size();
+  });
+  staging.ledger = p->ledger.get();
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->hot, p->progress, staging,
                                        &p->copy_priority, device_engines);
   p->restorer = std::make_unique<Restorer>(

@@ -11,6 +11,7 @@ void HotCache::Insert(const std::vector<StagedSnapshotPtr>& committed) {
   {
     std::lock_guard lock(mu_);
     for (const StagedSnapshotPtr& snap : committed) {
+      snap->in_flight.reset();  // committed: no longer counted against the job's share
       StagedSnapshotPtr& slot = hot_[{snap->job, snap->rank}];
       if (!slot || slot->step < snap->step) {
         replaced.push_back(std::move(slot));

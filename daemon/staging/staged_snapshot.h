@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/staging_pool.h"
+#include "daemon/staging/staging_ledger.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/staging_watermark.h"
 #include "shm/layout.h"
@@ -47,6 +48,9 @@ struct StagedSnapshot {
   // its step was aborted is a new attempt at that step, not a late rank of the old one.
   std::chrono::steady_clock::time_point session_started{};
   uint64_t ticket = 0;
+  // Counts the block against the job's fair share while the snapshot is in flight; dropped
+  // when the snapshot becomes a hot copy (HotCache::Insert) or ends.
+  StagingLedger::HoldPtr in_flight;
 };
 
 using StagedSnapshotPtr = std::shared_ptr<StagedSnapshot>;

@@ -26,17 +26,28 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
   return job.host.empty() ? absl::OkStatus() : host.Copy(job.host);
 }
 
-absl::StatusOr<cuda::StagingBlockPtr> Stager::Reserve(size_t bytes, const std::string& context) {
+absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager::Reserve(
+    const std::string& job, size_t bytes, const std::string& context) {
   auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
   while (true) {
-    auto block = pool_.Allocate(bytes);
-    if (block.ok()) return block;
-    if (hot_.EvictOne()) continue;
+    absl::Status why;
+    absl::StatusOr<StagingLedger::HoldPtr> hold = StagingLedger::HoldPtr();
+    if (options_.ledger != nullptr) hold = options_.ledger->Admit(job, bytes);
+    if (hold.ok()) {
+      auto block = pool_.Allocate(bytes);
+      if (block.ok()) return std::make_pair(std::move(*block), std::move(*hold));
+      hold->reset();
+      if (hot_.EvictOne()) continue;
+      why = absl::ResourceExhaustedError(fmt::format(
+          "staging memory busy ({}; earlier snapshots are still being written)",
+          Message(block.status())));
+    } else {
+      why = hold.status();
+    }
     if (options_.when_busy == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
-      return absl::ResourceExhaustedError(fmt::format(
-          "{} skipped: staging memory busy ({}; earlier snapshots are still being written; "
-          "--when-busy={})",
-          context, Message(block.status()), options_.when_busy == WhenBusy::kSkip ? "skip" : "wait"));
+      return absl::ResourceExhaustedError(
+          fmt::format("{} skipped: {}; --when-busy={}", context, Message(why),
+                      options_.when_busy == WhenBusy::kSkip ? "skip" : "wait"));
     }
     progress_.WaitFor(std::chrono::milliseconds(50));
   }
@@ -66,7 +77,8 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     total += blob.data.size();
   }
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);
-  CKPT_ASSIGN_OR_RETURN(cuda::StagingBlockPtr block, Reserve(total, context));
+  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session.job, total, context));
+  cuda::StagingBlockPtr block = std::move(reserved.first);
 
   auto snap = std::make_shared<StagedSnapshot>();
   snap->job = session.job;
@@ -93,6 +105,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   snap->shard.metadata = std::move(payload.metadata);
   snap->shard.landed = &snap->landed;
   snap->block = std::move(block);
+  snap->in_flight = std::move(reserved.second);
   if (on_laid_out) on_laid_out(snap);
 
   auto copy_started = std::chrono::steady_clock::now();

@@ -55,6 +55,8 @@ class Stager {
     // Bytes per copy call; the writer may start on a chunk once it has landed. Large enough
     // that the per-call synchronisation is noise next to the copy (~2.5 ms at 50 GB/s).
     uint64_t chunk_bytes = 128ull << 20;
+    // Fair shares of the staging memory between jobs; null: none (one job, tests).
+    StagingLedger* ledger = nullptr;
   };
 
   // When the pool is full the stager evicts hot copies from `hot` and waits on `progress`
@@ -77,7 +79,9 @@ class Stager {
                                           const OnLaidOut& on_laid_out = {});
 
  private:
-  absl::StatusOr<cuda::StagingBlockPtr> Reserve(size_t bytes, const std::string& context);
+  // The block, and the hold on the job's share, under the --when-busy policy.
+  absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Reserve(
+      const std::string& job, size_t bytes, const std::string& context);
   // Copies the tensors, chunk by chunk, advancing the snapshot's watermark after each.
   absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap);
 
