@@ -39,8 +39,6 @@ class Filesystem {
   virtual absl::Status RemoveTree(const std::string& path) = 0;       // ok if missing
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
   virtual absl::StatusOr<uint64_t> FileSize(const std::string& path) = 0;
-  // Last modification time, nanoseconds since the epoch.
-  virtual absl::StatusOr<int64_t> ModifiedNs(const std::string& path) = 0;
   virtual bool Exists(const std::string& path) = 0;
 };
 

@@ -124,12 +124,6 @@ class PosixFilesystem final : public Filesystem {
     return static_cast<uint64_t>(st.st_size);
   }
 
-  absl::StatusOr<int64_t> ModifiedNs(const std::string& path) override {
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(errno, fmt::format("stat {}", path));
-    return static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
-  }
-
   bool Exists(const std::string& path) override {
     struct stat st;
     return ::stat(path.c_str(), &st) == 0;

@@ -98,7 +98,7 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
 }
 
 absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& session) {
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> committed, store_.ListStepsByCommit(session.job));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> committed, store_.ListStepsInRunOrder(session.job));
   std::vector<uint64_t> available;
   for (uint64_t step : committed) {
     // In a group each node holds only its own ranks' shards of a step.

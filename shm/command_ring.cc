@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 #include <new>
 
 #include "shm/futex.h"
@@ -138,18 +141,28 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
     FutexWait(&block_->doorbell, bell, wait);
     if (block_->tail.load(std::memory_order_acquire) == head) return std::nullopt;
   }
+  // The trainer can rewrite the slot while it is read: every field is read exactly once,
+  // and the payload is copied out before it is decoded, so a check always holds for the
+  // value that is used.
   const CommandSlot& slot = block_->commands[head % kRingSlots];
+  auto once = [](const auto& field) {
+    return std::atomic_ref(const_cast<std::remove_cvref_t<decltype(field)>&>(field))
+        .load(std::memory_order_relaxed);
+  };
   Command command;
-  command.ticket = slot.ticket;
-  command.step = slot.step;
-  command.kind = static_cast<CommandKind>(slot.kind);
-  command.wait_client_copy = slot.wait_client_copy;
-  if (command.ticket != head + 1 || slot.kind != kCommandSnapshot ||
-      slot.payload_bytes > kSlotPayloadBytes) {
+  command.ticket = once(slot.ticket);
+  command.step = once(slot.step);
+  const uint32_t kind = once(slot.kind);
+  command.kind = static_cast<CommandKind>(kind);
+  command.wait_client_copy = once(slot.wait_client_copy);
+  const uint32_t payload_bytes = once(slot.payload_bytes);
+  if (command.ticket != head + 1 || kind != kCommandSnapshot || payload_bytes > kSlotPayloadBytes) {
     command.ticket = head + 1;
     command.payload = absl::InvalidArgumentError("malformed command in the session ring");
   } else {
-    command.payload = DecodePayload(slot.payload, slot.payload_bytes);
+    std::vector<uint8_t> payload(payload_bytes);
+    std::memcpy(payload.data(), slot.payload, payload_bytes);
+    command.payload = DecodePayload(payload.data(), payload.size());
   }
   block_->head.store(head + 1, std::memory_order_release);
   return command;

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "daemon/config.h"
@@ -28,6 +29,7 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
     shard.file = written.file;
     shard.bytes = written.bytes;
     shard.metadata = snap->shard.metadata;
+    m.run = std::max(m.run, snap->session_started_unix_ns);
     if (rank == 0) m.metadata = snap->shard.metadata;
     for (size_t i = 0; i < snap->shard.entries.size(); ++i) {
       const persist::TensorEntry& e = snap->shard.entries[i];

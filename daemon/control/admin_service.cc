@@ -53,7 +53,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
     for (const std::string& job : jobs) {
       JobStatus* out = reply->add_jobs();
       out->set_job(job);
-      auto steps = store_.ListStepsByCommit(job);
+      auto steps = store_.ListStepsInRunOrder(job);
       if (steps.ok() && !steps->empty()) {
         out->set_has_committed(true);
         out->set_latest_committed_step(steps->back());

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <cctype>
 
 #include "common/names.h"
@@ -69,11 +70,12 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
   // The job's own directory entry must be durable too, or a crash could lose the whole
   // job after its first commit was reported; once per job per run is enough.
   {
-    std::lock_guard lock(root_synced_mu_);
+    std::lock_guard lock(mu_);
+    runs_[{manifest.job, manifest.step}] = manifest.run;
     if (root_synced_.count(manifest.job)) return absl::OkStatus();
   }
   CKPT_RETURN_IF_ERROR(fs_->SyncDir(root_));
-  std::lock_guard lock(root_synced_mu_);
+  std::lock_guard lock(mu_);
   root_synced_.insert(manifest.job);
   return absl::OkStatus();
 }
@@ -96,18 +98,28 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::stri
   return steps;
 }
 
-absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsByCommit(const std::string& job) {
+absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsInRunOrder(const std::string& job) {
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps(job));
-  std::vector<std::pair<int64_t, uint64_t>> by_time;
-  by_time.reserve(steps.size());
+  std::vector<std::pair<uint64_t, uint64_t>> ordered;  // (run, step)
+  ordered.reserve(steps.size());
   for (uint64_t step : steps) {
-    auto when = fs_->ModifiedNs(StepDir(job, step) + "/" + kManifestName);
-    if (!when.ok()) continue;  // deleted meanwhile
-    by_time.emplace_back(*when, step);
+    std::optional<uint64_t> run;
+    {
+      std::lock_guard lock(mu_);
+      if (auto it = runs_.find({job, step}); it != runs_.end()) run = it->second;
+    }
+    if (!run) {
+      auto manifest = LoadManifest(job, step);
+      if (!manifest.ok()) continue;  // deleted meanwhile, or unreadable: not a candidate
+      run = manifest->run;
+      std::lock_guard lock(mu_);
+      runs_[{job, step}] = *run;
+    }
+    ordered.emplace_back(*run, step);
   }
-  std::sort(by_time.begin(), by_time.end());
+  std::sort(ordered.begin(), ordered.end());
   steps.clear();
-  for (const auto& [when, step] : by_time) steps.push_back(step);
+  for (const auto& [run, step] : ordered) steps.push_back(step);
   return steps;
 }
 

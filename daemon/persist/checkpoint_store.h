@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -42,10 +43,10 @@ class CheckpointStore {
 
   // Committed steps (directories with a manifest), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListSteps(const std::string& job);
-  // The same steps in the order they were committed, oldest first (by the manifest's
-  // write time; ties by step). "Latest" is the last: a job that went back to an older
+  // The same steps in the order the job made them, oldest first: by the run that saved them
+  // (Manifest::run), then by step. "Latest" is the last: a job that went back to an older
   // step and trained on has its new steps last, not the abandoned higher-numbered ones.
-  absl::StatusOr<std::vector<uint64_t>> ListStepsByCommit(const std::string& job);
+  absl::StatusOr<std::vector<uint64_t>> ListStepsInRunOrder(const std::string& job);
   absl::StatusOr<std::vector<std::string>> ListJobs();
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
@@ -62,8 +63,10 @@ class CheckpointStore {
   FilesystemPtr fs_;
   std::string root_;
   bool shared_ = false;
-  std::mutex root_synced_mu_;
+  std::mutex mu_;
   std::set<std::string> root_synced_;  // jobs whose entry in the root was fsynced this run
+  // Manifest::run of committed steps (manifests never change once committed).
+  std::map<std::pair<std::string, uint64_t>, uint64_t> runs_;
 };
 
 // Parses "step-00001200" -> 1200; false for anything else.

@@ -5,6 +5,9 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <type_traits>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -66,6 +69,7 @@ std::string ManifestToJson(const Manifest& m) {
             {"wall_time", m.wall_time},
             {"world_size", m.world_size},
             {"ckptd_version", m.ckptd_version},
+            {"run", m.run},
             {"metadata", m.metadata},
             {"shards", shards},
             {"tensors", tensors}};
@@ -77,6 +81,47 @@ std::string ManifestToJson(const Manifest& m) {
   return j.dump(1);
 }
 
+namespace {
+
+// A field of the wrong type or out of range for its C++ type. nlohmann's get<> would cast a
+// float such as 1e300 to an integer, which is undefined behaviour (found by the fuzzer).
+struct BadField : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename T>
+T Int(const json& v, const char* field) {
+  static_assert(std::is_integral_v<T>);
+  if (v.is_number_unsigned()) {
+    uint64_t x = v.get<uint64_t>();
+    if (x <= static_cast<uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(x);
+  } else if (v.is_number_integer()) {
+    int64_t x = v.get<int64_t>();
+    if constexpr (std::is_signed_v<T>) {
+      if (x >= std::numeric_limits<T>::min() && x <= std::numeric_limits<T>::max()) {
+        return static_cast<T>(x);
+      }
+    }
+  }
+  throw BadField(fmt::format("\"{}\" is not an integer in range", field));
+}
+
+template <typename T>
+std::vector<T> Ints(const json& v, const char* field) {
+  if (!v.is_array()) throw BadField(fmt::format("\"{}\" is not an array", field));
+  std::vector<T> out;
+  out.reserve(v.size());
+  for (const json& e : v) out.push_back(Int<T>(e, field));
+  return out;
+}
+
+double Real(const json& v, const char* field) {
+  if (!v.is_number()) throw BadField(fmt::format("\"{}\" is not a number", field));
+  return v.get<double>();
+}
+
+}  // namespace
+
 absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::string& source,
                                        ManifestScope scope) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -87,29 +132,30 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
   try {
     if (j.value("format", "") != "ckptd-manifest") return bad("\"format\" is not ckptd-manifest");
     Manifest m;
-    m.format_version = j.at("format_version").get<int>();
+    m.format_version = Int<int>(j.at("format_version"), "format_version");
     if (m.format_version > kManifestFormatVersion) {
       return bad(fmt::format("format version {} is newer than this ckptd understands ({})",
                              m.format_version, kManifestFormatVersion));
     }
     m.job = j.at("job").get<std::string>();
     if (absl::Status valid = ValidateJobName(m.job); !valid.ok()) return bad(std::string(valid.message()));
-    m.step = j.at("step").get<uint64_t>();
-    m.unix_time = j.at("unix_time").get<double>();
+    m.step = Int<uint64_t>(j.at("step"), "step");
+    m.unix_time = Real(j.at("unix_time"), "unix_time");
     m.wall_time = j.at("wall_time").get<std::string>();
-    m.world_size = j.at("world_size").get<uint32_t>();
+    m.world_size = Int<uint32_t>(j.at("world_size"), "world_size");
     m.ckptd_version = j.at("ckptd_version").get<std::string>();
+    if (auto run = j.find("run"); run != j.end()) m.run = Int<uint64_t>(*run, "run");
     m.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
     for (const auto& s : j.at("shards")) {
       ManifestShard shard;
-      shard.rank = s.at("rank").get<uint32_t>();
+      shard.rank = Int<uint32_t>(s.at("rank"), "rank");
       shard.file = s.at("file").get<std::string>();
-      shard.bytes = s.at("bytes").get<uint64_t>();
+      shard.bytes = Int<uint64_t>(s.at("bytes"), "bytes");
       shard.metadata = s.at("metadata").get<std::map<std::string, std::string>>();
       for (auto it = s.at("train_state").begin(); it != s.at("train_state").end(); ++it) {
         TrainStateEntry e;
-        e.begin = it->at("data_offsets").at(0).get<uint64_t>();
-        e.end = it->at("data_offsets").at(1).get<uint64_t>();
+        e.begin = Int<uint64_t>(it->at("data_offsets").at(0), "data_offsets");
+        e.end = Int<uint64_t>(it->at("data_offsets").at(1), "data_offsets");
         e.checksum = it->at("checksum").get<std::string>();
         if (e.begin > e.end || e.end > shard.bytes) {
           return bad(fmt::format("train state {} of rank {}: byte range outside the file",
@@ -133,7 +179,7 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     }
     if (auto nodes = j.find("nodes"); nodes != j.end()) {
       for (const auto& n : *nodes) {
-        m.nodes.push_back({n.at("node").get<uint32_t>(), n.at("ranks").get<std::vector<uint32_t>>()});
+        m.nodes.push_back({Int<uint32_t>(n.at("node"), "node"), Ints<uint32_t>(n.at("ranks"), "ranks")});
         for (uint32_t r : m.nodes.back().ranks) {
           if (r >= m.world_size) return bad(fmt::format("node lists rank {} outside the world", r));
         }
@@ -144,18 +190,18 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     for (auto it = j.at("tensors").begin(); it != j.at("tensors").end(); ++it) {
       ManifestTensor t;
       t.dtype = it->at("dtype").get<std::string>();
-      t.global_shape = it->at("global_shape").get<std::vector<int64_t>>();
+      t.global_shape = Ints<int64_t>(it->at("global_shape"), "global_shape");
       if (absl::Status valid = ValidateTensorName(it.key()); !valid.ok()) {
         return bad(std::string(valid.message()));
       }
       for (const auto& s : it->at("shards")) {
         TensorShard shard;
-        shard.rank = s.at("rank").get<uint32_t>();
+        shard.rank = Int<uint32_t>(s.at("rank"), "rank");
         shard.file = s.at("file").get<std::string>();
-        shard.begin = s.at("data_offsets").at(0).get<uint64_t>();
-        shard.end = s.at("data_offsets").at(1).get<uint64_t>();
-        shard.offset = s.at("offset").get<std::vector<int64_t>>();
-        shard.shape = s.at("shape").get<std::vector<int64_t>>();
+        shard.begin = Int<uint64_t>(s.at("data_offsets").at(0), "data_offsets");
+        shard.end = Int<uint64_t>(s.at("data_offsets").at(1), "data_offsets");
+        shard.offset = Ints<int64_t>(s.at("offset"), "offset");
+        shard.shape = Ints<int64_t>(s.at("shape"), "shape");
         shard.checksum = s.at("checksum").get<std::string>();
         auto owner = by_rank.find(shard.rank);
         if (owner == by_rank.end() || shard.file != owner->second->file) {
@@ -188,6 +234,8 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     return m;
   } catch (const json::exception& e) {
     return bad(e.what());
+  } catch (const BadField& e) {
+    return bad(e.what());
   }
 }
 
@@ -215,6 +263,7 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
           node, part.job, part.step, part.world_size, m.job, m.step, m.world_size));
     }
     // The latest clock among the nodes: the moment the last part became durable.
+    m.run = std::max(m.run, part.run);
     if (part.unix_time > m.unix_time) {
       m.unix_time = part.unix_time;
       m.wall_time = part.wall_time;

@@ -58,6 +58,11 @@ struct Manifest {
   std::string wall_time;  // ISO 8601, UTC
   uint32_t world_size = 0;
   std::string ckptd_version;
+  // Which run of the job saved the step: when its newest rank registered (wall clock, ns;
+  // 0 in manifests from before it was recorded). A job that goes back to an older step and
+  // trains on saves its new steps under a later run, so ordering steps by (run, step)
+  // puts them after the abandoned higher-numbered ones.
+  uint64_t run = 0;
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
   std::map<std::string, ManifestTensor> tensors;
   std::vector<ManifestShard> shards;  // by rank

@@ -12,8 +12,8 @@ struct RetentionPolicy {
   uint64_t keep_every = 0;  // also keep steps divisible by N; 0 disables
 };
 
-// `committed` in commit order, oldest first: keep_last keeps the K most recently committed.
-// Never returns the most recent, nor any step in `pinned` (steps in use, such as one being
+// `committed` in run order, oldest first (CheckpointStore::ListStepsInRunOrder): keep_last
+// keeps the K latest. Never returns the latest, nor any step in `pinned` (steps in use, such as one being
 // restored).
 std::vector<uint64_t> StepsToDelete(const std::vector<uint64_t>& committed,
                                     const RetentionPolicy& policy,

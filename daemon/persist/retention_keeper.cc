@@ -98,7 +98,7 @@ void RetentionKeeper::Loop() {
 }
 
 void RetentionKeeper::Apply(const std::string& job) {
-  auto steps = store_.ListStepsByCommit(job);
+  auto steps = store_.ListStepsInRunOrder(job);
   if (!steps.ok()) return;
   std::vector<uint64_t> pinned;
   RetentionPolicy policy = policy_;

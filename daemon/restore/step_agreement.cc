@@ -90,8 +90,8 @@ absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
   }
   if (!any) return std::optional<uint64_t>();
   if (common && !common->empty()) {
-    // The most recently committed step they all have, in rank 0's commit order (nodes may
-    // see two steps that committed together in either order; one rank's view decides).
+    // The latest step they all have, in rank 0's run order (every node reads the same run
+    // from the same manifest, so the lists agree; one rank's view decides all the same).
     for (auto it = available[0].rbegin(); it != available[0].rend(); ++it) {
       if (common->count(*it)) return std::optional<uint64_t>(*it);
     }

@@ -1,6 +1,6 @@
 // Every rank of a job restores the same step: restoring ranks meet at a barrier (on this
 // node, or across nodes through the coordinator), each bringing the steps it can restore,
-// and all take the most recently committed step that every rank has. One interface: a local implementation
+// and all take the latest step (in run order) that every rank has. One interface: a local implementation
 // (single node) and one over the group's all-gather.
 #pragma once
 
@@ -24,7 +24,7 @@ class StepAgreement {
  public:
   virtual ~StepAgreement() = default;
   // Blocks until all `world_size` ranks of `job` have arrived or `timeout`. `available` are
-  // the committed steps this rank can restore, in commit order (oldest first). Returns the
+  // the committed steps this rank can restore, in run order (oldest first). Returns the
   // chosen step, or nullopt when no rank has any step (a fresh start).
   virtual absl::StatusOr<std::optional<uint64_t>> Agree(const std::string& job, uint32_t rank,
                                                         uint32_t world_size,
@@ -40,13 +40,13 @@ using StepAgreementPtr = std::unique_ptr<StepAgreement>;
 StepAgreementPtr MakeLocalStepAgreement();
 StepAgreementPtr MakeGroupStepAgreement(group::GroupClient& client);
 
-// The choice itself, from every rank's list (by rank, each in commit order): the most
-// recently committed step in all of them, by rank 0's order.
+// The choice itself, from every rank's list (by rank, each in run order): the latest step
+// in all of them, by rank 0's order.
 // nullopt when every list is empty; FailedPrecondition naming ranks when they share none.
 absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
     const std::string& job, const std::vector<std::vector<uint64_t>>& available);
 
-// Lists travel as text: "12,20,30" (at most the kMaxAdvertised most recently committed).
+// Lists travel as text: "12,20,30" (at most the kMaxAdvertised latest).
 inline constexpr size_t kMaxAdvertised = 256;
 std::string EncodeSteps(const std::vector<uint64_t>& steps);
 absl::StatusOr<std::vector<uint64_t>> DecodeSteps(const std::string& text);

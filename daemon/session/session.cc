@@ -298,6 +298,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     snap->sink = weak_from_this();
     snap->ticket = command.ticket;
     snap->session_started = started_;
+    snap->session_started_unix_ns = started_unix_ns_;
     {
       std::lock_guard lock(ticket_mu_);
       ticket_steps_[command.ticket] = command.step;

@@ -97,6 +97,10 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   int32_t pid_ = 0;
   uid_t uid_ = 0;
   const std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  const uint64_t started_unix_ns_ = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::system_clock::now().time_since_epoch())
+          .count());
   UniqueFd pidfd_;
   std::map<std::string, shm::SegmentPtr> arenas_;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session

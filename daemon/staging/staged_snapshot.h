@@ -47,6 +47,9 @@ struct StagedSnapshot {
   // When the session that took it registered: a snapshot from a session registered after
   // its step was aborted is a new attempt at that step, not a late rank of the old one.
   std::chrono::steady_clock::time_point session_started{};
+  // The same instant on the wall clock (ns since the epoch): orders a job's runs in the
+  // manifest, so "latest" survives daemon restarts (persist::Manifest::run).
+  uint64_t session_started_unix_ns = 0;
   uint64_t ticket = 0;
   // Counts the block against the job's fair share while the snapshot is in flight; dropped
   // when the snapshot becomes a hot copy (HotCache::Insert) or ends.

@@ -85,9 +85,6 @@ class FaultyFilesystem final : public Filesystem {
   absl::StatusOr<uint64_t> FileSize(const std::string& path) override {
     return real_->FileSize(path);
   }
-  absl::StatusOr<int64_t> ModifiedNs(const std::string& path) override {
-    return real_->ModifiedNs(path);
-  }
   bool Exists(const std::string& path) override { return real_->Exists(path); }
 
  private:

@@ -29,7 +29,7 @@ struct Fixture {
   ShardWriterPtr writer = MakeLocalFsShardWriter(fs);
   std::vector<float> data = std::vector<float>(1024, 1.5f);
 
-  absl::Status Save(uint64_t step) {
+  absl::Status Save(uint64_t step, uint64_t run = 0) {
     CKPT_RETURN_IF_ERROR(store.BeginStep("job", step));
     StagedShard shard;
     shard.rank = 0;
@@ -46,6 +46,7 @@ struct Fixture {
     m.step = step;
     m.world_size = 1;
     m.ckptd_version = "test";
+    m.run = run;
     m.shards.push_back({0, written->file, written->bytes, {}, {}});
     m.tensors["w"] = {"F32", {1024}, {{0, written->file, 0, shard.data_bytes, {0}, {1024},
                                        written->checksums.at("w")}}};
@@ -67,14 +68,18 @@ TEST_CASE("a committed step is listed and verifies") {
   CHECK(report->bytes_checked == 4096);
 }
 
-TEST_CASE("steps are listed by number, and by commit order for retention and \"latest\"") {
+TEST_CASE("steps are listed by number, and in run order for retention and \"latest\"") {
   Fixture f;
-  for (uint64_t step : {30, 10, 20}) {
-    REQUIRE(f.Save(step).ok());
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a clock tick apart
+  // Run 1 saved 10..40 (40 finishing before 30); run 2 went back to 20 and saved 25.
+  for (auto [step, run] : std::vector<std::pair<uint64_t, uint64_t>>{{10, 1}, {20, 1}, {40, 1},
+                                                                     {30, 1}, {25, 2}}) {
+    REQUIRE(f.Save(step, run).ok());
   }
-  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20, 30});
-  CHECK(*f.store.ListStepsByCommit("job") == std::vector<uint64_t>{30, 10, 20});
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20, 25, 30, 40});
+  CHECK(*f.store.ListStepsInRunOrder("job") == std::vector<uint64_t>{10, 20, 30, 40, 25});
+  // Read back from the manifests by a store that never saw the commits (a restart).
+  CheckpointStore again(f.fs, f.dir.path());
+  CHECK(*again.ListStepsInRunOrder("job") == std::vector<uint64_t>{10, 20, 30, 40, 25});
 }
 
 TEST_CASE("a job's first commit makes the job's own directory entry durable") {

@@ -172,3 +172,19 @@ TEST_CASE("parts that disagree or leave a gap are refused, naming the problem") 
   auto world = MergeManifestParts({{0, Part(2, {0})}, {1, Part(3, {1})}});
   CHECK(ckpt::Message(world.status()).find("world size") != std::string::npos);
 }
+
+TEST_CASE("numbers of the wrong type or range are refused, not cast") {
+  auto j = nlohmann::json::parse(ManifestToJson(Sample()));
+  for (auto [field, value] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"format_version", 7.7e40}, {"step", -1}, {"world_size", 1e300}, {"world_size", 5000000000ull},
+           {"unix_time", "soon"}}) {
+    auto doc = j;
+    doc[field] = value;
+    auto parsed = ParseManifest(doc.dump(), "m.json");
+    INFO(field << " = " << value.dump());
+    CHECK_FALSE(parsed.ok());
+  }
+  auto shape = j;
+  shape["tensors"]["w"]["global_shape"] = {4.5, 2};
+  CHECK_FALSE(ParseManifest(shape.dump(), "m.json").ok());
+}

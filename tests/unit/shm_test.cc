@@ -11,6 +11,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <atomic>
+#include <optional>
 #include <thread>
 
 #include "common/status.h"
@@ -300,4 +302,33 @@ TEST_CASE("a segment with holes is refused: touching a hole on a full tmpfs woul
   auto made = Segment::Create(UniqueName("full"), 1 << 20, 0600, true);
   REQUIRE(made.ok());
   CHECK(Segment::Open((*made)->name()).ok());
+}
+
+TEST_CASE("a trainer rewriting a command while the daemon reads it cannot move the daemon's reads") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  std::atomic<bool> stop{false};
+  // The hostile trainer: keeps flipping every slot's length between valid and huge, and
+  // its payload's inner lengths with it.
+  std::thread flipper([&] {
+    uint32_t i = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      for (auto& slot : ring.block->commands) {
+        std::atomic_ref<uint32_t>(slot.payload_bytes)
+            .store(++i % 2 ? 0xFFFFFFF0u : 8u, std::memory_order_relaxed);
+        std::atomic_ref<uint8_t>(slot.payload[0]).store(static_cast<uint8_t>(i), std::memory_order_relaxed);
+      }
+    }
+  });
+  int decoded = 0, refused = 0;
+  for (int round = 0; round < 2000; ++round) {
+    if (!producer.PublishSnapshot(round + 1, {}).ok()) continue;
+    std::optional<Command> command = consumer.Next(std::chrono::milliseconds(10));
+    if (!command) continue;
+    (command->payload.ok() ? decoded : refused)++;
+  }
+  stop = true;
+  flipper.join();
+  CHECK(decoded + refused > 0);  // every command came back as a value or an error, no crash
 }

@@ -13,7 +13,7 @@ using namespace std::chrono_literals;
 TEST_CASE("the newest step every rank has is chosen") {
   CHECK(**ChooseCommonStep("j", {{10, 20, 30}, {10, 20}, {20, 30}}) == 20);
   CHECK(**ChooseCommonStep("j", {{10}}) == 10);
-  // Lists are in commit order: a job that went back to step 100 and committed 110 resumes
+  // Lists are in run order: a job that went back to step 100 and committed 110 resumes
   // from 110, not from the abandoned 500.
   CHECK(**ChooseCommonStep("j", {{100, 500, 110}, {100, 500, 110}}) == 110);
   CHECK(**ChooseCommonStep("j", {{100, 500, 110}, {100, 500}}) == 500);
