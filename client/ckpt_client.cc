@@ -1,16 +1,22 @@
 #include "client/ckpt_client.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
-#include <map>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <thread>
 
+#include "common/fd_passing.h"
 #include "common/status.h"
 #include "cuda/device_buffer.h"
 #include "cuda/host_mirror.h"
@@ -19,10 +25,41 @@
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
 #include "shm/command_ring.h"
+#include "shm/sealed_segment.h"
 #include "shm/segment.h"
 
 namespace ckpt {
 namespace {
+
+// The session's control block is a sealed memfd the daemon hands over on its control
+// socket to the process that registered the session, and to nobody else.
+absl::StatusOr<shm::SealedSegmentPtr> FetchControlBlock(const ::ckptd::v1::RegisterReply& reply) {
+  const std::string& path = reply.control_socket();
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::FailedPreconditionError(
+        fmt::format("ckptd gave no usable control socket (\"{}\"): is it an older version?", path));
+  }
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid() ||
+      ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return absl::UnavailableError(
+        fmt::format("cannot reach ckptd's control socket {}: {}", path, std::strerror(errno)));
+  }
+  const std::string& id = reply.session_id();
+  if (::send(sock.get(), id.data(), id.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(id.size())) {
+    return absl::UnavailableError(fmt::format("send to {}: {}", path, std::strerror(errno)));
+  }
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds got, RecvFds(sock.get(), 1, 4096));
+  if (got.fds.size() != 1) {
+    return absl::PermissionDeniedError(fmt::format(
+        "ckptd did not hand over the control block: {}",
+        got.payload.empty() ? std::string("no answer") : got.payload));
+  }
+  return shm::SealedSegment::Map(std::move(got.fds[0]));
+}
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what, const std::string& socket) {
   if (s.ok()) return absl::OkStatus();
@@ -70,7 +107,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
-  shm::SegmentPtr control;
+  shm::SealedSegmentPtr control;
   std::unique_ptr<shm::CommandProducer> producer;
   std::mutex publish_mu;  // the ring has one producer
 
@@ -226,7 +263,7 @@ absl::Status Client::Register() {
     a->UnlinkName();
     if (impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
   }
-  CKPT_ASSIGN_OR_RETURN(impl_->control, shm::Segment::Open(reply.control_shm()));
+  CKPT_ASSIGN_OR_RETURN(impl_->control, FetchControlBlock(reply));
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
                         shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
   impl_->producer = std::make_unique<shm::CommandProducer>(block);

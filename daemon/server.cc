@@ -30,6 +30,7 @@
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
+#include "daemon/control/control_fd_server.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
 #include "daemon/session/session_registry.h"
@@ -85,6 +86,7 @@ struct Server::Parts {
   std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> tcp_admin_server;  // --admin-addr: the admin service only
+  std::unique_ptr<ControlFdServer> control_fds;  // hands trainers their control blocks
   std::unique_ptr<UnixListener> listener;
   bool shut_down = false;
 };
@@ -354,7 +356,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
-      p->peers, *p->owners);
+      p->peers, *p->owners, ControlFdServer::PathFor(config.socket));
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
@@ -397,6 +399,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                              : "needs the admin token");
   }
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
+  CKPT_ASSIGN_OR_RETURN(p->control_fds,
+                        ControlFdServer::Start(ControlFdServer::PathFor(config.socket), p->sessions));
   CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy, p->peers));
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));
@@ -411,6 +415,7 @@ void Server::Shutdown() {
            p.config.shutdown_timeout_ms);
   p.sessions.RefuseNewSnapshots();
   p.listener->Stop();
+  p.control_fds->Stop();
   // A restore waiting at the barrier for ranks that never come would hold the gRPC
   // shutdown for up to --restore-timeout.
   p.agreement->Cancel("ckptd is shutting down");

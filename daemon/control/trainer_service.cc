@@ -41,7 +41,7 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
       return added;
     }
     reply->set_session_id(s->id());
-    reply->set_control_shm(s->control_name());
+    reply->set_control_socket(control_socket_);
     reply->set_registered_bytes(s->registered_bytes());
     log::Get(log::Component::kControl)
         .info("[{}/r{}] registered pid {}: {} tensors, {} bytes (session {})", s->job(), s->rank(),

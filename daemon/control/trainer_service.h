@@ -17,10 +17,11 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
  public:
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
-                 Session::Limits limits, const PeerTable& peers, JobOwners& owners)
+                 Session::Limits limits, const PeerTable& peers, JobOwners& owners,
+                 std::string control_socket)
       : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
         restorer_(restorer), board_(board), limits_(std::move(limits)), peers_(peers),
-        owners_(owners) {}
+        owners_(owners), control_socket_(std::move(control_socket)) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
                         ::ckptd::v1::RegisterReply* reply) override;
@@ -43,6 +44,7 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   const Session::Limits limits_;
   const PeerTable& peers_;  // who is calling, from the socket
   JobOwners& owners_;
+  const std::string control_socket_;  // where trainers fetch their control blocks
 };
 
 }  // namespace ckpt::daemon

@@ -159,17 +159,10 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         req.rank(), s->registered_bytes_, limits.staging_bytes));
   }
 
-  std::string control_name = fmt::format("/ckptd-ctl.{}.{}", ::getpid(), s->id_);
-  CKPT_ASSIGN_OR_RETURN(s->control_, shm::Segment::Create(control_name, shm::kControlBlockBytes,
-                                                          0660, /*unlink_on_destroy=*/true));
-  // The trainer maps the control block read-write: give it to the caller.
-  uid_t trainer_uid = caller.uid;
-  if (::geteuid() == 0 && trainer_uid != 0) {
-    std::string path = "/dev/shm" + control_name;
-    if (::chown(path.c_str(), trainer_uid, static_cast<gid_t>(-1)) != 0) {
-      Log().warn("chown {} to uid {}: {}", path, trainer_uid, std::strerror(errno));
-    }
-  }
+  // Sealed and nameless: handed to the trainer as a descriptor (ControlFdServer), so the
+  // trainer can map it read-write but never shrink it under the daemon.
+  CKPT_ASSIGN_OR_RETURN(s->control_, shm::SealedSegment::Create(
+                                         fmt::format("ckptd-ctl.{}", s->id_), shm::kControlBlockBytes));
   shm::InitializeControlBlock(s->control_->data(), ::getpid(), req.pid());
   s->control_block_ = static_cast<shm::ControlBlock*>(s->control_->data());
   s->consumer_ = std::make_unique<shm::CommandConsumer>(s->control_block_);

@@ -24,6 +24,7 @@
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
 #include "shm/command_ring.h"
+#include "shm/sealed_segment.h"
 #include "shm/segment.h"
 
 namespace ckpt::daemon {
@@ -58,7 +59,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint32_t world_size() const { return world_size_; }
   int32_t pid() const { return pid_; }
   uid_t uid() const { return uid_; }
-  const std::string& control_name() const { return control_->name(); }
+  int control_fd() const { return control_->fd(); }
   uint64_t registered_bytes() const { return registered_bytes_; }
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
   SessionView view() const {
@@ -107,7 +108,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
   std::vector<RegisteredTensor> tensors_;
   uint64_t registered_bytes_ = 0;
-  shm::SegmentPtr control_;
+  shm::SealedSegmentPtr control_;
   shm::ControlBlock* control_block_ = nullptr;
   std::mutex ticket_mu_;  // SetTicketState from I/O threads and the command thread
   std::mutex rpc_mu_;     // RPC snapshots are a second producer: one at a time

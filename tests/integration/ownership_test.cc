@@ -20,6 +20,7 @@ namespace {
 void OpenSocket(const Daemon& d) {
   ::chmod(std::filesystem::path(d.socket()).parent_path().c_str(), 0755);
   ::chmod(d.socket().c_str(), 0666);
+  ::chmod((d.socket() + ".ctl").c_str(), 0666);  // where trainers fetch their control blocks
 }
 
 std::string Line(const std::string& out, const std::string& key) {
@@ -86,6 +87,8 @@ TEST_CASE("a session id is not a credential, and memory must be the caller's own
                  dir.path(), "victim");
   REQUIRE(victim.WaitForStdout("shm="));
   std::string session = Line(victim.Stdout(), "session");
+  // Its control block is a sealed memfd: even its own trainer cannot shrink it.
+  CHECK(Line(victim.Stdout(), "truncate-control") == "EPERM");
   std::string shm = Line(victim.Stdout(), "shm");
 
   for (int uid : {1001, 0}) {  // another user, and root in another process
@@ -95,6 +98,7 @@ TEST_CASE("a session id is not a credential, and memory must be the caller's own
     CHECK(Contains(r.out, "snapshot code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "restore code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "unregister code=PERMISSION_DENIED"));
+    CHECK(Contains(r.out, "control=refused"));  // nor its control block
     CHECK(Contains(r.out, "register code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "is owned by uid 1000, not by the caller"));
   }

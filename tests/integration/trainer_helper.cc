@@ -2,7 +2,9 @@
 // seeded pattern, checks restores bit for bit, and sends hand-made (bad) requests.
 #include <grp.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +22,7 @@
 #include <iostream>
 
 #include "client/ckpt_client.h"
+#include "common/fd_passing.h"
 #include "common/status.h"
 #include "proto/admin.grpc.pb.h"
 #include "proto/trainer.grpc.pb.h"
@@ -301,6 +304,20 @@ const char* CodeName(grpc::StatusCode code) {
   return code >= 0 && code <= 16 ? kNames[code] : "?";
 }
 
+// Asks ckptd's control socket for a session's control block, as the client does.
+absl::StatusOr<ckpt::ReceivedFds> FetchControl(const std::string& socket, const std::string& session) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::string path = socket + ".ctl";
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  ckpt::UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return absl::UnavailableError("connect " + path);
+  }
+  (void)::send(sock.get(), session.data(), session.size(), MSG_NOSIGNAL);
+  return ckpt::RecvFds(sock.get(), 1, 4096);
+}
+
 // Registers one tensor in an arena of its own, prints the session and the arena's name,
 // and stays alive (a victim for the tests that try to act on another's session or memory).
 int Hold(const Flags& f) {
@@ -324,6 +341,14 @@ int Hold(const Flags& f) {
   if (!s.ok()) {
     std::cout << "error: " << s.error_message() << std::endl;
     return 2;
+  }
+  // Its own control block: it may map it, never shrink it.
+  auto control = FetchControl(f.socket, reply.session_id());
+  if (control.ok() && control->fds.size() == 1) {
+    bool refused = ::ftruncate(control->fds[0].get(), 0) != 0 && errno == EPERM;
+    std::cout << "truncate-control=" << (refused ? "EPERM" : "ALLOWED") << "\n";
+  } else {
+    std::cout << "truncate-control=no control block\n";
   }
   std::cout << "session=" << reply.session_id() << "\nshm=" << arena->name() << std::endl;
   std::this_thread::sleep_for(std::chrono::seconds(f.hold_seconds));
@@ -358,6 +383,13 @@ int Steal(const Flags& f) {
     ::ckptd::v1::UnregisterReply reply;
     grpc::Status s = stub->Unregister(&ctx, req, &reply);
     std::cout << "unregister code=" << CodeName(s.error_code()) << " " << s.error_message() << "\n";
+  }
+  {
+    auto control = FetchControl(f.socket, f.session);
+    std::cout << "control="
+              << (control.ok() && control->fds.size() == 1 ? std::string("GOT")
+                                                            : "refused " + (control.ok() ? control->payload : ckpt::Message(control.status())))
+              << "\n";
   }
   if (!f.shm.empty()) {
     ::ckptd::v1::RegisterRequest req;

@@ -20,6 +20,7 @@
 #include "shm/command_ring.h"
 #include "shm/futex.h"
 #include "shm/payload.h"
+#include "shm/sealed_segment.h"
 #include "shm/segment.h"
 #include "shm/sweep.h"
 
@@ -331,4 +332,23 @@ TEST_CASE("a trainer rewriting a command while the daemon reads it cannot move t
   stop = true;
   flipper.join();
   CHECK(decoded + refused > 0);  // every command came back as a value or an error, no crash
+}
+
+TEST_CASE("a sealed segment cannot be shrunk or grown by whoever receives it") {
+  auto made = ckpt::shm::SealedSegment::Create("ckptd-test-ctl", 1 << 16);
+  REQUIRE(made.ok());
+  static_cast<char*>((*made)->data())[100] = 42;
+  // The other side gets a duplicate of the descriptor, as SCM_RIGHTS would give it.
+  auto other = ckpt::shm::SealedSegment::Map(ckpt::UniqueFd(::dup((*made)->fd())));
+  REQUIRE(other.ok());
+  CHECK(static_cast<char*>((*other)->data())[100] == 42);
+  CHECK(::ftruncate((*other)->fd(), 0) != 0);
+  CHECK(errno == EPERM);
+  CHECK(::ftruncate((*other)->fd(), 1 << 20) != 0);
+  static_cast<char*>((*made)->data())[(1 << 16) - 1] = 7;  // still mapped, still there
+  CHECK(static_cast<char*>((*other)->data())[(1 << 16) - 1] == 7);
+  // A descriptor that is not sealed is refused by the receiver.
+  auto plain = ckpt::UniqueFd(::memfd_create("plain", MFD_CLOEXEC));
+  REQUIRE(::ftruncate(plain.get(), 4096) == 0);
+  CHECK_FALSE(ckpt::shm::SealedSegment::Map(std::move(plain)).ok());
 }

@@ -1,0 +1,119 @@
+#include "daemon/control/control_fd_server.h"
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+
+#include "common/fd_passing.h"
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/session/peer_identity.h"
+
+namespace ckpt::daemon {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kControl); }
+
+constexpr int kMaxServing = 64;
+constexpr size_t kMaxSessionId = 128;
+
+void Reply(int conn, const std::string& why) {
+  (void)::send(conn, why.data(), why.size(), MSG_NOSIGNAL);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ControlFdServer>> ControlFdServer::Start(const std::string& path,
+                                                                        SessionRegistry& sessions) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
+  }
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return ErrnoStatus(errno, "socket");
+  ::unlink(path.c_str());  // the main socket's lock (a live daemon answers there) was taken first
+  mode_t old_mask = ::umask(0117);
+  int rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  int bind_errno = errno;
+  ::umask(old_mask);
+  if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
+  ::chmod(path.c_str(), 0660);
+  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
+  std::unique_ptr<ControlFdServer> server(new ControlFdServer(path, std::move(fd), sessions));
+  server->thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
+  return server;
+}
+
+ControlFdServer::~ControlFdServer() { Stop(); }
+
+void ControlFdServer::Stop() {
+  stopping_ = true;
+  if (fd_.valid()) ::shutdown(fd_.get(), SHUT_RDWR);  // wakes accept()
+  if (thread_.joinable()) thread_.join();
+  std::unique_lock lock(mu_);
+  idle_.wait(lock, [this] { return serving_ == 0; });
+  ::unlink(path_.c_str());
+}
+
+void ControlFdServer::AcceptLoop() {
+  while (!stopping_) {
+    UniqueFd conn(::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (serving_ >= kMaxServing) {
+        Reply(conn.get(), "busy: too many control-block requests at once; retry");
+        continue;
+      }
+      ++serving_;
+    }
+    std::thread([this, c = std::move(conn)]() mutable {
+      Serve(std::move(c));
+      std::lock_guard lock(mu_);
+      if (--serving_ == 0) idle_.notify_all();
+    }).detach();
+  }
+}
+
+void ControlFdServer::Serve(UniqueFd conn) {
+  timeval timeout{2, 0};  // a client that never speaks is dropped
+  ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  absl::StatusOr<PeerIdentity> caller = ReadPeerIdentity(conn.get());
+  if (!caller.ok()) return;
+  std::array<char, kMaxSessionId> id{};
+  ssize_t n = ::recv(conn.get(), id.data(), id.size(), 0);
+  if (n <= 0) return;
+  std::string session_id(id.data(), static_cast<size_t>(n));
+  // Only the process that registered the session gets its control block.
+  absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, *caller);
+  if (!session.ok()) {
+    Log().warn("control block of session \"{}\" refused to {}: {}", session_id.substr(0, 64),
+               caller->Describe(), Message(session.status()));
+    Reply(conn.get(), Message(session.status()));
+    return;
+  }
+  int control = (*session)->control_fd();
+  if (absl::Status sent = SendFds(conn.get(), {&control, 1}, "ok"); !sent.ok()) {
+    Log().warn("could not hand session {} its control block: {}", session_id, Message(sent));
+  }
+}
+
+}  // namespace ckpt::daemon

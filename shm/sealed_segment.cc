@@ -1,0 +1,59 @@
+#include "shm/sealed_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ckpt::shm {
+namespace {
+
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+absl::Status Errno(int err, const std::string& what) {
+  return absl::InternalError(fmt::format("{}: {}", what, std::strerror(err)));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<SealedSegment>> SealedSegment::Create(const std::string& debug_name,
+                                                                     size_t size) {
+  if (size == 0) return absl::InvalidArgumentError("sealed segment of size 0");
+  UniqueFd fd(::memfd_create(debug_name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd.valid()) return Errno(errno, "memfd_create " + debug_name);
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return Errno(errno, "ftruncate memfd");
+  if (int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size)); err != 0) {
+    if (err == ENOSPC) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "no memory left in the shared-memory filesystem for {} ({} bytes)", debug_name, size));
+    }
+    return Errno(err, "reserve memfd " + debug_name);
+  }
+  if (::fcntl(fd.get(), F_ADD_SEALS, kSeals) != 0) return Errno(errno, "seal memfd " + debug_name);
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (data == MAP_FAILED) return Errno(errno, "mmap memfd " + debug_name);
+  return std::unique_ptr<SealedSegment>(new SealedSegment(std::move(fd), data, size));
+}
+
+absl::StatusOr<std::unique_ptr<SealedSegment>> SealedSegment::Map(UniqueFd fd) {
+  int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    return absl::FailedPreconditionError("the shared-memory descriptor received is not sealed");
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Errno(errno, "fstat received memfd");
+  auto size = static_cast<size_t>(st.st_size);
+  if (size == 0) return absl::FailedPreconditionError("the shared-memory descriptor is empty");
+  void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (data == MAP_FAILED) return Errno(errno, "mmap received memfd");
+  return std::unique_ptr<SealedSegment>(new SealedSegment(std::move(fd), data, size));
+}
+
+SealedSegment::~SealedSegment() { ::munmap(data_, size_); }
+
+}  // namespace ckpt::shm

@@ -1,0 +1,45 @@
+// Shared memory that its other users cannot shrink: a memfd with its size sealed. The
+// daemon's control blocks are these, handed to the trainer as a file descriptor (SCM_RIGHTS),
+// so a trainer that maps one read-write still cannot truncate it under the daemon, whose
+// next read would otherwise die with SIGBUS.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/unique_fd.h"
+
+namespace ckpt::shm {
+
+class SealedSegment {
+ public:
+  // A new memfd of `size` bytes, every page reserved (a full tmpfs is ResourceExhausted
+  // here, not SIGBUS later), sealed against shrinking, growing and further sealing, mapped.
+  static absl::StatusOr<std::unique_ptr<SealedSegment>> Create(const std::string& debug_name,
+                                                               size_t size);
+  // Maps a segment received from its creator; refuses one that is not sealed against
+  // shrinking (its creator could then fault us).
+  static absl::StatusOr<std::unique_ptr<SealedSegment>> Map(UniqueFd fd);
+
+  ~SealedSegment();
+  SealedSegment(const SealedSegment&) = delete;
+  SealedSegment& operator=(const SealedSegment&) = delete;
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  int fd() const { return fd_.get(); }  // to pass to the other side
+
+ private:
+  SealedSegment(UniqueFd fd, void* data, size_t size)
+      : fd_(std::move(fd)), data_(data), size_(size) {}
+
+  UniqueFd fd_;
+  void* data_;
+  size_t size_;
+};
+
+using SealedSegmentPtr = std::unique_ptr<SealedSegment>;
+
+}  // namespace ckpt::shm
