@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/names.h"
+#include "daemon/persist/checksum.h"
 
 namespace ckpt::persist {
 
@@ -34,6 +35,25 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 }
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
+
+namespace {
+
+constexpr char kChecksumKey[] = "manifest_checksum";
+
+// The manifest's own checksum: XXH3 of its JSON text (as ckptd writes it) with the checksum
+// field empty. A manifest edited by hand, or damaged, no longer matches.
+std::string Digest(json j) {
+  j[kChecksumKey] = "";
+  std::string text = j.dump(1);
+  return ChecksumOf(text.data(), text.size());
+}
+
+std::string SealJson(json& j) {
+  j[kChecksumKey] = Digest(j);
+  return j.dump(1);
+}
+
+}  // namespace
 
 std::string ManifestToJson(const Manifest& m) {
   json tensors = json::object();
@@ -78,7 +98,7 @@ std::string ManifestToJson(const Manifest& m) {
     for (const ManifestNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"ranks", n.ranks}});
     j["nodes"] = nodes;
   }
-  return j.dump(1);
+  return SealJson(j);
 }
 
 namespace {
@@ -230,6 +250,12 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         t.shards.push_back(std::move(shard));
       }
       m.tensors[it.key()] = std::move(t);
+    }
+    // Last, so that a manifest that is wrong in a named way says how.
+    if (auto sum = j.find(kChecksumKey); sum != j.end()) {
+      if (!sum->is_string() || sum->get<std::string>() != Digest(j)) {
+        return bad("its checksum does not match its contents (edited or damaged)");
+      }
     }
     return m;
   } catch (const json::exception& e) {

@@ -188,3 +188,21 @@ TEST_CASE("numbers of the wrong type or range are refused, not cast") {
   shape["tensors"]["w"]["global_shape"] = {4.5, 2};
   CHECK_FALSE(ParseManifest(shape.dump(), "m.json").ok());
 }
+
+TEST_CASE("a manifest carries its own checksum: an edited one is refused") {
+  std::string text = ManifestToJson(Sample());
+  CHECK(text.find("\"manifest_checksum\": \"xxh3:") != std::string::npos);
+  REQUIRE(ParseManifest(text, "m.json").ok());
+  // A value changed in place, everything else intact: still valid JSON and a valid manifest.
+  std::string edited = text;
+  auto at = edited.find("\"1.5\"");
+  REQUIRE(at != std::string::npos);
+  edited.replace(at, 5, "\"9.9\"");
+  auto parsed = ParseManifest(edited, "m.json");
+  REQUIRE_FALSE(parsed.ok());
+  CHECK_THAT(ckpt::Message(parsed.status()), Catch::Contains("checksum does not match"));
+  // Manifests from before the checksum (no field) are still read.
+  auto j = nlohmann::json::parse(text);
+  j.erase("manifest_checksum");
+  CHECK(ParseManifest(j.dump(1), "old.json").ok());
+}
