@@ -1,6 +1,7 @@
 #include "client/ckpt_client.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 
 #include <unistd.h>
@@ -172,8 +173,14 @@ absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
   absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
   if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
   if (!offset.ok()) {
+    // Shared with the group of ckptd's socket (the daemon's group, which this trainer is in
+    // if it may connect), so a daemon running as its own user can open it.
+    struct stat socket_stat;
+    gid_t group = ::stat(impl_->options.socket.c_str(), &socket_stat) == 0
+                      ? socket_stat.st_gid
+                      : static_cast<gid_t>(-1);
     CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena,
-                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096)));
+                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096), group));
     impl_->arenas.push_back(std::move(arena));
     CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
   }

@@ -3,6 +3,8 @@
 // the arena.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -15,8 +17,11 @@ namespace ckpt::shm {
 class Arena {
  public:
   // Creates an arena of `capacity` bytes with a fresh unique name (pid + counter + random),
-  // readable and writable by the owner and its group (the daemon's group).
-  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity);
+  // readable and writable by the owner and its group. `group` (when not -1) becomes the
+  // segment's group: the daemon's, so that a daemon running as its own user can open the
+  // arena of a trainer that is a member of that group only as a supplementary group.
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity,
+                                                       gid_t group = static_cast<gid_t>(-1));
 
   // Returns the offset of a new zeroed block of `bytes`, aligned to `alignment`.
   absl::StatusOr<size_t> Allocate(size_t bytes, size_t alignment = 64);

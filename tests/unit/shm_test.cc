@@ -352,3 +352,13 @@ TEST_CASE("a sealed segment cannot be shrunk or grown by whoever receives it") {
   REQUIRE(::ftruncate(plain.get(), 4096) == 0);
   CHECK_FALSE(ckpt::shm::SealedSegment::Map(std::move(plain)).ok());
 }
+
+TEST_CASE("an arena can be shared with the daemon's group") {
+  REQUIRE(::geteuid() == 0);  // the suite runs as root: any group will do
+  auto arena = ckpt::shm::Arena::Create(1 << 20, 4242);
+  REQUIRE(arena.ok());
+  struct stat st;
+  REQUIRE(::stat(("/dev/shm" + (*arena)->name()).c_str(), &st) == 0);
+  CHECK(st.st_gid == 4242u);
+  CHECK((st.st_mode & 0777) == 0660);
+}
