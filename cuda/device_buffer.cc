@@ -44,6 +44,13 @@ std::string FormatUuid(const cudaUUID_t& uuid) {
 
 }  // namespace
 
+absl::StatusOr<size_t> AllocationBytes(const std::string& name, const void* base) {
+  CKPT_ASSIGN_OR_RETURN(PointerGetAttribute fn, GetPointerAttributeFn());
+  size_t range = 0;
+  CKPT_RETURN_IF_ERROR(Attribute(fn, &range, CU_POINTER_ATTRIBUTE_RANGE_SIZE, base, name));
+  return range;
+}
+
 absl::StatusOr<std::string> DeviceUuid(int device) {
   cudaDeviceProp prop;
   CKPT_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device), fmt::format("device {}", device));

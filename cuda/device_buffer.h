@@ -36,6 +36,10 @@ absl::StatusOr<int> DeviceOfPointer(const std::string& name, const void* ptr);
 // "GPU-..." for a device ordinal of this process.
 absl::StatusOr<std::string> DeviceUuid(int device);
 
+// The size of the allocation that device pointer `base` starts (cuPointerGetAttribute
+// RANGE_SIZE): what the daemon checks a trainer's claimed allocation size against.
+absl::StatusOr<size_t> AllocationBytes(const std::string& name, const void* base);
+
 // The ordinal (in this process) of the device with `uuid`; NotFound if it is not visible.
 absl::StatusOr<int> DeviceOrdinalByUuid(const std::string& uuid);
 

@@ -20,7 +20,14 @@ absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
   std::string key = d.device_uuid + std::string(d.ipc_handle.data(), d.ipc_handle.size());
   std::lock_guard lock(mu_);
   if (auto it = open_.find(key); it != open_.end()) {
-    if (auto live = it->second.lock()) return live;
+    if (auto live = it->second.lock()) {
+      if (d.allocation_bytes > live->bytes()) {
+        return absl::InvalidArgumentError(fmt::format(
+            "tensor {}: the trainer says its CUDA allocation has {} bytes, but it has {}",
+            tensor, d.allocation_bytes, live->bytes()));
+      }
+      return live;
+    }
   }
   auto device = DeviceOrdinalByUuid(d.device_uuid);
   if (!device.ok()) {
@@ -35,8 +42,17 @@ absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
   CKPT_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
                             fmt::format("tensor {} (cudaIpcOpenMemHandle on {})", tensor,
                                         d.device_uuid));
-  std::shared_ptr<IpcMapping> mapping(new IpcMapping(static_cast<char*>(base), *device,
-                                                     d.allocation_bytes));
+  // The size the trainer claims is checked against the allocation itself: copies are sized
+  // by the claim, and a claim larger than the allocation would read or write past it.
+  absl::StatusOr<size_t> real = AllocationBytes(tensor, base);
+  if (!real.ok() || *real < d.allocation_bytes) {
+    (void)cudaIpcCloseMemHandle(base);
+    if (!real.ok()) return real.status();
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: the trainer says its CUDA allocation has {} bytes, but it has {}", tensor,
+        d.allocation_bytes, *real));
+  }
+  std::shared_ptr<IpcMapping> mapping(new IpcMapping(static_cast<char*>(base), *device, *real));
   open_[key] = mapping;
   return mapping;
 }
