@@ -15,6 +15,7 @@
 #include "common/fd_passing.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/control/unix_listener.h"
 #include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {
@@ -33,22 +34,8 @@ void Reply(int conn, const std::string& why) {
 
 absl::StatusOr<std::unique_ptr<ControlFdServer>> ControlFdServer::Start(const std::string& path,
                                                                         SessionRegistry& sessions) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
-  }
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return ErrnoStatus(errno, "socket");
-  ::unlink(path.c_str());  // the main socket's lock (a live daemon answers there) was taken first
-  mode_t old_mask = ::umask(0117);
-  int rc = ::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  int bind_errno = errno;
-  ::umask(old_mask);
-  if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
-  ::chmod(path.c_str(), 0660);
-  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
+  ::unlink(path.c_str());  // the main socket's check (a live daemon answers there) came first
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(path));
   std::unique_ptr<ControlFdServer> server(new ControlFdServer(path, std::move(fd), sessions));
   server->thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
   return server;

@@ -68,7 +68,15 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
     ::unlink(path.c_str());  // stale: its daemon is gone
   }
   ::unlink(bound.c_str());  // left by a daemon that died while starting
-  addr = Address(bound);
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(bound));
+  return std::unique_ptr<UnixListener>(new UnixListener(path, bound, std::move(fd)));
+}
+
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path) {
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
+  }
+  sockaddr_un addr = Address(path);
   UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return ErrnoStatus(errno, "socket");
   // The umask makes the socket 0660 from the instant it exists; chmod below makes it exact.
@@ -77,9 +85,9 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
   int bind_errno = errno;
   ::umask(old_mask);
   if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
-  ::chmod(bound.c_str(), 0660);
-  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", bound));
-  return std::unique_ptr<UnixListener>(new UnixListener(path, bound, std::move(fd)));
+  ::chmod(path.c_str(), 0660);
+  if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
+  return fd;
 }
 
 UnixListener::~UnixListener() {

@@ -27,6 +27,9 @@ struct PeerPolicy {
   bool Allows(const PeerIdentity& peer) const;
 };
 
+// A listening Unix socket at `path`, mode 0660 from the instant it exists.
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path);
+
 class UnixListener {
  public:
   // Creates the socket's directory if needed, removes a stale socket file (refusing if a
