@@ -1,9 +1,7 @@
 #include "daemon/control/control_fd_server.h"
 
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/time.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
