@@ -1,5 +1,7 @@
 #include "common/fault_guard.h"
 
+#include <unistd.h>
+
 #include <csetjmp>
 #include <csignal>
 #include <cstring>
@@ -53,6 +55,18 @@ bool GuardedMemcpy(void* dst, const void* src, size_t n) {
   if (sigsetjmp(guard, 1) != 0) return false;
   t_guard = &guard;
   std::memcpy(dst, src, n);
+  t_guard = nullptr;
+  return true;
+}
+
+bool GuardedTouch(void* data, size_t n) {
+  InstallOnce();
+  sigjmp_buf guard;
+  if (sigsetjmp(guard, 1) != 0) return false;
+  t_guard = &guard;
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  auto* p = static_cast<volatile char*>(data);
+  for (size_t off = 0; off < n; off += page) p[off] = p[off];
   t_guard = nullptr;
   return true;
 }

@@ -13,4 +13,8 @@ namespace ckpt {
 // handler on first use (a SIGBUS outside a guarded copy still ends the process as before).
 bool GuardedMemcpy(void* dst, const void* src, size_t n);
 
+// Writes each page of [data, data + n) with its own value (faulting it in, writable);
+// false when a page faulted (SIGBUS), as GuardedMemcpy.
+bool GuardedTouch(void* data, size_t n);
+
 }  // namespace ckpt

@@ -17,13 +17,15 @@ namespace {
 class PosixFilesystem final : public Filesystem {
  public:
   absl::StatusOr<UniqueFd> CreateFile(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0640);
+    // O_NOFOLLOW: a symlink planted in the root must not redirect a write elsewhere.
+    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);
     if (fd < 0) return ErrnoStatus(errno, fmt::format("create {}", path));
     return UniqueFd(fd);
   }
 
   absl::StatusOr<UniqueFd> CreateFileDirect(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0640);
+    int fd = ::open(path.c_str(),
+                    O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT | O_NOFOLLOW, 0640);
     if (fd < 0) return ErrnoStatus(errno, fmt::format("create {} (O_DIRECT)", path));
     return UniqueFd(fd);
   }
@@ -34,9 +36,19 @@ class PosixFilesystem final : public Filesystem {
   }
 
   absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO planted in the root must not hang the daemon in open(); only
+    // regular files are read.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (fd < 0) return ErrnoStatus(errno, fmt::format("open {}", path));
-    return UniqueFd(fd);
+    UniqueFd file(fd);
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, fmt::format("stat {}", path));
+    if (!S_ISREG(st.st_mode)) {
+      return absl::FailedPreconditionError(fmt::format("{} is not a regular file", path));
+    }
+    int flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0) (void)::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+    return file;
   }
 
   absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {

@@ -40,7 +40,7 @@ absl::StatusOr<StagingPoolPtr> StagingPool::Create(size_t bytes, bool prefault) 
         raw->prefault_done_ = true;
       });
     } else {
-      PrefaultWritable(p, bytes);  // old kernel: touch every page, before anyone uses them
+      (void)PrefaultWritable(p, bytes);  // old kernel: touch every page (our own memory)
     }
   }
   return pool;

@@ -361,8 +361,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
   if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
-  p->admin_service = std::make_unique<AdminService>(
-      p->config, sources, AdminExposure{.peers = &p->peers, .owners = p->owners.get()});
+  AdminExposure on_socket;
+  on_socket.peers = &p->peers;
+  on_socket.owners = p->owners.get();
+  p->admin_service = std::make_unique<AdminService>(p->config, sources, on_socket);
 
   CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   grpc::EnableDefaultHealthCheckService(true);
@@ -379,7 +381,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   if (!config.admin_addr.empty()) {
     // A server of its own with only the admin service: nothing a trainer calls is
     // reachable over TCP, where peers cannot be checked.
-    AdminExposure tcp{.over_tcp = true};
+    AdminExposure tcp;
+    tcp.over_tcp = true;
     if (!config.admin_token_file.empty()) {
       CKPT_ASSIGN_OR_RETURN(tcp.token, ReadToken(*p->fs, config.admin_token_file,
                                                  "--admin-token-file"));

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+
 #include <atomic>
 #include <fmt/format.h>
 #include <random>
@@ -16,8 +18,10 @@ absl::StatusOr<ArenaPtr> Arena::Create(size_t capacity, gid_t group) {
   if (!segment.ok()) return segment.status();
   if (group != static_cast<gid_t>(-1)) {
     // Allowed only for a group this process is in; where it is not, the arena keeps the
-    // process's own group (the daemon then needs to share that one).
-    (void)::chown(("/dev/shm" + name).c_str(), static_cast<uid_t>(-1), group);
+    // process's own group (the daemon then needs to share that one): not an error here.
+    if (::chown(("/dev/shm" + name).c_str(), static_cast<uid_t>(-1), group) != 0) {
+      errno = 0;
+    }
   }
   return ArenaPtr(new Arena(std::move(*segment)));
 }

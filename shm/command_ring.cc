@@ -135,11 +135,18 @@ absl::StatusOr<TicketResult> CommandProducer::Wait(
 }
 
 std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
+  if (broken_) return std::nullopt;
   uint32_t bell = block_->doorbell.load(std::memory_order_acquire);
-  uint64_t head = block_->head.load(std::memory_order_relaxed);
-  if (block_->tail.load(std::memory_order_acquire) == head) {
+  const uint64_t head = head_;
+  uint64_t tail = block_->tail.load(std::memory_order_acquire);
+  if (tail == head) {
     FutexWait(&block_->doorbell, bell, wait);
-    if (block_->tail.load(std::memory_order_acquire) == head) return std::nullopt;
+    tail = block_->tail.load(std::memory_order_acquire);
+    if (tail == head) return std::nullopt;
+  }
+  if (tail - head > kRingSlots) {  // also "behind": unsigned wrap-around
+    broken_ = true;
+    return std::nullopt;
   }
   // The trainer can rewrite the slot while it is read: every field is read exactly once,
   // and the payload is copied out before it is decoded, so a check always holds for the
@@ -164,7 +171,8 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
     std::memcpy(payload.data(), slot.payload, payload_bytes);
     command.payload = DecodePayload(payload.data(), payload.size());
   }
-  block_->head.store(head + 1, std::memory_order_release);
+  head_ = head + 1;
+  block_->head.store(head_, std::memory_order_release);
   return command;
 }
 

@@ -66,10 +66,14 @@ struct Command {
 // Daemon end.
 class CommandConsumer {
  public:
-  explicit CommandConsumer(ControlBlock* block) : block_(block) {}
+  explicit CommandConsumer(ControlBlock* block)
+      : block_(block), head_(block->head.load(std::memory_order_relaxed)) {}
 
   // Takes the next command, sleeping up to `wait` for one to arrive.
   std::optional<Command> Next(std::chrono::nanoseconds wait);
+  // The trainer moved the ring's indices to where no producer could have (tail more than a
+  // ring ahead, or behind): nothing more is read from it; the session should end.
+  bool broken() const { return broken_; }
 
   // Updates a ticket's state (ignored if the slot was reused by a newer ticket, or the
   // ticket is already committed, failed or rejected) and wakes waiters. Callers serialise
@@ -85,6 +89,10 @@ class CommandConsumer {
 
  private:
   ControlBlock* block_;
+  // The daemon's own copy of `head`: the shared one is only published for the producer,
+  // never read back, so a trainer rewriting it cannot make the daemon re-read old slots.
+  uint64_t head_;
+  bool broken_ = false;
 };
 
 }  // namespace ckpt::shm

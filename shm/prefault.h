@@ -7,7 +7,9 @@
 namespace ckpt::shm {
 
 // MADV_POPULATE_WRITE (Linux 5.14+); on older kernels, touches every page.
-void PrefaultWritable(void* addr, size_t bytes);
+// False when part of the range could not be had (it was truncated under us): the caller
+// must not use that memory. Safe on memory another process can shrink.
+bool PrefaultWritable(void* addr, size_t bytes);
 
 // MADV_POPULATE_WRITE only; false where the kernel lacks it. It never changes pages that
 // are already present, so it may run while others write to the memory.

@@ -126,6 +126,13 @@ grpc::Status AdminService::Show(grpc::ServerContext*, const CheckpointRef* reque
 grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* request,
                                   VerifyReply* reply) {
   return Guarded("Verify", [&]() -> absl::Status {
+    // One at a time for the whole daemon: a verify reads a whole step and pins it against
+    // retention, and anyone who may read status may ask for one.
+    static std::mutex verifying;
+    std::unique_lock one(verifying, std::try_to_lock);
+    if (!one.owns_lock()) {
+      return absl::ResourceExhaustedError("another verify is running; try again when it is done");
+    }
     persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
     CKPT_ASSIGN_OR_RETURN(persist::VerifyReport report,
                           persist::VerifyCheckpoint(store_, request->job(), request->step(),

@@ -6,6 +6,7 @@
 
 #include "cuda/staging_pool.h"
 #include <functional>
+#include <mutex>
 #include <optional>
 
 #include "daemon/commit/committer.h"

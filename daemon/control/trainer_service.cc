@@ -13,14 +13,33 @@ namespace ckpt::daemon {
 
 using namespace ::ckptd::v1;
 
+namespace {
+
+constexpr size_t kMaxSessions = 4096;
+constexpr size_t kMaxSessionsPerUid = 1024;
+
+}  // namespace
+
 grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRequest* request,
                                       RegisterReply* reply) {
   return Guarded("Register", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    // Every session costs a thread and a control block: bounded per user and in all.
+    size_t total = 0, mine = 0;
+    for (const SessionPtr& other : sessions_.All()) {
+      ++total;
+      if (other->uid() == caller.uid) ++mine;
+    }
+    if (total >= kMaxSessions || mine >= kMaxSessionsPerUid) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "too many sessions ({} in all, {} of uid {}; at most {} and {} per user)", total, mine,
+          caller.uid, kMaxSessions, kMaxSessionsPerUid));
+    }
     // Trainers that died between allocating and registering leave arenas behind.
     shm::RemoveStaleSegments("ckpt-arena.", std::chrono::seconds(600));
-    // The job is the caller's (or it may join it) before anything else is looked at.
-    if (absl::Status owned = owners_.Claim(request->job(), caller); !owned.ok()) {
+    // The job is the caller's (or it may join it) before anything else is looked at; a new
+    // job is recorded as the caller's only once the registration has succeeded.
+    if (absl::Status owned = owners_.MayClaim(request->job(), caller); !owned.ok()) {
       log::Get(log::Component::kControl)
           .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),
                 request->rank(), Message(owned));
@@ -34,6 +53,7 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
       return session.status();
     }
     SessionPtr s = std::move(*session);
+    CKPT_RETURN_IF_ERROR(owners_.Claim(s->job(), caller));  // a racing other uid lost
     if (request->keep_last() != 0) retention_.SetKeepLast(s->job(), request->keep_last());
     s->Start(stager_, persist_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {

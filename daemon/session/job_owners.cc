@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "common/names.h"
@@ -22,18 +25,32 @@ bool JobOwners::Allowed(const Owner& owner, const PeerIdentity& caller) const {
          (owner.gid && caller.InGroup(*owner.gid));
 }
 
-std::optional<JobOwners::Owner> JobOwners::LoadLocked(const std::string& job) {
-  if (auto it = owners_.find(job); it != owners_.end()) return it->second;
+absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std::string& job) {
+  if (auto it = owners_.find(job); it != owners_.end()) return std::optional<Owner>(it->second);
   std::string path = root_ + "/" + job + "/" + kOwnerFile;
-  if (!fs_.Exists(path)) return std::nullopt;
+  if (!fs_.Exists(path)) return std::optional<Owner>();
+  auto refuse = [&](std::string_view why) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: its owner record {} {}; only root or ckptd's own user may use the job until an "
+        "operator fixes it",
+        job, path, why));
+  };
   auto text = ReadSmallFile(fs_, path);
-  if (!text.ok()) return std::nullopt;
+  if (!text.ok()) return refuse(fmt::format("cannot be read ({})", Message(text.status())));
   auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object() || !j.contains("uid") || !j["uid"].is_number_unsigned()) return std::nullopt;
+  if (!j.is_object() || !j.contains("uid") || !j["uid"].is_number_unsigned() ||
+      j["uid"].get<uint64_t>() > UINT32_MAX) {
+    return refuse("is damaged");
+  }
   Owner owner{j["uid"].get<uid_t>(), std::nullopt};
-  if (j.contains("gid") && j["gid"].is_number_unsigned()) owner.gid = j["gid"].get<gid_t>();
+  if (j.contains("gid")) {
+    if (!j["gid"].is_number_unsigned() || j["gid"].get<uint64_t>() > UINT32_MAX) {
+      return refuse("is damaged");
+    }
+    owner.gid = j["gid"].get<gid_t>();
+  }
   owners_[job] = owner;
-  return owner;
+  return std::optional<Owner>(owner);
 }
 
 absl::Status JobOwners::Refuse(const std::string& job, const Owner& owner,
@@ -43,13 +60,42 @@ absl::Status JobOwners::Refuse(const std::string& job, const Owner& owner,
       owner.gid ? fmt::format(" (and group {})", *owner.gid) : "", caller.Describe(), what));
 }
 
-absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller) {
+absl::Status JobOwners::MayClaimLocked(const std::string& job, const PeerIdentity& caller) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  std::lock_guard lock(mu_);
-  if (std::optional<Owner> owner = LoadLocked(job)) {
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, LoadLocked(job));
+  if (owner) {
     if (!Allowed(*owner, caller)) return Refuse(job, *owner, caller, "register ranks into");
     return absl::OkStatus();
   }
+  if (caller.uid == 0 || caller.uid == options_.daemon_uid) return absl::OkStatus();
+  // No record: a new job is anyone's to create, but one that already holds checkpoints
+  // (from a ckptd that kept no owners) is not the first comer's to take.
+  std::string dir = root_ + "/" + job;
+  if (fs_.Exists(dir)) {
+    auto names = fs_.ListDir(dir);
+    bool has_steps = !names.ok();
+    for (const std::string& name : names.ok() ? *names : std::vector<std::string>{}) {
+      has_steps = has_steps || name.rfind("step-", 0) == 0;
+    }
+    if (has_steps) {
+      return absl::PermissionDeniedError(fmt::format(
+          "job {} has checkpoints but no owner on record (made by an older ckptd): its first "
+          "registration must come from root or ckptd's own user, or an operator writes {}/{}",
+          job, dir, kOwnerFile));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobOwners::MayClaim(const std::string& job, const PeerIdentity& caller) {
+  std::lock_guard lock(mu_);
+  return MayClaimLocked(job, caller);
+}
+
+absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller) {
+  std::lock_guard lock(mu_);
+  CKPT_RETURN_IF_ERROR(MayClaimLocked(job, caller));
+  if (owners_.count(job)) return absl::OkStatus();
   Owner owner{caller.uid, std::nullopt};
   for (uint32_t gid : options_.job_gids) {
     if (caller.InGroup(gid)) {
@@ -77,7 +123,7 @@ absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller
                               std::string_view what) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::lock_guard lock(mu_);
-  std::optional<Owner> owner = LoadLocked(job);
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, LoadLocked(job));
   if (!owner) {
     if (caller.uid == 0 || caller.uid == options_.daemon_uid) return absl::OkStatus();
     return absl::PermissionDeniedError(fmt::format(

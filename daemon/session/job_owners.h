@@ -28,8 +28,13 @@ class JobOwners {
 
   JobOwners(Filesystem& fs, std::string root, Options options);
 
-  // The caller registers a rank of `job`: the first one becomes its owner; anyone else
-  // must be allowed. PermissionDenied names the owner.
+  // May the caller register a rank of `job`? Yes for the owner (and the job's group, root,
+  // the daemon's uid), and for anyone when the job is new. A job that already has steps
+  // but no owner on record (made by an older ckptd), or whose record cannot be read, is
+  // open to root and the daemon's uid only: ownership fails closed. Writes nothing.
+  absl::Status MayClaim(const std::string& job, const PeerIdentity& caller);
+  // MayClaim, and a new job becomes the caller's (recorded on disk). Called once the
+  // registration has succeeded, so a refused one leaves nothing behind.
   absl::Status Claim(const std::string& job, const PeerIdentity& caller);
 
   // May `caller` `what` (e.g. "delete steps of") `job`? A job without an owner record (made
@@ -43,8 +48,10 @@ class JobOwners {
   };
 
   bool Allowed(const Owner& owner, const PeerIdentity& caller) const;
-  // The owner from memory or from the job's .owner file; nullopt when there is none.
-  std::optional<Owner> LoadLocked(const std::string& job);
+  // The owner from memory or from the job's .owner file; nullopt when there is none; an
+  // error when the record exists but cannot be read.
+  absl::StatusOr<std::optional<Owner>> LoadLocked(const std::string& job);
+  absl::Status MayClaimLocked(const std::string& job, const PeerIdentity& caller);
   absl::Status Refuse(const std::string& job, const Owner& owner, const PeerIdentity& caller,
                       std::string_view what) const;
 

@@ -82,14 +82,14 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   s->pid_ = caller.pid;
   s->uid_ = caller.uid;
   auto pidfd = OpenPidfd(caller.pid);
-  if (pidfd.ok()) {
-    s->pidfd_ = std::move(*pidfd);
-  } else {
-    // Not in our PID namespace (a sidecar without shareProcessNamespace): the session ends
-    // on Unregister or when its control block is abandoned.
-    Log().warn("[{}/r{}] cannot watch trainer pid {}: {}", req.job(), req.rank(), caller.pid,
-               Message(pidfd.status()));
+  if (!pidfd.ok()) {
+    // The caller is gone already (its pid is visible: the kernel translated it into ours):
+    // a session nobody could end would hold memory and a thread for ever.
+    return absl::FailedPreconditionError(fmt::format(
+        "trainer pid {} cannot be watched ({}); it exited while registering?", caller.pid,
+        Message(pidfd.status())));
   }
+  s->pidfd_ = std::move(*pidfd);
 
   std::set<std::string> names;
   for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
@@ -128,7 +128,11 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
       }
       // Fault the whole mapping in now, writable: snapshots and restores then copy at
       // memory speed instead of taking a page fault every 4 KiB.
-      shm::PrefaultWritable((*segment)->data(), (*segment)->size());
+      if (!shm::PrefaultWritable((*segment)->data(), (*segment)->size())) {
+        return absl::FailedPreconditionError(fmt::format(
+            "tensor {}: shared memory {} shrank while it was being registered", t.name(),
+            t.shm_name()));
+      }
       it = s->arenas_.emplace(t.shm_name(), std::move(*segment)).first;
     }
     const shm::Segment& seg = *it->second;
@@ -245,6 +249,13 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& bo
       break;
     }
     std::optional<shm::Command> command = consumer_->Next(std::chrono::milliseconds(100));
+    if (consumer_->broken()) {
+      Log().error("[{}/r{}] trainer pid {} corrupted its command ring (indices out of range); "
+                  "session ends",
+                  job_, rank_, pid_);
+      board.RecordError(fmt::format("[{}/r{}] command ring corrupted by the trainer", job_, rank_));
+      break;
+    }
     if (!command) continue;
     uint64_t ticket = command->ticket;
     try {

@@ -77,6 +77,32 @@ TEST_CASE("a job belongs to the uid that created it, across restarts") {
   CHECK(save(1000, 4).exit_code == 0);
 }
 
+TEST_CASE("ownership fails closed, and a refused registration claims nothing") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000"});
+  d.Start();
+  OpenSocket(d);
+  // A job with checkpoints but no owner on record (as an older ckptd left it).
+  REQUIRE(Run(Helper(d, {"--job", "legacy", "--bytes", "100000", "save", "--step", "1",
+                         "--wait-committed"}),
+              dir.path()).exit_code == 0);
+  std::filesystem::remove(d.root() + "/legacy/.owner");
+  CHECK(d.Stop() == 0);
+  d.Start();
+  OpenSocket(d);
+  auto taken = Run(Helper(d, As(1000, {"--job", "legacy", "--bytes", "100000", "save", "--step",
+                                       "2"})),
+                   dir.path());
+  CHECK(taken.exit_code != 0);
+  CHECK(Contains(taken.out, "no owner on record"));
+  // A registration that fails leaves no claim on the job's name.
+  auto bad = Run(Helper(d, As(1000, {"--job", "squat", "register-bad", "--case", "wrong-size"})),
+                 dir.path());
+  CHECK(bad.exit_code == 0);  // register-bad reports the refusal it expected
+  CHECK_FALSE(std::filesystem::exists(d.root() + "/squat/.owner"));
+}
+
 TEST_CASE("a session id is not a credential, and memory must be the caller's own") {
   REQUIRE(::geteuid() == 0);
   TempDir dir;

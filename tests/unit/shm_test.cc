@@ -362,3 +362,20 @@ TEST_CASE("an arena can be shared with the daemon's group") {
   CHECK(st.st_gid == 4242u);
   CHECK((st.st_mode & 0777) == 0660);
 }
+
+TEST_CASE("a trainer that moves the ring's indices ends only its own ring") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  REQUIRE(producer.PublishSnapshot(1, {}).ok());
+  REQUIRE(consumer.Next(std::chrono::milliseconds(10)).has_value());
+  // Rewinding the shared head does not make the daemon read the slot again.
+  ring.block->head.store(0);
+  CHECK_FALSE(consumer.Next(std::chrono::milliseconds(10)).has_value());
+  CHECK_FALSE(consumer.broken());
+  // A tail far ahead of anything a producer could publish breaks the ring, once.
+  ring.block->tail.store(1000);
+  CHECK_FALSE(consumer.Next(std::chrono::milliseconds(10)).has_value());
+  CHECK(consumer.broken());
+  CHECK_FALSE(consumer.Next(std::chrono::milliseconds(10)).has_value());
+}
