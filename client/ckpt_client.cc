@@ -1,18 +1,13 @@
 #include "client/ckpt_client.h"
 
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
-
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
-#include <cerrno>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -36,24 +31,10 @@ namespace {
 // socket to the process that registered the session, and to nobody else.
 absl::StatusOr<shm::SealedSegmentPtr> FetchControlBlock(const ::ckptd::v1::RegisterReply& reply) {
   const std::string& path = reply.control_socket();
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
-    return absl::FailedPreconditionError(
-        fmt::format("ckptd gave no usable control socket (\"{}\"): is it an older version?", path));
+  if (path.empty()) {
+    return absl::FailedPreconditionError("ckptd gave no control socket: is it an older version?");
   }
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!sock.valid() ||
-      ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    return absl::UnavailableError(
-        fmt::format("cannot reach ckptd's control socket {}: {}", path, std::strerror(errno)));
-  }
-  const std::string& id = reply.session_id();
-  if (::send(sock.get(), id.data(), id.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(id.size())) {
-    return absl::UnavailableError(fmt::format("send to {}: {}", path, std::strerror(errno)));
-  }
-  CKPT_ASSIGN_OR_RETURN(ReceivedFds got, RecvFds(sock.get(), 1, 4096));
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds got, RequestFds(path, reply.session_id(), 1));
   if (got.fds.size() != 1) {
     return absl::PermissionDeniedError(fmt::format(
         "ckptd did not hand over the control block: {}",

@@ -1,6 +1,7 @@
 #include "common/fd_passing.h"
 
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <cerrno>
 #include <cstring>
@@ -72,6 +73,26 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
   }
   out.payload.resize(static_cast<size_t>(n));
   return out;
+}
+
+absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
+                                       size_t max_fds) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(fmt::format("socket path \"{}\" is not usable", path));
+  }
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!sock.valid() ||
+      ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return absl::UnavailableError(fmt::format("cannot reach {}: {}", path, std::strerror(errno)));
+  }
+  if (::send(sock.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    return absl::UnavailableError(fmt::format("send to {}: {}", path, std::strerror(errno)));
+  }
+  return RecvFds(sock.get(), max_fds, 4096);
 }
 
 }  // namespace ckpt

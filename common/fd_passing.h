@@ -28,4 +28,9 @@ struct ReceivedFds {
 // descriptors than that, or a cut message, is an error (the extra fds are closed).
 absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload);
 
+// Connects to the Unix socket at `path`, sends `request` and receives the answer (at most
+// `max_fds` descriptors and 4 KiB of text): how a trainer asks ckptd for its control block.
+absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
+                                       size_t max_fds);
+
 }  // namespace ckpt

@@ -2,9 +2,7 @@
 // seeded pattern, checks restores bit for bit, and sends hand-made (bad) requests.
 #include <grp.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -306,16 +304,7 @@ const char* CodeName(grpc::StatusCode code) {
 
 // Asks ckptd's control socket for a session's control block, as the client does.
 absl::StatusOr<ckpt::ReceivedFds> FetchControl(const std::string& socket, const std::string& session) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::string path = socket + ".ctl";
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  ckpt::UniqueFd sock(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    return absl::UnavailableError("connect " + path);
-  }
-  (void)::send(sock.get(), session.data(), session.size(), MSG_NOSIGNAL);
-  return ckpt::RecvFds(sock.get(), 1, 4096);
+  return ckpt::RequestFds(socket + ".ctl", session, 1);
 }
 
 // Registers one tensor in an arena of its own, prints the session and the arena's name,
