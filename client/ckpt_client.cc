@@ -1,6 +1,5 @@
 #include "client/ckpt_client.h"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -22,7 +21,6 @@
 #include "shm/arena.h"
 #include "shm/command_ring.h"
 #include "shm/sealed_segment.h"
-#include "shm/segment.h"
 
 namespace ckpt {
 namespace {
@@ -34,13 +32,36 @@ absl::StatusOr<shm::SealedSegmentPtr> FetchControlBlock(const ::ckptd::v1::Regis
   if (path.empty()) {
     return absl::FailedPreconditionError("ckptd gave no control socket: is it an older version?");
   }
-  CKPT_ASSIGN_OR_RETURN(ReceivedFds got, RequestFds(path, reply.session_id(), 1));
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds got,
+                        RequestFds(path, std::string(kFetchControlBlock) + reply.session_id(), 1));
   if (got.fds.size() != 1) {
     return absl::PermissionDeniedError(fmt::format(
         "ckptd did not hand over the control block: {}",
         got.payload.empty() ? std::string("no answer") : got.payload));
   }
   return shm::SealedSegment::Map(std::move(got.fds[0]));
+}
+
+// Hands the arenas to ckptd on its descriptor socket, at most kMaxPassedFds a message; the
+// tokens it answers go into the Register request. Sealed memfds have no name: passing the
+// descriptor is the only way another process, ckptd included, can map them.
+absl::Status HandOverArenas(const std::string& socket, const std::vector<shm::ArenaPtr>& arenas,
+                            ::ckptd::v1::RegisterRequest& request) {
+  for (size_t first = 0; first < arenas.size(); first += kMaxPassedFds) {
+    std::vector<int> fds;
+    for (size_t i = first; i < std::min(arenas.size(), first + kMaxPassedFds); ++i) {
+      fds.push_back(arenas[i]->fd());
+    }
+    const std::string path = DescriptorSocketPath(socket);
+    CKPT_ASSIGN_OR_RETURN(ReceivedFds answer, RequestFds(path, kDepositArenas, 0, fds));
+    std::string_view text = answer.payload;
+    if (text.substr(0, kDepositAccepted.size()) != kDepositAccepted) {
+      return absl::FailedPreconditionError(fmt::format(
+          "ckptd did not take the arenas at {}: {}", path, text.empty() ? "no answer" : text));
+    }
+    request.add_arena_tokens(std::string(text.substr(kDepositAccepted.size())));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what, const std::string& socket) {
@@ -154,14 +175,8 @@ absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
   absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
   if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
   if (!offset.ok()) {
-    // Shared with the group of ckptd's socket (the daemon's group, which this trainer is in
-    // if it may connect), so a daemon running as its own user can open it.
-    struct stat socket_stat;
-    gid_t group = ::stat(impl_->options.socket.c_str(), &socket_stat) == 0
-                      ? socket_stat.st_gid
-                      : static_cast<gid_t>(-1);
     CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena,
-                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096), group));
+                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096)));
     impl_->arenas.push_back(std::move(arena));
     CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
   }
@@ -234,22 +249,20 @@ absl::Status Client::Register() {
     }
     // Host tensors, and the host mirrors of GPU tensors under the host-copy transport.
     char* host = static_cast<char*>(t->on_device ? impl_->mirror_of.at(t.get()) : t->data);
-    const shm::Arena* owner = nullptr;
-    for (const auto& a : impl_->arenas) {
-      char* base = static_cast<char*>(a->at(0));
-      if (host >= base && host < base + a->capacity()) owner = a.get();
+    for (size_t i = 0; i < impl_->arenas.size(); ++i) {
+      const shm::Arena& arena = *impl_->arenas[i];
+      if (!arena.Contains(host)) continue;
+      spec->set_arena(static_cast<uint32_t>(i));
+      spec->set_offset(static_cast<uint64_t>(host - static_cast<char*>(arena.at(0))));
     }
-    spec->set_shm_name(owner->name());
-    spec->set_offset(static_cast<uint64_t>(host - static_cast<char*>(owner->at(0))));
   }
+  CKPT_RETURN_IF_ERROR(HandOverArenas(impl_->options.socket, impl_->arenas, req));
   ::ckptd::v1::RegisterReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",
                                 impl_->options.socket));
-  // The daemon has mapped the arenas: drop their names so nothing leaks if we crash.
-  for (auto& a : impl_->arenas) {
-    a->UnlinkName();
-    if (impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
+  if (impl_->mirror) {
+    for (auto& a : impl_->arenas) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
   }
   CKPT_ASSIGN_OR_RETURN(impl_->control, FetchControlBlock(reply));
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,

@@ -76,7 +76,7 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
 }
 
 absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
-                                       size_t max_fds) {
+                                       size_t max_fds, std::span<const int> send) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -88,9 +88,8 @@ absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view
       ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return absl::UnavailableError(fmt::format("cannot reach {}: {}", path, std::strerror(errno)));
   }
-  if (::send(sock.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
-      static_cast<ssize_t>(request.size())) {
-    return absl::UnavailableError(fmt::format("send to {}: {}", path, std::strerror(errno)));
+  if (absl::Status sent = SendFds(sock.get(), send, request); !sent.ok()) {
+    return absl::UnavailableError(fmt::format("send to {}: {}", path, Message(sent)));
   }
   return RecvFds(sock.get(), max_fds, 4096);
 }

@@ -28,9 +28,20 @@ struct ReceivedFds {
 // descriptors than that, or a cut message, is an error (the extra fds are closed).
 absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload);
 
-// Connects to the Unix socket at `path`, sends `request` and receives the answer (at most
-// `max_fds` descriptors and 4 KiB of text): how a trainer asks ckptd for its control block.
+// Connects to the Unix socket at `path`, sends `request` with `send` attached and receives
+// the answer (at most `max_fds` descriptors and 4 KiB of text): how a trainer hands ckptd
+// its arenas and asks for its control block.
 absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
-                                       size_t max_fds);
+                                       size_t max_fds, std::span<const int> send = {});
+
+// ckptd's descriptor socket, beside the trainers' gRPC socket (gRPC cannot carry
+// descriptors). One request per connection, the first message; the answer is one message.
+inline std::string DescriptorSocketPath(const std::string& socket) { return socket + ".ctl"; }
+// "control <session id>": the session's control block (one descriptor), or a line why not.
+inline constexpr std::string_view kFetchControlBlock = "control ";
+// "arenas" with 1..kMaxPassedFds sealed memfds attached: "ok <token>" (the token goes into
+// RegisterRequest.arena_tokens), or a line why not.
+inline constexpr std::string_view kDepositArenas = "arenas";
+inline constexpr std::string_view kDepositAccepted = "ok ";
 
 }  // namespace ckpt

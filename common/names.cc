@@ -112,15 +112,4 @@ absl::Status ValidateMetadata(const std::map<std::string, std::string>& metadata
   return absl::OkStatus();
 }
 
-absl::Status ValidateShmName(std::string_view name) {
-  bool ok = name.size() >= 2 && name.size() <= 201 && name[0] == '/';
-  for (size_t i = 1; ok && i < name.size(); ++i) ok = IsNameChar(name[i]);
-  if (!ok || name == "/." || name == "/..") {
-    return absl::InvalidArgumentError(fmt::format(
-        "invalid shared-memory name \"{}\": expected \"/\" then 1 to 200 of [A-Za-z0-9._-]",
-        Printable(name)));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace ckpt

@@ -26,7 +26,4 @@ absl::Status ValidateMetadata(const std::map<std::string, std::string>& metadata
 // beyond U+10FFFF).
 bool IsValidUtf8(std::string_view text);
 
-// Shared-memory segment names: "/" followed by [A-Za-z0-9._-]{1,200}, no further "/".
-absl::Status ValidateShmName(std::string_view name);
-
 }  // namespace ckpt

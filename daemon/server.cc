@@ -5,6 +5,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <unistd.h>
 
+#include "common/fd_passing.h"
 #include "common/filesystem.h"
 #include "common/log.h"
 #include "common/secret.h"
@@ -33,11 +34,11 @@
 #include "daemon/control/control_fd_server.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
+#include "daemon/session/arena_deposits.h"
 #include "daemon/session/session_registry.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/progress_signal.h"
 #include "daemon/staging/stager.h"
-#include "shm/sweep.h"
 
 #include <fmt/format.h>
 
@@ -46,9 +47,6 @@
 #include <set>
 
 namespace ckpt::daemon {
-
-// Arenas of dead trainers are removed only once this old (see shm/sweep.h).
-constexpr std::chrono::seconds kArenaSweepAge{600};
 
 // Declared in dependency order: destroyed in reverse (the root's lock last of all, the
 // ledger after every snapshot that holds a share).
@@ -79,6 +77,7 @@ struct Server::Parts {
   std::unique_ptr<Stager> stager;
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
+  ArenaDeposits arenas;  // trainers' arenas handed over before they register
   std::unique_ptr<TrainerService> trainer_service;
   PeerTable peers;  // who is at the other end of each accepted socket connection
   std::unique_ptr<JobOwners> owners;
@@ -248,12 +247,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
   CKPT_ASSIGN_OR_RETURN(int stale, p->store->RemoveStaleTemp(/*keep_step_tmp=*/grouped));
   if (stale > 0) log.info("removed {} unfinished directories left by an earlier run", stale);
-  if (int swept = shm::RemoveStaleSegments("ckptd-ctl."); swept > 0) {
-    log.info("removed {} stale control segments", swept);
-  }
-  if (int swept = shm::RemoveStaleSegments("ckpt-arena.", kArenaSweepAge); swept > 0) {
-    log.info("removed {} shared-memory arenas of trainers that died before registering", swept);
-  }
 
   CKPT_ASSIGN_OR_RETURN(p->pool, cuda::StagingPool::Create(config.staging_bytes,
                                                            config.prefault_staging));
@@ -356,7 +349,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
-      p->peers, *p->owners, ControlFdServer::PathFor(config.socket));
+      p->peers, *p->owners, p->arenas, DescriptorSocketPath(config.socket));
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
@@ -402,8 +395,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                                              : "needs the admin token");
   }
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
-  CKPT_ASSIGN_OR_RETURN(p->control_fds,
-                        ControlFdServer::Start(ControlFdServer::PathFor(config.socket), p->sessions));
+  CKPT_ASSIGN_OR_RETURN(p->control_fds, ControlFdServer::Start(DescriptorSocketPath(config.socket),
+                                                               p->sessions, p->arenas, policy));
   CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy, p->peers));
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));

@@ -2,28 +2,18 @@
 
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <atomic>
 #include <fmt/format.h>
-#include <random>
 
 namespace ckpt::shm {
 
-absl::StatusOr<ArenaPtr> Arena::Create(size_t capacity, gid_t group) {
+absl::StatusOr<ArenaPtr> Arena::Create(size_t capacity) {
   static std::atomic<uint64_t> counter{0};
-  std::string name = fmt::format("/ckpt-arena.{}.{}.{:08x}", ::getpid(), counter++,
-                                 std::random_device{}());
-  auto segment = Segment::Create(name, capacity, 0660, /*unlink_on_destroy=*/true);
+  // The name shows in /proc/<pid>/fd and /proc/<pid>/maps ("memfd:ckpt-arena.…"), nowhere else.
+  std::string name = fmt::format("ckpt-arena.{}.{}", ::getpid(), counter++);
+  auto segment = SealedSegment::Create(name, capacity);
   if (!segment.ok()) return segment.status();
-  if (group != static_cast<gid_t>(-1)) {
-    // Allowed only for a group this process is in; where it is not, the arena keeps the
-    // process's own group (the daemon then needs to share that one): not an error here.
-    if (::chown(("/dev/shm" + name).c_str(), static_cast<uid_t>(-1), group) != 0) {
-      errno = 0;
-    }
-  }
-  return ArenaPtr(new Arena(std::move(*segment)));
+  return ArenaPtr(new Arena(std::move(name), std::move(*segment)));
 }
 
 absl::StatusOr<size_t> Arena::Allocate(size_t bytes, size_t alignment) {

@@ -1,42 +1,41 @@
-// A host tensor arena: one shared-memory segment that the trainer allocates tensors from
-// and the daemon maps by name at registration. Bump allocation; tensors live as long as
-// the arena.
+// A host tensor arena: one sealed memfd (shm/sealed_segment.h) that the trainer allocates
+// tensors from and hands to ckptd as a descriptor at registration. It has no name: no other
+// process can open it, and neither side can shrink it under the other. Bump allocation;
+// tensors live as long as the arena.
 #pragma once
-
-#include <sys/types.h>
 
 #include <cstddef>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "shm/segment.h"
+#include "shm/sealed_segment.h"
 
 namespace ckpt::shm {
 
 class Arena {
  public:
-  // Creates an arena of `capacity` bytes with a fresh unique name (pid + counter + random),
-  // readable and writable by the owner and its group. `group` (when not -1) becomes the
-  // segment's group: the daemon's, so that a daemon running as its own user can open the
-  // arena of a trainer that is a member of that group only as a supplementary group.
-  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity,
-                                                       gid_t group = static_cast<gid_t>(-1));
+  // Creates an arena of `capacity` bytes, every page reserved.
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity);
 
   // Returns the offset of a new zeroed block of `bytes`, aligned to `alignment`.
   absl::StatusOr<size_t> Allocate(size_t bytes, size_t alignment = 64);
 
   void* at(size_t offset) const { return static_cast<char*>(segment_->data()) + offset; }
-  const std::string& name() const { return segment_->name(); }
+  bool Contains(const void* p) const {
+    auto* c = static_cast<const char*>(p);
+    return c >= static_cast<const char*>(at(0)) && c < static_cast<const char*>(at(0)) + capacity();
+  }
+  const std::string& name() const { return name_; }  // for messages only
   size_t capacity() const { return segment_->size(); }
   size_t used() const { return used_; }
-  // The daemon maps the arena during registration; afterwards the name is no longer needed
-  // and unlinking it means a crashed trainer leaks nothing in /dev/shm.
-  void UnlinkName() { segment_->UnlinkNow(); }
+  int fd() const { return segment_->fd(); }  // what the trainer hands to ckptd
 
  private:
-  explicit Arena(SegmentPtr segment) : segment_(std::move(segment)) {}
-  SegmentPtr segment_;
+  Arena(std::string name, SealedSegmentPtr segment)
+      : name_(std::move(name)), segment_(std::move(segment)) {}
+  std::string name_;
+  SealedSegmentPtr segment_;
   size_t used_ = 0;
 };
 

@@ -20,8 +20,13 @@ class SealedSegment {
   static absl::StatusOr<std::unique_ptr<SealedSegment>> Create(const std::string& debug_name,
                                                                size_t size);
   // Maps a segment received from its creator; refuses one that is not sealed against
-  // shrinking (its creator could then fault us).
+  // shrinking (its creator could then fault us) and one with holes (a page that cannot be
+  // had on first touch would fault us too; and filling the holes would charge the mapper's
+  // memory, not the creator's).
   static absl::StatusOr<std::unique_ptr<SealedSegment>> Map(UniqueFd fd);
+  // True when `fd` is a segment Map() would take (sealed against shrinking); a line saying
+  // why not otherwise. Cheap: no mapping.
+  static absl::Status CheckSealed(int fd);
 
   ~SealedSegment();
   SealedSegment(const SealedSegment&) = delete;
@@ -30,6 +35,9 @@ class SealedSegment {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   int fd() const { return fd_.get(); }  // to pass to the other side
+  // Closes the descriptor; the mapping stays. A daemon that holds thousands of trainers'
+  // arenas keeps one mapping each, not one descriptor each.
+  void DropFd() { fd_.reset(); }
 
  private:
   SealedSegment(UniqueFd fd, void* data, size_t size)

@@ -6,7 +6,6 @@
 
 #include <fmt/format.h>
 
-#include <array>
 #include <cerrno>
 #include <cstring>
 
@@ -22,7 +21,7 @@ namespace {
 spdlog::logger& Log() { return log::Get(log::Component::kControl); }
 
 constexpr int kMaxServing = 64;
-constexpr size_t kMaxSessionId = 128;
+constexpr size_t kMaxRequest = 256;
 
 void Reply(int conn, const std::string& why) {
   (void)::send(conn, why.data(), why.size(), MSG_NOSIGNAL);
@@ -31,10 +30,13 @@ void Reply(int conn, const std::string& why) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ControlFdServer>> ControlFdServer::Start(const std::string& path,
-                                                                        SessionRegistry& sessions) {
+                                                                        SessionRegistry& sessions,
+                                                                        ArenaDeposits& arenas,
+                                                                        PeerPolicy policy) {
   ::unlink(path.c_str());  // the main socket's check (a live daemon answers there) came first
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(path));
-  std::unique_ptr<ControlFdServer> server(new ControlFdServer(path, std::move(fd), sessions));
+  std::unique_ptr<ControlFdServer> server(
+      new ControlFdServer(path, std::move(fd), sessions, arenas, std::move(policy)));
   server->thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
   return server;
 }
@@ -83,20 +85,52 @@ void ControlFdServer::Serve(UniqueFd conn) {
   ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
   absl::StatusOr<PeerIdentity> caller = ReadPeerIdentity(conn.get());
   if (!caller.ok()) return;
-  std::array<char, kMaxSessionId> id{};
-  ssize_t n = ::recv(conn.get(), id.data(), id.size(), 0);
-  if (n <= 0) return;
-  std::string session_id(id.data(), static_cast<size_t>(n));
+  if (!policy_.Allows(*caller)) {
+    Log().warn("refused descriptor-socket connection from {}: not allowed (--allow-uid, "
+               "--allow-gid)",
+               caller->Describe());
+    return;
+  }
+  // Descriptors that came with a cut or oversized message are closed by RecvFds.
+  absl::StatusOr<ReceivedFds> request = RecvFds(conn.get(), kMaxPassedFds, kMaxRequest);
+  if (!request.ok()) {
+    Reply(conn.get(), "refused: " + Message(request.status()));
+    return;
+  }
+  std::string_view text = request->payload;
+  if (text == kDepositArenas) return TakeArenas(conn.get(), *caller, std::move(request->fds));
+  if (!request->fds.empty()) {
+    Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\" request");
+    return;
+  }
+  if (text.substr(0, kFetchControlBlock.size()) == kFetchControlBlock) {
+    return SendControlBlock(conn.get(), *caller, std::string(text.substr(kFetchControlBlock.size())));
+  }
+  Reply(conn.get(), "refused: unknown request (expected \"control <session>\" or \"arenas\")");
+}
+
+void ControlFdServer::TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds) {
+  absl::StatusOr<std::string> token = arenas_.Put(caller, std::move(fds));
+  if (!token.ok()) {
+    Log().warn("arenas refused from {}: {}", caller.Describe(), Message(token.status()));
+    Reply(conn, "refused: " + Message(token.status()));
+    return;
+  }
+  Reply(conn, std::string(kDepositAccepted) + *token);
+}
+
+void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
+                                       const std::string& session_id) {
   // Only the process that registered the session gets its control block.
-  absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, *caller);
+  absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, caller);
   if (!session.ok()) {
     Log().warn("control block of session \"{}\" refused to {}: {}", session_id.substr(0, 64),
-               caller->Describe(), Message(session.status()));
-    Reply(conn.get(), Message(session.status()));
+               caller.Describe(), Message(session.status()));
+    Reply(conn, Message(session.status()));
     return;
   }
   int control = (*session)->control_fd();
-  if (absl::Status sent = SendFds(conn.get(), {&control, 1}, "ok"); !sent.ok()) {
+  if (absl::Status sent = SendFds(conn, {&control, 1}, "ok"); !sent.ok()) {
     Log().warn("could not hand session {} its control block: {}", session_id, Message(sent));
   }
 }

@@ -1,9 +1,13 @@
-// Hands each session's control block to its trainer as a file descriptor. A control block
-// is a sealed memfd (shm/sealed_segment.h): it has no name to open, and the trainer could
-// not shrink it even with the descriptor. After Register, the trainer connects to
-// "<socket>.ctl", sends its session id, and gets the descriptor (SCM_RIGHTS) if, and only
-// if, the kernel says it is the process that registered that session; otherwise a line
-// saying why. Each connection gets 2 s and its own short-lived thread (at most 64 at once).
+// The descriptor socket, "<socket>.ctl" (protocol in common/fd_passing.h): what gRPC cannot
+// carry. Both directions are sealed memfds (shm/sealed_segment.h), which have no name to
+// open and which the other side cannot shrink.
+// - Before Register, a trainer hands over its arenas ("arenas" + descriptors) and gets a
+//   token for them (ArenaDeposits), which only the same process can redeem in Register.
+// - After Register, it asks for its control block ("control <session id>") and gets the
+//   descriptor if, and only if, the kernel says it is the process that registered that
+//   session; otherwise a line saying why.
+// Peers are checked against the same policy as the gRPC socket's. Each connection gets 2 s
+// and its own short-lived thread (at most 64 at once).
 #pragma once
 
 #include <atomic>
@@ -15,30 +19,37 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/control/unix_listener.h"
+#include "daemon/session/arena_deposits.h"
 #include "daemon/session/session_registry.h"
 
 namespace ckpt::daemon {
 
 class ControlFdServer {
  public:
-  // The socket path next to the trainers' socket.
-  static std::string PathFor(const std::string& socket) { return socket + ".ctl"; }
-
   // Binds `path` (mode 0660, like the main socket) and starts accepting.
   static absl::StatusOr<std::unique_ptr<ControlFdServer>> Start(const std::string& path,
-                                                                SessionRegistry& sessions);
+                                                                SessionRegistry& sessions,
+                                                                ArenaDeposits& arenas,
+                                                                PeerPolicy policy);
   ~ControlFdServer();
   void Stop();
 
  private:
-  ControlFdServer(std::string path, UniqueFd fd, SessionRegistry& sessions)
-      : path_(std::move(path)), fd_(std::move(fd)), sessions_(sessions) {}
+  ControlFdServer(std::string path, UniqueFd fd, SessionRegistry& sessions, ArenaDeposits& arenas,
+                  PeerPolicy policy)
+      : path_(std::move(path)), fd_(std::move(fd)), sessions_(sessions), arenas_(arenas),
+        policy_(std::move(policy)) {}
   void AcceptLoop();
   void Serve(UniqueFd conn);
+  void SendControlBlock(int conn, const PeerIdentity& caller, const std::string& session_id);
+  void TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds);
 
   std::string path_;
   UniqueFd fd_;
   SessionRegistry& sessions_;
+  ArenaDeposits& arenas_;
+  const PeerPolicy policy_;
   std::atomic<bool> stopping_{false};
   std::thread thread_;
   std::mutex mu_;

@@ -7,7 +7,6 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
-#include "shm/sweep.h"
 
 namespace ckpt::daemon {
 
@@ -17,6 +16,7 @@ namespace {
 
 constexpr size_t kMaxSessions = 4096;
 constexpr size_t kMaxSessionsPerUid = 1024;
+constexpr int kMaxArenaBatches = 1024;  // of 64 arenas each
 
 }  // namespace
 
@@ -35,8 +35,6 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
           "too many sessions ({} in all, {} of uid {}; at most {} and {} per user)", total, mine,
           caller.uid, kMaxSessions, kMaxSessionsPerUid));
     }
-    // Trainers that died between allocating and registering leave arenas behind.
-    shm::RemoveStaleSegments("ckpt-arena.", std::chrono::seconds(600));
     // The job is the caller's (or it may join it) before anything else is looked at; a new
     // job is recorded as the caller's only once the registration has succeeded.
     if (absl::Status owned = owners_.MayClaim(request->job(), caller); !owned.ok()) {
@@ -45,7 +43,16 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
                 request->rank(), Message(owned));
       return owned;
     }
-    auto session = Session::Create(*request, limits_, caller);
+    std::vector<UniqueFd> arenas;
+    if (request->arena_tokens_size() > kMaxArenaBatches) {
+      return absl::InvalidArgumentError(fmt::format("{} arena tokens; at most {}",
+                                                    request->arena_tokens_size(), kMaxArenaBatches));
+    }
+    for (const std::string& token : request->arena_tokens()) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> batch, arenas_.Take(token, caller));
+      for (UniqueFd& fd : batch) arenas.push_back(std::move(fd));
+    }
+    auto session = Session::Create(*request, limits_, caller, std::move(arenas));
     if (!session.ok()) {
       log::Get(log::Component::kControl)
           .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),

@@ -4,6 +4,7 @@
 #include "daemon/control/status_board.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restorer.h"
+#include "daemon/session/arena_deposits.h"
 #include "daemon/session/job_owners.h"
 #include "daemon/session/peer_identity.h"
 #include "daemon/session/session_registry.h"
@@ -18,10 +19,10 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
                  Session::Limits limits, const PeerTable& peers, JobOwners& owners,
-                 std::string control_socket)
+                 ArenaDeposits& arenas, std::string control_socket)
       : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
         restorer_(restorer), board_(board), limits_(std::move(limits)), peers_(peers),
-        owners_(owners), control_socket_(std::move(control_socket)) {}
+        owners_(owners), arenas_(arenas), control_socket_(std::move(control_socket)) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
                         ::ckptd::v1::RegisterReply* reply) override;
@@ -44,6 +45,7 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   const Session::Limits limits_;
   const PeerTable& peers_;  // who is calling, from the socket
   JobOwners& owners_;
+  ArenaDeposits& arenas_;  // trainers' arenas, handed over on the descriptor socket
   const std::string control_socket_;  // where trainers fetch their control blocks
 };
 

@@ -57,7 +57,8 @@ absl::StatusOr<UniqueFd> OpenPidfd(int32_t pid) {
 }  // namespace
 
 absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& req, const Limits& limits,
-                                           const PeerIdentity& caller) {
+                                           const PeerIdentity& caller,
+                                           std::vector<UniqueFd> arenas) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(req.job()));
   if (req.world_size() < 1 || req.world_size() > 1'000'000) {
     return absl::InvalidArgumentError(fmt::format("world size {} is out of range", req.world_size()));
@@ -90,6 +91,7 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         Message(pidfd.status())));
   }
   s->pidfd_ = std::move(*pidfd);
+  s->arenas_.resize(arenas.size());
 
   std::set<std::string> names;
   for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
@@ -113,34 +115,32 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
       s->tensors_.push_back(std::move(rt));
       continue;
     }
-    CKPT_RETURN_IF_ERROR(Annotate(ValidateShmName(t.shm_name()), fmt::format("tensor {}", t.name())));
-    auto it = s->arenas_.find(t.shm_name());
-    if (it == s->arenas_.end()) {
-      auto segment = shm::Segment::Open(t.shm_name());
-      if (!segment.ok()) return Annotate(segment.status(), fmt::format("tensor {}", t.name()));
-      // Only the trainer's own memory: naming another process's segment must not let a
-      // trainer read it through a restore, or overwrite it.
-      uid_t owner = (*segment)->owner_uid();
-      if (owner != caller.uid) {
-        return absl::PermissionDeniedError(fmt::format(
-            "tensor {}: shared memory {} is owned by uid {}, not by the caller ({})", t.name(),
-            t.shm_name(), owner, caller.Describe()));
+    if (t.arena() >= arenas.size()) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: arena {} was not handed over (this registration has {})", t.name(),
+          t.arena(), arenas.size()));
+    }
+    shm::SealedSegmentPtr& arena = s->arenas_[t.arena()];
+    if (!arena) {
+      auto mapped = shm::SealedSegment::Map(std::move(arenas[t.arena()]));
+      if (!mapped.ok()) {
+        return Annotate(mapped.status(), fmt::format("tensor {} (arena {})", t.name(), t.arena()));
       }
       // Fault the whole mapping in now, writable: snapshots and restores then copy at
       // memory speed instead of taking a page fault every 4 KiB.
-      if (!shm::PrefaultWritable((*segment)->data(), (*segment)->size())) {
+      if (!shm::PrefaultWritable((*mapped)->data(), (*mapped)->size())) {
         return absl::FailedPreconditionError(fmt::format(
-            "tensor {}: shared memory {} shrank while it was being registered", t.name(),
-            t.shm_name()));
+            "tensor {}: arena {} could not be faulted in", t.name(), t.arena()));
       }
-      it = s->arenas_.emplace(t.shm_name(), std::move(*segment)).first;
+      (*mapped)->DropFd();
+      arena = std::move(*mapped);
     }
-    const shm::Segment& seg = *it->second;
-    if (t.offset() > seg.size() || t.nbytes() > seg.size() - t.offset()) {
+    if (t.offset() > arena->size() || t.nbytes() > arena->size() - t.offset()) {
       return absl::InvalidArgumentError(fmt::format(
-          "tensor {}: bytes [{}, {}) lie outside shared memory {} ({} bytes)", t.name(), t.offset(),
-          t.offset() + t.nbytes(), t.shm_name(), seg.size()));
+          "tensor {}: bytes [{}, {}) lie outside arena {} ({} bytes)", t.name(), t.offset(),
+          t.offset() + t.nbytes(), t.arena(), arena->size()));
     }
+    const shm::SealedSegment& seg = *arena;
     RegisteredTensor rt;
     rt.name = t.name();
     rt.dtype = t.dtype();

@@ -25,7 +25,6 @@
 #include "proto/trainer.pb.h"
 #include "shm/command_ring.h"
 #include "shm/sealed_segment.h"
-#include "shm/segment.h"
 
 namespace ckpt::daemon {
 
@@ -40,10 +39,13 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   };
 
   // Validates the request, maps the trainer's arenas and creates the control block.
-  // `caller` is who connected (PeerTable), never taken from the request.
+  // `caller` is who connected (PeerTable), never taken from the request. `arenas` are the
+  // descriptors the caller handed over for this registration (ArenaDeposits), in the order
+  // of the request's arena_tokens; TensorSpec.arena indexes them.
   static absl::StatusOr<std::shared_ptr<Session>> Create(const ::ckptd::v1::RegisterRequest& request,
                                                          const Limits& limits,
-                                                         const PeerIdentity& caller);
+                                                         const PeerIdentity& caller,
+                                                         std::vector<UniqueFd> arenas);
   ~Session() override;
 
   // Starts the command thread.
@@ -103,7 +105,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
           std::chrono::system_clock::now().time_since_epoch())
           .count());
   UniqueFd pidfd_;
-  std::map<std::string, shm::SegmentPtr> arenas_;
+  std::vector<shm::SealedSegmentPtr> arenas_;  // mapped; their descriptors closed
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
   std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
   std::vector<RegisteredTensor> tensors_;

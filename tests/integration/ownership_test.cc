@@ -1,6 +1,6 @@
 // Trust boundaries between local users (issue 9): the caller's identity comes from the
 // socket, a job belongs to the uid that created it, a session only to the process that
-// registered it, and shared memory only to its owner. The test runs as root and drops to
+// registered it, and shared memory only to the process that hands it over. The test runs as root and drops to
 // other uids in the trainer processes it starts.
 #include <catch2/catch.hpp>
 
@@ -111,22 +111,35 @@ TEST_CASE("a session id is not a credential, and memory must be the caller's own
   OpenSocket(d);
   Process victim(Helper(d, As(1000, {"--job", "held", "hold", "--hold-seconds", "60"})),
                  dir.path(), "victim");
-  REQUIRE(victim.WaitForStdout("shm="));
+  REQUIRE(victim.WaitForStdout("arena="));
   std::string session = Line(victim.Stdout(), "session");
   // Its control block is a sealed memfd: even its own trainer cannot shrink it.
   CHECK(Line(victim.Stdout(), "truncate-control") == "EPERM");
-  std::string shm = Line(victim.Stdout(), "shm");
+  std::string spare_token = Line(victim.Stdout(), "spare-token");
+  std::string arena = Line(victim.Stdout(), "arena");
+  REQUIRE_FALSE(spare_token.empty());
+  // Arenas are memfds: nothing of the victim's is in /dev/shm for anyone to open.
+  for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+    CHECK(entry.path().filename().string().rfind("ckpt-arena.", 0) != 0);
+  }
 
   for (int uid : {1001, 0}) {  // another user, and root in another process
-    auto r = Run(Helper(d, As(uid, {"--job", "thief", "steal", "--session", session, "--shm", shm})),
-                 dir.path());
+    std::vector<std::string> args = {"--job", "thief", "steal", "--session", session,
+                                     "--victim-token", spare_token};
+    if (uid != 0) {  // root may open anything in /proc; another user may not
+      args.push_back("--victim-arena");
+      args.push_back(arena);
+    }
+    auto r = Run(Helper(d, As(uid, args)), dir.path());
     INFO("as uid " << uid << ": " << r.out << r.err);
     CHECK(Contains(r.out, "snapshot code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "restore code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "unregister code=PERMISSION_DENIED"));
     CHECK(Contains(r.out, "control=refused"));  // nor its control block
+    // Nor the arenas it handed over: a token is redeemed only by the process that made it.
     CHECK(Contains(r.out, "register code=PERMISSION_DENIED"));
-    CHECK(Contains(r.out, "is owned by uid 1000, not by the caller"));
+    CHECK(Contains(r.out, "was handed over by another process"));
+    if (uid != 0) CHECK(Contains(r.out, "open-arena=Permission denied"));
   }
   // The victim's session is untouched.
   auto status = d.Ctl({"status", "--json"});

@@ -2,6 +2,8 @@
 // seeded pattern, checks restores bit for bit, and sends hand-made (bad) requests.
 #include <grp.h>
 #include <signal.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -29,7 +31,7 @@
 namespace {
 
 struct Flags {
-  std::string socket, job = "job", dump, bad_case, target, session, shm;
+  std::string socket, job = "job", dump, bad_case, target, session, victim_token, victim_arena;
   int hold_seconds = 30;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
@@ -51,6 +53,18 @@ uint8_t Pattern(uint64_t seed, size_t tensor, size_t i) {
   uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ULL ^ (seed * 0xC2B2AE3D27D4EB4FULL) ^ (tensor << 56);
   x ^= x >> 29;
   return static_cast<uint8_t>(x * 0xBF58476D1CE4E5B9ULL >> 56);
+}
+
+// Hands `fds` to ckptd's descriptor socket as the client does; the answer's text ("ok
+// <token>", or why not).
+std::string HandOver(const std::string& socket, const std::vector<int>& fds) {
+  auto answer = ckpt::RequestFds(ckpt::DescriptorSocketPath(socket), ckpt::kDepositArenas, 0, fds);
+  return answer.ok() ? answer->payload : "error: " + ckpt::Message(answer.status());
+}
+
+std::string TokenOf(const std::string& answer) {
+  return answer.rfind(ckpt::kDepositAccepted, 0) == 0 ? answer.substr(ckpt::kDepositAccepted.size())
+                                                      : std::string();
 }
 
 std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
@@ -181,25 +195,62 @@ int RegisterBad(const Flags& f) {
   t->set_name("w");
   t->set_dtype("F32");
   t->add_shape(16);
-  t->set_shm_name(arena->name());
+  t->set_arena(0);
   t->set_offset(0);
   t->set_nbytes(64);
   const std::string& c = f.bad_case;
+  // What the trainer hands over: its arena, unless the case says otherwise.
+  std::vector<int> handed = {arena->fd()};
+  ckpt::UniqueFd other;
+  if (c == "unsealed-arena" || c == "sparse-arena") {
+    other.reset(::memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    (void)::ftruncate(other.get(), 1 << 20);
+    if (c == "sparse-arena") (void)::fcntl(other.get(), F_ADD_SEALS, F_SEAL_SHRINK);
+    handed = {other.get()};
+  } else if (c == "pipe-arena") {
+    int p[2];
+    if (::pipe(p) != 0) return 65;
+    other.reset(p[0]);
+    ::close(p[1]);
+    handed = {other.get()};
+  }
+  if (c != "no-arenas") {
+    std::string answer = HandOver(f.socket, handed);
+    if (TokenOf(answer).empty()) {
+      std::cout << "handover refused: " << answer << "\n";
+      return 0;
+    }
+    req.add_arena_tokens(TokenOf(answer));
+  }
   if (c == "wrong-size") t->set_nbytes(60);
   else if (c == "bad-dtype") t->set_dtype("F99");
   else if (c == "outside-segment") t->set_offset((1 << 20) - 32);
   else if (c == "duplicate-name") *req.add_tensors() = *t;
   else if (c == "reserved-name") t->set_name("__metadata__");
-  else if (c == "missing-shm") t->set_shm_name("/ckpt-arena.does-not-exist");
-  else if (c == "traversal-shm") t->set_shm_name("/../../etc/passwd");
+  else if (c == "missing-arena") t->set_arena(1);
+  else if (c == "unknown-token") req.set_arena_tokens(0, "0123456789abcdef0123456789abcdef");
+  else if (c == "reused-token") {
+    req.add_tensors()->CopyFrom(*t);
+    ::ckptd::v1::RegisterRequest first = req;
+    first.mutable_tensors()->RemoveLast();
+    first.set_job(f.job + "-first");
+    auto stub = ::ckptd::v1::Trainer::NewStub(
+        grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ::ckptd::v1::RegisterReply reply;
+    if (!stub->Register(&ctx, first, &reply).ok()) return 66;  // the token's one use
+    req.mutable_tensors()->RemoveLast();
+  }
   else if (c == "bad-rank") req.set_rank(f.world_size);
   else if (c == "cuda-on-host-daemon") {
-    t->clear_shm_name();
     t->mutable_cuda()->set_ipc_handle(std::string(64, '\x01'));
     t->mutable_cuda()->set_allocation_bytes(1 << 20);
     t->mutable_cuda()->set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
   }
-  else if (c != "bad-job" && c != "none") return 64;
+  else if (c != "bad-job" && c != "none" && c != "no-arenas" && c != "unsealed-arena" &&
+           c != "sparse-arena" && c != "pipe-arena") {
+    return 64;
+  }
   auto stub = ::ckptd::v1::Trainer::NewStub(
       grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
@@ -304,13 +355,19 @@ const char* CodeName(grpc::StatusCode code) {
 
 // Asks ckptd's control socket for a session's control block, as the client does.
 absl::StatusOr<ckpt::ReceivedFds> FetchControl(const std::string& socket, const std::string& session) {
-  return ckpt::RequestFds(socket + ".ctl", session, 1);
+  return ckpt::RequestFds(ckpt::DescriptorSocketPath(socket),
+                          std::string(ckpt::kFetchControlBlock) + session, 1);
 }
 
-// Registers one tensor in an arena of its own, prints the session and the arena's name,
-// and stays alive (a victim for the tests that try to act on another's session or memory).
+// Registers one tensor in an arena of its own, prints the session, where its arena can be
+// seen (/proc/<pid>/fd/<n>) and the token of a second arena it handed over but has not
+// registered yet, and stays alive (a victim for the tests that try to act on another's
+// session or memory).
 int Hold(const Flags& f) {
   auto arena = *ckpt::shm::Arena::Create(1 << 20);
+  auto spare = *ckpt::shm::Arena::Create(1 << 20);
+  std::string token = TokenOf(HandOver(f.socket, {arena->fd()}));
+  std::string spare_token = TokenOf(HandOver(f.socket, {spare->fd()}));
   auto stub = ::ckptd::v1::Trainer::NewStub(
       grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
   ::ckptd::v1::RegisterRequest req;
@@ -322,8 +379,8 @@ int Hold(const Flags& f) {
   t->set_name("w");
   t->set_dtype("U8");
   t->add_shape(64);
-  t->set_shm_name(arena->name());
   t->set_nbytes(64);
+  req.add_arena_tokens(token);
   grpc::ClientContext ctx;
   ::ckptd::v1::RegisterReply reply;
   grpc::Status s = stub->Register(&ctx, req, &reply);
@@ -339,7 +396,8 @@ int Hold(const Flags& f) {
   } else {
     std::cout << "truncate-control=no control block\n";
   }
-  std::cout << "session=" << reply.session_id() << "\nshm=" << arena->name() << std::endl;
+  std::cout << "session=" << reply.session_id() << "\nspare-token=" << spare_token
+            << "\narena=/proc/" << ::getpid() << "/fd/" << arena->fd() << std::endl;
   std::this_thread::sleep_for(std::chrono::seconds(f.hold_seconds));
   return 0;
 }
@@ -380,7 +438,14 @@ int Steal(const Flags& f) {
                                                             : "refused " + (control.ok() ? control->payload : ckpt::Message(control.status())))
               << "\n";
   }
-  if (!f.shm.empty()) {
+  if (!f.victim_arena.empty()) {
+    // The arena itself: it has no name in /dev/shm, and another user's /proc/<pid>/fd is
+    // closed to us (the kernel's ptrace check).
+    int fd = ::open(f.victim_arena.c_str(), O_RDWR | O_CLOEXEC);
+    std::cout << "open-arena=" << (fd >= 0 ? "OPENED" : std::strerror(errno)) << "\n";
+    if (fd >= 0) ::close(fd);
+  }
+  if (!f.victim_token.empty()) {
     ::ckptd::v1::RegisterRequest req;
     req.set_job(f.job);
     req.set_world_size(1);
@@ -389,8 +454,8 @@ int Steal(const Flags& f) {
     t->set_name("w");
     t->set_dtype("U8");
     t->add_shape(64);
-    t->set_shm_name(f.shm);
     t->set_nbytes(64);
+    req.add_arena_tokens(f.victim_token);
     grpc::ClientContext ctx;
     ::ckptd::v1::RegisterReply reply;
     grpc::Status s = stub->Register(&ctx, req, &reply);
@@ -493,7 +558,8 @@ int main(int argc, char** argv) {
   hold->add_option("--hold-seconds", f.hold_seconds);
   auto* steal = app.add_subcommand("steal");
   steal->add_option("--session", f.session)->required();
-  steal->add_option("--shm", f.shm);
+  steal->add_option("--victim-token", f.victim_token, "register with another process's arenas");
+  steal->add_option("--victim-arena", f.victim_arena, "open another process's arena directly");
   auto* admin_delete = app.add_subcommand("admin-delete");
   admin_delete->add_option("--step", f.step)->required();
   auto* register_at = app.add_subcommand("register-at");

@@ -12,7 +12,7 @@
 #include "common/fault_guard.h"
 #include "common/status.h"
 #include "cuda/copy_engine.h"
-#include "shm/segment.h"
+#include "common/unique_fd.h"
 
 using namespace ckpt;
 
@@ -20,17 +20,23 @@ namespace {
 
 constexpr size_t kBytes = 4 << 20;
 
-// A segment mapped here, then shrunk to nothing behind the mapping's back.
-shm::SegmentPtr TruncatedSegment() {
-  std::string name = "/ckpt-test-trunc." + std::to_string(::getpid());
-  auto segment = shm::Segment::Create(name, kBytes, 0600, /*unlink_on_destroy=*/true);
-  REQUIRE(segment.ok());
-  int fd = ::shm_open(name.c_str(), O_RDWR, 0);
-  REQUIRE(fd >= 0);
-  REQUIRE(::ftruncate(fd, 0) == 0);
-  ::close(fd);
-  return std::move(*segment);
-}
+// Shared memory mapped here, then shrunk to nothing behind the mapping's back (an unsealed
+// memfd: what ckptd refuses, and what its guard must survive all the same).
+struct TruncatedMemory {
+  void* mapping = nullptr;
+  TruncatedMemory() {
+    UniqueFd fd(::memfd_create("ckpt-test-trunc", MFD_CLOEXEC));
+    REQUIRE(fd.valid());
+    REQUIRE(::ftruncate(fd.get(), kBytes) == 0);
+    mapping = ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    REQUIRE(mapping != MAP_FAILED);
+    REQUIRE(::ftruncate(fd.get(), 0) == 0);
+  }
+  ~TruncatedMemory() { ::munmap(mapping, kBytes); }
+  void* data() const { return mapping; }
+};
+
+std::unique_ptr<TruncatedMemory> TruncatedSegment() { return std::make_unique<TruncatedMemory>(); }
 
 }  // namespace
 

@@ -1,4 +1,4 @@
-// Segments, arenas and the command ring, across real processes (fork).
+// Sealed segments, arenas and the command ring, across real processes (fork).
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <cstring>
 #include <atomic>
 #include <optional>
@@ -21,8 +22,6 @@
 #include "shm/futex.h"
 #include "shm/payload.h"
 #include "shm/sealed_segment.h"
-#include "shm/segment.h"
-#include "shm/sweep.h"
 
 using namespace ckpt;
 using namespace ckpt::shm;
@@ -46,41 +45,16 @@ int InChild(Fn child) {
 }
 
 struct Ring {
-  SegmentPtr segment;
+  SealedSegmentPtr segment;
   ControlBlock* block;
   Ring() {
-    segment = *Segment::Create(UniqueName("ctl"), kControlBlockBytes, 0600, true);
+    segment = *SealedSegment::Create(UniqueName("ctl"), kControlBlockBytes);
     InitializeControlBlock(segment->data(), ::getpid(), ::getpid());
     block = *ValidateControlBlock(segment->data(), segment->size());
   }
 };
 
 }  // namespace
-
-TEST_CASE("a segment is shared between processes and has the asked-for mode") {
-  auto seg = Segment::Create(UniqueName("seg"), 4096, 0660, true);
-  REQUIRE(seg.ok());
-  struct stat st;
-  REQUIRE(::stat(("/dev/shm" + (*seg)->name()).c_str(), &st) == 0);
-  CHECK((st.st_mode & 0777) == 0660);
-  std::string name = (*seg)->name();
-  CHECK(InChild([&] {
-          auto other = Segment::Open(name);
-          if (!other.ok()) return 1;
-          std::memcpy((*other)->data(), "hello", 6);
-          return 0;
-        }) == 0);
-  CHECK(std::string(static_cast<char*>((*seg)->data())) == "hello");
-  CHECK_FALSE(Segment::Create(name, 4096, 0600, false).ok());  // exists already
-}
-
-TEST_CASE("opening a missing segment names it") {
-  auto missing = Segment::Open("/ckpt-test-does-not-exist");
-  REQUIRE_FALSE(missing.ok());
-  CHECK(absl::IsNotFound(missing.status()));
-  CHECK(Message(missing.status()).find("ckpt-test-does-not-exist") != std::string::npos);
-  CHECK(absl::IsInvalidArgument(Segment::Open("../../etc/passwd").status()));
-}
 
 TEST_CASE("arena allocations are aligned, zeroed and bounded") {
   auto arena = Arena::Create(1 << 20);
@@ -98,16 +72,45 @@ TEST_CASE("arena allocations are aligned, zeroed and bounded") {
   CHECK(Message(full.status()).find((*arena)->name()) != std::string::npos);
 }
 
-TEST_CASE("an unlinked arena stays mapped for both sides and leaves no name behind") {
+TEST_CASE("an arena has no name: it reaches another process only as a descriptor") {
   auto arena = Arena::Create(4096);
   REQUIRE(arena.ok());
-  std::string name = (*arena)->name();
-  auto daemon_side = Segment::Open(name);
+  // Nothing in /dev/shm: no other user can open it by name.
+  CHECK_FALSE(std::filesystem::exists("/dev/shm/" + (*arena)->name()));
+  // The receiving side maps the same memory from the descriptor and cannot shrink it.
+  UniqueFd dup(::fcntl((*arena)->fd(), F_DUPFD_CLOEXEC, 0));
+  auto daemon_side = SealedSegment::Map(std::move(dup));
   REQUIRE(daemon_side.ok());
-  (*arena)->UnlinkName();
-  CHECK(absl::IsNotFound(Segment::Open(name).status()));
   std::memcpy((*arena)->at(0), "x", 1);
   CHECK(static_cast<char*>((*daemon_side)->data())[0] == 'x');
+  (*daemon_side)->DropFd();  // the mapping outlives its descriptor
+  static_cast<char*>((*daemon_side)->data())[1] = 'y';
+  CHECK(static_cast<char*>((*arena)->at(0))[1] == 'y');
+  CHECK(::ftruncate((*arena)->fd(), 0) != 0);
+  CHECK(errno == EPERM);
+}
+
+TEST_CASE("a received descriptor that is not sealed, or has holes, is refused") {
+  UniqueFd plain(::memfd_create("ckpt-test-unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  REQUIRE(::ftruncate(plain.get(), 4096) == 0);
+  REQUIRE(::posix_fallocate(plain.get(), 0, 4096) == 0);
+  CHECK_FALSE(SealedSegment::CheckSealed(plain.get()).ok());
+  auto unsealed = SealedSegment::Map(UniqueFd(::fcntl(plain.get(), F_DUPFD_CLOEXEC, 0)));
+  REQUIRE_FALSE(unsealed.ok());
+  CHECK(Message(unsealed.status()).find("not shared memory sealed") != std::string::npos);
+  // Sealed but sparse: a terabyte the mapper would have to find pages for.
+  UniqueFd sparse(::memfd_create("ckpt-test-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  REQUIRE(::ftruncate(sparse.get(), off_t{1} << 40) == 0);
+  REQUIRE(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
+  CHECK(SealedSegment::CheckSealed(sparse.get()).ok());
+  auto holes = SealedSegment::Map(std::move(sparse));
+  REQUIRE_FALSE(holes.ok());
+  CHECK(Message(holes.status()).find("not fully allocated") != std::string::npos);
+  // A pipe is no shared memory at all.
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  UniqueFd read_end(p[0]), write_end(p[1]);
+  CHECK_FALSE(SealedSegment::CheckSealed(read_end.get()).ok());
 }
 
 TEST_CASE("payloads round-trip and hostile bytes are refused, never trusted") {
@@ -225,26 +228,6 @@ TEST_CASE("a control block from another ABI is refused") {
   CHECK_FALSE(ValidateControlBlock(ring.segment->data(), 16).ok());
 }
 
-TEST_CASE("the sweep removes segments of dead processes once they are old enough") {
-  pid_t child = ::fork();
-  if (child == 0) _exit(0);
-  ::waitpid(child, nullptr, 0);  // a pid that no longer exists
-  std::string stale = "/ckpt-sweep-test." + std::to_string(child) + ".x";
-  std::string live = "/ckpt-sweep-test." + std::to_string(::getpid()) + ".y";
-  auto a = Segment::Create(stale, 4096, 0600, false);
-  auto b = Segment::Create(live, 4096, 0600, true);
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
-  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.", std::chrono::seconds(3600)) == 0);
-  // Its pid looks dead (as one from another PID namespace would), but the segment is still
-  // held open by whoever created it: kept.
-  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.") == 0);
-  a->reset();  // closed, and left behind
-  CHECK(ckpt::shm::RemoveStaleSegments("ckpt-sweep-test.") == 1);
-  CHECK(absl::IsNotFound(Segment::Open(stale).status()));
-  CHECK(Segment::Open(live).ok());
-}
-
 TEST_CASE("the staged-ticket word only moves forward, and failures release waiters too") {
   Ring ring;
   CommandProducer producer(ring.block);
@@ -287,22 +270,6 @@ TEST_CASE("host-copy transport: the daemon stages only after the trainer's copy 
   CHECK_FALSE(consumer.WaitClientCopy(3, 10ms));
   CommandConsumer(ring.block).Close();
   CHECK_FALSE(consumer.WaitClientCopy(5, 5s));  // a closed session gives up at once
-}
-
-TEST_CASE("a segment with holes is refused: touching a hole on a full tmpfs would be SIGBUS") {
-  std::string name = UniqueName("sparse");
-  int fd = ::shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-  REQUIRE(fd >= 0);
-  REQUIRE(::ftruncate(fd, 1 << 20) == 0);  // size without pages
-  ::close(fd);
-  auto opened = Segment::Open(name);
-  Segment::Unlink(name);
-  REQUIRE_FALSE(opened.ok());
-  CHECK(ckpt::Message(opened.status()).find("not fully allocated") != std::string::npos);
-  // Segments made by Create have every page reserved and open fine.
-  auto made = Segment::Create(UniqueName("full"), 1 << 20, 0600, true);
-  REQUIRE(made.ok());
-  CHECK(Segment::Open((*made)->name()).ok());
 }
 
 TEST_CASE("a trainer rewriting a command while the daemon reads it cannot move the daemon's reads") {
@@ -351,16 +318,6 @@ TEST_CASE("a sealed segment cannot be shrunk or grown by whoever receives it") {
   auto plain = ckpt::UniqueFd(::memfd_create("plain", MFD_CLOEXEC));
   REQUIRE(::ftruncate(plain.get(), 4096) == 0);
   CHECK_FALSE(ckpt::shm::SealedSegment::Map(std::move(plain)).ok());
-}
-
-TEST_CASE("an arena can be shared with the daemon's group") {
-  REQUIRE(::geteuid() == 0);  // the suite runs as root: any group will do
-  auto arena = ckpt::shm::Arena::Create(1 << 20, 4242);
-  REQUIRE(arena.ok());
-  struct stat st;
-  REQUIRE(::stat(("/dev/shm" + (*arena)->name()).c_str(), &st) == 0);
-  CHECK(st.st_gid == 4242u);
-  CHECK((st.st_mode & 0777) == 0660);
 }
 
 TEST_CASE("a trainer that moves the ring's indices ends only its own ring") {

@@ -78,7 +78,7 @@ def is_shared_memory(address):
             span, *_, path = line.split(maxsplit=5) + [""]
             lo, hi = (int(x, 16) for x in span.split("-"))
             if lo <= address < hi:
-                return "/dev/shm/ckpt-arena." in line
+                return "/memfd:ckpt-arena." in line  # a sealed memfd (shm/arena.h)
     return False
 
 

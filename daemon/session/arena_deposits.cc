@@ -1,0 +1,87 @@
+#include "daemon/session/arena_deposits.h"
+
+#include <fmt/format.h>
+
+#include <random>
+
+#include "common/status.h"
+#include "shm/sealed_segment.h"
+
+namespace ckpt::daemon {
+namespace {
+
+std::string RandomToken() {
+  std::random_device rd;  // /dev/urandom: a token must not be guessable
+  return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ArenaDeposits::Put(const PeerIdentity& depositor,
+                                               std::vector<UniqueFd> fds) {
+  if (fds.empty()) return absl::InvalidArgumentError("no arenas attached");
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (absl::Status sealed = shm::SealedSegment::CheckSealed(fds[i].get()); !sealed.ok()) {
+      return Annotate(sealed, fmt::format("arena {} of {}", i, fds.size()));
+    }
+  }
+  std::lock_guard lock(mu_);
+  auto now = std::chrono::steady_clock::now();
+  ExpireLocked(now);
+  size_t& mine = fds_of_uid_[depositor.uid];
+  if (mine + fds.size() > options_.max_fds_per_uid || fds_ + fds.size() > options_.max_fds) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "too many arenas handed over and not yet registered ({} of uid {}, {} in all; at most "
+        "{} per user and {} in all, kept {} ms)",
+        mine, depositor.uid, fds_, options_.max_fds_per_uid, options_.max_fds,
+        options_.expire_after.count()));
+  }
+  std::string token = RandomToken();
+  mine += fds.size();
+  fds_ += fds.size();
+  batches_.emplace(token, Batch{depositor.pid, depositor.uid, std::move(fds), now + options_.expire_after});
+  return token;
+}
+
+absl::StatusOr<std::vector<UniqueFd>> ArenaDeposits::Take(const std::string& token,
+                                                          const PeerIdentity& caller) {
+  std::lock_guard lock(mu_);
+  ExpireLocked(std::chrono::steady_clock::now());
+  auto it = batches_.find(token);
+  if (it == batches_.end()) {
+    return absl::NotFoundError(fmt::format(
+        "arena token \"{}\" is unknown or expired (arenas must be registered within {} ms of "
+        "being handed over)",
+        token.substr(0, 64), options_.expire_after.count()));
+  }
+  if (it->second.pid != caller.pid || it->second.uid != caller.uid) {
+    return absl::PermissionDeniedError(fmt::format(
+        "arena token \"{}\" was handed over by another process (pid {} uid {}), not by the "
+        "caller ({})",
+        token, it->second.pid, it->second.uid, caller.Describe()));
+  }
+  std::vector<UniqueFd> fds = std::move(it->second.fds);
+  fds_ -= fds.size();
+  fds_of_uid_[it->second.uid] -= fds.size();
+  batches_.erase(it);
+  return fds;
+}
+
+size_t ArenaDeposits::held_fds() const {
+  std::lock_guard lock(mu_);
+  return fds_;
+}
+
+void ArenaDeposits::ExpireLocked(std::chrono::steady_clock::time_point now) {
+  for (auto it = batches_.begin(); it != batches_.end();) {
+    if (it->second.expires > now) {
+      ++it;
+      continue;
+    }
+    fds_ -= it->second.fds.size();
+    fds_of_uid_[it->second.uid] -= it->second.fds.size();
+    it = batches_.erase(it);
+  }
+}
+
+}  // namespace ckpt::daemon
