@@ -1,6 +1,7 @@
 #include "daemon/session/peer_identity.h"
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <fmt/format.h>
 
@@ -41,9 +42,19 @@ absl::StatusOr<PeerIdentity> ReadPeerIdentity(int fd) {
   return peer;
 }
 
+namespace {
+
+ino_t SocketInode(int fd) {
+  struct stat st;
+  return ::fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode) ? st.st_ino : 0;
+}
+
+}  // namespace
+
 void PeerTable::Remember(int fd, PeerIdentity peer) {
+  ino_t inode = SocketInode(fd);
   std::lock_guard lock(mu_);
-  by_fd_[fd] = std::move(peer);
+  by_fd_[fd] = Entry{std::move(peer), inode};
 }
 
 absl::StatusOr<PeerIdentity> PeerTable::Of(const std::string& grpc_peer) const {
@@ -62,7 +73,14 @@ absl::StatusOr<PeerIdentity> PeerTable::Of(const std::string& grpc_peer) const {
         "from {})",
         grpc_peer.substr(0, 128)));
   }
-  return it->second;
+  // The descriptor must still be the socket accepted then, with the same peer.
+  absl::StatusOr<PeerIdentity> now = ReadPeerIdentity(fd);
+  if (it->second.socket_inode == 0 || SocketInode(fd) != it->second.socket_inode || !now.ok() ||
+      now->pid != it->second.peer.pid || now->uid != it->second.peer.uid) {
+    return absl::UnauthenticatedError(fmt::format(
+        "the connection behind {} is no longer the one ckptd accepted; reconnect", grpc_peer));
+  }
+  return it->second.peer;
 }
 
 }  // namespace ckpt::daemon

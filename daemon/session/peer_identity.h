@@ -2,7 +2,15 @@
 // connection, taken from the kernel (SO_PEERCRED, SO_PEERGROUPS) when it connects, never
 // from anything the caller sends. ckptd hands each accepted connection to gRPC as a file
 // descriptor, and gRPC names such a peer "fd:N"; the table maps that name back to the
-// identity read at accept time.
+// identity read at accept time, and to the socket itself (its inode).
+//
+// Why the number can be trusted: gRPC closes a connection's descriptor only when its
+// transport is destroyed, which waits for every call on it to be destroyed, so while a
+// handler runs, its connection's descriptor is open and its number cannot have been given
+// to another connection. What the inode adds: a number that gRPC closed and the process
+// reused for something else (a file, a TCP connection, a socket accepted elsewhere) is
+// not taken for the connection the table remembers; and the peer's credentials are read
+// again from that socket, so a table that somehow missed an accept fails closed.
 #pragma once
 
 #include <sys/types.h>
@@ -40,7 +48,11 @@ class PeerTable {
 
  private:
   mutable std::mutex mu_;
-  std::map<int, PeerIdentity> by_fd_;
+  struct Entry {
+    PeerIdentity peer;
+    ino_t socket_inode;
+  };
+  std::map<int, Entry> by_fd_;
 };
 
 }  // namespace ckpt::daemon
