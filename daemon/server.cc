@@ -48,6 +48,9 @@
 
 namespace ckpt::daemon {
 
+constexpr int kUnixServerThreads = 2 * TrainerService::kMaxLongCalls;
+constexpr size_t kUnixServerMemoryBytes = size_t{2} << 30;  // 32 messages of the 64 MiB maximum
+
 // Declared in dependency order: destroyed in reverse (the root's lock last of all, the
 // ledger after every snapshot that holds a share).
 struct Server::Parts {
@@ -367,6 +370,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   grpc::ServerBuilder builder;
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(64 << 20);
+  // Bounded threads and memory for everything this server reads and runs: a call beyond
+  // them is RESOURCE_EXHAUSTED, never a daemon out of memory or threads. Wait and Restore,
+  // which hold a thread for long, have per-user bounds of their own (TrainerService) well
+  // below the thread bound, so short calls always find a thread.
+  grpc::ResourceQuota quota("ckptd-unix");
+  quota.SetMaxThreads(kUnixServerThreads);
+  quota.Resize(kUnixServerMemoryBytes);
+  builder.SetResourceQuota(quota);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 64);  // per connection
   builder.RegisterService(p->trainer_service.get());
   builder.RegisterService(p->admin_service.get());
   p->grpc_server = builder.BuildAndStart();

@@ -96,6 +96,7 @@ grpc::Status TrainerService::Wait(grpc::ServerContext* ctx, const WaitRequest* r
   return Guarded("Wait", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
+    CKPT_ASSIGN_OR_RETURN(CallLimiter::Slot slot, long_calls_.Enter(caller.uid, "Wait"));
     auto timeout = std::chrono::milliseconds(std::min<uint32_t>(request->timeout_ms(), 600'000));
     CKPT_ASSIGN_OR_RETURN(shm::TicketResult result,
                           s->producer().Wait(request->ticket(), request->until_committed(), timeout,
@@ -112,6 +113,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
   return Guarded("Restore", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
+    CKPT_ASSIGN_OR_RETURN(CallLimiter::Slot slot, long_calls_.Enter(caller.uid, "Restore"));
     std::optional<uint64_t> step;
     if (request->has_step()) step = request->step();
     std::lock_guard lock(s->data_mutex());

@@ -1,6 +1,7 @@
 // gRPC Trainer service: registration, the RPC snapshot path, waits, restore.
 #pragma once
 
+#include "daemon/control/call_limiter.h"
 #include "daemon/control/status_board.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restorer.h"
@@ -16,6 +17,9 @@ namespace ckpt::daemon {
 
 class TrainerService final : public ::ckptd::v1::Trainer::Service {
  public:
+  static constexpr size_t kMaxLongCallsPerUid = 32;
+  static constexpr size_t kMaxLongCalls = 256;
+
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
                  Session::Limits limits, const PeerTable& peers, JobOwners& owners,
@@ -46,6 +50,8 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   const PeerTable& peers_;  // who is calling, from the socket
   JobOwners& owners_;
   ArenaDeposits& arenas_;  // trainers' arenas, handed over on the descriptor socket
+  // Wait and Restore may hold a server thread for minutes: bounded per user and in all.
+  CallLimiter long_calls_{kMaxLongCallsPerUid, kMaxLongCalls};
   const std::string control_socket_;  // where trainers fetch their control blocks
 };
 

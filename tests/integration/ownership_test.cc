@@ -171,3 +171,28 @@ TEST_CASE("members of a --job-group share its jobs; supplementary groups count")
   CHECK(outsider.exit_code != 0);
   CHECK(Contains(d.Log(), "refused connection from pid"));
 }
+
+TEST_CASE("one user's long calls cannot take every thread of the daemon") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000"});
+  d.Start();
+  OpenSocket(d);
+  // 40 RPC Waits at once from one uid (root here): 32 are served, the rest refused at once.
+  Process flood(Helper(d, {"--job", "hog", "--world-size", "2", "--bytes", "100000",
+                           "flood-waits", "--count", "40", "--hold-seconds", "8"}),
+                dir.path(), "flood");
+  REQUIRE(flood.WaitForStdout("flooding"));
+  // Meanwhile another user checkpoints through the RPC path (Snapshot, then a Wait).
+  auto other = Run(Helper(d, As(1000, {"--job", "fine", "--bytes", "100000", "rpc-snapshot"})),
+                   dir.path());
+  INFO(other.out << other.err);
+  CHECK(other.exit_code == 0);
+  CHECK(Contains(other.out, "state=TICKET_COMMITTED"));
+  REQUIRE(flood.Wait() == 0);
+  std::string out = flood.Stdout();
+  INFO(out);
+  CHECK(Contains(out, "RESOURCE_EXHAUSTED=8"));
+  CHECK(Contains(out, "DEADLINE_EXCEEDED=32"));
+  CHECK(Contains(out, "too many Wait calls at once (32 of uid 0"));
+}

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -33,6 +34,7 @@ namespace {
 struct Flags {
   std::string socket, job = "job", dump, bad_case, target, session, victim_token, victim_arena;
   int hold_seconds = 30;
+  int count = 40;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
@@ -464,6 +466,42 @@ int Steal(const Flags& f) {
   return 0;
 }
 
+// Holds --count RPC Waits at once on a ticket that cannot commit (rank 0 of 2, alone), as a
+// trainer hogging the daemon's threads would; prints how each ended.
+int FloodWaits(const Flags& f) {
+  auto c = Connect(f);
+  Setup(*c, f);
+  auto ticket = c->Snapshot(f.step);
+  if (!ticket.ok() || !c->WaitStaged(*ticket).ok()) return 2;
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  std::mutex mu;
+  std::map<std::string, int> codes;
+  std::string exhausted;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < f.count; ++i) {
+    threads.emplace_back([&] {
+      grpc::ClientContext ctx;
+      ::ckptd::v1::WaitRequest req;
+      req.set_session_id(c->session_id());
+      req.set_ticket(*ticket);
+      req.set_until_committed(true);
+      req.set_timeout_ms(static_cast<uint32_t>(f.hold_seconds * 1000));
+      ::ckptd::v1::WaitReply reply;
+      grpc::Status s = stub->Wait(&ctx, req, &reply);
+      std::lock_guard lock(mu);
+      codes[CodeName(s.error_code())]++;
+      if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) exhausted = s.error_message();
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  std::cout << "flooding" << std::endl;
+  for (auto& t : threads) t.join();
+  for (const auto& [code, n] : codes) std::cout << code << "=" << n << "\n";
+  std::cout << "message=" << exhausted << std::endl;
+  return 0;
+}
+
 // Admin.Delete over the socket, as whoever this process is.
 int AdminDelete(const Flags& f) {
   auto stub = ::ckptd::v1::Admin::NewStub(
@@ -565,8 +603,11 @@ int main(int argc, char** argv) {
   auto* register_at = app.add_subcommand("register-at");
   register_at->add_option("--target", f.target)->required();
   auto* add_cuda = app.add_subcommand("add-cuda");
+  auto* flood = app.add_subcommand("flood-waits");
+  flood->add_option("--count", f.count);
+  flood->add_option("--hold-seconds", f.hold_seconds);
   for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
-                    admin_delete}) {
+                    admin_delete, flood}) {
     sub->fallthrough();
   }
   CLI11_PARSE(app, argc, argv);
@@ -587,5 +628,6 @@ int main(int argc, char** argv) {
   if (hold->parsed()) return Hold(f);
   if (steal->parsed()) return Steal(f);
   if (admin_delete->parsed()) return AdminDelete(f);
+  if (flood->parsed()) return FloodWaits(f);
   return Health(f);
 }
