@@ -330,9 +330,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
   staging.chunk_bytes = config.staging_chunk_bytes;
   p->ledger = std::make_unique<StagingLedger>(p->pool->capacity(), [parts = p.get()] {
-    std::set<std::string> jobs;
-    for (const SessionPtr& s : parts->sessions.All()) jobs.insert(s->job());
-    return jobs.size();
+    StagingLedger::ActiveUsers active;
+    for (const SessionPtr& s : parts->sessions.All()) active[s->uid()].insert(s->job());
+    return active;
   });
   staging.ledger = p->ledger.get();
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->hot, p->progress, staging,

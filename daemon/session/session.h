@@ -65,7 +65,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint64_t registered_bytes() const { return registered_bytes_; }
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
   SessionView view() const {
-    return {job_, rank_, world_size_, &tensors_, snapshot_event_ ? snapshot_event_->get() : nullptr};
+    return {job_, uid_, rank_, world_size_, &tensors_,
+            snapshot_event_ ? snapshot_event_->get() : nullptr};
   }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Checks the trainer now rather than at the command thread's next tick.

@@ -27,12 +27,12 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
 }
 
 absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager::Reserve(
-    const std::string& job, size_t bytes, const std::string& context) {
+    const SessionView& session, size_t bytes, const std::string& context) {
   auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
   while (true) {
     absl::Status why;
     absl::StatusOr<StagingLedger::HoldPtr> hold = StagingLedger::HoldPtr();
-    if (options_.ledger != nullptr) hold = options_.ledger->Admit(job, bytes);
+    if (options_.ledger != nullptr) hold = options_.ledger->Admit(session.uid, session.job, bytes);
     if (hold.ok()) {
       auto block = pool_.Allocate(bytes);
       if (block.ok()) return std::make_pair(std::move(*block), std::move(*hold));
@@ -77,7 +77,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     total += blob.data.size();
   }
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);
-  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session.job, total, context));
+  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session, total, context));
   cuda::StagingBlockPtr block = std::move(reserved.first);
 
   auto snap = std::make_shared<StagedSnapshot>();

@@ -5,6 +5,8 @@
 // the writer streams chunk k to storage while chunk k+1 is being copied.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <functional>
 #include <map>
@@ -39,6 +41,7 @@ struct RegisteredTensor {
 // What the stager and restorer need to know about a session.
 struct SessionView {
   std::string job;
+  uid_t uid = 0;  // the trainer's: fair shares of staging memory are per user
   uint32_t rank = 0;
   uint32_t world_size = 0;
   const std::vector<RegisteredTensor>* tensors = nullptr;
@@ -81,7 +84,7 @@ class Stager {
  private:
   // The block, and the hold on the job's share, under the --when-busy policy.
   absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Reserve(
-      const std::string& job, size_t bytes, const std::string& context);
+      const SessionView& session, size_t bytes, const std::string& context);
   // Copies the tensors, chunk by chunk, advancing the snapshot's watermark after each.
   absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap);
 

@@ -5,34 +5,62 @@
 #include <algorithm>
 
 namespace ckpt::daemon {
+namespace {
 
-absl::StatusOr<StagingLedger::HoldPtr> StagingLedger::Admit(const std::string& job, size_t bytes) {
-  size_t jobs = std::max<size_t>(1, active_jobs_());
-  size_t share = capacity_ / jobs;
+void Subtract(size_t& from, size_t bytes) { from -= std::min(from, bytes); }
+
+}  // namespace
+
+absl::StatusOr<StagingLedger::HoldPtr> StagingLedger::Admit(uid_t uid, const std::string& job,
+                                                            size_t bytes) {
+  ActiveUsers active = active_();
+  active[uid].insert(job);  // the caller is active, whatever the snapshot of sessions says
+  const size_t users = active.size();
+  const size_t jobs_of_user = active[uid].size();
+  const size_t user_share = capacity_ / users;
+  const size_t job_share = user_share / jobs_of_user;
   std::lock_guard lock(mu_);
-  size_t& mine = in_flight_[job];
-  if (jobs > 1 && mine > 0 && mine + bytes > share) {
+  size_t& user = of_user_[uid];
+  size_t& mine = of_job_[job];
+  if (users > 1 && user > 0 && user + bytes > user_share) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "uid {} already has {} bytes of snapshots in flight (job {}: {}); a user's fair share "
+        "of the staging memory is {} bytes ({} users share --staging-bytes {})",
+        uid, user, job, mine, user_share, users, capacity_));
+  }
+  if (jobs_of_user > 1 && mine > 0 && mine + bytes > job_share) {
     return absl::ResourceExhaustedError(fmt::format(
         "job {} already has {} bytes of snapshots in flight; its fair share of the staging "
-        "memory is {} bytes ({} jobs share --staging-bytes {})",
-        job, mine, share, jobs, capacity_));
+        "memory is {} bytes ({} jobs of uid {} share {} bytes of --staging-bytes {})",
+        job, mine, job_share, jobs_of_user, uid, user_share, capacity_));
   }
+  user += bytes;
   mine += bytes;
-  return std::make_unique<Hold>(*this, job, bytes);
+  return std::make_unique<Hold>(*this, uid, job, bytes);
 }
 
 size_t StagingLedger::in_flight(const std::string& job) const {
   std::lock_guard lock(mu_);
-  auto it = in_flight_.find(job);
-  return it == in_flight_.end() ? 0 : it->second;
+  auto it = of_job_.find(job);
+  return it == of_job_.end() ? 0 : it->second;
 }
 
-void StagingLedger::Release(const std::string& job, size_t bytes) {
+size_t StagingLedger::in_flight_of_user(uid_t uid) const {
   std::lock_guard lock(mu_);
-  auto it = in_flight_.find(job);
-  if (it == in_flight_.end()) return;
-  it->second -= std::min(it->second, bytes);
-  if (it->second == 0) in_flight_.erase(it);
+  auto it = of_user_.find(uid);
+  return it == of_user_.end() ? 0 : it->second;
+}
+
+void StagingLedger::Release(uid_t uid, const std::string& job, size_t bytes) {
+  std::lock_guard lock(mu_);
+  if (auto it = of_job_.find(job); it != of_job_.end()) {
+    Subtract(it->second, bytes);
+    if (it->second == 0) of_job_.erase(it);
+  }
+  if (auto it = of_user_.find(uid); it != of_user_.end()) {
+    Subtract(it->second, bytes);
+    if (it->second == 0) of_user_.erase(it);
+  }
 }
 
 }  // namespace ckpt::daemon

@@ -1,17 +1,22 @@
-// Fair shares of the node's staging memory. Every job with a live session is entitled to
-// an equal share of --staging-bytes for snapshots in flight (staged, not yet committed or
-// failed); a job may go beyond its share only while no other job is registered, and may
-// always have one snapshot in flight, so that a job whose single snapshot is larger than
-// its share still checkpoints. So one job that snapshots faster than its disk writes cannot
-// take the memory another job's next checkpoint needs. Committed copies kept for hot
-// restore are not counted: they are evicted whenever memory is short.
+// Fair shares of the node's staging memory, per user first and then per job. Every user
+// (uid) with a live session is entitled to an equal share of --staging-bytes for snapshots
+// in flight (staged, not yet committed or failed), and each of that user's jobs to an
+// equal part of the user's share. A user or job may go beyond its share only while no
+// other user or job is registered, and may always have one snapshot in flight, so that a
+// job whose single snapshot is larger than its share still checkpoints. So neither one job
+// that snapshots faster than its disk writes, nor one user who starts many jobs, can take
+// the memory another user's next checkpoint needs. Committed copies kept for hot restore
+// are not counted: they are evicted whenever memory is short.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -20,38 +25,43 @@ namespace ckpt::daemon {
 
 class StagingLedger {
  public:
-  // `active_jobs`: how many jobs have live sessions now.
-  StagingLedger(size_t capacity, std::function<size_t()> active_jobs)
-      : capacity_(capacity), active_jobs_(std::move(active_jobs)) {}
+  // Who has live sessions now: each uid with the jobs it has sessions in.
+  using ActiveUsers = std::map<uid_t, std::set<std::string>>;
 
-  // Bytes counted against a job while the hold lives.
+  StagingLedger(size_t capacity, std::function<ActiveUsers()> active)
+      : capacity_(capacity), active_(std::move(active)) {}
+
+  // Bytes counted against a job and its user while the hold lives.
   class Hold {
    public:
-    Hold(StagingLedger& ledger, std::string job, size_t bytes)
-        : ledger_(ledger), job_(std::move(job)), bytes_(bytes) {}
-    ~Hold() { ledger_.Release(job_, bytes_); }
+    Hold(StagingLedger& ledger, uid_t uid, std::string job, size_t bytes)
+        : ledger_(ledger), uid_(uid), job_(std::move(job)), bytes_(bytes) {}
+    ~Hold() { ledger_.Release(uid_, job_, bytes_); }
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
 
    private:
     StagingLedger& ledger_;
+    uid_t uid_;
     std::string job_;
     size_t bytes_;
   };
   using HoldPtr = std::unique_ptr<Hold>;
 
-  // Counts `bytes` more for `job`, or ResourceExhausted naming the job's share.
-  absl::StatusOr<HoldPtr> Admit(const std::string& job, size_t bytes);
+  // Counts `bytes` more for `job` of `uid`, or ResourceExhausted naming the share.
+  absl::StatusOr<HoldPtr> Admit(uid_t uid, const std::string& job, size_t bytes);
 
   size_t in_flight(const std::string& job) const;
+  size_t in_flight_of_user(uid_t uid) const;
 
  private:
-  void Release(const std::string& job, size_t bytes);
+  void Release(uid_t uid, const std::string& job, size_t bytes);
 
   const size_t capacity_;
-  const std::function<size_t()> active_jobs_;
+  const std::function<ActiveUsers()> active_;
   mutable std::mutex mu_;
-  std::map<std::string, size_t> in_flight_;
+  std::map<std::string, size_t> of_job_;
+  std::map<uid_t, size_t> of_user_;
 };
 
 }  // namespace ckpt::daemon

@@ -108,7 +108,7 @@ struct Fixture {
     Stager::Options options;
     options.chunk_bytes = chunk_bytes;
     Stager stager(*pool, *host_engine, hot, progress, options, nullptr, {&engine});
-    SessionView view{"job", 0, 1, &tensors, nullptr};
+    SessionView view{"job", 0, 0, 1, &tensors, nullptr};
     shm::SnapshotPayload payload;
     payload.train_state.push_back({"step", std::string(8, '\x07')});
     return stager.Stage(view, step, std::move(payload), [&](const StagedSnapshotPtr& snap) {
@@ -174,7 +174,7 @@ TEST_CASE("host tensors are copied as one job: the writer could not overlap them
   Stager::Options options;
   options.chunk_bytes = 16384;
   Stager stager(*f.pool, f.engine, f.hot, f.progress, options);
-  SessionView view{"job", 0, 1, &f.tensors, nullptr};
+  SessionView view{"job", 0, 0, 1, &f.tensors, nullptr};
   auto staged = stager.Stage(view, 40, {});
   REQUIRE(staged.ok());
   CHECK(f.engine.calls.size() == 1);
@@ -187,7 +187,7 @@ TEST_CASE("a snapshot is checked whole before anything is staged") {
   Fixture f;
   for (RegisteredTensor& t : f.tensors) t.on_device = false;
   Stager stager(*f.pool, *f.host_engine, f.hot, f.progress, {});
-  SessionView view{"job", 0, 1, &f.tensors, nullptr};
+  SessionView view{"job", 0, 0, 1, &f.tensors, nullptr};
   auto refused = [&](uint64_t step, shm::SnapshotPayload payload, const std::string& why) {
     bool laid_out = false;
     auto staged = stager.Stage(view, step, std::move(payload),
