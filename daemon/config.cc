@@ -88,6 +88,7 @@ std::string Config::ToJson() const {
                       {"allow_uids", allow_uids},
                       {"allow_gids", allow_gids},
                       {"job_gids", job_gids},
+                      {"cuda_ipc", cuda_ipc},
                       {"log_level", log_level},
                       {"node_rank", node_rank},
                       {"num_nodes", num_nodes},
@@ -154,6 +155,10 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--allow-gid", c.allow_gids,
                  "gids allowed to connect besides the daemon's own")
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  app.add_option("--cuda-ipc", c.cuda_ipc,
+                 "accept GPU buffers as CUDA IPC handles (false: trainers must use the "
+                 "host-copy transport; for nodes shared by users who do not trust each other)")
+      ->capture_default_str();
   app.add_option("--log-level", c.log_level, "trace, debug, info, warn, error")
       ->capture_default_str();
   std::string group_timeout = "10s", step_timeout = "5m", restore_timeout = "5m";

@@ -35,6 +35,11 @@ struct Config {
   // Members of these groups share the jobs any of them creates (otherwise a job is its
   // creator's uid's alone).
   std::vector<uint32_t> job_gids;
+  // GPU buffers shared through CUDA IPC handles. A handle is a bearer capability (the driver
+  // does not say which process exported an allocation): a node whose users do not trust each
+  // other turns this off, and trainers stage GPU tensors through host mirrors in their
+  // arenas (CKPTD_CUDA_TRANSPORT=host-copy), which only the trainer can hand over.
+  bool cuda_ipc = true;
   std::string log_level = "info";
 
   // The group (docs/operators.md, "Several nodes"). num_nodes 1: no group.

@@ -346,6 +346,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.staging_bytes = p->pool->capacity();
   limits.gpu_memory = p->gpu_memory.get();
   limits.no_gpu_reason = no_gpu_reason;
+  limits.cuda_ipc = config.cuda_ipc;
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
   p->owners = std::make_unique<JobOwners>(

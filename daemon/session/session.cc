@@ -175,6 +175,13 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
 
 absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,
                                    RegisteredTensor& out) {
+  if (!limits.cuda_ipc) {
+    return absl::PermissionDeniedError(fmt::format(
+        "tensor {}: this ckptd does not accept CUDA IPC handles (--cuda-ipc=false, a node "
+        "shared by users who do not trust each other); register GPU tensors with the "
+        "host-copy transport (CKPTD_CUDA_TRANSPORT=host-copy)",
+        t.name()));
+  }
   if (limits.gpu_memory == nullptr) {
     return absl::FailedPreconditionError(fmt::format(
         "tensor {} is on GPU {}, but this ckptd has no usable CUDA device ({})", t.name(),

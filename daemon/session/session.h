@@ -34,6 +34,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
     uint64_t staging_bytes = 0;  // registrations larger than the budget are refused
     cuda::IpcMemoryCache* gpu_memory = nullptr;  // null: this daemon has no usable GPU
     std::string no_gpu_reason;
+    bool cuda_ipc = true;  // --cuda-ipc: false refuses CUDA IPC handles outright
     uid_t daemon_uid = 0;
     std::vector<uint32_t> allow_uids;
   };

@@ -69,6 +69,18 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
   CHECK(Run(Helper(d, {"register-bad", "--case", "none"}), dir.path()).exit_code == 1);
 }
 
+TEST_CASE("--cuda-ipc=false refuses CUDA IPC handles before anything is opened") {
+  TempDir dir;
+  Daemon d(dir, {"--cuda-ipc=false"});
+  d.Start();
+  auto r = Run(Helper(d, {"register-bad", "--case", "cuda-on-host-daemon"}), dir.path());
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(Contains(r.out, "code=7"));  // PERMISSION_DENIED
+  CHECK(Contains(r.out, "tensor w: this ckptd does not accept CUDA IPC handles"));
+  CHECK(Contains(d.Ctl({"--json", "status"}).out, "\\\"cuda_ipc\\\":false"));
+}
+
 TEST_CASE("a GPU tensor from a process without usable CUDA is refused, naming the tensor") {
   TempDir dir;
   Daemon d(dir);
