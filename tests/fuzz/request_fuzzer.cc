@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "common/filesystem.h"
 #include "daemon/persist/checkpoint_store.h"
@@ -33,7 +34,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   limits.staging_bytes = 1ull << 30;
   limits.no_gpu_reason = "fuzzing";
   ckpt::daemon::PeerIdentity caller{::getpid(), 65534, 65534, {}};
-  auto session = ckpt::daemon::Session::Create(request, limits, caller);
+  auto session = ckpt::daemon::Session::Create(request, limits, caller, /*arenas=*/{});
   if (session.ok()) __builtin_trap();  // the caller owns no shared memory: never valid
   return 0;
 }
