@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -110,6 +111,8 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
+  shm::Arena* shared_arena = nullptr;  // where small tensors go; one of `arenas`
+  size_t arena_bytes_reserved = 0;     // by every arena so far
   shm::SealedSegmentPtr control;
   std::unique_ptr<shm::CommandProducer> producer;
   std::mutex publish_mu;  // the ring has one producer
@@ -171,16 +174,28 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
 }
 
 absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
+  // Every arena byte is reserved shared memory, and ckptd counts it against this user's
+  // budget: arenas grow with what is allocated (waste stays under half of it) rather than
+  // coming in fixed large chunks, and a large tensor's own arena does not retire the
+  // shared one that small tensors are still filling.
+  constexpr size_t kFirstArena = 1u << 20;
+  constexpr size_t kPage = 4096;
   size_t alloc = std::max<size_t>(bytes, 1);
-  absl::StatusOr<size_t> offset = absl::ResourceExhaustedError("no arena");
-  if (!impl_->arenas.empty()) offset = impl_->arenas.back()->Allocate(alloc);
-  if (!offset.ok()) {
-    CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena,
-                          shm::Arena::Create(std::max(impl_->options.arena_bytes, alloc + 4096)));
-    impl_->arenas.push_back(std::move(arena));
-    CKPT_ASSIGN_OR_RETURN(offset, impl_->arenas.back()->Allocate(alloc));
+  if (impl_->shared_arena != nullptr) {
+    if (absl::StatusOr<size_t> offset = impl_->shared_arena->Allocate(alloc); offset.ok()) {
+      return impl_->shared_arena->at(*offset);
+    }
   }
-  return impl_->arenas.back()->at(*offset);
+  size_t next = std::clamp(impl_->arena_bytes_reserved, kFirstArena,
+                           std::max(impl_->options.arena_bytes, kFirstArena));
+  bool own = alloc > next / 2;
+  size_t capacity = own ? (alloc + kPage - 1) / kPage * kPage : next;
+  CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena, shm::Arena::Create(capacity));
+  CKPT_ASSIGN_OR_RETURN(size_t offset, arena->Allocate(alloc));
+  impl_->arena_bytes_reserved += capacity;
+  if (!own) impl_->shared_arena = arena.get();
+  impl_->arenas.push_back(std::move(arena));
+  return impl_->arenas.back()->at(offset);
 }
 
 Tensor* Client::AddRecord(Tensor tensor) {

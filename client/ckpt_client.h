@@ -72,7 +72,9 @@ struct ClientOptions {
   std::string job;
   uint32_t rank = 0;
   uint32_t world_size = 1;
-  size_t arena_bytes = 64u << 20;  // shared-memory arenas are allocated in chunks of this
+  // Small tensors share arenas that grow from 1 MiB, doubling, up to this; a tensor larger
+  // than half the next one gets an arena of its own, of its size.
+  size_t arena_bytes = 64u << 20;
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
   CudaTransport cuda_transport = CudaTransport::kIpc;

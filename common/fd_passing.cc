@@ -3,8 +3,12 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <random>
+#include <thread>
 #include <fmt/format.h>
 
 #include "common/status.h"
@@ -39,7 +43,8 @@ absl::Status SendFds(int socket, std::span<const int> fds, std::string_view payl
   return absl::OkStatus();
 }
 
-absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload) {
+absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload,
+                                    std::vector<UniqueFd>* on_error) {
   ReceivedFds out;
   out.payload.resize(std::max<size_t>(max_payload, 1));
   iovec iov{out.payload.data(), out.payload.size()};
@@ -64,19 +69,27 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
       out.fds.emplace_back(fd);
     }
   }
-  if (n == 0) return absl::UnavailableError("peer closed the socket");
+  auto refuse = [&](absl::Status why) {
+    if (on_error != nullptr) {
+      for (UniqueFd& fd : out.fds) on_error->push_back(std::move(fd));
+    }
+    return why;
+  };
+  if (n == 0) return refuse(absl::UnavailableError("peer closed the socket"));
   if (msg.msg_flags & MSG_CTRUNC) {
-    return absl::InvalidArgumentError(fmt::format("more than {} descriptors were sent", max_fds));
+    return refuse(absl::InvalidArgumentError(fmt::format("more than {} descriptors were sent", max_fds)));
   }
   if (msg.msg_flags & MSG_TRUNC) {
-    return absl::InvalidArgumentError(fmt::format("message longer than {} bytes", max_payload));
+    return refuse(absl::InvalidArgumentError(fmt::format("message longer than {} bytes", max_payload)));
   }
   out.payload.resize(static_cast<size_t>(n));
   return out;
 }
 
-absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
-                                       size_t max_fds, std::span<const int> send) {
+namespace {
+
+absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_view request,
+                                        size_t max_fds, std::span<const int> send) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -92,6 +105,24 @@ absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view
     return absl::UnavailableError(fmt::format("send to {}: {}", path, Message(sent)));
   }
   return RecvFds(sock.get(), max_fds, 4096);
+}
+
+}  // namespace
+
+absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
+                                       size_t max_fds, std::span<const int> send) {
+  using std::chrono::milliseconds;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::minstd_rand jitter(std::random_device{}());
+  milliseconds backoff(2);
+  while (true) {
+    absl::StatusOr<ReceivedFds> answer = RequestOnce(path, request, max_fds, send);
+    bool busy = answer.ok() && answer->payload.starts_with(kBusy);
+    if (!busy || std::chrono::steady_clock::now() + backoff > give_up) return answer;
+    // Jittered, so that ranks turned away together do not all come back together.
+    std::this_thread::sleep_for(backoff + milliseconds(jitter() % (backoff.count() + 1)));
+    backoff = std::min(backoff * 2, milliseconds(200));
+  }
 }
 
 }  // namespace ckpt

@@ -25,12 +25,17 @@ struct ReceivedFds {
 };
 
 // Receives one message of at most `max_payload` bytes and `max_fds` descriptors. More
-// descriptors than that, or a cut message, is an error (the extra fds are closed).
-absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload);
+// descriptors than that, or a cut message, is an error (the extra fds are closed). With
+// `on_error`, the descriptors that did arrive with a refused message are moved there
+// instead of closed here (closing an untrusted descriptor can block: see FdReaper).
+absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_payload,
+                                    std::vector<UniqueFd>* on_error = nullptr);
 
 // Connects to the Unix socket at `path`, sends `request` with `send` attached and receives
 // the answer (at most `max_fds` descriptors and 4 KiB of text): how a trainer hands ckptd
-// its arenas and asks for its control block.
+// its arenas and asks for its control block. An answer of kBusy is retried, with backoff,
+// for up to 10 s (a node's ranks of one user register at once; ckptd serves a few
+// connections per user at a time).
 absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
                                        size_t max_fds, std::span<const int> send = {});
 
@@ -43,5 +48,7 @@ inline constexpr std::string_view kFetchControlBlock = "control ";
 // RegisterRequest.arena_tokens), or a line why not.
 inline constexpr std::string_view kDepositArenas = "arenas";
 inline constexpr std::string_view kDepositAccepted = "ok ";
+// The answer to a request that came while too many of its user's were being served.
+inline constexpr std::string_view kBusy = "busy: ";
 
 }  // namespace ckpt

@@ -34,6 +34,7 @@
 #include "daemon/control/control_fd_server.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
+#include "daemon/session/arena_budget.h"
 #include "daemon/session/arena_deposits.h"
 #include "daemon/session/session_registry.h"
 #include "daemon/staging/hot_cache.h"
@@ -81,6 +82,7 @@ struct Server::Parts {
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
   ArenaDeposits arenas;  // trainers' arenas handed over before they register
+  std::unique_ptr<ArenaBudget> arena_budget;  // what mapped arenas may cost, per user
   std::unique_ptr<TrainerService> trainer_service;
   PeerTable peers;  // who is at the other end of each accepted socket connection
   std::unique_ptr<JobOwners> owners;
@@ -347,6 +349,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.gpu_memory = p->gpu_memory.get();
   limits.no_gpu_reason = no_gpu_reason;
   limits.cuda_ipc = config.cuda_ipc;
+  p->arena_budget = std::make_unique<ArenaBudget>(
+      ArenaBudget::Options{.bytes_per_uid = 4 * p->pool->capacity()});
+  limits.arena_budget = p->arena_budget.get();
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
   p->owners = std::make_unique<JobOwners>(

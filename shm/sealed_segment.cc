@@ -42,28 +42,30 @@ absl::StatusOr<std::unique_ptr<SealedSegment>> SealedSegment::Create(const std::
   return std::unique_ptr<SealedSegment>(new SealedSegment(std::move(fd), data, size));
 }
 
-absl::Status SealedSegment::CheckSealed(int fd) {
+absl::Status SealedSegment::CheckReceivable(int fd) {
   int seals = ::fcntl(fd, F_GET_SEALS);
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     return absl::FailedPreconditionError(
         "the descriptor received is not shared memory sealed against shrinking (a memfd "
         "with F_SEAL_SHRINK, as the ckptd client makes)");
   }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return Errno(errno, "fstat received memfd");
+  if (st.st_size <= 0) return absl::FailedPreconditionError("the shared memory received is empty");
+  if (static_cast<uint64_t>(st.st_blocks) * 512 < static_cast<uint64_t>(st.st_size)) {
+    return absl::FailedPreconditionError(fmt::format(
+        "the shared memory received is not fully allocated ({} of {} bytes): create it with "
+        "its space reserved (posix_fallocate), as the ckptd client does",
+        static_cast<uint64_t>(st.st_blocks) * 512, st.st_size));
+  }
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<SealedSegment>> SealedSegment::Map(UniqueFd fd) {
-  CKPT_RETURN_IF_ERROR(CheckSealed(fd.get()));
+  CKPT_RETURN_IF_ERROR(CheckReceivable(fd.get()));
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return Errno(errno, "fstat received memfd");
-  auto size = static_cast<size_t>(st.st_size);
-  if (size == 0) return absl::FailedPreconditionError("the shared-memory descriptor is empty");
-  if (static_cast<uint64_t>(st.st_blocks) * 512 < size) {
-    return absl::FailedPreconditionError(fmt::format(
-        "the shared memory received is not fully allocated ({} of {} bytes): create it with "
-        "its space reserved (posix_fallocate), as the ckptd client does",
-        static_cast<uint64_t>(st.st_blocks) * 512, size));
-  }
+  auto size = static_cast<size_t>(st.st_size);  // sealed: it cannot shrink below this now
   void* data = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (data == MAP_FAILED) return Errno(errno, "mmap received memfd");
   return std::unique_ptr<SealedSegment>(new SealedSegment(std::move(fd), data, size));

@@ -19,14 +19,15 @@ class SealedSegment {
   // here, not SIGBUS later), sealed against shrinking, growing and further sealing, mapped.
   static absl::StatusOr<std::unique_ptr<SealedSegment>> Create(const std::string& debug_name,
                                                                size_t size);
-  // Maps a segment received from its creator; refuses one that is not sealed against
-  // shrinking (its creator could then fault us) and one with holes (a page that cannot be
-  // had on first touch would fault us too; and filling the holes would charge the mapper's
-  // memory, not the creator's).
+  // Maps a segment received from its creator, if CheckReceivable() says it may.
   static absl::StatusOr<std::unique_ptr<SealedSegment>> Map(UniqueFd fd);
-  // True when `fd` is a segment Map() would take (sealed against shrinking); a line saying
-  // why not otherwise. Cheap: no mapping.
-  static absl::Status CheckSealed(int fd);
+  // OK when `fd` is what Map() takes: shared memory sealed against shrinking (its creator
+  // could otherwise truncate it and fault us), not empty, with every page allocated (a
+  // page that cannot be had on first touch would fault us too). A line saying why not
+  // otherwise. Cheap: no mapping. Holes can still be punched later (F_SEAL_SHRINK does not
+  // forbid FALLOC_FL_PUNCH_HOLE); copies then fault the pages in again, at the mapper's
+  // cost, but never fail or fault.
+  static absl::Status CheckReceivable(int fd);
 
   ~SealedSegment();
   SealedSegment(const SealedSegment&) = delete;

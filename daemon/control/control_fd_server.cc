@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "daemon/control/unix_listener.h"
 #include "daemon/session/peer_identity.h"
+#include "shm/sealed_segment.h"
 
 namespace ckpt::daemon {
 namespace {
@@ -21,6 +22,7 @@ namespace {
 spdlog::logger& Log() { return log::Get(log::Component::kControl); }
 
 constexpr int kMaxServing = 64;
+constexpr int kMaxServingPerUid = 4;  // one user's slow or idle connections block only that user
 constexpr size_t kMaxRequest = 256;
 
 void Reply(int conn, const std::string& why) {
@@ -63,53 +65,78 @@ void ControlFdServer::AcceptLoop() {
       }
       return;
     }
+    absl::StatusOr<PeerIdentity> caller = ReadPeerIdentity(conn.get());
+    if (!caller.ok()) continue;
+    if (!policy_.Allows(*caller)) {
+      Log().warn("refused descriptor-socket connection from {}: not allowed (--allow-uid, "
+                 "--allow-gid)",
+                 caller->Describe());
+      continue;  // closed before anything it sent was received
+    }
     {
       std::lock_guard lock(mu_);
-      if (serving_ >= kMaxServing) {
-        Reply(conn.get(), "busy: too many control-block requests at once; retry");
+      int& mine = serving_of_uid_[caller->uid];
+      if (serving_ >= kMaxServing || mine >= kMaxServingPerUid) {
+        Reply(conn.get(), std::string(kBusy) + "too many descriptor-socket requests at once; retry");
         continue;
       }
       ++serving_;
+      ++mine;
     }
-    std::thread([this, c = std::move(conn)]() mutable {
-      Serve(std::move(c));
+    std::thread([this, c = std::move(conn), who = *caller]() mutable {
+      Serve(std::move(c), who);
       std::lock_guard lock(mu_);
+      if (--serving_of_uid_[who.uid] == 0) serving_of_uid_.erase(who.uid);
       if (--serving_ == 0) idle_.notify_all();
     }).detach();
   }
 }
 
-void ControlFdServer::Serve(UniqueFd conn) {
+void ControlFdServer::Serve(UniqueFd conn, const PeerIdentity& caller) {
   timeval timeout{2, 0};  // a client that never speaks is dropped
   ::setsockopt(conn.get(), SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
   ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-  absl::StatusOr<PeerIdentity> caller = ReadPeerIdentity(conn.get());
-  if (!caller.ok()) return;
-  if (!policy_.Allows(*caller)) {
-    Log().warn("refused descriptor-socket connection from {}: not allowed (--allow-uid, "
-               "--allow-gid)",
-               caller->Describe());
-    return;
-  }
-  // Descriptors that came with a cut or oversized message are closed by RecvFds.
-  absl::StatusOr<ReceivedFds> request = RecvFds(conn.get(), kMaxPassedFds, kMaxRequest);
+  // Every descriptor received and not kept is closed by the reaper: closing one can block.
+  std::vector<UniqueFd> refused;
+  absl::StatusOr<ReceivedFds> request = RecvFds(conn.get(), kMaxPassedFds, kMaxRequest, &refused);
   if (!request.ok()) {
+    Dispose(std::move(refused));
     Reply(conn.get(), "refused: " + Message(request.status()));
     return;
   }
   std::string_view text = request->payload;
-  if (text == kDepositArenas) return TakeArenas(conn.get(), *caller, std::move(request->fds));
+  if (text == kDepositArenas) return TakeArenas(conn.get(), caller, std::move(request->fds));
   if (!request->fds.empty()) {
+    Dispose(std::move(request->fds));
     Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\" request");
     return;
   }
   if (text.substr(0, kFetchControlBlock.size()) == kFetchControlBlock) {
-    return SendControlBlock(conn.get(), *caller, std::string(text.substr(kFetchControlBlock.size())));
+    return SendControlBlock(conn.get(), caller, std::string(text.substr(kFetchControlBlock.size())));
   }
   Reply(conn.get(), "refused: unknown request (expected \"control <session>\" or \"arenas\")");
 }
 
+void ControlFdServer::Dispose(std::vector<UniqueFd> fds) {
+  if (fds.empty()) return;
+  if (!reaper_.Dispose(std::move(fds))) {
+    Log().error("{} untrusted descriptors are waiting to be closed (a hostile filesystem's "
+                "flush?); closing more on the serving thread",
+                reaper_.queued());
+  }
+}
+
 void ControlFdServer::TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds) {
+  // Only sealed shared memory goes further; anything else is closed by the reaper.
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (absl::Status ok = shm::SealedSegment::CheckReceivable(fds[i].get()); !ok.ok()) {
+      std::string why = Message(Annotate(ok, fmt::format("arena {} of {}", i, fds.size())));
+      Dispose(std::move(fds));
+      Log().warn("arenas refused from {}: {}", caller.Describe(), why);
+      Reply(conn, "refused: " + why);
+      return;
+    }
+  }
   absl::StatusOr<std::string> token = arenas_.Put(caller, std::move(fds));
   if (!token.ok()) {
     Log().warn("arenas refused from {}: {}", caller.Describe(), Message(token.status()));

@@ -6,18 +6,22 @@
 // - After Register, it asks for its control block ("control <session id>") and gets the
 //   descriptor if, and only if, the kernel says it is the process that registered that
 //   session; otherwise a line saying why.
-// Peers are checked against the same policy as the gRPC socket's. Each connection gets 2 s
-// and its own short-lived thread (at most 64 at once).
+// Peers are checked against the same policy as the gRPC socket's, when accepted, before
+// anything they send is read. Each connection gets 2 s and its own short-lived thread (at
+// most 64 at once, 4 per user, so one user's idle connections delay only that user).
+// Descriptors received and not kept are closed by an FdReaper, never on a serving thread.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/status/statusor.h"
+#include "common/fd_reaper.h"
 #include "common/unique_fd.h"
 #include "daemon/control/unix_listener.h"
 #include "daemon/session/arena_deposits.h"
@@ -41,7 +45,8 @@ class ControlFdServer {
       : path_(std::move(path)), fd_(std::move(fd)), sessions_(sessions), arenas_(arenas),
         policy_(std::move(policy)) {}
   void AcceptLoop();
-  void Serve(UniqueFd conn);
+  void Serve(UniqueFd conn, const PeerIdentity& caller);
+  void Dispose(std::vector<UniqueFd> fds);
   void SendControlBlock(int conn, const PeerIdentity& caller, const std::string& session_id);
   void TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds);
 
@@ -55,6 +60,8 @@ class ControlFdServer {
   std::mutex mu_;
   std::condition_variable idle_;
   int serving_ = 0;  // connection threads running; guarded by mu_
+  std::map<uid_t, int> serving_of_uid_;  // guarded by mu_
+  FdReaper reaper_;  // declared last: gone first, after the serving threads
 };
 
 }  // namespace ckpt::daemon

@@ -16,7 +16,7 @@ namespace {
 
 constexpr size_t kMaxSessions = 4096;
 constexpr size_t kMaxSessionsPerUid = 1024;
-constexpr int kMaxArenaBatches = 1024;  // of 64 arenas each
+constexpr int kMaxArenaBatches = 64;  // of 64 arenas each: 4,096 arenas a session
 
 }  // namespace
 

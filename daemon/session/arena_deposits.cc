@@ -21,7 +21,7 @@ absl::StatusOr<std::string> ArenaDeposits::Put(const PeerIdentity& depositor,
                                                std::vector<UniqueFd> fds) {
   if (fds.empty()) return absl::InvalidArgumentError("no arenas attached");
   for (size_t i = 0; i < fds.size(); ++i) {
-    if (absl::Status sealed = shm::SealedSegment::CheckSealed(fds[i].get()); !sealed.ok()) {
+    if (absl::Status sealed = shm::SealedSegment::CheckReceivable(fds[i].get()); !sealed.ok()) {
       return Annotate(sealed, fmt::format("arena {} of {}", i, fds.size()));
     }
   }

@@ -1,6 +1,7 @@
 #include "daemon/session/session.h"
 
 #include <poll.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -122,6 +123,8 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
     }
     shm::SealedSegmentPtr& arena = s->arenas_[t.arena()];
     if (!arena) {
+      CKPT_RETURN_IF_ERROR(Annotate(s->ChargeArena(arenas[t.arena()].get(), limits),
+                                    fmt::format("tensor {} (arena {})", t.name(), t.arena())));
       auto mapped = shm::SealedSegment::Map(std::move(arenas[t.arena()]));
       if (!mapped.ok()) {
         return Annotate(mapped.status(), fmt::format("tensor {} (arena {})", t.name(), t.arena()));
@@ -212,7 +215,24 @@ absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limit
   return absl::OkStatus();
 }
 
+absl::Status Session::ChargeArena(int fd, const Limits& limits) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "fstat arena");
+  // The same memory twice would cost the daemon twice for memory the trainer pays once.
+  if (!arena_inodes_.insert({st.st_dev, st.st_ino}).second) {
+    return absl::InvalidArgumentError("the same shared memory was handed over twice");
+  }
+  if (limits.arena_budget != nullptr) {
+    CKPT_RETURN_IF_ERROR(limits.arena_budget->Take(uid_, static_cast<uint64_t>(st.st_size)));
+    arena_budget_ = limits.arena_budget;
+    ++charged_arenas_;
+    charged_bytes_ += static_cast<uint64_t>(st.st_size);
+  }
+  return absl::OkStatus();
+}
+
 Session::~Session() {
+  if (arena_budget_ != nullptr) arena_budget_->Give(uid_, charged_arenas_, charged_bytes_);
   if (thread_.joinable()) {
     if (thread_.get_id() == std::this_thread::get_id()) {
       thread_.detach();  // the loop has already returned

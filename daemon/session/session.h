@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
 #include "daemon/control/status_board.h"
+#include "daemon/session/arena_budget.h"
 #include "daemon/session/peer_identity.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
@@ -35,6 +37,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
     cuda::IpcMemoryCache* gpu_memory = nullptr;  // null: this daemon has no usable GPU
     std::string no_gpu_reason;
     bool cuda_ipc = true;  // --cuda-ipc: false refuses CUDA IPC handles outright
+    ArenaBudget* arena_budget = nullptr;  // what mapped arenas may cost; null: unbounded
     uid_t daemon_uid = 0;
     std::vector<uint32_t> allow_uids;
   };
@@ -94,6 +97,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       StatusBoard& board);
   bool PollTrainerAlive();
+  // Counts one more arena (refusing the same memory twice, and beyond the budget).
+  absl::Status ChargeArena(int fd, const Limits& limits);
 
   std::string id_;
   std::string job_;
@@ -108,6 +113,10 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
           .count());
   UniqueFd pidfd_;
   std::vector<shm::SealedSegmentPtr> arenas_;  // mapped; their descriptors closed
+  std::set<std::pair<dev_t, ino_t>> arena_inodes_;
+  ArenaBudget* arena_budget_ = nullptr;  // given back what was charged when the session goes
+  size_t charged_arenas_ = 0;
+  uint64_t charged_bytes_ = 0;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
   std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
   std::vector<RegisteredTensor> tensors_;

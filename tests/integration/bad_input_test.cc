@@ -55,6 +55,7 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
                  Case{"unsealed-arena", "j", "handover refused: refused: arena 0 of 1: the descriptor received is not shared memory sealed"},
                  Case{"pipe-arena", "j", "handover refused: refused: arena 0 of 1: the descriptor received is not shared memory sealed"},
                  Case{"sparse-arena", "j", "is not fully allocated"},
+                 Case{"same-arena-twice", "j", "tensor u (arena 1): the same shared memory was handed over twice"},
                  Case{"bad-rank", "j", "rank 1 is not below world size 1"},
                  Case{"bad-job", "../etc", "invalid job name \"../etc\""},
                  Case{"cuda-on-host-daemon", "j",
@@ -67,6 +68,19 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
   }
   CHECK_FALSE(std::filesystem::exists(dir / "etc"));
   CHECK(Run(Helper(d, {"register-bad", "--case", "none"}), dir.path()).exit_code == 1);
+}
+
+TEST_CASE("arena memory registered is bounded per user (4 x --staging-bytes)") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "8M"});
+  d.Start();
+  auto r = Run(Helper(d, {"register-bad", "--case", "big-arena"}), dir.path());
+  INFO(r.out << r.err);
+  CHECK(r.exit_code == 0);
+  CHECK(Contains(r.out, "code=8"));  // RESOURCE_EXHAUSTED
+  CHECK(Contains(r.out, "more would pass the bound of 33554432 bytes per user (4 x --staging-bytes)"));
+  // Within the budget, the same user registers and checkpoints.
+  SaveOk(d, dir, "small", 1, 1);
 }
 
 TEST_CASE("--cuda-ipc=false refuses CUDA IPC handles before anything is opened") {

@@ -5,10 +5,17 @@
 #include <catch2/catch.hpp>
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
+#include <string_view>
+#include <vector>
+
+#include "common/unique_fd.h"
 
 #include "tests/integration/common.h"
 
@@ -195,4 +202,37 @@ TEST_CASE("one user's long calls cannot take every thread of the daemon") {
   CHECK(Contains(out, "RESOURCE_EXHAUSTED=8"));
   CHECK(Contains(out, "DEADLINE_EXCEEDED=32"));
   CHECK(Contains(out, "too many Wait calls at once (32 of uid 0"));
+}
+
+TEST_CASE("one user's idle descriptor-socket connections do not shut out other users") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000"});
+  d.Start();
+  OpenSocket(d);
+  // 64 connections from root that never speak (the server's whole capacity): 4 are held
+  // (each for 2 s, until the server gives up on it), the rest are told "busy" at once.
+  std::vector<ckpt::UniqueFd> idle;
+  for (int i = 0; i < 64; ++i) {
+    ckpt::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::string path = d.socket() + ".ctl";
+    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+    REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    idle.push_back(std::move(fd));
+  }
+  // Meanwhile another user hands over its arenas and checkpoints.
+  auto other = Run(Helper(d, As(1000, {"--job", "fine", "--bytes", "100000", "save", "--step",
+                                       "1", "--wait-committed"})),
+                   dir.path());
+  INFO(other.out << other.err);
+  CHECK(other.exit_code == 0);
+  int busy = 0;
+  for (auto& fd : idle) {
+    char answer[128] = {};
+    ssize_t n = ::recv(fd.get(), answer, sizeof answer - 1, MSG_DONTWAIT);
+    if (n > 0 && std::string_view(answer).starts_with("busy")) ++busy;
+  }
+  CHECK(busy == 60);
 }

@@ -187,7 +187,9 @@ int Check(const Flags& f) {
 
 // Hand-made Register requests that a correct daemon must refuse.
 int RegisterBad(const Flags& f) {
-  auto arena = *ckpt::shm::Arena::Create(1 << 20);
+  const std::string& c = f.bad_case;
+  // "big-arena": more arena memory than a small daemon's budget for one user.
+  auto arena = *ckpt::shm::Arena::Create(c == "big-arena" ? (64u << 20) : (1u << 20));
   ::ckptd::v1::RegisterRequest req;
   req.set_job(f.job);
   req.set_rank(f.rank);
@@ -200,9 +202,15 @@ int RegisterBad(const Flags& f) {
   t->set_arena(0);
   t->set_offset(0);
   t->set_nbytes(64);
-  const std::string& c = f.bad_case;
   // What the trainer hands over: its arena, unless the case says otherwise.
   std::vector<int> handed = {arena->fd()};
+  if (c == "same-arena-twice") {
+    handed = {arena->fd(), arena->fd()};  // two descriptors, one memory
+    auto* u = req.add_tensors();
+    *u = *t;
+    u->set_name("u");
+    u->set_arena(1);
+  }
   ckpt::UniqueFd other;
   if (c == "unsealed-arena" || c == "sparse-arena") {
     other.reset(::memfd_create("hostile", MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -250,7 +258,8 @@ int RegisterBad(const Flags& f) {
     t->mutable_cuda()->set_device_uuid("GPU-00000000-0000-0000-0000-000000000000");
   }
   else if (c != "bad-job" && c != "none" && c != "no-arenas" && c != "unsealed-arena" &&
-           c != "sparse-arena" && c != "pipe-arena") {
+           c != "sparse-arena" && c != "pipe-arena" && c != "same-arena-twice" &&
+           c != "big-arena") {
     return 64;
   }
   auto stub = ::ckptd::v1::Trainer::NewStub(

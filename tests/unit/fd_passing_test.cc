@@ -1,13 +1,22 @@
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
+#include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <thread>
 
 #include "common/fd_passing.h"
+#include "common/fd_reaper.h"
 #include "common/status.h"
 
 using namespace ckpt;
@@ -73,4 +82,75 @@ TEST_CASE("a closed peer and bad arguments are clear errors") {
   auto got = RecvFds(sp.b.get(), 1, 16);
   CHECK(absl::IsUnavailable(got.status()));
   CHECK(absl::IsInvalidArgument(SendFds(sp.b.get(), {}, "")));
+}
+
+TEST_CASE("a busy answer is retried until the server takes the request") {
+  std::string path = fmt::format("/tmp/ckpt-fd-test-{}.sock", ::getpid());
+  std::filesystem::remove(path);
+  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(listener.get(), 8) == 0);
+  // Busy twice, then served: the caller sees only the answer it was served.
+  std::thread server([&] {
+    for (int i = 0; i < 3; ++i) {
+      UniqueFd conn(::accept(listener.get(), nullptr, nullptr));
+      auto request = RecvFds(conn.get(), 0, 64);
+      std::string answer = i < 2 ? std::string(kBusy) + "later" : "served " + request->payload;
+      (void)::send(conn.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+    }
+  });
+  auto got = RequestFds(path, "hello", 0);
+  server.join();
+  std::filesystem::remove(path);
+  REQUIRE(got.ok());
+  CHECK(got->payload == "served hello");
+}
+
+TEST_CASE("the reaper closes what it is given, a socket set to linger at once") {
+  FdReaper reaper(/*max_queued=*/4);
+  // A TCP connection whose peer never reads, its send buffer full, set to linger 60 s: a
+  // plain close() of it would block for those 60 s.
+  UniqueFd server(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  REQUIRE(::bind(server.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(server.get(), 1) == 0);
+  REQUIRE(::getsockname(server.get(), reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  UniqueFd lingering(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  (void)::connect(lingering.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  UniqueFd accepted(::accept(server.get(), nullptr, nullptr));
+  REQUIRE(accepted.valid());
+  std::vector<char> junk(1 << 16, 'x');
+  while (::send(lingering.get(), junk.data(), junk.size(), MSG_NOSIGNAL) > 0) {
+  }
+  linger slow{1, 60};
+  REQUIRE(::setsockopt(lingering.get(), SOL_SOCKET, SO_LINGER, &slow, sizeof slow) == 0);
+  int flags = ::fcntl(lingering.get(), F_GETFL);
+  REQUIRE(::fcntl(lingering.get(), F_SETFL, flags & ~O_NONBLOCK) == 0);
+  int pipe_fds[2];
+  REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
+  UniqueFd read_end(pipe_fds[0]);
+
+  std::vector<UniqueFd> given;
+  given.emplace_back(std::move(lingering));
+  given.emplace_back(pipe_fds[1]);
+  auto start = std::chrono::steady_clock::now();
+  REQUIRE(reaper.Dispose(std::move(given)));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::milliseconds(500));
+  // The pipe's write end, queued behind the socket, is closed within a second: EOF.
+  pollfd p{read_end.get(), POLLIN, 0};
+  REQUIRE(::poll(&p, 1, 2000) == 1);
+  char c;
+  CHECK(::read(read_end.get(), &c, 1) == 0);
+  CHECK(reaper.queued() == 0);
+
+  // More at once than it may queue: refused, and closed by the caller's side all the same.
+  std::vector<UniqueFd> many;
+  for (int i = 0; i < 5; ++i) many.emplace_back(::dup(read_end.get()));
+  CHECK_FALSE(reaper.Dispose(std::move(many)));
 }

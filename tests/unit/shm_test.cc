@@ -94,7 +94,7 @@ TEST_CASE("a received descriptor that is not sealed, or has holes, is refused") 
   UniqueFd plain(::memfd_create("ckpt-test-unsealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   REQUIRE(::ftruncate(plain.get(), 4096) == 0);
   REQUIRE(::posix_fallocate(plain.get(), 0, 4096) == 0);
-  CHECK_FALSE(SealedSegment::CheckSealed(plain.get()).ok());
+  CHECK_FALSE(SealedSegment::CheckReceivable(plain.get()).ok());
   auto unsealed = SealedSegment::Map(UniqueFd(::fcntl(plain.get(), F_DUPFD_CLOEXEC, 0)));
   REQUIRE_FALSE(unsealed.ok());
   CHECK(Message(unsealed.status()).find("not shared memory sealed") != std::string::npos);
@@ -102,7 +102,7 @@ TEST_CASE("a received descriptor that is not sealed, or has holes, is refused") 
   UniqueFd sparse(::memfd_create("ckpt-test-sparse", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   REQUIRE(::ftruncate(sparse.get(), off_t{1} << 40) == 0);
   REQUIRE(::fcntl(sparse.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0);
-  CHECK(SealedSegment::CheckSealed(sparse.get()).ok());
+  CHECK_FALSE(SealedSegment::CheckReceivable(sparse.get()).ok());
   auto holes = SealedSegment::Map(std::move(sparse));
   REQUIRE_FALSE(holes.ok());
   CHECK(Message(holes.status()).find("not fully allocated") != std::string::npos);
@@ -110,7 +110,7 @@ TEST_CASE("a received descriptor that is not sealed, or has holes, is refused") 
   int p[2];
   REQUIRE(::pipe(p) == 0);
   UniqueFd read_end(p[0]), write_end(p[1]);
-  CHECK_FALSE(SealedSegment::CheckSealed(read_end.get()).ok());
+  CHECK_FALSE(SealedSegment::CheckReceivable(read_end.get()).ok());
 }
 
 TEST_CASE("payloads round-trip and hostile bytes are refused, never trusted") {
