@@ -1,8 +1,28 @@
 #!/usr/bin/env bash
-# Runs the Python package's tests with Debian's interpreter and PyTorch, against the ckptd
-# binary and the package Bazel built (both in this test's runfiles).
+# Runs the Python package's tests against the ckptd binary and the package Bazel built (both
+# in this test's runfiles), with one of the two supported PyTorch lines:
+#   run_pytest.sh debian   Debian 12's /usr/bin/python3 and python3-torch (1.13)
+#   run_pytest.sh torch2   the project's virtual environment ($CKPTD_PYTHON, made by
+#                          tools/setup.sh), which holds PyTorch 2 from PyPI
 set -euo pipefail
+flavour=${1:?usage: run_pytest.sh debian|torch2 [pytest args]}
+shift
 cd "${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-ckptd}"
 export PYTHONPATH="$PWD/client/python"
 export CKPTD_BIN="$PWD/daemon/ckptd"
-exec /usr/bin/python3 -m pytest -p no:cacheprovider -q client/python/tests "$@"
+case $flavour in
+  debian) python=/usr/bin/python3 ;;
+  torch2)
+    python=${CKPTD_PYTHON:-}
+    if [ -z "$python" ] || [ ! -x "$python" ]; then
+      echo "CKPTD_PYTHON must name the virtual environment's python (tools/test.sh sets it:" \
+           "--test_env=CKPTD_PYTHON=\$PWD/.venv/bin/python)" >&2
+      exit 2
+    fi
+    # Never pass on the wrong PyTorch: this run exists to test PyTorch 2.
+    "$python" -c 'import sys, torch; sys.exit(0 if int(torch.__version__.split(".")[0]) >= 2 else
+                  f"expected PyTorch 2 in {sys.prefix}, found {torch.__version__}: run tools/setup.sh")'
+    ;;
+  *) echo "unknown flavour $flavour" >&2; exit 2 ;;
+esac
+exec "$python" -m pytest -p no:cacheprovider -q client/python/tests "$@"
