@@ -163,14 +163,18 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
 absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const std::string& dtype,
                                                const std::vector<int64_t>& shape,
                                                const std::vector<int64_t>& global_shape,
-                                               const std::vector<int64_t>& global_offset) {
+                                               const std::vector<int64_t>& global_offset,
+                                               size_t spare_bytes) {
   if (!session_id_.empty()) {
     return absl::FailedPreconditionError("AllocateTensor after Register(): register once, at the end");
   }
   CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
-  CKPT_ASSIGN_OR_RETURN(void* data, AllocateInArena(nbytes));
+  if (spare_bytes > (size_t{1} << 40)) {
+    return absl::InvalidArgumentError(fmt::format("tensor {}: {} spare bytes is too many", name, spare_bytes));
+  }
+  CKPT_ASSIGN_OR_RETURN(void* data, AllocateInArena(nbytes + spare_bytes));
   return AddRecord({name, dtype, shape, data, nbytes, global_shape, global_offset,
-                    /*on_device=*/false});
+                    /*on_device=*/false, spare_bytes});
 }
 
 absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {

@@ -46,6 +46,9 @@ struct Tensor {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> global_offset;
   bool on_device = false;  // a GPU buffer registered with AddCudaTensor
+  // Bytes after `data + nbytes`, in the same allocation, that the trainer may use and ckptd
+  // neither copies nor restores (FSDP2 pads its shards to equal sizes).
+  size_t spare_bytes = 0;
 };
 
 using Metadata = std::map<std::string, std::string>;
@@ -93,7 +96,8 @@ class Client {
   absl::StatusOr<Tensor*> AllocateTensor(const std::string& name, const std::string& dtype,
                                          const std::vector<int64_t>& shape,
                                          const std::vector<int64_t>& global_shape = {},
-                                         const std::vector<int64_t>& global_offset = {});
+                                         const std::vector<int64_t>& global_offset = {},
+                                         size_t spare_bytes = 0);
 
   // Adds an existing GPU buffer (allocated with cudaMalloc or PyTorch's default caching
   // allocator) that ckptd will map through CUDA IPC. Only before Register(). Fails at once,

@@ -61,8 +61,9 @@ class PyClient {
 
   ArenaBuffer Allocate(const std::string& name, const std::string& dtype,
                        const std::vector<int64_t>& shape, const std::vector<int64_t>& global_shape,
-                       const std::vector<int64_t>& global_offset) {
-    return {client_, ValueOr(client_->AllocateTensor(name, dtype, shape, global_shape, global_offset))};
+                       const std::vector<int64_t>& global_offset, size_t spare_bytes) {
+    return {client_, ValueOr(client_->AllocateTensor(name, dtype, shape, global_shape, global_offset,
+                                                     spare_bytes))};
   }
 
   void AddCuda(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
@@ -189,8 +190,10 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<ArenaBuffer>(m, "ArenaBuffer", py::buffer_protocol())
       .def_buffer([](ArenaBuffer& b) {
+        // The tensor's bytes and its spare bytes after them (see ckpt::Tensor).
         return py::buffer_info(b.tensor->data, 1, py::format_descriptor<uint8_t>::format(), 1,
-                               {static_cast<py::ssize_t>(b.tensor->nbytes)}, {1});
+                               {static_cast<py::ssize_t>(b.tensor->nbytes + b.tensor->spare_bytes)},
+                               {1});
       })
       .def_property_readonly("name", [](const ArenaBuffer& b) { return b.tensor->name; })
       .def_property_readonly("nbytes", [](const ArenaBuffer& b) { return b.tensor->nbytes; })
@@ -201,8 +204,9 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyClient>(m, "Client")
       .def("allocate", &PyClient::Allocate, py::arg("name"), py::arg("dtype"), py::arg("shape"),
            py::arg("global_shape") = std::vector<int64_t>{},
-           py::arg("global_offset") = std::vector<int64_t>{},
-           "A zeroed tensor in shared memory (before register()), as a writable buffer")
+           py::arg("global_offset") = std::vector<int64_t>{}, py::arg("spare_bytes") = size_t{0},
+           "A zeroed tensor in shared memory (before register()), as a writable buffer; "
+           "spare_bytes more follow it, in the buffer, that ckptd does not checkpoint")
       .def("add_cuda", &PyClient::AddCuda, py::arg("name"), py::arg("dtype"), py::arg("shape"),
            py::arg("device_ptr"), py::arg("global_shape") = std::vector<int64_t>{},
            py::arg("global_offset") = std::vector<int64_t>{})

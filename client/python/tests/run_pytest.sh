@@ -10,8 +10,10 @@ shift
 cd "${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-ckptd}"
 export PYTHONPATH="$PWD/client/python"
 export CKPTD_BIN="$PWD/daemon/ckptd"
+extra=()
 case $flavour in
-  debian) python=/usr/bin/python3 ;;
+  # What only PyTorch 2 has (torch.compile, DTensor, FSDP2) is not collected on 1.13.
+  debian) python=/usr/bin/python3; extra=(--ignore=client/python/tests/test_torch2.py) ;;
   torch2)
     python=${CKPTD_PYTHON:-}
     if [ -z "$python" ] || [ ! -x "$python" ]; then
@@ -25,4 +27,4 @@ case $flavour in
     ;;
   *) echo "unknown flavour $flavour" >&2; exit 2 ;;
 esac
-exec "$python" -m pytest -p no:cacheprovider -q client/python/tests "$@"
+exec "$python" -m pytest -p no:cacheprovider -q client/python/tests "${extra[@]}" "$@"

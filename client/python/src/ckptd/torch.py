@@ -25,6 +25,7 @@ import warnings
 import torch
 
 import ckptd
+from ckptd import _placement
 
 __all__ = ["CheckpointManager", "CheckpointError"]
 
@@ -277,7 +278,7 @@ class CheckpointManager:
     def _collect(self):
         """Every tensor to checkpoint, in a stable order, with how to replace its storage."""
         entries, seen = [], set()
-        for name, p in self.model.named_parameters():
+        for name, p in _named_parameters(self.model):
             seen.add(id(p))
             entries.append(_Entry(name, p, functools.partial(_set_data, p)))
         for name, module, leaf in _persistent_buffers(self.model):
@@ -299,13 +300,13 @@ class CheckpointManager:
         compares this with the registered one (thousands of tensors in about a millisecond).
         It changes when tensors appear (optimizer state after the first step) or move
         (`optimizer.load_state_dict`, `model.to(...)`, a replaced `.data`)."""
-        addresses = [t.data_ptr() for t in self._slots_model()]
+        addresses = [_placement.storage_address(t) for t in self._slots_model()]
         if self.optimizer is not None:
             state = self.optimizer.state
             for p in self._optimizer_param_list:
                 for key, value in sorted(state.get(p, {}).items()):
                     if torch.is_tensor(value):
-                        addresses.append(value.data_ptr())
+                        addresses.append(_placement.storage_address(value))
         return addresses
 
     def _slots_model(self):
@@ -327,20 +328,23 @@ class CheckpointManager:
             self._client.unregister()
             self._client = self._connect()
         uses_cuda = uses_host = False
+        fsdp_params = _placement.fsdp2_params(self.model)
         for e in entries:
-            t = e.tensor
+            part = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError)
+            t = part.tensor
             dtype = _DTYPES.get(t.dtype)
             if dtype is None:
                 raise CheckpointError(f"tensor {e.name}: dtype {t.dtype} cannot be checkpointed")
             if t.is_cuda:
                 if not t.is_contiguous():
                     raise CheckpointError(f"tensor {e.name}: CUDA tensors must be contiguous")
-                self._client.add_cuda(e.name, dtype, list(t.shape), t.data_ptr())
+                self._client.add_cuda(e.name, dtype, list(t.shape), t.data_ptr(),
+                                      part.global_shape, part.global_offset)
                 uses_cuda = True
             elif t.device.type != "cpu":
                 raise CheckpointError(f"tensor {e.name}: {t.device} tensors are not supported")
             elif t.numel() > 0:
-                e.replace(_move_to_arena(self._client, e.name, dtype, t))
+                _move_to_arena(self._client, e.name, dtype, part)
                 uses_host = True
         self._client.register()
         self._uses_cuda, self._uses_host = uses_cuda, uses_host
@@ -471,16 +475,42 @@ class CheckpointManager:
         self.optimizer.step = step_after_staged
 
 
+# Attribute names that wrappers insert between a model and its submodules: torch.compile's
+# OptimizedModule, FSDP1 and activation checkpointing. Checkpoint keys leave them out (as
+# DCP's state-dict helpers do), so a checkpoint saved from a compiled or wrapped model loads
+# into the plain one and back.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _checkpoint_key(model, name):
+    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+    if parts and parts[0] == "module" and _is_ddp(model):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _is_ddp(model):
+    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
+    inner = getattr(model, "_orig_mod", model)
+    return ddp is not None and isinstance(inner, ddp)
+
+
+def _named_parameters(model):
+    for name, p in model.named_parameters():
+        yield _checkpoint_key(model, name), p
+
+
 def _param_names(model):
-    return {id(p): n for n, p in model.named_parameters()}
+    return {id(p): n for n, p in _named_parameters(model)}
 
 
 def _persistent_buffers(model):
-    """(fully qualified name, module, attribute) of every buffer that belongs in a checkpoint."""
+    """(checkpoint key, module, attribute) of every buffer that belongs in a checkpoint."""
     for module_name, module in model.named_modules():
         for leaf, b in module._buffers.items():
             if b is not None and leaf not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{leaf}" if module_name else leaf), module, leaf
+                name = f"{module_name}.{leaf}" if module_name else leaf
+                yield _checkpoint_key(model, name), module, leaf
 
 
 def _set_data(param, tensor):
@@ -495,13 +525,15 @@ def _set_item(mapping, key, tensor):
     mapping[key] = tensor
 
 
-def _move_to_arena(client, name, dtype, tensor):
-    """A copy of `tensor` in ckptd's shared memory, same dtype and shape."""
-    buffer = client.allocate(name, dtype, list(tensor.shape))
+def _move_to_arena(client, name, dtype, part):
+    """Copies `part` (a _placement.Local) into ckptd's shared memory and points its owner
+    there: same dtype and shape, and the spare elements after it that FSDP2 pads with."""
+    t = part.tensor
+    buffer = client.allocate(name, dtype, list(t.shape), part.global_shape, part.global_offset,
+                             spare_bytes=part.spare * t.element_size())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer's note on non-writable buffers
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    moved = flat.view(tensor.dtype).view(tensor.shape)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8).view(t.dtype)
     with torch.no_grad():
-        moved.copy_(tensor)
-    return moved
+        flat[:t.numel()].view(t.shape).copy_(t)
+    part.relocate(flat)

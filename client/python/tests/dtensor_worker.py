@@ -1,0 +1,105 @@
+"""One rank of a 2-process CPU job whose parameters are DTensors, checkpointed through ckptd.
+
+    dtensor_worker.py --socket S --job J --mode save|load --layout tp|fsdp2 --out DIR
+
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT come from the environment (as torchrun sets
+them); the process group is gloo over a 1-D CPU DeviceMesh.
+- layout tp: tensor parallel (`parallelize_module`: the first Linear by rows, the second
+  by columns, its bias replicated); Adam state follows its parameter.
+- layout fsdp2: the model wrapped with `fully_shard` (FSDP2), uneven shards included.
+save: trains 3 steps, saves step 3 (blocking), and has rank 0 write the full (gathered)
+tensors of the model and optimizer to DIR/saved.pt; then trains 2 more steps and writes
+the losses to DIR/losses-save.pt.
+load: builds the same model with other weights, loads, has rank 0 write the gathered
+tensors to DIR/loaded.pt, trains the same 2 steps and writes DIR/losses-load.pt.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from ckptd.torch import CheckpointManager
+
+
+def build(layout, mesh, seed):
+    torch.manual_seed(seed)
+    # Tensor parallelism needs even shards (DTensor.from_local assumes them); FSDP2 pads
+    # uneven ones, which the 9 rows over 2 ranks here exercise.
+    hidden = 8 if layout == "tp" else 9
+    model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 5))
+    if layout == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        # Megatron-style: the first layer's rows (weight and bias Shard(0)), the second's
+        # columns (weight Shard(1), bias replicated).
+        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                       parallelize_module)
+        parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def train(model, optimizer, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=g)
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses)
+
+
+def gathered(model, optimizer):
+    """Every tensor of the model and optimizer, whole (DTensors gathered on every rank)."""
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t.clone()
+    out = {f"model.{n}": full(p.detach()) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                out[f"optim.{names[id(p)]}.{key}"] = full(value)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--mode", choices=["save", "load"], required=True)
+    parser.add_argument("--layout", choices=["tp", "fsdp2"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model, optimizer = build(args.layout, mesh, seed=0 if args.mode == "save" else 1)
+    manager = CheckpointManager(args.job, model, optimizer, socket=args.socket)
+    if args.mode == "save":
+        train(model, optimizer, 3, seed=10)
+        manager.save(3, blocking=True)
+        state = gathered(model, optimizer)
+        if rank == 0:
+            torch.save(state, os.path.join(args.out, "saved.pt"))
+    else:
+        assert manager.load() == 3
+        state = gathered(model, optimizer)
+        if rank == 0:
+            torch.save(state, os.path.join(args.out, "loaded.pt"))
+    losses = train(model, optimizer, 2, seed=20)
+    if rank == 0:
+        torch.save(losses, os.path.join(args.out, f"losses-{args.mode}.pt"))
+    manager.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""ckptd.torch with what only PyTorch 2 has: torch.compile, DTensor, FSDP2 (fully_shard).
+
+Run by //client/python:python_torch2_test only (run_pytest.sh leaves this file out on
+Debian's PyTorch 1.13).
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from ckptd.torch import CheckpointManager
+
+from conftest import PYTHONPATH
+
+WORKER = "client/python/tests/dtensor_worker.py"
+
+
+def manifest(daemon, job, step):
+    with open(os.path.join(daemon.root, job, f"step-{step:08d}", "manifest.json")) as f:
+        return json.load(f)
+
+
+def equal_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_a_compiled_model_saves_plain_keys_and_restores_into_compiled_and_plain(daemon):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    compiled = torch.compile(model, backend="eager")  # an OptimizedModule, as with inductor
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    assert all(name.startswith("_orig_mod.") for name, _ in compiled.named_parameters())
+    with CheckpointManager("compiled", compiled, optimizer, socket=daemon.socket) as manager:
+        compiled(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        manager.save(1, blocking=True)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = set(manifest(daemon, "compiled", 1)["tensors"])
+    assert {"0.weight", "0.bias", "2.weight", "2.bias", "optim.0.weight.exp_avg"} <= keys
+    assert not any("_orig_mod" in k for k in keys)
+
+    for compile_it in (True, False):
+        torch.manual_seed(1)
+        fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        target = torch.compile(fresh, backend="eager") if compile_it else fresh
+        with CheckpointManager("compiled", target, torch.optim.AdamW(target.parameters()),
+                               socket=daemon.socket) as manager:
+            assert manager.load() == 1
+        for k, v in fresh.state_dict().items():
+            assert equal_bits(v, saved[k]), k
+
+
+def test_mixed_precision_keeps_every_dtype(daemon):
+    """BF16 parameters trained through FP32 master weights held by the optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    master = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
+    optimizer = torch.optim.Adam(master, lr=1e-2)
+    for p in master:
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), master):
+            p.copy_(m)
+    with CheckpointManager("mixed", model, optimizer, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)
+    tensors = manifest(daemon, "mixed", 1)["tensors"]
+    assert tensors["weight"]["dtype"] == "BF16"
+    assert tensors["optim.group0.param0.exp_avg"]["dtype"] == "F32"
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_master = [m.detach().clone() for m in master]
+
+    model2 = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    master2 = [torch.nn.Parameter(torch.zeros_like(m)) for m in saved_master]
+    optimizer2 = torch.optim.Adam(master2, lr=1e-2)
+    with CheckpointManager("mixed", model2, optimizer2, socket=daemon.socket) as manager:
+        assert manager.load() == 1
+    for k, v in model2.state_dict().items():
+        assert v.dtype == torch.bfloat16 and equal_bits(v, saved_model[k])
+    for state in optimizer2.state.values():
+        assert state["exp_avg"].dtype == torch.float32
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(daemon, job, mode, layout, out):
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, PYTHONPATH=PYTHONPATH, RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen(
+            [sys.executable, WORKER, "--socket", daemon.socket, "--job", job, "--mode", mode,
+             "--layout", layout, "--out", out],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    for p in procs:
+        out_text, err = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{mode} rank exited {p.returncode}:\n{out_text}\n{err}"
+
+
+def check_dtensor_round_trip(daemon, workdir, layout):
+    job = f"dtensor-{layout}"
+    run_ranks(daemon, job, "save", layout, workdir)
+    daemon.restart()  # restore from disk: the manifest's placements put the shards back
+    run_ranks(daemon, job, "load", layout, workdir)
+    saved = torch.load(os.path.join(workdir, "saved.pt"))
+    loaded = torch.load(os.path.join(workdir, "loaded.pt"))
+    assert saved.keys() == loaded.keys()
+    for k in saved:
+        assert equal_bits(saved[k], loaded[k]), k
+    # Training goes on from the restored state exactly as it did from the saved one.
+    assert equal_bits(torch.load(os.path.join(workdir, "losses-save.pt")),
+                      torch.load(os.path.join(workdir, "losses-load.pt")))
+    return manifest(daemon, job, 3)["tensors"]
+
+
+def test_tensor_parallel_dtensors_save_their_shards_with_global_placement(daemon, workdir):
+    tensors = check_dtensor_round_trip(daemon, workdir, "tp")
+    weight = tensors["0.weight"]  # Linear(6, 8) sharded by rows over 2 ranks
+    assert weight["global_shape"] == [8, 6]
+    assert sorted((s["offset"], s["shape"]) for s in weight["shards"]) == [([0, 0], [4, 6]), ([4, 0], [4, 6])]
+    by_column = tensors["2.weight"]  # Linear(8, 5) sharded by columns
+    assert by_column["global_shape"] == [5, 8]
+    assert sorted((s["offset"], s["shape"]) for s in by_column["shards"]) == [([0, 0], [5, 4]), ([0, 4], [5, 4])]
+    exp_avg = tensors["optim.0.weight.exp_avg"]  # Adam state follows its parameter
+    assert exp_avg["global_shape"] == [8, 6]
+    assert sorted(s["offset"] for s in exp_avg["shards"]) == [[0, 0], [4, 0]]
+    assert sorted((s["offset"], s["shape"]) for s in tensors["0.bias"]["shards"]) == [([0], [4]), ([4], [4])]
+    replicated = tensors["2.bias"]  # a whole copy per rank
+    assert replicated["global_shape"] == [5]
+    assert [(s["offset"], s["shape"]) for s in replicated["shards"]] == [([0], [5]), ([0], [5])]
+
+
+def test_fsdp2_fully_shard_saves_and_resumes_bit_exactly(daemon, workdir):
+    tensors = check_dtensor_round_trip(daemon, workdir, "fsdp2")
+    weight = tensors["0.weight"]  # FSDP2 shards dim 0 and pads the last rank's
+    assert weight["global_shape"] == [9, 6]
+    assert sorted((s["offset"], s["shape"]) for s in weight["shards"]) == [([0, 0], [5, 6]), ([5, 0], [4, 6])]
+    assert tensors["2.bias"]["global_shape"] == [5]
