@@ -4,7 +4,9 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -221,7 +223,11 @@ def test_training_continues_without_a_daemon(workdir):
     with pytest.warns(RuntimeWarning, match="ckptd unavailable.*training continues"):
         with CheckpointManager("absent", model, optimizer, scheduler,
                                socket=os.path.join(workdir, "nobody.sock"), interval_steps=2) as manager:
-            assert manager.load() is None
+            # Never "nothing to restore" while ckptd is away: a checkpoint may exist.
+            started = time.monotonic()
+            with pytest.raises(CheckpointError, match=r"ckptd is not reachable .*\(waited 0\.5 s\)"):
+                manager.load(daemon_timeout=0.5)
+            assert 0.5 <= time.monotonic() - started < 5
             observed = []
             for step in range(1, 7):
                 observed.append(train_step(model, optimizer, scheduler))
@@ -230,6 +236,45 @@ def test_training_continues_without_a_daemon(workdir):
             with pytest.raises(CheckpointError, match="not reachable"):
                 manager.save(7, blocking=True)
     assert observed == plain
+
+
+def test_load_waits_for_a_daemon_that_comes_late(daemon):
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("late", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+    daemon.stop()
+    starter = threading.Timer(1.5, daemon.start)  # e.g. the sidecar starts after the trainer
+    starter.start()
+    try:
+        model2, optimizer2, scheduler2 = make_training(seed=3)
+        with CheckpointManager("late", model2, optimizer2, scheduler2, socket=daemon.socket,
+                               daemon_timeout=60) as manager:
+            assert manager.load() == 1
+    finally:
+        starter.join()
+
+
+def test_saves_never_wait_for_a_daemon_that_does_not_answer(workdir):
+    """A socket that accepts connections but never speaks (a hung ckptd): the first save
+    gives the connection attempt a second, later ones return at once."""
+    path = os.path.join(workdir, "hung.sock")
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hung.bind(path)
+    hung.listen(16)  # never accepts: connections wait in the backlog
+    try:
+        model, optimizer, scheduler = make_training()
+        manager = CheckpointManager("hung", model, optimizer, scheduler, socket=path, interval_steps=1)
+        started = time.monotonic()
+        assert manager.maybe_save(1) is False
+        assert time.monotonic() - started < 2.0
+        for step in range(2, 12):
+            train_step(model, optimizer, scheduler)
+            started = time.monotonic()
+            assert manager.maybe_save(step) is False
+            assert time.monotonic() - started < 0.05
+    finally:
+        hung.close()
 
 
 # --- safety and zero copy ----------------------------------------------------------------

@@ -19,6 +19,8 @@ import logging
 import os
 import pickle
 import random
+import socket
+import threading
 import time
 import warnings
 
@@ -55,6 +57,40 @@ class _Entry:
         self.name, self.tensor, self.replace = name, tensor, replace
 
 
+def _listening(path):
+    """Whether a process accepts connections on the Unix socket at `path`: answered at once
+    (no file, or nobody listening, is an immediate error)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+class _Connector:
+    """One attempt to connect to ckptd, on a thread of its own."""
+
+    def __init__(self, connect):
+        self.client = self.error = None
+        self._thread = threading.Thread(target=self._run, args=(connect,), daemon=True,
+                                        name="ckptd-connect")
+        self._thread.start()
+
+    def _run(self, connect):
+        try:
+            self.client = connect()
+        except ckptd.Error as e:
+            self.error = e
+
+    def done(self, timeout):
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 def _env_int(*names):
     for name in names:
         if os.environ.get(name):
@@ -84,13 +120,20 @@ class CheckpointManager:
 
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
-                 rank=None, world_size=None, arena_bytes=64 << 20):
+                 rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
+                 daemon_timeout=120.0):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
             raise ValueError(f"interval_seconds must be positive, not {interval_seconds}")
+        if keep_latest_k is not None:  # torchtitan's name for the same setting
+            if keep_last is not None and keep_last != keep_latest_k:
+                raise ValueError(f"keep_last={keep_last} and keep_latest_k={keep_latest_k} disagree")
+            keep_last = keep_latest_k
         if keep_last is not None and keep_last < 0:
             raise ValueError(f"keep_last must be 0 (keep all) or more, not {keep_last}")
+        if daemon_timeout < 0:
+            raise ValueError(f"daemon_timeout must be 0 or more seconds, not {daemon_timeout}")
         self.job = job
         self.model = model
         self.optimizer = optimizer
@@ -108,6 +151,7 @@ class CheckpointManager:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.arena_bytes = arena_bytes
+        self.daemon_timeout = daemon_timeout
 
         self._client = None
         self._registered = False
@@ -115,6 +159,7 @@ class CheckpointManager:
         self._uses_cuda = False     # what the registered tensors are: decides how to wait
         self._uses_host = False
         self._retry_after = 0.0     # monotonic time before which no reconnect is tried
+        self._connector = None      # a connection attempt still under way (see _connected)
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
         self._last_save_time = time.monotonic()
@@ -197,23 +242,22 @@ class CheckpointManager:
         except ckptd.Error as e:
             self._lost(e)
 
-    def load(self, step=None):
+    def load(self, step=None, daemon_timeout=None):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
-        there is none. Raises CheckpointError when the checkpoint does not match the model
-        (names and shapes are listed) or cannot be read."""
+        the job has none. Never starts over silently: when ckptd cannot be reached, waits
+        for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
+        raises CheckpointError; so does a checkpoint that does not match the model (names
+        and shapes are listed) or cannot be read."""
         self._check_open()
-        if not self._connected():
-            return None
+        self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         created = self._create_optimizer_state()
         try:
             self._register_current_tensors()
             info = self._client.restore(step)
-        except ckptd.Unavailable as e:
-            self._lost(e)
-            self._drop_optimizer_state(created)
-            return None
         except ckptd.Error as e:
             self._drop_optimizer_state(created)
+            if isinstance(e, ckptd.Unavailable):
+                self._lost(e)
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: {e}") from e
         if not info["found"]:
             self._drop_optimizer_state(created)
@@ -250,17 +294,54 @@ class CheckpointManager:
             raise CheckpointError("this CheckpointManager is closed")
 
     def _connected(self):
+        """Whether there is a client, connecting if ckptd is there. Never holds up training
+        for an absent daemon: a socket nobody listens on fails at once, and an attempt that
+        takes longer than a second goes on in the background, adopted at a later save."""
         if self._client is not None:
             return True
+        if self._connector is not None:
+            if not self._connector.done(timeout=0):
+                return False
+            return self._adopt()
         if time.monotonic() < self._retry_after:
             return False
-        try:
-            self._client = self._connect()
-            self._registered = False
-            return True
-        except ckptd.Unavailable as e:
-            self._lost(e)
+        if not _listening(self.socket):
+            self._lost(ckptd.Unavailable(f"nothing listens at {self.socket}"))
             return False
+        self._connector = _Connector(self._connect)
+        if not self._connector.done(timeout=1.0):
+            return False
+        return self._adopt()
+
+    def _adopt(self):
+        connector, self._connector = self._connector, None
+        if connector.error is not None:
+            self._lost(connector.error)
+            return False
+        self._client = connector.client
+        self._registered = False
+        return True
+
+    def _wait_for_daemon(self, timeout):
+        deadline = time.monotonic() + timeout
+        while True:
+            self._retry_after = 0.0  # load() asks now, whatever the save path last saw
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                if self._connected():
+                    return
+            if self._connector is not None:
+                self._connector.done(timeout=max(0.0, deadline - time.monotonic()))
+                if self._connected():
+                    return
+            if time.monotonic() >= deadline:
+                self._retry_after = 0.0  # the next save tries (and warns) again
+                raise CheckpointError(
+                    f"cannot load job {self.job!r}: ckptd is not reachable at {self.socket} "
+                    f"(waited {timeout:g} s). Not starting from scratch while a checkpoint may "
+                    "exist: start ckptd, or raise daemon_timeout; to train without ckptd, "
+                    "catch this error")
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
 
     def _connect(self):
         return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
