@@ -2,6 +2,7 @@
 // everything the client does stays in C++.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <memory>
@@ -223,6 +224,13 @@ PYBIND11_MODULE(_native, m) {
       .def("unregister", &PyClient::Unregister)
       .def_property_readonly("session_id", &PyClient::session_id);
 
+  // The checksum ckptd records for every tensor piece (docs/format.md), for readers of its
+  // files that run without the daemon (ckptd.dcp).
+  m.def("xxh3_64", [](py::buffer data) {
+    py::buffer_info info = data.request();
+    py::gil_scoped_release unlocked;
+    return XXH3_64bits(info.ptr, static_cast<size_t>(info.size * info.itemsize));
+  }, py::arg("data"), "XXH3-64 of a buffer's bytes");
   m.def("connect", &Connect, py::arg("socket"), py::arg("job"), py::arg("rank") = 0,
         py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
         py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,

@@ -9,9 +9,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from ckptd.torch import CheckpointManager
+from ckptd.torch import CheckpointError, CheckpointManager
 
 from conftest import PYTHONPATH
 
@@ -144,3 +145,120 @@ def test_fsdp2_fully_shard_saves_and_resumes_bit_exactly(daemon, workdir):
     assert weight["global_shape"] == [9, 6]
     assert sorted((s["offset"], s["shape"]) for s in weight["shards"]) == [([0, 0], [5, 6]), ([5, 0], [4, 6])]
     assert tensors["2.bias"]["global_shape"] == [5]
+
+
+# --- DCP interoperability -----------------------------------------------------------------
+
+def test_dcp_loads_a_ckptd_checkpoint_without_a_daemon(daemon):
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import CkptdStorageReader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with CheckpointManager("for-dcp", model, optimizer, socket=daemon.socket) as manager:
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        manager.save(1, blocking=True)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_avg = optimizer.state[model[0].weight]["exp_avg"].clone()
+    daemon.stop()  # DCP reads the files alone
+    step_dir = os.path.join(daemon.root, "for-dcp", "step-00000001")
+
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    state = fresh.state_dict()
+    dcp.load(state, storage_reader=CkptdStorageReader(step_dir))
+    fresh.load_state_dict(state)
+    for k, v in fresh.state_dict().items():
+        assert equal_bits(v, saved[k]), k
+    # Optimizer tensors, under torchtitan's keys.
+    optim_state = {"optimizer": {"state": {"0.weight": {"exp_avg": torch.zeros(8, 4)}}}}
+    dcp.load(optim_state, storage_reader=CkptdStorageReader(step_dir))
+    assert equal_bits(optim_state["optimizer"]["state"]["0.weight"]["exp_avg"], saved_avg)
+
+    # A damaged shard is refused, naming the tensor; nothing of it reaches the target.
+    piece = manifest(daemon, "for-dcp", 1)["tensors"]["2.weight"]["shards"][0]
+    with open(os.path.join(step_dir, piece["file"]), "r+b") as f:
+        at = 8 + int.from_bytes(f.read(8), "little") + piece["data_offsets"][0] + 3
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    target = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
+    with pytest.raises(dcp.api.CheckpointException) as error:
+        dcp.load(target, storage_reader=CkptdStorageReader(step_dir))
+    assert "2.weight in rank-00000.safetensors: checksum mismatch" in str(error.value.failures[0])
+    assert torch.all(target["2.weight"] == 7.0)
+
+
+def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, workdir):
+    """Saved by 2 ranks as shards; DCP reshards it onto one process's plain tensors."""
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import CkptdStorageReader
+
+    run_ranks(daemon, "tp-for-dcp", "save", "tp", workdir)
+    saved = torch.load(os.path.join(workdir, "saved.pt"))
+    state = {k[len("model."):]: torch.zeros_like(v) for k, v in saved.items() if k.startswith("model.")}
+    state["optimizer"] = {"state": {"0.weight": {"exp_avg": torch.zeros(8, 6)}}}
+    dcp.load(state, storage_reader=CkptdStorageReader(
+        os.path.join(daemon.root, "tp-for-dcp", "step-00000003")))
+    for k, v in saved.items():
+        if k.startswith("model."):
+            assert equal_bits(state[k[len("model."):]], v), k
+    assert equal_bits(state["optimizer"]["state"]["0.weight"]["exp_avg"], saved["optim.0.weight.exp_avg"])
+
+
+@pytest.mark.parametrize("layout", ["tutorial", "torchtitan"])
+def test_a_job_switches_from_dcp_to_ckptd(daemon, workdir, layout):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer), "lr_scheduler": scheduler.state_dict()}
+    if layout == "tutorial":
+        state["model"] = model.state_dict()
+    else:
+        state.update(model.state_dict())
+    dcp_dir = os.path.join(workdir, "dcp", "step-1200")
+    dcp.save(state, checkpoint_id=dcp_dir)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_avg = optimizer.state[model[2].weight]["exp_avg"].clone()
+
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer2 = torch.optim.Adam(model2.parameters(), lr=1e-2)
+    scheduler2 = torch.optim.lr_scheduler.StepLR(optimizer2, step_size=2, gamma=0.5)
+    with CheckpointManager("switched", model2, optimizer2, scheduler2, socket=daemon.socket) as manager:
+        assert manager.load(from_dcp=dcp_dir) == 1200
+        for k, v in model2.state_dict().items():
+            assert equal_bits(v, expected[k]), k
+        assert equal_bits(optimizer2.state[model2[2].weight]["exp_avg"], expected_avg)
+        assert scheduler2.state_dict()["last_epoch"] == 3
+        manager.save(1201, blocking=True)  # from here on, ckptd
+    assert daemon.steps("switched") == [1201]
+    model3 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer3 = torch.optim.Adam(model3.parameters(), lr=1e-2)
+    scheduler3 = torch.optim.lr_scheduler.StepLR(optimizer3, step_size=2, gamma=0.5)
+    with CheckpointManager("switched", model3, optimizer3, scheduler3, socket=daemon.socket) as manager:
+        assert manager.load() == 1201
+    for k, v in model3.state_dict().items():
+        assert equal_bits(v, expected[k]), k
+
+
+def test_from_dcp_names_what_the_checkpoint_lacks(daemon, workdir):
+    import torch.distributed.checkpoint as dcp
+
+    dcp_dir = os.path.join(workdir, "dcp-small")
+    dcp.save({"model": torch.nn.Linear(4, 8).state_dict()}, checkpoint_id=dcp_dir)
+    bigger = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    with CheckpointManager("lacking", bigger, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"cannot load DCP checkpoint .*dcp-small: Missing key in checkpoint state_dict: model\.0\.weight"):
+            manager.load(from_dcp=dcp_dir, step=7)

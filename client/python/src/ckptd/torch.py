@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import socket
 import threading
 import time
@@ -242,13 +243,19 @@ class CheckpointManager:
         except ckptd.Error as e:
             self._lost(e)
 
-    def load(self, step=None, daemon_timeout=None):
+    def load(self, step=None, daemon_timeout=None, from_dcp=None):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
         raises CheckpointError; so does a checkpoint that does not match the model (names
-        and shapes are listed) or cannot be read."""
+        and shapes are listed) or cannot be read.
+
+        `from_dcp=PATH` loads a torch.distributed.checkpoint directory instead (switching a
+        job to ckptd: its next save goes to ckptd); returns `step`, or the step in the
+        directory's name (`step-1200`, as torchtitan names them)."""
         self._check_open()
+        if from_dcp is not None:
+            return self._load_from_dcp(os.fspath(from_dcp), step)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         created = self._create_optimizer_state()
         try:
@@ -265,6 +272,26 @@ class CheckpointManager:
         self._apply_train_state(info["train_state"])
         log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
         return info["step"]
+
+    def _load_from_dcp(self, path, step):
+        if step is None:
+            match = re.search(r"step[-_]?(\d+)$", os.path.basename(os.path.normpath(path)))
+            if match is None:
+                raise CheckpointError(f"{path}: no step in the directory's name; pass step=")
+            step = int(match.group(1))
+        from torch.distributed.checkpoint.api import CheckpointException
+        from ckptd import dcp as ckptd_dcp
+        self.wait_staged()
+        try:
+            ckptd_dcp.load_into(path, self.model, self.optimizer, self.lr_scheduler, self.extra_state)
+        except CheckpointException as e:  # a BaseException: each rank's failure inside
+            # Each rank's failure is (exception, its traceback summary).
+            why = "; ".join(str(f[0] if isinstance(f, tuple) else f) for f in e.failures.values())
+            raise CheckpointError(f"cannot load DCP checkpoint {path}: {why}") from e
+        except Exception as e:
+            raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
+        log.info("ckptd: loaded step %d from the DCP checkpoint %s", step, path)
+        return step
 
     def close(self):
         """Waits until the latest snapshot is staged and leaves ckptd (which still commits

@@ -1,0 +1,191 @@
+"""torch.distributed.checkpoint (DCP) over ckptd's files: no daemon needed.
+
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import CkptdStorageReader
+
+    state = model.state_dict()
+    dcp.load(state, storage_reader=CkptdStorageReader("/ckpt/llm/step-00001200"))
+    model.load_state_dict(state)
+
+The reader offers every tensor of a ckptd checkpoint under the keys DCP-based code uses
+(torchtitan's layout): model tensors under their fully qualified names, ckptd.torch's
+optimizer tensors `optim.<fqn>.<key>` as `optimizer.state.<fqn>.<key>`. Sharded tensors
+(DTensor, FSDP2, any placement ckptd recorded) are offered as the global tensor with one
+chunk per saved shard, so DCP reshards them onto whatever the loading side uses. Every
+piece read is checked against its XXH3-64 checksum before it is copied. ckptd.torch's
+train state (RNG, LR scheduler, extra state) is its own encoding and is not offered: load
+it with CheckpointManager.
+"""
+import json
+import os
+
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ckptd._native import xxh3_64
+
+__all__ = ["CkptdStorageReader", "dcp_key"]
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def dcp_key(name):
+    """The DCP key of a ckptd tensor name (see the module's docstring)."""
+    return "optimizer.state." + name[len("optim."):] if name.startswith("optim.") else name
+
+
+class CkptdStorageReader(StorageReader):
+    """Reads one committed ckptd step: `path` is its directory (`<root>/<job>/step-NNNNNNNN`)."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = os.fspath(path)
+        self._pieces = {}       # MetadataIndex -> (file, data_offsets, dtype, shape, checksum)
+        self._data_start = {}   # file -> offset of its data region
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._pieces, self._data_start = {}, {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), "manifest.json"))
+
+    def read_metadata(self, *args, **kwargs):
+        manifest_path = os.path.join(self.path, "manifest.json")
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{manifest_path}: not a ckptd manifest: {e}") from e
+        if manifest.get("format") != "ckptd-manifest" or manifest.get("format_version", 0) > 1:
+            raise ValueError(f"{manifest_path}: not a ckptd manifest of a version this reader knows")
+        state = {}
+        self._pieces = {}
+        for name, tensor in sorted(manifest["tensors"].items()):
+            dtype = _DTYPES.get(tensor["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name}: dtype {tensor['dtype']} has no torch equivalent")
+            key = dcp_key(name)
+            size = torch.Size(tensor["global_shape"])
+            chunks, seen = [], set()
+            for shard in tensor["shards"]:
+                offsets = tuple(shard.get("offset") or [0] * len(size))
+                shape = tuple(shard["shape"])
+                if (offsets, shape) in seen:
+                    continue  # a replica: one copy serves
+                seen.add((offsets, shape))
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
+                _check_file_name(shard["file"])
+                self._pieces[MetadataIndex(key, torch.Size(offsets))] = (
+                    shard["file"], shard["data_offsets"], dtype, shape, shard.get("checksum"))
+            state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
+                                               chunks=chunks)
+        metadata = Metadata(state_dict_metadata=state)
+        metadata.storage_data = dict(self._pieces)
+        return metadata
+
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
+        if metadata.storage_data:
+            self._pieces = dict(metadata.storage_data)
+
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
+
+    def read_data(self, plan, planner):
+        by_file = {}
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                raise ValueError(f"{item.dest_index.fqn}: a ckptd checkpoint offers tensors only "
+                                 "(load the train state with ckptd.torch.CheckpointManager)")
+            by_file.setdefault(self._pieces[item.storage_index][0], []).append(item)
+        for file_name, items in sorted(by_file.items()):
+            with open(os.path.join(self.path, file_name), "rb") as f:
+                start = self._data_region(f, file_name)
+                for item in sorted(items, key=lambda i: self._pieces[i.storage_index][1][0]):
+                    stored = self._read_piece(f, start, item.storage_index)
+                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        stored = stored.narrow(dim, offset, length)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != stored.size():
+                        raise ValueError(f"{item.dest_index.fqn}: DCP asked for {tuple(target.size())}, "
+                                         f"the checkpoint's piece gives {tuple(stored.size())}")
+                    target.copy_(stored)
+                    planner.commit_tensor(item, target)
+        done = Future()
+        done.set_result(None)
+        return done
+
+    def _data_region(self, f, file_name):
+        header = f.read(8)
+        if len(header) != 8:
+            raise ValueError(f"{file_name}: truncated safetensors header")
+        return 8 + int.from_bytes(header, "little")
+
+    def _read_piece(self, f, start, index):
+        file_name, (lo, hi), dtype, shape, checksum = self._pieces[index]
+        f.seek(start + lo)
+        data = bytearray(f.read(hi - lo))
+        if len(data) != hi - lo:
+            raise ValueError(f"{index.fqn} in {file_name}: the file ends {hi - lo - len(data)} bytes "
+                             "early (truncated)")
+        if checksum is not None and checksum != f"xxh3:{xxh3_64(data):016x}":
+            raise ValueError(f"{index.fqn} in {file_name}: checksum mismatch (damaged file); "
+                             "nothing of it was copied")
+        return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _check_file_name(name):
+    """Only the shard files ckptd writes are opened (never a path from the manifest)."""
+    if not (name.startswith("rank-") and name.endswith(".safetensors") and
+            name[5:-12].isdigit() and len(name) == 5 + 5 + 12):
+        raise ValueError(f"shard file {name!r} is not rank-NNNNN.safetensors")
+
+
+def load_into(path, model, optimizer=None, lr_scheduler=None, extra_state=None):
+    """Loads a DCP checkpoint (a directory `dcp.save` wrote) into `model` and, where the
+    checkpoint has them, `optimizer`, `lr_scheduler` and every `extra_state` object, in
+    place. Model keys may be top level (torchtitan) or under "model." (the DCP tutorials'
+    {"model": ..., "optimizer": ...}); wrapper prefixes (torch.compile, FSDP) do not matter.
+    A tensor the model has and the checkpoint lacks is an error naming it (DCP's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+    has = lambda prefix: any(k == prefix or k.startswith(prefix + ".") for k in keys)
+    model_state = get_model_state_dict(model)
+    nested = not any(k in keys for k in model_state) and has("model")
+    state = {"model": model_state} if nested else dict(model_state)
+    if optimizer is not None and has("optimizer"):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    if lr_scheduler is not None and has("lr_scheduler"):
+        state["lr_scheduler"] = lr_scheduler.state_dict()
+    for name, obj in (extra_state or {}).items():
+        if has(name):
+            state[name] = obj.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"] if nested else {k: state[k] for k in model_state})
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if "lr_scheduler" in state:
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for name, obj in (extra_state or {}).items():
+        if name in state:
+            obj.load_state_dict(state[name])
