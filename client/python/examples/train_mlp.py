@@ -22,6 +22,8 @@ def main():
     parser.add_argument("--socket", default=None, help="ckptd's socket (default: $CKPTD_SOCKET)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--save-on-sigterm", action="store_true",
+                        help="checkpoint when preempted (SIGTERM), staged before the process ends")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -34,7 +36,8 @@ def main():
     target = torch.nn.Linear(32, 1)  # the function to learn; fixed by the seed
 
     with CheckpointManager(args.job, model, optimizer, scheduler, socket=args.socket,
-                           interval_steps=args.save_every) as manager:
+                           interval_steps=args.save_every,
+                           save_on_sigterm=args.save_on_sigterm) as manager:
         start = 1
         if args.resume:
             restored = manager.load()

@@ -119,6 +119,40 @@ def test_sigkill_and_resume_gives_the_uninterrupted_loss_trajectory(daemon):
     assert daemon.steps("resumed")[-1] == 40
 
 
+def test_sigterm_saves_the_current_step_and_resume_continues_the_trajectory(daemon):
+    """Preemption: no periodic checkpoint at all, only the one SIGTERM takes."""
+    common = ["--socket", daemon.socket, "--steps", "60", "--save-every", "1000"]
+    reference = run_example(*common, "--job", "reference")
+    out, err = reference.communicate(timeout=300)
+    assert reference.returncode == 0, err
+    expected = losses(out)
+
+    victim = run_example(*common, "--job", "preempted", "--save-on-sigterm")
+    seen = []
+    for line in victim.stdout:
+        seen.append(line)
+        if line.startswith("step 20 "):
+            victim.send_signal(signal.SIGTERM)
+            break
+    seen.extend(victim.stdout)  # the steps it finished before the handler ran
+    victim.wait(timeout=60)
+    assert victim.returncode == -signal.SIGTERM  # the default action still ends it
+    last = max(losses("".join(seen)))
+    deadline = time.monotonic() + 30  # ckptd commits after the trainer is gone
+    while daemon.steps("preempted") != [last] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert daemon.steps("preempted") == [last]
+
+    resumed = run_example(*common, "--job", "preempted", "--resume")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert out.splitlines()[0] == f"resumed from step {last}"
+    after = losses(out)
+    assert sorted(after) == list(range(last + 1, 61))
+    for step, loss in after.items():
+        assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
+
+
 @pytest.mark.parametrize("source", ["memory", "disk"])
 def test_load_into_a_freshly_built_model_and_optimizer(daemon, source):
     model, optimizer, scheduler = make_training(seed=1)
@@ -236,6 +270,28 @@ def test_training_continues_without_a_daemon(workdir):
             with pytest.raises(CheckpointError, match="not reachable"):
                 manager.save(7, blocking=True)
     assert observed == plain
+
+
+def test_a_weights_only_save_in_another_dtype(daemon):
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("full", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+        assert manager.save_weights(1, dtype=torch.bfloat16) == "full-weights"
+    assert daemon.steps("full-weights") == [1]
+    assert daemon.steps("full") == [1]  # the training job's own steps are left alone
+    step_dir = os.path.join(daemon.root, "full-weights", "step-00000001")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        tensors = json.load(f)["tensors"]
+    assert set(tensors) == set(model.state_dict())  # no optimizer state
+    assert tensors["0.weight"]["dtype"] == "BF16"
+    assert tensors["1.num_batches_tracked"]["dtype"] == "I64"  # integers keep theirs
+    with open(os.path.join(step_dir, "rank-00000.safetensors"), "rb") as f:
+        data = f.read()
+    size = int.from_bytes(data[:8], "little")
+    lo, hi = json.loads(data[8:8 + size])["0.weight"]["data_offsets"]
+    stored = torch.frombuffer(bytearray(data[8 + size + lo:8 + size + hi]), dtype=torch.bfloat16)
+    assert torch.equal(stored.view(model[0].weight.shape), model[0].weight.detach().to(torch.bfloat16))
 
 
 def test_load_waits_for_a_daemon_that_comes_late(daemon):

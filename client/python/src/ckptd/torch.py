@@ -29,6 +29,7 @@ import torch
 
 import ckptd
 from ckptd import _placement
+from ckptd._preemption import PreemptionSaver
 
 __all__ = ["CheckpointManager", "CheckpointError"]
 
@@ -122,7 +123,7 @@ class CheckpointManager:
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
-                 daemon_timeout=120.0):
+                 daemon_timeout=120.0, save_on_sigterm=False):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
@@ -166,6 +167,8 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self._closed = False
         self._install_hooks()
+        # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
+        self._preemption = PreemptionSaver() if save_on_sigterm else None
 
     # --- public API ---------------------------------------------------------------------
 
@@ -174,6 +177,9 @@ class CheckpointManager:
 
         Returns True when a snapshot was queued.
         """
+        if self._preemption is not None and self._preemption.requested:
+            self._preemption.stop(lambda: self.save(step) and self._staged())
+            return True
         due = self.interval_steps is not None and step % self.interval_steps == 0
         if self.interval_seconds is not None:
             due = due or time.monotonic() - self._last_save_time >= self.interval_seconds
@@ -221,6 +227,10 @@ class CheckpointManager:
         if status["state"] not in ("staged", "committed"):
             raise CheckpointError(f"checkpoint {status['state']}: {status['error']}")
         return status["state"]
+
+    def _staged(self):
+        self.wait_staged()
+        return True
 
     def wait_staged(self):
         """Returns once ckptd has copied the latest snapshot, so the registered tensors may
@@ -293,11 +303,62 @@ class CheckpointManager:
         log.info("ckptd: loaded step %d from the DCP checkpoint %s", step, path)
         return step
 
+    def save_weights(self, step, dtype=None, job=None):
+        """A weights-only checkpoint: the model's parameters and persistent buffers (no
+        optimizer, no train state), every floating-point tensor converted to `dtype` (for
+        example torch.bfloat16; None keeps each dtype), as the job `job` (default
+        "<job>-weights"), so the training job's own steps, retention and restore are left
+        alone. What a final save for inference or fine-tuning wants (torchtitan's
+        model_weights_only with export_dtype). Every rank calls it, like save(); returns
+        once the checkpoint is committed on every rank, raising CheckpointError otherwise.
+        Sharded parameters (DTensor, FSDP2) keep their placement."""
+        self._check_open()
+        self.wait_staged()
+        name = job or f"{self.job}-weights"
+        try:
+            client = ckptd.connect(self.socket, name, self.rank, self.world_size, self.arena_bytes)
+        except ckptd.Error as e:
+            raise CheckpointError(f"weights of step {step} not saved: {e}") from e
+        try:
+            fsdp_params = _placement.fsdp2_params(self.model)
+            tensors = [(n, p) for n, p in _named_parameters(self.model)]
+            tensors += [(n, m._buffers[leaf]) for n, m, leaf in _persistent_buffers(self.model)]
+            for key, tensor in tensors:
+                part = _placement.local_part(key, tensor, None, fsdp_params, CheckpointError)
+                source = part.tensor
+                if source.numel() == 0:
+                    continue
+                out = dtype if dtype is not None and source.is_floating_point() else source.dtype
+                if out not in _DTYPES:
+                    raise CheckpointError(f"tensor {key}: dtype {out} cannot be checkpointed")
+                buffer = client.allocate(key, _DTYPES[out], list(source.shape), part.global_shape,
+                                         part.global_offset)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    target = torch.frombuffer(buffer, dtype=torch.uint8).view(out).view(source.shape)
+                with torch.no_grad():
+                    target.copy_(source)
+            client.register()
+            ticket = client.snapshot(int(step), {**self._metadata(), "weights_only": "1"}, {})
+            status = client.wait_committed(ticket)
+        except ckptd.Error as e:
+            raise CheckpointError(f"weights of step {step} not saved: {e}") from e
+        finally:
+            try:
+                client.unregister()
+            except ckptd.Error:
+                pass  # the session ends with the process anyway
+        if status["state"] != "committed":
+            raise CheckpointError(f"weights of step {step}: {status['state']}: {status['error']}")
+        return name
+
     def close(self):
         """Waits until the latest snapshot is staged and leaves ckptd (which still commits
         it). The tensors stay usable."""
         if self._closed:
             return
+        if self._preemption is not None:
+            self._preemption.uninstall()
         self.wait_staged()
         if self._client is not None:
             try:
