@@ -6,15 +6,22 @@ namespace ckpt::persist {
 
 std::vector<uint64_t> StepsToDelete(const std::vector<uint64_t>& committed,
                                     const RetentionPolicy& policy,
-                                    const std::vector<uint64_t>& pinned) {
+                                    const std::vector<uint64_t>& pinned,
+                                    const std::vector<uint64_t>& ephemeral) {
+  auto contains = [](const std::vector<uint64_t>& v, uint64_t step) {
+    return std::find(v.begin(), v.end(), step) != v.end();
+  };
   std::vector<uint64_t> doomed;
-  if (policy.keep_last == 0 || committed.size() <= policy.keep_last) return doomed;
-  size_t first_kept = committed.size() - policy.keep_last;
-  for (size_t i = 0; i < first_kept; ++i) {
+  if (committed.empty()) return doomed;
+  size_t first_kept = policy.keep_last == 0 || committed.size() <= policy.keep_last
+                          ? 0
+                          : committed.size() - policy.keep_last;
+  for (size_t i = 0; i + 1 < committed.size(); ++i) {  // the latest always stays
     uint64_t step = committed[i];
-    if (policy.keep_every != 0 && step % policy.keep_every == 0) continue;
-    if (std::find(pinned.begin(), pinned.end(), step) != pinned.end()) continue;
-    doomed.push_back(step);
+    if (contains(pinned, step)) continue;
+    bool expired = contains(ephemeral, step) ||
+                   (i < first_kept && !(policy.keep_every != 0 && step % policy.keep_every == 0));
+    if (expired) doomed.push_back(step);
   }
   return doomed;
 }

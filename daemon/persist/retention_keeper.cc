@@ -1,5 +1,7 @@
 #include "daemon/persist/retention_keeper.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include <sys/resource.h>
@@ -97,6 +99,23 @@ void RetentionKeeper::Loop() {
   }
 }
 
+std::vector<uint64_t> RetentionKeeper::EphemeralSteps(const std::string& job,
+                                                      const std::vector<uint64_t>& steps) {
+  std::vector<uint64_t> ephemeral;
+  std::map<uint64_t, bool>& known = ephemeral_[job];
+  for (size_t i = 0; i + 1 < steps.size(); ++i) {  // the latest is kept whatever it is
+    auto it = known.find(steps[i]);
+    if (it == known.end()) {
+      absl::StatusOr<Manifest> manifest = store_.LoadManifest(job, steps[i]);
+      if (!manifest.ok()) continue;  // unreadable: not ours to judge here, ask again later
+      auto flag = manifest->metadata.find(kEphemeralKey);
+      it = known.emplace(steps[i], flag != manifest->metadata.end() && flag->second == "1").first;
+    }
+    if (it->second) ephemeral.push_back(steps[i]);
+  }
+  return ephemeral;
+}
+
 void RetentionKeeper::Apply(const std::string& job) {
   auto steps = store_.ListStepsInRunOrder(job);
   if (!steps.ok()) return;
@@ -110,10 +129,15 @@ void RetentionKeeper::Apply(const std::string& job) {
     }
   }
   auto& log = log::Get(log::Component::kPersist);
-  for (uint64_t step : StepsToDelete(*steps, policy, pinned)) {
+  std::vector<uint64_t> ephemeral = EphemeralSteps(job, *steps);
+  for (uint64_t step : StepsToDelete(*steps, policy, pinned, ephemeral)) {
     absl::Status s = store_.Delete(job, step);
     if (s.ok()) {
-      log.info("[{} s{}] deleted by retention", job, step);
+      ephemeral_[job].erase(step);
+      log.info("[{} s{}] deleted by retention{}", job, step,
+               std::find(ephemeral.begin(), ephemeral.end(), step) != ephemeral.end()
+                   ? " (ephemeral, a newer step committed)"
+                   : "");
       on_deleted_(job, step);
     } else {
       log.warn("[{} s{}] retention could not delete: {}", job, step, Message(s));

@@ -57,6 +57,9 @@ class RetentionKeeper {
  private:
   void Loop();
   void Apply(const std::string& job);
+  // The steps of `job` (but the latest) saved ephemeral, from their manifests; each
+  // manifest is read once (the answer is kept: a committed step does not change).
+  std::vector<uint64_t> EphemeralSteps(const std::string& job, const std::vector<uint64_t>& steps);
 
   CheckpointStore& store_;
   const RetentionPolicy policy_;
@@ -68,6 +71,8 @@ class RetentionKeeper {
   std::deque<std::string> due_;
   std::map<std::string, uint32_t> keep_last_;
   std::multiset<std::pair<std::string, uint64_t>> pins_;
+  // job -> step -> saved ephemeral; used by the keeper's thread only
+  std::map<std::string, std::map<uint64_t, bool>> ephemeral_;
   std::thread thread_;
 };
 

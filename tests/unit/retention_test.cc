@@ -30,3 +30,14 @@ TEST_CASE("the newest checkpoint is never deleted") {
 TEST_CASE("pinned steps (being restored or verified) survive") {
   CHECK(StepsToDelete({10, 20, 30, 40}, {1, 0}, {20}) == Steps{10, 30});
 }
+
+TEST_CASE("an ephemeral step goes once a newer one commits, whatever else would keep it") {
+  // keep everything, yet 20 and 40 (ephemeral, not the latest) go
+  CHECK(StepsToDelete({10, 20, 30, 40, 50}, {0, 0}, {}, {20, 40}) == Steps{20, 40});
+  // the latest stays even when ephemeral: it is the restart point until the next commits
+  CHECK(StepsToDelete({10, 20}, {0, 0}, {}, {20}).empty());
+  // keep_every does not keep an ephemeral step; keep_last's own choices are unchanged
+  CHECK(StepsToDelete({10, 20, 30, 40}, {2, 10}, {}, {20}) == Steps{20});
+  // a pinned ephemeral step (being restored) waits
+  CHECK(StepsToDelete({10, 20, 30}, {0, 0}, {20}, {20}).empty());
+}

@@ -272,6 +272,25 @@ def test_training_continues_without_a_daemon(workdir):
     assert observed == plain
 
 
+def test_an_ephemeral_checkpoint_lasts_until_the_next_one_commits(daemon):
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("eph", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        for step, ephemeral in [(10, False), (11, True), (12, True)]:
+            train_step(model, optimizer, scheduler)
+            manager.save(step, blocking=True, ephemeral=ephemeral)
+        # 12 is the latest: it stays, the restart point, until the next commits
+        deadline = time.monotonic() + 10  # retention runs after the commit, off the save path
+        while daemon.steps("eph") != [10, 12] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.steps("eph") == [10, 12]  # the daemon keeps everything (--keep-last 0)
+        train_step(model, optimizer, scheduler)
+        manager.save(20, blocking=True)
+        while daemon.steps("eph") != [10, 20] and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        assert daemon.steps("eph") == [10, 20]
+    assert "deleted by retention (ephemeral, a newer step committed)" in open(daemon.log).read()
+
+
 def test_a_weights_only_save_in_another_dtype(daemon):
     model, optimizer, scheduler = make_training()
     with CheckpointManager("full", model, optimizer, scheduler, socket=daemon.socket) as manager:

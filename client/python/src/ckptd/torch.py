@@ -185,12 +185,14 @@ class CheckpointManager:
             due = due or time.monotonic() - self._last_save_time >= self.interval_seconds
         return self.save(step) if due else False
 
-    def save(self, step, blocking=False):
+    def save(self, step, blocking=False, ephemeral=False):
         """Queues a checkpoint of the current state as `step`.
 
         Returns at once (True) unless `blocking`, which waits until the checkpoint is
         committed on every rank and raises CheckpointError if it is not. Returns False when
-        ckptd is unreachable (training goes on; a warning says so).
+        ckptd is unreachable (training goes on; a warning says so). An `ephemeral`
+        checkpoint is kept only until a newer step of the job commits: frequent restart
+        points that retention (keep_last, keep_every) never counts or keeps.
         """
         self._check_open()
         self.wait_staged()
@@ -200,7 +202,10 @@ class CheckpointManager:
             return False
         try:
             self._register_current_tensors()
-            ticket = self._client.snapshot(int(step), self._metadata(), self._train_state(step))
+            metadata = self._metadata()
+            if ephemeral:
+                metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
+            ticket = self._client.snapshot(int(step), metadata, self._train_state(step))
         except ckptd.Unavailable as e:
             self._lost(e)
             if blocking:
