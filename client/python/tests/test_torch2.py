@@ -191,6 +191,16 @@ def test_dcp_loads_a_ckptd_checkpoint_without_a_daemon(daemon):
     assert "2.weight in rank-00000.safetensors: checksum mismatch" in str(error.value.failures[0])
     assert torch.all(target["2.weight"] == 7.0)
 
+    # A crafted manifest (a piece claiming more bytes than its elements) is refused before
+    # anything is read.
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        crafted = json.load(f)
+    crafted["tensors"]["0.bias"]["shards"][0]["data_offsets"][1] += 4096
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(crafted, f)
+    with pytest.raises(ValueError, match=r"tensor 0\.bias: data_offsets .* do not hold 8 elements"):
+        CkptdStorageReader(step_dir).read_metadata()
+
 
 def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, workdir):
     """Saved by 2 ranks as shards; DCP reshards it onto one process's plain tensors."""

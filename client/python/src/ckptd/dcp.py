@@ -82,6 +82,7 @@ class CkptdStorageReader(StorageReader):
             for shard in tensor["shards"]:
                 offsets = tuple(shard.get("offset") or [0] * len(size))
                 shape = tuple(shard["shape"])
+                _check_piece(name, dtype, size, offsets, shape, shard["data_offsets"])
                 if (offsets, shape) in seen:
                     continue  # a replica: one copy serves
                 seen.add((offsets, shape))
@@ -146,6 +147,25 @@ class CkptdStorageReader(StorageReader):
             raise ValueError(f"{index.fqn} in {file_name}: checksum mismatch (damaged file); "
                              "nothing of it was copied")
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _check_piece(name, dtype, size, offsets, shape, data_offsets):
+    """A manifest is data from a file: every piece must lie inside its tensor and hold
+    exactly its elements' bytes before anything is read for it."""
+    if len(offsets) != len(size) or len(shape) != len(size):
+        raise ValueError(f"tensor {name}: a piece of rank {len(shape)} in a tensor of rank {len(size)}")
+    for dim, (offset, length, whole) in enumerate(zip(offsets, shape, size)):
+        if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0 \
+                or offset + length > whole:
+            raise ValueError(f"tensor {name}: piece [{offset}, +{length}) outside dimension {dim} "
+                             f"of size {whole}")
+    lo, hi = data_offsets
+    elements = 1
+    for length in shape:
+        elements *= length
+    if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != elements * dtype.itemsize:
+        raise ValueError(f"tensor {name}: data_offsets {data_offsets} do not hold "
+                         f"{elements} elements of {dtype}")
 
 
 def _check_file_name(name):
