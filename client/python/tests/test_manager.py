@@ -272,6 +272,40 @@ def test_training_continues_without_a_daemon(workdir):
     assert observed == plain
 
 
+class _Evil:
+    """A pickle that runs a command when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("key", ["rng.python", "lr_scheduler"])
+def test_a_crafted_train_state_never_runs_code(daemon, workdir, key):
+    import pickle
+    import ckptd.torch as ckptd_torch
+    marker = os.path.join(workdir, "pwned")
+    model, optimizer, scheduler = make_training()
+
+    class Crafting(CheckpointManager):
+        def _train_state(self, step):
+            state = super()._train_state(step)
+            state[key] = (pickle.dumps(_Evil(marker)) if key == "rng.python"
+                          else ckptd_torch._to_bytes(_Evil(marker)))
+            return state
+
+    with Crafting("crafted", model, optimizer, scheduler, socket=daemon.socket) as manager:
+        train_step(model, optimizer, scheduler)
+        manager.save(1, blocking=True)
+    model2, optimizer2, scheduler2 = make_training(seed=4)
+    with CheckpointManager("crafted", model2, optimizer2, scheduler2, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match="train state is not usable"):
+            manager.load()
+    assert not os.path.exists(marker)
+
+
 def test_an_ephemeral_checkpoint_lasts_until_the_next_one_commits(daemon):
     model, optimizer, scheduler = make_training()
     with CheckpointManager("eph", model, optimizer, scheduler, socket=daemon.socket) as manager:

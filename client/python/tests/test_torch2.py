@@ -218,6 +218,17 @@ def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, w
             assert equal_bits(state[k[len("model."):]], v), k
     assert equal_bits(state["optimizer"]["state"]["0.weight"]["exp_avg"], saved["optim.0.weight.exp_avg"])
 
+    # A manifest that leaves part of a tensor uncovered is refused (DCP would load the
+    # covered part and leave the rest as it was, without a word).
+    step_dir = os.path.join(daemon.root, "tp-for-dcp", "step-00000003")
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        crafted = json.load(f)
+    crafted["tensors"]["0.weight"]["shards"].pop()
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(crafted, f)
+    with pytest.raises(ValueError, match=r"tensor 0\.weight: its pieces do not cover"):
+        CkptdStorageReader(step_dir).read_metadata()
+
 
 @pytest.mark.parametrize("layout", ["tutorial", "torchtitan"])
 def test_a_job_switches_from_dcp_to_ckptd(daemon, workdir, layout):
@@ -232,11 +243,13 @@ def test_a_job_switches_from_dcp_to_ckptd(daemon, workdir, layout):
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
         scheduler.step()
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer), "lr_scheduler": scheduler.state_dict()}
     if layout == "tutorial":
-        state["model"] = model.state_dict()
-    else:
-        state.update(model.state_dict())
+        state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    else:  # torchtitan: model keys at the top, optimizer state flattened
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        state = {"optimizer": get_optimizer_state_dict(model, optimizer, options=flat), **model.state_dict()}
+    state["lr_scheduler"] = scheduler.state_dict()
     dcp_dir = os.path.join(workdir, "dcp", "step-1200")
     dcp.save(state, checkpoint_id=dcp_dir)
     expected = {k: v.clone() for k, v in model.state_dict().items()}

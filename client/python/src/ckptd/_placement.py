@@ -50,9 +50,13 @@ def fsdp2_params(model):
         get_state = getattr(module, "_get_fsdp_state", None)
         if get_state is None:
             continue
-        group = getattr(get_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or ():
-            found[id(fsdp_param.sharded_param)] = fsdp_param
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)  # newer: one group per mesh
+        if groups is None:
+            groups = [getattr(state, "_fsdp_param_group", None)]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", None) or ():
+                found[id(fsdp_param.sharded_param)] = fsdp_param
     return found
 
 
@@ -65,6 +69,11 @@ def local_part(name, t, replace, fsdp_params, error):
         if placement.is_partial():
             raise error(f"tensor {name}: a DTensor with a Partial placement holds partial sums, "
                         "not values: reduce it (redistribute to Shard or Replicate) before saving")
+        if type(placement).__name__ == "_StridedShard":
+            # FSDP + TP on one dimension: the local rows are strided, not one block; an offset
+            # and a shape cannot describe them.
+            raise error(f"tensor {name}: strided sharding ({placement}, FSDP and tensor "
+                        "parallelism on the same dimension) is not supported yet")
     local = t._local_tensor
     local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if tuple(local.shape) != tuple(local_shape):
@@ -74,6 +83,13 @@ def local_part(name, t, replace, fsdp_params, error):
     global_shape, global_offset = ((), ()) if whole else (t.shape, offset)
     fsdp_param = fsdp_params.get(id(t))
     if fsdp_param is None:
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            # A view into a bigger buffer that something else reads (FSDP2 applied to a
+            # module outside `model`?): moving only the view would part them.
+            raise error(f"tensor {name}: its local shard is a view into a larger buffer that "
+                        "ckptd cannot move with it (is fully_shard applied to a module outside "
+                        "the model given to CheckpointManager?)")
+
         def relocate(flat):
             local.data = flat[:local.numel()].view(local.shape)
         return Local(local, global_shape, global_offset, 0, relocate)

@@ -36,16 +36,25 @@ class PreemptionSaver:
 
     def stop(self, save):
         """Saves (`save()`: True once staged) and lets the stop go on."""
+        self.requested = False
         try:
             if not save():
                 log.warning("ckptd: SIGTERM: no checkpoint (ckptd unreachable)")
         except Exception as e:  # never keep the process from stopping
             log.error("ckptd: SIGTERM: no checkpoint: %s", e)
-        previous = self.uninstall()
-        if callable(previous):
-            previous(signal.SIGTERM, None)
-        elif previous == signal.SIG_DFL:
-            os.kill(os.getpid(), signal.SIGTERM)  # the default action: the process ends
+        self._resume_stop()
+
+    def close(self):
+        """The manager closes: a stop that was asked for and not yet carried out (no
+        maybe_save came after the signal) goes on now, without a checkpoint; otherwise the
+        previous handler is simply put back."""
+        if self.requested:
+            self.requested = False
+            log.warning("ckptd: SIGTERM arrived after the last maybe_save(): stopping without "
+                        "a checkpoint of the last steps")
+            self._resume_stop()
+        else:
+            self.uninstall()
 
     def uninstall(self):
         """Puts the previous handler back; returns it."""
@@ -53,3 +62,15 @@ class PreemptionSaver:
         if previous is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             signal.signal(signal.SIGTERM, previous)
         return previous
+
+    def _resume_stop(self):
+        previous = self.uninstall()
+        if callable(previous):
+            previous(signal.SIGTERM, None)
+        elif previous == signal.SIG_IGN:
+            pass  # SIGTERM was ignored before the manager came: it still is
+        else:  # the default action (or a handler installed from C, seen as None): end
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            # Still here: PID 1 in a container ignores its own default-action signals.
+            os._exit(128 + signal.SIGTERM)

@@ -16,6 +16,7 @@ piece read is checked against its XXH3-64 checksum before it is copied. ckptd.to
 train state (RNG, LR scheduler, extra state) is its own encoding and is not offered: load
 it with CheckpointManager.
 """
+import functools
 import json
 import os
 
@@ -78,18 +79,24 @@ class CkptdStorageReader(StorageReader):
                 raise ValueError(f"tensor {name}: dtype {tensor['dtype']} has no torch equivalent")
             key = dcp_key(name)
             size = torch.Size(tensor["global_shape"])
-            chunks, seen = [], set()
+            chunks, seen = [], {}
             for shard in tensor["shards"]:
                 offsets = tuple(shard.get("offset") or [0] * len(size))
                 shape = tuple(shard["shape"])
                 _check_piece(name, dtype, size, offsets, shape, shard["data_offsets"])
-                if (offsets, shape) in seen:
-                    continue  # a replica: one copy serves
-                seen.add((offsets, shape))
+                if not shard.get("checksum"):
+                    raise ValueError(f"tensor {name}: a piece without a checksum")
+                if (offsets, shape) in seen:  # a replica: one copy serves, if they agree
+                    if seen[(offsets, shape)] != shard["checksum"]:
+                        raise ValueError(f"tensor {name}: replicas of the piece at {list(offsets)} "
+                                         "hold different bytes")
+                    continue
+                seen[(offsets, shape)] = shard["checksum"]
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
                 _check_file_name(shard["file"])
                 self._pieces[MetadataIndex(key, torch.Size(offsets))] = (
                     shard["file"], shard["data_offsets"], dtype, shape, shard.get("checksum"))
+            _check_tiling(name, size, list(seen))
             state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
                                                chunks=chunks)
         metadata = Metadata(state_dict_metadata=state)
@@ -168,6 +175,20 @@ def _check_piece(name, dtype, size, offsets, shape, data_offsets):
                          f"{elements} elements of {dtype}")
 
 
+def _check_tiling(name, size, pieces):
+    """The pieces cover the global tensor exactly once: DCP itself would load a partial
+    cover without a word, leaving the rest of the target as it was."""
+    volume = lambda shape: functools.reduce(lambda a, b: a * b, shape, 1)
+    if sum(volume(shape) for _, shape in pieces) != volume(size):
+        raise ValueError(f"tensor {name}: its pieces do not cover its global shape {list(size)} "
+                         "exactly")
+    for i, (a_off, a_shape) in enumerate(pieces):
+        for b_off, b_shape in pieces[i + 1:]:
+            if all(ao < bo + bs and bo < ao + as_
+                   for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape)):
+                raise ValueError(f"tensor {name}: pieces at {list(a_off)} and {list(b_off)} overlap")
+
+
 def _check_file_name(name):
     """Only the shard files ckptd writes are opened (never a path from the manifest)."""
     if not (name.startswith("rank-") and name.endswith(".safetensors") and
@@ -193,8 +214,15 @@ def load_into(path, model, optimizer=None, lr_scheduler=None, extra_state=None):
     model_state = get_model_state_dict(model)
     nested = not any(k in keys for k in model_state) and has("model")
     state = {"model": model_state} if nested else dict(model_state)
+    options = None
     if optimizer is not None and has("optimizer"):
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        # torchtitan saves optimizer state flattened: param_groups keyed by parameter name,
+        # without the per-group "params" lists the nested form has.
+        flat = not any(k.startswith("optimizer.param_groups.") and k.endswith(".params")
+                       for k in keys)
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
     if lr_scheduler is not None and has("lr_scheduler"):
         state["lr_scheduler"] = lr_scheduler.state_dict()
     for name, obj in (extra_state or {}).items():
@@ -203,7 +231,7 @@ def load_into(path, model, optimizer=None, lr_scheduler=None, extra_state=None):
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"] if nested else {k: state[k] for k in model_state})
     if "optimizer" in state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     if "lr_scheduler" in state:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
     for name, obj in (extra_state or {}).items():

@@ -85,8 +85,8 @@ class _Connector:
     def _run(self, connect):
         try:
             self.client = connect()
-        except ckptd.Error as e:
-            self.error = e
+        except BaseException as e:  # whatever it is, the caller learns it, not a crash later
+            self.error = e if isinstance(e, ckptd.Error) else ckptd.Unavailable(f"{type(e).__name__}: {e}")
 
     def done(self, timeout):
         self._thread.join(timeout)
@@ -107,7 +107,55 @@ def _to_bytes(obj):
 
 
 def _from_bytes(data):
-    return torch.load(io.BytesIO(data), map_location="cpu")
+    # A checkpoint is data from a file: never code. weights_only loads tensors, containers
+    # and numbers (state dicts), nothing that runs on load. PyTorch 1.13's weights-only
+    # loader lacks opcodes (floats): there the same rule is kept by an allowlist.
+    if _TORCH_MAJOR >= 2:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    # 1.13's torch.load ignores pickle_module unless weights_only (a bug): its zip loader is
+    # called directly, with the allowlist.
+    from torch import serialization
+    with serialization._open_zipfile_reader(io.BytesIO(data)) as archive:
+        return serialization._load(archive, "cpu", _StateDictPickle, encoding="utf-8")
+
+
+_TORCH_MAJOR = int(torch.__version__.split(".")[0])
+
+
+class _StateDictUnpickler(pickle.Unpickler):
+    """What a state dict is made of (tensors, their storages, ordered dicts, sizes) and
+    nothing else: no class or function that could run code on load."""
+
+    _ALLOWED = {("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
+                ("torch._utils", "_rebuild_parameter"), ("torch", "Size"), ("torch", "device"),
+                ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex")}
+
+    def find_class(self, module, name):
+        if (module, name) in self._ALLOWED or (module == "torch" and name.endswith("Storage")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"train state refers to {module}.{name}: refused")
+
+
+class _StateDictPickle:
+    """A pickle module for torch.load that unpickles with _StateDictUnpickler."""
+    Unpickler = _StateDictUnpickler
+    __name__ = "ckptd_state_dict_pickle"
+
+    @staticmethod
+    def load(file, **kwargs):
+        return _StateDictUnpickler(file, **kwargs).load()
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles ints, tuples and None (the step, Python's RNG state) and nothing that
+    names a class or function: a crafted blob cannot run code."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"train state refers to {module}.{name}: refused")
+
+
+def _plain_loads(data):
+    return _PlainUnpickler(io.BytesIO(data)).load()
 
 
 class CheckpointManager:
@@ -144,7 +192,7 @@ class CheckpointManager:
         for name, obj in self.extra_state.items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
-        self.socket = socket or ckptd.default_socket()
+        self.socket = os.fspath(socket) if socket is not None else ckptd.default_socket()
         self.interval_steps = interval_steps
         self.interval_seconds = interval_seconds
         self.keep_last = keep_last
@@ -234,7 +282,15 @@ class CheckpointManager:
         return status["state"]
 
     def _staged(self):
+        """Waits on the CPU until ckptd has copied the latest snapshot, CUDA tensors included
+        (wait_staged only enqueues that wait on the stream): before the process may end."""
+        ticket = self._last_ticket
         self.wait_staged()
+        if ticket is not None and self._client is not None and self._uses_cuda:
+            try:
+                self._client.wait_staged(ticket)
+            except ckptd.Error as e:
+                self._lost(e)
         return True
 
     def wait_staged(self):
@@ -284,7 +340,11 @@ class CheckpointManager:
         if not info["found"]:
             self._drop_optimizer_state(created)
             return None
-        self._apply_train_state(info["train_state"])
+        try:
+            self._apply_train_state(info["train_state"])
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+            raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
+                                  f"{info['step']}'s train state is not usable: {e}") from e
         log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
         return info["step"]
 
@@ -362,9 +422,9 @@ class CheckpointManager:
         it). The tensors stay usable."""
         if self._closed:
             return
+        self._staged()
         if self._preemption is not None:
-            self._preemption.uninstall()
-        self.wait_staged()
+            self._preemption.close()
         if self._client is not None:
             try:
                 self._client.unregister()
@@ -561,7 +621,7 @@ class CheckpointManager:
         if "rng.torch" in state:
             torch.set_rng_state(torch.frombuffer(bytearray(state["rng.torch"]), dtype=torch.uint8))
         if "rng.python" in state:
-            random.setstate(pickle.loads(state["rng.python"]))
+            random.setstate(_plain_loads(state["rng.python"]))
         if "rng.cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(_from_bytes(state["rng.cuda"]))
         if self.optimizer is not None and "optim.param_groups" in state:
@@ -602,7 +662,9 @@ class CheckpointManager:
         state was created, to drop again if there is nothing to restore."""
         if self.optimizer is None:
             return []
-        params = [p for _, p in self._optimizer_params() if not self.optimizer.state.get(p)]
+        # Frozen parameters get no state from a real step: none is created for them either.
+        params = [p for _, p in self._optimizer_params()
+                  if p.requires_grad and not self.optimizer.state.get(p)]
         if not params:
             return []
         saved_grads = {id(p): p.grad for p in params}
