@@ -86,28 +86,36 @@ def is_shared_memory(address):
 
 # --- the issue's scenarios ---------------------------------------------------------------
 
+def run_to_end(*args):
+    """Runs the example trainer to its end; returns its stdout."""
+    trainer = run_example(*args)
+    out, err = trainer.communicate(timeout=300)
+    assert trainer.returncode == 0, err
+    return out
+
+
+def signal_at(trainer, step, sig):
+    """Sends `sig` once the trainer prints `step`; returns the lines it printed."""
+    seen = []
+    for line in trainer.stdout:
+        seen.append(line)
+        if line.startswith(f"step {step} "):
+            trainer.send_signal(sig)
+            break
+    seen.extend(trainer.stdout)  # what it printed before the signal took effect
+    trainer.wait(timeout=60)
+    assert trainer.returncode == -sig
+    return "".join(seen)
+
+
 def test_sigkill_and_resume_gives_the_uninterrupted_loss_trajectory(daemon):
     common = ["--socket", daemon.socket, "--steps", "40", "--save-every", "10"]
-    reference = run_example(*common, "--job", "reference")
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err
-    expected = losses(out)
+    expected = losses(run_to_end(*common, "--job", "reference"))
     assert sorted(expected) == list(range(1, 41))
 
-    victim = run_example(*common, "--job", "resumed")
-    seen = []
-    for line in victim.stdout:
-        seen.append(line)
-        if line.startswith("step 25 "):
-            victim.send_signal(signal.SIGKILL)
-            break
-    victim.wait(timeout=60)
-    assert victim.returncode == -signal.SIGKILL
-    before = losses("".join(seen))
+    before = losses(signal_at(run_example(*common, "--job", "resumed"), 25, signal.SIGKILL))
 
-    resumed = run_example(*common, "--job", "resumed", "--resume")
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
+    out = run_to_end(*common, "--job", "resumed", "--resume")
     first = out.splitlines()[0]
     assert first.startswith("resumed from step "), out
     restored = int(first.split()[-1])
@@ -122,30 +130,17 @@ def test_sigkill_and_resume_gives_the_uninterrupted_loss_trajectory(daemon):
 def test_sigterm_saves_the_current_step_and_resume_continues_the_trajectory(daemon):
     """Preemption: no periodic checkpoint at all, only the one SIGTERM takes."""
     common = ["--socket", daemon.socket, "--steps", "60", "--save-every", "1000"]
-    reference = run_example(*common, "--job", "reference")
-    out, err = reference.communicate(timeout=300)
-    assert reference.returncode == 0, err
-    expected = losses(out)
+    expected = losses(run_to_end(*common, "--job", "reference"))
 
-    victim = run_example(*common, "--job", "preempted", "--save-on-sigterm")
-    seen = []
-    for line in victim.stdout:
-        seen.append(line)
-        if line.startswith("step 20 "):
-            victim.send_signal(signal.SIGTERM)
-            break
-    seen.extend(victim.stdout)  # the steps it finished before the handler ran
-    victim.wait(timeout=60)
-    assert victim.returncode == -signal.SIGTERM  # the default action still ends it
-    last = max(losses("".join(seen)))
+    seen = signal_at(run_example(*common, "--job", "preempted", "--save-on-sigterm"), 20,
+                     signal.SIGTERM)  # the default action still ends it
+    last = max(losses(seen))
     deadline = time.monotonic() + 30  # ckptd commits after the trainer is gone
     while daemon.steps("preempted") != [last] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert daemon.steps("preempted") == [last]
 
-    resumed = run_example(*common, "--job", "preempted", "--resume")
-    out, err = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, err
+    out = run_to_end(*common, "--job", "preempted", "--resume")
     assert out.splitlines()[0] == f"resumed from step {last}"
     after = losses(out)
     assert sorted(after) == list(range(last + 1, 61))
