@@ -249,7 +249,7 @@ def test_training_continues_without_a_daemon(workdir):
 
     model, optimizer, scheduler = make_training()
     torch.manual_seed(5)
-    with pytest.warns(RuntimeWarning, match="ckptd unavailable.*training continues"):
+    with pytest.warns(RuntimeWarning, match="ckptd unavailable.*training continues") as warned:
         with CheckpointManager("absent", model, optimizer, scheduler,
                                socket=os.path.join(workdir, "nobody.sock"), interval_steps=2) as manager:
             # Never "nothing to restore" while ckptd is away: a checkpoint may exist.
@@ -265,6 +265,8 @@ def test_training_continues_without_a_daemon(workdir):
             with pytest.raises(CheckpointError, match="not reachable"):
                 manager.save(7, blocking=True)
     assert observed == plain
+    # The warning points at the user's line (here, this test), not inside the manager.
+    assert {os.path.basename(w.filename) for w in warned} == {"test_manager.py"}
 
 
 class _Evil:

@@ -25,7 +25,7 @@ class PreemptionSaver:
         self._previous = None
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("save_on_sigterm: signal handlers can only be installed from the main "
-                          "thread; no checkpoint will be taken on SIGTERM", RuntimeWarning, stacklevel=3)
+                          "thread; no checkpoint will be taken on SIGTERM", RuntimeWarning, stacklevel=3)  # the user's CheckpointManager(...)
             return
         self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 

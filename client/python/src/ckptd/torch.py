@@ -21,6 +21,7 @@ import pickle
 import random
 import re
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -57,6 +58,19 @@ class _Entry:
 
     def __init__(self, name, tensor, replace):
         self.name, self.tensor, self.replace = name, tensor, replace
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel():
+    """The stacklevel for warnings.warn that points at the first frame outside this package:
+    the user's line (maybe_save, save, load), however deep inside the manager the warning
+    is raised."""
+    frame, level = sys._getframe(1), 1  # the caller of this function, the one that warns
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _listening(path):
@@ -502,7 +516,7 @@ class CheckpointManager:
 
     def _lost(self, error):
         warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=_user_stacklevel())
         self._client = None
         self._unstaged = None
         self._retry_after = time.monotonic() + _RECONNECT_SECONDS
