@@ -16,8 +16,8 @@ piece read is checked against its XXH3-64 checksum before it is copied. ckptd.to
 train state (RNG, LR scheduler, extra state) is its own encoding and is not offered: load
 it with CheckpointManager.
 """
-import functools
 import json
+import math
 import os
 
 
@@ -29,14 +29,12 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptd._native import xxh3_64
+from ckptd.torch import _DTYPES as _TORCH_NAMES
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
+# safetensors dtype -> torch dtype: the inverse of what ckptd.torch registers.
+_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
 
 
 def dcp_key(name):
@@ -167,9 +165,7 @@ def _check_piece(name, dtype, size, offsets, shape, data_offsets):
             raise ValueError(f"tensor {name}: piece [{offset}, +{length}) outside dimension {dim} "
                              f"of size {whole}")
     lo, hi = data_offsets
-    elements = 1
-    for length in shape:
-        elements *= length
+    elements = math.prod(shape)
     if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != elements * dtype.itemsize:
         raise ValueError(f"tensor {name}: data_offsets {data_offsets} do not hold "
                          f"{elements} elements of {dtype}")
@@ -178,8 +174,7 @@ def _check_piece(name, dtype, size, offsets, shape, data_offsets):
 def _check_tiling(name, size, pieces):
     """The pieces cover the global tensor exactly once: DCP itself would load a partial
     cover without a word, leaving the rest of the target as it was."""
-    volume = lambda shape: functools.reduce(lambda a, b: a * b, shape, 1)
-    if sum(volume(shape) for _, shape in pieces) != volume(size):
+    if sum(math.prod(shape) for _, shape in pieces) != math.prod(size):
         raise ValueError(f"tensor {name}: its pieces do not cover its global shape {list(size)} "
                          "exactly")
     for i, (a_off, a_shape) in enumerate(pieces):

@@ -493,14 +493,14 @@ class CheckpointManager:
         deadline = time.monotonic() + timeout
         while True:
             self._retry_after = 0.0  # load() asks now, whatever the save path last saw
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():  # load() raises instead of warning
                 warnings.simplefilter("ignore", RuntimeWarning)
                 if self._connected():
                     return
-            if self._connector is not None:
-                self._connector.done(timeout=max(0.0, deadline - time.monotonic()))
-                if self._connected():
-                    return
+                if self._connector is not None:  # slow to answer: give it what time is left
+                    self._connector.done(timeout=max(0.0, deadline - time.monotonic()))
+                    if self._connected():
+                        return
             if time.monotonic() >= deadline:
                 self._retry_after = 0.0  # the next save tries (and warns) again
                 raise CheckpointError(
