@@ -382,6 +382,25 @@ absl::StatusOr<RestoreInfo> Client::Restore(std::optional<uint64_t> step) {
   return info;
 }
 
+absl::StatusOr<bool> Client::ShouldSave(uint64_t step, std::chrono::milliseconds interval,
+                                        uint64_t run) {
+  if (session_id_.empty()) return absl::FailedPreconditionError("ShouldSave before Register()");
+  if (interval.count() <= 0 || interval.count() > UINT32_MAX) {
+    return absl::InvalidArgumentError(
+        fmt::format("interval of {} ms is not in 1..{} ms", interval.count(), UINT32_MAX));
+  }
+  ::ckptd::v1::ShouldSaveRequest req;
+  req.set_session_id(session_id_);
+  req.set_step(step);
+  req.set_interval_ms(static_cast<uint32_t>(interval.count()));
+  req.set_run(run);
+  ::ckptd::v1::ShouldSaveReply reply;
+  auto ctx = impl_->Context();
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->ShouldSave(ctx.get(), req, &reply), "should-save",
+                                impl_->options.socket));
+  return reply.save();
+}
+
 absl::Status Client::Unregister() {
   if (session_id_.empty()) return absl::OkStatus();
   ::ckptd::v1::UnregisterRequest req;

@@ -136,6 +136,13 @@ class Client {
   // Restores the latest committed checkpoint (or `step`) into the registered tensors.
   absl::StatusOr<RestoreInfo> Restore(std::optional<uint64_t> step = std::nullopt);
 
+  // Saving by time: whether the job saves at `step`, saving every `interval`. Every rank of
+  // the job gets the same answer for a step (ckptd decides on one clock, the group's
+  // coordinator's across nodes), so ask for every step rather than reading a local clock.
+  // `run` is the step this run resumed from (0 on a fresh start). Costs one local call.
+  absl::StatusOr<bool> ShouldSave(uint64_t step, std::chrono::milliseconds interval,
+                                  uint64_t run = 0);
+
   absl::Status Unregister();
 
   const std::vector<std::unique_ptr<Tensor>>& tensors() const { return tensors_; }

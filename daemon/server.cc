@@ -31,6 +31,7 @@
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
+#include "daemon/schedule/save_clock.h"
 #include "daemon/control/control_fd_server.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
@@ -78,6 +79,7 @@ struct Server::Parts {
   std::unique_ptr<persist::WriteQueue> writes;
   std::unique_ptr<group::GroupMember> group_member;
   StepAgreementPtr agreement;
+  SaveClockPtr save_clock;  // which steps jobs that save by time save at
   std::unique_ptr<Stager> stager;
   std::unique_ptr<Restorer> restorer;
   SessionRegistry sessions;
@@ -314,9 +316,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     committer->AdoptInDoubt(in_doubt);
     p->committer = std::move(committer);
     p->agreement = MakeGroupStepAgreement(*p->group_client);
+    p->save_clock = MakeGroupSaveClock(*p->group_client);
   } else {
     p->committer = std::make_unique<commit::SingleNodeCommitter>(*p->store, hooks, commit_options);
     p->agreement = MakeLocalStepAgreement();
+    p->save_clock = MakeLocalSaveClock();
   }
   p->writes = std::make_unique<persist::WriteQueue>(
       *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads},
@@ -358,7 +362,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
-      p->peers, *p->owners, p->arenas, DescriptorSocketPath(config.socket));
+      p->peers, *p->owners, p->arenas, *p->save_clock, DescriptorSocketPath(config.socket));
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};

@@ -140,6 +140,16 @@ class PyClient {
     return d;
   }
 
+  bool ShouldSave(uint64_t step, double interval_s, uint64_t run) {
+    absl::StatusOr<bool> save;
+    {
+      py::gil_scoped_release unlocked;
+      save = client_->ShouldSave(
+          step, std::chrono::milliseconds(static_cast<int64_t>(interval_s * 1000.0)), run);
+    }
+    return ValueOr(std::move(save));
+  }
+
   void Unregister() {
     absl::Status status;
     {
@@ -221,6 +231,8 @@ PYBIND11_MODULE(_native, m) {
       .def("set_cuda_stream", &PyClient::SetCudaStream, py::arg("stream"))
       .def("stream_wait_staged", &PyClient::StreamWaitStaged, py::arg("ticket"), py::arg("stream"))
       .def("restore", &PyClient::Restore, py::arg("step") = std::nullopt)
+      .def("should_save", &PyClient::ShouldSave, py::arg("step"), py::arg("interval_seconds"),
+           py::arg("run") = 0)
       .def("unregister", &PyClient::Unregister)
       .def_property_readonly("session_id", &PyClient::session_id);
 

@@ -133,6 +133,20 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
   });
 }
 
+grpc::Status TrainerService::ShouldSave(grpc::ServerContext* ctx,
+                                        const ShouldSaveRequest* request, ShouldSaveReply* reply) {
+  return Guarded("ShouldSave", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    // The job is the session's: a trainer can ask only about its own job.
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
+    SaveQuestion question{s->job(), request->run(), request->step(),
+                          std::chrono::milliseconds(request->interval_ms())};
+    CKPT_ASSIGN_OR_RETURN(bool save, saves_.ShouldSave(question));
+    reply->set_save(save);
+    return absl::OkStatus();
+  });
+}
+
 grpc::Status TrainerService::Unregister(grpc::ServerContext* ctx, const UnregisterRequest* request,
                                         UnregisterReply*) {
   return Guarded("Unregister", [&]() -> absl::Status {

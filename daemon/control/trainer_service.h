@@ -5,6 +5,7 @@
 #include "daemon/control/status_board.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restorer.h"
+#include "daemon/schedule/save_clock.h"
 #include "daemon/session/arena_deposits.h"
 #include "daemon/session/job_owners.h"
 #include "daemon/session/peer_identity.h"
@@ -23,10 +24,11 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
                  Session::Limits limits, const PeerTable& peers, JobOwners& owners,
-                 ArenaDeposits& arenas, std::string control_socket)
+                 ArenaDeposits& arenas, SaveClock& saves, std::string control_socket)
       : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
         restorer_(restorer), board_(board), limits_(std::move(limits)), peers_(peers),
-        owners_(owners), arenas_(arenas), control_socket_(std::move(control_socket)) {}
+        owners_(owners), arenas_(arenas), saves_(saves),
+        control_socket_(std::move(control_socket)) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
                         ::ckptd::v1::RegisterReply* reply) override;
@@ -36,6 +38,8 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
                     ::ckptd::v1::WaitReply* reply) override;
   grpc::Status Restore(grpc::ServerContext*, const ::ckptd::v1::RestoreRequest* request,
                        ::ckptd::v1::RestoreReply* reply) override;
+  grpc::Status ShouldSave(grpc::ServerContext*, const ::ckptd::v1::ShouldSaveRequest* request,
+                          ::ckptd::v1::ShouldSaveReply* reply) override;
   grpc::Status Unregister(grpc::ServerContext*, const ::ckptd::v1::UnregisterRequest* request,
                           ::ckptd::v1::UnregisterReply* reply) override;
 
@@ -50,6 +54,7 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   const PeerTable& peers_;  // who is calling, from the socket
   JobOwners& owners_;
   ArenaDeposits& arenas_;  // trainers' arenas, handed over on the descriptor socket
+  SaveClock& saves_;       // decides the steps of jobs that save by time
   // Wait and Restore may hold a server thread for minutes: bounded per user and in all.
   CallLimiter long_calls_{kMaxLongCallsPerUid, kMaxLongCalls};
   const std::string control_socket_;  // where trainers fetch their control blocks

@@ -15,6 +15,7 @@
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
 #include "daemon/persist/manifest.h"
+#include "daemon/schedule/save_schedule.h"
 
 namespace ckpt::group {
 
@@ -49,6 +50,8 @@ class GroupClient {
                                                           uint32_t participants,
                                                           std::string payload,
                                                           std::chrono::milliseconds timeout) = 0;
+  // The coordinator's SaveSchedule decision for `question`.
+  virtual absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) = 0;
   // Ends the gathers in flight and fails later ones at once with `why` (shutdown).
   virtual void CancelGathers(const std::string& why) = 0;
 };

@@ -372,6 +372,23 @@ grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
+grpc::ServerUnaryReactor* GroupService::DecideSave(grpc::CallbackServerContext* ctx,
+                                                   const pb::SaveDecisionRequest* request,
+                                                   pb::SaveDecisionReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("DecideSave", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "DecideSave", Role::kCoordinatorOnly));
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
+    CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    daemon::SaveQuestion question{request->job(), request->run(), request->step(),
+                                  std::chrono::milliseconds(request->interval_ms())};
+    CKPT_ASSIGN_OR_RETURN(bool save, coordinator_->saves.Decide(question, Clock::now()));
+    reply->set_save(save);
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* GroupService::Ping(grpc::CallbackServerContext* ctx,
                                              const pb::PingRequest*, pb::PingReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();

@@ -17,6 +17,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/schedule/save_schedule.h"
 #include "proto/group.grpc.pb.h"
 
 namespace ckpt::group {
@@ -31,6 +32,7 @@ struct CoordinatorState {
   Membership membership;
   CommitCoordinator commits;
   GatherTable gathers;
+  daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
 };
 
 class GroupService final : public ckptd::group::v1::Group::CallbackService {
@@ -59,6 +61,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   grpc::ServerUnaryReactor* Gather(grpc::CallbackServerContext* ctx,
                                    const ckptd::group::v1::GatherRequest* request,
                                    ckptd::group::v1::GatherReply* reply) override;
+  grpc::ServerUnaryReactor* DecideSave(grpc::CallbackServerContext* ctx,
+                                       const ckptd::group::v1::SaveDecisionRequest* request,
+                                       ckptd::group::v1::SaveDecisionReply* reply) override;
   grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx,
                                  const ckptd::group::v1::PingRequest* request,
                                  ckptd::group::v1::PingReply* reply) override;

@@ -207,6 +207,21 @@ class GrpcGroupClient final : public GroupClient {
     return std::vector<std::string>(reply.payloads().begin(), reply.payloads().end());
   }
 
+  absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) override {
+    pb::SaveDecisionRequest request;
+    request.set_job(question.job);
+    request.set_run(question.run);
+    request.set_step(question.step);
+    request.set_interval_ms(
+        static_cast<uint32_t>(std::clamp<int64_t>(question.interval.count(), 0, UINT32_MAX)));
+    request.set_node_rank(options_.node_rank);
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    pb::SaveDecisionReply reply;
+    CKPT_RETURN_IF_ERROR(Describe("save decision", stub_->DecideSave(&ctx, request, &reply)));
+    return reply.save();
+  }
+
   void CancelGathers(const std::string& why) override {
     std::lock_guard lock(gathers_mu_);
     gathers_cancelled_ = why.empty() ? "cancelled" : why;

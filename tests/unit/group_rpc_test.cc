@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <random>
@@ -24,6 +25,7 @@
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
 #include "daemon/persist/manifest.h"
+#include "daemon/schedule/save_clock.h"
 #include "proto/group.grpc.pb.h"
 #include "tests/fakes/temp_dir.h"
 #include "tests/fakes/wait_until.h"
@@ -265,6 +267,41 @@ TEST_CASE("rpc: requests are validated field by field") {
   auto unjoined = MakeGrpcGroupClient(stranger, 77, "x");
   REQUIRE(unjoined.ok());
   CHECK(absl::IsFailedPrecondition((*unjoined)->Prepare(Part("job", 1, 2, {0}), 1).status()));
+}
+
+TEST_CASE("rpc: nodes' save clocks give every node the coordinator's one answer per step") {
+  Group g(3);
+  std::vector<GroupClientPtr> clients;
+  std::vector<daemon::SaveClockPtr> clocks;
+  for (uint32_t n = 0; n < 3; ++n) {
+    clients.push_back(g.Client(n));
+    clocks.push_back(daemon::MakeGroupSaveClock(*clients.back()));
+  }
+  auto ask = [&](uint32_t node, uint64_t step) {
+    auto save = clocks[node]->ShouldSave({"job", 0, step, 300ms});
+    REQUIRE(save.ok());
+    return *save;
+  };
+  // Nodes reach each step at different moments, node 2 far behind; whatever the first node
+  // to ask heard, every node hears.
+  std::vector<bool> first;
+  for (uint64_t step = 1; step <= 12; ++step) {
+    first.push_back(ask(step % 2, step));
+    std::this_thread::sleep_for(60ms);
+  }
+  for (uint64_t step = 1; step <= 12; ++step) {
+    CHECK(ask((step + 1) % 2, step) == first[step - 1]);
+    CHECK(ask(2, step) == first[step - 1]);
+  }
+  size_t saves = std::count(first.begin(), first.end(), true);
+  CHECK(saves >= 1);  // 12 steps 60 ms apart cross the 300 ms interval at least once
+  CHECK(saves <= 3);
+  // Ranks configured with another interval are told so.
+  auto other = clocks[1]->ShouldSave({"job", 0, 13, 1s});
+  CHECK(absl::IsInvalidArgument(other.status()));
+  CHECK_THAT(Message(other.status()), Catch::Contains("interval_seconds"));
+  auto intruder = g.Client(1, "not-the-token");
+  CHECK(absl::IsUnauthenticated(intruder->DecideSave({"job", 0, 1, 300ms}).status()));
 }
 
 TEST_CASE("rpc: a wrong token is refused on every call") {
