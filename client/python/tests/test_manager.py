@@ -451,8 +451,53 @@ def test_keep_last_and_intervals(daemon):
 
     with CheckpointManager("timed", model, optimizer, socket=daemon.socket, interval_seconds=3600) as manager:
         assert manager.maybe_save(1) is False  # an hour has not passed
+    with pytest.raises(ValueError, match="interval_seconds must be positive"):
+        CheckpointManager("bad", model, interval_seconds=0)
     with pytest.raises(ValueError, match="interval_steps must be at least 1"):
         CheckpointManager("bad", model, interval_steps=0)
+
+
+def test_ranks_saving_by_time_save_the_same_steps_whatever_their_clocks(daemon):
+    # Two ranks reach each step at different moments (rank 1 starts later and its steps take
+    # uneven times), so their own clocks would cross the interval at different steps and
+    # each step would be saved by one rank only. ckptd's clock picks one set for both.
+    saved = {0: [], 1: [], "errors": []}
+
+    def rank(r):
+        try:
+            model, optimizer, scheduler = make_training(seed=r)
+            with CheckpointManager("by-time", model, optimizer, scheduler, socket=daemon.socket,
+                                   interval_seconds=0.25, rank=r, world_size=2) as manager:
+                time.sleep(0.13 * r)
+                for step in range(1, 41):
+                    train_step(model, optimizer, scheduler)
+                    time.sleep(0.02 + (0.03 * (step % 3) if r else 0.0))
+                    if manager.maybe_save(step):
+                        saved[r].append(step)
+                manager.wait(committed=True)
+        except Exception as e:  # reported by the main thread
+            saved["errors"].append(repr(e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert saved["errors"] == []
+    assert saved[0] == saved[1]
+    assert len(saved[0]) >= 2
+    assert daemon.steps("by-time") == saved[0]  # every one of them completed
+
+    # Ranks configured with different intervals are told so instead of never saving.
+    model, optimizer, scheduler = make_training()
+    with CheckpointManager("by-time-2", model, optimizer, socket=daemon.socket, interval_seconds=10,
+                           rank=0, world_size=2) as first, \
+            CheckpointManager("by-time-2", make_training(seed=1)[0], socket=daemon.socket,
+                              interval_seconds=20, rank=1, world_size=2) as second:
+        train_step(model, optimizer, scheduler)
+        assert first.maybe_save(1) is False
+        with pytest.raises(CheckpointError, match="interval_seconds"):
+            second.maybe_save(1)
 
 
 def test_replaced_tensors_are_registered_again(daemon):

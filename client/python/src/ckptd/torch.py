@@ -226,7 +226,7 @@ class CheckpointManager:
         self._connector = None      # a connection attempt still under way (see _connected)
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
-        self._last_save_time = time.monotonic()
+        self._run = 0               # the step this run resumed from: names its save clock
         self._closed = False
         self._install_hooks()
         # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
@@ -243,9 +243,26 @@ class CheckpointManager:
             self._preemption.stop(lambda: self.save(step) and self._staged())
             return True
         due = self.interval_steps is not None and step % self.interval_steps == 0
-        if self.interval_seconds is not None:
-            due = due or time.monotonic() - self._last_save_time >= self.interval_seconds
+        if not due and self.interval_seconds is not None:
+            due = self._due_by_time(step)
         return self.save(step) if due else False
+
+    def _due_by_time(self, step):
+        """Whether the job saves at `step` by `interval_seconds`. Not this rank's clock:
+        ranks reach a step at different moments, and a step saved by some ranks only never
+        completes. ckptd decides on one clock (the group coordinator's across nodes) and
+        gives every rank the same answer for a step; it costs one call to the local ckptd.
+        The first call registers the tensors (the set-up the first save would do)."""
+        if not self._connected():
+            return False
+        try:
+            self._register_current_tensors()
+            return self._client.should_save(int(step), float(self.interval_seconds), self._run)
+        except ckptd.Unavailable as e:
+            self._lost(e)
+            return False
+        except ckptd.Error as e:  # a misconfiguration (intervals differ): never silently skip
+            raise CheckpointError(f"interval_seconds: {e}") from e
 
     def save(self, step, blocking=False, ephemeral=False):
         """Queues a checkpoint of the current state as `step`.
@@ -275,7 +292,6 @@ class CheckpointManager:
             return False
         self._unstaged = ticket
         self._last_ticket = ticket
-        self._last_save_time = time.monotonic()
         if blocking:
             self.wait(committed=True)
         return True
@@ -360,6 +376,7 @@ class CheckpointManager:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
         log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
+        self._run = info["step"]
         return info["step"]
 
     def _load_from_dcp(self, path, step):
@@ -380,6 +397,7 @@ class CheckpointManager:
         except Exception as e:
             raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
         log.info("ckptd: loaded step %d from the DCP checkpoint %s", step, path)
+        self._run = step
         return step
 
     def save_weights(self, step, dtype=None, job=None):
