@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <random>
@@ -429,6 +430,39 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node rejoined after the restart", c.AllAlive());
   c.RestoreAll(10, {"disk", "disk", "disk"});
+}
+
+TEST_CASE("ranks on three nodes saving by time save the same steps, decided on the coordinator's clock") {
+  Cluster c({{0, 1}, {2}, {3}});
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  // Each rank's steps take different times and start at different moments (trainer_helper
+  // train-by-time), so clocks of their own would pick different steps.
+  std::vector<std::unique_ptr<Process>> procs;
+  for (uint32_t r : c.AllRanks()) {
+    auto args = c.RankArgs(r, 1);
+    args.insert(args.end(), {"train-by-time", "--steps", "30", "--interval-ms", "300"});
+    procs.push_back(std::make_unique<Process>(Helper(c.node(c.NodeOf(r)), args),
+                                              c.dir(c.NodeOf(r)).path(), "by-time" + std::to_string(r)));
+  }
+  std::string first;
+  for (size_t r = 0; r < procs.size(); ++r) {
+    int rc = procs[r]->Wait(kProcessBound);
+    INFO("rank " << r << ": " << procs[r]->Stdout() << procs[r]->Stderr() << c.Logs());
+    REQUIRE(rc == 0);
+    std::string saved = procs[r]->Stdout().substr(0, procs[r]->Stdout().find('\n'));
+    if (r == 0) first = saved;
+    CHECK(saved == first);
+    CHECK(Contains(procs[r]->Stdout(), "committed"));
+  }
+  // At least two saves in 30 steps of 25-85 ms with a 300 ms interval, and every one of
+  // them committed on every node.
+  std::istringstream steps(first.substr(first.find(':') + 1));
+  std::vector<uint64_t> saved{std::istream_iterator<uint64_t>(steps), {}};
+  CHECK(saved.size() >= 2);
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    for (uint64_t step : saved) CHECK(fs::exists(c.StepDir(n, step) + "/manifest.json"));
+  }
 }
 
 TEST_CASE("a daemon SIGKILLed mid-checkpoint: the step aborts everywhere, the group heals, training goes on") {

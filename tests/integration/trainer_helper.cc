@@ -35,6 +35,7 @@ struct Flags {
   std::string socket, job = "job", dump, bad_case, target, session, victim_token, victim_arena;
   int hold_seconds = 30;
   int count = 40;
+  uint64_t steps = 30, interval_ms = 300;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
@@ -141,6 +142,44 @@ int Save(const Flags& f) {
     return done->state == ckpt::TicketState::kCommitted ? 0 : 5;
   }
   return 0;
+}
+
+// A training loop that saves by time: asks ckptd at every step, snapshots when told, and
+// prints the steps it saved ("saved: 4 9 13") and how the last one ended. Ranks are made to
+// reach steps at different moments: rank r starts 70 ms x r late and its steps take
+// 25 ms + 20 ms x (step mod (r + 1)).
+int TrainByTime(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  std::this_thread::sleep_for(std::chrono::milliseconds(70 * f.rank));
+  std::vector<uint64_t> saved;
+  std::optional<uint64_t> last;
+  for (uint64_t step = 1; step <= f.steps; ++step) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(25 + 20 * (step % (f.rank + 1))));
+    for (auto* t : tensors) std::memset(t->data, static_cast<int>(step), t->nbytes);
+    auto save = c->ShouldSave(step, std::chrono::milliseconds(f.interval_ms));
+    if (!save.ok()) {
+      std::cout << "error: " << ckpt::Message(save.status()) << "\n";
+      return 2;
+    }
+    if (!*save) continue;
+    auto ticket = c->Snapshot(step);
+    if (!ticket.ok()) {
+      std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
+      return 2;
+    }
+    if (!c->WaitStaged(*ticket).ok()) return 3;
+    saved.push_back(step);
+    last = *ticket;
+  }
+  std::cout << "saved:";
+  for (uint64_t step : saved) std::cout << " " << step;
+  std::cout << std::endl;
+  if (!last) return 0;
+  auto done = c->WaitCommitted(*last);
+  if (!done.ok()) return 4;
+  std::cout << ckpt::ToString(done->state) << std::endl;
+  return done->state == ckpt::TicketState::kCommitted ? 0 : 5;
 }
 
 int Check(const Flags& f) {
@@ -612,11 +651,14 @@ int main(int argc, char** argv) {
   auto* register_at = app.add_subcommand("register-at");
   register_at->add_option("--target", f.target)->required();
   auto* add_cuda = app.add_subcommand("add-cuda");
+  auto* by_time = app.add_subcommand("train-by-time");
+  by_time->add_option("--steps", f.steps);
+  by_time->add_option("--interval-ms", f.interval_ms);
   auto* flood = app.add_subcommand("flood-waits");
   flood->add_option("--count", f.count);
   flood->add_option("--hold-seconds", f.hold_seconds);
   for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
-                    admin_delete, flood}) {
+                    admin_delete, flood, by_time}) {
     sub->fallthrough();
   }
   CLI11_PARSE(app, argc, argv);
@@ -638,5 +680,6 @@ int main(int argc, char** argv) {
   if (steal->parsed()) return Steal(f);
   if (admin_delete->parsed()) return AdminDelete(f);
   if (flood->parsed()) return FloodWaits(f);
+  if (by_time->parsed()) return TrainByTime(f);
   return Health(f);
 }
