@@ -357,12 +357,26 @@ absl::StatusOr<TicketStatus> Client::WaitCommitted(uint64_t ticket,
 }
 
 absl::StatusOr<RestoreInfo> Client::Restore(std::optional<uint64_t> step) {
+  return Restore(RestoreOptions{.step = step});
+}
+
+absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   if (session_id_.empty()) return absl::FailedPreconditionError("Restore before Register()");
   ::ckptd::v1::RestoreRequest req;
   req.set_session_id(session_id_);
-  if (step) {
-    req.set_step(*step);
+  if (options.step) {
+    req.set_step(*options.step);
     req.set_has_step(true);
+  }
+  for (const std::string& p : options.include) req.add_include(p);
+  for (const std::string& p : options.exclude) req.add_exclude(p);
+  req.set_allow_missing(options.allow_missing);
+  const bool partial = !options.include.empty() || !options.exclude.empty() || options.allow_missing;
+  if (partial && impl_->mirror) {
+    // Host-copy transport: every mirror goes back to the GPU below, so the mirrors of
+    // tensors left out must hold their current values, not those of the last snapshot.
+    CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToHostAsync(nullptr, [] {}));
+    impl_->mirror->Synchronize();
   }
   ::ckptd::v1::RestoreReply reply;
   auto ctx = std::make_unique<grpc::ClientContext>();  // restores of large states take a while
@@ -377,6 +391,10 @@ absl::StatusOr<RestoreInfo> Client::Restore(std::optional<uint64_t> step) {
                                                                       : RestoreInfo::Source::kDisk;
   info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
   for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
+  info.tensors = reply.tensors();
+  info.skipped = reply.skipped();
+  info.not_in_checkpoint.assign(reply.not_in_checkpoint().begin(), reply.not_in_checkpoint().end());
+  info.not_registered.assign(reply.not_registered().begin(), reply.not_registered().end());
   // Host-copy transport: ckptd restored the mirrors; bring them up to the GPU.
   if (info.found && impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToDevice());
   return info;

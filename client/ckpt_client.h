@@ -62,6 +62,23 @@ struct RestoreInfo {
   uint64_t bytes = 0;
   Metadata metadata;
   TrainState train_state;
+  uint64_t tensors = 0;  // restored
+  uint64_t skipped = 0;  // of this rank's tensors in the checkpoint, not restored
+  // With RestoreOptions::allow_missing: selected tensors on one side only (at most 1000).
+  std::vector<std::string> not_in_checkpoint;
+  std::vector<std::string> not_registered;
+};
+
+// What Restore() reads. Patterns are shell globs on tensor names (`*` matches dots too): a
+// tensor is restored when no include is given or one matches, and no exclude matches; the
+// other registered tensors keep their values. Train state always comes back.
+struct RestoreOptions {
+  std::optional<uint64_t> step;  // nullopt: the latest step every rank has (collective)
+  std::vector<std::string> include;
+  std::vector<std::string> exclude;
+  // Selected tensors registered but not in the checkpoint (or the reverse) are skipped and
+  // listed in RestoreInfo instead of failing the restore.
+  bool allow_missing = false;
 };
 
 // How GPU tensors reach ckptd. kIpc: ckptd maps them through CUDA IPC and copies them on
@@ -135,6 +152,9 @@ class Client {
 
   // Restores the latest committed checkpoint (or `step`) into the registered tensors.
   absl::StatusOr<RestoreInfo> Restore(std::optional<uint64_t> step = std::nullopt);
+  // Restores only the selected tensors (e.g. exclude {"optim.*"}: the weights of a full
+  // checkpoint for fine-tuning).
+  absl::StatusOr<RestoreInfo> Restore(const RestoreOptions& options);
 
   // Saving by time: whether the job saves at `step`, saving every `interval`. Every rank of
   // the job gets the same answer for a step (ckptd decides on one clock, the group's

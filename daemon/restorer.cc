@@ -31,35 +31,64 @@ absl::Status CheckSameLayout(const RegisteredTensor& t, const std::string& dtype
 
 }  // namespace
 
-absl::Status CheckSameNames(const std::vector<RegisteredTensor>& registered,
-                            const std::vector<std::string>& stored, uint64_t step) {
-  std::set<std::string> have(stored.begin(), stored.end());
+absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
+    const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
+    const RestoreSpec& spec, uint64_t step, RestoreResult& result) {
+  const TensorSelection& selection = spec.selection;
+  std::set<std::string> have;
+  for (const std::string& name : stored) {
+    if (selection.Selects(name)) have.insert(name);
+  }
   std::set<std::string> want;
+  std::vector<const RegisteredTensor*> matched;
   std::vector<std::string> missing, unexpected;
   for (const RegisteredTensor& t : registered) {
+    if (!selection.Selects(t.name)) continue;
     want.insert(t.name);
-    if (!have.count(t.name)) missing.push_back(t.name);
+    if (have.count(t.name)) {
+      matched.push_back(&t);
+    } else {
+      missing.push_back(t.name);
+    }
   }
-  for (const std::string& name : stored) {
+  for (const std::string& name : have) {
     if (!want.count(name)) unexpected.push_back(name);
   }
-  if (missing.empty() && unexpected.empty()) return absl::OkStatus();
-  std::string message = fmt::format("checkpoint step {} does not match the registered tensors:", step);
-  if (!missing.empty()) {
-    message += fmt::format(" {} registered but not in the checkpoint ({});", missing.size(),
-                           ListSome(missing));
+  if (!spec.allow_missing && (!missing.empty() || !unexpected.empty())) {
+    std::string message = fmt::format("checkpoint step {} does not match the registered tensors{}:",
+                                      step, selection.everything()
+                                                ? ""
+                                                : fmt::format(" ({})", selection.Describe()));
+    if (!missing.empty()) {
+      message += fmt::format(" {} registered but not in the checkpoint ({});", missing.size(),
+                             ListSome(missing));
+    }
+    if (!unexpected.empty()) {
+      message += fmt::format(" {} in the checkpoint but not registered ({});", unexpected.size(),
+                             ListSome(unexpected));
+    }
+    message.pop_back();
+    return absl::FailedPreconditionError(
+        message + " (select fewer tensors, or allow missing ones to skip them)");
   }
-  if (!unexpected.empty()) {
-    message += fmt::format(" {} in the checkpoint but not registered ({});", unexpected.size(),
-                           ListSome(unexpected));
+  if (matched.empty() && !selection.everything()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{} selects none of the {} tensors that checkpoint step {} holds for this rank",
+        selection.Describe(), stored.size(), step));
   }
-  message.pop_back();
-  return absl::FailedPreconditionError(message);
+  missing.resize(std::min(missing.size(), kMaxListed));
+  unexpected.resize(std::min(unexpected.size(), kMaxListed));
+  result.not_in_checkpoint = std::move(missing);
+  result.not_registered = std::move(unexpected);
+  result.tensors = matched.size();
+  result.skipped = stored.size() - matched.size();
+  return matched;
 }
 
 absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
-                                                std::optional<uint64_t> step) {
+                                                const RestoreSpec& spec) {
   RestoreResult result;
+  std::optional<uint64_t> step = spec.step;
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, Available(session));
   if (!step) {
     CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> agreed,
@@ -85,14 +114,15 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
   auto started = std::chrono::steady_clock::now();
   if (StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, *step)) {
     result.source = RestoreResult::Source::kMemory;
-    CKPT_RETURN_IF_ERROR(FromMemory(session, *hot, result));
+    CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
   } else {
     result.source = RestoreResult::Source::kDisk;
-    CKPT_RETURN_IF_ERROR(FromDisk(session, manifest, result));
+    CKPT_RETURN_IF_ERROR(FromDisk(session, spec, manifest, result));
   }
   log::Get(log::Component::kControl)
-      .info("[{}/r{} s{}] restored {} bytes from {} in {:.1f} ms", session.job, session.rank, *step,
-            result.bytes, result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
+      .info("[{}/r{} s{}] restored {} tensors ({} bytes; {} skipped) from {} in {:.1f} ms",
+            session.job, session.rank, *step, result.tensors, result.bytes, result.skipped,
+            result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;
 }
@@ -111,17 +141,19 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
   return available;
 }
 
-absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapshot& snap,
-                                  RestoreResult& result) {
+absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec& spec,
+                                  const StagedSnapshot& snap, RestoreResult& result) {
   std::map<std::string, const persist::TensorEntry*> entries;
   std::vector<std::string> stored;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
     entries[snap.shard.entries[i].name] = &snap.shard.entries[i];
     stored.push_back(snap.shard.entries[i].name);
   }
-  CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, snap.step));
+  CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
+                        MatchTensors(*session.tensors, stored, spec, snap.step, result));
   SplitCopy job;
-  for (const RegisteredTensor& t : *session.tensors) {
+  for (const RegisteredTensor* tensor : matched) {
+    const RegisteredTensor& t = *tensor;
     const persist::TensorEntry& e = *entries.at(t.name);
     CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
@@ -140,8 +172,8 @@ absl::Status Restorer::FromMemory(const SessionView& session, const StagedSnapsh
   return absl::OkStatus();
 }
 
-absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manifest& manifest,
-                                RestoreResult& result) {
+absl::Status Restorer::FromDisk(const SessionView& session, const RestoreSpec& spec,
+                                const persist::Manifest& manifest, RestoreResult& result) {
   const persist::ManifestShard& shard = manifest.shards.at(session.rank);
   std::string path = store_.StepDir(manifest.job, manifest.step) + "/" + shard.file;
   CKPT_ASSIGN_OR_RETURN(persist::ShardReaderPtr reader,
@@ -156,7 +188,8 @@ absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manif
       }
     }
   }
-  CKPT_RETURN_IF_ERROR(CheckSameNames(*session.tensors, stored, manifest.step));
+  CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
+                        MatchTensors(*session.tensors, stored, spec, manifest.step, result));
 
   // 1. Every piece is checked against the manifest, the file's header and the registration
   //    before a byte is read: dtype, shape, and a byte range of exactly the registered size.
@@ -167,7 +200,8 @@ absl::Status Restorer::FromDisk(const SessionView& session, const persist::Manif
   };
   std::vector<Piece> pieces;
   uint64_t total = 0;
-  for (const RegisteredTensor& t : *session.tensors) {
+  for (const RegisteredTensor* tensor : matched) {
+    const RegisteredTensor& t = *tensor;
     const persist::TensorShard& s = *mine.at(t.name);
     CKPT_RETURN_IF_ERROR(CheckSameLayout(t, manifest.tensors.at(t.name).dtype, s.shape, manifest.step));
     const persist::TensorEntry* entry = reader->Find(t.name);

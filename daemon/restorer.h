@@ -2,7 +2,8 @@
 // checkpoint of its job: from the daemon's memory when that snapshot is still there (hot),
 // else from the rank's shard on disk, every tensor checked against its manifest checksum.
 // "Latest" is agreed by all ranks of the job (restore/step_agreement.h), so every rank
-// gets the same step. Same topology only: the checkpoint's world size must match.
+// gets the same step. Same topology only: the checkpoint's world size must match. A
+// selection (restore/tensor_selection.h) restores some tensors and leaves the others alone.
 #pragma once
 
 #include <chrono>
@@ -18,6 +19,7 @@
 #include "daemon/persist/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restore/step_agreement.h"
+#include "daemon/restore/tensor_selection.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "shm/payload.h"
@@ -32,7 +34,22 @@ struct RestoreResult {
   uint64_t bytes = 0;
   std::map<std::string, std::string> metadata;
   std::vector<shm::NamedBlob> train_state;
+  uint64_t tensors = 0;  // restored
+  uint64_t skipped = 0;  // of this rank's tensors in the checkpoint, not restored
+  // With allow_missing only (at most kMaxListed names each): selected tensors registered but
+  // not in the checkpoint, and selected tensors in the checkpoint but not registered.
+  std::vector<std::string> not_in_checkpoint;
+  std::vector<std::string> not_registered;
 };
+
+struct RestoreSpec {
+  std::optional<uint64_t> step;  // nullopt: the latest step every rank has (collective)
+  TensorSelection selection;     // default: every tensor
+  // Selected tensors on one side only are skipped and listed instead of failing the restore.
+  bool allow_missing = false;
+};
+
+inline constexpr size_t kMaxListed = 1000;
 
 class Restorer {
  public:
@@ -47,13 +64,13 @@ class Restorer {
         agree_timeout_(agree_timeout), engine_(engine), priority_(priority),
         device_engines_(std::move(device_engines)), pool_(pool) {}
 
-  absl::StatusOr<RestoreResult> Restore(const SessionView& session, std::optional<uint64_t> step);
+  absl::StatusOr<RestoreResult> Restore(const SessionView& session, const RestoreSpec& spec);
 
  private:
-  absl::Status FromMemory(const SessionView& session, const StagedSnapshot& snap,
-                          RestoreResult& result);
-  absl::Status FromDisk(const SessionView& session, const persist::Manifest& manifest,
-                        RestoreResult& result);
+  absl::Status FromMemory(const SessionView& session, const RestoreSpec& spec,
+                          const StagedSnapshot& snap, RestoreResult& result);
+  absl::Status FromDisk(const SessionView& session, const RestoreSpec& spec,
+                        const persist::Manifest& manifest, RestoreResult& result);
 
   // Committed steps this rank can restore here: hot, or its shard file on this node's disk.
   absl::StatusOr<std::vector<uint64_t>> Available(const SessionView& session);
@@ -69,9 +86,12 @@ class Restorer {
   cuda::StagingPool* pool_;          // may be null
 };
 
-// Checks that the registered tensors and the checkpoint's tensors for this rank have the
-// same names; the message lists what is missing on either side.
-absl::Status CheckSameNames(const std::vector<RegisteredTensor>& registered,
-                            const std::vector<std::string>& stored, uint64_t step);
+// Which registered tensors a restore fills: those selected that the checkpoint holds for
+// this rank (`stored`). Selected tensors on one side only are an error listing them, unless
+// spec.allow_missing (then they are listed in `result`); so is a selection that matches
+// none of the checkpoint's tensors. Sets result.tensors and result.skipped.
+absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
+    const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
+    const RestoreSpec& spec, uint64_t step, RestoreResult& result);
 
 }  // namespace ckpt::daemon

@@ -121,11 +121,13 @@ class PyClient {
     Check(client_->StreamWaitStaged(ticket, reinterpret_cast<void*>(stream)));
   }
 
-  py::dict Restore(std::optional<uint64_t> step) {
+  py::dict Restore(std::optional<uint64_t> step, std::vector<std::string> include,
+                   std::vector<std::string> exclude, bool allow_missing) {
     absl::StatusOr<ckpt::RestoreInfo> info;
     {
       py::gil_scoped_release unlocked;
-      info = client_->Restore(step);
+      info = client_->Restore(ckpt::RestoreOptions{step, std::move(include), std::move(exclude),
+                                                   allow_missing});
     }
     ckpt::RestoreInfo r = ValueOr(std::move(info));
     py::dict d;
@@ -137,6 +139,10 @@ class PyClient {
     py::dict state;
     for (const auto& [k, v] : r.train_state) state[py::str(k)] = py::bytes(v);
     d["train_state"] = state;
+    d["tensors"] = r.tensors;
+    d["skipped"] = r.skipped;
+    d["not_in_checkpoint"] = r.not_in_checkpoint;
+    d["not_registered"] = r.not_registered;
     return d;
   }
 
@@ -230,7 +236,9 @@ PYBIND11_MODULE(_native, m) {
       .def("wait_committed", &PyClient::WaitCommitted, py::arg("ticket"), py::arg("timeout") = 1800.0)
       .def("set_cuda_stream", &PyClient::SetCudaStream, py::arg("stream"))
       .def("stream_wait_staged", &PyClient::StreamWaitStaged, py::arg("ticket"), py::arg("stream"))
-      .def("restore", &PyClient::Restore, py::arg("step") = std::nullopt)
+      .def("restore", &PyClient::Restore, py::arg("step") = std::nullopt,
+           py::arg("include") = std::vector<std::string>{},
+           py::arg("exclude") = std::vector<std::string>{}, py::arg("allow_missing") = false)
       .def("should_save", &PyClient::ShouldSave, py::arg("step"), py::arg("interval_seconds"),
            py::arg("run") = 0)
       .def("unregister", &PyClient::Unregister)

@@ -114,13 +114,21 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
     CKPT_ASSIGN_OR_RETURN(CallLimiter::Slot slot, long_calls_.Enter(caller.uid, "Restore"));
-    std::optional<uint64_t> step;
-    if (request->has_step()) step = request->step();
+    RestoreSpec spec;
+    if (request->has_step()) spec.step = request->step();
+    CKPT_ASSIGN_OR_RETURN(spec.selection,
+                          TensorSelection::Make({request->include().begin(), request->include().end()},
+                                                {request->exclude().begin(), request->exclude().end()}));
+    spec.allow_missing = request->allow_missing();
     std::lock_guard lock(s->data_mutex());
-    CKPT_ASSIGN_OR_RETURN(RestoreResult result, restorer_.Restore(s->view(), step));
+    CKPT_ASSIGN_OR_RETURN(RestoreResult result, restorer_.Restore(s->view(), spec));
     reply->set_found(result.found);
     reply->set_step(result.step);
     reply->set_bytes(result.bytes);
+    reply->set_tensors(result.tensors);
+    reply->set_skipped(result.skipped);
+    for (const std::string& name : result.not_in_checkpoint) reply->add_not_in_checkpoint(name);
+    for (const std::string& name : result.not_registered) reply->add_not_registered(name);
     reply->set_source(result.source == RestoreResult::Source::kMemory ? RESTORE_SOURCE_MEMORY
                                                                        : RESTORE_SOURCE_DISK);
     reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());

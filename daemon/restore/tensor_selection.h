@@ -1,0 +1,38 @@
+// Which tensors a restore reads: include and exclude patterns on tensor names (shell globs,
+// fnmatch(3): `*` also matches dots, so "optim.*" is every optimizer tensor). A name is
+// selected when no include pattern is given or one matches, and no exclude pattern
+// matches. Fine-tuning from a full checkpoint restores the weights without the optimizer
+// state (exclude "optim.*"); a debugging session restores one layer (include "layers.3.*").
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace ckpt::daemon {
+
+class TensorSelection {
+ public:
+  static constexpr size_t kMaxPatterns = 1024;
+  static constexpr size_t kMaxPatternBytes = 1024;
+
+  TensorSelection() = default;  // everything
+
+  // InvalidArgument naming the pattern that is empty, too long or not text, or when there
+  // are more than kMaxPatterns.
+  static absl::StatusOr<TensorSelection> Make(std::vector<std::string> include,
+                                              std::vector<std::string> exclude);
+
+  bool Selects(std::string_view name) const;
+  bool everything() const { return include_.empty() && exclude_.empty(); }
+  // "include [a, b], exclude [c]": for messages.
+  std::string Describe() const;
+
+ private:
+  std::vector<std::string> include_;
+  std::vector<std::string> exclude_;
+};
+
+}  // namespace ckpt::daemon
