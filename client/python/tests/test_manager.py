@@ -500,6 +500,73 @@ def test_ranks_saving_by_time_save_the_same_steps_whatever_their_clocks(daemon):
             second.maybe_save(1)
 
 
+class _Position:
+    """A data loader's place in its data set."""
+
+    def __init__(self, position):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+@pytest.mark.parametrize("source", ["memory", "disk"])
+def test_load_leaves_out_what_it_is_told_to(daemon, source):
+    model, optimizer, scheduler = make_training()
+    sampler = _Position(17)
+    with CheckpointManager("partial", model, optimizer, scheduler, extra_state={"sampler": sampler},
+                           socket=daemon.socket) as manager:
+        for _ in range(2):
+            train_step(model, optimizer, scheduler)
+        manager.save(2, blocking=True)
+    if source == "disk":
+        daemon.restart()
+
+    # Fine-tuning from a pre-training checkpoint: its weights, a fresh optimizer, schedule
+    # and sampler (torchtitan's exclude_from_loading).
+    tuned, tuned_optimizer, tuned_scheduler = make_training(seed=1)
+    tuned_sampler = _Position(0)
+    with CheckpointManager("partial", tuned, tuned_optimizer, tuned_scheduler,
+                           extra_state={"sampler": tuned_sampler}, socket=daemon.socket,
+                           exclude_from_loading=["optimizer", "lr_scheduler", "sampler"]) as manager:
+        assert manager.load() == 2
+    assert_same(tuned.state_dict(), model.state_dict())
+    assert tuned_optimizer.state_dict()["state"] == {}  # as fresh as it was
+    assert tuned_optimizer.param_groups[0]["lr"] == 1e-2  # not the decayed 5e-3 of the checkpoint
+    assert tuned_scheduler.last_epoch == 0
+    assert tuned_sampler.position == 0
+
+    # A pattern leaves a layer as it is; everything else, optimizer state included, loads.
+    other, other_optimizer, other_scheduler = make_training(seed=2)
+    kept = other[0].weight.detach().clone()
+    with CheckpointManager("partial", other, other_optimizer, other_scheduler,
+                           extra_state={"sampler": _Position(0)}, socket=daemon.socket) as manager:
+        assert manager.load(exclude=["0.weight", "optim.0.weight.*"]) == 2
+    assert torch.equal(other[0].weight, kept)
+    assert torch.equal(other[0].bias, model[0].bias)
+    assert torch.equal(other_optimizer.state[other[3].weight]["exp_avg"],
+                       optimizer.state[model[3].weight]["exp_avg"])
+
+    # A model with a layer the checkpoint lacks: refused by name, or skipped with a warning.
+    grown, grown_optimizer, _ = make_training(seed=3)
+    grown.add_module("4", torch.nn.Linear(2, 2))
+    grown_optimizer = torch.optim.Adam(grown.parameters(), lr=1e-2)
+    with CheckpointManager("partial", grown, grown_optimizer, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match="4.weight"):
+            manager.load(exclude=["lr_scheduler"])
+        new_layer = grown[4].weight.detach().clone()
+        with pytest.warns(UserWarning, match=r"tensors not in the checkpoint were skipped.*4\.bias"):
+            assert manager.load(exclude=["lr_scheduler"], strict=False) == 2
+    assert torch.equal(grown[0].weight, model[0].weight)
+    assert torch.equal(grown[4].weight, new_layer)
+
+    with pytest.raises(ValueError, match="no tensor to load"):
+        CheckpointManager("partial", grown, socket=daemon.socket).load(exclude=["model", "optimizer"])
+
+
 def test_replaced_tensors_are_registered_again(daemon):
     model, optimizer, scheduler = make_training()
     with CheckpointManager("replaced", model, optimizer, scheduler, socket=daemon.socket) as manager:

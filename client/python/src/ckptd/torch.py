@@ -185,7 +185,7 @@ class CheckpointManager:
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
-                 daemon_timeout=120.0, save_on_sigterm=False):
+                 daemon_timeout=120.0, save_on_sigterm=False, exclude_from_loading=()):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
@@ -216,6 +216,9 @@ class CheckpointManager:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.arena_bytes = arena_bytes
         self.daemon_timeout = daemon_timeout
+        if isinstance(exclude_from_loading, str):
+            raise TypeError("exclude_from_loading is a list of keys, e.g. ['optimizer']")
+        self.exclude_from_loading = list(exclude_from_loading)
 
         self._client = None
         self._registered = False
@@ -344,7 +347,7 @@ class CheckpointManager:
         except ckptd.Error as e:
             self._lost(e)
 
-    def load(self, step=None, daemon_timeout=None, from_dcp=None):
+    def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -353,15 +356,24 @@ class CheckpointManager:
 
         `from_dcp=PATH` loads a torch.distributed.checkpoint directory instead (switching a
         job to ckptd: its next save goes to ckptd); returns `step`, or the step in the
-        directory's name (`step-1200`, as torchtitan names them)."""
+        directory's name (`step-1200`, as torchtitan names them).
+
+        `exclude` (default: the manager's `exclude_from_loading`) leaves parts as they are:
+        "model", "optimizer" (its tensors and hyper-parameters), "lr_scheduler", "rng", the
+        name of an `extra_state` entry, or a shell pattern on tensor names ("layers.0.*",
+        "optim.*.exp_avg_sq"). `strict=False` skips tensors that the model has and the
+        checkpoint lacks, or the reverse, with a warning naming them."""
         self._check_open()
         if from_dcp is not None:
             return self._load_from_dcp(os.fspath(from_dcp), step)
+        exclude = self.exclude_from_loading if exclude is None else list(exclude)
+        include, patterns, skip_state = self._selection(exclude)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
-        created = self._create_optimizer_state()
+        created = [] if "optimizer" in exclude else self._create_optimizer_state()
         try:
             self._register_current_tensors()
-            info = self._client.restore(step)
+            info = self._client.restore(step, include=include, exclude=patterns,
+                                        allow_missing=not strict)
         except ckptd.Error as e:
             self._drop_optimizer_state(created)
             if isinstance(e, ckptd.Unavailable):
@@ -370,14 +382,45 @@ class CheckpointManager:
         if not info["found"]:
             self._drop_optimizer_state(created)
             return None
+        for side, names in (("not in the checkpoint", info["not_in_checkpoint"]),
+                            ("in the checkpoint but not in the model", info["not_registered"])):
+            if names:
+                warnings.warn(f"ckptd: step {info['step']}: {len(names)} tensors {side} were "
+                              f"skipped (strict=False): {', '.join(names[:8])}"
+                              f"{', ...' if len(names) > 8 else ''}", stacklevel=_user_stacklevel())
         try:
-            self._apply_train_state(info["train_state"])
+            self._apply_train_state(info["train_state"], skip_state)
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
         log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
         self._run = info["step"]
         return info["step"]
+
+    def _selection(self, exclude):
+        """Maps `load(exclude=...)` keys onto ckptd's tensor selection: (include patterns,
+        exclude patterns, train-state prefixes to leave alone)."""
+        include, patterns, skip_state = [], [], []
+        for key in exclude:
+            if key == "model":
+                include.append("optim.*")  # model tensors are every name outside optim.
+            elif key == "optimizer":
+                patterns.append("optim.*")
+                skip_state.append("optim")
+            elif key == "lr_scheduler":
+                skip_state.append("lr_scheduler")
+            elif key in ("rng", "train_state"):
+                skip_state.append("rng")
+            elif key in self.extra_state:
+                skip_state.append(f"extra.{key}")
+            elif isinstance(key, str) and key:
+                patterns.append(key)
+            else:
+                raise ValueError(f"exclude: {key!r} is neither a key (model, optimizer, "
+                                 f"lr_scheduler, rng, an extra_state name) nor a tensor pattern")
+        if "model" in exclude and "optimizer" in exclude:
+            raise ValueError("exclude: with both model and optimizer excluded there is no tensor to load")
+        return include, patterns, skip_state
 
     def _load_from_dcp(self, path, step):
         if step is None:
@@ -649,7 +692,11 @@ class CheckpointManager:
             state[f"extra.{name}"] = _to_bytes(obj.state_dict())
         return state
 
-    def _apply_train_state(self, state):
+    def _apply_train_state(self, state, skip=()):
+        """Applies the saved train state, except the entries under a prefix in `skip`
+        ("optim", "lr_scheduler", "rng", "extra.<name>": what load(exclude=) leaves alone)."""
+        state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in skip)}
+        skipped = set(skip)
         if "rng.torch" in state:
             torch.set_rng_state(torch.frombuffer(bytearray(state["rng.torch"]), dtype=torch.uint8))
         if "rng.python" in state:
@@ -666,12 +713,14 @@ class CheckpointManager:
             other = _from_bytes(state["optim.other_state"]) if "optim.other_state" in state else {}
             for name, p in self._optimizer_params():
                 self.optimizer.state[p].update(other.get(name, {}))
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and "lr_scheduler" not in skipped:
             if "lr_scheduler" not in state:
                 raise CheckpointError("the checkpoint has no LR scheduler state")
             self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
         for name, obj in self.extra_state.items():
             key = f"extra.{name}"
+            if key in skipped:
+                continue
             if key not in state:
                 raise CheckpointError(f"the checkpoint has no extra_state[{name!r}]")
             obj.load_state_dict(_from_bytes(state[key]))
