@@ -395,6 +395,7 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   info.skipped = reply.skipped();
   info.not_in_checkpoint.assign(reply.not_in_checkpoint().begin(), reply.not_in_checkpoint().end());
   info.not_registered.assign(reply.not_registered().begin(), reply.not_registered().end());
+  info.warnings.assign(reply.warnings().begin(), reply.warnings().end());
   // Host-copy transport: ckptd restored the mirrors; bring them up to the GPU.
   if (info.found && impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToDevice());
   return info;

@@ -67,6 +67,8 @@ struct RestoreInfo {
   // With RestoreOptions::allow_missing: selected tensors on one side only (at most 1000).
   std::vector<std::string> not_in_checkpoint;
   std::vector<std::string> not_registered;
+  // Newer steps given up because some rank found them damaged; each names the step and why.
+  std::vector<std::string> warnings;
 };
 
 // What Restore() reads. Patterns are shell globs on tensor names (`*` matches dots too): a

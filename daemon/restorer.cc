@@ -87,32 +87,92 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
 
 absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
                                                 const RestoreSpec& spec) {
-  RestoreResult result;
-  std::optional<uint64_t> step = spec.step;
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, Available(session));
-  if (!step) {
+  if (spec.step) {
+    // The step asked for, by this rank alone: no barrier, and no fallback either.
+    if (!std::binary_search(steps.begin(), steps.end(), *spec.step)) {
+      return absl::NotFoundError(fmt::format(
+          "job {} has no committed checkpoint at step {} for rank {} on this node", session.job,
+          *spec.step, session.rank));
+    }
+    return RestoreStep(session, spec, *spec.step);
+  }
+  return RestoreLatest(session, spec, std::move(steps));
+}
+
+// Every rank restores the agreed step, then all share how it went. A step some rank finds
+// damaged (its shard fails its checksums, say) is given up by every rank, with a warning
+// naming it, and the ranks agree on the newest step left; ranks that had restored it just
+// restore the older one over it. Any other failure fails every rank, naming the rank, so
+// that no rank trains on while another could not resume.
+absl::StatusOr<RestoreResult> Restorer::RestoreLatest(const SessionView& session,
+                                                      const RestoreSpec& spec,
+                                                      std::vector<uint64_t> steps) {
+  auto& log = log::Get(log::Component::kControl);
+  std::vector<std::string> damaged;  // "step N: rank R: why", in the order they were found
+  for (int tries = 0;; ++tries) {
     CKPT_ASSIGN_OR_RETURN(std::optional<uint64_t> agreed,
                           agreement_.Agree(session.job, session.rank, session.world_size, steps,
                                            agree_timeout_));
-    if (!agreed) return result;  // no rank has anything to restore: a fresh start
-    step = *agreed;
-  } else if (!std::binary_search(steps.begin(), steps.end(), *step)) {
-    return absl::NotFoundError(fmt::format(
-        "job {} has no committed checkpoint at step {} for rank {} on this node", session.job,
-        *step, session.rank));
+    if (!agreed) {
+      if (damaged.empty()) return RestoreResult{};  // nothing to restore: a fresh start
+      // Never a silent fresh start while checkpoints exist.
+      return absl::DataLossError(fmt::format("job {}: every committed step is damaged ({})",
+                                             session.job, fmt::join(damaged, "; ")));
+    }
+    absl::StatusOr<RestoreResult> mine = RestoreStep(session, spec, *agreed);
+    std::string outcome = mine.ok()               ? ""
+                          : absl::IsDataLoss(mine.status()) ? "damaged "
+                                                            : "failed ";
+    if (!mine.ok()) outcome += Message(mine.status()).substr(0, 2000);
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> outcomes,
+                          agreement_.ShareOutcomes(session.job, session.rank, session.world_size,
+                                                   *agreed, outcome, agree_timeout_));
+    std::vector<std::string> damage;
+    for (size_t r = 0; r < outcomes.size(); ++r) {
+      const std::string& o = outcomes[r];
+      if (o.rfind("failed ", 0) == 0) {
+        if (r == session.rank) return mine.status();
+        return absl::AbortedError(fmt::format(
+            "job {}: rank {} could not restore step {} ({}), so no rank resumes from it",
+            session.job, r, *agreed, o.substr(7)));
+      }
+      if (o.rfind("damaged ", 0) == 0) damage.push_back(fmt::format("rank {}: {}", r, o.substr(8)));
+    }
+    if (damage.empty()) {
+      for (const std::string& d : damaged) {
+        mine->warnings.push_back(fmt::format("{}; restored step {} instead", d, *agreed));
+      }
+      return mine;
+    }
+    std::string why = fmt::format("step {} is damaged ({}{})", *agreed,
+                                  fmt::join(damage.begin(), damage.begin() + std::min<size_t>(damage.size(), 3), "; "),
+                                  damage.size() > 3 ? "; ..." : "");
+    log.warn("[{}/r{}] {}: falling back to an older step", session.job, session.rank, why);
+    damaged.push_back(std::move(why));
+    steps.erase(std::remove(steps.begin(), steps.end(), *agreed), steps.end());
+    if (tries + 1 >= kMaxFallbacks) {
+      return absl::DataLossError(fmt::format("job {}: the {} newest common steps are damaged ({})",
+                                             session.job, kMaxFallbacks, fmt::join(damaged, "; ")));
+    }
   }
-  persist::RetentionKeeper::Pin pin(retention_, session.job, *step);
-  CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, *step));
+}
+
+absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
+                                                    const RestoreSpec& spec, uint64_t step) {
+  RestoreResult result;
+  persist::RetentionKeeper::Pin pin(retention_, session.job, step);
+  CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, step));
   if (manifest.world_size != session.world_size) {
     return absl::FailedPreconditionError(fmt::format(
         "checkpoint step {} of job {} was written by {} ranks; this trainer runs {} "
         "(restoring across world sizes is not supported yet)",
-        *step, session.job, manifest.world_size, session.world_size));
+        step, session.job, manifest.world_size, session.world_size));
   }
   result.found = true;
-  result.step = *step;
+  result.step = step;
   auto started = std::chrono::steady_clock::now();
-  if (StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, *step)) {
+  if (StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step)) {
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
   } else {
@@ -121,7 +181,7 @@ absl::StatusOr<RestoreResult> Restorer::Restore(const SessionView& session,
   }
   log::Get(log::Component::kControl)
       .info("[{}/r{} s{}] restored {} tensors ({} bytes; {} skipped) from {} in {:.1f} ms",
-            session.job, session.rank, *step, result.tensors, result.bytes, result.skipped,
+            session.job, session.rank, step, result.tensors, result.bytes, result.skipped,
             result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;

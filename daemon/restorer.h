@@ -2,7 +2,8 @@
 // checkpoint of its job: from the daemon's memory when that snapshot is still there (hot),
 // else from the rank's shard on disk, every tensor checked against its manifest checksum.
 // "Latest" is agreed by all ranks of the job (restore/step_agreement.h), so every rank
-// gets the same step. Same topology only: the checkpoint's world size must match. A
+// gets the same step; a step that some rank finds damaged is given up by all of them for
+// the newest older one. Same topology only: the checkpoint's world size must match. A
 // selection (restore/tensor_selection.h) restores some tensors and leaves the others alone.
 #pragma once
 
@@ -40,6 +41,8 @@ struct RestoreResult {
   // not in the checkpoint, and selected tensors in the checkpoint but not registered.
   std::vector<std::string> not_in_checkpoint;
   std::vector<std::string> not_registered;
+  // Newer steps given up because a rank found them damaged, each naming the step and why.
+  std::vector<std::string> warnings;
 };
 
 struct RestoreSpec {
@@ -50,6 +53,8 @@ struct RestoreSpec {
 };
 
 inline constexpr size_t kMaxListed = 1000;
+// How many damaged steps in a row a restore of the latest step gives up before failing.
+inline constexpr int kMaxFallbacks = 4;
 
 class Restorer {
  public:
@@ -67,6 +72,10 @@ class Restorer {
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, const RestoreSpec& spec);
 
  private:
+  absl::StatusOr<RestoreResult> RestoreLatest(const SessionView& session, const RestoreSpec& spec,
+                                              std::vector<uint64_t> steps);
+  absl::StatusOr<RestoreResult> RestoreStep(const SessionView& session, const RestoreSpec& spec,
+                                            uint64_t step);
   absl::Status FromMemory(const SessionView& session, const RestoreSpec& spec,
                           const StagedSnapshot& snap, RestoreResult& result);
   absl::Status FromDisk(const SessionView& session, const RestoreSpec& spec,

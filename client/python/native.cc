@@ -143,6 +143,7 @@ class PyClient {
     d["skipped"] = r.skipped;
     d["not_in_checkpoint"] = r.not_in_checkpoint;
     d["not_registered"] = r.not_registered;
+    d["warnings"] = r.warnings;
     return d;
   }
 

@@ -129,6 +129,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     reply->set_skipped(result.skipped);
     for (const std::string& name : result.not_in_checkpoint) reply->add_not_in_checkpoint(name);
     for (const std::string& name : result.not_registered) reply->add_not_registered(name);
+    for (const std::string& w : result.warnings) reply->add_warnings(w);
     reply->set_source(result.source == RestoreResult::Source::kMemory ? RESTORE_SOURCE_MEMORY
                                                                        : RESTORE_SOURCE_DISK);
     reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());

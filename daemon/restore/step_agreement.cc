@@ -15,6 +15,19 @@ namespace ckpt::daemon {
 namespace {
 
 std::string Key(const std::string& job) { return "restore/" + job; }
+std::string OutcomeKey(const std::string& job, uint64_t step) {
+  return fmt::format("restored/{}/{}", job, step);
+}
+
+absl::StatusOr<std::vector<std::string>> Outcomes(const std::string& job, uint64_t step,
+                                                  absl::StatusOr<std::vector<std::string>> gathered) {
+  if (!gathered.ok()) {
+    return absl::FailedPreconditionError(fmt::format(
+        "job {}: waiting for every rank's outcome of restoring step {}: {}", job, step,
+        Message(gathered.status())));
+  }
+  return gathered;
+}
 
 absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
                                                absl::StatusOr<std::vector<std::string>> gathered) {
@@ -43,6 +56,13 @@ class LocalStepAgreement : public StepAgreement {
     return Decide(job, table_.ArriveAndWait(Key(job), rank, world_size, EncodeSteps(available),
                                             timeout));
   }
+  absl::StatusOr<std::vector<std::string>> ShareOutcomes(const std::string& job, uint32_t rank,
+                                                         uint32_t world_size, uint64_t step,
+                                                         std::string outcome,
+                                                         std::chrono::milliseconds timeout) override {
+    return Outcomes(job, step, table_.ArriveAndWait(OutcomeKey(job, step), rank, world_size,
+                                                    std::move(outcome), timeout));
+  }
   void Cancel(const std::string& why) override { table_.Close(why); }
 
  private:
@@ -57,6 +77,13 @@ class GroupStepAgreement : public StepAgreement {
                                                 const std::vector<uint64_t>& available,
                                                 std::chrono::milliseconds timeout) override {
     return Decide(job, client_.Gather(Key(job), rank, world_size, EncodeSteps(available), timeout));
+  }
+  absl::StatusOr<std::vector<std::string>> ShareOutcomes(const std::string& job, uint32_t rank,
+                                                         uint32_t world_size, uint64_t step,
+                                                         std::string outcome,
+                                                         std::chrono::milliseconds timeout) override {
+    return Outcomes(job, step, client_.Gather(OutcomeKey(job, step), rank, world_size,
+                                              std::move(outcome), timeout));
   }
   void Cancel(const std::string& why) override { client_.CancelGathers(why); }
 

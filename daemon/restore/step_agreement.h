@@ -30,6 +30,12 @@ class StepAgreement {
                                                         uint32_t world_size,
                                                         const std::vector<uint64_t>& available,
                                                         std::chrono::milliseconds timeout) = 0;
+  // After every rank has tried the agreed `step`: each rank brings its outcome (empty when
+  // it restored; see restorer.cc for the rest) and gets every rank's, by rank, so that all
+  // ranks take the same next move (done, fall back to an older step, or fail).
+  virtual absl::StatusOr<std::vector<std::string>> ShareOutcomes(
+      const std::string& job, uint32_t rank, uint32_t world_size, uint64_t step,
+      std::string outcome, std::chrono::milliseconds timeout) = 0;
   // Ends every Agree that waits, and every later one, with `why` (shutdown: a restore
   // that waits for ranks that never come must not hold the daemon up).
   virtual void Cancel(const std::string& why) = 0;

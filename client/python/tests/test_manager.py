@@ -8,6 +8,7 @@ import socket
 import subprocess
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -565,6 +566,76 @@ def test_load_leaves_out_what_it_is_told_to(daemon, source):
 
     with pytest.raises(ValueError, match="no tensor to load"):
         CheckpointManager("partial", grown, socket=daemon.socket).load(exclude=["model", "optimizer"])
+
+
+def _flip_a_data_byte(path):
+    """Flips one bit in the tensor data of a safetensors file (past its JSON header)."""
+    with open(path, "r+b") as f:
+        header = int.from_bytes(f.read(8), "little")
+        f.seek(8 + header + 5)
+        byte = f.read(1)
+        f.seek(8 + header + 5)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_damaged_latest_step_falls_back_on_every_rank_with_a_warning(daemon):
+    states = {}
+    for r in range(2):
+        model, optimizer, scheduler = make_training(seed=r)
+        with CheckpointManager("damaged", model, optimizer, scheduler, socket=daemon.socket,
+                               rank=r, world_size=2) as manager:
+            for step in (2, 4):
+                train_step(model, optimizer, scheduler)
+                manager.save(step)
+                manager.wait_staged()
+                states[(r, step)] = clone_state(model, optimizer, scheduler)
+    deadline = time.monotonic() + 30
+    while daemon.steps("damaged") != [2, 4] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.steps("damaged") == [2, 4]
+    daemon.restart()  # from disk: memory holds no damage
+    _flip_a_data_byte(os.path.join(daemon.root, "damaged", "step-00000004", "rank-00001.safetensors"))
+
+    def load_all():
+        out = {"errors": []}
+
+        def rank(r):
+            model, optimizer, scheduler = make_training(seed=9)
+            try:
+                with CheckpointManager("damaged", model, optimizer, scheduler, socket=daemon.socket,
+                                       rank=r, world_size=2) as manager:
+                    out[r] = manager.load()
+                    out[("state", r)] = clone_state(model, optimizer, scheduler)
+            except CheckpointError as e:
+                out["errors"].append(str(e))
+
+        # One recorder for both threads: catch_warnings swaps process-wide state.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+        out["warnings"] = [str(w.message) for w in caught]
+        return out
+
+    # Rank 0's shard of step 4 is fine, rank 1's is not: both resume from step 2, and both
+    # are told why.
+    out = load_all()
+    assert out["errors"] == []
+    assert out[0] == out[1] == 2
+    told = [w for w in out["warnings"] if "step 4 is damaged" in w and "rank 1" in w and
+            "checksum" in w and "restored step 2 instead" in w]
+    assert len(told) == 2, out["warnings"]
+    for r in range(2):
+        assert_same(out[("state", r)], states[(r, 2)])
+
+    # With every step damaged, load() raises instead of starting over.
+    _flip_a_data_byte(os.path.join(daemon.root, "damaged", "step-00000002", "rank-00000.safetensors"))
+    out = load_all()
+    assert len(out["errors"]) == 2
+    assert all("every committed step is damaged" in e for e in out["errors"]), out["errors"]
 
 
 def test_replaced_tensors_are_registered_again(daemon):

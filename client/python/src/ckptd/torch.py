@@ -382,6 +382,8 @@ class CheckpointManager:
         if not info["found"]:
             self._drop_optimizer_state(created)
             return None
+        for warning in info["warnings"]:  # a newer step was damaged: never a silent fallback
+            warnings.warn(f"ckptd: {warning}", stacklevel=_user_stacklevel())
         for side, names in (("not in the checkpoint", info["not_in_checkpoint"]),
                             ("in the checkpoint but not in the model", info["not_registered"])):
             if names:
