@@ -46,9 +46,12 @@ absl::StatusOr<shm::SealedSegmentPtr> FetchControlBlock(const ::ckptd::v1::Regis
 // Hands the arenas to ckptd on its descriptor socket, at most kMaxPassedFds a message; the
 // tokens it answers go into the Register request. Sealed memfds have no name: passing the
 // descriptor is the only way another process, ckptd included, can map them.
-absl::Status HandOverArenas(const std::string& socket, const std::vector<shm::ArenaPtr>& arenas,
-                            ::ckptd::v1::RegisterRequest& request) {
-  for (size_t first = 0; first < arenas.size(); first += kMaxPassedFds) {
+// Hands arenas[first...] to ckptd's descriptor socket in batches; one token per batch.
+absl::StatusOr<std::vector<std::string>> HandOverArenas(const std::string& socket,
+                                                        const std::vector<shm::ArenaPtr>& arenas,
+                                                        size_t first_arena) {
+  std::vector<std::string> tokens;
+  for (size_t first = first_arena; first < arenas.size(); first += kMaxPassedFds) {
     std::vector<int> fds;
     for (size_t i = first; i < std::min(arenas.size(), first + kMaxPassedFds); ++i) {
       fds.push_back(arenas[i]->fd());
@@ -60,9 +63,9 @@ absl::Status HandOverArenas(const std::string& socket, const std::vector<shm::Ar
       return absl::FailedPreconditionError(fmt::format(
           "ckptd did not take the arenas at {}: {}", path, text.empty() ? "no answer" : text));
     }
-    request.add_arena_tokens(std::string(text.substr(kDepositAccepted.size())));
+    tokens.emplace_back(text.substr(kDepositAccepted.size()));
   }
-  return absl::OkStatus();
+  return tokens;
 }
 
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what, const std::string& socket) {
@@ -111,7 +114,13 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
+  size_t handed_arenas = 0;            // arenas[0, handed_arenas) are ckptd's already
   shm::Arena* shared_arena = nullptr;  // where small tensors go; one of `arenas`
+  // After Register(): what the next Update() sends.
+  std::vector<const Tensor*> added;
+  std::vector<std::string> removed;
+  // Records replaced or removed after Register(): callers may still hold their pointers.
+  std::vector<std::unique_ptr<Tensor>> retired;
   size_t arena_bytes_reserved = 0;     // by every arena so far
   shm::SealedSegmentPtr control;
   std::unique_ptr<shm::CommandProducer> producer;
@@ -165,9 +174,6 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
                                                const std::vector<int64_t>& global_shape,
                                                const std::vector<int64_t>& global_offset,
                                                size_t spare_bytes) {
-  if (!session_id_.empty()) {
-    return absl::FailedPreconditionError("AllocateTensor after Register(): register once, at the end");
-  }
   CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
   if (spare_bytes > (size_t{1} << 40)) {
     return absl::InvalidArgumentError(fmt::format("tensor {}: {} spare bytes is too many", name, spare_bytes));
@@ -203,8 +209,81 @@ absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
 }
 
 Tensor* Client::AddRecord(Tensor tensor) {
+  if (!session_id_.empty()) {
+    // After Register(): the next Update() adds it, or replaces the tensor of that name.
+    auto same = std::find_if(tensors_.begin(), tensors_.end(),
+                             [&](const auto& t) { return t->name == tensor.name; });
+    if (same != tensors_.end()) {
+      std::erase(impl_->added, same->get());
+      impl_->retired.push_back(std::move(*same));
+      tensors_.erase(same);
+    }
+    tensors_.push_back(std::make_unique<Tensor>(std::move(tensor)));
+    impl_->added.push_back(tensors_.back().get());
+    return tensors_.back().get();
+  }
   tensors_.push_back(std::make_unique<Tensor>(std::move(tensor)));
   return tensors_.back().get();
+}
+
+absl::Status Client::RemoveTensor(const std::string& name) {
+  if (session_id_.empty()) return absl::FailedPreconditionError("RemoveTensor before Register()");
+  auto it = std::find_if(tensors_.begin(), tensors_.end(), [&](const auto& t) { return t->name == name; });
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(fmt::format("tensor {} is not registered", name));
+  }
+  const bool was_registered = std::find(impl_->added.begin(), impl_->added.end(), it->get()) ==
+                              impl_->added.end();
+  std::erase(impl_->added, it->get());
+  if (was_registered) impl_->removed.push_back(name);
+  impl_->retired.push_back(std::move(*it));
+  tensors_.erase(it);
+  return absl::OkStatus();
+}
+
+void Client::FillSpec(const Tensor& t, ::ckptd::v1::TensorSpec* spec) const {
+  spec->set_name(t.name);
+  spec->set_dtype(t.dtype);
+  for (int64_t d : t.shape) spec->add_shape(d);
+  spec->set_nbytes(t.nbytes);
+  for (int64_t d : t.global_shape) spec->add_global_shape(d);
+  for (int64_t d : t.global_offset) spec->add_global_offset(d);
+  if (t.on_device && impl_->gpu.count(&t)) {
+    const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(&t);
+    spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());
+    spec->mutable_cuda()->set_offset(d.offset);
+    spec->mutable_cuda()->set_allocation_bytes(d.allocation_bytes);
+    spec->mutable_cuda()->set_device_uuid(d.device_uuid);
+    return;
+  }
+  // Host tensors, and the host mirrors of GPU tensors under the host-copy transport.
+  const char* host = static_cast<const char*>(t.on_device ? impl_->mirror_of.at(&t) : t.data);
+  for (size_t i = 0; i < impl_->arenas.size(); ++i) {
+    const shm::Arena& arena = *impl_->arenas[i];
+    if (!arena.Contains(host)) continue;
+    spec->set_arena(static_cast<uint32_t>(i));
+    spec->set_offset(static_cast<uint64_t>(host - static_cast<const char*>(arena.at(0))));
+  }
+}
+
+absl::Status Client::Update() {
+  if (session_id_.empty()) return absl::FailedPreconditionError("Update before Register()");
+  if (impl_->added.empty() && impl_->removed.empty()) return absl::OkStatus();
+  ::ckptd::v1::UpdateRequest req;
+  req.set_session_id(session_id_);
+  for (const Tensor* t : impl_->added) FillSpec(*t, req.add_tensors());
+  for (const std::string& name : impl_->removed) req.add_removed(name);
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
+                        HandOverArenas(impl_->options.socket, impl_->arenas, impl_->handed_arenas));
+  for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
+  ::ckptd::v1::UpdateReply reply;
+  auto ctx = impl_->Context();
+  CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Update(ctx.get(), req, &reply), "update",
+                                impl_->options.socket));
+  impl_->handed_arenas = impl_->arenas.size();
+  impl_->added.clear();
+  impl_->removed.clear();
+  return absl::OkStatus();
 }
 
 absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std::string& dtype,
@@ -212,7 +291,8 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
                                               const std::vector<int64_t>& global_shape,
                                               const std::vector<int64_t>& global_offset) {
   if (!session_id_.empty()) {
-    return absl::FailedPreconditionError("AddCudaTensor after Register(): register once, at the end");
+    return absl::FailedPreconditionError(
+        "AddCudaTensor after Register(): GPU tensors cannot be added by Update(); register again");
   }
   CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, shape));
   if (impl_->options.cuda_transport == CudaTransport::kHostCopy) {
@@ -250,32 +330,10 @@ absl::Status Client::Register() {
   req.set_pid(::getpid());
   req.set_keep_last(impl_->options.keep_last);
   if (!impl_->gpu.empty()) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
-  for (const auto& t : tensors_) {
-    ::ckptd::v1::TensorSpec* spec = req.add_tensors();
-    spec->set_name(t->name);
-    spec->set_dtype(t->dtype);
-    for (int64_t d : t->shape) spec->add_shape(d);
-    spec->set_nbytes(t->nbytes);
-    for (int64_t d : t->global_shape) spec->add_global_shape(d);
-    for (int64_t d : t->global_offset) spec->add_global_offset(d);
-    if (t->on_device && impl_->gpu.count(t.get())) {
-      const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(t.get());
-      spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());
-      spec->mutable_cuda()->set_offset(d.offset);
-      spec->mutable_cuda()->set_allocation_bytes(d.allocation_bytes);
-      spec->mutable_cuda()->set_device_uuid(d.device_uuid);
-      continue;
-    }
-    // Host tensors, and the host mirrors of GPU tensors under the host-copy transport.
-    char* host = static_cast<char*>(t->on_device ? impl_->mirror_of.at(t.get()) : t->data);
-    for (size_t i = 0; i < impl_->arenas.size(); ++i) {
-      const shm::Arena& arena = *impl_->arenas[i];
-      if (!arena.Contains(host)) continue;
-      spec->set_arena(static_cast<uint32_t>(i));
-      spec->set_offset(static_cast<uint64_t>(host - static_cast<char*>(arena.at(0))));
-    }
-  }
-  CKPT_RETURN_IF_ERROR(HandOverArenas(impl_->options.socket, impl_->arenas, req));
+  for (const auto& t : tensors_) FillSpec(*t, req.add_tensors());
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
+                        HandOverArenas(impl_->options.socket, impl_->arenas, 0));
+  for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
   ::ckptd::v1::RegisterReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",
@@ -287,6 +345,7 @@ absl::Status Client::Register() {
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
                         shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
   impl_->producer = std::make_unique<shm::CommandProducer>(block);
+  impl_->handed_arenas = impl_->arenas.size();
   session_id_ = reply.session_id();
   if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(

@@ -24,6 +24,10 @@
 
 #include "absl/status/statusor.h"
 
+namespace ckptd::v1 {
+class TensorSpec;
+}  // namespace ckptd::v1
+
 namespace ckpt {
 
 enum class TicketState { kUnknown = 0, kPending, kStaged, kCommitted, kFailed, kRejected };
@@ -111,7 +115,9 @@ class Client {
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  // Allocates a zeroed host tensor in shared memory. Only before Register().
+  // Allocates a zeroed host tensor in shared memory. After Register() it is registered by
+  // the next Update(), replacing the tensor of the same name if there is one (whose record
+  // stays valid, but is no longer checkpointed).
   absl::StatusOr<Tensor*> AllocateTensor(const std::string& name, const std::string& dtype,
                                          const std::vector<int64_t>& shape,
                                          const std::vector<int64_t>& global_shape = {},
@@ -129,6 +135,14 @@ class Client {
 
   // Registers every allocated tensor with the daemon and opens the session.
   absl::Status Register();
+
+  // After Register(): stops checkpointing `name` at the next Update().
+  absl::Status RemoveTensor(const std::string& name);
+  // Sends what changed since Register() (or the last Update()): tensors allocated since,
+  // including replacements (an embedding table that grew), and removals. Every other
+  // tensor stays registered and mapped, so this costs only what changed. Call it between
+  // snapshots; all or nothing. GPU tensors cannot be added this way (register again).
+  absl::Status Update();
 
   // Queues a snapshot of every registered tensor plus `train_state`; returns a ticket in
   // microseconds. Do not mutate the tensors until WaitStaged(ticket) returns.
@@ -174,6 +188,7 @@ class Client {
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   Tensor* AddRecord(Tensor tensor);
+  void FillSpec(const Tensor& tensor, ::ckptd::v1::TensorSpec* spec) const;
   absl::StatusOr<void*> AllocateInArena(size_t bytes);
 
   std::unique_ptr<Impl> impl_;

@@ -157,6 +157,17 @@ class PyClient {
     return ValueOr(std::move(save));
   }
 
+  void Update() {
+    absl::Status status;
+    {
+      py::gil_scoped_release unlocked;
+      status = client_->Update();
+    }
+    Check(status);
+  }
+
+  void RemoveTensor(const std::string& name) { Check(client_->RemoveTensor(name)); }
+
   void Unregister() {
     absl::Status status;
     {
@@ -242,6 +253,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("exclude") = std::vector<std::string>{}, py::arg("allow_missing") = false)
       .def("should_save", &PyClient::ShouldSave, py::arg("step"), py::arg("interval_seconds"),
            py::arg("run") = 0)
+      .def("update", &PyClient::Update)
+      .def("remove", &PyClient::RemoveTensor, py::arg("name"))
       .def("unregister", &PyClient::Unregister)
       .def_property_readonly("session_id", &PyClient::session_id);
 

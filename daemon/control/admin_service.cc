@@ -34,7 +34,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
       out->set_rank(s->rank());
       out->set_world_size(s->world_size());
       out->set_pid(s->pid());
-      out->set_tensors(static_cast<uint32_t>(s->tensors().size()));
+      out->set_tensors(static_cast<uint32_t>(s->tensor_count()));
       out->set_bytes(s->registered_bytes());
       out->set_last_staged_step(s->last_staged_step());
       out->set_last_committed_step(s->last_committed_step());

@@ -72,7 +72,7 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     reply->set_registered_bytes(s->registered_bytes());
     log::Get(log::Component::kControl)
         .info("[{}/r{}] registered pid {}: {} tensors, {} bytes (session {})", s->job(), s->rank(),
-              s->pid(), s->tensors().size(), s->registered_bytes(), s->id());
+              s->pid(), s->tensor_count(), s->registered_bytes(), s->id());
     return absl::OkStatus();
   });
 }
@@ -138,6 +138,36 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
       b->set_name(blob.name);
       b->set_data(std::move(blob.data));
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status TrainerService::Update(grpc::ServerContext* ctx, const UpdateRequest* request,
+                                    UpdateReply* reply) {
+  return Guarded("Update", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
+    CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
+    if (request->arena_tokens_size() > kMaxArenaBatches) {
+      return absl::InvalidArgumentError(fmt::format("{} arena tokens; at most {}",
+                                                    request->arena_tokens_size(), kMaxArenaBatches));
+    }
+    std::vector<UniqueFd> arenas;
+    for (const std::string& token : request->arena_tokens()) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> batch, arenas_.Take(token, caller));
+      for (UniqueFd& fd : batch) arenas.push_back(std::move(fd));
+    }
+    absl::StatusOr<uint64_t> bytes = s->Update(*request, limits_, std::move(arenas));
+    if (!bytes.ok()) {
+      log::Get(log::Component::kControl)
+          .warn("[{}/r{}] update refused: {}", s->job(), s->rank(), Message(bytes.status()));
+      return bytes.status();
+    }
+    reply->set_registered_bytes(*bytes);
+    reply->set_tensors(static_cast<uint32_t>(s->tensor_count()));
+    log::Get(log::Component::kControl)
+        .info("[{}/r{}] updated: {} tensors added or replaced, {} removed; {} tensors, {} bytes",
+              s->job(), s->rank(), request->tensors_size(), request->removed_size(),
+              s->tensor_count(), *bytes);
     return absl::OkStatus();
   });
 }

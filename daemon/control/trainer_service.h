@@ -38,6 +38,8 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
                     ::ckptd::v1::WaitReply* reply) override;
   grpc::Status Restore(grpc::ServerContext*, const ::ckptd::v1::RestoreRequest* request,
                        ::ckptd::v1::RestoreReply* reply) override;
+  grpc::Status Update(grpc::ServerContext*, const ::ckptd::v1::UpdateRequest* request,
+                      ::ckptd::v1::UpdateReply* reply) override;
   grpc::Status ShouldSave(grpc::ServerContext*, const ::ckptd::v1::ShouldSaveRequest* request,
                           ::ckptd::v1::ShouldSaveReply* reply) override;
   grpc::Status Unregister(grpc::ServerContext*, const ::ckptd::v1::UnregisterRequest* request,

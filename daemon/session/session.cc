@@ -96,62 +96,10 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
 
   std::set<std::string> names;
   for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
-    CKPT_RETURN_IF_ERROR(ValidateTensorName(t.name()));
     if (!names.insert(t.name()).second) {
       return absl::InvalidArgumentError(fmt::format("tensor {} is registered twice", t.name()));
     }
-    std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
-    CKPT_RETURN_IF_ERROR(CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
-    CKPT_RETURN_IF_ERROR(ValidatePlacement(t));
-    if (t.has_cuda()) {
-      RegisteredTensor rt;
-      rt.name = t.name();
-      rt.dtype = t.dtype();
-      rt.shape = std::move(shape);
-      rt.nbytes = t.nbytes();
-      rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
-      rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
-      CKPT_RETURN_IF_ERROR(s->AddGpuTensor(t, limits, rt));
-      s->registered_bytes_ += rt.nbytes;
-      s->tensors_.push_back(std::move(rt));
-      continue;
-    }
-    if (t.arena() >= arenas.size()) {
-      return absl::InvalidArgumentError(fmt::format(
-          "tensor {}: arena {} was not handed over (this registration has {})", t.name(),
-          t.arena(), arenas.size()));
-    }
-    shm::SealedSegmentPtr& arena = s->arenas_[t.arena()];
-    if (!arena) {
-      CKPT_RETURN_IF_ERROR(Annotate(s->ChargeArena(arenas[t.arena()].get(), limits),
-                                    fmt::format("tensor {} (arena {})", t.name(), t.arena())));
-      auto mapped = shm::SealedSegment::Map(std::move(arenas[t.arena()]));
-      if (!mapped.ok()) {
-        return Annotate(mapped.status(), fmt::format("tensor {} (arena {})", t.name(), t.arena()));
-      }
-      // Fault the whole mapping in now, writable: snapshots and restores then copy at
-      // memory speed instead of taking a page fault every 4 KiB.
-      if (!shm::PrefaultWritable((*mapped)->data(), (*mapped)->size())) {
-        return absl::FailedPreconditionError(fmt::format(
-            "tensor {}: arena {} could not be faulted in", t.name(), t.arena()));
-      }
-      (*mapped)->DropFd();
-      arena = std::move(*mapped);
-    }
-    if (t.offset() > arena->size() || t.nbytes() > arena->size() - t.offset()) {
-      return absl::InvalidArgumentError(fmt::format(
-          "tensor {}: bytes [{}, {}) lie outside arena {} ({} bytes)", t.name(), t.offset(),
-          t.offset() + t.nbytes(), t.arena(), arena->size()));
-    }
-    const shm::SealedSegment& seg = *arena;
-    RegisteredTensor rt;
-    rt.name = t.name();
-    rt.dtype = t.dtype();
-    rt.shape = std::move(shape);
-    rt.nbytes = t.nbytes();
-    rt.data = static_cast<char*>(seg.data()) + t.offset();
-    rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
-    rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
+    CKPT_ASSIGN_OR_RETURN(RegisteredTensor rt, s->BuildTensor(t, limits, arenas, 0));
     s->registered_bytes_ += rt.nbytes;
     s->tensors_.push_back(std::move(rt));
   }
@@ -163,7 +111,7 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   if (s->registered_bytes_ > limits.staging_bytes) {
     return absl::FailedPreconditionError(fmt::format(
         "rank {} registers {} bytes but the staging budget (--staging-bytes) is {} bytes",
-        req.rank(), s->registered_bytes_, limits.staging_bytes));
+        req.rank(), s->registered_bytes_.load(), limits.staging_bytes));
   }
 
   // Sealed and nameless: handed to the trainer as a descriptor (ControlFdServer), so the
@@ -173,7 +121,152 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   shm::InitializeControlBlock(s->control_->data(), ::getpid(), req.pid());
   s->control_block_ = static_cast<shm::ControlBlock*>(s->control_->data());
   s->consumer_ = std::make_unique<shm::CommandConsumer>(s->control_block_);
+  s->tensor_count_ = s->tensors_.size();
   return s;
+}
+
+absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorSpec& t,
+                                                      const Limits& limits,
+                                                      std::vector<UniqueFd>& handed,
+                                                      size_t first_handed) {
+  CKPT_RETURN_IF_ERROR(ValidateTensorName(t.name()));
+  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  CKPT_RETURN_IF_ERROR(CheckTensorBytes(t.name(), t.dtype(), shape, t.nbytes()));
+  CKPT_RETURN_IF_ERROR(ValidatePlacement(t));
+  RegisteredTensor rt;
+  rt.name = t.name();
+  rt.dtype = t.dtype();
+  rt.shape = std::move(shape);
+  rt.nbytes = t.nbytes();
+  rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
+  rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
+  if (t.has_cuda()) {
+    CKPT_RETURN_IF_ERROR(AddGpuTensor(t, limits, rt));
+    return rt;
+  }
+  if (t.arena() >= arenas_.size()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: arena {} was not handed over (this session has {})", t.name(), t.arena(),
+        arenas_.size()));
+  }
+  shm::SealedSegmentPtr& arena = arenas_[t.arena()];
+  if (!arena) {
+    if (t.arena() < first_handed) {
+      // Arenas are mapped when a tensor first lives there; the others were closed.
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: arena {} held no tensor when it was handed over and is closed; hand it "
+          "over again",
+          t.name(), t.arena()));
+    }
+    UniqueFd& fd = handed[t.arena() - first_handed];
+    CKPT_RETURN_IF_ERROR(Annotate(ChargeArena(fd.get(), limits),
+                                  fmt::format("tensor {} (arena {})", t.name(), t.arena())));
+    auto mapped = shm::SealedSegment::Map(std::move(fd));
+    if (!mapped.ok()) {
+      return Annotate(mapped.status(), fmt::format("tensor {} (arena {})", t.name(), t.arena()));
+    }
+    // Fault the whole mapping in now, writable: snapshots and restores then copy at
+    // memory speed instead of taking a page fault every 4 KiB.
+    if (!shm::PrefaultWritable((*mapped)->data(), (*mapped)->size())) {
+      return absl::FailedPreconditionError(fmt::format(
+          "tensor {}: arena {} could not be faulted in", t.name(), t.arena()));
+    }
+    (*mapped)->DropFd();
+    arena = std::move(*mapped);
+  }
+  if (t.offset() > arena->size() || t.nbytes() > arena->size() - t.offset()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "tensor {}: bytes [{}, {}) lie outside arena {} ({} bytes)", t.name(), t.offset(),
+        t.offset() + t.nbytes(), t.arena(), arena->size()));
+  }
+  rt.data = static_cast<char*>(arena->data()) + t.offset();
+  return rt;
+}
+
+absl::StatusOr<uint64_t> Session::Update(const ::ckptd::v1::UpdateRequest& req, const Limits& limits,
+                                         std::vector<UniqueFd> arenas) {
+  if (req.tensors_size() == 0 && req.removed_size() == 0) {
+    return absl::InvalidArgumentError("the update changes nothing (no tensors, none removed)");
+  }
+  // A snapshot being staged reads the tensors: wait for it; the next one sees the update.
+  std::lock_guard lock(data_mu_);
+  if (arenas_.size() + arenas.size() > kMaxSessionArenas) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "{} arenas would be handed to this session; at most {}", arenas_.size() + arenas.size(),
+        kMaxSessionArenas));
+  }
+  // All or nothing: what this update maps and charges is undone if any of it is refused.
+  const size_t arenas_before = arenas_.size(), gpu_before = gpu_mappings_.size();
+  const std::set<std::pair<dev_t, ino_t>> inodes_before = arena_inodes_;
+  const size_t charged_arenas_before = charged_arenas_;
+  const uint64_t charged_bytes_before = charged_bytes_;
+  auto undo = [&] {
+    arenas_.resize(arenas_before);
+    gpu_mappings_.resize(gpu_before);
+    arena_inodes_ = inodes_before;
+    if (arena_budget_ != nullptr) {
+      arena_budget_->Give(uid_, charged_arenas_ - charged_arenas_before,
+                          charged_bytes_ - charged_bytes_before);
+    }
+    charged_arenas_ = charged_arenas_before;
+    charged_bytes_ = charged_bytes_before;
+  };
+  absl::StatusOr<std::vector<RegisteredTensor>> updated = Updated(req, limits, arenas, arenas_before);
+  if (!updated.ok()) {
+    undo();
+    return updated.status();
+  }
+  uint64_t bytes = 0;
+  for (const RegisteredTensor& t : *updated) bytes += t.nbytes;
+  if (bytes > limits.staging_bytes) {
+    undo();
+    return absl::FailedPreconditionError(fmt::format(
+        "rank {} would register {} bytes but the staging budget (--staging-bytes) is {} bytes",
+        rank_, bytes, limits.staging_bytes));
+  }
+  tensors_ = std::move(*updated);
+  registered_bytes_ = bytes;
+  tensor_count_ = tensors_.size();
+  return bytes;
+}
+
+absl::StatusOr<std::vector<RegisteredTensor>> Session::Updated(const ::ckptd::v1::UpdateRequest& req,
+                                                               const Limits& limits,
+                                                               std::vector<UniqueFd>& arenas,
+                                                               size_t first_handed) {
+  arenas_.resize(first_handed + arenas.size());
+  std::vector<RegisteredTensor> out = tensors_;
+  std::set<std::string> named;
+  for (const std::string& name : req.removed()) {
+    if (!named.insert(name).second) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} is named twice in the update", name));
+    }
+    auto it = std::find_if(out.begin(), out.end(), [&](const RegisteredTensor& t) { return t.name == name; });
+    if (it == out.end()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} cannot be removed: it is not registered", name));
+    }
+    out.erase(it);
+  }
+  for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
+    if (!named.insert(t.name()).second) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} is named twice in the update", t.name()));
+    }
+    if (t.has_cuda() && snapshot_event_ == nullptr) {
+      return absl::FailedPreconditionError(fmt::format(
+          "tensor {} is on a GPU, but this session registered none (and so no snapshot event): "
+          "register again",
+          t.name()));
+    }
+    CKPT_ASSIGN_OR_RETURN(RegisteredTensor rt, BuildTensor(t, limits, arenas, first_handed));
+    auto it = std::find_if(out.begin(), out.end(), [&](const RegisteredTensor& x) { return x.name == t.name(); });
+    if (it != out.end()) {
+      *it = std::move(rt);  // replaced where it was: the shard keeps its order
+    } else {
+      out.push_back(std::move(rt));
+    }
+  }
+  if (out.empty()) return absl::InvalidArgumentError("the update would leave no tensor registered");
+  return out;
 }
 
 absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,

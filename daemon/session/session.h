@@ -52,6 +52,13 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
                                                          std::vector<UniqueFd> arenas);
   ~Session() override;
 
+  // Adds, replaces (by name) and removes tensors of a running session (UpdateRequest): only
+  // what changed is mapped. All or nothing. `arenas` are those handed over for this update.
+  // Returns the bytes now registered.
+  absl::StatusOr<uint64_t> Update(const ::ckptd::v1::UpdateRequest& request, const Limits& limits,
+                                  std::vector<UniqueFd> arenas);
+  static constexpr size_t kMaxSessionArenas = 16384;
+
   // Starts the command thread.
   void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
   // From now on snapshot commands are rejected (shutdown); staged ones carry on.
@@ -66,8 +73,10 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   int32_t pid() const { return pid_; }
   uid_t uid() const { return uid_; }
   int control_fd() const { return control_->fd(); }
-  uint64_t registered_bytes() const { return registered_bytes_; }
+  uint64_t registered_bytes() const { return registered_bytes_.load(); }
+  // Only under data_mutex() (an update replaces them); tensor_count() anywhere.
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
+  size_t tensor_count() const { return tensor_count_.load(); }
   SessionView view() const {
     return {job_, uid_, rank_, world_size_, &tensors_,
             snapshot_event_ ? snapshot_event_->get() : nullptr};
@@ -93,6 +102,17 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   Session() = default;
   absl::Status AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limits& limits,
                             RegisteredTensor& out);
+  // Validates `spec` and describes where its bytes are. A host tensor's arena is mapped
+  // when a tensor first lives there: `handed` are the descriptors handed over for this
+  // registration or update, which are arenas_[first_handed...].
+  absl::StatusOr<RegisteredTensor> BuildTensor(const ::ckptd::v1::TensorSpec& spec,
+                                               const Limits& limits, std::vector<UniqueFd>& handed,
+                                               size_t first_handed);
+  // The tensors after `request` (Update's work before the all-or-nothing swap).
+  absl::StatusOr<std::vector<RegisteredTensor>> Updated(const ::ckptd::v1::UpdateRequest& request,
+                                                        const Limits& limits,
+                                                        std::vector<UniqueFd>& arenas,
+                                                        size_t first_handed);
   void CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& board);
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       StatusBoard& board);
@@ -119,8 +139,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint64_t charged_bytes_ = 0;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
   std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
-  std::vector<RegisteredTensor> tensors_;
-  uint64_t registered_bytes_ = 0;
+  std::vector<RegisteredTensor> tensors_;  // guarded by data_mu_ once started
+  std::atomic<size_t> tensor_count_{0};
+  std::atomic<uint64_t> registered_bytes_{0};
   shm::SealedSegmentPtr control_;
   shm::ControlBlock* control_block_ = nullptr;
   std::mutex ticket_mu_;  // SetTicketState from I/O threads and the command thread

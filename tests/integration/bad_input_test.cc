@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -11,8 +12,19 @@
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
+using json = nlohmann::json;
 
 namespace {
+
+// A safetensors file's JSON header (8-byte little-endian length, then the JSON).
+json SafetensorsHeader(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t length = 0;
+  in.read(reinterpret_cast<char*>(&length), sizeof length);
+  std::string text(length, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(length));
+  return json::parse(text, nullptr, false);
+}
 
 void SaveOk(Daemon& d, const TempDir& dir, const std::string& job, int seed, int step) {
   auto r = Run(Helper(d, {"--job", job, "--seed", std::to_string(seed), "--bytes", "1000000", "save",
@@ -48,8 +60,8 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
                  Case{"outside-segment", "j", "lie outside arena 0"},
                  Case{"duplicate-name", "j", "tensor w is registered twice"},
                  Case{"reserved-name", "j", "reserved"},
-                 Case{"missing-arena", "j", "tensor w: arena 1 was not handed over (this registration has 1)"},
-                 Case{"no-arenas", "j", "tensor w: arena 0 was not handed over (this registration has 0)"},
+                 Case{"missing-arena", "j", "tensor w: arena 1 was not handed over (this session has 1)"},
+                 Case{"no-arenas", "j", "tensor w: arena 0 was not handed over (this session has 0)"},
                  Case{"unknown-token", "j", "is unknown or expired"},
                  Case{"reused-token", "j", "is unknown or expired"},
                  Case{"unsealed-arena", "j", "handover refused: refused: arena 0 of 1: the descriptor received is not shared memory sealed"},
@@ -142,13 +154,51 @@ TEST_CASE("a truncated shard: verify names file and tensor, restore refuses, not
   CHECK(Contains(v.out, "rank-00000.safetensors"));
   CHECK(Contains(v.out, "truncated"));
   CHECK(Contains(v.out, "tensor tiny in"));  // the last entry is the one cut short
-  auto c = Run(Helper(d, {"--job", "tr", "--seed", "2", "--bytes", "1000000", "check"}), dir.path());
-  CHECK(c.exit_code == 2);
-  CHECK(Contains(c.out, "truncated"));
+  // Restoring step 20 by name is refused; the latest step falls back to step 10, saying why.
+  auto named = Run(Helper(d, {"--job", "tr", "--seed", "2", "--bytes", "1000000", "check", "--step", "20"}),
+                   dir.path());
+  CHECK(named.exit_code == 2);
+  CHECK(Contains(named.out, "truncated"));
+  CHECK(Contains(named.out, "buffers untouched"));
+  auto latest = Run(Helper(d, {"--job", "tr", "--seed", "1", "--bytes", "1000000", "check"}), dir.path());
+  INFO(latest.out << latest.err);
+  CHECK(latest.exit_code == 0);
+  CHECK(Contains(latest.out, "restored step=10"));
+  CHECK(Contains(latest.out, "warning: step 20 is damaged (rank 0: "));
+  CHECK(Contains(latest.out, "truncated"));
+  CHECK(Contains(latest.out, "restored step 10 instead"));
   CHECK(d.Ctl({"--job", "tr", "verify", "10"}).exit_code == 0);
   CHECK(Run(Helper(d, {"--job", "tr", "--seed", "1", "--bytes", "1000000", "check", "--step", "10"}),
             dir.path()).exit_code == 0);
   CHECK(Contains(d.Ctl({"status"}).out, "verify"));
+}
+
+TEST_CASE("session updates: refused ones change nothing; a real one registers only what changed") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  auto r = Run(Helper(d, {"--job", "up", "--bytes", "8000", "update", "--step", "1"}), dir.path());
+  INFO(r.out << r.err << d.Log());
+  REQUIRE(r.exit_code == 0);
+  CHECK(Contains(r.out, "nothing: code=3 the update changes nothing"));
+  CHECK(Contains(r.out, "unknown-removed: code=3 tensor no.such cannot be removed: it is not registered"));
+  CHECK(Contains(r.out, "twice: code=3 tensor extra.x is named twice in the update"));
+  CHECK(Contains(r.out, "bad-arena: code=3 tensor extra.y: arena 99 was not handed over"));
+  CHECK(Contains(r.out, "all-removed: code=3 the update would leave no tensor registered"));
+  CHECK(Contains(r.out, "foreign-session: code=5"));
+  CHECK(Contains(r.out, "step 1: committed"));
+  CHECK(Contains(r.out, "update: ok"));
+  CHECK(Contains(r.out, "step 2: committed"));
+  // Step 1 as registered (no refused update left anything behind); step 2 as updated.
+  json one = SafetensorsHeader(d.root() + "/up/step-00000001/rank-00000.safetensors");
+  CHECK(one.contains("model.b"));
+  CHECK_FALSE(one.contains("extra.ok"));
+  json two = SafetensorsHeader(d.root() + "/up/step-00000002/rank-00000.safetensors");
+  CHECK_FALSE(two.contains("model.b"));
+  REQUIRE(two.contains("extra.c"));
+  CHECK(two["extra.c"]["shape"] == json::array({3}));
+  CHECK(two["model.a"]["shape"][0].get<int64_t>() == 2 * one["model.a"]["shape"][0].get<int64_t>());
+  CHECK(Contains(d.Log(), "updated: 2 tensors added or replaced, 1 removed"));
 }
 
 TEST_CASE("a bit-flipped shard: verify names tensor and file, restore refuses") {

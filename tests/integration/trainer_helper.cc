@@ -182,6 +182,68 @@ int TrainByTime(const Flags& f) {
   return done->state == ckpt::TicketState::kCommitted ? 0 : 5;
 }
 
+// Session updates through the real daemon: refused updates (each printed with its status
+// code) change nothing, then a real one (model.a grows, model.b goes, extra.c comes) and a
+// snapshot of each state, committed. Prints one line per attempt.
+int UpdateSession(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  auto stub = ::ckptd::v1::Trainer::NewStub(
+      grpc::CreateChannel("unix:" + f.socket, grpc::InsecureChannelCredentials()));
+  auto attempt = [&](const char* what, auto fill) {
+    ::ckptd::v1::UpdateRequest req;
+    req.set_session_id(c->session_id());
+    fill(req);
+    grpc::ClientContext ctx;
+    ::ckptd::v1::UpdateReply reply;
+    grpc::Status s = stub->Update(&ctx, req, &reply);
+    std::cout << what << ": code=" << s.error_code() << " " << s.error_message() << "\n";
+  };
+  auto spec = [](::ckptd::v1::UpdateRequest& r, const std::string& name, uint32_t arena) {
+    auto* t = r.add_tensors();
+    t->set_name(name);
+    t->set_dtype("U8");
+    t->add_shape(4);
+    t->set_nbytes(4);
+    t->set_arena(arena);
+  };
+  attempt("nothing", [](auto&) {});
+  attempt("unknown-removed", [&](auto& r) {
+    spec(r, "extra.ok", 0);  // valid on its own: must not stay behind
+    r.add_removed("no.such");
+  });
+  attempt("twice", [&](auto& r) {
+    spec(r, "extra.x", 0);
+    spec(r, "extra.x", 0);
+  });
+  attempt("bad-arena", [&](auto& r) { spec(r, "extra.y", 99); });
+  attempt("all-removed", [&](auto& r) {
+    for (const auto* t : tensors) r.add_removed(t->name);
+  });
+  attempt("foreign-session", [&](auto& r) { r.set_session_id("0123456789abcdef0123456789abcdef"); });
+  auto commit = [&](uint64_t step) {
+    auto ticket = c->Snapshot(step);
+    if (!ticket.ok()) return std::string("error: ") + ckpt::Message(ticket.status());
+    auto done = c->WaitCommitted(*ticket);
+    return done.ok() ? std::string(ckpt::ToString(done->state)) : ckpt::Message(done.status());
+  };
+  std::cout << "step " << f.step << ": " << commit(f.step) << "\n";
+  // model.a grows to twice its rows; model.b is dropped; extra.c is new.
+  const ckpt::Tensor* a = tensors[0];
+  std::vector<int64_t> grown = a->shape;
+  grown[0] *= 2;
+  auto bigger = c->AllocateTensor(a->name, a->dtype, grown);
+  auto extra = c->AllocateTensor("extra.c", "I32", {3});
+  if (!bigger.ok() || !extra.ok()) return 2;
+  std::memset((*bigger)->data, 0x11, (*bigger)->nbytes);
+  std::memset((*extra)->data, 0x22, (*extra)->nbytes);
+  if (absl::Status removed = c->RemoveTensor("model.b"); !removed.ok()) return 2;
+  absl::Status updated = c->Update();
+  std::cout << "update: " << (updated.ok() ? "ok" : ckpt::Message(updated)) << "\n";
+  std::cout << "step " << f.step + 1 << ": " << commit(f.step + 1) << "\n";
+  return updated.ok() ? 0 : 3;
+}
+
 int Check(const Flags& f) {
   auto c = Connect(f);
   auto tensors = Setup(*c, f);
@@ -204,6 +266,7 @@ int Check(const Flags& f) {
     std::cout << "nothing to restore\n";
     return 3;
   }
+  for (const std::string& w : r->warnings) std::cout << "warning: " << w << "\n";
   std::cout << fmt::format("restored step={} source={} bytes={}\n", r->step,
                            r->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk", r->bytes);
   std::string note = fmt::format("seed={} rank={}", f.seed, f.rank);
@@ -651,6 +714,8 @@ int main(int argc, char** argv) {
   auto* register_at = app.add_subcommand("register-at");
   register_at->add_option("--target", f.target)->required();
   auto* add_cuda = app.add_subcommand("add-cuda");
+  auto* update = app.add_subcommand("update");
+  update->add_option("--step", f.step);
   auto* by_time = app.add_subcommand("train-by-time");
   by_time->add_option("--steps", f.steps);
   by_time->add_option("--interval-ms", f.interval_ms);
@@ -658,7 +723,7 @@ int main(int argc, char** argv) {
   flood->add_option("--count", f.count);
   flood->add_option("--hold-seconds", f.hold_seconds);
   for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
-                    admin_delete, flood, by_time}) {
+                    admin_delete, flood, by_time, update}) {
     sub->fallthrough();
   }
   CLI11_PARSE(app, argc, argv);
@@ -681,5 +746,6 @@ int main(int argc, char** argv) {
   if (admin_delete->parsed()) return AdminDelete(f);
   if (flood->parsed()) return FloodWaits(f);
   if (by_time->parsed()) return TrainByTime(f);
+  if (update->parsed()) return UpdateSession(f);
   return Health(f);
 }

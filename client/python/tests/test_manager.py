@@ -638,6 +638,55 @@ def test_a_damaged_latest_step_falls_back_on_every_rank_with_a_warning(daemon):
     assert all("every committed step is damaged" in e for e in out["errors"]), out["errors"]
 
 
+def _embedding_model(rows, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(rows, 8), "dense": torch.nn.Linear(8, 4)})
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _embedding_step(model, optimizer):
+    rows = model["emb"].weight.shape[0]
+    loss = model["dense"](model["emb"](torch.randint(0, rows, (32,)))).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def test_a_growing_embedding_table_registers_only_what_changed(daemon):
+    model, optimizer = _embedding_model(100)
+    with CheckpointManager("growing", model, optimizer, socket=daemon.socket) as manager:
+        _embedding_step(model, optimizer)
+        manager.save(1, blocking=True)
+        dense = model["dense"].weight.data_ptr()
+        # A hash-table embedding takes 50 new keys: its table and its Adam state grow.
+        weight = model["emb"].weight
+        weight.grad = None
+        weight.data = torch.cat([weight.detach(), torch.randn(50, 8)])
+        state = optimizer.state[weight]
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = torch.cat([state[key], torch.zeros(50, 8)])
+        _embedding_step(model, optimizer)
+        manager.save(2, blocking=True)
+        assert manager.updates == 1  # an update of the three grown tensors, not a new session
+        assert model["dense"].weight.data_ptr() == dense  # the others did not move again
+        assert is_shared_memory(model["emb"].weight.data_ptr())
+        saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+        _embedding_step(model, optimizer)
+        manager.save(3, blocking=True)
+        assert manager.updates == 1  # nothing changed since
+    shard = load_file(os.path.join(daemon.root, "growing", "step-00000001", "rank-00000.safetensors"))
+    assert shard["emb.weight"].shape == (100, 8)
+    shard = load_file(os.path.join(daemon.root, "growing", "step-00000002", "rank-00000.safetensors"))
+    assert shard["emb.weight"].shape == (150, 8)
+    assert shard["optim.emb.weight.exp_avg"].shape == (150, 8)
+
+    # A fresh process sizes its table as the checkpoint says and resumes bit-exactly.
+    fresh, fresh_optimizer = _embedding_model(150, seed=5)
+    with CheckpointManager("growing", fresh, fresh_optimizer, socket=daemon.socket) as manager:
+        assert manager.load(step=2) == 2
+    assert_same((fresh.state_dict(), fresh_optimizer.state_dict()), saved)
+
+
 def test_replaced_tensors_are_registered_again(daemon):
     model, optimizer, scheduler = make_training()
     with CheckpointManager("replaced", model, optimizer, scheduler, socket=daemon.socket) as manager:

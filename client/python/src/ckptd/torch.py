@@ -230,6 +230,8 @@ class CheckpointManager:
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
         self._run = 0               # the step this run resumed from: names its save clock
+        self._registered_where = {}  # see _where
+        self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
         self._install_hooks()
         # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
@@ -611,13 +613,13 @@ class CheckpointManager:
         compares this with the registered one (thousands of tensors in about a millisecond).
         It changes when tensors appear (optimizer state after the first step) or move
         (`optimizer.load_state_dict`, `model.to(...)`, a replaced `.data`)."""
-        addresses = [_placement.storage_address(t) for t in self._slots_model()]
+        addresses = [(_placement.storage_address(t), t.shape) for t in self._slots_model()]
         if self.optimizer is not None:
             state = self.optimizer.state
             for p in self._optimizer_param_list:
                 for key, value in sorted(state.get(p, {}).items()):
                     if torch.is_tensor(value):
-                        addresses.append(_placement.storage_address(value))
+                        addresses.append((_placement.storage_address(value), value.shape))
         return addresses
 
     def _slots_model(self):
@@ -635,6 +637,9 @@ class CheckpointManager:
         if self._registered and self._fingerprint() == self._registered_fingerprint:
             return
         entries = self._collect()
+        if self._registered and self._update_changed(entries):
+            self._note_registered()
+            return
         if self._registered:
             self._client.unregister()
             self._client = self._connect()
@@ -661,6 +666,45 @@ class CheckpointManager:
         self._uses_cuda, self._uses_host = uses_cuda, uses_host
         if uses_cuda:
             self._client.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+        self._note_registered()
+
+    def _where(self, entries):
+        """Each entry's registered part: name -> (storage address, shape), as the fingerprint
+        sees them."""
+        fsdp_params = _placement.fsdp2_params(self.model)
+        where = {}
+        for e in entries:
+            t = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError).tensor
+            if t.numel() > 0 or t.is_cuda:  # what registration sends
+                where[e.name] = (_placement.storage_address(t), t.shape, t.is_cuda)
+        return where
+
+    def _update_changed(self, entries):
+        """Registers only what changed since the registration (an embedding table that grew,
+        optimizer state that appeared): host tensors that are new or moved go into shared
+        memory and one Update() call; the rest stay registered. False when that cannot be
+        done (a GPU tensor changed): then everything is registered again."""
+        where = self._where(entries)
+        before = self._registered_where
+        changed = [e for e in entries if e.name in where and where[e.name] != before.get(e.name)]
+        removed = [name for name in before if name not in where]
+        if any(where[e.name][2] for e in changed) or any(before[n][2] for n in removed):
+            return False
+        fsdp_params = _placement.fsdp2_params(self.model)
+        for e in changed:
+            part = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError)
+            dtype = _DTYPES.get(part.tensor.dtype)
+            if dtype is None:
+                raise CheckpointError(f"tensor {e.name}: dtype {part.tensor.dtype} cannot be checkpointed")
+            _move_to_arena(self._client, e.name, dtype, part)
+        for name in removed:
+            self._client.remove(name)
+        self._client.update()
+        self._uses_host = self._uses_host or bool(changed)
+        self.updates += 1
+        return True
+
+    def _note_registered(self):
         self._model_params = list(self.model.parameters())
         self._buffer_slots = [(module, leaf) for _, module, leaf in _persistent_buffers(self.model)]
         self._param_names = _param_names(self.model)
@@ -668,6 +712,7 @@ class CheckpointManager:
                                       if self.optimizer is not None else [])
         self._registered = True
         self._registered_fingerprint = self._fingerprint()
+        self._registered_where = self._where(self._collect())  # after the moves into arenas
 
     # --- train state ----------------------------------------------------------------------
 
