@@ -276,6 +276,7 @@ absl::Status Client::Update() {
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
                         HandOverArenas(impl_->options.socket, impl_->arenas, impl_->handed_arenas));
   for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
+  req.set_first_arena(static_cast<uint32_t>(impl_->handed_arenas));
   ::ckptd::v1::UpdateReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Update(ctx.get(), req, &reply), "update",

@@ -76,6 +76,14 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
         "{} selects none of the {} tensors that checkpoint step {} holds for this rank",
         selection.Describe(), stored.size(), step));
   }
+  if (matched.empty() && !stored.empty()) {
+    // allow_missing with nothing in common (every name gained a prefix, say) would restore
+    // the train state onto freshly initialised weights: never report that as a resume.
+    return absl::FailedPreconditionError(fmt::format(
+        "none of the {} tensors that checkpoint step {} holds for this rank is registered "
+        "(e.g. {}); nothing would be restored",
+        stored.size(), step, ListSome(stored)));
+  }
   missing.resize(std::min(missing.size(), kMaxListed));
   unexpected.resize(std::min(unexpected.size(), kMaxListed));
   result.not_in_checkpoint = std::move(missing);

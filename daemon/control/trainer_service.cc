@@ -178,10 +178,19 @@ grpc::Status TrainerService::ShouldSave(grpc::ServerContext* ctx,
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     // The job is the session's: a trainer can ask only about its own job.
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
+    // In a group the answer comes from the coordinator: a call that may wait that long.
+    CKPT_ASSIGN_OR_RETURN(CallLimiter::Slot slot, long_calls_.Enter(caller.uid, "ShouldSave"));
     SaveQuestion question{s->job(), request->run(), request->step(),
                           std::chrono::milliseconds(request->interval_ms())};
-    CKPT_ASSIGN_OR_RETURN(bool save, saves_.ShouldSave(question));
-    reply->set_save(save);
+    absl::StatusOr<bool> save = saves_.ShouldSave(question);
+    if (absl::IsUnavailable(save.status()) || absl::IsDeadlineExceeded(save.status())) {
+      // Not "ckptd unreachable": this ckptd answered; the group's clock did not. The
+      // trainer skips this step's save, keeping its session.
+      return absl::AbortedError(fmt::format("no save decision for step {}: {}", request->step(),
+                                            Message(save.status())));
+    }
+    if (!save.ok()) return save.status();
+    reply->set_save(*save);
     return absl::OkStatus();
   });
 }

@@ -41,6 +41,14 @@ absl::StatusOr<TensorSelection> TensorSelection::Make(std::vector<std::string> i
                                                       std::vector<std::string> exclude) {
   if (auto s = CheckPatterns("include", include); !s.ok()) return s;
   if (auto s = CheckPatterns("exclude", exclude); !s.ok()) return s;
+  size_t total = 0;
+  for (const auto* list : {&include, &exclude}) {
+    for (const std::string& p : *list) total += p.size();
+  }
+  if (total > kMaxTotalBytes) {
+    return absl::InvalidArgumentError(fmt::format("the patterns add up to {} bytes; at most {}",
+                                                  total, kMaxTotalBytes));
+  }
   TensorSelection selection;
   selection.include_ = std::move(include);
   selection.exclude_ = std::move(exclude);

@@ -17,6 +17,7 @@ class TensorSelection {
  public:
   static constexpr size_t kMaxPatterns = 1024;
   static constexpr size_t kMaxPatternBytes = 1024;
+  static constexpr size_t kMaxTotalBytes = 64 << 10;  // of all patterns: bounds a restore's matching
 
   TensorSelection() = default;  // everything
 

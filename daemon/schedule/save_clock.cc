@@ -24,7 +24,7 @@ class GroupSaveClock : public SaveClock {
   explicit GroupSaveClock(group::GroupClient& client) : client_(client) {}
 
   absl::StatusOr<bool> ShouldSave(const SaveQuestion& q) override {
-    Key key{q.job, q.run, q.step};
+    Key key{q.job, q.run, q.interval.count(), q.step};
     {
       std::lock_guard lock(mu_);
       if (auto it = answers_.find(key); it != answers_.end()) return it->second;
@@ -42,7 +42,7 @@ class GroupSaveClock : public SaveClock {
 
  private:
   static constexpr size_t kMaxAnswers = 1 << 16;
-  using Key = std::tuple<std::string, uint64_t, uint64_t>;
+  using Key = std::tuple<std::string, uint64_t, int64_t, uint64_t>;  // job, run, interval, step
 
   group::GroupClient& client_;
   std::mutex mu_;

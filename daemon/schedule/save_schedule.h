@@ -6,6 +6,10 @@
 // answer. A step is a save when `interval` has passed since the last step decided a save
 // (or since the run's first question).
 //
+// Ranks ask about the steps of a run in increasing order (every step, or the same subset
+// on every rank), so a run needs only the newest step decided and its latest saves: a step
+// at or below the newest decided one is a save exactly when it is among them.
+//
 // Pure logic: the caller passes the time, so tests need no clock.
 #pragma once
 
@@ -13,7 +17,9 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
+#include <tuple>
 
 #include "absl/status/statusor.h"
 
@@ -33,30 +39,44 @@ class SaveSchedule {
   using TimePoint = std::chrono::steady_clock::time_point;
 
   struct Options {
-    size_t steps_per_run = 4096;  // decisions remembered per run; ranks are never this far apart
-    size_t runs = 4096;           // (job, run) pairs remembered, least recently asked forgotten
+    size_t saves_per_run = 64;   // saves remembered per run; ranks are never this far apart
+    size_t runs = 65536;         // in all (a run costs about saves_per_run x 40 bytes)
+    size_t runs_per_job = 8;     // a job's least recently asked run goes first
+    // A run idle this long may be forgotten to make room; a table full of busier runs
+    // refuses new ones instead of breaking a running job's decisions.
+    std::chrono::milliseconds idle{std::chrono::hours(1)};
+    // Questions about one run with two intervals this close together come from ranks
+    // configured differently (an error); further apart, from a job restarted with a new
+    // interval (a clock of its own).
+    std::chrono::milliseconds mismatch_window{std::chrono::seconds(5)};
   };
 
   SaveSchedule() : SaveSchedule(Options{}) {}
   explicit SaveSchedule(Options options) : options_(options) {}
 
-  // True when the job saves at `q.step`. InvalidArgument when the interval is not positive or
-  // differs from the one the run's first question gave (ranks configured differently);
-  // FailedPrecondition for a step older than every decision still remembered.
+  // True when the job saves at `q.step`. InvalidArgument when the interval is not positive
+  // or another rank of the run asked with another interval moments ago; FailedPrecondition
+  // for a step older than every save still remembered; ResourceExhausted when the table is
+  // full of runs asked within `idle`.
   absl::StatusOr<bool> Decide(const SaveQuestion& q, TimePoint now);
 
  private:
   struct Run {
-    std::chrono::milliseconds interval{0};
-    TimePoint since;                   // the last save decided, or the run's first question
-    std::map<uint64_t, bool> decided;  // by step, at most steps_per_run
-    uint64_t last_asked = 0;           // a counter, for forgetting the least recently asked
+    TimePoint since;             // the last save decided, or the run's first question
+    TimePoint last_asked;
+    bool any = false;            // a step was decided
+    uint64_t newest = 0;         // the newest step decided
+    uint64_t known_from = 0;     // steps below this are older than what is remembered
+    std::set<uint64_t> saves;    // the latest saves decided, at most saves_per_run
   };
+  using Key = std::tuple<std::string, uint64_t, int64_t>;  // job, run, interval in ms
+
+  absl::StatusOr<Run*> FindOrAdd(const SaveQuestion& q, TimePoint now);
+  bool Forget(TimePoint now, const std::string& job);
 
   const Options options_;
   std::mutex mu_;
-  std::map<std::pair<std::string, uint64_t>, Run> runs_;
-  uint64_t asked_ = 0;
+  std::map<Key, Run> runs_;
 };
 
 }  // namespace ckpt::daemon

@@ -188,8 +188,21 @@ absl::StatusOr<uint64_t> Session::Update(const ::ckptd::v1::UpdateRequest& req, 
   if (req.tensors_size() == 0 && req.removed_size() == 0) {
     return absl::InvalidArgumentError("the update changes nothing (no tensors, none removed)");
   }
-  // A snapshot being staged reads the tensors: wait for it; the next one sees the update.
-  std::lock_guard lock(data_mu_);
+  // A snapshot being staged reads the tensors: wait for it (briefly: a restore may hold the
+  // session for minutes at its barrier, and a waiting update holds a server thread); the
+  // next snapshot sees the update.
+  std::unique_lock lock(data_mu_, std::defer_lock);
+  if (!lock.try_lock_for(kUpdateWait)) {
+    return absl::AbortedError(fmt::format(
+        "session {} is busy with a snapshot or restore; update again when it is done", id_));
+  }
+  if (req.first_arena() != arenas_.size()) {
+    // Arenas are numbered by the order they were handed over: both sides must count alike
+    // (an update applied here whose reply the client never saw would shift every index).
+    return absl::FailedPreconditionError(fmt::format(
+        "this update numbers its arenas from {}, but the session has {}; register again",
+        req.first_arena(), arenas_.size()));
+  }
   if (arenas_.size() + arenas.size() > kMaxSessionArenas) {
     return absl::ResourceExhaustedError(fmt::format(
         "{} arenas would be handed to this session; at most {}", arenas_.size() + arenas.size(),
@@ -266,6 +279,10 @@ absl::StatusOr<std::vector<RegisteredTensor>> Session::Updated(const ::ckptd::v1
     }
   }
   if (out.empty()) return absl::InvalidArgumentError("the update would leave no tensor registered");
+  if (out.size() > kMaxSessionTensors) {
+    return absl::ResourceExhaustedError(fmt::format("the update would register {} tensors; at most {}",
+                                                    out.size(), kMaxSessionTensors));
+  }
   return out;
 }
 

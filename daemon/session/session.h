@@ -58,6 +58,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   absl::StatusOr<uint64_t> Update(const ::ckptd::v1::UpdateRequest& request, const Limits& limits,
                                   std::vector<UniqueFd> arenas);
   static constexpr size_t kMaxSessionArenas = 16384;
+  static constexpr size_t kMaxSessionTensors = size_t{1} << 20;
+  // How long an update waits for a snapshot or restore of the session to finish.
+  static constexpr std::chrono::milliseconds kUpdateWait{2000};
 
   // Starts the command thread.
   void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
@@ -96,7 +99,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
                       std::string_view error = {}) override;
 
   // Serialises restores with snapshots of this session.
-  std::mutex& data_mutex() { return data_mu_; }
+  std::timed_mutex& data_mutex() { return data_mu_; }
 
  private:
   Session() = default;
@@ -146,7 +149,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   shm::ControlBlock* control_block_ = nullptr;
   std::mutex ticket_mu_;  // SetTicketState from I/O threads and the command thread
   std::mutex rpc_mu_;     // RPC snapshots are a second producer: one at a time
-  std::mutex data_mu_;
+  std::timed_mutex data_mu_;  // timed: an update waits a bounded time, then says busy
   std::unique_ptr<shm::CommandConsumer> consumer_;
   std::thread thread_;
   std::atomic<bool> stop_{false};

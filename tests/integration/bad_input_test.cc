@@ -185,6 +185,7 @@ TEST_CASE("session updates: refused ones change nothing; a real one registers on
   CHECK(Contains(r.out, "twice: code=3 tensor extra.x is named twice in the update"));
   CHECK(Contains(r.out, "bad-arena: code=3 tensor extra.y: arena 99 was not handed over"));
   CHECK(Contains(r.out, "all-removed: code=3 the update would leave no tensor registered"));
+  CHECK(Contains(r.out, "arena-numbering: code=9 this update numbers its arenas from 7, but the session has 1"));
   CHECK(Contains(r.out, "foreign-session: code=5"));
   CHECK(Contains(r.out, "step 1: committed"));
   CHECK(Contains(r.out, "update: ok"));
@@ -193,6 +194,7 @@ TEST_CASE("session updates: refused ones change nothing; a real one registers on
   json one = SafetensorsHeader(d.root() + "/up/step-00000001/rank-00000.safetensors");
   CHECK(one.contains("model.b"));
   CHECK_FALSE(one.contains("extra.ok"));
+  CHECK_FALSE(one.contains("extra.z"));
   json two = SafetensorsHeader(d.root() + "/up/step-00000002/rank-00000.safetensors");
   CHECK_FALSE(two.contains("model.b"));
   REQUIRE(two.contains("extra.c"));

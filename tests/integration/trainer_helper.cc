@@ -193,6 +193,7 @@ int UpdateSession(const Flags& f) {
   auto attempt = [&](const char* what, auto fill) {
     ::ckptd::v1::UpdateRequest req;
     req.set_session_id(c->session_id());
+    req.set_first_arena(1);  // Setup's tensors fit the client's first arena
     fill(req);
     grpc::ClientContext ctx;
     ::ckptd::v1::UpdateReply reply;
@@ -219,6 +220,10 @@ int UpdateSession(const Flags& f) {
   attempt("bad-arena", [&](auto& r) { spec(r, "extra.y", 99); });
   attempt("all-removed", [&](auto& r) {
     for (const auto* t : tensors) r.add_removed(t->name);
+  });
+  attempt("arena-numbering", [&](auto& r) {
+    spec(r, "extra.z", 0);
+    r.set_first_arena(7);
   });
   attempt("foreign-session", [&](auto& r) { r.set_session_id("0123456789abcdef0123456789abcdef"); });
   auto commit = [&](uint64_t step) {

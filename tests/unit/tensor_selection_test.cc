@@ -107,3 +107,20 @@ TEST_CASE("match: a selection that picks nothing is an error, not an empty resto
   CHECK(absl::IsInvalidArgument(none.status()));
   CHECK_THAT(Message(none.status()), Catch::Contains("include [layer.*] selects none of the 4"));
 }
+
+TEST_CASE("match: allow_missing with no name in common is an error, not a silent fresh start") {
+  RestoreResult result;
+  RestoreSpec lenient{.allow_missing = true};
+  auto prefixed = MatchTensors(Registered({"module.layers.0.w", "module.layers.1.w"}), kStored,
+                               lenient, 7, result);
+  CHECK(absl::IsFailedPrecondition(prefixed.status()));
+  CHECK_THAT(Message(prefixed.status()), Catch::Contains("none of the 4 tensors") &&
+                                             Catch::Contains("layers.0.w"));
+}
+
+TEST_CASE("selection: the patterns together are bounded") {
+  std::vector<std::string> many(100, std::string(1000, '*'));
+  auto big = TensorSelection::Make(many, {});
+  CHECK(absl::IsInvalidArgument(big.status()));
+  CHECK_THAT(Message(big.status()), Catch::Contains("add up to 100000 bytes"));
+}

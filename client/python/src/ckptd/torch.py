@@ -266,8 +266,13 @@ class CheckpointManager:
         except ckptd.Unavailable as e:
             self._lost(e)
             return False
-        except ckptd.Error as e:  # a misconfiguration (intervals differ): never silently skip
-            raise CheckpointError(f"interval_seconds: {e}") from e
+        except ckptd.Error as e:
+            if "interval_seconds" in str(e):  # ranks configured differently: never skip silently
+                raise CheckpointError(f"interval_seconds: {e}") from e
+            # The group's clock did not answer, or ckptd is busy: no save at this step (no
+            # rank can have been told to save it), training goes on.
+            log.warning("ckptd: no save decision for step %d: %s", step, e)
+            return False
 
     def save(self, step, blocking=False, ephemeral=False):
         """Queues a checkpoint of the current state as `step`.
@@ -697,9 +702,15 @@ class CheckpointManager:
             if dtype is None:
                 raise CheckpointError(f"tensor {e.name}: dtype {part.tensor.dtype} cannot be checkpointed")
             _move_to_arena(self._client, e.name, dtype, part)
-        for name in removed:
-            self._client.remove(name)
-        self._client.update()
+        try:
+            for name in removed:
+                self._client.remove(name)
+            self._client.update()
+        except ckptd.Unavailable:
+            raise
+        except ckptd.Error as e:  # refused (busy, a budget): a new session with everything
+            log.warning("ckptd: updating the registration failed (%s); registering again", e)
+            return False
         self._uses_host = self._uses_host or bool(changed)
         self.updates += 1
         return True
