@@ -209,7 +209,8 @@ absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
 }
 
 Tensor* Client::AddRecord(Tensor tensor) {
-  if (!session_id_.empty()) {
+  const bool registered = !session_id_.empty();
+  if (registered) {
     // After Register(): the next Update() adds it, or replaces the tensor of that name.
     auto same = std::find_if(tensors_.begin(), tensors_.end(),
                              [&](const auto& t) { return t->name == tensor.name; });
@@ -218,11 +219,9 @@ Tensor* Client::AddRecord(Tensor tensor) {
       impl_->retired.push_back(std::move(*same));
       tensors_.erase(same);
     }
-    tensors_.push_back(std::make_unique<Tensor>(std::move(tensor)));
-    impl_->added.push_back(tensors_.back().get());
-    return tensors_.back().get();
   }
   tensors_.push_back(std::make_unique<Tensor>(std::move(tensor)));
+  if (registered) impl_->added.push_back(tensors_.back().get());
   return tensors_.back().get();
 }
 

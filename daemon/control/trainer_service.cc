@@ -20,6 +20,20 @@ constexpr int kMaxArenaBatches = 64;  // of 64 arenas each: 4,096 arenas a sessi
 
 }  // namespace
 
+absl::StatusOr<std::vector<UniqueFd>> TrainerService::TakeArenas(
+    const google::protobuf::RepeatedPtrField<std::string>& tokens, const PeerIdentity& caller) {
+  if (tokens.size() > kMaxArenaBatches) {
+    return absl::InvalidArgumentError(
+        fmt::format("{} arena tokens; at most {}", tokens.size(), kMaxArenaBatches));
+  }
+  std::vector<UniqueFd> arenas;
+  for (const std::string& token : tokens) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> batch, arenas_.Take(token, caller));
+    for (UniqueFd& fd : batch) arenas.push_back(std::move(fd));
+  }
+  return arenas;
+}
+
 grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRequest* request,
                                       RegisterReply* reply) {
   return Guarded("Register", [&]() -> absl::Status {
@@ -43,15 +57,7 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
                 request->rank(), Message(owned));
       return owned;
     }
-    std::vector<UniqueFd> arenas;
-    if (request->arena_tokens_size() > kMaxArenaBatches) {
-      return absl::InvalidArgumentError(fmt::format("{} arena tokens; at most {}",
-                                                    request->arena_tokens_size(), kMaxArenaBatches));
-    }
-    for (const std::string& token : request->arena_tokens()) {
-      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> batch, arenas_.Take(token, caller));
-      for (UniqueFd& fd : batch) arenas.push_back(std::move(fd));
-    }
+    CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> arenas, TakeArenas(request->arena_tokens(), caller));
     auto session = Session::Create(*request, limits_, caller, std::move(arenas));
     if (!session.ok()) {
       log::Get(log::Component::kControl)
@@ -147,15 +153,7 @@ grpc::Status TrainerService::Update(grpc::ServerContext* ctx, const UpdateReques
   return Guarded("Update", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
-    if (request->arena_tokens_size() > kMaxArenaBatches) {
-      return absl::InvalidArgumentError(fmt::format("{} arena tokens; at most {}",
-                                                    request->arena_tokens_size(), kMaxArenaBatches));
-    }
-    std::vector<UniqueFd> arenas;
-    for (const std::string& token : request->arena_tokens()) {
-      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> batch, arenas_.Take(token, caller));
-      for (UniqueFd& fd : batch) arenas.push_back(std::move(fd));
-    }
+    CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> arenas, TakeArenas(request->arena_tokens(), caller));
     absl::StatusOr<uint64_t> bytes = s->Update(*request, limits_, std::move(arenas));
     if (!bytes.ok()) {
       log::Get(log::Component::kControl)

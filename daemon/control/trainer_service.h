@@ -46,6 +46,10 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
                           ::ckptd::v1::UnregisterReply* reply) override;
 
  private:
+  // The arenas the caller handed over under `tokens` (one per batch), in order.
+  absl::StatusOr<std::vector<UniqueFd>> TakeArenas(
+      const google::protobuf::RepeatedPtrField<std::string>& tokens, const PeerIdentity& caller);
+
   SessionRegistry& sessions_;
   Stager& stager_;
   SnapshotSink& persist_;

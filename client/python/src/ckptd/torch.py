@@ -267,7 +267,7 @@ class CheckpointManager:
             self._lost(e)
             return False
         except ckptd.Error as e:
-            if "interval_seconds" in str(e):  # ranks configured differently: never skip silently
+            if e.code == "INVALID_ARGUMENT":  # ranks configured differently: never skip silently
                 raise CheckpointError(f"interval_seconds: {e}") from e
             # The group's clock did not answer, or ckptd is busy: no save at this step (no
             # rank can have been told to save it), training goes on.
@@ -478,9 +478,7 @@ class CheckpointManager:
                 if source.numel() == 0:
                     continue
                 out = dtype if dtype is not None and source.is_floating_point() else source.dtype
-                if out not in _DTYPES:
-                    raise CheckpointError(f"tensor {key}: dtype {out} cannot be checkpointed")
-                buffer = client.allocate(key, _DTYPES[out], list(source.shape), part.global_shape,
+                buffer = client.allocate(key, _dtype_name(key, out), list(source.shape), part.global_shape,
                                          part.global_offset)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -641,21 +639,17 @@ class CheckpointManager:
         shared memory once."""
         if self._registered and self._fingerprint() == self._registered_fingerprint:
             return
-        entries = self._collect()
-        if self._registered and self._update_changed(entries):
+        parts = self._parts(self._collect())
+        if self._registered and self._update_changed(parts):
             self._note_registered()
             return
         if self._registered:
             self._client.unregister()
             self._client = self._connect()
         uses_cuda = uses_host = False
-        fsdp_params = _placement.fsdp2_params(self.model)
-        for e in entries:
-            part = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError)
+        for e, part in parts:
             t = part.tensor
-            dtype = _DTYPES.get(t.dtype)
-            if dtype is None:
-                raise CheckpointError(f"tensor {e.name}: dtype {t.dtype} cannot be checkpointed")
+            dtype = _dtype_name(e.name, t.dtype)
             if t.is_cuda:
                 if not t.is_contiguous():
                     raise CheckpointError(f"tensor {e.name}: CUDA tensors must be contiguous")
@@ -673,35 +667,34 @@ class CheckpointManager:
             self._client.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
         self._note_registered()
 
-    def _where(self, entries):
-        """Each entry's registered part: name -> (storage address, shape), as the fingerprint
-        sees them."""
+    def _parts(self, entries):
+        """Each entry with its local part (what this rank registers of it), in order."""
         fsdp_params = _placement.fsdp2_params(self.model)
-        where = {}
-        for e in entries:
-            t = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError).tensor
-            if t.numel() > 0 or t.is_cuda:  # what registration sends
-                where[e.name] = (_placement.storage_address(t), t.shape, t.is_cuda)
-        return where
+        return [(e, _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError))
+                for e in entries]
 
-    def _update_changed(self, entries):
+    @staticmethod
+    def _where(parts):
+        """What registration sends of each part: name -> (storage address, shape, on a GPU),
+        as the fingerprint sees them."""
+        return {e.name: (_placement.storage_address(p.tensor), p.tensor.shape, p.tensor.is_cuda)
+                for e, p in parts if p.tensor.numel() > 0 or p.tensor.is_cuda}
+
+    def _update_changed(self, parts):
         """Registers only what changed since the registration (an embedding table that grew,
         optimizer state that appeared): host tensors that are new or moved go into shared
         memory and one Update() call; the rest stay registered. False when that cannot be
         done (a GPU tensor changed): then everything is registered again."""
-        where = self._where(entries)
+        where = self._where(parts)
         before = self._registered_where
-        changed = [e for e in entries if e.name in where and where[e.name] != before.get(e.name)]
+        changed = [(e, p) for e, p in parts if e.name in where and where[e.name] != before.get(e.name)]
         removed = [name for name in before if name not in where]
-        if any(where[e.name][2] for e in changed) or any(before[n][2] for n in removed):
+        if any(where[e.name][2] for e, _ in changed) or any(before[n][2] for n in removed):
             return False
-        fsdp_params = _placement.fsdp2_params(self.model)
-        for e in changed:
-            part = _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError)
-            dtype = _DTYPES.get(part.tensor.dtype)
-            if dtype is None:
-                raise CheckpointError(f"tensor {e.name}: dtype {part.tensor.dtype} cannot be checkpointed")
-            _move_to_arena(self._client, e.name, dtype, part)
+        for e, part in changed:
+            if part.tensor.device.type != "cpu":
+                return False  # the full registration names the device it cannot take
+            _move_to_arena(self._client, e.name, _dtype_name(e.name, part.tensor.dtype), part)
         try:
             for name in removed:
                 self._client.remove(name)
@@ -723,7 +716,7 @@ class CheckpointManager:
                                       if self.optimizer is not None else [])
         self._registered = True
         self._registered_fingerprint = self._fingerprint()
-        self._registered_where = self._where(self._collect())  # after the moves into arenas
+        self._registered_where = self._where(self._parts(self._collect()))  # after the moves
 
     # --- train state ----------------------------------------------------------------------
 
@@ -898,6 +891,13 @@ def _set_buffer(module, leaf, tensor):
 
 def _set_item(mapping, key, tensor):
     mapping[key] = tensor
+
+
+def _dtype_name(name, dtype):
+    """ckptd's name of a torch dtype (safetensors'), or CheckpointError naming the tensor."""
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"tensor {name}: dtype {dtype} cannot be checkpointed")
+    return _DTYPES[dtype]
 
 
 def _move_to_arena(client, name, dtype, part):
