@@ -8,11 +8,14 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "daemon/session/session_events.h"
 
 namespace ckpt::daemon {
 
-class StatusBoard {
+class StatusBoard final : public SessionEvents {
  public:
   std::atomic<uint64_t> snapshots_staged{0};
   std::atomic<uint64_t> snapshots_rejected{0};
@@ -22,6 +25,14 @@ class StatusBoard {
 
   void RecordError(std::string message);
   std::vector<std::string> RecentErrors() const;
+
+  // SessionEvents: counted, and rejections and errors kept among the recent errors.
+  void SnapshotStaged() override { snapshots_staged++; }
+  void SnapshotRejected(std::string why) override {
+    snapshots_rejected++;
+    RecordError(std::move(why));
+  }
+  void SessionError(std::string message) override { RecordError(std::move(message)); }
 
  private:
   static constexpr size_t kMaxErrors = 32;

@@ -352,9 +352,9 @@ Session::~Session() {
   }
 }
 
-void Session::Start(Stager& stager, SnapshotSink& persist, StatusBoard& board) {
-  thread_ = std::thread([this, &stager, &persist, &board] {
-    CommandLoop(stager, persist, board);
+void Session::Start(Stager& stager, SnapshotSink& persist, SessionEvents& events) {
+  thread_ = std::thread([this, &stager, &persist, &events] {
+    CommandLoop(stager, persist, events);
   });
 }
 
@@ -377,7 +377,7 @@ bool Session::PollTrainerAlive() {
   return ::poll(&p, 1, 0) == 0;  // readable once the process has exited
 }
 
-void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& board) {
+void Session::CommandLoop(Stager& stager, SnapshotSink& persist, SessionEvents& events) {
   while (!stop_) {
     consumer_->Heartbeat();
     if (!PollTrainerAlive()) {
@@ -390,13 +390,13 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& bo
       Log().error("[{}/r{}] trainer pid {} corrupted its command ring (indices out of range); "
                   "session ends",
                   job_, rank_, pid_);
-      board.RecordError(fmt::format("[{}/r{}] command ring corrupted by the trainer", job_, rank_));
+      events.SessionError(fmt::format("[{}/r{}] command ring corrupted by the trainer", job_, rank_));
       break;
     }
     if (!command) continue;
     uint64_t ticket = command->ticket;
     try {
-      HandleSnapshot(std::move(*command), stager, persist, board);
+      HandleSnapshot(std::move(*command), stager, persist, events);
     } catch (const std::exception& e) {
       // One session's bad input fails its own snapshot, never the daemon.
       Log().error("[{}/r{}] snapshot failed: {}", job_, rank_, e.what());
@@ -408,12 +408,11 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& bo
 }
 
 void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
-                             StatusBoard& board) {
+                             SessionEvents& events) {
   auto reject = [&](shm::TicketStateValue state, const std::string& why) {
     Log().warn("[{}/r{} s{}] snapshot {}: {}", job_, rank_, command.step,
                state == shm::kTicketRejected ? "rejected" : "failed", why);
-    board.snapshots_rejected++;
-    board.RecordError(fmt::format("[{}/r{} s{}] {}", job_, rank_, command.step, why));
+    events.SnapshotRejected(fmt::format("[{}/r{} s{}] {}", job_, rank_, command.step, why));
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
@@ -457,7 +456,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     bool busy = absl::IsResourceExhausted(staged.status());
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()));
   }
-  board.snapshots_staged++;
+  events.SnapshotStaged();
   // The step may already be committed (its writer finished the moment the last byte
   // landed); the ring keeps a decided ticket decided.
   SetTicketState(command.ticket, shm::kTicketStaged);

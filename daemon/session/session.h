@@ -19,9 +19,9 @@
 #include "common/unique_fd.h"
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
-#include "daemon/control/status_board.h"
 #include "daemon/session/arena_budget.h"
 #include "daemon/session/peer_identity.h"
+#include "daemon/session/session_events.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
@@ -63,7 +63,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   static constexpr std::chrono::milliseconds kUpdateWait{2000};
 
   // Starts the command thread.
-  void Start(Stager& stager, SnapshotSink& persist, StatusBoard& board);
+  void Start(Stager& stager, SnapshotSink& persist, SessionEvents& events);
   // From now on snapshot commands are rejected (shutdown); staged ones carry on.
   void RefuseNewSnapshots() { refusing_ = true; }
   // Closes the control block (waking trainer waiters) and joins the command thread.
@@ -116,9 +116,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
                                                         const Limits& limits,
                                                         std::vector<UniqueFd>& arenas,
                                                         size_t first_handed);
-  void CommandLoop(Stager& stager, SnapshotSink& persist, StatusBoard& board);
+  void CommandLoop(Stager& stager, SnapshotSink& persist, SessionEvents& events);
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
-                      StatusBoard& board);
+                      SessionEvents& events);
   bool PollTrainerAlive();
   // Counts one more arena (refusing the same memory twice, and beyond the budget).
   absl::Status ChargeArena(int fd, const Limits& limits);
