@@ -200,9 +200,9 @@ absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
                            std::max(impl_->options.arena_bytes, kFirstArena));
   bool own = alloc > next / 2;
   size_t capacity = own ? (alloc + kPage - 1) / kPage * kPage : next;
-  CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena, shm::Arena::Create(capacity));
+  CKPT_ASSIGN_OR_RETURN(shm::ArenaPtr arena, shm::Arena::Create(capacity, impl_->options.huge_pages));
   CKPT_ASSIGN_OR_RETURN(size_t offset, arena->Allocate(alloc));
-  impl_->arena_bytes_reserved += capacity;
+  impl_->arena_bytes_reserved += arena->capacity();
   if (!own) impl_->shared_arena = arena.get();
   impl_->arenas.push_back(std::move(arena));
   return impl_->arenas.back()->at(offset);

@@ -101,6 +101,9 @@ struct ClientOptions {
   // Small tensors share arenas that grow from 1 MiB, doubling, up to this; a tensor larger
   // than half the next one gets an arena of its own, of its size.
   size_t arena_bytes = 64u << 20;
+  // Arenas of 32 MiB and more go in huge pages while the pool (vm.nr_hugepages) has room:
+  // allocating, registering and snapshotting them costs far less CPU (docs/operators.md).
+  bool huge_pages = true;
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
   CudaTransport cuda_transport = CudaTransport::kIpc;

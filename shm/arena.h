@@ -15,8 +15,12 @@ namespace ckpt::shm {
 
 class Arena {
  public:
-  // Creates an arena of `capacity` bytes, every page reserved.
-  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity);
+  // Creates an arena of at least `capacity` bytes, every page reserved. With `huge_pages`,
+  // an arena of 32 MiB or more is made of huge pages when the pool has room (its capacity
+  // then rounds up to a whole huge page, wasting at most 1/16), and of base pages otherwise.
+  static absl::StatusOr<std::unique_ptr<Arena>> Create(size_t capacity, bool huge_pages = false);
+  // The smallest arena worth huge pages.
+  static constexpr size_t kMinHugeArena = size_t{32} << 20;
 
   // Returns the offset of a new zeroed block of `bytes`, aligned to `alignment`.
   absl::StatusOr<size_t> Allocate(size_t bytes, size_t alignment = 64);
@@ -30,6 +34,7 @@ class Arena {
   size_t capacity() const { return segment_->size(); }
   size_t used() const { return used_; }
   int fd() const { return segment_->fd(); }  // what the trainer hands to ckptd
+  bool huge() const { return segment_->huge(); }
 
  private:
   Arena(std::string name, SealedSegmentPtr segment)

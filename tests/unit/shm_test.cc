@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <cstring>
 #include <atomic>
 #include <optional>
@@ -88,6 +89,61 @@ TEST_CASE("an arena has no name: it reaches another process only as a descriptor
   CHECK(static_cast<char*>((*arena)->at(0))[1] == 'y');
   CHECK(::ftruncate((*arena)->fd(), 0) != 0);
   CHECK(errno == EPERM);
+}
+
+// Free pages in the huge-page pool now (the operator's vm.nr_hugepages).
+static size_t FreeHugePages() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  size_t value = 0;
+  while (meminfo >> key) {
+    if (key == "HugePages_Free:" && (meminfo >> value)) return value;
+    meminfo.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+TEST_CASE("a large arena lives in huge pages while the pool has room, in base pages otherwise") {
+  const size_t page = ckpt::shm::HugePageSize();
+  REQUIRE(page > 0);
+  // Small arenas never take huge pages: rounding up would waste more than 1/16.
+  auto small = Arena::Create(1 << 20, /*huge_pages=*/true);
+  REQUIRE(small.ok());
+  CHECK_FALSE((*small)->huge());
+  CHECK((*small)->capacity() == (1u << 20));
+  // Asked without huge pages: base pages whatever the pool holds.
+  auto plain = Arena::Create(Arena::kMinHugeArena, /*huge_pages=*/false);
+  REQUIRE(plain.ok());
+  CHECK_FALSE((*plain)->huge());
+  // More than the pool holds falls back to base pages, never fails.
+  const size_t beyond = (FreeHugePages() + 1) * page + Arena::kMinHugeArena;
+  auto fallback = Arena::Create(beyond, /*huge_pages=*/true);
+  REQUIRE(fallback.ok());
+  CHECK_FALSE((*fallback)->huge());
+  CHECK((*fallback)->capacity() == beyond);
+  fallback->reset();
+  // Within the pool (when the machine reserved one): huge pages, rounded up to a whole page,
+  // received by the other side like any arena.
+  const size_t asked = Arena::kMinHugeArena + 4096;
+  const size_t rounded = (asked + page - 1) / page * page;
+  auto huge = Arena::Create(asked, /*huge_pages=*/true);
+  REQUIRE(huge.ok());
+  INFO("free huge pages: " << FreeHugePages());
+  if ((*huge)->huge()) {
+    CHECK((*huge)->capacity() == rounded);
+    CHECK(ckpt::shm::IsHugeTlb((*huge)->fd()));
+    auto daemon_side = SealedSegment::Map(UniqueFd(::fcntl((*huge)->fd(), F_DUPFD_CLOEXEC, 0)));
+    REQUIRE(daemon_side.ok());
+    CHECK((*daemon_side)->huge());
+    CHECK((*daemon_side)->size() == rounded);
+    std::memcpy((*huge)->at(rounded - 8), "hugepage", 8);
+    CHECK(std::memcmp(static_cast<char*>((*daemon_side)->data()) + rounded - 8, "hugepage", 8) == 0);
+    CHECK(::ftruncate((*huge)->fd(), 0) != 0);  // sealed like any arena
+  } else {
+    // Only when the pool cannot hold it right now.
+    CHECK(FreeHugePages() * page < rounded);
+    CHECK((*huge)->capacity() == asked);
+  }
 }
 
 TEST_CASE("a received descriptor that is not sealed, or has holes, is refused") {
