@@ -1,5 +1,9 @@
 #include "client/ckpt_client.h"
 
+#include <fcntl.h>
+#include <linux/userfaultfd.h>
+#include <sys/ioctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -68,6 +72,40 @@ absl::StatusOr<std::vector<std::string>> HandOverArenas(const std::string& socke
   return tokens;
 }
 
+// A userfaultfd for this process that also sees writes made by the kernel on the
+// trainer's behalf (read(), recv() into a tensor): those would fail with EFAULT under a
+// user-mode-only one, so none is used. Invalid where this process may not have one.
+UniqueFd OpenUserfaultfd() {
+  UniqueFd fd(static_cast<int>(::syscall(SYS_userfaultfd, O_CLOEXEC)));
+  if (fd.valid()) return fd;
+  // Linux 6.1+: an operator may grant the device to the trainers' group instead.
+  UniqueFd device(::open("/dev/userfaultfd", O_RDWR | O_CLOEXEC));
+  if (!device.valid()) return {};
+  return UniqueFd(::ioctl(device.get(), USERFAULTFD_IOC_NEW, O_CLOEXEC));
+}
+
+// Hands this process's userfaultfd to ckptd for copy-on-write snapshots of `arenas`; the
+// token for RegisterRequest.write_protect_token, or "" where that cannot be (ckptd then
+// copies before releasing). This process keeps no copy of the descriptor: if ckptd dies,
+// the kernel drops the protection and wakes any thread waiting on it.
+std::string HandOverWriteProtect(const std::string& socket) {
+  UniqueFd uffd = OpenUserfaultfd();
+  if (!uffd.valid()) return "";
+  int fd = uffd.get();
+  absl::StatusOr<ReceivedFds> answer =
+      RequestFds(DescriptorSocketPath(socket), kDepositWriteProtect, 0, {&fd, 1});
+  if (!answer.ok() || answer->payload.substr(0, kDepositAccepted.size()) != kDepositAccepted) return "";
+  return answer->payload.substr(kDepositAccepted.size());
+}
+
+// Where this process maps each of arenas[first...], for copy-on-write (0: not wanted).
+void AddArenaAddresses(const std::vector<shm::ArenaPtr>& arenas, size_t first,
+                       google::protobuf::RepeatedField<uint64_t>* out) {
+  for (size_t i = first; i < arenas.size(); ++i) {
+    out->Add(arenas[i]->huge() ? reinterpret_cast<uint64_t>(arenas[i]->at(0)) : 0);
+  }
+}
+
 absl::Status FromGrpc(const grpc::Status& s, const std::string& what, const std::string& socket) {
   if (s.ok()) return absl::OkStatus();
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -115,6 +153,7 @@ struct Client::Impl {
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
   std::vector<shm::ArenaPtr> arenas;
   size_t handed_arenas = 0;            // arenas[0, handed_arenas) are ckptd's already
+  bool copy_on_write = false;          // ckptd took this process's userfaultfd
   shm::Arena* shared_arena = nullptr;  // where small tensors go; one of `arenas`
   // After Register(): what the next Update() sends.
   std::vector<const Tensor*> added;
@@ -276,6 +315,7 @@ absl::Status Client::Update() {
                         HandOverArenas(impl_->options.socket, impl_->arenas, impl_->handed_arenas));
   for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
   req.set_first_arena(static_cast<uint32_t>(impl_->handed_arenas));
+  if (impl_->copy_on_write) AddArenaAddresses(impl_->arenas, impl_->handed_arenas, req.mutable_arena_addresses());
   ::ckptd::v1::UpdateReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Update(ctx.get(), req, &reply), "update",
@@ -334,6 +374,12 @@ absl::Status Client::Register() {
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
                         HandOverArenas(impl_->options.socket, impl_->arenas, 0));
   for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
+  // Every arena may grow huge ones later (Update), so the descriptor goes over at once.
+  if (impl_->options.copy_on_write && impl_->gpu.empty() && !impl_->mirror) {
+    req.set_write_protect_token(HandOverWriteProtect(impl_->options.socket));
+    impl_->copy_on_write = !req.write_protect_token().empty();
+    if (impl_->copy_on_write) AddArenaAddresses(impl_->arenas, 0, req.mutable_arena_addresses());
+  }
   ::ckptd::v1::RegisterReply reply;
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",

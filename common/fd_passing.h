@@ -48,6 +48,9 @@ inline constexpr std::string_view kFetchControlBlock = "control ";
 // RegisterRequest.arena_tokens), or a line why not.
 inline constexpr std::string_view kDepositArenas = "arenas";
 inline constexpr std::string_view kDepositAccepted = "ok ";
+// "write-protect" with one userfaultfd attached: "ok <token>" (for
+// RegisterRequest.write_protect_token), or a line why not.
+inline constexpr std::string_view kDepositWriteProtect = "write-protect";
 // The answer to a request that came while too many of its user's were being served.
 inline constexpr std::string_view kBusy = "busy: ";
 

@@ -185,7 +185,7 @@ class PyClient {
 
 PyClient Connect(const std::string& socket, const std::string& job, uint32_t rank,
                  uint32_t world_size, size_t arena_bytes, double rpc_timeout_s,
-                 const std::string& cuda_transport, uint32_t keep_last, bool huge_pages) {
+                 const std::string& cuda_transport, uint32_t keep_last, bool huge_pages, bool copy_on_write) {
   ckpt::ClientOptions options;
   options.socket = socket;
   options.job = job;
@@ -193,6 +193,7 @@ PyClient Connect(const std::string& socket, const std::string& job, uint32_t ran
   options.world_size = world_size;
   options.arena_bytes = arena_bytes;
   options.huge_pages = huge_pages;
+  options.copy_on_write = copy_on_write;
   options.rpc_timeout = Millis(rpc_timeout_s);
   options.keep_last = keep_last;
   if (cuda_transport == "host-copy") {
@@ -269,6 +270,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("connect", &Connect, py::arg("socket"), py::arg("job"), py::arg("rank") = 0,
         py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
         py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,
-        py::arg("huge_pages") = true,
+        py::arg("huge_pages") = true, py::arg("copy_on_write") = true,
         "Connects to ckptd; raises ckptd.Unavailable when it is not there");
 }

@@ -105,10 +105,16 @@ void ControlFdServer::Serve(UniqueFd conn, const PeerIdentity& caller) {
     return;
   }
   std::string_view text = request->payload;
-  if (text == kDepositArenas) return TakeArenas(conn.get(), caller, std::move(request->fds));
+  if (text == kDepositArenas) {
+    return Deposit(conn.get(), caller, std::move(request->fds), ArenaDeposits::Kind::kArenas);
+  }
+  if (text == kDepositWriteProtect) {
+    return Deposit(conn.get(), caller, std::move(request->fds), ArenaDeposits::Kind::kWriteProtect);
+  }
   if (!request->fds.empty()) {
     Dispose(std::move(request->fds));
-    Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\" request");
+    Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\" or "
+                      "\"write-protect\" request");
     return;
   }
   if (text.substr(0, kFetchControlBlock.size()) == kFetchControlBlock) {
@@ -126,20 +132,19 @@ void ControlFdServer::Dispose(std::vector<UniqueFd> fds) {
   }
 }
 
-void ControlFdServer::TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds) {
-  // Only sealed shared memory goes further; anything else is closed by the reaper.
-  for (size_t i = 0; i < fds.size(); ++i) {
-    if (absl::Status ok = shm::SealedSegment::CheckReceivable(fds[i].get()); !ok.ok()) {
-      std::string why = Message(Annotate(ok, fmt::format("arena {} of {}", i, fds.size())));
-      Dispose(std::move(fds));
-      Log().warn("arenas refused from {}: {}", caller.Describe(), why);
-      Reply(conn, "refused: " + why);
-      return;
-    }
+void ControlFdServer::Deposit(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds,
+                              ArenaDeposits::Kind kind) {
+  // Only what `kind` says (sealed shared memory, or a userfaultfd) goes further; anything
+  // else is closed by the reaper.
+  if (absl::Status ok = ArenaDeposits::Check(fds, kind); !ok.ok()) {
+    Dispose(std::move(fds));
+    Log().warn("descriptors refused from {}: {}", caller.Describe(), Message(ok));
+    Reply(conn, "refused: " + Message(ok));
+    return;
   }
-  absl::StatusOr<std::string> token = arenas_.Put(caller, std::move(fds));
+  absl::StatusOr<std::string> token = arenas_.Put(caller, std::move(fds), kind);
   if (!token.ok()) {
-    Log().warn("arenas refused from {}: {}", caller.Describe(), Message(token.status()));
+    Log().warn("descriptors refused from {}: {}", caller.Describe(), Message(token.status()));
     Reply(conn, "refused: " + Message(token.status()));
     return;
   }

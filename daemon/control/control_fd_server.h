@@ -3,6 +3,7 @@
 // open and which the other side cannot shrink.
 // - Before Register, a trainer hands over its arenas ("arenas" + descriptors) and gets a
 //   token for them (ArenaDeposits), which only the same process can redeem in Register.
+//   Its userfaultfd, for copy-on-write snapshots, travels the same way ("write-protect").
 // - After Register, it asks for its control block ("control <session id>") and gets the
 //   descriptor if, and only if, the kernel says it is the process that registered that
 //   session; otherwise a line saying why.
@@ -48,7 +49,8 @@ class ControlFdServer {
   void Serve(UniqueFd conn, const PeerIdentity& caller);
   void Dispose(std::vector<UniqueFd> fds);
   void SendControlBlock(int conn, const PeerIdentity& caller, const std::string& session_id);
-  void TakeArenas(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds);
+  void Deposit(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds,
+               ArenaDeposits::Kind kind);
 
   std::string path_;
   UniqueFd fd_;

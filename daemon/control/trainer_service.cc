@@ -58,7 +58,14 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
       return owned;
     }
     CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> arenas, TakeArenas(request->arena_tokens(), caller));
-    auto session = Session::Create(*request, limits_, caller, std::move(arenas));
+    UniqueFd write_protect;
+    if (!request->write_protect_token().empty()) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> uffd,
+                            arenas_.Take(request->write_protect_token(), caller,
+                                         ArenaDeposits::Kind::kWriteProtect));
+      write_protect = std::move(uffd.at(0));
+    }
+    auto session = Session::Create(*request, limits_, caller, std::move(arenas), std::move(write_protect));
     if (!session.ok()) {
       log::Get(log::Component::kControl)
           .warn("register refused for job \"{}\" rank {}: {}", request->job().substr(0, 128),

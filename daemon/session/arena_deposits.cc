@@ -5,6 +5,7 @@
 #include <random>
 
 #include "common/status.h"
+#include "daemon/staging/write_protector.h"
 #include "shm/sealed_segment.h"
 
 namespace ckpt::daemon {
@@ -17,14 +18,26 @@ std::string RandomToken() {
 
 }  // namespace
 
-absl::StatusOr<std::string> ArenaDeposits::Put(const PeerIdentity& depositor,
-                                               std::vector<UniqueFd> fds) {
+absl::Status ArenaDeposits::Check(const std::vector<UniqueFd>& fds, Kind kind) {
+  if (kind == Kind::kWriteProtect) {
+    if (fds.size() != 1) {
+      return absl::InvalidArgumentError(
+          fmt::format("write-protection takes one userfaultfd, not {} descriptors", fds.size()));
+    }
+    return WriteProtector::CheckReceivable(fds[0].get());
+  }
   if (fds.empty()) return absl::InvalidArgumentError("no arenas attached");
   for (size_t i = 0; i < fds.size(); ++i) {
     if (absl::Status sealed = shm::SealedSegment::CheckReceivable(fds[i].get()); !sealed.ok()) {
       return Annotate(sealed, fmt::format("arena {} of {}", i, fds.size()));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ArenaDeposits::Put(const PeerIdentity& depositor,
+                                               std::vector<UniqueFd> fds, Kind kind) {
+  CKPT_RETURN_IF_ERROR(Check(fds, kind));
   std::lock_guard lock(mu_);
   auto now = std::chrono::steady_clock::now();
   ExpireLocked(now);
@@ -39,12 +52,13 @@ absl::StatusOr<std::string> ArenaDeposits::Put(const PeerIdentity& depositor,
   std::string token = RandomToken();
   mine += fds.size();
   fds_ += fds.size();
-  batches_.emplace(token, Batch{depositor.pid, depositor.uid, std::move(fds), now + options_.expire_after});
+  batches_.emplace(token, Batch{depositor.pid, depositor.uid, kind, std::move(fds),
+                               now + options_.expire_after});
   return token;
 }
 
 absl::StatusOr<std::vector<UniqueFd>> ArenaDeposits::Take(const std::string& token,
-                                                          const PeerIdentity& caller) {
+                                                          const PeerIdentity& caller, Kind kind) {
   std::lock_guard lock(mu_);
   ExpireLocked(std::chrono::steady_clock::now());
   auto it = batches_.find(token);
@@ -59,6 +73,12 @@ absl::StatusOr<std::vector<UniqueFd>> ArenaDeposits::Take(const std::string& tok
         "arena token \"{}\" was handed over by another process (pid {} uid {}), not by the "
         "caller ({})",
         token, it->second.pid, it->second.uid, caller.Describe()));
+  }
+  if (it->second.kind != kind) {
+    return absl::InvalidArgumentError(fmt::format(
+        "token \"{}\" was handed over with {}, not {}", token.substr(0, 64),
+        it->second.kind == Kind::kArenas ? "arenas" : "a userfaultfd",
+        kind == Kind::kArenas ? "arenas" : "a userfaultfd"));
   }
   std::vector<UniqueFd> fds = std::move(it->second.fds);
   fds_ -= fds.size();

@@ -4,6 +4,8 @@
 // server puts each batch here under a fresh random token and the depositor's identity, as
 // the kernel gave it; Register names the tokens, and only the same process may take them.
 // Unclaimed batches expire, and each user can hold only so many descriptors here.
+// A trainer hands over its userfaultfd the same way (copy-on-write snapshots), as a batch
+// of its own kind: a token redeems only the kind it was given for.
 #pragma once
 
 #include <chrono>
@@ -27,16 +29,24 @@ class ArenaDeposits {
     size_t max_fds_per_uid = 4096;
     size_t max_fds = 16384;
   };
+  // kArenas: sealed shared memory (shm/sealed_segment.h), up to kMaxPassedFds a batch.
+  // kWriteProtect: one userfaultfd (daemon/staging/write_protector.h).
+  enum class Kind { kArenas, kWriteProtect };
+
   ArenaDeposits() : ArenaDeposits(Options{}) {}
   explicit ArenaDeposits(Options options) : options_(options) {}
 
-  // Keeps `fds` (each must be sealed shared memory) for `depositor`; returns the token.
-  absl::StatusOr<std::string> Put(const PeerIdentity& depositor, std::vector<UniqueFd> fds);
+  // OK when `fds` are what `kind` says; a line naming the first that is not otherwise.
+  static absl::Status Check(const std::vector<UniqueFd>& fds, Kind kind);
+  // Keeps `fds` for `depositor` once Check passes; returns the token.
+  absl::StatusOr<std::string> Put(const PeerIdentity& depositor, std::vector<UniqueFd> fds,
+                                  Kind kind = Kind::kArenas);
 
   // The batch behind `token`, removed from the table, if `caller` is the process that
-  // deposited it. Another process (another uid, or root) gets PermissionDenied and the
-  // batch stays for its owner.
-  absl::StatusOr<std::vector<UniqueFd>> Take(const std::string& token, const PeerIdentity& caller);
+  // deposited it and it is of `kind`. Another process (another uid, or root) gets
+  // PermissionDenied and the batch stays for its owner.
+  absl::StatusOr<std::vector<UniqueFd>> Take(const std::string& token, const PeerIdentity& caller,
+                                             Kind kind = Kind::kArenas);
 
   size_t held_fds() const;
 
@@ -44,6 +54,7 @@ class ArenaDeposits {
   struct Batch {
     pid_t pid;
     uid_t uid;
+    Kind kind;
     std::vector<UniqueFd> fds;
     std::chrono::steady_clock::time_point expires;
   };

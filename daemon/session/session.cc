@@ -59,7 +59,8 @@ absl::StatusOr<UniqueFd> OpenPidfd(int32_t pid) {
 
 absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& req, const Limits& limits,
                                            const PeerIdentity& caller,
-                                           std::vector<UniqueFd> arenas) {
+                                           std::vector<UniqueFd> arenas,
+                                           UniqueFd write_protect) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(req.job()));
   if (req.world_size() < 1 || req.world_size() > 1'000'000) {
     return absl::InvalidArgumentError(fmt::format("world size {} is out of range", req.world_size()));
@@ -93,6 +94,17 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   }
   s->pidfd_ = std::move(*pidfd);
   s->arenas_.resize(arenas.size());
+  if (write_protect.valid()) {
+    // Copy-on-write is a speed-up: without it snapshots copy before releasing the trainer.
+    auto protector = WriteProtector::Create(std::move(write_protect));
+    if (protector.ok()) {
+      s->write_protect_ = std::make_unique<WriteProtector>(std::move(*protector));
+    } else {
+      Log().warn("[{}/r{}] copy-on-write snapshots off: {}", s->job_, s->rank_,
+                 Message(protector.status()));
+    }
+  }
+  CKPT_RETURN_IF_ERROR(s->NoteArenaAddresses(req.arena_addresses(), 0, arenas.size()));
 
   std::set<std::string> names;
   for (const ::ckptd::v1::TensorSpec& t : req.tensors()) {
@@ -122,7 +134,40 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   s->control_block_ = static_cast<shm::ControlBlock*>(s->control_->data());
   s->consumer_ = std::make_unique<shm::CommandConsumer>(s->control_block_);
   s->tensor_count_ = s->tensors_.size();
+  if (s->write_protect_) {
+    uint64_t protected_bytes = 0;
+    for (const RegisteredTensor& t : s->tensors_) protected_bytes += t.trainer_address != 0 ? t.nbytes : 0;
+    Log().info("[{}/r{}] copy-on-write snapshots for {} of {} bytes", s->job_, s->rank_,
+               protected_bytes, s->registered_bytes_.load());
+  }
   return s;
+}
+
+absl::Status Session::NoteArenaAddresses(const google::protobuf::RepeatedField<uint64_t>& addresses,
+                                         size_t first, size_t handed) {
+  if (!addresses.empty() && static_cast<size_t>(addresses.size()) != handed) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{} arena addresses for {} arenas handed over", addresses.size(), handed));
+  }
+  arena_addresses_.resize(first + handed, 0);
+  for (int i = 0; i < addresses.size(); ++i) arena_addresses_[first + i] = addresses[i];
+  return absl::OkStatus();
+}
+
+absl::Status Session::ProtectArena(size_t index, const shm::SealedSegment& mapped) {
+  const uint64_t address = std::exchange(arena_addresses_[index], 0);  // 0 until registered
+  if (!write_protect_ || address == 0) return absl::OkStatus();
+  // In 4 KiB pages, write-protection costs the trainer more than the copy it saves.
+  if (!mapped.huge()) return absl::FailedPreconditionError("not in huge pages");
+  struct stat st;
+  if (::fstat(mapped.fd(), &st) != 0) return ErrnoStatus(errno, "fstat arena");
+  if (!WriteProtector::MapsArena(pid_, address, mapped.size(), st.st_ino)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "the trainer does not map it at {:#x} (its /proc/{}/maps says otherwise)", address, pid_));
+  }
+  CKPT_RETURN_IF_ERROR(write_protect_->Register(address, mapped.size()));
+  arena_addresses_[index] = address;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorSpec& t,
@@ -171,6 +216,10 @@ absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorS
       return absl::FailedPreconditionError(fmt::format(
           "tensor {}: arena {} could not be faulted in", t.name(), t.arena()));
     }
+    if (absl::Status wp = ProtectArena(t.arena(), **mapped); !wp.ok()) {
+      Log().warn("[{}/r{}] arena {} is copied at snapshots, not copy-on-write: {}", job_, rank_,
+                 t.arena(), Message(wp));
+    }
     (*mapped)->DropFd();
     arena = std::move(*mapped);
   }
@@ -180,6 +229,7 @@ absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorS
         t.offset() + t.nbytes(), t.arena(), arena->size()));
   }
   rt.data = static_cast<char*>(arena->data()) + t.offset();
+  if (arena_addresses_[t.arena()] != 0) rt.trainer_address = arena_addresses_[t.arena()] + t.offset();
   return rt;
 }
 
@@ -210,11 +260,13 @@ absl::StatusOr<uint64_t> Session::Update(const ::ckptd::v1::UpdateRequest& req, 
   }
   // All or nothing: what this update maps and charges is undone if any of it is refused.
   const size_t arenas_before = arenas_.size(), gpu_before = gpu_mappings_.size();
+  CKPT_RETURN_IF_ERROR(NoteArenaAddresses(req.arena_addresses(), arenas_before, arenas.size()));
   const std::set<std::pair<dev_t, ino_t>> inodes_before = arena_inodes_;
   const size_t charged_arenas_before = charged_arenas_;
   const uint64_t charged_bytes_before = charged_bytes_;
   auto undo = [&] {
     arenas_.resize(arenas_before);
+    arena_addresses_.resize(arenas_before);
     gpu_mappings_.resize(gpu_before);
     arena_inodes_ = inodes_before;
     if (arena_budget_ != nullptr) {
@@ -450,7 +502,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   absl::StatusOr<StagedSnapshotPtr> staged;
   {
     std::lock_guard lock(data_mu_);
-    staged = stager.Stage(view(), command.step, std::move(*command.payload), submit);
+    // The trainer may write from here: a copy-on-write snapshot releases it before the copy.
+    auto release = [&] { SetTicketState(command.ticket, shm::kTicketStaged); };
+    staged = stager.Stage(view(), command.step, std::move(*command.payload), submit, release);
   }
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());

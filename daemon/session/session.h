@@ -45,11 +45,14 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   // Validates the request, maps the trainer's arenas and creates the control block.
   // `caller` is who connected (PeerTable), never taken from the request. `arenas` are the
   // descriptors the caller handed over for this registration (ArenaDeposits), in the order
-  // of the request's arena_tokens; TensorSpec.arena indexes them.
+  // of the request's arena_tokens; TensorSpec.arena indexes them. `write_protect` is the
+  // trainer's userfaultfd (RegisterRequest.write_protect_token), if it handed one over:
+  // arenas in huge pages then get copy-on-write snapshots (daemon/staging/cow_copy.h).
   static absl::StatusOr<std::shared_ptr<Session>> Create(const ::ckptd::v1::RegisterRequest& request,
                                                          const Limits& limits,
                                                          const PeerIdentity& caller,
-                                                         std::vector<UniqueFd> arenas);
+                                                         std::vector<UniqueFd> arenas,
+                                                         UniqueFd write_protect = {});
   ~Session() override;
 
   // Adds, replaces (by name) and removes tensors of a running session (UpdateRequest): only
@@ -82,7 +85,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   size_t tensor_count() const { return tensor_count_.load(); }
   SessionView view() const {
     return {job_, uid_, rank_, world_size_, &tensors_,
-            snapshot_event_ ? snapshot_event_->get() : nullptr};
+            snapshot_event_ ? snapshot_event_->get() : nullptr, write_protect_.get()};
   }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Checks the trainer now rather than at the command thread's next tick.
@@ -122,6 +125,13 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   bool PollTrainerAlive();
   // Counts one more arena (refusing the same memory twice, and beyond the budget).
   absl::Status ChargeArena(int fd, const Limits& limits);
+  // Registers arena `index` (just mapped as `mapped`, its descriptor still open) for
+  // write-protection at the address the trainer gave, when that is possible and worth it;
+  // why not otherwise.
+  absl::Status ProtectArena(size_t index, const shm::SealedSegment& mapped);
+  // Takes the trainer's arena addresses for arenas [first, first + addresses.size()).
+  absl::Status NoteArenaAddresses(const google::protobuf::RepeatedField<uint64_t>& addresses,
+                                  size_t first, size_t handed);
 
   std::string id_;
   std::string job_;
@@ -136,6 +146,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
           .count());
   UniqueFd pidfd_;
   std::vector<shm::SealedSegmentPtr> arenas_;  // mapped; their descriptors closed
+  std::unique_ptr<WriteProtector> write_protect_;  // null: snapshots copy before releasing
+  std::vector<uint64_t> arena_addresses_;  // the trainer's, per arena; 0: not protected
   std::set<std::pair<dev_t, ino_t>> arena_inodes_;
   ArenaBudget* arena_budget_ = nullptr;  // given back what was charged when the session goes
   size_t charged_arenas_ = 0;

@@ -11,8 +11,15 @@
 #include "common/names.h"
 #include "common/status.h"
 #include "daemon/persist/manifest.h"
+#include "daemon/staging/cow_copy.h"
+#include "shm/sealed_segment.h"
 
 namespace ckpt::daemon {
+namespace {
+
+spdlog::logger& Log() { return log::Get(log::Component::kSession); }
+
+}  // namespace
 
 absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngine*>& device_engines,
                        const SplitCopy& job, void* device_after) {
@@ -55,7 +62,8 @@ absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager:
 
 absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint64_t step,
                                                 shm::SnapshotPayload payload,
-                                                const OnLaidOut& on_laid_out) {
+                                                const OnLaidOut& on_laid_out,
+                                                const OnReleased& on_released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
@@ -109,10 +117,13 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   if (on_laid_out) on_laid_out(snap);
 
   auto copy_started = std::chrono::steady_clock::now();
-  if (absl::Status copied = Annotate(CopyTensors(session, *snap), context); !copied.ok()) {
+  bool released = false;
+  absl::Status copied = Annotate(CopyTensors(session, *snap, on_released, released), context);
+  if (!copied.ok()) {
     snap->landed.Fail(Message(copied));
     return copied;
   }
+  if (!released && on_released) on_released();
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (size_t i = 0; i < payload.train_state.size(); ++i) {
     const persist::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
@@ -122,8 +133,57 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   return snap;
 }
 
-absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap) {
+absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
+                                     const std::vector<bool>& only) {
+  SplitCopy job;
+  for (size_t i = 0; i < snap.tensor_count; ++i) {
+    if (!only[i]) continue;
+    const persist::TensorEntry& e = snap.shard.entries[i];
+    job.Add((*session.tensors)[i], {snap.block->data() + e.begin, (*session.tensors)[i].data, e.end - e.begin});
+  }
+  return CopySplit(engine_, device_engines_, job, session.cuda_after);
+}
+
+absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap,
+                                 const OnReleased& on_released, bool& released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
+  std::vector<bool> cow(tensors.size(), false);
+  if (session.write_protect != nullptr) {
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      cow[i] = !tensors[i].on_device && tensors[i].trainer_address != 0 && tensors[i].nbytes > 0;
+    }
+  }
+  if (std::find(cow.begin(), cow.end(), true) != cow.end()) {
+    cuda::CopyPriority::Copying copying(priority_);
+    std::vector<bool> rest(cow.size());
+    std::vector<CowCopy::Region> regions;
+    for (size_t i = 0; i < cow.size(); ++i) {
+      rest[i] = !cow[i];
+      if (!cow[i]) continue;
+      const persist::TensorEntry& e = snap.shard.entries[i];
+      regions.push_back({tensors[i].trainer_address, tensors[i].nbytes, tensors[i].data,
+                         snap.block->data() + e.begin});
+    }
+    // What cannot be write-protected (GPU tensors, small arenas) is copied first.
+    CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, rest));
+    const uint64_t page = std::max<uint64_t>(shm::HugePageSize(), 4096);
+    CowCopy copy(*session.write_protect, std::move(regions),
+                 (options_.cow_chunk_bytes + page - 1) / page * page);
+    if (absl::Status protected_ = copy.Protect(); !protected_.ok()) {
+      Log().warn("[{}/r{} s{}] copy-on-write unavailable for this snapshot, copying instead: {}",
+                 session.job, session.rank, snap.step, Message(protected_));
+      CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, cow));
+    } else {
+      if (on_released) on_released();
+      released = true;
+      CKPT_RETURN_IF_ERROR(copy.Run());
+      Log().debug("[{}/r{} s{}] copy-on-write: {} chunks, {} copied first because the trainer "
+                  "wrote to them",
+                  session.job, session.rank, snap.step, copy.chunks(), copy.faulted());
+    }
+    snap.landed.Advance(snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end);
+    return absl::OkStatus();
+  }
   const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
   // memcpy competes with persisting for the CPU, and the trainer is waiting for it: while
   // host tensors are copied, writers hold back (they yield between their writes), and the

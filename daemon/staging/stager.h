@@ -22,6 +22,7 @@
 #include "daemon/config.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/progress_signal.h"
+#include "daemon/staging/write_protector.h"
 #include "shm/payload.h"
 
 namespace ckpt::daemon {
@@ -35,6 +36,9 @@ struct RegisteredTensor {
   char* data = nullptr;  // in a segment or CUDA allocation the owning session keeps mapped
   bool on_device = false;  // a GPU buffer: copied by its device's CUDA engine
   int device = -1;         // the daemon's ordinal of that device
+  // Where the trainer sees `data`, when its arena is registered for write-protection
+  // (copy-on-write snapshots); 0 otherwise.
+  uint64_t trainer_address = 0;
   TensorPlacement placement;
 };
 
@@ -46,6 +50,8 @@ struct SessionView {
   uint32_t world_size = 0;
   const std::vector<RegisteredTensor>* tensors = nullptr;
   void* cuda_after = nullptr;  // the trainer's snapshot event (cudaEvent_t), if any
+  WriteProtector* write_protect = nullptr;  // copy-on-write snapshots of tensors that have a
+                                            // trainer_address; null: copy before releasing
 };
 
 class Stager {
@@ -60,6 +66,10 @@ class Stager {
     uint64_t chunk_bytes = 128ull << 20;
     // Fair shares of the staging memory between jobs; null: none (one job, tests).
     StagingLedger* ledger = nullptr;
+    // Copy-on-write snapshots copy and release the trainer's arenas in chunks of this many
+    // bytes (rounded up to the huge page): small enough that a trainer thread writing to a
+    // chunk not copied yet waits well under a millisecond, large enough to be few calls.
+    uint64_t cow_chunk_bytes = 4ull << 20;
   };
 
   // When the pool is full the stager evicts hot copies from `hot` and waits on `progress`
@@ -73,20 +83,29 @@ class Stager {
   // Called once the snapshot's staging block is reserved and laid out, before any byte is
   // copied; the session hands it to the persist stage here.
   using OnLaidOut = std::function<void(const StagedSnapshotPtr&)>;
+  // Called as soon as the trainer may change its tensors: once they are copied, or, for a
+  // copy-on-write snapshot, once they are write-protected (the copy then goes on).
+  using OnReleased = std::function<void()>;
 
   // Returns once every byte has landed. ResourceExhausted when staging memory cannot be had
   // under the --when-busy policy (then `on_laid_out` was not called). A copy error after
   // `on_laid_out` also fails the snapshot's watermark, so its writer stops.
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
                                           shm::SnapshotPayload payload,
-                                          const OnLaidOut& on_laid_out = {});
+                                          const OnLaidOut& on_laid_out = {},
+                                          const OnReleased& on_released = {});
 
  private:
   // The block, and the hold on the job's share, under the --when-busy policy.
   absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Reserve(
       const SessionView& session, size_t bytes, const std::string& context);
   // Copies the tensors, chunk by chunk, advancing the snapshot's watermark after each.
-  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap);
+  // Tensors with a trainer_address go copy-on-write (then `on_released` is called early).
+  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap,
+                           const OnReleased& on_released, bool& released);
+  // The host tensors selected by `only` (by index), in one job, without moving the watermark.
+  absl::Status CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
+                               const std::vector<bool>& only);
 
   cuda::StagingPool& pool_;
   cuda::CopyEngine& engine_;
