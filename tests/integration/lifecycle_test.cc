@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "tests/fakes/wait_until.h"
@@ -245,4 +246,63 @@ TEST_CASE("a job that goes back to an older step trains on: its new steps are ke
                     dir.path());
   CHECK(Contains(latest.out, "restored step=26"));
   CHECK(Contains(latest.out, "match"));
+}
+
+namespace {
+
+// Free pages in the huge-page pool the operator reserved (tools/test.sh reserves one when
+// it runs as root on a machine that has none).
+size_t FreeHugePages() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  size_t value = 0;
+  while (meminfo >> key) {
+    if (key == "HugePages_Free:" && (meminfo >> value)) return value;
+    meminfo.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("copy-on-write snapshots keep the bytes of the snapshot while the trainer writes at once") {
+  TempDir dir;
+  Daemon d(dir, {"--log-level", "debug"});
+  d.Start();
+  // Three tensors of 100, 50 and 50 MB, each in an arena of its own: huge pages while the
+  // pool holds them (300 MB with rounding), base pages otherwise.
+  const std::vector<std::string> big = {"--bytes", "200000000"};
+  const bool pool = FreeHugePages() >= 160;
+  auto helper = [&](std::vector<std::string> args) {
+    std::vector<std::string> all = {"--job", "cow", "--seed", "9"};
+    all.insert(all.end(), big.begin(), big.end());
+    all.insert(all.end(), args.begin(), args.end());
+    return Helper(d, all);
+  };
+  // The helper overwrites every tensor the moment its snapshot is staged.
+  Process save(helper({"save", "--step", "4", "--wait-committed"}), dir.path(), "save");
+  REQUIRE(save.Wait() == 0);
+  INFO(d.Log());
+  if (pool) {
+    CHECK(Contains(d.Log(), "copy-on-write snapshots for 200000007 of 200000007 bytes"));
+    CHECK(Contains(d.Log(), "copy-on-write: "));
+  } else {
+    CHECK(Contains(d.Log(), "copy-on-write snapshots for 0 of 200000007 bytes"));
+  }
+  auto from_memory = Run(helper({"check"}), dir.path());
+  CHECK(from_memory.exit_code == 0);
+  CHECK(Contains(from_memory.out, "restored step=4 source=memory"));
+  CHECK(Contains(from_memory.out, "match"));
+  // A trainer killed while its snapshot is still being copied: the copy goes on from ckptd's
+  // own mapping, and the checkpoint commits whole.
+  Process die(helper({"save", "--step", "5", "--die-after-staged"}), dir.path(), "die");
+  CHECK(die.Wait() == 128 + SIGKILL);
+  REQUIRE(WaitUntil([&] { return Contains(d.Ctl({"--job", "cow", "list"}).out, "cow  5"); }, 30s, 20ms));
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  auto from_disk = Run(helper({"check"}), dir.path());
+  INFO(from_disk.out);
+  CHECK(from_disk.exit_code == 0);
+  CHECK(Contains(from_disk.out, "restored step=5 source=disk"));
+  CHECK(Contains(from_disk.out, "match"));
 }

@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -133,4 +134,29 @@ TEST_CASE("only a userfaultfd is taken for write-protection") {
   uffdio_api api{UFFD_API, 0, 0};
   REQUIRE(::ioctl(uffd.get(), UFFDIO_API, &api) == 0);
   CHECK_FALSE(WriteProtector::Create(std::move(uffd)).ok());
+}
+
+TEST_CASE("a trainer waiting on a protected page is released when ckptd's descriptor closes") {
+  // What happens when ckptd dies mid-snapshot: the kernel drops the registration and wakes
+  // every waiting thread, so the trainer never hangs on a dead daemon.
+  Arena arena;
+  auto protector = std::make_unique<WriteProtector>(Protector());
+  REQUIRE(protector->Register(arena.at(0), kBytes).ok());
+  std::vector<char> staging(kBytes);
+  auto copy = std::make_unique<CowCopy>(*protector, std::vector<CowCopy::Region>{
+                                                        {arena.at(0), kBytes, arena.daemon, staging.data()}},
+                                        kChunk);
+  REQUIRE(copy->Protect().ok());
+  std::atomic<bool> wrote{false};
+  std::thread trainer([&] {
+    std::memset(arena.trainer, 7, kBytes);
+    wrote = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(wrote.load());
+  copy.reset();
+  protector.reset();  // the descriptor closes, as when ckptd is killed
+  trainer.join();
+  CHECK(wrote.load());
+  CHECK(arena.daemon[kBytes - 1] == 7);
 }
