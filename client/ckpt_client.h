@@ -104,11 +104,14 @@ struct ClientOptions {
   // Arenas of 32 MiB and more go in huge pages while the pool (vm.nr_hugepages) has room:
   // allocating, registering and snapshotting them costs far less CPU (docs/operators.md).
   bool huge_pages = true;
-  // Snapshots of arenas in huge pages are copy-on-write: ckptd write-protects them and
-  // releases the trainer at once, then copies. Needs userfaultfd (root, CAP_SYS_PTRACE,
-  // access to /dev/userfaultfd, or vm.unprivileged_userfaultfd=1); otherwise ckptd copies
-  // before releasing, as with this off. See docs/operators.md.
-  bool copy_on_write = true;
+  // Copy-on-write snapshots of arenas in huge pages: ckptd write-protects them and releases
+  // the trainer at once, then copies; a write to a part not copied yet waits for that part.
+  // Needs userfaultfd (root, CAP_SYS_PTRACE, access to /dev/userfaultfd, or
+  // vm.unprivileged_userfaultfd=1), and tensors that no device writes by DMA; otherwise
+  // ckptd copies before releasing. Off by default: on the hosts measured so far the copy
+  // then competes with the optimizer step for memory bandwidth and the step is held about
+  // as long (docs/benchmarks.md).
+  bool copy_on_write = false;
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
   CudaTransport cuda_transport = CudaTransport::kIpc;

@@ -270,6 +270,6 @@ PYBIND11_MODULE(_native, m) {
   m.def("connect", &Connect, py::arg("socket"), py::arg("job"), py::arg("rank") = 0,
         py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
         py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,
-        py::arg("huge_pages") = true, py::arg("copy_on_write") = true,
+        py::arg("huge_pages") = true, py::arg("copy_on_write") = false,
         "Connects to ckptd; raises ckptd.Unavailable when it is not there");
 }

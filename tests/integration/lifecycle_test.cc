@@ -274,7 +274,7 @@ TEST_CASE("copy-on-write snapshots keep the bytes of the snapshot while the trai
   const std::vector<std::string> big = {"--bytes", "200000000"};
   const bool pool = FreeHugePages() >= 160;
   auto helper = [&](std::vector<std::string> args) {
-    std::vector<std::string> all = {"--job", "cow", "--seed", "9"};
+    std::vector<std::string> all = {"--job", "cow", "--seed", "9", "--copy-on-write"};
     all.insert(all.end(), big.begin(), big.end());
     all.insert(all.end(), args.begin(), args.end());
     return Helper(d, all);

@@ -40,6 +40,7 @@ struct Flags {
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
   bool die_after_staged = false, wait_committed = false, has_step = false;
   bool bad_metadata = false;  // metadata that is not text
+  bool copy_on_write = false;
   int as_uid = -1;
   int extra_gid = -1;  // a supplementary group to keep after dropping to --as-uid
 };
@@ -72,7 +73,7 @@ std::string TokenOf(const std::string& answer) {
 
 std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
   auto c = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
-                                  .world_size = f.world_size});
+                                  .world_size = f.world_size, .copy_on_write = f.copy_on_write});
   if (!c.ok()) {
     std::cout << "error: " << ckpt::Message(c.status()) << "\n";
     std::exit(2);
@@ -691,6 +692,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank", f.rank);
   app.add_option("--world-size", f.world_size);
   app.add_option("--seed", f.seed);
+  app.add_flag("--copy-on-write", f.copy_on_write, "ask for copy-on-write snapshots");
   app.add_option("--bytes", f.bytes);
   app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
   app.add_option("--extra-gid", f.extra_gid, "with --as-uid: keep this supplementary group");

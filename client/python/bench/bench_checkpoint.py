@@ -13,12 +13,15 @@ backward, optimizer step) for every method, each used the way it is meant to be:
   dcp.async_save/proc async_save with the process checkpointer and DCP's DefaultStager over
                       shared memory (pinned memory and async staging need CUDA: off on a CPU host)
   ckptd               ckptd.torch.CheckpointManager: save() returns at once, the copy overlaps
-                      the next forward and backward, the next optimizer step waits for it
+                      the next forward and backward, the next optimizer step waits for it (or,
+                      with copy-on-write snapshots, only for the parts it writes before they
+                      are copied)
 Reported per method:
   overhead   the loop's mean step time with a checkpoint every 2 steps (--checkpoints of
              them) over the same loop without checkpoints;
-  block      the worst case: how long the loop is held when the next optimizer step follows
-             the save at once (save call, plus the wait until the state may change again);
+  block      the worst case: how much longer the save plus the next optimizer step take than
+             that optimizer step alone, when the step follows the save at once (the save
+             call, the wait until the state may change again, and whatever slows the step);
   durable    from the save call until the checkpoint is on storage (fsynced; committed for ckptd).
 Beside them, this machine's limits measured in the same run: memcpy (torch copy of 1 GiB)
 and sequential write + fdatasync (1 GiB in 16 MiB writes) on --root's filesystem.
@@ -53,9 +56,13 @@ def build(params, seed=0):
     return model, optimizer
 
 
-def train_step(model, optimizer):
+def forward_backward(model):
     x = torch.randn(16, model[0].in_features)
     model(x).pow(2).mean().backward()
+
+
+def train_step(model, optimizer):
+    forward_backward(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -261,14 +268,23 @@ def loop_step_time(model, optimizer, method, checkpoints, every=2):
 
 
 def worst_case(model, optimizer, method, checkpoints):
-    """(block, durable) medians: a save followed at once by the next optimizer step."""
+    """(block, durable) medians: a save followed at once by the next optimizer step. The
+    block is what the save adds to that step: (save + wait + step) - (the same step alone,
+    the median of 3 taken just before on the same gradients)."""
     blocks, durables = [], []
     for i in range(checkpoints):
-        train_step(model, optimizer)
+        forward_backward(model)
+        alone = []
+        for _ in range(3):
+            start = time.perf_counter()
+            optimizer.step()
+            alone.append(time.perf_counter() - start)
         start = time.perf_counter()
         handle = method.save(1000 + i)
         method.state_free(handle)
-        blocks.append(time.perf_counter() - start)
+        optimizer.step()
+        blocks.append(time.perf_counter() - start - statistics.median(alone))
+        optimizer.zero_grad(set_to_none=True)
         method.durable(handle)
         durables.append(time.perf_counter() - start)
     return statistics.median(blocks), statistics.median(durables)
@@ -312,6 +328,7 @@ def main():
             "ckptd": lambda: Ckptd(model, optimizer, socket),
         }
         for name in args.methods.split(","):
+            os.sync()  # the previous method's writes do not land on this one's figures
             try:
                 method = factories[name]()
             except Exception as e:  # a method this PyTorch does not offer

@@ -2,6 +2,7 @@
 import copy
 import glob
 import json
+import re
 import os
 import signal
 import socket
@@ -382,11 +383,24 @@ def test_saves_never_wait_for_a_daemon_that_does_not_answer(workdir):
 
 # --- safety and zero copy ----------------------------------------------------------------
 
-def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(daemon):
+def free_huge_pages():
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("HugePages_Free:"):
+                return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("copy_on_write", [False, True])
+def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(daemon, copy_on_write):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))  # 128 MiB
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    with CheckpointManager("safety", model, optimizer, socket=daemon.socket) as manager:
+    # Copy-on-write: the optimizer step runs while ckptd still copies the 32 MiB weights (in
+    # huge pages where the machine has a pool; copied first otherwise).
+    huge = free_huge_pages() >= 64
+    with CheckpointManager("safety", model, optimizer, socket=daemon.socket,
+                           copy_on_write=copy_on_write) as manager:
         for step in range(1, 4):
             model(torch.randn(4, 2048)).sum().backward()
             before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -398,6 +412,12 @@ def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(daemon):
             stored = load_file(os.path.join(daemon.root, "safety", f"step-{step:08d}", "rank-00000.safetensors"))
             for k, v in before.items():
                 assert torch.equal(stored[k], v), k
+    log = open(daemon.log).read()
+    if copy_on_write and huge:
+        # Every tensor: the weights' own arenas and the one the biases share are huge pages.
+        assert re.search(r"copy-on-write snapshots for ([1-9]\d*) of \1 bytes", log), log
+    else:
+        assert "copy-on-write snapshots" not in log or "copy-on-write snapshots for 0 of" in log, log
 
 
 def test_host_tensors_move_into_shared_memory_once_and_keep_their_identity(daemon):

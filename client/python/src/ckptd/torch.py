@@ -185,7 +185,8 @@ class CheckpointManager:
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
-                 daemon_timeout=120.0, save_on_sigterm=False, exclude_from_loading=()):
+                 daemon_timeout=120.0, save_on_sigterm=False, exclude_from_loading=(),
+                 copy_on_write=False):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
@@ -215,6 +216,7 @@ class CheckpointManager:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         self.arena_bytes = arena_bytes
+        self.copy_on_write = copy_on_write  # see docs/python.md: off unless measured to help
         self.daemon_timeout = daemon_timeout
         if isinstance(exclude_from_loading, str):
             raise TypeError("exclude_from_loading is a list of keys, e.g. ['optimizer']")
@@ -580,7 +582,7 @@ class CheckpointManager:
 
     def _connect(self):
         return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
-                             keep_last=self.keep_last or 0)
+                             keep_last=self.keep_last or 0, copy_on_write=self.copy_on_write)
 
     def _lost(self, error):
         warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
