@@ -16,6 +16,8 @@ backward, optimizer step) for every method, each used the way it is meant to be:
                       the next forward and backward, the next optimizer step waits for it (or,
                       with copy-on-write snapshots, only for the parts it writes before they
                       are copied)
+  ckptd/cow           the same with copy_on_write=True (not in the default list: see
+                      docs/benchmarks.md)
 Reported per method:
   overhead   the loop's mean step time with a checkpoint every 2 steps (--checkpoints of
              them) over the same loop without checkpoints;
@@ -227,14 +229,31 @@ class DcpAsyncProcess(DcpAsyncThread):
 class Ckptd:
     name = "ckptd"
 
-    def __init__(self, model, optimizer, socket):
-        self.manager = CheckpointManager("bench", model, optimizer, socket=socket, keep_latest_k=1)
+    def __init__(self, model, optimizer, socket, copy_on_write=False):
+        self.manager = CheckpointManager("bench", model, optimizer, socket=socket, keep_latest_k=1,
+                                         copy_on_write=copy_on_write)
         # The first save moves the state into shared memory and registers it: what it holds
-        # the loop up (until staged) is reported apart; then it is let finish.
-        start = time.perf_counter()
-        assert self.manager.save(0)
-        self.manager.wait_staged()
-        self.first_save_s = time.perf_counter() - start
+        # the loop up (until staged) is reported apart, with where it went; then it is let
+        # finish.
+        import ckptd.torch as ckptd_torch
+        moved = [0.0]
+        move = ckptd_torch._move_to_arena
+
+        def timed_move(*args):
+            t = time.perf_counter()
+            move(*args)
+            moved[0] += time.perf_counter() - t
+        ckptd_torch._move_to_arena = timed_move
+        try:
+            start = time.perf_counter()
+            assert self.manager.save(0)
+            queued = time.perf_counter()
+            self.manager.wait_staged()
+            self.first_save_s = time.perf_counter() - start
+        finally:
+            ckptd_torch._move_to_arena = move
+        self.first_save_parts = {"move_s": moved[0], "register_and_queue_s": queued - start - moved[0],
+                                 "copy_s": self.first_save_s - (queued - start)}
         self.manager.wait(committed=True)
 
     def save(self, step):
@@ -326,6 +345,7 @@ def main():
             "dcp.async_save": lambda: DcpAsyncThread(model, optimizer, workdir),
             "dcp.async_save/proc": lambda: DcpAsyncProcess(model, optimizer, workdir),
             "ckptd": lambda: Ckptd(model, optimizer, socket),
+            "ckptd/cow": lambda: Ckptd(model, optimizer, socket, copy_on_write=True),
         }
         for name in args.methods.split(","):
             os.sync()  # the previous method's writes do not land on this one's figures
@@ -340,6 +360,7 @@ def main():
                 results[name] = {"step_s": step_s, "block_s": block_s, "durable_s": durable_s}
                 if hasattr(method, "first_save_s"):
                     results[name]["first_save_s"] = method.first_save_s
+                    results[name]["first_save_parts"] = method.first_save_parts
             finally:
                 method.close()
             baseline.append(loop_step_time(model, optimizer, None, args.checkpoints))
@@ -372,8 +393,12 @@ def main():
         if "error" in r:
             print(f"{name:22} {r['error']}")
             continue
-        extra = (f"   (first save's block, set-up included: {r['first_save_s']:.2f} s)"
-                 if "first_save_s" in r else "")
+        extra = ""
+        if "first_save_s" in r:
+            parts = r["first_save_parts"]
+            extra = (f"   (first save's block, set-up included: {r['first_save_s']:.2f} s: moving "
+                     f"into shared memory {parts['move_s']:.2f} s, registering "
+                     f"{parts['register_and_queue_s']:.2f} s, copying {parts['copy_s']:.2f} s)")
         print(f"{name:22} {r['overhead'] * 100:8.0f}% {r['block_s']:8.3f}s {r['durable_s']:8.2f}s{extra}")
 
 
