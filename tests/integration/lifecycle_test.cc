@@ -166,8 +166,12 @@ TEST_CASE("retention keeps the last K and every N-th, never blocking saves") {
   TempDir dir;
   Daemon d(dir, {"--keep-last", "2", "--keep-every", "20"});
   d.Start();
-  auto r = Run(Trainer(d, {"--job", "ret", "--steps", "60", "--save-every", "10", "--state-bytes", "100000"}),
+  // 20 ms a step: saves 200 ms apart, so that each one's write usually lands before the next
+  // even on a loaded machine (a snapshot taken while staging is busy is skipped, by design).
+  auto r = Run(Trainer(d, {"--job", "ret", "--steps", "60", "--save-every", "10", "--state-bytes",
+                           "100000", "--step-sleep-ms", "20"}),
                dir.path());
+  INFO(r.out << r.err);
   REQUIRE(r.exit_code == 0);
   // Which steps committed: a step still being written when a newer one commits is abandoned
   // (it can happen to step 20 when its write is slow), and retention only sees committed ones.
