@@ -1,0 +1,80 @@
+// The read planner (issue 11): from a step's manifest alone, which bytes of which saved
+// shards make up the pieces of tensors a rank wants, in whatever placement it now uses.
+// Pure: no I/O, no daemon state, so the same plan serves a restore with the saved
+// topology, a restore with another one, verify and export.
+//
+// A placement is a box in the global tensor: an offset and a local shape per dimension
+// (DTensor row, column and block shards; the whole tensor is the box at 0 of the global
+// shape). Saved shards are boxes too (TensorShard.offset/shape), stored row-major. The plan
+// for a wanted box is, per saved shard it overlaps, the runs of bytes that are contiguous in
+// both: one run per overlap when the shards differ only in their first dimension, one per
+// row when they split a later one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::restore {
+
+// A rank's piece of one tensor, as it now places it.
+struct WantedTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;         // local
+  std::vector<int64_t> global_shape;  // empty: the local tensor is the whole tensor
+  std::vector<int64_t> offset;        // empty: all zeros
+};
+
+// `bytes` from byte `source` of a saved entry to byte `destination` of the wanted piece.
+struct ByteRun {
+  uint64_t source = 0;
+  uint64_t destination = 0;
+  uint64_t bytes = 0;
+  bool operator==(const ByteRun&) const = default;
+};
+
+// What one saved shard gives one wanted piece.
+struct ShardRead {
+  uint32_t rank = 0;
+  std::string file;
+  uint64_t entry_begin = 0;  // the saved entry in the file's data region
+  uint64_t entry_end = 0;
+  std::string checksum;      // of the whole saved entry
+  std::vector<ByteRun> runs;  // by source, adjacent ones merged
+};
+
+struct TensorReadPlan {
+  std::string name;
+  uint64_t bytes = 0;  // of the wanted piece, every one of them covered by `reads`
+  std::vector<ShardRead> reads;
+  // True when the piece is exactly one saved shard's whole entry (the saved topology).
+  bool whole_entry() const {
+    return reads.size() == 1 && reads[0].runs.size() == 1 && reads[0].runs[0].source == 0 &&
+           reads[0].runs[0].bytes == bytes && reads[0].entry_end - reads[0].entry_begin == bytes;
+  }
+};
+
+struct ReadPlan {
+  std::vector<TensorReadPlan> tensors;  // in the order wanted
+  std::vector<std::string> missing;     // allow_missing: wanted, not in the checkpoint
+};
+
+struct ReadPlanOptions {
+  bool allow_missing = false;  // skip (and list) wanted tensors the checkpoint lacks
+  // Bounds what one plan may hold (a column shard of a tall tensor is a run per row).
+  uint64_t max_runs = uint64_t{1} << 24;
+};
+
+// The plan, or InvalidArgument listing every wanted tensor that cannot be read: not in the
+// checkpoint (unless allowed), another dtype or global shape, a box outside the global
+// tensor, or a region no saved shard covers (named with its range). DataLoss when the
+// manifest's shards of a tensor overlap.
+absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
+                                  const std::vector<WantedTensor>& wanted,
+                                  const ReadPlanOptions& options = {});
+
+}  // namespace ckpt::restore

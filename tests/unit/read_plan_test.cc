@@ -1,0 +1,213 @@
+// The read planner against a global tensor cut every way: each plan is carried out on the
+// saved shards' bytes and must give exactly the wanted slice of the global tensor.
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "daemon/restore/read_plan.h"
+
+using ckpt::persist::Manifest;
+using ckpt::persist::TensorShard;
+using ckpt::restore::PlanRead;
+using ckpt::restore::ReadPlan;
+using ckpt::restore::WantedTensor;
+
+namespace {
+
+constexpr int64_t kRows = 12, kCols = 10;
+
+float Global(int64_t r, int64_t c) { return static_cast<float>(r * 100 + c); }
+
+struct Piece {
+  std::vector<int64_t> offset, shape;
+};
+
+// The bytes of a piece of the global tensor, row-major.
+std::vector<char> Slice(const Piece& p) {
+  std::vector<float> v;
+  for (int64_t r = 0; r < p.shape[0]; ++r) {
+    for (int64_t c = 0; c < p.shape[1]; ++c) v.push_back(Global(p.offset[0] + r, p.offset[1] + c));
+  }
+  std::vector<char> bytes(v.size() * sizeof(float));
+  std::memcpy(bytes.data(), v.data(), bytes.size());
+  return bytes;
+}
+
+// A manifest of "w" saved in `pieces` (one per rank), and each rank's entry bytes. Each
+// entry sits at a made-up offset in its file, which the plan must not confuse with 0.
+struct Saved {
+  Manifest manifest;
+  std::map<uint32_t, std::vector<char>> entries;
+};
+
+Saved Save(const std::vector<Piece>& pieces) {
+  Saved s;
+  s.manifest.step = 7;
+  auto& t = s.manifest.tensors["w"];
+  t.dtype = "F32";
+  t.global_shape = {kRows, kCols};
+  for (uint32_t rank = 0; rank < pieces.size(); ++rank) {
+    std::vector<char> bytes = Slice(pieces[rank]);
+    TensorShard shard;
+    shard.rank = rank;
+    shard.file = "rank-" + std::to_string(rank);
+    shard.begin = 4096 * (rank + 1);
+    shard.end = shard.begin + bytes.size();
+    shard.offset = pieces[rank].offset;
+    shard.shape = pieces[rank].shape;
+    t.shards.push_back(shard);
+    s.entries[rank] = std::move(bytes);
+  }
+  return s;
+}
+
+std::vector<char> Carry(const Saved& saved, const ReadPlan& plan, size_t bytes) {
+  REQUIRE(plan.tensors.size() == 1);
+  std::vector<char> out(bytes, 0x7f);
+  for (const auto& read : plan.tensors[0].reads) {
+    const std::vector<char>& entry = saved.entries.at(read.rank);
+    REQUIRE(read.entry_end - read.entry_begin == entry.size());
+    for (const auto& run : read.runs) {
+      REQUIRE(run.source + run.bytes <= entry.size());
+      REQUIRE(run.destination + run.bytes <= out.size());
+      std::memcpy(out.data() + run.destination, entry.data() + run.source, run.bytes);
+    }
+  }
+  return out;
+}
+
+std::vector<Piece> Rows(std::vector<int64_t> heights) {
+  std::vector<Piece> out;
+  int64_t at = 0;
+  for (int64_t h : heights) {
+    out.push_back({{at, 0}, {h, kCols}});
+    at += h;
+  }
+  return out;
+}
+
+std::vector<Piece> Columns(std::vector<int64_t> widths) {
+  std::vector<Piece> out;
+  int64_t at = 0;
+  for (int64_t w : widths) {
+    out.push_back({{0, at}, {kRows, w}});
+    at += w;
+  }
+  return out;
+}
+
+std::vector<Piece> Blocks() {  // 2 x 2, uneven
+  return {{{0, 0}, {5, 4}}, {{0, 4}, {5, 6}}, {{5, 0}, {7, 4}}, {{5, 4}, {7, 6}}};
+}
+
+void CheckEveryWay(const std::vector<Piece>& saved_as) {
+  Saved saved = Save(saved_as);
+  const std::vector<std::vector<Piece>> layouts = {
+      Rows({kRows}),              // 1 rank
+      Rows({6, 6}),               // 2
+      Rows({5, 4, 3}),            // 3, uneven
+      Rows({2, 2, 2, 2, 1, 1, 1, 1}),  // 8
+      Rows({3, 3, 3, 3}),         // the saved row layout
+      Columns({5, 5}),
+      Columns({1, 9}),
+      Blocks(),
+  };
+  for (const auto& layout : layouts) {
+    for (const Piece& p : layout) {
+      WantedTensor w{"w", "F32", p.shape, {kRows, kCols}, p.offset};
+      auto plan = PlanRead(saved.manifest, {w});
+      INFO("piece at " << p.offset[0] << "," << p.offset[1] << " of " << p.shape[0] << "x" << p.shape[1]);
+      REQUIRE(plan.ok());
+      std::vector<char> want = Slice(p);
+      CHECK(plan->tensors[0].bytes == want.size());
+      CHECK(Carry(saved, *plan, want.size()) == want);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a tensor saved by 4 ranks in rows reads back in any placement, bit for bit") {
+  CheckEveryWay(Rows({3, 3, 3, 3}));
+}
+
+TEST_CASE("saved in columns or blocks, it reads back as rows and the reverse") {
+  CheckEveryWay(Columns({2, 3, 5}));
+  CheckEveryWay(Blocks());
+}
+
+TEST_CASE("the saved topology reads each rank's whole entry in one run") {
+  Saved saved = Save(Rows({3, 3, 3, 3}));
+  for (const Piece& p : Rows({3, 3, 3, 3})) {
+    auto plan = PlanRead(saved.manifest, {{"w", "F32", p.shape, {kRows, kCols}, p.offset}});
+    REQUIRE(plan.ok());
+    CHECK(plan->tensors[0].whole_entry());
+  }
+  // Row shards read as fewer, larger rows: one run per saved shard, never one per row.
+  auto half = PlanRead(saved.manifest, {{"w", "F32", {6, kCols}, {kRows, kCols}, {6, 0}}});
+  REQUIRE(half.ok());
+  REQUIRE(half->tensors[0].reads.size() == 2);
+  for (const auto& read : half->tensors[0].reads) CHECK(read.runs.size() == 1);
+  // A whole tensor wanted without a placement is the box at 0 of its shape.
+  auto whole = PlanRead(saved.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  REQUIRE(whole.ok());
+  CHECK(whole->tensors[0].reads.size() == 4);
+}
+
+TEST_CASE("a region no saved shard holds is an error naming the tensor and the range") {
+  Saved saved = Save({{{0, 0}, {3, kCols}}, {{6, 0}, {6, kCols}}});  // rows 3..6 were never saved
+  auto plan = PlanRead(saved.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  REQUIRE_FALSE(plan.ok());
+  INFO(plan.status().message());
+  CHECK(plan.status().message().find("w: no saved shard holds [3:6, 0:10] (30 of 120") != std::string::npos);
+  // A piece inside what was saved reads fine.
+  CHECK(PlanRead(saved.manifest, {{"w", "F32", {2, kCols}, {kRows, kCols}, {7, 0}}}).ok());
+}
+
+TEST_CASE("wrong names, dtypes, shapes and placements are all listed at once") {
+  Saved saved = Save(Rows({6, 6}));
+  saved.manifest.tensors["b"] = saved.manifest.tensors["w"];
+  auto plan = PlanRead(saved.manifest, {{"gone", "F32", {1}, {}, {}},
+                                        {"w", "BF16", {kRows, kCols}, {}, {}},
+                                        {"b", "F32", {3, 3}, {3, 3}, {}},
+                                        {"w", "F32", {6, kCols}, {kRows, kCols}, {7, 0}}});
+  REQUIRE_FALSE(plan.ok());
+  const std::string why(plan.status().message());
+  INFO(why);
+  CHECK(why.find("4 tensor(s) cannot be read from step 7") != std::string::npos);
+  CHECK(why.find("gone: not in the checkpoint") != std::string::npos);
+  CHECK(why.find("w: saved as F32, wanted as BF16") != std::string::npos);
+  CHECK(why.find("b: global shape [12, 10] saved, [3, 3] wanted") != std::string::npos);
+  CHECK(why.find("is not inside the global shape [12, 10]") != std::string::npos);
+  // Non-strict: missing tensors are skipped and listed, the others still planned.
+  auto lenient = PlanRead(saved.manifest, {{"gone", "F32", {1}, {}, {}}, {"w", "F32", {kRows, kCols}, {}, {}}},
+                          {.allow_missing = true});
+  REQUIRE(lenient.ok());
+  CHECK(lenient->missing == std::vector<std::string>{"gone"});
+  CHECK(lenient->tensors.size() == 1);
+}
+
+TEST_CASE("a manifest whose shards overlap is damaged, not read twice") {
+  Saved saved = Save({{{0, 0}, {7, kCols}}, {{5, 0}, {7, kCols}}});
+  auto plan = PlanRead(saved.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  REQUIRE_FALSE(plan.ok());
+  CHECK(plan.status().code() == absl::StatusCode::kDataLoss);
+}
+
+TEST_CASE("scalars and one-dimensional tensors plan too, and huge run counts are refused") {
+  Manifest m;
+  auto& s = m.tensors["step"];
+  s.dtype = "I64";
+  s.shards.push_back({.rank = 0, .file = "f", .begin = 8, .end = 16});
+  auto scalar = PlanRead(m, {{"step", "I64", {}, {}, {}}});
+  REQUIRE(scalar.ok());
+  CHECK(scalar->tensors[0].whole_entry());
+  // A 1 x N column cut of a tall tensor is a run per row: bounded.
+  Saved saved = Save(Rows({kRows}));
+  auto fine = PlanRead(saved.manifest, {{"w", "F32", {kRows, 1}, {kRows, kCols}, {0, 3}}},
+                       {.max_runs = 4});
+  CHECK(fine.status().code() == absl::StatusCode::kResourceExhausted);
+}
