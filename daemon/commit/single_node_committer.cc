@@ -1,5 +1,6 @@
 #include "daemon/commit/single_node_committer.h"
 
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/persist/tiling.h"
 
 namespace ckpt::daemon::commit {
 
@@ -47,6 +49,11 @@ void SingleNodeCommitter::Commit(const Key& key) {
     auto it = steps_.find(key);
     if (it == steps_.end()) return;
     manifest = BuildManifest(key.first, key.second, it->second.world_size, it->second.durable);
+  }
+  // Ranks that disagree about who holds which part of a tensor make a step nobody could
+  // restore: it fails here, naming the tensor, instead of committing.
+  if (manifest.ok()) {
+    if (absl::Status tiled = persist::CheckTiling(*manifest); !tiled.ok()) manifest = tiled;
   }
   absl::Status committed = manifest.ok() ? store_.Commit(*manifest) : manifest.status();
   if (!committed.ok()) {

@@ -1,5 +1,6 @@
 #include "daemon/group/commit_coordinator.h"
 
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -9,6 +10,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
+#include "daemon/persist/tiling.h"
 
 namespace ckpt::group {
 namespace {
@@ -162,6 +164,9 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
 
 void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
   auto merged = persist::MergeManifestParts(round.parts);
+  if (merged.ok()) {
+    if (absl::Status tiled = persist::CheckTiling(*merged); !tiled.ok()) merged = tiled;
+  }
   if (!merged.ok()) {
     AbortLocked(key, Message(merged.status()), out);
     return;

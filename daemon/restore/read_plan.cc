@@ -4,7 +4,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <set>
 
 #include "common/dtype.h"
 
@@ -13,27 +12,9 @@ namespace {
 
 using Index = std::vector<int64_t>;
 
-// A box in the global tensor: [lo, lo + extent) per dimension.
-struct Box {
-  Index lo, extent;
-  uint64_t Volume() const {
-    uint64_t v = 1;
-    for (int64_t e : extent) v *= static_cast<uint64_t>(e);
-    return v;
-  }
-};
-
-std::optional<Box> Intersect(const Box& a, const Box& b) {
-  Box out{Index(a.lo.size()), Index(a.lo.size())};
-  for (size_t d = 0; d < a.lo.size(); ++d) {
-    int64_t lo = std::max(a.lo[d], b.lo[d]);
-    int64_t hi = std::min(a.lo[d] + a.extent[d], b.lo[d] + b.extent[d]);
-    if (lo >= hi) return std::nullopt;
-    out.lo[d] = lo;
-    out.extent[d] = hi - lo;
-  }
-  return out;
-}
+using persist::Box;
+using persist::FindGap;
+using persist::Intersect;
 
 // Row-major element offset of global index `at` inside box `in`.
 uint64_t Linear(const Box& in, const Index& at) {
@@ -42,12 +23,6 @@ uint64_t Linear(const Box& in, const Index& at) {
     linear = linear * static_cast<uint64_t>(in.extent[d]) + static_cast<uint64_t>(at[d] - in.lo[d]);
   }
   return linear;
-}
-
-std::string Range(const Box& b) {
-  std::vector<std::string> dims;
-  for (size_t d = 0; d < b.lo.size(); ++d) dims.push_back(fmt::format("{}:{}", b.lo[d], b.lo[d] + b.extent[d]));
-  return "[" + fmt::format("{}", fmt::join(dims, ", ")) + "]";
 }
 
 // The runs that copy `overlap` from saved box `saved` to wanted box `wanted`: contiguous
@@ -76,39 +51,6 @@ void AddRuns(const Box& overlap, const Box& saved, const Box& wanted, size_t ite
     }
     if (j == 0) return;
   }
-}
-
-// A region of `wanted` that none of `covered` holds, for the error message; nullopt when
-// the boxes are too many to look for one cheaply.
-std::optional<Box> FindGap(const Box& wanted, const std::vector<Box>& covered) {
-  const size_t n = wanted.lo.size();
-  std::vector<std::vector<int64_t>> cuts(n);
-  uint64_t cells = 1;
-  for (size_t d = 0; d < n; ++d) {
-    std::set<int64_t> at = {wanted.lo[d], wanted.lo[d] + wanted.extent[d]};
-    for (const Box& b : covered) {
-      at.insert(b.lo[d]);
-      at.insert(b.lo[d] + b.extent[d]);
-    }
-    cuts[d].assign(at.begin(), at.end());
-    cells *= cuts[d].size() - 1;
-  }
-  if (cells * std::max<size_t>(covered.size(), 1) > (uint64_t{1} << 24)) return std::nullopt;
-  std::vector<size_t> cell(n, 0);
-  for (uint64_t c = 0; c < cells; ++c) {
-    Box box{Index(n), Index(n)};
-    for (size_t d = 0; d < n; ++d) {
-      box.lo[d] = cuts[d][cell[d]];
-      box.extent[d] = cuts[d][cell[d] + 1] - box.lo[d];
-    }
-    bool held = std::any_of(covered.begin(), covered.end(), [&](const Box& b) { return Intersect(b, box).has_value(); });
-    if (!held) return box;
-    for (size_t d = n; d-- > 0;) {
-      if (++cell[d] < cuts[d].size() - 1) break;
-      cell[d] = 0;
-    }
-  }
-  return std::nullopt;
 }
 
 }  // namespace
@@ -192,7 +134,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       std::optional<Box> gap = FindGap(want, overlaps);
       problems.push_back(fmt::format("{}: no saved shard holds {} ({} of {} wanted elements "
                                      "are missing)",
-                                     w.name, gap ? Range(*gap) : "part of " + Range(want),
+                                     w.name, gap ? gap->Range() : "part of " + want.Range(),
                                      want.Volume() - covered, want.Volume()));
       continue;
     }

@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/persist/manifest.h"
+#include "daemon/persist/tiling.h"
 
 namespace ckpt::restore {
 

@@ -1,0 +1,34 @@
+// Placements as boxes in the global tensor, and the check that a checkpoint's shards of each
+// tensor tile it exactly once (docs/format.md). Used at commit, where a step whose ranks
+// disagree about who holds what must not commit, and by the read planner.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/persist/manifest.h"
+
+namespace ckpt::persist {
+
+// [lo, lo + extent) per dimension.
+struct Box {
+  std::vector<int64_t> lo, extent;
+  uint64_t Volume() const;
+  std::string Range() const;  // "[0:3, 0:10]"
+};
+
+std::optional<Box> Intersect(const Box& a, const Box& b);
+
+// A region of `whole` that none of `covered` holds; nullopt when there is none, or when the
+// boxes are too many to look for one cheaply.
+std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);
+
+// OK when the shards of every tensor of `manifest` lie inside its global shape and cover
+// it exactly once; otherwise FailedPrecondition naming the tensor, and the ranks that
+// overlap or the range nobody holds.
+absl::Status CheckTiling(const Manifest& manifest);
+
+}  // namespace ckpt::persist

@@ -1,0 +1,55 @@
+// A step's shards must tile each tensor exactly once before it commits.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "daemon/persist/tiling.h"
+
+using ckpt::persist::CheckTiling;
+using ckpt::persist::Manifest;
+using ckpt::persist::TensorShard;
+
+namespace {
+
+Manifest With(std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> pieces,
+              std::vector<int64_t> global = {8, 6}) {
+  Manifest m;
+  auto& t = m.tensors["layer.w"];
+  t.dtype = "F32";
+  t.global_shape = global;
+  uint32_t rank = 0;
+  for (auto& [offset, shape] : pieces) {
+    TensorShard s;
+    s.rank = rank++;
+    s.offset = offset;
+    s.shape = shape;
+    t.shards.push_back(s);
+  }
+  return m;
+}
+
+std::string Why(const Manifest& m) { return std::string(CheckTiling(m).message()); }
+
+}  // namespace
+
+TEST_CASE("rows, columns, blocks and a whole tensor tile; scalars too") {
+  CHECK(CheckTiling(With({{{0, 0}, {3, 6}}, {{3, 0}, {5, 6}}})).ok());
+  CHECK(CheckTiling(With({{{0, 0}, {8, 2}}, {{0, 2}, {8, 4}}})).ok());
+  CHECK(CheckTiling(With({{{0, 0}, {4, 3}}, {{0, 3}, {4, 3}}, {{4, 0}, {4, 3}}, {{4, 3}, {4, 3}}})).ok());
+  CHECK(CheckTiling(With({{{}, {}}})).ok());  // no placement: the whole tensor
+  CHECK(CheckTiling(With({{{}, {}}}, {})).ok());  // a scalar
+  // Empty shards (an FSDP rank with nothing of a small tensor) are fine.
+  CHECK(CheckTiling(With({{{0, 0}, {8, 6}}, {{8, 0}, {0, 6}}})).ok());
+}
+
+TEST_CASE("overlaps, gaps and shards outside the tensor are named") {
+  CHECK(Why(With({{{0, 0}, {5, 6}}, {{3, 0}, {5, 6}}})) == "tensor layer.w: ranks 0 and 1 both hold [3:5, 0:6]");
+  CHECK(Why(With({{{0, 0}, {3, 6}}, {{5, 0}, {3, 6}}})) ==
+        "tensor layer.w: no rank holds [3:5, 0:6] (36 of 48 elements are held)");
+  // A gap and an overlap of the same size do not cancel out.
+  CHECK(Why(With({{{0, 0}, {4, 6}}, {{2, 0}, {4, 6}}})) == "tensor layer.w: ranks 0 and 1 both hold [2:4, 0:6]");
+  CHECK(Why(With({{{0, 0}, {8, 6}}, {{6, 0}, {4, 6}}})).find("rank 1 places its shard at [6, 0] of shape [4, 6], "
+                                                               "outside the global shape [8, 6]") != std::string::npos);
+  // Column shards that overlap, found by sweeping columns.
+  CHECK(Why(With({{{0, 0}, {8, 4}}, {{0, 3}, {8, 3}}})) == "tensor layer.w: ranks 0 and 1 both hold [0:8, 3:4]");
+}
