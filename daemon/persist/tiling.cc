@@ -72,6 +72,7 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
   const size_t n = t.global_shape.size();
   const Box whole{std::vector<int64_t>(n, 0), t.global_shape};
   std::vector<Box> boxes;
+  std::vector<uint32_t> ranks;  // of each box
   uint64_t volume = 0;
   for (const TensorShard& s : t.shards) {
     Box b{s.offset.empty() ? std::vector<int64_t>(n, 0) : s.offset, s.shape.empty() ? t.global_shape : s.shape};
@@ -84,7 +85,13 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
           "tensor {}: rank {} places its shard at [{}] of shape [{}], outside the global shape [{}]",
           name, s.rank, fmt::join(s.offset, ", "), fmt::join(s.shape, ", "), fmt::join(t.global_shape, ", ")));
     }
+    // Several ranks holding the very same box are replicas (data parallel, or HSDP's
+    // replicated shards): one of them counts.
+    if (std::any_of(boxes.begin(), boxes.end(), [&](const Box& o) { return o.lo == b.lo && o.extent == b.extent; })) {
+      continue;
+    }
     volume += b.Volume();
+    ranks.push_back(s.rank);
     boxes.push_back(std::move(b));
   }
   // No two shards overlap: sweep along the dimension whose starts differ most, comparing
@@ -109,7 +116,7 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
     for (size_t o : open) {
       if (std::optional<Box> both = Intersect(boxes[o], boxes[i])) {
         return absl::FailedPreconditionError(fmt::format("tensor {}: ranks {} and {} both hold {}", name,
-                                                         t.shards[o].rank, t.shards[i].rank, both->Range()));
+                                                         ranks[o], ranks[i], both->Range()));
       }
     }
     open.push_back(i);

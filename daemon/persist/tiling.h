@@ -27,8 +27,9 @@ std::optional<Box> Intersect(const Box& a, const Box& b);
 std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);
 
 // OK when the shards of every tensor of `manifest` lie inside its global shape and cover
-// it exactly once; otherwise FailedPrecondition naming the tensor, and the ranks that
-// overlap or the range nobody holds.
+// it exactly once, ranks holding the very same box counting once (replicas: every
+// data-parallel rank holds the whole tensor); otherwise FailedPrecondition naming the
+// tensor, and the ranks that overlap or the range nobody holds.
 absl::Status CheckTiling(const Manifest& manifest);
 
 }  // namespace ckpt::persist

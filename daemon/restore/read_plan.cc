@@ -103,6 +103,9 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     TensorReadPlan t{w.name, want.Volume() * *itemsize, {}};
     uint64_t covered = 0;
     std::vector<Box> overlaps;
+    // Replicas (ranks holding the very same box) are read once: from the preferred rank's
+    // shard when it is one of them (its own file, in the saved topology), else the first.
+    std::vector<std::pair<Box, const persist::TensorShard*>> boxes;
     for (const persist::TensorShard& s : saved.shards) {
       Box box{s.offset.empty() ? Index(n, 0) : s.offset, s.shape.empty() ? global : s.shape};
       if (box.lo.size() != n || box.extent.size() != n) {
@@ -110,6 +113,17 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
             "the manifest places rank {}'s shard of {} in {} dimensions; the tensor has {}", s.rank,
             w.name, box.lo.size(), n));
       }
+      auto same = std::find_if(boxes.begin(), boxes.end(), [&](const auto& b) {
+        return b.first.lo == box.lo && b.first.extent == box.extent;
+      });
+      if (same == boxes.end()) {
+        boxes.emplace_back(std::move(box), &s);
+      } else if (options.prefer_rank && s.rank == *options.prefer_rank) {
+        same->second = &s;
+      }
+    }
+    for (const auto& [box, shard] : boxes) {
+      const persist::TensorShard& s = *shard;
       std::optional<Box> overlap = Intersect(box, want);
       if (!overlap || overlap->Volume() == 0) continue;
       ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, {}};

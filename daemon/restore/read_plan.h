@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,6 +67,8 @@ struct ReadPlan {
 
 struct ReadPlanOptions {
   bool allow_missing = false;  // skip (and list) wanted tensors the checkpoint lacks
+  // Of replicas (ranks that saved the very same piece), read this rank's.
+  std::optional<uint32_t> prefer_rank;
   // Bounds what one plan may hold (a column shard of a tall tensor is a run per row).
   uint64_t max_runs = uint64_t{1} << 24;
 };

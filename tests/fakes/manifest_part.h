@@ -1,4 +1,5 @@
-// One node's manifest part for group tests: shards of `ranks` only, no tensors.
+// One node's manifest part for group tests: shards of `ranks`, each holding its 16-element
+// row of tensor "w" (F32, 16 x world_size in all), as commit_test's snapshots place it.
 #pragma once
 
 #include <fmt/format.h>
@@ -24,6 +25,10 @@ inline persist::Manifest ManifestPart(const std::string& job, uint64_t step, uin
     s.rank = r;
     s.file = fmt::format("rank-{:05d}.safetensors", r);
     s.bytes = 1000 + r;
+    persist::ManifestTensor& w = m.tensors["w"];
+    w.dtype = "F32";
+    w.global_shape = {16 * static_cast<int64_t>(world_size)};
+    w.shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, ""});
     m.shards.push_back(std::move(s));
   }
   return m;

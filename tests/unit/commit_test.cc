@@ -439,16 +439,7 @@ TEST_CASE("group: a prepared step survives shutdown in .tmp and is resolved at t
   CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
   REQUIRE(f.fs->Exists(f.store.TempStepDir("job", 10)));  // in doubt: kept
   // The other node's rank prepares: the coordinator commits.
-  persist::Manifest part;
-  part.job = "job";
-  part.step = 10;
-  part.world_size = 2;
-  part.ckptd_version = "test";
-  persist::ManifestShard shard;
-  shard.rank = 1;
-  shard.file = "rank-00001.safetensors";
-  part.shards.push_back(shard);
-  auto other = f.kind.OtherNode()->Prepare(part, 1);
+  auto other = f.kind.OtherNode()->Prepare(testing::ManifestPart("job", 10, 2, {1}), 1);
   REQUIRE(other.ok());
   CHECK(other->outcome == group::Outcome::kCommitted);
   // "Restart": a new committer adopts the .tmp and applies the recorded decision.

@@ -211,3 +211,18 @@ TEST_CASE("scalars and one-dimensional tensors plan too, and huge run counts are
                        {.max_runs = 4});
   CHECK(fine.status().code() == absl::StatusCode::kResourceExhausted);
 }
+
+TEST_CASE("replicated shards are read once, the preferred rank's when it holds one") {
+  Saved saved = Save({{{0, 0}, {6, kCols}}, {{6, 0}, {6, kCols}}, {{0, 0}, {6, kCols}}, {{6, 0}, {6, kCols}}});
+  auto plan = PlanRead(saved.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  REQUIRE(plan.ok());
+  REQUIRE(plan->tensors[0].reads.size() == 2);
+  CHECK(plan->tensors[0].reads[0].rank == 0);
+  CHECK(plan->tensors[0].reads[1].rank == 1);
+  auto mine = PlanRead(saved.manifest, {{"w", "F32", {6, kCols}, {kRows, kCols}, {6, 0}}}, {.prefer_rank = 3});
+  REQUIRE(mine.ok());
+  REQUIRE(mine->tensors[0].reads.size() == 1);
+  CHECK(mine->tensors[0].reads[0].rank == 3);
+  CHECK(mine->tensors[0].whole_entry());
+  CHECK(Carry(saved, *mine, 6 * kCols * 4) == Slice({{6, 0}, {6, kCols}}));
+}

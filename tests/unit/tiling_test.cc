@@ -53,3 +53,10 @@ TEST_CASE("overlaps, gaps and shards outside the tensor are named") {
   // Column shards that overlap, found by sweeping columns.
   CHECK(Why(With({{{0, 0}, {8, 4}}, {{0, 3}, {8, 3}}})) == "tensor layer.w: ranks 0 and 1 both hold [0:8, 3:4]");
 }
+
+TEST_CASE("replicas, ranks holding the very same piece, count once") {
+  CHECK(CheckTiling(With({{{}, {}}, {{}, {}}, {{}, {}}})).ok());  // data parallel: all whole
+  // HSDP: two replica groups of two row shards each.
+  CHECK(CheckTiling(With({{{0, 0}, {4, 6}}, {{4, 0}, {4, 6}}, {{0, 0}, {4, 6}}, {{4, 0}, {4, 6}}})).ok());
+  CHECK_FALSE(CheckTiling(With({{{0, 0}, {4, 6}}, {{0, 0}, {4, 6}}})).ok());  // still a gap
+}
