@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <thread>
 
+#include "tests/fakes/huge_pages.h"
 #include "tests/fakes/wait_until.h"
 #include "tests/integration/common.h"
 
@@ -251,23 +251,6 @@ TEST_CASE("a job that goes back to an older step trains on: its new steps are ke
   CHECK(Contains(latest.out, "restored step=26"));
   CHECK(Contains(latest.out, "match"));
 }
-
-namespace {
-
-// Free pages in the huge-page pool the operator reserved (tools/test.sh reserves one when
-// it runs as root on a machine that has none).
-size_t FreeHugePages() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  size_t value = 0;
-  while (meminfo >> key) {
-    if (key == "HugePages_Free:" && (meminfo >> value)) return value;
-    meminfo.ignore(1 << 10, '\n');
-  }
-  return 0;
-}
-
-}  // namespace
 
 TEST_CASE("copy-on-write snapshots keep the bytes of the snapshot while the trainer writes at once") {
   TempDir dir;

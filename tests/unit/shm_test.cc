@@ -19,6 +19,7 @@
 
 #include "common/status.h"
 #include "shm/arena.h"
+#include "tests/fakes/huge_pages.h"
 #include "shm/command_ring.h"
 #include "shm/futex.h"
 #include "shm/payload.h"
@@ -91,18 +92,6 @@ TEST_CASE("an arena has no name: it reaches another process only as a descriptor
   CHECK(errno == EPERM);
 }
 
-// Free pages in the huge-page pool now (the operator's vm.nr_hugepages).
-static size_t FreeHugePages() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  size_t value = 0;
-  while (meminfo >> key) {
-    if (key == "HugePages_Free:" && (meminfo >> value)) return value;
-    meminfo.ignore(1 << 10, '\n');
-  }
-  return 0;
-}
-
 TEST_CASE("a large arena lives in huge pages while the pool has room, in base pages otherwise") {
   const size_t page = ckpt::shm::HugePageSize();
   REQUIRE(page > 0);
@@ -116,7 +105,7 @@ TEST_CASE("a large arena lives in huge pages while the pool has room, in base pa
   REQUIRE(plain.ok());
   CHECK_FALSE((*plain)->huge());
   // More than the pool holds falls back to base pages, never fails.
-  const size_t beyond = (FreeHugePages() + 1) * page + Arena::kMinHugeArena;
+  const size_t beyond = (ckpt::testing::FreeHugePages() + 1) * page + Arena::kMinHugeArena;
   auto fallback = Arena::Create(beyond, /*huge_pages=*/true);
   REQUIRE(fallback.ok());
   CHECK_FALSE((*fallback)->huge());
@@ -128,7 +117,7 @@ TEST_CASE("a large arena lives in huge pages while the pool has room, in base pa
   const size_t rounded = (asked + page - 1) / page * page;
   auto huge = Arena::Create(asked, /*huge_pages=*/true);
   REQUIRE(huge.ok());
-  INFO("free huge pages: " << FreeHugePages());
+  INFO("free huge pages: " << ckpt::testing::FreeHugePages());
   if ((*huge)->huge()) {
     CHECK((*huge)->capacity() == rounded);
     CHECK(ckpt::shm::IsHugeTlb((*huge)->fd()));
@@ -141,7 +130,7 @@ TEST_CASE("a large arena lives in huge pages while the pool has room, in base pa
     CHECK(::ftruncate((*huge)->fd(), 0) != 0);  // sealed like any arena
   } else {
     // Only when the pool cannot hold it right now.
-    CHECK(FreeHugePages() * page < rounded);
+    CHECK(ckpt::testing::FreeHugePages() * page < rounded);
     CHECK((*huge)->capacity() == asked);
   }
 }
