@@ -3,7 +3,8 @@
 //   bazel run //tests/bench:ckpt_bench -- [--ranks 2] [--bytes-per-rank 2G] [--json]
 //
 // Limits measured first: memcpy bandwidth (1 and --copy-threads threads, best taken) and
-// sequential write bandwidth with fdatasync on the filesystem of --root. Then a real ckptd
+// the write bandwidth of --root's filesystem the way ckptd writes (O_DIRECT, 32 MiB writes,
+// --io-threads streams, fdatasync; a buffered single stream is shown beside it). Then a real ckptd
 // and one client per rank (threads of this process, each its own session):
 //   snapshot()   latency of the call, p50/p99 over many calls (small state: the call is a
 //                ring write and does not depend on size; the big snapshots' calls are
@@ -29,7 +30,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -112,6 +115,42 @@ double DiskWriteOnce(const std::string& dir, uint64_t bytes) {
   return gbps;
 }
 
+
+// The disk limit the way ckptd writes (daemon/persist/local_fs_shard_writer.cc): `streams`
+// files written at once, one per I/O thread, each in 32 MiB O_DIRECT writes from aligned
+// memory and ended by fdatasync (buffered where the filesystem refuses O_DIRECT, as
+// ckptd does). What ckptd's persist figure is compared with: a single buffered stream
+// undersells what the device does for ckptd, and ckptd "beat" it several times over.
+double DiskWriteLikeCkptd(const std::string& dir, uint64_t bytes, int streams) {
+  constexpr uint64_t kWrite = 32u << 20;
+  void* raw = nullptr;
+  if (::posix_memalign(&raw, 4096, kWrite) != 0) Die("posix_memalign");
+  std::unique_ptr<char, decltype(&std::free)> buffer(static_cast<char*>(raw), &std::free);
+  std::memset(buffer.get(), 7, kWrite);
+  const uint64_t per_stream = (bytes / streams + kWrite - 1) / kWrite * kWrite;
+  ::sync();
+  auto t0 = Clock::now();
+  std::vector<std::thread> pool;
+  for (int i = 0; i < streams; ++i) {
+    pool.emplace_back([&, i] {
+      std::string path = fmt::format("{}/write-limit-direct.{}", dir, i);
+      int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_DIRECT, 0600);
+      if (fd < 0) fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (fd < 0) Die("cannot create " + path);
+      for (uint64_t off = 0; off < per_stream; off += kWrite) {
+        if (::pwrite(fd, buffer.get(), kWrite, static_cast<off_t>(off)) != static_cast<ssize_t>(kWrite)) {
+          Die("write failed: " + path);
+        }
+      }
+      ::fdatasync(fd);
+      ::close(fd);
+    });
+  }
+  for (auto& th : pool) th.join();
+  double gbps = Gbps(per_stream * streams, Seconds(Clock::now() - t0));
+  for (int i = 0; i < streams; ++i) std::filesystem::remove(fmt::format("{}/write-limit-direct.{}", dir, i));
+  return gbps;
+}
 
 bool DropPageCache() {
   ::sync();
@@ -333,10 +372,12 @@ int main(int argc, char** argv) {
     // Virtual disks vary a lot from one second to the next: the write limit is measured
     // right before every round, on the same number of bytes, and medians are reported.
     std::vector<double> stage_gbps, persist_gbps, limit_gbps, persist_ratio, memcpy_gbps, stage_ratio;
+    std::vector<double> buffered_gbps;  // the single buffered stream, for reference
     std::vector<double> end_to_end_gbps, end_to_end_ratio;
     double big_call_us = 0;
     for (int round = 1; round <= f.rounds; ++round) {
-      limit_gbps.push_back(DiskWriteOnce(f.root, total));
+      buffered_gbps.push_back(DiskWriteOnce(f.root, total));
+      limit_gbps.push_back(DiskWriteLikeCkptd(f.root, total, f.io_threads));
       memcpy_gbps.push_back(MemcpyGbps(f.copy_threads, 2));
       std::vector<Clock::time_point> staged_at(f.ranks), committed_at(f.ranks);
       auto t0 = Clock::now();
@@ -380,6 +421,7 @@ int main(int argc, char** argv) {
     out["disk_write_gbps"] = Percentile(limit_gbps, 0.5);
     out["disk_write_gbps_min"] = *std::min_element(limit_gbps.begin(), limit_gbps.end());
     out["disk_write_gbps_max"] = *std::max_element(limit_gbps.begin(), limit_gbps.end());
+    out["disk_write_buffered_single_stream_gbps"] = Percentile(buffered_gbps, 0.5);
     out["persist_vs_disk"] = Percentile(persist_ratio, 0.5);
     out["end_to_end_gbps"] = Percentile(end_to_end_gbps, 0.5);
     out["end_to_end_vs_disk"] = Percentile(end_to_end_ratio, 0.5);
@@ -449,9 +491,11 @@ int main(int argc, char** argv) {
   row("memcpy (limit)", fmt::format("{:.2f} GB/s", memcpy),
       fmt::format("at start; {:.2f} to {:.2f} before rounds", out["memcpy_round_gbps_min"].get<double>(),
                   out["memcpy_round_gbps_max"].get<double>()));
-  row("write + fdatasync (limit)", fmt::format("{:.2f} GB/s", disk),
-      fmt::format("median; {:.2f} to {:.2f} across rounds", out["disk_write_gbps_min"].get<double>(),
-                  out["disk_write_gbps_max"].get<double>()));
+  row("write as ckptd does (limit)", fmt::format("{:.2f} GB/s", disk),
+      fmt::format("O_DIRECT, 32 MiB writes, {} streams, fdatasync; median, {:.2f} to {:.2f} across rounds",
+                  f.io_threads, out["disk_write_gbps_min"].get<double>(), out["disk_write_gbps_max"].get<double>()));
+  row("buffered single stream", fmt::format("{:.2f} GB/s", out["disk_write_buffered_single_stream_gbps"].get<double>()),
+      "16 MiB writes + fdatasync, for reference (not the limit)");
   row("snapshot() p50", fmt::format("{:.1f} us", out["snapshot_p50_us"].get<double>()), "");
   row("snapshot() p99", fmt::format("{:.1f} us", out["snapshot_p99_us"].get<double>()), "target < 200 us");
   row("staging", fmt::format("{:.2f} GB/s", out["staging_gbps"].get<double>()),
