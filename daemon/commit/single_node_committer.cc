@@ -1,6 +1,5 @@
 #include "daemon/commit/single_node_committer.h"
 
-
 #include <fmt/format.h>
 
 #include <algorithm>

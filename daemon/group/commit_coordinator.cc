@@ -1,6 +1,5 @@
 #include "daemon/group/commit_coordinator.h"
 
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 

@@ -21,6 +21,19 @@ std::string Box::Range() const {
   return fmt::format("[{}]", fmt::join(dims, ", "));
 }
 
+bool Box::Inside(const std::vector<int64_t>& shape) const {
+  if (lo.size() != shape.size() || extent.size() != shape.size()) return false;
+  for (size_t d = 0; d < shape.size(); ++d) {
+    if (lo[d] < 0 || extent[d] < 0 || lo[d] + extent[d] > shape[d]) return false;
+  }
+  return true;
+}
+
+Box PlacementBox(const std::vector<int64_t>& offset, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& global) {
+  return {offset.empty() ? std::vector<int64_t>(global.size(), 0) : offset, shape.empty() ? global : shape};
+}
+
 std::optional<Box> Intersect(const Box& a, const Box& b) {
   Box out{std::vector<int64_t>(a.lo.size()), std::vector<int64_t>(a.lo.size())};
   for (size_t d = 0; d < a.lo.size(); ++d) {
@@ -75,19 +88,15 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
   std::vector<uint32_t> ranks;  // of each box
   uint64_t volume = 0;
   for (const TensorShard& s : t.shards) {
-    Box b{s.offset.empty() ? std::vector<int64_t>(n, 0) : s.offset, s.shape.empty() ? t.global_shape : s.shape};
-    bool inside = b.lo.size() == n && b.extent.size() == n;
-    for (size_t d = 0; inside && d < n; ++d) {
-      inside = b.lo[d] >= 0 && b.extent[d] >= 0 && b.lo[d] + b.extent[d] <= t.global_shape[d];
-    }
-    if (!inside) {
+    Box b = PlacementBox(s.offset, s.shape, t.global_shape);
+    if (!b.Inside(t.global_shape)) {
       return absl::FailedPreconditionError(fmt::format(
           "tensor {}: rank {} places its shard at [{}] of shape [{}], outside the global shape [{}]",
           name, s.rank, fmt::join(s.offset, ", "), fmt::join(s.shape, ", "), fmt::join(t.global_shape, ", ")));
     }
     // Several ranks holding the very same box are replicas (data parallel, or HSDP's
     // replicated shards): one of them counts.
-    if (std::any_of(boxes.begin(), boxes.end(), [&](const Box& o) { return o.lo == b.lo && o.extent == b.extent; })) {
+    if (std::find(boxes.begin(), boxes.end(), b) != boxes.end()) {
       continue;
     }
     volume += b.Volume();

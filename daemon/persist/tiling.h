@@ -18,7 +18,15 @@ struct Box {
   std::vector<int64_t> lo, extent;
   uint64_t Volume() const;
   std::string Range() const;  // "[0:3, 0:10]"
+  // Whether the box has as many dimensions as `shape` and lies within it.
+  bool Inside(const std::vector<int64_t>& shape) const;
+  bool operator==(const Box&) const = default;
 };
+
+// The box a placement describes in a tensor of shape `global`: `offset` (empty: zeros) and
+// local `shape` (empty: the whole tensor).
+Box PlacementBox(const std::vector<int64_t>& offset, const std::vector<int64_t>& shape,
+                 const std::vector<int64_t>& global);
 
 std::optional<Box> Intersect(const Box& a, const Box& b);
 

@@ -83,12 +83,8 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       continue;
     }
     const size_t n = global.size();
-    Box want{w.offset.empty() ? Index(n, 0) : w.offset, w.shape};
-    bool inside = want.lo.size() == n && want.extent.size() == n;
-    for (size_t d = 0; inside && d < n; ++d) {
-      inside = want.lo[d] >= 0 && want.extent[d] >= 0 && want.lo[d] + want.extent[d] <= global[d];
-    }
-    if (!inside) {
+    const Box want{w.offset.empty() ? Index(n, 0) : w.offset, w.shape};
+    if (!want.Inside(global)) {
       problems.push_back(fmt::format("{}: the wanted piece at [{}] of shape [{}] is not inside the "
                                      "global shape [{}]",
                                      w.name, fmt::join(want.lo, ", "), fmt::join(want.extent, ", "),
@@ -107,15 +103,13 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     // shard when it is one of them (its own file, in the saved topology), else the first.
     std::vector<std::pair<Box, const persist::TensorShard*>> boxes;
     for (const persist::TensorShard& s : saved.shards) {
-      Box box{s.offset.empty() ? Index(n, 0) : s.offset, s.shape.empty() ? global : s.shape};
+      Box box = persist::PlacementBox(s.offset, s.shape, global);
       if (box.lo.size() != n || box.extent.size() != n) {
         return absl::DataLossError(fmt::format(
             "the manifest places rank {}'s shard of {} in {} dimensions; the tensor has {}", s.rank,
             w.name, box.lo.size(), n));
       }
-      auto same = std::find_if(boxes.begin(), boxes.end(), [&](const auto& b) {
-        return b.first.lo == box.lo && b.first.extent == box.extent;
-      });
+      auto same = std::find_if(boxes.begin(), boxes.end(), [&](const auto& b) { return b.first == box; });
       if (same == boxes.end()) {
         boxes.emplace_back(std::move(box), &s);
       } else if (options.prefer_rank && s.rank == *options.prefer_rank) {

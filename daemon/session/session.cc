@@ -502,7 +502,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   absl::StatusOr<StagedSnapshotPtr> staged;
   {
     std::lock_guard lock(data_mu_);
-    // The trainer may write from here: a copy-on-write snapshot releases it before the copy.
+    // The trainer may write from here: after the copy, or, for a copy-on-write snapshot,
+    // before it. The step may already be committed by then (its writer finished the moment
+    // the last byte landed); the ring keeps a decided ticket decided.
     auto release = [&] { SetTicketState(command.ticket, shm::kTicketStaged); };
     staged = stager.Stage(view(), command.step, std::move(*command.payload), submit, release);
   }
@@ -511,9 +513,6 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()));
   }
   events.SnapshotStaged();
-  // The step may already be committed (its writer finished the moment the last byte
-  // landed); the ring keeps a decided ticket decided.
-  SetTicketState(command.ticket, shm::kTicketStaged);
   Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
               (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
               (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);

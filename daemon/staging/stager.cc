@@ -147,6 +147,7 @@ absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot&
 absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap,
                                  const OnReleased& on_released, bool& released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
+  const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
   std::vector<bool> cow(tensors.size(), false);
   if (session.write_protect != nullptr) {
     for (size_t i = 0; i < tensors.size(); ++i) {
@@ -181,10 +182,9 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
                   "wrote to them",
                   session.job, session.rank, snap.step, copy.chunks(), copy.faulted());
     }
-    snap.landed.Advance(snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end);
+    snap.landed.Advance(tensor_bytes);
     return absl::OkStatus();
   }
-  const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
   // memcpy competes with persisting for the CPU, and the trainer is waiting for it: while
   // host tensors are copied, writers hold back (they yield between their writes), and the
   // copy runs as one job (per-chunk barriers cost more than overlap gains on the host).
