@@ -74,9 +74,10 @@ void SingleNodeCommitter::AbandonOlder(const Key& committed) {
     std::lock_guard lock(mu_);
     for (const auto& [key, step] : steps_) {
       // Older steps whose arrived ranks are all written can never complete now; one with a
-      // rank still queued or being written may: leave it.
+      // rank still queued or being written may: leave it. So may one with every rank
+      // written: its commit runs on the thread that wrote its last rank, maybe right now.
       if (key.first == committed.first && key.second < committed.second &&
-          step.arrived.size() == step.durable.size()) {
+          step.arrived.size() == step.durable.size() && step.durable.size() < step.world_size) {
         abandoned.emplace_back(key, step.world_size);
       }
     }

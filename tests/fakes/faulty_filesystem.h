@@ -3,9 +3,10 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <mutex>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "common/filesystem.h"
 #include "common/status.h"
@@ -70,7 +71,13 @@ class FaultyFilesystem final : public Filesystem {
     std::lock_guard lock(synced_mu_);
     return synced_dirs_;
   }
+  // Runs before every rename (on the renaming thread): a test holds one back there to
+  // widen a race. Set it before the filesystem is in use.
+  void BeforeRename(std::function<void(const std::string& from)> hook) {
+    before_rename_ = std::move(hook);
+  }
   absl::Status Rename(const std::string& from, const std::string& to) override {
+    if (before_rename_) before_rename_(from);
     if (Trip(Op::kRename)) return ErrnoStatus(err_, "rename " + from);
     return real_->Rename(from, to);
   }
@@ -101,6 +108,7 @@ class FaultyFilesystem final : public Filesystem {
   bool no_direct_ = false;
   mutable std::mutex synced_mu_;
   std::vector<std::string> synced_dirs_;
+  std::function<void(const std::string&)> before_rename_;
 };
 
 }  // namespace ckpt::testing

@@ -409,6 +409,36 @@ TEST_CASE("single node: a step whose last rank is still being written is not aba
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20});
 }
 
+TEST_CASE("single node: a complete step whose commit is under way is not abandoned by a newer one",
+          "[commit]") {
+  // Step 10's last rank is written, and its commit (on that writer's thread) is held at
+  // the rename while step 20 commits on the other thread: step 10 must still commit.
+  Fixture<SingleNode> f;
+  std::mutex mu;
+  std::condition_variable cv;
+  bool newer_committed = false;
+  f.fs->BeforeRename([&](const std::string& from) {
+    if (from.find("step-00000010") == std::string::npos) return;
+    std::unique_lock lock(mu);
+    cv.wait_for(lock, 10s, [&] { return newer_committed; });
+  });
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2), b = f.Submit(10, 1, 2);
+  uint64_t c = f.Submit(20, 0, 2), d = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(c) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(d) == shm::kTicketCommitted);
+  {
+    std::lock_guard lock(mu);
+    newer_committed = true;
+  }
+  cv.notify_all();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(b) == shm::kTicketCommitted);
+  CHECK(f.sink->error(a).empty());
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10, 20});
+  CHECK(f.failed == 0);
+}
+
 TEST_CASE("single node: shutdown fails what it cannot finish and leaves no unfinished directory",
           "[commit]") {
   Fixture<SingleNode> f;

@@ -183,8 +183,11 @@ TEST_CASE("wrong names, dtypes, shapes and placements are all listed at once") {
   CHECK(why.find("b: global shape [12, 10] saved, [3, 3] wanted") != std::string::npos);
   CHECK(why.find("is not inside the global shape [12, 10]") != std::string::npos);
   // Non-strict: missing tensors are skipped and listed, the others still planned.
-  auto lenient = PlanRead(saved.manifest, {{"gone", "F32", {1}, {}, {}}, {"w", "F32", {kRows, kCols}, {}, {}}},
-                          {.allow_missing = true});
+  ckpt::restore::ReadPlanOptions skip_missing;
+  skip_missing.allow_missing = true;
+  auto lenient = PlanRead(saved.manifest,
+                          {{"gone", "F32", {1}, {}, {}}, {"w", "F32", {kRows, kCols}, {}, {}}},
+                          skip_missing);
   REQUIRE(lenient.ok());
   CHECK(lenient->missing == std::vector<std::string>{"gone"});
   CHECK(lenient->tensors.size() == 1);
@@ -201,14 +204,19 @@ TEST_CASE("scalars and one-dimensional tensors plan too, and huge run counts are
   Manifest m;
   auto& s = m.tensors["step"];
   s.dtype = "I64";
-  s.shards.push_back({.rank = 0, .file = "f", .begin = 8, .end = 16});
+  TensorShard only;
+  only.file = "f";
+  only.begin = 8;
+  only.end = 16;
+  s.shards.push_back(only);
   auto scalar = PlanRead(m, {{"step", "I64", {}, {}, {}}});
   REQUIRE(scalar.ok());
   CHECK(scalar->tensors[0].whole_entry());
   // A 1 x N column cut of a tall tensor is a run per row: bounded.
   Saved saved = Save(Rows({kRows}));
-  auto fine = PlanRead(saved.manifest, {{"w", "F32", {kRows, 1}, {kRows, kCols}, {0, 3}}},
-                       {.max_runs = 4});
+  ckpt::restore::ReadPlanOptions bounded;
+  bounded.max_runs = 4;
+  auto fine = PlanRead(saved.manifest, {{"w", "F32", {kRows, 1}, {kRows, kCols}, {0, 3}}}, bounded);
   CHECK(fine.status().code() == absl::StatusCode::kResourceExhausted);
 }
 

@@ -606,7 +606,7 @@ def test_a_damaged_latest_step_falls_back_on_every_rank_with_a_warning(daemon):
                                rank=r, world_size=2) as manager:
             for step in (2, 4):
                 train_step(model, optimizer, scheduler)
-                manager.save(step)
+                assert manager.save(step)
                 manager.wait_staged()
                 states[(r, step)] = clone_state(model, optimizer, scheduler)
     deadline = time.monotonic() + 30

@@ -45,6 +45,9 @@ _DTYPES = {
 
 # How long after a failed connection the manager tries again (at the next save).
 _RECONNECT_SECONDS = 30.0
+# How long a save waits for a listening ckptd to accept the connection before training goes
+# on without that save (the attempt continues in the background; a later save adopts it).
+_CONNECT_PATIENCE_SECONDS = 1.0
 
 
 class CheckpointError(ckptd.Error):
@@ -229,6 +232,7 @@ class CheckpointManager:
         self._uses_host = False
         self._retry_after = 0.0     # monotonic time before which no reconnect is tried
         self._connector = None      # a connection attempt still under way (see _connected)
+        self._quiet = False         # load() is waiting for ckptd: a lost daemon raises, not warns
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
         self._run = 0               # the step this run resumed from: names its save clock
@@ -482,9 +486,7 @@ class CheckpointManager:
                 out = dtype if dtype is not None and source.is_floating_point() else source.dtype
                 buffer = client.allocate(key, _dtype_name(key, out), list(source.shape), part.global_shape,
                                          part.global_offset)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    target = torch.frombuffer(buffer, dtype=torch.uint8).view(out).view(source.shape)
+                target = torch.frombuffer(buffer, dtype=torch.uint8).view(out).view(source.shape)
                 with torch.no_grad():
                     target.copy_(source)
             client.register()
@@ -533,7 +535,8 @@ class CheckpointManager:
     def _connected(self):
         """Whether there is a client, connecting if ckptd is there. Never holds up training
         for an absent daemon: a socket nobody listens on fails at once, and an attempt that
-        takes longer than a second goes on in the background, adopted at a later save."""
+        takes longer than _CONNECT_PATIENCE_SECONDS goes on in the background, adopted at a
+        later save."""
         if self._client is not None:
             return True
         if self._connector is not None:
@@ -546,7 +549,7 @@ class CheckpointManager:
             self._lost(ckptd.Unavailable(f"nothing listens at {self.socket}"))
             return False
         self._connector = _Connector(self._connect)
-        if not self._connector.done(timeout=1.0):
+        if not self._connector.done(timeout=_CONNECT_PATIENCE_SECONDS):
             return False
         return self._adopt()
 
@@ -563,14 +566,19 @@ class CheckpointManager:
         deadline = time.monotonic() + timeout
         while True:
             self._retry_after = 0.0  # load() asks now, whatever the save path last saw
-            with warnings.catch_warnings():  # load() raises instead of warning
-                warnings.simplefilter("ignore", RuntimeWarning)
+            # load() raises instead of warning. Not warnings.catch_warnings: it swaps
+            # process-wide state, and with trainer threads (one per rank) interleaving their
+            # enter and exit it can leave warnings switched off for the whole process.
+            self._quiet = True
+            try:
                 if self._connected():
                     return
                 if self._connector is not None:  # slow to answer: give it what time is left
                     self._connector.done(timeout=max(0.0, deadline - time.monotonic()))
                     if self._connected():
                         return
+            finally:
+                self._quiet = False
             if time.monotonic() >= deadline:
                 self._retry_after = 0.0  # the next save tries (and warns) again
                 raise CheckpointError(
@@ -585,8 +593,9 @@ class CheckpointManager:
                              keep_last=self.keep_last or 0, copy_on_write=self.copy_on_write)
 
     def _lost(self, error):
-        warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
-                      RuntimeWarning, stacklevel=_user_stacklevel())
+        if not self._quiet:
+            warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
+                          RuntimeWarning, stacklevel=_user_stacklevel())
         self._client = None
         self._unstaged = None
         self._retry_after = time.monotonic() + _RECONNECT_SECONDS
@@ -908,9 +917,9 @@ def _move_to_arena(client, name, dtype, part):
     t = part.tensor
     buffer = client.allocate(name, dtype, list(t.shape), part.global_shape, part.global_offset,
                              spare_bytes=part.spare * t.element_size())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer's note on non-writable buffers
-        flat = torch.frombuffer(buffer, dtype=torch.uint8).view(t.dtype)
+    # Writable (the buffer protocol says so), so frombuffer has nothing to warn about, and no
+    # warnings.catch_warnings here: with one trainer thread per rank it races (see load()).
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(t.dtype)
     with torch.no_grad():
         flat[:t.numel()].view(t.shape).copy_(t)
     part.relocate(flat)
