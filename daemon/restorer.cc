@@ -9,7 +9,8 @@
 
 #include "common/log.h"
 #include "common/status.h"
-#include "daemon/persist/shard_reader.h"
+#include "daemon/restore/plan_reader.h"
+#include "daemon/restore/read_plan.h"
 
 namespace ckpt::daemon {
 namespace {
@@ -29,11 +30,30 @@ absl::Status CheckSameLayout(const RegisteredTensor& t, const std::string& dtype
   return absl::OkStatus();
 }
 
+// Whether every registered tensor this rank saved sits where it sat when saved: then its
+// own snapshot in memory is its restore as it is.
+bool SamePlacement(const SessionView& session, const persist::Manifest& manifest) {
+  for (const RegisteredTensor& t : *session.tensors) {
+    auto it = manifest.tensors.find(t.name);
+    if (it == manifest.tensors.end()) continue;
+    const std::vector<int64_t> zeros(t.shape.size(), 0);
+    const auto& global = t.placement.global_shape.empty() ? t.shape : t.placement.global_shape;
+    const auto& offset = t.placement.offset.empty() ? zeros : t.placement.offset;
+    for (const persist::TensorShard& s : it->second.shards) {
+      if (s.rank == session.rank &&
+          (s.shape != t.shape || s.offset != offset || it->second.global_shape != global)) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
-    const RestoreSpec& spec, uint64_t step, RestoreResult& result) {
+    const RestoreSpec& spec, uint64_t step, RestoreResult& result, bool report_unregistered) {
   const TensorSelection& selection = spec.selection;
   std::set<std::string> have;
   for (const std::string& name : stored) {
@@ -52,7 +72,7 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     }
   }
   for (const std::string& name : have) {
-    if (!want.count(name)) unexpected.push_back(name);
+    if (report_unregistered && !want.count(name)) unexpected.push_back(name);
   }
   if (!spec.allow_missing && (!missing.empty() || !unexpected.empty())) {
     std::string message = fmt::format("checkpoint step {} does not match the registered tensors{}:",
@@ -89,7 +109,7 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
   result.not_in_checkpoint = std::move(missing);
   result.not_registered = std::move(unexpected);
   result.tensors = matched.size();
-  result.skipped = stored.size() - matched.size();
+  result.skipped = report_unregistered ? stored.size() - matched.size() : 0;
   return matched;
 }
 
@@ -171,21 +191,16 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   RestoreResult result;
   persist::RetentionKeeper::Pin pin(retention_, session.job, step);
   CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, step));
-  if (manifest.world_size != session.world_size) {
-    return absl::FailedPreconditionError(fmt::format(
-        "checkpoint step {} of job {} was written by {} ranks; this trainer runs {} "
-        "(restoring across world sizes is not supported yet)",
-        step, session.job, manifest.world_size, session.world_size));
-  }
   result.found = true;
   result.step = step;
   auto started = std::chrono::steady_clock::now();
-  if (StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step)) {
+  StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
+  if (hot && manifest.world_size == session.world_size && SamePlacement(session, manifest)) {
+    // The fast path of a crashed trainer: its own snapshot, straight into its buffers.
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
   } else {
-    result.source = RestoreResult::Source::kDisk;
-    CKPT_RETURN_IF_ERROR(FromDisk(session, spec, manifest, result));
+    CKPT_RETURN_IF_ERROR(FromPlan(session, spec, manifest, result));
   }
   log::Get(log::Component::kControl)
       .info("[{}/r{} s{}] restored {} tensors ({} bytes; {} skipped) from {} in {:.1f} ms",
@@ -204,7 +219,18 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
         store_.fs().Exists(store_.StepDir(session.job, step) + "/" +
                            persist::ShardFileName(session.rank))) {
       available.push_back(step);
+      continue;
     }
+    // A rank the step was not saved with (the job grew): it can restore from the step
+    // where this node holds every shard, in memory or on disk.
+    auto manifest = store_.LoadManifest(session.job, step);
+    if (!manifest.ok() || session.rank < manifest->world_size) continue;
+    bool all = std::all_of(manifest->shards.begin(), manifest->shards.end(),
+                           [&](const persist::ManifestShard& s) {
+                             return hot_.Find(session.job, s.rank, step) ||
+                                    store_.fs().Exists(store_.StepDir(session.job, step) + "/" + s.file);
+                           });
+    if (all) available.push_back(step);
   }
   return available;
 }
@@ -223,7 +249,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
     const persist::TensorEntry& e = *entries.at(t.name);
-    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
+    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));  // dtype: placement agreed
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
   }
@@ -240,63 +266,40 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   return absl::OkStatus();
 }
 
-absl::Status Restorer::FromDisk(const SessionView& session, const RestoreSpec& spec,
+absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& spec,
                                 const persist::Manifest& manifest, RestoreResult& result) {
-  const persist::ManifestShard& shard = manifest.shards.at(session.rank);
-  std::string path = store_.StepDir(manifest.job, manifest.step) + "/" + shard.file;
-  CKPT_ASSIGN_OR_RETURN(persist::ShardReaderPtr reader,
-                        persist::ShardReader::Open(store_.fs(), path, shard.bytes));
-  std::map<std::string, const persist::TensorShard*> mine;
+  // With the saved world size each rank compares its registration with its own saved
+  // pieces, so a tensor it does not register is named (pipeline stages hold different
+  // tensors, so only this rank's count). With another one no rank knows which tensors the
+  // others will take: what it registers must be in the checkpoint, nothing more.
+  const bool same_world = manifest.world_size == session.world_size;
   std::vector<std::string> stored;
   for (const auto& [name, tensor] : manifest.tensors) {
-    for (const persist::TensorShard& s : tensor.shards) {
-      if (s.rank == session.rank) {
-        mine[name] = &s;
-        stored.push_back(name);
-      }
-    }
+    bool mine = std::any_of(tensor.shards.begin(), tensor.shards.end(),
+                            [&](const persist::TensorShard& s) { return s.rank == session.rank; });
+    if (mine || !same_world) stored.push_back(name);
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
-                        MatchTensors(*session.tensors, stored, spec, manifest.step, result));
-
-  // 1. Every piece is checked against the manifest, the file's header and the registration
-  //    before a byte is read: dtype, shape, and a byte range of exactly the registered size.
-  struct Piece {
-    const RegisteredTensor* tensor;
-    const persist::TensorEntry* entry;
-    const std::string* checksum;
-  };
-  std::vector<Piece> pieces;
+                        MatchTensors(*session.tensors, stored, spec, manifest.step, result,
+                                     /*report_unregistered=*/same_world));
+  std::vector<restore::WantedTensor> wanted;
   uint64_t total = 0;
-  for (const RegisteredTensor* tensor : matched) {
-    const RegisteredTensor& t = *tensor;
-    const persist::TensorShard& s = *mine.at(t.name);
-    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, manifest.tensors.at(t.name).dtype, s.shape, manifest.step));
-    const persist::TensorEntry* entry = reader->Find(t.name);
-    if (entry == nullptr || entry->begin != s.begin || entry->end != s.end ||
-        entry->dtype != t.dtype || entry->shape != t.shape || entry->end - entry->begin != t.nbytes) {
-      return absl::DataLossError(fmt::format(
-          "tensor {} in {}: the file's header disagrees with the manifest or the registration "
-          "(nothing was restored)",
-          t.name, path));
-    }
-    pieces.push_back({&t, entry, &s.checksum});
-    total += t.nbytes;
+  for (const RegisteredTensor* t : matched) {
+    wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset});
+    total += t->nbytes;
   }
-  std::vector<std::pair<std::string, const persist::TensorEntry*>> states;
-  for (const auto& [name, e] : shard.train_state) {
-    const persist::TensorEntry* entry = reader->Find(persist::TrainStateKey(name));
-    if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
-      return absl::DataLossError(fmt::format(
-          "train state {} in {}: the file's header disagrees with the manifest (nothing was "
-          "restored)",
-          name, path));
-    }
-    states.emplace_back(name, entry);
+  restore::ReadPlanOptions options;
+  options.prefer_rank = session.rank;  // of replicas, its own (in memory here, or local)
+  absl::StatusOr<restore::ReadPlan> plan = restore::PlanRead(manifest, wanted, options);
+  if (!plan.ok()) {
+    if (absl::IsDataLoss(plan.status())) return plan.status();
+    return absl::FailedPreconditionError(fmt::format(
+        "rank {} cannot restore step {} in its registered placement: {}", session.rank,
+        manifest.step, Message(plan.status())));
   }
 
-  // 2. Everything is read into ckptd's memory and checked against its checksum first, so a
-  //    corrupt or crafted file is refused without having touched the trainer's buffers.
+  // 1. Everything is read into ckptd's memory and checked first, so a corrupt or crafted
+  //    file is refused without having touched the trainer's buffers.
   cuda::StagingBlockPtr block;
   std::unique_ptr<char[]> heap;
   char* bounce = nullptr;
@@ -317,27 +320,30 @@ absl::Status Restorer::FromDisk(const SessionView& session, const RestoreSpec& s
     }
     bounce = heap.get();
   }
+  restore::PlanReader reader(store_.fs(), store_.StepDir(manifest.job, manifest.step), manifest,
+                             [&](uint32_t rank) { return hot_.Find(manifest.job, rank, manifest.step); });
   uint64_t offset = 0;
   SplitCopy copy;
-  for (const Piece& p : pieces) {
-    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*p.entry, bounce + offset, *p.checksum));
-    copy.Add(*p.tensor, {p.tensor->data, bounce + offset, p.tensor->nbytes});
-    offset += p.tensor->nbytes;
+  for (size_t i = 0; i < matched.size(); ++i) {
+    const RegisteredTensor& t = *matched[i];
+    CKPT_RETURN_IF_ERROR(reader.Read(plan->tensors[i], bounce + offset));
+    copy.Add(t, {t.data, bounce + offset, t.nbytes});
+    offset += t.nbytes;
   }
-  for (const auto& [name, entry] : states) {
-    std::string data(entry->end - entry->begin, '\0');
-    CKPT_RETURN_IF_ERROR(
-        reader->ReadEntry(*entry, data.data(), shard.train_state.at(name).checksum));
-    result.train_state.push_back({name, std::move(data)});
-  }
+  // Train state and metadata: the same rank's where the checkpoint has it, else rank 0's
+  // (a job that grew: its new ranks start from rank 0's schedule and counters).
+  const uint32_t state_rank = session.rank < manifest.world_size ? session.rank : 0;
+  CKPT_ASSIGN_OR_RETURN(result.train_state, reader.TrainState(state_rank));
 
-  // 3. Only now into the trainer's buffers (GPU tensors through their device's engine).
+  // 2. Only now into the trainer's buffers (GPU tensors through their device's engine).
   {
     cuda::CopyPriority::Copying copying(priority_);
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, copy));
   }
   result.bytes += total;
-  result.metadata = shard.metadata;
+  result.metadata = manifest.shards.at(state_rank).metadata;
+  result.source = reader.bytes_from_disk() == 0 ? RestoreResult::Source::kMemory
+                                                : RestoreResult::Source::kDisk;
   return absl::OkStatus();
 }
 

@@ -3,8 +3,10 @@
 // else from the rank's shard on disk, every tensor checked against its manifest checksum.
 // "Latest" is agreed by all ranks of the job (restore/step_agreement.h), so every rank
 // gets the same step; a step that some rank finds damaged is given up by all of them for
-// the newest older one. Same topology only: the checkpoint's world size must match. A
-// selection (restore/tensor_selection.h) restores some tensors and leaves the others alone.
+// the newest older one. A rank may restore with another world size or placement than the
+// step was saved with: the read planner (restore/read_plan.h) finds which bytes of which
+// saved shards make up each registered piece. A selection (restore/tensor_selection.h)
+// restores some tensors and leaves the others alone.
 #pragma once
 
 #include <chrono>
@@ -78,7 +80,8 @@ class Restorer {
                                             uint64_t step);
   absl::Status FromMemory(const SessionView& session, const RestoreSpec& spec,
                           const StagedSnapshot& snap, RestoreResult& result);
-  absl::Status FromDisk(const SessionView& session, const RestoreSpec& spec,
+  // Through the read planner: any placement, from memory or disk, checked before use.
+  absl::Status FromPlan(const SessionView& session, const RestoreSpec& spec,
                         const persist::Manifest& manifest, RestoreResult& result);
 
   // Committed steps this rank can restore here: hot, or its shard file on this node's disk.
@@ -98,9 +101,11 @@ class Restorer {
 // Which registered tensors a restore fills: those selected that the checkpoint holds for
 // this rank (`stored`). Selected tensors on one side only are an error listing them, unless
 // spec.allow_missing (then they are listed in `result`); so is a selection that matches
-// none of the checkpoint's tensors. Sets result.tensors and result.skipped.
+// none of the checkpoint's tensors. Stored tensors not registered are not counted when
+// !report_unregistered (another world size: other ranks may take them). Sets
+// result.tensors and result.skipped.
 absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
-    const RestoreSpec& spec, uint64_t step, RestoreResult& result);
+    const RestoreSpec& spec, uint64_t step, RestoreResult& result, bool report_unregistered = true);
 
 }  // namespace ckpt::daemon

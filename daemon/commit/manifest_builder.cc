@@ -22,6 +22,7 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
                             fmt::gmtime(std::chrono::system_clock::to_time_t(now)));
   m.world_size = world_size;
   m.ckptd_version = kVersion;
+  m.checksum_chunk_bytes = persist::kChecksumChunkBytes;
   for (const auto& [rank, entry] : shards) {
     const auto& [snap, written] = entry;
     persist::ManifestShard shard;
@@ -53,7 +54,11 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
             "tensor {}: rank {} has {} [{}], another rank has {} [{}]", e.name, rank, e.dtype,
             fmt::join(global, ","), t.dtype, fmt::join(t.global_shape, ",")));
       }
-      t.shards.push_back({rank, written.file, e.begin, e.end, offset, e.shape, checksum});
+      persist::TensorShard piece{rank, written.file, e.begin, e.end, offset, e.shape, checksum, {}};
+      if (auto chunks = written.chunk_checksums.find(e.name); chunks != written.chunk_checksums.end()) {
+        piece.chunk_checksums = chunks->second;
+      }
+      t.shards.push_back(std::move(piece));
     }
     m.shards.push_back(std::move(shard));
   }

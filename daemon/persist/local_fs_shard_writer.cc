@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "daemon/persist/checksum.h"
+#include "daemon/persist/manifest.h"
 #include "daemon/persist/shard_writer.h"
 
 namespace ckpt::persist {
@@ -21,32 +22,42 @@ struct FreeDeleter {
 };
 
 // Checksums each entry of a shard's data region as the writer's position moves through it,
-// so that a large tensor is hashed chunk by chunk as it lands rather than in one pass first.
+// so that a large tensor is hashed chunk by chunk as it lands rather than in one pass first:
+// the whole entry, and each kChecksumChunkBytes of an entry longer than that.
 class RunningChecksums {
  public:
-  RunningChecksums(const StagedShard& shard, std::map<std::string, std::string>& out)
-      : shard_(shard), out_(out) {}
+  explicit RunningChecksums(const StagedShard& shard, WrittenShard& out) : shard_(shard), out_(out) {}
 
   // Hashes bytes [position, upto) of the data region.
   void AdvanceTo(uint64_t upto) {
     while (next_ < shard_.entries.size()) {
       const TensorEntry& e = shard_.entries[next_];
+      const bool chunked = ChecksumChunks(e.end - e.begin, kChecksumChunkBytes) != 0;
       position_ = std::max(position_, e.begin);
-      if (uint64_t stop = std::min(upto, e.end); stop > position_) {
-        current_.Update(shard_.data + position_, stop - position_);
+      while (position_ < std::min(upto, e.end)) {
+        // Up to the next chunk boundary of the entry (its own offsets, not the file's).
+        uint64_t boundary = e.begin + ((position_ - e.begin) / kChecksumChunkBytes + 1) * kChecksumChunkBytes;
+        uint64_t stop = std::min({upto, e.end, boundary});
+        whole_.Update(shard_.data + position_, stop - position_);
+        if (chunked) chunk_.Update(shard_.data + position_, stop - position_);
         position_ = stop;
+        if (chunked && (stop == boundary || stop == e.end)) {
+          out_.chunk_checksums[e.name].push_back(chunk_.Finish());
+          chunk_.Reset();
+        }
       }
       if (position_ < e.end) return;  // the rest of this entry has not been reached yet
-      out_[e.name] = current_.Finish();
-      current_.Reset();
+      out_.checksums[e.name] = whole_.Finish();
+      whole_.Reset();
       ++next_;
     }
   }
 
  private:
   const StagedShard& shard_;
-  std::map<std::string, std::string>& out_;
-  Checksum current_;
+  WrittenShard& out_;
+  Checksum whole_;
+  Checksum chunk_;
   size_t next_ = 0;
   uint64_t position_ = 0;
 };
@@ -66,7 +77,7 @@ class LocalFsShardWriter final : public ShardWriter {
     out.file = ShardFileName(shard.rank);
     const std::string path = dir + "/" + out.file;
     const std::string header = EncodeHeader(shard.entries, shard.metadata, kBlock);
-    RunningChecksums checksums(shard, out.checksums);
+    RunningChecksums checksums(shard, out);
     Chunks chunks{shard, checksums, between_chunks_};
     bool aligned = reinterpret_cast<uintptr_t>(shard.data) % kBlock == 0;
     auto direct = aligned ? fs_->CreateFileDirect(path) : absl::InvalidArgumentError("unaligned");

@@ -66,6 +66,7 @@ std::string ManifestToJson(const Manifest& m) {
                         {"offset", s.offset},
                         {"shape", s.shape},
                         {"checksum", s.checksum}});
+      if (!s.chunk_checksums.empty()) shards.back()["chunk_checksums"] = s.chunk_checksums;
     }
     tensors[name] = {{"dtype", t.dtype}, {"global_shape", t.global_shape}, {"shards", shards}};
   }
@@ -93,6 +94,7 @@ std::string ManifestToJson(const Manifest& m) {
             {"metadata", m.metadata},
             {"shards", shards},
             {"tensors", tensors}};
+  if (m.checksum_chunk_bytes != 0) j["checksum_chunk_bytes"] = m.checksum_chunk_bytes;
   if (!m.nodes.empty()) {
     json nodes = json::array();
     for (const ManifestNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"ranks", n.ranks}});
@@ -165,6 +167,10 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     m.world_size = Int<uint32_t>(j.at("world_size"), "world_size");
     m.ckptd_version = j.at("ckptd_version").get<std::string>();
     if (auto run = j.find("run"); run != j.end()) m.run = Int<uint64_t>(*run, "run");
+    if (auto chunk = j.find("checksum_chunk_bytes"); chunk != j.end()) {
+      m.checksum_chunk_bytes = Int<uint64_t>(*chunk, "checksum_chunk_bytes");
+      if (m.checksum_chunk_bytes == 0) return bad("checksum_chunk_bytes is 0");
+    }
     m.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
     for (const auto& s : j.at("shards")) {
       ManifestShard shard;
@@ -223,6 +229,16 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         shard.offset = Ints<int64_t>(s.at("offset"), "offset");
         shard.shape = Ints<int64_t>(s.at("shape"), "shape");
         shard.checksum = s.at("checksum").get<std::string>();
+        if (auto chunks = s.find("chunk_checksums"); chunks != s.end()) {
+          shard.chunk_checksums = chunks->get<std::vector<std::string>>();
+          uint64_t expected = ChecksumChunks(shard.end - std::min(shard.begin, shard.end),
+                                             m.checksum_chunk_bytes);
+          if (shard.chunk_checksums.size() != expected) {
+            return bad(fmt::format("tensor {}: rank {} lists {} chunk checksums for an entry of "
+                                   "{} chunks",
+                                   it.key(), shard.rank, shard.chunk_checksums.size(), expected));
+          }
+        }
         auto owner = by_rank.find(shard.rank);
         if (owner == by_rank.end() || shard.file != owner->second->file) {
           return bad(fmt::format("tensor {}: a piece names rank {} or file {} that the shards "

@@ -12,6 +12,14 @@
 namespace ckpt::persist {
 
 inline constexpr int kManifestFormatVersion = 1;
+// Entries longer than this also get a checksum per chunk of this many bytes (the last one
+// shorter), so that a read of part of an entry (a resharding restore) is verified without
+// reading the whole entry. Recorded in each manifest (Manifest::checksum_chunk_bytes).
+inline constexpr uint64_t kChecksumChunkBytes = uint64_t{8} << 20;
+// How many chunks an entry of `bytes` has; 0 when it is not chunked (one chunk or less).
+inline uint64_t ChecksumChunks(uint64_t bytes, uint64_t chunk_bytes) {
+  return chunk_bytes == 0 || bytes <= chunk_bytes ? 0 : (bytes + chunk_bytes - 1) / chunk_bytes;
+}
 
 // Where one rank's piece of a tensor lives and where it goes in the global tensor.
 struct TensorShard {
@@ -21,7 +29,10 @@ struct TensorShard {
   uint64_t end = 0;
   std::vector<int64_t> offset;  // placement: start index per dimension in the global tensor
   std::vector<int64_t> shape;   // placement: local shape
-  std::string checksum;
+  std::string checksum;         // of the whole entry
+  // Of each Manifest::checksum_chunk_bytes of the entry, when it is longer than one chunk
+  // (empty otherwise, and in manifests written before chunks were recorded).
+  std::vector<std::string> chunk_checksums;
 };
 
 struct ManifestTensor {
@@ -63,6 +74,7 @@ struct Manifest {
   // trains on saves its new steps under a later run, so ordering steps by (run, step)
   // puts them after the abandoned higher-numbered ones.
   uint64_t run = 0;
+  uint64_t checksum_chunk_bytes = 0;  // of TensorShard::chunk_checksums; 0: none recorded
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
   std::map<std::string, ManifestTensor> tensors;
   std::vector<ManifestShard> shards;  // by rank

@@ -2,6 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <memory>
+#include <new>
+
 #include "common/status.h"
 #include "daemon/persist/checksum.h"
 
@@ -36,6 +40,53 @@ absl::Status ShardReader::ReadEntry(const TensorEntry& entry, void* dst,
   if (actual != expected_checksum) {
     return absl::DataLossError(fmt::format("tensor {} in {}: checksum mismatch (manifest {}, file {})",
                                            entry.name, path_, expected_checksum, actual));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardReader::ReadRange(const TensorEntry& entry, const Checksums& checksums,
+                                    uint64_t from, uint64_t to, const RangeSink& sink,
+                                    uint64_t* read_bytes) const {
+  const uint64_t size = entry.end - entry.begin;
+  if (from > to || to > size) {
+    return absl::InvalidArgumentError(fmt::format("tensor {} in {}: range [{}, {}) outside its {} bytes",
+                                                  entry.name, path_, from, to, size));
+  }
+  if (from == to) return absl::OkStatus();
+  const bool chunked = !checksums.chunks.empty() && checksums.chunk_bytes != 0;
+  if (chunked && checksums.chunks.size() != (size + checksums.chunk_bytes - 1) / checksums.chunk_bytes) {
+    return absl::DataLossError(fmt::format("tensor {} in {}: {} chunk checksums for {} bytes",
+                                           entry.name, path_, checksums.chunks.size(), size));
+  }
+  // Windows are whole chunks (or the whole entry): what is read can be checked.
+  const uint64_t unit = chunked ? checksums.chunk_bytes : size;
+  const uint64_t window = chunked ? std::max(unit, kReadWindowBytes / unit * unit) : size;
+  const uint64_t first = from / unit * unit;
+  const uint64_t last = std::min(size, (to + unit - 1) / unit * unit);
+  std::unique_ptr<char[]> buffer(new (std::nothrow) char[std::min(window, last - first)]);
+  if (buffer == nullptr) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "tensor {} in {}: no memory for a {}-byte read window", entry.name, path_,
+        std::min(window, last - first)));
+  }
+  for (uint64_t at = first; at < last; at += window) {
+    const uint64_t n = std::min(window, last - at);
+    CKPT_RETURN_IF_ERROR(Annotate(
+        fs_.ReadAt(fd_.get(), buffer.get(), n, header_.data_start + entry.begin + at),
+        fmt::format("{} tensor {}", path_, entry.name)));
+    if (read_bytes != nullptr) *read_bytes += n;
+    for (uint64_t c = 0; c < n; c += unit) {
+      const uint64_t len = std::min(unit, n - c);
+      const std::string& expected = chunked ? checksums.chunks[(at + c) / unit] : checksums.whole;
+      std::string actual = ChecksumOf(buffer.get() + c, len);
+      if (actual != expected) {
+        return absl::DataLossError(fmt::format(
+            "tensor {} in {}: checksum mismatch in bytes [{}, {}) (manifest {}, file {})",
+            entry.name, path_, at + c, at + c + len, expected, actual));
+      }
+    }
+    const uint64_t begin = std::max(from, at), end = std::min(to, at + n);
+    sink(begin, buffer.get() + (begin - at), end - begin);
   }
   return absl::OkStatus();
 }

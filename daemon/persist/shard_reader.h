@@ -1,8 +1,10 @@
 // Reads entries of a committed shard back, checking each against its manifest checksum.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
@@ -25,6 +27,25 @@ class ShardReader {
   // DataLoss naming the tensor and file on mismatch.
   absl::Status ReadEntry(const TensorEntry& entry, void* dst,
                          const std::string& expected_checksum) const;
+
+  // What an entry's bytes are checked against: the whole entry's checksum, and the
+  // checksum of each `chunk_bytes` of it where the manifest records them.
+  struct Checksums {
+    const std::string& whole;
+    const std::vector<std::string>& chunks;
+    uint64_t chunk_bytes = 0;
+  };
+  // Receives verified bytes of an entry: `bytes` at `offset` within the entry.
+  using RangeSink = std::function<void(uint64_t offset, const char* data, uint64_t bytes)>;
+  // Reads bytes [from, to) of `entry` (offsets within it) and hands them to `sink` in
+  // order, each piece checked before it is handed out: the chunks covering the range
+  // against their checksums, or the whole entry when it has no chunks (entries of one
+  // chunk or less, manifests from before chunks). Holds at most one window of
+  // kReadWindowBytes (or one unchunked entry) in memory, whatever the range. Returns the
+  // bytes read from the file (the covering chunks) through `read_bytes`.
+  absl::Status ReadRange(const TensorEntry& entry, const Checksums& checksums, uint64_t from,
+                         uint64_t to, const RangeSink& sink, uint64_t* read_bytes = nullptr) const;
+  static constexpr uint64_t kReadWindowBytes = uint64_t{64} << 20;
 
  private:
   ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header)

@@ -32,6 +32,8 @@ struct WrittenShard {
   std::string file;  // name within the step directory
   uint64_t bytes = 0;
   std::map<std::string, std::string> checksums;  // entry name -> "xxh3:..."
+  // Entry name -> the checksum of each kChecksumChunkBytes (entries longer than one chunk).
+  std::map<std::string, std::vector<std::string>> chunk_checksums;
 };
 
 class ShardWriter {

@@ -120,7 +120,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       const persist::TensorShard& s = *shard;
       std::optional<Box> overlap = Intersect(box, want);
       if (!overlap || overlap->Volume() == 0) continue;
-      ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, {}};
+      ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}};
       AddRuns(*overlap, box, want, *itemsize, read.runs);
       total_runs += read.runs.size();
       if (total_runs > options.max_runs) {

@@ -46,6 +46,7 @@ struct ShardRead {
   uint64_t entry_begin = 0;  // the saved entry in the file's data region
   uint64_t entry_end = 0;
   std::string checksum;      // of the whole saved entry
+  std::vector<std::string> chunk_checksums;  // of its chunks (TensorShard::chunk_checksums)
   std::vector<ByteRun> runs;  // by source, adjacent ones merged
 };
 

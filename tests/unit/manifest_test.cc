@@ -206,3 +206,28 @@ TEST_CASE("a manifest carries its own checksum: an edited one is refused") {
   j.erase("manifest_checksum");
   CHECK(ParseManifest(j.dump(1), "old.json").ok());
 }
+
+TEST_CASE("chunk checksums round-trip, and a list that does not fit its entry is refused") {
+  Manifest m = Sample();
+  m.checksum_chunk_bytes = 8;  // entries of 16 bytes: two chunks each
+  for (auto& s : m.tensors["w"].shards) s.chunk_checksums = {"xxh3:0000000000000002", "xxh3:0000000000000003"};
+  auto parsed = ParseManifest(ManifestToJson(m), "test");
+  REQUIRE(parsed.ok());
+  CHECK(parsed->checksum_chunk_bytes == 8);
+  CHECK(parsed->tensors.at("w").shards[1].chunk_checksums ==
+        std::vector<std::string>{"xxh3:0000000000000002", "xxh3:0000000000000003"});
+  // Older manifests have none: still read (whole-entry checksums only).
+  CHECK(ParseManifest(ManifestToJson(Sample()), "old")->checksum_chunk_bytes == 0);
+
+  auto j = nlohmann::json::parse(ManifestToJson(m));
+  j.erase("manifest_checksum");
+  auto short_list = j;
+  short_list["tensors"]["w"]["shards"][0]["chunk_checksums"] = {"xxh3:0000000000000002"};
+  auto refused = ParseManifest(short_list.dump(), "m.json");
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(ckpt::Message(refused.status()),
+             Catch::Contains("tensor w: rank 0 lists 1 chunk checksums for an entry of 2 chunks"));
+  auto zero = j;
+  zero["checksum_chunk_bytes"] = 0;
+  CHECK_FALSE(ParseManifest(zero.dump(), "m.json").ok());
+}

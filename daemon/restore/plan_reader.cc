@@ -1,0 +1,120 @@
+#include "daemon/restore/plan_reader.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/status.h"
+
+namespace ckpt::restore {
+namespace {
+
+// Copies the parts of `runs` (sorted by source) that fall in [offset, offset + bytes) of
+// the saved entry from `data` into `dst`. `next` remembers where the last call stopped.
+void Scatter(const std::vector<ByteRun>& runs, size_t& next, uint64_t offset, const char* data,
+             uint64_t bytes, char* dst) {
+  const uint64_t end = offset + bytes;
+  while (next < runs.size() && runs[next].source + runs[next].bytes <= offset) ++next;
+  for (size_t i = next; i < runs.size() && runs[i].source < end; ++i) {
+    const ByteRun& run = runs[i];
+    const uint64_t from = std::max(run.source, offset);
+    const uint64_t to = std::min(run.source + run.bytes, end);
+    std::memcpy(dst + run.destination + (from - run.source), data + (from - offset), to - from);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<const persist::ShardReader*> PlanReader::Reader(uint32_t rank) {
+  if (auto it = readers_.find(rank); it != readers_.end()) return it->second.get();
+  if (rank >= manifest_.shards.size()) {
+    return absl::DataLossError(fmt::format("the manifest of step {} has no rank {}", manifest_.step, rank));
+  }
+  const persist::ManifestShard& shard = manifest_.shards[rank];
+  const std::string path = step_dir_ + "/" + shard.file;
+  if (!fs_.Exists(path)) {
+    return absl::NotFoundError(fmt::format(
+        "{}: rank {}'s shard of step {} is neither in memory nor on this node's disk (a "
+        "restore with another placement reads every saved shard it overlaps; across nodes "
+        "they must share one --root)",
+        path, rank, manifest_.step));
+  }
+  CKPT_ASSIGN_OR_RETURN(persist::ShardReaderPtr reader,
+                        persist::ShardReader::Open(fs_, path, shard.bytes));
+  return readers_.emplace(rank, std::move(reader)).first->second.get();
+}
+
+absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
+  for (const ShardRead& read : tensor.reads) {
+    if (read.runs.empty()) continue;
+    auto [known, inserted] = snapshots_.try_emplace(read.rank);
+    if (inserted && hot_) known->second = hot_(read.rank);
+    if (const daemon::StagedSnapshotPtr& snap = known->second) {
+      // ckptd's own copy of the committed step: the bytes the file was written from.
+      const auto& entries = snap->shard.entries;
+      bool same = std::any_of(entries.begin(), entries.begin() + snap->tensor_count,
+                              [&](const persist::TensorEntry& e) {
+                                return e.name == tensor.name && e.begin == read.entry_begin &&
+                                       e.end == read.entry_end;
+                              });
+      if (same) {
+        size_t next = 0;
+        const uint64_t size = read.entry_end - read.entry_begin;
+        Scatter(read.runs, next, 0, snap->shard.data + read.entry_begin, size, dst);
+        for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
+        continue;
+      }
+    }
+    CKPT_ASSIGN_OR_RETURN(const persist::ShardReader* reader, Reader(read.rank));
+    const persist::TensorEntry* entry = reader->Find(tensor.name);
+    if (entry == nullptr || entry->begin != read.entry_begin || entry->end != read.entry_end) {
+      return absl::DataLossError(fmt::format(
+          "tensor {} in {}: the file's header disagrees with the manifest", tensor.name,
+          reader->path()));
+    }
+    size_t next = 0;
+    const uint64_t from = read.runs.front().source;
+    const uint64_t to = read.runs.back().source + read.runs.back().bytes;
+    CKPT_RETURN_IF_ERROR(reader->ReadRange(
+        *entry, {read.checksum, read.chunk_checksums, manifest_.checksum_chunk_bytes}, from, to,
+        [&](uint64_t offset, const char* data, uint64_t bytes) {
+          Scatter(read.runs, next, offset, data, bytes, dst);
+        },
+        &from_disk_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<shm::NamedBlob>> PlanReader::TrainState(uint32_t rank) {
+  std::vector<shm::NamedBlob> state;
+  auto [known, inserted] = snapshots_.try_emplace(rank);
+  if (inserted && hot_) known->second = hot_(rank);
+  if (const daemon::StagedSnapshotPtr& snap = known->second) {
+    for (size_t i = snap->tensor_count; i < snap->shard.entries.size(); ++i) {
+      const persist::TensorEntry& e = snap->shard.entries[i];
+      state.push_back({snap->train_state_names[i - snap->tensor_count],
+                       std::string(snap->shard.data + e.begin, e.end - e.begin)});
+    }
+    return state;
+  }
+  if (rank >= manifest_.shards.size()) return state;
+  const auto& saved = manifest_.shards[rank].train_state;
+  if (saved.empty()) return state;
+  CKPT_ASSIGN_OR_RETURN(const persist::ShardReader* reader, Reader(rank));
+  for (const auto& [name, e] : saved) {
+    const persist::TensorEntry* entry = reader->Find(persist::TrainStateKey(name));
+    if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
+      return absl::DataLossError(fmt::format(
+          "train state {} in {}: the file's header disagrees with the manifest", name,
+          reader->path()));
+    }
+    std::string data(entry->end - entry->begin, '\0');
+    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, data.data(), e.checksum));
+    from_disk_ += data.size();
+    state.push_back({name, std::move(data)});
+  }
+  return state;
+}
+
+}  // namespace ckpt::restore

@@ -1,0 +1,186 @@
+// A trainer for resharding tests: every rank holds its piece of the same global tensors,
+// filled from one global pattern (a value per global element, whatever the world size),
+// saves them, or restores and checks its piece bit for bit. Placements:
+//   rows  - 2-D tensors split by rows (uneven when the world size does not divide them)
+//   cols  - the same tensors split by columns
+// plus a replicated tensor (every rank holds it whole) and a scalar.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "client/ckpt_client.h"
+#include "common/status.h"
+
+namespace {
+
+struct Flags {
+  std::string socket, job = "reshard", layout = "rows";
+  uint32_t rank = 0, world_size = 1, saved_world_size = 0;
+  uint64_t step = 5;
+  int64_t rows = 3001, cols = 1024;
+  bool wait_committed = false, has_step = false;
+};
+
+// The 4-byte value of global element `g` of tensor `t`.
+uint32_t Global(uint32_t t, uint64_t g) {
+  uint64_t x = (g + 1) * 0x9E3779B97F4A7C15ULL ^ (uint64_t{t} << 58);
+  x ^= x >> 31;
+  return static_cast<uint32_t>(x * 0xBF58476D1CE4E5B9ULL >> 32);
+}
+
+// [begin, end) of `n` split as evenly as possible over `parts`: the first n % parts get one more.
+std::pair<int64_t, int64_t> Split(int64_t n, uint32_t part, uint32_t parts) {
+  int64_t base = n / parts, extra = n % parts;
+  int64_t begin = part * base + std::min<int64_t>(part, extra);
+  return {begin, begin + base + (part < extra ? 1 : 0)};
+}
+
+struct Piece {
+  ckpt::Tensor* tensor;
+  uint32_t id;
+  std::vector<int64_t> global, offset, shape;
+};
+
+// Visits each element of the piece: (index in the piece, global flat index).
+template <typename F>
+void ForEach(const Piece& p, F f) {
+  if (p.shape.empty()) return f(0, 0);
+  if (p.shape.size() == 1) {
+    for (int64_t i = 0; i < p.shape[0]; ++i) f(i, p.offset[0] + i);
+    return;
+  }
+  for (int64_t r = 0; r < p.shape[0]; ++r) {
+    for (int64_t c = 0; c < p.shape[1]; ++c) {
+      f(r * p.shape[1] + c, (p.offset[0] + r) * p.global[1] + p.offset[1] + c);
+    }
+  }
+}
+
+std::vector<Piece> Setup(ckpt::Client& c, const Flags& f) {
+  std::vector<Piece> pieces;
+  auto add = [&](const std::string& name, uint32_t id, std::vector<int64_t> global,
+                 std::vector<int64_t> offset, std::vector<int64_t> shape) {
+    auto t = c.AllocateTensor(name, "F32", shape, global, offset);
+    if (!t.ok()) {
+      std::cout << "error: " << ckpt::Message(t.status()) << "\n";
+      std::exit(2);
+    }
+    pieces.push_back({*t, id, global, offset, shape});
+  };
+  for (uint32_t id : {0u, 1u}) {
+    // Tensor 1 is split the other way, so that one save holds both placements.
+    bool by_rows = (f.layout == "rows") == (id == 0);
+    std::vector<int64_t> global = {f.rows, f.cols};
+    auto [b, e] = Split(by_rows ? f.rows : f.cols, f.rank, f.world_size);
+    if (by_rows) {
+      add(fmt::format("layer{}.weight", id), id, global, {b, 0}, {e - b, f.cols});
+    } else {
+      add(fmt::format("layer{}.weight", id), id, global, {0, b}, {f.rows, e - b});
+    }
+  }
+  add("replicated", 2, {4096}, {0}, {4096});
+  add("scalar", 3, {}, {}, {});
+  if (absl::Status s = c.Register(); !s.ok()) {
+    std::cout << "error: " << ckpt::Message(s) << "\n";
+    std::exit(2);
+  }
+  return pieces;
+}
+
+std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
+  auto c = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
+                                  .world_size = f.world_size});
+  if (!c.ok()) {
+    std::cout << "error: " << ckpt::Message(c.status()) << "\n";
+    std::exit(2);
+  }
+  return std::move(*c);
+}
+
+int Save(const Flags& f) {
+  auto c = Connect(f);
+  for (const Piece& p : Setup(*c, f)) {
+    auto* data = static_cast<uint32_t*>(p.tensor->data);
+    ForEach(p, [&](int64_t i, uint64_t g) { data[i] = Global(p.id, g); });
+  }
+  auto ticket = c->Snapshot(f.step, {{"rank", std::to_string(f.rank)}},
+                            {{"note", fmt::format("rank={}", f.rank)}});
+  if (!ticket.ok()) {
+    std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
+    return 2;
+  }
+  auto done = f.wait_committed ? c->WaitCommitted(*ticket) : c->WaitStaged(*ticket);
+  if (!done.ok()) {
+    std::cout << "error: " << ckpt::Message(done.status()) << "\n";
+    return 3;
+  }
+  std::cout << "saved " << ckpt::ToString(done->state) << " " << done->error << "\n";
+  return 0;
+}
+
+int Check(const Flags& f) {
+  auto c = Connect(f);
+  std::vector<Piece> pieces = Setup(*c, f);
+  for (const Piece& p : pieces) std::memset(p.tensor->data, 0x5A, p.tensor->nbytes);
+  std::optional<uint64_t> step;
+  if (f.has_step) step = f.step;
+  auto r = c->Restore(step);
+  if (!r.ok()) {
+    std::cout << "error: " << ckpt::Message(r.status()) << "\n";
+    return 2;
+  }
+  if (!r->found) {
+    std::cout << "nothing to restore\n";
+    return 3;
+  }
+  std::cout << fmt::format("restored step={} source={} bytes={}\n", r->step,
+                           r->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk",
+                           r->bytes);
+  // Train state and metadata: this rank's where the save had it, rank 0's otherwise.
+  uint32_t from = f.rank < f.saved_world_size ? f.rank : 0;
+  if (r->train_state["note"] != fmt::format("rank={}", from) ||
+      r->metadata["rank"] != std::to_string(from)) {
+    std::cout << "mismatch train state: " << r->train_state["note"] << "\n";
+    return 1;
+  }
+  for (const Piece& p : pieces) {
+    const auto* data = static_cast<const uint32_t*>(p.tensor->data);
+    int64_t bad = -1;
+    ForEach(p, [&](int64_t i, uint64_t g) {
+      if (bad < 0 && data[i] != Global(p.id, g)) bad = i;
+    });
+    if (bad >= 0) {
+      std::cout << "mismatch tensor=" << p.tensor->name << " element=" << bad << "\n";
+      return 1;
+    }
+  }
+  std::cout << "match\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags f;
+  CLI::App app{"reshard_helper"};
+  app.require_subcommand(1);
+  app.add_option("--socket", f.socket)->required();
+  app.add_option("--job", f.job);
+  app.add_option("--rank", f.rank);
+  app.add_option("--world-size", f.world_size);
+  app.add_option("--layout", f.layout)->check(CLI::IsMember({"rows", "cols"}));
+  app.add_option("--rows", f.rows);
+  app.add_option("--cols", f.cols);
+  auto* save = app.add_subcommand("save");
+  save->add_option("--step", f.step);
+  save->add_flag("--wait-committed", f.wait_committed);
+  auto* check = app.add_subcommand("check");
+  check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
+  check->add_option("--saved-world-size", f.saved_world_size)->required();
+  CLI11_PARSE(app, argc, argv);
+  return save->parsed() ? Save(f) : Check(f);
+}
