@@ -722,3 +722,45 @@ def test_replaced_tensors_are_registered_again(daemon):
         assert is_shared_memory(exp_avg.data_ptr())
         stored = load_file(os.path.join(daemon.root, "replaced", "step-00000002", "rank-00000.safetensors"))
         assert torch.equal(stored["optim.0.weight.exp_avg"], exp_avg)
+
+
+def test_a_data_parallel_job_resumes_on_more_or_fewer_ranks(daemon):
+    # Saved by 2 data-parallel ranks (each holds every tensor whole: replicas); resumed by
+    # 3 ranks (the new one takes rank 0's train state) and by 1, each equal to the save.
+    for r in range(2):
+        model, optimizer, scheduler = make_training(seed=0)
+        with CheckpointManager("grow", model, optimizer, scheduler, socket=daemon.socket,
+                               rank=r, world_size=2) as manager:
+            for step in (1, 2, 3):
+                train_step(model, optimizer, scheduler)
+            assert manager.save(3)
+            manager.wait_staged()
+            saved = clone_state(model, optimizer, scheduler)
+    deadline = time.monotonic() + 30
+    while daemon.steps("grow") != [3] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.steps("grow") == [3]
+
+    for world, restart in ((3, False), (1, True)):
+        if restart:
+            daemon.restart()  # from disk this time
+        out = {}
+
+        def rank(r):
+            model, optimizer, scheduler = make_training(seed=7)
+            try:
+                with CheckpointManager("grow", model, optimizer, scheduler, socket=daemon.socket,
+                                       rank=r, world_size=world) as manager:
+                    out[r] = manager.load()
+                    out[("state", r)] = clone_state(model, optimizer, scheduler)
+            except CheckpointError as e:
+                out[r] = str(e)
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for r in range(world):
+            assert out[r] == 3, out[r]
+            assert_same(out[("state", r)], saved)
