@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 
 #include <filesystem>
-#include <fstream>
 
+#include "tests/fakes/flip_bit.h"
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
@@ -95,18 +95,7 @@ TEST_CASE("a resharding restore names what does not fit and catches a flipped bi
   REQUIRE(d.Stop() == 0);
   // One bit 9 MiB into rank 0's data: its layer0 entry, second chunk.
   std::string file = d.root() + "/reshard/step-00000005/rank-00000.safetensors";
-  {
-    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
-    uint64_t header = 0;
-    f.read(reinterpret_cast<char*>(&header), 8);
-    const auto at = static_cast<std::streamoff>(8 + header + (9 << 20));
-    char byte = 0;
-    f.seekg(at);
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x04);
-    f.seekp(at);
-    f.write(&byte, 1);
-  }
+  FlipDataBit(file, 9 << 20);
   d.Start();
   // Eight ranks by rows: ranks 0 and 1 split rank 0's saved rows, and only rank 1's half
   // covers the damaged chunk. The step is damaged for every rank (nothing older exists),

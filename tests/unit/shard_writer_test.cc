@@ -17,6 +17,7 @@
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/shard_reader.h"
 #include "tests/fakes/faulty_filesystem.h"
+#include "tests/fakes/flip_bit.h"
 #include "tests/fakes/temp_dir.h"
 #include "tests/fakes/wait_until.h"
 
@@ -208,16 +209,7 @@ TEST_CASE("entries longer than a chunk get a checksum per chunk; a range read ch
 
   // One flipped bit in the third chunk: ranges that avoid it still read; those that touch
   // it fail, naming the tensor, the file and the chunk's bytes.
-  {
-    std::fstream f(dir / written->file, std::ios::in | std::ios::out | std::ios::binary);
-    const auto at = static_cast<std::streamoff>(reader->header().data_start + 2 * kChunk + 7);
-    char byte = 0;
-    f.seekg(at);
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x20);
-    f.seekp(at);
-    f.write(&byte, 1);
-  }
+  testing::FlipDataBit(dir / written->file, 2 * kChunk + 7, 0x20);
   CHECK(read(0, 2 * kChunk, got, pread).ok());
   absl::Status damaged = read(2 * kChunk - 1, 2 * kChunk + 1, got, pread);
   CHECK(damaged.code() == absl::StatusCode::kDataLoss);
