@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/persist/tiling.h"
 #include "daemon/restore/plan_reader.h"
 #include "daemon/restore/read_plan.h"
 
@@ -36,12 +37,11 @@ bool SamePlacement(const SessionView& session, const persist::Manifest& manifest
   for (const RegisteredTensor& t : *session.tensors) {
     auto it = manifest.tensors.find(t.name);
     if (it == manifest.tensors.end()) continue;
-    const std::vector<int64_t> zeros(t.shape.size(), 0);
     const auto& global = t.placement.global_shape.empty() ? t.shape : t.placement.global_shape;
-    const auto& offset = t.placement.offset.empty() ? zeros : t.placement.offset;
+    const persist::Box mine = persist::PlacementBox(t.placement.offset, t.shape, global);
     for (const persist::TensorShard& s : it->second.shards) {
-      if (s.rank == session.rank &&
-          (s.shape != t.shape || s.offset != offset || it->second.global_shape != global)) {
+      if (s.rank == session.rank && (it->second.global_shape != global ||
+                                     persist::PlacementBox(s.offset, s.shape, global) != mine)) {
         return false;
       }
     }
@@ -249,7 +249,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
     const persist::TensorEntry& e = *entries.at(t.name);
-    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));  // dtype: placement agreed
+    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
   }

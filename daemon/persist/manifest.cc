@@ -229,16 +229,6 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         shard.offset = Ints<int64_t>(s.at("offset"), "offset");
         shard.shape = Ints<int64_t>(s.at("shape"), "shape");
         shard.checksum = s.at("checksum").get<std::string>();
-        if (auto chunks = s.find("chunk_checksums"); chunks != s.end()) {
-          shard.chunk_checksums = chunks->get<std::vector<std::string>>();
-          uint64_t expected = ChecksumChunks(shard.end - std::min(shard.begin, shard.end),
-                                             m.checksum_chunk_bytes);
-          if (shard.chunk_checksums.size() != expected) {
-            return bad(fmt::format("tensor {}: rank {} lists {} chunk checksums for an entry of "
-                                   "{} chunks",
-                                   it.key(), shard.rank, shard.chunk_checksums.size(), expected));
-          }
-        }
         auto owner = by_rank.find(shard.rank);
         if (owner == by_rank.end() || shard.file != owner->second->file) {
           return bad(fmt::format("tensor {}: a piece names rank {} or file {} that the shards "
@@ -248,6 +238,15 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         if (shard.begin > shard.end || shard.end > owner->second->bytes) {
           return bad(fmt::format("tensor {}: byte range [{}, {}) is not inside rank {}'s file",
                                  it.key(), shard.begin, shard.end, shard.rank));
+        }
+        if (auto chunks = s.find("chunk_checksums"); chunks != s.end()) {
+          shard.chunk_checksums = chunks->get<std::vector<std::string>>();
+          uint64_t expected = ChecksumChunks(shard.end - shard.begin, m.checksum_chunk_bytes);
+          if (shard.chunk_checksums.size() != expected) {
+            return bad(fmt::format("tensor {}: rank {} lists {} chunk checksums for an entry of "
+                                   "{} chunks",
+                                   it.key(), shard.rank, shard.chunk_checksums.size(), expected));
+          }
         }
         if (shard.offset.size() != t.global_shape.size() ||
             shard.shape.size() != t.global_shape.size()) {

@@ -24,11 +24,15 @@ absl::StatusOr<ShardReaderPtr> ShardReader::Open(Filesystem& fs, const std::stri
   return ShardReaderPtr(new ShardReader(fs, path, std::move(fd), std::move(header)));
 }
 
+ShardReader::ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header)
+    : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), header_(std::move(header)) {
+  by_name_.reserve(header_.tensors.size());
+  for (const TensorEntry& e : header_.tensors) by_name_.emplace(e.name, &e);  // first one wins
+}
+
 const TensorEntry* ShardReader::Find(const std::string& name) const {
-  for (const TensorEntry& e : header_.tensors) {
-    if (e.name == name) return &e;
-  }
-  return nullptr;
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : it->second;
 }
 
 absl::Status ShardReader::ReadEntry(const TensorEntry& entry, void* dst,

@@ -4,6 +4,8 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -48,13 +50,14 @@ class ShardReader {
   static constexpr uint64_t kReadWindowBytes = uint64_t{64} << 20;
 
  private:
-  ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header)
-      : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), header_(std::move(header)) {}
+  ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header);
 
   Filesystem& fs_;
   std::string path_;
   UniqueFd fd_;
   SafetensorsHeader header_;
+  // Entry names to header_.tensors: a restore looks every one of its tensors up.
+  std::unordered_map<std::string_view, const TensorEntry*> by_name_;
 };
 
 using ShardReaderPtr = std::unique_ptr<ShardReader>;

@@ -26,6 +26,18 @@ void Scatter(const std::vector<ByteRun>& runs, size_t& next, uint64_t offset, co
 
 }  // namespace
 
+const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
+  auto [it, inserted] = hot_shards_.try_emplace(rank);
+  HotShard& hot = it->second;
+  if (inserted && hot_ && (hot.snapshot = hot_(rank))) {
+    const auto& entries = hot.snapshot->shard.entries;
+    for (size_t i = 0; i < hot.snapshot->tensor_count; ++i) {
+      hot.tensors.emplace(entries[i].name, &entries[i]);
+    }
+  }
+  return hot;
+}
+
 absl::StatusOr<const persist::ShardReader*> PlanReader::Reader(uint32_t rank) {
   if (auto it = readers_.find(rank); it != readers_.end()) return it->second.get();
   if (rank >= manifest_.shards.size()) {
@@ -48,23 +60,16 @@ absl::StatusOr<const persist::ShardReader*> PlanReader::Reader(uint32_t rank) {
 absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
   for (const ShardRead& read : tensor.reads) {
     if (read.runs.empty()) continue;
-    auto [known, inserted] = snapshots_.try_emplace(read.rank);
-    if (inserted && hot_) known->second = hot_(read.rank);
-    if (const daemon::StagedSnapshotPtr& snap = known->second) {
-      // ckptd's own copy of the committed step: the bytes the file was written from.
-      const auto& entries = snap->shard.entries;
-      bool same = std::any_of(entries.begin(), entries.begin() + snap->tensor_count,
-                              [&](const persist::TensorEntry& e) {
-                                return e.name == tensor.name && e.begin == read.entry_begin &&
-                                       e.end == read.entry_end;
-                              });
-      if (same) {
-        size_t next = 0;
-        const uint64_t size = read.entry_end - read.entry_begin;
-        Scatter(read.runs, next, 0, snap->shard.data + read.entry_begin, size, dst);
-        for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
-        continue;
-      }
+    // ckptd's own copy of the committed step: the bytes the file was written from.
+    const HotShard& hot = Hot(read.rank);
+    if (auto e = hot.tensors.find(tensor.name);
+        e != hot.tensors.end() && e->second->begin == read.entry_begin &&
+        e->second->end == read.entry_end) {
+      size_t next = 0;
+      const uint64_t size = read.entry_end - read.entry_begin;
+      Scatter(read.runs, next, 0, hot.snapshot->shard.data + read.entry_begin, size, dst);
+      for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
+      continue;
     }
     CKPT_ASSIGN_OR_RETURN(const persist::ShardReader* reader, Reader(read.rank));
     const persist::TensorEntry* entry = reader->Find(tensor.name);
@@ -72,6 +77,12 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
       return absl::DataLossError(fmt::format(
           "tensor {} in {}: the file's header disagrees with the manifest", tensor.name,
           reader->path()));
+    }
+    if (tensor.whole_entry()) {
+      // The saved placement: one pread straight into place, no window to copy out of.
+      CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, dst, read.checksum));
+      from_disk_ += tensor.bytes;
+      continue;
     }
     size_t next = 0;
     const uint64_t from = read.runs.front().source;
@@ -88,9 +99,7 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
 
 absl::StatusOr<std::vector<shm::NamedBlob>> PlanReader::TrainState(uint32_t rank) {
   std::vector<shm::NamedBlob> state;
-  auto [known, inserted] = snapshots_.try_emplace(rank);
-  if (inserted && hot_) known->second = hot_(rank);
-  if (const daemon::StagedSnapshotPtr& snap = known->second) {
+  if (const daemon::StagedSnapshotPtr& snap = Hot(rank).snapshot) {
     for (size_t i = snap->tensor_count; i < snap->shard.entries.size(); ++i) {
       const persist::TensorEntry& e = snap->shard.entries[i];
       state.push_back({snap->train_state_names[i - snap->tensor_count],

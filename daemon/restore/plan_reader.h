@@ -8,6 +8,8 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -41,13 +43,20 @@ class PlanReader {
   uint64_t bytes_from_disk() const { return from_disk_; }  // what was pread, chunks whole
 
  private:
+  // A saved rank's snapshot in memory, its tensor entries by name.
+  struct HotShard {
+    daemon::StagedSnapshotPtr snapshot;  // null: not in memory
+    std::unordered_map<std::string_view, const persist::TensorEntry*> tensors;
+  };
+  // Looked up, and indexed, once per rank.
+  const HotShard& Hot(uint32_t rank);
   absl::StatusOr<const persist::ShardReader*> Reader(uint32_t rank);
 
   Filesystem& fs_;
   const std::string step_dir_;
   const persist::Manifest& manifest_;
   HotLookup hot_;
-  std::map<uint32_t, daemon::StagedSnapshotPtr> snapshots_;  // looked up once per rank
+  std::map<uint32_t, HotShard> hot_shards_;
   std::map<uint32_t, persist::ShardReaderPtr> readers_;      // opened once per file
   uint64_t from_memory_ = 0;
   uint64_t from_disk_ = 0;
