@@ -222,6 +222,68 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
                     /*on_device=*/false, spare_bytes});
 }
 
+absl::StatusOr<Tensor*> Client::AllocateFlatTensor(const std::string& name, const std::string& dtype,
+                                                   const std::vector<int64_t>& global_shape,
+                                                   const std::vector<ElementRange>& ranges) {
+  int64_t numel = 0;
+  for (const ElementRange& r : ranges) {
+    if (r.end <= r.begin || r.begin < 0) {
+      return absl::InvalidArgumentError(
+          fmt::format("tensor {}: flat element range [{}, {}) is empty or negative", name, r.begin, r.end));
+    }
+    numel += r.end - r.begin;
+  }
+  if (ranges.empty() || global_shape.empty()) {
+    return absl::InvalidArgumentError(
+        fmt::format("tensor {}: a flat tensor needs element ranges and its global shape", name));
+  }
+  CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes(name, dtype, {numel}));
+  CKPT_ASSIGN_OR_RETURN(void* data, AllocateInArena(nbytes));
+  return AddRecord({name, dtype, {numel}, data, nbytes, global_shape, {}, /*on_device=*/false, 0, ranges});
+}
+
+absl::StatusOr<FlatShard> Client::AllocateFlatShard(const std::string& dtype, int64_t numel,
+                                                    const std::vector<FlatPiece>& pieces) {
+  CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(dtype));
+  CKPT_ASSIGN_OR_RETURN(size_t nbytes, TensorBytes("flat shard", dtype, {numel}));
+  // Check every piece before allocating anything, so a bad one leaves nothing behind.
+  std::vector<std::pair<int64_t, int64_t>> taken;  // [at, at + length) in the shard
+  for (const FlatPiece& p : pieces) {
+    CKPT_ASSIGN_OR_RETURN(size_t whole, TensorBytes(p.name, dtype, p.global_shape));
+    const int64_t length = p.range.end - p.range.begin;
+    if (p.range.begin < 0 || length <= 0 || p.range.end > static_cast<int64_t>(whole / itemsize) ||
+        p.at < 0 || p.at > numel - length) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: elements [{}, {}) at element {} of a flat shard of {} do not fit the shard "
+          "or the tensor",
+          p.name, p.range.begin, p.range.end, p.at, numel));
+    }
+    taken.emplace_back(p.at, p.at + length);
+  }
+  std::sort(taken.begin(), taken.end());
+  for (size_t i = 1; i < taken.size(); ++i) {
+    if (taken[i].first < taken[i - 1].second) {
+      return absl::InvalidArgumentError(fmt::format(
+          "flat shard pieces overlap at element {}", taken[i].first));
+    }
+  }
+  FlatShard shard;
+  CKPT_ASSIGN_OR_RETURN(shard.data, AllocateInArena(nbytes));
+  shard.numel = static_cast<size_t>(numel);
+  for (const FlatPiece& p : pieces) {
+    char* at = static_cast<char*>(shard.data) + static_cast<size_t>(p.at) * itemsize;
+    const int64_t length = p.range.end - p.range.begin;
+    const size_t bytes = static_cast<size_t>(length) * itemsize;
+    if (p.global_shape.empty()) {  // a scalar: whole, as it has no flat placement
+      shard.pieces.push_back(AddRecord({p.name, dtype, {}, at, bytes, {}, {}, false, 0, {}}));
+    } else {
+      shard.pieces.push_back(
+          AddRecord({p.name, dtype, {length}, at, bytes, p.global_shape, {}, false, 0, {p.range}}));
+    }
+  }
+  return shard;
+}
+
 absl::StatusOr<void*> Client::AllocateInArena(size_t bytes) {
   // Every arena byte is reserved shared memory, and ckptd counts it against this user's
   // budget: arenas grow with what is allocated (waste stays under half of it) rather than
@@ -286,6 +348,11 @@ void Client::FillSpec(const Tensor& t, ::ckptd::v1::TensorSpec* spec) const {
   spec->set_nbytes(t.nbytes);
   for (int64_t d : t.global_shape) spec->add_global_shape(d);
   for (int64_t d : t.global_offset) spec->add_global_offset(d);
+  for (const ElementRange& r : t.flat_ranges) {
+    auto* range = spec->add_flat_ranges();
+    range->set_begin(r.begin);
+    range->set_end(r.end);
+  }
   if (t.on_device && impl_->gpu.count(&t)) {
     const cuda::DeviceBufferDescriptor& d = impl_->gpu.at(&t);
     spec->mutable_cuda()->set_ipc_handle(d.ipc_handle.data(), d.ipc_handle.size());

@@ -39,6 +39,12 @@ struct TicketStatus {
   std::string error;  // why, for failed and rejected tickets
 };
 
+// Flattened (row-major) element indices [begin, end) of a global tensor.
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
 // A host tensor in shared memory that ckptd can read without a copy in the trainer.
 struct Tensor {
   std::string name;
@@ -53,6 +59,26 @@ struct Tensor {
   // Bytes after `data + nbytes`, in the same allocation, that the trainer may use and ckptd
   // neither copies nor restores (FSDP2 pads its shards to equal sizes).
   size_t spare_bytes = 0;
+  // A flat shard (FSDP style): these ranges of the flattened global tensor, one after another
+  // in this 1-D tensor. Then `global_shape` is set and `global_offset` empty.
+  std::vector<ElementRange> flat_ranges;
+};
+
+// A tensor's piece in an FSDP-style flat parameter shard: elements `range` of the tensor
+// (flattened, of shape `global_shape`), stored from element `at` of the shard on.
+struct FlatPiece {
+  std::string name;
+  std::vector<int64_t> global_shape;
+  ElementRange range;
+  int64_t at = 0;
+};
+
+// A rank's shard of a flat parameter: `numel` elements at `data`, with the pieces in it, each
+// registered as a tensor of its own.
+struct FlatShard {
+  void* data = nullptr;
+  size_t numel = 0;
+  std::vector<Tensor*> pieces;
 };
 
 using Metadata = std::map<std::string, std::string>;
@@ -134,6 +160,21 @@ class Client {
                                          const std::vector<int64_t>& global_shape = {},
                                          const std::vector<int64_t>& global_offset = {},
                                          size_t spare_bytes = 0);
+
+  // Allocates a 1-D tensor holding `ranges` of the flattened tensor of `global_shape` one
+  // after another (a flat shard: ascending, disjoint ranges). Restores fill it from any
+  // saved placement of that tensor, and any placement restores from it.
+  absl::StatusOr<Tensor*> AllocateFlatTensor(const std::string& name, const std::string& dtype,
+                                             const std::vector<int64_t>& global_shape,
+                                             const std::vector<ElementRange>& ranges);
+
+  // Allocates a rank's shard of an FSDP-style flat parameter: one buffer of `numel` elements
+  // of `dtype` in which each piece sits at its own place, so a shard holding the end of one
+  // tensor and the start of the next (and the padding FSDP puts between and after them) is
+  // the one contiguous buffer the trainer needs. Elements no piece covers are not
+  // checkpointed. InvalidArgument naming the piece that leaves the shard or overlaps another.
+  absl::StatusOr<FlatShard> AllocateFlatShard(const std::string& dtype, int64_t numel,
+                                              const std::vector<FlatPiece>& pieces);
 
   // Adds an existing GPU buffer (allocated with cudaMalloc or PyTorch's default caching
   // allocator) that ckptd will map through CUDA IPC. Only before Register(). Fails at once,

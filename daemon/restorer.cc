@@ -38,10 +38,13 @@ bool SamePlacement(const SessionView& session, const persist::Manifest& manifest
     auto it = manifest.tensors.find(t.name);
     if (it == manifest.tensors.end()) continue;
     const auto& global = t.placement.global_shape.empty() ? t.shape : t.placement.global_shape;
-    const persist::Box mine = persist::PlacementBox(t.placement.offset, t.shape, global);
+    const persist::Placement mine =
+        t.placement.flat.empty()
+            ? persist::Placement{persist::PlacementBox(t.placement.offset, t.shape, global), {}}
+            : persist::Placement{{}, t.placement.flat};
     for (const persist::TensorShard& s : it->second.shards) {
       if (s.rank == session.rank && (it->second.global_shape != global ||
-                                     persist::PlacementBox(s.offset, s.shape, global) != mine)) {
+                                     persist::ShardPlacement(s, global) != mine)) {
         return false;
       }
     }
@@ -285,7 +288,8 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   std::vector<restore::WantedTensor> wanted;
   uint64_t total = 0;
   for (const RegisteredTensor* t : matched) {
-    wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset});
+    wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset,
+                      t->placement.flat});
     total += t->nbytes;
   }
   restore::ReadPlanOptions options;

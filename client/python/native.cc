@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "client/ckpt_client.h"
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace py = pybind11;
@@ -45,6 +46,13 @@ struct ArenaBuffer {
   ckpt::Tensor* tensor;
 };
 
+// A whole flat parameter shard (AllocateFlatShard): the pieces are registered tensors inside it.
+struct SharedBuffer {
+  std::shared_ptr<ckpt::Client> client;
+  void* data;
+  size_t nbytes;
+};
+
 py::dict TicketDict(const ckpt::TicketStatus& status) {
   py::dict d;
   d["state"] = ckpt::ToString(status.state);
@@ -65,6 +73,25 @@ class PyClient {
                        const std::vector<int64_t>& global_offset, size_t spare_bytes) {
     return {client_, ValueOr(client_->AllocateTensor(name, dtype, shape, global_shape, global_offset,
                                                      spare_bytes))};
+  }
+
+  ArenaBuffer AllocateFlat(const std::string& name, const std::string& dtype,
+                           const std::vector<int64_t>& global_shape,
+                           const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+    std::vector<ckpt::ElementRange> flat;
+    for (auto [b, e] : ranges) flat.push_back({b, e});
+    return {client_, ValueOr(client_->AllocateFlatTensor(name, dtype, global_shape, flat))};
+  }
+
+  // pieces: (name, global_shape, begin, end, at) as in ckpt::FlatPiece.
+  SharedBuffer AllocateFlatShard(
+      const std::string& dtype, int64_t numel,
+      const std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int64_t, int64_t>>& pieces) {
+    std::vector<ckpt::FlatPiece> flat;
+    for (const auto& [name, global, b, e, at] : pieces) flat.push_back({name, global, {b, e}, at});
+    ckpt::FlatShard shard = ValueOr(client_->AllocateFlatShard(dtype, numel, flat));
+    size_t itemsize = ValueOr(ckpt::DTypeSize(dtype));
+    return {client_, shard.data, shard.numel * itemsize};
   }
 
   void AddCuda(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
@@ -232,7 +259,23 @@ PYBIND11_MODULE(_native, m) {
         return reinterpret_cast<uintptr_t>(b.tensor->data);
       });
 
+  py::class_<SharedBuffer>(m, "SharedBuffer", py::buffer_protocol())
+      .def_buffer([](SharedBuffer& b) {
+        return py::buffer_info(b.data, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.nbytes)}, {1});
+      })
+      .def_property_readonly("nbytes", [](const SharedBuffer& b) { return b.nbytes; });
+
   py::class_<PyClient>(m, "Client")
+      .def("allocate_flat", &PyClient::AllocateFlat, py::arg("name"), py::arg("dtype"),
+           py::arg("global_shape"), py::arg("ranges"),
+           "A 1-D tensor holding element ranges [(begin, end), ...] of the flattened tensor of "
+           "global_shape, one after another (an FSDP-style flat shard), as a writable buffer")
+      .def("allocate_flat_shard", &PyClient::AllocateFlatShard, py::arg("dtype"), py::arg("numel"),
+           py::arg("pieces"),
+           "One buffer of numel elements (a rank's shard of an FSDP flat parameter) holding "
+           "pieces (name, global_shape, begin, end, at): elements [begin, end) of tensor name, "
+           "stored from element at of the shard; elements no piece covers are not checkpointed")
       .def("allocate", &PyClient::Allocate, py::arg("name"), py::arg("dtype"), py::arg("shape"),
            py::arg("global_shape") = std::vector<int64_t>{},
            py::arg("global_offset") = std::vector<int64_t>{}, py::arg("spare_bytes") = size_t{0},

@@ -54,7 +54,18 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
             "tensor {}: rank {} has {} [{}], another rank has {} [{}]", e.name, rank, e.dtype,
             fmt::join(global, ","), t.dtype, fmt::join(t.global_shape, ",")));
       }
-      persist::TensorShard piece{rank, written.file, e.begin, e.end, offset, e.shape, checksum, {}};
+      persist::TensorShard piece;
+      piece.rank = rank;
+      piece.file = written.file;
+      piece.begin = e.begin;
+      piece.end = e.end;
+      piece.shape = e.shape;
+      piece.checksum = checksum;
+      if (p.flat.empty()) {
+        piece.offset = std::move(offset);
+      } else {
+        piece.flat = p.flat;
+      }
       if (auto chunks = written.chunk_checksums.find(e.name); chunks != written.chunk_checksums.end()) {
         piece.chunk_checksums = chunks->second;
       }

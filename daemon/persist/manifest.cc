@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/dtype.h"
 #include "common/names.h"
 #include "daemon/persist/checksum.h"
 
@@ -35,6 +36,45 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 }
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
+
+absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>& global) {
+  if (!shard.flat.empty()) {
+    int64_t numel = 1;
+    for (int64_t d : global) {
+      if (d < 0 || (d > 0 && numel > std::numeric_limits<int64_t>::max() / d)) {
+        return absl::InvalidArgumentError(fmt::format("has an impossible global shape [{}]", fmt::join(global, ", ")));
+      }
+      numel *= d;
+    }
+    int64_t total = 0, after = 0;
+    for (const ElementRange& r : shard.flat) {
+      if (r.begin < after || r.end <= r.begin || r.end > numel) {
+        return absl::InvalidArgumentError(fmt::format(
+            "has flat element range [{}, {}), which is empty, out of order, overlaps the one "
+            "before or lies outside the {} elements of the tensor",
+            r.begin, r.end, numel));
+      }
+      after = r.end;
+      total += r.end - r.begin;
+    }
+    if (shard.shape.size() != 1 || shard.shape[0] != total) {
+      return absl::InvalidArgumentError(fmt::format(
+          "has flat element ranges holding {} elements but local shape [{}]; a flat shard is "
+          "1-D, its ranges one after another",
+          total, fmt::join(shard.shape, ", ")));
+    }
+    return absl::OkStatus();
+  }
+  if (shard.offset.size() != global.size() || shard.shape.size() != global.size()) {
+    return absl::InvalidArgumentError("has a placement with a different rank than the global shape");
+  }
+  for (size_t d = 0; d < global.size(); ++d) {
+    if (shard.offset[d] < 0 || shard.shape[d] < 0 || shard.offset[d] > global[d] - shard.shape[d]) {
+      return absl::InvalidArgumentError(fmt::format("lies outside the global shape in dimension {}", d));
+    }
+  }
+  return absl::OkStatus();
+}
 
 namespace {
 
@@ -63,9 +103,15 @@ std::string ManifestToJson(const Manifest& m) {
       shards.push_back({{"rank", s.rank},
                         {"file", s.file},
                         {"data_offsets", {s.begin, s.end}},
-                        {"offset", s.offset},
                         {"shape", s.shape},
                         {"checksum", s.checksum}});
+      if (s.flat.empty()) {
+        shards.back()["offset"] = s.offset;
+      } else {
+        json ranges = json::array();
+        for (const ElementRange& r : s.flat) ranges.push_back({r.begin, r.end});
+        shards.back()["flat"] = std::move(ranges);
+      }
       if (!s.chunk_checksums.empty()) shards.back()["chunk_checksums"] = s.chunk_checksums;
     }
     tensors[name] = {{"dtype", t.dtype}, {"global_shape", t.global_shape}, {"shards", shards}};
@@ -226,8 +272,14 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         shard.file = s.at("file").get<std::string>();
         shard.begin = Int<uint64_t>(s.at("data_offsets").at(0), "data_offsets");
         shard.end = Int<uint64_t>(s.at("data_offsets").at(1), "data_offsets");
-        shard.offset = Ints<int64_t>(s.at("offset"), "offset");
         shard.shape = Ints<int64_t>(s.at("shape"), "shape");
+        if (auto flat = s.find("flat"); flat != s.end()) {
+          for (const auto& r : *flat) {
+            shard.flat.push_back({Int<int64_t>(r.at(0), "flat"), Int<int64_t>(r.at(1), "flat")});
+          }
+        } else {
+          shard.offset = Ints<int64_t>(s.at("offset"), "offset");
+        }
         shard.checksum = s.at("checksum").get<std::string>();
         auto owner = by_rank.find(shard.rank);
         if (owner == by_rank.end() || shard.file != owner->second->file) {
@@ -248,19 +300,15 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
                                    it.key(), shard.rank, shard.chunk_checksums.size(), expected));
           }
         }
-        if (shard.offset.size() != t.global_shape.size() ||
-            shard.shape.size() != t.global_shape.size()) {
-          return bad(fmt::format("tensor {}: rank {}'s placement has a different rank than the "
-                                 "global shape",
-                                 it.key(), shard.rank));
+        if (absl::Status placed = CheckPlacement(shard, t.global_shape); !placed.ok()) {
+          return bad(fmt::format("tensor {}: rank {}'s piece {}", it.key(), shard.rank, std::string(placed.message())));
         }
-        for (size_t d = 0; d < t.global_shape.size(); ++d) {
-          if (shard.offset[d] < 0 || shard.shape[d] < 0 ||
-              shard.offset[d] > t.global_shape[d] - shard.shape[d]) {
-            return bad(fmt::format("tensor {}: rank {}'s piece lies outside the global shape in "
-                                   "dimension {}",
-                                   it.key(), shard.rank, d));
-          }
+        absl::StatusOr<uint64_t> bytes = TensorBytes(it.key(), t.dtype, shard.shape);
+        if (!bytes.ok()) return bad(std::string(bytes.status().message()));
+        if (*bytes != shard.end - shard.begin) {
+          return bad(fmt::format("tensor {}: rank {}'s entry holds {} bytes; {} {} is {}",
+                                 it.key(), shard.rank, shard.end - shard.begin, t.dtype,
+                                 fmt::format("[{}]", fmt::join(shard.shape, ", ")), *bytes));
         }
         t.shards.push_back(std::move(shard));
       }

@@ -21,7 +21,17 @@ inline uint64_t ChecksumChunks(uint64_t bytes, uint64_t chunk_bytes) {
   return chunk_bytes == 0 || bytes <= chunk_bytes ? 0 : (bytes + chunk_bytes - 1) / chunk_bytes;
 }
 
-// Where one rank's piece of a tensor lives and where it goes in the global tensor.
+// Flattened (row-major) element indices [begin, end) of a global tensor.
+struct ElementRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  bool operator==(const ElementRange&) const = default;
+};
+
+// Where one rank's piece of a tensor lives and where it goes in the global tensor: a box
+// (`offset` and local `shape`: DTensor row, column and block shards), or, for FSDP-style
+// flat shards, element ranges of the flattened tensor (`flat`, ascending and disjoint),
+// stored one after another in a 1-D entry of `shape` [their total].
 struct TensorShard {
   uint32_t rank = 0;
   std::string file;
@@ -33,6 +43,7 @@ struct TensorShard {
   // Of each Manifest::checksum_chunk_bytes of the entry, when it is longer than one chunk
   // (empty otherwise, and in manifests written before chunks were recorded).
   std::vector<std::string> chunk_checksums;
+  std::vector<ElementRange> flat;  // placement of a flat shard; `offset` is then empty
 };
 
 struct ManifestTensor {
@@ -110,6 +121,11 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::strin
 // when parts disagree (job, step, world size, a tensor's dtype or global shape), a rank
 // appears twice or is missing.
 absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts);
+
+// Whether `shard`'s placement fits a tensor of shape `global`: a box inside it, or flat
+// ranges that are ascending, disjoint, inside it and as many elements as the 1-D local
+// shape. InvalidArgument completing "tensor T: rank R's piece ..." otherwise.
+absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>& global);
 
 // The key under which a train-state blob is stored in a shard file.
 std::string TrainStateKey(const std::string& name);

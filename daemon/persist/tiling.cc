@@ -79,9 +79,145 @@ std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered) {
   return std::nullopt;
 }
 
+uint64_t Placement::Volume() const {
+  if (!is_flat()) return box.Volume();
+  uint64_t v = 0;
+  for (const ElementRange& r : flat) v += static_cast<uint64_t>(r.end - r.begin);
+  return v;
+}
+
+std::string Placement::Describe() const {
+  if (!is_flat()) return box.Range();
+  std::vector<std::string> ranges;
+  for (const ElementRange& r : flat) ranges.push_back(fmt::format("[{}, {})", r.begin, r.end));
+  return fmt::format("elements {}", fmt::join(ranges, " "));
+}
+
+Placement ShardPlacement(const TensorShard& shard, const std::vector<int64_t>& global) {
+  if (!shard.flat.empty()) return {{}, shard.flat};
+  return {PlacementBox(shard.offset, shard.shape, global), {}};
+}
+
+absl::StatusOr<std::vector<Segment>> Segments(const Placement& placement,
+                                              const std::vector<int64_t>& global, uint64_t max) {
+  std::vector<Segment> out;
+  auto too_many = [&] {
+    return absl::ResourceExhaustedError(fmt::format(
+        "{} is more than {} separate runs of elements of the tensor", placement.Describe(), max));
+  };
+  if (placement.is_flat()) {
+    if (placement.flat.size() > max) return too_many();
+    uint64_t local = 0;
+    for (const ElementRange& r : placement.flat) {
+      const auto length = static_cast<uint64_t>(r.end - r.begin);
+      out.push_back({static_cast<uint64_t>(r.begin), local, length});
+      local += length;
+    }
+    return out;
+  }
+  const Box& box = placement.box;
+  const size_t n = global.size();
+  if (box.Volume() == 0) return out;
+  if (n == 0) return std::vector<Segment>{{0, 0, 1}};
+  // Segments span dimension j partly and every dimension after it whole.
+  size_t j = n - 1;
+  while (j > 0 && box.extent[j] == global[j]) --j;
+  uint64_t length = 1, count = 1;
+  for (size_t d = j; d < n; ++d) length *= static_cast<uint64_t>(box.extent[d]);
+  for (size_t d = 0; d < j; ++d) count *= static_cast<uint64_t>(box.extent[d]);
+  if (count > max) return too_many();
+  std::vector<uint64_t> stride(n, 1);
+  for (size_t d = n - 1; d > 0; --d) stride[d - 1] = stride[d] * static_cast<uint64_t>(global[d]);
+  out.reserve(count);
+  std::vector<int64_t> at = box.lo;  // walks dimensions [0, j) in row-major order
+  for (uint64_t i = 0; i < count; ++i) {
+    uint64_t start = 0;
+    for (size_t d = 0; d < n; ++d) start += static_cast<uint64_t>(at[d]) * stride[d];
+    out.push_back({start, i * length, length});
+    for (size_t d = j; d-- > 0;) {
+      if (++at[d] < box.lo[d] + box.extent[d]) break;
+      at[d] = box.lo[d];
+    }
+  }
+  return out;
+}
+
+std::optional<ElementRange> FirstUncovered(const std::vector<Segment>& wanted,
+                                           std::vector<ElementRange> covered) {
+  std::sort(covered.begin(), covered.end(), [](const ElementRange& a, const ElementRange& b) { return a.begin < b.begin; });
+  size_t c = 0;
+  for (const Segment& w : wanted) {
+    auto at = static_cast<int64_t>(w.global);
+    const auto end = static_cast<int64_t>(w.global + w.length);
+    while (at < end) {
+      while (c < covered.size() && covered[c].end <= at) ++c;
+      if (c == covered.size() || covered[c].begin > at) {
+        return ElementRange{at, c == covered.size() ? end : std::min(end, covered[c].begin)};
+      }
+      at = covered[c].end;
+    }
+  }
+  return std::nullopt;
+}
+
 namespace {
 
+constexpr uint64_t kMaxTilingSegments = uint64_t{1} << 24;
+
+// The tiling check when some piece is a flat shard: every piece as runs of flat indices,
+// swept in order.
+absl::Status CheckFlatTensor(const std::string& name, const ManifestTensor& t) {
+  struct Held {
+    uint64_t begin, end;
+    uint32_t rank;
+  };
+  std::vector<Held> held;
+  std::vector<Placement> seen;
+  for (const TensorShard& s : t.shards) {
+    if (absl::Status placed = CheckPlacement(s, t.global_shape); !placed.ok()) {
+      return absl::FailedPreconditionError(fmt::format("tensor {}: rank {}'s piece {}", name, s.rank, std::string(placed.message())));
+    }
+    Placement p = ShardPlacement(s, t.global_shape);
+    if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;  // a replica
+    absl::StatusOr<std::vector<Segment>> segments = Segments(p, t.global_shape, kMaxTilingSegments - held.size());
+    if (!segments.ok()) {
+      return absl::FailedPreconditionError(fmt::format("tensor {}: rank {}'s piece {}: too finely cut to check", name, s.rank, std::string(segments.status().message())));
+    }
+    for (const Segment& g : *segments) held.push_back({g.global, g.global + g.length, s.rank});
+    seen.push_back(std::move(p));
+  }
+  std::sort(held.begin(), held.end(), [](const Held& a, const Held& b) { return a.begin < b.begin; });
+  uint64_t numel = 1;
+  for (int64_t d : t.global_shape) numel *= static_cast<uint64_t>(d);
+  uint64_t reach = 0;
+  const Held* last = nullptr;
+  for (const Held& h : held) {
+    if (h.begin < reach) {
+      return absl::FailedPreconditionError(fmt::format("tensor {}: ranks {} and {} both hold elements [{}, {})",
+                                                       name, last->rank, h.rank, h.begin, std::min(reach, h.end)));
+    }
+    if (h.begin > reach) break;
+    reach = h.end;
+    last = &h;
+  }
+  if (reach != numel) {
+    uint64_t gap_end = numel;
+    for (const Held& h : held) {
+      if (h.begin > reach) {
+        gap_end = h.begin;
+        break;
+      }
+    }
+    return absl::FailedPreconditionError(fmt::format("tensor {}: no rank holds elements [{}, {}) of the flattened tensor",
+                                                     name, reach, gap_end));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
+  if (std::any_of(t.shards.begin(), t.shards.end(), [](const TensorShard& s) { return !s.flat.empty(); })) {
+    return CheckFlatTensor(name, t);
+  }
   const size_t n = t.global_shape.size();
   const Box whole{std::vector<int64_t>(n, 0), t.global_shape};
   std::vector<Box> boxes;

@@ -30,6 +30,37 @@ Box PlacementBox(const std::vector<int64_t>& offset, const std::vector<int64_t>&
 
 std::optional<Box> Intersect(const Box& a, const Box& b);
 
+// Where a piece sits in the global tensor: a box, or flat element ranges (TensorShard).
+struct Placement {
+  Box box;                         // when `flat` is empty
+  std::vector<ElementRange> flat;  // ascending, disjoint; the piece holds them in order
+  bool is_flat() const { return !flat.empty(); }
+  uint64_t Volume() const;
+  std::string Describe() const;  // "[0:3, 0:10]" or "elements [0, 30) [60, 90)"
+  bool operator==(const Placement&) const = default;
+};
+
+Placement ShardPlacement(const TensorShard& shard, const std::vector<int64_t>& global);
+
+// Elements contiguous both in the global tensor (row-major) and in the piece: `length`
+// elements from flat index `global` of the tensor and element `local` of the piece.
+struct Segment {
+  uint64_t global = 0;
+  uint64_t local = 0;
+  uint64_t length = 0;
+};
+
+// A placement's segments, by `global` (and so by `local`): one per flat range; for a box, one
+// per run over the trailing dimensions it spans whole (one for row shards, one per row for
+// column shards). ResourceExhausted when there would be more than `max`.
+absl::StatusOr<std::vector<Segment>> Segments(const Placement& placement,
+                                              const std::vector<int64_t>& global, uint64_t max);
+
+// The first range [begin, end) of flat indices that `wanted` (by `global`) holds and no
+// interval of `covered` ([begin, end) pairs, any order) does; nullopt when all are covered.
+std::optional<ElementRange> FirstUncovered(const std::vector<Segment>& wanted,
+                                           std::vector<ElementRange> covered);
+
 // A region of `whole` that none of `covered` holds; nullopt when there is none, or when the
 // boxes are too many to look for one cheaply.
 std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);

@@ -15,6 +15,7 @@ using Index = std::vector<int64_t>;
 using persist::Box;
 using persist::FindGap;
 using persist::Intersect;
+using persist::Segment;
 
 // Row-major element offset of global index `at` inside box `in`.
 uint64_t Linear(const Box& in, const Index& at) {
@@ -53,6 +54,49 @@ void AddRuns(const Box& overlap, const Box& saved, const Box& wanted, size_t ite
   }
 }
 
+// The runs that copy the elements both `saved` and `wanted` hold (segments of the two
+// placements, each by flat index); returns how many elements that is and adds their flat
+// ranges to `overlaps`. Both lists ascend in local order too, so the runs come out by
+// source, and runs that continue each other in both pieces are merged.
+uint64_t AddSegmentRuns(const std::vector<Segment>& saved, const std::vector<Segment>& wanted,
+                        size_t itemsize, std::vector<ByteRun>& runs,
+                        std::vector<persist::ElementRange>& overlaps) {
+  uint64_t elements = 0;
+  size_t i = 0, k = 0;
+  while (i < saved.size() && k < wanted.size()) {
+    const Segment& a = saved[i];
+    const Segment& b = wanted[k];
+    const uint64_t lo = std::max(a.global, b.global);
+    const uint64_t hi = std::min(a.global + a.length, b.global + b.length);
+    if (lo < hi) {
+      const uint64_t source = (a.local + lo - a.global) * itemsize;
+      const uint64_t destination = (b.local + lo - b.global) * itemsize;
+      const uint64_t bytes = (hi - lo) * itemsize;
+      if (!runs.empty() && runs.back().source + runs.back().bytes == source &&
+          runs.back().destination + runs.back().bytes == destination) {
+        runs.back().bytes += bytes;
+      } else {
+        runs.push_back({source, destination, bytes});
+      }
+      if (!overlaps.empty() && static_cast<uint64_t>(overlaps.back().end) == lo) {
+        overlaps.back().end = static_cast<int64_t>(hi);
+      } else {
+        overlaps.push_back({static_cast<int64_t>(lo), static_cast<int64_t>(hi)});
+      }
+      elements += hi - lo;
+    }
+    (a.global + a.length <= b.global + b.length) ? ++i : ++k;
+  }
+  return elements;
+}
+
+absl::Status TooFine(const std::string& name, uint64_t max_runs) {
+  return absl::ResourceExhaustedError(fmt::format(
+      "reading {} would take more than {} separate byte runs: its saved shards and the "
+      "wanted placement cut it too finely",
+      name, max_runs));
+}
+
 }  // namespace
 
 absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
@@ -83,12 +127,19 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       continue;
     }
     const size_t n = global.size();
-    const Box want{w.offset.empty() ? Index(n, 0) : w.offset, w.shape};
-    if (!want.Inside(global)) {
-      problems.push_back(fmt::format("{}: the wanted piece at [{}] of shape [{}] is not inside the "
-                                     "global shape [{}]",
-                                     w.name, fmt::join(want.lo, ", "), fmt::join(want.extent, ", "),
-                                     fmt::join(global, ", ")));
+    persist::Placement want;
+    if (w.flat.empty()) {
+      want.box = Box{w.offset.empty() ? Index(n, 0) : w.offset, w.shape};
+    } else {
+      want.flat = w.flat;
+    }
+    persist::TensorShard probe;  // the wanted placement, checked as a saved one would be
+    probe.shape = w.shape;
+    probe.offset = want.box.lo;
+    probe.flat = w.flat;
+    if (absl::Status placed = persist::CheckPlacement(probe, global); !placed.ok()) {
+      problems.push_back(fmt::format("{}: the wanted piece {} (global shape [{}])", w.name,
+                                     std::string(placed.message()), fmt::join(global, ", ")));
       continue;
     }
     absl::StatusOr<size_t> itemsize = DTypeSize(w.dtype);
@@ -96,54 +147,77 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       problems.push_back(fmt::format("{}: {}", w.name, std::string(itemsize.status().message())));
       continue;
     }
-    TensorReadPlan t{w.name, want.Volume() * *itemsize, {}};
+    const uint64_t volume = want.Volume();
+    TensorReadPlan t{w.name, volume * *itemsize, {}};
     uint64_t covered = 0;
-    std::vector<Box> overlaps;
-    // Replicas (ranks holding the very same box) are read once: from the preferred rank's
+    std::vector<Box> overlaps;                      // box with box
+    std::vector<persist::ElementRange> flat_overlaps;  // where a flat placement is involved
+    std::optional<std::vector<Segment>> want_segments;  // computed when first needed
+    // Replicas (ranks holding the very same piece) are read once: from the preferred rank's
     // shard when it is one of them (its own file, in the saved topology), else the first.
-    std::vector<std::pair<Box, const persist::TensorShard*>> boxes;
+    std::vector<std::pair<persist::Placement, const persist::TensorShard*>> placements;
     for (const persist::TensorShard& s : saved.shards) {
-      Box box = persist::PlacementBox(s.offset, s.shape, global);
-      if (box.lo.size() != n || box.extent.size() != n) {
-        return absl::DataLossError(fmt::format(
-            "the manifest places rank {}'s shard of {} in {} dimensions; the tensor has {}", s.rank,
-            w.name, box.lo.size(), n));
+      if (absl::Status placed = persist::CheckPlacement(s, global); !placed.ok()) {
+        return absl::DataLossError(fmt::format("the manifest's shard of {} from rank {} {}", w.name,
+                                               s.rank, std::string(placed.message())));
       }
-      auto same = std::find_if(boxes.begin(), boxes.end(), [&](const auto& b) { return b.first == box; });
-      if (same == boxes.end()) {
-        boxes.emplace_back(std::move(box), &s);
+      persist::Placement p = persist::ShardPlacement(s, global);
+      auto same = std::find_if(placements.begin(), placements.end(), [&](const auto& b) { return b.first == p; });
+      if (same == placements.end()) {
+        placements.emplace_back(std::move(p), &s);
       } else if (options.prefer_rank && s.rank == *options.prefer_rank) {
         same->second = &s;
       }
     }
-    for (const auto& [box, shard] : boxes) {
+    for (const auto& [placement, shard] : placements) {
       const persist::TensorShard& s = *shard;
-      std::optional<Box> overlap = Intersect(box, want);
-      if (!overlap || overlap->Volume() == 0) continue;
       ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}};
-      AddRuns(*overlap, box, want, *itemsize, read.runs);
-      total_runs += read.runs.size();
-      if (total_runs > options.max_runs) {
-        return absl::ResourceExhaustedError(fmt::format(
-            "reading {} would take more than {} separate byte runs: its saved shards and the "
-            "wanted placement cut it too finely",
-            w.name, options.max_runs));
+      if (!placement.is_flat() && !want.is_flat()) {
+        std::optional<Box> overlap = Intersect(placement.box, want.box);
+        if (!overlap || overlap->Volume() == 0) continue;
+        AddRuns(*overlap, placement.box, want.box, *itemsize, read.runs);
+        covered += overlap->Volume();
+        overlaps.push_back(*overlap);
+      } else {
+        if (!want_segments) {
+          absl::StatusOr<std::vector<Segment>> segments = persist::Segments(want, global, options.max_runs);
+          if (!segments.ok()) return TooFine(w.name, options.max_runs);
+          want_segments = std::move(*segments);
+        }
+        absl::StatusOr<std::vector<Segment>> saved_segments = persist::Segments(placement, global, options.max_runs);
+        if (!saved_segments.ok()) return TooFine(w.name, options.max_runs);
+        covered += AddSegmentRuns(*saved_segments, *want_segments, *itemsize, read.runs, flat_overlaps);
+        if (read.runs.empty()) continue;
       }
-      covered += overlap->Volume();
-      overlaps.push_back(*overlap);
+      total_runs += read.runs.size();
+      if (total_runs > options.max_runs) return TooFine(w.name, options.max_runs);
       t.reads.push_back(std::move(read));
     }
-    if (covered > want.Volume()) {
+    if (covered > volume) {
       return absl::DataLossError(fmt::format(
           "the checkpoint's shards of {} overlap (they hold {} elements of a piece of {})", w.name,
-          covered, want.Volume()));
+          covered, volume));
     }
-    if (covered < want.Volume()) {
-      std::optional<Box> gap = FindGap(want, overlaps);
+    if (covered < volume) {
+      std::string where;
+      if (want.is_flat() || !flat_overlaps.empty()) {
+        // Some overlaps were found as flat runs: name the gap as flat indices.
+        for (const Box& b : overlaps) {
+          absl::StatusOr<std::vector<Segment>> runs = persist::Segments({b, {}}, global, options.max_runs);
+          if (!runs.ok()) break;
+          for (const Segment& g : *runs) flat_overlaps.push_back({static_cast<int64_t>(g.global), static_cast<int64_t>(g.global + g.length)});
+        }
+        std::optional<persist::ElementRange> gap;
+        if (want_segments) gap = persist::FirstUncovered(*want_segments, flat_overlaps);
+        where = gap ? fmt::format("elements [{}, {}) of the flattened tensor", gap->begin, gap->end)
+                    : "part of " + want.Describe();
+      } else {
+        std::optional<Box> gap = FindGap(want.box, overlaps);
+        where = gap ? gap->Range() : "part of " + want.box.Range();
+      }
       problems.push_back(fmt::format("{}: no saved shard holds {} ({} of {} wanted elements "
                                      "are missing)",
-                                     w.name, gap ? gap->Range() : "part of " + want.Range(),
-                                     want.Volume() - covered, want.Volume()));
+                                     w.name, where, volume - covered, volume));
       continue;
     }
     plan.tensors.push_back(std::move(t));

@@ -8,7 +8,9 @@
 // shape). Saved shards are boxes too (TensorShard.offset/shape), stored row-major. The plan
 // for a wanted box is, per saved shard it overlaps, the runs of bytes that are contiguous in
 // both: one run per overlap when the shards differ only in their first dimension, one per
-// row when they split a later one.
+// row when they split a later one. Flat shards (element ranges of the flattened tensor,
+// FSDP style) are matched with boxes and with each other through their runs of flat
+// indices (persist::Segments).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +31,9 @@ struct WantedTensor {
   std::vector<int64_t> shape;         // local
   std::vector<int64_t> global_shape;  // empty: the local tensor is the whole tensor
   std::vector<int64_t> offset;        // empty: all zeros
+  // A flat shard (FSDP style): these element ranges of the flattened global tensor, one
+  // after another in a 1-D piece of `shape` [their total]; `offset` is then unused.
+  std::vector<persist::ElementRange> flat;
 };
 
 // `bytes` from byte `source` of a saved entry to byte `destination` of the wanted piece.

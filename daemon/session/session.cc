@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <random>
@@ -16,6 +17,7 @@
 #include "common/names.h"
 #include "common/status.h"
 #include "common/dtype.h"
+#include "daemon/persist/manifest.h"
 #include "shm/futex.h"
 #include "shm/prefault.h"
 
@@ -32,6 +34,21 @@ std::string RandomId() {
 }
 
 absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
+  if (t.flat_ranges_size() > 0) {
+    if (t.global_shape_size() == 0 || t.global_offset_size() != 0) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: flat element ranges need the global shape and no global offset", t.name()));
+    }
+    persist::TensorShard piece;
+    piece.shape.assign(t.shape().begin(), t.shape().end());
+    for (const auto& r : t.flat_ranges()) piece.flat.push_back({r.begin(), r.end()});
+    std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
+    if (absl::Status placed = persist::CheckPlacement(piece, global); !placed.ok()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {}: the piece {} (global shape [{}])",
+                                                    t.name(), std::string(placed.message()), fmt::join(global, ", ")));
+    }
+    return absl::OkStatus();
+  }
   if (t.global_shape_size() == 0 && t.global_offset_size() == 0) return absl::OkStatus();
   if (t.global_shape_size() != t.shape_size() || t.global_offset_size() != t.shape_size()) {
     return absl::InvalidArgumentError(fmt::format(
@@ -185,6 +202,7 @@ absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorS
   rt.nbytes = t.nbytes();
   rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
   rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
+  for (const auto& r : t.flat_ranges()) rt.placement.flat.push_back({r.begin(), r.end()});
   if (t.has_cuda()) {
     CKPT_RETURN_IF_ERROR(AddGpuTensor(t, limits, rt));
     return rt;

@@ -26,9 +26,12 @@ class TicketSink {
                               std::string_view error = {}) = 0;
 };
 
+// Where a registered tensor sits in its global tensor (persist::TensorShard): a box at
+// `offset`, or flat element ranges. Empty: the tensor is whole.
 struct TensorPlacement {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offset;
+  std::vector<persist::ElementRange> flat;
 };
 
 struct StagedSnapshot {

@@ -3,6 +3,10 @@
 // saves them, or restores and checks its piece bit for bit. Placements:
 //   rows  - 2-D tensors split by rows (uneven when the world size does not divide them)
 //   cols  - the same tensors split by columns
+//   flat  - FSDP style: both tensors, flattened one after the other with 3 elements of
+//           padding between them and padded at the end to a multiple of the world size,
+//           form one flat parameter that each rank holds an equal slice of (one rank's
+//           slice holds the end of one tensor and the start of the next)
 // plus a replicated tensor (every rank holds it whole) and a scalar.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -43,11 +47,16 @@ struct Piece {
   ckpt::Tensor* tensor;
   uint32_t id;
   std::vector<int64_t> global, offset, shape;
+  ckpt::ElementRange flat;  // for the flat layout: elements of the flattened tensor
 };
 
 // Visits each element of the piece: (index in the piece, global flat index).
 template <typename F>
 void ForEach(const Piece& p, F f) {
+  if (p.flat.end > p.flat.begin) {
+    for (int64_t g = p.flat.begin; g < p.flat.end; ++g) f(g - p.flat.begin, g);
+    return;
+  }
   if (p.shape.empty()) return f(0, 0);
   if (p.shape.size() == 1) {
     for (int64_t i = 0; i < p.shape[0]; ++i) f(i, p.offset[0] + i);
@@ -69,9 +78,34 @@ std::vector<Piece> Setup(ckpt::Client& c, const Flags& f) {
       std::cout << "error: " << ckpt::Message(t.status()) << "\n";
       std::exit(2);
     }
-    pieces.push_back({*t, id, global, offset, shape});
+    pieces.push_back({*t, id, global, offset, shape, {}});
   };
+  if (f.layout == "flat") {
+    // The flat parameter: layer0 at 0, 3 elements of padding, layer1, padding to the end.
+    const int64_t numel = f.rows * f.cols, gap = 3;
+    const int64_t total = 2 * numel + gap;
+    const int64_t slice = (total + f.world_size - 1) / f.world_size;
+    const int64_t begin = f.rank * slice, end = begin + slice;
+    std::vector<ckpt::FlatPiece> wanted;
+    for (uint32_t id : {0u, 1u}) {
+      const int64_t start = id == 0 ? 0 : numel + gap;  // of the tensor in the parameter
+      const int64_t lo = std::max(begin, start), hi = std::min(end, start + numel);
+      if (lo < hi) {
+        wanted.push_back({fmt::format("layer{}.weight", id), {f.rows, f.cols}, {lo - start, hi - start}, lo - begin});
+      }
+    }
+    auto shard = c.AllocateFlatShard("F32", slice, wanted);
+    if (!shard.ok()) {
+      std::cout << "error: " << ckpt::Message(shard.status()) << "\n";
+      std::exit(2);
+    }
+    for (size_t i = 0; i < wanted.size(); ++i) {
+      const uint32_t id = wanted[i].name == "layer0.weight" ? 0 : 1;
+      pieces.push_back({shard->pieces[i], id, {f.rows, f.cols}, {}, {}, wanted[i].range});
+    }
+  }
   for (uint32_t id : {0u, 1u}) {
+    if (f.layout == "flat") break;
     // Tensor 1 is split the other way, so that one save holds both placements.
     bool by_rows = (f.layout == "rows") == (id == 0);
     std::vector<int64_t> global = {f.rows, f.cols};
@@ -172,7 +206,7 @@ int main(int argc, char** argv) {
   app.add_option("--job", f.job);
   app.add_option("--rank", f.rank);
   app.add_option("--world-size", f.world_size);
-  app.add_option("--layout", f.layout)->check(CLI::IsMember({"rows", "cols"}));
+  app.add_option("--layout", f.layout)->check(CLI::IsMember({"rows", "cols", "flat"}));
   app.add_option("--rows", f.rows);
   app.add_option("--cols", f.cols);
   auto* save = app.add_subcommand("save");

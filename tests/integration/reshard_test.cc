@@ -38,9 +38,10 @@ std::vector<RunResult> AllRanks(const Daemon& d, const TempDir& dir, uint32_t wo
   return out;
 }
 
-void SaveWithFourRanks(const Daemon& d, const TempDir& dir, const std::string& rows = "3001") {
+void SaveWithFourRanks(const Daemon& d, const TempDir& dir, const std::string& rows = "3001",
+                       const std::string& layout = "rows") {
   for (const RunResult& r :
-       AllRanks(d, dir, 4, {"--rows", rows, "--layout", "rows", "save", "--wait-committed"})) {
+       AllRanks(d, dir, 4, {"--rows", rows, "--layout", layout, "save", "--wait-committed"})) {
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     REQUIRE(Contains(r.out, "saved committed"));
@@ -59,6 +60,32 @@ void RestoresExactly(const Daemon& d, const TempDir& dir, uint32_t world, const 
 }
 
 }  // namespace
+
+TEST_CASE("FSDP flat shards restore as rows and columns, and row shards as flat shards") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  SaveWithFourRanks(d, dir, "3001", "flat");  // rank 1's slice holds layer0's end and layer1's start
+  RestoresExactly(d, dir, 4, "flat", "memory");  // as saved: its own snapshot
+  RestoresExactly(d, dir, 3, "rows", "memory");
+  RestoresExactly(d, dir, 8, "flat", "memory");
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  RestoresExactly(d, dir, 2, "cols", "disk");
+  RestoresExactly(d, dir, 3, "flat", "disk");
+  RestoresExactly(d, dir, 4, "flat", "disk");
+
+  // And the reverse: row and column shards saved, flat shards restored.
+  TempDir other;
+  Daemon e(other);
+  e.Start();
+  SaveWithFourRanks(e, other);
+  RestoresExactly(e, other, 3, "flat", "memory");
+  REQUIRE(e.Stop() == 0);
+  e.Start();
+  RestoresExactly(e, other, 8, "flat", "disk");
+  RestoresExactly(e, other, 1, "flat", "disk");
+}
 
 TEST_CASE("4 ranks' step restores with 1, 2, 3 and 8 ranks in either placement, from memory and disk") {
   TempDir dir;

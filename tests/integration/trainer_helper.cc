@@ -345,6 +345,18 @@ int RegisterBad(const Flags& f) {
   else if (c == "outside-segment") t->set_offset((1 << 20) - 32);
   else if (c == "duplicate-name") *req.add_tensors() = *t;
   else if (c == "reserved-name") t->set_name("__metadata__");
+  else if (c == "flat-past-end" || c == "flat-overlap" || c == "flat-with-offset") {
+    // Flat shards (FSDP): 16 elements of a global tensor of 20, in two ranges.
+    t->add_global_shape(20);
+    auto range = [&](int64_t b, int64_t e) {
+      auto* r = t->add_flat_ranges();
+      r->set_begin(b);
+      r->set_end(e);
+    };
+    if (c == "flat-past-end") range(0, 4), range(8, 20 + 4);
+    if (c == "flat-overlap") range(0, 10), range(4, 10);
+    if (c == "flat-with-offset") range(0, 16), t->add_global_offset(0);
+  }
   else if (c == "missing-arena") t->set_arena(1);
   else if (c == "unknown-token") req.set_arena_tokens(0, "0123456789abcdef0123456789abcdef");
   else if (c == "reused-token") {

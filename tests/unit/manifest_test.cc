@@ -231,3 +231,38 @@ TEST_CASE("chunk checksums round-trip, and a list that does not fit its entry is
   zero["checksum_chunk_bytes"] = 0;
   CHECK_FALSE(ParseManifest(zero.dump(), "m.json").ok());
 }
+
+TEST_CASE("flat shards round-trip; ranges that do not fit, and entries of the wrong size, are refused") {
+  Manifest m = Sample();
+  auto& shards = m.tensors["w"].shards;  // the [4, 2] tensor as FSDP flat shards: 3 and 5 elements
+  shards[0] = {0, ShardFileName(0), 0, 12, {}, {3}, "xxh3:0000000000000001", {}, {{0, 3}}};
+  shards[1] = {1, ShardFileName(1), 0, 20, {}, {5}, "xxh3:0000000000000001", {}, {{3, 5}, {5, 8}}};
+  auto parsed = ParseManifest(ManifestToJson(m), "test");
+  REQUIRE(parsed.ok());
+  CHECK(parsed->tensors.at("w").shards[1].flat == std::vector<ElementRange>{{3, 5}, {5, 8}});
+  CHECK(parsed->tensors.at("w").shards[1].offset.empty());
+  CHECK(nlohmann::json::parse(ManifestToJson(m))["tensors"]["w"]["shards"][0]["flat"] ==
+        nlohmann::json::parse("[[0, 3]]"));
+
+  auto j = nlohmann::json::parse(ManifestToJson(m));
+  j.erase("manifest_checksum");
+  auto refused_for = [](const nlohmann::json& doc, const std::string& why) {
+    auto refused = ParseManifest(doc.dump(), "m.json");
+    REQUIRE_FALSE(refused.ok());
+    CHECK_THAT(ckpt::Message(refused.status()), Catch::Contains(why));
+  };
+  auto past_end = j;
+  past_end["tensors"]["w"]["shards"][1]["flat"] = {{3, 5}, {5, 9}};
+  refused_for(past_end, "tensor w: rank 1's piece has flat element range [5, 9)");
+  auto backwards = j;
+  backwards["tensors"]["w"]["shards"][1]["flat"] = {{5, 8}, {3, 5}};
+  refused_for(backwards, "out of order");
+  auto not_total = j;
+  not_total["tensors"]["w"]["shards"][1]["shape"] = {4};
+  refused_for(not_total, "holding 5 elements but local shape [4]");
+  // An entry whose bytes are not its shape's: the reader would run off it.
+  auto wrong_size = nlohmann::json::parse(ManifestToJson(Sample()));
+  wrong_size.erase("manifest_checksum");
+  wrong_size["tensors"]["w"]["shards"][0]["data_offsets"] = {0, 12};
+  refused_for(wrong_size, "tensor w: rank 0's entry holds 12 bytes; F32 [2, 2] is 16");
+}

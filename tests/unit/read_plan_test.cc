@@ -7,8 +7,12 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "daemon/restore/read_plan.h"
 
+using ckpt::persist::ElementRange;
 using ckpt::persist::Manifest;
 using ckpt::persist::TensorShard;
 using ckpt::restore::PlanRead;
@@ -21,14 +25,25 @@ constexpr int64_t kRows = 12, kCols = 10;
 
 float Global(int64_t r, int64_t c) { return static_cast<float>(r * 100 + c); }
 
+// A box (offset and shape), or flat element ranges of the flattened tensor (FSDP style).
 struct Piece {
   std::vector<int64_t> offset, shape;
+  std::vector<ElementRange> flat;
 };
+
+Piece Flat(std::vector<ElementRange> ranges) {
+  int64_t total = 0;
+  for (const ElementRange& r : ranges) total += r.end - r.begin;
+  return {{}, {total}, std::move(ranges)};
+}
 
 // The bytes of a piece of the global tensor, row-major.
 std::vector<char> Slice(const Piece& p) {
   std::vector<float> v;
-  for (int64_t r = 0; r < p.shape[0]; ++r) {
+  for (const ElementRange& r : p.flat) {
+    for (int64_t i = r.begin; i < r.end; ++i) v.push_back(Global(i / kCols, i % kCols));
+  }
+  for (int64_t r = 0; p.flat.empty() && r < p.shape[0]; ++r) {
     for (int64_t c = 0; c < p.shape[1]; ++c) v.push_back(Global(p.offset[0] + r, p.offset[1] + c));
   }
   std::vector<char> bytes(v.size() * sizeof(float));
@@ -58,6 +73,7 @@ Saved Save(const std::vector<Piece>& pieces) {
     shard.end = shard.begin + bytes.size();
     shard.offset = pieces[rank].offset;
     shard.shape = pieces[rank].shape;
+    shard.flat = pieces[rank].flat;
     t.shards.push_back(shard);
     s.entries[rank] = std::move(bytes);
   }
@@ -103,6 +119,22 @@ std::vector<Piece> Blocks() {  // 2 x 2, uneven
   return {{{0, 0}, {5, 4}}, {{0, 4}, {5, 6}}, {{5, 0}, {7, 4}}, {{5, 4}, {7, 6}}};
 }
 
+// FSDP's flat shards: the flattened tensor cut in pieces that end mid-row.
+std::vector<Piece> FlatCuts(std::vector<int64_t> cuts) {
+  std::vector<Piece> out;
+  int64_t at = 0;
+  for (int64_t c : cuts) {
+    out.push_back(Flat({{at, c}}));
+    at = c;
+  }
+  return out;
+}
+
+// Several ranges per rank (a rank's flat parameter holds parts of the tensor twice).
+std::vector<Piece> Interleaved() {
+  return {Flat({{0, 13}, {50, 77}}), Flat({{13, 50}, {77, 120}})};
+}
+
 void CheckEveryWay(const std::vector<Piece>& saved_as) {
   Saved saved = Save(saved_as);
   const std::vector<std::vector<Piece>> layouts = {
@@ -114,12 +146,17 @@ void CheckEveryWay(const std::vector<Piece>& saved_as) {
       Columns({5, 5}),
       Columns({1, 9}),
       Blocks(),
+      FlatCuts({30, 60, 90, 120}),  // 4 even flat shards
+      FlatCuts({37, 81, 120}),      // 3 uneven
+      FlatCuts({120}),              // 1
+      Interleaved(),
   };
   for (const auto& layout : layouts) {
     for (const Piece& p : layout) {
-      WantedTensor w{"w", "F32", p.shape, {kRows, kCols}, p.offset};
+      WantedTensor w{"w", "F32", p.shape, {kRows, kCols}, p.offset, p.flat};
       auto plan = PlanRead(saved.manifest, {w});
-      INFO("piece at " << p.offset[0] << "," << p.offset[1] << " of " << p.shape[0] << "x" << p.shape[1]);
+      INFO("piece at [" << fmt::format("{}", fmt::join(p.offset, ",")) << "] of ["
+                        << fmt::format("{}", fmt::join(p.shape, ",")) << "], flat " << p.flat.size());
       REQUIRE(plan.ok());
       std::vector<char> want = Slice(p);
       CHECK(plan->tensors[0].bytes == want.size());
@@ -137,6 +174,58 @@ TEST_CASE("a tensor saved by 4 ranks in rows reads back in any placement, bit fo
 TEST_CASE("saved in columns or blocks, it reads back as rows and the reverse") {
   CheckEveryWay(Columns({2, 3, 5}));
   CheckEveryWay(Blocks());
+}
+
+TEST_CASE("flat shards (FSDP style) read back as boxes and as other flat cuts, and the reverse") {
+  CheckEveryWay(FlatCuts({30, 60, 90, 120}));
+  CheckEveryWay(FlatCuts({7, 44, 45, 120}));
+  CheckEveryWay(Interleaved());
+}
+
+TEST_CASE("a flat shard in its saved place reads its whole entry; rows become one run each") {
+  Saved saved = Save(FlatCuts({37, 81, 120}));
+  for (const Piece& p : FlatCuts({37, 81, 120})) {
+    auto plan = PlanRead(saved.manifest, {{"w", "F32", p.shape, {kRows, kCols}, {}, p.flat}});
+    REQUIRE(plan.ok());
+    CHECK(plan->tensors[0].whole_entry());
+  }
+  // Rows 3..6 are elements [30, 60): from the first shard and the start of the second.
+  auto rows = PlanRead(saved.manifest, {{"w", "F32", {3, kCols}, {kRows, kCols}, {3, 0}}});
+  REQUIRE(rows.ok());
+  REQUIRE(rows->tensors[0].reads.size() == 2);
+  REQUIRE(rows->tensors[0].reads[0].runs.size() == 1);
+  REQUIRE(rows->tensors[0].reads[1].runs.size() == 1);
+  CHECK(rows->tensors[0].reads[0].runs[0] == ckpt::restore::ByteRun{30 * 4, 0, 7 * 4});
+  CHECK(rows->tensors[0].reads[1].runs[0] == ckpt::restore::ByteRun{0, 7 * 4, 23 * 4});
+}
+
+TEST_CASE("flat elements no saved shard holds, and flat shards that overlap, are named") {
+  Saved gap = Save({Flat({{0, 50}}), Flat({{60, 120}})});
+  auto plan = PlanRead(gap.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  REQUIRE_FALSE(plan.ok());
+  INFO(plan.status().message());
+  CHECK(plan.status().message().find("w: no saved shard holds elements [50, 60) of the flattened "
+                                     "tensor (10 of 120 wanted elements are missing)") != std::string::npos);
+  auto flat = PlanRead(gap.manifest, {{"w", "F32", {20}, {kRows, kCols}, {}, {{40, 55}, {58, 63}}}});
+  REQUIRE_FALSE(flat.ok());
+  CHECK(flat.status().message().find("elements [50, 55)") != std::string::npos);
+  CHECK(PlanRead(gap.manifest, {{"w", "F32", {10}, {kRows, kCols}, {}, {{40, 50}}}}).ok());
+
+  Saved overlap = Save({Flat({{0, 70}}), Flat({{60, 120}})});
+  auto twice = PlanRead(overlap.manifest, {{"w", "F32", {kRows, kCols}, {}, {}}});
+  CHECK(twice.status().code() == absl::StatusCode::kDataLoss);
+
+  // Wanted ranges out of order, empty or past the end, or a shape that is not their total.
+  Saved saved = Save(FlatCuts({120}));
+  for (const WantedTensor& bad : std::vector<WantedTensor>{
+           {"w", "F32", {20}, {kRows, kCols}, {}, {{50, 60}, {0, 10}}},
+           {"w", "F32", {0}, {kRows, kCols}, {}, {{5, 5}}},
+           {"w", "F32", {10}, {kRows, kCols}, {}, {{115, 125}}},
+           {"w", "F32", {2, 5}, {kRows, kCols}, {}, {{0, 10}}}}) {
+    auto refused = PlanRead(saved.manifest, {bad});
+    REQUIRE_FALSE(refused.ok());
+    CHECK(refused.status().message().find("w: the wanted piece has flat") != std::string::npos);
+  }
 }
 
 TEST_CASE("the saved topology reads each rank's whole entry in one run") {
@@ -181,7 +270,7 @@ TEST_CASE("wrong names, dtypes, shapes and placements are all listed at once") {
   CHECK(why.find("gone: not in the checkpoint") != std::string::npos);
   CHECK(why.find("w: saved as F32, wanted as BF16") != std::string::npos);
   CHECK(why.find("b: global shape [12, 10] saved, [3, 3] wanted") != std::string::npos);
-  CHECK(why.find("is not inside the global shape [12, 10]") != std::string::npos);
+  CHECK(why.find("the wanted piece lies outside the global shape") != std::string::npos);
   // Non-strict: missing tensors are skipped and listed, the others still planned.
   ckpt::restore::ReadPlanOptions skip_missing;
   skip_missing.allow_missing = true;

@@ -6,6 +6,7 @@
 #include "daemon/persist/tiling.h"
 
 using ckpt::persist::CheckTiling;
+using ckpt::persist::ElementRange;
 using ckpt::persist::Manifest;
 using ckpt::persist::TensorShard;
 
@@ -23,6 +24,25 @@ Manifest With(std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>
     s.rank = rank++;
     s.offset = offset;
     s.shape = shape;
+    t.shards.push_back(s);
+  }
+  return m;
+}
+
+// Flat shards (FSDP style): each rank's element ranges of the flattened [8, 6] tensor.
+Manifest Flat(std::vector<std::vector<ElementRange>> ranks) {
+  Manifest m;
+  auto& t = m.tensors["layer.w"];
+  t.dtype = "F32";
+  t.global_shape = {8, 6};
+  uint32_t rank = 0;
+  for (auto& ranges : ranks) {
+    TensorShard s;
+    s.rank = rank++;
+    int64_t total = 0;
+    for (const ElementRange& r : ranges) total += r.end - r.begin;
+    s.shape = {total};
+    s.flat = ranges;
     t.shards.push_back(s);
   }
   return m;
@@ -59,4 +79,26 @@ TEST_CASE("replicas, ranks holding the very same piece, count once") {
   // HSDP: two replica groups of two row shards each.
   CHECK(CheckTiling(With({{{0, 0}, {4, 6}}, {{4, 0}, {4, 6}}, {{0, 0}, {4, 6}}, {{4, 0}, {4, 6}}})).ok());
   CHECK_FALSE(CheckTiling(With({{{0, 0}, {4, 6}}, {{0, 0}, {4, 6}}})).ok());  // still a gap
+}
+
+TEST_CASE("flat shards tile the flattened tensor; mixed with boxes too") {
+  CHECK(CheckTiling(Flat({{{0, 13}}, {{13, 40}}, {{40, 48}}})).ok());
+  CHECK(CheckTiling(Flat({{{0, 5}, {20, 48}}, {{5, 20}}})).ok());  // several ranges per rank
+  CHECK(CheckTiling(Flat({{{0, 24}}, {{24, 48}}, {{0, 24}}, {{24, 48}}})).ok());  // replicas
+  // Rows 0..4 as a box, the rest as a flat shard.
+  Manifest mixed = Flat({{{24, 48}}});
+  TensorShard rows;
+  rows.rank = 1;
+  rows.offset = {0, 0};
+  rows.shape = {4, 6};
+  mixed.tensors["layer.w"].shards.push_back(rows);
+  CHECK(CheckTiling(mixed).ok());
+}
+
+TEST_CASE("flat overlaps, gaps and bad ranges are named with their elements") {
+  CHECK(Why(Flat({{{0, 30}}, {{25, 48}}})) == "tensor layer.w: ranks 0 and 1 both hold elements [25, 30)");
+  CHECK(Why(Flat({{{0, 20}}, {{30, 48}}})) == "tensor layer.w: no rank holds elements [20, 30) of the flattened tensor");
+  CHECK(Why(Flat({{{0, 20}}, {{20, 47}}})) == "tensor layer.w: no rank holds elements [47, 48) of the flattened tensor");
+  CHECK(Why(Flat({{{0, 20}}, {{20, 49}}})).find("rank 1's piece has flat element range [20, 49)") != std::string::npos);
+  CHECK(Why(Flat({{{20, 48}, {0, 20}}})).find("out of order") != std::string::npos);
 }
