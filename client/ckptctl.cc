@@ -1,4 +1,5 @@
-// ckptctl: the operator's view of ckptd (status, list, show, verify, delete).
+// ckptctl: the operator's view of ckptd (status, list, show, verify, delete), and export of a
+// step's files without a daemon (client/export_command.h).
 #include <grpcpp/grpcpp.h>
 #include <google/protobuf/util/json_util.h>
 
@@ -15,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "client/export_command.h"
 #include "client/table.h"
 #include "proto/admin.grpc.pb.h"
 
@@ -270,7 +272,32 @@ int main(int argc, char** argv) {
   auto* del = app.add_subcommand("delete", "delete a committed checkpoint");
   for (auto* sub : {show, verify, del}) sub->add_option("STEP", o.step, "step number")->required();
   for (auto* sub : {status, list, show, verify, del}) sub->fallthrough();
+  ckpt::ctl::ExportArgs e;
+  if (const char* env = std::getenv("CKPTD_ROOT")) e.root = env;
+  auto* exp = app.add_subcommand("export", "write a step as Hugging Face / safetensors files, from its files alone");
+  exp->fallthrough();
+  exp->add_option("STEP", e.step, "step number")->required();
+  exp->add_option("OUT", e.out, "folder (hf, full) or file (safetensors) to create")->required();
+  exp->add_option("--root", e.root, "ckptd's checkpoint root (env CKPTD_ROOT)")->capture_default_str();
+  exp->add_option("--format", e.format, "hf: sharded safetensors + index; safetensors: one file; "
+                  "full: everything, optimizer and train state included")
+      ->check(CLI::IsMember({"hf", "safetensors", "full"}))->capture_default_str();
+  exp->add_option("--max-shard-size", e.max_shard_size, "hf: largest file (5GB, 500MB, 2GiB)")->capture_default_str();
+  exp->add_option("--buffer-size", e.buffer_size, "memory for tensor data: read, converted and "
+                  "written this much at a time")->capture_default_str();
+  exp->add_option("--dtype", e.dtype, "convert floating-point tensors: bf16, fp16 or fp32");
+  exp->add_option("--rename", e.rename_file, "JSON file of \"old\": \"new\" names (\"prefix.*\" rules too)");
+  exp->add_option("--include", e.include, "only tensors matching these shell patterns");
+  exp->add_option("--exclude", e.exclude, "leave out tensors matching these shell patterns");
+  bool no_progress = false;
+  exp->add_flag("--no-progress", no_progress, "no progress bar on a terminal");
   CLI11_PARSE(app, argc, argv);
+  if (exp->parsed()) {
+    e.job = o.job;
+    e.json = o.json;
+    e.progress = !no_progress;
+    return ckpt::ctl::RunExport(e);
+  }
   if (!o.token_file.empty()) {
     std::ifstream in(o.token_file);
     if (!in || !std::getline(in, o.token)) {

@@ -1,6 +1,7 @@
 // Shortcuts shared by the integration tests.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,26 @@ inline std::string Field(const std::string& text, const std::string& key) {
 
 inline bool Contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
+}
+
+// Runs `world` ranks of tests/integration/reshard_helper at once (restores meet at a
+// barrier); their outputs, by rank.
+inline std::vector<RunResult> ReshardRanks(const Daemon& d, const TempDir& dir, uint32_t world,
+                                           std::vector<std::string> args) {
+  std::vector<std::unique_ptr<Process>> ranks;
+  for (uint32_t r = 0; r < world; ++r) {
+    std::vector<std::string> argv = {Runfile("tests/integration/reshard_helper"), "--socket", d.socket(),
+                                     "--rank", std::to_string(r), "--world-size", std::to_string(world)};
+    argv.insert(argv.end(), args.begin(), args.end());
+    ranks.push_back(std::make_unique<Process>(argv, dir.path(), "w" + std::to_string(world) + "r" +
+                                                                    std::to_string(r) + "." + args.back()));
+  }
+  std::vector<RunResult> out;
+  for (auto& p : ranks) {
+    int rc = p->Wait();
+    out.push_back({rc, p->Stdout(), p->Stderr()});
+  }
+  return out;
 }
 
 }  // namespace ckpt::testing

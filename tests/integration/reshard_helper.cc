@@ -7,7 +7,8 @@
 //           padding between them and padded at the end to a multiple of the world size,
 //           form one flat parameter that each rank holds an equal slice of (one rank's
 //           slice holds the end of one tensor and the start of the next)
-// plus a replicated tensor (every rank holds it whole) and a scalar.
+// plus a replicated tensor (every rank holds it whole), a scalar and a replicated
+// optimizer-state tensor ("optim.*", which exports of model weights leave out).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -18,6 +19,7 @@
 
 #include "client/ckpt_client.h"
 #include "common/status.h"
+#include "tests/integration/global_pattern.h"
 
 namespace {
 
@@ -29,12 +31,7 @@ struct Flags {
   bool wait_committed = false, has_step = false;
 };
 
-// The 4-byte value of global element `g` of tensor `t`.
-uint32_t Global(uint32_t t, uint64_t g) {
-  uint64_t x = (g + 1) * 0x9E3779B97F4A7C15ULL ^ (uint64_t{t} << 58);
-  x ^= x >> 31;
-  return static_cast<uint32_t>(x * 0xBF58476D1CE4E5B9ULL >> 32);
-}
+uint32_t Global(uint32_t t, uint64_t g) { return ckpt::testing::GlobalValue(t, g); }
 
 // [begin, end) of `n` split as evenly as possible over `parts`: the first n % parts get one more.
 std::pair<int64_t, int64_t> Split(int64_t n, uint32_t part, uint32_t parts) {
@@ -118,6 +115,7 @@ std::vector<Piece> Setup(ckpt::Client& c, const Flags& f) {
   }
   add("replicated", 2, {4096}, {0}, {4096});
   add("scalar", 3, {}, {}, {});
+  add("optim.replicated.exp_avg", 4, {64}, {0}, {64});  // optimizer state, by its name
   if (absl::Status s = c.Register(); !s.ok()) {
     std::cout << "error: " << ckpt::Message(s) << "\n";
     std::exit(2);

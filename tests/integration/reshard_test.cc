@@ -14,34 +14,10 @@ using namespace ckpt::testing;
 
 namespace {
 
-std::vector<std::string> Reshard(const Daemon& d, std::vector<std::string> args) {
-  std::vector<std::string> argv = {Runfile("tests/integration/reshard_helper"), "--socket", d.socket()};
-  argv.insert(argv.end(), args.begin(), args.end());
-  return argv;
-}
-
-// Runs `world` ranks of `command` at once (restores meet at a barrier); their outputs.
-std::vector<RunResult> AllRanks(const Daemon& d, const TempDir& dir, uint32_t world,
-                                std::vector<std::string> args) {
-  std::vector<std::unique_ptr<Process>> ranks;
-  for (uint32_t r = 0; r < world; ++r) {
-    std::vector<std::string> a = {"--rank", std::to_string(r), "--world-size", std::to_string(world)};
-    a.insert(a.end(), args.begin(), args.end());
-    ranks.push_back(std::make_unique<Process>(Reshard(d, a), dir.path(),
-                                              fmt::format("w{}r{}.{}", world, r, args.back())));
-  }
-  std::vector<RunResult> out;
-  for (auto& p : ranks) {
-    int rc = p->Wait();
-    out.push_back({rc, p->Stdout(), p->Stderr()});
-  }
-  return out;
-}
-
 void SaveWithFourRanks(const Daemon& d, const TempDir& dir, const std::string& rows = "3001",
                        const std::string& layout = "rows") {
   for (const RunResult& r :
-       AllRanks(d, dir, 4, {"--rows", rows, "--layout", layout, "save", "--wait-committed"})) {
+       ReshardRanks(d, dir, 4, {"--rows", rows, "--layout", layout, "save", "--wait-committed"})) {
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
     REQUIRE(Contains(r.out, "saved committed"));
@@ -51,7 +27,7 @@ void SaveWithFourRanks(const Daemon& d, const TempDir& dir, const std::string& r
 void RestoresExactly(const Daemon& d, const TempDir& dir, uint32_t world, const std::string& layout,
                      const std::string& source) {
   for (const RunResult& r :
-       AllRanks(d, dir, world, {"--layout", layout, "check", "--saved-world-size", "4"})) {
+       ReshardRanks(d, dir, world, {"--layout", layout, "check", "--saved-world-size", "4"})) {
     INFO(world << " ranks, " << layout << ": " << r.out << r.err);
     CHECK(r.exit_code == 0);
     CHECK(Contains(r.out, "restored step=5 source=" + source));
@@ -113,7 +89,7 @@ TEST_CASE("a resharding restore names what does not fit and catches a flipped bi
   // 12289 rows of 4 KiB: each rank's piece of layer0 is 12 MiB, two checksum chunks.
   SaveWithFourRanks(d, dir, "12289");
   // Another global shape: refused, naming the tensor and both shapes.
-  for (const RunResult& r : AllRanks(d, dir, 2, {"--rows", "12288", "--layout", "rows", "check",
+  for (const RunResult& r : ReshardRanks(d, dir, 2, {"--rows", "12288", "--layout", "rows", "check",
                                                  "--saved-world-size", "4"})) {
     INFO(r.out);
     CHECK(r.exit_code == 2);
@@ -127,7 +103,7 @@ TEST_CASE("a resharding restore names what does not fit and catches a flipped bi
   // Eight ranks by rows: ranks 0 and 1 split rank 0's saved rows, and only rank 1's half
   // covers the damaged chunk. The step is damaged for every rank (nothing older exists),
   // named by the chunk's byte range.
-  auto ranks = AllRanks(d, dir, 8, {"--rows", "12289", "--layout", "rows", "check",
+  auto ranks = ReshardRanks(d, dir, 8, {"--rows", "12289", "--layout", "rows", "check",
                                     "--saved-world-size", "4"});
   for (const RunResult& r : ranks) {
     INFO(r.out);

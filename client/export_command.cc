@@ -1,0 +1,127 @@
+#include "client/export_command.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <iostream>
+
+#include "common/filesystem.h"
+#include "common/status.h"
+#include "daemon/export/exporter.h"
+#include "daemon/persist/checkpoint_store.h"
+
+namespace ckpt::ctl {
+namespace {
+
+std::string GiB(uint64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+// A one-line bar, redrawn at most 10 times a second.
+class ProgressBar {
+ public:
+  void Update(uint64_t done, uint64_t total) {
+    auto now = std::chrono::steady_clock::now();
+    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    const double fraction = total == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total);
+    const int width = 30, filled = static_cast<int>(fraction * width);
+    std::cerr << fmt::format("\r{:3.0f}% [{}{}] {} of {}, {:.0f} MB/s ", fraction * 100,
+                             std::string(filled, '='), std::string(width - filled, ' '), GiB(done),
+                             GiB(total), seconds > 0 ? static_cast<double>(done) / seconds / 1e6 : 0.0)
+              << std::flush;
+    if (done >= total) std::cerr << "\n";
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point last_{};
+};
+
+int Fail(const std::string& message, int code) {
+  std::cerr << "ckptctl export: " << message << "\n";
+  return code;
+}
+
+}  // namespace
+
+int RunExport(const ExportArgs& args) {
+  FilesystemPtr fs = MakePosixFilesystem();
+  persist::CheckpointStore store(fs, args.root);
+  exporter::ExportOptions options;
+  options.out = args.out;
+  absl::StatusOr<exporter::ExportFormat> format = exporter::ParseExportFormat(args.format);
+  if (!format.ok()) return Fail(Message(format.status()), 1);
+  options.format = *format;
+  absl::StatusOr<uint64_t> max = exporter::ParseByteSize(args.max_shard_size);
+  if (!max.ok()) return Fail("--max-shard-size: " + Message(max.status()), 1);
+  options.max_shard_bytes = *max;
+  absl::StatusOr<uint64_t> buffer = exporter::ParseByteSize(args.buffer_size);
+  if (!buffer.ok()) return Fail("--buffer-size: " + Message(buffer.status()), 1);
+  options.slice_bytes = *buffer;
+  if (!args.dtype.empty()) {
+    static const std::map<std::string, std::string> kDTypes = {
+        {"bf16", "BF16"}, {"fp16", "F16"}, {"fp32", "F32"}};
+    auto it = kDTypes.find(args.dtype);
+    if (it == kDTypes.end()) return Fail(fmt::format("--dtype {}: bf16, fp16 or fp32", args.dtype), 1);
+    options.dtype = it->second;
+  }
+  if (!args.rename_file.empty()) {
+    absl::StatusOr<std::string> text = ReadSmallFile(*fs, args.rename_file);
+    if (!text.ok()) return Fail("--rename: " + Message(text.status()), 1);
+    absl::StatusOr<exporter::RenameRules> rules = exporter::RenameRules::Parse(*text, args.rename_file);
+    if (!rules.ok()) return Fail(Message(rules.status()), 1);
+    options.rename = std::move(*rules);
+  }
+  absl::StatusOr<daemon::TensorSelection> selection = daemon::TensorSelection::Make(args.include, args.exclude);
+  if (!selection.ok()) return Fail(Message(selection.status()), 1);
+  options.selection = std::move(*selection);
+
+  std::string job = args.job;
+  if (job.empty()) {
+    absl::StatusOr<std::vector<std::string>> jobs = store.ListJobs();
+    if (!jobs.ok()) return Fail(Message(jobs.status()), 4);
+    if (jobs->size() != 1) {
+      return Fail(fmt::format("{} holds {} jobs ({}): name one with --job", args.root, jobs->size(),
+                              fmt::join(*jobs, ", ")),
+                  1);
+    }
+    job = jobs->front();
+  }
+  absl::StatusOr<persist::Manifest> manifest = store.LoadManifest(job, args.step);
+  if (!manifest.ok()) return Fail(Message(manifest.status()), absl::IsDataLoss(manifest.status()) ? 3 : 4);
+
+  ProgressBar bar;
+  if (args.progress && !args.json && ::isatty(STDERR_FILENO)) {
+    options.progress = [&](uint64_t done, uint64_t total) { bar.Update(done, total); };
+  }
+  const auto start = std::chrono::steady_clock::now();
+  absl::StatusOr<exporter::ExportReport> report =
+      exporter::ExportStep(*fs, store.StepDir(job, args.step), *manifest, options);
+  if (!report.ok()) {
+    const absl::Status& s = report.status();
+    return Fail(Message(s), absl::IsDataLoss(s) ? 3 : absl::IsInvalidArgument(s) || absl::IsAlreadyExists(s) ? 1 : 4);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (args.json) {
+    std::cout << fmt::format(
+        "{{\"job\": \"{}\", \"step\": {}, \"out\": \"{}\", \"format\": \"{}\", \"tensors\": {}, "
+        "\"bytes_written\": {}, \"bytes_read\": {}, \"seconds\": {:.3f}, \"files\": [\"{}\"]}}\n",
+        job, args.step, args.out, args.format, report->tensors, report->bytes_written,
+        report->bytes_read, seconds, fmt::join(report->files, "\", \""));
+    return 0;
+  }
+  std::cout << fmt::format("exported step {} of job {} to {}: {} tensors, {} in {} files, {:.1f} s ({:.0f} MB/s)\n",
+                           args.step, job, args.out, report->tensors, GiB(report->bytes_written),
+                           report->files.size(), seconds,
+                           seconds > 0 ? static_cast<double>(report->bytes_written) / seconds / 1e6 : 0.0);
+  if (report->optimizer_tensors_left_out > 0) {
+    std::cout << fmt::format("  left out {} optimizer tensors (optim.*): --format full keeps them\n",
+                             report->optimizer_tensors_left_out);
+  }
+  return 0;
+}
+
+}  // namespace ckpt::ctl

@@ -1,0 +1,31 @@
+// `ckptctl export`: writes a committed step as Hugging Face safetensors shards, one
+// consolidated safetensors file, or a full unsharded copy, reading the step's files directly
+// (no daemon needed: the job may be long gone). See daemon/export/exporter.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ckpt::ctl {
+
+struct ExportArgs {
+  std::string root = "/var/lib/ckptd";
+  std::string job;  // empty: the only job under root
+  uint64_t step = 0;
+  std::string out;
+  std::string format = "hf";
+  std::string max_shard_size = "5GB";
+  std::string buffer_size = "64MiB";  // read, converted and written at a time
+  std::string dtype;  // bf16, fp16, fp32; empty: as saved
+  std::string rename_file;
+  std::vector<std::string> include, exclude;
+  bool progress = true;  // a bar on stderr when it is a terminal
+  bool json = false;
+};
+
+// Exit status: 0 done, 1 bad arguments, 3 the checkpoint is damaged or disagrees with its
+// manifest (as ckptctl verify), 4 other I/O errors.
+int RunExport(const ExportArgs& args);
+
+}  // namespace ckpt::ctl

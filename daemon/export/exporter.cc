@@ -1,0 +1,337 @@
+#include "daemon/export/exporter.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <map>
+#include <memory>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "daemon/export/dtype_convert.h"
+#include "daemon/persist/safetensors.h"
+#include "daemon/restore/plan_reader.h"
+#include "daemon/restore/read_plan.h"
+
+namespace ckpt::exporter {
+namespace {
+
+using Shape = std::vector<int64_t>;
+
+// One tensor of the export: where it comes from and what it becomes.
+struct Item {
+  std::string source;  // name in the checkpoint
+  std::string name;    // name in the export
+  std::string dtype;   // saved
+  std::string out_dtype;
+  Shape shape;  // global
+  uint64_t out_bytes = 0;
+};
+
+// One output file and the tensors in it, in order.
+struct OutFile {
+  std::string name;
+  std::vector<const Item*> items;
+  uint64_t bytes = 0;
+};
+
+bool IsOptimizerState(const std::string& name) {
+  return name.compare(0, sizeof(kOptimizerPrefix) - 1, kOptimizerPrefix) == 0;
+}
+
+uint64_t Elements(const Shape& shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Visits `global` in row-major slices of at most `budget` bytes (or one row of the innermost
+// dimension, which is at least one element): boxes whose bytes are contiguous in the
+// tensor, so that they are written one after another.
+template <typename F>
+absl::Status ForEachSlice(const Shape& global, size_t itemsize, uint64_t budget, F f) {
+  const size_t n = global.size();
+  if (n == 0) return f(Shape{}, Shape{});
+  if (Elements(global) == 0) return absl::OkStatus();
+  // d: the outermost dimension whose inner block fits the budget; slices cut along it.
+  size_t d = 0;
+  uint64_t inner = itemsize;  // bytes of one index of dimension d
+  for (size_t k = 1; k < n; ++k) inner *= static_cast<uint64_t>(global[k]);
+  while (d + 1 < n && inner > budget) inner /= static_cast<uint64_t>(global[++d]);
+  const auto chunk = static_cast<int64_t>(std::max<uint64_t>(1, budget / inner));
+  Shape offset(n, 0);
+  while (true) {
+    Shape shape(n, 1);
+    for (size_t k = d + 1; k < n; ++k) shape[k] = global[k];
+    shape[d] = std::min(chunk, global[d] - offset[d]);
+    CKPT_RETURN_IF_ERROR(f(offset, shape));
+    offset[d] += shape[d];
+    size_t k = d;
+    while (offset[k] >= global[k]) {
+      if (k == 0) return absl::OkStatus();
+      offset[k] = 0;
+      ++offset[--k];
+    }
+  }
+}
+
+class Writer {
+ public:
+  Writer(Filesystem& fs, const persist::Manifest& manifest, const std::string& step_dir,
+         const ExportOptions& options, uint64_t total)
+      : fs_(fs),
+        manifest_(manifest),
+        options_(options),
+        reader_(fs, step_dir, manifest, nullptr),
+        total_(total) {}
+
+  // Writes `file` as `path`: the header, then each tensor's slices in order.
+  absl::Status WriteFile(const std::string& path, const OutFile& file,
+                         const std::map<std::string, std::string>& metadata) {
+    std::vector<persist::TensorEntry> entries;
+    uint64_t at = 0;
+    for (const Item* item : file.items) {
+      entries.push_back({item->name, item->out_dtype, item->shape, at, at + item->out_bytes});
+      at += item->out_bytes;
+    }
+    const std::string header = persist::EncodeHeader(entries, metadata);
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
+    CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
+    uint64_t position = header.size();
+    for (const Item* item : file.items) {
+      CKPT_RETURN_IF_ERROR(WriteTensor(fd.get(), *item, position));
+      position += item->out_bytes;
+    }
+    return fs_.SyncFile(fd.get());
+  }
+
+  // Train state blobs of every rank, for --format full.
+  absl::Status WriteTrainState(const std::string& path) {
+    std::vector<persist::TensorEntry> entries;
+    std::vector<std::string> blobs;
+    uint64_t at = 0;
+    for (const persist::ManifestShard& shard : manifest_.shards) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<shm::NamedBlob> state, reader_.TrainState(shard.rank));
+      for (shm::NamedBlob& blob : state) {
+        const auto size = static_cast<int64_t>(blob.data.size());
+        entries.push_back({fmt::format("rank-{:05d}.{}", shard.rank, blob.name), "U8", {size}, at,
+                           at + blob.data.size()});
+        at += blob.data.size();
+        blobs.push_back(std::move(blob.data));
+      }
+    }
+    const std::string header = persist::EncodeHeader(entries, {{"format", "ckptd-train-state"}});
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
+    CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
+    uint64_t position = header.size();
+    for (const std::string& blob : blobs) {
+      CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), blob.data(), blob.size(), position));
+      position += blob.size();
+    }
+    return fs_.SyncFile(fd.get());
+  }
+
+  uint64_t bytes_read() const { return reader_.bytes_from_disk(); }
+
+ private:
+  absl::Status WriteTensor(int fd, const Item& item, uint64_t position) {
+    CKPT_ASSIGN_OR_RETURN(size_t in_size, DTypeSize(item.dtype));
+    CKPT_ASSIGN_OR_RETURN(size_t out_size, DTypeSize(item.out_dtype));
+    return ForEachSlice(item.shape, std::max(in_size, out_size), options_.slice_bytes,
+                        [&](const Shape& offset, const Shape& shape) -> absl::Status {
+      restore::WantedTensor wanted{item.source, item.dtype, shape, item.shape, offset, {}};
+      CKPT_ASSIGN_OR_RETURN(restore::ReadPlan plan, restore::PlanRead(manifest_, {wanted}));
+      const uint64_t count = Elements(shape);
+      buffer_.resize(count * std::max(in_size, out_size));
+      CKPT_RETURN_IF_ERROR(reader_.Read(plan.tensors[0], buffer_.data()));
+      ConvertElements(item.dtype, item.out_dtype, buffer_.data(), buffer_.data(), count);
+      const uint64_t bytes = count * out_size;
+      CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd, buffer_.data(), bytes, position + written_in_tensor(offset, item, out_size)));
+      done_ += bytes;
+      if (options_.progress) options_.progress(done_, total_);
+      return absl::OkStatus();
+    });
+  }
+
+  // Where the slice at `offset` starts in the exported tensor: its row-major byte offset.
+  static uint64_t written_in_tensor(const Shape& offset, const Item& item, size_t out_size) {
+    uint64_t linear = 0;
+    for (size_t k = 0; k < offset.size(); ++k) {
+      linear = linear * static_cast<uint64_t>(item.shape[k]) + static_cast<uint64_t>(offset[k]);
+    }
+    return linear * out_size;
+  }
+
+  Filesystem& fs_;
+  const persist::Manifest& manifest_;
+  const ExportOptions& options_;
+  restore::PlanReader reader_;
+  const uint64_t total_;
+  uint64_t done_ = 0;
+  std::vector<char> buffer_;
+};
+
+// The tensors to export, renamed, in name order (the checkpoint's).
+absl::StatusOr<std::vector<Item>> ChooseTensors(const persist::Manifest& manifest,
+                                               const ExportOptions& options, ExportReport& report) {
+  std::vector<Item> items;
+  std::map<std::string, std::string> taken;  // export name -> checkpoint name
+  const bool weights_only = options.format != ExportFormat::kFull;
+  for (const auto& [name, tensor] : manifest.tensors) {
+    if (!options.selection.Selects(name)) continue;
+    if (weights_only && IsOptimizerState(name)) {
+      ++report.optimizer_tensors_left_out;
+      continue;
+    }
+    std::optional<std::string> renamed = options.rename.Apply(name);
+    if (!renamed) continue;
+    if (auto [it, fresh] = taken.emplace(*renamed, name); !fresh) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensors {} and {} would both be exported as {}: fix the rename rules", it->second, name,
+          *renamed));
+    }
+    CKPT_ASSIGN_OR_RETURN(std::string out_dtype, ExportDType(tensor.dtype, options.dtype));
+    CKPT_ASSIGN_OR_RETURN(uint64_t bytes, TensorBytes(name, out_dtype, tensor.global_shape));
+    items.push_back({name, *renamed, tensor.dtype, out_dtype, tensor.global_shape, bytes});
+  }
+  if (items.empty()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "nothing to export from step {}: no tensor is selected{}", manifest.step,
+        weights_only ? " (hf and safetensors leave out optimizer state, optim.*)" : ""));
+  }
+  return items;
+}
+
+// hf: consecutive tensors up to max_shard_bytes a file (a larger tensor gets one alone).
+std::vector<OutFile> PlanFiles(const std::vector<Item>& items, const ExportOptions& options) {
+  std::vector<OutFile> files;
+  if (options.format == ExportFormat::kFull) {
+    files.resize(2);
+    files[0].name = "model.safetensors";
+    files[1].name = "optimizer.safetensors";
+    for (const Item& item : items) files[IsOptimizerState(item.source) ? 1 : 0].items.push_back(&item);
+    std::erase_if(files, [](const OutFile& f) { return f.items.empty(); });
+    return files;
+  }
+  for (const Item& item : items) {
+    if (files.empty() || (options.format == ExportFormat::kHuggingFace && !files.back().items.empty() &&
+                          files.back().bytes + item.out_bytes > options.max_shard_bytes)) {
+      files.emplace_back();
+    }
+    files.back().items.push_back(&item);
+    files.back().bytes += item.out_bytes;
+  }
+  for (size_t k = 0; k < files.size(); ++k) {
+    files[k].name = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, files.size());
+  }
+  return files;
+}
+
+std::string CheckpointJson(const persist::Manifest& m) {
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const persist::ManifestShard& s : m.shards) ranks.push_back({{"rank", s.rank}, {"metadata", s.metadata}});
+  nlohmann::json j = {{"format", "ckptd-full-export"}, {"job", m.job},           {"step", m.step},
+                      {"world_size", m.world_size},     {"wall_time", m.wall_time}, {"metadata", m.metadata},
+                      {"ranks", ranks}};
+  return j.dump(1) + "\n";
+}
+
+}  // namespace
+
+absl::StatusOr<ExportFormat> ParseExportFormat(const std::string& name) {
+  if (name == "hf") return ExportFormat::kHuggingFace;
+  if (name == "safetensors") return ExportFormat::kSafetensors;
+  if (name == "full") return ExportFormat::kFull;
+  return absl::InvalidArgumentError(fmt::format("unknown export format \"{}\": hf, safetensors or full", name));
+}
+
+absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  std::string unit = text.substr(digits);
+  for (char& c : unit) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  static const std::map<std::string, uint64_t> kUnits = {
+      {"", 1},          {"B", 1},
+      {"KB", 1000},     {"MB", 1000 * 1000},       {"GB", 1000 * 1000 * 1000},
+      {"KIB", 1 << 10}, {"MIB", 1 << 20},          {"GIB", uint64_t{1} << 30}};
+  auto u = kUnits.find(unit);
+  if (digits == 0 || digits > 12 || u == kUnits.end()) {
+    return absl::InvalidArgumentError(fmt::format(
+        "\"{}\" is not a size: a number and a unit (B, KB, MB, GB, KiB, MiB, GiB)", text));
+  }
+  const uint64_t bytes = std::stoull(text.substr(0, digits)) * u->second;
+  if (bytes == 0) return absl::InvalidArgumentError("a size of 0 bytes holds nothing");
+  return bytes;
+}
+
+absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_dir,
+                                        const persist::Manifest& manifest,
+                                        const ExportOptions& options) {
+  if (options.out.empty()) return absl::InvalidArgumentError("no output path given");
+  if (options.format == ExportFormat::kFull && !options.dtype.empty()) {
+    return absl::InvalidArgumentError("--dtype applies to hf and safetensors exports; full keeps every dtype");
+  }
+  if (fs.Exists(options.out)) {
+    return absl::AlreadyExistsError(fmt::format("{} exists: export writes a new file or folder", options.out));
+  }
+  ExportReport report;
+  CKPT_ASSIGN_OR_RETURN(std::vector<Item> items, ChooseTensors(manifest, options, report));
+  std::vector<OutFile> files = PlanFiles(items, options);
+  uint64_t total = 0;
+  for (const Item& item : items) total += item.out_bytes;
+
+  // Everything goes into `staging`, renamed to `out` when complete.
+  const std::string staging = options.out + ".export-tmp";
+  CKPT_RETURN_IF_ERROR(fs.RemoveTree(staging));
+  const bool folder = options.format != ExportFormat::kSafetensors;
+  if (folder) CKPT_RETURN_IF_ERROR(fs.MakeDir(staging));
+  auto fail = [&](absl::Status status) {
+    (void)fs.RemoveTree(staging);
+    return status;
+  };
+  Writer writer(fs, manifest, step_dir, options, total);
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  for (const OutFile& file : files) {
+    const std::string path = folder ? staging + "/" + file.name : staging;
+    if (absl::Status s = writer.WriteFile(path, file, metadata); !s.ok()) return fail(s);
+    report.files.push_back(folder ? file.name : options.out);
+  }
+  if (options.format == ExportFormat::kHuggingFace) {
+    nlohmann::json weight_map = nlohmann::json::object();
+    for (const OutFile& file : files) {
+      for (const Item* item : file.items) weight_map[item->name] = file.name;
+    }
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    if (absl::Status s = WriteFileAtomically(fs, staging + "/model.safetensors.index.json", index.dump(2) + "\n");
+        !s.ok()) {
+      return fail(s);
+    }
+    report.files.push_back("model.safetensors.index.json");
+  }
+  if (options.format == ExportFormat::kFull) {
+    if (absl::Status s = writer.WriteTrainState(staging + "/train_state.safetensors"); !s.ok()) return fail(s);
+    if (absl::Status s = WriteFileAtomically(fs, staging + "/checkpoint.json", CheckpointJson(manifest)); !s.ok()) {
+      return fail(s);
+    }
+    report.files.push_back("train_state.safetensors");
+    report.files.push_back("checkpoint.json");
+  }
+  if (folder) {
+    if (absl::Status s = fs.SyncDir(staging); !s.ok()) return fail(s);
+  }
+  if (absl::Status s = fs.Rename(staging, options.out); !s.ok()) return fail(s);
+  const std::string parent = options.out.find('/') == std::string::npos
+                                 ? "."
+                                 : options.out.substr(0, std::max<size_t>(options.out.rfind('/'), 1));
+  CKPT_RETURN_IF_ERROR(fs.SyncDir(parent));
+  report.tensors = items.size();
+  report.bytes_written = total;
+  report.bytes_read = writer.bytes_read();
+  return report;
+}
+
+}  // namespace ckpt::exporter
