@@ -289,6 +289,8 @@ int main(int argc, char** argv) {
   exp->add_option("--rename", e.rename_file, "JSON file of \"old\": \"new\" names (\"prefix.*\" rules too)");
   exp->add_option("--include", e.include, "only tensors matching these shell patterns");
   exp->add_option("--exclude", e.exclude, "leave out tensors matching these shell patterns");
+  exp->add_option("--with", e.with, "copy these files into the folder (a model's config.json, "
+                  "tokenizer files)");
   bool no_progress = false;
   exp->add_flag("--no-progress", no_progress, "no progress bar on a terminal");
   CLI11_PARSE(app, argc, argv);

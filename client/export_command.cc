@@ -52,6 +52,7 @@ int RunExport(const ExportArgs& args) {
   persist::CheckpointStore store(fs, args.root);
   exporter::ExportOptions options;
   options.out = args.out;
+  options.extra_files = args.with;
   absl::StatusOr<exporter::ExportFormat> format = exporter::ParseExportFormat(args.format);
   if (!format.ok()) return Fail(Message(format.status()), 1);
   options.format = *format;

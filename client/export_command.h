@@ -20,6 +20,7 @@ struct ExportArgs {
   std::string dtype;  // bf16, fp16, fp32; empty: as saved
   std::string rename_file;
   std::vector<std::string> include, exclude;
+  std::vector<std::string> with;  // files copied into the folder (config.json, tokenizer)
   bool progress = true;  // a bar on stderr when it is a terminal
   bool json = false;
 };

@@ -275,6 +275,9 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_
   if (options.format == ExportFormat::kFull && !options.dtype.empty()) {
     return absl::InvalidArgumentError("--dtype applies to hf and safetensors exports; full keeps every dtype");
   }
+  if (!options.extra_files.empty() && options.format == ExportFormat::kSafetensors) {
+    return absl::InvalidArgumentError("--with copies files into an export folder: use it with hf or full");
+  }
   if (fs.Exists(options.out)) {
     return absl::AlreadyExistsError(fmt::format("{} exists: export writes a new file or folder", options.out));
   }
@@ -319,6 +322,16 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_
     }
     report.files.push_back("train_state.safetensors");
     report.files.push_back("checkpoint.json");
+  }
+  for (const std::string& extra : options.extra_files) {
+    const std::string base = extra.substr(extra.rfind('/') + 1);
+    absl::StatusOr<std::string> contents = ReadSmallFile(fs, extra);
+    if (!contents.ok()) return fail(contents.status());
+    if (fs.Exists(staging + "/" + base)) {
+      return fail(absl::InvalidArgumentError(fmt::format("--with {}: the export already has a file {}", extra, base)));
+    }
+    if (absl::Status s = WriteFileAtomically(fs, staging + "/" + base, *contents); !s.ok()) return fail(s);
+    report.files.push_back(base);
   }
   if (folder) {
     if (absl::Status s = fs.SyncDir(staging); !s.ok()) return fail(s);

@@ -49,6 +49,9 @@ struct ExportOptions {
   RenameRules rename;
   daemon::TensorSelection selection;
   uint64_t slice_bytes = uint64_t{64} << 20;  // read, converted and written at a time
+  // hf, full: files copied into the folder as they are (a model's config.json, its
+  // tokenizer), under their own base names.
+  std::vector<std::string> extra_files;
   // After each slice: bytes of tensor data written so far, of `total`.
   std::function<void(uint64_t done, uint64_t total)> progress;
 };

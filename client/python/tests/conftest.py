@@ -12,6 +12,8 @@ import pytest
 REPO = os.getcwd()  # the runfiles tree under `bazel test`, the repository root otherwise
 CKPTD = os.environ.get("CKPTD_BIN") or next(
     (p for p in ("daemon/ckptd", "bazel-bin/daemon/ckptd") if os.path.exists(p)), "daemon/ckptd")
+CKPTCTL = os.environ.get("CKPTCTL_BIN") or next(
+    (p for p in ("client/ckptctl", "bazel-bin/client/ckptctl") if os.path.exists(p)), "client/ckptctl")
 PYTHONPATH = os.environ.get("PYTHONPATH", "")
 
 

@@ -7,6 +7,9 @@ them); the process group is gloo over a 1-D CPU DeviceMesh.
 - layout tp: tensor parallel (`parallelize_module`: the first Linear by rows, the second
   by columns, its bias replicated); Adam state follows its parameter.
 - layout fsdp2: the model wrapped with `fully_shard` (FSDP2), uneven shards included.
+- layout gpt2: a tiny GPT-2 (transformers, built from a config with random weights) with
+  each block and the whole model wrapped with `fully_shard`; save also has rank 0 write
+  the logits of a fixed input to DIR/logits.pt and the model's config to DIR/config.json.
 save: trains 3 steps, saves step 3 (blocking), and has rank 0 write the full (gathered)
 tensors of the model and optimizer to DIR/saved.pt; then trains 2 more steps and writes
 the losses to DIR/losses-save.pt.
@@ -24,8 +27,24 @@ from torch.distributed.tensor import DTensor
 from ckptd.torch import CheckpointManager
 
 
+GPT2_CONFIG = dict(vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=4,
+                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def gpt2_input():
+    return torch.arange(24).reshape(2, 12) % GPT2_CONFIG["vocab_size"]
+
+
 def build(layout, mesh, seed):
     torch.manual_seed(seed)
+    if layout == "gpt2":
+        from torch.distributed.fsdp import fully_shard
+        from transformers import GPT2Config, GPT2LMHeadModel
+        model = GPT2LMHeadModel(GPT2Config(**GPT2_CONFIG))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
     # Tensor parallelism needs even shards (DTensor.from_local assumes them); FSDP2 pads
     # uneven ones, which the 9 rows over 2 ranks here exercise.
     hidden = 8 if layout == "tp" else 9
@@ -48,8 +67,12 @@ def train(model, optimizer, steps, seed):
     g = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(steps):
-        x = torch.randn(4, 6, generator=g)
-        loss = model(x).pow(2).mean()
+        if hasattr(model, "transformer"):  # gpt2
+            ids = torch.randint(0, GPT2_CONFIG["vocab_size"], (2, 12), generator=g)
+            loss = model(ids, labels=ids).loss
+        else:
+            x = torch.randn(4, 6, generator=g)
+            loss = model(x).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -74,7 +97,7 @@ def main():
     parser.add_argument("--socket", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--mode", choices=["save", "load"], required=True)
-    parser.add_argument("--layout", choices=["tp", "fsdp2"], required=True)
+    parser.add_argument("--layout", choices=["tp", "fsdp2", "gpt2"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -88,6 +111,14 @@ def main():
         state = gathered(model, optimizer)
         if rank == 0:
             torch.save(state, os.path.join(args.out, "saved.pt"))
+        if args.layout == "gpt2":
+            model.eval()
+            with torch.no_grad():
+                logits = model(gpt2_input()).logits
+            model.train()
+            if rank == 0:
+                torch.save(logits, os.path.join(args.out, "logits.pt"))
+                model.config.to_json_file(os.path.join(args.out, "config.json"))
     else:
         assert manager.load() == 3
         state = gathered(model, optimizer)

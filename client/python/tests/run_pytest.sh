@@ -10,6 +10,7 @@ shift
 cd "${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-ckptd}"
 export PYTHONPATH="$PWD/client/python"
 export CKPTD_BIN="$PWD/daemon/ckptd"
+export CKPTCTL_BIN="$PWD/client/ckptctl"
 extra=()
 case $flavour in
   # What only PyTorch 2 has (torch.compile, DTensor, FSDP2) is not collected on 1.13.

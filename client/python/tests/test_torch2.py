@@ -14,7 +14,7 @@ import torch
 
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import PYTHONPATH
+from conftest import CKPTCTL, PYTHONPATH
 
 WORKER = "client/python/tests/dtensor_worker.py"
 
@@ -161,6 +161,53 @@ def test_dtensor_models_restore_on_another_mesh_size(daemon, workdir, layout, wo
     assert saved.keys() == loaded.keys()
     for k in saved:
         assert equal_bits(saved[k], loaded[k]), k
+
+
+# --- Export to Hugging Face -----------------------------------------------------------------
+
+def export(daemon, job, step, out, *args):
+    r = subprocess.run([CKPTCTL, "export", "--root", daemon.root, "--job", job, str(step), out, *args],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"ckptctl export exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def test_a_gpt2_saved_by_2_fsdp2_ranks_exports_to_what_transformers_loads(daemon, workdir):
+    # A tiny GPT-2 from a config (random weights, no downloads), sharded by FSDP2 over 2
+    # ranks, saved through ckptd.torch; exported with the daemon stopped; transformers loads
+    # the folder and gives the logits the sharded model gave, from weights equal bit for bit.
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    run_ranks(daemon, "gpt2", "save", "gpt2", workdir)
+    daemon.stop()
+    out = os.path.join(workdir, "hf")
+    printed = export(daemon, "gpt2", 3, out, "--max-shard-size", "100KB",
+                     "--with", os.path.join(workdir, "config.json"))
+    assert "optimizer tensors (optim.*)" in printed  # Adam's state is left out
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+    assert not any(k.startswith("optim.") for k in index["weight_map"])
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(out)
+    model.eval()
+    saved = torch.load(os.path.join(workdir, "saved.pt"))
+    for name, p in model.named_parameters():
+        assert equal_bits(p.detach(), saved[f"model.{name}"]), name
+    from dtensor_worker import gpt2_input
+    with torch.no_grad():
+        logits = model(gpt2_input()).logits
+    torch.testing.assert_close(logits, torch.load(os.path.join(workdir, "logits.pt")))
+
+    # In BF16 and FP16: each tensor as PyTorch's own .to() rounds it.
+    for flag, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        one = os.path.join(workdir, f"model-{flag}.safetensors")
+        export(daemon, "gpt2", 3, one, "--format", "safetensors", "--dtype", flag)
+        tensors = load_file(one)
+        assert set(tensors) == set(index["weight_map"])
+        for name, t in tensors.items():
+            assert t.dtype == dtype, name
+            assert equal_bits(t, saved[f"model.{name}"].to(dtype)), (flag, name)
 
 
 # --- DCP interoperability -----------------------------------------------------------------
