@@ -10,7 +10,7 @@
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
 #include "daemon/persist/manifest.h"
-#include "daemon/persist/verify.h"
+#include "daemon/restore/verify.h"
 
 namespace ckpt::daemon {
 
@@ -134,8 +134,8 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
       return absl::ResourceExhaustedError("another verify is running; try again when it is done");
     }
     persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
-    CKPT_ASSIGN_OR_RETURN(persist::VerifyReport report,
-                          persist::VerifyCheckpoint(store_, request->job(), request->step(),
+    CKPT_ASSIGN_OR_RETURN(restore::VerifyReport report,
+                          restore::VerifyCheckpoint(store_, request->job(), request->step(),
                                                     LocalNode()));
     reply->set_ok(report.ok());
     reply->set_bytes_checked(report.bytes_checked);

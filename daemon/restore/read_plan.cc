@@ -99,6 +99,16 @@ absl::Status TooFine(const std::string& name, uint64_t max_runs) {
 
 }  // namespace
 
+std::vector<WantedTensor> SavedPieces(const persist::Manifest& manifest, uint32_t rank) {
+  std::vector<WantedTensor> out;
+  for (const auto& [name, tensor] : manifest.tensors) {
+    for (const persist::TensorShard& s : tensor.shards) {
+      if (s.rank == rank) out.push_back({name, tensor.dtype, s.shape, tensor.global_shape, s.offset, s.flat});
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
                                   const std::vector<WantedTensor>& wanted,
                                   const ReadPlanOptions& options) {

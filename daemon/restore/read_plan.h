@@ -79,6 +79,10 @@ struct ReadPlanOptions {
   uint64_t max_runs = uint64_t{1} << 24;
 };
 
+// The pieces rank `rank` saved, in their saved placements, by tensor name: what a restore
+// in the saved topology wants, and what verify reads of that rank's file.
+std::vector<WantedTensor> SavedPieces(const persist::Manifest& manifest, uint32_t rank);
+
 // The plan, or InvalidArgument listing every wanted tensor that cannot be read: not in the
 // checkpoint (unless allowed), another dtype or global shape, a box outside the global
 // tensor, or a region no saved shard covers (named with its range). DataLoss when the

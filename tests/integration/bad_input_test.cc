@@ -229,6 +229,32 @@ TEST_CASE("a bit-flipped shard: verify names tensor and file, restore refuses") 
   CHECK(Contains(json.out, "\"ok\": false"));
 }
 
+TEST_CASE("verify finds extra, missing and swapped files, naming each; exit 3") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  SaveOk(d, dir, "sw", 1, 10);
+  SaveOk(d, dir, "sw", 2, 20);  // the same tensors, other values
+  const std::string step = d.root() + "/sw/step-00000020";
+  auto damaged = [&](const std::vector<std::string>& expect) {
+    auto v = d.Ctl({"--job", "sw", "verify", "20"});
+    INFO(v.out << v.err);
+    CHECK(v.exit_code == 3);
+    for (const std::string& e : expect) CHECK(Contains(v.out, e));
+  };
+  CHECK(d.Ctl({"--job", "sw", "verify", "20"}).exit_code == 0);
+  { std::ofstream(step + "/notes.txt") << "left by hand"; }
+  damaged({"notes.txt: a file the manifest does not list"});
+  std::filesystem::remove(step + "/notes.txt");
+  // Step 10's file in step 20's place: a valid shard, but not the one the manifest describes.
+  std::filesystem::copy_file(d.root() + "/sw/step-00000010/rank-00000.safetensors", step + "/rank-00000.safetensors",
+                             std::filesystem::copy_options::overwrite_existing);
+  damaged({"checksum mismatch", "rank-00000.safetensors", "tensor model."});
+  std::filesystem::remove(step + "/rank-00000.safetensors");
+  damaged({"rank-00000.safetensors: missing (rank 0's shard)"});
+  CHECK(d.Ctl({"--job", "sw", "verify", "10"}).exit_code == 0);  // the other step is untouched
+}
+
 TEST_CASE("a registration larger than the staging budget is refused at once") {
   TempDir dir;
   Daemon d(dir, {"--staging-bytes", "4M"});

@@ -90,7 +90,8 @@ int Process::Wait(std::chrono::milliseconds timeout) {
       int status = 0;
       ::waitpid(pid_, &status, 0);
       status_ = 128 + SIGKILL;
-      FAIL("process " << pid_ << " did not finish in time; stderr:\n" << Stderr());
+      FAIL("process " << pid_ << " (" << out_path_ << ") did not finish in time; stdout:\n"
+           << Stdout() << "\nstderr:\n" << Stderr());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }

@@ -42,6 +42,9 @@ TEST_CASE("FSDP flat shards restore as rows and columns, and row shards as flat 
   Daemon d(dir);
   d.Start();
   SaveWithFourRanks(d, dir, "3001", "flat");  // rank 1's slice holds layer0's end and layer1's start
+  auto verified = d.Ctl({"--job", "reshard", "verify", "5"});  // flat pieces, read through the planner
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
   RestoresExactly(d, dir, 4, "flat", "memory");  // as saved: its own snapshot
   RestoresExactly(d, dir, 3, "rows", "memory");
   RestoresExactly(d, dir, 8, "flat", "memory");

@@ -11,12 +11,13 @@
 #include "common/status.h"
 #include "daemon/persist/checkpoint_store.h"
 #include "daemon/persist/shard_writer.h"
-#include "daemon/persist/verify.h"
+#include "daemon/restore/verify.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
 using namespace ckpt::persist;
+using ckpt::restore::VerifyCheckpoint;
 using Op = ckpt::testing::FaultyFilesystem::Op;
 
 namespace {

@@ -17,7 +17,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_server.h"
 #include "daemon/persist/retention_keeper.h"
-#include "daemon/persist/verify.h"
+#include "daemon/restore/verify.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
 #include "tests/fakes/faulty_filesystem.h"
@@ -248,7 +248,7 @@ TEMPLATE_TEST_CASE("a step commits only when every rank is written", "[commit]",
     REQUIRE(manifest->nodes.size() == 1);
     CHECK(manifest->nodes[0].ranks == std::vector<uint32_t>{0, 1});
   }
-  CHECK(persist::VerifyCheckpoint(f.store, "job", 10)->ok());
+  CHECK(restore::VerifyCheckpoint(f.store, "job", 10)->ok());
   CHECK(f.committed == 1);
   CHECK(f.committer.InFlight().empty());
 }
@@ -354,7 +354,7 @@ TEMPLATE_TEST_CASE("a step already committed is refused, the committed one untou
   uint64_t again = f.Submit(10, 0, 1, 3.0f, std::chrono::steady_clock::now());
   CHECK(f.sink->WaitFinal(again) == shm::kTicketFailed);
   CHECK(f.sink->error(again).find("already committed") != std::string::npos);
-  CHECK(persist::VerifyCheckpoint(f.store, "job", 10)->ok());
+  CHECK(restore::VerifyCheckpoint(f.store, "job", 10)->ok());
 }
 
 TEMPLATE_TEST_CASE("late results of an ended attempt never count towards, or fail, a newer one",

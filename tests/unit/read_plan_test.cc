@@ -323,3 +323,22 @@ TEST_CASE("replicated shards are read once, the preferred rank's when it holds o
   CHECK(mine->tensors[0].whole_entry());
   CHECK(Carry(saved, *mine, 6 * kCols * 4) == Slice({{6, 0}, {6, kCols}}));
 }
+
+TEST_CASE("a rank's saved pieces plan as its own whole entries (verify and same-topology restore)") {
+  Saved saved = Save({Flat({{0, 13}, {50, 77}}), Piece{{0, 0}, {kRows, kCols}, {}}});
+  saved.manifest.tensors["w"].shards.erase(saved.manifest.tensors["w"].shards.begin() + 1);
+  Saved rows = Save(Rows({3, 3, 3, 3}));
+  auto pieces = ckpt::restore::SavedPieces(rows.manifest, 2);
+  REQUIRE(pieces.size() == 1);
+  CHECK(pieces[0].offset == std::vector<int64_t>{6, 0});
+  ckpt::restore::ReadPlanOptions mine;
+  mine.prefer_rank = 2;
+  auto plan = PlanRead(rows.manifest, pieces, mine);
+  REQUIRE(plan.ok());
+  CHECK(plan->tensors[0].whole_entry());
+  CHECK(plan->tensors[0].reads[0].rank == 2);
+  auto flat = ckpt::restore::SavedPieces(saved.manifest, 0);
+  REQUIRE(flat.size() == 1);
+  CHECK(flat[0].flat.size() == 2);
+  CHECK(flat[0].shape == std::vector<int64_t>{40});
+}

@@ -10,7 +10,7 @@
 #include "cuda/staging_pool.h"
 #include "daemon/commit/single_node_committer.h"
 #include "daemon/persist/retention_keeper.h"
-#include "daemon/persist/verify.h"
+#include "daemon/restore/verify.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
@@ -140,7 +140,7 @@ TEST_CASE("staging copies chunk by chunk, in order, and the committed shard is e
     CHECK(expect == std::min(tensor_bytes, (c + 1) * kChunk));
   }
   REQUIRE(ckpt::testing::WaitUntil([&] { return f.sink->Get() == shm::kTicketCommitted; }, 10s));
-  auto report = persist::VerifyCheckpoint(f.store, "job", 10);
+  auto report = restore::VerifyCheckpoint(f.store, "job", 10);
   REQUIRE(report.ok());
   CHECK(report->ok());
   for (size_t i = 0; i < f.tensors.size(); ++i) {

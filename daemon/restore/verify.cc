@@ -1,0 +1,171 @@
+#include "daemon/restore/verify.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <set>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/persist/checksum.h"
+#include "daemon/persist/shard_reader.h"
+#include "daemon/restore/read_plan.h"
+
+namespace ckpt::restore {
+namespace {
+
+using persist::Manifest;
+using persist::TensorEntry;
+
+struct Expected {
+  std::string name;
+  uint64_t begin, end;
+  std::string checksum;
+  std::vector<std::string> chunk_checksums;
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+// What the manifest says rank `rank`'s file holds: its pieces, as the planner reads them in
+// their saved placement (each one whole entry of this rank's file), then its train state.
+absl::StatusOr<std::vector<Expected>> ExpectedEntries(const Manifest& manifest, uint32_t rank) {
+  std::vector<WantedTensor> pieces = SavedPieces(manifest, rank);
+  ReadPlanOptions options;
+  options.prefer_rank = rank;
+  CKPT_ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(manifest, pieces, options));
+  std::vector<Expected> out;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const TensorReadPlan& t = plan.tensors[i];
+    if (t.bytes == 0) {  // nothing to read: the manifest's empty entry, as it is
+      const auto& shards = manifest.tensors.at(t.name).shards;
+      auto s = std::find_if(shards.begin(), shards.end(), [&](const auto& s) { return s.rank == rank; });
+      out.push_back({t.name, s->begin, s->end, s->checksum, {}, pieces[i].dtype, pieces[i].shape});
+      continue;
+    }
+    if (!t.whole_entry() || t.reads[0].rank != rank) {
+      return absl::DataLossError(fmt::format("tensor {}: rank {}'s piece is not one entry of its file",
+                                             t.name, rank));
+    }
+    const ShardRead& read = t.reads[0];
+    out.push_back({t.name, read.entry_begin, read.entry_end, read.checksum, read.chunk_checksums,
+                   pieces[i].dtype, pieces[i].shape});
+  }
+  for (const auto& [name, e] : manifest.shards.at(rank).train_state) {
+    out.push_back({persist::TrainStateKey(name), e.begin, e.end, e.checksum, {}, "U8",
+                   {static_cast<int64_t>(e.end - e.begin)}});
+  }
+  return out;
+}
+
+// A shard shorter than the manifest says: the data region ends the file, so the manifest's
+// offsets tell which entries the missing bytes belong to.
+void ReportTruncatedEntries(Filesystem& fs, const std::string& path, uint64_t expected_bytes,
+                            const std::vector<Expected>& entries, VerifyReport& report) {
+  auto size = fs.FileSize(path);
+  if (!size.ok() || *size >= expected_bytes) return;
+  uint64_t data_bytes = 0;
+  for (const Expected& e : entries) data_bytes = std::max(data_bytes, e.end);
+  uint64_t data_start = expected_bytes - data_bytes;
+  uint64_t available = *size > data_start ? *size - data_start : 0;
+  for (const Expected& e : entries) {
+    if (e.end > available) {
+      report.problems.push_back(fmt::format(
+          "tensor {} in {}: truncated ({} of its {} bytes missing)", e.name, path,
+          e.end - std::max(e.begin, std::min(available, e.end)), e.end - e.begin));
+    }
+  }
+}
+
+// Reads one entry in windows, checking its chunks as they come (ReadRange) and the whole
+// entry's checksum at the end: a manifest whose chunk and whole checksums disagree is found
+// too.
+void CheckEntry(const persist::ShardReader& reader, const TensorEntry& entry, const Expected& want,
+                uint64_t chunk_bytes, VerifyReport& report) {
+  persist::Checksum whole;
+  const std::vector<std::string> no_chunks;
+  const bool chunked = !want.chunk_checksums.empty();
+  absl::Status read = reader.ReadRange(
+      entry, {want.checksum, chunked ? want.chunk_checksums : no_chunks, chunked ? chunk_bytes : 0}, 0,
+      entry.end - entry.begin, [&](uint64_t, const char* data, uint64_t bytes) { whole.Update(data, bytes); });
+  if (!read.ok()) {
+    report.problems.push_back(Message(read));
+    return;
+  }
+  if (chunked && whole.Finish() != want.checksum) {
+    report.problems.push_back(fmt::format(
+        "tensor {} in {}: its chunks match their checksums but the whole entry does not match {} "
+        "(the manifest disagrees with itself)",
+        want.name, reader.path(), want.checksum));
+  }
+  report.bytes_checked += entry.end - entry.begin;
+}
+
+}  // namespace
+
+absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, const std::string& job,
+                                              uint64_t step, std::optional<uint32_t> node) {
+  CKPT_ASSIGN_OR_RETURN(Manifest manifest, store.LoadManifest(job, step));
+  VerifyReport report;
+  const std::string dir = store.StepDir(job, step);
+  std::set<std::string> known = {"manifest.json"};
+  for (const persist::ManifestShard& shard : manifest.shards) known.insert(shard.file);
+  if (absl::StatusOr<std::vector<std::string>> files = store.fs().ListDir(dir); files.ok()) {
+    for (const std::string& file : *files) {
+      if (!known.count(file)) {
+        report.problems.push_back(fmt::format("{}/{}: a file the manifest does not list", dir, file));
+      }
+    }
+  } else {
+    report.problems.push_back(Message(files.status()));
+  }
+  for (const persist::ManifestShard& shard : manifest.shards) {
+    if (auto holder = manifest.NodeOf(shard.rank); node && holder && *holder != *node) {
+      report.skipped_ranks.push_back(shard.rank);
+      continue;
+    }
+    const std::string path = dir + "/" + shard.file;
+    absl::StatusOr<std::vector<Expected>> expected = ExpectedEntries(manifest, shard.rank);
+    if (!expected.ok()) {
+      report.problems.push_back(fmt::format("{}: {}", path, Message(expected.status())));
+      continue;
+    }
+    if (!store.fs().Exists(path)) {
+      report.problems.push_back(fmt::format("{}: missing (rank {}'s shard)", path, shard.rank));
+      continue;
+    }
+    auto reader = persist::ShardReader::Open(store.fs(), path, shard.bytes);
+    if (!reader.ok()) {
+      report.problems.push_back(Message(reader.status()));
+      ReportTruncatedEntries(store.fs(), path, shard.bytes, *expected, report);
+      continue;
+    }
+    std::set<std::string> listed;
+    for (const Expected& want : *expected) {
+      listed.insert(want.name);
+      const TensorEntry* entry = (*reader)->Find(want.name);
+      if (entry == nullptr) {
+        report.problems.push_back(fmt::format("tensor {} missing from {}", want.name, path));
+        continue;
+      }
+      if (entry->begin != want.begin || entry->end != want.end || entry->dtype != want.dtype ||
+          entry->shape != want.shape) {
+        report.problems.push_back(fmt::format(
+            "tensor {} in {}: header says {} [{}] at [{}, {}), manifest says {} [{}] at [{}, {})",
+            want.name, path, entry->dtype, fmt::join(entry->shape, ","), entry->begin, entry->end,
+            want.dtype, fmt::join(want.shape, ","), want.begin, want.end));
+        continue;
+      }
+      CheckEntry(**reader, *entry, want, manifest.checksum_chunk_bytes, report);
+    }
+    for (const TensorEntry& entry : (*reader)->header().tensors) {
+      if (!listed.count(entry.name)) {
+        report.problems.push_back(fmt::format("tensor {} in {}: in the file but not in the manifest",
+                                              entry.name, path));
+      }
+    }
+  }
+  return report;
+}
+
+}  // namespace ckpt::restore

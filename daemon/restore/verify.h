@@ -1,0 +1,34 @@
+// Full verification of a committed checkpoint (`ckptctl verify`): every file of the step
+// directory, every shard's size and header, and every tensor and train-state entry against
+// the manifest's dtype, shape, offsets, checksum and chunk checksums. Each rank's pieces are
+// read through the read planner, as a restore in the saved placement reads them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/persist/checkpoint_store.h"
+
+namespace ckpt::restore {
+
+struct VerifyReport {
+  bool ok() const { return problems.empty(); }
+  std::vector<std::string> problems;  // each names the file and, where known, the tensor
+  uint64_t bytes_checked = 0;
+  std::vector<uint32_t> skipped_ranks;  // held by other nodes (node-local disks)
+};
+
+// Errors only when the manifest itself cannot be read; damage is reported in the report:
+// a flipped bit (whole-entry or chunk checksum), a truncated, missing or extra file, a
+// header that disagrees with the manifest, entries the manifest does not list. With
+// `node`, shards the manifest places on another node are skipped (and listed): with
+// node-local disks each node holds only its own. Memory: one window of
+// persist::ShardReader::kReadWindowBytes, whatever the size of an entry.
+absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, const std::string& job,
+                                              uint64_t step,
+                                              std::optional<uint32_t> node = std::nullopt);
+
+}  // namespace ckpt::restore
