@@ -102,6 +102,12 @@ absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_vie
     return absl::UnavailableError(fmt::format("cannot reach {}: {}", path, std::strerror(errno)));
   }
   if (absl::Status sent = SendFds(sock.get(), send, request); !sent.ok()) {
+    // ckptd turns a connection away (kBusy: too many at once) by answering before it reads
+    // anything, then closing: the send can fail with EPIPE while the answer waits unread.
+    if (absl::StatusOr<ReceivedFds> answer = RecvFds(sock.get(), 0, 4096);
+        answer.ok() && answer->payload.starts_with(kBusy)) {
+      return answer;
+    }
     return absl::UnavailableError(fmt::format("send to {}: {}", path, Message(sent)));
   }
   return RecvFds(sock.get(), max_fds, 4096);

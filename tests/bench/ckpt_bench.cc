@@ -17,7 +17,10 @@
 //   end to end   bytes on disk / (first snapshot() -> committed): the whole checkpoint,
 //                staging and writing overlapped;
 //   restore      from daemon memory (hot; median of 5), then from disk after a daemon restart
-//                with the page cache dropped where permitted;
+//                with the page cache dropped where permitted, then from disk by one rank
+//                more than saved the step (resharding: rows split another way);
+//   export       `ckptctl export --format safetensors` of the last step, against copying
+//                the step's files (read + write, the way export does them);
 //   torch.save   the same state saved by Debian's python3-torch, fsync included.
 #include <fcntl.h>
 #include <signal.h>
@@ -218,19 +221,24 @@ struct Rank {
   double register_seconds = 0;  // Register(): arenas handed over, mapped and pre-faulted by ckptd
 };
 
-// Registers `bytes` of F32 state per rank as 8 tensors ("layer.k").
-std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::string& job, uint64_t bytes) {
-  std::vector<Rank> ranks(f.ranks);
-  for (int r = 0; r < f.ranks; ++r) {
+// Registers `bytes` of F32 state per rank as 8 tensors ("layer.k"), each a global tensor
+// of ranks x bytes / 8 split by rows over `world` ranks (evenly with the saved world; with
+// another, as evenly as it goes: the resharding restore).
+std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::string& job, uint64_t bytes,
+                          int world = 0) {
+  if (world == 0) world = f.ranks;
+  std::vector<Rank> ranks(world);
+  const int pieces = bytes >= (8u << 20) ? 8 : 1;
+  const auto global = static_cast<int64_t>(bytes / pieces / 4) * f.ranks;  // elements
+  for (int r = 0; r < world; ++r) {
+    const int64_t begin = global * r / world, end = global * (r + 1) / world;
     auto c = ckpt::Client::Connect({.socket = d.socket(), .job = job, .rank = static_cast<uint32_t>(r),
-                                    .world_size = static_cast<uint32_t>(f.ranks),
-                                    .arena_bytes = bytes + (1 << 20)});
+                                    .world_size = static_cast<uint32_t>(world),
+                                    .arena_bytes = static_cast<size_t>(end - begin) * 4 * pieces + (1 << 20)});
     if (!c.ok()) Die(Message(c.status()));
     ranks[r].client = std::move(*c);
-    const int pieces = bytes >= (8u << 20) ? 8 : 1;
     for (int k = 0; k < pieces; ++k) {
-      int64_t n = static_cast<int64_t>(bytes / pieces / 4);
-      auto t = ranks[r].client->AllocateTensor(fmt::format("layer.{}", k), "F32", {n});
+      auto t = ranks[r].client->AllocateTensor(fmt::format("layer.{}", k), "F32", {end - begin}, {global}, {begin});
       if (!t.ok()) Die(Message(t.status()));
       std::memset((*t)->data, r + k + 1, (*t)->nbytes);  // touch every page
       ranks[r].tensors.push_back(*t);
@@ -241,6 +249,35 @@ std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::str
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   return ranks;
+}
+
+// The device's limit for what export does: read `files` (32 MiB preads, page cache dropped
+// first where permitted) and write them to one new file in `dir` (buffered, fdatasync at
+// the end), one after the other.
+double CopyLimitGbps(const std::vector<std::string>& files, const std::string& dir) {
+  constexpr size_t kChunk = 32u << 20;
+  std::vector<char> buffer(kChunk);
+  const std::string out = dir + "/copy-limit.bin";
+  ::sync();
+  auto t0 = Clock::now();
+  int w = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  if (w < 0) Die("cannot create " + out);
+  uint64_t total = 0;
+  for (const std::string& path : files) {
+    int r = ::open(path.c_str(), O_RDONLY);
+    if (r < 0) Die("cannot open " + path);
+    uint64_t at = 0;
+    for (ssize_t n; (n = ::pread(r, buffer.data(), kChunk, static_cast<off_t>(at))) > 0; at += n) {
+      if (::write(w, buffer.data(), n) != n) Die("write failed: " + out);
+    }
+    total += at;
+    ::close(r);
+  }
+  ::fdatasync(w);
+  ::close(w);
+  double gbps = Gbps(total, Seconds(Clock::now() - t0));
+  std::filesystem::remove(out);
+  return gbps;
 }
 
 double Percentile(std::vector<double> v, double p) {
@@ -455,6 +492,41 @@ int main(int argc, char** argv) {
     out["restore_disk_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
     out["restore_disk_source"] = source[0];
     out["restore_disk_page_cache"] = cold ? "dropped" : "warm (could not drop)";
+    ranks.clear();
+
+    // The same step restored by one rank more, each holding other rows: every rank reads
+    // parts of the saved shards it overlaps (the read planner's partial, chunk-checked reads).
+    const int world = f.ranks + 1;
+    auto more = Connect(f, daemon, "bench", f.bytes * f.ranks / world, world);
+    DropPageCache();
+    t0 = Clock::now();
+    OnEveryRank(world, [&](int r) {
+      auto info = more[r].client->Restore();
+      if (!info.ok() || !info->found) Die("resharding restore failed: " + (info.ok() ? "" : Message(info.status())));
+    });
+    out["restore_reshard_world"] = world;
+    out["restore_reshard_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
+  }
+  {
+    // ckptctl export of the last step, from its files alone, against copying those files.
+    const uint64_t step = static_cast<uint64_t>(f.rounds) * 100;
+    const std::string dir = fmt::format("{}/ckpt/bench/step-{:08d}", f.root, step);
+    std::vector<std::string> files;
+    uint64_t step_bytes = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().extension() == ".safetensors") files.push_back(e.path().string()), step_bytes += e.file_size();
+    }
+    DropPageCache();
+    out["copy_limit_gbps"] = CopyLimitGbps(files, f.root);
+    DropPageCache();
+    const std::string ctl = std::filesystem::path(f.ckptd).parent_path().parent_path().string() + "/client/ckptctl";
+    const std::string target = f.root + "/export.safetensors";
+    const std::string cmd = fmt::format("{} export --root {}/ckpt --job bench --format safetensors --no-progress {} {} >/dev/null",
+                                        ctl, f.root, step, target);
+    auto t0 = Clock::now();
+    if (std::system(cmd.c_str()) != 0) Die("export failed: " + cmd);
+    out["export_gbps"] = Gbps(step_bytes, Seconds(Clock::now() - t0));
+    std::filesystem::remove(target);
   }
   if (f.gpu && !ckpt::cuda::DetectDevices().available()) {
     out["gpu_error"] = "no usable CUDA device: " + ckpt::cuda::DetectDevices().reason;
@@ -511,6 +583,13 @@ int main(int argc, char** argv) {
       fmt::format("{:.0f}% of memcpy (target >= 70%)", 100 * out["restore_memory_vs_memcpy"].get<double>()));
   row("restore from disk", fmt::format("{:.2f} GB/s", out["restore_disk_gbps"].get<double>()),
       "page cache " + out["restore_disk_page_cache"].get<std::string>());
+  row(fmt::format("restore from disk on {} ranks", out["restore_reshard_world"].get<int>()),
+      fmt::format("{:.2f} GB/s", out["restore_reshard_gbps"].get<double>()),
+      "resharding: partial, chunk-checked reads of every overlapping shard");
+  row("copy the step's files (limit)", fmt::format("{:.2f} GB/s", out["copy_limit_gbps"].get<double>()),
+      "32 MiB preads into one buffered file + fdatasync, page cache dropped");
+  row("ckptctl export --format safetensors", fmt::format("{:.2f} GB/s", out["export_gbps"].get<double>()),
+      fmt::format("{:.0f}% of the copy limit", 100 * out["export_gbps"].get<double>() / out["copy_limit_gbps"].get<double>()));
   if (out.contains("torch_save_gbps")) {
     row("torch.save + fsync", fmt::format("{:.2f} GB/s", out["torch_save_gbps"].get<double>()), "");
   }

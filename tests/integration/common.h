@@ -1,9 +1,14 @@
 // Shortcuts shared by the integration tests.
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
+
+#include <catch2/catch.hpp>
 
 #include "tests/integration/harness.h"
 
@@ -45,6 +50,24 @@ inline std::vector<RunResult> ReshardRanks(const Daemon& d, const TempDir& dir, 
     argv.insert(argv.end(), args.begin(), args.end());
     ranks.push_back(std::make_unique<Process>(argv, dir.path(), "w" + std::to_string(world) + "r" +
                                                                     std::to_string(r) + "." + args.back()));
+  }
+  // Every rank meets the others in Restore(): one that hangs is reported with what the
+  // others printed and the daemon's log, which say where the barrier stands.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::any_of(ranks.begin(), ranks.end(), [](auto& p) { return p->Running(); }) &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::string stuck;
+  for (uint32_t r = 0; r < world; ++r) {
+    if (ranks[r]->Running()) stuck += " " + std::to_string(r);
+  }
+  if (!stuck.empty()) {
+    std::string outputs;
+    for (uint32_t r = 0; r < world; ++r) outputs += "rank " + std::to_string(r) + ": " + ranks[r]->Stdout() + "\n";
+    const std::string log = d.Log();
+    FAIL("ranks" << stuck << " of " << world << " did not finish in 60 s\n" << outputs << "daemon log (end):\n"
+                 << log.substr(log.size() > 20000 ? log.size() - 20000 : 0));
   }
   std::vector<RunResult> out;
   for (auto& p : ranks) {

@@ -109,6 +109,45 @@ TEST_CASE("a busy answer is retried until the server takes the request") {
   CHECK(got->payload == "served hello");
 }
 
+TEST_CASE("a busy answer sent before the request is read is retried too (the send fails with EPIPE)") {
+  // ckptd turns a connection away by answering and closing at once. A request larger than
+  // the socket buffer is still being sent then: the send fails, the answer is waiting.
+  std::string path = fmt::format("/tmp/ckpt-fd-test-epipe-{}.sock", ::getpid());
+  std::filesystem::remove(path);
+  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(::listen(listener.get(), 8) == 0);
+  const std::string request(4 << 20, 'x');
+  std::thread server([&] {
+    for (int i = 0; i < 3; ++i) {
+      UniqueFd conn(::accept(listener.get(), nullptr, nullptr));
+      if (i < 2) {
+        std::string busy = std::string(kBusy) + "later";
+        (void)::send(conn.get(), busy.data(), busy.size(), MSG_NOSIGNAL);
+        continue;  // closed unread
+      }
+      std::string got;
+      std::vector<char> buffer(1 << 16);
+      while (got.size() < request.size()) {
+        ssize_t n = ::recv(conn.get(), buffer.data(), buffer.size(), 0);
+        if (n <= 0) break;
+        got.append(buffer.data(), static_cast<size_t>(n));
+      }
+      std::string answer = "served " + std::to_string(got.size());
+      (void)::send(conn.get(), answer.data(), answer.size(), MSG_NOSIGNAL);
+    }
+  });
+  auto got = RequestFds(path, request, 0);
+  server.join();
+  std::filesystem::remove(path);
+  INFO((got.ok() ? got->payload : std::string(got.status().message())));
+  REQUIRE(got.ok());
+  CHECK(got->payload == "served " + std::to_string(request.size()));
+}
+
 TEST_CASE("the reaper closes what it is given, a socket set to linger at once") {
   FdReaper reaper(/*max_queued=*/4);
   // A TCP connection whose peer never reads, its send buffer full, set to linger 60 s: a
