@@ -227,9 +227,9 @@ absl::StatusOr<Tensor*> Client::AllocateFlatTensor(const std::string& name, cons
                                                    const std::vector<ElementRange>& ranges) {
   int64_t numel = 0;
   for (const ElementRange& r : ranges) {
-    if (r.end <= r.begin || r.begin < 0) {
+    if (r.begin < 0 || r.end <= r.begin || r.end - r.begin > (int64_t{1} << 50) - numel) {
       return absl::InvalidArgumentError(
-          fmt::format("tensor {}: flat element range [{}, {}) is empty or negative", name, r.begin, r.end));
+          fmt::format("tensor {}: flat element range [{}, {}) is empty, negative or too large", name, r.begin, r.end));
     }
     numel += r.end - r.begin;
   }
@@ -250,9 +250,10 @@ absl::StatusOr<FlatShard> Client::AllocateFlatShard(const std::string& dtype, in
   std::vector<std::pair<int64_t, int64_t>> taken;  // [at, at + length) in the shard
   for (const FlatPiece& p : pieces) {
     CKPT_ASSIGN_OR_RETURN(size_t whole, TensorBytes(p.name, dtype, p.global_shape));
-    const int64_t length = p.range.end - p.range.begin;
-    if (p.range.begin < 0 || length <= 0 || p.range.end > static_cast<int64_t>(whole / itemsize) ||
-        p.at < 0 || p.at > numel - length) {
+    const bool in_tensor = p.range.begin >= 0 && p.range.end > p.range.begin &&
+                           p.range.end <= static_cast<int64_t>(whole / itemsize);
+    const int64_t length = in_tensor ? p.range.end - p.range.begin : 0;
+    if (!in_tensor || p.at < 0 || p.at > numel - length) {
       return absl::InvalidArgumentError(fmt::format(
           "tensor {}: elements [{}, {}) at element {} of a flat shard of {} do not fit the shard "
           "or the tensor",

@@ -104,8 +104,12 @@ absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_vie
   if (absl::Status sent = SendFds(sock.get(), send, request); !sent.ok()) {
     // ckptd turns a connection away (kBusy: too many at once) by answering before it reads
     // anything, then closing: the send can fail with EPIPE while the answer waits unread.
+    // Whatever ckptd answered ("busy: ", "refused: ...") says more than the failed send;
+    // a short wait, since a send that failed for any other reason brings no answer.
+    timeval wait{0, 500 * 1000};
+    ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
     if (absl::StatusOr<ReceivedFds> answer = RecvFds(sock.get(), 0, 4096);
-        answer.ok() && answer->payload.starts_with(kBusy)) {
+        answer.ok() && !answer->payload.empty()) {
       return answer;
     }
     return absl::UnavailableError(fmt::format("send to {}: {}", path, Message(sent)));

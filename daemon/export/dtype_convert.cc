@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/dtype.h"
+
 namespace ckpt::exporter {
 namespace {
 
@@ -56,7 +58,8 @@ void Store(const std::string& dtype, float f, char* p) {
   }
 }
 
-size_t Size(const std::string& dtype) { return dtype == "F64" ? 8 : dtype == "F32" ? 4 : 2; }
+// Of the floating-point dtypes converted here (IsFloat).
+size_t FloatSize(const std::string& dtype) { return dtype == "F64" ? 8 : dtype == "F32" ? 4 : 2; }
 
 }  // namespace
 
@@ -71,11 +74,11 @@ absl::StatusOr<std::string> ExportDType(const std::string& dtype, const std::str
 
 void ConvertElements(const std::string& from, const std::string& to, const void* src, void* dst,
                      size_t count) {
-  if (from == to) {
-    std::memmove(dst, src, count * Size(from));
+  if (from == to) {  // any dtype: integers, booleans and FP8 are never converted
+    if (dst != src) std::memmove(dst, src, count * DTypeSize(from).value_or(1));
     return;
   }
-  const size_t in = Size(from), out = Size(to);
+  const size_t in = FloatSize(from), out = FloatSize(to);
   const char* s = static_cast<const char*>(src);
   char* d = static_cast<char*>(dst);
   // F64 goes through float: an F64 tensor exported as F16 or BF16 loses more than that anyway.

@@ -6,11 +6,17 @@
 #include <cctype>
 #include <map>
 #include <memory>
+#include <chrono>
+#include <fstream>
+#include <iterator>
 #include <set>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
 #include "common/dtype.h"
+#include "common/names.h"
 #include "common/status.h"
 #include "daemon/export/dtype_convert.h"
 #include "daemon/persist/safetensors.h"
@@ -189,6 +195,10 @@ absl::StatusOr<std::vector<Item>> ChooseTensors(const persist::Manifest& manifes
     }
     std::optional<std::string> renamed = options.rename.Apply(name);
     if (!renamed) continue;
+    if (absl::Status valid = ValidateTensorName(*renamed); !valid.ok()) {
+      return absl::InvalidArgumentError(fmt::format("tensor {} renamed to \"{}\": {}", name, *renamed,
+                                                    Message(valid)));
+    }
     if (auto [it, fresh] = taken.emplace(*renamed, name); !fresh) {
       return absl::InvalidArgumentError(fmt::format(
           "tensors {} and {} would both be exported as {}: fix the rename rules", it->second, name,
@@ -263,7 +273,11 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
     return absl::InvalidArgumentError(fmt::format(
         "\"{}\" is not a size: a number and a unit (B, KB, MB, GB, KiB, MiB, GiB)", text));
   }
-  const uint64_t bytes = std::stoull(text.substr(0, digits)) * u->second;
+  const uint64_t number = std::stoull(text.substr(0, digits));
+  if (number > (uint64_t{1} << 50) / u->second) {
+    return absl::InvalidArgumentError(fmt::format("\"{}\" is more than a PiB", text));
+  }
+  const uint64_t bytes = number * u->second;
   if (bytes == 0) return absl::InvalidArgumentError("a size of 0 bytes holds nothing");
   return bytes;
 }
@@ -288,8 +302,11 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_
   for (const Item& item : items) total += item.out_bytes;
 
   // Everything goes into `staging`, renamed to `out` when complete.
-  const std::string staging = options.out + ".export-tmp";
-  CKPT_RETURN_IF_ERROR(fs.RemoveTree(staging));
+  // A name of its own: another export into the same place, or a file of the user's that
+  // happens to be called so, is never touched.
+  const std::string staging = fmt::format("{}.export-tmp.{}.{}", options.out, ::getpid(),
+                                          std::chrono::steady_clock::now().time_since_epoch().count());
+  if (fs.Exists(staging)) return absl::AlreadyExistsError(fmt::format("{} exists", staging));
   const bool folder = options.format != ExportFormat::kSafetensors;
   if (folder) CKPT_RETURN_IF_ERROR(fs.MakeDir(staging));
   auto fail = [&](absl::Status status) {
@@ -325,12 +342,18 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_
   }
   for (const std::string& extra : options.extra_files) {
     const std::string base = extra.substr(extra.rfind('/') + 1);
-    absl::StatusOr<std::string> contents = ReadSmallFile(fs, extra);
-    if (!contents.ok()) return fail(contents.status());
+    if (base.empty() || base == "." || base == "..") {
+      return fail(absl::InvalidArgumentError(fmt::format("--with {}: not a file name", extra)));
+    }
+    // A file the user names, read as the user would (a Hugging Face cache's config.json is a
+    // symlink), unlike checkpoint files, which are never followed through links.
+    std::ifstream in(extra, std::ios::binary);
+    if (!in) return fail(absl::NotFoundError(fmt::format("--with {}: cannot open it", extra)));
+    const std::string contents((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (fs.Exists(staging + "/" + base)) {
       return fail(absl::InvalidArgumentError(fmt::format("--with {}: the export already has a file {}", extra, base)));
     }
-    if (absl::Status s = WriteFileAtomically(fs, staging + "/" + base, *contents); !s.ok()) return fail(s);
+    if (absl::Status s = WriteFileAtomically(fs, staging + "/" + base, contents); !s.ok()) return fail(s);
     report.files.push_back(base);
   }
   if (folder) {

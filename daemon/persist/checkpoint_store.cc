@@ -1,5 +1,7 @@
 #include "daemon/persist/checkpoint_store.h"
 
+#include "daemon/persist/tiling.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -145,6 +147,11 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   if (manifest.job != job || manifest.step != step) {
     return absl::DataLossError(fmt::format("{} describes job {} step {}", path, manifest.job,
                                            manifest.step));
+  }
+  // ckptd commits only steps whose shards tile every tensor; one that does not was edited
+  // or damaged, and a reader that trusted it could leave part of a tensor unread.
+  if (absl::Status tiled = CheckTiling(manifest); !tiled.ok()) {
+    return absl::DataLossError(fmt::format("{}: {}", path, Message(tiled)));
   }
   return manifest;
 }

@@ -37,6 +37,19 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
 
+namespace {
+
+int FormatVersionOf(const Manifest& m) {
+  for (const auto& [name, t] : m.tensors) {
+    for (const TensorShard& s : t.shards) {
+      if (!s.flat.empty()) return 2;
+    }
+  }
+  return 1;
+}
+
+}  // namespace
+
 absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>& global) {
   if (!shard.flat.empty()) {
     int64_t numel = 1;
@@ -69,7 +82,7 @@ absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>
     return absl::InvalidArgumentError("has a placement with a different rank than the global shape");
   }
   for (size_t d = 0; d < global.size(); ++d) {
-    if (shard.offset[d] < 0 || shard.shape[d] < 0 || shard.offset[d] > global[d] - shard.shape[d]) {
+    if (global[d] < 0 || shard.offset[d] < 0 || shard.shape[d] < 0 || shard.offset[d] > global[d] - shard.shape[d]) {
       return absl::InvalidArgumentError(fmt::format("lies outside the global shape in dimension {}", d));
     }
   }
@@ -129,7 +142,7 @@ std::string ManifestToJson(const Manifest& m) {
                       {"train_state", state}});
   }
   json j = {{"format", "ckptd-manifest"},
-            {"format_version", m.format_version},
+            {"format_version", FormatVersionOf(m)},
             {"job", m.job},
             {"step", m.step},
             {"unix_time", m.unix_time},

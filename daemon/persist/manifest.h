@@ -11,7 +11,9 @@
 
 namespace ckpt::persist {
 
-inline constexpr int kManifestFormatVersion = 1;
+// 2: some shard is a flat shard ("flat" instead of "offset"); manifests without one are
+// still written as 1, which readers from before flat shards read.
+inline constexpr int kManifestFormatVersion = 2;
 // Entries longer than this also get a checksum per chunk of this many bytes (the last one
 // shorter), so that a read of part of an entry (a resharding restore) is verified without
 // reading the whole entry. Recorded in each manifest (Manifest::checksum_chunk_bytes).

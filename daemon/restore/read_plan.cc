@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "common/dtype.h"
 
@@ -63,6 +64,12 @@ uint64_t AddSegmentRuns(const std::vector<Segment>& saved, const std::vector<Seg
                         std::vector<persist::ElementRange>& overlaps) {
   uint64_t elements = 0;
   size_t i = 0, k = 0;
+  if (!saved.empty()) {  // skip the wanted segments that end before this shard starts
+    auto first = std::partition_point(wanted.begin(), wanted.end(), [&](const Segment& w) {
+      return w.global + w.length <= saved.front().global;
+    });
+    k = static_cast<size_t>(first - wanted.begin());
+  }
   while (i < saved.size() && k < wanted.size()) {
     const Segment& a = saved[i];
     const Segment& b = wanted[k];
@@ -90,6 +97,59 @@ uint64_t AddSegmentRuns(const std::vector<Segment>& saved, const std::vector<Seg
   return elements;
 }
 
+// A saved placement of a tensor and the ranks holding it (several: replicas).
+struct SavedPlacement {
+  persist::Placement placement;
+  const persist::TensorShard* first = nullptr;
+  std::unordered_map<uint32_t, const persist::TensorShard*> replicas;  // by rank, when several
+  // Of replicas, the preferred rank's shard (its own file, in the saved topology), else the first.
+  const persist::TensorShard* Holder(std::optional<uint32_t> prefer) const {
+    if (prefer && !replicas.empty()) {
+      if (auto it = replicas.find(*prefer); it != replicas.end()) return it->second;
+    }
+    return first;
+  }
+};
+
+// One tensor's saved placements, built once per PlanRead call however many pieces of the
+// tensor are wanted (verify plans every rank's pieces in one call).
+struct SavedIndex {
+  std::vector<SavedPlacement> placements;
+  std::unordered_map<std::string, size_t> by_key;  // KeyOf(placement) -> placements[]
+};
+
+std::string KeyOf(const persist::Placement& p) {
+  if (!p.is_flat()) return fmt::format("b{}|{}", fmt::join(p.box.lo, ","), fmt::join(p.box.extent, ","));
+  std::string key = "f";
+  for (const persist::ElementRange& r : p.flat) key += fmt::format("{},{};", r.begin, r.end);
+  return key;
+}
+
+absl::StatusOr<const SavedIndex*> IndexOf(std::unordered_map<std::string, SavedIndex>& indexes,
+                                        const std::string& name, const persist::ManifestTensor& saved,
+                                        const std::vector<int64_t>& global) {
+  auto [it, fresh] = indexes.try_emplace(name);
+  SavedIndex& index = it->second;
+  if (!fresh) return &index;
+  for (const persist::TensorShard& s : saved.shards) {
+    if (absl::Status placed = persist::CheckPlacement(s, global); !placed.ok()) {
+      indexes.erase(it);
+      return absl::DataLossError(fmt::format("the manifest's shard of {} from rank {} {}", name, s.rank,
+                                             std::string(placed.message())));
+    }
+    persist::Placement p = persist::ShardPlacement(s, global);
+    auto [at, added] = index.by_key.try_emplace(KeyOf(p), index.placements.size());
+    if (added) {
+      index.placements.push_back({std::move(p), &s, {}});
+      continue;
+    }
+    SavedPlacement& same = index.placements[at->second];
+    if (same.replicas.empty()) same.replicas.emplace(same.first->rank, same.first);
+    same.replicas.emplace(s.rank, &s);
+  }
+  return &index;
+}
+
 absl::Status TooFine(const std::string& name, uint64_t max_runs) {
   return absl::ResourceExhaustedError(fmt::format(
       "reading {} would take more than {} separate byte runs: its saved shards and the "
@@ -99,11 +159,12 @@ absl::Status TooFine(const std::string& name, uint64_t max_runs) {
 
 }  // namespace
 
-std::vector<WantedTensor> SavedPieces(const persist::Manifest& manifest, uint32_t rank) {
-  std::vector<WantedTensor> out;
+std::vector<std::vector<WantedTensor>> SavedPieces(const persist::Manifest& manifest) {
+  std::vector<std::vector<WantedTensor>> out(manifest.world_size);
   for (const auto& [name, tensor] : manifest.tensors) {
     for (const persist::TensorShard& s : tensor.shards) {
-      if (s.rank == rank) out.push_back({name, tensor.dtype, s.shape, tensor.global_shape, s.offset, s.flat});
+      if (s.rank >= out.size()) out.resize(s.rank + 1);
+      out[s.rank].push_back({name, tensor.dtype, s.shape, tensor.global_shape, s.offset, s.flat, s.rank});
     }
   }
   return out;
@@ -115,6 +176,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
   ReadPlan plan;
   std::vector<std::string> problems;
   uint64_t total_runs = 0;
+  std::unordered_map<std::string, SavedIndex> indexes;
   for (const WantedTensor& w : wanted) {
     auto it = manifest.tensors.find(w.name);
     if (it == manifest.tensors.end()) {
@@ -163,24 +225,21 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     std::vector<Box> overlaps;                      // box with box
     std::vector<persist::ElementRange> flat_overlaps;  // where a flat placement is involved
     std::optional<std::vector<Segment>> want_segments;  // computed when first needed
-    // Replicas (ranks holding the very same piece) are read once: from the preferred rank's
-    // shard when it is one of them (its own file, in the saved topology), else the first.
-    std::vector<std::pair<persist::Placement, const persist::TensorShard*>> placements;
-    for (const persist::TensorShard& s : saved.shards) {
-      if (absl::Status placed = persist::CheckPlacement(s, global); !placed.ok()) {
-        return absl::DataLossError(fmt::format("the manifest's shard of {} from rank {} {}", w.name,
-                                               s.rank, std::string(placed.message())));
-      }
-      persist::Placement p = persist::ShardPlacement(s, global);
-      auto same = std::find_if(placements.begin(), placements.end(), [&](const auto& b) { return b.first == p; });
-      if (same == placements.end()) {
-        placements.emplace_back(std::move(p), &s);
-      } else if (options.prefer_rank && s.rank == *options.prefer_rank) {
-        same->second = &s;
-      }
+    absl::StatusOr<const SavedIndex*> index = IndexOf(indexes, w.name, saved, global);
+    if (!index.ok()) return index.status();
+    const std::optional<uint32_t> prefer = w.from_rank ? w.from_rank : options.prefer_rank;
+    // The piece exactly as one rank saved it (every restore in the saved topology, verify):
+    // that rank's whole entry, found without looking at the other ranks' shards.
+    if (auto exact = (*index)->by_key.find(KeyOf(want)); exact != (*index)->by_key.end() && volume > 0) {
+      const persist::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
+      t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}});
+      if (++total_runs > options.max_runs) return TooFine(w.name, options.max_runs);
+      plan.tensors.push_back(std::move(t));
+      continue;
     }
-    for (const auto& [placement, shard] : placements) {
-      const persist::TensorShard& s = *shard;
+    for (const SavedPlacement& saved_placement : (*index)->placements) {
+      const persist::Placement& placement = saved_placement.placement;
+      const persist::TensorShard& s = *saved_placement.Holder(prefer);
       ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}};
       if (!placement.is_flat() && !want.is_flat()) {
         std::optional<Box> overlap = Intersect(placement.box, want.box);

@@ -34,6 +34,8 @@ struct WantedTensor {
   // A flat shard (FSDP style): these element ranges of the flattened global tensor, one
   // after another in a 1-D piece of `shape` [their total]; `offset` is then unused.
   std::vector<persist::ElementRange> flat;
+  // Of replicas, read this rank's (overrides ReadPlanOptions::prefer_rank for this piece).
+  std::optional<uint32_t> from_rank;
 };
 
 // `bytes` from byte `source` of a saved entry to byte `destination` of the wanted piece.
@@ -79,9 +81,10 @@ struct ReadPlanOptions {
   uint64_t max_runs = uint64_t{1} << 24;
 };
 
-// The pieces rank `rank` saved, in their saved placements, by tensor name: what a restore
-// in the saved topology wants, and what verify reads of that rank's file.
-std::vector<WantedTensor> SavedPieces(const persist::Manifest& manifest, uint32_t rank);
+// The pieces each rank saved, in their saved placements, by rank then tensor name, each
+// read from its own rank (from_rank): what a restore in the saved topology wants, and what
+// verify reads of each rank's file. One pass over the manifest.
+std::vector<std::vector<WantedTensor>> SavedPieces(const persist::Manifest& manifest);
 
 // The plan, or InvalidArgument listing every wanted tensor that cannot be read: not in the
 // checkpoint (unless allowed), another dtype or global shape, a box outside the global

@@ -35,6 +35,13 @@ std::string RandomId() {
 
 absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
   if (t.flat_ranges_size() > 0) {
+    // FSDP needs one range per piece; the bound keeps the manifest (read back whole) small.
+    constexpr int kMaxFlatRanges = 1024;
+    if (t.flat_ranges_size() > kMaxFlatRanges) {
+      return absl::InvalidArgumentError(fmt::format(
+          "tensor {}: {} flat element ranges; at most {} per tensor", t.name(), t.flat_ranges_size(),
+          kMaxFlatRanges));
+    }
     if (t.global_shape_size() == 0 || t.global_offset_size() != 0) {
       return absl::InvalidArgumentError(fmt::format(
           "tensor {}: flat element ranges need the global shape and no global offset", t.name()));

@@ -173,6 +173,7 @@ class DaemonProcess {
     if (pid_ == 0) {
       int log = ::open((f.root + "/ckptd.log").c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
       ::dup2(log, 2);
+      ::dup2(log, 1);  // nothing of the bench's own output stays open in the daemon
       const char* level = std::getenv("CKPT_BENCH_LOG_LEVEL");
       std::vector<std::string> args = {f.ckptd, "--root", f.root + "/ckpt", "--socket", socket_,
                                        "--staging-bytes", std::to_string(staging),
@@ -221,9 +222,9 @@ struct Rank {
   double register_seconds = 0;  // Register(): arenas handed over, mapped and pre-faulted by ckptd
 };
 
-// Registers `bytes` of F32 state per rank as 8 tensors ("layer.k"), each a global tensor
-// of ranks x bytes / 8 split by rows over `world` ranks (evenly with the saved world; with
-// another, as evenly as it goes: the resharding restore).
+// Registers the state of --ranks ranks of `bytes` each, as 8 global F32 tensors ("layer.k")
+// split by rows over `world` ranks: evenly over --ranks as saved; over another world as
+// evenly as it goes (the resharding restore).
 std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::string& job, uint64_t bytes,
                           int world = 0) {
   if (world == 0) world = f.ranks;
@@ -497,7 +498,7 @@ int main(int argc, char** argv) {
     // The same step restored by one rank more, each holding other rows: every rank reads
     // parts of the saved shards it overlaps (the read planner's partial, chunk-checked reads).
     const int world = f.ranks + 1;
-    auto more = Connect(f, daemon, "bench", f.bytes * f.ranks / world, world);
+    auto more = Connect(f, daemon, "bench", f.bytes, world);
     DropPageCache();
     t0 = Clock::now();
     OnEveryRank(world, [&](int r) {

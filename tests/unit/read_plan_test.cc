@@ -328,17 +328,35 @@ TEST_CASE("a rank's saved pieces plan as its own whole entries (verify and same-
   Saved saved = Save({Flat({{0, 13}, {50, 77}}), Piece{{0, 0}, {kRows, kCols}, {}}});
   saved.manifest.tensors["w"].shards.erase(saved.manifest.tensors["w"].shards.begin() + 1);
   Saved rows = Save(Rows({3, 3, 3, 3}));
-  auto pieces = ckpt::restore::SavedPieces(rows.manifest, 2);
+  rows.manifest.world_size = 4;
+  auto pieces = ckpt::restore::SavedPieces(rows.manifest)[2];
   REQUIRE(pieces.size() == 1);
   CHECK(pieces[0].offset == std::vector<int64_t>{6, 0});
-  ckpt::restore::ReadPlanOptions mine;
-  mine.prefer_rank = 2;
-  auto plan = PlanRead(rows.manifest, pieces, mine);
+  CHECK(pieces[0].from_rank == 2u);
+  auto plan = PlanRead(rows.manifest, pieces);
   REQUIRE(plan.ok());
   CHECK(plan->tensors[0].whole_entry());
   CHECK(plan->tensors[0].reads[0].rank == 2);
-  auto flat = ckpt::restore::SavedPieces(saved.manifest, 0);
+  saved.manifest.world_size = 1;
+  auto flat = ckpt::restore::SavedPieces(saved.manifest)[0];
   REQUIRE(flat.size() == 1);
   CHECK(flat[0].flat.size() == 2);
   CHECK(flat[0].shape == std::vector<int64_t>{40});
+}
+
+TEST_CASE("replicas: each wanted piece can name the rank it reads from") {
+  // 3 data-parallel ranks each saved the whole tensor: every rank's piece is its own entry.
+  Saved saved = Save({{{0, 0}, {kRows, kCols}}, {{0, 0}, {kRows, kCols}}, {{0, 0}, {kRows, kCols}}});
+  std::vector<WantedTensor> wanted;
+  for (uint32_t r : {2u, 0u, 1u}) {
+    WantedTensor w{"w", "F32", {kRows, kCols}, {kRows, kCols}, {0, 0}};
+    w.from_rank = r;
+    wanted.push_back(w);
+  }
+  auto plan = PlanRead(saved.manifest, wanted);
+  REQUIRE(plan.ok());
+  CHECK(plan->tensors[0].reads[0].rank == 2);
+  CHECK(plan->tensors[1].reads[0].rank == 0);
+  CHECK(plan->tensors[2].reads[0].rank == 1);
+  for (const auto& t : plan->tensors) CHECK(t.whole_entry());
 }

@@ -79,6 +79,10 @@ class CkptdStorageReader(StorageReader):
             size = torch.Size(tensor["global_shape"])
             chunks, seen = [], {}
             for shard in tensor["shards"]:
+                if "flat" in shard:
+                    raise ValueError(f"tensor {name}: rank {shard['rank']} saved a flat shard (FSDP "
+                                     "element ranges), which DCP cannot describe: export the step "
+                                     "with `ckptctl export --format safetensors` instead")
                 offsets = tuple(shard.get("offset") or [0] * len(size))
                 shape = tuple(shard["shape"])
                 _check_piece(name, dtype, size, offsets, shape, shard["data_offsets"])
