@@ -289,7 +289,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   uint64_t total = 0;
   for (const RegisteredTensor* t : matched) {
     wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset,
-                      t->placement.flat});
+                      t->placement.flat, std::nullopt});
     total += t->nbytes;
   }
   restore::ReadPlanOptions options;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <set>
 
@@ -109,9 +110,14 @@ class Writer {
     CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
     uint64_t position = header.size();
     for (const Item* item : file.items) {
-      CKPT_RETURN_IF_ERROR(WriteTensor(fd.get(), *item, position));
+      absl::Status written = WriteTensor(fd.get(), *item, position);
+      if (!written.ok()) {
+        (void)Drain();  // before the descriptor closes
+        return written;
+      }
       position += item->out_bytes;
     }
+    CKPT_RETURN_IF_ERROR(Drain());
     return fs_.SyncFile(fd.get());
   }
 
@@ -149,14 +155,21 @@ class Writer {
     CKPT_ASSIGN_OR_RETURN(size_t out_size, DTypeSize(item.out_dtype));
     return ForEachSlice(item.shape, std::max(in_size, out_size), options_.slice_bytes,
                         [&](const Shape& offset, const Shape& shape) -> absl::Status {
-      restore::WantedTensor wanted{item.source, item.dtype, shape, item.shape, offset, {}};
+      restore::WantedTensor wanted{item.source, item.dtype, shape, item.shape, offset, {}, std::nullopt};
       CKPT_ASSIGN_OR_RETURN(restore::ReadPlan plan, restore::PlanRead(manifest_, {wanted}));
       const uint64_t count = Elements(shape);
-      buffer_.resize(count * std::max(in_size, out_size));
-      CKPT_RETURN_IF_ERROR(reader_.Read(plan.tensors[0], buffer_.data()));
-      ConvertElements(item.dtype, item.out_dtype, buffer_.data(), buffer_.data(), count);
+      // Two buffers: this slice is read and converted while the previous one is written.
+      std::vector<char>& buffer = buffers_[current_];
+      buffer.resize(count * std::max(in_size, out_size));
+      CKPT_RETURN_IF_ERROR(reader_.Read(plan.tensors[0], buffer.data()));
+      ConvertElements(item.dtype, item.out_dtype, buffer.data(), buffer.data(), count);
       const uint64_t bytes = count * out_size;
-      CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd, buffer_.data(), bytes, position + written_in_tensor(offset, item, out_size)));
+      const uint64_t at = position + written_in_tensor(offset, item, out_size);
+      CKPT_RETURN_IF_ERROR(Drain());
+      writing_ = std::async(std::launch::async, [this, fd, &buffer, bytes, at] {
+        return fs_.WriteAt(fd, buffer.data(), bytes, at);
+      });
+      current_ ^= 1;
       done_ += bytes;
       if (options_.progress) options_.progress(done_, total_);
       return absl::OkStatus();
@@ -178,7 +191,15 @@ class Writer {
   restore::PlanReader reader_;
   const uint64_t total_;
   uint64_t done_ = 0;
-  std::vector<char> buffer_;
+  // The write in flight, if any: its status, once.
+  absl::Status Drain() {
+    if (!writing_.valid()) return absl::OkStatus();
+    return writing_.get();
+  }
+
+  std::vector<char> buffers_[2];
+  int current_ = 0;
+  std::future<absl::Status> writing_;  // of buffers_[current_ ^ 1]; waited for when destroyed
 };
 
 // The tensors to export, renamed, in name order (the checkpoint's).
