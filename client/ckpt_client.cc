@@ -219,7 +219,7 @@ absl::StatusOr<Tensor*> Client::AllocateTensor(const std::string& name, const st
   }
   CKPT_ASSIGN_OR_RETURN(void* data, AllocateInArena(nbytes + spare_bytes));
   return AddRecord({name, dtype, shape, data, nbytes, global_shape, global_offset,
-                    /*on_device=*/false, spare_bytes});
+                    /*on_device=*/false, spare_bytes, /*flat_ranges=*/{}});
 }
 
 absl::StatusOr<Tensor*> Client::AllocateFlatTensor(const std::string& name, const std::string& dtype,
@@ -413,7 +413,7 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
     }
     CKPT_ASSIGN_OR_RETURN(void* host, AllocateInArena(nbytes));
     Tensor* t = AddRecord({name, dtype, shape, device_ptr, nbytes, global_shape, global_offset,
-                           /*on_device=*/true});
+                           /*on_device=*/true, 0, {}});
     impl_->mirror_of[t] = host;
     impl_->mirror->Add(device_ptr, host, nbytes);
     return t;
@@ -424,7 +424,7 @@ absl::StatusOr<Tensor*> Client::AddCudaTensor(const std::string& name, const std
     CKPT_ASSIGN_OR_RETURN(impl_->gpu_sync, cuda::TrainerSync::Create(descriptor.device_ordinal));
   }
   Tensor* t = AddRecord({name, dtype, shape, device_ptr, nbytes, global_shape, global_offset,
-                         /*on_device=*/true});
+                         /*on_device=*/true, 0, {}});
   impl_->gpu[t] = std::move(descriptor);
   return t;
 }

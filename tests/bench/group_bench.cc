@@ -186,7 +186,7 @@ ckpt::persist::Manifest Part(uint32_t rank, uint32_t world_size, uint64_t step) 
   ckpt::persist::ManifestTensor& t = m.tensors["w"];
   t.dtype = "F32";
   t.global_shape = {16 * int64_t{world_size}};
-  t.shards.push_back({rank, file, 0, 64, {16 * int64_t{rank}}, {16}, "xxh64:0"});
+  t.shards.push_back({rank, file, 0, 64, {16 * int64_t{rank}}, {16}, "xxh64:0", {}, {}});
   return m;
 }
 

@@ -28,7 +28,7 @@ inline persist::Manifest ManifestPart(const std::string& job, uint64_t step, uin
     persist::ManifestTensor& w = m.tensors["w"];
     w.dtype = "F32";
     w.global_shape = {16 * static_cast<int64_t>(world_size)};
-    w.shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, ""});
+    w.shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, "", {}, {}});
     m.shards.push_back(std::move(s));
   }
   return m;

@@ -215,7 +215,7 @@ struct Fixture : Stages {
     snap->shard.data_bytes = 64;
     snap->shard.entries = {{"w", "F32", {16}, 0, 64}};
     snap->tensor_count = 1;
-    snap->placements = {{{16 * world_size}, {16 * rank}}};
+    snap->placements = {{{16 * world_size}, {16 * rank}, {}}};
     snap->sink = sink;
     snap->ticket = next_ticket++;
     snap->session_started = session_started;

@@ -84,8 +84,10 @@ TEST_CASE("a closed peer and bad arguments are clear errors") {
   CHECK(absl::IsInvalidArgument(SendFds(sp.b.get(), {}, "")));
 }
 
-TEST_CASE("a busy answer is retried until the server takes the request") {
-  std::string path = fmt::format("/tmp/ckpt-fd-test-{}.sock", ::getpid());
+namespace {
+
+// A Unix stream socket listening at `path` (replacing a leftover one).
+UniqueFd Listen(const std::string& path) {
   std::filesystem::remove(path);
   UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   sockaddr_un addr{};
@@ -93,6 +95,14 @@ TEST_CASE("a busy answer is retried until the server takes the request") {
   std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
   REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
   REQUIRE(::listen(listener.get(), 8) == 0);
+  return listener;
+}
+
+}  // namespace
+
+TEST_CASE("a busy answer is retried until the server takes the request") {
+  std::string path = fmt::format("/tmp/ckpt-fd-test-{}.sock", ::getpid());
+  UniqueFd listener = Listen(path);
   // Busy twice, then served: the caller sees only the answer it was served.
   std::thread server([&] {
     for (int i = 0; i < 3; ++i) {
@@ -113,13 +123,7 @@ TEST_CASE("a busy answer sent before the request is read is retried too (the sen
   // ckptd turns a connection away by answering and closing at once. A request larger than
   // the socket buffer is still being sent then: the send fails, the answer is waiting.
   std::string path = fmt::format("/tmp/ckpt-fd-test-epipe-{}.sock", ::getpid());
-  std::filesystem::remove(path);
-  UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-  REQUIRE(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  REQUIRE(::listen(listener.get(), 8) == 0);
+  UniqueFd listener = Listen(path);
   const std::string request(4 << 20, 'x');
   std::thread server([&] {
     for (int i = 0; i < 3; ++i) {

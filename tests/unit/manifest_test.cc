@@ -27,7 +27,7 @@ Manifest Sample() {
     m.shards.push_back(s);
     m.tensors["w"].dtype = "F32";
     m.tensors["w"].global_shape = {4, 2};
-    m.tensors["w"].shards.push_back({r, s.file, 0, 16, {2 * r, 0}, {2, 2}, "xxh3:0000000000000001"});
+    m.tensors["w"].shards.push_back({r, s.file, 0, 16, {2 * r, 0}, {2, 2}, "xxh3:0000000000000001", {}, {}});
   }
   return m;
 }
@@ -133,7 +133,7 @@ ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::s
     m.shards.push_back(s);
     m.tensors["w"].dtype = dtype;
     m.tensors["w"].global_shape = {16 * static_cast<int64_t>(world)};
-    m.tensors["w"].shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, "c"});
+    m.tensors["w"].shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, "c", {}, {}});
   }
   return m;
 }
