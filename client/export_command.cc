@@ -8,6 +8,8 @@
 #include <chrono>
 #include <iostream>
 
+#include <nlohmann/json.hpp>
+
 #include "common/filesystem.h"
 #include "common/status.h"
 #include "daemon/export/exporter.h"
@@ -107,11 +109,17 @@ int RunExport(const ExportArgs& args) {
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (args.json) {
-    std::cout << fmt::format(
-        "{{\"job\": \"{}\", \"step\": {}, \"out\": \"{}\", \"format\": \"{}\", \"tensors\": {}, "
-        "\"bytes_written\": {}, \"bytes_read\": {}, \"seconds\": {:.3f}, \"files\": [\"{}\"]}}\n",
-        job, args.step, args.out, args.format, report->tensors, report->bytes_written,
-        report->bytes_read, seconds, fmt::join(report->files, "\", \""));
+    nlohmann::json out = {{"job", job},
+                          {"step", args.step},
+                          {"out", args.out},
+                          {"format", args.format},
+                          {"tensors", report->tensors},
+                          {"bytes_written", report->bytes_written},
+                          {"bytes_read", report->bytes_read},
+                          {"optimizer_tensors_left_out", report->optimizer_tensors_left_out},
+                          {"seconds", seconds},
+                          {"files", report->files}};
+    std::cout << out.dump() << "\n";
     return 0;
   }
   std::cout << fmt::format("exported step {} of job {} to {}: {} tensors, {} in {} files, {:.1f} s ({:.0f} MB/s)\n",

@@ -132,9 +132,12 @@ TEST_CASE("row shards export as one safetensors file, selected and renamed; full
   StockLibraryReads(dir, file, {{"model.layers.0.weight", 0}, {"model.layers.1.weight", 1}, {"wpe", 2}});
 
   const std::string full = dir.path() + "/full";
-  RunResult f = Export(d, dir, {"5", full, "--format", "full"});
+  RunResult f = Export(d, dir, {"5", full, "--format", "full", "--json"});
   INFO(f.out << f.err);
   REQUIRE(f.exit_code == 0);
+  auto summary = nlohmann::json::parse(f.out);
+  CHECK(summary["tensors"] == 5);
+  CHECK(summary["files"].size() == 4);
   auto model = ReadAll(full + "/model.safetensors");
   CHECK(model.size() == 4);
   CHECK(MatchesGlobal(model.at("layer1.weight").second, 1));
