@@ -38,10 +38,7 @@ bool SamePlacement(const SessionView& session, const persist::Manifest& manifest
     auto it = manifest.tensors.find(t.name);
     if (it == manifest.tensors.end()) continue;
     const auto& global = t.placement.global_shape.empty() ? t.shape : t.placement.global_shape;
-    const persist::Placement mine =
-        t.placement.flat.empty()
-            ? persist::Placement{persist::PlacementBox(t.placement.offset, t.shape, global), {}}
-            : persist::Placement{{}, t.placement.flat};
+    const persist::Placement mine = persist::PlacementOf(t.placement.offset, t.shape, t.placement.flat, global);
     for (const persist::TensorShard& s : it->second.shards) {
       if (s.rank == session.rank && (it->second.global_shape != global ||
                                      persist::ShardPlacement(s, global) != mine)) {

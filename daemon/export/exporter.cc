@@ -105,10 +105,8 @@ class Writer {
       entries.push_back({item->name, item->out_dtype, item->shape, at, at + item->out_bytes});
       at += item->out_bytes;
     }
-    const std::string header = persist::EncodeHeader(entries, metadata);
-    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
-    CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
-    uint64_t position = header.size();
+    uint64_t position = 0;
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, CreateWithHeader(path, entries, metadata, position));
     for (const Item* item : file.items) {
       absl::Status written = WriteTensor(fd.get(), *item, position);
       if (!written.ok()) {
@@ -136,10 +134,8 @@ class Writer {
         blobs.push_back(std::move(blob.data));
       }
     }
-    const std::string header = persist::EncodeHeader(entries, {{"format", "ckptd-train-state"}});
-    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
-    CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
-    uint64_t position = header.size();
+    uint64_t position = 0;
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, CreateWithHeader(path, entries, {{"format", "ckptd-train-state"}}, position));
     for (const std::string& blob : blobs) {
       CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), blob.data(), blob.size(), position));
       position += blob.size();
@@ -150,6 +146,21 @@ class Writer {
   uint64_t bytes_read() const { return reader_.bytes_from_disk(); }
 
  private:
+  // Creates the safetensors file `path` holding `entries` and writes its header; `data_start`
+  // is where the entries' bytes go.
+  absl::StatusOr<UniqueFd> CreateWithHeader(const std::string& path,
+                                            const std::vector<persist::TensorEntry>& entries,
+                                            const std::map<std::string, std::string>& metadata,
+                                            uint64_t& data_start) {
+    const std::string header = persist::EncodeHeader(entries, metadata);
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
+    CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
+    data_start = header.size();
+    return fd;
+  }
+
+  // The slices come in row-major order, each contiguous with the last: written one after
+  // another from `position`.
   absl::Status WriteTensor(int fd, const Item& item, uint64_t position) {
     CKPT_ASSIGN_OR_RETURN(size_t in_size, DTypeSize(item.dtype));
     CKPT_ASSIGN_OR_RETURN(size_t out_size, DTypeSize(item.out_dtype));
@@ -164,7 +175,8 @@ class Writer {
       CKPT_RETURN_IF_ERROR(reader_.Read(plan.tensors[0], buffer.data()));
       ConvertElements(item.dtype, item.out_dtype, buffer.data(), buffer.data(), count);
       const uint64_t bytes = count * out_size;
-      const uint64_t at = position + written_in_tensor(offset, item, out_size);
+      const uint64_t at = position;
+      position += bytes;
       CKPT_RETURN_IF_ERROR(Drain());
       writing_ = std::async(std::launch::async, [this, fd, &buffer, bytes, at] {
         return fs_.WriteAt(fd, buffer.data(), bytes, at);
@@ -176,13 +188,10 @@ class Writer {
     });
   }
 
-  // Where the slice at `offset` starts in the exported tensor: its row-major byte offset.
-  static uint64_t written_in_tensor(const Shape& offset, const Item& item, size_t out_size) {
-    uint64_t linear = 0;
-    for (size_t k = 0; k < offset.size(); ++k) {
-      linear = linear * static_cast<uint64_t>(item.shape[k]) + static_cast<uint64_t>(offset[k]);
-    }
-    return linear * out_size;
+  // The write in flight, if any: its status, once.
+  absl::Status Drain() {
+    if (!writing_.valid()) return absl::OkStatus();
+    return writing_.get();
   }
 
   Filesystem& fs_;
@@ -191,12 +200,6 @@ class Writer {
   restore::PlanReader reader_;
   const uint64_t total_;
   uint64_t done_ = 0;
-  // The write in flight, if any: its status, once.
-  absl::Status Drain() {
-    if (!writing_.valid()) return absl::OkStatus();
-    return writing_.get();
-  }
-
   std::vector<char> buffers_[2];
   int current_ = 0;
   std::future<absl::Status> writing_;  // of buffers_[current_ ^ 1]; waited for when destroyed

@@ -83,7 +83,9 @@ absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>
   }
   for (size_t d = 0; d < global.size(); ++d) {
     if (global[d] < 0 || shard.offset[d] < 0 || shard.shape[d] < 0 || shard.offset[d] > global[d] - shard.shape[d]) {
-      return absl::InvalidArgumentError(fmt::format("lies outside the global shape in dimension {}", d));
+      return absl::InvalidArgumentError(fmt::format(
+          "lies outside the global shape in dimension {} (offset {}, size {}, global size {})", d,
+          shard.offset[d], shard.shape[d], global[d]));
     }
   }
   return absl::OkStatus();

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
+#include <unordered_set>
 
 namespace ckpt::persist {
 
@@ -93,9 +94,21 @@ std::string Placement::Describe() const {
   return fmt::format("elements {}", fmt::join(ranges, " "));
 }
 
+std::string Placement::Key() const {
+  if (!is_flat()) return fmt::format("b{}|{}", fmt::join(box.lo, ","), fmt::join(box.extent, ","));
+  std::string key = "f";
+  for (const ElementRange& r : flat) key += fmt::format("{},{};", r.begin, r.end);
+  return key;
+}
+
+Placement PlacementOf(const std::vector<int64_t>& offset, const std::vector<int64_t>& shape,
+                      const std::vector<ElementRange>& flat, const std::vector<int64_t>& global) {
+  if (!flat.empty()) return {{}, flat};
+  return {PlacementBox(offset, shape, global), {}};
+}
+
 Placement ShardPlacement(const TensorShard& shard, const std::vector<int64_t>& global) {
-  if (!shard.flat.empty()) return {{}, shard.flat};
-  return {PlacementBox(shard.offset, shard.shape, global), {}};
+  return PlacementOf(shard.offset, shard.shape, shard.flat, global);
 }
 
 absl::StatusOr<std::vector<Segment>> Segments(const Placement& placement,
@@ -172,19 +185,18 @@ absl::Status CheckFlatTensor(const std::string& name, const ManifestTensor& t) {
     uint32_t rank;
   };
   std::vector<Held> held;
-  std::vector<Placement> seen;
+  std::unordered_set<std::string> seen;  // Placement::Key() of each piece counted
   for (const TensorShard& s : t.shards) {
     if (absl::Status placed = CheckPlacement(s, t.global_shape); !placed.ok()) {
       return absl::FailedPreconditionError(fmt::format("tensor {}: rank {}'s piece {}", name, s.rank, std::string(placed.message())));
     }
     Placement p = ShardPlacement(s, t.global_shape);
-    if (std::find(seen.begin(), seen.end(), p) != seen.end()) continue;  // a replica
+    if (!seen.insert(p.Key()).second) continue;  // a replica
     absl::StatusOr<std::vector<Segment>> segments = Segments(p, t.global_shape, kMaxTilingSegments - held.size());
     if (!segments.ok()) {
       return absl::FailedPreconditionError(fmt::format("tensor {}: rank {}'s piece {}: too finely cut to check", name, s.rank, std::string(segments.status().message())));
     }
     for (const Segment& g : *segments) held.push_back({g.global, g.global + g.length, s.rank});
-    seen.push_back(std::move(p));
   }
   std::sort(held.begin(), held.end(), [](const Held& a, const Held& b) { return a.begin < b.begin; });
   uint64_t numel = 1;
@@ -222,6 +234,7 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
   const Box whole{std::vector<int64_t>(n, 0), t.global_shape};
   std::vector<Box> boxes;
   std::vector<uint32_t> ranks;  // of each box
+  std::unordered_set<std::string> seen;  // Placement::Key() of each box counted
   uint64_t volume = 0;
   for (const TensorShard& s : t.shards) {
     Box b = PlacementBox(s.offset, s.shape, t.global_shape);
@@ -232,9 +245,7 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
     }
     // Several ranks holding the very same box are replicas (data parallel, or HSDP's
     // replicated shards): one of them counts.
-    if (std::find(boxes.begin(), boxes.end(), b) != boxes.end()) {
-      continue;
-    }
+    if (!seen.insert(Placement{b, {}}.Key()).second) continue;
     volume += b.Volume();
     ranks.push_back(s.rank);
     boxes.push_back(std::move(b));

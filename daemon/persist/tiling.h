@@ -37,9 +37,15 @@ struct Placement {
   bool is_flat() const { return !flat.empty(); }
   uint64_t Volume() const;
   std::string Describe() const;  // "[0:3, 0:10]" or "elements [0, 30) [60, 90)"
+  // Equal for equal placements: replicas are found by it in a hash map, not pairwise.
+  std::string Key() const;
   bool operator==(const Placement&) const = default;
 };
 
+// The placement of a piece of local `shape` at `offset` (a box; empty: zeros), or holding
+// the `flat` ranges, in a tensor of shape `global`.
+Placement PlacementOf(const std::vector<int64_t>& offset, const std::vector<int64_t>& shape,
+                      const std::vector<ElementRange>& flat, const std::vector<int64_t>& global);
 Placement ShardPlacement(const TensorShard& shard, const std::vector<int64_t>& global);
 
 // Elements contiguous both in the global tensor (row-major) and in the piece: `length`

@@ -115,15 +115,8 @@ struct SavedPlacement {
 // tensor are wanted (verify plans every rank's pieces in one call).
 struct SavedIndex {
   std::vector<SavedPlacement> placements;
-  std::unordered_map<std::string, size_t> by_key;  // KeyOf(placement) -> placements[]
+  std::unordered_map<std::string, size_t> by_key;  // Placement::Key() -> placements[]
 };
-
-std::string KeyOf(const persist::Placement& p) {
-  if (!p.is_flat()) return fmt::format("b{}|{}", fmt::join(p.box.lo, ","), fmt::join(p.box.extent, ","));
-  std::string key = "f";
-  for (const persist::ElementRange& r : p.flat) key += fmt::format("{},{};", r.begin, r.end);
-  return key;
-}
 
 absl::StatusOr<const SavedIndex*> IndexOf(std::unordered_map<std::string, SavedIndex>& indexes,
                                         const std::string& name, const persist::ManifestTensor& saved,
@@ -138,7 +131,7 @@ absl::StatusOr<const SavedIndex*> IndexOf(std::unordered_map<std::string, SavedI
                                              std::string(placed.message())));
     }
     persist::Placement p = persist::ShardPlacement(s, global);
-    auto [at, added] = index.by_key.try_emplace(KeyOf(p), index.placements.size());
+    auto [at, added] = index.by_key.try_emplace(p.Key(), index.placements.size());
     if (added) {
       index.placements.push_back({std::move(p), &s, {}});
       continue;
@@ -198,13 +191,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
                                      fmt::join(saved.global_shape, ", "), fmt::join(global, ", ")));
       continue;
     }
-    const size_t n = global.size();
-    persist::Placement want;
-    if (w.flat.empty()) {
-      want.box = Box{w.offset.empty() ? Index(n, 0) : w.offset, w.shape};
-    } else {
-      want.flat = w.flat;
-    }
+    const persist::Placement want = persist::PlacementOf(w.offset, w.shape, w.flat, global);
     persist::TensorShard probe;  // the wanted placement, checked as a saved one would be
     probe.shape = w.shape;
     probe.offset = want.box.lo;
@@ -230,7 +217,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     const std::optional<uint32_t> prefer = w.from_rank ? w.from_rank : options.prefer_rank;
     // The piece exactly as one rank saved it (every restore in the saved topology, verify):
     // that rank's whole entry, found without looking at the other ranks' shards.
-    if (auto exact = (*index)->by_key.find(KeyOf(want)); exact != (*index)->by_key.end() && volume > 0) {
+    if (auto exact = (*index)->by_key.find(want.Key()); exact != (*index)->by_key.end() && volume > 0) {
       const persist::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
       t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}});
       if (++total_runs > options.max_runs) return TooFine(w.name, options.max_runs);

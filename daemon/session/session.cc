@@ -34,6 +34,9 @@ std::string RandomId() {
 }
 
 absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
+  if (t.global_shape_size() == 0 && t.global_offset_size() == 0 && t.flat_ranges_size() == 0) {
+    return absl::OkStatus();  // the whole tensor
+  }
   if (t.flat_ranges_size() > 0) {
     // FSDP needs one range per piece; the bound keeps the manifest (read back whole) small.
     constexpr int kMaxFlatRanges = 1024;
@@ -46,29 +49,16 @@ absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
       return absl::InvalidArgumentError(fmt::format(
           "tensor {}: flat element ranges need the global shape and no global offset", t.name()));
     }
-    persist::TensorShard piece;
-    piece.shape.assign(t.shape().begin(), t.shape().end());
-    for (const auto& r : t.flat_ranges()) piece.flat.push_back({r.begin(), r.end()});
-    std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
-    if (absl::Status placed = persist::CheckPlacement(piece, global); !placed.ok()) {
-      return absl::InvalidArgumentError(fmt::format("tensor {}: the piece {} (global shape [{}])",
-                                                    t.name(), std::string(placed.message()), fmt::join(global, ", ")));
-    }
-    return absl::OkStatus();
   }
-  if (t.global_shape_size() == 0 && t.global_offset_size() == 0) return absl::OkStatus();
-  if (t.global_shape_size() != t.shape_size() || t.global_offset_size() != t.shape_size()) {
-    return absl::InvalidArgumentError(fmt::format(
-        "tensor {}: global_shape and global_offset need one entry per dimension ({})", t.name(),
-        t.shape_size()));
-  }
-  for (int d = 0; d < t.shape_size(); ++d) {
-    if (t.global_offset(d) < 0 || t.global_shape(d) < 0 ||
-        t.global_offset(d) + t.shape(d) > t.global_shape(d)) {
-      return absl::InvalidArgumentError(fmt::format(
-          "tensor {}: dimension {} at offset {} with size {} does not fit global size {}",
-          t.name(), d, t.global_offset(d), t.shape(d), t.global_shape(d)));
-    }
+  // The same check as every manifest's pieces get (persist::CheckPlacement).
+  persist::TensorShard piece;
+  piece.shape.assign(t.shape().begin(), t.shape().end());
+  piece.offset.assign(t.global_offset().begin(), t.global_offset().end());
+  for (const auto& r : t.flat_ranges()) piece.flat.push_back({r.begin(), r.end()});
+  std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
+  if (absl::Status placed = persist::CheckPlacement(piece, global); !placed.ok()) {
+    return absl::InvalidArgumentError(fmt::format("tensor {}: the piece {} (global shape [{}])",
+                                                  t.name(), std::string(placed.message()), fmt::join(global, ", ")));
   }
   return absl::OkStatus();
 }
