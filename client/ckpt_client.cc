@@ -32,19 +32,23 @@ namespace {
 
 // The session's control block is a sealed memfd the daemon hands over on its control
 // socket to the process that registered the session, and to nobody else.
-absl::StatusOr<shm::SealedSegmentPtr> FetchControlBlock(const ::ckptd::v1::RegisterReply& reply) {
+// The session's control block, and the read end of ckptd's liveness pipe (hangs up when
+// ckptd exits; daemon/control/control_fd_server.h).
+absl::StatusOr<std::pair<shm::SealedSegmentPtr, UniqueFd>> FetchControlBlock(
+    const ::ckptd::v1::RegisterReply& reply) {
   const std::string& path = reply.control_socket();
   if (path.empty()) {
     return absl::FailedPreconditionError("ckptd gave no control socket: is it an older version?");
   }
   CKPT_ASSIGN_OR_RETURN(ReceivedFds got,
-                        RequestFds(path, std::string(kFetchControlBlock) + reply.session_id(), 1));
-  if (got.fds.size() != 1) {
+                        RequestFds(path, std::string(kFetchControlBlock) + reply.session_id(), 2));
+  if (got.fds.size() != 2) {
     return absl::PermissionDeniedError(fmt::format(
         "ckptd did not hand over the control block: {}",
         got.payload.empty() ? std::string("no answer") : got.payload));
   }
-  return shm::SealedSegment::Map(std::move(got.fds[0]));
+  CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr block, shm::SealedSegment::Map(std::move(got.fds[0])));
+  return std::make_pair(std::move(block), std::move(got.fds[1]));
 }
 
 // Hands the arenas to ckptd on its descriptor socket, at most kMaxPassedFds a message; the
@@ -130,6 +134,7 @@ const char* ToString(TicketState state) {
     case TicketState::kCommitted: return "committed";
     case TicketState::kFailed: return "failed";
     case TicketState::kRejected: return "rejected";
+    case TicketState::kAbandoned: return "abandoned";
     default: return "unknown";
   }
 }
@@ -162,13 +167,31 @@ struct Client::Impl {
   std::vector<std::unique_ptr<Tensor>> retired;
   size_t arena_bytes_reserved = 0;     // by every arena so far
   shm::SealedSegmentPtr control;
+  UniqueFd daemon_liveness;  // hangs up when the ckptd that holds our session exits
   std::unique_ptr<shm::CommandProducer> producer;
   std::mutex publish_mu;  // the ring has one producer
+  bool mirrors_pinned = false;
+  bool registered_once = false;  // Register() succeeded at least once
+  // Re-registration after ckptd restarted (ClientOptions::reconnect_every).
+  std::chrono::steady_clock::time_point next_reconnect{};
+  std::chrono::milliseconds rpc_timeout_now{0};  // 0: options.rpc_timeout
 
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->set_deadline(std::chrono::system_clock::now() + options.rpc_timeout);
+    auto timeout = rpc_timeout_now.count() > 0 ? rpc_timeout_now : options.rpc_timeout;
+    ctx->set_deadline(std::chrono::system_clock::now() + timeout);
     return ctx;
+  }
+
+  // Forgets the session of a ckptd that is gone (nothing is sent: nobody would answer).
+  void DropSession() {
+    stop_watchdog = true;  // it reads the control block we are about to unmap
+    if (watchdog.joinable()) watchdog.join();
+    stop_watchdog = false;
+    if (mirror) mirror->Synchronize();  // its callbacks use the producer
+    producer.reset();
+    control.reset();
+    daemon_liveness.reset();
   }
 };
 
@@ -452,14 +475,20 @@ absl::Status Client::Register() {
   auto ctx = impl_->Context();
   CKPT_RETURN_IF_ERROR(FromGrpc(impl_->stub->Register(ctx.get(), req, &reply), "register",
                                 impl_->options.socket));
-  if (impl_->mirror) {
+  if (impl_->mirror && !impl_->mirrors_pinned) {
     for (auto& a : impl_->arenas) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
+    impl_->mirrors_pinned = true;
   }
-  CKPT_ASSIGN_OR_RETURN(impl_->control, FetchControlBlock(reply));
+  CKPT_ASSIGN_OR_RETURN(auto control, FetchControlBlock(reply));
+  impl_->control = std::move(control.first);
+  impl_->daemon_liveness = std::move(control.second);
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
                         shm::ValidateControlBlock(impl_->control->data(), impl_->control->size()));
-  impl_->producer = std::make_unique<shm::CommandProducer>(block);
+  impl_->producer = std::make_unique<shm::CommandProducer>(block, impl_->daemon_liveness.get());
   impl_->handed_arenas = impl_->arenas.size();
+  impl_->added.clear();  // everything allocated so far went with this registration
+  impl_->removed.clear();
+  impl_->registered_once = true;
   session_id_ = reply.session_id();
   if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
@@ -467,6 +496,9 @@ absl::Status Client::Register() {
     impl_->watchdog = std::thread([impl = impl_.get(), block] {
       while (!impl->stop_watchdog) {
         if (!impl->producer || !impl->producer->CheckDaemonAlive(impl->options.daemon_dead_after).ok()) {
+          // The GPU goes on past its waits, so the snapshots ckptd has not copied are torn
+          // from now on: abandoned first, so that ckptd never commits them.
+          if (impl->producer) impl->producer->AbandonPending();
           block->staged_ticket.store(UINT64_MAX, std::memory_order_release);
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -476,10 +508,40 @@ absl::Status Client::Register() {
   return absl::OkStatus();
 }
 
+absl::Status Client::RegisterAgainIfDaemonRestarted(const absl::Status& down) {
+  // A ckptd that stalled (SIGSTOP, swapping) still holds the session: when its heartbeat
+  // comes back, so do snapshots, with nothing to redo. Only a ckptd that exited, or closed
+  // the session, is replaced by registering with whatever listens on the socket now.
+  const bool gone = !impl_->producer || !impl_->producer->CheckDaemonRunning().ok();
+  if (!gone || impl_->options.reconnect_every.count() <= 0) return down;
+  auto now = std::chrono::steady_clock::now();
+  if (now < impl_->next_reconnect) return down;
+  impl_->next_reconnect = now + impl_->options.reconnect_every;
+  impl_->DropSession();
+  session_id_.clear();
+  impl_->rpc_timeout_now = impl_->options.reconnect_timeout;
+  absl::Status registered = Register();
+  impl_->rpc_timeout_now = std::chrono::milliseconds(0);
+  if (!registered.ok()) {
+    return absl::UnavailableError(fmt::format(
+        "{}; registering again failed ({}), next try in {} ms", Message(down),
+        Message(registered), impl_->options.reconnect_every.count()));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadata,
                                           const TrainState& train_state) {
-  if (!impl_->producer) return absl::FailedPreconditionError("Snapshot before Register()");
-  CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after));
+  if (!impl_->registered_once) return absl::FailedPreconditionError("Snapshot before Register()");
+  if (!impl_->producer) {  // a re-registration failed: try again when it is due
+    CKPT_RETURN_IF_ERROR(RegisterAgainIfDaemonRestarted(
+        absl::UnavailableError("ckptd exited and no ckptd has taken this rank back yet")));
+  }
+  if (absl::Status alive = impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after);
+      !alive.ok()) {
+    impl_->producer->AbandonPending();
+    CKPT_RETURN_IF_ERROR(RegisterAgainIfDaemonRestarted(alive));
+  }
   shm::SnapshotPayload payload;
   payload.metadata = metadata;
   for (const auto& [name, data] : train_state) payload.train_state.push_back({name, data});
@@ -601,11 +663,12 @@ absl::Status Client::Unregister() {
   auto ctx = impl_->Context();
   ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   session_id_.clear();
-  impl_->stop_watchdog = true;  // it reads the control block we are about to unmap
-  if (impl_->watchdog.joinable()) impl_->watchdog.join();
-  if (impl_->mirror) impl_->mirror->Synchronize();  // its callbacks use the producer
-  impl_->producer.reset();
-  impl_->control.reset();
+  // A ckptd that exited or stalled would not answer: its session ends with this process
+  // (or is taken over by this process's next registration), so nothing waits on it.
+  const bool answering = impl_->producer &&
+                         impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after).ok();
+  impl_->DropSession();
+  if (!answering) return absl::OkStatus();
   return FromGrpc(impl_->stub->Unregister(ctx.get(), req, &reply), "unregister",
                   impl_->options.socket);
 }

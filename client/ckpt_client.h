@@ -30,7 +30,9 @@ class TensorSpec;
 
 namespace ckpt {
 
-enum class TicketState { kUnknown = 0, kPending, kStaged, kCommitted, kFailed, kRejected };
+// kAbandoned: this process stopped waiting for the snapshot because ckptd exited or stalled;
+// ckptd never commits it.
+enum class TicketState { kUnknown = 0, kPending, kStaged, kCommitted, kFailed, kRejected, kAbandoned };
 
 const char* ToString(TicketState state);
 
@@ -140,6 +142,12 @@ struct ClientOptions {
   bool copy_on_write = false;
   std::chrono::milliseconds rpc_timeout{30000};
   std::chrono::milliseconds daemon_dead_after{3000};  // no heartbeat for this long: dead
+  // After ckptd exited (a restart, a crash), Snapshot() registers again with whatever ckptd
+  // listens on the socket, at most this often and waiting at most `reconnect_timeout` for
+  // its answer (a ckptd that is not there fails at once); 0 turns it off. A ckptd that only
+  // stalled keeps the session, which works again when it resumes.
+  std::chrono::milliseconds reconnect_every{5000};
+  std::chrono::milliseconds reconnect_timeout{2000};
   CudaTransport cuda_transport = CudaTransport::kIpc;
   uint32_t keep_last = 0;  // this job keeps its newest K checkpoints; 0: ckptd's --keep-last
 };
@@ -242,6 +250,10 @@ class Client {
   Tensor* AddRecord(Tensor tensor);
   void FillSpec(const Tensor& tensor, ::ckptd::v1::TensorSpec* spec) const;
   absl::StatusOr<void*> AllocateInArena(size_t bytes);
+
+  // After `down` (ckptd unavailable): Ok once registered with a ckptd that replaced an
+  // exited one; `down` (or why registering failed) otherwise.
+  absl::Status RegisterAgainIfDaemonRestarted(const absl::Status& down);
 
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     }
   };
 
+  std::string session = client ? client->session_id() : "";
   for (uint64_t step = start + 1; step <= f.steps; ++step) {
     if (client && last_ticket != 0) {
       // The next update mutates registered buffers: the last snapshot must be staged.
@@ -173,6 +174,17 @@ int main(int argc, char** argv) {
     if (client && f.save_every != 0 && step % f.save_every == 0) {
       auto ticket = client->Snapshot(step, {{"trainer", "example_trainer"}},
                                      {{"rng", RngBytes(state.rng)}});
+      if (client->session_id() != session) {
+        // ckptd restarted and the client registered again: tickets start over, and those
+        // of the old session died with that ckptd.
+        std::cout << fmt::format("registered again with ckptd (session {})\n", client->session_id())
+                  << std::flush;
+        for (const auto& [old_ticket, old_step] : outstanding) {
+          std::cerr << fmt::format("warning: checkpoint of step {} lost: ckptd restarted\n", old_step);
+        }
+        outstanding.clear();
+        session = client->session_id();
+      }
       if (ticket.ok()) {
         last_ticket = *ticket;
         outstanding[*ticket] = step;

@@ -113,6 +113,15 @@ class PosixFilesystem final : public Filesystem {
     return absl::OkStatus();
   }
 
+  absl::Status MakePrivateDir(const std::string& path) override {
+    std::filesystem::path p(path);
+    if (p.has_parent_path()) CKPT_RETURN_IF_ERROR(MakeDir(p.parent_path().string()));
+    if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+      return ErrnoStatus(errno, fmt::format("mkdir {}", path));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status RemoveTree(const std::string& path) override {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);

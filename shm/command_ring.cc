@@ -1,5 +1,7 @@
 #include "shm/command_ring.h"
 
+#include <poll.h>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -96,9 +98,7 @@ TicketResult CommandProducer::Poll(uint64_t ticket) const {
 }
 
 absl::Status CommandProducer::CheckDaemonAlive(std::chrono::milliseconds dead_after) const {
-  if (block_->closed.load(std::memory_order_acquire)) {
-    return absl::UnavailableError("ckptd closed this session (daemon shutting down?)");
-  }
+  if (absl::Status running = CheckDaemonRunning(); !running.ok()) return running;
   uint64_t beat = block_->daemon_heartbeat_ns.load(std::memory_order_acquire);
   uint64_t now = MonotonicNanos();
   auto age = std::chrono::nanoseconds(now > beat ? now - beat : 0);
@@ -106,6 +106,19 @@ absl::Status CommandProducer::CheckDaemonAlive(std::chrono::milliseconds dead_af
     return absl::UnavailableError(fmt::format(
         "ckptd is not responding: no heartbeat for {} ms",
         std::chrono::duration_cast<std::chrono::milliseconds>(age).count()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CommandProducer::CheckDaemonRunning() const {
+  if (block_->closed.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("ckptd closed this session (daemon shutting down?)");
+  }
+  if (daemon_liveness_ >= 0) {
+    // Nothing is ever written to the pipe: readable means its write end, held by ckptd
+    // alone, was closed by the kernel when ckptd exited.
+    struct pollfd p = {daemon_liveness_, POLLIN, 0};
+    if (::poll(&p, 1, 0) > 0) return absl::UnavailableError("ckptd exited");
   }
   return absl::OkStatus();
 }
@@ -122,16 +135,34 @@ absl::StatusOr<TicketResult> CommandProducer::Wait(
   while (true) {
     TicketResult result = Poll(ticket);
     if (done(result.state)) return result;
-    if (absl::Status alive = CheckDaemonAlive(daemon_dead_after); !alive.ok()) return alive;
+    if (absl::Status alive = CheckDaemonAlive(daemon_dead_after); !alive.ok()) {
+      if (AbandonPending() == 0) {
+        result = Poll(ticket);  // staged by ckptd just before it went
+        if (done(result.state)) return result;
+      }
+      return alive;
+    }
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) {
       return absl::DeadlineExceededError(fmt::format(
           "ticket {} not {} after {} ms", ticket, until_committed ? "committed" : "staged",
           timeout.count()));
     }
-    auto slice = std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100));
+    auto slice = std::min<std::chrono::nanoseconds>(deadline - now, kLivenessSlice);
     FutexWait(&t.state, static_cast<uint32_t>(result.state), slice);
   }
+}
+
+int CommandProducer::AbandonPending() const {
+  int abandoned = 0;
+  for (TicketSlot& t : block_->tickets) {
+    uint32_t expected = kTicketPending;
+    if (t.state.compare_exchange_strong(expected, kTicketAbandoned, std::memory_order_acq_rel)) {
+      ++abandoned;
+      FutexWakeAll(&t.state);
+    }
+  }
+  return abandoned;
 }
 
 std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
@@ -176,25 +207,32 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
   return command;
 }
 
-void CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
+bool CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
                                      std::string_view error) {
   TicketSlot& t = block_->tickets[ticket % kTicketSlots];
-  if (t.ticket.load(std::memory_order_acquire) != ticket) return;
-  // A decided ticket stays decided: the persist stage may commit (or fail) a snapshot
-  // before the stager reports it staged, and the first error is the one that explains.
-  if (t.state.load(std::memory_order_acquire) >= kTicketCommitted) return;
-  if (!error.empty()) {
+  if (t.ticket.load(std::memory_order_acquire) != ticket) return true;
+  uint32_t current = t.state.load(std::memory_order_acquire);
+  if (!error.empty() && current < kTicketCommitted) {
     size_t n = std::min(error.size(), static_cast<size_t>(kTicketErrorBytes - 1));
     std::memcpy(t.error, error.data(), n);
     t.error[n] = '\0';
   }
-  t.state.store(state, std::memory_order_release);
+  // Every move is a compare-and-swap, against the trainer's AbandonPending: exactly one of
+  // the two wins. A decided ticket stays decided: the persist stage may commit (or fail) a
+  // snapshot before the stager reports it staged, and the first error is the one that
+  // explains; an abandoned one is the trainer's word and stays too.
+  while (true) {
+    if (current >= kTicketCommitted) return current != kTicketAbandoned;
+    if (state == kTicketStaged && current == kTicketStaged) break;
+    if (t.state.compare_exchange_weak(current, state, std::memory_order_acq_rel)) break;
+  }
   // Every state past pending releases GPU waiters: committed implies staged, and failed or
   // rejected tickets must not leave a stream waiting.
   if (state != kTicketPending && ticket > block_->staged_ticket.load(std::memory_order_relaxed)) {
     block_->staged_ticket.store(ticket, std::memory_order_release);
   }
   FutexWakeAll(&t.state);
+  return true;
 }
 
 bool CommandConsumer::WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout) {

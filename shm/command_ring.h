@@ -28,7 +28,11 @@ struct TicketResult {
 // time (the client serialises calls).
 class CommandProducer {
  public:
-  explicit CommandProducer(ControlBlock* block) : block_(block) {}
+  // `daemon_liveness`: the read end of ckptd's liveness pipe (ControlFdServer hands it over
+  // with the control block), which hangs up the instant ckptd exits, in any PID namespace;
+  // -1 when there is none (the daemon's own RPC path), then only the heartbeat tells.
+  explicit CommandProducer(ControlBlock* block, int daemon_liveness = -1)
+      : block_(block), daemon_liveness_(daemon_liveness) {}
 
   // Returns the ticket, or ResourceExhausted when the ring is full (the daemon has not yet
   // picked up kRingSlots earlier commands). Never blocks.
@@ -43,16 +47,30 @@ class CommandProducer {
 
   // Waits until the ticket leaves `pending` (until_committed=false) or reaches a final state
   // (committed, failed, rejected). DeadlineExceeded on timeout; Unavailable when the daemon
-  // closed the session or stopped its heartbeat for `daemon_dead_after`.
+  // closed the session, exited (seen within kLivenessSlice) or stopped its heartbeat for
+  // `daemon_dead_after`: every pending ticket is then abandoned (AbandonPending), so the
+  // trainer may go on and change its tensors.
   absl::StatusOr<TicketResult> Wait(uint64_t ticket, bool until_committed,
                                     std::chrono::milliseconds timeout,
                                     std::chrono::milliseconds daemon_dead_after) const;
 
-  // Unavailable if the daemon closed the session or its heartbeat is older than `dead_after`.
+  // Unavailable if the daemon closed the session, exited, or its heartbeat is older than
+  // `dead_after`.
   absl::Status CheckDaemonAlive(std::chrono::milliseconds dead_after) const;
+  // Whether the daemon closed the session or exited (not merely stalled): why, or Ok.
+  absl::Status CheckDaemonRunning() const;
+
+  // Marks every pending ticket abandoned (kTicketAbandoned): the trainer goes on without
+  // ckptd, and ckptd fails those snapshots instead of staging what it copied. A ticket the
+  // daemon staged first stays staged. Returns how many were abandoned.
+  int AbandonPending() const;
+
+  // How often a waiting trainer looks for a daemon that exited.
+  static constexpr std::chrono::milliseconds kLivenessSlice{20};
 
  private:
   ControlBlock* block_;
+  int daemon_liveness_ = -1;
 };
 
 struct Command {
@@ -76,9 +94,10 @@ class CommandConsumer {
   bool broken() const { return broken_; }
 
   // Updates a ticket's state (ignored if the slot was reused by a newer ticket, or the
-  // ticket is already committed, failed or rejected) and wakes waiters. Callers serialise
-  // calls for one ticket.
-  void SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
+  // ticket is already committed, failed, rejected or abandoned) and wakes waiters. Callers
+  // serialise calls for one ticket. Staged is set only from pending (a compare-and-swap
+  // with the trainer's AbandonPending): false when the trainer abandoned the ticket first.
+  bool SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
 
   // Waits until the trainer's copy `seq` has landed: false on timeout or a closed session.
   bool WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout);

@@ -17,7 +17,7 @@
 namespace ckpt::shm {
 
 inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
-inline constexpr uint32_t kControlAbiVersion = 3;
+inline constexpr uint32_t kControlAbiVersion = 4;  // 4: kTicketAbandoned
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr uint32_t kTicketSlots = 64;
 inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
@@ -31,6 +31,11 @@ enum TicketStateValue : uint32_t {
   kTicketCommitted = 3,
   kTicketFailed = 4,
   kTicketRejected = 5,
+  // Set by the trainer, never by the daemon: it stopped waiting for a pending snapshot
+  // (ckptd exited, or stalled past its heartbeat) and may change its tensors from now on.
+  // The daemon's move to staged is a compare-and-swap from pending, so exactly one side
+  // wins: a snapshot the trainer abandoned is never committed with torn tensors.
+  kTicketAbandoned = 6,
 };
 
 enum CommandKind : uint32_t {

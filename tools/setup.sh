@@ -8,7 +8,7 @@ PACKAGES=(
   bazel-bootstrap bazel-rules-java bazel-platforms g++ git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   libboost-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev
-  libxxhash-dev liburing-dev libssl-dev libfp16-dev clang libclang-rt-14-dev
+  libxxhash-dev libacl1-dev liburing-dev libssl-dev libfp16-dev clang libclang-rt-14-dev
   python3-dev pybind11-dev python3-venv python3-numpy python3-torch python3-pytest
 )
 

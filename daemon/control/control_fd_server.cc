@@ -1,5 +1,6 @@
 #include "daemon/control/control_fd_server.h"
 
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -39,6 +40,10 @@ absl::StatusOr<std::unique_ptr<ControlFdServer>> ControlFdServer::Start(const st
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(path));
   std::unique_ptr<ControlFdServer> server(
       new ControlFdServer(path, std::move(fd), sessions, arenas, std::move(policy)));
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return ErrnoStatus(errno, "liveness pipe");
+  server->liveness_read_ = UniqueFd(pipe_fds[0]);
+  server->liveness_write_ = UniqueFd(pipe_fds[1]);
   server->thread_ = std::thread([s = server.get()] { s->AcceptLoop(); });
   return server;
 }
@@ -161,8 +166,8 @@ void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
     Reply(conn, Message(session.status()));
     return;
   }
-  int control = (*session)->control_fd();
-  if (absl::Status sent = SendFds(conn, {&control, 1}, "ok"); !sent.ok()) {
+  const int fds[2] = {(*session)->control_fd(), liveness_read_.get()};
+  if (absl::Status sent = SendFds(conn, fds, "ok"); !sent.ok()) {
     Log().warn("could not hand session {} its control block: {}", session_id, Message(sent));
   }
 }

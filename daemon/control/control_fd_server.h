@@ -6,7 +6,9 @@
 //   Its userfaultfd, for copy-on-write snapshots, travels the same way ("write-protect").
 // - After Register, it asks for its control block ("control <session id>") and gets the
 //   descriptor if, and only if, the kernel says it is the process that registered that
-//   session; otherwise a line saying why.
+//   session; otherwise a line saying why. With it comes the read end of ckptd's liveness
+//   pipe, whose write end only ckptd holds: it hangs up the moment ckptd exits, which a
+//   waiting trainer sees at once, in any PID namespace (shm::CommandProducer).
 // Peers are checked against the same policy as the gRPC socket's, when accepted, before
 // anything they send is read. Each connection gets 2 s and its own short-lived thread (at
 // most 64 at once, 4 per user, so one user's idle connections delay only that user).
@@ -57,6 +59,7 @@ class ControlFdServer {
   SessionRegistry& sessions_;
   ArenaDeposits& arenas_;
   const PeerPolicy policy_;
+  UniqueFd liveness_read_, liveness_write_;  // the pipe; nothing is ever written to it
   std::atomic<bool> stopping_{false};
   std::thread thread_;
   std::mutex mu_;

@@ -49,10 +49,10 @@ std::string CheckpointStore::TempStepDir(const std::string& job, uint64_t step) 
 absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::string tmp = TempStepDir(job, step);
-  if (shared_) {
-    CKPT_RETURN_IF_ERROR(fs_->MakeDir(JobDir(job)));
-    return fs_->MakeDir(tmp);
-  }
+  // Normally JobOwners made it (private, with its owner's ACL); if it is gone, it comes
+  // back private to ckptd rather than readable by everyone.
+  CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(JobDir(job)));
+  if (shared_) return fs_->MakeDir(tmp);
   CKPT_RETURN_IF_ERROR(fs_->RemoveTree(tmp));
   CKPT_RETURN_IF_ERROR(fs_->MakeDir(tmp));
   return absl::OkStatus();
@@ -140,6 +140,13 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::string path = StepDir(job, step) + "/" + kManifestName;
   if (!fs_->Exists(path)) {
+    // Not there, or not ours to see: a job's directory is readable by its owner alone.
+    if (auto listed = fs_->ListDir(JobDir(job)); absl::IsPermissionDenied(listed.status())) {
+      return absl::PermissionDeniedError(fmt::format(
+          "job {}: {} (a job's checkpoints are readable by the uid that owns it, its --job-group "
+          "and root only)",
+          job, Message(listed.status())));
+    }
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }
   CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));

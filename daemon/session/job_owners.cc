@@ -7,7 +7,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/log.h"
 #include "common/names.h"
+#include "common/private_dir.h"
 #include "common/status.h"
 
 namespace ckpt::daemon {
@@ -49,8 +51,26 @@ absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std:
     }
     owner.gid = j["gid"].get<gid_t>();
   }
+  CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
   owners_[job] = owner;
   return std::optional<Owner>(owner);
+}
+
+absl::Status JobOwners::ProtectLocked(const std::string& job, const Owner& owner) {
+  if (protected_.count(job)) return absl::OkStatus();
+  absl::Status closed = MakeDirectoryPrivate(root_ + "/" + job, {owner.uid, owner.gid});
+  if (absl::IsUnimplemented(closed)) {
+    log::Get(log::Component::kSession).warn("job {}: {}", job, Message(closed));
+    closed = absl::OkStatus();
+  }
+  if (!closed.ok()) {
+    // Fails closed: a directory that may still be open to others is not used.
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: its directory cannot be made readable by its owner alone: {}", job,
+        Message(closed)));
+  }
+  protected_.insert(job);
+  return absl::OkStatus();
 }
 
 absl::Status JobOwners::Refuse(const std::string& job, const Owner& owner,
@@ -107,7 +127,8 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
   if (owner.gid) j["gid"] = *owner.gid;
   std::string dir = root_ + "/" + job;
   std::string path = dir + "/" + kOwnerFile;
-  CKPT_RETURN_IF_ERROR(fs_.MakeDir(dir));
+  CKPT_RETURN_IF_ERROR(fs_.MakePrivateDir(dir));
+  CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
   // Written whole under a temporary name, then renamed: a crash leaves the old state.
   std::string text = j.dump() + "\n";
   CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path + ".tmp"));

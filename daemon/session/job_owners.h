@@ -2,6 +2,7 @@
 // in <root>/<job>/.owner, so a restart keeps it); afterwards only the owner, root, the
 // daemon's own uid, and members of the job's group (one of --job-group that the creator was
 // in) may register ranks into it, change its retention, restore it or delete its steps.
+// Its directory is readable by the same people and nobody else (common/private_dir.h).
 #pragma once
 
 #include <sys/types.h>
@@ -9,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -52,6 +54,10 @@ class JobOwners {
   // error when the record exists but cannot be read.
   absl::StatusOr<std::optional<Owner>> LoadLocked(const std::string& job);
   absl::Status MayClaimLocked(const std::string& job, const PeerIdentity& caller);
+  // Makes the job's directory readable by `owner` alone (once per job and daemon run: jobs
+  // made by an older ckptd, whose directories were open to ckptd's group, are closed the
+  // first time they are used).
+  absl::Status ProtectLocked(const std::string& job, const Owner& owner);
   absl::Status Refuse(const std::string& job, const Owner& owner, const PeerIdentity& caller,
                       std::string_view what) const;
 
@@ -60,6 +66,7 @@ class JobOwners {
   const Options options_;
   std::mutex mu_;
   std::map<std::string, Owner> owners_;
+  std::set<std::string> protected_;  // jobs whose directory ProtectLocked has closed
 };
 
 }  // namespace ckpt::daemon

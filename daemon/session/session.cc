@@ -520,7 +520,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     // The trainer may write from here: after the copy, or, for a copy-on-write snapshot,
     // before it. The step may already be committed by then (its writer finished the moment
     // the last byte landed); the ring keeps a decided ticket decided.
-    auto release = [&] { SetTicketState(command.ticket, shm::kTicketStaged); };
+    auto release = [&] { return MarkStaged(command.ticket); };
     staged = stager.Stage(view(), command.step, std::move(*command.payload), submit, release);
   }
   if (!staged.ok()) {
@@ -536,6 +536,11 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
 absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {
   std::lock_guard lock(rpc_mu_);
   return producer().PublishSnapshot(step, payload);
+}
+
+bool Session::MarkStaged(uint64_t ticket) {
+  std::lock_guard lock(ticket_mu_);
+  return consumer_->SetTicketState(ticket, shm::kTicketStaged);
 }
 
 void Session::SetTicketState(uint64_t ticket, shm::TicketStateValue state, std::string_view error) {

@@ -88,6 +88,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
             snapshot_event_ ? snapshot_event_->get() : nullptr, write_protect_.get()};
   }
   bool trainer_alive() const { return trainer_alive_.load(); }
+  // Tells the trainer this daemon is alive (SessionRegistry's ticker, every 100 ms).
+  void Heartbeat() { consumer_->Heartbeat(); }
   // Checks the trainer now rather than at the command thread's next tick.
   bool CheckTrainerAlive();
   bool ended() const { return ended_.load(); }
@@ -123,6 +125,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       SessionEvents& events);
   bool PollTrainerAlive();
+  // Staged, unless the trainer abandoned the ticket first (false).
+  bool MarkStaged(uint64_t ticket);
   // Counts one more arena (refusing the same memory twice, and beyond the budget).
   absl::Status ChargeArena(int fd, const Limits& limits);
   // Registers arena `index` (just mapped as `mapped`, its descriptor still open) for

@@ -2,9 +2,36 @@
 
 #include <fmt/format.h>
 
+#include "common/log.h"
 #include "common/status.h"
 
 namespace ckpt::daemon {
+
+SessionRegistry::SessionRegistry() : ticker_([this] { TickLoop(); }) {}
+
+SessionRegistry::~SessionRegistry() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  ticker_.join();
+}
+
+void SessionRegistry::TickLoop() {
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    for (const auto& [id, s] : sessions_) s->Heartbeat();
+    std::vector<SessionPtr> reaped = ReapLocked();
+    if (!reaped.empty()) {
+      lock.unlock();
+      reaped.clear();  // unmaps their arenas and control blocks, outside the lock
+      lock.lock();
+      continue;
+    }
+    wake_.wait_for(lock, kTick);
+  }
+}
 
 std::vector<SessionPtr> SessionRegistry::ReapLocked() {
   std::vector<SessionPtr> reaped;
@@ -26,8 +53,16 @@ absl::Status SessionRegistry::Add(SessionPtr session) {
   for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
     const auto& [id, other] = *it;
     if (other->job() == session->job() && other->rank() == session->rank()) {
-      // A trainer restarted right after a crash: its predecessor's session is stale.
-      if (!other->CheckTrainerAlive()) {
+      // A trainer restarted right after a crash: its predecessor's session is stale. So is
+      // one of this very process (same pid, alive: the pid cannot have been reused), which
+      // gave up on a stalled ckptd and registered again.
+      const bool same_process = other->pid() == session->pid() && other->uid() == session->uid();
+      if (same_process || !other->CheckTrainerAlive()) {
+        if (same_process) {
+          log::Get(log::Component::kSession)
+              .warn("[{}/r{}] pid {} registered again: its earlier session {} ends", other->job(),
+                    other->rank(), other->pid(), id);
+        }
         reaped.push_back(std::move(it->second));
         sessions_.erase(it);
         break;

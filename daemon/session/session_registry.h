@@ -1,10 +1,15 @@
-// The live sessions, by id and by (job, rank). Thread-safe; sessions whose trainer exited
-// are reaped on the next registration or status read.
+// The live sessions, by id and by (job, rank). Thread-safe. Its own thread beats every
+// session's heartbeat (so a trainer sees ckptd alive while a long copy holds the session's
+// thread, and stale only when the whole daemon stalls) and reaps sessions whose trainer
+// exited, so their arenas are unmapped within a tick, not at the next registration.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -14,7 +19,16 @@ namespace ckpt::daemon {
 
 class SessionRegistry {
  public:
-  // Adds a started session. AlreadyExists if a live session holds the same (job, rank).
+  static constexpr std::chrono::milliseconds kTick{100};
+
+  SessionRegistry();
+  ~SessionRegistry();
+  SessionRegistry(const SessionRegistry&) = delete;
+  SessionRegistry& operator=(const SessionRegistry&) = delete;
+
+  // Adds a started session. AlreadyExists if a live session of another process holds the
+  // same (job, rank). One of the same process is its own earlier session, left behind when
+  // it stopped waiting for a stalled ckptd and registered again: it is ended and replaced.
   absl::Status Add(SessionPtr session);
   absl::StatusOr<SessionPtr> Find(const std::string& id) const;
   // Find, for a call from `caller`: a session id is not a credential, so only the process
@@ -31,9 +45,13 @@ class SessionRegistry {
  private:
   // Removes ended sessions; returns them so they are destroyed outside the lock.
   std::vector<SessionPtr> ReapLocked();
+  void TickLoop();
 
   mutable std::mutex mu_;
   std::map<std::string, SessionPtr> sessions_;
+  std::condition_variable wake_;
+  bool stopping_ = false;  // guarded by mu_
+  std::thread ticker_;     // last: started once everything above exists
 };
 
 }  // namespace ckpt::daemon

@@ -60,6 +60,17 @@ absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager:
   }
 }
 
+namespace {
+
+absl::Status Abandoned(std::string_view context) {
+  return absl::AbortedError(fmt::format(
+      "{}{}the trainer stopped waiting for it (ckptd did not answer in time) and may have "
+      "changed its tensors during the copy: not committed",
+      context, context.empty() ? "" : ": "));
+}
+
+}  // namespace
+
 absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint64_t step,
                                                 shm::SnapshotPayload payload,
                                                 const OnLaidOut& on_laid_out,
@@ -123,7 +134,11 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     snap->landed.Fail(Message(copied));
     return copied;
   }
-  if (!released && on_released) on_released();
+  if (!released && on_released && !on_released()) {
+    absl::Status abandoned = Abandoned(context);
+    snap->landed.Fail(Message(abandoned));
+    return abandoned;
+  }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (size_t i = 0; i < payload.train_state.size(); ++i) {
     const persist::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
@@ -175,9 +190,10 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
                  session.job, session.rank, snap.step, Message(protected_));
       CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, cow));
     } else {
-      if (on_released) on_released();
+      const bool kept = !on_released || on_released();
       released = true;
-      CKPT_RETURN_IF_ERROR(copy.Run());
+      CKPT_RETURN_IF_ERROR(copy.Run());  // also what lifts the protection
+      if (!kept) return Abandoned("");
       Log().debug("[{}/r{} s{}] copy-on-write: {} chunks, {} copied first because the trainer "
                   "wrote to them",
                   session.job, session.rank, snap.step, copy.chunks(), copy.faulted());

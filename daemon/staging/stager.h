@@ -84,8 +84,10 @@ class Stager {
   // copied; the session hands it to the persist stage here.
   using OnLaidOut = std::function<void(const StagedSnapshotPtr&)>;
   // Called as soon as the trainer may change its tensors: once they are copied, or, for a
-  // copy-on-write snapshot, once they are write-protected (the copy then goes on).
-  using OnReleased = std::function<void()>;
+  // copy-on-write snapshot, once they are write-protected (the copy then goes on). Returns
+  // false when the trainer had already abandoned the snapshot (shm kTicketAbandoned: it
+  // stopped waiting and may have changed its tensors during the copy): the snapshot fails.
+  using OnReleased = std::function<bool()>;
 
   // Returns once every byte has landed. ResourceExhausted when staging memory cannot be had
   // under the --when-busy policy (then `on_laid_out` was not called). A copy error after

@@ -85,6 +85,10 @@ class FaultyFilesystem final : public Filesystem {
     if (Trip(Op::kMakeDir)) return ErrnoStatus(err_, "mkdir " + path);
     return real_->MakeDir(path);
   }
+  absl::Status MakePrivateDir(const std::string& path) override {
+    if (Trip(Op::kMakeDir)) return ErrnoStatus(err_, "mkdir " + path);
+    return real_->MakePrivateDir(path);
+  }
   absl::Status RemoveTree(const std::string& path) override { return real_->RemoveTree(path); }
   absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
     return real_->ListDir(path);

@@ -4,7 +4,9 @@
 // other uids in the trainer processes it starts.
 #include <catch2/catch.hpp>
 
+#include <acl/libacl.h>
 #include <signal.h>
+#include <sys/acl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -235,4 +237,115 @@ TEST_CASE("one user's idle descriptor-socket connections do not shut out other u
     if (n > 0 && std::string_view(answer).starts_with("busy")) ++busy;
   }
   CHECK(busy == 60);
+}
+
+namespace {
+
+// Runs `argv` as `uid` (gid the same) with `groups` as its supplementary groups, the way a
+// user logged in on the node would: setpriv(1) drops root before the program starts.
+RunResult RunAs(int uid, const std::string& groups, std::vector<std::string> argv,
+                const std::string& dir) {
+  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid",
+                                   std::to_string(uid)};
+  if (groups.empty()) {
+    full.push_back("--clear-groups");
+  } else {
+    full.insert(full.end(), {"--groups", groups});
+  }
+  full.push_back("--");
+  full.insert(full.end(), argv.begin(), argv.end());
+  return Run(full, dir);
+}
+
+// What an older ckptd left: directories 0755 and files 0640, no ACLs.
+void MakeLegacy(const std::string& job_dir) {
+  auto reset = [](const std::filesystem::path& p, mode_t mode) {
+    acl_t plain = acl_from_mode(mode);
+    REQUIRE(acl_set_file(p.c_str(), ACL_TYPE_ACCESS, plain) == 0);
+    acl_free(plain);
+    if (std::filesystem::is_directory(p)) REQUIRE(acl_delete_def_file(p.c_str()) == 0);
+  };
+  reset(job_dir, 0755);
+  for (const auto& e : std::filesystem::recursive_directory_iterator(job_dir)) {
+    reset(e.path(), e.is_directory() ? 0755 : 0640);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner and root do") {
+  REQUIRE(::geteuid() == 0);
+  // Under /tmp, open to every user: the test's own temporary directory is under /root.
+  TempDir dir("/tmp");
+  ::chmod(dir.path().c_str(), 0755);
+  Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0"});
+  d.Start();
+  OpenSocket(d);
+  auto save = [&](uint64_t step) {
+    auto r = Run(Helper(d, As(1000, {"--job", "private", "--bytes", "100000", "save", "--step",
+                                       std::to_string(step), "--wait-committed"})),
+                 dir.path());
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+  };
+  save(1);
+  // ckptctl where every user may run it (its runfiles are under /root).
+  const std::string ckptctl = dir / "ckptctl";
+  std::filesystem::copy_file(Runfile("client/ckptctl"), ckptctl);
+  ::chmod(ckptctl.c_str(), 0755);
+  const std::string shard = d.root() + "/private/step-00000001/rank-00000.safetensors";
+  REQUIRE(std::filesystem::exists(shard));
+
+  // The attacker is in ckptd's group (here root's, gid 0: the daemon runs as root), as every
+  // trainer user is in the documented set-up, so that it may reach the socket.
+  auto steal = [&](uint64_t step) {
+    auto cat = RunAs(1001, "0", {"/bin/cat", d.root() + "/private/step-0000000" +
+                                     std::to_string(step) + "/rank-00000.safetensors"},
+                     dir.path());
+    INFO(cat.err);
+    CHECK(cat.exit_code != 0);
+    CHECK(Contains(cat.err, "Permission denied"));
+    auto out = dir / ("stolen-" + std::to_string(step));
+    auto exported = RunAs(1001, "0", {ckptctl, "export", "--root", d.root(), "--job", "private",
+                                      std::to_string(step), out, "--format", "full"},
+                          dir.path());
+    INFO(exported.out << exported.err);
+    CHECK(exported.exit_code != 0);
+    CHECK(Contains(exported.out + exported.err, "Permission denied"));
+    CHECK_FALSE(std::filesystem::exists(out));
+    auto list = RunAs(1001, "0", {"/bin/ls", d.root() + "/private"}, dir.path());
+    CHECK(list.exit_code != 0);
+  };
+  steal(1);
+
+  // The owner reads her own files (not in ckptd's group at all), and exports them.
+  auto mine = RunAs(1000, "", {"/bin/cat", shard}, dir.path());
+  CHECK(mine.exit_code == 0);
+  ::chmod(dir.path().c_str(), 0777);  // where the owner may write her export
+  auto exported = RunAs(1000, "", {ckptctl, "export", "--root", d.root(), "--job", "private", "1",
+                                   dir / "hers", "--format", "full"},
+                        dir.path());
+  INFO(exported.out << exported.err);
+  CHECK(exported.exit_code == 0);
+  CHECK(std::filesystem::exists(dir / "hers"));
+  // Root (the operator) too.
+  CHECK(Run({ckptctl, "export", "--root", d.root(), "--job", "private", "1", dir / "root-copy",
+             "--format", "full"},
+            dir.path())
+            .exit_code == 0);
+
+  // A job directory left open by an older ckptd is closed again the first time its job is
+  // used after a restart, and what is saved later inherits the owner-only access.
+  CHECK(d.Stop() == 0);
+  MakeLegacy(d.root() + "/private");
+  auto open = RunAs(1001, "0", {"/bin/cat", shard}, dir.path());
+  CHECK(open.exit_code == 0);  // what the fix closes: readable by ckptd's group
+  d.Start();
+  OpenSocket(d);
+  save(2);
+  steal(1);
+  steal(2);
+  CHECK(RunAs(1000, "", {"/bin/cat", d.root() + "/private/step-00000002/rank-00000.safetensors"},
+              dir.path())
+            .exit_code == 0);
 }

@@ -484,10 +484,11 @@ const char* CodeName(grpc::StatusCode code) {
   return code >= 0 && code <= 16 ? kNames[code] : "?";
 }
 
-// Asks ckptd's control socket for a session's control block, as the client does.
+// Asks ckptd's control socket for a session's control block (and ckptd's liveness pipe),
+// as the client does.
 absl::StatusOr<ckpt::ReceivedFds> FetchControl(const std::string& socket, const std::string& session) {
   return ckpt::RequestFds(ckpt::DescriptorSocketPath(socket),
-                          std::string(ckpt::kFetchControlBlock) + session, 1);
+                          std::string(ckpt::kFetchControlBlock) + session, 2);
 }
 
 // Registers one tensor in an arena of its own, prints the session, where its arena can be
@@ -521,7 +522,7 @@ int Hold(const Flags& f) {
   }
   // Its own control block: it may map it, never shrink it.
   auto control = FetchControl(f.socket, reply.session_id());
-  if (control.ok() && control->fds.size() == 1) {
+  if (control.ok() && control->fds.size() == 2) {
     bool refused = ::ftruncate(control->fds[0].get(), 0) != 0 && errno == EPERM;
     std::cout << "truncate-control=" << (refused ? "EPERM" : "ALLOWED") << "\n";
   } else {
@@ -565,7 +566,7 @@ int Steal(const Flags& f) {
   {
     auto control = FetchControl(f.socket, f.session);
     std::cout << "control="
-              << (control.ok() && control->fds.size() == 1 ? std::string("GOT")
+              << (control.ok() && !control->fds.empty() ? std::string("GOT")
                                                             : "refused " + (control.ok() ? control->payload : ckpt::Message(control.status())))
               << "\n";
   }

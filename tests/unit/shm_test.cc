@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 #include "shm/arena.h"
 #include "tests/fakes/huge_pages.h"
 #include "shm/command_ring.h"
@@ -249,10 +250,70 @@ TEST_CASE("a silent or closed daemon is detected instead of waiting forever") {
   auto r = producer.Wait(ticket, false, 5s, 1s);
   CHECK(absl::IsUnavailable(r.status()));
   CHECK(Message(r.status()).find("not responding") != std::string::npos);
+  // The trainer goes on without ckptd: the snapshot it stopped waiting for is abandoned.
+  CHECK(producer.Poll(ticket).state == kTicketAbandoned);
   CommandConsumer(ring.block).Heartbeat();
+  uint64_t next = *producer.PublishSnapshot(2, {});
   CommandConsumer(ring.block).Close();
-  auto closed = producer.Wait(ticket, false, 5s, 1s);
+  auto closed = producer.Wait(next, false, 5s, 1s);
   CHECK(absl::IsUnavailable(closed.status()));
+  CHECK(producer.Poll(next).state == kTicketAbandoned);
+}
+
+TEST_CASE("a daemon that exits is seen at once through its liveness pipe, in any PID namespace") {
+  Ring ring;
+  int pipe_fds[2];
+  REQUIRE(::pipe2(pipe_fds, O_CLOEXEC) == 0);
+  ckpt::UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+  CommandProducer producer(ring.block, read_end.get());
+  CommandConsumer(ring.block).Heartbeat();
+  uint64_t ticket = *producer.PublishSnapshot(1, {});
+  CHECK(producer.CheckDaemonRunning().ok());
+  std::thread exits([&] {
+    std::this_thread::sleep_for(50ms);
+    write_end.reset();  // what the kernel does when ckptd exits
+  });
+  auto started = std::chrono::steady_clock::now();
+  auto r = producer.Wait(ticket, false, 30s, 10s);  // the heartbeat would take 10 s to tell
+  auto waited = std::chrono::steady_clock::now() - started;
+  exits.join();
+  CHECK(absl::IsUnavailable(r.status()));
+  CHECK(Message(r.status()) == "ckptd exited");
+  CHECK(waited < 1s);  // 50 ms and one liveness slice (20 ms), with room for a loaded machine
+  CHECK(producer.Poll(ticket).state == kTicketAbandoned);
+}
+
+TEST_CASE("a snapshot is staged or abandoned, never both: the daemon and the trainer race once") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  // The trainer abandons first: the daemon's copy does not count, and later states keep it.
+  uint64_t first = *producer.PublishSnapshot(1, {});
+  REQUIRE(consumer.Next(0ms).has_value());
+  CHECK(producer.AbandonPending() == 1);
+  CHECK_FALSE(consumer.SetTicketState(first, kTicketStaged));
+  CHECK_FALSE(consumer.SetTicketState(first, kTicketCommitted));
+  CHECK(consumer.SetTicketState(first, kTicketFailed, "abandoned") == false);
+  CHECK(producer.Poll(first).state == kTicketAbandoned);
+  // The daemon stages first: abandoning finds nothing pending, and the ticket commits.
+  uint64_t second = *producer.PublishSnapshot(2, {});
+  REQUIRE(consumer.Next(0ms).has_value());
+  CHECK(consumer.SetTicketState(second, kTicketStaged));
+  CHECK(producer.AbandonPending() == 0);
+  CHECK(consumer.SetTicketState(second, kTicketCommitted));
+  CHECK(producer.Poll(second).state == kTicketCommitted);
+  // Both at once, many times: exactly one side wins each ticket.
+  for (int i = 0; i < 2000; ++i) {
+    uint64_t t = *producer.PublishSnapshot(3 + i, {});
+    REQUIRE(consumer.Next(0ms).has_value());
+    std::atomic<bool> staged{false};
+    int abandoned = 0;
+    std::thread daemon([&] { staged = consumer.SetTicketState(t, kTicketStaged); });
+    abandoned = producer.AbandonPending();
+    daemon.join();
+    REQUIRE(staged.load() != (abandoned == 1));
+    REQUIRE(producer.Poll(t).state == (staged ? kTicketStaged : kTicketAbandoned));
+  }
 }
 
 TEST_CASE("waiting times out with a clear message") {

@@ -231,6 +231,7 @@ class CheckpointManager:
         self._uses_cuda = False     # what the registered tensors are: decides how to wait
         self._uses_host = False
         self._retry_after = 0.0     # monotonic time before which no reconnect is tried
+        self._outage = False        # ckptd unreachable since the last save that went through
         self._connector = None      # a connection attempt still under way (see _connected)
         self._quiet = False         # load() is waiting for ckptd: a lost daemon raises, not warns
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
@@ -269,8 +270,10 @@ class CheckpointManager:
         try:
             self._register_current_tensors()
             return self._client.should_save(int(step), float(self.interval_seconds), self._run)
+        except CheckpointError:
+            raise
         except ckptd.Unavailable as e:
-            self._lost(e)
+            self._unreachable(e)
             return False
         except ckptd.Error as e:
             if e.code == "INVALID_ARGUMENT":  # ranks configured differently: never skip silently
@@ -301,11 +304,22 @@ class CheckpointManager:
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
             ticket = self._client.snapshot(int(step), metadata, self._train_state(step))
-        except ckptd.Unavailable as e:
-            self._lost(e)
+        except CheckpointError:
+            raise  # this process's own mistake (a tensor that cannot be checkpointed)
+        except ckptd.Error as e:
+            # Nothing ckptd answers stops training: unreachable (stalled, restarting: the
+            # client registers again by itself once a ckptd is back) or refused (the next
+            # save registers anew). Only this save is missed.
+            if isinstance(e, ckptd.Unavailable):
+                self._unreachable(e)
+            else:
+                self._lost(e)
             if blocking:
                 raise CheckpointError(f"step {step} not saved: {e}") from e
             return False
+        if self._outage:
+            self._outage = False
+            log.warning("ckptd: reachable again; saving from step %d on", step)
         self._unstaged = ticket
         self._last_ticket = ticket
         if blocking:
@@ -335,6 +349,8 @@ class CheckpointManager:
         if ticket is not None and self._client is not None and self._uses_cuda:
             try:
                 self._client.wait_staged(ticket)
+            except ckptd.Unavailable as e:
+                self._unreachable(e)
             except ckptd.Error as e:
                 self._lost(e)
         return True
@@ -357,6 +373,10 @@ class CheckpointManager:
                 status = self._client.wait_staged(ticket)
                 if status["state"] in ("failed", "rejected"):
                     log.warning("ckptd: checkpoint %s: %s", status["state"], status["error"])
+        except ckptd.Unavailable as e:
+            # ckptd exited (seen within milliseconds) or stalled past its heartbeat (3 s):
+            # the snapshot is abandoned, so ckptd never commits what the next step changes.
+            self._unreachable(e)
         except ckptd.Error as e:
             self._lost(e)
 
@@ -591,6 +611,19 @@ class CheckpointManager:
     def _connect(self):
         return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
                              keep_last=self.keep_last or 0, copy_on_write=self.copy_on_write)
+
+    def _unreachable(self, error):
+        """ckptd stopped answering a registered client: keep it (a stalled ckptd that resumes
+        still holds the session; after a restart the client registers again by itself) and
+        miss saves until then, warning once per outage."""
+        if not self._registered:
+            self._lost(error)
+            return
+        self._unstaged = None
+        if not self._outage and not self._quiet:
+            warnings.warn(f"ckptd unavailable, training continues without checkpoints until it "
+                          f"is back: {error}", RuntimeWarning, stacklevel=_user_stacklevel())
+        self._outage = True
 
     def _lost(self, error):
         if not self._quiet:
