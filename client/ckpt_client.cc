@@ -508,6 +508,12 @@ absl::Status Client::Register() {
   return absl::OkStatus();
 }
 
+absl::Status Client::NoSession(const char* what) const {
+  if (!impl_->registered_once) return absl::FailedPreconditionError(fmt::format("{} before Register()", what));
+  return absl::UnavailableError(
+      "ckptd exited; this rank registers again with its next snapshot once a ckptd is back");
+}
+
 absl::Status Client::RegisterAgainIfDaemonRestarted(const absl::Status& down) {
   // A ckptd that stalled (SIGSTOP, swapping) still holds the session: when its heartbeat
   // comes back, so do snapshots, with nothing to redo. Only a ckptd that exited, or closed
@@ -577,7 +583,7 @@ TicketStatus Client::Poll(uint64_t ticket) const {
 }
 
 absl::StatusOr<TicketStatus> Client::WaitStaged(uint64_t ticket, std::chrono::milliseconds timeout) {
-  if (!impl_->producer) return absl::FailedPreconditionError("WaitStaged before Register()");
+  if (!impl_->producer) return NoSession("WaitStaged");
   CKPT_ASSIGN_OR_RETURN(shm::TicketResult r,
                         impl_->producer->Wait(ticket, false, timeout, impl_->options.daemon_dead_after));
   return ToTicketStatus(r);
@@ -585,7 +591,7 @@ absl::StatusOr<TicketStatus> Client::WaitStaged(uint64_t ticket, std::chrono::mi
 
 absl::StatusOr<TicketStatus> Client::WaitCommitted(uint64_t ticket,
                                                    std::chrono::milliseconds timeout) {
-  if (!impl_->producer) return absl::FailedPreconditionError("WaitCommitted before Register()");
+  if (!impl_->producer) return NoSession("WaitCommitted");
   CKPT_ASSIGN_OR_RETURN(shm::TicketResult r,
                         impl_->producer->Wait(ticket, true, timeout, impl_->options.daemon_dead_after));
   return ToTicketStatus(r);

@@ -254,6 +254,8 @@ class Client {
   // After `down` (ckptd unavailable): Ok once registered with a ckptd that replaced an
   // exited one; `down` (or why registering failed) otherwise.
   absl::Status RegisterAgainIfDaemonRestarted(const absl::Status& down);
+  // Why there is no session: never registered, or its ckptd exited (Unavailable).
+  absl::Status NoSession(const char* what) const;
 
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

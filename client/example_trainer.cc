@@ -144,14 +144,14 @@ int main(int argc, char** argv) {
     for (auto it = outstanding.begin(); it != outstanding.end();) {
       ckpt::TicketStatus st = client->Poll(it->first);
       if (wait && st.state != ckpt::TicketState::kCommitted && st.state != ckpt::TicketState::kFailed &&
-          st.state != ckpt::TicketState::kRejected) {
+          st.state != ckpt::TicketState::kRejected && st.state != ckpt::TicketState::kAbandoned) {
         auto waited = client->WaitCommitted(it->first, std::chrono::minutes(10));
         st = waited.ok() ? *waited : ckpt::TicketStatus{ckpt::TicketState::kFailed, ckpt::Message(waited.status())};
       }
       if (st.state == ckpt::TicketState::kCommitted) {
         std::cout << fmt::format("committed step={}\n", it->second) << std::flush;
       } else if (st.state == ckpt::TicketState::kFailed || st.state == ckpt::TicketState::kRejected ||
-                 st.state == ckpt::TicketState::kUnknown) {
+                 st.state == ckpt::TicketState::kAbandoned || st.state == ckpt::TicketState::kUnknown) {
         std::cerr << fmt::format("warning: checkpoint of step {} {}: {}\n", it->second,
                                  ckpt::ToString(st.state), st.error);
       } else {

@@ -156,6 +156,8 @@ void Daemon::Kill() {
   process_->Wait(std::chrono::seconds(10));
 }
 
+void Daemon::Signal(int sig) { process_->Signal(sig); }
+
 std::string Daemon::Log() const { return process_ ? process_->Stderr() : ""; }
 
 RunResult Daemon::Ctl(std::vector<std::string> args) const {

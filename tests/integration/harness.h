@@ -60,6 +60,7 @@ class Daemon {
   void Start();  // and wait until the socket answers
   int Stop();    // SIGTERM; returns the exit code
   void Kill();   // SIGKILL
+  void Signal(int sig);  // e.g. SIGSTOP and SIGCONT: a daemon that stalls
   const std::string& socket() const { return socket_; }
   const std::string& root() const { return root_; }
   std::string Log() const;

@@ -852,3 +852,114 @@ def test_fsdp_flat_shards_from_the_python_client_restore_into_any_placement(daem
         return info["tensors"]
 
     assert sum(_on_ranks(3, restore).values()) >= 4  # each tensor restored somewhere
+
+
+# --- a daemon that stalls or restarts (issue 24 item 1) ------------------------------------
+
+def _train_with(manager, model, optimizer, scheduler, steps, first, step_times):
+    for step in range(first, first + steps):
+        started = time.monotonic()
+        train_step(model, optimizer, scheduler)
+        manager.maybe_save(step)  # never raises: whatever ckptd answers, training goes on
+        step_times.append(time.monotonic() - started)
+        time.sleep(0.01)
+    return first + steps
+
+
+def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
+    """ckptd stopped for 5 s (SIGSTOP: a long stall, a swapped node) and resumed: the trainer
+    never stops; at most one step waits (for the snapshot ckptd had not copied, until its
+    heartbeat is 3 s stale, then the snapshot is abandoned); it keeps its session, so saves
+    commit again as soon as ckptd is back, with no new registration."""
+    model, optimizer, scheduler = make_training()
+    manager = CheckpointManager("stall", model, optimizer, scheduler, socket=daemon.socket,
+                                interval_steps=1)
+    times = []
+    step = _train_with(manager, model, optimizer, scheduler, 5, 1, times)
+    assert manager.wait(committed=True) == "committed"
+    session = manager._client.session_id
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        stalled_from = len(times)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    stalled = times[stalled_from:]
+    assert len(stalled) > 10  # training went on
+    assert sum(t > 0.5 for t in stalled) <= 1, stalled
+    assert max(stalled) < 4.5, stalled
+    unavailable = [w for w in warned if "ckptd unavailable" in str(w.message)]
+    assert len(unavailable) == 1, [str(w.message) for w in warned]  # once per outage
+    # Back: the same session saves again, and its next checkpoint commits.
+    deadline = time.monotonic() + 30
+    while True:
+        step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
+        try:
+            if manager.wait(committed=True) == "committed":
+                break
+        except CheckpointError:  # the snapshot abandoned during the stall, until a new one
+            pass
+        assert time.monotonic() < deadline
+    step = _train_with(manager, model, optimizer, scheduler, 3, step, times)
+    assert manager.wait(committed=True) == "committed"
+    assert manager._client.session_id == session
+    assert daemon.steps("stall")[-1] == step - 1
+    manager.close()
+
+
+def test_a_restarted_daemon_takes_the_trainer_back_by_itself(daemon):
+    """ckptd killed: the next step's wait returns within milliseconds (its liveness pipe
+    hangs up), not after the 3 s heartbeat; a new ckptd on the same socket gets the rank
+    registered again by the client itself, and the job's checkpoints go on."""
+    model, optimizer, scheduler = make_training()
+    manager = CheckpointManager("restart", model, optimizer, scheduler, socket=daemon.socket,
+                                interval_steps=1)
+    times = []
+    step = _train_with(manager, model, optimizer, scheduler, 5, 1, times)
+    assert manager.wait(committed=True) == "committed"
+    session = manager._client.session_id
+    ticket = manager.save(step)  # queued; then ckptd dies before (or while) it copies
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        daemon.stop(signal.SIGKILL)
+        started = time.monotonic()
+        manager.wait_staged()  # what the forward hook runs
+        assert time.monotonic() - started < 0.5
+        step = _train_with(manager, model, optimizer, scheduler, 20, step + 1, times)
+        daemon.start()
+        deadline = time.monotonic() + 60
+        while True:
+            step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
+            if (manager._client.session_id not in ("", session)
+                    and manager.wait(committed=True) == "committed"):
+                break
+            assert time.monotonic() < deadline
+    assert ticket is True
+    assert max(times) < 1.0, times
+    assert daemon.steps("restart")[-1] == step - 1
+    # What the new ckptd committed restores bit for bit into a fresh model.
+    expected = clone_state(model, optimizer, scheduler)
+    manager.close()
+    model2, optimizer2, scheduler2 = make_training(seed=1)
+    with CheckpointManager("restart", model2, optimizer2, scheduler2, socket=daemon.socket) as again:
+        assert again.load() == step - 1
+    assert_same(clone_state(model2, optimizer2, scheduler2), expected)
+
+
+def test_registering_again_from_the_same_process_takes_over_its_own_session(daemon):
+    """A manager that lost its client (as after an outage) and a new one in the same process:
+    ckptd ends the process's own earlier session instead of answering 'already registered'."""
+    model, optimizer, scheduler = make_training()
+    first = CheckpointManager("again", model, optimizer, scheduler, socket=daemon.socket,
+                              interval_steps=1)
+    first.save(1, blocking=True)
+    first._client = None  # dropped without unregistering, as a stalled daemon would see it
+    second = CheckpointManager("again", model, optimizer, scheduler, socket=daemon.socket,
+                               interval_steps=1)
+    assert second.save(2, blocking=True) is True
+    assert daemon.steps("again") == [1, 2]
+    second.close()

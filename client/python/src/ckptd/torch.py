@@ -334,7 +334,10 @@ class CheckpointManager:
             return None
         ticket = self._last_ticket
         wait = self._client.wait_committed if committed else self._client.wait_staged
-        status = wait(ticket)
+        try:
+            status = wait(ticket)
+        except ckptd.Error as e:
+            raise CheckpointError(f"checkpoint not {'committed' if committed else 'staged'}: {e}") from e
         if ticket == self._unstaged:
             self._unstaged = None
         if status["state"] not in ("staged", "committed"):
