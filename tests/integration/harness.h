@@ -61,6 +61,7 @@ class Daemon {
   int Stop();    // SIGTERM; returns the exit code
   void Kill();   // SIGKILL
   void Signal(int sig);  // e.g. SIGSTOP and SIGCONT: a daemon that stalls
+  pid_t pid() const { return process_ ? process_->pid() : -1; }
   const std::string& socket() const { return socket_; }
   const std::string& root() const { return root_; }
   std::string Log() const;

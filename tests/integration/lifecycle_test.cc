@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "tests/fakes/huge_pages.h"
@@ -220,6 +221,44 @@ TEST_CASE("training carries on when ckptd is absent or dies") {
   REQUIRE(p.Wait() == 0);
   CHECK(Field(p.Stdout(), "final checksum") == want);
   CHECK(Contains(p.Stderr(), "ckptd exited"));
+}
+
+namespace {
+
+// Resident memory of `pid` in bytes (/proc/<pid>/status: VmRSS, shared pages it touched
+// included: what mapped arenas cost the daemon).
+uint64_t ResidentBytes(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST_CASE("a SIGKILLed trainer's memory is returned at once, not at the next registration") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "1G"});
+  d.Start();
+  const uint64_t idle = ResidentBytes(d.pid());
+  Process p(Trainer(d, {"--job", "dies", "--steps", "100000", "--save-every", "0", "--state-bytes",
+                        "400000000", "--step-sleep-ms", "10"}),
+            dir.path(), "dies");
+  // Registered: ckptd maps (and pre-faults) the trainer's 400 MB of arenas.
+  REQUIRE(WaitUntil([&] { return ResidentBytes(d.pid()) > idle + 300'000'000; },
+                    std::chrono::seconds(60)));
+  p.Signal(SIGKILL);
+  p.Wait();
+  auto killed = std::chrono::steady_clock::now();
+  // No other trainer registers: the session ends and its arenas are unmapped by themselves.
+  CHECK(WaitUntil([&] { return ResidentBytes(d.pid()) < idle + 100'000'000; },
+                  std::chrono::seconds(5)));
+  auto took = std::chrono::steady_clock::now() - killed;
+  INFO("ckptd resident " << ResidentBytes(d.pid()) << " bytes, idle " << idle);
+  CHECK(took < std::chrono::seconds(2));
+  CHECK(Contains(d.Log(), "exited; session ends"));
 }
 
 TEST_CASE("a stalled ckptd costs a C++ trainer only the saves it missed; a restarted one takes it back") {
