@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <random>
 #include <filesystem>
 #include <system_error>
 
@@ -168,13 +170,21 @@ absl::StatusOr<std::string> ReadSmallFile(Filesystem& fs, const std::string& pat
 
 absl::Status WriteFileAtomically(Filesystem& fs, const std::string& path,
                                  const std::string& contents) {
-  std::string tmp = path + ".tmp";
-  {
+  // A name of this writer's own: daemons sharing a root (--shared-root) may write the same
+  // file at once, and a fixed temporary name would let one rename the other's away.
+  static std::atomic<uint64_t> sequence{0};
+  std::random_device random;
+  const std::string tmp = fmt::format("{}.tmp.{}.{}.{:08x}", path, ::getpid(), ++sequence, random());
+  absl::Status written = [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs.CreateFile(tmp));
     CKPT_RETURN_IF_ERROR(Annotate(fs.WriteAt(fd.get(), contents.data(), contents.size(), 0), tmp));
     CKPT_RETURN_IF_ERROR(Annotate(fs.SyncFile(fd.get()), tmp));
+    return fs.Rename(tmp, path);
+  }();
+  if (!written.ok()) {
+    (void)fs.RemoveTree(tmp);  // best effort: nothing half-written stays behind
+    return written;
   }
-  CKPT_RETURN_IF_ERROR(fs.Rename(tmp, path));
   return fs.SyncDir(std::filesystem::path(path).parent_path().string());
 }
 

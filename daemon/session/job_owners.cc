@@ -129,13 +129,9 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
   std::string path = dir + "/" + kOwnerFile;
   CKPT_RETURN_IF_ERROR(fs_.MakePrivateDir(dir));
   CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
-  // Written whole under a temporary name, then renamed: a crash leaves the old state.
-  std::string text = j.dump() + "\n";
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path + ".tmp"));
-  CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), text.data(), text.size(), 0));
-  CKPT_RETURN_IF_ERROR(fs_.SyncFile(fd.get()));
-  CKPT_RETURN_IF_ERROR(fs_.Rename(path + ".tmp", path));
-  CKPT_RETURN_IF_ERROR(fs_.SyncDir(dir));
+  // Written whole under a temporary name of its own, then renamed: a crash leaves the old
+  // state, and two daemons on one shared root claiming the job at once both succeed.
+  CKPT_RETURN_IF_ERROR(WriteFileAtomically(fs_, path, j.dump() + "\n"));
   owners_[job] = owner;
   return absl::OkStatus();
 }
