@@ -12,8 +12,8 @@
 
 #include "common/filesystem.h"
 #include "common/status.h"
-#include "daemon/export/exporter.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "client/export/exporter.h"
+#include "format/checkpoint_store.h"
 
 namespace ckpt::ctl {
 namespace {
@@ -51,7 +51,7 @@ int Fail(const std::string& message, int code) {
 
 int RunExport(const ExportArgs& args) {
   FilesystemPtr fs = MakePosixFilesystem();
-  persist::CheckpointStore store(fs, args.root);
+  format::CheckpointStore store(fs, args.root);
   exporter::ExportOptions options;
   options.out = args.out;
   options.extra_files = args.with;
@@ -78,7 +78,7 @@ int RunExport(const ExportArgs& args) {
     if (!rules.ok()) return Fail(Message(rules.status()), 1);
     options.rename = std::move(*rules);
   }
-  absl::StatusOr<daemon::TensorSelection> selection = daemon::TensorSelection::Make(args.include, args.exclude);
+  absl::StatusOr<format::TensorSelection> selection = format::TensorSelection::Make(args.include, args.exclude);
   if (!selection.ok()) return Fail(Message(selection.status()), 1);
   options.selection = std::move(*selection);
 
@@ -93,7 +93,7 @@ int RunExport(const ExportArgs& args) {
     }
     job = jobs->front();
   }
-  absl::StatusOr<persist::Manifest> manifest = store.LoadManifest(job, args.step);
+  absl::StatusOr<format::Manifest> manifest = store.LoadManifest(job, args.step);
   if (!manifest.ok()) return Fail(Message(manifest.status()), absl::IsDataLoss(manifest.status()) ? 3 : 4);
 
   ProgressBar bar;

@@ -1,6 +1,6 @@
 // `ckptctl export`: writes a committed step as Hugging Face safetensors shards, one
 // consolidated safetensors file, or a full unsharded copy, reading the step's files directly
-// (no daemon needed: the job may be long gone). See daemon/export/exporter.h.
+// (no daemon needed: the job may be long gone). See client/export/exporter.h.
 #pragma once
 
 #include <cstdint>

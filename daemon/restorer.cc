@@ -9,9 +9,9 @@
 
 #include "common/log.h"
 #include "common/status.h"
-#include "daemon/persist/tiling.h"
-#include "daemon/restore/plan_reader.h"
-#include "daemon/restore/read_plan.h"
+#include "format/tiling.h"
+#include "format/plan_reader.h"
+#include "format/read_plan.h"
 
 namespace ckpt::daemon {
 namespace {
@@ -33,15 +33,15 @@ absl::Status CheckSameLayout(const RegisteredTensor& t, const std::string& dtype
 
 // Whether every registered tensor this rank saved sits where it sat when saved: then its
 // own snapshot in memory is its restore as it is.
-bool SamePlacement(const SessionView& session, const persist::Manifest& manifest) {
+bool SamePlacement(const SessionView& session, const format::Manifest& manifest) {
   for (const RegisteredTensor& t : *session.tensors) {
     auto it = manifest.tensors.find(t.name);
     if (it == manifest.tensors.end()) continue;
     const auto& global = t.placement.global_shape.empty() ? t.shape : t.placement.global_shape;
-    const persist::Placement mine = persist::PlacementOf(t.placement.offset, t.shape, t.placement.flat, global);
-    for (const persist::TensorShard& s : it->second.shards) {
+    const format::Placement mine = format::PlacementOf(t.placement.offset, t.shape, t.placement.flat, global);
+    for (const format::TensorShard& s : it->second.shards) {
       if (s.rank == session.rank && (it->second.global_shape != global ||
-                                     persist::ShardPlacement(s, global) != mine)) {
+                                     format::ShardPlacement(s, global) != mine)) {
         return false;
       }
     }
@@ -54,7 +54,7 @@ bool SamePlacement(const SessionView& session, const persist::Manifest& manifest
 absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
     const RestoreSpec& spec, uint64_t step, RestoreResult& result, bool report_unregistered) {
-  const TensorSelection& selection = spec.selection;
+  const format::TensorSelection& selection = spec.selection;
   std::set<std::string> have;
   for (const std::string& name : stored) {
     if (selection.Selects(name)) have.insert(name);
@@ -190,7 +190,7 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
                                                     const RestoreSpec& spec, uint64_t step) {
   RestoreResult result;
   persist::RetentionKeeper::Pin pin(retention_, session.job, step);
-  CKPT_ASSIGN_OR_RETURN(persist::Manifest manifest, store_.LoadManifest(session.job, step));
+  CKPT_ASSIGN_OR_RETURN(format::Manifest manifest, store_.LoadManifest(session.job, step));
   result.found = true;
   result.step = step;
   auto started = std::chrono::steady_clock::now();
@@ -217,7 +217,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     // In a group each node holds only its own ranks' shards of a step.
     if (hot_.Find(session.job, session.rank, step) ||
         store_.fs().Exists(store_.StepDir(session.job, step) + "/" +
-                           persist::ShardFileName(session.rank))) {
+                           format::ShardFileName(session.rank))) {
       available.push_back(step);
       continue;
     }
@@ -226,7 +226,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     auto manifest = store_.LoadManifest(session.job, step);
     if (!manifest.ok() || session.rank < manifest->world_size) continue;
     bool all = std::all_of(manifest->shards.begin(), manifest->shards.end(),
-                           [&](const persist::ManifestShard& s) {
+                           [&](const format::ManifestShard& s) {
                              return hot_.Find(session.job, s.rank, step) ||
                                     store_.fs().Exists(store_.StepDir(session.job, step) + "/" + s.file);
                            });
@@ -237,7 +237,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
 
 absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec& spec,
                                   const StagedSnapshot& snap, RestoreResult& result) {
-  std::map<std::string, const persist::TensorEntry*> entries;
+  std::map<std::string, const format::TensorEntry*> entries;
   std::vector<std::string> stored;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
     entries[snap.shard.entries[i].name] = &snap.shard.entries[i];
@@ -248,7 +248,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   SplitCopy job;
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
-    const persist::TensorEntry& e = *entries.at(t.name);
+    const format::TensorEntry& e = *entries.at(t.name);
     CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
@@ -258,7 +258,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, job));
   }
   for (size_t i = snap.tensor_count; i < snap.shard.entries.size(); ++i) {
-    const persist::TensorEntry& e = snap.shard.entries[i];
+    const format::TensorEntry& e = snap.shard.entries[i];
     result.train_state.push_back({snap.train_state_names[i - snap.tensor_count],
                                   std::string(snap.shard.data + e.begin, e.end - e.begin)});
   }
@@ -267,7 +267,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
 }
 
 absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& spec,
-                                const persist::Manifest& manifest, RestoreResult& result) {
+                                const format::Manifest& manifest, RestoreResult& result) {
   // With the saved world size each rank compares its registration with its own saved
   // pieces, so a tensor it does not register is named (pipeline stages hold different
   // tensors, so only this rank's count). With another one no rank knows which tensors the
@@ -276,22 +276,22 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   std::vector<std::string> stored;
   for (const auto& [name, tensor] : manifest.tensors) {
     bool mine = std::any_of(tensor.shards.begin(), tensor.shards.end(),
-                            [&](const persist::TensorShard& s) { return s.rank == session.rank; });
+                            [&](const format::TensorShard& s) { return s.rank == session.rank; });
     if (mine || !same_world) stored.push_back(name);
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
                         MatchTensors(*session.tensors, stored, spec, manifest.step, result,
                                      /*report_unregistered=*/same_world));
-  std::vector<restore::WantedTensor> wanted;
+  std::vector<format::WantedTensor> wanted;
   uint64_t total = 0;
   for (const RegisteredTensor* t : matched) {
     wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset,
                       t->placement.flat, std::nullopt});
     total += t->nbytes;
   }
-  restore::ReadPlanOptions options;
+  format::ReadPlanOptions options;
   options.prefer_rank = session.rank;  // of replicas, its own (in memory here, or local)
-  absl::StatusOr<restore::ReadPlan> plan = restore::PlanRead(manifest, wanted, options);
+  absl::StatusOr<format::ReadPlan> plan = format::PlanRead(manifest, wanted, options);
   if (!plan.ok()) {
     if (absl::IsDataLoss(plan.status())) return plan.status();
     return absl::FailedPreconditionError(fmt::format(
@@ -321,8 +321,14 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     }
     bounce = heap.get();
   }
-  restore::PlanReader reader(store_.fs(), store_.StepDir(manifest.job, manifest.step), manifest,
-                             [&](uint32_t rank) { return hot_.Find(manifest.job, rank, manifest.step); });
+  format::PlanReader reader(
+      store_.fs(), store_.StepDir(manifest.job, manifest.step), manifest,
+      [&](uint32_t rank) -> std::optional<format::MemoryShard> {
+        StagedSnapshotPtr snap = hot_.Find(manifest.job, rank, manifest.step);
+        if (!snap) return std::nullopt;
+        return format::MemoryShard{snap, snap->shard.data, &snap->shard.entries, snap->tensor_count,
+                                   &snap->train_state_names};
+      });
   uint64_t offset = 0;
   SplitCopy copy;
   for (size_t i = 0; i < matched.size(); ++i) {
@@ -334,7 +340,10 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   // Train state and metadata: the same rank's where the checkpoint has it, else rank 0's
   // (a job that grew: its new ranks start from rank 0's schedule and counters).
   const uint32_t state_rank = session.rank < manifest.world_size ? session.rank : 0;
-  CKPT_ASSIGN_OR_RETURN(result.train_state, reader.TrainState(state_rank));
+  CKPT_ASSIGN_OR_RETURN(std::vector<format::NamedBytes> train_state, reader.TrainState(state_rank));
+  for (format::NamedBytes& blob : train_state) {
+    result.train_state.push_back({std::move(blob.name), std::move(blob.data)});
+  }
 
   // 2. Only now into the trainer's buffers (GPU tensors through their device's engine).
   {

@@ -19,10 +19,10 @@
 #include "absl/status/statusor.h"
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/restore/step_agreement.h"
-#include "daemon/restore/tensor_selection.h"
+#include "format/tensor_selection.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "shm/payload.h"
@@ -49,7 +49,7 @@ struct RestoreResult {
 
 struct RestoreSpec {
   std::optional<uint64_t> step;  // nullopt: the latest step every rank has (collective)
-  TensorSelection selection;     // default: every tensor
+  format::TensorSelection selection;     // default: every tensor
   // Selected tensors on one side only are skipped and listed instead of failing the restore.
   bool allow_missing = false;
 };
@@ -63,7 +63,7 @@ class Restorer {
   // GPU tensors are restored through `device_engine` (from memory directly; from disk via a
   // bounce block of `pool`).
   // Ranks wait up to `agree_timeout` for each other when restoring the latest step.
-  Restorer(persist::CheckpointStore& store, HotCache& hot, persist::RetentionKeeper& retention,
+  Restorer(format::CheckpointStore& store, HotCache& hot, persist::RetentionKeeper& retention,
            StepAgreement& agreement, std::chrono::milliseconds agree_timeout,
            cuda::CopyEngine& engine, cuda::CopyPriority* priority = nullptr,
            std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr)
@@ -82,12 +82,12 @@ class Restorer {
                           const StagedSnapshot& snap, RestoreResult& result);
   // Through the read planner: any placement, from memory or disk, checked before use.
   absl::Status FromPlan(const SessionView& session, const RestoreSpec& spec,
-                        const persist::Manifest& manifest, RestoreResult& result);
+                        const format::Manifest& manifest, RestoreResult& result);
 
   // Committed steps this rank can restore here: hot, or its shard file on this node's disk.
   absl::StatusOr<std::vector<uint64_t>> Available(const SessionView& session);
 
-  persist::CheckpointStore& store_;
+  format::CheckpointStore& store_;
   HotCache& hot_;
   persist::RetentionKeeper& retention_;
   StepAgreement& agreement_;

@@ -26,7 +26,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/write_queue.h"
@@ -60,7 +60,7 @@ struct Server::Parts {
   std::unique_ptr<RootLock> root_lock;
   StatusBoard board;
   FilesystemPtr fs;
-  std::unique_ptr<persist::CheckpointStore> store;
+  std::unique_ptr<format::CheckpointStore> store;
   cuda::StagingPoolPtr pool;
   std::unique_ptr<StagingLedger> ledger;  // fair shares of staging memory between jobs
   cuda::CopyEnginePtr engine;
@@ -166,7 +166,7 @@ absl::Status StartGroup(Server::Parts& p) {
   }
   group::CommitCoordinator::Publisher publish;
   if (c.shared_root) {
-    publish.commit = [store = p.store.get()](const persist::Manifest& m) { return store->Commit(m); };
+    publish.commit = [store = p.store.get()](const format::Manifest& m) { return store->Commit(m); };
     publish.discard = [store = p.store.get()](const std::string& job, uint64_t step) {
       (void)store->AbortStep(job, step);
     };
@@ -242,7 +242,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       RootLock::Acquire(config.root, config.shared_root
                                          ? fmt::format(".ckptd.node-{}.lock", config.node_rank)
                                          : std::string(".ckptd.lock")));
-  p->store = std::make_unique<persist::CheckpointStore>(p->fs, config.root);
+  p->store = std::make_unique<format::CheckpointStore>(p->fs, config.root);
   p->store->set_shared(config.shared_root);
   const bool grouped = config.num_nodes > 1;
   std::vector<std::pair<std::string, uint64_t>> in_doubt;
@@ -294,7 +294,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
       [board = &p->board](const std::string& message) { board->RecordError(message); });
   commit::CommitHooks hooks;
-  hooks.committed = [parts = p.get()](const persist::Manifest& manifest,
+  hooks.committed = [parts = p.get()](const format::Manifest& manifest,
                                       const std::vector<StagedSnapshotPtr>& local) {
     parts->board.checkpoints_committed++;
     parts->hot->Insert(local);

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "daemon/persist/write_listener.h"
 #include "daemon/staging/staged_snapshot.h"
 
@@ -29,7 +29,7 @@ struct StepInFlight {
 // What happens beside the tickets once a step is decided.
 struct CommitHooks {
   // The step is committed; `local` are this node's snapshots of it (for the hot cache).
-  std::function<void(const persist::Manifest&, const std::vector<StagedSnapshotPtr>& local)>
+  std::function<void(const format::Manifest&, const std::vector<StagedSnapshotPtr>& local)>
       committed = [](const auto&, const auto&) {};
   // The step failed or was aborted (counted, shown in status).
   std::function<void(const std::string& job, uint64_t step, const std::string& message)> failed =

@@ -20,7 +20,7 @@ constexpr std::chrono::minutes kRememberEnded{30};
 
 }  // namespace
 
-CommitterBase::CommitterBase(persist::CheckpointStore& store, CommitHooks hooks,
+CommitterBase::CommitterBase(format::CheckpointStore& store, CommitHooks hooks,
                              CommitOptions options)
     : store_(store),
       hooks_(std::move(hooks)),
@@ -113,7 +113,7 @@ void CommitterBase::OnLocalFailure(const Key& key, const std::string& message) {
   FinishAborted(key, message);
 }
 
-void CommitterBase::FinishCommitted(const Key& key, const persist::Manifest& manifest) {
+void CommitterBase::FinishCommitted(const Key& key, const format::Manifest& manifest) {
   std::vector<StagedSnapshotPtr> waiting, local;
   {
     std::lock_guard lock(mu_);

@@ -16,13 +16,13 @@
 
 #include "daemon/commit/committer.h"
 #include "daemon/commit/manifest_builder.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 
 namespace ckpt::daemon::commit {
 
 class CommitterBase : public Committer {
  public:
-  CommitterBase(persist::CheckpointStore& store, CommitHooks hooks, CommitOptions options);
+  CommitterBase(format::CheckpointStore& store, CommitHooks hooks, CommitOptions options);
 
   absl::Status Arrived(const StagedSnapshotPtr& snapshot) override;
   absl::StatusOr<std::string> StepDirectory(const StagedSnapshotPtr& snapshot) override;
@@ -49,7 +49,7 @@ class CommitterBase : public Committer {
 
   // Ends `key` as committed: the hot cache gets this node's snapshots, then the tickets
   // hear "committed". No-op when the step is not in the table.
-  void FinishCommitted(const Key& key, const persist::Manifest& manifest);
+  void FinishCommitted(const Key& key, const format::Manifest& manifest);
   // Ends `key` as failed: tickets hear `message`, staging memory is released, the .tmp
   // directory is removed (unless `keep_tmp`: its outcome is not known yet). Later ranks of
   // this attempt are refused with `message`.
@@ -68,7 +68,7 @@ class CommitterBase : public Committer {
   // which must never count towards, or fail, a newer attempt at the same step.
   Step* CurrentStepLocked(const StagedSnapshotPtr& snapshot);
 
-  persist::CheckpointStore& store_;
+  format::CheckpointStore& store_;
   const CommitHooks hooks_;
   const CommitOptions options_;
 

@@ -17,7 +17,7 @@ constexpr std::chrono::milliseconds kRetryPause{250};
 
 }  // namespace
 
-GroupCommitter::GroupCommitter(persist::CheckpointStore& store, CommitHooks hooks,
+GroupCommitter::GroupCommitter(format::CheckpointStore& store, CommitHooks hooks,
                                CommitOptions options, group::GroupClient& client,
                                uint32_t node_rank)
     : CommitterBase(store, std::move(hooks), options), client_(client), node_rank_(node_rank) {}
@@ -53,7 +53,7 @@ void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Written
 
 bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
                                  const std::set<uint32_t>& ranks) {
-  absl::StatusOr<persist::Manifest> part;
+  absl::StatusOr<format::Manifest> part;
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
@@ -209,7 +209,7 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     }
     return;
   }
-  auto manifest = persist::ParseManifest(decision.manifest_json, "the coordinator's decision");
+  auto manifest = format::ParseManifest(decision.manifest_json, "the coordinator's decision");
   absl::Status published = manifest.ok() ? CheckDecision(key, *manifest) : manifest.status();
   if (published.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
     // On a shared root the coordinator publishes the step before announcing it, and
@@ -233,7 +233,7 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
              node_rank_);
 }
 
-absl::Status GroupCommitter::CheckDecision(const Key& key, const persist::Manifest& manifest) {
+absl::Status GroupCommitter::CheckDecision(const Key& key, const format::Manifest& manifest) {
   if (manifest.job != key.first || manifest.step != key.second) {
     return absl::DataLossError(fmt::format(
         "the coordinator answered for job {} step {} with the manifest of job {} step {}",

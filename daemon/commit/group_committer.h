@@ -21,7 +21,7 @@ namespace ckpt::daemon::commit {
 
 class GroupCommitter : public CommitterBase {
  public:
-  GroupCommitter(persist::CheckpointStore& store, CommitHooks hooks, CommitOptions options,
+  GroupCommitter(format::CheckpointStore& store, CommitHooks hooks, CommitOptions options,
                  group::GroupClient& client, uint32_t node_rank);
   ~GroupCommitter() override;
 
@@ -59,7 +59,7 @@ class GroupCommitter : public CommitterBase {
   void ReleaseInDoubt(const Key& key, double waited_s);
   // A committed decision must be about `key` and list this node's durable ranks as the
   // files it wrote; anything else is refused rather than renamed into place.
-  absl::Status CheckDecision(const Key& key, const persist::Manifest& manifest);
+  absl::Status CheckDecision(const Key& key, const format::Manifest& manifest);
 
   group::GroupClient& client_;
   const uint32_t node_rank_;

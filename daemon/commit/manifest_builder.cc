@@ -11,9 +11,9 @@
 
 namespace ckpt::daemon::commit {
 
-absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t step,
+absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t step,
                                                 uint32_t world_size, const DurableShards& shards) {
-  persist::Manifest m;
+  format::Manifest m;
   m.job = job;
   m.step = step;
   auto now = std::chrono::system_clock::now();
@@ -22,10 +22,10 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
                             fmt::gmtime(std::chrono::system_clock::to_time_t(now)));
   m.world_size = world_size;
   m.ckptd_version = kVersion;
-  m.checksum_chunk_bytes = persist::kChecksumChunkBytes;
+  m.checksum_chunk_bytes = format::kChecksumChunkBytes;
   for (const auto& [rank, entry] : shards) {
     const auto& [snap, written] = entry;
-    persist::ManifestShard shard;
+    format::ManifestShard shard;
     shard.rank = rank;
     shard.file = written.file;
     shard.bytes = written.bytes;
@@ -33,7 +33,7 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
     m.run = std::max(m.run, snap->session_started_unix_ns);
     if (rank == 0) m.metadata = snap->shard.metadata;
     for (size_t i = 0; i < snap->shard.entries.size(); ++i) {
-      const persist::TensorEntry& e = snap->shard.entries[i];
+      const format::TensorEntry& e = snap->shard.entries[i];
       const std::string& checksum = written.checksums.at(e.name);
       if (i >= snap->tensor_count) {
         shard.train_state[snap->train_state_names[i - snap->tensor_count]] = {e.begin, e.end,
@@ -45,7 +45,7 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
       std::vector<int64_t> offset =
           p.offset.empty() ? std::vector<int64_t>(e.shape.size(), 0) : p.offset;
       auto [it, inserted] = m.tensors.try_emplace(e.name);
-      persist::ManifestTensor& t = it->second;
+      format::ManifestTensor& t = it->second;
       if (inserted) {
         t.dtype = e.dtype;
         t.global_shape = global;
@@ -54,7 +54,7 @@ absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t
             "tensor {}: rank {} has {} [{}], another rank has {} [{}]", e.name, rank, e.dtype,
             fmt::join(global, ","), t.dtype, fmt::join(t.global_shape, ",")));
       }
-      persist::TensorShard piece;
+      format::TensorShard piece;
       piece.rank = rank;
       piece.file = written.file;
       piece.begin = e.begin;

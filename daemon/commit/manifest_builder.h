@@ -8,7 +8,7 @@
 #include <utility>
 
 #include "absl/status/statusor.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/staging/staged_snapshot.h"
 
@@ -17,7 +17,7 @@ namespace ckpt::daemon::commit {
 using DurableShards = std::map<uint32_t, std::pair<StagedSnapshotPtr, persist::WrittenShard>>;
 
 // Fails when two ranks disagree on a tensor's dtype or global shape.
-absl::StatusOr<persist::Manifest> BuildManifest(const std::string& job, uint64_t step,
+absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t step,
                                                 uint32_t world_size, const DurableShards& shards);
 
 }  // namespace ckpt::daemon::commit

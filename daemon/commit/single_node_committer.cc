@@ -7,11 +7,11 @@
 
 #include "common/log.h"
 #include "common/status.h"
-#include "daemon/persist/tiling.h"
+#include "format/tiling.h"
 
 namespace ckpt::daemon::commit {
 
-SingleNodeCommitter::SingleNodeCommitter(persist::CheckpointStore& store, CommitHooks hooks,
+SingleNodeCommitter::SingleNodeCommitter(format::CheckpointStore& store, CommitHooks hooks,
                                          CommitOptions options)
     : CommitterBase(store, std::move(hooks), options) {
   timeouts_ = std::thread([this] { TimeoutLoop(); });
@@ -42,7 +42,7 @@ void SingleNodeCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Wr
 }
 
 void SingleNodeCommitter::Commit(const Key& key) {
-  absl::StatusOr<persist::Manifest> manifest;
+  absl::StatusOr<format::Manifest> manifest;
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
@@ -52,7 +52,7 @@ void SingleNodeCommitter::Commit(const Key& key) {
   // Ranks that disagree about who holds which part of a tensor make a step nobody could
   // restore: it fails here, naming the tensor, instead of committing.
   if (manifest.ok()) {
-    if (absl::Status tiled = persist::CheckTiling(*manifest); !tiled.ok()) manifest = tiled;
+    if (absl::Status tiled = format::CheckTiling(*manifest); !tiled.ok()) manifest = tiled;
   }
   absl::Status committed = manifest.ok() ? store_.Commit(*manifest) : manifest.status();
   if (!committed.ok()) {

@@ -14,7 +14,7 @@ namespace ckpt::daemon::commit {
 
 class SingleNodeCommitter : public CommitterBase {
  public:
-  SingleNodeCommitter(persist::CheckpointStore& store, CommitHooks hooks, CommitOptions options);
+  SingleNodeCommitter(format::CheckpointStore& store, CommitHooks hooks, CommitOptions options);
   ~SingleNodeCommitter() override;
 
   void Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) override;

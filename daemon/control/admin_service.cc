@@ -9,8 +9,8 @@
 #include "common/secret.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
-#include "daemon/persist/manifest.h"
-#include "daemon/restore/verify.h"
+#include "format/manifest.h"
+#include "format/verify.h"
 
 namespace ckpt::daemon {
 
@@ -117,8 +117,8 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
 
 grpc::Status AdminService::Show(grpc::ServerContext*, const CheckpointRef* request, ShowReply* reply) {
   return Guarded("Show", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(persist::Manifest m, store_.LoadManifest(request->job(), request->step()));
-    reply->set_manifest_json(persist::ManifestToJson(m));
+    CKPT_ASSIGN_OR_RETURN(format::Manifest m, store_.LoadManifest(request->job(), request->step()));
+    reply->set_manifest_json(format::ManifestToJson(m));
     return absl::OkStatus();
   });
 }
@@ -134,8 +134,8 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
       return absl::ResourceExhaustedError("another verify is running; try again when it is done");
     }
     persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
-    CKPT_ASSIGN_OR_RETURN(restore::VerifyReport report,
-                          restore::VerifyCheckpoint(store_, request->job(), request->step(),
+    CKPT_ASSIGN_OR_RETURN(format::VerifyReport report,
+                          format::VerifyCheckpoint(store_, request->job(), request->step(),
                                                     LocalNode()));
     reply->set_ok(report.ok());
     reply->set_bytes_checked(report.bytes_checked);

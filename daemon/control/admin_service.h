@@ -12,7 +12,7 @@
 #include "daemon/commit/committer.h"
 #include "daemon/config.h"
 #include "daemon/control/status_board.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
@@ -25,7 +25,7 @@ namespace ckpt::daemon {
 
 // What the admin service reads; all outlive it.
 struct AdminSources {
-  persist::CheckpointStore& store;
+  format::CheckpointStore& store;
   HotCache& hot;
   persist::RetentionKeeper& retention;
   commit::Committer& committer;
@@ -82,7 +82,7 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   const Config& config_;
   AdminSources src_;
   const AdminExposure exposure_;
-  persist::CheckpointStore& store_;
+  format::CheckpointStore& store_;
   SessionRegistry& sessions_;
   cuda::StagingPool& pool_;
   StatusBoard& board_;

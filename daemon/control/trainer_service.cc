@@ -130,7 +130,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     RestoreSpec spec;
     if (request->has_step()) spec.step = request->step();
     CKPT_ASSIGN_OR_RETURN(spec.selection,
-                          TensorSelection::Make({request->include().begin(), request->include().end()},
+                          format::TensorSelection::Make({request->include().begin(), request->include().end()},
                                                 {request->exclude().begin(), request->exclude().end()}));
     spec.allow_missing = request->allow_missing();
     std::lock_guard lock(s->data_mutex());

@@ -9,7 +9,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
-#include "daemon/persist/tiling.h"
+#include "format/tiling.h"
 
 namespace ckpt::group {
 namespace {
@@ -38,7 +38,7 @@ const char* OutcomeName(Outcome outcome) {
 CommitCoordinator::CommitCoordinator(DecisionLog& log, Options options)
     : log_(log), options_(options) {}
 
-Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persist::Manifest& part) {
+Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const format::Manifest& part) {
   const Key key{part.job, part.step};
   auto refuse = [&](std::string why) { return Decision{Outcome::kAborted, std::move(why), {}}; };
   if (absl::Status valid = ValidateJobName(part.job); !valid.ok()) return refuse(Message(valid));
@@ -47,7 +47,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persi
                               options_.max_world_size));
   }
   if (part.shards.empty()) return refuse("a prepare must name at least one rank");
-  for (const persist::ManifestShard& s : part.shards) {
+  for (const format::ManifestShard& s : part.shards) {
     if (s.rank >= part.world_size) {
       return refuse(fmt::format("rank {} is outside world size {}", s.rank, part.world_size));
     }
@@ -64,9 +64,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persi
         if (recorded.ok() && recorded->has_value()) before = {Outcome::kCommitted, {}, **recorded};
       }
       if (before.outcome == Outcome::kCommitted) {
-        auto committed = persist::ParseManifest(before.manifest_json, "decision record");
+        auto committed = format::ParseManifest(before.manifest_json, "decision record");
         bool retry = committed.ok();
-        for (const persist::ManifestShard& s : part.shards) {
+        for (const format::ManifestShard& s : part.shards) {
           retry = retry && committed->NodeOf(s.rank) == node;
         }
         if (retry) return before;  // a prepare whose reply was lost: same answer again
@@ -110,7 +110,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persi
       result = recent_[key].decision;
     } else {
       std::string conflict;
-      for (const persist::ManifestShard& s : part.shards) {
+      for (const format::ManifestShard& s : part.shards) {
         auto [r, fresh] = round.node_of_rank.emplace(s.rank, node);
         if (!fresh && r->second != node) {
           conflict = fmt::format("rank {} was prepared by node {} and by node {}", s.rank,
@@ -139,12 +139,12 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const persi
 }
 
 void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
-                                           const persist::Manifest& part) {
+                                           const format::Manifest& part) {
   std::set<uint32_t> ranks;
-  for (const persist::ManifestShard& s : part.shards) ranks.insert(s.rank);
+  for (const format::ManifestShard& s : part.shards) ranks.insert(s.rank);
   for (auto it = round.parts.begin(); it != round.parts.end();) {
     if (it->first == node) {
-      persist::Manifest& old = it->second;
+      format::Manifest& old = it->second;
       std::erase_if(old.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
       for (auto& [name, tensor] : old.tensors) {
         std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
@@ -162,15 +162,15 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
 }
 
 void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
-  auto merged = persist::MergeManifestParts(round.parts);
+  auto merged = format::MergeManifestParts(round.parts);
   if (merged.ok()) {
-    if (absl::Status tiled = persist::CheckTiling(*merged); !tiled.ok()) merged = tiled;
+    if (absl::Status tiled = format::CheckTiling(*merged); !tiled.ok()) merged = tiled;
   }
   if (!merged.ok()) {
     AbortLocked(key, Message(merged.status()), out);
     return;
   }
-  std::string json = persist::ManifestToJson(*merged);
+  std::string json = format::ManifestToJson(*merged);
   // Durable before anyone hears "committed": a node that renames on this answer must
   // find the same answer after a coordinator crash.
   if (absl::Status recorded = log_.RecordCommit(key.first, key.second, json); !recorded.ok()) {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "daemon/group/decision_log.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
 namespace ckpt::group {
 
@@ -48,7 +48,7 @@ class CommitCoordinator {
   // before announcing it, and removes an aborted step's directory. Empty: every node
   // publishes its own part (node-local disks).
   struct Publisher {
-    std::function<absl::Status(const persist::Manifest&)> commit;
+    std::function<absl::Status(const format::Manifest&)> commit;
     std::function<void(const std::string& job, uint64_t step)> discard;
   };
 
@@ -66,7 +66,7 @@ class CommitCoordinator {
   // and a late prepare of an older attempt is refused, so a commit never mixes attempts.
   // Returns the step's state after this: pending, committed (this completed it, or a
   // retry of a prepare that was part of the commit), or aborted with the reason.
-  Decision Prepare(uint32_t node, uint64_t attempt, const persist::Manifest& part);
+  Decision Prepare(uint32_t node, uint64_t attempt, const format::Manifest& part);
 
   // `node` cannot finish its attempt `attempt` at the step (a rank failed to write). An
   // abort from an attempt older than the one the node prepared in this round is late and
@@ -104,7 +104,7 @@ class CommitCoordinator {
     Clock::time_point started;
     std::map<uint32_t, uint32_t> node_of_rank;
     std::map<uint32_t, uint64_t> attempt_of_node;
-    std::vector<std::pair<uint32_t, persist::Manifest>> parts;
+    std::vector<std::pair<uint32_t, format::Manifest>> parts;
     std::vector<PendingWaiter> waiters;
   };
   struct Remembered {
@@ -118,7 +118,7 @@ class CommitCoordinator {
   void CommitLocked(const Key& key, Round& round, Notifications& out);
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
-  static void ReplaceRanksLocked(Round& round, uint32_t node, const persist::Manifest& part);
+  static void ReplaceRanksLocked(Round& round, uint32_t node, const format::Manifest& part);
   static void ForgetNodeLocked(Round& round, uint32_t node);
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   static void Deliver(Notifications& notifications);

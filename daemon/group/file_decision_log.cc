@@ -7,7 +7,7 @@
 #include "common/names.h"
 #include "common/status.h"
 #include "daemon/group/decision_log.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 
 namespace ckpt::group {
 namespace {
@@ -54,7 +54,7 @@ class FileDecisionLog : public DecisionLog {
     for (const std::string& name : *names) {
       uint64_t step;
       if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
-          persist::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
+          format::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
         steps.push_back(step);
       }
     }

@@ -14,7 +14,7 @@
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "daemon/schedule/save_schedule.h"
 
 namespace ckpt::group {
@@ -37,7 +37,7 @@ class GroupClient {
   // marked this node lost): join again.
   virtual absl::StatusOr<GroupViewData> Heartbeat() = 0;
   // `attempt`: see CommitCoordinator::Prepare.
-  virtual absl::StatusOr<Decision> Prepare(const persist::Manifest& part, uint64_t attempt) = 0;
+  virtual absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) = 0;
   virtual absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
                              const std::string& reason) = 0;
   // Long-poll: returns when decided or after `wait` (then kPending).

@@ -15,7 +15,7 @@
 #include "common/secret.h"
 #include "common/status.h"
 #include "daemon/group/grpc_util.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
 namespace ckpt::group {
 namespace {
@@ -90,7 +90,7 @@ pb::MemberState ToProto(MemberState state) {
 absl::Status CheckJob(const std::string& job) { return Annotate(ValidateJobName(job), "job"); }
 
 // The part a node prepared must say what its request says.
-absl::Status CheckPartMatches(const pb::PrepareRequest& request, const persist::Manifest& part) {
+absl::Status CheckPartMatches(const pb::PrepareRequest& request, const format::Manifest& part) {
   if (part.job != request.job() || part.step != request.step() ||
       part.world_size != request.world_size()) {
     return absl::InvalidArgumentError(fmt::format(
@@ -264,10 +264,10 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
     // Only a member in good standing may vote: a prepare from an old incarnation (sent
     // before a restart) or from a node marked lost must not count. Counts as a heartbeat.
     CKPT_RETURN_IF_ERROR(coordinator_->membership.Heartbeat(node, request->incarnation()));
-    absl::StatusOr<persist::Manifest> part =
-        persist::ParseManifest(request->manifest_part_json(),
+    absl::StatusOr<format::Manifest> part =
+        format::ParseManifest(request->manifest_part_json(),
                                fmt::format("prepare from node {}", node),
-                               persist::ManifestScope::kPart);
+                               format::ManifestScope::kPart);
     if (!part.ok()) {
       return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(part.status())));
     }

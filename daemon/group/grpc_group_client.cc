@@ -132,15 +132,15 @@ class GrpcGroupClient final : public GroupClient {
     return FromProto(reply.view());
   }
 
-  absl::StatusOr<Decision> Prepare(const persist::Manifest& part, uint64_t attempt) override {
+  absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) override {
     pb::PrepareRequest request;
     request.set_node_rank(options_.node_rank);
     request.set_incarnation(incarnation_);
     request.set_job(part.job);
     request.set_step(part.step);
     request.set_world_size(part.world_size);
-    for (const persist::ManifestShard& s : part.shards) request.add_ranks(s.rank);
-    request.set_manifest_part_json(persist::ManifestToJson(part));
+    for (const format::ManifestShard& s : part.shards) request.add_ranks(s.rank);
+    request.set_manifest_part_json(format::ManifestToJson(part));
     request.set_attempt(attempt);
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);

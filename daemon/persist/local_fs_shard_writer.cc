@@ -7,8 +7,8 @@
 #include <memory>
 
 #include "common/status.h"
-#include "daemon/persist/checksum.h"
-#include "daemon/persist/manifest.h"
+#include "format/checksum.h"
+#include "format/manifest.h"
 #include "daemon/persist/shard_writer.h"
 
 namespace ckpt::persist {
@@ -31,12 +31,12 @@ class RunningChecksums {
   // Hashes bytes [position, upto) of the data region.
   void AdvanceTo(uint64_t upto) {
     while (next_ < shard_.entries.size()) {
-      const TensorEntry& e = shard_.entries[next_];
-      const bool chunked = ChecksumChunks(e.end - e.begin, kChecksumChunkBytes) != 0;
+      const format::TensorEntry& e = shard_.entries[next_];
+      const bool chunked = format::ChecksumChunks(e.end - e.begin, format::kChecksumChunkBytes) != 0;
       position_ = std::max(position_, e.begin);
       while (position_ < std::min(upto, e.end)) {
         // Up to the next chunk boundary of the entry (its own offsets, not the file's).
-        uint64_t boundary = e.begin + ((position_ - e.begin) / kChecksumChunkBytes + 1) * kChecksumChunkBytes;
+        uint64_t boundary = e.begin + ((position_ - e.begin) / format::kChecksumChunkBytes + 1) * format::kChecksumChunkBytes;
         uint64_t stop = std::min({upto, e.end, boundary});
         whole_.Update(shard_.data + position_, stop - position_);
         if (chunked) chunk_.Update(shard_.data + position_, stop - position_);
@@ -56,8 +56,8 @@ class RunningChecksums {
  private:
   const StagedShard& shard_;
   WrittenShard& out_;
-  Checksum whole_;
-  Checksum chunk_;
+  format::Checksum whole_;
+  format::Checksum chunk_;
   size_t next_ = 0;
   uint64_t position_ = 0;
 };
@@ -74,9 +74,9 @@ class LocalFsShardWriter final : public ShardWriter {
 
   absl::StatusOr<WrittenShard> Write(const StagedShard& shard, const std::string& dir) override {
     WrittenShard out;
-    out.file = ShardFileName(shard.rank);
+    out.file = format::ShardFileName(shard.rank);
     const std::string path = dir + "/" + out.file;
-    const std::string header = EncodeHeader(shard.entries, shard.metadata, kBlock);
+    const std::string header = format::EncodeHeader(shard.entries, shard.metadata, kBlock);
     RunningChecksums checksums(shard, out);
     Chunks chunks{shard, checksums, between_chunks_};
     bool aligned = reinterpret_cast<uintptr_t>(shard.data) % kBlock == 0;

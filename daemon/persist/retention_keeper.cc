@@ -49,7 +49,7 @@ RetentionKeeper::Pin::~Pin() {
   owner_.pins_.erase(owner_.pins_.find(key_));
 }
 
-RetentionKeeper::RetentionKeeper(CheckpointStore& store, RetentionPolicy policy,
+RetentionKeeper::RetentionKeeper(format::CheckpointStore& store, RetentionPolicy policy,
                                  std::function<void(const std::string&, uint64_t)> on_deleted,
                                  std::function<void(const std::string&)> on_error)
     : store_(store), policy_(policy), on_deleted_(std::move(on_deleted)),
@@ -106,7 +106,7 @@ std::vector<uint64_t> RetentionKeeper::EphemeralSteps(const std::string& job,
   for (size_t i = 0; i + 1 < steps.size(); ++i) {  // the latest is kept whatever it is
     auto it = known.find(steps[i]);
     if (it == known.end()) {
-      absl::StatusOr<Manifest> manifest = store_.LoadManifest(job, steps[i]);
+      absl::StatusOr<format::Manifest> manifest = store_.LoadManifest(job, steps[i]);
       if (!manifest.ok()) continue;  // unreadable: not ours to judge here, ask again later
       auto flag = manifest->metadata.find(kEphemeralKey);
       it = known.emplace(steps[i], flag != manifest->metadata.end() && flag->second == "1").first;

@@ -14,7 +14,7 @@
 #include <thread>
 #include <utility>
 
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/persist/retention.h"
 
 namespace ckpt::persist {
@@ -23,7 +23,7 @@ class RetentionKeeper {
  public:
   // `on_deleted` runs after each deletion (the hot cache drops that step); `on_error` gets
   // a message for the operator.
-  RetentionKeeper(CheckpointStore& store, RetentionPolicy policy,
+  RetentionKeeper(format::CheckpointStore& store, RetentionPolicy policy,
                   std::function<void(const std::string&, uint64_t)> on_deleted,
                   std::function<void(const std::string&)> on_error);
   ~RetentionKeeper();  // finishes what is scheduled
@@ -61,7 +61,7 @@ class RetentionKeeper {
   // manifest is read once (the answer is kept: a committed step does not change).
   std::vector<uint64_t> EphemeralSteps(const std::string& job, const std::vector<uint64_t>& steps);
 
-  CheckpointStore& store_;
+  format::CheckpointStore& store_;
   const RetentionPolicy policy_;
   std::function<void(const std::string&, uint64_t)> on_deleted_;
   std::function<void(const std::string&)> on_error_;

@@ -11,22 +11,12 @@
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
-#include "daemon/persist/manifest.h"  // ShardFileName
-#include "daemon/persist/safetensors.h"
-#include "daemon/persist/staging_watermark.h"
+#include "daemon/staging/staged_shard.h"
+#include "format/manifest.h"  // ShardFileName
 
 namespace ckpt::persist {
 
-// A staged snapshot: `data` holds every entry back to back, exactly the shard's data region.
-struct StagedShard {
-  uint32_t rank = 0;
-  const char* data = nullptr;  // owned by the caller's staging block for the call's duration
-  uint64_t data_bytes = 0;
-  std::vector<TensorEntry> entries;  // tensors and train-state blobs, contiguous, in order
-  std::map<std::string, std::string> metadata;
-  // Null when all of `data` is in place; otherwise the writer reads only what has landed.
-  const StagingWatermark* landed = nullptr;
-};
+using daemon::StagedShard;
 
 struct WrittenShard {
   std::string file;  // name within the step directory

@@ -17,7 +17,7 @@
 #include "common/names.h"
 #include "common/status.h"
 #include "common/dtype.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "shm/futex.h"
 #include "shm/prefault.h"
 
@@ -50,13 +50,13 @@ absl::Status ValidatePlacement(const ::ckptd::v1::TensorSpec& t) {
           "tensor {}: flat element ranges need the global shape and no global offset", t.name()));
     }
   }
-  // The same check as every manifest's pieces get (persist::CheckPlacement).
-  persist::TensorShard piece;
+  // The same check as every manifest's pieces get (format::CheckPlacement).
+  format::TensorShard piece;
   piece.shape.assign(t.shape().begin(), t.shape().end());
   piece.offset.assign(t.global_offset().begin(), t.global_offset().end());
   for (const auto& r : t.flat_ranges()) piece.flat.push_back({r.begin(), r.end()});
   std::vector<int64_t> global(t.global_shape().begin(), t.global_shape().end());
-  if (absl::Status placed = persist::CheckPlacement(piece, global); !placed.ok()) {
+  if (absl::Status placed = format::CheckPlacement(piece, global); !placed.ok()) {
     return absl::InvalidArgumentError(fmt::format("tensor {}: the piece {} (global shape [{}])",
                                                   t.name(), std::string(placed.message()), fmt::join(global, ", ")));
   }

@@ -11,8 +11,8 @@
 
 #include "cuda/staging_pool.h"
 #include "daemon/staging/staging_ledger.h"
-#include "daemon/persist/shard_writer.h"
-#include "daemon/persist/staging_watermark.h"
+#include "daemon/staging/staged_shard.h"
+#include "format/manifest.h"
 #include "shm/layout.h"
 
 namespace ckpt::daemon {
@@ -26,12 +26,12 @@ class TicketSink {
                               std::string_view error = {}) = 0;
 };
 
-// Where a registered tensor sits in its global tensor (persist::TensorShard): a box at
+// Where a registered tensor sits in its global tensor (format::TensorShard): a box at
 // `offset`, or flat element ranges. Empty: the tensor is whole.
 struct TensorPlacement {
   std::vector<int64_t> global_shape;
   std::vector<int64_t> offset;
-  std::vector<persist::ElementRange> flat;
+  std::vector<format::ElementRange> flat;
 };
 
 struct StagedSnapshot {
@@ -40,8 +40,8 @@ struct StagedSnapshot {
   uint32_t rank = 0;
   uint32_t world_size = 0;
   cuda::StagingBlockPtr block;
-  persist::StagingWatermark landed;  // how much of `block` the stager has filled
-  persist::StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
+  StagingWatermark landed;  // how much of `block` the stager has filled
+  StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
@@ -51,7 +51,7 @@ struct StagedSnapshot {
   // its step was aborted is a new attempt at that step, not a late rank of the old one.
   std::chrono::steady_clock::time_point session_started{};
   // The same instant on the wall clock (ns since the epoch): orders a job's runs in the
-  // manifest, so "latest" survives daemon restarts (persist::Manifest::run).
+  // manifest, so "latest" survives daemon restarts (format::Manifest::run).
   uint64_t session_started_unix_ns = 0;
   uint64_t ticket = 0;
   // Counts the block against the job's fair share while the snapshot is in flight; dropped

@@ -10,7 +10,7 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "daemon/staging/cow_copy.h"
 #include "shm/sealed_segment.h"
 
@@ -78,10 +78,10 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
-  if (step > persist::kMaxStep) {
+  if (step > format::kMaxStep) {
     return absl::InvalidArgumentError(fmt::format(
         "step {} is beyond the largest step a checkpoint directory can name ({})", step,
-        persist::kMaxStep));
+        format::kMaxStep));
   }
   // Everything the trainer sent is checked before any of it is used: it ends up in JSON
   // headers and manifests, where a byte that is not text would fail the write later.
@@ -112,7 +112,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     offset += t.nbytes;
   }
   for (const shm::NamedBlob& blob : payload.train_state) {
-    snap->shard.entries.push_back({persist::TrainStateKey(blob.name), "U8",
+    snap->shard.entries.push_back({format::TrainStateKey(blob.name), "U8",
                                    {static_cast<int64_t>(blob.data.size())}, offset,
                                    offset + blob.data.size()});
     snap->train_state_names.push_back(blob.name);
@@ -141,7 +141,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (size_t i = 0; i < payload.train_state.size(); ++i) {
-    const persist::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
+    const format::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
     std::memcpy(snap->block->data() + e.begin, payload.train_state[i].data.data(), e.end - e.begin);
   }
   snap->landed.Advance(total);
@@ -153,7 +153,7 @@ absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot&
   SplitCopy job;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
     if (!only[i]) continue;
-    const persist::TensorEntry& e = snap.shard.entries[i];
+    const format::TensorEntry& e = snap.shard.entries[i];
     job.Add((*session.tensors)[i], {snap.block->data() + e.begin, (*session.tensors)[i].data, e.end - e.begin});
   }
   return CopySplit(engine_, device_engines_, job, session.cuda_after);
@@ -176,7 +176,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
     for (size_t i = 0; i < cow.size(); ++i) {
       rest[i] = !cow[i];
       if (!cow[i]) continue;
-      const persist::TensorEntry& e = snap.shard.entries[i];
+      const format::TensorEntry& e = snap.shard.entries[i];
       regions.push_back({tensors[i].trainer_address, tensors[i].nbytes, tensors[i].data,
                          snap.block->data() + e.begin});
     }
@@ -214,7 +214,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
     const uint64_t hi = std::min(tensor_bytes, lo + chunk_bytes);
     SplitCopy chunk;
     for (size_t i = first; i < snap.tensor_count; ++i) {
-      const persist::TensorEntry& e = snap.shard.entries[i];
+      const format::TensorEntry& e = snap.shard.entries[i];
       if (e.begin >= hi) break;
       const uint64_t a = std::max(lo, e.begin), b = std::min(hi, e.end);
       if (b > a) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});

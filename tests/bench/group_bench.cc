@@ -51,7 +51,7 @@
 #include "daemon/group/decision_log.h"
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_server.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "proto/group.grpc.pb.h"
 
 extern char** environ;
@@ -170,20 +170,20 @@ class Board {
 
 // One rank's manifest part, as a node's commit stage would prepare it after the shard is
 // durable.
-ckpt::persist::Manifest Part(uint32_t rank, uint32_t world_size, uint64_t step) {
-  ckpt::persist::Manifest m;
+ckpt::format::Manifest Part(uint32_t rank, uint32_t world_size, uint64_t step) {
+  ckpt::format::Manifest m;
   m.job = "bench";
   m.step = step;
   m.world_size = world_size;
   m.ckptd_version = "group_bench";
   m.wall_time = "2026-01-01T00:00:00Z";
   std::string file = fmt::format("rank-{}.safetensors", rank);
-  ckpt::persist::ManifestShard shard;
+  ckpt::format::ManifestShard shard;
   shard.rank = rank;
   shard.file = file;
   shard.bytes = 4096;
   m.shards.push_back(shard);
-  ckpt::persist::ManifestTensor& t = m.tensors["w"];
+  ckpt::format::ManifestTensor& t = m.tensors["w"];
   t.dtype = "F32";
   t.global_shape = {16 * int64_t{world_size}};
   t.shards.push_back({rank, file, 0, 64, {16 * int64_t{rank}}, {16}, "xxh64:0", {}, {}});
@@ -205,7 +205,7 @@ absl::Status RunNode(Board& board, const std::string& coordinator, uint32_t node
     board.Slot(kBarrier, r, node, 2) = NowNs();
   }
   for (uint32_t r = 0; r < board.rounds(); ++r) {
-    ckpt::persist::Manifest part = Part(node, n, r + 1);
+    ckpt::format::Manifest part = Part(node, n, r + 1);
     board.Gate(kCommit, r);
     board.Slot(kCommit, r, node, 1) = NowNs();
     CKPT_ASSIGN_OR_RETURN(group::Decision d, client->Prepare(part, 1));

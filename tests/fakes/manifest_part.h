@@ -8,24 +8,24 @@
 #include <string>
 #include <vector>
 
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
 namespace ckpt::testing {
 
-inline persist::Manifest ManifestPart(const std::string& job, uint64_t step, uint32_t world_size,
+inline format::Manifest ManifestPart(const std::string& job, uint64_t step, uint32_t world_size,
                                       std::vector<uint32_t> ranks) {
-  persist::Manifest m;
+  format::Manifest m;
   m.job = job;
   m.step = step;
   m.world_size = world_size;
   m.ckptd_version = "test";
   m.wall_time = "2024-01-01T00:00:00Z";
   for (uint32_t r : ranks) {
-    persist::ManifestShard s;
+    format::ManifestShard s;
     s.rank = r;
     s.file = fmt::format("rank-{:05d}.safetensors", r);
     s.bytes = 1000 + r;
-    persist::ManifestTensor& w = m.tensors["w"];
+    format::ManifestTensor& w = m.tensors["w"];
     w.dtype = "F32";
     w.global_shape = {16 * static_cast<int64_t>(world_size)};
     w.shards.push_back({r, s.file, 0, 64, {16 * static_cast<int64_t>(r)}, {16}, "", {}, {}});

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "common/filesystem.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/session/session.h"
 #include "proto/admin.pb.h"
 #include "proto/trainer.pb.h"
@@ -20,7 +20,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const char* bytes = reinterpret_cast<const char*>(data) + 1;
   int length = static_cast<int>(size - 1);
   if (data[0] & 1) {
-    static ckpt::persist::CheckpointStore store(ckpt::MakePosixFilesystem(),
+    static ckpt::format::CheckpointStore store(ckpt::MakePosixFilesystem(),
                                                 "/tmp/ckptd-fuzz-empty-root");
     ::ckptd::v1::CheckpointRef ref;
     if (!ref.ParseFromArray(bytes, length)) return 0;

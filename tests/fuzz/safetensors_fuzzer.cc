@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "common/filesystem.h"
-#include "daemon/persist/safetensors.h"
+#include "format/safetensors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static ckpt::FilesystemPtr fs = ckpt::MakePosixFilesystem();
@@ -16,7 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ::close(fd);
     return 0;
   }
-  auto header = ckpt::persist::ReadHeader(*fs, fd, size, "fuzz.safetensors");
+  auto header = ckpt::format::ReadHeader(*fs, fd, size, "fuzz.safetensors");
   if (header.ok()) {
     // A valid header describes only bytes inside the file.
     for (const auto& t : header->tensors) {

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "daemon/persist/safetensors.h"
+#include "format/safetensors.h"
 #include "tests/fakes/flip_bit.h"
 #include "tests/integration/common.h"
 #include "tests/integration/global_pattern.h"
@@ -39,13 +39,13 @@ RunResult Export(const Daemon& d, const TempDir& dir, std::vector<std::string> a
 }
 
 // Reads every tensor of a safetensors file with the project's own reader.
-std::map<std::string, std::pair<ckpt::persist::TensorEntry, std::vector<char>>> ReadAll(const std::string& path) {
+std::map<std::string, std::pair<ckpt::format::TensorEntry, std::vector<char>>> ReadAll(const std::string& path) {
   ckpt::FilesystemPtr fs = ckpt::MakePosixFilesystem();
   auto fd = fs->OpenForRead(path);
   REQUIRE(fd.ok());
-  auto header = ckpt::persist::ReadHeader(*fs, fd->get(), fs::file_size(path), path);
+  auto header = ckpt::format::ReadHeader(*fs, fd->get(), fs::file_size(path), path);
   REQUIRE(header.ok());
-  std::map<std::string, std::pair<ckpt::persist::TensorEntry, std::vector<char>>> out;
+  std::map<std::string, std::pair<ckpt::format::TensorEntry, std::vector<char>>> out;
   for (const auto& e : header->tensors) {
     std::vector<char> data(e.end - e.begin);
     REQUIRE(fs->ReadAt(fd->get(), data.data(), data.size(), header->data_start + e.begin).ok());

@@ -11,16 +11,17 @@
 #include <cerrno>
 
 #include "common/status.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 #include "daemon/persist/shard_writer.h"
-#include "daemon/restore/verify.h"
+#include "format/verify.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
 using namespace ckpt::persist;
+using namespace ckpt::format;
 using ckpt::testing::TempDir;
-using ckpt::restore::VerifyCheckpoint;
+using ckpt::format::VerifyCheckpoint;
 using Op = ckpt::testing::FaultyFilesystem::Op;
 
 namespace {

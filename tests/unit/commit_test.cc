@@ -17,7 +17,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_server.h"
 #include "daemon/persist/retention_keeper.h"
-#include "daemon/restore/verify.h"
+#include "format/verify.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
 #include "tests/fakes/faulty_filesystem.h"
@@ -68,7 +68,7 @@ class RecordingSink : public TicketSink {
 class GatedWriter : public persist::ShardWriter {
  public:
   explicit GatedWriter(persist::ShardWriter& real) : real_(real) {}
-  absl::StatusOr<persist::WrittenShard> Write(const persist::StagedShard& shard,
+  absl::StatusOr<persist::WrittenShard> Write(const StagedShard& shard,
                                               const std::string& dir) override {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] {
@@ -110,7 +110,7 @@ struct Stages {
   testing::TempDir dir;
   std::shared_ptr<testing::FaultyFilesystem> fs =
       std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
-  persist::CheckpointStore store{fs, dir.path() + "/root"};
+  format::CheckpointStore store{fs, dir.path() + "/root"};
   persist::ShardWriterPtr real_writer = persist::MakeLocalFsShardWriter(fs);
   GatedWriter writer{*real_writer};
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(16 << 20, false));
@@ -130,7 +130,7 @@ struct Stages {
 
   commit::CommitHooks Hooks() {
     commit::CommitHooks hooks;
-    hooks.committed = [this](const persist::Manifest& m, const std::vector<StagedSnapshotPtr>& local) {
+    hooks.committed = [this](const format::Manifest& m, const std::vector<StagedSnapshotPtr>& local) {
       ++committed;
       hot.Insert(local);
       retention.Schedule(m.job);
@@ -248,7 +248,7 @@ TEMPLATE_TEST_CASE("a step commits only when every rank is written", "[commit]",
     REQUIRE(manifest->nodes.size() == 1);
     CHECK(manifest->nodes[0].ranks == std::vector<uint32_t>{0, 1});
   }
-  CHECK(restore::VerifyCheckpoint(f.store, "job", 10)->ok());
+  CHECK(format::VerifyCheckpoint(f.store, "job", 10)->ok());
   CHECK(f.committed == 1);
   CHECK(f.committer.InFlight().empty());
 }
@@ -354,7 +354,7 @@ TEMPLATE_TEST_CASE("a step already committed is refused, the committed one untou
   uint64_t again = f.Submit(10, 0, 1, 3.0f, std::chrono::steady_clock::now());
   CHECK(f.sink->WaitFinal(again) == shm::kTicketFailed);
   CHECK(f.sink->error(again).find("already committed") != std::string::npos);
-  CHECK(restore::VerifyCheckpoint(f.store, "job", 10)->ok());
+  CHECK(format::VerifyCheckpoint(f.store, "job", 10)->ok());
 }
 
 TEMPLATE_TEST_CASE("late results of an ended attempt never count towards, or fail, a newer one",
@@ -368,7 +368,7 @@ TEMPLATE_TEST_CASE("late results of an ended attempt never count towards, or fai
   auto fresh = f.Snapshot(10, 0, 1, 2.0f, std::chrono::steady_clock::now());
   REQUIRE(f.committer.Arrived(fresh).ok());
   // Attempt 1's I/O thread reports late: neither its shard nor its failure is attempt 2's.
-  f.committer.Durable(old, {persist::ShardFileName(0), 64, {}});
+  f.committer.Durable(old, {format::ShardFileName(0), 64, {}});
   f.committer.Failed(old, "late failure of attempt 1");
   CHECK_FALSE(f.committer.StepDirectory(old).ok());
   auto in_flight = f.committer.InFlight();

@@ -7,9 +7,9 @@
 #include <limits>
 #include <vector>
 
-#include "daemon/export/dtype_convert.h"
-#include "daemon/export/exporter.h"
-#include "daemon/export/rename_rules.h"
+#include "client/export/dtype_convert.h"
+#include "client/export/exporter.h"
+#include "client/export/rename_rules.h"
 
 using namespace ckpt::exporter;
 

@@ -16,7 +16,7 @@
 #include "daemon/group/decision_log.h"
 #include "daemon/group/gather_table.h"
 #include "daemon/group/membership.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
@@ -60,7 +60,7 @@ class MemoryDecisionLog : public DecisionLog {
 
 using ckpt::testing::ManifestPart;
 
-persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
+format::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
                        std::vector<uint32_t> ranks) {
   return ManifestPart(job, step, world_size, std::move(ranks));
 }
@@ -283,7 +283,7 @@ TEST_CASE("commit: all ranks prepared across three nodes commit with a merged ma
 
   Decision d = c.Prepare(2, 1, Part("job", 100, 4, {3}));
   REQUIRE(d.outcome == Outcome::kCommitted);
-  auto merged = persist::ParseManifest(d.manifest_json, "test");
+  auto merged = format::ParseManifest(d.manifest_json, "test");
   REQUIRE(merged.ok());
   CHECK(merged->shards.size() == 4);
   REQUIRE(merged->nodes.size() == 3);
@@ -463,7 +463,7 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
   CommitCoordinator after(log, {});
   Decision committed = after.Lookup("job", 20);
   CHECK(committed.outcome == Outcome::kCommitted);
-  CHECK(persist::ParseManifest(committed.manifest_json, "test").ok());
+  CHECK(format::ParseManifest(committed.manifest_json, "test").ok());
   CHECK(after.Lookup("job", 21).outcome == Outcome::kUnknown);
   CHECK(after.Lookup("other", 1).outcome == Outcome::kUnknown);
   // A node retrying its prepare of the committed step hears committed.
@@ -511,21 +511,21 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
 TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {
   MemoryDecisionLog log;
   CommitCoordinator c(log, {});
-  persist::Manifest old_part = Part("job", 12, 2, {0});
+  format::Manifest old_part = Part("job", 12, 2, {0});
   old_part.shards[0].bytes = 111;
   old_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "old"}}};
   c.Prepare(0, 1, old_part);
   // The rank was written again (a new attempt this coordinator had not told apart): the
   // manifest must describe the file now on disk.
-  persist::Manifest new_part = Part("job", 12, 2, {0});
+  format::Manifest new_part = Part("job", 12, 2, {0});
   new_part.shards[0].bytes = 222;
   new_part.tensors["w"] = {"F32", {2}, {{0, "rank-00000.safetensors", 0, 4, {0}, {1}, "new"}}};
   CHECK(c.Prepare(0, 1, new_part).outcome == Outcome::kPending);
-  persist::Manifest other = Part("job", 12, 2, {1});
+  format::Manifest other = Part("job", 12, 2, {1});
   other.tensors["w"] = {"F32", {2}, {{1, "rank-00001.safetensors", 0, 4, {1}, {1}, "one"}}};
   Decision d = c.Prepare(1, 1, other);
   REQUIRE(d.outcome == Outcome::kCommitted);
-  auto m = persist::ParseManifest(d.manifest_json, "decision");
+  auto m = format::ParseManifest(d.manifest_json, "decision");
   REQUIRE(m.ok());
   CHECK(m->shards[0].bytes == 222);
   REQUIRE(m->tensors.at("w").shards.size() == 2);

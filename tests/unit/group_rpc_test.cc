@@ -24,7 +24,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 #include "daemon/schedule/save_clock.h"
 #include "proto/group.grpc.pb.h"
 #include "tests/fakes/temp_dir.h"
@@ -55,7 +55,7 @@ GroupOptions NodeOptions(uint32_t node, uint32_t nodes, std::string coordinator)
 
 using ckpt::testing::ManifestPart;
 
-persist::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
+format::Manifest Part(const std::string& job, uint64_t step, uint32_t world_size,
                        std::vector<uint32_t> ranks) {
   return ManifestPart(job, step, world_size, std::move(ranks));
 }
@@ -167,7 +167,7 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   REQUIRE(polled.ok());
   CHECK(polled->outcome == Outcome::kCommitted);
   CHECK(poll_took < 3s);  // answered by the commit, not by the wait running out
-  auto manifest = persist::ParseManifest(polled->manifest_json, "outcome");
+  auto manifest = format::ParseManifest(polled->manifest_json, "outcome");
   REQUIRE(manifest.ok());
   CHECK(manifest->nodes.size() == 3);
   CHECK(clients[1]->Heartbeat()->committed.at("job") == 100);

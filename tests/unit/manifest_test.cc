@@ -3,9 +3,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
-using namespace ckpt::persist;
+using namespace ckpt::format;
 
 namespace {
 
@@ -21,7 +21,7 @@ Manifest Sample() {
   for (uint32_t r = 0; r < 2; ++r) {
     ManifestShard s;
     s.rank = r;
-    s.file = ckpt::persist::ShardFileName(r);
+    s.file = ckpt::format::ShardFileName(r);
     s.bytes = 100 + r;
     s.train_state["rng"] = {16, 24, "xxh3:00000000000000ab"};
     m.shards.push_back(s);
@@ -119,16 +119,16 @@ TEST_CASE("a manifest cannot point a reader outside its files or its tensors") {
 
 namespace {
 
-ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::string dtype = "F32") {
-  ckpt::persist::Manifest m;
+ckpt::format::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::string dtype = "F32") {
+  ckpt::format::Manifest m;
   m.job = "llm";
   m.step = 40;
   m.world_size = world;
   m.ckptd_version = "test";
   for (uint32_t r : ranks) {
-    ckpt::persist::ManifestShard s;
+    ckpt::format::ManifestShard s;
     s.rank = r;
-    s.file = ckpt::persist::ShardFileName(r);
+    s.file = ckpt::format::ShardFileName(r);
     s.bytes = 64;
     m.shards.push_back(s);
     m.tensors["w"].dtype = dtype;
@@ -141,7 +141,7 @@ ckpt::persist::Manifest Part(uint32_t world, std::vector<uint32_t> ranks, std::s
 }  // namespace
 
 TEST_CASE("nodes' manifest parts merge into the whole step, with who holds what") {
-  using ckpt::persist::MergeManifestParts;
+  using ckpt::format::MergeManifestParts;
   auto merged = MergeManifestParts({{2, Part(4, {3})}, {0, Part(4, {0, 1})}, {1, Part(4, {2})}});
   REQUIRE(merged.ok());
   CHECK(merged->shards.size() == 4);
@@ -151,17 +151,17 @@ TEST_CASE("nodes' manifest parts merge into the whole step, with who holds what"
   CHECK(merged->nodes[0].ranks == std::vector<uint32_t>{0, 1});
   CHECK(merged->NodeOf(3) == 2u);
   // The merged manifest is a whole one: it round-trips, nodes included.
-  auto parsed = ckpt::persist::ParseManifest(ckpt::persist::ManifestToJson(*merged), "merged");
+  auto parsed = ckpt::format::ParseManifest(ckpt::format::ManifestToJson(*merged), "merged");
   REQUIRE(parsed.ok());
   CHECK(parsed->nodes.size() == 3);
   // A part parses only as a part.
-  std::string part = ckpt::persist::ManifestToJson(Part(4, {1, 3}));
-  CHECK_FALSE(ckpt::persist::ParseManifest(part, "p").ok());
-  CHECK(ckpt::persist::ParseManifest(part, "p", ckpt::persist::ManifestScope::kPart).ok());
+  std::string part = ckpt::format::ManifestToJson(Part(4, {1, 3}));
+  CHECK_FALSE(ckpt::format::ParseManifest(part, "p").ok());
+  CHECK(ckpt::format::ParseManifest(part, "p", ckpt::format::ManifestScope::kPart).ok());
 }
 
 TEST_CASE("parts that disagree or leave a gap are refused, naming the problem") {
-  using ckpt::persist::MergeManifestParts;
+  using ckpt::format::MergeManifestParts;
   auto missing = MergeManifestParts({{0, Part(3, {0})}, {1, Part(3, {2})}});
   REQUIRE_FALSE(missing.ok());
   CHECK(ckpt::Message(missing.status()).find("missing ranks 1") != std::string::npos);

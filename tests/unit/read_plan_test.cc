@@ -10,14 +10,14 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "daemon/restore/read_plan.h"
+#include "format/read_plan.h"
 
-using ckpt::persist::ElementRange;
-using ckpt::persist::Manifest;
-using ckpt::persist::TensorShard;
-using ckpt::restore::PlanRead;
-using ckpt::restore::ReadPlan;
-using ckpt::restore::WantedTensor;
+using ckpt::format::ElementRange;
+using ckpt::format::Manifest;
+using ckpt::format::TensorShard;
+using ckpt::format::PlanRead;
+using ckpt::format::ReadPlan;
+using ckpt::format::WantedTensor;
 
 namespace {
 
@@ -195,8 +195,8 @@ TEST_CASE("a flat shard in its saved place reads its whole entry; rows become on
   REQUIRE(rows->tensors[0].reads.size() == 2);
   REQUIRE(rows->tensors[0].reads[0].runs.size() == 1);
   REQUIRE(rows->tensors[0].reads[1].runs.size() == 1);
-  CHECK(rows->tensors[0].reads[0].runs[0] == ckpt::restore::ByteRun{30 * 4, 0, 7 * 4});
-  CHECK(rows->tensors[0].reads[1].runs[0] == ckpt::restore::ByteRun{0, 7 * 4, 23 * 4});
+  CHECK(rows->tensors[0].reads[0].runs[0] == ckpt::format::ByteRun{30 * 4, 0, 7 * 4});
+  CHECK(rows->tensors[0].reads[1].runs[0] == ckpt::format::ByteRun{0, 7 * 4, 23 * 4});
 }
 
 TEST_CASE("flat elements no saved shard holds, and flat shards that overlap, are named") {
@@ -272,7 +272,7 @@ TEST_CASE("wrong names, dtypes, shapes and placements are all listed at once") {
   CHECK(why.find("b: global shape [12, 10] saved, [3, 3] wanted") != std::string::npos);
   CHECK(why.find("the wanted piece lies outside the global shape") != std::string::npos);
   // Non-strict: missing tensors are skipped and listed, the others still planned.
-  ckpt::restore::ReadPlanOptions skip_missing;
+  ckpt::format::ReadPlanOptions skip_missing;
   skip_missing.allow_missing = true;
   auto lenient = PlanRead(saved.manifest,
                           {{"gone", "F32", {1}, {}, {}}, {"w", "F32", {kRows, kCols}, {}, {}}},
@@ -303,7 +303,7 @@ TEST_CASE("scalars and one-dimensional tensors plan too, and huge run counts are
   CHECK(scalar->tensors[0].whole_entry());
   // A 1 x N column cut of a tall tensor is a run per row: bounded.
   Saved saved = Save(Rows({kRows}));
-  ckpt::restore::ReadPlanOptions bounded;
+  ckpt::format::ReadPlanOptions bounded;
   bounded.max_runs = 4;
   auto fine = PlanRead(saved.manifest, {{"w", "F32", {kRows, 1}, {kRows, kCols}, {0, 3}}}, bounded);
   CHECK(fine.status().code() == absl::StatusCode::kResourceExhausted);
@@ -329,7 +329,7 @@ TEST_CASE("a rank's saved pieces plan as its own whole entries (verify and same-
   saved.manifest.tensors["w"].shards.erase(saved.manifest.tensors["w"].shards.begin() + 1);
   Saved rows = Save(Rows({3, 3, 3, 3}));
   rows.manifest.world_size = 4;
-  auto pieces = ckpt::restore::SavedPieces(rows.manifest)[2];
+  auto pieces = ckpt::format::SavedPieces(rows.manifest)[2];
   REQUIRE(pieces.size() == 1);
   CHECK(pieces[0].offset == std::vector<int64_t>{6, 0});
   CHECK(pieces[0].from_rank == 2u);
@@ -338,7 +338,7 @@ TEST_CASE("a rank's saved pieces plan as its own whole entries (verify and same-
   CHECK(plan->tensors[0].whole_entry());
   CHECK(plan->tensors[0].reads[0].rank == 2);
   saved.manifest.world_size = 1;
-  auto flat = ckpt::restore::SavedPieces(saved.manifest)[0];
+  auto flat = ckpt::format::SavedPieces(saved.manifest)[0];
   REQUIRE(flat.size() == 1);
   CHECK(flat[0].flat.size() == 2);
   CHECK(flat[0].shape == std::vector<int64_t>{40});

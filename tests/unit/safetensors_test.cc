@@ -4,11 +4,11 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "daemon/persist/safetensors.h"
+#include "format/safetensors.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
-using namespace ckpt::persist;
+using namespace ckpt::format;
 
 namespace {
 

@@ -12,10 +12,10 @@
 
 #include "common/status.h"
 #include "cuda/staging_pool.h"
-#include "daemon/persist/checksum.h"
-#include "daemon/persist/manifest.h"
+#include "format/checksum.h"
+#include "format/manifest.h"
 #include "daemon/persist/shard_writer.h"
-#include "daemon/persist/shard_reader.h"
+#include "format/shard_reader.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/flip_bit.h"
 #include "tests/fakes/temp_dir.h"
@@ -23,6 +23,8 @@
 
 using namespace ckpt;
 using namespace ckpt::persist;
+using namespace ckpt::format;
+using ckpt::daemon::StagingWatermark;
 
 namespace {
 

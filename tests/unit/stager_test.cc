@@ -10,7 +10,7 @@
 #include "cuda/staging_pool.h"
 #include "daemon/commit/single_node_committer.h"
 #include "daemon/persist/retention_keeper.h"
-#include "daemon/restore/verify.h"
+#include "format/verify.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
@@ -65,7 +65,7 @@ class LastStateSink : public TicketSink {
 struct Fixture {
   testing::TempDir dir;
   FilesystemPtr fs = MakePosixFilesystem();
-  persist::CheckpointStore store{fs, dir.path()};
+  format::CheckpointStore store{fs, dir.path()};
   persist::ShardWriterPtr writer = persist::MakeLocalFsShardWriter(fs);
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(4 << 20, false));
   ProgressSignal progress;
@@ -78,7 +78,7 @@ struct Fixture {
 
   commit::CommitHooks Hooks() {
     commit::CommitHooks hooks;
-    hooks.committed = [this](const persist::Manifest&, const std::vector<StagedSnapshotPtr>& local) {
+    hooks.committed = [this](const format::Manifest&, const std::vector<StagedSnapshotPtr>& local) {
       hot.Insert(local);
     };
     return hooks;
@@ -140,11 +140,11 @@ TEST_CASE("staging copies chunk by chunk, in order, and the committed shard is e
     CHECK(expect == std::min(tensor_bytes, (c + 1) * kChunk));
   }
   REQUIRE(ckpt::testing::WaitUntil([&] { return f.sink->Get() == shm::kTicketCommitted; }, 10s));
-  auto report = restore::VerifyCheckpoint(f.store, "job", 10);
+  auto report = format::VerifyCheckpoint(f.store, "job", 10);
   REQUIRE(report.ok());
   CHECK(report->ok());
   for (size_t i = 0; i < f.tensors.size(); ++i) {
-    const persist::TensorEntry& e = (*staged)->shard.entries[i];
+    const format::TensorEntry& e = (*staged)->shard.entries[i];
     CHECK(std::string(base + e.begin, e.end - e.begin) ==
           std::string(f.buffers[i].begin(), f.buffers[i].end()));
   }
@@ -178,7 +178,7 @@ TEST_CASE("host tensors are copied as one job: the writer could not overlap them
   auto staged = stager.Stage(view, 40, {});
   REQUIRE(staged.ok());
   CHECK(f.engine.calls.size() == 1);
-  const persist::TensorEntry& last = (*staged)->shard.entries.back();
+  const format::TensorEntry& last = (*staged)->shard.entries.back();
   CHECK(std::string((*staged)->block->data() + last.begin, last.end - last.begin) ==
         std::string(f.buffers.back().begin(), f.buffers.back().end()));
 }
@@ -197,12 +197,12 @@ TEST_CASE("a snapshot is checked whole before anything is staged") {
     CHECK_FALSE(laid_out);
     CHECK(f.pool->used() == 0);
   };
-  refused(persist::kMaxStep + 1, {}, "beyond the largest step");
+  refused(format::kMaxStep + 1, {}, "beyond the largest step");
   shm::SnapshotPayload twice;
   twice.train_state = {{"rng", "a"}, {"rng", "b"}};
   refused(1, std::move(twice), "given twice");
   shm::SnapshotPayload not_text;
   not_text.metadata["loss"] = "\xff";
   refused(1, std::move(not_text), "not valid UTF-8");
-  CHECK(stager.Stage(view, persist::kMaxStep, {}, nullptr).ok());
+  CHECK(stager.Stage(view, format::kMaxStep, {}, nullptr).ok());
 }

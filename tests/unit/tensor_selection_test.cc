@@ -3,11 +3,12 @@
 #include <catch2/catch.hpp>
 
 #include "common/status.h"
-#include "daemon/restore/tensor_selection.h"
+#include "format/tensor_selection.h"
 #include "daemon/restorer.h"
 
 using namespace ckpt;
 using namespace ckpt::daemon;
+using namespace ckpt::format;
 
 namespace {
 

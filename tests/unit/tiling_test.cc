@@ -3,12 +3,12 @@
 
 #include <string>
 
-#include "daemon/persist/tiling.h"
+#include "format/tiling.h"
 
-using ckpt::persist::CheckTiling;
-using ckpt::persist::ElementRange;
-using ckpt::persist::Manifest;
-using ckpt::persist::TensorShard;
+using ckpt::format::CheckTiling;
+using ckpt::format::ElementRange;
+using ckpt::format::Manifest;
+using ckpt::format::TensorShard;
 
 namespace {
 

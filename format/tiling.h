@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 // [lo, lo + extent) per dimension.
 struct Box {
@@ -77,4 +77,4 @@ std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);
 // tensor, and the ranks that overlap or the range nobody holds.
 absl::Status CheckTiling(const Manifest& manifest);
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -1,4 +1,4 @@
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
 #include <fmt/format.h>
 
@@ -14,9 +14,9 @@
 
 #include "common/dtype.h"
 #include "common/names.h"
-#include "daemon/persist/checksum.h"
+#include "format/checksum.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 using nlohmann::json;
 
@@ -343,9 +343,9 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
   }
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
   if (parts.empty()) return absl::InvalidArgumentError("no manifest parts to merge");
@@ -412,4 +412,4 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
   return m;
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

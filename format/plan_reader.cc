@@ -1,4 +1,4 @@
-#include "daemon/restore/plan_reader.h"
+#include "format/plan_reader.h"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,7 @@
 
 #include "common/status.h"
 
-namespace ckpt::restore {
+namespace ckpt::format {
 namespace {
 
 // Copies the parts of `runs` (sorted by source) that fall in [offset, offset + bytes) of
@@ -30,7 +30,7 @@ const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
   auto [it, inserted] = hot_shards_.try_emplace(rank);
   HotShard& hot = it->second;
   if (inserted && hot_ && (hot.snapshot = hot_(rank))) {
-    const auto& entries = hot.snapshot->shard.entries;
+    const auto& entries = *hot.snapshot->entries;
     for (size_t i = 0; i < hot.snapshot->tensor_count; ++i) {
       hot.tensors.emplace(entries[i].name, &entries[i]);
     }
@@ -38,12 +38,12 @@ const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
   return hot;
 }
 
-absl::StatusOr<const persist::ShardReader*> PlanReader::Reader(uint32_t rank) {
+absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   if (auto it = readers_.find(rank); it != readers_.end()) return it->second.get();
   if (rank >= manifest_.shards.size()) {
     return absl::DataLossError(fmt::format("the manifest of step {} has no rank {}", manifest_.step, rank));
   }
-  const persist::ManifestShard& shard = manifest_.shards[rank];
+  const format::ManifestShard& shard = manifest_.shards[rank];
   const std::string path = step_dir_ + "/" + shard.file;
   if (!fs_.Exists(path)) {
     return absl::NotFoundError(fmt::format(
@@ -52,8 +52,8 @@ absl::StatusOr<const persist::ShardReader*> PlanReader::Reader(uint32_t rank) {
         "they must share one --root)",
         path, rank, manifest_.step));
   }
-  CKPT_ASSIGN_OR_RETURN(persist::ShardReaderPtr reader,
-                        persist::ShardReader::Open(fs_, path, shard.bytes));
+  CKPT_ASSIGN_OR_RETURN(format::ShardReaderPtr reader,
+                        format::ShardReader::Open(fs_, path, shard.bytes));
   return readers_.emplace(rank, std::move(reader)).first->second.get();
 }
 
@@ -67,12 +67,12 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
         e->second->end == read.entry_end) {
       size_t next = 0;
       const uint64_t size = read.entry_end - read.entry_begin;
-      Scatter(read.runs, next, 0, hot.snapshot->shard.data + read.entry_begin, size, dst);
+      Scatter(read.runs, next, 0, hot.snapshot->data + read.entry_begin, size, dst);
       for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
       continue;
     }
-    CKPT_ASSIGN_OR_RETURN(const persist::ShardReader* reader, Reader(read.rank));
-    const persist::TensorEntry* entry = reader->Find(tensor.name);
+    CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(read.rank));
+    const format::TensorEntry* entry = reader->Find(tensor.name);
     if (entry == nullptr || entry->begin != read.entry_begin || entry->end != read.entry_end) {
       return absl::DataLossError(fmt::format(
           "tensor {} in {}: the file's header disagrees with the manifest", tensor.name,
@@ -97,22 +97,22 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<shm::NamedBlob>> PlanReader::TrainState(uint32_t rank) {
-  std::vector<shm::NamedBlob> state;
-  if (const daemon::StagedSnapshotPtr& snap = Hot(rank).snapshot) {
-    for (size_t i = snap->tensor_count; i < snap->shard.entries.size(); ++i) {
-      const persist::TensorEntry& e = snap->shard.entries[i];
-      state.push_back({snap->train_state_names[i - snap->tensor_count],
-                       std::string(snap->shard.data + e.begin, e.end - e.begin)});
+absl::StatusOr<std::vector<NamedBytes>> PlanReader::TrainState(uint32_t rank) {
+  std::vector<NamedBytes> state;
+  if (const std::optional<MemoryShard>& snap = Hot(rank).snapshot) {
+    for (size_t i = snap->tensor_count; i < snap->entries->size(); ++i) {
+      const format::TensorEntry& e = (*snap->entries)[i];
+      state.push_back({(*snap->train_state_names)[i - snap->tensor_count],
+                       std::string(snap->data + e.begin, e.end - e.begin)});
     }
     return state;
   }
   if (rank >= manifest_.shards.size()) return state;
   const auto& saved = manifest_.shards[rank].train_state;
   if (saved.empty()) return state;
-  CKPT_ASSIGN_OR_RETURN(const persist::ShardReader* reader, Reader(rank));
+  CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(rank));
   for (const auto& [name, e] : saved) {
-    const persist::TensorEntry* entry = reader->Find(persist::TrainStateKey(name));
+    const format::TensorEntry* entry = reader->Find(format::TrainStateKey(name));
     if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
       return absl::DataLossError(fmt::format(
           "train state {} in {}: the file's header disagrees with the manifest", name,
@@ -126,4 +126,4 @@ absl::StatusOr<std::vector<shm::NamedBlob>> PlanReader::TrainState(uint32_t rank
   return state;
 }
 
-}  // namespace ckpt::restore
+}  // namespace ckpt::format

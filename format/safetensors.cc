@@ -1,4 +1,4 @@
-#include "daemon/persist/safetensors.h"
+#include "format/safetensors.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include "common/dtype.h"
 #include "common/status.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 namespace {
 
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own limit
@@ -100,4 +100,4 @@ absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t fi
   return header;
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 class Checksum {
  public:
@@ -26,4 +26,4 @@ class Checksum {
 
 std::string ChecksumOf(const void* data, size_t size);
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -1,4 +1,4 @@
-#include "daemon/persist/shard_reader.h"
+#include "format/shard_reader.h"
 
 #include <fmt/format.h>
 
@@ -7,9 +7,9 @@
 #include <new>
 
 #include "common/status.h"
-#include "daemon/persist/checksum.h"
+#include "format/checksum.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 absl::StatusOr<ShardReaderPtr> ShardReader::Open(Filesystem& fs, const std::string& path,
                                                  uint64_t expected_bytes) {
@@ -95,4 +95,4 @@ absl::Status ShardReader::ReadRange(const TensorEntry& entry, const Checksums& c
   return absl::OkStatus();
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

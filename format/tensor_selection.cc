@@ -1,4 +1,4 @@
-#include "daemon/restore/tensor_selection.h"
+#include "format/tensor_selection.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-namespace ckpt::daemon {
+namespace ckpt::format {
 namespace {
 
 absl::Status CheckPatterns(const char* which, const std::vector<std::string>& patterns) {
@@ -70,4 +70,4 @@ std::string TensorSelection::Describe() const {
   return out;
 }
 
-}  // namespace ckpt::daemon
+}  // namespace ckpt::format

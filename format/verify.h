@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 
-namespace ckpt::restore {
+namespace ckpt::format {
 
 struct VerifyReport {
   bool ok() const { return problems.empty(); }
@@ -26,9 +26,9 @@ struct VerifyReport {
 // header that disagrees with the manifest, entries the manifest does not list. With
 // `node`, shards the manifest places on another node are skipped (and listed): with
 // node-local disks each node holds only its own. Memory: one window of
-// persist::ShardReader::kReadWindowBytes, whatever the size of an entry.
-absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, const std::string& job,
+// format::ShardReader::kReadWindowBytes, whatever the size of an entry.
+absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, const std::string& job,
                                               uint64_t step,
                                               std::optional<uint32_t> node = std::nullopt);
 
-}  // namespace ckpt::restore
+}  // namespace ckpt::format

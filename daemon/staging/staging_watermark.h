@@ -10,7 +10,7 @@
 
 #include "absl/status/status.h"
 
-namespace ckpt::persist {
+namespace ckpt::daemon {
 
 class StagingWatermark {
  public:
@@ -45,4 +45,4 @@ class StagingWatermark {
   std::string error_;
 };
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::daemon

@@ -1,6 +1,6 @@
 // `ckptctl export`: a committed step as the files other tools load, from the step's files
 // alone (no daemon). Every tensor is consolidated into its full global shape, whatever
-// placement the ranks saved it in, through the read planner (daemon/restore/read_plan.h):
+// placement the ranks saved it in, through the read planner (format/read_plan.h):
 // streamed in slices of at most ExportOptions::slice_bytes, so memory stays bounded by a
 // slice however large the tensor, and every byte read is checked against the manifest's
 // checksums before it is written.
@@ -24,9 +24,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
-#include "daemon/export/rename_rules.h"
-#include "daemon/persist/manifest.h"
-#include "daemon/restore/tensor_selection.h"
+#include "client/export/rename_rules.h"
+#include "format/manifest.h"
+#include "format/tensor_selection.h"
 
 namespace ckpt::exporter {
 
@@ -47,7 +47,7 @@ struct ExportOptions {
   uint64_t max_shard_bytes = 5'000'000'000;  // hf: Hugging Face's default "5GB"
   std::string dtype;                         // "", F32, F16 or BF16 (hf and safetensors)
   RenameRules rename;
-  daemon::TensorSelection selection;
+  format::TensorSelection selection;
   uint64_t slice_bytes = uint64_t{64} << 20;  // read, converted and written at a time
   // hf, full: files copied into the folder as they are (a model's config.json, its
   // tokenizer), under their own base names.
@@ -70,7 +70,7 @@ struct ExportReport {
 // that disagrees with its manifest; InvalidArgument for options, names that collide after
 // renaming, or nothing selected).
 absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_dir,
-                                        const persist::Manifest& manifest,
+                                        const format::Manifest& manifest,
                                         const ExportOptions& options);
 
 }  // namespace ckpt::exporter

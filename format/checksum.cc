@@ -1,9 +1,9 @@
-#include "daemon/persist/checksum.h"
+#include "format/checksum.h"
 
 #include <fmt/format.h>
 #include <xxhash.h>
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 struct Checksum::State {
   XXH3_state_t* xxh = XXH3_createState();
@@ -25,4 +25,4 @@ std::string ChecksumOf(const void* data, size_t size) {
   return fmt::format("xxh3:{:016x}", XXH3_64bits(data, size));
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ckpt::daemon {
+namespace ckpt::format {
 
 class TensorSelection {
  public:
@@ -36,4 +36,4 @@ class TensorSelection {
   std::vector<std::string> exclude_;
 };
 
-}  // namespace ckpt::daemon
+}  // namespace ckpt::format

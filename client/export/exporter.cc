@@ -1,4 +1,4 @@
-#include "daemon/export/exporter.h"
+#include "client/export/exporter.h"
 
 #include <fmt/format.h>
 
@@ -19,10 +19,10 @@
 #include "common/dtype.h"
 #include "common/names.h"
 #include "common/status.h"
-#include "daemon/export/dtype_convert.h"
-#include "daemon/persist/safetensors.h"
-#include "daemon/restore/plan_reader.h"
-#include "daemon/restore/read_plan.h"
+#include "client/export/dtype_convert.h"
+#include "format/safetensors.h"
+#include "format/plan_reader.h"
+#include "format/read_plan.h"
 
 namespace ckpt::exporter {
 namespace {
@@ -88,7 +88,7 @@ absl::Status ForEachSlice(const Shape& global, size_t itemsize, uint64_t budget,
 
 class Writer {
  public:
-  Writer(Filesystem& fs, const persist::Manifest& manifest, const std::string& step_dir,
+  Writer(Filesystem& fs, const format::Manifest& manifest, const std::string& step_dir,
          const ExportOptions& options, uint64_t total)
       : fs_(fs),
         manifest_(manifest),
@@ -99,7 +99,7 @@ class Writer {
   // Writes `file` as `path`: the header, then each tensor's slices in order.
   absl::Status WriteFile(const std::string& path, const OutFile& file,
                          const std::map<std::string, std::string>& metadata) {
-    std::vector<persist::TensorEntry> entries;
+    std::vector<format::TensorEntry> entries;
     uint64_t at = 0;
     for (const Item* item : file.items) {
       entries.push_back({item->name, item->out_dtype, item->shape, at, at + item->out_bytes});
@@ -121,12 +121,12 @@ class Writer {
 
   // Train state blobs of every rank, for --format full.
   absl::Status WriteTrainState(const std::string& path) {
-    std::vector<persist::TensorEntry> entries;
+    std::vector<format::TensorEntry> entries;
     std::vector<std::string> blobs;
     uint64_t at = 0;
-    for (const persist::ManifestShard& shard : manifest_.shards) {
-      CKPT_ASSIGN_OR_RETURN(std::vector<shm::NamedBlob> state, reader_.TrainState(shard.rank));
-      for (shm::NamedBlob& blob : state) {
+    for (const format::ManifestShard& shard : manifest_.shards) {
+      CKPT_ASSIGN_OR_RETURN(std::vector<format::NamedBytes> state, reader_.TrainState(shard.rank));
+      for (format::NamedBytes& blob : state) {
         const auto size = static_cast<int64_t>(blob.data.size());
         entries.push_back({fmt::format("rank-{:05d}.{}", shard.rank, blob.name), "U8", {size}, at,
                            at + blob.data.size()});
@@ -149,10 +149,10 @@ class Writer {
   // Creates the safetensors file `path` holding `entries` and writes its header; `data_start`
   // is where the entries' bytes go.
   absl::StatusOr<UniqueFd> CreateWithHeader(const std::string& path,
-                                            const std::vector<persist::TensorEntry>& entries,
+                                            const std::vector<format::TensorEntry>& entries,
                                             const std::map<std::string, std::string>& metadata,
                                             uint64_t& data_start) {
-    const std::string header = persist::EncodeHeader(entries, metadata);
+    const std::string header = format::EncodeHeader(entries, metadata);
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_.CreateFile(path));
     CKPT_RETURN_IF_ERROR(fs_.WriteAt(fd.get(), header.data(), header.size(), 0));
     data_start = header.size();
@@ -166,8 +166,8 @@ class Writer {
     CKPT_ASSIGN_OR_RETURN(size_t out_size, DTypeSize(item.out_dtype));
     return ForEachSlice(item.shape, std::max(in_size, out_size), options_.slice_bytes,
                         [&](const Shape& offset, const Shape& shape) -> absl::Status {
-      restore::WantedTensor wanted{item.source, item.dtype, shape, item.shape, offset, {}, std::nullopt};
-      CKPT_ASSIGN_OR_RETURN(restore::ReadPlan plan, restore::PlanRead(manifest_, {wanted}));
+      format::WantedTensor wanted{item.source, item.dtype, shape, item.shape, offset, {}, std::nullopt};
+      CKPT_ASSIGN_OR_RETURN(format::ReadPlan plan, format::PlanRead(manifest_, {wanted}));
       const uint64_t count = Elements(shape);
       // Two buffers: this slice is read and converted while the previous one is written.
       std::vector<char>& buffer = buffers_[current_];
@@ -195,9 +195,9 @@ class Writer {
   }
 
   Filesystem& fs_;
-  const persist::Manifest& manifest_;
+  const format::Manifest& manifest_;
   const ExportOptions& options_;
-  restore::PlanReader reader_;
+  format::PlanReader reader_;
   const uint64_t total_;
   uint64_t done_ = 0;
   std::vector<char> buffers_[2];
@@ -206,7 +206,7 @@ class Writer {
 };
 
 // The tensors to export, renamed, in name order (the checkpoint's).
-absl::StatusOr<std::vector<Item>> ChooseTensors(const persist::Manifest& manifest,
+absl::StatusOr<std::vector<Item>> ChooseTensors(const format::Manifest& manifest,
                                                const ExportOptions& options, ExportReport& report) {
   std::vector<Item> items;
   std::map<std::string, std::string> taken;  // export name -> checkpoint name
@@ -265,9 +265,9 @@ std::vector<OutFile> PlanFiles(const std::vector<Item>& items, const ExportOptio
   return files;
 }
 
-std::string CheckpointJson(const persist::Manifest& m) {
+std::string CheckpointJson(const format::Manifest& m) {
   nlohmann::json ranks = nlohmann::json::array();
-  for (const persist::ManifestShard& s : m.shards) ranks.push_back({{"rank", s.rank}, {"metadata", s.metadata}});
+  for (const format::ManifestShard& s : m.shards) ranks.push_back({{"rank", s.rank}, {"metadata", s.metadata}});
   nlohmann::json j = {{"format", "ckptd-full-export"}, {"job", m.job},           {"step", m.step},
                       {"world_size", m.world_size},     {"wall_time", m.wall_time}, {"metadata", m.metadata},
                       {"ranks", ranks}};
@@ -307,7 +307,7 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
 }
 
 absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_dir,
-                                        const persist::Manifest& manifest,
+                                        const format::Manifest& manifest,
                                         const ExportOptions& options) {
   if (options.out.empty()) return absl::InvalidArgumentError("no output path given");
   if (options.format == ExportFormat::kFull && !options.dtype.empty()) {

@@ -1,4 +1,4 @@
-#include "daemon/export/rename_rules.h"
+#include "client/export/rename_rules.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "daemon/persist/tiling.h"
+#include "format/tiling.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,7 +8,7 @@
 #include <set>
 #include <unordered_set>
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 uint64_t Box::Volume() const {
   uint64_t v = 1;
@@ -295,4 +295,4 @@ absl::Status CheckTiling(const Manifest& manifest) {
   return absl::OkStatus();
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

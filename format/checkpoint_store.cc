@@ -1,6 +1,6 @@
-#include "daemon/persist/checkpoint_store.h"
+#include "format/checkpoint_store.h"
 
-#include "daemon/persist/tiling.h"
+#include "format/tiling.h"
 
 #include <fmt/format.h>
 
@@ -11,7 +11,7 @@
 #include "common/names.h"
 #include "common/status.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 namespace {
 
 constexpr char kManifestName[] = "manifest.json";
@@ -206,4 +206,4 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
   return removed;
 }
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

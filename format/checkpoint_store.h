@@ -16,9 +16,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
-#include "daemon/persist/manifest.h"
+#include "format/manifest.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 class CheckpointStore {
  public:
@@ -72,4 +72,4 @@ class CheckpointStore {
 // Parses "step-00001200" -> 1200; false for anything else.
 bool ParseStepDirName(const std::string& name, uint64_t* step);
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

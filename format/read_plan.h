@@ -10,7 +10,7 @@
 // both: one run per overlap when the shards differ only in their first dimension, one per
 // row when they split a later one. Flat shards (element ranges of the flattened tensor,
 // FSDP style) are matched with boxes and with each other through their runs of flat
-// indices (persist::Segments).
+// indices (format::Segments).
 #pragma once
 
 #include <cstdint>
@@ -19,10 +19,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "daemon/persist/manifest.h"
-#include "daemon/persist/tiling.h"
+#include "format/manifest.h"
+#include "format/tiling.h"
 
-namespace ckpt::restore {
+namespace ckpt::format {
 
 // A rank's piece of one tensor, as it now places it.
 struct WantedTensor {
@@ -33,7 +33,7 @@ struct WantedTensor {
   std::vector<int64_t> offset;        // empty: all zeros
   // A flat shard (FSDP style): these element ranges of the flattened global tensor, one
   // after another in a 1-D piece of `shape` [their total]; `offset` is then unused.
-  std::vector<persist::ElementRange> flat;
+  std::vector<format::ElementRange> flat;
   // Of replicas, read this rank's (overrides ReadPlanOptions::prefer_rank for this piece).
   std::optional<uint32_t> from_rank;
 };
@@ -84,14 +84,14 @@ struct ReadPlanOptions {
 // The pieces each rank saved, in their saved placements, by rank then tensor name, each
 // read from its own rank (from_rank): what a restore in the saved topology wants, and what
 // verify reads of each rank's file. One pass over the manifest.
-std::vector<std::vector<WantedTensor>> SavedPieces(const persist::Manifest& manifest);
+std::vector<std::vector<WantedTensor>> SavedPieces(const format::Manifest& manifest);
 
 // The plan, or InvalidArgument listing every wanted tensor that cannot be read: not in the
 // checkpoint (unless allowed), another dtype or global shape, a box outside the global
 // tensor, or a region no saved shard covers (named with its range). DataLoss when the
 // manifest's shards of a tensor overlap.
-absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
+absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
                                   const std::vector<WantedTensor>& wanted,
                                   const ReadPlanOptions& options = {});
 
-}  // namespace ckpt::restore
+}  // namespace ckpt::format

@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 // 2: some shard is a flat shard ("flat" instead of "offset"); manifests without one are
 // still written as 1, which readers from before flat shards read.
@@ -132,4 +132,4 @@ absl::Status CheckPlacement(const TensorShard& shard, const std::vector<int64_t>
 // The key under which a train-state blob is stored in a shard file.
 std::string TrainStateKey(const std::string& name);
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -1,4 +1,4 @@
-#include "daemon/restore/read_plan.h"
+#include "format/read_plan.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,15 +8,15 @@
 
 #include "common/dtype.h"
 
-namespace ckpt::restore {
+namespace ckpt::format {
 namespace {
 
 using Index = std::vector<int64_t>;
 
-using persist::Box;
-using persist::FindGap;
-using persist::Intersect;
-using persist::Segment;
+using format::Box;
+using format::FindGap;
+using format::Intersect;
+using format::Segment;
 
 // Row-major element offset of global index `at` inside box `in`.
 uint64_t Linear(const Box& in, const Index& at) {
@@ -61,7 +61,7 @@ void AddRuns(const Box& overlap, const Box& saved, const Box& wanted, size_t ite
 // source, and runs that continue each other in both pieces are merged.
 uint64_t AddSegmentRuns(const std::vector<Segment>& saved, const std::vector<Segment>& wanted,
                         size_t itemsize, std::vector<ByteRun>& runs,
-                        std::vector<persist::ElementRange>& overlaps) {
+                        std::vector<format::ElementRange>& overlaps) {
   uint64_t elements = 0;
   size_t i = 0, k = 0;
   if (!saved.empty()) {  // skip the wanted segments that end before this shard starts
@@ -99,11 +99,11 @@ uint64_t AddSegmentRuns(const std::vector<Segment>& saved, const std::vector<Seg
 
 // A saved placement of a tensor and the ranks holding it (several: replicas).
 struct SavedPlacement {
-  persist::Placement placement;
-  const persist::TensorShard* first = nullptr;
-  std::unordered_map<uint32_t, const persist::TensorShard*> replicas;  // by rank, when several
+  format::Placement placement;
+  const format::TensorShard* first = nullptr;
+  std::unordered_map<uint32_t, const format::TensorShard*> replicas;  // by rank, when several
   // Of replicas, the preferred rank's shard (its own file, in the saved topology), else the first.
-  const persist::TensorShard* Holder(std::optional<uint32_t> prefer) const {
+  const format::TensorShard* Holder(std::optional<uint32_t> prefer) const {
     if (prefer && !replicas.empty()) {
       if (auto it = replicas.find(*prefer); it != replicas.end()) return it->second;
     }
@@ -119,18 +119,18 @@ struct SavedIndex {
 };
 
 absl::StatusOr<const SavedIndex*> IndexOf(std::unordered_map<std::string, SavedIndex>& indexes,
-                                        const std::string& name, const persist::ManifestTensor& saved,
+                                        const std::string& name, const format::ManifestTensor& saved,
                                         const std::vector<int64_t>& global) {
   auto [it, fresh] = indexes.try_emplace(name);
   SavedIndex& index = it->second;
   if (!fresh) return &index;
-  for (const persist::TensorShard& s : saved.shards) {
-    if (absl::Status placed = persist::CheckPlacement(s, global); !placed.ok()) {
+  for (const format::TensorShard& s : saved.shards) {
+    if (absl::Status placed = format::CheckPlacement(s, global); !placed.ok()) {
       indexes.erase(it);
       return absl::DataLossError(fmt::format("the manifest's shard of {} from rank {} {}", name, s.rank,
                                              std::string(placed.message())));
     }
-    persist::Placement p = persist::ShardPlacement(s, global);
+    format::Placement p = format::ShardPlacement(s, global);
     auto [at, added] = index.by_key.try_emplace(p.Key(), index.placements.size());
     if (added) {
       index.placements.push_back({std::move(p), &s, {}});
@@ -152,10 +152,10 @@ absl::Status TooFine(const std::string& name, uint64_t max_runs) {
 
 }  // namespace
 
-std::vector<std::vector<WantedTensor>> SavedPieces(const persist::Manifest& manifest) {
+std::vector<std::vector<WantedTensor>> SavedPieces(const format::Manifest& manifest) {
   std::vector<std::vector<WantedTensor>> out(manifest.world_size);
   for (const auto& [name, tensor] : manifest.tensors) {
-    for (const persist::TensorShard& s : tensor.shards) {
+    for (const format::TensorShard& s : tensor.shards) {
       if (s.rank >= out.size()) out.resize(s.rank + 1);
       out[s.rank].push_back({name, tensor.dtype, s.shape, tensor.global_shape, s.offset, s.flat, s.rank});
     }
@@ -163,7 +163,7 @@ std::vector<std::vector<WantedTensor>> SavedPieces(const persist::Manifest& mani
   return out;
 }
 
-absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
+absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
                                   const std::vector<WantedTensor>& wanted,
                                   const ReadPlanOptions& options) {
   ReadPlan plan;
@@ -180,7 +180,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       }
       continue;
     }
-    const persist::ManifestTensor& saved = it->second;
+    const format::ManifestTensor& saved = it->second;
     const Index global = w.global_shape.empty() ? w.shape : w.global_shape;
     if (saved.dtype != w.dtype) {
       problems.push_back(fmt::format("{}: saved as {}, wanted as {}", w.name, saved.dtype, w.dtype));
@@ -191,12 +191,12 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
                                      fmt::join(saved.global_shape, ", "), fmt::join(global, ", ")));
       continue;
     }
-    const persist::Placement want = persist::PlacementOf(w.offset, w.shape, w.flat, global);
-    persist::TensorShard probe;  // the wanted placement, checked as a saved one would be
+    const format::Placement want = format::PlacementOf(w.offset, w.shape, w.flat, global);
+    format::TensorShard probe;  // the wanted placement, checked as a saved one would be
     probe.shape = w.shape;
     probe.offset = want.box.lo;
     probe.flat = w.flat;
-    if (absl::Status placed = persist::CheckPlacement(probe, global); !placed.ok()) {
+    if (absl::Status placed = format::CheckPlacement(probe, global); !placed.ok()) {
       problems.push_back(fmt::format("{}: the wanted piece {} (global shape [{}])", w.name,
                                      std::string(placed.message()), fmt::join(global, ", ")));
       continue;
@@ -210,7 +210,7 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     TensorReadPlan t{w.name, volume * *itemsize, {}};
     uint64_t covered = 0;
     std::vector<Box> overlaps;                      // box with box
-    std::vector<persist::ElementRange> flat_overlaps;  // where a flat placement is involved
+    std::vector<format::ElementRange> flat_overlaps;  // where a flat placement is involved
     std::optional<std::vector<Segment>> want_segments;  // computed when first needed
     absl::StatusOr<const SavedIndex*> index = IndexOf(indexes, w.name, saved, global);
     if (!index.ok()) return index.status();
@@ -218,15 +218,15 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
     // The piece exactly as one rank saved it (every restore in the saved topology, verify):
     // that rank's whole entry, found without looking at the other ranks' shards.
     if (auto exact = (*index)->by_key.find(want.Key()); exact != (*index)->by_key.end() && volume > 0) {
-      const persist::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
+      const format::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
       t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}});
       if (++total_runs > options.max_runs) return TooFine(w.name, options.max_runs);
       plan.tensors.push_back(std::move(t));
       continue;
     }
     for (const SavedPlacement& saved_placement : (*index)->placements) {
-      const persist::Placement& placement = saved_placement.placement;
-      const persist::TensorShard& s = *saved_placement.Holder(prefer);
+      const format::Placement& placement = saved_placement.placement;
+      const format::TensorShard& s = *saved_placement.Holder(prefer);
       ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}};
       if (!placement.is_flat() && !want.is_flat()) {
         std::optional<Box> overlap = Intersect(placement.box, want.box);
@@ -236,11 +236,11 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
         overlaps.push_back(*overlap);
       } else {
         if (!want_segments) {
-          absl::StatusOr<std::vector<Segment>> segments = persist::Segments(want, global, options.max_runs);
+          absl::StatusOr<std::vector<Segment>> segments = format::Segments(want, global, options.max_runs);
           if (!segments.ok()) return TooFine(w.name, options.max_runs);
           want_segments = std::move(*segments);
         }
-        absl::StatusOr<std::vector<Segment>> saved_segments = persist::Segments(placement, global, options.max_runs);
+        absl::StatusOr<std::vector<Segment>> saved_segments = format::Segments(placement, global, options.max_runs);
         if (!saved_segments.ok()) return TooFine(w.name, options.max_runs);
         covered += AddSegmentRuns(*saved_segments, *want_segments, *itemsize, read.runs, flat_overlaps);
         if (read.runs.empty()) continue;
@@ -259,12 +259,12 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
       if (want.is_flat() || !flat_overlaps.empty()) {
         // Some overlaps were found as flat runs: name the gap as flat indices.
         for (const Box& b : overlaps) {
-          absl::StatusOr<std::vector<Segment>> runs = persist::Segments({b, {}}, global, options.max_runs);
+          absl::StatusOr<std::vector<Segment>> runs = format::Segments({b, {}}, global, options.max_runs);
           if (!runs.ok()) break;
           for (const Segment& g : *runs) flat_overlaps.push_back({static_cast<int64_t>(g.global), static_cast<int64_t>(g.global + g.length)});
         }
-        std::optional<persist::ElementRange> gap;
-        if (want_segments) gap = persist::FirstUncovered(*want_segments, flat_overlaps);
+        std::optional<format::ElementRange> gap;
+        if (want_segments) gap = format::FirstUncovered(*want_segments, flat_overlaps);
         where = gap ? fmt::format("elements [{}, {}) of the flattened tensor", gap->begin, gap->end)
                     : "part of " + want.Describe();
       } else {
@@ -286,4 +286,4 @@ absl::StatusOr<ReadPlan> PlanRead(const persist::Manifest& manifest,
   return plan;
 }
 
-}  // namespace ckpt::restore
+}  // namespace ckpt::format

@@ -10,9 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/filesystem.h"
-#include "daemon/persist/safetensors.h"
+#include "format/safetensors.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 class ShardReader {
  public:
@@ -62,4 +62,4 @@ class ShardReader {
 
 using ShardReaderPtr = std::unique_ptr<ShardReader>;
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

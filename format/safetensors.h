@@ -13,7 +13,7 @@
 #include "common/dtype.h"
 #include "common/filesystem.h"
 
-namespace ckpt::persist {
+namespace ckpt::format {
 
 struct TensorEntry {
   std::string name;
@@ -43,4 +43,4 @@ std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
 absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t file_size,
                                              const std::string& path);
 
-}  // namespace ckpt::persist
+}  // namespace ckpt::format

@@ -1,4 +1,4 @@
-#include "daemon/export/dtype_convert.h"
+#include "client/export/dtype_convert.h"
 
 #include <fmt/format.h>
 #include <fp16.h>

@@ -1,4 +1,4 @@
-#include "daemon/restore/verify.h"
+#include "format/verify.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -8,15 +8,15 @@
 #include <vector>
 
 #include "common/status.h"
-#include "daemon/persist/checksum.h"
-#include "daemon/persist/shard_reader.h"
-#include "daemon/restore/read_plan.h"
+#include "format/checksum.h"
+#include "format/shard_reader.h"
+#include "format/read_plan.h"
 
-namespace ckpt::restore {
+namespace ckpt::format {
 namespace {
 
-using persist::Manifest;
-using persist::TensorEntry;
+using format::Manifest;
+using format::TensorEntry;
 
 struct Expected {
   std::string name;
@@ -55,9 +55,9 @@ absl::StatusOr<std::vector<std::vector<Expected>>> ExpectedEntries(const Manifes
     out[rank].push_back({t.name, read.entry_begin, read.entry_end, read.checksum, read.chunk_checksums,
                          pieces[i].dtype, pieces[i].shape});
   }
-  for (const persist::ManifestShard& shard : manifest.shards) {
+  for (const format::ManifestShard& shard : manifest.shards) {
     for (const auto& [name, e] : shard.train_state) {
-      out[shard.rank].push_back({persist::TrainStateKey(name), e.begin, e.end, e.checksum, {}, "U8",
+      out[shard.rank].push_back({format::TrainStateKey(name), e.begin, e.end, e.checksum, {}, "U8",
                                  {static_cast<int64_t>(e.end - e.begin)}});
     }
   }
@@ -86,9 +86,9 @@ void ReportTruncatedEntries(Filesystem& fs, const std::string& path, uint64_t ex
 // Reads one entry in windows, checking its chunks as they come (ReadRange) and the whole
 // entry's checksum at the end: a manifest whose chunk and whole checksums disagree is found
 // too.
-void CheckEntry(const persist::ShardReader& reader, const TensorEntry& entry, const Expected& want,
+void CheckEntry(const format::ShardReader& reader, const TensorEntry& entry, const Expected& want,
                 uint64_t chunk_bytes, VerifyReport& report) {
-  persist::Checksum whole;
+  format::Checksum whole;
   const std::vector<std::string> no_chunks;
   const bool chunked = !want.chunk_checksums.empty();
   absl::Status read = reader.ReadRange(
@@ -109,13 +109,13 @@ void CheckEntry(const persist::ShardReader& reader, const TensorEntry& entry, co
 
 }  // namespace
 
-absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, const std::string& job,
+absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, const std::string& job,
                                               uint64_t step, std::optional<uint32_t> node) {
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, store.LoadManifest(job, step));
   VerifyReport report;
   const std::string dir = store.StepDir(job, step);
   std::set<std::string> known = {"manifest.json"};
-  for (const persist::ManifestShard& shard : manifest.shards) known.insert(shard.file);
+  for (const format::ManifestShard& shard : manifest.shards) known.insert(shard.file);
   if (absl::StatusOr<std::vector<std::string>> files = store.fs().ListDir(dir); files.ok()) {
     for (const std::string& file : *files) {
       if (!known.count(file)) {
@@ -132,7 +132,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, c
     report.problems.push_back(fmt::format("{}/manifest.json: {}", dir, Message(by_rank.status())));
     return report;
   }
-  for (const persist::ManifestShard& shard : manifest.shards) {
+  for (const format::ManifestShard& shard : manifest.shards) {
     if (auto holder = manifest.NodeOf(shard.rank); node && holder && *holder != *node) {
       report.skipped_ranks.push_back(shard.rank);
       continue;
@@ -143,7 +143,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, c
       report.problems.push_back(fmt::format("{}: missing (rank {}'s shard)", path, shard.rank));
       continue;
     }
-    auto reader = persist::ShardReader::Open(store.fs(), path, shard.bytes);
+    auto reader = format::ShardReader::Open(store.fs(), path, shard.bytes);
     if (!reader.ok()) {
       report.problems.push_back(Message(reader.status()));
       ReportTruncatedEntries(store.fs(), path, shard.bytes, *expected, report);
@@ -177,4 +177,4 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(persist::CheckpointStore& store, c
   return report;
 }
 
-}  // namespace ckpt::restore
+}  // namespace ckpt::format

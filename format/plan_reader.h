@@ -1,0 +1,80 @@
+// Carries out a read plan (read_plan.h) for one step: the bytes of each wanted piece, from
+// memory where the caller holds the saved rank's shard (ckptd's own copy of what it wrote),
+// from its shard file otherwise (pread of the chunks covering the plan's runs, never whole
+// files), every byte read from a file checked against the manifest's checksums first.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/filesystem.h"
+#include "format/manifest.h"
+#include "format/read_plan.h"
+#include "format/shard_reader.h"
+
+namespace ckpt::format {
+
+// A saved rank's shard held in memory: its data region and entries, kept alive by `owner`.
+struct MemoryShard {
+  std::shared_ptr<const void> owner;
+  const char* data = nullptr;
+  const std::vector<TensorEntry>* entries = nullptr;  // tensors, then train-state blobs
+  size_t tensor_count = 0;
+  const std::vector<std::string>* train_state_names = nullptr;  // per blob entry
+};
+
+// A train-state blob as saved.
+struct NamedBytes {
+  std::string name;
+  std::string data;
+};
+
+class PlanReader {
+ public:
+  // The shard of a saved rank of this step held in memory, or nullopt.
+  using HotLookup = std::function<std::optional<MemoryShard>(uint32_t rank)>;
+
+  PlanReader(Filesystem& fs, std::string step_dir, const format::Manifest& manifest,
+             HotLookup hot)
+      : fs_(fs), step_dir_(std::move(step_dir)), manifest_(manifest), hot_(std::move(hot)) {}
+
+  // Fills dst[0, tensor.bytes) with the wanted piece. DataLoss when what was read does not
+  // match its checksums or the file disagrees with the manifest; NotFound when a shard it
+  // needs is neither in memory nor on this node's disk.
+  absl::Status Read(const TensorReadPlan& tensor, char* dst);
+
+  // Rank `rank`'s train state, checked the same way.
+  absl::StatusOr<std::vector<NamedBytes>> TrainState(uint32_t rank);
+
+  uint64_t bytes_from_memory() const { return from_memory_; }
+  uint64_t bytes_from_disk() const { return from_disk_; }  // what was pread, chunks whole
+
+ private:
+  // A saved rank's snapshot in memory, its tensor entries by name.
+  struct HotShard {
+    std::optional<MemoryShard> snapshot;  // nullopt: not in memory
+    std::unordered_map<std::string_view, const format::TensorEntry*> tensors;
+  };
+  // Looked up, and indexed, once per rank.
+  const HotShard& Hot(uint32_t rank);
+  absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
+
+  Filesystem& fs_;
+  const std::string step_dir_;
+  const format::Manifest& manifest_;
+  HotLookup hot_;
+  std::map<uint32_t, HotShard> hot_shards_;
+  std::map<uint32_t, format::ShardReaderPtr> readers_;      // opened once per file
+  uint64_t from_memory_ = 0;
+  uint64_t from_disk_ = 0;
+};
+
+}  // namespace ckpt::format
