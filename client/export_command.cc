@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/status.h"
 #include "client/export/exporter.h"
 #include "format/checkpoint_store.h"

@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include "common/fd_passing.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/log.h"
-#include "common/secret.h"
+#include "storage/secret.h"
 #include "common/status.h"
 #include "cuda/copy_engine.h"
 #include "cuda/copy_priority.h"

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "format/manifest.h"
 
 namespace ckpt::format {

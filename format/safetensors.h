@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 
 namespace ckpt::format {
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "format/safetensors.h"
 
 namespace ckpt::format {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "client/export/rename_rules.h"
 #include "format/manifest.h"
 #include "format/tensor_selection.h"

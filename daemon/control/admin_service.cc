@@ -6,7 +6,7 @@
 
 #include "common/log.h"
 #include "common/names.h"
-#include "common/secret.h"
+#include "storage/secret.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
 #include "format/manifest.h"

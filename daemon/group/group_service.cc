@@ -12,7 +12,7 @@
 
 #include "common/log.h"
 #include "common/names.h"
-#include "common/secret.h"
+#include "storage/secret.h"
 #include "common/status.h"
 #include "daemon/group/grpc_util.h"
 #include "format/manifest.h"

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "daemon/staging/staged_shard.h"
 #include "format/manifest.h"  // ShardFileName
 

@@ -9,7 +9,7 @@
 
 #include "common/log.h"
 #include "common/names.h"
-#include "common/private_dir.h"
+#include "storage/private_dir.h"
 #include "common/status.h"
 
 namespace ckpt::daemon {

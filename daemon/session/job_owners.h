@@ -2,7 +2,7 @@
 // in <root>/<job>/.owner, so a restart keeps it); afterwards only the owner, root, the
 // daemon's own uid, and members of the job's group (one of --job-group that the creator was
 // in) may register ranks into it, change its retention, restore it or delete its steps.
-// Its directory is readable by the same people and nobody else (common/private_dir.h).
+// Its directory is readable by the same people and nobody else (storage/private_dir.h).
 #pragma once
 
 #include <sys/types.h>
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {

@@ -45,7 +45,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/group/decision_log.h"

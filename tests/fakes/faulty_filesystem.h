@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/status.h"
 
 namespace ckpt::testing {

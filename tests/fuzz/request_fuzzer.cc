@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "format/checkpoint_store.h"
 #include "daemon/session/session.h"
 #include "proto/admin.pb.h"

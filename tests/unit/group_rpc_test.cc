@@ -17,7 +17,7 @@
 #include <sstream>
 #include <thread>
 
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/status.h"
 #include "tests/fakes/manifest_part.h"
 #include "daemon/group/decision_log.h"

@@ -6,7 +6,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 
 namespace ckpt {
 

@@ -37,7 +37,7 @@ class Filesystem {
   virtual absl::Status Rename(const std::string& from, const std::string& to) = 0;
   virtual absl::Status MakeDir(const std::string& path) = 0;          // ok if it exists
   // MakeDir, the last component made mode 0700 when it is new (a job's directory: nothing
-  // of it is readable by others before its owner's ACL is set, common/private_dir.h).
+  // of it is readable by others before its owner's ACL is set, storage/private_dir.h).
   virtual absl::Status MakePrivateDir(const std::string& path) = 0;
   virtual absl::Status RemoveTree(const std::string& path) = 0;       // ok if missing
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;

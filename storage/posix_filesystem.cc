@@ -10,7 +10,7 @@
 #include <system_error>
 
 #include <fmt/format.h>
-#include "common/filesystem.h"
+#include "storage/filesystem.h"
 #include "common/status.h"
 
 namespace ckpt {

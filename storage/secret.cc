@@ -1,4 +1,4 @@
-#include "common/secret.h"
+#include "storage/secret.h"
 
 #include <fmt/format.h>
 #include <openssl/crypto.h>

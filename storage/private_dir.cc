@@ -1,4 +1,4 @@
-#include "common/private_dir.h"
+#include "storage/private_dir.h"
 
 #include <acl/libacl.h>
 #include <fcntl.h>
