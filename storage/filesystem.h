@@ -43,6 +43,8 @@ class Filesystem {
   virtual absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) = 0;
   virtual absl::StatusOr<uint64_t> FileSize(const std::string& path) = 0;
   virtual bool Exists(const std::string& path) = 0;
+  // A directory, not followed through a symlink.
+  virtual bool IsDirectory(const std::string& path) = 0;
 };
 
 using FilesystemPtr = std::shared_ptr<Filesystem>;

@@ -124,6 +124,11 @@ class PosixFilesystem final : public Filesystem {
     return absl::OkStatus();
   }
 
+  bool IsDirectory(const std::string& path) override {
+    std::error_code ec;
+    return std::filesystem::symlink_status(path, ec).type() == std::filesystem::file_type::directory;
+  }
+
   absl::Status RemoveTree(const std::string& path) override {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);

@@ -90,6 +90,7 @@ class FaultyFilesystem final : public Filesystem {
     return real_->MakePrivateDir(path);
   }
   absl::Status RemoveTree(const std::string& path) override { return real_->RemoveTree(path); }
+  bool IsDirectory(const std::string& path) override { return real_->IsDirectory(path); }
   absl::StatusOr<std::vector<std::string>> ListDir(const std::string& path) override {
     return real_->ListDir(path);
   }

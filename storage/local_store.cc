@@ -1,0 +1,213 @@
+#include "storage/local_store.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "common/status.h"
+#include "common/unique_fd.h"
+
+namespace ckpt::storage {
+namespace {
+
+constexpr uint64_t kBlock = 4096;               // O_DIRECT alignment
+constexpr uint64_t kBounceBytes = 8u << 20;     // copies of unaligned appends go through this
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<char, FreeDeleter>;
+
+AlignedBuffer Aligned(size_t bytes) {
+  return AlignedBuffer(static_cast<char*>(std::aligned_alloc(kBlock, (bytes + kBlock - 1) / kBlock * kBlock)));
+}
+
+std::string ParentOf(const std::string& path) {
+  return std::filesystem::path(path).parent_path().string();
+}
+
+class LocalObjectWriter final : public ObjectWriter {
+ public:
+  LocalObjectWriter(Filesystem& fs, std::string path, UniqueFd fd, bool direct)
+      : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), direct_(direct) {}
+
+  absl::Status Append(const char* data, size_t size) override {
+    if (tail_) {
+      return absl::FailedPreconditionError(fmt::format(
+          "{}: append after a last, unaligned one (only Finish() may follow)", path_));
+    }
+    if (!direct_) {
+      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, size, size_), path_));
+      size_ += size;
+      return absl::OkStatus();
+    }
+    if (reinterpret_cast<uintptr_t>(data) % kBlock == 0 && size % kBlock == 0) {
+      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, size, size_), path_));
+      size_ += size;
+      return absl::OkStatus();
+    }
+    // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer, the
+    // last block padded with zeros and cut off again by Finish().
+    if (!bounce_) bounce_ = Aligned(kBounceBytes);
+    if (!bounce_) return absl::ResourceExhaustedError("no memory for an aligned write buffer");
+    for (size_t done = 0; done < size;) {
+      const size_t n = std::min<size_t>(kBounceBytes, size - done);
+      const size_t padded = (n + kBlock - 1) / kBlock * kBlock;
+      std::memcpy(bounce_.get(), data + done, n);
+      std::memset(bounce_.get() + n, 0, padded - n);
+      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), bounce_.get(), padded, size_), path_));
+      size_ += n;
+      done += n;
+      if (padded != n) tail_ = true;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> Finish() override {
+    if (tail_) CKPT_RETURN_IF_ERROR(Annotate(fs_.Truncate(fd_.get(), size_), path_));
+    CKPT_RETURN_IF_ERROR(Annotate(fs_.SyncFile(fd_.get()), path_));
+    if (!direct_) fs_.DropFromCache(fd_.get());  // durable; never read back from the cache
+    return size_;
+  }
+
+ private:
+  Filesystem& fs_;
+  const std::string path_;
+  UniqueFd fd_;
+  const bool direct_;
+  uint64_t size_ = 0;
+  bool tail_ = false;  // the last block was padded
+  AlignedBuffer bounce_;
+};
+
+class LocalObjectReader final : public ObjectReader {
+ public:
+  LocalObjectReader(Filesystem& fs, std::string path, UniqueFd fd, uint64_t size)
+      : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), size_(size) {}
+
+  uint64_t size() const override { return size_; }
+  const std::string& name() const override { return path_; }
+  absl::Status ReadAt(void* data, size_t size, uint64_t offset) const override {
+    return Annotate(fs_.ReadAt(fd_.get(), data, size, offset), path_);
+  }
+
+ private:
+  Filesystem& fs_;
+  const std::string path_;
+  UniqueFd fd_;
+  const uint64_t size_;
+};
+
+class LocalStore final : public Store {
+ public:
+  LocalStore(FilesystemPtr fs, std::string root) : fs_(std::move(fs)), root_(std::move(root)) {}
+
+  std::string Describe(std::string_view key) const override { return Path(key); }
+
+  absl::StatusOr<std::unique_ptr<ObjectWriter>> Create(const std::string& key) override {
+    const std::string path = Path(key);
+    CKPT_RETURN_IF_ERROR(fs_->MakeDir(ParentOf(path)));
+    auto direct = fs_->CreateFileDirect(path);
+    if (direct.ok()) {
+      return std::unique_ptr<ObjectWriter>(
+          new LocalObjectWriter(*fs_, path, std::move(*direct), /*direct=*/true));
+    }
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateFile(path));
+    return std::unique_ptr<ObjectWriter>(new LocalObjectWriter(*fs_, path, std::move(fd), false));
+  }
+
+  absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) override {
+    const std::string path = Path(key);
+    CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->OpenForRead(path));
+    CKPT_ASSIGN_OR_RETURN(uint64_t size, fs_->FileSize(path));
+    return std::unique_ptr<ObjectReader>(new LocalObjectReader(*fs_, path, std::move(fd), size));
+  }
+
+  absl::StatusOr<bool> Exists(const std::string& key) override {
+    const std::string path = Path(key);
+    return fs_->Exists(path) && !fs_->IsDirectory(path);
+  }
+
+  absl::StatusOr<std::vector<ListEntry>> List(const std::string& prefix) override {
+    const std::string dir = Path(prefix);
+    std::vector<ListEntry> entries;
+    if (!fs_->Exists(dir)) return entries;
+    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(dir));
+    for (std::string& name : names) {
+      ListEntry e;
+      const std::string path = dir + "/" + name;
+      e.is_prefix = fs_->IsDirectory(path);
+      if (!e.is_prefix) e.bytes = fs_->FileSize(path).value_or(0);
+      e.name = std::move(name);
+      entries.push_back(std::move(e));
+    }
+    std::sort(entries.begin(), entries.end(),
+              [](const ListEntry& a, const ListEntry& b) { return a.name < b.name; });
+    return entries;
+  }
+
+  absl::Status Put(const std::string& key, std::string_view contents) override {
+    const std::string path = Path(key);
+    CKPT_RETURN_IF_ERROR(fs_->MakeDir(ParentOf(path)));
+    return WriteFileAtomically(*fs_, path, std::string(contents));
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) override {
+    const std::string path = Path(key);
+    CKPT_ASSIGN_OR_RETURN(uint64_t size, fs_->FileSize(path));
+    if (size > max_bytes) {
+      return absl::OutOfRangeError(fmt::format("{} is {} bytes; at most {} expected", path, size, max_bytes));
+    }
+    return ReadSmallFile(*fs_, path);
+  }
+
+  absl::Status Publish(const std::string& staging, const std::string& published,
+                       const std::string& marker, std::string_view contents) override {
+    const std::string from = Path(staging);
+    const std::string to = Path(published);
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, from + "/" + marker, std::string(contents)));
+    if (fs_->Exists(to)) {
+      return absl::AlreadyExistsError(fmt::format("{} already exists", to));
+    }
+    CKPT_RETURN_IF_ERROR(fs_->Rename(from, to));
+    return fs_->SyncDir(ParentOf(to));
+  }
+
+  absl::Status Retract(const std::string& published, const std::string& marker) override {
+    const std::string dir = Path(published);
+    if (!fs_->Exists(dir + "/" + marker)) {
+      return absl::NotFoundError(fmt::format("{} holds no {}", dir, marker));
+    }
+    // Out of sight first, durably: a crash then leaves a ".deleting" directory (removed at
+    // start-up), never a step half deleted that still looks complete.
+    const std::string aside = dir + ".deleting";
+    CKPT_RETURN_IF_ERROR(fs_->Rename(dir, aside));
+    CKPT_RETURN_IF_ERROR(fs_->SyncDir(ParentOf(dir)));
+    return fs_->RemoveTree(aside);
+  }
+
+  absl::Status RemovePrefix(const std::string& prefix) override {
+    return fs_->RemoveTree(Path(prefix));
+  }
+
+ private:
+  std::string Path(std::string_view key) const {
+    if (root_.empty()) return std::string(key);
+    if (key.empty()) return root_;
+    return root_ + "/" + std::string(key);
+  }
+
+  FilesystemPtr fs_;
+  const std::string root_;
+};
+
+}  // namespace
+
+StorePtr MakeLocalStore(FilesystemPtr fs, std::string root) {
+  return std::make_shared<LocalStore>(std::move(fs), std::move(root));
+}
+
+}  // namespace ckpt::storage

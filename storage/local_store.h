@@ -1,0 +1,19 @@
+// The Store on a local (or shared, mounted) filesystem: an object is a file, a prefix a
+// directory. Writes go out with O_DIRECT straight from the caller's memory where the
+// filesystem takes it (no copy into the page cache, no eviction of the trainer's cached
+// data), buffered and dropped from the cache after fsync where it does not (tmpfs, some
+// FUSE mounts). Publish is today's commit: marker durable in the staging directory, rename,
+// fsync of the parent.
+#pragma once
+
+#include <string>
+
+#include "storage/filesystem.h"
+#include "storage/store.h"
+
+namespace ckpt::storage {
+
+// Keys are relative to `root`; with an empty root, keys are paths.
+StorePtr MakeLocalStore(FilesystemPtr fs, std::string root);
+
+}  // namespace ckpt::storage

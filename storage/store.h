@@ -1,0 +1,88 @@
+// Where checkpoint bytes live, at the level an object store offers: write an object from a
+// stream of chunks, read byte ranges, list by prefix, delete, and publish a step (its
+// objects become visible at once, with their marker written last). The format's readers and
+// the persist stage's writers use this alone, so the same code runs over a local disk
+// (LocalStore: today's files, O_DIRECT and fsync order) and an S3 bucket.
+//
+// Keys are '/'-separated, relative to the store's root: "job/step-00000010/manifest.json".
+// A prefix names a "directory": "job/step-00000010". Stores know nothing of checkpoints.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace ckpt::storage {
+
+// An object being written, start to end, in order. Durable and complete only once Finish()
+// returned Ok; an ObjectWriter destroyed before that leaves nothing a reader trusts (a
+// local file under a staging prefix that is never published, an aborted S3 upload).
+class ObjectWriter {
+ public:
+  virtual ~ObjectWriter() = default;
+  // Appends [data, data + size). Large appends of 4 KiB-aligned memory in multiples of
+  // 4 KiB are the fast path (the local store writes them with O_DIRECT, straight from the
+  // caller's memory); anything else is copied once. After an append whose size is not a
+  // multiple of 4 KiB only Finish() may follow.
+  virtual absl::Status Append(const char* data, size_t size) = 0;
+  // Makes the object durable (local: fsync; S3: the upload completed); returns its size.
+  virtual absl::StatusOr<uint64_t> Finish() = 0;
+};
+
+class ObjectReader {
+ public:
+  virtual ~ObjectReader() = default;
+  virtual uint64_t size() const = 0;
+  // Reads exactly `size` bytes at `offset`; OutOfRange when the object is shorter.
+  virtual absl::Status ReadAt(void* data, size_t size, uint64_t offset) const = 0;
+  // What to call the object in messages: a path, or an s3:// URL.
+  virtual const std::string& name() const = 0;
+};
+
+struct ListEntry {
+  std::string name;        // the last component, without the prefix
+  bool is_prefix = false;  // a "directory": more keys below it
+  uint64_t bytes = 0;      // objects only
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  // What to call `key` in messages (a path, an s3:// URL).
+  virtual std::string Describe(std::string_view key) const = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<ObjectWriter>> Create(const std::string& key) = 0;
+  virtual absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) = 0;
+  // Whether an object is at `key`.
+  virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
+  // What is directly under `prefix` (one level), sorted by name; empty when nothing is.
+  virtual absl::StatusOr<std::vector<ListEntry>> List(const std::string& prefix) = 0;
+
+  // Small whole objects (records, markers), written durably and whole, never torn.
+  virtual absl::Status Put(const std::string& key, std::string_view contents) = 0;
+  virtual absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) = 0;
+
+  // The objects written under `staging` become visible under `published` in one step, with
+  // `marker` (the object whose presence says "complete") written last: a reader that sees
+  // the marker sees every object. Local: the marker is written durably into the staging
+  // directory, which is renamed and its parent fsynced. AlreadyExists when `published` is.
+  virtual absl::Status Publish(const std::string& staging, const std::string& published,
+                               const std::string& marker, std::string_view contents) = 0;
+  // The reverse: what is under `published` stops being visible at once (a crash never
+  // leaves it half deleted and still marked complete), then is removed.
+  virtual absl::Status Retract(const std::string& published, const std::string& marker) = 0;
+  // Removes everything under `prefix` (objects never published, a staging prefix). Ok
+  // when nothing is there.
+  virtual absl::Status RemovePrefix(const std::string& prefix) = 0;
+};
+
+using StorePtr = std::shared_ptr<Store>;
+
+}  // namespace ckpt::storage
