@@ -29,6 +29,7 @@
 #include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
+#include "storage/local_store.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
 #include "daemon/schedule/save_clock.h"
@@ -285,7 +286,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   } else {
     log.info("CUDA: no usable device ({}); host copy engine only", device.reason);
   }
-  p->writer = persist::MakeLocalFsShardWriter(p->fs, [priority = &p->copy_priority] {
+  p->writer = persist::MakeShardWriter(storage::MakeLocalStore(p->fs, ""), [priority = &p->copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));
   });
   p->hot = std::make_unique<HotCache>(p->progress);

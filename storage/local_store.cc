@@ -44,10 +44,14 @@ class LocalObjectWriter final : public ObjectWriter {
       size_ += size;
       return absl::OkStatus();
     }
-    if (reinterpret_cast<uintptr_t>(data) % kBlock == 0 && size % kBlock == 0) {
-      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, size, size_), path_));
-      size_ += size;
-      return absl::OkStatus();
+    if (reinterpret_cast<uintptr_t>(data) % kBlock == 0) {
+      // Straight from the caller's memory, all but a last partial block.
+      const size_t whole = size / kBlock * kBlock;
+      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, whole, size_), path_));
+      size_ += whole;
+      data += whole;
+      size -= whole;
+      if (size == 0) return absl::OkStatus();
     }
     // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer, the
     // last block padded with zeros and cut off again by Finish().

@@ -1,5 +1,5 @@
 // Writes one rank's staged snapshot as a safetensors shard. The interface is what the
-// persist stage depends on; LocalFsShardWriter implements it over an injectable Filesystem.
+// persist stage depends on; MakeShardWriter implements it over any storage::Store.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "storage/filesystem.h"
+#include "storage/store.h"
 #include "daemon/staging/staged_shard.h"
 #include "format/manifest.h"  // ShardFileName
 
@@ -38,6 +38,6 @@ using ShardWriterPtr = std::unique_ptr<ShardWriter>;
 
 // `between_chunks`, if set, runs between the writer's large writes (ckptd passes a wait for
 // staging copies to finish, so persisting never slows what trainers wait for).
-ShardWriterPtr MakeLocalFsShardWriter(FilesystemPtr fs, std::function<void()> between_chunks = {});
+ShardWriterPtr MakeShardWriter(storage::StorePtr store, std::function<void()> between_chunks = {});
 
 }  // namespace ckpt::persist

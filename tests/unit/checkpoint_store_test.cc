@@ -13,6 +13,7 @@
 #include "common/status.h"
 #include "format/checkpoint_store.h"
 #include "daemon/persist/shard_writer.h"
+#include "storage/local_store.h"
 #include "format/verify.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
@@ -31,7 +32,7 @@ struct Fixture {
   std::shared_ptr<testing::FaultyFilesystem> fs =
       std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
   CheckpointStore store{fs, dir.path()};
-  ShardWriterPtr writer = MakeLocalFsShardWriter(fs);
+  ShardWriterPtr writer = MakeShardWriter(storage::MakeLocalStore(fs, ""));
   std::vector<float> data = std::vector<float>(1024, 1.5f);
 
   absl::Status Save(uint64_t step, uint64_t run = 0) {

@@ -19,6 +19,7 @@
 #include "daemon/persist/retention_keeper.h"
 #include "format/verify.h"
 #include "daemon/persist/write_queue.h"
+#include "storage/local_store.h"
 #include "daemon/staging/hot_cache.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
@@ -111,7 +112,7 @@ struct Stages {
   std::shared_ptr<testing::FaultyFilesystem> fs =
       std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
   format::CheckpointStore store{fs, dir.path() + "/root"};
-  persist::ShardWriterPtr real_writer = persist::MakeLocalFsShardWriter(fs);
+  persist::ShardWriterPtr real_writer = persist::MakeShardWriter(storage::MakeLocalStore(fs, ""));
   GatedWriter writer{*real_writer};
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(16 << 20, false));
   ProgressSignal progress;

@@ -15,6 +15,7 @@
 #include "format/checksum.h"
 #include "format/manifest.h"
 #include "daemon/persist/shard_writer.h"
+#include "storage/local_store.h"
 #include "format/shard_reader.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/flip_bit.h"
@@ -54,8 +55,8 @@ TEST_CASE("direct and buffered shards are identical, aligned and valid") {
     auto direct_fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
     auto buffered_fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
     buffered_fs->DisableDirectIo();
-    auto a = MakeLocalFsShardWriter(direct_fs)->Write(shard, direct_dir.path());
-    auto b = MakeLocalFsShardWriter(buffered_fs)->Write(shard, buffered_dir.path());
+    auto a = MakeShardWriter(storage::MakeLocalStore(direct_fs, ""))->Write(shard, direct_dir.path());
+    auto b = MakeShardWriter(storage::MakeLocalStore(buffered_fs, ""))->Write(shard, buffered_dir.path());
     REQUIRE(a.ok());
     REQUIRE(b.ok());
     INFO("bytes " << bytes);
@@ -83,7 +84,7 @@ TEST_CASE("a full disk during an O_DIRECT write is reported with the file named"
   testing::TempDir dir;
   auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
   fs->FailAfter(testing::FaultyFilesystem::Op::kWrite, 1, ENOSPC);
-  auto r = MakeLocalFsShardWriter(fs)->Write(shard, dir.path());
+  auto r = MakeShardWriter(storage::MakeLocalStore(fs, ""))->Write(shard, dir.path());
   CHECK(absl::IsResourceExhausted(r.status()));
   CHECK(Message(r.status()).find("rank-00000.safetensors") != std::string::npos);
 }
@@ -114,7 +115,7 @@ TEST_CASE("a shard is written chunk by chunk as its data lands") {
     testing::TempDir dir;
     auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
     if (!direct) fs->DisableDirectIo();
-    auto writer = MakeLocalFsShardWriter(fs);
+    auto writer = MakeShardWriter(storage::MakeLocalStore(fs, ""));
     absl::StatusOr<WrittenShard> written;
     std::thread writing([&] { written = writer->Write(shard, dir.path()); });
 
@@ -152,7 +153,7 @@ TEST_CASE("a failed copy stops the writer with the copy's error") {
   shard.entries = {{"a", "U8", {40 << 20}, 0, 40u << 20}};
   shard.landed = &landed;
   testing::TempDir dir;
-  auto writer = MakeLocalFsShardWriter(std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem()));
+  auto writer = MakeShardWriter(storage::MakeLocalStore(std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem()), ""));
   absl::StatusOr<WrittenShard> written;
   std::thread writing([&] { written = writer->Write(shard, dir.path()); });
   landed.Advance(33u << 20);
@@ -178,7 +179,7 @@ TEST_CASE("entries longer than a chunk get a checksum per chunk; a range read ch
                    {"small", "U8", {4096}, big, bytes}};
   testing::TempDir dir;
   auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
-  auto written = MakeLocalFsShardWriter(fs)->Write(shard, dir.path());
+  auto written = MakeShardWriter(storage::MakeLocalStore(fs, ""))->Write(shard, dir.path());
   REQUIRE(written.ok());
   const std::vector<std::string>& chunks = written->chunk_checksums.at("big");
   REQUIRE(chunks.size() == 3);

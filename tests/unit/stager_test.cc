@@ -12,6 +12,7 @@
 #include "daemon/persist/retention_keeper.h"
 #include "format/verify.h"
 #include "daemon/persist/write_queue.h"
+#include "storage/local_store.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "tests/fakes/faulty_filesystem.h"
@@ -66,7 +67,7 @@ struct Fixture {
   testing::TempDir dir;
   FilesystemPtr fs = MakePosixFilesystem();
   format::CheckpointStore store{fs, dir.path()};
-  persist::ShardWriterPtr writer = persist::MakeLocalFsShardWriter(fs);
+  persist::ShardWriterPtr writer = persist::MakeShardWriter(storage::MakeLocalStore(fs, ""));
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(4 << 20, false));
   ProgressSignal progress;
   HotCache hot{progress};
