@@ -322,7 +322,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     bounce = heap.get();
   }
   format::PlanReader reader(
-      store_.fs(), store_.StepDir(manifest.job, manifest.step), manifest,
+      store_.objects(), store_.StepDir(manifest.job, manifest.step), manifest,
       [&](uint32_t rank) -> std::optional<format::MemoryShard> {
         StagedSnapshotPtr snap = hot_.Find(manifest.job, rank, manifest.step);
         if (!snap) return std::nullopt;

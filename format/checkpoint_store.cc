@@ -1,5 +1,7 @@
 #include "format/checkpoint_store.h"
 
+#include "storage/local_store.h"
+
 #include "format/tiling.h"
 
 #include <fmt/format.h>
@@ -34,7 +36,7 @@ bool ParseStepDirName(const std::string& name, uint64_t* step) {
 }
 
 CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root)
-    : fs_(std::move(fs)), root_(std::move(root)) {}
+    : fs_(std::move(fs)), objects_(storage::MakeLocalStore(fs_, "")), root_(std::move(root)) {}
 
 std::string CheckpointStore::JobDir(const std::string& job) const { return root_ + "/" + job; }
 

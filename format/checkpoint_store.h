@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "storage/filesystem.h"
+#include "storage/store.h"
 #include "format/manifest.h"
 
 namespace ckpt::format {
@@ -26,6 +27,8 @@ class CheckpointStore {
 
   const std::string& root() const { return root_; }
   Filesystem& fs() { return *fs_; }
+  // Where the step's objects are read: keys are the paths StepDir() and the like give.
+  storage::Store& objects() { return *objects_; }
   std::string JobDir(const std::string& job) const;
   std::string StepDir(const std::string& job, uint64_t step) const;
   std::string TempStepDir(const std::string& job, uint64_t step) const;
@@ -61,6 +64,7 @@ class CheckpointStore {
 
  private:
   FilesystemPtr fs_;
+  storage::StorePtr objects_;
   std::string root_;
   bool shared_ = false;
   std::mutex mu_;

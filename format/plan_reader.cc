@@ -45,15 +45,16 @@ absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   }
   const format::ManifestShard& shard = manifest_.shards[rank];
   const std::string path = step_dir_ + "/" + shard.file;
-  if (!fs_.Exists(path)) {
+  CKPT_ASSIGN_OR_RETURN(bool exists, store_.Exists(path));
+  if (!exists) {
     return absl::NotFoundError(fmt::format(
         "{}: rank {}'s shard of step {} is neither in memory nor on this node's disk (a "
         "restore with another placement reads every saved shard it overlaps; across nodes "
         "they must share one --root)",
-        path, rank, manifest_.step));
+        store_.Describe(path), rank, manifest_.step));
   }
   CKPT_ASSIGN_OR_RETURN(format::ShardReaderPtr reader,
-                        format::ShardReader::Open(fs_, path, shard.bytes));
+                        format::ShardReader::Open(store_, path, shard.bytes));
   return readers_.emplace(rank, std::move(reader)).first->second.get();
 }
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "storage/filesystem.h"
+#include "storage/store.h"
 #include "format/manifest.h"
 #include "format/read_plan.h"
 #include "format/shard_reader.h"
@@ -42,9 +42,10 @@ class PlanReader {
   // The shard of a saved rank of this step held in memory, or nullopt.
   using HotLookup = std::function<std::optional<MemoryShard>(uint32_t rank)>;
 
-  PlanReader(Filesystem& fs, std::string step_dir, const format::Manifest& manifest,
+  // `step` is the step's prefix in `store` (its directory, for a local store).
+  PlanReader(storage::Store& store, std::string step, const format::Manifest& manifest,
              HotLookup hot)
-      : fs_(fs), step_dir_(std::move(step_dir)), manifest_(manifest), hot_(std::move(hot)) {}
+      : store_(store), step_dir_(std::move(step)), manifest_(manifest), hot_(std::move(hot)) {}
 
   // Fills dst[0, tensor.bytes) with the wanted piece. DataLoss when what was read does not
   // match its checksums or the file disagrees with the manifest; NotFound when a shard it
@@ -67,7 +68,7 @@ class PlanReader {
   const HotShard& Hot(uint32_t rank);
   absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
 
-  Filesystem& fs_;
+  storage::Store& store_;
   const std::string step_dir_;
   const format::Manifest& manifest_;
   HotLookup hot_;

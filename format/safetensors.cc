@@ -29,21 +29,22 @@ std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
   return out + json;
 }
 
-absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t file_size,
-                                             const std::string& path) {
+absl::StatusOr<SafetensorsHeader> ReadHeader(const storage::ObjectReader& object) {
+  const uint64_t file_size = object.size();
+  const std::string& path = object.name();
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: not a valid safetensors file: {}", path, why));
   };
   if (file_size < 8) return bad(fmt::format("only {} bytes", file_size));
   unsigned char prefix[8];
-  CKPT_RETURN_IF_ERROR(Annotate(fs.ReadAt(fd, prefix, 8, 0), path));
+  CKPT_RETURN_IF_ERROR(object.ReadAt(prefix, 8, 0));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[i];
   if (n > kMaxHeaderBytes || n > file_size - 8) {
     return bad(fmt::format("header length {} exceeds the file ({} bytes)", n, file_size));
   }
   std::string json(n, '\0');
-  CKPT_RETURN_IF_ERROR(Annotate(fs.ReadAt(fd, json.data(), n, 8), path));
+  CKPT_RETURN_IF_ERROR(object.ReadAt(json.data(), n, 8));
   nlohmann::json parsed = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
   if (!parsed.is_object()) return bad("header is not a JSON object");
 

@@ -11,7 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/dtype.h"
-#include "storage/filesystem.h"
+#include "storage/store.h"
 
 namespace ckpt::format {
 
@@ -40,7 +40,6 @@ std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
 // Reads and validates the header of the open file `path` of `file_size` bytes: JSON shape,
 // known dtypes, sizes matching shapes, contiguous offsets covering the data region, and a
 // file that is neither truncated nor extended.
-absl::StatusOr<SafetensorsHeader> ReadHeader(Filesystem& fs, int fd, uint64_t file_size,
-                                             const std::string& path);
+absl::StatusOr<SafetensorsHeader> ReadHeader(const storage::ObjectReader& object);
 
 }  // namespace ckpt::format

@@ -11,21 +11,22 @@
 
 namespace ckpt::format {
 
-absl::StatusOr<ShardReaderPtr> ShardReader::Open(Filesystem& fs, const std::string& path,
+absl::StatusOr<ShardReaderPtr> ShardReader::Open(storage::Store& store, const std::string& key,
                                                  uint64_t expected_bytes) {
-  CKPT_ASSIGN_OR_RETURN(uint64_t size, fs.FileSize(path));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> object, store.Open(key));
+  const uint64_t size = object->size();
+  const std::string& path = object->name();
   if (size != expected_bytes) {
     return absl::DataLossError(fmt::format("{}: {} bytes on disk, manifest says {} ({})", path,
                                            size, expected_bytes,
                                            size < expected_bytes ? "truncated" : "extended"));
   }
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs.OpenForRead(path));
-  CKPT_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(fs, fd.get(), size, path));
-  return ShardReaderPtr(new ShardReader(fs, path, std::move(fd), std::move(header)));
+  CKPT_ASSIGN_OR_RETURN(SafetensorsHeader header, ReadHeader(*object));
+  return ShardReaderPtr(new ShardReader(std::move(object), std::move(header)));
 }
 
-ShardReader::ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header)
-    : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), header_(std::move(header)) {
+ShardReader::ShardReader(std::unique_ptr<storage::ObjectReader> object, SafetensorsHeader header)
+    : object_(std::move(object)), path_(object_->name()), header_(std::move(header)) {
   by_name_.reserve(header_.tensors.size());
   for (const TensorEntry& e : header_.tensors) by_name_.emplace(e.name, &e);  // first one wins
 }
@@ -38,7 +39,7 @@ const TensorEntry* ShardReader::Find(const std::string& name) const {
 absl::Status ShardReader::ReadEntry(const TensorEntry& entry, void* dst,
                                     const std::string& expected_checksum) const {
   CKPT_RETURN_IF_ERROR(Annotate(
-      fs_.ReadAt(fd_.get(), dst, entry.end - entry.begin, header_.data_start + entry.begin),
+      object_->ReadAt(dst, entry.end - entry.begin, header_.data_start + entry.begin),
       fmt::format("{} tensor {}", path_, entry.name)));
   std::string actual = ChecksumOf(dst, entry.end - entry.begin);
   if (actual != expected_checksum) {
@@ -76,7 +77,7 @@ absl::Status ShardReader::ReadRange(const TensorEntry& entry, const Checksums& c
   for (uint64_t at = first; at < last; at += window) {
     const uint64_t n = std::min(window, last - at);
     CKPT_RETURN_IF_ERROR(Annotate(
-        fs_.ReadAt(fd_.get(), buffer.get(), n, header_.data_start + entry.begin + at),
+        object_->ReadAt(buffer.get(), n, header_.data_start + entry.begin + at),
         fmt::format("{} tensor {}", path_, entry.name)));
     if (read_bytes != nullptr) *read_bytes += n;
     for (uint64_t c = 0; c < n; c += unit) {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "storage/filesystem.h"
+#include "storage/store.h"
 #include "format/safetensors.h"
 
 namespace ckpt::format {
@@ -18,7 +18,8 @@ class ShardReader {
  public:
   // Opens `path`, checks its size against `expected_bytes` (from the manifest) and parses
   // and validates its safetensors header.
-  static absl::StatusOr<std::unique_ptr<ShardReader>> Open(Filesystem& fs, const std::string& path,
+  static absl::StatusOr<std::unique_ptr<ShardReader>> Open(storage::Store& store,
+                                                           const std::string& key,
                                                            uint64_t expected_bytes);
 
   const SafetensorsHeader& header() const { return header_; }
@@ -50,11 +51,10 @@ class ShardReader {
   static constexpr uint64_t kReadWindowBytes = uint64_t{64} << 20;
 
  private:
-  ShardReader(Filesystem& fs, std::string path, UniqueFd fd, SafetensorsHeader header);
+  ShardReader(std::unique_ptr<storage::ObjectReader> object, SafetensorsHeader header);
 
-  Filesystem& fs_;
-  std::string path_;
-  UniqueFd fd_;
+  std::unique_ptr<storage::ObjectReader> object_;
+  const std::string& path_;  // the object's name
   SafetensorsHeader header_;
   // Entry names to header_.tensors: a restore looks every one of its tensors up.
   std::unordered_map<std::string_view, const TensorEntry*> by_name_;

@@ -66,10 +66,12 @@ absl::StatusOr<std::vector<std::vector<Expected>>> ExpectedEntries(const Manifes
 
 // A shard shorter than the manifest says: the data region ends the file, so the manifest's
 // offsets tell which entries the missing bytes belong to.
-void ReportTruncatedEntries(Filesystem& fs, const std::string& path, uint64_t expected_bytes,
+void ReportTruncatedEntries(storage::Store& store, const std::string& path, uint64_t expected_bytes,
                             const std::vector<Expected>& entries, VerifyReport& report) {
-  auto size = fs.FileSize(path);
-  if (!size.ok() || *size >= expected_bytes) return;
+  auto object = store.Open(path);
+  if (!object.ok()) return;
+  const std::optional<uint64_t> size = (*object)->size();
+  if (*size >= expected_bytes) return;
   uint64_t data_bytes = 0;
   for (const Expected& e : entries) data_bytes = std::max(data_bytes, e.end);
   uint64_t data_start = expected_bytes - data_bytes;
@@ -116,10 +118,10 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
   const std::string dir = store.StepDir(job, step);
   std::set<std::string> known = {"manifest.json"};
   for (const format::ManifestShard& shard : manifest.shards) known.insert(shard.file);
-  if (absl::StatusOr<std::vector<std::string>> files = store.fs().ListDir(dir); files.ok()) {
-    for (const std::string& file : *files) {
-      if (!known.count(file)) {
-        report.problems.push_back(fmt::format("{}/{}: a file the manifest does not list", dir, file));
+  if (absl::StatusOr<std::vector<storage::ListEntry>> files = store.objects().List(dir); files.ok()) {
+    for (const storage::ListEntry& file : *files) {
+      if (!known.count(file.name)) {
+        report.problems.push_back(fmt::format("{}/{}: a file the manifest does not list", dir, file.name));
       }
     }
   } else {
@@ -139,14 +141,14 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
     }
     const std::string path = dir + "/" + shard.file;
     const std::vector<Expected>* expected = &by_rank->at(shard.rank);
-    if (!store.fs().Exists(path)) {
+    if (absl::StatusOr<bool> there = store.objects().Exists(path); !there.ok() || !*there) {
       report.problems.push_back(fmt::format("{}: missing (rank {}'s shard)", path, shard.rank));
       continue;
     }
-    auto reader = format::ShardReader::Open(store.fs(), path, shard.bytes);
+    auto reader = format::ShardReader::Open(store.objects(), path, shard.bytes);
     if (!reader.ok()) {
       report.problems.push_back(Message(reader.status()));
-      ReportTruncatedEntries(store.fs(), path, shard.bytes, *expected, report);
+      ReportTruncatedEntries(store.objects(), path, shard.bytes, *expected, report);
       continue;
     }
     std::set<std::string> listed;

@@ -31,8 +31,8 @@ std::string ParentOf(const std::string& path) {
 
 class LocalObjectWriter final : public ObjectWriter {
  public:
-  LocalObjectWriter(Filesystem& fs, std::string path, UniqueFd fd, bool direct)
-      : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), direct_(direct) {}
+  LocalObjectWriter(FilesystemPtr fs, std::string path, UniqueFd fd, bool direct)
+      : fs_(std::move(fs)), path_(std::move(path)), fd_(std::move(fd)), direct_(direct) {}
 
   absl::Status Append(const char* data, size_t size) override {
     if (tail_) {
@@ -40,14 +40,14 @@ class LocalObjectWriter final : public ObjectWriter {
           "{}: append after a last, unaligned one (only Finish() may follow)", path_));
     }
     if (!direct_) {
-      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, size, size_), path_));
+      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, size, size_), path_));
       size_ += size;
       return absl::OkStatus();
     }
     if (reinterpret_cast<uintptr_t>(data) % kBlock == 0) {
       // Straight from the caller's memory, all but a last partial block.
       const size_t whole = size / kBlock * kBlock;
-      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), data, whole, size_), path_));
+      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, whole, size_), path_));
       size_ += whole;
       data += whole;
       size -= whole;
@@ -62,7 +62,7 @@ class LocalObjectWriter final : public ObjectWriter {
       const size_t padded = (n + kBlock - 1) / kBlock * kBlock;
       std::memcpy(bounce_.get(), data + done, n);
       std::memset(bounce_.get() + n, 0, padded - n);
-      CKPT_RETURN_IF_ERROR(Annotate(fs_.WriteAt(fd_.get(), bounce_.get(), padded, size_), path_));
+      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), padded, size_), path_));
       size_ += n;
       done += n;
       if (padded != n) tail_ = true;
@@ -71,14 +71,14 @@ class LocalObjectWriter final : public ObjectWriter {
   }
 
   absl::StatusOr<uint64_t> Finish() override {
-    if (tail_) CKPT_RETURN_IF_ERROR(Annotate(fs_.Truncate(fd_.get(), size_), path_));
-    CKPT_RETURN_IF_ERROR(Annotate(fs_.SyncFile(fd_.get()), path_));
-    if (!direct_) fs_.DropFromCache(fd_.get());  // durable; never read back from the cache
+    if (tail_) CKPT_RETURN_IF_ERROR(Annotate(fs_->Truncate(fd_.get(), size_), path_));
+    CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(fd_.get()), path_));
+    if (!direct_) fs_->DropFromCache(fd_.get());  // durable; never read back from the cache
     return size_;
   }
 
  private:
-  Filesystem& fs_;
+  FilesystemPtr fs_;  // shared: an object may outlive the store that made it
   const std::string path_;
   UniqueFd fd_;
   const bool direct_;
@@ -89,17 +89,17 @@ class LocalObjectWriter final : public ObjectWriter {
 
 class LocalObjectReader final : public ObjectReader {
  public:
-  LocalObjectReader(Filesystem& fs, std::string path, UniqueFd fd, uint64_t size)
-      : fs_(fs), path_(std::move(path)), fd_(std::move(fd)), size_(size) {}
+  LocalObjectReader(FilesystemPtr fs, std::string path, UniqueFd fd, uint64_t size)
+      : fs_(std::move(fs)), path_(std::move(path)), fd_(std::move(fd)), size_(size) {}
 
   uint64_t size() const override { return size_; }
   const std::string& name() const override { return path_; }
   absl::Status ReadAt(void* data, size_t size, uint64_t offset) const override {
-    return Annotate(fs_.ReadAt(fd_.get(), data, size, offset), path_);
+    return Annotate(fs_->ReadAt(fd_.get(), data, size, offset), path_);
   }
 
  private:
-  Filesystem& fs_;
+  FilesystemPtr fs_;  // shared: an object may outlive the store that made it
   const std::string path_;
   UniqueFd fd_;
   const uint64_t size_;
@@ -117,17 +117,17 @@ class LocalStore final : public Store {
     auto direct = fs_->CreateFileDirect(path);
     if (direct.ok()) {
       return std::unique_ptr<ObjectWriter>(
-          new LocalObjectWriter(*fs_, path, std::move(*direct), /*direct=*/true));
+          new LocalObjectWriter(fs_, path, std::move(*direct), /*direct=*/true));
     }
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->CreateFile(path));
-    return std::unique_ptr<ObjectWriter>(new LocalObjectWriter(*fs_, path, std::move(fd), false));
+    return std::unique_ptr<ObjectWriter>(new LocalObjectWriter(fs_, path, std::move(fd), false));
   }
 
   absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) override {
     const std::string path = Path(key);
     CKPT_ASSIGN_OR_RETURN(UniqueFd fd, fs_->OpenForRead(path));
     CKPT_ASSIGN_OR_RETURN(uint64_t size, fs_->FileSize(path));
-    return std::unique_ptr<ObjectReader>(new LocalObjectReader(*fs_, path, std::move(fd), size));
+    return std::unique_ptr<ObjectReader>(new LocalObjectReader(fs_, path, std::move(fd), size));
   }
 
   absl::StatusOr<bool> Exists(const std::string& key) override {

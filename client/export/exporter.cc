@@ -88,12 +88,12 @@ absl::Status ForEachSlice(const Shape& global, size_t itemsize, uint64_t budget,
 
 class Writer {
  public:
-  Writer(Filesystem& fs, const format::Manifest& manifest, const std::string& step_dir,
-         const ExportOptions& options, uint64_t total)
+  Writer(Filesystem& fs, storage::Store& source, const format::Manifest& manifest,
+         const std::string& step_dir, const ExportOptions& options, uint64_t total)
       : fs_(fs),
         manifest_(manifest),
         options_(options),
-        reader_(fs, step_dir, manifest, nullptr),
+        reader_(source, step_dir, manifest, nullptr),
         total_(total) {}
 
   // Writes `file` as `path`: the header, then each tensor's slices in order.
@@ -306,7 +306,8 @@ absl::StatusOr<uint64_t> ParseByteSize(const std::string& text) {
   return bytes;
 }
 
-absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_dir,
+absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, storage::Store& source,
+                                        const std::string& step_dir,
                                         const format::Manifest& manifest,
                                         const ExportOptions& options) {
   if (options.out.empty()) return absl::InvalidArgumentError("no output path given");
@@ -337,7 +338,7 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_
     (void)fs.RemoveTree(staging);
     return status;
   };
-  Writer writer(fs, manifest, step_dir, options, total);
+  Writer writer(fs, source, manifest, step_dir, options, total);
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
   for (const OutFile& file : files) {
     const std::string path = folder ? staging + "/" + file.name : staging;

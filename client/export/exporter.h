@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "storage/filesystem.h"
+#include "storage/store.h"
 #include "client/export/rename_rules.h"
 #include "format/manifest.h"
 #include "format/tensor_selection.h"
@@ -69,7 +70,8 @@ struct ExportReport {
 // not at all. Errors name the tensor and file (DataLoss for a checksum mismatch or a file
 // that disagrees with its manifest; InvalidArgument for options, names that collide after
 // renaming, or nothing selected).
-absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, const std::string& step_dir,
+absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, storage::Store& source,
+                                        const std::string& step_dir,
                                         const format::Manifest& manifest,
                                         const ExportOptions& options);
 

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "format/safetensors.h"
+#include "storage/local_store.h"
 #include "tests/fakes/flip_bit.h"
 #include "tests/integration/common.h"
 #include "tests/integration/global_pattern.h"
@@ -40,15 +41,14 @@ RunResult Export(const Daemon& d, const TempDir& dir, std::vector<std::string> a
 
 // Reads every tensor of a safetensors file with the project's own reader.
 std::map<std::string, std::pair<ckpt::format::TensorEntry, std::vector<char>>> ReadAll(const std::string& path) {
-  ckpt::FilesystemPtr fs = ckpt::MakePosixFilesystem();
-  auto fd = fs->OpenForRead(path);
-  REQUIRE(fd.ok());
-  auto header = ckpt::format::ReadHeader(*fs, fd->get(), fs::file_size(path), path);
+  auto object = ckpt::storage::MakeLocalStore(ckpt::MakePosixFilesystem(), "")->Open(path);
+  REQUIRE(object.ok());
+  auto header = ckpt::format::ReadHeader(**object);
   REQUIRE(header.ok());
   std::map<std::string, std::pair<ckpt::format::TensorEntry, std::vector<char>>> out;
   for (const auto& e : header->tensors) {
     std::vector<char> data(e.end - e.begin);
-    REQUIRE(fs->ReadAt(fd->get(), data.data(), data.size(), header->data_start + e.begin).ok());
+    REQUIRE((*object)->ReadAt(data.data(), data.size(), header->data_start + e.begin).ok());
     out[e.name] = {e, std::move(data)};
   }
   return out;

@@ -5,6 +5,7 @@
 
 #include "common/status.h"
 #include "format/safetensors.h"
+#include "storage/local_store.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
@@ -18,10 +19,9 @@ std::string WriteFile(const std::string& path, const std::string& bytes) {
 }
 
 absl::StatusOr<SafetensorsHeader> Parse(const std::string& path) {
-  auto fs = MakePosixFilesystem();
-  auto fd = fs->OpenForRead(path);
-  REQUIRE(fd.ok());
-  return ReadHeader(*fs, fd->get(), *fs->FileSize(path), path);
+  auto object = storage::MakeLocalStore(MakePosixFilesystem(), "")->Open(path);
+  REQUIRE(object.ok());
+  return ReadHeader(**object);
 }
 
 std::vector<TensorEntry> TwoTensors() {

@@ -65,7 +65,7 @@ TEST_CASE("direct and buffered shards are identical, aligned and valid") {
     std::string fa = Slurp(direct_dir / a->file), fb = Slurp(buffered_dir / b->file);
     CHECK(fa.size() == a->bytes);
     CHECK(fa == fb);
-    auto reader = ShardReader::Open(*direct_fs, direct_dir / a->file, a->bytes);
+    auto reader = ShardReader::Open(*storage::MakeLocalStore(direct_fs, ""), direct_dir / a->file, a->bytes);
     REQUIRE(reader.ok());
     CHECK((*reader)->header().data_start % 4096 == 0);
     std::string got(bytes - 4, '\0');
@@ -187,7 +187,7 @@ TEST_CASE("entries longer than a chunk get a checksum per chunk; a range read ch
   CHECK(chunks[2] == ChecksumOf(block->data() + 2 * kChunk, big - 2 * kChunk));
   CHECK(written->chunk_checksums.count("small") == 0);  // its whole checksum says it all
 
-  auto reader = std::move(*ShardReader::Open(*fs, dir / written->file, written->bytes));
+  auto reader = std::move(*ShardReader::Open(*storage::MakeLocalStore(fs, ""), dir / written->file, written->bytes));
   const TensorEntry& entry = *reader->Find("big");
   ShardReader::Checksums sums{written->checksums.at("big"), chunks, kChunk};
   auto read = [&](uint64_t from, uint64_t to, std::string& got, uint64_t& pread) {
