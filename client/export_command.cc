@@ -102,7 +102,8 @@ int RunExport(const ExportArgs& args) {
   }
   const auto start = std::chrono::steady_clock::now();
   absl::StatusOr<exporter::ExportReport> report =
-      exporter::ExportStep(*fs, store.objects(), store.StepDir(job, args.step), *manifest, options);
+      exporter::ExportStep(*fs, store.objects(), format::CheckpointStore::StepKey(job, args.step),
+                           *manifest, options);
   if (!report.ok()) {
     const absl::Status& s = report.status();
     return Fail(Message(s), absl::IsDataLoss(s) ? 3 : absl::IsInvalidArgument(s) || absl::IsAlreadyExists(s) ? 1 : 4);

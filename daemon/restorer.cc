@@ -216,8 +216,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
   for (uint64_t step : committed) {
     // In a group each node holds only its own ranks' shards of a step.
     if (hot_.Find(session.job, session.rank, step) ||
-        store_.fs().Exists(store_.StepDir(session.job, step) + "/" +
-                           format::ShardFileName(session.rank))) {
+        store_.HasFile(session.job, step, format::ShardFileName(session.rank))) {
       available.push_back(step);
       continue;
     }
@@ -228,7 +227,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     bool all = std::all_of(manifest->shards.begin(), manifest->shards.end(),
                            [&](const format::ManifestShard& s) {
                              return hot_.Find(session.job, s.rank, step) ||
-                                    store_.fs().Exists(store_.StepDir(session.job, step) + "/" + s.file);
+                                    store_.HasFile(session.job, step, s.file);
                            });
     if (all) available.push_back(step);
   }
@@ -322,7 +321,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     bounce = heap.get();
   }
   format::PlanReader reader(
-      store_.objects(), store_.StepDir(manifest.job, manifest.step), manifest,
+      store_.objects(), format::CheckpointStore::StepKey(manifest.job, manifest.step), manifest,
       [&](uint32_t rank) -> std::optional<format::MemoryShard> {
         StagedSnapshotPtr snap = hot_.Find(manifest.job, rank, manifest.step);
         if (!snap) return std::nullopt;

@@ -286,7 +286,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   } else {
     log.info("CUDA: no usable device ({}); host copy engine only", device.reason);
   }
-  p->writer = persist::MakeShardWriter(storage::MakeLocalStore(p->fs, ""), [priority = &p->copy_priority] {
+  p->writer = persist::MakeShardWriter(p->store->objects_ptr(), [priority = &p->copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));
   });
   p->hot = std::make_unique<HotCache>(p->progress);

@@ -36,67 +36,63 @@ bool ParseStepDirName(const std::string& name, uint64_t* step) {
 }
 
 CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root)
-    : fs_(std::move(fs)), objects_(storage::MakeLocalStore(fs_, "")), root_(std::move(root)) {}
+    : fs_(std::move(fs)),
+      objects_(storage::MakeLocalStore(fs_, root, {.private_top_level = true})),
+      root_(std::move(root)) {}
 
 std::string CheckpointStore::JobDir(const std::string& job) const { return root_ + "/" + job; }
 
 std::string CheckpointStore::StepDir(const std::string& job, uint64_t step) const {
-  return fmt::format("{}/{}/step-{:08d}", root_, job, step);
+  return objects_->Describe(StepKey(job, step));
 }
 
 std::string CheckpointStore::TempStepDir(const std::string& job, uint64_t step) const {
-  return StepDir(job, step) + ".tmp";
+  return objects_->Describe(TempStepKey(job, step));
+}
+
+std::string CheckpointStore::StepKey(const std::string& job, uint64_t step) {
+  return fmt::format("{}/step-{:08d}", job, step);
+}
+
+std::string CheckpointStore::TempStepKey(const std::string& job, uint64_t step) {
+  return StepKey(job, step) + ".tmp";
 }
 
 absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  std::string tmp = TempStepDir(job, step);
-  // Normally JobOwners made it (private, with its owner's ACL); if it is gone, it comes
-  // back private to ckptd rather than readable by everyone.
-  CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(JobDir(job)));
-  if (shared_) return fs_->MakeDir(tmp);
-  CKPT_RETURN_IF_ERROR(fs_->RemoveTree(tmp));
-  CKPT_RETURN_IF_ERROR(fs_->MakeDir(tmp));
-  return absl::OkStatus();
+  // On a root several nodes share, the others write into the same step: nothing to clear.
+  if (shared_) return absl::OkStatus();
+  return objects_->RemovePrefix(TempStepKey(job, step));  // a leftover of a crashed attempt
 }
 
 absl::Status CheckpointStore::Commit(const Manifest& manifest) {
-  const std::string tmp = TempStepDir(manifest.job, manifest.step);
-  const std::string final_dir = StepDir(manifest.job, manifest.step);
-  CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, tmp + "/" + kManifestName, ManifestToJson(manifest)));
-  if (fs_->Exists(final_dir)) {
+  absl::Status published = objects_->Publish(TempStepKey(manifest.job, manifest.step),
+                                             StepKey(manifest.job, manifest.step), kManifestName,
+                                             ManifestToJson(manifest));
+  if (absl::IsAlreadyExists(published)) {
     return absl::AlreadyExistsError(fmt::format(
-        "{} already exists: step {} of job {} was committed before", final_dir, manifest.step,
-        manifest.job));
+        "{} already exists: step {} of job {} was committed before",
+        StepDir(manifest.job, manifest.step), manifest.step, manifest.job));
   }
-  CKPT_RETURN_IF_ERROR(fs_->Rename(tmp, final_dir));
-  CKPT_RETURN_IF_ERROR(fs_->SyncDir(JobDir(manifest.job)));
-  // The job's own directory entry must be durable too, or a crash could lose the whole
-  // job after its first commit was reported; once per job per run is enough.
-  {
-    std::lock_guard lock(mu_);
-    runs_[{manifest.job, manifest.step}] = manifest.run;
-    if (root_synced_.count(manifest.job)) return absl::OkStatus();
-  }
-  CKPT_RETURN_IF_ERROR(fs_->SyncDir(root_));
+  CKPT_RETURN_IF_ERROR(published);
   std::lock_guard lock(mu_);
-  root_synced_.insert(manifest.job);
+  runs_[{manifest.job, manifest.step}] = manifest.run;
   return absl::OkStatus();
 }
 
 absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {
-  return fs_->RemoveTree(TempStepDir(job, step));
+  return objects_->RemovePrefix(TempStepKey(job, step));
 }
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::string& job) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::vector<uint64_t> steps;
-  if (!fs_->Exists(JobDir(job))) return steps;
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
-  for (const std::string& name : names) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
+  for (const storage::ListEntry& e : entries) {
     uint64_t step;
-    if (!ParseStepDirName(name, &step)) continue;
-    if (fs_->Exists(JobDir(job) + "/" + name + "/" + kManifestName)) steps.push_back(step);
+    if (!e.is_prefix || !ParseStepDirName(e.name, &step)) continue;
+    CKPT_ASSIGN_OR_RETURN(bool committed, objects_->Exists(job + "/" + e.name + "/" + kManifestName));
+    if (committed) steps.push_back(step);
   }
   std::sort(steps.begin(), steps.end());
   return steps;
@@ -129,29 +125,30 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsInRunOrder(const
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {
   std::vector<std::string> jobs;
-  if (!fs_->Exists(root_)) return jobs;
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(root_));
-  for (const std::string& name : names) {
-    if (ValidateJobName(name).ok()) jobs.push_back(name);
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(""));
+  for (const storage::ListEntry& e : entries) {
+    if (e.is_prefix && ValidateJobName(e.name).ok()) jobs.push_back(e.name);
   }
-  std::sort(jobs.begin(), jobs.end());
-  return jobs;
+  return jobs;  // List is sorted
 }
 
 absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  std::string path = StepDir(job, step) + "/" + kManifestName;
-  if (!fs_->Exists(path)) {
+  const std::string key = StepKey(job, step) + "/" + kManifestName;
+  const std::string path = objects_->Describe(key);
+  absl::StatusOr<bool> there = objects_->Exists(key);
+  if (!there.ok() || !*there) {
     // Not there, or not ours to see: a job's directory is readable by its owner alone.
-    if (auto listed = fs_->ListDir(JobDir(job)); absl::IsPermissionDenied(listed.status())) {
+    if (auto listed = objects_->List(job); absl::IsPermissionDenied(listed.status())) {
       return absl::PermissionDeniedError(fmt::format(
           "job {}: {} (a job's checkpoints are readable by the uid that owns it, its --job-group "
           "and root only)",
           job, Message(listed.status())));
     }
+    CKPT_RETURN_IF_ERROR(there.status());
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }
-  CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
+  CKPT_ASSIGN_OR_RETURN(std::string text, objects_->Get(key, kMaxManifestBytes));
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, ParseManifest(text, path));
   if (manifest.job != job || manifest.step != step) {
     return absl::DataLossError(fmt::format("{} describes job {} step {}", path, manifest.job,
@@ -165,26 +162,31 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   return manifest;
 }
 
+bool CheckpointStore::Committed(const std::string& job, uint64_t step) {
+  return HasFile(job, step, kManifestName);
+}
+
+bool CheckpointStore::HasFile(const std::string& job, uint64_t step, const std::string& file) {
+  return objects_->Exists(StepKey(job, step) + "/" + file).value_or(false);
+}
+
 absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  std::string dir = StepDir(job, step);
-  if (!fs_->Exists(dir + "/" + kManifestName)) {
+  absl::Status retracted = objects_->Retract(StepKey(job, step), kManifestName);
+  if (absl::IsNotFound(retracted)) {
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }
-  std::string aside = dir + ".deleting";
-  CKPT_RETURN_IF_ERROR(fs_->Rename(dir, aside));
-  CKPT_RETURN_IF_ERROR(fs_->SyncDir(JobDir(job)));
-  return fs_->RemoveTree(aside);
+  return retracted;
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> CheckpointStore::ListTempSteps() {
   std::vector<std::pair<std::string, uint64_t>> found;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, ListJobs());
   for (const std::string& job : jobs) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
-    for (const std::string& name : names) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
+    for (const storage::ListEntry& e : entries) {
       uint64_t step;
-      if (EndsWith(name, ".tmp") && ParseStepDirName(name.substr(0, name.size() - 4), &step)) {
+      if (EndsWith(e.name, ".tmp") && ParseStepDirName(e.name.substr(0, e.name.size() - 4), &step)) {
         found.emplace_back(job, step);
       }
     }
@@ -196,11 +198,11 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
   int removed = 0;
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, ListJobs());
   for (const std::string& job : jobs) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, fs_->ListDir(JobDir(job)));
-    for (const std::string& name : names) {
-      if (name.compare(0, 5, "step-") == 0 &&
-          ((EndsWith(name, ".tmp") && !keep_step_tmp) || EndsWith(name, ".deleting"))) {
-        CKPT_RETURN_IF_ERROR(fs_->RemoveTree(JobDir(job) + "/" + name));
+    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
+    for (const storage::ListEntry& e : entries) {
+      if (e.name.compare(0, 5, "step-") == 0 &&
+          ((EndsWith(e.name, ".tmp") && !keep_step_tmp) || EndsWith(e.name, ".deleting"))) {
+        CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(job + "/" + e.name));
         ++removed;
       }
     }

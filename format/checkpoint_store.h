@@ -27,11 +27,17 @@ class CheckpointStore {
 
   const std::string& root() const { return root_; }
   Filesystem& fs() { return *fs_; }
-  // Where the step's objects are read: keys are the paths StepDir() and the like give.
+  // Where every byte of the checkpoints goes and comes from: keys StepKey() and the like.
   storage::Store& objects() { return *objects_; }
+  const storage::StorePtr& objects_ptr() const { return objects_; }
   std::string JobDir(const std::string& job) const;
   std::string StepDir(const std::string& job, uint64_t step) const;
   std::string TempStepDir(const std::string& job, uint64_t step) const;
+  // The same places as keys of objects(): "<job>/step-NNNNNNNN" and its ".tmp".
+  static std::string StepKey(const std::string& job, uint64_t step);
+  static std::string TempStepKey(const std::string& job, uint64_t step);
+  // Manifests are read whole; one of a 10,000-node job is tens of MiB.
+  static constexpr size_t kMaxManifestBytes = size_t{256} << 20;
 
   // Creates an empty <step>.tmp directory, replacing a leftover one. On a root that
   // several nodes share it only makes sure the directory exists: the others write there too.
@@ -52,6 +58,12 @@ class CheckpointStore {
   absl::StatusOr<std::vector<uint64_t>> ListStepsInRunOrder(const std::string& job);
   absl::StatusOr<std::vector<std::string>> ListJobs();
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
+  // Whether the step is committed here (its marker, the manifest, is there); false when it
+  // cannot be told.
+  bool Committed(const std::string& job, uint64_t step);
+  // Whether this store holds `file` of a committed step (a node of a group holds only its
+  // own ranks' shards).
+  bool HasFile(const std::string& job, uint64_t step, const std::string& file);
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
   // directory that still looks committed.
   absl::Status Delete(const std::string& job, uint64_t step);
@@ -68,7 +80,6 @@ class CheckpointStore {
   std::string root_;
   bool shared_ = false;
   std::mutex mu_;
-  std::set<std::string> root_synced_;  // jobs whose entry in the root was fsynced this run
   // Manifest::run of committed steps (manifests never change once committed).
   std::map<std::pair<std::string, uint64_t>, uint64_t> runs_;
 };

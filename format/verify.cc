@@ -79,7 +79,7 @@ void ReportTruncatedEntries(storage::Store& store, const std::string& path, uint
   for (const Expected& e : entries) {
     if (e.end > available) {
       report.problems.push_back(fmt::format(
-          "tensor {} in {}: truncated ({} of its {} bytes missing)", e.name, path,
+          "tensor {} in {}: truncated ({} of its {} bytes missing)", e.name, store.Describe(path),
           e.end - std::max(e.begin, std::min(available, e.end)), e.end - e.begin));
     }
   }
@@ -115,13 +115,14 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
                                               uint64_t step, std::optional<uint32_t> node) {
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, store.LoadManifest(job, step));
   VerifyReport report;
-  const std::string dir = store.StepDir(job, step);
+  const std::string dir = format::CheckpointStore::StepKey(job, step);  // a key of store.objects()
+  const std::string dir_name = store.StepDir(job, step);             // what messages call it
   std::set<std::string> known = {"manifest.json"};
   for (const format::ManifestShard& shard : manifest.shards) known.insert(shard.file);
   if (absl::StatusOr<std::vector<storage::ListEntry>> files = store.objects().List(dir); files.ok()) {
     for (const storage::ListEntry& file : *files) {
       if (!known.count(file.name)) {
-        report.problems.push_back(fmt::format("{}/{}: a file the manifest does not list", dir, file.name));
+        report.problems.push_back(fmt::format("{}/{}: a file the manifest does not list", dir_name, file.name));
       }
     }
   } else {
@@ -131,7 +132,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
   if (!by_rank.ok()) {
     // The manifest's placements cannot be read as they are (parsing checks them, so only a
     // manifest from a future format gets here): nothing can be compared with it.
-    report.problems.push_back(fmt::format("{}/manifest.json: {}", dir, Message(by_rank.status())));
+    report.problems.push_back(fmt::format("{}/manifest.json: {}", dir_name, Message(by_rank.status())));
     return report;
   }
   for (const format::ManifestShard& shard : manifest.shards) {
@@ -139,16 +140,17 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
       report.skipped_ranks.push_back(shard.rank);
       continue;
     }
-    const std::string path = dir + "/" + shard.file;
+    const std::string key = dir + "/" + shard.file;
+    const std::string path = store.objects().Describe(key);
     const std::vector<Expected>* expected = &by_rank->at(shard.rank);
-    if (absl::StatusOr<bool> there = store.objects().Exists(path); !there.ok() || !*there) {
+    if (absl::StatusOr<bool> there = store.objects().Exists(key); !there.ok() || !*there) {
       report.problems.push_back(fmt::format("{}: missing (rank {}'s shard)", path, shard.rank));
       continue;
     }
-    auto reader = format::ShardReader::Open(store.objects(), path, shard.bytes);
+    auto reader = format::ShardReader::Open(store.objects(), key, shard.bytes);
     if (!reader.ok()) {
       report.problems.push_back(Message(reader.status()));
-      ReportTruncatedEntries(store.objects(), path, shard.bytes, *expected, report);
+      ReportTruncatedEntries(store.objects(), key, shard.bytes, *expected, report);
       continue;
     }
     std::set<std::string> listed;

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
+#include <set>
 
 #include "common/status.h"
 #include "common/unique_fd.h"
@@ -107,13 +109,14 @@ class LocalObjectReader final : public ObjectReader {
 
 class LocalStore final : public Store {
  public:
-  LocalStore(FilesystemPtr fs, std::string root) : fs_(std::move(fs)), root_(std::move(root)) {}
+  LocalStore(FilesystemPtr fs, std::string root, LocalStoreOptions options)
+      : fs_(std::move(fs)), root_(std::move(root)), options_(options) {}
 
   std::string Describe(std::string_view key) const override { return Path(key); }
 
   absl::StatusOr<std::unique_ptr<ObjectWriter>> Create(const std::string& key) override {
     const std::string path = Path(key);
-    CKPT_RETURN_IF_ERROR(fs_->MakeDir(ParentOf(path)));
+    CKPT_RETURN_IF_ERROR(MakeParents(key));
     auto direct = fs_->CreateFileDirect(path);
     if (direct.ok()) {
       return std::unique_ptr<ObjectWriter>(
@@ -154,9 +157,8 @@ class LocalStore final : public Store {
   }
 
   absl::Status Put(const std::string& key, std::string_view contents) override {
-    const std::string path = Path(key);
-    CKPT_RETURN_IF_ERROR(fs_->MakeDir(ParentOf(path)));
-    return WriteFileAtomically(*fs_, path, std::string(contents));
+    CKPT_RETURN_IF_ERROR(MakeParents(key));
+    return WriteFileAtomically(*fs_, Path(key), std::string(contents));
   }
 
   absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) override {
@@ -172,12 +174,26 @@ class LocalStore final : public Store {
                        const std::string& marker, std::string_view contents) override {
     const std::string from = Path(staging);
     const std::string to = Path(published);
+    CKPT_RETURN_IF_ERROR(MakeParents(staging + "/" + marker));
     CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, from + "/" + marker, std::string(contents)));
     if (fs_->Exists(to)) {
       return absl::AlreadyExistsError(fmt::format("{} already exists", to));
     }
     CKPT_RETURN_IF_ERROR(fs_->Rename(from, to));
-    return fs_->SyncDir(ParentOf(to));
+    const std::string parent = ParentOf(to);
+    CKPT_RETURN_IF_ERROR(fs_->SyncDir(parent));
+    // The parent's own entry must be durable too (a job's first step: its directory is new),
+    // or a crash could lose everything published under it; once per parent per run.
+    {
+      std::lock_guard lock(mu_);
+      if (!synced_parents_.insert(parent).second) return absl::OkStatus();
+    }
+    absl::Status synced = fs_->SyncDir(ParentOf(parent));
+    if (!synced.ok()) {
+      std::lock_guard lock(mu_);
+      synced_parents_.erase(parent);
+    }
+    return synced;
   }
 
   absl::Status Retract(const std::string& published, const std::string& marker) override {
@@ -198,6 +214,17 @@ class LocalStore final : public Store {
   }
 
  private:
+  // Makes the directories above `key` (the top-level one private when asked).
+  absl::Status MakeParents(const std::string& key) {
+    const std::string parent = ParentOf(Path(key));
+    if (options_.private_top_level) {
+      if (size_t slash = key.find('/'); slash != std::string::npos && slash > 0) {
+        CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(Path(key.substr(0, slash))));
+      }
+    }
+    return fs_->MakeDir(parent);
+  }
+
   std::string Path(std::string_view key) const {
     if (root_.empty()) return std::string(key);
     if (key.empty()) return root_;
@@ -206,12 +233,15 @@ class LocalStore final : public Store {
 
   FilesystemPtr fs_;
   const std::string root_;
+  const LocalStoreOptions options_;
+  std::mutex mu_;
+  std::set<std::string> synced_parents_;  // guarded by mu_
 };
 
 }  // namespace
 
-StorePtr MakeLocalStore(FilesystemPtr fs, std::string root) {
-  return std::make_shared<LocalStore>(std::move(fs), std::move(root));
+StorePtr MakeLocalStore(FilesystemPtr fs, std::string root, LocalStoreOptions options) {
+  return std::make_shared<LocalStore>(std::move(fs), std::move(root), options);
 }
 
 }  // namespace ckpt::storage

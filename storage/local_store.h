@@ -13,7 +13,14 @@
 
 namespace ckpt::storage {
 
+struct LocalStoreOptions {
+  // Directories made directly under the root (a checkpoint root's job directories) are
+  // made mode 0700: one that has to be made again is never readable by others before its
+  // owner's ACL is set (storage/private_dir.h).
+  bool private_top_level = false;
+};
+
 // Keys are relative to `root`; with an empty root, keys are paths.
-StorePtr MakeLocalStore(FilesystemPtr fs, std::string root);
+StorePtr MakeLocalStore(FilesystemPtr fs, std::string root, LocalStoreOptions options = {});
 
 }  // namespace ckpt::storage

@@ -85,7 +85,7 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
   }
   if (first) {
     absl::Status s = CheckStepAllowed(key);
-    if (s.ok() && store_.fs().Exists(store_.StepDir(key.first, key.second))) {
+    if (s.ok() && store_.Committed(key.first, key.second)) {
       s = absl::AlreadyExistsError(
           fmt::format("step {} of job {} is already committed", key.second, key.first));
     }
@@ -98,7 +98,7 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
     begin.set_value(s);
   }
   CKPT_RETURN_IF_ERROR(dir.get());
-  return store_.TempStepDir(key.first, key.second);
+  return format::CheckpointStore::TempStepKey(key.first, key.second);  // where the shard writer writes
 }
 
 void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string& error) {

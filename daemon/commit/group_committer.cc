@@ -211,7 +211,7 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
   }
   auto manifest = format::ParseManifest(decision.manifest_json, "the coordinator's decision");
   absl::Status published = manifest.ok() ? CheckDecision(key, *manifest) : manifest.status();
-  if (published.ok() && !store_.fs().Exists(store_.StepDir(key.first, key.second))) {
+  if (published.ok() && !store_.Committed(key.first, key.second)) {
     // On a shared root the coordinator publishes the step before announcing it, and
     // again (here, on node 0) when it restarted in between.
     published = store_.shared() && node_rank_ != 0

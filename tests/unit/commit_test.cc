@@ -112,7 +112,7 @@ struct Stages {
   std::shared_ptr<testing::FaultyFilesystem> fs =
       std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
   format::CheckpointStore store{fs, dir.path() + "/root"};
-  persist::ShardWriterPtr real_writer = persist::MakeShardWriter(storage::MakeLocalStore(fs, ""));
+  persist::ShardWriterPtr real_writer = persist::MakeShardWriter(store.objects_ptr());
   GatedWriter writer{*real_writer};
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(16 << 20, false));
   ProgressSignal progress;

@@ -67,7 +67,7 @@ struct Fixture {
   testing::TempDir dir;
   FilesystemPtr fs = MakePosixFilesystem();
   format::CheckpointStore store{fs, dir.path()};
-  persist::ShardWriterPtr writer = persist::MakeShardWriter(storage::MakeLocalStore(fs, ""));
+  persist::ShardWriterPtr writer = persist::MakeShardWriter(store.objects_ptr());
   cuda::StagingPoolPtr pool = std::move(*cuda::StagingPool::Create(4 << 20, false));
   ProgressSignal progress;
   HotCache hot{progress};
