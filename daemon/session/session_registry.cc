@@ -62,6 +62,10 @@ absl::Status SessionRegistry::Add(SessionPtr session) {
           log::Get(log::Component::kSession)
               .warn("[{}/r{}] pid {} registered again: its earlier session {} ends", other->job(),
                     other->rank(), other->pid(), id);
+        } else {
+          log::Get(log::Component::kSession)
+              .info("[{}/r{}] trainer pid {} exited; session ends (pid {} takes the rank)",
+                    other->job(), other->rank(), other->pid(), session->pid());
         }
         reaped.push_back(std::move(it->second));
         sessions_.erase(it);
