@@ -856,6 +856,18 @@ def test_fsdp_flat_shards_from_the_python_client_restore_into_any_placement(daem
 
 # --- a daemon that stalls or restarts (issue 24 item 1) ------------------------------------
 
+def _training_with_commits(daemon, job):
+    """A manager saving every step, five steps trained and the last committed: (the
+    training's parts, the manager, the step times so far, the next step, its session)."""
+    model, optimizer, scheduler = make_training()
+    manager = CheckpointManager(job, model, optimizer, scheduler, socket=daemon.socket,
+                                interval_steps=1)
+    times = []
+    step = _train_with(manager, model, optimizer, scheduler, 5, 1, times)
+    assert manager.wait(committed=True) == "committed"
+    return (model, optimizer, scheduler), manager, times, step, manager._client.session_id
+
+
 def _train_with(manager, model, optimizer, scheduler, steps, first, step_times):
     for step in range(first, first + steps):
         started = time.monotonic()
@@ -871,13 +883,7 @@ def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
     never stops; at most one step waits (for the snapshot ckptd had not copied, until its
     heartbeat is 3 s stale, then the snapshot is abandoned); it keeps its session, so saves
     commit again as soon as ckptd is back, with no new registration."""
-    model, optimizer, scheduler = make_training()
-    manager = CheckpointManager("stall", model, optimizer, scheduler, socket=daemon.socket,
-                                interval_steps=1)
-    times = []
-    step = _train_with(manager, model, optimizer, scheduler, 5, 1, times)
-    assert manager.wait(committed=True) == "committed"
-    session = manager._client.session_id
+    (model, optimizer, scheduler), manager, times, step, session = _training_with_commits(daemon, "stall")
     daemon.process.send_signal(signal.SIGSTOP)
     try:
         stalled_from = len(times)
@@ -915,13 +921,7 @@ def test_a_restarted_daemon_takes_the_trainer_back_by_itself(daemon):
     """ckptd killed: the next step's wait returns within milliseconds (its liveness pipe
     hangs up), not after the 3 s heartbeat; a new ckptd on the same socket gets the rank
     registered again by the client itself, and the job's checkpoints go on."""
-    model, optimizer, scheduler = make_training()
-    manager = CheckpointManager("restart", model, optimizer, scheduler, socket=daemon.socket,
-                                interval_steps=1)
-    times = []
-    step = _train_with(manager, model, optimizer, scheduler, 5, 1, times)
-    assert manager.wait(committed=True) == "committed"
-    session = manager._client.session_id
+    (model, optimizer, scheduler), manager, times, step, session = _training_with_commits(daemon, "restart")
     ticket = manager.save(step)  # queued; then ckptd dies before (or while) it copies
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
