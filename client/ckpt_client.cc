@@ -184,15 +184,27 @@ struct Client::Impl {
   }
 
   // Forgets the session of a ckptd that is gone (nothing is sent: nobody would answer).
+  // Its pending snapshots are abandoned and GPU waits on it released first. The control
+  // block and its producer stay mapped for the life of the client: another thread may still
+  // be waiting on a ticket there, and a GPU stream may still point at its staged word.
   void DropSession() {
-    stop_watchdog = true;  // it reads the control block we are about to unmap
+    stop_watchdog = true;
     if (watchdog.joinable()) watchdog.join();
     stop_watchdog = false;
+    if (producer) {
+      producer->AbandonPending();
+      if (control) {
+        static_cast<shm::ControlBlock*>(control->data())
+            ->staged_ticket.store(UINT64_MAX, std::memory_order_release);
+      }
+    }
     if (mirror) mirror->Synchronize();  // its callbacks use the producer
-    producer.reset();
-    control.reset();
+    if (producer) retired_producers.push_back(std::move(producer));
+    if (control) retired_controls.push_back(std::move(control));
     daemon_liveness.reset();
   }
+  std::vector<std::unique_ptr<shm::CommandProducer>> retired_producers;
+  std::vector<shm::SealedSegmentPtr> retired_controls;
 };
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -571,11 +583,17 @@ absl::Status Client::StreamWaitStaged(uint64_t ticket, void* stream) {
   if (!impl_->gpu_sync || !impl_->producer) {
     return absl::FailedPreconditionError("StreamWaitStaged needs registered GPU tensors");
   }
-  CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after));
+  if (absl::Status alive = impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after);
+      !alive.ok()) {
+    impl_->producer->AbandonPending();  // the stream goes on: what is pending is torn
+    return alive;
+  }
   // Host-copy transport: the GPU buffers are free once the mirror copies are done.
   if (impl_->mirror) return impl_->mirror->StreamWaitCopied(stream);
   return impl_->gpu_sync->StreamWaitStaged(stream, ticket);
 }
+
+int Client::AbandonPending() { return impl_->producer ? impl_->producer->AbandonPending() : 0; }
 
 TicketStatus Client::Poll(uint64_t ticket) const {
   if (!impl_->producer) return {TicketState::kUnknown, "not registered"};

@@ -211,6 +211,11 @@ class Client {
 
   TicketStatus Poll(uint64_t ticket) const;
 
+  // Gives up on every snapshot not yet staged (call it before changing the tensors without
+  // WaitStaged having returned staged, e.g. after a timeout): ckptd then never commits them.
+  // The waits do it themselves when ckptd exits or stalls. Returns how many.
+  int AbandonPending();
+
   // GPU tensors only. Snapshots are taken at a point of `stream` (a cudaStream_t; by
   // default the legacy default stream): Snapshot() records an event there and ckptd's copy
   // waits for it on the device, so the CPU never waits.

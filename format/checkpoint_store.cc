@@ -66,9 +66,15 @@ absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
 }
 
 absl::Status CheckpointStore::Commit(const Manifest& manifest) {
+  const std::string json = ManifestToJson(manifest);
+  if (json.size() > kMaxManifestBytes) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "the manifest of step {} of job {} is {} bytes, more than the {} a reader accepts",
+        manifest.step, manifest.job, json.size(), kMaxManifestBytes));
+  }
   absl::Status published = objects_->Publish(TempStepKey(manifest.job, manifest.step),
                                              StepKey(manifest.job, manifest.step), kManifestName,
-                                             ManifestToJson(manifest));
+                                             json);
   if (absl::IsAlreadyExists(published)) {
     return absl::AlreadyExistsError(fmt::format(
         "{} already exists: step {} of job {} was committed before",
@@ -201,7 +207,7 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
     CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
     for (const storage::ListEntry& e : entries) {
       if (e.name.compare(0, 5, "step-") == 0 &&
-          ((EndsWith(e.name, ".tmp") && !keep_step_tmp) || EndsWith(e.name, ".deleting"))) {
+          ((EndsWith(e.name, ".tmp") && !keep_step_tmp) || e.name.find(".deleting") != std::string::npos)) {
         CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(job + "/" + e.name));
         ++removed;
       }

@@ -36,8 +36,9 @@ class CheckpointStore {
   // The same places as keys of objects(): "<job>/step-NNNNNNNN" and its ".tmp".
   static std::string StepKey(const std::string& job, uint64_t step);
   static std::string TempStepKey(const std::string& job, uint64_t step);
-  // Manifests are read whole; one of a 10,000-node job is tens of MiB.
-  static constexpr size_t kMaxManifestBytes = size_t{256} << 20;
+  // Manifests are read whole, and no larger than this is written (or read: a manifest that
+  // could be committed but never loaded would make restores fall back silently).
+  static constexpr size_t kMaxManifestBytes = size_t{64} << 20;
 
   // Creates an empty <step>.tmp directory, replacing a leftover one. On a root that
   // several nodes share it only makes sure the directory exists: the others write there too.

@@ -235,6 +235,12 @@ bool CommandConsumer::SetTicketState(uint64_t ticket, TicketStateValue state,
   return true;
 }
 
+bool CommandConsumer::Abandoned(uint64_t ticket) const {
+  const TicketSlot& t = block_->tickets[ticket % kTicketSlots];
+  return t.ticket.load(std::memory_order_acquire) == ticket &&
+         t.state.load(std::memory_order_acquire) == kTicketAbandoned;
+}
+
 bool CommandConsumer::WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
   while (true) {

@@ -99,6 +99,9 @@ class CommandConsumer {
   // with the trainer's AbandonPending): false when the trainer abandoned the ticket first.
   bool SetTicketState(uint64_t ticket, TicketStateValue state, std::string_view error = {});
 
+  // Whether the trainer abandoned `ticket` (it stopped waiting; AbandonPending).
+  bool Abandoned(uint64_t ticket) const;
+
   // Waits until the trainer's copy `seq` has landed: false on timeout or a closed session.
   bool WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout);
 

@@ -1,8 +1,11 @@
 #include "storage/local_store.h"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -170,15 +173,19 @@ class LocalStore final : public Store {
     return ReadSmallFile(*fs_, path);
   }
 
+  std::string StagingPrefix(const std::string& published) const override {
+    return published + ".tmp";
+  }
+
   absl::Status Publish(const std::string& staging, const std::string& published,
                        const std::string& marker, std::string_view contents) override {
     const std::string from = Path(staging);
     const std::string to = Path(published);
-    CKPT_RETURN_IF_ERROR(MakeParents(staging + "/" + marker));
-    CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, from + "/" + marker, std::string(contents)));
     if (fs_->Exists(to)) {
       return absl::AlreadyExistsError(fmt::format("{} already exists", to));
     }
+    CKPT_RETURN_IF_ERROR(MakeParents(staging + "/" + marker));
+    CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, from + "/" + marker, std::string(contents)));
     CKPT_RETURN_IF_ERROR(fs_->Rename(from, to));
     const std::string parent = ParentOf(to);
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(parent));
@@ -203,7 +210,9 @@ class LocalStore final : public Store {
     }
     // Out of sight first, durably: a crash then leaves a ".deleting" directory (removed at
     // start-up), never a step half deleted that still looks complete.
-    const std::string aside = dir + ".deleting";
+    // A name of its own: a leftover of a crash (swept at start-up) never blocks the rename.
+    static std::atomic<uint64_t> sequence{0};
+    const std::string aside = fmt::format("{}.deleting.{}.{}", dir, ::getpid(), ++sequence);
     CKPT_RETURN_IF_ERROR(fs_->Rename(dir, aside));
     CKPT_RETURN_IF_ERROR(fs_->SyncDir(ParentOf(dir)));
     return fs_->RemoveTree(aside);

@@ -69,6 +69,10 @@ class Store {
   virtual absl::Status Put(const std::string& key, std::string_view contents) = 0;
   virtual absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) = 0;
 
+  // Where the objects of `published` are written before Publish: a prefix of its own where
+  // the store can rename (local: "<published>.tmp"), `published` itself where it cannot
+  // (S3: objects are written in place and are not part of anything until the marker is).
+  virtual std::string StagingPrefix(const std::string& published) const = 0;
   // The objects written under `staging` become visible under `published` in one step, with
   // `marker` (the object whose presence says "complete") written last: a reader that sees
   // the marker sees every object. Local: the marker is written durably into the staging

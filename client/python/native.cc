@@ -205,6 +205,7 @@ class PyClient {
   }
 
   std::string session_id() const { return client_->session_id(); }
+  int AbandonPending() { return client_->AbandonPending(); }
 
  private:
   std::shared_ptr<ckpt::Client> client_;
@@ -301,6 +302,8 @@ PYBIND11_MODULE(_native, m) {
       .def("update", &PyClient::Update)
       .def("remove", &PyClient::RemoveTensor, py::arg("name"))
       .def("unregister", &PyClient::Unregister)
+      .def("abandon_pending", &PyClient::AbandonPending,
+           "Gives up on every snapshot not yet staged: ckptd never commits them")
       .def_property_readonly("session_id", &PyClient::session_id);
 
   // The checksum ckptd records for every tensor piece (docs/format.md), for readers of its

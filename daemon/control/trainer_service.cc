@@ -57,6 +57,9 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
                 request->rank(), Message(owned));
       return owned;
     }
+    // A process registering a rank it already holds gave up on its earlier session (a
+    // stalled ckptd): that one ends now, before the new one is charged for its arenas.
+    sessions_.EndOwnSession(request->job(), request->rank(), caller);
     CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> arenas, TakeArenas(request->arena_tokens(), caller));
     UniqueFd write_protect;
     if (!request->write_protect_token().empty()) {

@@ -23,8 +23,10 @@ class FileDecisionLog : public DecisionLog {
     std::lock_guard lock(mu_);
     std::string job_dir = dir_ + "/" + job;
     if (!fs_->Exists(job_dir)) {
-      CKPT_RETURN_IF_ERROR(fs_->MakeDir(dir_));
-      CKPT_RETURN_IF_ERROR(fs_->MakeDir(job_dir));
+      // Decisions hold every job's manifest: the log is ckptd's alone (0700), as a job's own
+      // files are its owner's (docs/security.md).
+      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(dir_));
+      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(job_dir));
       CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
     }
     CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, Path(job, step), manifest_json));

@@ -483,6 +483,11 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  if (consumer_->Abandoned(command.ticket)) {
+    // Queued before a stall; the trainer went on without it: its tensors are not what they
+    // were at the snapshot, so nothing is copied.
+    return reject(shm::kTicketFailed, "the trainer stopped waiting for this snapshot before ckptd took it");
+  }
   if (refusing_) {
     return reject(shm::kTicketRejected,
                   "ckptd is shutting down: this snapshot was not taken (those already staged "

@@ -80,6 +80,26 @@ absl::Status SessionRegistry::Add(SessionPtr session) {
   return absl::OkStatus();
 }
 
+void SessionRegistry::EndOwnSession(const std::string& job, uint32_t rank,
+                                    const PeerIdentity& caller) {
+  SessionPtr ended;
+  {
+    std::lock_guard lock(mu_);
+    for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
+      const SessionPtr& s = it->second;
+      if (s->job() == job && s->rank() == rank && s->pid() == caller.pid && s->uid() == caller.uid) {
+        log::Get(log::Component::kSession)
+            .warn("[{}/r{}] pid {} registers again: its earlier session {} ends", job, rank,
+                  caller.pid, it->first);
+        ended = std::move(it->second);
+        sessions_.erase(it);
+        break;
+      }
+    }
+  }
+  if (ended) ended->Stop();  // outside the lock; what it holds goes with the last reference
+}
+
 absl::StatusOr<SessionPtr> SessionRegistry::Find(const std::string& id) const {
   std::lock_guard lock(mu_);
   auto it = sessions_.find(id);

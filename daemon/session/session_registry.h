@@ -30,6 +30,10 @@ class SessionRegistry {
   // same (job, rank). One of the same process is its own earlier session, left behind when
   // it stopped waiting for a stalled ckptd and registered again: it is ended and replaced.
   absl::Status Add(SessionPtr session);
+  // Ends the session `caller` itself holds for (job, rank), if any: called before a new
+  // registration is built, so that what the old one holds (arena budget, memory) is given
+  // back first.
+  void EndOwnSession(const std::string& job, uint32_t rank, const PeerIdentity& caller);
   absl::StatusOr<SessionPtr> Find(const std::string& id) const;
   // Find, for a call from `caller`: a session id is not a credential, so only the process
   // that registered the session may use it (PermissionDenied otherwise).

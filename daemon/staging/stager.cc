@@ -62,6 +62,14 @@ absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager:
 
 namespace {
 
+// How far the watermark may move while the copy runs: never to the shard's last byte, which
+// lands only once the trainer has been released (Stage). A writer that has all but the last
+// byte cannot finish the shard, so a snapshot the trainer abandoned during the copy fails
+// there instead of being written, and committed, with torn tensors.
+uint64_t HeldBack(const StagedSnapshot& snap, uint64_t landed) {
+  return snap.shard.data_bytes == 0 ? 0 : std::min(landed, snap.shard.data_bytes - 1);
+}
+
 absl::Status Abandoned(std::string_view context) {
   return absl::AbortedError(fmt::format(
       "{}{}the trainer stopped waiting for it (ckptd did not answer in time) and may have "
@@ -198,7 +206,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
                   "wrote to them",
                   session.job, session.rank, snap.step, copy.chunks(), copy.faulted());
     }
-    snap.landed.Advance(tensor_bytes);
+    snap.landed.Advance(HeldBack(snap, tensor_bytes));
     return absl::OkStatus();
   }
   // memcpy competes with persisting for the CPU, and the trainer is waiting for it: while
@@ -221,7 +229,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
       if (e.end <= hi) first = i + 1;
     }
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, chunk, session.cuda_after));
-    snap.landed.Advance(hi);
+    snap.landed.Advance(HeldBack(snap, hi));
   }
   return absl::OkStatus();
 }

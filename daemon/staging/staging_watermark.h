@@ -29,12 +29,14 @@ class StagingWatermark {
     cv_.notify_all();
   }
 
-  // Blocks until bytes [0, end) have landed, or the copy failed.
+  // Blocks until bytes [0, end) have landed, or the copy failed (then an error, whatever
+  // has landed: a snapshot failed after its last byte, e.g. abandoned by its trainer, must
+  // not be written as if complete).
   absl::Status WaitFor(uint64_t end) const {
     std::unique_lock lock(mu_);
     cv_.wait(lock, [&] { return failed_ || landed_ >= end; });
-    if (landed_ >= end) return absl::OkStatus();
-    return absl::AbortedError("staging copy failed: " + error_);
+    if (failed_) return absl::AbortedError("staging copy failed: " + error_);
+    return absl::OkStatus();
   }
 
  private:

@@ -12,10 +12,13 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/status.h"
 #include "storage/local_store.h"
+#include "storage/s3_store.h"
+#include "tests/fakes/ceph_cluster.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
 
@@ -39,6 +42,22 @@ struct LocalTmpfs {
   StorePtr store = MakeLocalStore(fs, dir.path());
 };
 
+// A bucket on a real Ceph RADOS Gateway (tools/ceph.sh), one cluster for the whole binary,
+// a prefix of its own per case. Small parts, so that multipart uploads and parallel ranged
+// GETs happen with a few MiB.
+struct S3Rgw {
+  S3Rgw() {
+    S3Options options = testing::CephCluster::Get().Options();
+    options.prefix = testing::CephCluster::Get().FreshPrefix();
+    options.part_bytes = 5u << 20;
+    options.parallel = 4;
+    auto made = MakeS3Store(options);
+    REQUIRE(made.ok());
+    store = *made;
+  }
+  StorePtr store;
+};
+
 std::vector<char> Pattern(size_t n, int seed) {
   std::vector<char> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7) >> 3);
@@ -60,7 +79,7 @@ std::vector<std::string> Names(Store& store, const std::string& prefix) {
 }  // namespace
 
 TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte for byte", "",
-                   LocalDisk, LocalTmpfs) {
+                   LocalDisk, LocalTmpfs, S3Rgw) {
   TestType t;
   // An unaligned header-sized piece, aligned 4 KiB multiples straight from aligned memory,
   // an unaligned-memory multiple, and a short tail: what a shard writer sends.
@@ -77,8 +96,9 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
     REQUIRE((*writer)->Append(from, n).ok());
     all.insert(all.end(), piece.begin(), piece.end());
   }
-  auto after_tail = (*writer)->Append(all.data(), 4096);
-  CHECK(absl::IsFailedPrecondition(after_tail));
+  if constexpr (!std::is_same_v<TestType, S3Rgw>) {  // O_DIRECT's rule; S3 has none
+    CHECK(absl::IsFailedPrecondition((*writer)->Append(all.data(), 4096)));
+  }
   auto size = (*writer)->Finish();
   REQUIRE(size.ok());
   CHECK(*size == all.size());
@@ -99,35 +119,96 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
 }
 
 TEMPLATE_TEST_CASE("a published step appears whole, marker last; a retracted one is gone", "",
-                   LocalDisk, LocalTmpfs) {
+                   LocalDisk, LocalTmpfs, S3Rgw) {
   TestType t;
+  const std::string staging = t.store->StagingPrefix("job/step-00000002");
   for (int r = 0; r < 2; ++r) {
-    auto w = t.store->Create("job/step-00000002.tmp/rank-0000" + std::to_string(r) + ".safetensors");
+    auto w = t.store->Create(staging + "/rank-0000" + std::to_string(r) + ".safetensors");
     REQUIRE(w.ok());
     std::vector<char> bytes = Pattern(5000, r);
     REQUIRE((*w)->Append(bytes.data(), bytes.size()).ok());
     REQUIRE((*w)->Finish().ok());
   }
-  // Written, not published: nothing under the published name.
-  CHECK(Names(*t.store, "job/step-00000002").empty());
+  // Written, not published: no marker (and where the store can rename, nothing at all)
+  // under the published name.
+  if (staging != "job/step-00000002") CHECK(Names(*t.store, "job/step-00000002").empty());
   CHECK_FALSE(*t.store->Exists("job/step-00000002/manifest.json"));
-  REQUIRE(t.store->Publish("job/step-00000002.tmp", "job/step-00000002", "manifest.json", "{}").ok());
+  REQUIRE(t.store->Publish(staging, "job/step-00000002", "manifest.json", "{}").ok());
   CHECK(Names(*t.store, "job/step-00000002") ==
         std::vector<std::string>{"manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"});
   CHECK(Names(*t.store, "job") == std::vector<std::string>{"step-00000002/"});
   CHECK(*t.store->Get("job/step-00000002/manifest.json", 1024) == "{}");
   CHECK(absl::IsOutOfRange(t.store->Get("job/step-00000002/manifest.json", 1).status()));
   // Publishing over a step that is there is refused; nothing of it changes.
-  REQUIRE(t.store->Create("job/step-00000002.tmp/x").ok());
-  CHECK(absl::IsAlreadyExists(t.store->Publish("job/step-00000002.tmp", "job/step-00000002",
-                                               "manifest.json", "other")));
+  CHECK(absl::IsAlreadyExists(t.store->Publish(staging, "job/step-00000002", "manifest.json", "other")));
   CHECK(*t.store->Get("job/step-00000002/manifest.json", 1024) == "{}");
-  REQUIRE(t.store->RemovePrefix("job/step-00000002.tmp").ok());
 
   REQUIRE(t.store->Retract("job/step-00000002", "manifest.json").ok());
   CHECK(Names(*t.store, "job").empty());
   CHECK(absl::IsNotFound(t.store->Retract("job/step-00000002", "manifest.json")));
   CHECK(t.store->RemovePrefix("job/nothing-here").ok());
+  // What was written and never published goes with its staging prefix.
+  REQUIRE(t.store->Put(t.store->StagingPrefix("job/step-00000003") + "/rank-00000.safetensors", "x").ok());
+  REQUIRE(t.store->RemovePrefix(t.store->StagingPrefix("job/step-00000003")).ok());
+  CHECK(Names(*t.store, "job").empty());
+}
+
+TEST_CASE("an S3 object larger than a part goes up in parallel parts and reads back in ranges") {
+  S3Rgw t;
+  // 3 parts of 5 MiB and a short last one, appended in pieces that straddle part boundaries.
+  std::vector<char> all = Pattern((15u << 20) + 12345, 9);
+  auto w = t.store->Create("big/object");
+  REQUIRE(w.ok());
+  for (size_t at = 0; at < all.size(); at += 3u << 20) {
+    REQUIRE((*w)->Append(all.data() + at, std::min<size_t>(3u << 20, all.size() - at)).ok());
+  }
+  REQUIRE((*w)->Finish().ok());
+  auto r = t.store->Open("big/object");
+  REQUIRE(r.ok());
+  REQUIRE((*r)->size() == all.size());
+  std::vector<char> got(all.size());
+  REQUIRE((*r)->ReadAt(got.data(), got.size(), 0).ok());
+  CHECK(got == all);
+  std::vector<char> middle(7u << 20);
+  REQUIRE((*r)->ReadAt(middle.data(), middle.size(), (4u << 20) + 3).ok());
+  CHECK(std::equal(middle.begin(), middle.end(), all.begin() + (4u << 20) + 3));
+  CHECK(Names(*t.store, "big") == std::vector<std::string>{"object"});
+  CHECK(absl::IsNotFound(t.store->Open("big/absent").status()));
+  CHECK_FALSE(*t.store->Exists("big/absent"));
+  // An object abandoned before Finish leaves nothing listed (its upload is aborted).
+  {
+    auto dropped = t.store->Create("big/dropped");
+    REQUIRE(dropped.ok());
+    REQUIRE((*dropped)->Append(all.data(), 11u << 20).ok());
+  }
+  CHECK(Names(*t.store, "big") == std::vector<std::string>{"object"});
+}
+
+TEST_CASE("S3 credentials that are wrong, and a bucket that is not there, are named") {
+  S3Options options = testing::CephCluster::Get().Options();
+  options.credentials.secret_key = "not-the-secret-key-of-this-user";
+  auto store = MakeS3Store(options);
+  REQUIRE(store.ok());
+  auto put = (*store)->Put("x", "y");
+  CHECK(absl::IsPermissionDenied(put));
+  CHECK_THAT(Message(put), Catch::Contains("SignatureDoesNotMatch") && Catch::Contains("credentials"));
+  CHECK(Message(put).find("not-the-secret") == std::string::npos);  // never in a message
+  options = testing::CephCluster::Get().Options();
+  options.bucket = "no-such-bucket";
+  auto absent = MakeS3Store(options);
+  REQUIRE(absent.ok());
+  auto missing = (*absent)->Put("x", "y");
+  CHECK(absl::IsNotFound(missing));
+  CHECK_THAT(Message(missing), Catch::Contains("NoSuchBucket") && Catch::Contains("s3://no-such-bucket/x"));
+  // A server that is not there: retried, then named.
+  options = testing::CephCluster::Get().Options();
+  options.endpoint = "http://127.0.0.1:9";  // discard: nothing listens
+  options.attempts = 2;
+  auto nobody = MakeS3Store(options);
+  REQUIRE(nobody.ok());
+  auto unreachable = (*nobody)->Put("x", "y");
+  CHECK(absl::IsUnavailable(unreachable));
+  CHECK_THAT(Message(unreachable), Catch::Contains("after 2 attempts"));
 }
 
 TEMPLATE_TEST_CASE("a failed flush or publish is a status naming the object, never a torn step", "",

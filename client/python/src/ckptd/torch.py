@@ -622,13 +622,24 @@ class CheckpointManager:
         if not self._registered:
             self._lost(error)
             return
+        self._abandon()
         self._unstaged = None
         if not self._outage and not self._quiet:
             warnings.warn(f"ckptd unavailable, training continues without checkpoints until it "
                           f"is back: {error}", RuntimeWarning, stacklevel=_user_stacklevel())
         self._outage = True
 
+    def _abandon(self):
+        """The tensors may change from now on without a staged snapshot: ckptd must not
+        commit the one it has not copied yet."""
+        if self._client is not None and self._unstaged is not None:
+            try:
+                self._client.abandon_pending()
+            except ckptd.Error:
+                pass
+
     def _lost(self, error):
+        self._abandon()
         if not self._quiet:
             warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
                           RuntimeWarning, stacklevel=_user_stacklevel())

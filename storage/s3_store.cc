@@ -1,0 +1,639 @@
+#include "storage/s3_store.h"
+
+#include <curl/curl.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <boost/property_tree/ptree.hpp>
+#include <boost/property_tree/xml_parser.hpp>
+
+#include "common/status.h"
+
+namespace ckpt::storage {
+namespace {
+
+using Query = std::vector<std::pair<std::string, std::string>>;
+
+// S3's URI encoding: every byte but unreserved ones (and '/' in a key's path) as %XX.
+std::string Encode(std::string_view s, bool keep_slash) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += fmt::format("%{:02X}", c);
+    }
+  }
+  return out;
+}
+
+// What an S3 error body says: "<Code>: <Message>", or the HTTP status.
+std::string ErrorOf(long status, const std::string& body) {
+  auto field = [&](const char* tag) {
+    std::string open = fmt::format("<{}>", tag), close = fmt::format("</{}>", tag);
+    size_t b = body.find(open);
+    if (b == std::string::npos) return std::string();
+    b += open.size();
+    size_t e = body.find(close, b);
+    return e == std::string::npos ? std::string() : body.substr(b, e - b);
+  };
+  std::string code = field("Code"), message = field("Message");
+  if (code.empty()) return fmt::format("HTTP {}", status);
+  return message.empty() ? fmt::format("HTTP {} {}", status, code)
+                         : fmt::format("HTTP {} {}: {}", status, code, message);
+}
+
+boost::property_tree::ptree ParseXml(const std::string& body) {
+  std::istringstream in(body);
+  boost::property_tree::ptree tree;
+  boost::property_tree::read_xml(in, tree);
+  return tree;
+}
+
+struct Response {
+  long status = 0;
+  std::string body;
+  std::map<std::string, std::string> headers;  // names lower case
+};
+
+struct Request {
+  const char* method = "GET";
+  std::string key;  // within the bucket; empty: the bucket itself
+  Query query;      // sorted by name (SigV4 signs them in order), values not yet encoded
+  std::vector<std::string> headers;
+  const char* body = nullptr;  // uploaded
+  size_t body_size = 0;
+  char* into = nullptr;  // GET straight into caller memory, exactly into_size bytes
+  size_t into_size = 0;
+};
+
+// Everything a transfer's callbacks touch.
+struct Transfer {
+  const Request* request;
+  Response* response;
+  size_t sent = 0;
+  size_t received = 0;
+  bool overflow = false;
+};
+
+size_t OnBody(char* data, size_t size, size_t n, void* user) {
+  auto* t = static_cast<Transfer*>(user);
+  const size_t bytes = size * n;
+  if (t->request->into != nullptr && t->response->status / 100 == 2) {
+    if (t->received + bytes > t->request->into_size) {
+      t->overflow = true;
+      return 0;  // aborts: the server sent more than the range asked for
+    }
+    std::memcpy(t->request->into + t->received, data, bytes);
+  } else {
+    if (t->response->body.size() + bytes > (size_t{1} << 30)) return 0;
+    t->response->body.append(data, bytes);
+  }
+  t->received += bytes;
+  return bytes;
+}
+
+size_t OnHeader(char* data, size_t size, size_t n, void* user) {
+  auto* t = static_cast<Transfer*>(user);
+  std::string_view line(data, size * n);
+  if (line.rfind("HTTP/", 0) == 0) {
+    t->response->headers.clear();  // a new response (after a 100 Continue)
+    size_t sp = line.find(' ');
+    if (sp != std::string_view::npos) t->response->status = std::atol(std::string(line.substr(sp + 1, 3)).c_str());
+    return size * n;
+  }
+  size_t colon = line.find(':');
+  if (colon != std::string_view::npos) {
+    std::string name(line.substr(0, colon));
+    std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::tolower(c); });
+    std::string value(line.substr(colon + 1));
+    value.erase(0, value.find_first_not_of(" \t"));
+    value.erase(value.find_last_not_of(" \t\r\n") + 1);
+    t->response->headers[name] = value;
+  }
+  return size * n;
+}
+
+size_t OnSend(char* buffer, size_t size, size_t n, void* user) {
+  auto* t = static_cast<Transfer*>(user);
+  const size_t bytes = std::min(size * n, t->request->body_size - t->sent);
+  std::memcpy(buffer, t->request->body + t->sent, bytes);
+  t->sent += bytes;
+  return bytes;
+}
+
+class S3Client {
+ public:
+  explicit S3Client(S3Options options) : options_(std::move(options)) {
+    static std::once_flag once;
+    std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+    sigv4_ = fmt::format("aws:amz:{}:s3", options_.region);
+    if (!options_.path_style) {
+      // https://bucket.host[:port]
+      const size_t scheme = options_.endpoint.find("://") + 3;
+      host_base_ = options_.endpoint.substr(0, scheme) + options_.bucket + "." + options_.endpoint.substr(scheme);
+    }
+  }
+  ~S3Client() {
+    for (CURL* h : idle_) curl_easy_cleanup(h);
+  }
+
+  const S3Options& options() const { return options_; }
+
+  // The object's key in the bucket (under the store's prefix).
+  std::string Key(std::string_view key) const {
+    if (options_.prefix.empty()) return std::string(key);
+    if (key.empty()) return options_.prefix;
+    return options_.prefix + "/" + std::string(key);
+  }
+  std::string Url(std::string_view key) const {
+    return fmt::format("s3://{}/{}", options_.bucket, Key(key));
+  }
+
+  // Sends `r`, retried with jittered exponential back-off on 5xx, 429 and transport
+  // failures; the final answer, or why there is none. `what` names it in errors.
+  absl::StatusOr<Response> Send(const Request& r, std::string_view what) {
+    std::mt19937_64 random(std::random_device{}());
+    for (int attempt = 1;; ++attempt) {
+      Response response;
+      Transfer t{&r, &response};
+      CURL* h = Acquire();
+      struct curl_slist* headers = Configure(h, r, t);
+      CURLcode code = curl_easy_perform(h);
+      long status = 0;
+      curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
+      curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
+      curl_slist_free_all(headers);
+      Release(h, code == CURLE_OK);
+      response.status = status;
+      bool retry = false;
+      std::string why;
+      if (code != CURLE_OK) {
+        why = t.overflow ? "the server sent more than the range asked for" : curl_easy_strerror(code);
+        retry = !t.overflow;
+      } else if (status >= 500 || status == 429 || status == 408) {
+        why = ErrorOf(status, response.body);
+        retry = true;
+      } else if (r.into != nullptr && status / 100 == 2 && t.received != r.into_size) {
+        why = fmt::format("{} bytes arrived, {} asked for", t.received, r.into_size);
+        retry = true;
+      } else {
+        return response;
+      }
+      if (!retry || attempt >= options_.attempts) {
+        return absl::UnavailableError(fmt::format(
+            "S3 {}: {}{}", what, why, retry ? fmt::format(" (after {} attempts)", attempt) : ""));
+      }
+      // 100 ms, 200 ms, ... up to 5 s, each jittered over [half, whole].
+      const auto cap = std::min<int64_t>(5000, int64_t{100} << std::min(attempt - 1, 6));
+      std::uniform_int_distribution<int64_t> jitter(cap / 2, cap);
+      std::this_thread::sleep_for(std::chrono::milliseconds(jitter(random)));
+    }
+  }
+
+  // Send, and an error status for any answer but 2xx (404: NotFound, 403: PermissionDenied).
+  absl::StatusOr<Response> SendOk(const Request& r, std::string_view what) {
+    CKPT_ASSIGN_OR_RETURN(Response response, Send(r, what));
+    if (response.status / 100 == 2) return response;
+    std::string message = fmt::format("S3 {}: {}", what, ErrorOf(response.status, response.body));
+    switch (response.status) {
+      case 404: return absl::NotFoundError(message);
+      case 401:
+      case 403:
+        return absl::PermissionDeniedError(message + " (check the S3 credentials and the bucket's policy)");
+      case 400: return absl::InvalidArgumentError(message);
+      case 409: return absl::FailedPreconditionError(message);
+      default: return absl::UnknownError(message);
+    }
+  }
+
+ private:
+  std::string UrlFor(const Request& r) const {
+    std::string url = options_.path_style
+                          ? fmt::format("{}/{}", options_.endpoint, options_.bucket)
+                          : host_base_;
+    if (!r.key.empty()) url += "/" + Encode(r.key, /*keep_slash=*/true);
+    else if (!options_.path_style) url += "/";
+    for (size_t i = 0; i < r.query.size(); ++i) {
+      url += i == 0 ? "?" : "&";
+      url += Encode(r.query[i].first, false) + "=" + Encode(r.query[i].second, false);
+    }
+    return url;
+  }
+
+  // Sets `h` up for `r`; returns its header list, to be freed after the transfer.
+  struct curl_slist* Configure(CURL* h, const Request& r, Transfer& t) {
+    curl_easy_setopt(h, CURLOPT_URL, UrlFor(r).c_str());
+    curl_easy_setopt(h, CURLOPT_AWS_SIGV4, sigv4_.c_str());
+    curl_easy_setopt(h, CURLOPT_USERNAME, options_.credentials.access_key.c_str());
+    curl_easy_setopt(h, CURLOPT_PASSWORD, options_.credentials.secret_key.c_str());
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
+    curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(options_.connect_timeout.count()));
+    // A connection that moves nothing for stall_timeout is dropped (and the request retried).
+    curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME, static_cast<long>(std::max<int64_t>(1, options_.stall_timeout.count() / 1000)));
+    if (!options_.ca_bundle.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, options_.ca_bundle.c_str());
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, OnBody);
+    curl_easy_setopt(h, CURLOPT_WRITEDATA, &t);
+    curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, OnHeader);
+    curl_easy_setopt(h, CURLOPT_HEADERDATA, &t);
+    struct curl_slist* headers = nullptr;
+    // curl does not add it, and RGW and S3 refuse a signature without it.
+    headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
+    if (!options_.credentials.session_token.empty()) {
+      headers = curl_slist_append(
+          headers, ("x-amz-security-token: " + options_.credentials.session_token).c_str());
+    }
+    for (const std::string& header : r.headers) headers = curl_slist_append(headers, header.c_str());
+    const std::string method = r.method;
+    if (method == "PUT" || (method == "POST" && r.body != nullptr)) {
+      curl_easy_setopt(h, CURLOPT_UPLOAD, 1L);
+      curl_easy_setopt(h, CURLOPT_READFUNCTION, OnSend);
+      curl_easy_setopt(h, CURLOPT_READDATA, &t);
+      curl_easy_setopt(h, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(r.body_size));
+      // Not "Expect:" to skip the 100-continue round trip: curl 7.88 signs the emptied header
+      // and the server, which never sees it, refuses the signature.
+      if (method == "POST") curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, "POST");
+    } else if (method == "POST") {
+      curl_easy_setopt(h, CURLOPT_POST, 1L);
+      curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE, 0L);
+      curl_easy_setopt(h, CURLOPT_POSTFIELDS, "");
+    } else if (method == "HEAD") {
+      curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
+    } else if (method == "DELETE") {
+      curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, "DELETE");
+    }
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
+    return headers;
+  }
+
+  // Handles are reused, and with them their connections.
+  CURL* Acquire() {
+    std::lock_guard lock(mu_);
+    if (!idle_.empty()) {
+      CURL* h = idle_.back();
+      idle_.pop_back();
+      curl_easy_reset(h);
+      return h;
+    }
+    return curl_easy_init();
+  }
+  void Release(CURL* h, bool keep) {
+    std::lock_guard lock(mu_);
+    if (keep && idle_.size() < 64) {
+      idle_.push_back(h);
+    } else {
+      curl_easy_cleanup(h);
+    }
+  }
+
+  const S3Options options_;
+  std::string sigv4_;
+  std::string host_base_;
+  std::mutex mu_;
+  std::vector<CURL*> idle_;  // guarded by mu_
+};
+
+// Runs up to `limit` jobs at once; Wait() returns the first error.
+class Parallel {
+ public:
+  explicit Parallel(int limit) : limit_(std::max(1, limit)) {}
+  ~Parallel() { (void)Wait(); }
+  // Blocks while `limit` jobs are running.
+  absl::Status Run(std::function<absl::Status()> job) {
+    while (static_cast<int>(running_.size()) >= limit_) CKPT_RETURN_IF_ERROR(Collect());
+    running_.push_back(std::async(std::launch::async, std::move(job)));
+    return absl::OkStatus();
+  }
+  absl::Status Wait() {
+    absl::Status first;
+    while (!running_.empty()) {
+      absl::Status s = Collect();
+      if (first.ok() && !s.ok()) first = s;
+    }
+    return first;
+  }
+
+ private:
+  absl::Status Collect() {
+    absl::Status s = running_.front().get();
+    running_.pop_front();
+    return s;
+  }
+  const int limit_;
+  std::deque<std::future<absl::Status>> running_;
+};
+
+class S3ObjectWriter final : public ObjectWriter {
+ public:
+  S3ObjectWriter(std::shared_ptr<S3Client> client, std::string key)
+      : client_(std::move(client)), key_(std::move(key)), part_bytes_(client_->options().part_bytes),
+        parts_(client_->options().parallel) {
+    buffer_.reserve(part_bytes_);
+  }
+  ~S3ObjectWriter() override {
+    (void)parts_.Wait();
+    if (!upload_id_.empty() && !finished_) Abort();  // never left to linger (and cost)
+  }
+
+  absl::Status Append(const char* data, size_t size) override {
+    while (size > 0) {
+      const size_t n = std::min(size, part_bytes_ - buffer_.size());
+      buffer_.append(data, n);
+      data += n;
+      size -= n;
+      size_ += n;
+      if (buffer_.size() == part_bytes_) CKPT_RETURN_IF_ERROR(SendPart());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> Finish() override {
+    const std::string what = "PUT " + client_->Url(key_);
+    if (upload_id_.empty()) {
+      Request r{.method = "PUT", .key = client_->Key(key_), .body = buffer_.data(), .body_size = buffer_.size()};
+      CKPT_RETURN_IF_ERROR(client_->SendOk(r, what).status());
+      finished_ = true;
+      return size_;
+    }
+    if (!buffer_.empty()) CKPT_RETURN_IF_ERROR(SendPart());
+    CKPT_RETURN_IF_ERROR(parts_.Wait());
+    std::string xml = "<CompleteMultipartUpload>";
+    {
+      std::lock_guard lock(mu_);
+      for (const auto& [number, etag] : etags_) {
+        xml += fmt::format("<Part><PartNumber>{}</PartNumber><ETag>{}</ETag></Part>", number, etag);
+      }
+    }
+    xml += "</CompleteMultipartUpload>";
+    Request r{.method = "POST", .key = client_->Key(key_), .query = {{"uploadId", upload_id_}},
+              .headers = {"Content-Type: application/xml"}, .body = xml.data(), .body_size = xml.size()};
+    CKPT_ASSIGN_OR_RETURN(Response done, client_->SendOk(r, "complete " + what));
+    // S3 may answer 200 and an error in the body.
+    if (done.body.find("<Error>") != std::string::npos) {
+      return absl::UnavailableError(fmt::format("S3 complete {}: {}", what, ErrorOf(done.status, done.body)));
+    }
+    finished_ = true;
+    return size_;
+  }
+
+ private:
+  absl::Status SendPart() {
+    if (upload_id_.empty()) {
+      Request r{.method = "POST", .key = client_->Key(key_), .query = {{"uploads", ""}}};
+      CKPT_ASSIGN_OR_RETURN(Response created, client_->SendOk(r, "create upload " + client_->Url(key_)));
+      try {
+        upload_id_ = ParseXml(created.body).get<std::string>("InitiateMultipartUploadResult.UploadId");
+      } catch (const std::exception& e) {
+        return absl::DataLossError(fmt::format("S3 create upload {}: no UploadId in the answer", client_->Url(key_)));
+      }
+    }
+    const int number = ++parts_sent_;
+    auto part = std::make_shared<std::string>(std::move(buffer_));
+    buffer_ = std::string();
+    buffer_.reserve(part_bytes_);
+    // S3 allows 10,000 parts: parts grow as an object does, so any size fits.
+    if (number % 1000 == 0) part_bytes_ *= 2;
+    return parts_.Run([this, number, part]() -> absl::Status {
+      Request r{.method = "PUT", .key = client_->Key(key_),
+                .query = {{"partNumber", std::to_string(number)}, {"uploadId", upload_id_}},
+                .body = part->data(), .body_size = part->size()};
+      CKPT_ASSIGN_OR_RETURN(Response sent, client_->SendOk(r, fmt::format("PUT {} part {}", client_->Url(key_), number)));
+      auto etag = sent.headers.find("etag");
+      if (etag == sent.headers.end()) {
+        return absl::DataLossError(fmt::format("S3 PUT {} part {}: no ETag in the answer", client_->Url(key_), number));
+      }
+      std::lock_guard lock(mu_);
+      etags_[number] = etag->second;
+      return absl::OkStatus();
+    });
+  }
+
+  void Abort() {
+    Request r{.method = "DELETE", .key = client_->Key(key_), .query = {{"uploadId", upload_id_}}};
+    (void)client_->Send(r, "abort upload " + client_->Url(key_));
+  }
+
+  std::shared_ptr<S3Client> client_;
+  const std::string key_;
+  size_t part_bytes_;
+  std::string buffer_;
+  uint64_t size_ = 0;
+  std::string upload_id_;
+  int parts_sent_ = 0;
+  bool finished_ = false;
+  std::mutex mu_;
+  std::map<int, std::string> etags_;  // guarded by mu_
+  Parallel parts_;  // last: waited for before the rest goes
+};
+
+class S3ObjectReader final : public ObjectReader {
+ public:
+  S3ObjectReader(std::shared_ptr<S3Client> client, std::string key, uint64_t size)
+      : client_(std::move(client)), key_(std::move(key)), name_(client_->Url(key_)), size_(size) {}
+
+  uint64_t size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+
+  absl::Status ReadAt(void* data, size_t size, uint64_t offset) const override {
+    if (offset > size_ || size > size_ - offset) {
+      return absl::OutOfRangeError(fmt::format("{}: {} bytes at {} are past its end ({} bytes)",
+                                               name_, size, offset, size_));
+    }
+    if (size == 0) return absl::OkStatus();
+    const uint64_t piece = client_->options().part_bytes;
+    Parallel gets(client_->options().parallel);
+    for (uint64_t done = 0; done < size; done += piece) {
+      const uint64_t n = std::min<uint64_t>(piece, size - done);
+      char* into = static_cast<char*>(data) + done;
+      const uint64_t at = offset + done;
+      CKPT_RETURN_IF_ERROR(gets.Run([this, into, n, at]() -> absl::Status {
+        Request r{.method = "GET", .key = client_->Key(key_),
+                  .headers = {fmt::format("Range: bytes={}-{}", at, at + n - 1)}, .into = into,
+                  .into_size = n};
+        return client_->SendOk(r, fmt::format("GET {} bytes {}-{}", name_, at, at + n - 1)).status();
+      }));
+    }
+    return gets.Wait();
+  }
+
+ private:
+  std::shared_ptr<S3Client> client_;
+  const std::string key_;
+  const std::string name_;
+  const uint64_t size_;
+};
+
+class S3Store final : public Store {
+ public:
+  explicit S3Store(std::shared_ptr<S3Client> client) : client_(std::move(client)) {}
+
+  std::string Describe(std::string_view key) const override { return client_->Url(key); }
+
+  absl::StatusOr<std::unique_ptr<ObjectWriter>> Create(const std::string& key) override {
+    return std::unique_ptr<ObjectWriter>(new S3ObjectWriter(client_, key));
+  }
+
+  absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) override {
+    CKPT_ASSIGN_OR_RETURN(uint64_t size, Head(key));
+    return std::unique_ptr<ObjectReader>(new S3ObjectReader(client_, key, size));
+  }
+
+  absl::StatusOr<bool> Exists(const std::string& key) override {
+    absl::StatusOr<uint64_t> size = Head(key);
+    if (absl::IsNotFound(size.status())) return false;
+    CKPT_RETURN_IF_ERROR(size.status());
+    return true;
+  }
+
+  absl::StatusOr<std::vector<ListEntry>> List(const std::string& prefix) override {
+    std::vector<ListEntry> entries;
+    const std::string base = client_->Key(prefix);
+    const std::string listed = base.empty() ? "" : base + "/";
+    CKPT_RETURN_IF_ERROR(ListKeys(listed, /*delimited=*/true, [&](ListEntry e) {
+      if (!e.name.empty()) entries.push_back(std::move(e));
+    }));
+    std::sort(entries.begin(), entries.end(),
+              [](const ListEntry& a, const ListEntry& b) { return a.name < b.name; });
+    return entries;
+  }
+
+  absl::Status Put(const std::string& key, std::string_view contents) override {
+    Request r{.method = "PUT", .key = client_->Key(key), .body = contents.data(), .body_size = contents.size()};
+    return client_->SendOk(r, "PUT " + client_->Url(key)).status();
+  }
+
+  absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) override {
+    CKPT_ASSIGN_OR_RETURN(uint64_t size, Head(key));
+    if (size > max_bytes) {
+      return absl::OutOfRangeError(fmt::format("{} is {} bytes; at most {} expected", client_->Url(key), size, max_bytes));
+    }
+    std::string out(size, '\0');
+    if (size == 0) return out;
+    S3ObjectReader reader(client_, key, size);
+    CKPT_RETURN_IF_ERROR(reader.ReadAt(out.data(), size, 0));
+    return out;
+  }
+
+  std::string StagingPrefix(const std::string& published) const override { return published; }
+
+  absl::Status Publish(const std::string& staging, const std::string& published,
+                       const std::string& marker, std::string_view contents) override {
+    if (staging != published) {
+      return absl::InvalidArgumentError(fmt::format(
+          "{}: an S3 store publishes objects where they were written (StagingPrefix)", Describe(published)));
+    }
+    CKPT_ASSIGN_OR_RETURN(bool there, Exists(published + "/" + marker));
+    if (there) return absl::AlreadyExistsError(fmt::format("{} already exists", Describe(published)));
+    return Put(published + "/" + marker, contents);  // the last object: now it is complete
+  }
+
+  absl::Status Retract(const std::string& published, const std::string& marker) override {
+    CKPT_ASSIGN_OR_RETURN(bool there, Exists(published + "/" + marker));
+    if (!there) return absl::NotFoundError(fmt::format("{} holds no {}", Describe(published), marker));
+    // The marker first: from then on the step is incomplete to every reader.
+    CKPT_RETURN_IF_ERROR(DeleteKey(client_->Key(published + "/" + marker)));
+    return RemovePrefix(published);
+  }
+
+  absl::Status RemovePrefix(const std::string& prefix) override {
+    std::vector<std::string> keys;
+    const std::string base = client_->Key(prefix);
+    CKPT_RETURN_IF_ERROR(ListKeys(base.empty() ? "" : base + "/", /*delimited=*/false,
+                                  [&](ListEntry e) { keys.push_back(e.name); }));
+    Parallel deletes(client_->options().parallel);
+    const std::string full = base.empty() ? "" : base + "/";
+    for (const std::string& name : keys) {
+      CKPT_RETURN_IF_ERROR(deletes.Run([this, key = full + name] { return DeleteKey(key); }));
+    }
+    return deletes.Wait();
+  }
+
+ private:
+  absl::StatusOr<uint64_t> Head(const std::string& key) {
+    Request r{.method = "HEAD", .key = client_->Key(key)};
+    CKPT_ASSIGN_OR_RETURN(Response head, client_->SendOk(r, "HEAD " + client_->Url(key)));
+    auto length = head.headers.find("content-length");
+    if (length == head.headers.end()) {
+      return absl::DataLossError(fmt::format("S3 HEAD {}: no Content-Length", client_->Url(key)));
+    }
+    return std::stoull(length->second);
+  }
+
+  absl::Status DeleteKey(const std::string& bucket_key) {
+    Request r{.method = "DELETE", .key = bucket_key};
+    absl::StatusOr<Response> deleted = client_->SendOk(r, fmt::format("DELETE s3://{}/{}", client_->options().bucket, bucket_key));
+    if (absl::IsNotFound(deleted.status())) return absl::OkStatus();
+    return deleted.status();
+  }
+
+  // ListObjectsV2 under `listed` (a bucket prefix ending in '/', or empty), page by page:
+  // names relative to it; with `delimited`, one level (sub-prefixes as is_prefix).
+  absl::Status ListKeys(const std::string& listed, bool delimited, const std::function<void(ListEntry)>& each) {
+    std::string token;
+    do {
+      Query query;
+      if (!token.empty()) query.push_back({"continuation-token", token});
+      if (delimited) query.push_back({"delimiter", "/"});
+      query.push_back({"list-type", "2"});
+      query.push_back({"prefix", listed});
+      Request r{.method = "GET", .key = "", .query = std::move(query)};
+      CKPT_ASSIGN_OR_RETURN(Response page, client_->SendOk(r, fmt::format("list s3://{}/{}", client_->options().bucket, listed)));
+      token.clear();
+      try {
+        boost::property_tree::ptree tree = ParseXml(page.body);
+        const auto& result = tree.get_child("ListBucketResult");
+        for (const auto& [tag, node] : result) {
+          if (tag == "Contents") {
+            std::string key = node.get<std::string>("Key");
+            if (key.size() <= listed.size()) continue;  // the prefix itself
+            each({key.substr(listed.size()), false, node.get<uint64_t>("Size", 0)});
+          } else if (tag == "CommonPrefixes") {
+            std::string p = node.get<std::string>("Prefix");
+            if (p.size() <= listed.size() + 1) continue;
+            each({p.substr(listed.size(), p.size() - listed.size() - 1), true, 0});
+          }
+        }
+        if (result.get<std::string>("IsTruncated", "false") == "true") {
+          token = result.get<std::string>("NextContinuationToken", "");
+          if (token.empty()) return absl::DataLossError("S3 list: truncated without a continuation token");
+        }
+      } catch (const std::exception& e) {
+        return absl::DataLossError(fmt::format("S3 list s3://{}/{}: unreadable answer ({})",
+                                               client_->options().bucket, listed, e.what()));
+      }
+    } while (!token.empty());
+    return absl::OkStatus();
+  }
+
+  std::shared_ptr<S3Client> client_;
+};
+
+}  // namespace
+
+absl::StatusOr<StorePtr> MakeS3Store(S3Options options) {
+  if (options.part_bytes < (5u << 20)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "S3 part size {} is below S3's minimum of 5 MiB", options.part_bytes));
+  }
+  if (options.credentials.access_key.empty() || options.credentials.secret_key.empty()) {
+    return absl::UnauthenticatedError("no S3 credentials (see ResolveS3Environment)");
+  }
+  if (options.bucket.empty()) return absl::InvalidArgumentError("no S3 bucket");
+  return StorePtr(std::make_shared<S3Store>(std::make_shared<S3Client>(std::move(options))));
+}
+
+}  // namespace ckpt::storage

@@ -1,0 +1,69 @@
+// A real Ceph cluster with an S3 gateway (tools/ceph.sh) for the tests that need an object
+// store: started once per test binary, the first time a test asks for it, and stopped when
+// the binary exits. Not a fake: a test that cannot start it fails, naming why.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include <catch2/catch.hpp>
+
+#include "storage/s3_config.h"
+#include "tests/fakes/temp_dir.h"
+
+namespace ckpt::testing {
+
+class CephCluster {
+ public:
+  static CephCluster& Get() {
+    static CephCluster cluster;
+    return cluster;
+  }
+
+  // The bucket's options: endpoint, keys, path-style addressing.
+  storage::S3Options Options() const {
+    storage::S3Options o;
+    o.bucket = env_.at("CKPTD_TEST_BUCKET");
+    o.endpoint = env_.at("AWS_ENDPOINT_URL_S3");
+    o.region = env_.at("AWS_REGION");
+    o.credentials.access_key = env_.at("AWS_ACCESS_KEY_ID");
+    o.credentials.secret_key = env_.at("AWS_SECRET_ACCESS_KEY");
+    return o;
+  }
+  const std::map<std::string, std::string>& env() const { return env_; }
+  // A prefix no other case of this binary uses.
+  std::string FreshPrefix() { return "case-" + std::to_string(++cases_); }
+
+  ~CephCluster() { (void)std::system((script_ + " stop " + dir_.path() + "/ceph >/dev/null 2>&1").c_str()); }
+
+ private:
+  CephCluster() {
+    const char* srcdir = std::getenv("TEST_SRCDIR");
+    const char* workspace = std::getenv("TEST_WORKSPACE");
+    script_ = srcdir && workspace ? std::string(srcdir) + "/" + workspace + "/tools/ceph.sh" : "tools/ceph.sh";
+    const std::string log = dir_.path() + "/ceph-start.log";
+    const int rc = std::system((script_ + " start " + dir_.path() + "/ceph >" + log + " 2>&1").c_str());
+    std::ifstream env(dir_.path() + "/ceph/s3.env");
+    std::string line;
+    while (std::getline(env, line)) {
+      if (auto eq = line.find('='); eq != std::string::npos) env_[line.substr(0, eq)] = line.substr(eq + 1);
+    }
+    if (rc != 0 || env_.size() < 5) {
+      std::ifstream in(log);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      FAIL("could not start a Ceph cluster with tools/ceph.sh (exit " << rc << "):\n" << text);
+    }
+  }
+
+  TempDir dir_{"/tmp"};
+  std::string script_;
+  std::map<std::string, std::string> env_;
+  std::atomic<int> cases_{0};
+};
+
+}  // namespace ckpt::testing
