@@ -278,7 +278,13 @@ int main(int argc, char** argv) {
   exp->fallthrough();
   exp->add_option("STEP", e.step, "step number")->required();
   exp->add_option("OUT", e.out, "folder (hf, full) or file (safetensors) to create")->required();
-  exp->add_option("--root", e.root, "ckptd's checkpoint root (env CKPTD_ROOT)")->capture_default_str();
+  exp->add_option("--root", e.root, "ckptd's checkpoint root, or s3://bucket/prefix (env CKPTD_ROOT)")
+      ->capture_default_str();
+  exp->add_option("--s3-endpoint", e.s3_endpoint,
+                  "S3 endpoint URL (default AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)");
+  exp->add_option("--s3-credentials-file", e.s3_credentials_file,
+                  "S3 keys in the AWS credentials-file format, mode 0600 (default: the AWS "
+                  "environment variables, then ~/.aws/credentials)");
   exp->add_option("--format", e.format, "hf: sharded safetensors + index; safetensors: one file; "
                   "full: everything, optimizer and train state included")
       ->check(CLI::IsMember({"hf", "safetensors", "full"}))->capture_default_str();

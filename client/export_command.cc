@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "client/export/exporter.h"
 #include "format/checkpoint_store.h"
+#include "storage/open_store.h"
 
 namespace ckpt::ctl {
 namespace {
@@ -51,7 +52,10 @@ int Fail(const std::string& message, int code) {
 
 int RunExport(const ExportArgs& args) {
   FilesystemPtr fs = MakePosixFilesystem();
-  format::CheckpointStore store(fs, args.root);
+  absl::StatusOr<storage::StorePtr> objects =
+      storage::OpenStore(args.root, fs, {args.s3_endpoint, args.s3_credentials_file});
+  if (!objects.ok()) return Fail(Message(objects.status()), 1);
+  format::CheckpointStore store(*objects, args.root);
   exporter::ExportOptions options;
   options.out = args.out;
   options.extra_files = args.with;

@@ -10,7 +10,9 @@
 namespace ckpt::ctl {
 
 struct ExportArgs {
-  std::string root = "/var/lib/ckptd";
+  std::string root = "/var/lib/ckptd";  // or s3://bucket/prefix
+  std::string s3_endpoint;          // empty: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+  std::string s3_credentials_file;  // empty: the AWS environment or ~/.aws/credentials
   std::string job;  // empty: the only job under root
   uint64_t step = 0;
   std::string out;

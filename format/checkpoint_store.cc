@@ -36,9 +36,11 @@ bool ParseStepDirName(const std::string& name, uint64_t* step) {
 }
 
 CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root)
-    : fs_(std::move(fs)),
-      objects_(storage::MakeLocalStore(fs_, root, {.private_top_level = true})),
-      root_(std::move(root)) {}
+    : CheckpointStore(storage::MakeLocalStore(std::move(fs), root, {.private_top_level = true}),
+                      root) {}
+
+CheckpointStore::CheckpointStore(storage::StorePtr objects, std::string root)
+    : objects_(std::move(objects)), root_(std::move(root)) {}
 
 std::string CheckpointStore::JobDir(const std::string& job) const { return root_ + "/" + job; }
 
@@ -54,14 +56,18 @@ std::string CheckpointStore::StepKey(const std::string& job, uint64_t step) {
   return fmt::format("{}/step-{:08d}", job, step);
 }
 
-std::string CheckpointStore::TempStepKey(const std::string& job, uint64_t step) {
-  return StepKey(job, step) + ".tmp";
+std::string CheckpointStore::TempStepKey(const std::string& job, uint64_t step) const {
+  return objects_->StagingPrefix(StepKey(job, step));
 }
 
 absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   // On a root several nodes share, the others write into the same step: nothing to clear.
   if (shared_) return absl::OkStatus();
+  // Where objects are written in place (S3), never over a committed step.
+  if (TempStepKey(job, step) == StepKey(job, step) && Committed(job, step)) {
+    return absl::AlreadyExistsError(fmt::format("step {} of job {} is already committed", step, job));
+  }
   return objects_->RemovePrefix(TempStepKey(job, step));  // a leftover of a crashed attempt
 }
 
@@ -194,6 +200,9 @@ absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> CheckpointStore::L
       uint64_t step;
       if (EndsWith(e.name, ".tmp") && ParseStepDirName(e.name.substr(0, e.name.size() - 4), &step)) {
         found.emplace_back(job, step);
+      } else if (e.is_prefix && ParseStepDirName(e.name, &step) &&
+                 TempStepKey(job, step) == StepKey(job, step) && !Committed(job, step)) {
+        found.emplace_back(job, step);  // written in place, never committed
       }
     }
   }
@@ -206,8 +215,13 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
   for (const std::string& job : jobs) {
     CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
     for (const storage::ListEntry& e : entries) {
+      uint64_t step;
+      const bool in_place_unfinished = e.is_prefix && ParseStepDirName(e.name, &step) &&
+                                       TempStepKey(job, step) == StepKey(job, step) &&
+                                       !Committed(job, step);
       if (e.name.compare(0, 5, "step-") == 0 &&
-          ((EndsWith(e.name, ".tmp") && !keep_step_tmp) || e.name.find(".deleting") != std::string::npos)) {
+          (((EndsWith(e.name, ".tmp") || in_place_unfinished) && !keep_step_tmp) ||
+           e.name.find(".deleting") != std::string::npos)) {
         CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(job + "/" + e.name));
         ++removed;
       }

@@ -23,19 +23,23 @@ namespace ckpt::format {
 
 class CheckpointStore {
  public:
+  // On the local filesystem at `root`.
   CheckpointStore(FilesystemPtr fs, std::string root);
+  // On any store (an S3 bucket and prefix: storage/open_store.h); `root` names it in messages.
+  CheckpointStore(storage::StorePtr objects, std::string root);
 
   const std::string& root() const { return root_; }
-  Filesystem& fs() { return *fs_; }
   // Where every byte of the checkpoints goes and comes from: keys StepKey() and the like.
   storage::Store& objects() { return *objects_; }
   const storage::StorePtr& objects_ptr() const { return objects_; }
   std::string JobDir(const std::string& job) const;
   std::string StepDir(const std::string& job, uint64_t step) const;
   std::string TempStepDir(const std::string& job, uint64_t step) const;
-  // The same places as keys of objects(): "<job>/step-NNNNNNNN" and its ".tmp".
+  // The same places as keys of objects(): "<job>/step-NNNNNNNN", and where its objects are
+  // written before the commit (the store's StagingPrefix: "<...>.tmp" on a local disk, the
+  // step's own prefix on S3, where the manifest alone makes it a step).
   static std::string StepKey(const std::string& job, uint64_t step);
-  static std::string TempStepKey(const std::string& job, uint64_t step);
+  std::string TempStepKey(const std::string& job, uint64_t step) const;
   // Manifests are read whole, and no larger than this is written (or read: a manifest that
   // could be committed but never loaded would make restores fall back silently).
   static constexpr size_t kMaxManifestBytes = size_t{64} << 20;
@@ -76,7 +80,6 @@ class CheckpointStore {
   absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
 
  private:
-  FilesystemPtr fs_;
   storage::StorePtr objects_;
   std::string root_;
   bool shared_ = false;

@@ -98,7 +98,7 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
     begin.set_value(s);
   }
   CKPT_RETURN_IF_ERROR(dir.get());
-  return format::CheckpointStore::TempStepKey(key.first, key.second);  // where the shard writer writes
+  return store_.TempStepKey(key.first, key.second);  // where the shard writer writes
 }
 
 void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string& error) {

@@ -42,7 +42,7 @@ struct Fixture {
     shard.data = reinterpret_cast<const char*>(data.data());
     shard.data_bytes = data.size() * sizeof(float);
     shard.entries = {{"w", "F32", {1024}, 0, shard.data_bytes}};
-    auto written = writer->Write(shard, CheckpointStore::TempStepKey("job", step));
+    auto written = writer->Write(shard, store.TempStepKey("job", step));
     if (!written.ok()) {
       (void)store.AbortStep("job", step);
       return written.status();
@@ -141,7 +141,7 @@ TEST_CASE("start-up sweep removes unfinished and half-deleted steps only") {
   Fixture f;
   REQUIRE(f.Save(10).ok());
   REQUIRE(f.store.BeginStep("job", 20).ok());
-  REQUIRE(f.store.objects().Put(CheckpointStore::TempStepKey("job", 20) + "/rank-00000.safetensors", "").ok());
+  REQUIRE(f.store.objects().Put(f.store.TempStepKey("job", 20) + "/rank-00000.safetensors", "").ok());
   REQUIRE(f.fs->MakeDir(f.dir / "job/step-00000005.deleting").ok());
   CHECK(*f.store.RemoveStaleTemp() == 2);
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});

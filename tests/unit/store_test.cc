@@ -11,11 +11,16 @@
 #include <filesystem>
 #include <memory>
 #include <numeric>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/persist/shard_writer.h"
+#include "format/checkpoint_store.h"
+#include "format/checksum.h"
+#include "format/verify.h"
 #include "storage/local_store.h"
 #include "storage/s3_store.h"
 #include "tests/fakes/ceph_cluster.h"
@@ -225,4 +230,62 @@ TEMPLATE_TEST_CASE("a failed flush or publish is a status naming the object, nev
   t.fs->FailAfter(FaultyFilesystem::Op::kRename, 0, ENOSPC);
   CHECK_FALSE(t.store->Publish("job/step-00000003.tmp", "job/step-00000003", "manifest.json", "{}").ok());
   CHECK(Names(*t.store, "job/step-00000003").empty());
+}
+
+TEST_CASE("a checkpoint on S3: written in place, a step only once its manifest is, verified, deleted") {
+  S3Rgw t;
+  format::CheckpointStore store(t.store, "s3://test");
+  persist::ShardWriterPtr writer = persist::MakeShardWriter(t.store);
+  // Two ranks' rows of a 2 x (5 MiB + 3) tensor of F32: multipart objects, and entries of more
+  // than one 8 MiB checksum chunk... and one train-state blob each.
+  const int64_t cols = ((5 << 20) + 3);
+  std::vector<std::vector<float>> rows(2);
+  format::Manifest m;
+  m.job = "job";
+  m.step = 7;
+  m.world_size = 2;
+  m.ckptd_version = "test";
+  REQUIRE(store.BeginStep("job", 7).ok());
+  for (uint32_t r = 0; r < 2; ++r) {
+    rows[r].resize(cols);
+    std::iota(rows[r].begin(), rows[r].end(), static_cast<float>(r * cols));
+    daemon::StagedShard shard;
+    shard.rank = r;
+    shard.data = reinterpret_cast<const char*>(rows[r].data());
+    shard.data_bytes = cols * sizeof(float);
+    shard.entries = {{"w", "F32", {1, cols}, 0, shard.data_bytes}};
+    auto written = writer->Write(shard, store.TempStepKey("job", 7));
+    REQUIRE(written.ok());
+    m.shards.push_back({r, written->file, written->bytes, {}, {}});
+    m.tensors["w"].dtype = "F32";
+    m.tensors["w"].global_shape = {2, cols};
+    format::TensorShard piece{r, written->file, 0, shard.data_bytes, {static_cast<int64_t>(r), 0}, {1, cols},
+                              written->checksums.at("w")};
+    piece.chunk_checksums = written->chunk_checksums.at("w");
+    m.tensors["w"].shards.push_back(piece);
+  }
+  m.checksum_chunk_bytes = format::kChecksumChunkBytes;
+  // Written, not committed: no step, but an unfinished one to sweep.
+  CHECK(store.ListSteps("job")->empty());
+  CHECK(*store.ListTempSteps() == std::vector<std::pair<std::string, uint64_t>>{{"job", 7}});
+  REQUIRE(store.Commit(m).ok());
+  CHECK(*store.ListSteps("job") == std::vector<uint64_t>{7});
+  CHECK(store.ListTempSteps()->empty());
+  CHECK(absl::IsAlreadyExists(store.Commit(m)));
+  CHECK(absl::IsAlreadyExists(store.BeginStep("job", 7)));  // in place: never over a step
+  auto loaded = store.LoadManifest("job", 7);
+  REQUIRE(loaded.ok());
+  auto report = format::VerifyCheckpoint(store, "job", 7);
+  REQUIRE(report.ok());
+  CHECK(report->ok());
+  CHECK(report->bytes_checked == 2 * cols * sizeof(float));
+  // A damaged object is found, and named by its URL.
+  REQUIRE(t.store->Put("job/step-00000007/rank-00001.safetensors", "garbage").ok());
+  auto damaged = format::VerifyCheckpoint(store, "job", 7);
+  REQUIRE(damaged.ok());
+  CHECK_FALSE(damaged->ok());
+  CHECK_THAT(damaged->problems.at(0), Catch::Contains("s3://") && Catch::Contains("rank-00001.safetensors"));
+  REQUIRE(store.Delete("job", 7).ok());
+  CHECK(store.ListSteps("job")->empty());
+  CHECK(Names(*t.store, "job").empty());
 }
