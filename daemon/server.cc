@@ -361,6 +361,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.allow_uids = config.allow_uids;
   p->owners = std::make_unique<JobOwners>(
       *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
+  if (int closed = p->owners->CloseAll(); closed > 0) {
+    log::Get(log::Component::kMain).info("{} job directories readable by their owners alone", closed);
+  }
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, DescriptorSocketPath(config.socket));

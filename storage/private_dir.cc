@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <filesystem>
 
 #include <fmt/format.h>
 
@@ -55,6 +56,35 @@ absl::Status MakeDirectoryPrivate(const std::string& dir, const DirectoryReaders
   if (acl_set_file(self_path.c_str(), ACL_TYPE_DEFAULT, static_cast<acl_t>(acl.get())) != 0) {
     return ErrnoStatus(errno, fmt::format("set the default ACL of {}", dir));
   }
+  // What is already inside (made by an older ckptd, 0640 in ckptd's group) gets the same
+  // access the default ACL gives new entries: directories r-x, files r-- for the readers.
+  // Nobody else can reach it any more (the directory above is closed), so paths are safe.
+  std::string file_text = text;
+  for (std::string_view from : {std::string_view("m::r-x"), std::string_view("u::rwx")}) {
+    if (size_t at = file_text.find(from); at != std::string::npos) {
+      file_text.replace(at, from.size(), from == "m::r-x" ? "m::r--" : "u::rw-");
+    }
+  }
+  for (size_t at; (at = file_text.find(":r-x")) != std::string::npos;) file_text.replace(at, 4, ":r--");
+  std::unique_ptr<void, AclDeleter> file_acl(acl_from_text(file_text.c_str()));
+  if (!file_acl) return ErrnoStatus(errno, fmt::format("ACL \"{}\"", file_text));
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(self_path, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    const auto type = it->symlink_status(ec).type();
+    const std::string path = it->path().string();
+    if (type == std::filesystem::file_type::directory) {
+      if (acl_set_file(path.c_str(), ACL_TYPE_ACCESS, static_cast<acl_t>(acl.get())) != 0 ||
+          acl_set_file(path.c_str(), ACL_TYPE_DEFAULT, static_cast<acl_t>(acl.get())) != 0) {
+        return ErrnoStatus(errno, fmt::format("set the ACL of {}", path));
+      }
+    } else if (type == std::filesystem::file_type::regular) {
+      if (acl_set_file(path.c_str(), ACL_TYPE_ACCESS, static_cast<acl_t>(file_acl.get())) != 0) {
+        return ErrnoStatus(errno, fmt::format("set the ACL of {}", path));
+      }
+    }
+  }
+  if (ec) return ErrnoStatus(ec.value(), fmt::format("list {}", dir));
   return absl::OkStatus();
 }
 

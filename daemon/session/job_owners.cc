@@ -136,6 +136,27 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
   return absl::OkStatus();
 }
 
+int JobOwners::CloseAll() {
+  std::lock_guard lock(mu_);
+  auto names = fs_.ListDir(root_);
+  if (!names.ok()) return 0;
+  int closed = 0;
+  for (const std::string& job : *names) {
+    if (!ValidateJobName(job).ok() || !fs_.IsDirectory(root_ + "/" + job)) continue;
+    absl::StatusOr<std::optional<Owner>> owner = LoadLocked(job);  // protects when recorded
+    if (owner.ok() && !*owner) {
+      absl::Status made = MakeDirectoryPrivate(root_ + "/" + job, {options_.daemon_uid, std::nullopt});
+      if (!made.ok() && !absl::IsUnimplemented(made)) owner = made;
+    }
+    if (!owner.ok()) {
+      log::Get(log::Component::kSession).warn("job {}: {}", job, Message(owner.status()));
+      continue;
+    }
+    ++closed;
+  }
+  return closed;
+}
+
 absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller,
                               std::string_view what) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));

@@ -39,6 +39,12 @@ class JobOwners {
   // registration has succeeded, so a refused one leaves nothing behind.
   absl::Status Claim(const std::string& job, const PeerIdentity& caller);
 
+  // At start-up: closes every job directory under the root to all but its owner (jobs made
+  // by an older ckptd, open to ckptd's group, that nobody uses again would otherwise stay
+  // open); a job without an owner record is made ckptd's alone. Returns how many it closed;
+  // problems are logged, never fatal.
+  int CloseAll();
+
   // May `caller` `what` (e.g. "delete steps of") `job`? A job without an owner record (made
   // by an older ckptd, or never registered) is open to root and the daemon's uid only.
   absl::Status Check(const std::string& job, const PeerIdentity& caller, std::string_view what);

@@ -341,6 +341,8 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
   auto open = RunAs(1001, "0", {"/bin/cat", shard}, dir.path());
   CHECK(open.exit_code == 0);  // what the fix closes: readable by ckptd's group
   d.Start();
+  steal(1);  // closed at start-up, before anyone uses the job again
+  CHECK(RunAs(1000, "", {"/bin/cat", shard}, dir.path()).exit_code == 0);
   OpenSocket(d);
   save(2);
   steal(1);
