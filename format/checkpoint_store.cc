@@ -185,6 +185,10 @@ bool CheckpointStore::HasFile(const std::string& job, uint64_t step, const std::
 absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   absl::Status retracted = objects_->Retract(StepKey(job, step), kManifestName);
+  {
+    std::lock_guard lock(mu_);
+    runs_.erase({job, step});  // what is cached is what is there: bounded by the steps kept
+  }
   if (absl::IsNotFound(retracted)) {
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }

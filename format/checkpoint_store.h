@@ -76,6 +76,11 @@ class CheckpointStore {
   // step-N.tmp (a group keeps those: their outcome is asked of the coordinator). Returns
   // how many.
   absl::StatusOr<int> RemoveStaleTemp(bool keep_step_tmp = false);
+  // How many steps' runs are cached (tests: bounded by the steps there are).
+  size_t cached_runs() {
+    std::lock_guard lock(mu_);
+    return runs_.size();
+  }
   // Unfinished step-N.tmp directories, by job and step.
   absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
 

@@ -202,3 +202,13 @@ TEST_CASE("two writers of one small file at once (daemons on a shared root) both
   CHECK(std::distance(std::filesystem::directory_iterator(dir.path()),
                       std::filesystem::directory_iterator()) == 1);  // no temporary left
 }
+
+TEST_CASE("what the store caches of committed steps is bounded by the steps kept") {
+  Fixture f;
+  for (uint64_t step = 1; step <= 50; ++step) {
+    REQUIRE(f.Save(step).ok());
+    if (step > 3) REQUIRE(f.store.Delete("job", step - 3).ok());  // keep the last 3
+  }
+  CHECK(f.store.ListSteps("job")->size() == 3);
+  CHECK(f.store.cached_runs() <= 3);  // it grew by one per commit, for ever (issue 24 item 8)
+}
