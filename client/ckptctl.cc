@@ -17,6 +17,10 @@
 #include <vector>
 
 #include "client/export_command.h"
+#include "common/status.h"
+#include "format/checkpoint_store.h"
+#include "format/verify.h"
+#include "storage/open_store.h"
 #include "client/table.h"
 #include "proto/admin.grpc.pb.h"
 
@@ -32,6 +36,10 @@ struct Options {
   std::string job;
   bool json = false;
   uint64_t step = 0;
+  // list and verify straight from the files (no daemon): a root or s3://bucket/prefix.
+  std::string root;
+  std::string s3_endpoint;
+  std::string s3_credentials_file;
 };
 
 std::string Bytes(uint64_t n) {
@@ -155,18 +163,7 @@ class Ctl {
     ListReply r;
     grpc::Status s = stub_->List(Context().get(), req, &r);
     if (!s.ok()) return Fail("list", s, o_);
-    if (o_.json) {
-      std::cout << Json(r) << "\n";
-      return 0;
-    }
-    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)"});
-    for (const auto& c : r.checkpoints()) {
-      t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()),
-             std::to_string(c.tensors()), Bytes(c.bytes()),
-             fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time())))});
-    }
-    std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
-    return 0;
+    return PrintList(r, o_);
   }
 
   // --job may be left out when the daemon holds exactly one job.
@@ -214,6 +211,10 @@ class Ctl {
     VerifyReply r;
     grpc::Status s = stub_->Verify(Context(3600).get(), *ref, &r);
     if (!s.ok()) return Fail("verify", s, o_);
+    return PrintVerify(r, job, o_);
+  }
+
+  static int PrintVerify(const VerifyReply& r, const std::string& job, const Options& o_) {
     if (o_.json) {
       std::cout << Json(r) << "\n";
     } else if (r.ok()) {
@@ -229,6 +230,28 @@ class Ctl {
       for (const auto& p : r.problems()) std::cout << "  " << p << "\n";
     }
     return r.ok() ? 0 : 3;
+  }
+
+  static int PrintList(const ListReply& r, const Options& o) {
+    if (o.json) {
+      std::cout << Json(r) << "\n";
+      return 0;
+    }
+    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)"});
+    std::vector<std::string> errors;
+    for (const auto& c : r.checkpoints()) {
+      if (!c.error().empty()) {
+        t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)"});
+        errors.push_back(fmt::format("step {} of job {}: {}", c.step(), c.job(), c.error()));
+        continue;
+      }
+      t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()),
+             std::to_string(c.tensors()), Bytes(c.bytes()),
+             fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time())))});
+    }
+    std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
+    for (const std::string& e : errors) std::cout << "  " << e << "\n";
+    return errors.empty() ? 0 : 3;
   }
 
   int Delete() {
@@ -253,6 +276,58 @@ class Ctl {
 
 }  // namespace
 
+// list and verify from the files alone (a root on disk, or an object store): what the
+// daemon's admin service answers, computed here, printed the same way.
+int Offline(const Options& o, bool list) {
+  auto objects = ckpt::storage::OpenStore(o.root, ckpt::MakePosixFilesystem(),
+                                          {o.s3_endpoint, o.s3_credentials_file});
+  if (!objects.ok()) {
+    std::cerr << "ckptctl: " << ckpt::Message(objects.status()) << "\n";
+    return 2;
+  }
+  ckpt::format::CheckpointStore store(*objects, o.root);
+  if (list) {
+    auto listed = ckpt::format::ListCheckpoints(store, o.job);
+    if (!listed.ok()) {
+      std::cerr << "ckptctl list: " << ckpt::Message(listed.status()) << "\n";
+      return 4;
+    }
+    ListReply r;
+    for (const auto& c : *listed) {
+      CheckpointInfo* info = r.add_checkpoints();
+      info->set_job(c.job);
+      info->set_step(c.step);
+      info->set_world_size(c.world_size);
+      info->set_bytes(c.bytes);
+      info->set_unix_time(c.unix_time);
+      info->set_tensors(c.tensors);
+      info->set_error(c.error);
+    }
+    return Ctl::PrintList(r, o);
+  }
+  std::string job = o.job;
+  if (job.empty()) {
+    auto jobs = store.ListJobs();
+    if (!jobs.ok() || jobs->size() != 1) {
+      std::cerr << "ckptctl verify: pass --job (" << (jobs.ok() ? std::to_string(jobs->size()) : ckpt::Message(jobs.status()))
+                << " jobs under " << o.root << ")\n";
+      return 1;
+    }
+    job = jobs->front();
+  }
+  auto report = ckpt::format::VerifyCheckpoint(store, job, o.step);
+  if (!report.ok()) {
+    std::cerr << "ckptctl verify: " << ckpt::Message(report.status()) << "\n";
+    return absl::IsNotFound(report.status()) ? 1 : 4;
+  }
+  VerifyReply r;
+  r.set_ok(report->ok());
+  r.set_bytes_checked(report->bytes_checked);
+  for (uint32_t rank : report->skipped_ranks) r.add_skipped_ranks(rank);
+  for (const std::string& p : report->problems) r.add_problems(p);
+  return Ctl::PrintVerify(r, job, o);
+}
+
 int main(int argc, char** argv) {
   Options o;
   if (const char* env = std::getenv("CKPTD_SOCKET")) o.socket = env;
@@ -272,6 +347,14 @@ int main(int argc, char** argv) {
   auto* del = app.add_subcommand("delete", "delete a committed checkpoint");
   for (auto* sub : {show, verify, del}) sub->add_option("STEP", o.step, "step number")->required();
   for (auto* sub : {status, list, show, verify, del}) sub->fallthrough();
+  for (auto* sub : {list, verify}) {
+    sub->add_option("--root", o.root, "read a checkpoint root, or s3://bucket/prefix, directly "
+                    "(no daemon)");
+    sub->add_option("--s3-endpoint", o.s3_endpoint,
+                    "S3 endpoint URL (default AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)");
+    sub->add_option("--s3-credentials-file", o.s3_credentials_file,
+                    "S3 keys in the AWS credentials-file format, mode 0600");
+  }
   ckpt::ctl::ExportArgs e;
   if (const char* env = std::getenv("CKPTD_ROOT")) e.root = env;
   auto* exp = app.add_subcommand("export", "write a step as Hugging Face / safetensors files, from its files alone");
@@ -315,6 +398,11 @@ int main(int argc, char** argv) {
     while (!o.token.empty() && std::isspace(static_cast<unsigned char>(o.token.back()))) {
       o.token.pop_back();
     }
+  }
+  if (!o.root.empty() && (list->parsed() || verify->parsed())) return Offline(o, list->parsed());
+  if (!o.root.empty()) {
+    std::cerr << "ckptctl: --root reads files without ckptd: only list, verify and export take it\n";
+    return 2;
   }
   Ctl ctl(o);
   if (status->parsed()) return ctl.Status();

@@ -174,6 +174,35 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   return manifest;
 }
 
+absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& store,
+                                                               const std::string& job) {
+  std::vector<std::string> jobs;
+  if (job.empty()) {
+    CKPT_ASSIGN_OR_RETURN(jobs, store.ListJobs());
+  } else {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    jobs.push_back(job);
+  }
+  std::vector<CheckpointSummary> out;
+  for (const std::string& j : jobs) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store.ListSteps(j));
+    for (uint64_t step : steps) {
+      CheckpointSummary c{j, step};
+      absl::StatusOr<Manifest> manifest = store.LoadManifest(j, step);
+      if (manifest.ok()) {
+        c.world_size = manifest->world_size;
+        c.tensors = static_cast<uint32_t>(manifest->tensors.size());
+        c.bytes = manifest->total_bytes();
+        c.unix_time = manifest->unix_time;
+      } else {
+        c.error = Message(manifest.status());
+      }
+      out.push_back(std::move(c));
+    }
+  }
+  return out;
+}
+
 bool CheckpointStore::Committed(const std::string& job, uint64_t step) {
   return HasFile(job, step, kManifestName);
 }

@@ -93,6 +93,22 @@ class CheckpointStore {
   std::map<std::pair<std::string, uint64_t>, uint64_t> runs_;
 };
 
+// What `ckptctl list` shows of a committed step.
+struct CheckpointSummary {
+  std::string job;
+  uint64_t step = 0;
+  uint32_t world_size = 0;
+  uint32_t tensors = 0;
+  uint64_t bytes = 0;
+  double unix_time = 0;
+  std::string error;  // its manifest cannot be read: why (the other fields are then unknown)
+};
+
+// Every committed step of `job` (of every job when empty), by job then step. An error only
+// when the store cannot be listed at all (an unreadable root is never "no checkpoints").
+absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& store,
+                                                               const std::string& job = {});
+
 // Parses "step-00001200" -> 1200; false for anything else.
 bool ParseStepDirName(const std::string& name, uint64_t* step);
 

@@ -90,26 +90,17 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
 
 grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request, ListReply* reply) {
   return Guarded("List", [&]() -> absl::Status {
-    std::vector<std::string> jobs;
-    if (request->job().empty()) {
-      CKPT_ASSIGN_OR_RETURN(jobs, store_.ListJobs());
-    } else {
-      CKPT_RETURN_IF_ERROR(ValidateJobName(request->job()));
-      jobs.push_back(request->job());
-    }
-    for (const std::string& job : jobs) {
-      CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(job));
-      for (uint64_t step : steps) {
-        CheckpointInfo* info = reply->add_checkpoints();
-        info->set_job(job);
-        info->set_step(step);
-        auto manifest = store_.LoadManifest(job, step);
-        if (!manifest.ok()) continue;  // listed; `verify` explains what is wrong with it
-        info->set_world_size(manifest->world_size);
-        info->set_bytes(manifest->total_bytes());
-        info->set_unix_time(manifest->unix_time);
-        info->set_tensors(static_cast<uint32_t>(manifest->tensors.size()));
-      }
+    CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed,
+                          format::ListCheckpoints(store_, request->job()));
+    for (const format::CheckpointSummary& c : listed) {
+      CheckpointInfo* info = reply->add_checkpoints();
+      info->set_job(c.job);
+      info->set_step(c.step);
+      info->set_world_size(c.world_size);
+      info->set_bytes(c.bytes);
+      info->set_unix_time(c.unix_time);
+      info->set_tensors(c.tensors);
+      info->set_error(c.error);
     }
     return absl::OkStatus();
   });

@@ -3,8 +3,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
+#include "storage/local_store.h"
+#include "storage/s3_store.h"
+#include "tests/fakes/ceph_cluster.h"
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
@@ -141,4 +146,85 @@ TEST_CASE("without --admin-token-file, delete over TCP is refused and the socket
   CHECK(refused.exit_code == 1);
   CHECK(Contains(refused.err, "no --admin-token-file"));
   CHECK(d.Ctl({"--job", "tcp", "delete", "3"}).exit_code == 0);  // over the socket
+}
+
+namespace {
+
+// Copies every object under `prefix` of `from` to `to`: a node's steps put on a bucket.
+void CopyTree(ckpt::storage::Store& from, ckpt::storage::Store& to, const std::string& prefix) {
+  auto entries = from.List(prefix);
+  REQUIRE(entries.ok());
+  for (const auto& e : *entries) {
+    const std::string key = prefix.empty() ? e.name : prefix + "/" + e.name;
+    if (e.is_prefix) {
+      CopyTree(from, to, key);
+      continue;
+    }
+    auto reader = from.Open(key);
+    REQUIRE(reader.ok());
+    std::string bytes((*reader)->size(), '\0');
+    REQUIRE((*reader)->ReadAt(bytes.data(), bytes.size(), 0).ok());
+    REQUIRE(to.Put(key, bytes).ok());
+  }
+}
+
+}  // namespace
+
+TEST_CASE("ckptctl lists, verifies and exports from the files alone: a root, or an S3 bucket") {
+  TempDir dir;
+  Daemon d(dir, {"--keep-last", "0"});
+  d.Start();
+  for (int step : {1, 2}) {
+    REQUIRE(Run(Helper(d, {"--job", "offline", "--bytes", "3000000", "save", "--step",
+                           std::to_string(step), "--wait-committed"}),
+                dir.path()).exit_code == 0);
+  }
+  REQUIRE(d.Stop() == 0);
+  auto ctl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), Runfile("client/ckptctl"));
+    return Run(args, dir.path());
+  };
+  // No daemon: --root reads the files.
+  auto listed = ctl({"--job", "offline", "list", "--root", d.root()});
+  INFO(listed.out << listed.err);
+  CHECK(listed.exit_code == 0);
+  CHECK(Contains(listed.out, "offline  1"));
+  CHECK(Contains(listed.out, "offline  2"));
+  CHECK(ctl({"--job", "offline", "verify", "2", "--root", d.root()}).exit_code == 0);
+
+  // The same steps on a bucket of a real Ceph RGW, read with the AWS environment.
+  auto& ceph = CephCluster::Get();
+  ckpt::storage::S3Options options = ceph.Options();
+  options.prefix = "node-lost";
+  auto bucket = ckpt::storage::MakeS3Store(options);
+  REQUIRE(bucket.ok());
+  auto local = ckpt::storage::MakeLocalStore(ckpt::MakePosixFilesystem(), d.root());
+  CopyTree(*local, **bucket, "offline");
+  for (const auto& [name, value] : ceph.env()) ::setenv(name.c_str(), value.c_str(), 1);
+  const std::string url = "s3://" + options.bucket + "/node-lost";
+  auto remote = ctl({"--job", "offline", "list", "--root", url});
+  INFO(remote.out << remote.err);
+  CHECK(remote.exit_code == 0);
+  CHECK(Contains(remote.out, "offline  2"));
+  auto verified = ctl({"--job", "offline", "verify", "2", "--root", url});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(Contains(verified.out, "OK"));
+  auto exported = ctl({"--job", "offline", "export", "2", dir / "from-s3", "--format", "full", "--root", url});
+  INFO(exported.out << exported.err);
+  CHECK(exported.exit_code == 0);
+  CHECK(std::filesystem::exists(dir / "from-s3/checkpoint.json"));
+  // A shard replaced on the bucket is found by verify, named by its URL.
+  REQUIRE((*bucket)->Put("offline/step-00000002/rank-00000.safetensors", "not a shard").ok());
+  auto damaged = ctl({"--job", "offline", "verify", "2", "--root", url});
+  CHECK(damaged.exit_code == 3);
+  CHECK(Contains(damaged.out, url + "/offline/step-00000002/rank-00000.safetensors"));
+
+  // A manifest that cannot be read is listed as such, never as "0 ranks ... 1970".
+  std::ofstream(d.root() + "/offline/step-00000001/manifest.json") << "{ torn";
+  auto unreadable = ctl({"--job", "offline", "list", "--root", d.root()});
+  CHECK(unreadable.exit_code == 3);
+  CHECK(Contains(unreadable.out, "UNREADABLE"));
+  CHECK(Contains(unreadable.out, "step 1 of job offline:"));
+  CHECK_FALSE(Contains(unreadable.out, "1970"));
 }
