@@ -105,6 +105,12 @@ int main(int argc, char** argv) {
       ready = client->Register();
     }
   }
+  if (!ready.ok() && f.resume) {
+    // Never start over silently: a checkpoint may exist that this run cannot see.
+    std::cerr << "error: cannot resume: ckptd refused or is unavailable (" << ckpt::Message(ready)
+              << "); not starting from step 0 while a checkpoint may exist\n";
+    return 1;
+  }
   if (!ready.ok()) {
     std::cerr << "warning: ckptd unavailable (" << ckpt::Message(ready)
               << "); training without checkpoints\n";

@@ -243,7 +243,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       RootLock::Acquire(config.root, config.shared_root
                                          ? fmt::format(".ckptd.node-{}.lock", config.node_rank)
                                          : std::string(".ckptd.lock")));
-  p->store = std::make_unique<format::CheckpointStore>(p->fs, config.root);
+  // A job directory deleted under ckptd gets its owner's record and access back before its
+  // next step is written there (JobOwners exists by then: the first write is a snapshot's).
+  p->store = std::make_unique<format::CheckpointStore>(
+      p->fs, config.root, [owners = &p->owners](const std::string& job) {
+        if (*owners) (*owners)->Restore(job);
+      });
   p->store->set_shared(config.shared_root);
   const bool grouped = config.num_nodes > 1;
   std::vector<std::pair<std::string, uint64_t>> in_doubt;

@@ -35,8 +35,11 @@ bool ParseStepDirName(const std::string& name, uint64_t* step) {
   return true;
 }
 
-CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root)
-    : CheckpointStore(storage::MakeLocalStore(std::move(fs), root, {.private_top_level = true}),
+CheckpointStore::CheckpointStore(FilesystemPtr fs, std::string root,
+                                 std::function<void(const std::string& job)> job_dir_made)
+    : CheckpointStore(storage::MakeLocalStore(std::move(fs), root,
+                                              {.private_top_level = true,
+                                               .top_level_made = std::move(job_dir_made)}),
                       root) {}
 
 CheckpointStore::CheckpointStore(storage::StorePtr objects, std::string root)

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <set>
@@ -23,8 +24,10 @@ namespace ckpt::format {
 
 class CheckpointStore {
  public:
-  // On the local filesystem at `root`.
-  CheckpointStore(FilesystemPtr fs, std::string root);
+  // On the local filesystem at `root`. `job_dir_made` is called when a job's directory had
+  // to be made again (deleted under a running ckptd), before anything is written in it.
+  CheckpointStore(FilesystemPtr fs, std::string root,
+                  std::function<void(const std::string& job)> job_dir_made = {});
   // On any store (an S3 bucket and prefix: storage/open_store.h); `root` names it in messages.
   CheckpointStore(storage::StorePtr objects, std::string root);
 

@@ -228,7 +228,10 @@ class LocalStore final : public Store {
     const std::string parent = ParentOf(Path(key));
     if (options_.private_top_level) {
       if (size_t slash = key.find('/'); slash != std::string::npos && slash > 0) {
-        CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(Path(key.substr(0, slash))));
+        const std::string top = Path(key.substr(0, slash));
+        const bool was_there = fs_->Exists(top);
+        CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(top));
+        if (!was_there && options_.top_level_made) options_.top_level_made(key.substr(0, slash));
       }
     }
     return fs_->MakeDir(parent);

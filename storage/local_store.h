@@ -6,6 +6,7 @@
 // fsync of the parent.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "storage/filesystem.h"
@@ -18,6 +19,9 @@ struct LocalStoreOptions {
   // made mode 0700: one that has to be made again is never readable by others before its
   // owner's ACL is set (storage/private_dir.h).
   bool private_top_level = false;
+  // Called with its name after such a directory had to be made (it was not there), before
+  // anything is created in it: ckptd restores the job's owner record and access there.
+  std::function<void(const std::string& name)> top_level_made;
 };
 
 // Keys are relative to `root`; with an empty root, keys are paths.

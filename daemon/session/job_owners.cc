@@ -136,6 +136,28 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
   return absl::OkStatus();
 }
 
+void JobOwners::Restore(const std::string& job) {
+  std::lock_guard lock(mu_);
+  auto& log = log::Get(log::Component::kSession);
+  protected_.erase(job);
+  auto it = owners_.find(job);
+  if (it == owners_.end()) {
+    log.warn("job {}: its directory was deleted under ckptd and made again; no owner on record, "
+             "so it is ckptd's alone",
+             job);
+    return;
+  }
+  const Owner owner = it->second;
+  nlohmann::json j = {{"uid", owner.uid}};
+  if (owner.gid) j["gid"] = *owner.gid;
+  absl::Status written = WriteFileAtomically(fs_, root_ + "/" + job + "/" + kOwnerFile, j.dump() + "\n");
+  absl::Status closed = ProtectLocked(job, owner);
+  log.warn("job {}: its directory was deleted under ckptd (its earlier steps are gone) and made "
+           "again for uid {}{}{}",
+           job, owner.uid, written.ok() ? "" : fmt::format("; its owner record could not be written: {}", Message(written)),
+           closed.ok() ? "" : fmt::format("; {}", Message(closed)));
+}
+
 int JobOwners::CloseAll() {
   std::lock_guard lock(mu_);
   auto names = fs_.ListDir(root_);

@@ -45,6 +45,11 @@ class JobOwners {
   // problems are logged, never fatal.
   int CloseAll();
 
+  // The directory of `job` was deleted under ckptd and had to be made again: writes its
+  // owner record back and closes it to all but its owner, as it was (a job nobody owns on
+  // record stays ckptd's alone). Logged: an operator should know.
+  void Restore(const std::string& job);
+
   // May `caller` `what` (e.g. "delete steps of") `job`? A job without an owner record (made
   // by an older ckptd, or never registered) is open to root and the daemon's uid only.
   absl::Status Check(const std::string& job, const PeerIdentity& caller, std::string_view what);

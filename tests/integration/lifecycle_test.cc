@@ -213,6 +213,10 @@ TEST_CASE("training carries on when ckptd is absent or dies") {
   auto alone = Run(Trainer(d, args), dir.path());  // never started
   REQUIRE(alone.exit_code == 0);
   CHECK(Contains(alone.err, "ckptd unavailable"));
+  // A resume never starts over silently (issue 24 item 6): a checkpoint may exist.
+  auto resume = Run(Trainer(d, [&] { auto a = args; a.push_back("--resume"); return a; }()), dir.path());
+  CHECK(resume.exit_code == 1);
+  CHECK(Contains(resume.err, "cannot resume"));
   std::string want = Field(alone.out, "final checksum");
   d.Start();
   args.insert(args.end(), {"--step-sleep-ms", "25"});

@@ -351,3 +351,35 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
               dir.path())
             .exit_code == 0);
 }
+
+TEST_CASE("a job directory deleted under a running ckptd comes back with its owner and access") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir("/tmp");
+  ::chmod(dir.path().c_str(), 0755);
+  Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0"});
+  d.Start();
+  OpenSocket(d);
+  auto save = [&](int uid, uint64_t step) {
+    return Run(Helper(d, As(uid, {"--job", "gone", "--bytes", "100000", "save", "--step",
+                                   std::to_string(step), "--wait-committed"})),
+               dir.path());
+  };
+  REQUIRE(save(1000, 1).exit_code == 0);
+  std::filesystem::remove_all(d.root() + "/gone");  // an operator's mistake, a cleanup script
+  auto again = save(1000, 2);
+  INFO(again.out << again.err);
+  REQUIRE(again.exit_code == 0);
+  CHECK(Contains(d.Log(), "job gone: its directory was deleted under ckptd"));
+  CHECK(std::filesystem::exists(d.root() + "/gone/.owner"));
+  const std::string shard = d.root() + "/gone/step-00000002/rank-00000.safetensors";
+  CHECK(RunAs(1000, "", {"/bin/cat", shard}, dir.path()).exit_code == 0);
+  CHECK(RunAs(1001, "0", {"/bin/cat", shard}, dir.path()).exit_code != 0);
+  // After a restart the owner still owns it (it was "no owner on record": locked out).
+  CHECK(d.Stop() == 0);
+  d.Start();
+  OpenSocket(d);
+  auto after = save(1000, 3);
+  INFO(after.out << after.err);
+  CHECK(after.exit_code == 0);
+  CHECK(Contains(save(1001, 4).out, "belongs to uid 1000"));
+}
