@@ -106,17 +106,20 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
   });
 }
 
-grpc::Status AdminService::Show(grpc::ServerContext*, const CheckpointRef* request, ShowReply* reply) {
+grpc::Status AdminService::Show(grpc::ServerContext* ctx, const CheckpointRef* request, ShowReply* reply) {
   return Guarded("Show", [&]() -> absl::Status {
+    // A manifest tells a job's metadata, tensor names and checksums: its owner's to read.
+    CKPT_RETURN_IF_ERROR(MayAct(ctx, "show", request->job()));
     CKPT_ASSIGN_OR_RETURN(format::Manifest m, store_.LoadManifest(request->job(), request->step()));
     reply->set_manifest_json(format::ManifestToJson(m));
     return absl::OkStatus();
   });
 }
 
-grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* request,
+grpc::Status AdminService::Verify(grpc::ServerContext* ctx, const CheckpointRef* request,
                                   VerifyReply* reply) {
   return Guarded("Verify", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(MayAct(ctx, "verify", request->job()));
     // One at a time for the whole daemon: a verify reads a whole step and pins it against
     // retention, and anyone who may read status may ask for one.
     static std::mutex verifying;
@@ -140,11 +143,11 @@ grpc::Status AdminService::Verify(grpc::ServerContext*, const CheckpointRef* req
   });
 }
 
-absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call,
+absl::Status AdminService::MayAct(grpc::ServerContext* ctx, const char* call,
                                       const std::string& job) const {
   if (!exposure_.over_tcp) {
     // On the socket the caller is known: only who may act on the job (its owner, root, the
-    // daemon's user, or the job's group) may destroy its steps.
+    // daemon's user, or the job's group) may read its manifests or destroy its steps.
     if (exposure_.peers == nullptr || exposure_.owners == nullptr) return absl::OkStatus();
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, exposure_.peers->Of(ctx->peer()));
     return exposure_.owners->Check(job, caller, fmt::format("{} steps of", call));
@@ -174,7 +177,7 @@ absl::Status AdminService::MayDestroy(grpc::ServerContext* ctx, const char* call
 grpc::Status AdminService::Delete(grpc::ServerContext* ctx, const CheckpointRef* request,
                                   DeleteReply*) {
   return Guarded("Delete", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(MayDestroy(ctx, "delete", request->job()));
+    CKPT_RETURN_IF_ERROR(MayAct(ctx, "delete", request->job()));
     CKPT_RETURN_IF_ERROR(src_.retention.DeleteStep(request->job(), request->step()));
     log::Get(log::Component::kControl)
         .info("[{} s{}] deleted by an operator", request->job(), request->step());

@@ -70,8 +70,10 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
                       ::ckptd::v1::DeleteReply* reply) override;
 
  private:
-  // OK on the Unix socket; over TCP only with the admin token.
-  absl::Status MayDestroy(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
+  // May the caller `call` (show, verify, delete) steps of `job`? On the Unix socket, who may
+  // act on the job (its owner, its --job-group, root, ckptd's uid); over TCP only the holder
+  // of the admin token.
+  absl::Status MayAct(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
   // This node's rank when its disk holds only its own ranks' shards (a group without
   // --shared-root); nullopt when it holds every shard.
   std::optional<uint32_t> LocalNode() const {

@@ -317,6 +317,16 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
     CHECK(list.exit_code != 0);
   };
   steal(1);
+  // Nor through ckptd: a manifest (metadata, names, checksums) is the owner's to read.
+  for (const char* call : {"show", "verify"}) {
+    auto through = RunAs(1001, "0", {ckptctl, "--socket", d.socket(), "--job", "private", call, "1"},
+                         dir.path());
+    INFO(call << ": " << through.out << through.err);
+    CHECK(through.exit_code != 0);
+    CHECK(Contains(through.out + through.err, "belongs to uid 1000"));
+    CHECK(RunAs(1000, "", {ckptctl, "--socket", d.socket(), "--job", "private", call, "1"}, dir.path())
+              .exit_code == 0);
+  }
 
   // The owner reads her own files (not in ckptd's group at all), and exports them.
   auto mine = RunAs(1000, "", {"/bin/cat", shard}, dir.path());
