@@ -507,10 +507,10 @@ absl::Status Client::Register() {
         reinterpret_cast<uint64_t*>(&block->staged_ticket)));
     impl_->watchdog = std::thread([impl = impl_.get(), block] {
       while (!impl->stop_watchdog) {
-        if (!impl->producer || !impl->producer->CheckDaemonAlive(impl->options.daemon_dead_after).ok()) {
-          // The GPU goes on past its waits, so the snapshots ckptd has not copied are torn
-          // from now on: abandoned first, so that ckptd never commits them.
-          if (impl->producer) impl->producer->AbandonPending();
+        // The GPU goes on past its waits, so the snapshots ckptd has not copied are torn from
+        // then on: abandoned first, so that ckptd never commits them.
+        if (!impl->producer ||
+            !impl->producer->CheckDaemonAliveOrAbandon(impl->options.daemon_dead_after).ok()) {
           block->staged_ticket.store(UINT64_MAX, std::memory_order_release);
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -555,9 +555,8 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
     CKPT_RETURN_IF_ERROR(RegisterAgainIfDaemonRestarted(
         absl::UnavailableError("ckptd exited and no ckptd has taken this rank back yet")));
   }
-  if (absl::Status alive = impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after);
+  if (absl::Status alive = impl_->producer->CheckDaemonAliveOrAbandon(impl_->options.daemon_dead_after);
       !alive.ok()) {
-    impl_->producer->AbandonPending();
     CKPT_RETURN_IF_ERROR(RegisterAgainIfDaemonRestarted(alive));
   }
   shm::SnapshotPayload payload;
@@ -583,11 +582,8 @@ absl::Status Client::StreamWaitStaged(uint64_t ticket, void* stream) {
   if (!impl_->gpu_sync || !impl_->producer) {
     return absl::FailedPreconditionError("StreamWaitStaged needs registered GPU tensors");
   }
-  if (absl::Status alive = impl_->producer->CheckDaemonAlive(impl_->options.daemon_dead_after);
-      !alive.ok()) {
-    impl_->producer->AbandonPending();  // the stream goes on: what is pending is torn
-    return alive;
-  }
+  // The stream goes on when ckptd is gone: what is pending is torn from then on.
+  CKPT_RETURN_IF_ERROR(impl_->producer->CheckDaemonAliveOrAbandon(impl_->options.daemon_dead_after));
   // Host-copy transport: the GPU buffers are free once the mirror copies are done.
   if (impl_->mirror) return impl_->mirror->StreamWaitCopied(stream);
   return impl_->gpu_sync->StreamWaitStaged(stream, ticket);

@@ -20,6 +20,7 @@
 #include "common/status.h"
 #include "format/checkpoint_store.h"
 #include "format/verify.h"
+#include "proto/format_replies.h"
 #include "storage/open_store.h"
 #include "client/table.h"
 #include "proto/admin.grpc.pb.h"
@@ -293,16 +294,7 @@ int Offline(const Options& o, bool list) {
       return 4;
     }
     ListReply r;
-    for (const auto& c : *listed) {
-      CheckpointInfo* info = r.add_checkpoints();
-      info->set_job(c.job);
-      info->set_step(c.step);
-      info->set_world_size(c.world_size);
-      info->set_bytes(c.bytes);
-      info->set_unix_time(c.unix_time);
-      info->set_tensors(c.tensors);
-      info->set_error(c.error);
-    }
+    for (const auto& c : *listed) ckpt::ToProto(c, r.add_checkpoints());
     return Ctl::PrintList(r, o);
   }
   std::string job = o.job;
@@ -321,10 +313,7 @@ int Offline(const Options& o, bool list) {
     return absl::IsNotFound(report.status()) ? 1 : 4;
   }
   VerifyReply r;
-  r.set_ok(report->ok());
-  r.set_bytes_checked(report->bytes_checked);
-  for (uint32_t rank : report->skipped_ranks) r.add_skipped_ranks(rank);
-  for (const std::string& p : report->problems) r.add_problems(p);
+  ckpt::ToProto(*report, &r);
   return Ctl::PrintVerify(r, job, o);
 }
 

@@ -68,7 +68,7 @@ absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   // On a root several nodes share, the others write into the same step: nothing to clear.
   if (shared_) return absl::OkStatus();
   // Where objects are written in place (S3), never over a committed step.
-  if (TempStepKey(job, step) == StepKey(job, step) && Committed(job, step)) {
+  if (WritesInPlace() && Committed(job, step)) {
     return absl::AlreadyExistsError(fmt::format("step {} of job {} is already committed", step, job));
   }
   return objects_->RemovePrefix(TempStepKey(job, step));  // a leftover of a crashed attempt
@@ -206,6 +206,15 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
   return out;
 }
 
+bool CheckpointStore::WritesInPlace() const {
+  return objects_->StagingPrefix(StepKey("job", 0)) == StepKey("job", 0);
+}
+
+bool CheckpointStore::UnfinishedInPlace(const std::string& job, const storage::ListEntry& e,
+                                        uint64_t* step) {
+  return WritesInPlace() && e.is_prefix && ParseStepDirName(e.name, step) && !Committed(job, *step);
+}
+
 bool CheckpointStore::Committed(const std::string& job, uint64_t step) {
   return HasFile(job, step, kManifestName);
 }
@@ -236,9 +245,8 @@ absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> CheckpointStore::L
       uint64_t step;
       if (EndsWith(e.name, ".tmp") && ParseStepDirName(e.name.substr(0, e.name.size() - 4), &step)) {
         found.emplace_back(job, step);
-      } else if (e.is_prefix && ParseStepDirName(e.name, &step) &&
-                 TempStepKey(job, step) == StepKey(job, step) && !Committed(job, step)) {
-        found.emplace_back(job, step);  // written in place, never committed
+      } else if (UnfinishedInPlace(job, e, &step)) {
+        found.emplace_back(job, step);
       }
     }
   }
@@ -252,11 +260,8 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
     CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
     for (const storage::ListEntry& e : entries) {
       uint64_t step;
-      const bool in_place_unfinished = e.is_prefix && ParseStepDirName(e.name, &step) &&
-                                       TempStepKey(job, step) == StepKey(job, step) &&
-                                       !Committed(job, step);
       if (e.name.compare(0, 5, "step-") == 0 &&
-          (((EndsWith(e.name, ".tmp") || in_place_unfinished) && !keep_step_tmp) ||
+          (((EndsWith(e.name, ".tmp") || UnfinishedInPlace(job, e, &step)) && !keep_step_tmp) ||
            e.name.find(".deleting") != std::string::npos)) {
         CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(job + "/" + e.name));
         ++removed;

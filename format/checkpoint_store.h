@@ -88,6 +88,12 @@ class CheckpointStore {
   absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
 
  private:
+  // Whether the store writes a step's objects where they are published (S3: no rename), so
+  // that only the manifest tells a committed step from an unfinished one.
+  bool WritesInPlace() const;
+  // `e` is a step written in place and never committed (its number in `step`).
+  bool UnfinishedInPlace(const std::string& job, const storage::ListEntry& e, uint64_t* step);
+
   storage::StorePtr objects_;
   std::string root_;
   bool shared_ = false;

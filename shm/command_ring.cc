@@ -153,6 +153,12 @@ absl::StatusOr<TicketResult> CommandProducer::Wait(
   }
 }
 
+absl::Status CommandProducer::CheckDaemonAliveOrAbandon(std::chrono::milliseconds dead_after) const {
+  absl::Status alive = CheckDaemonAlive(dead_after);
+  if (!alive.ok()) AbandonPending();
+  return alive;
+}
+
 int CommandProducer::AbandonPending() const {
   int abandoned = 0;
   for (TicketSlot& t : block_->tickets) {

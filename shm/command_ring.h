@@ -65,6 +65,10 @@ class CommandProducer {
   // daemon staged first stays staged. Returns how many were abandoned.
   int AbandonPending() const;
 
+  // CheckDaemonAlive, and when ckptd is not, AbandonPending: what every caller that goes on
+  // without ckptd (and may then change its tensors) must do.
+  absl::Status CheckDaemonAliveOrAbandon(std::chrono::milliseconds dead_after) const;
+
   // How often a waiting trainer looks for a daemon that exited.
   static constexpr std::chrono::milliseconds kLivenessSlice{20};
 

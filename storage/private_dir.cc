@@ -28,8 +28,9 @@ bool NoAclSupport(int err) { return err == ENOTSUP || err == EOPNOTSUPP || err =
 absl::Status MakeDirectoryPrivate(const std::string& dir, const DirectoryReaders& readers) {
   UniqueFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
   if (!fd.valid()) return ErrnoStatus(errno, fmt::format("open {}", dir));
-  // First private, whatever follows: a failure below leaves the directory closed, not open.
-  if (::fchmod(fd.get(), 0700) != 0) return ErrnoStatus(errno, fmt::format("chmod 0700 {}", dir));
+  // The default ACL can only be read and set by path: this descriptor's own path, so a
+  // directory swapped in under the same name since the open is never the one looked at.
+  const std::string self_path = fmt::format("/proc/self/fd/{}", fd.get());
 
   // u::rwx for ckptd, nothing for its group and others, r-x for the readers (the mask
   // caps named entries at r-x, so nothing inherited below is writable by them).
@@ -39,6 +40,18 @@ absl::Status MakeDirectoryPrivate(const std::string& dir, const DirectoryReaders
   if (readers.gid) text += fmt::format(",g:{}:r-x", *readers.gid);
   std::unique_ptr<void, AclDeleter> acl(acl_from_text(text.c_str()));
   if (!acl) return ErrnoStatus(errno, fmt::format("ACL \"{}\"", text));
+
+  // Closed this way already (every start after the first): everything made inside since has
+  // inherited it, so the walk below, one call per file, is not needed again.
+  auto same = [&](acl_t current) {
+    std::unique_ptr<void, AclDeleter> held(current);
+    return current != nullptr && acl_cmp(current, static_cast<acl_t>(acl.get())) == 0;
+  };
+  if (same(acl_get_fd(fd.get())) && same(acl_get_file(self_path.c_str(), ACL_TYPE_DEFAULT))) {
+    return absl::OkStatus();
+  }
+  // First private, whatever follows: a failure below leaves the directory closed, not open.
+  if (::fchmod(fd.get(), 0700) != 0) return ErrnoStatus(errno, fmt::format("chmod 0700 {}", dir));
 
   if (acl_set_fd(fd.get(), static_cast<acl_t>(acl.get())) != 0) {
     const int err = errno;
@@ -50,9 +63,6 @@ absl::Status MakeDirectoryPrivate(const std::string& dir, const DirectoryReaders
     }
     return ErrnoStatus(err, fmt::format("set the ACL of {}", dir));
   }
-  // The default ACL can only be set by path: this descriptor's own path, so a directory
-  // swapped in under the same name since the open is never the one changed.
-  const std::string self_path = fmt::format("/proc/self/fd/{}", fd.get());
   if (acl_set_file(self_path.c_str(), ACL_TYPE_DEFAULT, static_cast<acl_t>(acl.get())) != 0) {
     return ErrnoStatus(errno, fmt::format("set the default ACL of {}", dir));
   }

@@ -11,6 +11,7 @@
 #include "daemon/control/grpc_status.h"
 #include "format/manifest.h"
 #include "format/verify.h"
+#include "proto/format_replies.h"
 
 namespace ckpt::daemon {
 
@@ -92,16 +93,7 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
   return Guarded("List", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed,
                           format::ListCheckpoints(store_, request->job()));
-    for (const format::CheckpointSummary& c : listed) {
-      CheckpointInfo* info = reply->add_checkpoints();
-      info->set_job(c.job);
-      info->set_step(c.step);
-      info->set_world_size(c.world_size);
-      info->set_bytes(c.bytes);
-      info->set_unix_time(c.unix_time);
-      info->set_tensors(c.tensors);
-      info->set_error(c.error);
-    }
+    for (const format::CheckpointSummary& c : listed) ToProto(c, reply->add_checkpoints());
     return absl::OkStatus();
   });
 }
@@ -131,10 +123,7 @@ grpc::Status AdminService::Verify(grpc::ServerContext* ctx, const CheckpointRef*
     CKPT_ASSIGN_OR_RETURN(format::VerifyReport report,
                           format::VerifyCheckpoint(store_, request->job(), request->step(),
                                                     LocalNode()));
-    reply->set_ok(report.ok());
-    reply->set_bytes_checked(report.bytes_checked);
-    for (uint32_t r : report.skipped_ranks) reply->add_skipped_ranks(r);
-    for (const std::string& p : report.problems) reply->add_problems(p);
+    ToProto(report, reply);
     if (!report.ok()) {
       board_.RecordError(fmt::format("[{} s{}] verify: {}", request->job(), request->step(),
                                      report.problems.front()));

@@ -56,6 +56,14 @@ absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std:
   return std::optional<Owner>(owner);
 }
 
+absl::Status JobOwners::WriteRecord(const std::string& job, const Owner& owner) {
+  nlohmann::json j = {{"uid", owner.uid}};
+  if (owner.gid) j["gid"] = *owner.gid;
+  // Written whole under a temporary name of its own, then renamed: a crash leaves the old
+  // state, and two daemons on one shared root claiming the job at once both succeed.
+  return WriteFileAtomically(fs_, root_ + "/" + job + "/" + kOwnerFile, j.dump() + "\n");
+}
+
 absl::Status JobOwners::ProtectLocked(const std::string& job, const Owner& owner) {
   if (protected_.count(job)) return absl::OkStatus();
   absl::Status closed = MakeDirectoryPrivate(root_ + "/" + job, {owner.uid, owner.gid});
@@ -123,15 +131,9 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
       break;
     }
   }
-  nlohmann::json j = {{"uid", owner.uid}};
-  if (owner.gid) j["gid"] = *owner.gid;
-  std::string dir = root_ + "/" + job;
-  std::string path = dir + "/" + kOwnerFile;
-  CKPT_RETURN_IF_ERROR(fs_.MakePrivateDir(dir));
+  CKPT_RETURN_IF_ERROR(fs_.MakePrivateDir(root_ + "/" + job));
   CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
-  // Written whole under a temporary name of its own, then renamed: a crash leaves the old
-  // state, and two daemons on one shared root claiming the job at once both succeed.
-  CKPT_RETURN_IF_ERROR(WriteFileAtomically(fs_, path, j.dump() + "\n"));
+  CKPT_RETURN_IF_ERROR(WriteRecord(job, owner));
   owners_[job] = owner;
   return absl::OkStatus();
 }
@@ -148,9 +150,7 @@ void JobOwners::Restore(const std::string& job) {
     return;
   }
   const Owner owner = it->second;
-  nlohmann::json j = {{"uid", owner.uid}};
-  if (owner.gid) j["gid"] = *owner.gid;
-  absl::Status written = WriteFileAtomically(fs_, root_ + "/" + job + "/" + kOwnerFile, j.dump() + "\n");
+  absl::Status written = WriteRecord(job, owner);
   absl::Status closed = ProtectLocked(job, owner);
   log.warn("job {}: its directory was deleted under ckptd (its earlier steps are gone) and made "
            "again for uid {}{}{}",

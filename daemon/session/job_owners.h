@@ -69,6 +69,8 @@ class JobOwners {
   // made by an older ckptd, whose directories were open to ckptd's group, are closed the
   // first time they are used).
   absl::Status ProtectLocked(const std::string& job, const Owner& owner);
+  // Writes <root>/<job>/.owner, the record LoadLocked reads.
+  absl::Status WriteRecord(const std::string& job, const Owner& owner);
   absl::Status Refuse(const std::string& job, const Owner& owner, const PeerIdentity& caller,
                       std::string_view what) const;
 

@@ -53,20 +53,12 @@ absl::Status SessionRegistry::Add(SessionPtr session) {
   for (auto it = sessions_.begin(); it != sessions_.end(); ++it) {
     const auto& [id, other] = *it;
     if (other->job() == session->job() && other->rank() == session->rank()) {
-      // A trainer restarted right after a crash: its predecessor's session is stale. So is
-      // one of this very process (same pid, alive: the pid cannot have been reused), which
-      // gave up on a stalled ckptd and registered again.
-      const bool same_process = other->pid() == session->pid() && other->uid() == session->uid();
-      if (same_process || !other->CheckTrainerAlive()) {
-        if (same_process) {
-          log::Get(log::Component::kSession)
-              .warn("[{}/r{}] pid {} registered again: its earlier session {} ends", other->job(),
-                    other->rank(), other->pid(), id);
-        } else {
-          log::Get(log::Component::kSession)
-              .info("[{}/r{}] trainer pid {} exited; session ends (pid {} takes the rank)",
-                    other->job(), other->rank(), other->pid(), session->pid());
-        }
+      // A trainer restarted right after a crash: its predecessor's session is stale. (One
+      // of this very process was ended before: EndOwnSession.)
+      if (!other->CheckTrainerAlive()) {
+        log::Get(log::Component::kSession)
+            .info("[{}/r{}] trainer pid {} exited; session ends (pid {} takes the rank)",
+                  other->job(), other->rank(), other->pid(), session->pid());
         reaped.push_back(std::move(it->second));
         sessions_.erase(it);
         break;

@@ -26,13 +26,12 @@ class SessionRegistry {
   SessionRegistry(const SessionRegistry&) = delete;
   SessionRegistry& operator=(const SessionRegistry&) = delete;
 
-  // Adds a started session. AlreadyExists if a live session of another process holds the
-  // same (job, rank). One of the same process is its own earlier session, left behind when
-  // it stopped waiting for a stalled ckptd and registered again: it is ended and replaced.
+  // Adds a started session. AlreadyExists if a live session holds the same (job, rank).
   absl::Status Add(SessionPtr session);
-  // Ends the session `caller` itself holds for (job, rank), if any: called before a new
-  // registration is built, so that what the old one holds (arena budget, memory) is given
-  // back first.
+  // Ends the session `caller` itself holds for (job, rank), if any: its own earlier session,
+  // left behind when it stopped waiting for a stalled ckptd and registered again. Called
+  // before the new registration is built, so that what the old one holds (arena budget,
+  // memory) is given back first.
   void EndOwnSession(const std::string& job, uint32_t rank, const PeerIdentity& caller);
   absl::StatusOr<SessionPtr> Find(const std::string& id) const;
   // Find, for a call from `caller`: a session id is not a credential, so only the process

@@ -44,6 +44,13 @@ std::vector<std::string> As(int uid, std::vector<std::string> args) {
   return args;
 }
 
+// A trainer of `uid` saves `step` of `job` (100 kB) and waits for its commit.
+RunResult SaveAs(const Daemon& d, const TempDir& dir, int uid, const std::string& job, uint64_t step) {
+  return Run(Helper(d, As(uid, {"--job", job, "--bytes", "100000", "save", "--step",
+                                std::to_string(step), "--wait-committed"})),
+             dir.path());
+}
+
 }  // namespace
 
 TEST_CASE("a job belongs to the uid that created it, across restarts") {
@@ -52,11 +59,7 @@ TEST_CASE("a job belongs to the uid that created it, across restarts") {
   Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0"});
   d.Start();
   OpenSocket(d);
-  auto save = [&](int uid, uint64_t step) {
-    return Run(Helper(d, As(uid, {"--job", "mine", "--bytes", "100000", "save", "--step",
-                                   std::to_string(step), "--wait-committed"})),
-               dir.path());
-  };
+  auto save = [&](int uid, uint64_t step) { return SaveAs(d, dir, uid, "mine", step); };
   REQUIRE(save(1000, 1).exit_code == 0);
   REQUIRE(save(1000, 2).exit_code == 0);
 
@@ -282,9 +285,7 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
   d.Start();
   OpenSocket(d);
   auto save = [&](uint64_t step) {
-    auto r = Run(Helper(d, As(1000, {"--job", "private", "--bytes", "100000", "save", "--step",
-                                       std::to_string(step), "--wait-committed"})),
-                 dir.path());
+    auto r = SaveAs(d, dir, 1000, "private", step);
     INFO(r.out << r.err);
     REQUIRE(r.exit_code == 0);
   };
@@ -369,11 +370,7 @@ TEST_CASE("a job directory deleted under a running ckptd comes back with its own
   Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0"});
   d.Start();
   OpenSocket(d);
-  auto save = [&](int uid, uint64_t step) {
-    return Run(Helper(d, As(uid, {"--job", "gone", "--bytes", "100000", "save", "--step",
-                                   std::to_string(step), "--wait-committed"})),
-               dir.path());
-  };
+  auto save = [&](int uid, uint64_t step) { return SaveAs(d, dir, uid, "gone", step); };
   REQUIRE(save(1000, 1).exit_code == 0);
   std::filesystem::remove_all(d.root() + "/gone");  // an operator's mistake, a cleanup script
   auto again = save(1000, 2);
