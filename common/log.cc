@@ -8,8 +8,8 @@
 namespace ckpt::log {
 namespace {
 
-constexpr std::array<const char*, 8> kNames = {"shm",     "cuda",    "staging", "persist",
-                                               "group",   "control", "session", "main"};
+constexpr std::array<const char*, 9> kNames = {"shm",     "cuda",    "staging", "persist", "group",
+                                               "control", "session", "main",    "upload"};
 
 struct Registry {
   Registry() {

@@ -9,7 +9,7 @@
 
 namespace ckpt::log {
 
-enum class Component { kShm, kCuda, kStaging, kPersist, kGroup, kControl, kSession, kMain };
+enum class Component { kShm, kCuda, kStaging, kPersist, kGroup, kControl, kSession, kMain, kUpload };
 
 // Returns the logger for `component`; loggers share one sink and one level.
 spdlog::logger& Get(Component component);

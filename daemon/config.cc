@@ -100,6 +100,15 @@ std::string Config::ToJson() const {
                       {"group_timeout_ms", group_timeout_ms},
                       {"step_timeout_ms", step_timeout_ms},
                       {"restore_timeout_ms", restore_timeout_ms},
+                      {"remote", remote},
+                      {"remote_mode", remote_mode == RemoteMode::kDirect ? "direct" : "tiered"},
+                      {"s3_endpoint", s3_endpoint},
+                      {"s3_credentials_file", s3_credentials_file},
+                      {"upload_every_steps", upload_every_steps},
+                      {"upload_interval_ms", upload_interval_ms},
+                      {"upload_wait_ms", upload_wait_ms},
+                      {"remote_keep_last", remote_keep_last},
+                      {"remote_keep_every", remote_keep_every},
                       {"version", kVersion}};
   return j.dump();
 }
@@ -198,6 +207,36 @@ ParseResult ParseFlags(int argc, char** argv) {
                  "how long restoring ranks wait for every rank of their job")
       ->envname("CKPTD_RESTORE_TIMEOUT")
       ->capture_default_str();
+  std::string remote_mode = "tiered", upload_interval = "0", upload_wait = "30m";
+  app.add_option("--remote", c.remote,
+                 "s3://bucket/prefix: the off-node tier (endpoint, region and credentials as "
+                 "the AWS SDKs find them)")
+      ->envname("CKPTD_REMOTE");
+  app.add_option("--remote-mode", remote_mode,
+                 "tiered: commit locally and upload committed steps behind; direct: write "
+                 "checkpoints straight to --remote (no local disk)")
+      ->check(CLI::IsMember({"tiered", "direct"}))
+      ->envname("CKPTD_REMOTE_MODE")
+      ->capture_default_str();
+  app.add_option("--s3-endpoint", c.s3_endpoint,
+                 "S3 endpoint URL (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)");
+  app.add_option("--s3-credentials-file", c.s3_credentials_file,
+                 "AWS credentials file (mode 0600) instead of the environment");
+  app.add_option("--upload-every-steps", c.upload_every_steps,
+                 "upload committed steps whose number is a multiple of N")
+      ->capture_default_str();
+  app.add_option("--upload-interval", upload_interval,
+                 "upload at most the first committed step of each window this long (0: off)")
+      ->capture_default_str();
+  app.add_option("--upload-wait", upload_wait,
+                 "how long the coordinator waits for every node's part of an upload")
+      ->capture_default_str();
+  app.add_option("--remote-keep-last", c.remote_keep_last,
+                 "keep the newest K uploaded steps (0: all)")
+      ->capture_default_str();
+  app.add_option("--remote-keep-every", c.remote_keep_every,
+                 "also keep every uploaded step divisible by N (0: off)")
+      ->capture_default_str();
   app.add_flag("--check-config", c.check_config, "validate the configuration, print it, exit");
   app.set_config("--config", "", "read options from a TOML file (keys are the long flag names)");
   app.allow_config_extras(false);  // a misspelt key is an error, not a silent default
@@ -226,7 +265,13 @@ ParseResult ParseFlags(int argc, char** argv) {
   for (auto [flag, text, out] :
        {std::tuple{"--group-timeout", &group_timeout, &c.group_timeout_ms},
         std::tuple{"--step-timeout", &step_timeout, &c.step_timeout_ms},
-        std::tuple{"--restore-timeout", &restore_timeout, &c.restore_timeout_ms}}) {
+        std::tuple{"--restore-timeout", &restore_timeout, &c.restore_timeout_ms},
+        std::tuple{"--upload-interval", &upload_interval, &c.upload_interval_ms},
+        std::tuple{"--upload-wait", &upload_wait, &c.upload_wait_ms}}) {
+    if (*text == "0" && out == &c.upload_interval_ms) {
+      *out = 0;
+      continue;
+    }
     auto ms = ParseDurationMs(*text);
     if (!ms.ok()) {
       result.exit = true;
@@ -237,6 +282,7 @@ ParseResult ParseFlags(int argc, char** argv) {
     *out = *ms;
   }
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
+  c.remote_mode = remote_mode == "direct" ? RemoteMode::kDirect : RemoteMode::kTiered;
   return result;
 }
 
@@ -291,6 +337,17 @@ absl::Status Validate(const Config& c) {
   if (c.shared_root && c.num_nodes < 2) return bad("--shared-root needs --num-nodes > 1");
   if (c.step_timeout_ms < 100) return bad("--step-timeout must be at least 100ms");
   if (c.group_timeout_ms < 100) return bad("--group-timeout must be at least 100ms");
+  if (!c.remote.empty() && c.remote.rfind("s3://", 0) != 0) {
+    return bad(fmt::format("--remote \"{}\" is not an s3://bucket/prefix URL", c.remote));
+  }
+  if (c.remote.empty() && c.remote_mode == RemoteMode::kDirect) {
+    return bad("--remote-mode direct needs --remote s3://bucket/prefix");
+  }
+  if (c.remote_mode == RemoteMode::kDirect && c.shared_root) {
+    return bad("--remote-mode direct and --shared-root exclude each other: the remote store "
+               "is then the one place every node writes");
+  }
+  if (c.upload_every_steps == 0) return bad("--upload-every-steps must be at least 1");
   spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);
   if (level == spdlog::level::off && c.log_level != "off") {
     return bad(fmt::format("--log-level \"{}\" is not one of trace, debug, info, warn, error",

@@ -11,6 +11,7 @@
 namespace ckpt::daemon {
 
 enum class WhenBusy { kSkip, kWait };
+enum class RemoteMode { kTiered, kDirect };
 
 struct Config {
   std::string root = "/var/lib/ckptd";
@@ -53,6 +54,19 @@ struct Config {
   uint32_t group_timeout_ms = 10'000;   // a member silent this long is lost
   uint32_t step_timeout_ms = 300'000;   // a step still missing ranks this long is aborted
   uint32_t restore_timeout_ms = 300'000;  // ranks wait this long for each other at restore
+  // The remote tier (docs/operators.md, "Off the node"): an s3://bucket/prefix URL.
+  // Tiered: the local root commits as always and committed steps are uploaded behind it.
+  // Direct: the checkpoints themselves are written to the remote store; --root keeps only
+  // the daemon's lock and the group's decisions.
+  std::string remote;
+  RemoteMode remote_mode = RemoteMode::kTiered;
+  std::string s3_endpoint;          // empty: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
+  std::string s3_credentials_file;  // mode 0600; empty: the AWS SDKs' places
+  uint64_t upload_every_steps = 1;  // upload committed steps whose number is a multiple of N
+  uint32_t upload_interval_ms = 0;  // and at most the first step of each such window; 0: off
+  uint32_t upload_wait_ms = 1'800'000;  // the coordinator waits this long for every node's part
+  uint32_t remote_keep_last = 0;    // 0 keeps every uploaded step
+  uint64_t remote_keep_every = 0;
   bool check_config = false;
 
   std::string ToJson() const;

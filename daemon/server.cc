@@ -30,6 +30,8 @@
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
 #include "storage/local_store.h"
+#include "storage/open_store.h"
+#include "daemon/upload/uploader.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
 #include "daemon/schedule/save_clock.h"
@@ -62,6 +64,11 @@ struct Server::Parts {
   StatusBoard board;
   FilesystemPtr fs;
   std::unique_ptr<format::CheckpointStore> store;
+  // Every node of the group writes into `store` (--shared-root, or --remote-mode direct):
+  // the coordinator publishes each step and owns its retention.
+  bool shared_store = false;
+  // --remote: the remote tier (tiered mode; in direct mode `store` is on it instead).
+  std::unique_ptr<format::CheckpointStore> remote;
   cuda::StagingPoolPtr pool;
   std::unique_ptr<StagingLedger> ledger;  // fair shares of staging memory between jobs
   cuda::CopyEnginePtr engine;
@@ -72,6 +79,8 @@ struct Server::Parts {
   ProgressSignal progress;
   std::unique_ptr<HotCache> hot;
   std::unique_ptr<persist::RetentionKeeper> retention;
+  std::unique_ptr<persist::RetentionKeeper> remote_retention;  // the publisher's
+  std::unique_ptr<upload::Uploader> uploader;
   group::GroupOptions group_options;
   group::DecisionLogPtr decision_log;
   group::GroupServerPtr group_server;
@@ -166,7 +175,7 @@ absl::Status StartGroup(Server::Parts& p) {
     }
   }
   group::CommitCoordinator::Publisher publish;
-  if (c.shared_root) {
+  if (p.shared_store) {
     publish.commit = [store = p.store.get()](const format::Manifest& m) { return store->Commit(m); };
     publish.discard = [store = p.store.get()](const std::string& job, uint64_t step) {
       (void)store->AbortStep(job, step);
@@ -243,17 +252,40 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       RootLock::Acquire(config.root, config.shared_root
                                          ? fmt::format(".ckptd.node-{}.lock", config.node_rank)
                                          : std::string(".ckptd.lock")));
-  // A job directory deleted under ckptd gets its owner's record and access back before its
-  // next step is written there (JobOwners exists by then: the first write is a snapshot's).
-  p->store = std::make_unique<format::CheckpointStore>(
-      p->fs, config.root, [owners = &p->owners](const std::string& job) {
-        if (*owners) (*owners)->Restore(job);
-      });
-  p->store->set_shared(config.shared_root);
   const bool grouped = config.num_nodes > 1;
+  const bool direct = !config.remote.empty() && config.remote_mode == RemoteMode::kDirect;
+  storage::StorePtr remote;
+  if (!config.remote.empty()) {
+    absl::StatusOr<storage::StorePtr> opened = storage::OpenStore(
+        config.remote, p->fs, {config.s3_endpoint, config.s3_credentials_file});
+    if (!opened.ok()) return Annotate(opened.status(), "--remote");
+    remote = std::move(*opened);
+    // Tell a wrong bucket, endpoint or key at start rather than at the first upload.
+    if (absl::Status reachable = remote->List("").status(); !reachable.ok()) {
+      if (direct) return Annotate(reachable, "--remote");
+      log.error("--remote {}: {}; uploads will be retried", config.remote, Message(reachable));
+      p->board.RecordError(fmt::format("--remote {}: {}", config.remote, Message(reachable)));
+    }
+  }
+  if (direct) {
+    // No local tier: shards go from staging memory straight into uploads.
+    p->store = std::make_unique<format::CheckpointStore>(remote, config.remote);
+    p->shared_store = grouped;
+    log.info("checkpoints go straight to {} (--remote-mode direct)", config.remote);
+  } else {
+    // A job directory deleted under ckptd gets its owner's record and access back before its
+    // next step is written there (JobOwners exists by then: the first write is a snapshot's).
+    p->store = std::make_unique<format::CheckpointStore>(
+        p->fs, config.root, [owners = &p->owners](const std::string& job) {
+          if (*owners) (*owners)->Restore(job);
+        });
+    p->shared_store = config.shared_root;
+    if (remote) p->remote = std::make_unique<format::CheckpointStore>(remote, config.remote);
+  }
+  p->store->set_shared(p->shared_store);
   std::vector<std::pair<std::string, uint64_t>> in_doubt;
-  // On a shared root only the coordinator looks after step directories.
-  const bool own_steps = !config.shared_root || config.node_rank == 0;
+  // On a shared store only the coordinator looks after step directories.
+  const bool own_steps = !p->shared_store || config.node_rank == 0;
   if (grouped && own_steps) {
     // Unfinished steps may have been committed by the group meanwhile: ask, don't remove.
     CKPT_ASSIGN_OR_RETURN(in_doubt, p->store->ListTempSteps());
@@ -299,13 +331,43 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
       [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
       [board = &p->board](const std::string& message) { board->RecordError(message); });
+  if (p->remote) {
+    // In a group with node-local disks every node uploads its own ranks' files and the
+    // coordinator writes the manifest; on a shared root the coordinator uploads it all.
+    const bool publishes = !grouped || config.node_rank == 0;
+    if (publishes) {
+      p->remote_retention = std::make_unique<persist::RetentionKeeper>(
+          *p->remote, persist::RetentionPolicy{config.remote_keep_last, config.remote_keep_every},
+          [](const std::string&, uint64_t) {},
+          [board = &p->board](const std::string& message) { board->RecordError(message); });
+    }
+    if (!p->shared_store || config.node_rank == 0) {
+      upload::Uploader::Options o;
+      o.policy = {config.upload_every_steps, std::chrono::milliseconds(config.upload_interval_ms)};
+      o.publishes = publishes;
+      if (grouped && !p->shared_store) o.node = config.node_rank;
+      o.wait_for_parts = std::chrono::milliseconds(config.upload_wait_ms);
+      p->uploader = std::make_unique<upload::Uploader>(
+          *p->store, *p->remote, *p->retention, o,
+          [keeper = p->remote_retention.get()](const std::string& job) {
+            if (keeper) keeper->Schedule(job);
+          },
+          [board = &p->board](const std::string& message) { board->RecordError(message); });
+    }
+    log.info("remote tier {}: uploading steps that are multiples of {}{}{}", config.remote,
+             config.upload_every_steps,
+             config.upload_interval_ms ? fmt::format(", the first of each {} ms", config.upload_interval_ms) : "",
+             publishes ? "; this node writes the remote manifests" : "");
+  }
   commit::CommitHooks hooks;
   hooks.committed = [parts = p.get()](const format::Manifest& manifest,
                                       const std::vector<StagedSnapshotPtr>& local) {
     parts->board.checkpoints_committed++;
     parts->hot->Insert(local);
     // On a shared root retention is the coordinator's (every node would delete the same).
-    if (!parts->config.shared_root || parts->config.node_rank == 0) {
+    if (!parts->shared_store || parts->config.node_rank == 0) {
+      // The uploader pins the step first: local retention never deletes it unuploaded.
+      if (parts->uploader) parts->uploader->Committed(manifest);
       parts->retention->Schedule(manifest.job);
     }
   };
@@ -454,7 +516,9 @@ void Server::Shutdown() {
   p.committer->Shutdown();
   p.group_member.reset();
   if (p.group_server) p.group_server->Shutdown();
+  if (p.uploader) p.uploader->Stop();  // an upload in progress resumes at the next start
   p.retention->Stop();
+  if (p.remote_retention) p.remote_retention->Stop();
   p.hot->Clear();
   p.sessions.Clear();
   log.info("shut down cleanly");

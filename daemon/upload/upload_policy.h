@@ -1,0 +1,28 @@
+// Which committed steps go to the remote tier. A pure function of the step and the steps
+// before it, so every node of a group picks the same steps without asking each other.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+
+namespace ckpt::daemon::upload {
+
+struct UploadPolicy {
+  uint64_t every_steps = 1;              // steps whose number is a multiple of N
+  std::chrono::milliseconds interval{0};  // and of those, the first of each window; 0: all
+};
+
+// Whether committed `step`, saved at `unix_time` (the manifest's), is uploaded.
+// `previous_unix_time` is that of the job's previous step that passed `every_steps`
+// (nullopt: none seen since ckptd started, and then the step is uploaded). Windows are
+// aligned to the epoch, so nodes agree whichever step each saw first.
+bool ShouldUpload(const UploadPolicy& policy, uint64_t step, double unix_time,
+                  std::optional<double> previous_unix_time);
+
+// The step passes `every_steps` (and is then what `previous_unix_time` follows).
+inline bool OnStepGrid(const UploadPolicy& policy, uint64_t step) {
+  return policy.every_steps <= 1 || step % policy.every_steps == 0;
+}
+
+}  // namespace ckpt::daemon::upload

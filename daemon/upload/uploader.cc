@@ -1,0 +1,355 @@
+#include "daemon/upload/uploader.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <set>
+
+#include "common/log.h"
+#include "common/status.h"
+
+namespace ckpt::daemon::upload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+spdlog::logger& Log() { return log::Get(log::Component::kUpload); }
+
+double SecondsSince(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+std::string Key(const std::string& job, uint64_t step, const std::string& file) {
+  return format::CheckpointStore::StepKey(job, step) + "/" + file;
+}
+
+}  // namespace
+
+Uploader::Uploader(format::CheckpointStore& local, format::CheckpointStore& remote,
+                   persist::RetentionKeeper& local_retention, Options options,
+                   std::function<void(const std::string&)> uploaded,
+                   std::function<void(const std::string&)> on_error)
+    : local_(local), remote_(remote), retention_(local_retention), options_(options),
+      uploaded_(std::move(uploaded)), on_error_(std::move(on_error)),
+      buffer_(static_cast<char*>(std::aligned_alloc(4096, options.buffer_bytes)), &std::free) {
+  thread_ = std::thread([this] {
+    CatchUp();
+    Loop();
+  });
+}
+
+Uploader::~Uploader() { Stop(); }
+
+void Uploader::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+    cv_.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void Uploader::Committed(const format::Manifest& manifest) {
+  std::lock_guard lock(mu_);
+  if (stopping_) return;
+  JobState& job = jobs_[manifest.job];
+  if (!OnStepGrid(options_.policy, manifest.step)) return;
+  const bool due = ShouldUpload(options_.policy, manifest.step, manifest.unix_time, job.previous);
+  job.previous = manifest.unix_time;
+  if (!due) return;
+  // The pin is taken here, before the commit hook schedules local retention.
+  job.queued = Pending{manifest,
+                       std::make_unique<persist::RetentionKeeper::Pin>(retention_, manifest.job,
+                                                                       manifest.step),
+                       Clock::now()};
+  job.retry_at = {};
+  cv_.notify_all();
+}
+
+void Uploader::CatchUp() {
+  absl::StatusOr<std::vector<std::string>> jobs = local_.ListJobs();
+  if (!jobs.ok()) {
+    Log().warn("cannot list local jobs to resume uploads: {}", Message(jobs.status()));
+    return;
+  }
+  for (const std::string& job : *jobs) {
+    absl::StatusOr<std::vector<uint64_t>> steps = local_.ListStepsInRunOrder(job);
+    if (!steps.ok()) continue;
+    for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
+      if (!OnStepGrid(options_.policy, *it)) continue;
+      // Only the newest step on the grid: what a restart interrupted, or what a newer
+      // policy would have picked anyway.
+      if (remote_.Committed(job, *it)) break;
+      absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, *it);
+      if (!manifest.ok()) break;
+      std::lock_guard lock(mu_);
+      JobState& state = jobs_[job];
+      if (!state.queued) {
+        Log().info("[{} s{}] not in the remote tier yet: uploading it", job, *it);
+        state.queued = Pending{*manifest,
+                               std::make_unique<persist::RetentionKeeper::Pin>(retention_, job, *it),
+                               Clock::now()};
+      }
+      break;
+    }
+  }
+}
+
+std::vector<std::string> Uploader::FilesToUpload(const format::Manifest& manifest) const {
+  std::set<uint32_t> ranks;
+  if (options_.node) {
+    for (const format::ManifestNode& n : manifest.nodes) {
+      if (n.node == *options_.node) ranks.insert(n.ranks.begin(), n.ranks.end());
+    }
+  }
+  std::vector<std::string> files;
+  for (const format::ManifestShard& s : manifest.shards) {
+    if (!options_.node || ranks.count(s.rank)) files.push_back(s.file);
+  }
+  return files;
+}
+
+void Uploader::SetState(const std::string& state, const std::string& error) {
+  std::lock_guard lock(mu_);
+  progress_.state = state;
+  if (!error.empty()) progress_.last_error = error;
+}
+
+bool Uploader::StoppingOrReplaced(const std::string& job) {
+  std::lock_guard lock(mu_);
+  return stopping_ || jobs_[job].queued.has_value();
+}
+
+absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std::string& file) {
+  const std::string key = Key(job, step, file);
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in, local_.objects().Open(key));
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> out, remote_.objects().Create(key));
+  const uint64_t size = in->size();
+  for (uint64_t offset = 0; offset < size;) {
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return absl::CancelledError("ckptd is stopping");
+    }
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.buffer_bytes, size - offset));
+    CKPT_RETURN_IF_ERROR(in->ReadAt(buffer_.get(), n, offset));
+    CKPT_RETURN_IF_ERROR(out->Append(buffer_.get(), n));
+    offset += n;
+    std::lock_guard lock(mu_);
+    progress_.bytes_done += n;
+  }
+  CKPT_ASSIGN_OR_RETURN(uint64_t written, out->Finish());
+  if (written != size) {
+    return absl::DataLossError(fmt::format("{}: {} bytes uploaded of {}", remote_.objects().Describe(key),
+                                           written, size));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::duration own_upload_took) {
+  const std::string prefix = format::CheckpointStore::StepKey(manifest.job, manifest.step);
+  const Clock::time_point start = Clock::now();
+  bool announced = false;
+  while (true) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there, remote_.objects().List(prefix));
+    std::map<std::string, uint64_t> sizes;
+    for (const storage::ListEntry& e : there) {
+      if (!e.is_prefix) sizes[e.name] = e.bytes;
+    }
+    std::vector<uint32_t> missing;  // ranks
+    for (const format::ManifestShard& s : manifest.shards) {
+      auto it = sizes.find(s.file);
+      if (it == sizes.end() || it->second != s.bytes) missing.push_back(s.rank);
+    }
+    if (missing.empty()) return absl::OkStatus();
+    std::set<uint32_t> nodes;
+    for (uint32_t r : missing) nodes.insert(manifest.NodeOf(r).value_or(0));
+    const std::string who = fmt::format("node(s) {} (ranks {}{})", fmt::join(nodes, ", "),
+                                        fmt::join(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 8), ", "),
+                                        missing.size() > 8 ? ", ..." : "");
+    if (!announced) {
+      SetState("waiting for nodes");
+      announced = true;
+    }
+    const Clock::duration waited = Clock::now() - start;
+    if (waited > options_.wait_for_parts) {
+      return absl::DeadlineExceededError(fmt::format(
+          "{} did not upload their part within {} s", who,
+          std::chrono::duration_cast<std::chrono::seconds>(options_.wait_for_parts).count()));
+    }
+    // Nodes pick the newest committed step when they are behind, and may have picked a
+    // newer one than this: once a newer step is queued here, wait only as long as the
+    // others could plausibly still be uploading this one.
+    if (waited > 2 * own_upload_took + std::chrono::seconds(30) && StoppingOrReplaced(manifest.job)) {
+      return absl::CancelledError(fmt::format("a newer step is queued and {} has not uploaded "
+                                              "its part of this one", who));
+    }
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, options_.poll, [this] { return stopping_; });
+    if (stopping_) return absl::CancelledError("ckptd is stopping");
+  }
+}
+
+absl::Status Uploader::Upload(Pending& p) {
+  const format::Manifest& m = p.manifest;
+  if (remote_.Committed(m.job, m.step)) return absl::OkStatus();  // uploaded before a restart
+  const std::vector<std::string> files = FilesToUpload(m);
+  // What an interrupted attempt already sent is not sent again: each object is whole or
+  // absent (a multipart upload appears only once completed).
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there,
+                        remote_.objects().List(format::CheckpointStore::StepKey(m.job, m.step)));
+  std::map<std::string, uint64_t> sizes;
+  for (const storage::ListEntry& e : there) sizes[e.name] = e.bytes;
+  {
+    std::lock_guard lock(mu_);
+    progress_.bytes_total = progress_.bytes_done = 0;
+    for (const format::ManifestShard& s : m.shards) {
+      if (std::find(files.begin(), files.end(), s.file) == files.end()) continue;
+      progress_.bytes_total += s.bytes;
+      if (auto it = sizes.find(s.file); it != sizes.end() && it->second == s.bytes) {
+        progress_.bytes_done += s.bytes;
+      }
+    }
+  }
+  SetState("uploading");
+  const Clock::time_point start = Clock::now();
+  for (const format::ManifestShard& s : m.shards) {
+    if (std::find(files.begin(), files.end(), s.file) == files.end()) continue;
+    if (auto it = sizes.find(s.file); it != sizes.end() && it->second == s.bytes) continue;
+    CKPT_RETURN_IF_ERROR(CopyFile(m.job, m.step, s.file));
+  }
+  if (!options_.publishes) return absl::OkStatus();
+  CKPT_RETURN_IF_ERROR(WaitForParts(m, Clock::now() - start));
+  absl::Status committed = remote_.Commit(m);  // the manifest, last
+  if (absl::IsAlreadyExists(committed)) return absl::OkStatus();
+  return committed;
+}
+
+void Uploader::RemoveOrphans(const std::string& job, uint64_t published) {
+  absl::StatusOr<std::vector<storage::ListEntry>> entries = remote_.objects().List(job);
+  if (!entries.ok()) return;
+  for (const storage::ListEntry& e : *entries) {
+    uint64_t step;
+    if (!e.is_prefix || !format::ParseStepDirName(e.name, &step) || step >= published) continue;
+    {
+      std::lock_guard lock(mu_);
+      auto it = jobs_.find(job);
+      if (it != jobs_.end() && it->second.queued && it->second.queued->manifest.step == step) continue;
+    }
+    if (remote_.Committed(job, step)) continue;
+    absl::Status removed = remote_.AbortStep(job, step);
+    if (removed.ok()) {
+      Log().info("[{} s{}] removed an unfinished remote step (older than step {})", job, step,
+                 published);
+    } else {
+      Log().warn("[{} s{}] cannot remove an unfinished remote step: {}", job, step, Message(removed));
+    }
+  }
+}
+
+void Uploader::Loop() {
+  while (true) {
+    std::string job;
+    {
+      std::unique_lock lock(mu_);
+      Clock::time_point wake = Clock::time_point::max();
+      while (!stopping_) {
+        const Clock::time_point now = Clock::now();
+        wake = Clock::time_point::max();
+        for (auto& [name, state] : jobs_) {
+          if (!state.queued) continue;
+          if (state.retry_at <= now) {
+            job = name;
+            break;
+          }
+          wake = std::min(wake, state.retry_at);
+        }
+        if (!job.empty()) break;
+        if (wake == Clock::time_point::max()) {
+          cv_.wait(lock);
+        } else {
+          cv_.wait_until(lock, wake);
+        }
+      }
+      if (stopping_) return;
+      current_ = std::move(jobs_[job].queued);
+      jobs_[job].queued.reset();
+      progress_ = UploadProgress{};
+      progress_.job = job;
+      progress_.step = current_->manifest.step;
+      progress_.state = "uploading";
+      progress_.last_error = jobs_[job].last_error;
+    }
+    const uint64_t step = current_->manifest.step;
+    const Clock::time_point started = Clock::now();
+    absl::Status s = Upload(*current_);
+    std::unique_lock lock(mu_);
+    JobState& state = jobs_[job];
+    if (s.ok()) {
+      Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.1f} s)", job, step,
+                 options_.publishes ? "(manifest written)" : "(this node's part)",
+                 progress_.bytes_total, SecondsSince(started));
+      if (options_.publishes) last_uploaded_[job] = std::max(last_uploaded_[job], step);
+      state.failures = 0;
+      state.last_error.clear();
+      current_.reset();
+      lock.unlock();
+      if (options_.publishes) {
+        RemoveOrphans(job, step);
+        uploaded_(job);
+      }
+      continue;
+    }
+    if (stopping_) {
+      current_.reset();
+      return;
+    }
+    const std::string message = fmt::format("[{} s{}] upload: {}", job, step, Message(s));
+    state.last_error = Message(s);
+    if (absl::IsCancelled(s) || state.queued) {
+      // A newer step waits: it replaces this one (its objects go as orphans).
+      Log().warn("{}; uploading step {} instead", message,
+                 state.queued ? state.queued->manifest.step : step);
+      current_.reset();
+      continue;
+    }
+    state.failures++;
+    const auto backoff = std::min<Clock::duration>(
+        options_.max_backoff, options_.first_backoff * (1 << std::min(state.failures - 1, 6)));
+    Log().warn("{} (attempt {}); retrying in {:.0f} s", message, state.failures,
+               std::chrono::duration<double>(backoff).count());
+    state.retry_at = Clock::now() + backoff;
+    state.queued = std::move(current_);
+    current_.reset();
+    lock.unlock();
+    on_error_(message);
+  }
+}
+
+std::vector<UploadProgress> Uploader::InProgress() const {
+  std::lock_guard lock(mu_);
+  std::vector<UploadProgress> out;
+  if (current_) {
+    UploadProgress p = progress_;
+    p.age_s = SecondsSince(current_->queued);
+    out.push_back(std::move(p));
+  }
+  for (const auto& [job, state] : jobs_) {
+    if (!state.queued) continue;
+    UploadProgress p;
+    p.job = job;
+    p.step = state.queued->manifest.step;
+    p.state = state.failures > 0 ? "retrying" : "queued";
+    p.last_error = state.last_error;
+    p.age_s = SecondsSince(state.queued->queued);
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::map<std::string, uint64_t> Uploader::LastUploaded() const {
+  std::lock_guard lock(mu_);
+  return last_uploaded_;
+}
+
+}  // namespace ckpt::daemon::upload

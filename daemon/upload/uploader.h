@@ -1,0 +1,130 @@
+// The upload stage (tiered mode): copies committed steps from the local tier to the remote
+// one behind the commit, on a thread of its own, so that trainers never wait on it.
+//
+// Per job at most one step is being uploaded and one waits (the newest committed one that
+// the policy picks: a slow link uploads the newest step, not a backlog). Both are pinned in
+// the local retention, so the local tier never deletes a step whose upload is unfinished,
+// nor the newest step not yet uploaded. A node uploads the shard files it holds (in a group
+// with node-local disks, its own ranks'); the publisher (a single node, or the group's
+// coordinator) then waits until every file of the manifest is in the remote store with its
+// size, and writes the manifest last: the remote tier lists a step only once all of it is
+// there. A failed attempt is retried with back-off (files already there are not sent
+// again) until it succeeds or a newer step replaces it. Unfinished remote steps older than
+// the newest published one are removed by the publisher.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "daemon/persist/retention_keeper.h"
+#include "daemon/upload/upload_policy.h"
+#include "format/checkpoint_store.h"
+
+namespace ckpt::daemon::upload {
+
+// What `ckptctl status` shows of an upload.
+struct UploadProgress {
+  std::string job;
+  uint64_t step = 0;
+  std::string state;  // "queued", "uploading", "waiting for nodes", "retrying"
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  std::string last_error;
+  double age_s = 0;  // since the step was queued
+};
+
+class Uploader {
+ public:
+  struct Options {
+    UploadPolicy policy;
+    // Writes the remote manifest once every file is there: a single node, or the
+    // coordinator of a group.
+    bool publishes = true;
+    // In a group with node-local disks: this node uploads the files of the ranks the
+    // manifest places on it. nullopt: every shard file of the step.
+    std::optional<uint32_t> node;
+    // How long the publisher waits for the other nodes' files.
+    std::chrono::milliseconds wait_for_parts{std::chrono::minutes(30)};
+    std::chrono::milliseconds poll{std::chrono::milliseconds(200)};
+    std::chrono::milliseconds first_backoff{std::chrono::seconds(1)};
+    std::chrono::milliseconds max_backoff{std::chrono::seconds(60)};
+    size_t buffer_bytes = size_t{16} << 20;
+  };
+
+  // `uploaded` runs after a step is published remotely (remote retention); `on_error`
+  // gets a message for the operator.
+  Uploader(format::CheckpointStore& local, format::CheckpointStore& remote,
+           persist::RetentionKeeper& local_retention, Options options,
+           std::function<void(const std::string& job)> uploaded,
+           std::function<void(const std::string& message)> on_error);
+  ~Uploader();  // Stop()
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  // A step was committed on this node (the commit hook, before local retention runs).
+  void Committed(const format::Manifest& manifest);
+  // At start: queues each job's newest committed local step that the remote tier lacks
+  // (an upload a restart interrupted), and removes unfinished remote steps.
+  void CatchUp();
+
+  std::vector<UploadProgress> InProgress() const;
+  // The newest step of each job this node saw published remotely since it started.
+  std::map<std::string, uint64_t> LastUploaded() const;
+
+  // Ends the thread; an upload in progress stops between writes (the next start resumes it).
+  void Stop();
+
+ private:
+  struct Pending {
+    format::Manifest manifest;
+    std::unique_ptr<persist::RetentionKeeper::Pin> pin;
+    std::chrono::steady_clock::time_point queued;
+  };
+  struct JobState {
+    std::optional<Pending> queued;   // waits for the one in progress
+    std::optional<double> previous;  // unix_time of the previous step on the policy's grid
+    std::chrono::steady_clock::time_point retry_at{};  // after a failed attempt
+    int failures = 0;                                  // in a row
+    std::string last_error;
+  };
+  void Loop();
+  // One attempt at `p`; Cancelled when stopping or when a newer step replaced it while
+  // the publisher waits for other nodes' files.
+  absl::Status Upload(Pending& p);
+  absl::Status CopyFile(const std::string& job, uint64_t step, const std::string& file);
+  absl::Status WaitForParts(const format::Manifest& manifest,
+                            std::chrono::steady_clock::duration own_upload_took);
+  void RemoveOrphans(const std::string& job, uint64_t published);
+  std::vector<std::string> FilesToUpload(const format::Manifest& manifest) const;
+  void SetState(const std::string& state, const std::string& error = {});
+  bool StoppingOrReplaced(const std::string& job);
+
+  format::CheckpointStore& local_;
+  format::CheckpointStore& remote_;
+  persist::RetentionKeeper& retention_;
+  const Options options_;
+  std::function<void(const std::string&)> uploaded_;
+  std::function<void(const std::string&)> on_error_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::map<std::string, JobState> jobs_;
+  std::optional<Pending> current_;   // being uploaded (the thread's; progress under mu_)
+  UploadProgress progress_;          // of current_
+  std::map<std::string, uint64_t> last_uploaded_;
+  std::unique_ptr<char, void (*)(void*)> buffer_;
+  std::thread thread_;
+};
+
+}  // namespace ckpt::daemon::upload
