@@ -642,8 +642,9 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   info.found = reply.found();
   info.step = reply.step();
   info.bytes = reply.bytes();
-  info.source = reply.source() == ::ckptd::v1::RESTORE_SOURCE_MEMORY ? RestoreInfo::Source::kMemory
-                                                                      : RestoreInfo::Source::kDisk;
+  info.source = reply.source() == ::ckptd::v1::RESTORE_SOURCE_MEMORY   ? RestoreInfo::Source::kMemory
+                : reply.source() == ::ckptd::v1::RESTORE_SOURCE_REMOTE ? RestoreInfo::Source::kRemote
+                                                                        : RestoreInfo::Source::kDisk;
   info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
   for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
   info.tensors = reply.tensors();
@@ -691,6 +692,15 @@ absl::Status Client::Unregister() {
   if (!answering) return absl::OkStatus();
   return FromGrpc(impl_->stub->Unregister(ctx.get(), req, &reply), "unregister",
                   impl_->options.socket);
+}
+
+const char* RestoreSourceName(RestoreInfo::Source source) {
+  switch (source) {
+    case RestoreInfo::Source::kMemory: return "memory";
+    case RestoreInfo::Source::kRemote: return "remote";
+    case RestoreInfo::Source::kDisk: break;
+  }
+  return "disk";
 }
 
 }  // namespace ckpt

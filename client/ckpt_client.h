@@ -87,7 +87,9 @@ using Metadata = std::map<std::string, std::string>;
 using TrainState = std::map<std::string, std::string>;  // small opaque per-rank blobs
 
 struct RestoreInfo {
-  enum class Source { kMemory, kDisk };
+  // Where the bytes came from: ckptd's memory, this node's disk, the remote tier.
+  enum class Source { kMemory, kDisk, kRemote };
+
   bool found = false;  // false: no committed checkpoint yet (a fresh start)
   uint64_t step = 0;
   Source source = Source::kDisk;
@@ -102,6 +104,9 @@ struct RestoreInfo {
   // Newer steps given up because some rank found them damaged; each names the step and why.
   std::vector<std::string> warnings;
 };
+
+// "memory", "disk" or "remote".
+const char* RestoreSourceName(RestoreInfo::Source source);
 
 // What Restore() reads. Patterns are shell globs on tensor names (`*` matches dots too): a
 // tensor is restored when no include is given or one matches, and no exclude matches; the

@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
       }
       std::memcpy(&state.rng, rng.data(), sizeof state.rng);
       std::cout << fmt::format("resumed step={} source={}\n", start,
-                               restored->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk")
+                               ckpt::RestoreSourceName(restored->source))
                 << std::flush;
     } else {
       std::cout << "no checkpoint to resume from; starting at step 0\n" << std::flush;

@@ -190,48 +190,84 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
                                                     const RestoreSpec& spec, uint64_t step) {
   RestoreResult result;
   persist::RetentionKeeper::Pin pin(retention_, session.job, step);
-  CKPT_ASSIGN_OR_RETURN(format::Manifest manifest, store_.LoadManifest(session.job, step));
+  // This node's copy of the manifest when it has the step; the remote tier's otherwise.
+  absl::StatusOr<format::Manifest> manifest = store_.LoadManifest(session.job, step);
+  if (!manifest.ok() && absl::IsNotFound(manifest.status()) && remote_ != nullptr) {
+    manifest = remote_->LoadManifest(session.job, step);
+  }
+  CKPT_RETURN_IF_ERROR(manifest.status());
   result.found = true;
   result.step = step;
   auto started = std::chrono::steady_clock::now();
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
-  if (hot && manifest.world_size == session.world_size && SamePlacement(session, manifest)) {
+  if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest)) {
     // The fast path of a crashed trainer: its own snapshot, straight into its buffers.
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
   } else {
-    CKPT_RETURN_IF_ERROR(FromPlan(session, spec, manifest, result));
+    CKPT_RETURN_IF_ERROR(FromPlan(session, spec, *manifest, result));
   }
+  const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"
+                       : result.source == RestoreResult::Source::kRemote ? "the remote tier"
+                                                                         : "disk";
   log::Get(log::Component::kControl)
       .info("[{}/r{} s{}] restored {} tensors ({} bytes; {} skipped) from {} in {:.1f} ms",
-            session.job, session.rank, step, result.tensors, result.bytes, result.skipped,
-            result.source == RestoreResult::Source::kMemory ? "memory" : "disk",
+            session.job, session.rank, step, result.tensors, result.bytes, result.skipped, source,
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;
 }
 
 absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& session) {
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> committed, store_.ListStepsInRunOrder(session.job));
-  std::vector<uint64_t> available;
-  for (uint64_t step : committed) {
+  CKPT_ASSIGN_OR_RETURN(auto committed, store_.ListRunsAndSteps(session.job));
+  std::vector<std::pair<uint64_t, uint64_t>> available;  // (run, step)
+  for (const auto& [run, step] : committed) {
     // In a group each node holds only its own ranks' shards of a step.
     if (hot_.Find(session.job, session.rank, step) ||
         store_.HasFile(session.job, step, format::ShardFileName(session.rank))) {
-      available.push_back(step);
+      available.emplace_back(run, step);
       continue;
     }
     // A rank the step was not saved with (the job grew): it can restore from the step
     // where this node holds every shard, in memory or on disk.
     auto manifest = store_.LoadManifest(session.job, step);
     if (!manifest.ok() || session.rank < manifest->world_size) continue;
-    bool all = std::all_of(manifest->shards.begin(), manifest->shards.end(),
-                           [&](const format::ManifestShard& s) {
-                             return hot_.Find(session.job, s.rank, step) ||
-                                    store_.HasFile(session.job, step, s.file);
-                           });
-    if (all) available.push_back(step);
+    std::set<uint32_t> all;
+    for (const format::ManifestShard& s : manifest->shards) all.insert(s.rank);
+    if (LocalHasAll(session.job, step, all, *manifest)) available.emplace_back(run, step);
   }
-  return available;
+  if (remote_ != nullptr) {
+    // Every step of the remote tier is whole: any rank of any node can read it (a node
+    // that lost its disk, or a job restarted on other nodes or another world size).
+    absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> uploaded =
+        remote_->ListRunsAndSteps(session.job);
+    if (uploaded.ok()) {
+      available.insert(available.end(), uploaded->begin(), uploaded->end());
+    } else {
+      // The local tiers still serve; a remote tier that cannot be listed is no reason to
+      // fail a restore, but is no reason to be silent either.
+      log::Get(log::Component::kControl)
+          .warn("[{}/r{}] the remote tier cannot be listed: {}", session.job, session.rank,
+                Message(uploaded.status()));
+    }
+  }
+  std::sort(available.begin(), available.end());
+  available.erase(std::unique(available.begin(), available.end()), available.end());
+  std::vector<uint64_t> steps;
+  for (const auto& [run, step] : available) {
+    if (steps.empty() || steps.back() != step) steps.push_back(step);
+  }
+  return steps;
+}
+
+bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set<uint32_t>& ranks,
+                           const format::Manifest& manifest) {
+  for (uint32_t rank : ranks) {
+    if (hot_.Find(job, rank, step)) continue;
+    if (rank >= manifest.shards.size() || !store_.HasFile(job, step, manifest.shards[rank].file)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec& spec,
@@ -320,8 +356,19 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     }
     bounce = heap.get();
   }
+  // This node's disk when it holds every shard the plan reads (or memory does); the
+  // remote tier otherwise, which holds them all.
+  const uint32_t state_rank = session.rank < manifest.world_size ? session.rank : 0;
+  std::set<uint32_t> ranks_read{state_rank};
+  for (const format::TensorReadPlan& t : plan->tensors) {
+    for (const format::ShardRead& r : t.reads) ranks_read.insert(r.rank);
+  }
+  const bool from_remote = remote_ != nullptr &&
+                           !LocalHasAll(manifest.job, manifest.step, ranks_read, manifest) &&
+                           remote_->Committed(manifest.job, manifest.step);
   format::PlanReader reader(
-      store_.objects(), format::CheckpointStore::StepKey(manifest.job, manifest.step), manifest,
+      from_remote ? remote_->objects() : store_.objects(),
+      format::CheckpointStore::StepKey(manifest.job, manifest.step), manifest,
       [&](uint32_t rank) -> std::optional<format::MemoryShard> {
         StagedSnapshotPtr snap = hot_.Find(manifest.job, rank, manifest.step);
         if (!snap) return std::nullopt;
@@ -338,7 +385,6 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   }
   // Train state and metadata: the same rank's where the checkpoint has it, else rank 0's
   // (a job that grew: its new ranks start from rank 0's schedule and counters).
-  const uint32_t state_rank = session.rank < manifest.world_size ? session.rank : 0;
   CKPT_ASSIGN_OR_RETURN(std::vector<format::NamedBytes> train_state, reader.TrainState(state_rank));
   for (format::NamedBytes& blob : train_state) {
     result.train_state.push_back({std::move(blob.name), std::move(blob.data)});
@@ -352,6 +398,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   result.bytes += total;
   result.metadata = manifest.shards.at(state_rank).metadata;
   result.source = reader.bytes_from_disk() == 0 ? RestoreResult::Source::kMemory
+                  : from_remote                 ? RestoreResult::Source::kRemote
                                                 : RestoreResult::Source::kDisk;
   return absl::OkStatus();
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,7 +31,7 @@
 namespace ckpt::daemon {
 
 struct RestoreResult {
-  enum class Source { kMemory, kDisk };
+  enum class Source { kMemory, kDisk, kRemote };
   bool found = false;  // false: the job has no committed checkpoint yet
   uint64_t step = 0;
   Source source = Source::kDisk;
@@ -63,11 +64,14 @@ class Restorer {
   // GPU tensors are restored through `device_engine` (from memory directly; from disk via a
   // bounce block of `pool`).
   // Ranks wait up to `agree_timeout` for each other when restoring the latest step.
-  Restorer(format::CheckpointStore& store, HotCache& hot, persist::RetentionKeeper& retention,
-           StepAgreement& agreement, std::chrono::milliseconds agree_timeout,
-           cuda::CopyEngine& engine, cuda::CopyPriority* priority = nullptr,
+  // `remote` (may be null): the remote tier, whose steps every rank of every node can
+  // read; a step is read from it only where memory and this node's disk cannot serve it.
+  Restorer(format::CheckpointStore& store, format::CheckpointStore* remote, HotCache& hot,
+           persist::RetentionKeeper& retention, StepAgreement& agreement,
+           std::chrono::milliseconds agree_timeout, cuda::CopyEngine& engine,
+           cuda::CopyPriority* priority = nullptr,
            std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr)
-      : store_(store), hot_(hot), retention_(retention), agreement_(agreement),
+      : store_(store), remote_(remote), hot_(hot), retention_(retention), agreement_(agreement),
         agree_timeout_(agree_timeout), engine_(engine), priority_(priority),
         device_engines_(std::move(device_engines)), pool_(pool) {}
 
@@ -84,10 +88,15 @@ class Restorer {
   absl::Status FromPlan(const SessionView& session, const RestoreSpec& spec,
                         const format::Manifest& manifest, RestoreResult& result);
 
-  // Committed steps this rank can restore here: hot, or its shard file on this node's disk.
+  // Committed steps this rank can restore here, in the job's order: hot, its shard file on
+  // this node's disk, or in the remote tier.
   absl::StatusOr<std::vector<uint64_t>> Available(const SessionView& session);
+  // Whether this node can serve every shard `ranks` of the step from memory or its disk.
+  bool LocalHasAll(const std::string& job, uint64_t step, const std::set<uint32_t>& ranks,
+                   const format::Manifest& manifest);
 
   format::CheckpointStore& store_;
+  format::CheckpointStore* remote_;  // may be null
   HotCache& hot_;
   persist::RetentionKeeper& retention_;
   StepAgreement& agreement_;

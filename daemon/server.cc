@@ -412,7 +412,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->hot, p->progress, staging,
                                        &p->copy_priority, device_engines);
   p->restorer = std::make_unique<Restorer>(
-      *p->store, *p->hot, *p->retention, *p->agreement,
+      *p->store, p->remote.get(), *p->hot, *p->retention, *p->agreement,
       std::chrono::milliseconds(config.restore_timeout_ms), *p->engine, &p->copy_priority,
       device_engines, p->pool.get());
 

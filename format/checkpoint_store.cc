@@ -114,6 +114,15 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::stri
 }
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsInRunOrder(const std::string& job) {
+  CKPT_ASSIGN_OR_RETURN(auto ordered, ListRunsAndSteps(job));
+  std::vector<uint64_t> steps;
+  steps.reserve(ordered.size());
+  for (const auto& [run, step] : ordered) steps.push_back(step);
+  return steps;
+}
+
+absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> CheckpointStore::ListRunsAndSteps(
+    const std::string& job) {
   CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps(job));
   std::vector<std::pair<uint64_t, uint64_t>> ordered;  // (run, step)
   ordered.reserve(steps.size());
@@ -133,9 +142,7 @@ absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListStepsInRunOrder(const
     ordered.emplace_back(*run, step);
   }
   std::sort(ordered.begin(), ordered.end());
-  steps.clear();
-  for (const auto& [run, step] : ordered) steps.push_back(step);
-  return steps;
+  return ordered;
 }
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {

@@ -64,6 +64,8 @@ class CheckpointStore {
   // (Manifest::run), then by step. "Latest" is the last: a job that went back to an older
   // step and trained on has its new steps last, not the abandoned higher-numbered ones.
   absl::StatusOr<std::vector<uint64_t>> ListStepsInRunOrder(const std::string& job);
+  // The same, as (run, step) pairs: to merge the steps of two tiers in the job's order.
+  absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ListRunsAndSteps(const std::string& job);
   absl::StatusOr<std::vector<std::string>> ListJobs();
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
   // Whether the step is committed here (its marker, the manifest, is there); false when it

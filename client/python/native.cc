@@ -160,7 +160,7 @@ class PyClient {
     py::dict d;
     d["found"] = r.found;
     d["step"] = r.step;
-    d["source"] = r.source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+    d["source"] = ckpt::RestoreSourceName(r.source);
     d["bytes"] = r.bytes;
     d["metadata"] = r.metadata;
     py::dict state;

@@ -146,8 +146,9 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     for (const std::string& name : result.not_in_checkpoint) reply->add_not_in_checkpoint(name);
     for (const std::string& name : result.not_registered) reply->add_not_registered(name);
     for (const std::string& w : result.warnings) reply->add_warnings(w);
-    reply->set_source(result.source == RestoreResult::Source::kMemory ? RESTORE_SOURCE_MEMORY
-                                                                       : RESTORE_SOURCE_DISK);
+    reply->set_source(result.source == RestoreResult::Source::kMemory   ? RESTORE_SOURCE_MEMORY
+                      : result.source == RestoreResult::Source::kRemote ? RESTORE_SOURCE_REMOTE
+                                                                        : RESTORE_SOURCE_DISK);
     reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());
     for (auto& blob : result.train_state) {
       Blob* b = reply->add_train_state();

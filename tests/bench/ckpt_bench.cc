@@ -479,7 +479,7 @@ int main(int argc, char** argv) {
       OnEveryRank(f.ranks, [&](int r) {
         auto info = ranks[r].client->Restore();
         if (!info.ok() || !info->found) Die("hot restore failed");
-        source[r] = info->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+        source[r] = ckpt::RestoreSourceName(info->source);
       });
       hot.push_back(Gbps(total, Seconds(Clock::now() - t0)));
     }
@@ -496,7 +496,7 @@ int main(int argc, char** argv) {
     OnEveryRank(f.ranks, [&](int r) {
       auto info = ranks[r].client->Restore();
       if (!info.ok() || !info->found) Die("disk restore failed: " + (info.ok() ? "" : Message(info.status())));
-      source[r] = info->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk";
+      source[r] = ckpt::RestoreSourceName(info->source);
     });
     out["restore_disk_gbps"] = Gbps(total, Seconds(Clock::now() - t0));
     out["restore_disk_source"] = source[0];

@@ -85,7 +85,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::cout << "match source=" << (restored->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk")
+  std::cout << "match source=" << ckpt::RestoreSourceName(restored->source)
             << std::endl;
   return 0;
 }

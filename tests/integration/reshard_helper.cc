@@ -170,7 +170,7 @@ int Check(const Flags& f) {
     return 3;
   }
   std::cout << fmt::format("restored step={} source={} bytes={}\n", r->step,
-                           r->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk",
+                           ckpt::RestoreSourceName(r->source),
                            r->bytes);
   // Train state and metadata: this rank's where the save had it, rank 0's otherwise.
   uint32_t from = f.rank < f.saved_world_size ? f.rank : 0;

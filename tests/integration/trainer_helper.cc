@@ -274,7 +274,7 @@ int Check(const Flags& f) {
   }
   for (const std::string& w : r->warnings) std::cout << "warning: " << w << "\n";
   std::cout << fmt::format("restored step={} source={} bytes={}\n", r->step,
-                           r->source == ckpt::RestoreInfo::Source::kMemory ? "memory" : "disk", r->bytes);
+                           ckpt::RestoreSourceName(r->source), r->bytes);
   std::string note = fmt::format("seed={} rank={}", f.seed, f.rank);
   if (r->train_state["note"] != note) {
     std::cout << "mismatch train state: " << r->train_state["note"] << "\n";
