@@ -102,6 +102,7 @@ class Ctl {
       return 0;
     }
     std::cout << fmt::format("ckptd {}  up {:.1f} s  root {}\n", r.version(), r.uptime_s(), r.root());
+    if (!r.remote().empty()) std::cout << fmt::format("remote    {}\n", r.remote());
     std::cout << fmt::format("staging   {} of {} in use{}\n", Bytes(r.staging_bytes_used()),
                              Bytes(r.staging_bytes_total()),
                              r.staging_prefaulted() ? "" : " (still being pre-faulted)");
@@ -117,10 +118,11 @@ class Ctl {
     }
     std::cout << "SESSIONS\n" << (r.sessions().empty() ? "(none)\n" : sessions.Render()) << "\n";
     if (r.group().enabled()) PrintGroup(r.group());
-    ckpt::Table jobs({"JOB", "LATEST", "GLOBAL", "PENDING", "IN MEMORY"});
+    ckpt::Table jobs({"JOB", "LATEST", "GLOBAL", "REMOTE", "PENDING", "IN MEMORY"});
     for (const auto& j : r.jobs()) {
       jobs.Add({j.job(), j.has_committed() ? std::to_string(j.latest_committed_step()) : "-",
                 j.has_global() ? std::to_string(j.latest_global_step()) : "-",
+                j.has_remote() ? std::to_string(j.latest_remote_step()) : "-",
                 Steps(j.pending_steps()), Steps(j.hot_steps())});
     }
     std::cout << "JOBS\n" << (r.jobs().empty() ? "(none)\n" : jobs.Render());
@@ -134,6 +136,15 @@ class Ctl {
       }
     }
     if (!flight.empty()) std::cout << "\nSTEPS IN FLIGHT\n" << flight.Render();
+    ckpt::Table uploads({"JOB", "STEP", "STATE", "DONE", "AGE", "LAST ERROR"});
+    for (const auto& j : r.jobs()) {
+      for (const auto& u : j.uploads()) {
+        uploads.Add({j.job(), std::to_string(u.step()), u.state(),
+                     fmt::format("{} of {}", Bytes(u.bytes_done()), Bytes(u.bytes_total())),
+                     fmt::format("{:.1f} s", u.age_s()), u.last_error().empty() ? "-" : u.last_error()});
+      }
+    }
+    if (!uploads.empty()) std::cout << "\nUPLOADS\n" << uploads.Render();
     if (!r.recent_errors().empty()) {
       std::cout << "\nRECENT ERRORS\n";
       for (const auto& e : r.recent_errors()) std::cout << "  " << e << "\n";
@@ -238,17 +249,19 @@ class Ctl {
       std::cout << Json(r) << "\n";
       return 0;
     }
-    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)"});
+    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "WHERE"});
     std::vector<std::string> errors;
     for (const auto& c : r.checkpoints()) {
       if (!c.error().empty()) {
-        t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)"});
+        t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)",
+               fmt::format("{}", fmt::join(c.tiers(), ","))});
         errors.push_back(fmt::format("step {} of job {}: {}", c.step(), c.job(), c.error()));
         continue;
       }
       t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()),
              std::to_string(c.tensors()), Bytes(c.bytes()),
-             fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time())))});
+             fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time()))),
+             fmt::format("{}", fmt::join(c.tiers(), ","))});
     }
     std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
     for (const std::string& e : errors) std::cout << "  " << e << "\n";
@@ -294,7 +307,11 @@ int Offline(const Options& o, bool list) {
       return 4;
     }
     ListReply r;
-    for (const auto& c : *listed) ckpt::ToProto(c, r.add_checkpoints());
+    for (const auto& c : *listed) {
+      auto* info = r.add_checkpoints();
+      ckpt::ToProto(c, info);
+      info->add_tiers(ckpt::storage::IsS3Url(o.root) ? "remote" : "local");
+    }
     return Ctl::PrintList(r, o);
   }
   std::string job = o.job;

@@ -12,6 +12,7 @@
 #include "format/tiling.h"
 #include "format/plan_reader.h"
 #include "format/read_plan.h"
+#include "storage/open_store.h"
 
 namespace ckpt::daemon {
 namespace {
@@ -366,6 +367,8 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   const bool from_remote = remote_ != nullptr &&
                            !LocalHasAll(manifest.job, manifest.step, ranks_read, manifest) &&
                            remote_->Committed(manifest.job, manifest.step);
+  // --remote-mode direct: this node's store is the remote tier itself.
+  const bool remote_source = from_remote || storage::IsS3Url(store_.root());
   format::PlanReader reader(
       from_remote ? remote_->objects() : store_.objects(),
       format::CheckpointStore::StepKey(manifest.job, manifest.step), manifest,
@@ -398,7 +401,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   result.bytes += total;
   result.metadata = manifest.shards.at(state_rank).metadata;
   result.source = reader.bytes_from_disk() == 0 ? RestoreResult::Source::kMemory
-                  : from_remote                 ? RestoreResult::Source::kRemote
+                  : remote_source               ? RestoreResult::Source::kRemote
                                                 : RestoreResult::Source::kDisk;
   return absl::OkStatus();
 }

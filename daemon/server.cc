@@ -231,6 +231,33 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   }
 }
 
+void FillUploadStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
+  const std::vector<upload::UploadProgress> uploads = p.uploader->InProgress();
+  const std::map<std::string, uint64_t> uploaded = p.uploader->LastUploaded();
+  auto job_status = [reply](const std::string& job) {
+    for (auto& j : *reply->mutable_jobs()) {
+      if (j.job() == job) return &j;
+    }
+    ::ckptd::v1::JobStatus* j = reply->add_jobs();
+    j->set_job(job);
+    return j;
+  };
+  for (const upload::UploadProgress& u : uploads) {
+    ::ckptd::v1::UploadInProgress* out = job_status(u.job)->add_uploads();
+    out->set_step(u.step);
+    out->set_state(u.state);
+    out->set_bytes_done(u.bytes_done);
+    out->set_bytes_total(u.bytes_total);
+    out->set_last_error(u.last_error);
+    out->set_age_s(u.age_s);
+  }
+  for (const auto& [job, step] : uploaded) {
+    ::ckptd::v1::JobStatus* j = job_status(job);
+    j->set_has_remote(true);
+    j->set_latest_remote_step(step);
+  }
+}
+
 }  // namespace
 
 Server::Server(std::unique_ptr<Parts> parts) : parts_(std::move(parts)) {}
@@ -438,6 +465,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
   if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
+  sources.remote = p->remote.get();
+  if (p->uploader) sources.upload_status = [parts = p.get()](auto* reply) { FillUploadStatus(*parts, reply); };
+
   AdminExposure on_socket;
   on_socket.peers = &p->peers;
   on_socket.owners = p->owners.get();

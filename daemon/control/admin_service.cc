@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 
 #include "common/log.h"
 #include "common/names.h"
@@ -11,6 +12,7 @@
 #include "daemon/control/grpc_status.h"
 #include "format/manifest.h"
 #include "format/verify.h"
+#include "storage/open_store.h"
 #include "proto/format_replies.h"
 
 namespace ckpt::daemon {
@@ -21,6 +23,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
   return Guarded("Status", [&]() -> absl::Status {
     reply->set_version(kVersion);
     reply->set_root(config_.root);
+    reply->set_remote(config_.remote);
     reply->set_uptime_s(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
     reply->set_config_json(config_.ToJson());
@@ -79,6 +82,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
       }
     }
     if (src_.group_status) src_.group_status(reply);
+    if (src_.upload_status) src_.upload_status(reply);
     for (std::string& e : board_.RecentErrors()) reply->add_recent_errors(std::move(e));
     reply->set_snapshots_staged(board_.snapshots_staged);
     reply->set_snapshots_rejected(board_.snapshots_rejected);
@@ -93,7 +97,36 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
   return Guarded("List", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed,
                           format::ListCheckpoints(store_, request->job()));
-    for (const format::CheckpointSummary& c : listed) ToProto(c, reply->add_checkpoints());
+    const auto hot = src_.hot.Steps();
+    std::map<std::pair<std::string, uint64_t>, ::ckptd::v1::CheckpointInfo> by_step;
+    for (const format::CheckpointSummary& c : listed) {
+      ::ckptd::v1::CheckpointInfo& info = by_step[{c.job, c.step}];
+      ToProto(c, &info);
+      if (auto it = hot.find(c.job);
+          it != hot.end() && std::find(it->second.begin(), it->second.end(), c.step) != it->second.end()) {
+        info.add_tiers("memory");
+      }
+      info.add_tiers(src_.remote == nullptr && storage::IsS3Url(store_.root()) ? "remote" : "local");
+    }
+    if (src_.remote != nullptr) {
+      // The remote tier lists only whole steps; a store that cannot be listed is named
+      // in the reply's errors rather than failing the local listing.
+      absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded =
+          format::ListCheckpoints(*src_.remote, request->job());
+      if (!uploaded.ok()) {
+        ::ckptd::v1::CheckpointInfo& info = by_step[{request->job(), 0}];
+        info.set_job(request->job());
+        info.set_error(fmt::format("the remote tier {} cannot be listed: {}", src_.remote->root(),
+                                   Message(uploaded.status())));
+      } else {
+        for (const format::CheckpointSummary& c : *uploaded) {
+          auto [it, fresh] = by_step.try_emplace({c.job, c.step});
+          if (fresh) ToProto(c, &it->second);
+          it->second.add_tiers("remote");
+        }
+      }
+    }
+    for (auto& [key, info] : by_step) *reply->add_checkpoints() = std::move(info);
     return absl::OkStatus();
   });
 }

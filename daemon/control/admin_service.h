@@ -35,6 +35,10 @@ struct AdminSources {
   StatusBoard& board;
   // Fills the group section and each job's global view; empty without a group.
   std::function<void(::ckptd::v1::StatusReply*)> group_status;
+  // The remote tier (--remote, tiered mode); null without one. `list` shows its steps.
+  format::CheckpointStore* remote = nullptr;
+  // Fills each job's uploads and newest remote step; empty without a remote tier.
+  std::function<void(::ckptd::v1::StatusReply*)> upload_status;
 };
 
 // Where an AdminService answers. On the Unix socket peers were checked when they
