@@ -1,0 +1,224 @@
+// The remote tier (issue 20) against a real Ceph RADOS Gateway (tools/ceph.sh, one cluster
+// for this binary): real ckptd processes with --remote, real trainer processes
+// (tests/integration/reshard_helper), a TCP proxy the test controls in front of the
+// gateway for faults. A node that loses its disk resumes from the bucket, bit for bit and
+// with another number of ranks; uploads survive refused and hung connections and a kill
+// mid-upload; nothing partial is ever listed.
+#include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+
+#include "tests/fakes/ceph_cluster.h"
+#include "tests/integration/common.h"
+#include "tests/integration/tcp_proxy.h"
+
+using namespace ckpt::testing;
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+namespace {
+
+// The gateway's address and keys go to every process this test starts, as the AWS SDKs
+// would find them.
+struct Bucket {
+  std::string url;       // s3://bucket/prefix, a prefix of its own per case
+  std::string endpoint;  // the gateway itself
+  int port = 0;
+};
+
+Bucket FreshBucket() {
+  auto& ceph = CephCluster::Get();
+  for (const auto& [name, value] : ceph.env()) ::setenv(name.c_str(), value.c_str(), 1);
+  Bucket b;
+  b.url = "s3://" + ceph.Options().bucket + "/" + ceph.FreshPrefix();
+  b.endpoint = ceph.env().at("AWS_ENDPOINT_URL_S3");
+  b.port = std::stoi(b.endpoint.substr(b.endpoint.rfind(':') + 1));
+  return b;
+}
+
+// ckptctl reading the bucket alone (no daemon), straight from the gateway.
+RunResult Offline(const TempDir& dir, const Bucket& b, std::vector<std::string> args) {
+  std::vector<std::string> argv = {Runfile("client/ckptctl")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  argv.insert(argv.end(), {"--root", b.url, "--s3-endpoint", b.endpoint});
+  return Run(argv, dir.path());
+}
+
+bool RemoteLists(const TempDir& dir, const Bucket& b, const std::string& job, uint64_t step) {
+  RunResult r = Offline(dir, b, {"--job", job, "list"});
+  return r.exit_code == 0 && Contains(r.out, fmt::format("{}  {} ", job, step));
+}
+
+json Status(const Daemon& d) {
+  RunResult r = d.Ctl({"status", "--json"});
+  return json::parse(r.out, nullptr, false);
+}
+
+json JobStatus(const Daemon& d, const std::string& job) {
+  json s = Status(d);
+  if (s.is_discarded() || !s.contains("jobs")) return json::object();
+  for (const json& j : s["jobs"]) {
+    if (j.value("job", "") == job) return j;
+  }
+  return json::object();
+}
+
+// Protobuf's JSON writes 64-bit integers as strings.
+uint64_t U64(const json& j, const std::string& key) {
+  if (!j.contains(key)) return 0;
+  return j[key].is_string() ? std::stoull(j[key].get<std::string>()) : j[key].get<uint64_t>();
+}
+
+template <typename Pred>
+bool Within(std::chrono::milliseconds limit, Pred pred) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(100ms);
+  }
+  return pred();
+}
+
+void SaveRanks(const Daemon& d, const TempDir& dir, uint32_t world, uint64_t step) {
+  for (const RunResult& r : ReshardRanks(d, dir, world, {"--rows", "3001", "--layout", "rows", "save",
+                                                         "--step", std::to_string(step),
+                                                         "--wait-committed"})) {
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+    REQUIRE(Contains(r.out, "saved committed"));
+  }
+}
+
+void RestoresExactly(const Daemon& d, const TempDir& dir, uint32_t world, const std::string& layout,
+                     uint32_t saved_world, uint64_t step, const std::string& source) {
+  for (const RunResult& r : ReshardRanks(d, dir, world, {"--layout", layout, "check", "--saved-world-size",
+                                                         std::to_string(saved_world)})) {
+    INFO(world << " ranks, " << layout << ": " << r.out << r.err << d.Log());
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, fmt::format("restored step={} source={}", step, source)));
+    CHECK(Contains(r.out, "match"));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a node that lost its disk resumes from the remote tier, with the same and another number of ranks") {
+  const Bucket bucket = FreshBucket();
+  TempDir dir;
+  {
+    Daemon d(dir, {"--remote", bucket.url, "--keep-last", "1"});
+    d.Start();
+    SaveRanks(d, dir, 4, 5);
+    INFO(d.Log());
+    REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+    CHECK(Within(5s, [&] { return U64(JobStatus(d, "reshard"), "latest_remote_step") == 5; }));
+    RunResult listed = d.Ctl({"--job", "reshard", "list"});
+    CHECK(Contains(listed.out, "memory,local,remote"));
+    REQUIRE(d.Stop() == 0);
+    // The node is lost for good: its disk with it.
+    std::filesystem::remove_all(d.root());
+  }
+  RunResult verified = Offline(dir, bucket, {"--job", "reshard", "verify", "5"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+
+  TempDir replacement;
+  Daemon e(replacement, {"--remote", bucket.url});
+  e.Start();
+  RestoresExactly(e, replacement, 4, "rows", 4, 5, "remote");
+  RestoresExactly(e, replacement, 3, "cols", 4, 5, "remote");
+  RunResult listed = e.Ctl({"--job", "reshard", "list"});
+  INFO(listed.out << listed.err);
+  CHECK(listed.exit_code == 0);
+  CHECK(Contains(listed.out, "remote"));
+  CHECK_FALSE(Contains(listed.out, "local"));
+}
+
+TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; nothing partial is listed") {
+  const Bucket bucket = FreshBucket();
+  TcpProxy proxy("127.0.0.1", bucket.port);
+  ::setenv("AWS_ENDPOINT_URL_S3", ("http://" + proxy.address()).c_str(), 1);
+  TempDir dir;
+  Daemon d(dir, {"--remote", bucket.url});
+
+  // The gateway refuses every connection from before ckptd starts: ckptd starts anyway,
+  // commits locally, and says what is wrong.
+  proxy.Cut(TcpProxy::CutMode::kRefuse);
+  d.Start();
+  CHECK(Contains(d.Log(), "--remote " + bucket.url));
+  SaveRanks(d, dir, 2, 5);
+  REQUIRE(Within(30s, [&] {
+    json j = JobStatus(d, "reshard");
+    return j.contains("uploads") && !j["uploads"].empty() &&
+           !j["uploads"][0].value("last_error", "").empty();
+  }));
+  CHECK(d.Ctl({"--job", "reshard", "list"}).out.find("local") != std::string::npos);
+  CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 5));
+  // Once the gateway answers again the step goes up by itself.
+  proxy.Heal();
+  REQUIRE(Within(60s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+
+  // A gateway that stops answering mid-upload, and ckptd killed while it waits.
+  proxy.Cut(TcpProxy::CutMode::kBlackhole);
+  SaveRanks(d, dir, 2, 6);
+  REQUIRE(Within(30s, [&] {
+    json j = JobStatus(d, "reshard");
+    return j.contains("uploads") && !j["uploads"].empty() && U64(j["uploads"][0], "step") == 6 &&
+           j["uploads"][0].value("state", "") == "uploading";
+  }));
+  d.Kill();
+  CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 6));
+  proxy.Heal();
+  d.Start();  // the step a kill interrupted is uploaded at the next start
+  INFO(d.Log());
+  REQUIRE(Within(60s, [&] { return RemoteLists(dir, bucket, "reshard", 6); }));
+  CHECK(RemoteLists(dir, bucket, "reshard", 5));
+  RunResult verified = Offline(dir, bucket, {"--job", "reshard", "verify", "6"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(d.Stop() == 0);
+}
+
+TEST_CASE("direct mode writes checkpoints to the bucket alone; another node restores them") {
+  const Bucket bucket = FreshBucket();
+  TempDir dir;
+  {
+    Daemon d(dir, {"--remote", bucket.url, "--remote-mode", "direct"});
+    d.Start();
+    SaveRanks(d, dir, 2, 7);
+    CHECK(RemoteLists(dir, bucket, "reshard", 7));
+    CHECK_FALSE(std::filesystem::exists(d.root() + "/reshard/step-00000007"));
+    REQUIRE(d.Stop() == 0);
+  }
+  TempDir other;
+  Daemon e(other, {"--remote", bucket.url, "--remote-mode", "direct"});
+  e.Start();
+  RestoresExactly(e, other, 2, "rows", 2, 7, "remote");
+  RestoresExactly(e, other, 3, "cols", 2, 7, "remote");
+}
+
+TEST_CASE("wrong credentials: commits go on locally, the upload's error names the problem") {
+  const Bucket bucket = FreshBucket();
+  ::setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-key", 1);
+  TempDir dir;
+  Daemon d(dir, {"--remote", bucket.url});
+  d.Start();
+  SaveRanks(d, dir, 1, 3);
+  REQUIRE(Within(30s, [&] {
+    json j = JobStatus(d, "reshard");
+    return j.contains("uploads") && !j["uploads"].empty() &&
+           !j["uploads"][0].value("last_error", "").empty();
+  }));
+  json j = JobStatus(d, "reshard");
+  INFO(j.dump());
+  CHECK(U64(j, "latest_committed_step") == 3);
+  const std::string error = j["uploads"][0].value("last_error", "");
+  CHECK((Contains(error, "403") || Contains(error, "denied") || Contains(error, "Signature")));
+  CHECK_FALSE(Contains(d.Log(), "not-the-secret-key"));
+  CHECK_FALSE(Contains(Status(d).dump(), "not-the-secret-key"));
+  CHECK(d.Stop() == 0);
+}
