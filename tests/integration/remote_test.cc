@@ -8,7 +8,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <csignal>
+#include <fstream>
 #include <cstdlib>
 #include <filesystem>
 
@@ -102,6 +108,44 @@ void RestoresExactly(const Daemon& d, const TempDir& dir, uint32_t world, const 
     CHECK(Contains(r.out, fmt::format("restored step={} source={}", step, source)));
     CHECK(Contains(r.out, "match"));
   }
+}
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  socklen_t len = sizeof addr;
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Ranks of one job spread over nodes: `ranks[n]` run against node n's daemon, all at once.
+std::vector<RunResult> RanksOnNodes(const std::vector<const Daemon*>& nodes,
+                                    const std::vector<std::vector<uint32_t>>& ranks, uint32_t world,
+                                    const TempDir& dir, std::vector<std::string> args) {
+  std::vector<std::unique_ptr<Process>> running;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    for (uint32_t r : ranks[n]) {
+      std::vector<std::string> argv = {Runfile("tests/integration/reshard_helper"), "--socket",
+                                       nodes[n]->socket(), "--rank", std::to_string(r),
+                                       "--world-size", std::to_string(world)};
+      argv.insert(argv.end(), args.begin(), args.end());
+      running.push_back(std::make_unique<Process>(
+          argv, dir.path(), fmt::format("w{}r{}.{}", world, r, args.back())));
+    }
+  }
+  std::vector<RunResult> out;
+  for (auto& p : running) {
+    RunResult r;
+    r.exit_code = p->Wait(60s);
+    r.out = p->Stdout();
+    r.err = p->Stderr();
+    out.push_back(std::move(r));
+  }
+  return out;
 }
 
 }  // namespace
@@ -221,4 +265,65 @@ TEST_CASE("wrong credentials: commits go on locally, the upload's error names th
   CHECK_FALSE(Contains(d.Log(), "not-the-secret-key"));
   CHECK_FALSE(Contains(Status(d).dump(), "not-the-secret-key"));
   CHECK(d.Stop() == 0);
+}
+
+TEST_CASE("a group: every node uploads its part, the coordinator publishes; a node that lost its disk restores from the bucket") {
+  const Bucket bucket = FreshBucket();
+  TempDir shared;
+  const std::string token = shared.path() + "/token";
+  std::ofstream(token) << "remote-test-group-token-0123456789abcdef\n";
+  std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  const std::string coordinator = fmt::format("127.0.0.1:{}", FreePort());
+  auto flags = [&](int n) {
+    std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", "2",
+                                  "--coordinator", coordinator, "--group-token-file", token,
+                                  "--group-timeout", "2s", "--restore-timeout", "20s",
+                                  "--remote", bucket.url};
+    if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
+    return f;
+  };
+  TempDir dir0, dir1;
+  Daemon node0(dir0, flags(0));
+  auto node1 = std::make_unique<Daemon>(dir1, flags(1));
+  node0.Start();
+  node1->Start();
+  const std::vector<std::vector<uint32_t>> layout = {{0, 1}, {2, 3}};
+  for (const RunResult& r : RanksOnNodes({&node0, node1.get()}, layout, 4, shared,
+                                         {"--rows", "3001", "--layout", "rows", "save", "--step", "8",
+                                          "--wait-committed"})) {
+    INFO(r.out << r.err << node0.Log() << node1->Log());
+    REQUIRE(r.exit_code == 0);
+  }
+  INFO(node0.Log() << node1->Log());
+  REQUIRE(Within(30s, [&] { return RemoteLists(shared, bucket, "reshard", 8); }));
+  CHECK(Contains(node1->Log(), "(this node's part)"));
+  CHECK(Contains(node0.Log(), "(manifest written)"));
+  RunResult verified = Offline(shared, bucket, {"--job", "reshard", "verify", "8"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+
+  // Node 1 is replaced by a machine with an empty disk.
+  REQUIRE(node1->Stop() == 0);
+  std::filesystem::remove_all(node1->root());
+  node1.reset();
+  TempDir fresh;
+  node1 = std::make_unique<Daemon>(fresh, flags(1));
+  node1->Start();
+  std::vector<RunResult> restored = RanksOnNodes({&node0, node1.get()}, layout, 4, shared,
+                                                 {"--layout", "rows", "check", "--saved-world-size", "4"});
+  for (size_t i = 0; i < restored.size(); ++i) {
+    INFO("rank " << i << ": " << restored[i].out << restored[i].err);
+    CHECK(restored[i].exit_code == 0);
+    CHECK(Contains(restored[i].out, "restored step=8"));
+    CHECK(Contains(restored[i].out, "match"));
+    if (i >= 2) CHECK(Contains(restored[i].out, "source=remote"));
+  }
+  // And with another number of ranks: one per node.
+  for (const RunResult& r : RanksOnNodes({&node0, node1.get()}, {{0}, {1}}, 2, shared,
+                                         {"--layout", "cols", "check", "--saved-world-size", "4"})) {
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, "restored step=8"));
+    CHECK(Contains(r.out, "match"));
+  }
 }
