@@ -20,9 +20,6 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-std::string Key(const std::string& job, uint64_t step, const std::string& file) {
-  return format::CheckpointStore::StepKey(job, step) + "/" + file;
-}
 
 }  // namespace
 
@@ -122,8 +119,11 @@ bool Uploader::StoppingOrReplaced(const std::string& job) {
 }
 
 absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std::string& file) {
-  const std::string key = Key(job, step, file);
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in, local_.objects().Open(key));
+  // Objects go where the remote store writes a step before it is published: the step's
+  // own keys on S3, where the manifest alone publishes it.
+  const std::string key = remote_.TempStepKey(job, step) + "/" + file;
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
+                        local_.objects().Open(format::CheckpointStore::StepKey(job, step) + "/" + file));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> out, remote_.objects().Create(key));
   const uint64_t size = in->size();
   for (uint64_t offset = 0; offset < size;) {
@@ -147,7 +147,7 @@ absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std
 }
 
 absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::duration own_upload_took) {
-  const std::string prefix = format::CheckpointStore::StepKey(manifest.job, manifest.step);
+  const std::string prefix = remote_.TempStepKey(manifest.job, manifest.step);
   const Clock::time_point start = Clock::now();
   bool announced = false;
   while (true) {
@@ -197,7 +197,7 @@ absl::Status Uploader::Upload(Pending& p) {
   // What an interrupted attempt already sent is not sent again: each object is whole or
   // absent (a multipart upload appears only once completed).
   CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there,
-                        remote_.objects().List(format::CheckpointStore::StepKey(m.job, m.step)));
+                        remote_.objects().List(remote_.TempStepKey(m.job, m.step)));
   std::map<std::string, uint64_t> sizes;
   for (const storage::ListEntry& e : there) sizes[e.name] = e.bytes;
   {
