@@ -9,6 +9,8 @@
 #include <optional>
 
 #include "client/ckpt_client.h"
+#include "storage/filesystem.h"
+#include "storage/open_store.h"
 #include "common/dtype.h"
 #include "common/status.h"
 
@@ -238,6 +240,62 @@ PyClient Connect(const std::string& socket, const std::string& job, uint32_t ran
   return PyClient(std::shared_ptr<ckpt::Client>(ValueOr(std::move(client))));
 }
 
+// Read access to where checkpoints are stored, a local directory or an s3:// URL (the
+// endpoint, region and keys from the AWS environment): the same storage library ckptd and
+// ckptctl read through, for ckptd.dcp's reader.
+class PyObjectReader {
+ public:
+  explicit PyObjectReader(std::unique_ptr<ckpt::storage::ObjectReader> reader)
+      : reader_(std::move(reader)) {}
+  uint64_t size() const { return reader_->size(); }
+  // Up to `n` bytes at `offset` (fewer at the end of the object).
+  py::bytes Read(uint64_t offset, uint64_t n) const {
+    const uint64_t size = reader_->size();
+    n = offset >= size ? 0 : std::min(n, size - offset);
+    std::string data(n, '\0');
+    absl::Status read;
+    {
+      py::gil_scoped_release unlocked;
+      if (n > 0) read = reader_->ReadAt(data.data(), n, offset);
+    }
+    Check(read);
+    return py::bytes(data);
+  }
+
+ private:
+  std::unique_ptr<ckpt::storage::ObjectReader> reader_;
+};
+
+template <typename F>
+auto Unlocked(F&& f) {
+  py::gil_scoped_release unlocked;
+  return f();
+}
+
+class PyStore {
+ public:
+  explicit PyStore(ckpt::storage::StorePtr store) : store_(std::move(store)) {}
+  // Each call runs without the GIL and raises ckptd.Error (with it) when it fails.
+  PyObjectReader Open(const std::string& key) {
+    return PyObjectReader(ValueOr(Unlocked([&] { return store_->Open(key); })));
+  }
+  py::bytes Get(const std::string& key, size_t max_bytes) {
+    return py::bytes(ValueOr(Unlocked([&] { return store_->Get(key, max_bytes); })));
+  }
+  bool Exists(const std::string& key) {
+    return ValueOr(Unlocked([&] { return store_->Exists(key); }));
+  }
+  std::string Describe(const std::string& key) const { return store_->Describe(key); }
+
+ private:
+  ckpt::storage::StorePtr store_;
+};
+
+PyStore OpenStore(const std::string& where, const std::string& s3_endpoint) {
+  return PyStore(ValueOr(ckpt::storage::OpenStore(where, ckpt::MakePosixFilesystem(),
+                                                  {.s3_endpoint = s3_endpoint})));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -305,6 +363,19 @@ PYBIND11_MODULE(_native, m) {
       .def("abandon_pending", &PyClient::AbandonPending,
            "Gives up on every snapshot not yet staged: ckptd never commits them")
       .def_property_readonly("session_id", &PyClient::session_id);
+
+  py::class_<PyObjectReader>(m, "ObjectReader")
+      .def_property_readonly("size", &PyObjectReader::size)
+      .def("read", &PyObjectReader::Read, py::arg("offset"), py::arg("size"),
+           "Up to size bytes at offset (fewer at the object's end)");
+  py::class_<PyStore>(m, "Store")
+      .def("open", &PyStore::Open, py::arg("key"))
+      .def("get", &PyStore::Get, py::arg("key"), py::arg("max_bytes"))
+      .def("exists", &PyStore::Exists, py::arg("key"))
+      .def("describe", &PyStore::Describe, py::arg("key"));
+  m.def("open_store", &OpenStore, py::arg("where"), py::arg("s3_endpoint") = "",
+        "Where checkpoints are stored: a directory, or s3://bucket/prefix with the endpoint, "
+        "region and keys taken from the AWS environment (as ckptd and ckptctl take them)");
 
   // The checksum ckptd records for every tensor piece (docs/format.md), for readers of its
   // files that run without the daemon (ckptd.dcp).

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <set>
 
@@ -28,8 +29,7 @@ Uploader::Uploader(format::CheckpointStore& local, format::CheckpointStore& remo
                    std::function<void(const std::string&)> uploaded,
                    std::function<void(const std::string&)> on_error)
     : local_(local), remote_(remote), retention_(local_retention), options_(options),
-      uploaded_(std::move(uploaded)), on_error_(std::move(on_error)),
-      buffer_(static_cast<char*>(std::aligned_alloc(4096, options.buffer_bytes)), &std::free) {
+      uploaded_(std::move(uploaded)), on_error_(std::move(on_error)) {
   thread_ = std::thread([this] {
     CatchUp();
     Loop();
@@ -125,6 +125,9 @@ absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
                         local_.objects().Open(format::CheckpointStore::StepKey(job, step) + "/" + file));
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> out, remote_.objects().Create(key));
+  std::unique_ptr<char, void (*)(void*)> buffer(
+      static_cast<char*>(std::aligned_alloc(4096, options_.buffer_bytes)), &std::free);
+  if (buffer == nullptr) return absl::ResourceExhaustedError("no memory for an upload buffer");
   const uint64_t size = in->size();
   for (uint64_t offset = 0; offset < size;) {
     {
@@ -132,8 +135,8 @@ absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std
       if (stopping_) return absl::CancelledError("ckptd is stopping");
     }
     const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.buffer_bytes, size - offset));
-    CKPT_RETURN_IF_ERROR(in->ReadAt(buffer_.get(), n, offset));
-    CKPT_RETURN_IF_ERROR(out->Append(buffer_.get(), n));
+    CKPT_RETURN_IF_ERROR(in->ReadAt(buffer.get(), n, offset));
+    CKPT_RETURN_IF_ERROR(out->Append(buffer.get(), n));
     offset += n;
     std::lock_guard lock(mu_);
     progress_.bytes_done += n;
@@ -213,11 +216,33 @@ absl::Status Uploader::Upload(Pending& p) {
   }
   SetState("uploading");
   const Clock::time_point start = Clock::now();
+  std::vector<std::string> todo;
   for (const format::ManifestShard& s : m.shards) {
     if (std::find(files.begin(), files.end(), s.file) == files.end()) continue;
     if (auto it = sizes.find(s.file); it != sizes.end() && it->second == s.bytes) continue;
-    CKPT_RETURN_IF_ERROR(CopyFile(m.job, m.step, s.file));
+    todo.push_back(s.file);
   }
+  // Several files at once (each with the store's own parallel parts): one rank's file alone
+  // rarely fills the link.
+  std::atomic<size_t> next{0};
+  std::mutex first_error_mu;
+  absl::Status first_error;
+  auto work = [&] {
+    for (size_t i = next++; i < todo.size(); i = next++) {
+      absl::Status copied = CopyFile(m.job, m.step, todo[i]);
+      if (!copied.ok()) {
+        std::lock_guard lock(first_error_mu);
+        if (first_error.ok()) first_error = copied;
+        next = todo.size();  // the others finish the file they are on
+      }
+    }
+  };
+  std::vector<std::thread> workers;
+  const size_t threads = std::min<size_t>(todo.size(), static_cast<size_t>(std::max(options_.parallel_files, 1)));
+  for (size_t t = 1; t < threads; ++t) workers.emplace_back(work);
+  work();
+  for (std::thread& t : workers) t.join();
+  CKPT_RETURN_IF_ERROR(first_error);
   if (!options_.publishes) return absl::OkStatus();
   CKPT_RETURN_IF_ERROR(WaitForParts(m, Clock::now() - start));
   absl::Status committed = remote_.Commit(m);  // the manifest, last

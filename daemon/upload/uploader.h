@@ -58,7 +58,8 @@ class Uploader {
     std::chrono::milliseconds poll{std::chrono::milliseconds(200)};
     std::chrono::milliseconds first_backoff{std::chrono::seconds(1)};
     std::chrono::milliseconds max_backoff{std::chrono::seconds(60)};
-    size_t buffer_bytes = size_t{16} << 20;
+    size_t buffer_bytes = size_t{16} << 20;  // per file being uploaded
+    int parallel_files = 4;                  // files of a step uploaded at once
   };
 
   // `uploaded` runs after a step is published remotely (remote retention); `on_error`
@@ -123,7 +124,6 @@ class Uploader {
   std::optional<Pending> current_;   // being uploaded (the thread's; progress under mu_)
   UploadProgress progress_;          // of current_
   std::map<std::string, uint64_t> last_uploaded_;
-  std::unique_ptr<char, void (*)(void*)> buffer_;
   std::thread thread_;
 };
 

@@ -20,8 +20,9 @@ PYTHONPATH = os.environ.get("PYTHONPATH", "")
 class Daemon:
     """A ckptd process on its own socket and checkpoint root."""
 
-    def __init__(self, workdir):
+    def __init__(self, workdir, extra=()):
         self.workdir = workdir
+        self.extra = list(extra)
         self.socket = os.path.join(workdir, "ckptd.sock")
         self.root = os.path.join(workdir, "ckpt")
         self.log = os.path.join(workdir, "ckptd.log")
@@ -31,7 +32,7 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(
                 [CKPTD, "--root", self.root, "--socket", self.socket, "--staging-bytes", "512M",
-                 "--prefault-staging", "false", "--keep-last", "0", "--log-level", "info"],
+                 "--prefault-staging", "false", "--keep-last", "0", "--log-level", "info", *self.extra],
                 stdout=log, stderr=log)
         deadline = time.monotonic() + 20
         while not os.path.exists(self.socket):

@@ -5,9 +5,12 @@ Debian's PyTorch 1.13).
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 import torch
@@ -348,3 +351,83 @@ def test_from_dcp_names_what_the_checkpoint_lacks(daemon, workdir):
     with CheckpointManager("lacking", bigger, socket=daemon.socket) as manager:
         with pytest.raises(CheckpointError, match=r"cannot load DCP checkpoint .*dcp-small: Missing key in checkpoint state_dict: model\.0\.weight"):
             manager.load(from_dcp=dcp_dir, step=7)
+
+
+# --- the remote tier (ckptd --remote, a real Ceph RGW) -------------------------------------
+
+@pytest.fixture(scope="module")
+def bucket():
+    """A single-node Ceph cluster with an S3 gateway (tools/ceph.sh) for this module; the
+    AWS environment points at it. A machine where it cannot start fails the test."""
+    where = tempfile.mkdtemp(prefix="ckptd-ceph.", dir="/tmp")
+    script = os.path.join(os.getcwd(), "tools", "ceph.sh")
+    started = subprocess.run([script, "start", os.path.join(where, "ceph")], capture_output=True, text=True)
+    assert started.returncode == 0, f"tools/ceph.sh could not start a cluster:\n{started.stdout}{started.stderr}"
+    env = dict(line.strip().split("=", 1) for line in open(os.path.join(where, "ceph", "s3.env")) if "=" in line)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield f"s3://{env['CKPTD_TEST_BUCKET']}/py"
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    subprocess.run([script, "stop", os.path.join(where, "ceph")], capture_output=True)
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import CkptdStorageReader
+    from conftest import Daemon
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    os.makedirs(os.path.join(workdir, "a"))
+    first = Daemon(os.path.join(workdir, "a"), ["--remote", bucket]).start()
+    try:
+        with CheckpointManager("remote", model, optimizer, socket=first.socket) as manager:
+            model(torch.randn(5, 16)).sum().backward()
+            optimizer.step()
+            manager.save(3, blocking=True)
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listed = subprocess.run([CKPTCTL, "--job", "remote", "list", "--root", bucket],
+                                    capture_output=True, text=True)
+            if listed.returncode == 0 and "remote  3 " in listed.stdout:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"step 3 never reached the bucket:\n{open(first.log).read()}")
+    finally:
+        first.stop()
+    shutil.rmtree(first.root)  # the node is lost, and its disk with it
+
+    # A new node, an empty disk, the same --remote: the job resumes from the bucket.
+    os.makedirs(os.path.join(workdir, "b"))
+    second = Daemon(os.path.join(workdir, "b"), ["--remote", bucket]).start()
+    try:
+        torch.manual_seed(1)
+        fresh = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        with CheckpointManager("remote", fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+                               socket=second.socket) as manager:
+            assert manager.load() == 3
+            assert manager.restored["source"] == "remote"
+        for k, v in fresh.state_dict().items():
+            assert equal_bits(v, saved[k]), k
+    finally:
+        second.stop()
+
+    # DCP reads the step straight from the bucket, no daemon.
+    torch.manual_seed(2)
+    other = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    state = other.state_dict()
+    dcp.load(state, storage_reader=CkptdStorageReader(f"{bucket}/remote/step-00000003"))
+    for k, v in state.items():
+        assert equal_bits(v, saved[k]), k
+    # A step that is not there is named, with the store's answer (DCP wraps the error in its
+    # CheckpointException, a BaseException).
+    with pytest.raises(BaseException, match="step-00000099/manifest.json: not a ckptd manifest.*404"):
+        dcp.load(other.state_dict(), storage_reader=CkptdStorageReader(f"{bucket}/remote/step-00000099"))

@@ -7,6 +7,11 @@
     dcp.load(state, storage_reader=CkptdStorageReader("/ckpt/llm/step-00001200"))
     model.load_state_dict(state)
 
+The step may also be on an object store, `s3://bucket/prefix/llm/step-00001200` (ckptd's
+remote tier), read through the same storage library as ckptd and ckptctl: endpoint, region
+and keys from the AWS environment (AWS_ENDPOINT_URL_S3, AWS_REGION, AWS_ACCESS_KEY_ID, ...),
+each piece fetched with ranged GETs.
+
 The reader offers every tensor of a ckptd checkpoint under the keys DCP-based code uses
 (torchtitan's layout): model tensors under their fully qualified names, ckptd.torch's
 optimizer tensors `optim.<fqn>.<key>` as `optimizer.state.<fqn>.<key>`. Sharded tensors
@@ -28,10 +33,56 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptd._native import xxh3_64
+from ckptd._native import open_store, xxh3_64
 from ckptd.torch import _DTYPES as _TORCH_NAMES
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
+
+# Manifests are read whole, up to what ckptd writes (format::CheckpointStore::kMaxManifestBytes).
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
+class _ObjectFile:
+    """An object of a store, read like a file opened "rb"."""
+
+    def __init__(self, reader):
+        self._reader, self._at = reader, 0
+
+    def read(self, n):
+        data = self._reader.read(self._at, n)
+        self._at += len(data)
+        return data
+
+    def seek(self, at):
+        self._at = at
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _StepFiles:
+    """A step's files: a directory, or an s3:// URL (through ckptd's storage library)."""
+
+    def __init__(self, path):
+        self.path = path
+        self._store = open_store(path) if path.startswith("s3://") else None
+
+    def name(self, file_name):
+        return self.path.rstrip("/") + "/" + file_name if self._store else os.path.join(self.path, file_name)
+
+    def read_manifest(self):
+        if self._store is None:
+            with open(self.name("manifest.json")) as f:
+                return json.load(f)
+        return json.loads(self._store.get("manifest.json", _MAX_MANIFEST_BYTES))
+
+    def open(self, file_name):
+        if self._store is None:
+            return open(self.name(file_name), "rb")
+        return _ObjectFile(self._store.open(file_name))
 
 # safetensors dtype -> torch dtype: the inverse of what ckptd.torch registers.
 _DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
@@ -48,24 +99,30 @@ class CkptdStorageReader(StorageReader):
     def __init__(self, path):
         super().__init__()
         self.path = os.fspath(path)
+        self._files = None      # opened on first use: a URL is not fetched before DCP asks
         self._pieces = {}       # MetadataIndex -> (file, data_offsets, dtype, shape, checksum)
         self._data_start = {}   # file -> offset of its data region
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._pieces, self._data_start = {}, {}
+        self._files, self._pieces, self._data_start = None, {}, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
-        return os.path.isfile(os.path.join(os.fspath(checkpoint_id), "manifest.json"))
+        path = os.fspath(checkpoint_id)
+        return path.startswith("s3://") or os.path.isfile(os.path.join(path, "manifest.json"))
+
+    def _step(self):
+        if self._files is None:
+            self._files = _StepFiles(self.path)
+        return self._files
 
     def read_metadata(self, *args, **kwargs):
-        manifest_path = os.path.join(self.path, "manifest.json")
+        manifest_path = self._step().name("manifest.json")
         try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
+            manifest = self._step().read_manifest()
+        except (OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"{manifest_path}: not a ckptd manifest: {e}") from e
         if manifest.get("format") != "ckptd-manifest" or manifest.get("format_version", 0) > 1:
             raise ValueError(f"{manifest_path}: not a ckptd manifest of a version this reader knows")
@@ -123,7 +180,7 @@ class CkptdStorageReader(StorageReader):
                                  "(load the train state with ckptd.torch.CheckpointManager)")
             by_file.setdefault(self._pieces[item.storage_index][0], []).append(item)
         for file_name, items in sorted(by_file.items()):
-            with open(os.path.join(self.path, file_name), "rb") as f:
+            with self._step().open(file_name) as f:
                 start = self._data_region(f, file_name)
                 for item in sorted(items, key=lambda i: self._pieces[i.storage_index][1][0]):
                     stored = self._read_piece(f, start, item.storage_index)

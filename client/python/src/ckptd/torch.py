@@ -398,7 +398,10 @@ class CheckpointManager:
         "model", "optimizer" (its tensors and hyper-parameters), "lr_scheduler", "rng", the
         name of an `extra_state` entry, or a shell pattern on tensor names ("layers.0.*",
         "optim.*.exp_avg_sq"). `strict=False` skips tensors that the model has and the
-        checkpoint lacks, or the reverse, with a warning naming them."""
+        checkpoint lacks, or the reverse, with a warning naming them.
+
+        After a restore, `manager.restored` says what came back: {"step", "source" (memory,
+        disk, or remote: ckptd's --remote tier), "bytes"}."""
         self._check_open()
         if from_dcp is not None:
             return self._load_from_dcp(os.fspath(from_dcp), step)
@@ -432,6 +435,7 @@ class CheckpointManager:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
         log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
+        self.restored = {"step": info["step"], "source": info["source"], "bytes": info["bytes"]}
         self._run = info["step"]
         return info["step"]
 
