@@ -42,6 +42,23 @@ if [ "${CKPTD_SKIP_FUZZ:-0}" != 1 ]; then
   echo "$fuzz_out"
 fi
 
+# The benchmarks, each run briefly at small sizes so that none rots unnoticed (their real
+# figures are in docs/benchmarks.md); CKPTD_SKIP_BENCH=1 leaves them out.
+bench_lines=()
+if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
+  for bench in "ckpt_bench:bazel-bin/tests/bench/ckpt_bench --ranks 1 --bytes-per-rank 16M --rounds 1 --skip-torch --latency-samples 10" \
+               "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick"; do
+    name=${bench%%:*}
+    if out=$(timeout 600 ${bench#*:} 2>&1); then
+      echo "$out"
+      bench_lines+=("bench $name: passed")
+    else
+      echo "$out"
+      bench_lines+=("bench $name: FAILED")
+    fi
+  done
+fi
+
 passed=0
 failed=0
 skipped=0
@@ -95,6 +112,15 @@ while IFS= read -r line; do
     failed=$((failed + 1))
   fi
 done <<< "$fuzz_out"
+for line in "${bench_lines[@]}"; do
+  if [[ $line =~ ^bench\ ([a-z_]+):\ passed ]]; then
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/bench:${BASH_REMATCH[1]} (quick)" 1 0 0
+    passed=$((passed + 1))
+  else
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/bench:${line#bench }" 0 1 0
+    failed=$((failed + 1))
+  fi
+done
 
 if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
   failed=1  # a build itself failed
