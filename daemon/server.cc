@@ -67,6 +67,8 @@ struct Server::Parts {
   // Every node of the group writes into `store` (--shared-root, or --remote-mode direct):
   // the coordinator publishes each step and owns its retention.
   bool shared_store = false;
+  // Whose each job is; outlives every stage that asks (the uploader's thread included).
+  std::unique_ptr<JobOwners> owners;
   // --remote: the remote tier (tiered mode; in direct mode `store` is on it instead).
   std::unique_ptr<format::CheckpointStore> remote;
   cuda::StagingPoolPtr pool;
@@ -97,7 +99,6 @@ struct Server::Parts {
   std::unique_ptr<ArenaBudget> arena_budget;  // what mapped arenas may cost, per user
   std::unique_ptr<TrainerService> trainer_service;
   PeerTable peers;  // who is at the other end of each accepted socket connection
-  std::unique_ptr<JobOwners> owners;
   std::unique_ptr<AdminService> admin_service;
   std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
@@ -310,6 +311,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     if (remote) p->remote = std::make_unique<format::CheckpointStore>(remote, config.remote);
   }
   p->store->set_shared(p->shared_store);
+  // Before any stage that could write a job's files (the uploader's thread starts below).
+  p->owners = std::make_unique<JobOwners>(
+      *p->fs, config.root,
+      JobOwners::Options{::geteuid(), config.job_gids,
+                         p->remote ? &p->remote->objects() : direct ? &p->store->objects() : nullptr});
+  if (int closed = p->owners->CloseAll(); closed > 0) {
+    log::Get(log::Component::kMain).info("{} job directories readable by their owners alone", closed);
+  }
   std::vector<std::pair<std::string, uint64_t>> in_doubt;
   // On a shared store only the coordinator looks after step directories.
   const bool own_steps = !p->shared_store || config.node_rank == 0;
@@ -374,6 +383,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       o.publishes = publishes;
       if (grouped && !p->shared_store) o.node = config.node_rank;
       o.wait_for_parts = std::chrono::milliseconds(config.upload_wait_ms);
+      // A job's owner record goes to the bucket before its first step does.
+      o.before_upload = [owners = p->owners.get()](const std::string& job) {
+        return owners->PublishRemote(job);
+      };
       p->uploader = std::make_unique<upload::Uploader>(
           *p->store, *p->remote, *p->retention, o,
           [keeper = p->remote_retention.get()](const std::string& job) {
@@ -453,11 +466,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.arena_budget = p->arena_budget.get();
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
-  p->owners = std::make_unique<JobOwners>(
-      *p->fs, config.root, JobOwners::Options{::geteuid(), config.job_gids});
-  if (int closed = p->owners->CloseAll(); closed > 0) {
-    log::Get(log::Component::kMain).info("{} job directories readable by their owners alone", closed);
-  }
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, DescriptorSocketPath(config.socket));

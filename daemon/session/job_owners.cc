@@ -19,6 +19,27 @@ constexpr char kOwnerFile[] = ".owner";
 
 }  // namespace
 
+// {"uid": U, "gid": G}; nullopt when it is not one.
+static std::optional<std::pair<uid_t, std::optional<gid_t>>> ParseOwner(const std::string& text) {
+  auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("uid") || !j["uid"].is_number_unsigned() ||
+      j["uid"].get<uint64_t>() > UINT32_MAX) {
+    return std::nullopt;
+  }
+  std::pair<uid_t, std::optional<gid_t>> owner{j["uid"].get<uid_t>(), std::nullopt};
+  if (j.contains("gid")) {
+    if (!j["gid"].is_number_unsigned() || j["gid"].get<uint64_t>() > UINT32_MAX) return std::nullopt;
+    owner.second = j["gid"].get<gid_t>();
+  }
+  return owner;
+}
+
+static std::string OwnerRecord(uid_t uid, std::optional<gid_t> gid) {
+  nlohmann::json j = {{"uid", uid}};
+  if (gid) j["gid"] = *gid;
+  return j.dump() + "\n";
+}
+
 JobOwners::JobOwners(Filesystem& fs, std::string root, Options options)
     : fs_(fs), root_(std::move(root)), options_(std::move(options)) {}
 
@@ -27,10 +48,41 @@ bool JobOwners::Allowed(const Owner& owner, const PeerIdentity& caller) const {
          (owner.gid && caller.InGroup(*owner.gid));
 }
 
+absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadRemote(const std::string& job) {
+  absl::StatusOr<std::string> text = options_.remote->Get(job + "/" + kOwnerFile, 4096);
+  if (absl::IsNotFound(text.status())) return std::optional<Owner>();
+  if (!text.ok()) {
+    // Unavailable: Privileged callers go on (see OwnerOf); everyone else is refused.
+    return absl::UnavailableError(fmt::format(
+        "job {}: cannot ask the remote tier who owns it ({}); only root or ckptd's own user may "
+        "use it until the remote tier answers",
+        job, Message(text.status())));
+  }
+  auto parsed = ParseOwner(*text);
+  if (!parsed) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: its owner record {} is damaged; only root or ckptd's own user may use the job "
+        "until an operator fixes it",
+        job, options_.remote->Describe(job + "/" + kOwnerFile)));
+  }
+  published_.insert(job);
+  return std::optional<Owner>(Owner{parsed->first, parsed->second});
+}
+
 absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std::string& job) {
   if (auto it = owners_.find(job); it != owners_.end()) return std::optional<Owner>(it->second);
   std::string path = root_ + "/" + job + "/" + kOwnerFile;
-  if (!fs_.Exists(path)) return std::optional<Owner>();
+  if (!fs_.Exists(path)) {
+    if (options_.remote == nullptr) return std::optional<Owner>();
+    // A node with an empty disk (a replacement, direct mode): the remote tier may hold the
+    // job's steps, and then says whose they are.
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> remote, LoadRemote(job));
+    if (remote) {
+      owners_[job] = *remote;
+      only_remote_.insert(job);
+    }
+    return remote;
+  }
   auto refuse = [&](std::string_view why) {
     return absl::PermissionDeniedError(fmt::format(
         "job {}: its owner record {} {}; only root or ckptd's own user may use the job until an "
@@ -39,29 +91,43 @@ absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std:
   };
   auto text = ReadSmallFile(fs_, path);
   if (!text.ok()) return refuse(fmt::format("cannot be read ({})", Message(text.status())));
-  auto j = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object() || !j.contains("uid") || !j["uid"].is_number_unsigned() ||
-      j["uid"].get<uint64_t>() > UINT32_MAX) {
-    return refuse("is damaged");
-  }
-  Owner owner{j["uid"].get<uid_t>(), std::nullopt};
-  if (j.contains("gid")) {
-    if (!j["gid"].is_number_unsigned() || j["gid"].get<uint64_t>() > UINT32_MAX) {
-      return refuse("is damaged");
-    }
-    owner.gid = j["gid"].get<gid_t>();
-  }
+  auto parsed = ParseOwner(*text);
+  if (!parsed) return refuse("is damaged");
+  Owner owner{parsed->first, parsed->second};
   CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
   owners_[job] = owner;
   return std::optional<Owner>(owner);
 }
 
 absl::Status JobOwners::WriteRecord(const std::string& job, const Owner& owner) {
-  nlohmann::json j = {{"uid", owner.uid}};
-  if (owner.gid) j["gid"] = *owner.gid;
   // Written whole under a temporary name of its own, then renamed: a crash leaves the old
   // state, and two daemons on one shared root claiming the job at once both succeed.
-  return WriteFileAtomically(fs_, root_ + "/" + job + "/" + kOwnerFile, j.dump() + "\n");
+  return WriteFileAtomically(fs_, root_ + "/" + job + "/" + kOwnerFile, OwnerRecord(owner.uid, owner.gid));
+}
+
+absl::Status JobOwners::PublishRemote(const std::string& job) {
+  if (options_.remote == nullptr) return absl::OkStatus();
+  std::lock_guard lock(mu_);
+  if (published_.count(job)) return absl::OkStatus();
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> there, LoadRemote(job));
+  if (!here) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {} has no owner on record here: its steps are not uploaded (an operator writes its "
+        "{} first)", job, kOwnerFile));
+  }
+  if (there) {
+    if (there->uid != here->uid || there->gid != here->gid) {
+      return absl::PermissionDeniedError(fmt::format(
+          "job {} in the remote tier belongs to uid {}, here to uid {}: nothing of it is uploaded "
+          "over another user's job (rename the job, or an operator resolves it)",
+          job, there->uid, here->uid));
+    }
+    return absl::OkStatus();
+  }
+  CKPT_RETURN_IF_ERROR(options_.remote->Put(job + "/" + kOwnerFile, OwnerRecord(here->uid, here->gid)));
+  published_.insert(job);
+  return absl::OkStatus();
 }
 
 absl::Status JobOwners::ProtectLocked(const std::string& job, const Owner& owner) {
@@ -88,9 +154,21 @@ absl::Status JobOwners::Refuse(const std::string& job, const Owner& owner,
       owner.gid ? fmt::format(" (and group {})", *owner.gid) : "", caller.Describe(), what));
 }
 
+absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::OwnerOf(const std::string& job,
+                                                                    const PeerIdentity& caller) {
+  absl::StatusOr<std::optional<Owner>> owner = LoadLocked(job);
+  if (absl::IsUnavailable(owner.status())) {
+    // The remote tier cannot say whose the job is: root and ckptd's user go on as with a
+    // job nobody owns on record; anyone else is refused (never a trainer's "unavailable").
+    if (caller.uid == 0 || caller.uid == options_.daemon_uid) return std::optional<Owner>();
+    return absl::PermissionDeniedError(Message(owner.status()));
+  }
+  return owner;
+}
+
 absl::Status JobOwners::MayClaimLocked(const std::string& job, const PeerIdentity& caller) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, LoadLocked(job));
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, OwnerOf(job, caller));
   if (owner) {
     if (!Allowed(*owner, caller)) return Refuse(job, *owner, caller, "register ranks into");
     return absl::OkStatus();
@@ -123,18 +201,25 @@ absl::Status JobOwners::MayClaim(const std::string& job, const PeerIdentity& cal
 absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller) {
   std::lock_guard lock(mu_);
   CKPT_RETURN_IF_ERROR(MayClaimLocked(job, caller));
-  if (owners_.count(job)) return absl::OkStatus();
   Owner owner{caller.uid, std::nullopt};
-  for (uint32_t gid : options_.job_gids) {
-    if (caller.InGroup(gid)) {
-      owner.gid = gid;
-      break;
+  if (auto it = owners_.find(job); it != owners_.end()) {
+    // Known here; or only to the remote tier (a node with an empty disk), and then the
+    // local record is written now, for that owner.
+    if (!only_remote_.count(job)) return absl::OkStatus();
+    owner = it->second;
+  } else {
+    for (uint32_t gid : options_.job_gids) {
+      if (caller.InGroup(gid)) {
+        owner.gid = gid;
+        break;
+      }
     }
   }
   CKPT_RETURN_IF_ERROR(fs_.MakePrivateDir(root_ + "/" + job));
   CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
   CKPT_RETURN_IF_ERROR(WriteRecord(job, owner));
   owners_[job] = owner;
+  only_remote_.erase(job);
   return absl::OkStatus();
 }
 
@@ -183,7 +268,7 @@ absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller
                               std::string_view what) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   std::lock_guard lock(mu_);
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, LoadLocked(job));
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, OwnerOf(job, caller));
   if (!owner) {
     if (caller.uid == 0 || caller.uid == options_.daemon_uid) return absl::OkStatus();
     return absl::PermissionDeniedError(fmt::format(

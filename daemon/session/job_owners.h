@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "storage/filesystem.h"
+#include "storage/store.h"
 #include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {
@@ -26,6 +27,10 @@ class JobOwners {
   struct Options {
     uid_t daemon_uid = 0;
     std::vector<uint32_t> job_gids;  // --job-group: members share the jobs they create
+    // --remote: owner records are kept in the remote tier too (<job>/.owner), so that a
+    // node with an empty disk knows whose job it is before it restores it from there.
+    // A job the remote tier cannot be asked about is refused (root excepted): fail closed.
+    storage::Store* remote = nullptr;
   };
 
   JobOwners(Filesystem& fs, std::string root, Options options);
@@ -50,6 +55,11 @@ class JobOwners {
   // record stays ckptd's alone). Logged: an operator should know.
   void Restore(const std::string& job);
 
+  // Before a job's steps go to the remote tier: its owner record goes there first, or is
+  // already there and names the same owner. PermissionDenied when the remote tier's job of
+  // that name belongs to someone else (nothing of this job may be uploaded over it).
+  absl::Status PublishRemote(const std::string& job);
+
   // May `caller` `what` (e.g. "delete steps of") `job`? A job without an owner record (made
   // by an older ckptd, or never registered) is open to root and the daemon's uid only.
   absl::Status Check(const std::string& job, const PeerIdentity& caller, std::string_view what);
@@ -65,12 +75,17 @@ class JobOwners {
   // error when the record exists but cannot be read.
   absl::StatusOr<std::optional<Owner>> LoadLocked(const std::string& job);
   absl::Status MayClaimLocked(const std::string& job, const PeerIdentity& caller);
+  // LoadLocked for `caller`: a remote tier that cannot be asked refuses all but root and
+  // ckptd's uid, for whom the job is then one nobody owns on record.
+  absl::StatusOr<std::optional<Owner>> OwnerOf(const std::string& job, const PeerIdentity& caller);
   // Makes the job's directory readable by `owner` alone (once per job and daemon run: jobs
   // made by an older ckptd, whose directories were open to ckptd's group, are closed the
   // first time they are used).
   absl::Status ProtectLocked(const std::string& job, const Owner& owner);
   // Writes <root>/<job>/.owner, the record LoadLocked reads.
   absl::Status WriteRecord(const std::string& job, const Owner& owner);
+  // The remote tier's record of `job`: nullopt when it has none.
+  absl::StatusOr<std::optional<Owner>> LoadRemote(const std::string& job);
   absl::Status Refuse(const std::string& job, const Owner& owner, const PeerIdentity& caller,
                       std::string_view what) const;
 
@@ -80,6 +95,8 @@ class JobOwners {
   std::mutex mu_;
   std::map<std::string, Owner> owners_;
   std::set<std::string> protected_;  // jobs whose directory ProtectLocked has closed
+  std::set<std::string> published_;  // jobs whose record the remote tier holds
+  std::set<std::string> only_remote_;  // jobs whose owner only the remote tier recorded
 };
 
 }  // namespace ckpt::daemon

@@ -195,6 +195,7 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
 
 absl::Status Uploader::Upload(Pending& p) {
   const format::Manifest& m = p.manifest;
+  if (options_.before_upload) CKPT_RETURN_IF_ERROR(options_.before_upload(m.job));
   if (remote_.Committed(m.job, m.step)) return absl::OkStatus();  // uploaded before a restart
   const std::vector<std::string> files = FilesToUpload(m);
   // What an interrupted attempt already sent is not sent again: each object is whole or

@@ -60,6 +60,9 @@ class Uploader {
     std::chrono::milliseconds max_backoff{std::chrono::seconds(60)};
     size_t buffer_bytes = size_t{16} << 20;  // per file being uploaded
     int parallel_files = 4;                  // files of a step uploaded at once
+    // Runs before each attempt at a job's step (the job's owner record goes first); an
+    // error fails the attempt.
+    std::function<absl::Status(const std::string& job)> before_upload;
   };
 
   // `uploaded` runs after a step is published remotely (remote retention); `on_error`

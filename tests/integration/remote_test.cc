@@ -13,6 +13,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <csignal>
 #include <fstream>
 #include <cstdlib>
@@ -326,4 +328,48 @@ TEST_CASE("a group: every node uploads its part, the coordinator publishes; a no
     CHECK(Contains(r.out, "restored step=8"));
     CHECK(Contains(r.out, "match"));
   }
+}
+
+TEST_CASE("a replacement node knows whose job it is: another uid cannot take the job from the bucket") {
+  REQUIRE(::geteuid() == 0);  // the suite runs as root so that it can be other users
+  const Bucket bucket = FreshBucket();
+  auto open_socket = [](const Daemon& d) {  // only ckptd's own checks stand in the way
+    ::chmod(std::filesystem::path(d.socket()).parent_path().c_str(), 0755);
+    ::chmod(d.socket().c_str(), 0666);
+    ::chmod((d.socket() + ".ctl").c_str(), 0666);
+  };
+  auto as = [](const Daemon& d, int uid, std::vector<std::string> args) {
+    args.insert(args.begin(), {"--as-uid", std::to_string(uid), "--job", "mine", "--bytes", "100000"});
+    return Helper(d, args);
+  };
+  const std::vector<std::string> flags = {"--remote", bucket.url, "--allow-uid", "1000", "--allow-uid", "1001"};
+  TempDir dir;
+  {
+    Daemon d(dir, flags);
+    d.Start();
+    open_socket(d);
+    RunResult saved = Run(as(d, 1000, {"save", "--step", "4", "--wait-committed"}), dir.path());
+    INFO(saved.out << saved.err);
+    REQUIRE(saved.exit_code == 0);
+    REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "mine", 4); }));
+    REQUIRE(d.Stop() == 0);
+    std::filesystem::remove_all(d.root());
+  }
+  TempDir fresh;
+  Daemon e(fresh, flags);
+  e.Start();
+  open_socket(e);
+  // The first comer on the new node is not the job's owner: refused, nothing restored.
+  RunResult intruder = Run(as(e, 1001, {"check"}), fresh.path());
+  INFO(intruder.out << intruder.err << e.Log());
+  CHECK(intruder.exit_code != 0);
+  CHECK(Contains(intruder.out, "job mine belongs to uid 1000"));
+  CHECK_FALSE(Contains(intruder.out, "restored step"));
+  RunResult intruder_save = Run(as(e, 1001, {"save", "--step", "5", "--wait-committed"}), fresh.path());
+  CHECK(intruder_save.exit_code != 0);
+  // The owner restores from the bucket.
+  RunResult owner = Run(as(e, 1000, {"check"}), fresh.path());
+  INFO(owner.out << owner.err);
+  CHECK(owner.exit_code == 0);
+  CHECK(Contains(owner.out, "restored step=4 source=remote"));
 }
