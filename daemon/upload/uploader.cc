@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <set>
+#include <tuple>
 
 #include "common/log.h"
 #include "common/status.h"
@@ -16,6 +17,17 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 spdlog::logger& Log() { return log::Get(log::Component::kUpload); }
+
+// Where a node reports that its part of a step is uploaded, by the run that saved it:
+// "<job>/.uploads/step-N/node-K". Beside the step's prefix rather than in it (a step holds
+// only what its manifest lists), and bound to the run, so that objects of the same names
+// and sizes left by another run that once reached the same step number never pass for it.
+std::string ReportPrefix(const std::string& job, uint64_t step) {
+  return fmt::format("{}/.uploads/step-{:08d}", job, step);
+}
+std::string ReportKey(const std::string& job, uint64_t step, uint32_t node) {
+  return fmt::format("{}/node-{}", ReportPrefix(job, step), node);
+}
 
 double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -159,10 +171,23 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
     for (const storage::ListEntry& e : there) {
       if (!e.is_prefix) sizes[e.name] = e.bytes;
     }
+    // The other nodes' reports, by the run that saved this step.
+    std::set<uint32_t> reported;
+    for (const format::ManifestNode& n : manifest.nodes) {
+      if (options_.node && n.node == *options_.node) {
+        reported.insert(n.node);
+        continue;
+      }
+      absl::StatusOr<std::string> run = remote_.objects().Get(ReportKey(manifest.job, manifest.step, n.node), 64);
+      if (run.ok() && *run == std::to_string(manifest.run)) reported.insert(n.node);
+    }
     std::vector<uint32_t> missing;  // ranks
     for (const format::ManifestShard& s : manifest.shards) {
       auto it = sizes.find(s.file);
-      if (it == sizes.end() || it->second != s.bytes) missing.push_back(s.rank);
+      const std::optional<uint32_t> node = manifest.NodeOf(s.rank);
+      if (it == sizes.end() || it->second != s.bytes || (node && !reported.count(*node))) {
+        missing.push_back(s.rank);
+      }
     }
     if (missing.empty()) return absl::OkStatus();
     std::set<uint32_t> nodes;
@@ -196,14 +221,28 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
 absl::Status Uploader::Upload(Pending& p) {
   const format::Manifest& m = p.manifest;
   if (options_.before_upload) CKPT_RETURN_IF_ERROR(options_.before_upload(m.job));
-  if (remote_.Committed(m.job, m.step)) return absl::OkStatus();  // uploaded before a restart
+  if (remote_.Committed(m.job, m.step)) {
+    // Uploaded before a restart; or a step of the same number from another run, which is
+    // not this one and is never replaced behind a reader's back.
+    CKPT_ASSIGN_OR_RETURN(format::Manifest there, remote_.LoadManifest(m.job, m.step));
+    if (there.run == m.run) return absl::OkStatus();
+    return absl::AlreadyExistsError(fmt::format(
+        "the remote tier already holds a step {} of job {} saved by another run; this run's step "
+        "{} stays local (delete the remote one to upload it)", m.step, m.job, m.step));
+  }
   const std::vector<std::string> files = FilesToUpload(m);
-  // What an interrupted attempt already sent is not sent again: each object is whole or
-  // absent (a multipart upload appears only once completed).
-  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there,
-                        remote_.objects().List(remote_.TempStepKey(m.job, m.step)));
+  // What an earlier attempt of this process at this very step already sent is not sent
+  // again (each object is whole or absent: a multipart upload appears only once completed).
+  // Objects found from before (a restart, another run) are sent again: their names and
+  // sizes do not say which run wrote them.
   std::map<std::string, uint64_t> sizes;
-  for (const storage::ListEntry& e : there) sizes[e.name] = e.bytes;
+  const auto attempt = std::make_tuple(m.job, m.step, m.run);
+  if (attempted_.count(attempt)) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there,
+                          remote_.objects().List(remote_.TempStepKey(m.job, m.step)));
+    for (const storage::ListEntry& e : there) sizes[e.name] = e.bytes;
+  }
+  attempted_.insert(attempt);
   {
     std::lock_guard lock(mu_);
     progress_.bytes_total = progress_.bytes_done = 0;
@@ -244,14 +283,26 @@ absl::Status Uploader::Upload(Pending& p) {
   work();
   for (std::thread& t : workers) t.join();
   CKPT_RETURN_IF_ERROR(first_error);
-  if (!options_.publishes) return absl::OkStatus();
+  if (!options_.publishes) {
+    // This node's part is there: tell the publisher, for this run.
+    return remote_.objects().Put(ReportKey(m.job, m.step, options_.node.value_or(0)),
+                                 std::to_string(m.run));
+  }
   CKPT_RETURN_IF_ERROR(WaitForParts(m, Clock::now() - start));
-  absl::Status committed = remote_.Commit(m);  // the manifest, last
-  if (absl::IsAlreadyExists(committed)) return absl::OkStatus();
-  return committed;
+  CKPT_RETURN_IF_ERROR(remote_.Commit(m));  // the manifest, last
+  (void)remote_.objects().RemovePrefix(ReportPrefix(m.job, m.step));  // leftovers: RemoveOrphans
+  return absl::OkStatus();
 }
 
 void Uploader::RemoveOrphans(const std::string& job, uint64_t published) {
+  if (auto reports = remote_.objects().List(job + "/.uploads"); reports.ok()) {
+    for (const storage::ListEntry& e : *reports) {
+      uint64_t step;
+      if (e.is_prefix && format::ParseStepDirName(e.name, &step) && step < published) {
+        (void)remote_.objects().RemovePrefix(ReportPrefix(job, step));
+      }
+    }
+  }
   absl::StatusOr<std::vector<storage::ListEntry>> entries = remote_.objects().List(job);
   if (!entries.ok()) return;
   for (const storage::ListEntry& e : *entries) {
@@ -316,6 +367,9 @@ void Uploader::Loop() {
                  options_.publishes ? "(manifest written)" : "(this node's part)",
                  progress_.bytes_total, SecondsSince(started));
       if (options_.publishes) last_uploaded_[job] = std::max(last_uploaded_[job], step);
+      for (auto it = attempted_.begin(); it != attempted_.end();) {  // bounded by the queue
+        it = std::get<0>(*it) == job && std::get<1>(*it) <= step ? attempted_.erase(it) : std::next(it);
+      }
       state.failures = 0;
       state.last_error.clear();
       current_.reset();
@@ -332,6 +386,14 @@ void Uploader::Loop() {
     }
     const std::string message = fmt::format("[{} s{}] upload: {}", job, step, Message(s));
     state.last_error = Message(s);
+    if (absl::IsAlreadyExists(s)) {
+      // Retrying cannot help: said once, on the log and status.
+      Log().error("{}", message);
+      current_.reset();
+      lock.unlock();
+      on_error_(message);
+      continue;
+    }
     if (absl::IsCancelled(s) || state.queued) {
       // A newer step waits: it replaces this one (its objects go as orphans).
       Log().warn("{}; uploading step {} instead", message,

@@ -21,6 +21,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <tuple>
 #include <string>
 #include <thread>
 #include <vector>
@@ -127,6 +129,8 @@ class Uploader {
   std::optional<Pending> current_;   // being uploaded (the thread's; progress under mu_)
   UploadProgress progress_;          // of current_
   std::map<std::string, uint64_t> last_uploaded_;
+  // (job, step, run) this process has made an attempt at (the uploader's thread only).
+  std::set<std::tuple<std::string, uint64_t, uint64_t>> attempted_;
   std::thread thread_;
 };
 

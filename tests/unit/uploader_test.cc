@@ -40,6 +40,7 @@ ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t
   m.step = step;
   m.world_size = 2;
   m.unix_time = 1000.0 + static_cast<double>(step);
+  m.run = 777;
   m.nodes = {{0, {0}}, {1, {1}}};
   REQUIRE(store.BeginStep("j", step).ok());
   for (uint32_t r = 0; r < 2; ++r) {
@@ -92,6 +93,7 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
                     },
                     [](const std::string&) {});
   ckpt::format::Manifest first = CommitStep(local, 1, {0});
+
   uploader.Committed(first);
   retention.Schedule("j");
   REQUIRE(Within(5s, [&] {
@@ -109,13 +111,26 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   CHECK(local.Committed("j", 3));
   CHECK_FALSE(remote.Committed("j", 1));  // never before every file is there
 
-  // Node 1's part of step 1 arrives: the manifest is written, step 3 is next.
+  // Node 1's file of step 1 arrives, with a report from another run (the same names and
+  // sizes, left by a run that once reached step 1 too): not this step's part.
   auto out = remote.objects().Create(remote.TempStepKey("j", 1) + "/" + ckpt::format::ShardFileName(1));
   REQUIRE(out.ok());
   std::string bytes(5001, 'z');
   REQUIRE((*out)->Append(bytes.data(), bytes.size()).ok());
   REQUIRE((*out)->Finish().ok());
+  REQUIRE(remote.objects().Put("j/.uploads/step-00000001/node-1", "12345").ok());
+  std::this_thread::sleep_for(200ms);
+  CHECK_FALSE(remote.Committed("j", 1));
+  // Node 1 reports its part for this run: the manifest is written, step 3 is next.
+  REQUIRE(remote.objects().Put("j/.uploads/step-00000001/node-1", std::to_string(first.run)).ok());
   REQUIRE(Within(5s, [&] { return remote.Committed("j", 1); }));
+  // What was uploaded is what was committed here.
+  auto uploaded = remote.objects().Open("j/step-00000001/" + ckpt::format::ShardFileName(0));
+  REQUIRE(uploaded.ok());
+  std::string got(5000, '\0');
+  REQUIRE((*uploaded)->ReadAt(got.data(), got.size(), 0).ok());
+  CHECK(got == std::string(5000, 'b'));
+  CHECK_FALSE(remote.objects().Exists("j/.uploads/step-00000001/node-1").value_or(true));
   auto manifest = remote.LoadManifest("j", 1);
   REQUIRE(manifest.ok());
   CHECK(manifest->shards.size() == 2);
