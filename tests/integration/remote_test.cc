@@ -8,11 +8,6 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <sys/stat.h>
 
 #include <csignal>
@@ -81,6 +76,13 @@ uint64_t U64(const json& j, const std::string& key) {
   return j[key].is_string() ? std::stoull(j[key].get<std::string>()) : j[key].get<uint64_t>();
 }
 
+// The first upload `ckptctl status` lists for `job` (an empty object when none).
+json FirstUpload(const Daemon& d, const std::string& job) {
+  json j = JobStatus(d, job);
+  if (!j.contains("uploads") || j["uploads"].empty()) return json::object();
+  return j["uploads"][0];
+}
+
 template <typename Pred>
 bool Within(std::chrono::milliseconds limit, Pred pred) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
@@ -112,17 +114,6 @@ void RestoresExactly(const Daemon& d, const TempDir& dir, uint32_t world, const 
   }
 }
 
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 // Ranks of one job spread over nodes: `ranks[n]` run against node n's daemon, all at once.
 std::vector<RunResult> RanksOnNodes(const std::vector<const Daemon*>& nodes,
@@ -197,11 +188,7 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   d.Start();
   CHECK(Contains(d.Log(), "--remote " + bucket.url));
   SaveRanks(d, dir, 2, 5);
-  REQUIRE(Within(30s, [&] {
-    json j = JobStatus(d, "reshard");
-    return j.contains("uploads") && !j["uploads"].empty() &&
-           !j["uploads"][0].value("last_error", "").empty();
-  }));
+  REQUIRE(Within(30s, [&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }));
   CHECK(d.Ctl({"--job", "reshard", "list"}).out.find("local") != std::string::npos);
   CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 5));
   // Once the gateway answers again the step goes up by itself.
@@ -212,9 +199,8 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   proxy.Cut(TcpProxy::CutMode::kBlackhole);
   SaveRanks(d, dir, 2, 6);
   REQUIRE(Within(30s, [&] {
-    json j = JobStatus(d, "reshard");
-    return j.contains("uploads") && !j["uploads"].empty() && U64(j["uploads"][0], "step") == 6 &&
-           j["uploads"][0].value("state", "") == "uploading";
+    json u = FirstUpload(d, "reshard");
+    return U64(u, "step") == 6 && u.value("state", "") == "uploading";
   }));
   d.Kill();
   CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 6));
@@ -254,11 +240,7 @@ TEST_CASE("wrong credentials: commits go on locally, the upload's error names th
   Daemon d(dir, {"--remote", bucket.url});
   d.Start();
   SaveRanks(d, dir, 1, 3);
-  REQUIRE(Within(30s, [&] {
-    json j = JobStatus(d, "reshard");
-    return j.contains("uploads") && !j["uploads"].empty() &&
-           !j["uploads"][0].value("last_error", "").empty();
-  }));
+  REQUIRE(Within(30s, [&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }));
   json j = JobStatus(d, "reshard");
   INFO(j.dump());
   CHECK(U64(j, "latest_committed_step") == 3);
@@ -275,7 +257,7 @@ TEST_CASE("a group: every node uploads its part, the coordinator publishes; a no
   const std::string token = shared.path() + "/token";
   std::ofstream(token) << "remote-test-group-token-0123456789abcdef\n";
   std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  const std::string coordinator = fmt::format("127.0.0.1:{}", FreePort());
+  const std::string coordinator = fmt::format("127.0.0.1:{}", PickFreePort());
   auto flags = [&](int n) {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", "2",
                                   "--coordinator", coordinator, "--group-token-file", token,
