@@ -30,7 +30,8 @@ absl::Status RetentionKeeper::DeleteStep(const std::string& job, uint64_t step) 
     std::lock_guard lock(mu_);
     if (pins_.count({job, step})) {
       return absl::FailedPreconditionError(fmt::format(
-          "step {} of job {} is being restored; delete it once the restore is done", step, job));
+          "step {} of job {} is in use (being restored, verified or uploaded to the remote tier); "
+          "delete it once that is done", step, job));
     }
   }
   CKPT_RETURN_IF_ERROR(store_.Delete(job, step));

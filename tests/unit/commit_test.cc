@@ -340,7 +340,7 @@ TEMPLATE_TEST_CASE("retention runs after each commit and spares pinned steps", "
   // An operator's delete spares a step being restored, and takes the in-memory copy along.
   absl::Status pinned = f.retention.DeleteStep("job", 10);
   CHECK(absl::IsFailedPrecondition(pinned));
-  CHECK_THAT(Message(pinned), Catch::Contains("being restored"));
+  CHECK_THAT(Message(pinned), Catch::Contains("in use (being restored"));
   REQUIRE(f.hot.Find("job", 0, 40) != nullptr);
   REQUIRE(f.retention.DeleteStep("job", 40).ok());
   CHECK(f.hot.Find("job", 0, 40) == nullptr);
