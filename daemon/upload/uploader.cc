@@ -366,18 +366,21 @@ void Uploader::Loop() {
       Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.1f} s)", job, step,
                  options_.publishes ? "(manifest written)" : "(this node's part)",
                  progress_.bytes_total, SecondsSince(started));
-      if (options_.publishes) last_uploaded_[job] = std::max(last_uploaded_[job], step);
       for (auto it = attempted_.begin(); it != attempted_.end();) {  // bounded by the queue
         it = std::get<0>(*it) == job && std::get<1>(*it) <= step ? attempted_.erase(it) : std::next(it);
       }
       state.failures = 0;
       state.last_error.clear();
-      current_.reset();
-      lock.unlock();
       if (options_.publishes) {
+        // Housekeeping before the step counts as done, so that status shows it going on.
+        progress_.state = "removing unfinished older steps";
+        lock.unlock();
         RemoveOrphans(job, step);
         uploaded_(job);
+        lock.lock();
+        last_uploaded_[job] = std::max(last_uploaded_[job], step);
       }
+      current_.reset();
       continue;
     }
     if (stopping_) {

@@ -194,6 +194,8 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   // Once the gateway answers again the step goes up by itself.
   proxy.Heal();
   REQUIRE(Within(60s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+  // Its housekeeping done too (the uploader is free for the next step).
+  REQUIRE(Within(30s, [&] { return U64(JobStatus(d, "reshard"), "latest_remote_step") == 5; }));
 
   // A gateway that stops answering mid-upload, and ckptd killed while it waits.
   proxy.Cut(TcpProxy::CutMode::kBlackhole);
@@ -354,4 +356,21 @@ TEST_CASE("a replacement node knows whose job it is: another uid cannot take the
   INFO(owner.out << owner.err);
   CHECK(owner.exit_code == 0);
   CHECK(Contains(owner.out, "restored step=4 source=remote"));
+}
+
+TEST_CASE("the remote tier's own retention keeps the newest K uploaded steps") {
+  const Bucket bucket = FreshBucket();
+  TempDir dir;
+  Daemon d(dir, {"--remote", bucket.url, "--remote-keep-last", "1", "--keep-last", "0"});
+  d.Start();
+  SaveRanks(d, dir, 1, 5);
+  REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+  SaveRanks(d, dir, 1, 6);
+  INFO(d.Log());
+  REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 6); }));
+  CHECK(Within(30s, [&] { return !RemoteLists(dir, bucket, "reshard", 5); }));
+  // The local tier keeps its own (--keep-last 0: everything).
+  RunResult local = d.Ctl({"--job", "reshard", "list"});
+  CHECK(Contains(local.out, "reshard  5 "));
+  CHECK(d.Stop() == 0);
 }

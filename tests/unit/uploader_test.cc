@@ -134,7 +134,7 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   auto manifest = remote.LoadManifest("j", 1);
   REQUIRE(manifest.ok());
   CHECK(manifest->shards.size() == 2);
-  CHECK(uploader.LastUploaded().at("j") == 1);
+  CHECK(Within(5s, [&] { return uploader.LastUploaded().count("j") && uploader.LastUploaded().at("j") == 1; }));
   REQUIRE(Within(5s, [&] {
     auto p = uploader.InProgress();
     return !p.empty() && p[0].step == 3;
