@@ -17,10 +17,8 @@ namespace {
 
 constexpr char kOwnerFile[] = ".owner";
 
-}  // namespace
-
 // {"uid": U, "gid": G}; nullopt when it is not one.
-static std::optional<std::pair<uid_t, std::optional<gid_t>>> ParseOwner(const std::string& text) {
+std::optional<std::pair<uid_t, std::optional<gid_t>>> ParseOwner(const std::string& text) {
   auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || !j.contains("uid") || !j["uid"].is_number_unsigned() ||
       j["uid"].get<uint64_t>() > UINT32_MAX) {
@@ -34,11 +32,13 @@ static std::optional<std::pair<uid_t, std::optional<gid_t>>> ParseOwner(const st
   return owner;
 }
 
-static std::string OwnerRecord(uid_t uid, std::optional<gid_t> gid) {
+std::string OwnerRecord(uid_t uid, std::optional<gid_t> gid) {
   nlohmann::json j = {{"uid", uid}};
   if (gid) j["gid"] = *gid;
   return j.dump() + "\n";
 }
+
+}  // namespace
 
 JobOwners::JobOwners(Filesystem& fs, std::string root, Options options)
     : fs_(fs), root_(std::move(root)), options_(std::move(options)) {}
@@ -65,7 +65,6 @@ absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadRemote(const std:
         "until an operator fixes it",
         job, options_.remote->Describe(job + "/" + kOwnerFile)));
   }
-  published_.insert(job);
   return std::optional<Owner>(Owner{parsed->first, parsed->second});
 }
 
@@ -80,6 +79,7 @@ absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std:
     if (remote) {
       owners_[job] = *remote;
       only_remote_.insert(job);
+      published_.insert(job);  // the remote tier's record is this job's owner here
     }
     return remote;
   }
@@ -110,12 +110,14 @@ absl::Status JobOwners::PublishRemote(const std::string& job) {
   std::lock_guard lock(mu_);
   if (published_.count(job)) return absl::OkStatus();
   CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> there, LoadRemote(job));
   if (!here) {
     return absl::PermissionDeniedError(fmt::format(
         "job {} has no owner on record here: its steps are not uploaded (an operator writes its "
         "{} first)", job, kOwnerFile));
   }
+  // LoadLocked asked the remote tier already when this node had no record of its own.
+  if (published_.count(job)) return absl::OkStatus();
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> there, LoadRemote(job));
   if (there) {
     if (there->uid != here->uid || there->gid != here->gid) {
       return absl::PermissionDeniedError(fmt::format(
@@ -123,6 +125,7 @@ absl::Status JobOwners::PublishRemote(const std::string& job) {
           "over another user's job (rename the job, or an operator resolves it)",
           job, there->uid, here->uid));
     }
+    published_.insert(job);
     return absl::OkStatus();
   }
   CKPT_RETURN_IF_ERROR(options_.remote->Put(job + "/" + kOwnerFile, OwnerRecord(here->uid, here->gid)));
