@@ -262,13 +262,14 @@ ParseResult ParseFlags(int argc, char** argv) {
     }
     *out = *bytes;
   }
-  for (auto [flag, text, out] :
-       {std::tuple{"--group-timeout", &group_timeout, &c.group_timeout_ms},
-        std::tuple{"--step-timeout", &step_timeout, &c.step_timeout_ms},
-        std::tuple{"--restore-timeout", &restore_timeout, &c.restore_timeout_ms},
-        std::tuple{"--upload-interval", &upload_interval, &c.upload_interval_ms},
-        std::tuple{"--upload-wait", &upload_wait, &c.upload_wait_ms}}) {
-    if (*text == "0" && out == &c.upload_interval_ms) {
+  // The last field: whether "0" turns the setting off (rather than being too short).
+  for (auto [flag, text, out, zero_is_off] :
+       {std::tuple{"--group-timeout", &group_timeout, &c.group_timeout_ms, false},
+        std::tuple{"--step-timeout", &step_timeout, &c.step_timeout_ms, false},
+        std::tuple{"--restore-timeout", &restore_timeout, &c.restore_timeout_ms, false},
+        std::tuple{"--upload-interval", &upload_interval, &c.upload_interval_ms, true},
+        std::tuple{"--upload-wait", &upload_wait, &c.upload_wait_ms, false}}) {
+    if (zero_is_off && *text == "0") {
       *out = 0;
       continue;
     }

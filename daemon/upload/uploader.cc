@@ -105,24 +105,32 @@ void Uploader::CatchUp() {
   }
 }
 
-std::vector<std::string> Uploader::FilesToUpload(const format::Manifest& manifest) const {
+std::vector<const format::ManifestShard*> Uploader::ShardsToUpload(const format::Manifest& manifest) const {
   std::set<uint32_t> ranks;
   if (options_.node) {
     for (const format::ManifestNode& n : manifest.nodes) {
       if (n.node == *options_.node) ranks.insert(n.ranks.begin(), n.ranks.end());
     }
   }
-  std::vector<std::string> files;
+  std::vector<const format::ManifestShard*> shards;
   for (const format::ManifestShard& s : manifest.shards) {
-    if (!options_.node || ranks.count(s.rank)) files.push_back(s.file);
+    if (!options_.node || ranks.count(s.rank)) shards.push_back(&s);
   }
-  return files;
+  return shards;
 }
 
-void Uploader::SetState(const std::string& state, const std::string& error) {
+absl::StatusOr<std::map<std::string, uint64_t>> Uploader::RemoteSizes(const std::string& prefix) {
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there, remote_.objects().List(prefix));
+  std::map<std::string, uint64_t> sizes;
+  for (const storage::ListEntry& e : there) {
+    if (!e.is_prefix) sizes[e.name] = e.bytes;
+  }
+  return sizes;
+}
+
+void Uploader::SetState(const std::string& state) {
   std::lock_guard lock(mu_);
   progress_.state = state;
-  if (!error.empty()) progress_.last_error = error;
 }
 
 bool Uploader::StoppingOrReplaced(const std::string& job) {
@@ -166,11 +174,7 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
   const Clock::time_point start = Clock::now();
   bool announced = false;
   while (true) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there, remote_.objects().List(prefix));
-    std::map<std::string, uint64_t> sizes;
-    for (const storage::ListEntry& e : there) {
-      if (!e.is_prefix) sizes[e.name] = e.bytes;
-    }
+    CKPT_ASSIGN_OR_RETURN(const auto sizes, RemoteSizes(prefix));
     // The other nodes' reports, by the run that saved this step.
     std::set<uint32_t> reported;
     for (const format::ManifestNode& n : manifest.nodes) {
@@ -230,7 +234,6 @@ absl::Status Uploader::Upload(Pending& p) {
         "the remote tier already holds a step {} of job {} saved by another run; this run's step "
         "{} stays local (delete the remote one to upload it)", m.step, m.job, m.step));
   }
-  const std::vector<std::string> files = FilesToUpload(m);
   // What an earlier attempt of this process at this very step already sent is not sent
   // again (each object is whole or absent: a multipart upload appears only once completed).
   // Objects found from before (a restart, another run) are sent again: their names and
@@ -238,30 +241,23 @@ absl::Status Uploader::Upload(Pending& p) {
   std::map<std::string, uint64_t> sizes;
   const auto attempt = std::make_tuple(m.job, m.step, m.run);
   if (attempted_.count(attempt)) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> there,
-                          remote_.objects().List(remote_.TempStepKey(m.job, m.step)));
-    for (const storage::ListEntry& e : there) sizes[e.name] = e.bytes;
+    CKPT_ASSIGN_OR_RETURN(sizes, RemoteSizes(remote_.TempStepKey(m.job, m.step)));
   }
   attempted_.insert(attempt);
+  std::vector<std::string> todo;
   {
     std::lock_guard lock(mu_);
     progress_.bytes_total = progress_.bytes_done = 0;
-    for (const format::ManifestShard& s : m.shards) {
-      if (std::find(files.begin(), files.end(), s.file) == files.end()) continue;
-      progress_.bytes_total += s.bytes;
-      if (auto it = sizes.find(s.file); it != sizes.end() && it->second == s.bytes) {
-        progress_.bytes_done += s.bytes;
+    for (const format::ManifestShard* s : ShardsToUpload(m)) {
+      progress_.bytes_total += s->bytes;
+      if (auto it = sizes.find(s->file); it != sizes.end() && it->second == s->bytes) {
+        progress_.bytes_done += s->bytes;
+      } else {
+        todo.push_back(s->file);
       }
     }
   }
-  SetState("uploading");
   const Clock::time_point start = Clock::now();
-  std::vector<std::string> todo;
-  for (const format::ManifestShard& s : m.shards) {
-    if (std::find(files.begin(), files.end(), s.file) == files.end()) continue;
-    if (auto it = sizes.find(s.file); it != sizes.end() && it->second == s.bytes) continue;
-    todo.push_back(s.file);
-  }
   // Several files at once (each with the store's own parallel parts): one rank's file alone
   // rarely fills the link.
   std::atomic<size_t> next{0};

@@ -111,8 +111,11 @@ class Uploader {
   absl::Status WaitForParts(const format::Manifest& manifest,
                             std::chrono::steady_clock::duration own_upload_took);
   void RemoveOrphans(const std::string& job, uint64_t published);
-  std::vector<std::string> FilesToUpload(const format::Manifest& manifest) const;
-  void SetState(const std::string& state, const std::string& error = {});
+  // The shards of `manifest` this node uploads (Options::node).
+  std::vector<const format::ManifestShard*> ShardsToUpload(const format::Manifest& manifest) const;
+  // Name -> size of the objects directly under `prefix` of the remote store.
+  absl::StatusOr<std::map<std::string, uint64_t>> RemoteSizes(const std::string& prefix);
+  void SetState(const std::string& state);
   bool StoppingOrReplaced(const std::string& job);
 
   format::CheckpointStore& local_;
