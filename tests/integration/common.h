@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include "tests/integration/harness.h"
 
@@ -31,6 +32,22 @@ inline int PickFreePort() {
   REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
   ::close(fd);
   return ntohs(addr.sin_port);
+}
+
+// ckptctl status --json of one daemon; an empty object when it does not answer.
+inline nlohmann::json Status(const Daemon& d) {
+  RunResult r = d.Ctl({"status", "--json"});
+  nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+  if (r.exit_code != 0 || j.is_discarded() || !j.is_object()) return nlohmann::json::object();
+  return j;
+}
+
+// Proto JSON prints 64-bit integers as strings.
+inline uint64_t U64(const nlohmann::json& v) {
+  if (v.is_null()) return 0;
+  if (v.is_number_unsigned() || v.is_number_integer()) return v.get<uint64_t>();
+  if (v.is_string() && !v.get<std::string>().empty()) return std::stoull(v.get<std::string>());
+  return 0;
 }
 
 inline std::vector<std::string> Helper(const Daemon& d, std::vector<std::string> args) {

@@ -90,22 +90,6 @@ bool PeerClosesWithin(int fd, std::chrono::milliseconds timeout) {
   }
 }
 
-// ckptctl status --json of one daemon; an empty object when it does not answer.
-json Status(const Daemon& d) {
-  RunResult r = d.Ctl({"status", "--json"});
-  json j = json::parse(r.out, nullptr, false);
-  if (r.exit_code != 0 || j.is_discarded() || !j.is_object()) return json::object();
-  return j;
-}
-
-// Proto JSON prints 64-bit integers as strings.
-uint64_t U64(const json& v) {
-  if (v.is_null()) return 0;
-  if (v.is_number_unsigned() || v.is_number_integer()) return v.get<uint64_t>();
-  if (v.is_string() && !v.get<std::string>().empty()) return std::stoull(v.get<std::string>());
-  return 0;
-}
-
 std::string MemberState(const json& status, uint32_t node) {
   if (!status.contains("group") || !status["group"].contains("members")) return "";
   for (const json& m : status["group"]["members"]) {

@@ -16,6 +16,7 @@
 #include <filesystem>
 
 #include "tests/fakes/ceph_cluster.h"
+#include "tests/fakes/wait_until.h"
 #include "tests/integration/common.h"
 #include "tests/integration/tcp_proxy.h"
 
@@ -56,24 +57,13 @@ bool RemoteLists(const TempDir& dir, const Bucket& b, const std::string& job, ui
   return r.exit_code == 0 && Contains(r.out, fmt::format("{}  {} ", job, step));
 }
 
-json Status(const Daemon& d) {
-  RunResult r = d.Ctl({"status", "--json"});
-  return json::parse(r.out, nullptr, false);
-}
-
 json JobStatus(const Daemon& d, const std::string& job) {
   json s = Status(d);
-  if (s.is_discarded() || !s.contains("jobs")) return json::object();
+  if (!s.contains("jobs")) return json::object();
   for (const json& j : s["jobs"]) {
     if (j.value("job", "") == job) return j;
   }
   return json::object();
-}
-
-// Protobuf's JSON writes 64-bit integers as strings.
-uint64_t U64(const json& j, const std::string& key) {
-  if (!j.contains(key)) return 0;
-  return j[key].is_string() ? std::stoull(j[key].get<std::string>()) : j[key].get<uint64_t>();
 }
 
 // The first upload `ckptctl status` lists for `job` (an empty object when none).
@@ -83,15 +73,6 @@ json FirstUpload(const Daemon& d, const std::string& job) {
   return j["uploads"][0];
 }
 
-template <typename Pred>
-bool Within(std::chrono::milliseconds limit, Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(100ms);
-  }
-  return pred();
-}
 
 void SaveRanks(const Daemon& d, const TempDir& dir, uint32_t world, uint64_t step) {
   for (const RunResult& r : ReshardRanks(d, dir, world, {"--rows", "3001", "--layout", "rows", "save",
@@ -151,8 +132,8 @@ TEST_CASE("a node that lost its disk resumes from the remote tier, with the same
     d.Start();
     SaveRanks(d, dir, 4, 5);
     INFO(d.Log());
-    REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
-    CHECK(Within(5s, [&] { return U64(JobStatus(d, "reshard"), "latest_remote_step") == 5; }));
+    REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 5); }, 30s, 100ms));
+    CHECK(WaitUntil([&] { return U64(JobStatus(d, "reshard")["latest_remote_step"]) == 5; }, 5s, 100ms));
     RunResult listed = d.Ctl({"--job", "reshard", "list"});
     CHECK(Contains(listed.out, "memory,local,remote"));
     REQUIRE(d.Stop() == 0);
@@ -188,28 +169,28 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   d.Start();
   CHECK(Contains(d.Log(), "--remote " + bucket.url));
   SaveRanks(d, dir, 2, 5);
-  REQUIRE(Within(30s, [&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }));
+  REQUIRE(WaitUntil([&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }, 30s, 100ms));
   CHECK(d.Ctl({"--job", "reshard", "list"}).out.find("local") != std::string::npos);
   CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 5));
   // Once the gateway answers again the step goes up by itself.
   proxy.Heal();
-  REQUIRE(Within(60s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 5); }, 60s, 100ms));
   // Its housekeeping done too (the uploader is free for the next step).
-  REQUIRE(Within(30s, [&] { return U64(JobStatus(d, "reshard"), "latest_remote_step") == 5; }));
+  REQUIRE(WaitUntil([&] { return U64(JobStatus(d, "reshard")["latest_remote_step"]) == 5; }, 30s, 100ms));
 
   // A gateway that stops answering mid-upload, and ckptd killed while it waits.
   proxy.Cut(TcpProxy::CutMode::kBlackhole);
   SaveRanks(d, dir, 2, 6);
-  REQUIRE(Within(30s, [&] {
+  REQUIRE(WaitUntil([&] {
     json u = FirstUpload(d, "reshard");
-    return U64(u, "step") == 6 && u.value("state", "") == "uploading";
-  }));
+    return U64(u["step"]) == 6 && u.value("state", "") == "uploading";
+  }, 30s, 100ms));
   d.Kill();
   CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 6));
   proxy.Heal();
   d.Start();  // the step a kill interrupted is uploaded at the next start
   INFO(d.Log());
-  REQUIRE(Within(60s, [&] { return RemoteLists(dir, bucket, "reshard", 6); }));
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 6); }, 60s, 100ms));
   CHECK(RemoteLists(dir, bucket, "reshard", 5));
   RunResult verified = Offline(dir, bucket, {"--job", "reshard", "verify", "6"});
   INFO(verified.out << verified.err);
@@ -242,10 +223,10 @@ TEST_CASE("wrong credentials: commits go on locally, the upload's error names th
   Daemon d(dir, {"--remote", bucket.url});
   d.Start();
   SaveRanks(d, dir, 1, 3);
-  REQUIRE(Within(30s, [&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }));
+  REQUIRE(WaitUntil([&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }, 30s, 100ms));
   json j = JobStatus(d, "reshard");
   INFO(j.dump());
-  CHECK(U64(j, "latest_committed_step") == 3);
+  CHECK(U64(j["latest_committed_step"]) == 3);
   const std::string error = j["uploads"][0].value("last_error", "");
   CHECK((Contains(error, "403") || Contains(error, "denied") || Contains(error, "Signature")));
   CHECK_FALSE(Contains(d.Log(), "not-the-secret-key"));
@@ -281,7 +262,7 @@ TEST_CASE("a group: every node uploads its part, the coordinator publishes; a no
     REQUIRE(r.exit_code == 0);
   }
   INFO(node0.Log() << node1->Log());
-  REQUIRE(Within(30s, [&] { return RemoteLists(shared, bucket, "reshard", 8); }));
+  REQUIRE(WaitUntil([&] { return RemoteLists(shared, bucket, "reshard", 8); }, 30s, 100ms));
   CHECK(Contains(node1->Log(), "(this node's part)"));
   CHECK(Contains(node0.Log(), "(manifest written)"));
   RunResult verified = Offline(shared, bucket, {"--job", "reshard", "verify", "8"});
@@ -335,7 +316,7 @@ TEST_CASE("a replacement node knows whose job it is: another uid cannot take the
     RunResult saved = Run(as(d, 1000, {"save", "--step", "4", "--wait-committed"}), dir.path());
     INFO(saved.out << saved.err);
     REQUIRE(saved.exit_code == 0);
-    REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "mine", 4); }));
+    REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "mine", 4); }, 30s, 100ms));
     REQUIRE(d.Stop() == 0);
     std::filesystem::remove_all(d.root());
   }
@@ -364,11 +345,11 @@ TEST_CASE("the remote tier's own retention keeps the newest K uploaded steps") {
   Daemon d(dir, {"--remote", bucket.url, "--remote-keep-last", "1", "--keep-last", "0"});
   d.Start();
   SaveRanks(d, dir, 1, 5);
-  REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 5); }));
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 5); }, 30s, 100ms));
   SaveRanks(d, dir, 1, 6);
   INFO(d.Log());
-  REQUIRE(Within(30s, [&] { return RemoteLists(dir, bucket, "reshard", 6); }));
-  CHECK(Within(30s, [&] { return !RemoteLists(dir, bucket, "reshard", 5); }));
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 6); }, 30s, 100ms));
+  CHECK(WaitUntil([&] { return !RemoteLists(dir, bucket, "reshard", 5); }, 30s, 100ms));
   // The local tier keeps its own (--keep-last 0: everything).
   RunResult local = d.Ctl({"--job", "reshard", "list"});
   CHECK(Contains(local.out, "reshard  5 "));

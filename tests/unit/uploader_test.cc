@@ -13,24 +13,17 @@
 #include "format/checkpoint_store.h"
 #include "storage/filesystem.h"
 #include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
 
 using ckpt::daemon::upload::ShouldUpload;
 using ckpt::daemon::upload::Uploader;
 using ckpt::daemon::upload::UploadPolicy;
 using ckpt::testing::TempDir;
+using ckpt::testing::WaitUntil;
 using namespace std::chrono_literals;
 
 namespace {
 
-template <typename Pred>
-bool Within(std::chrono::milliseconds limit, Pred pred) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(10ms);
-  }
-  return pred();
-}
 
 // Commits `step` of job "j" on `store` as two ranks on two nodes; `with_ranks` are written.
 ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t step,
@@ -96,17 +89,17 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
 
   uploader.Committed(first);
   retention.Schedule("j");
-  REQUIRE(Within(5s, [&] {
+  REQUIRE(WaitUntil([&] {
     auto p = uploader.InProgress();
     return !p.empty() && p[0].step == 1 && p[0].state == "waiting for nodes" && p[0].bytes_done == 5000;
-  }));
+  }, 5s, 10ms));
   // Steps 2 and 3 commit meanwhile, and retention keeps one: step 1 is being uploaded and
   // step 3 is queued (the newest), so both stay; step 2 goes.
   for (uint64_t step : {2, 3}) {
     uploader.Committed(CommitStep(local, step, {0}));
     retention.Schedule("j");
   }
-  REQUIRE(Within(5s, [&] { return !local.Committed("j", 2); }));
+  REQUIRE(WaitUntil([&] { return !local.Committed("j", 2); }, 5s, 10ms));
   CHECK(local.Committed("j", 1));
   CHECK(local.Committed("j", 3));
   CHECK_FALSE(remote.Committed("j", 1));  // never before every file is there
@@ -123,7 +116,7 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   CHECK_FALSE(remote.Committed("j", 1));
   // Node 1 reports its part for this run: the manifest is written, step 3 is next.
   REQUIRE(remote.objects().Put("j/.uploads/step-00000001/node-1", std::to_string(first.run)).ok());
-  REQUIRE(Within(5s, [&] { return remote.Committed("j", 1); }));
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 1); }, 5s, 10ms));
   // What was uploaded is what was committed here.
   auto uploaded = remote.objects().Open("j/step-00000001/" + ckpt::format::ShardFileName(0));
   REQUIRE(uploaded.ok());
@@ -134,15 +127,15 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   auto manifest = remote.LoadManifest("j", 1);
   REQUIRE(manifest.ok());
   CHECK(manifest->shards.size() == 2);
-  CHECK(Within(5s, [&] { return uploader.LastUploaded().count("j") && uploader.LastUploaded().at("j") == 1; }));
-  REQUIRE(Within(5s, [&] {
+  CHECK(WaitUntil([&] { return uploader.LastUploaded().count("j") && uploader.LastUploaded().at("j") == 1; }, 5s, 10ms));
+  REQUIRE(WaitUntil([&] {
     auto p = uploader.InProgress();
     return !p.empty() && p[0].step == 3;
-  }));
+  }, 5s, 10ms));
   CHECK_FALSE(remote.Committed("j", 2));  // replaced by a newer step before its turn
   // Step 1 no longer pinned: the next retention pass may delete it locally.
   retention.Schedule("j");
-  REQUIRE(Within(5s, [&] { return !local.Committed("j", 1); }));
+  REQUIRE(WaitUntil([&] { return !local.Committed("j", 1); }, 5s, 10ms));
   CHECK(local.Committed("j", 3));
   uploader.Stop();
   std::lock_guard lock(mu);
