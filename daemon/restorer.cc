@@ -251,8 +251,8 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
                 Message(uploaded.status()));
     }
   }
+  // In the job's order; a step both tiers hold (the same run, so side by side) once.
   std::sort(available.begin(), available.end());
-  available.erase(std::unique(available.begin(), available.end()), available.end());
   std::vector<uint64_t> steps;
   for (const auto& [run, step] : available) {
     if (steps.empty() || steps.back() != step) steps.push_back(step);

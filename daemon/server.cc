@@ -377,7 +377,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
           [](const std::string&, uint64_t) {},
           [board = &p->board](const std::string& message) { board->RecordError(message); });
     }
-    if (!p->shared_store || config.node_rank == 0) {
+    if (own_steps) {
       upload::Uploader::Options o;
       o.policy = {config.upload_every_steps, std::chrono::milliseconds(config.upload_interval_ms)};
       o.publishes = publishes;
@@ -400,12 +400,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
              publishes ? "; this node writes the remote manifests" : "");
   }
   commit::CommitHooks hooks;
-  hooks.committed = [parts = p.get()](const format::Manifest& manifest,
-                                      const std::vector<StagedSnapshotPtr>& local) {
+  hooks.committed = [parts = p.get(), own_steps](const format::Manifest& manifest,
+                                                 const std::vector<StagedSnapshotPtr>& local) {
     parts->board.checkpoints_committed++;
     parts->hot->Insert(local);
-    // On a shared root retention is the coordinator's (every node would delete the same).
-    if (!parts->shared_store || parts->config.node_rank == 0) {
+    // On a shared store retention and uploads are the coordinator's (every node would
+    // delete, or upload, the same).
+    if (own_steps) {
       // The uploader pins the step first: local retention never deletes it unuploaded.
       if (parts->uploader) parts->uploader->Committed(manifest);
       parts->retention->Schedule(manifest.job);
