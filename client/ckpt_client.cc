@@ -472,6 +472,10 @@ absl::Status Client::Register() {
   req.set_world_size(impl_->options.world_size);
   req.set_pid(::getpid());
   req.set_keep_last(impl_->options.keep_last);
+  if (const auto& upload = impl_->options.upload) {
+    req.mutable_upload()->set_every_steps(upload->every_steps);
+    req.mutable_upload()->set_interval_seconds(upload->interval_seconds);
+  }
   if (!impl_->gpu.empty()) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
   for (const auto& t : tensors_) FillSpec(*t, req.add_tensors());
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,

@@ -155,6 +155,15 @@ struct ClientOptions {
   std::chrono::milliseconds reconnect_timeout{2000};
   CudaTransport cuda_transport = CudaTransport::kIpc;
   uint32_t keep_last = 0;  // this job keeps its newest K checkpoints; 0: ckptd's --keep-last
+  // Which of this job's committed steps ckptd copies to its remote tier (ckptd --remote):
+  // steps whose number is a multiple of `every_steps`, and of those the first of each
+  // `interval_seconds` window (0: all). nullopt: ckptd's --upload-every-steps and
+  // --upload-interval. Give every rank the same.
+  struct UploadPolicy {
+    uint32_t every_steps = 1;
+    double interval_seconds = 0;
+  };
+  std::optional<UploadPolicy> upload;
 };
 
 class Client {

@@ -82,6 +82,8 @@ struct Server::Parts {
   std::unique_ptr<HotCache> hot;
   std::unique_ptr<persist::RetentionKeeper> retention;
   std::unique_ptr<persist::RetentionKeeper> remote_retention;  // the publisher's
+  // Each job's upload policy (its trainers' own, or the node's); set by the trainer service.
+  std::shared_ptr<upload::UploadPolicies> upload_policies;
   std::unique_ptr<upload::Uploader> uploader;
   group::GroupOptions group_options;
   group::DecisionLogPtr decision_log;
@@ -367,6 +369,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
       [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
       [board = &p->board](const std::string& message) { board->RecordError(message); });
+  p->upload_policies = std::make_shared<upload::UploadPolicies>(upload::UploadPolicy{
+      config.upload_every_steps, std::chrono::milliseconds(config.upload_interval_ms)});
   if (p->remote) {
     // In a group with node-local disks every node uploads its own ranks' files and the
     // coordinator writes the manifest; on a shared root the coordinator uploads it all.
@@ -379,7 +383,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     }
     if (own_steps) {
       upload::Uploader::Options o;
-      o.policy = {config.upload_every_steps, std::chrono::milliseconds(config.upload_interval_ms)};
+      o.policies = p->upload_policies;
       o.publishes = publishes;
       if (grouped && !p->shared_store) o.node = config.node_rank;
       o.wait_for_parts = std::chrono::milliseconds(config.upload_wait_ms);
@@ -469,7 +473,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.allow_uids = config.allow_uids;
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
-      p->peers, *p->owners, p->arenas, *p->save_clock, DescriptorSocketPath(config.socket));
+      p->peers, *p->owners, p->arenas, *p->save_clock, *p->upload_policies,
+      DescriptorSocketPath(config.socket));
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};

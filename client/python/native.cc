@@ -215,7 +215,8 @@ class PyClient {
 
 PyClient Connect(const std::string& socket, const std::string& job, uint32_t rank,
                  uint32_t world_size, size_t arena_bytes, double rpc_timeout_s,
-                 const std::string& cuda_transport, uint32_t keep_last, bool huge_pages, bool copy_on_write) {
+                 const std::string& cuda_transport, uint32_t keep_last, bool huge_pages, bool copy_on_write,
+                 std::optional<uint32_t> upload_every_steps, std::optional<double> upload_interval_seconds) {
   ckpt::ClientOptions options;
   options.socket = socket;
   options.job = job;
@@ -226,6 +227,10 @@ PyClient Connect(const std::string& socket, const std::string& job, uint32_t ran
   options.copy_on_write = copy_on_write;
   options.rpc_timeout = Millis(rpc_timeout_s);
   options.keep_last = keep_last;
+  if (upload_every_steps || upload_interval_seconds) {
+    options.upload = ckpt::ClientOptions::UploadPolicy{upload_every_steps.value_or(1),
+                                                       upload_interval_seconds.value_or(0)};
+  }
   if (cuda_transport == "host-copy") {
     options.cuda_transport = ckpt::CudaTransport::kHostCopy;
   } else if (cuda_transport != "ipc") {
@@ -388,5 +393,6 @@ PYBIND11_MODULE(_native, m) {
         py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
         py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,
         py::arg("huge_pages") = true, py::arg("copy_on_write") = false,
+        py::arg("upload_every_steps") = std::nullopt, py::arg("upload_interval_seconds") = std::nullopt,
         "Connects to ckptd; raises ckptd.Unavailable when it is not there");
 }

@@ -78,6 +78,11 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     SessionPtr s = std::move(*session);
     CKPT_RETURN_IF_ERROR(owners_.Claim(s->job(), caller));  // a racing other uid lost
     if (request->keep_last() != 0) retention_.SetKeepLast(s->job(), request->keep_last());
+    if (request->has_upload()) {
+      upload_policies_.Set(s->job(), {std::max<uint64_t>(1, request->upload().every_steps()),
+                                      std::chrono::milliseconds(static_cast<int64_t>(
+                                          request->upload().interval_seconds() * 1000))});
+    }
     s->Start(stager_, persist_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {
       s->Stop();

@@ -12,6 +12,7 @@
 #include "daemon/session/session_registry.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
+#include "daemon/upload/upload_policy.h"
 #include "proto/trainer.grpc.pb.h"
 
 namespace ckpt::daemon {
@@ -24,10 +25,11 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   TrainerService(SessionRegistry& sessions, Stager& stager, SnapshotSink& persist,
                  persist::RetentionKeeper& retention, Restorer& restorer, StatusBoard& board,
                  Session::Limits limits, const PeerTable& peers, JobOwners& owners,
-                 ArenaDeposits& arenas, SaveClock& saves, std::string control_socket)
+                 ArenaDeposits& arenas, SaveClock& saves, upload::UploadPolicies& upload_policies,
+                 std::string control_socket)
       : sessions_(sessions), stager_(stager), persist_(persist), retention_(retention),
         restorer_(restorer), board_(board), limits_(std::move(limits)), peers_(peers),
-        owners_(owners), arenas_(arenas), saves_(saves),
+        owners_(owners), arenas_(arenas), saves_(saves), upload_policies_(upload_policies),
         control_socket_(std::move(control_socket)) {}
 
   grpc::Status Register(grpc::ServerContext*, const ::ckptd::v1::RegisterRequest* request,
@@ -61,6 +63,7 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   JobOwners& owners_;
   ArenaDeposits& arenas_;  // trainers' arenas, handed over on the descriptor socket
   SaveClock& saves_;       // decides the steps of jobs that save by time
+  upload::UploadPolicies& upload_policies_;  // a job's own, when its trainers send one
   // Wait and Restore may hold a server thread for minutes: bounded per user and in all.
   CallLimiter long_calls_{kMaxLongCallsPerUid, kMaxLongCalls};
   const std::string control_socket_;  // where trainers fetch their control blocks

@@ -84,6 +84,10 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         fmt::format("rank {} is not below world size {}", req.rank(), req.world_size()));
   }
   if (req.tensors_size() == 0) return absl::InvalidArgumentError("no tensors to register");
+  if (const double t = req.upload().interval_seconds(); !(t >= 0 && t <= 365.0 * 86400)) {
+    return absl::InvalidArgumentError(fmt::format(
+        "upload interval {} s is out of range (0, for every step on the grid, to a year)", t));
+  }
   if (caller.pid <= 0) {
     return absl::InvalidArgumentError(
         "the caller's pid is unknown (it is in another PID namespace: run the trainer and ckptd "

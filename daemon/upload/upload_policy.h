@@ -4,7 +4,10 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <string>
 
 namespace ckpt::daemon::upload {
 
@@ -24,5 +27,26 @@ bool ShouldUpload(const UploadPolicy& policy, uint64_t step, double unix_time,
 inline bool OnStepGrid(const UploadPolicy& policy, uint64_t step) {
   return policy.every_steps <= 1 || step % policy.every_steps == 0;
 }
+
+// Each job's policy: what its trainers asked for when they registered (the trainer
+// service sets it), the node's --upload-every-steps / --upload-interval otherwise.
+class UploadPolicies {
+ public:
+  explicit UploadPolicies(UploadPolicy node_default) : default_(node_default) {}
+  void Set(const std::string& job, UploadPolicy policy) {
+    std::lock_guard lock(mu_);
+    jobs_[job] = policy;
+  }
+  UploadPolicy For(const std::string& job) const {
+    std::lock_guard lock(mu_);
+    auto it = jobs_.find(job);
+    return it == jobs_.end() ? default_ : it->second;
+  }
+
+ private:
+  const UploadPolicy default_;
+  mutable std::mutex mu_;
+  std::map<std::string, UploadPolicy> jobs_;  // guarded by mu_
+};
 
 }  // namespace ckpt::daemon::upload

@@ -63,8 +63,9 @@ void Uploader::Committed(const format::Manifest& manifest) {
   std::lock_guard lock(mu_);
   if (stopping_) return;
   JobState& job = jobs_[manifest.job];
-  if (!OnStepGrid(options_.policy, manifest.step)) return;
-  const bool due = ShouldUpload(options_.policy, manifest.step, manifest.unix_time, job.previous);
+  const UploadPolicy policy = options_.policies->For(manifest.job);
+  if (!OnStepGrid(policy, manifest.step)) return;
+  const bool due = ShouldUpload(policy, manifest.step, manifest.unix_time, job.previous);
   job.previous = manifest.unix_time;
   if (!due) return;
   // The pin is taken here, before the commit hook schedules local retention.
@@ -86,7 +87,7 @@ void Uploader::CatchUp() {
     absl::StatusOr<std::vector<uint64_t>> steps = local_.ListStepsInRunOrder(job);
     if (!steps.ok()) continue;
     for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
-      if (!OnStepGrid(options_.policy, *it)) continue;
+      if (!OnStepGrid(options_.policies->For(job), *it)) continue;
       // Only the newest step on the grid: what a restart interrupted, or what a newer
       // policy would have picked anyway.
       if (remote_.Committed(job, *it)) break;

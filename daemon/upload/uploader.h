@@ -48,7 +48,9 @@ struct UploadProgress {
 class Uploader {
  public:
   struct Options {
-    UploadPolicy policy;
+    // Which steps each job uploads; shared with the trainer service, which sets a job's
+    // own when its trainers ask.
+    std::shared_ptr<const UploadPolicies> policies = std::make_shared<UploadPolicies>(UploadPolicy{});
     // Writes the remote manifest once every file is there: a single node, or the
     // coordinator of a group.
     bool publishes = true;

@@ -72,6 +72,7 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
                  Case{"sparse-arena", "j", "is not fully allocated"},
                  Case{"same-arena-twice", "j", "tensor u (arena 1): the same shared memory was handed over twice"},
                  Case{"bad-rank", "j", "rank 1 is not below world size 1"},
+                 Case{"bad-upload-interval", "j", "upload interval -1 s is out of range"},
                  Case{"bad-job", "../etc", "invalid job name \"../etc\""},
                  Case{"cuda-on-host-daemon", "j",
                       "tensor w is on GPU GPU-00000000-0000-0000-0000-000000000000, but this "

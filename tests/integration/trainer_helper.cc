@@ -372,6 +372,7 @@ int RegisterBad(const Flags& f) {
     req.mutable_tensors()->RemoveLast();
   }
   else if (c == "bad-rank") req.set_rank(f.world_size);
+  else if (c == "bad-upload-interval") req.mutable_upload()->set_interval_seconds(-1);
   else if (c == "cuda-on-host-daemon") {
     t->mutable_cuda()->set_ipc_handle(std::string(64, '\x01'));
     t->mutable_cuda()->set_allocation_bytes(1 << 20);

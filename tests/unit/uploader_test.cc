@@ -123,7 +123,8 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   std::string got(5000, '\0');
   REQUIRE((*uploaded)->ReadAt(got.data(), got.size(), 0).ok());
   CHECK(got == std::string(5000, 'b'));
-  CHECK_FALSE(remote.objects().Exists("j/.uploads/step-00000001/node-1").value_or(true));
+  // The nodes' reports go once the manifest is written (just after it).
+  CHECK(WaitUntil([&] { return !remote.objects().Exists("j/.uploads/step-00000001/node-1").value_or(true); }, 5s, 10ms));
   auto manifest = remote.LoadManifest("j", 1);
   REQUIRE(manifest.ok());
   CHECK(manifest->shards.size() == 2);

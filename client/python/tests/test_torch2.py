@@ -376,6 +376,39 @@ def bucket():
     shutil.rmtree(where, ignore_errors=True)
 
 
+def remote_steps(bucket, job):
+    """The steps `ckptctl list` shows in the remote tier for `job`."""
+    listed = subprocess.run([CKPTCTL, "--job", job, "list", "--root", bucket], capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split() for line in listed.stdout.splitlines()]  # JOB STEP ... WHERE
+    return {int(row[1]) for row in rows if row and row[0] == job and "remote" in row[-1]}
+
+
+def test_a_job_chooses_which_of_its_steps_go_to_the_bucket(bucket, workdir):
+    from conftest import Daemon
+
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match="upload_every_steps must be at least 1"):
+        CheckpointManager("picky", model, upload_every_steps=0)
+    with pytest.raises(ValueError, match="upload_interval_seconds must be 0"):
+        CheckpointManager("picky", model, upload_interval_seconds=-1)
+    os.makedirs(os.path.join(workdir, "p"))
+    # The node uploads every step; this job asks for every 2nd.
+    daemon = Daemon(os.path.join(workdir, "p"), ["--remote", bucket, "--keep-last", "0"]).start()
+    try:
+        with CheckpointManager("picky", model, socket=daemon.socket, upload_every_steps=2) as manager:
+            for step in range(1, 6):
+                manager.save(step, blocking=True)
+        deadline = time.monotonic() + 30
+        while 4 not in remote_steps(bucket, "picky"):
+            assert time.monotonic() < deadline, f"step 4 never reached the bucket:\n{open(daemon.log).read()}"
+            time.sleep(0.2)
+        time.sleep(1)  # an upload of step 5, were one wrongly queued, would be under way
+        assert remote_steps(bucket, "picky") <= {2, 4}, open(daemon.log).read()
+    finally:
+        daemon.stop()
+
+
 def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
     import torch.distributed.checkpoint as dcp
     from ckptd.dcp import CkptdStorageReader

@@ -183,13 +183,18 @@ class CheckpointManager:
     hyper-parameters and every `extra_state` object (anything with `state_dict()`) go in as
     small train-state entries. When ckptd is not there, training goes on: a warning is
     logged and saves are skipped until it answers again.
+
+    With ckptd's remote tier on (`ckptd --remote s3://...`), `upload_every_steps` and
+    `upload_interval_seconds` choose which of this job's committed steps ckptd copies to
+    the bucket (multiples of N, then the first of each window of T seconds); unset, the
+    node's --upload-every-steps and --upload-interval apply. Give every rank the same.
     """
 
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
                  daemon_timeout=120.0, save_on_sigterm=False, exclude_from_loading=(),
-                 copy_on_write=False):
+                 copy_on_write=False, upload_every_steps=None, upload_interval_seconds=None):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
@@ -200,6 +205,11 @@ class CheckpointManager:
             keep_last = keep_latest_k
         if keep_last is not None and keep_last < 0:
             raise ValueError(f"keep_last must be 0 (keep all) or more, not {keep_last}")
+        if upload_every_steps is not None and upload_every_steps < 1:
+            raise ValueError(f"upload_every_steps must be at least 1, not {upload_every_steps}")
+        if upload_interval_seconds is not None and not upload_interval_seconds >= 0:
+            raise ValueError(f"upload_interval_seconds must be 0 (every step) or more, not "
+                             f"{upload_interval_seconds}")
         if daemon_timeout < 0:
             raise ValueError(f"daemon_timeout must be 0 or more seconds, not {daemon_timeout}")
         self.job = job
@@ -214,6 +224,8 @@ class CheckpointManager:
         self.interval_steps = interval_steps
         self.interval_seconds = interval_seconds
         self.keep_last = keep_last
+        self.upload_every_steps = upload_every_steps          # None: ckptd's --upload-every-steps
+        self.upload_interval_seconds = upload_interval_seconds  # None: ckptd's --upload-interval
         self.rank = rank if rank is not None else (_env_int("RANK") or 0)
         self.world_size = world_size if world_size is not None else (_env_int("WORLD_SIZE") or 1)
         if not 0 <= self.rank < self.world_size:
@@ -617,7 +629,9 @@ class CheckpointManager:
 
     def _connect(self):
         return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
-                             keep_last=self.keep_last or 0, copy_on_write=self.copy_on_write)
+                             keep_last=self.keep_last or 0, copy_on_write=self.copy_on_write,
+                             upload_every_steps=self.upload_every_steps,
+                             upload_interval_seconds=self.upload_interval_seconds)
 
     def _unreachable(self, error):
         """ckptd stopped answering a registered client: keep it (a stalled ckptd that resumes
