@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "format/tiling.h"
+#include "common/parallel.h"
 #include "format/plan_reader.h"
 #include "format/read_plan.h"
 #include "storage/open_store.h"
@@ -212,8 +213,9 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
                        : result.source == RestoreResult::Source::kRemote ? "the remote tier"
                                                                          : "disk";
   log::Get(log::Component::kControl)
-      .info("[{}/r{} s{}] restored {} tensors ({} bytes; {} skipped) from {} in {:.1f} ms",
-            session.job, session.rank, step, result.tensors, result.bytes, result.skipped, source,
+      .info("[{}/r{} s{}] restored {} tensors ({} bytes, {} read from storage; {} skipped) from {} in {:.1f} ms",
+            session.job, session.rank, step, result.tensors, result.bytes, result.bytes_read,
+            result.skipped, source,
             std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   return result;
 }
@@ -378,14 +380,27 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
         return format::MemoryShard{snap, snap->shard.data, &snap->shard.entries, snap->tensor_count,
                                    &snap->train_state_names};
       });
+  CKPT_RETURN_IF_ERROR(reader.Open(plan->tensors));
+  // The remote tier answers each request after a round trip, and many at once: several
+  // tensors are fetched at a time there (each in parallel ranged GETs of its own).
+  // Memory and a local disk are read in place, one tensor after another.
+  Parallel reads(kRemoteTensorsAtOnce);
   uint64_t offset = 0;
   SplitCopy copy;
   for (size_t i = 0; i < matched.size(); ++i) {
     const RegisteredTensor& t = *matched[i];
-    CKPT_RETURN_IF_ERROR(reader.Read(plan->tensors[i], bounce + offset));
-    copy.Add(t, {t.data, bounce + offset, t.nbytes});
+    char* into = bounce + offset;
+    if (remote_source) {
+      CKPT_RETURN_IF_ERROR(reads.Run([&reader, &tensor = plan->tensors[i], into] {
+        return reader.Read(tensor, into);
+      }));
+    } else {
+      CKPT_RETURN_IF_ERROR(reader.Read(plan->tensors[i], into));
+    }
+    copy.Add(t, {t.data, into, t.nbytes});
     offset += t.nbytes;
   }
+  CKPT_RETURN_IF_ERROR(reads.Wait());
   // Train state and metadata: the same rank's where the checkpoint has it, else rank 0's
   // (a job that grew: its new ranks start from rank 0's schedule and counters).
   CKPT_ASSIGN_OR_RETURN(std::vector<format::NamedBytes> train_state, reader.TrainState(state_rank));
@@ -400,6 +415,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   }
   result.bytes += total;
   result.metadata = manifest.shards.at(state_rank).metadata;
+  result.bytes_read += reader.bytes_from_disk();
   result.source = reader.bytes_from_disk() == 0 ? RestoreResult::Source::kMemory
                   : remote_source               ? RestoreResult::Source::kRemote
                                                 : RestoreResult::Source::kDisk;

@@ -36,6 +36,9 @@ struct RestoreResult {
   uint64_t step = 0;
   Source source = Source::kDisk;
   uint64_t bytes = 0;
+  // Read from a file or the remote tier to restore `bytes` (whole chunks, every saved
+  // piece a resharded tensor overlaps); 0 from memory.
+  uint64_t bytes_read = 0;
   std::map<std::string, std::string> metadata;
   std::vector<shm::NamedBlob> train_state;
   uint64_t tensors = 0;  // restored
@@ -56,6 +59,8 @@ struct RestoreSpec {
 };
 
 inline constexpr size_t kMaxListed = 1000;
+// Tensors a restore from the remote tier fetches at once (each in up to 8 ranged GETs).
+inline constexpr int kRemoteTensorsAtOnce = 4;
 // How many damaged steps in a row a restore of the latest step gives up before failing.
 inline constexpr int kMaxFallbacks = 4;
 

@@ -38,6 +38,26 @@ const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
   return hot;
 }
 
+const format::TensorEntry* PlanReader::InMemory(const TensorReadPlan& tensor, const ShardRead& read) {
+  const HotShard& hot = Hot(read.rank);
+  auto e = hot.tensors.find(tensor.name);
+  if (e == hot.tensors.end() || e->second->begin != read.entry_begin ||
+      e->second->end != read.entry_end) {
+    return nullptr;
+  }
+  return e->second;
+}
+
+absl::Status PlanReader::Open(const std::vector<TensorReadPlan>& tensors) {
+  for (const TensorReadPlan& tensor : tensors) {
+    for (const ShardRead& read : tensor.reads) {
+      if (read.runs.empty() || InMemory(tensor, read) != nullptr) continue;
+      CKPT_RETURN_IF_ERROR(Reader(read.rank).status());
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   if (auto it = readers_.find(rank); it != readers_.end()) return it->second.get();
   if (rank >= manifest_.shards.size()) {
@@ -62,13 +82,10 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
   for (const ShardRead& read : tensor.reads) {
     if (read.runs.empty()) continue;
     // ckptd's own copy of the committed step: the bytes the file was written from.
-    const HotShard& hot = Hot(read.rank);
-    if (auto e = hot.tensors.find(tensor.name);
-        e != hot.tensors.end() && e->second->begin == read.entry_begin &&
-        e->second->end == read.entry_end) {
+    if (InMemory(tensor, read) != nullptr) {
       size_t next = 0;
       const uint64_t size = read.entry_end - read.entry_begin;
-      Scatter(read.runs, next, 0, hot.snapshot->data + read.entry_begin, size, dst);
+      Scatter(read.runs, next, 0, Hot(read.rank).snapshot->data + read.entry_begin, size, dst);
       for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
       continue;
     }
@@ -88,12 +105,15 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
     size_t next = 0;
     const uint64_t from = read.runs.front().source;
     const uint64_t to = read.runs.back().source + read.runs.back().bytes;
-    CKPT_RETURN_IF_ERROR(reader->ReadRange(
+    uint64_t fetched = 0;
+    absl::Status s = reader->ReadRange(
         *entry, {read.checksum, read.chunk_checksums, manifest_.checksum_chunk_bytes}, from, to,
         [&](uint64_t offset, const char* data, uint64_t bytes) {
           Scatter(read.runs, next, offset, data, bytes, dst);
         },
-        &from_disk_));
+        &fetched);
+    from_disk_ += fetched;
+    CKPT_RETURN_IF_ERROR(s);
   }
   return absl::OkStatus();
 }

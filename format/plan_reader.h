@@ -4,6 +4,7 @@
 // files), every byte read from a file checked against the manifest's checksums first.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -47,6 +48,11 @@ class PlanReader {
              HotLookup hot)
       : store_(store), step_dir_(std::move(step)), manifest_(manifest), hot_(std::move(hot)) {}
 
+  // Looks up, and opens, everything `tensors` read from (each saved rank's memory copy or
+  // file, once). After it, Read() of those tensors may run on several threads at once:
+  // a store far away (the remote tier) answers many requests faster than one.
+  absl::Status Open(const std::vector<TensorReadPlan>& tensors);
+
   // Fills dst[0, tensor.bytes) with the wanted piece. DataLoss when what was read does not
   // match its checksums or the file disagrees with the manifest; NotFound when a shard it
   // needs is neither in memory nor on this node's disk.
@@ -56,7 +62,8 @@ class PlanReader {
   absl::StatusOr<std::vector<NamedBytes>> TrainState(uint32_t rank);
 
   uint64_t bytes_from_memory() const { return from_memory_; }
-  uint64_t bytes_from_disk() const { return from_disk_; }  // what was pread, chunks whole
+  // What was read from the store (a file, the remote tier), chunks whole.
+  uint64_t bytes_from_disk() const { return from_disk_; }
 
  private:
   // A saved rank's snapshot in memory, its tensor entries by name.
@@ -66,6 +73,8 @@ class PlanReader {
   };
   // Looked up, and indexed, once per rank.
   const HotShard& Hot(uint32_t rank);
+  // The entry of `read` in ckptd's memory copy of its rank, or null.
+  const format::TensorEntry* InMemory(const TensorReadPlan& tensor, const ShardRead& read);
   absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
 
   storage::Store& store_;
@@ -74,8 +83,8 @@ class PlanReader {
   HotLookup hot_;
   std::map<uint32_t, HotShard> hot_shards_;
   std::map<uint32_t, format::ShardReaderPtr> readers_;      // opened once per file
-  uint64_t from_memory_ = 0;
-  uint64_t from_disk_ = 0;
+  std::atomic<uint64_t> from_memory_ = 0;
+  std::atomic<uint64_t> from_disk_ = 0;
 };
 
 }  // namespace ckpt::format

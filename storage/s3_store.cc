@@ -7,8 +7,6 @@
 #include <cctype>
 #include <chrono>
 #include <cstring>
-#include <deque>
-#include <future>
 #include <map>
 #include <mutex>
 #include <random>
@@ -19,6 +17,7 @@
 #include <boost/property_tree/ptree.hpp>
 #include <boost/property_tree/xml_parser.hpp>
 
+#include "common/parallel.h"
 #include "common/status.h"
 
 namespace ckpt::storage {
@@ -305,36 +304,6 @@ class S3Client {
   std::string host_base_;
   std::mutex mu_;
   std::vector<CURL*> idle_;  // guarded by mu_
-};
-
-// Runs up to `limit` jobs at once; Wait() returns the first error.
-class Parallel {
- public:
-  explicit Parallel(int limit) : limit_(std::max(1, limit)) {}
-  ~Parallel() { (void)Wait(); }
-  // Blocks while `limit` jobs are running.
-  absl::Status Run(std::function<absl::Status()> job) {
-    while (static_cast<int>(running_.size()) >= limit_) CKPT_RETURN_IF_ERROR(Collect());
-    running_.push_back(std::async(std::launch::async, std::move(job)));
-    return absl::OkStatus();
-  }
-  absl::Status Wait() {
-    absl::Status first;
-    while (!running_.empty()) {
-      absl::Status s = Collect();
-      if (first.ok() && !s.ok()) first = s;
-    }
-    return first;
-  }
-
- private:
-  absl::Status Collect() {
-    absl::Status s = running_.front().get();
-    running_.pop_front();
-    return s;
-  }
-  const int limit_;
-  std::deque<std::future<absl::Status>> running_;
 };
 
 class S3ObjectWriter final : public ObjectWriter {
