@@ -208,7 +208,13 @@ class S3Client {
     if (response.status / 100 == 2) return response;
     std::string message = fmt::format("S3 {}: {}", what, ErrorOf(response.status, response.body));
     switch (response.status) {
-      case 404: return absl::NotFoundError(message);
+      case 404:
+        if (response.body.find("<Code>NoSuchBucket</Code>") != std::string::npos) {
+          return absl::NotFoundError(fmt::format(
+              "{} (the bucket {} does not exist: create it, or correct the s3:// URL)", message,
+              options_.bucket));
+        }
+        return absl::NotFoundError(message);
       case 401:
       case 403:
         return absl::PermissionDeniedError(message + " (check the S3 credentials and the bucket's policy)");

@@ -5,17 +5,23 @@
 # log and data directories under DIR. Facts this relies on: ../shared/notes/ceph-rgw.md.
 #
 #   tools/ceph.sh start DIR [BUCKET]   starts it; writes DIR/s3.env (endpoint, keys, bucket)
-#   tools/ceph.sh stop DIR             kills it and removes DIR
+#   tools/ceph.sh fs DIR               adds CephFS (an MDS) to it, mounted with ceph-fuse at
+#                                      DIR/cephfs (prints the path)
+#   tools/ceph.sh stop DIR             unmounts CephFS, kills it and removes DIR
 #
 # s3.env holds AWS_ENDPOINT_URL_S3, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION and
 # CKPTD_TEST_BUCKET, for `set -a; . DIR/s3.env`. Start takes ~2-6 s on 2 cores; the OSD keeps
 # what is stored in memory (--memstore-bytes, 4 GiB by default).
 set -euo pipefail
 
-cmd=${1:?usage: tools/ceph.sh start|stop DIR [BUCKET]}
-dir=${2:?usage: tools/ceph.sh start|stop DIR [BUCKET]}
+cmd=${1:?usage: tools/ceph.sh start|fs|stop DIR [BUCKET]}
+dir=${2:?usage: tools/ceph.sh start|fs|stop DIR [BUCKET]}
 
 stop() {
+  # A ceph-fuse mount killed under its mount point would leave it unremovable.
+  if [ -d "$dir/cephfs" ] && mountpoint -q "$dir/cephfs"; then
+    umount "$dir/cephfs" 2>/dev/null || umount -l "$dir/cephfs" 2>/dev/null || true
+  fi
   if [ -d "$dir/run" ]; then
     for pidfile in "$dir"/run/*.pid; do
       [ -f "$pidfile" ] && kill -9 "$(cat "$pidfile")" 2>/dev/null || true
@@ -122,8 +128,31 @@ EOF
   echo "ceph.sh: S3 at http://127.0.0.1:$rgw_port, bucket $bucket ($dir/s3.env)"
 }
 
+# CephFS on the running cluster: an MDS, a data and a metadata pool, and a FUSE mount (the
+# kernel client is not available on these machines: ../shared/notes/ceph-rgw.md).
+fs() {
+  for tool in ceph-mds ceph-fuse; do
+    command -v "$tool" >/dev/null || { echo "ceph.sh: $tool is missing (tools/setup.sh installs it)" >&2; exit 1; }
+  done
+  [ -e /dev/fuse ] || { echo "ceph.sh: /dev/fuse is missing: no FUSE on this machine" >&2; exit 1; }
+  dir=$(cd "$dir" && pwd)
+  local conf=(--conf "$dir/ceph.conf")
+  mkdir -p "$dir/mds" "$dir/cephfs"
+  ceph "${conf[@]}" auth get-or-create mds.a mon 'allow profile mds' osd 'allow *' mds 'allow *' \
+    mgr 'allow profile mds' >> "$dir/keyring"
+  ceph-mds "${conf[@]}" -i a --mds-data "$dir/mds" >"$dir/log/mds.out" 2>&1
+  ceph "${conf[@]}" osd pool create cephfs_metadata 8 >/dev/null 2>&1
+  ceph "${conf[@]}" osd pool create cephfs_data 8 >/dev/null 2>&1
+  ceph "${conf[@]}" fs new cephfs cephfs_metadata cephfs_data >/dev/null 2>&1
+  wait_for 60 bash -c "ceph --conf '$dir/ceph.conf' mds stat | grep -q 'up:active'"
+  ceph-fuse "${conf[@]}" "$dir/cephfs" >"$dir/log/ceph-fuse.out" 2>&1
+  wait_for 30 mountpoint -q "$dir/cephfs"
+  echo "$dir/cephfs"
+}
+
 case $cmd in
   start) start "$@" ;;
+  fs) fs ;;
   stop) stop ;;
-  *) echo "usage: tools/ceph.sh start|stop DIR [BUCKET]" >&2; exit 2 ;;
+  *) echo "usage: tools/ceph.sh start|fs|stop DIR [BUCKET]" >&2; exit 2 ;;
 esac

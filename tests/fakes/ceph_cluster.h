@@ -39,6 +39,20 @@ class CephCluster {
   // A prefix no other case of this binary uses.
   std::string FreshPrefix() { return "case-" + std::to_string(++cases_); }
 
+  // A CephFS of the same cluster, mounted with ceph-fuse (tools/ceph.sh fs), the first time
+  // a test asks: its mount point.
+  const std::string& FileSystem() {
+    if (!cephfs_.empty()) return cephfs_;
+    const std::string log = dir_.path() + "/ceph-fs.log";
+    const int rc = std::system((script_ + " fs " + dir_.path() + "/ceph >" + log + " 2>&1").c_str());
+    std::ifstream in(log);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (rc != 0) FAIL("could not add CephFS with tools/ceph.sh fs (exit " << rc << "):\n" << text);
+    cephfs_ = text.substr(0, text.find_last_not_of("\n") + 1);
+    cephfs_ = cephfs_.substr(cephfs_.rfind('\n') + 1);
+    return cephfs_;
+  }
+
   ~CephCluster() { (void)std::system((script_ + " stop " + dir_.path() + "/ceph >/dev/null 2>&1").c_str()); }
 
  private:
@@ -64,6 +78,7 @@ class CephCluster {
   std::string script_;
   std::map<std::string, std::string> env_;
   std::atomic<int> cases_{0};
+  std::string cephfs_;
 };
 
 }  // namespace ckpt::testing

@@ -64,6 +64,8 @@ class Daemon {
   pid_t pid() const { return process_ ? process_->pid() : -1; }
   const std::string& socket() const { return socket_; }
   const std::string& root() const { return root_; }
+  // Another --root than <dir>/root (a shared file system), for the next Start().
+  void set_root(std::string root) { root_ = std::move(root); }
   std::string Log() const;
 
   // ckptctl against this daemon.

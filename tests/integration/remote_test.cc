@@ -198,6 +198,54 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   CHECK(d.Stop() == 0);
 }
 
+TEST_CASE("a missing bucket, then a gateway answering 503 SlowDown: named, retried, uploaded once each ends") {
+  Bucket bucket = FreshBucket();
+  const std::string missing = fmt::format("ckptd-missing-{}", ::getpid());
+  bucket.url = "s3://" + missing + "/p";
+  TcpProxy proxy("127.0.0.1", bucket.port);
+  ::setenv("AWS_ENDPOINT_URL_S3", ("http://" + proxy.address()).c_str(), 1);
+  TempDir dir;
+  Daemon d(dir, {"--remote", bucket.url});
+  d.Start();
+  CHECK(Contains(d.Log(), "NoSuchBucket"));  // said at start, and ckptd runs on
+  SaveRanks(d, dir, 2, 5);
+  REQUIRE(WaitUntil([&] {
+    return Contains(FirstUpload(d, "reshard").value("last_error", ""), "the bucket " + missing + " does not exist");
+  }, 30s, 100ms));
+  CHECK(Contains(d.Ctl({"--job", "reshard", "list"}).out, "local"));
+  // The operator creates the bucket: the step goes up with the next attempt.
+  auto& ceph = CephCluster::Get();
+  RunResult made = Run({"/usr/bin/curl", "-sS", "--fail", "-X", "PUT", "--aws-sigv4", "aws:amz:us-east-1:s3", "--user",
+                        ceph.env().at("AWS_ACCESS_KEY_ID") + ":" + ceph.env().at("AWS_SECRET_ACCESS_KEY"),
+                        "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", bucket.endpoint + "/" + missing},
+                       dir.path());
+  INFO(made.out << made.err);
+  REQUIRE(made.exit_code == 0);
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 5); }, 90s, 200ms));
+  REQUIRE(WaitUntil([&] { return U64(JobStatus(d, "reshard")["latest_remote_step"]) == 5; }, 30s, 100ms));
+
+  // The gateway is up and answers every request with 503 SlowDown (S3's "reduce your
+  // request rate"): retried with back-off, reported by its code, never listed half done.
+  const std::string body =
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
+      "<Message>Please reduce your request rate.</Message></Error>";
+  proxy.Answer(fmt::format("HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}"
+                           "\r\nConnection: close\r\n\r\n{}", body.size(), body));
+  SaveRanks(d, dir, 2, 6);
+  REQUIRE(WaitUntil([&] {
+    json u = FirstUpload(d, "reshard");
+    return U64(u["step"]) == 6 && Contains(u.value("last_error", ""), "HTTP 503 SlowDown: Please reduce your request rate");
+  }, 60s, 100ms));
+  CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 6));
+  CHECK(Contains(d.Log(), "SlowDown"));
+  proxy.Heal();
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 6); }, 90s, 200ms));
+  RunResult verified = Offline(dir, bucket, {"--job", "reshard", "verify", "6"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(d.Stop() == 0);
+}
+
 TEST_CASE("direct mode writes checkpoints to the bucket alone; another node restores them") {
   const Bucket bucket = FreshBucket();
   TempDir dir;
@@ -291,6 +339,54 @@ TEST_CASE("a group: every node uploads its part, the coordinator publishes; a no
     INFO(r.out << r.err);
     CHECK(r.exit_code == 0);
     CHECK(Contains(r.out, "restored step=8"));
+    CHECK(Contains(r.out, "match"));
+  }
+}
+
+TEST_CASE("--shared-root on CephFS (ceph-fuse, the same cluster): two nodes save into one root, each reads the other's shards") {
+  auto& ceph = CephCluster::Get();
+  const std::string root = ceph.FileSystem() + "/" + ceph.FreshPrefix();
+  REQUIRE(std::filesystem::create_directories(root));
+  TempDir shared;
+  const std::string token = shared.path() + "/token";
+  std::ofstream(token) << "remote-test-cephfs-token-0123456789abcdef\n";
+  std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  const std::string coordinator = fmt::format("127.0.0.1:{}", PickFreePort());
+  auto flags = [&](int n) {
+    std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", "2",
+                                  "--coordinator", coordinator, "--group-token-file", token,
+                                  "--group-timeout", "2s", "--restore-timeout", "20s", "--shared-root"};
+    if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
+    return f;
+  };
+  TempDir dir0, dir1;
+  Daemon node0(dir0, flags(0)), node1(dir1, flags(1));
+  node0.set_root(root);
+  node1.set_root(root);
+  node0.Start();
+  node1.Start();
+  INFO(node0.Log() << node1.Log());
+  for (const RunResult& r : RanksOnNodes({&node0, &node1}, {{0, 1}, {2, 3}}, 4, shared,
+                                         {"--rows", "3001", "--layout", "rows", "save", "--step", "8",
+                                          "--wait-committed"})) {
+    INFO(r.out << r.err);
+    REQUIRE(r.exit_code == 0);
+  }
+  // One manifest for both nodes' shards, on CephFS, checked with no daemon.
+  RunResult verified = Run({Runfile("client/ckptctl"), "--job", "reshard", "verify", "8", "--root", root}, shared.path());
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  // Both daemons restart (their memory gone): one rank per node, in columns, each reading
+  // the rows that both nodes wrote.
+  REQUIRE(node0.Stop() == 0);
+  REQUIRE(node1.Stop() == 0);
+  node0.Start();
+  node1.Start();
+  for (const RunResult& r : RanksOnNodes({&node0, &node1}, {{0}, {1}}, 2, shared,
+                                         {"--layout", "cols", "check", "--saved-world-size", "4"})) {
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, "restored step=8 source=disk"));
     CHECK(Contains(r.out, "match"));
   }
 }

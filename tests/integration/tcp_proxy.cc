@@ -106,7 +106,17 @@ TcpProxy::~TcpProxy() {
 }
 
 void TcpProxy::Cut(CutMode mode) {
+  Submit(kHeal);  // whatever answer an earlier Answer() gave goes with its connections
+  answer_.clear();
   blackhole_ = mode == CutMode::kBlackhole;
+  cut_ = true;
+  Submit(kCut);
+}
+
+void TcpProxy::Answer(std::string response) {
+  Submit(kHeal);
+  answer_ = std::move(response);  // the loop reads it only after the next command
+  blackhole_ = true;
   cut_ = true;
   Submit(kCut);
 }
@@ -194,6 +204,8 @@ void TcpProxy::Loop() {
       }
       if (ok && !c.blackholed()) {
         ok = Flush(c.upstream, &c.to_upstream, &bytes_) && Flush(c.client, &c.to_client, &bytes_);
+      } else if (ok && !c.to_client.empty()) {
+        ok = Flush(c.client, &c.to_client, &bytes_);  // Answer()'s response
       }
       if (!ok) {
         // One side closed or failed: best effort for what is buffered, then both go.
@@ -218,6 +230,7 @@ void TcpProxy::Loop() {
           if (blackhole_) {
             auto c = std::make_unique<Conn>();
             c->client = client;
+            c->to_client = answer_;
             conns.push_back(std::move(c));
           } else {
             Reset(client);

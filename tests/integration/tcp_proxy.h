@@ -1,6 +1,7 @@
 // A TCP proxy that a test controls: listens on 127.0.0.1:<ephemeral> and forwards every
 // connection to a target. Cut() simulates a network partition (drops every connection and
-// refuses or silently swallows new ones); Heal() ends it. One thread, poll(), bounded buffers.
+// refuses or silently swallows new ones), Answer() a server that answers every request with
+// an error; Heal() ends either. One thread, poll(), bounded buffers.
 #pragma once
 
 #include <atomic>
@@ -31,7 +32,10 @@ class TcpProxy {
   // Resets every open connection (both sides) and applies `mode` to new ones; returns once
   // the connections are closed.
   void Cut(CutMode mode = CutMode::kRefuse);
-  // Closes any blackholed connections and forwards new connections again.
+  // Like Cut, but each new connection gets `response` (bytes of an HTTP answer, say a 503)
+  // and whatever it sends is dropped: a server that is up and refuses every request.
+  void Answer(std::string response);
+  // Closes any blackholed or answered connections and forwards new connections again.
   void Heal();
 
   bool cut() const { return cut_; }
@@ -58,6 +62,7 @@ class TcpProxy {
   uint64_t commands_submitted_ = 0, commands_done_ = 0;
   std::atomic<bool> cut_{false};
   std::atomic<bool> blackhole_{false};
+  std::string answer_;  // Answer()'s response; written before the loop applies the cut
   std::atomic<bool> stopping_{false};
   std::atomic<uint64_t> forwarded_{0}, bytes_{0}, refused_{0};
   std::thread thread_;
