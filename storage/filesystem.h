@@ -26,6 +26,9 @@ class Filesystem {
   virtual absl::StatusOr<UniqueFd> CreateFileDirect(const std::string& path) = 0;
   virtual absl::Status Truncate(int fd, uint64_t size) = 0;
   virtual absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) = 0;
+  // The same with O_DIRECT: reads then need 4 KiB-aligned buffers, offsets and sizes.
+  // InvalidArgument where the filesystem does not support it.
+  virtual absl::StatusOr<UniqueFd> OpenForDirectRead(const std::string& path) = 0;
   // Writes all of [data, data + size) at `offset`, retrying short writes.
   virtual absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) = 0;
   // Reads exactly `size` bytes at `offset`; a short file is an error (OutOfRange).

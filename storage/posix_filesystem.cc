@@ -37,11 +37,18 @@ class PosixFilesystem final : public Filesystem {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
+  absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override { return Open(path, 0); }
+  absl::StatusOr<UniqueFd> OpenForDirectRead(const std::string& path) override {
+    return Open(path, O_DIRECT);
+  }
+
+  absl::StatusOr<UniqueFd> Open(const std::string& path, int extra_flags) {
     // O_NONBLOCK: a FIFO planted in the root must not hang the daemon in open(); only
     // regular files are read.
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    if (fd < 0) return ErrnoStatus(errno, fmt::format("open {}", path));
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | extra_flags);
+    if (fd < 0) {
+      return ErrnoStatus(errno, fmt::format("open {}{}", path, extra_flags ? " (O_DIRECT)" : ""));
+    }
     UniqueFd file(fd);
     struct stat st;
     if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, fmt::format("stat {}", path));

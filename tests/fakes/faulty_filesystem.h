@@ -44,6 +44,10 @@ class FaultyFilesystem final : public Filesystem {
   absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
     return real_->OpenForRead(path);
   }
+  absl::StatusOr<UniqueFd> OpenForDirectRead(const std::string& path) override {
+    if (no_direct_) return ErrnoStatus(EINVAL, "open " + path + " (O_DIRECT)");
+    return real_->OpenForDirectRead(path);
+  }
   absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {
     if (Trip(Op::kWrite)) return ErrnoStatus(err_, "write");
     absl::Status s = real_->WriteAt(fd, data, size, offset);
