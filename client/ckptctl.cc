@@ -265,7 +265,8 @@ class Ctl {
     }
     std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
     for (const std::string& e : errors) std::cout << "  " << e << "\n";
-    return errors.empty() ? 0 : 3;
+    for (const std::string& e : r.errors()) std::cout << "  " << e << "\n";
+    return errors.empty() && r.errors().empty() ? 0 : 3;
   }
 
   int Delete() {

@@ -197,7 +197,9 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
   for (const std::string& j : jobs) {
     CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store.ListSteps(j));
     for (uint64_t step : steps) {
-      CheckpointSummary c{j, step};
+      CheckpointSummary c;
+      c.job = j;
+      c.step = step;
       absl::StatusOr<Manifest> manifest = store.LoadManifest(j, step);
       if (manifest.ok()) {
         c.world_size = manifest->world_size;

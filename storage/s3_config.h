@@ -27,6 +27,9 @@ struct S3Options {
   S3Credentials credentials;
   uint64_t part_bytes = 16u << 20;  // multipart part size (5 MiB .. 5 GiB)
   int parallel = 8;                 // parts (and ranged GETs) in flight per object
+  // Requests in flight at once through this store, whatever asks (several uploads, several
+  // ranks restoring): past what the gateway serves at once, more only queue up there.
+  int max_requests = 16;
   int attempts = 6;                 // per request, retrying 5xx and dropped connections
   std::chrono::milliseconds connect_timeout{5000};
   std::chrono::milliseconds stall_timeout{30000};  // no byte moved for this long: retried

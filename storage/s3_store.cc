@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <semaphore>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -135,7 +136,8 @@ size_t OnSend(char* buffer, size_t size, size_t n, void* user) {
 
 class S3Client {
  public:
-  explicit S3Client(S3Options options) : options_(std::move(options)) {
+  explicit S3Client(S3Options options)
+      : options_(std::move(options)), in_flight_(std::clamp(options_.max_requests, 1, kMaxRequests)) {
     static std::once_flag once;
     std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
     sigv4_ = fmt::format("aws:amz:{}:s3", options_.region);
@@ -170,7 +172,9 @@ class S3Client {
       Transfer t{&r, &response};
       CURL* h = Acquire();
       struct curl_slist* headers = Configure(h, r, t);
+      in_flight_.acquire();
       CURLcode code = curl_easy_perform(h);
+      in_flight_.release();
       long status = 0;
       curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &status);
       curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
@@ -310,6 +314,8 @@ class S3Client {
   std::string host_base_;
   std::mutex mu_;
   std::vector<CURL*> idle_;  // guarded by mu_
+  static constexpr int kMaxRequests = 1024;
+  std::counting_semaphore<kMaxRequests> in_flight_;  // S3Options::max_requests
 };
 
 class S3ObjectWriter final : public ObjectWriter {

@@ -114,10 +114,8 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
       absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded =
           format::ListCheckpoints(*src_.remote, request->job());
       if (!uploaded.ok()) {
-        ::ckptd::v1::CheckpointInfo& info = by_step[{request->job(), 0}];
-        info.set_job(request->job());
-        info.set_error(fmt::format("the remote tier {} cannot be listed: {}", src_.remote->root(),
-                                   Message(uploaded.status())));
+        reply->add_errors(fmt::format("the remote tier {} cannot be listed: {}", src_.remote->root(),
+                                      Message(uploaded.status())));
       } else {
         for (const format::CheckpointSummary& c : *uploaded) {
           auto [it, fresh] = by_step.try_emplace({c.job, c.step});

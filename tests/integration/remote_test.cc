@@ -170,7 +170,11 @@ TEST_CASE("uploads survive refused and hung connections and a kill mid-upload; n
   CHECK(Contains(d.Log(), "--remote " + bucket.url));
   SaveRanks(d, dir, 2, 5);
   REQUIRE(WaitUntil([&] { return !FirstUpload(d, "reshard").value("last_error", "").empty(); }, 30s, 100ms));
-  CHECK(d.Ctl({"--job", "reshard", "list"}).out.find("local") != std::string::npos);
+  RunResult listed = d.Ctl({"--job", "reshard", "list"});
+  INFO(listed.out << listed.err);
+  CHECK(Contains(listed.out, "local"));  // the local tier is listed, the remote one named
+  CHECK(Contains(listed.out, "the remote tier " + bucket.url + " cannot be listed"));
+  CHECK(listed.exit_code == 3);
   CHECK_FALSE(RemoteLists(dir, bucket, "reshard", 5));
   // Once the gateway answers again the step goes up by itself.
   proxy.Heal();
