@@ -360,7 +360,7 @@ void Uploader::Loop() {
     std::unique_lock lock(mu_);
     JobState& state = jobs_[job];
     if (s.ok()) {
-      Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.1f} s)", job, step,
+      Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.2f} s)", job, step,
                  options_.publishes ? "(manifest written)" : "(this node's part)",
                  progress_.bytes_total, SecondsSince(started));
       for (auto it = attempted_.begin(); it != attempted_.end();) {  // bounded by the queue

@@ -57,6 +57,24 @@ bool RemoteLists(const TempDir& dir, const Bucket& b, const std::string& job, ui
   return r.exit_code == 0 && Contains(r.out, fmt::format("{}  {} ", job, step));
 }
 
+// A group of two daemons on loopback: node 0 coordinates; the token in `dir`.
+struct TwoNodes {
+  explicit TwoNodes(const TempDir& dir) : token(dir.path() + "/token") {
+    std::ofstream(token) << "remote-test-group-token-0123456789abcdef\n";
+    std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  }
+  std::vector<std::string> Flags(int node, std::vector<std::string> extra) const {
+    std::vector<std::string> f = {"--node-rank", std::to_string(node), "--num-nodes", "2",
+                                  "--coordinator", coordinator, "--group-token-file", token,
+                                  "--group-timeout", "2s", "--restore-timeout", "20s"};
+    if (node == 0) f.insert(f.end(), {"--group-addr", coordinator});
+    f.insert(f.end(), extra.begin(), extra.end());
+    return f;
+  }
+  const std::string token;
+  const std::string coordinator = fmt::format("127.0.0.1:{}", PickFreePort());
+};
+
 json JobStatus(const Daemon& d, const std::string& job) {
   json s = Status(d);
   if (!s.contains("jobs")) return json::object();
@@ -289,18 +307,8 @@ TEST_CASE("wrong credentials: commits go on locally, the upload's error names th
 TEST_CASE("a group: every node uploads its part, the coordinator publishes; a node that lost its disk restores from the bucket") {
   const Bucket bucket = FreshBucket();
   TempDir shared;
-  const std::string token = shared.path() + "/token";
-  std::ofstream(token) << "remote-test-group-token-0123456789abcdef\n";
-  std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  const std::string coordinator = fmt::format("127.0.0.1:{}", PickFreePort());
-  auto flags = [&](int n) {
-    std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", "2",
-                                  "--coordinator", coordinator, "--group-token-file", token,
-                                  "--group-timeout", "2s", "--restore-timeout", "20s",
-                                  "--remote", bucket.url};
-    if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
-    return f;
-  };
+  const TwoNodes group(shared);
+  auto flags = [&](int n) { return group.Flags(n, {"--remote", bucket.url}); };
   TempDir dir0, dir1;
   Daemon node0(dir0, flags(0));
   auto node1 = std::make_unique<Daemon>(dir1, flags(1));
@@ -352,17 +360,8 @@ TEST_CASE("--shared-root on CephFS (ceph-fuse, the same cluster): two nodes save
   const std::string root = ceph.FileSystem() + "/" + ceph.FreshPrefix();
   REQUIRE(std::filesystem::create_directories(root));
   TempDir shared;
-  const std::string token = shared.path() + "/token";
-  std::ofstream(token) << "remote-test-cephfs-token-0123456789abcdef\n";
-  std::filesystem::permissions(token, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
-  const std::string coordinator = fmt::format("127.0.0.1:{}", PickFreePort());
-  auto flags = [&](int n) {
-    std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", "2",
-                                  "--coordinator", coordinator, "--group-token-file", token,
-                                  "--group-timeout", "2s", "--restore-timeout", "20s", "--shared-root"};
-    if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
-    return f;
-  };
+  const TwoNodes group(shared);
+  auto flags = [&](int n) { return group.Flags(n, {"--shared-root"}); };
   TempDir dir0, dir1;
   Daemon node0(dir0, flags(0)), node1(dir1, flags(1));
   node0.set_root(root);
