@@ -41,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # In the training loop, the trainer runs on CPU 0 and everything else (ckptd, Ceph) on the
 # other CPUs, as a real node's trainer has its own cores and the store is another machine.
 SERVICE_CPUS = None  # set in training_loop()
+STAGING_BYTES = "2G"  # twice the checkpoint (main() sets it)
 
 
 def parse_bytes(text):
@@ -149,12 +150,14 @@ class Daemon:
     def __init__(self, binary, root, socket, remote, log, extra=()):
         self.log_path = log
         self.socket = socket
-        args = [binary, "--root", root, "--socket", socket, "--staging-bytes", "4G",
-                "--prefault-staging", "false"] + (["--remote", remote] if remote else []) + list(extra)
+        # ckptd as deployed: staging memory prefaulted at start (a restore's bytes land in it;
+        # untouched pages would fault under every GET).
+        args = [binary, "--root", root, "--socket", socket, "--staging-bytes", STAGING_BYTES,
+                ] + (["--remote", remote] if remote else []) + list(extra)
         self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         if SERVICE_CPUS:
             pin(self.proc.pid, SERVICE_CPUS)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # prefaulting staging takes seconds
         while not os.path.exists(socket):
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 raise SystemExit("ckptd did not start:\n" + self.log())
@@ -363,6 +366,8 @@ def main():
     a = ap.parse_args()
     total = parse_bytes("64M" if a.quick else a.bytes)
     loop_bytes = parse_bytes("32M" if a.quick else a.loop_bytes)
+    global STAGING_BYTES
+    STAGING_BYTES = str(max(2 * total, 2 * loop_bytes, 256 << 20))
     ckptd = os.path.join(a.bin, "daemon/ckptd")
     ckptctl = os.path.join(a.bin, "client/ckptctl")
     helper = os.path.join(a.bin, "tests/integration/trainer_helper")
