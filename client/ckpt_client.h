@@ -158,7 +158,8 @@ struct ClientOptions {
   // Which of this job's committed steps ckptd copies to its remote tier (ckptd --remote):
   // steps whose number is a multiple of `every_steps`, and of those the first of each
   // `interval_seconds` window (0: all). nullopt: ckptd's --upload-every-steps and
-  // --upload-interval. Give every rank the same.
+  // --upload-interval. Every rank gives the same (one that differs from the job's live
+  // ranks on the node is refused).
   struct UploadPolicy {
     uint32_t every_steps = 1;
     double interval_seconds = 0;

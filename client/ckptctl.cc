@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <ctime>
 #include <cctype>
@@ -247,7 +248,9 @@ class Ctl {
   static int PrintList(const ListReply& r, const Options& o) {
     if (o.json) {
       std::cout << Json(r) << "\n";
-      return 0;
+      const bool unreadable = std::any_of(r.checkpoints().begin(), r.checkpoints().end(),
+                                          [](const auto& c) { return !c.error().empty(); });
+      return unreadable || !r.errors().empty() ? 3 : 0;  // the same exit code as the table's
     }
     ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "WHERE"});
     std::vector<std::string> errors;

@@ -7,6 +7,8 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <string>
+#include <system_error>
 
 #include "absl/status/status.h"
 
@@ -25,7 +27,11 @@ class Parallel {
     while (static_cast<int>(running_.size()) >= limit_) {
       if (absl::Status s = Collect(); !s.ok()) return s;
     }
-    running_.push_back(std::async(std::launch::async, std::move(job)));
+    try {
+      running_.push_back(std::async(std::launch::async, std::move(job)));
+    } catch (const std::system_error& e) {  // no thread to be had
+      return absl::ResourceExhaustedError(std::string("cannot start a thread: ") + e.what());
+    }
     return absl::OkStatus();
   }
   // Waits for every job started; the first error among them.
@@ -39,10 +45,16 @@ class Parallel {
   }
 
  private:
+  // A job that threw (a thread it could not start) is an error, never an exception out of
+  // Wait() or the destructor.
   absl::Status Collect() {
-    absl::Status s = running_.front().get();
+    std::future<absl::Status> done = std::move(running_.front());
     running_.pop_front();
-    return s;
+    try {
+      return done.get();
+    } catch (const std::exception& e) {
+      return absl::InternalError(std::string("a parallel job failed: ") + e.what());
+    }
   }
   const int limit_;
   std::deque<std::future<absl::Status>> running_;

@@ -27,9 +27,10 @@ void Scatter(const std::vector<ByteRun>& runs, size_t& next, uint64_t offset, co
 }  // namespace
 
 const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
-  auto [it, inserted] = hot_shards_.try_emplace(rank);
-  HotShard& hot = it->second;
-  if (inserted && hot_ && (hot.snapshot = hot_(rank))) {
+  // After Open() every rank read is here: a lookup alone, safe on several threads.
+  if (auto found = hot_shards_.find(rank); found != hot_shards_.end()) return found->second;
+  HotShard& hot = hot_shards_[rank];
+  if (hot_ && (hot.snapshot = hot_(rank))) {
     const auto& entries = *hot.snapshot->entries;
     for (size_t i = 0; i < hot.snapshot->tensor_count; ++i) {
       hot.tensors.emplace(entries[i].name, &entries[i]);

@@ -78,16 +78,29 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     SessionPtr s = std::move(*session);
     CKPT_RETURN_IF_ERROR(owners_.Claim(s->job(), caller));  // a racing other uid lost
     if (request->keep_last() != 0) retention_.SetKeepLast(s->job(), request->keep_last());
-    if (request->has_upload()) {
-      upload_policies_.Set(s->job(), {std::max<uint64_t>(1, request->upload().every_steps()),
-                                      std::chrono::milliseconds(static_cast<int64_t>(
-                                          request->upload().interval_seconds() * 1000))});
+    // The job's upload policy: what this rank sent (unset: the node's). Ranks of a job that
+    // disagree would upload different steps, so one differing from the live ranks' is refused.
+    const upload::UploadPolicy policy =
+        request->has_upload()
+            ? upload::UploadPolicy{std::max<uint64_t>(1, request->upload().every_steps()),
+                                   std::chrono::milliseconds(static_cast<int64_t>(
+                                       request->upload().interval_seconds() * 1000))}
+            : upload_policies_.node_default();
+    if (const upload::UploadPolicy live = upload_policies_.For(s->job()); !(live == policy)) {
+      for (const SessionPtr& other : sessions_.All()) {
+        if (other->job() != s->job()) continue;
+        return absl::FailedPreconditionError(fmt::format(
+            "rank {} of job {} asks to upload {}, its other ranks {}: give every rank the same "
+            "upload policy (Python: upload_every_steps, upload_interval_seconds)",
+            s->rank(), s->job(), upload::Describe(policy), upload::Describe(live)));
+      }
     }
     s->Start(stager_, persist_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {
       s->Stop();
       return added;
     }
+    upload_policies_.Set(s->job(), policy);
     reply->set_session_id(s->id());
     reply->set_control_socket(control_socket_);
     reply->set_registered_bytes(s->registered_bytes());

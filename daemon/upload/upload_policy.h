@@ -14,7 +14,11 @@ namespace ckpt::daemon::upload {
 struct UploadPolicy {
   uint64_t every_steps = 1;              // steps whose number is a multiple of N
   std::chrono::milliseconds interval{0};  // and of those, the first of each window; 0: all
+  bool operator==(const UploadPolicy&) const = default;
 };
+
+// "every step", "every 10 steps, the first of each 60000 ms": for messages.
+std::string Describe(const UploadPolicy& policy);
 
 // Whether committed `step`, saved at `unix_time` (the manifest's), is uploaded.
 // `previous_unix_time` is that of the job's previous step that passed `every_steps`
@@ -37,6 +41,7 @@ class UploadPolicies {
     std::lock_guard lock(mu_);
     jobs_[job] = policy;
   }
+  const UploadPolicy& node_default() const { return default_; }
   UploadPolicy For(const std::string& job) const {
     std::lock_guard lock(mu_);
     auto it = jobs_.find(job);

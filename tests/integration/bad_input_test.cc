@@ -9,9 +9,11 @@
 #include <thread>
 #include <signal.h>
 
+#include "tests/fakes/wait_until.h"
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
+using namespace std::chrono_literals;
 using json = nlohmann::json;
 
 namespace {
@@ -295,6 +297,27 @@ TEST_CASE("duplicate rank registration is refused while the first trainer lives"
   CHECK(Contains(second.out, "rank 0 of job dup is already registered by pid"));
   first.Signal(SIGKILL);
   first.Wait();
+}
+
+TEST_CASE("ranks of one job asking for different upload policies: the one that differs is refused, naming both") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  // Rank 0 registers with the node's policy (every step) and stays.
+  Process first(Helper(d, {"--job", "pol", "--world-size", "2", "hold", "--hold-seconds", "30"}), dir.path(), "first");
+  REQUIRE(WaitUntil([&] { return Status(d)["sessions"].size() == 1; }, 10s, 20ms));
+  auto second = Run(Helper(d, {"--job", "pol", "--world-size", "2", "--rank", "1", "--upload-every-steps", "2", "save"}),
+                    dir.path());
+  INFO(second.out << second.err);
+  CHECK(second.exit_code == 2);
+  CHECK(Contains(second.out, "rank 1 of job pol asks to upload every 2 steps, its other ranks every step"));
+  first.Signal(SIGKILL);
+  first.Wait();
+  // With no rank of the job left, a new run may choose another policy.
+  REQUIRE(WaitUntil([&] { return Status(d)["sessions"].empty(); }, 10s, 20ms));
+  auto alone = Run(Helper(d, {"--job", "pol", "--upload-every-steps", "2", "save", "--wait-committed"}), dir.path());
+  INFO(alone.out << alone.err);
+  CHECK(alone.exit_code == 0);
 }
 
 TEST_CASE("metadata that is not text fails that snapshot alone; ckptd and the others go on") {

@@ -38,6 +38,7 @@ struct Flags {
   uint64_t steps = 30, interval_ms = 300;
   uint32_t rank = 0, world_size = 1;
   uint64_t step = 10, seed = 1, bytes = 1 << 20;
+  uint32_t upload_every_steps = 0;
   bool die_after_staged = false, wait_committed = false, has_step = false;
   bool bad_metadata = false;  // metadata that is not text
   bool copy_on_write = false;
@@ -72,8 +73,10 @@ std::string TokenOf(const std::string& answer) {
 }
 
 std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
-  auto c = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
-                                  .world_size = f.world_size, .copy_on_write = f.copy_on_write});
+  ckpt::ClientOptions options{.socket = f.socket, .job = f.job, .rank = f.rank,
+                              .world_size = f.world_size, .copy_on_write = f.copy_on_write};
+  if (f.upload_every_steps != 0) options.upload = {.every_steps = f.upload_every_steps};
+  auto c = ckpt::Client::Connect(options);
   if (!c.ok()) {
     std::cout << "error: " << ckpt::Message(c.status()) << "\n";
     std::exit(2);
@@ -708,6 +711,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", f.seed);
   app.add_flag("--copy-on-write", f.copy_on_write, "ask for copy-on-write snapshots");
   app.add_option("--bytes", f.bytes);
+  app.add_option("--upload-every-steps", f.upload_every_steps, "the job's upload policy (0: the node's)");
   app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
   app.add_option("--extra-gid", f.extra_gid, "with --as-uid: keep this supplementary group");
   auto* save = app.add_subcommand("save");

@@ -187,7 +187,8 @@ class CheckpointManager:
     With ckptd's remote tier on (`ckptd --remote s3://...`), `upload_every_steps` and
     `upload_interval_seconds` choose which of this job's committed steps ckptd copies to
     the bucket (multiples of N, then the first of each window of T seconds); unset, the
-    node's --upload-every-steps and --upload-interval apply. Give every rank the same.
+    node's --upload-every-steps and --upload-interval apply. Every rank must pass the same
+    (a rank that differs from its job's live ranks is refused).
     """
 
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
