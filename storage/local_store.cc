@@ -107,11 +107,15 @@ class LocalObjectReader final : public ObjectReader {
     const size_t aligned = size / kBlock * kBlock;
     if (direct_.valid() && aligned > 0 && offset % kBlock == 0 &&
         reinterpret_cast<uintptr_t>(data) % kBlock == 0) {
-      CKPT_RETURN_IF_ERROR(Annotate(fs_->ReadAt(direct_.get(), data, aligned, offset), path_));
-      if (aligned == size) return absl::OkStatus();
-      return Annotate(fs_->ReadAt(fd_.get(), static_cast<char*>(data) + aligned, size - aligned,
-                                  offset + aligned),
-                      path_);
+      absl::Status direct = fs_->ReadAt(direct_.get(), data, aligned, offset);
+      // Some file systems open with O_DIRECT and refuse the read (EINVAL): buffered then.
+      if (!absl::IsInvalidArgument(direct)) {
+        CKPT_RETURN_IF_ERROR(Annotate(direct, path_));
+        if (aligned == size) return absl::OkStatus();
+        return Annotate(fs_->ReadAt(fd_.get(), static_cast<char*>(data) + aligned, size - aligned,
+                                    offset + aligned),
+                        path_);
+      }
     }
     return Annotate(fs_->ReadAt(fd_.get(), data, size, offset), path_);
   }

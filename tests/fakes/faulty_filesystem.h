@@ -5,6 +5,7 @@
 #include <atomic>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -46,8 +47,15 @@ class FaultyFilesystem final : public Filesystem {
   }
   absl::StatusOr<UniqueFd> OpenForDirectRead(const std::string& path) override {
     if (no_direct_) return ErrnoStatus(EINVAL, "open " + path + " (O_DIRECT)");
-    return real_->OpenForDirectRead(path);
+    absl::StatusOr<UniqueFd> fd = real_->OpenForDirectRead(path);
+    if (fd.ok() && refuse_direct_reads_) {
+      std::lock_guard lock(mu_);
+      direct_read_fds_.insert(fd->get());
+    }
+    return fd;
   }
+  // Behave like a file system that opens with O_DIRECT and then refuses the reads (EINVAL).
+  void RefuseDirectReads() { refuse_direct_reads_ = true; }
   absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {
     if (Trip(Op::kWrite)) return ErrnoStatus(err_, "write");
     absl::Status s = real_->WriteAt(fd, data, size, offset);
@@ -55,6 +63,10 @@ class FaultyFilesystem final : public Filesystem {
     return s;
   }
   absl::Status ReadAt(int fd, void* data, size_t size, uint64_t offset) override {
+    if (refuse_direct_reads_) {
+      std::lock_guard lock(mu_);
+      if (direct_read_fds_.count(fd)) return ErrnoStatus(EINVAL, "read (O_DIRECT)");
+    }
     return real_->ReadAt(fd, data, size, offset);
   }
   absl::Status SyncFile(int fd) override {
@@ -115,6 +127,9 @@ class FaultyFilesystem final : public Filesystem {
   std::atomic<int> remaining_{0};
   int err_ = 0;
   bool no_direct_ = false;
+  std::atomic<bool> refuse_direct_reads_ = false;
+  std::mutex mu_;
+  std::set<int> direct_read_fds_;  // guarded by mu_; a test keeps its readers open while it reads
   mutable std::mutex synced_mu_;
   std::vector<std::string> synced_dirs_;
   std::function<void(const std::string&)> before_rename_;

@@ -225,6 +225,21 @@ TEST_CASE("S3 credentials that are wrong, and a bucket that is not there, are na
   CHECK_THAT(Message(unreachable), Catch::Contains("after 2 attempts"));
 }
 
+TEST_CASE("a file system that opens with O_DIRECT and refuses the reads: read through the page cache") {
+  LocalDisk t;
+  std::vector<char> bytes = Pattern(3 * 4096 + 100, 5);
+  auto w = t.store->Create("job/step-00000004.tmp/rank-00000.safetensors");
+  REQUIRE(w.ok());
+  REQUIRE((*w)->Append(bytes.data(), bytes.size()).ok());
+  REQUIRE((*w)->Finish().ok());
+  t.fs->RefuseDirectReads();
+  auto reader = t.store->Open("job/step-00000004.tmp/rank-00000.safetensors");
+  REQUIRE(reader.ok());
+  std::unique_ptr<char, AlignedFree> into(static_cast<char*>(std::aligned_alloc(4096, 4 * 4096)));
+  REQUIRE((*reader)->ReadAt(into.get(), bytes.size(), 0).ok());
+  CHECK(std::equal(bytes.begin(), bytes.end(), into.get()));
+}
+
 TEMPLATE_TEST_CASE("a failed flush or publish is a status naming the object, never a torn step", "",
                    LocalDisk, LocalTmpfs) {
   TestType t;
