@@ -207,6 +207,8 @@ def upload_and_restore(a, ckptd, helper, work, remote, total):
     up_bytes, up_s = int(up[0][0]), float(up[0][1])
     d.stop()
     shutil.rmtree(os.path.join(work, "root"))
+    # The download limit on the very objects the restore reads, just before it reads them.
+    same_objects = ranged_gets(remote + "/bench/step-00000010/")
     d = Daemon(ckptd, os.path.join(work, "root2"), os.path.join(work, "s2.sock"), remote,
                os.path.join(work, "ckptd2.log"))
     ranks(helper, d.socket, a.ranks, ["--bytes", str(per_rank), "check"], work)
@@ -217,7 +219,30 @@ def upload_and_restore(a, ckptd, helper, work, remote, total):
         raise SystemExit("not every rank restored from the remote tier:\n" + d.log())
     down_bytes = sum(int(b) for b, _, _ in restored)
     down_s = max(float(ms) for _, _, ms in restored) / 1000
-    return gbps(up_bytes, up_s), gbps(down_bytes, down_s)
+    return gbps(up_bytes, up_s), gbps(down_bytes, down_s), same_objects
+
+
+def ranged_gets(url, piece=16 << 20, concurrency=16):
+    """curl GETting every shard object under `url` (s3://bucket/prefix/) in `piece`-byte
+    ranges, `concurrency` at once: what a restore's ranged GETs ask of the store (ckptd
+    sends at most 16 at once). GB/s."""
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    env = os.environ
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"], region_name=env["AWS_REGION"],
+                          config=Config(s3={"addressing_style": "path"}))
+    objects = [(o["Key"], o["Size"]) for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+               if o["Key"].endswith(".safetensors")]
+    args = ["curl", "--no-progress-meter", "--fail", "-Z", "--parallel-max", str(concurrency),
+            "--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
+            "--user", f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}",
+            "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
+    for key, size in objects:
+        for at in range(0, size, piece):
+            args += ["-r", f"{at}-{min(size, at + piece) - 1}", "-o", "/dev/null",
+                     f"{env['AWS_ENDPOINT_URL_S3']}/{bucket}/{key}"]
+    t0 = time.monotonic()
+    run_curl(args)
+    return gbps(sum(size for _, size in objects), time.monotonic() - t0)
 
 
 def reshard_from_remote(ckptd, reshard, work, remote, total, layout):
@@ -399,7 +424,7 @@ def main():
         # The store's speed drifts as it fills (memstore, garbage collection): ckptd and the
         # sweep's best settings take turns, and each side's median is compared.
         tops = {d: max(sweep, key=lambda r: r[d]) for d in ("upload_gbps", "download_gbps")}
-        limit = {"upload_gbps": [], "download_gbps": []}
+        limit = {"upload_gbps": [], "download_gbps": [], "same_objects_gbps": []}
         ours = {"upload_gbps": [], "download_gbps": []}
         for round_ in range(1 if a.quick else 3):
             for direction, top in tops.items():
@@ -409,16 +434,19 @@ def main():
                     curl_once(env, bucket, payload, top["part"], top["concurrency"], total)[direction])
                 os.unlink(payload)
             settle(a.quick)
-            up, down = upload_and_restore(a, ckptd, helper, work, f"{remote}-{round_}", total)
+            up, down, same = upload_and_restore(a, ckptd, helper, work, f"{remote}-{round_}", total)
             ours["upload_gbps"].append(up)
             ours["download_gbps"].append(down)
+            limit["same_objects_gbps"].append(same)
             say(f"round {round_ + 1}: limit {limit['upload_gbps'][-1]:.3f} up {limit['download_gbps'][-1]:.3f} "
-                f"down; ckptd {up:.3f} up {down:.3f} down")
+                f"down ({same:.3f} in ranged GETs of the step's own objects); ckptd {up:.3f} up {down:.3f} down")
             settle(a.quick)
         best_up, best_down = median(limit["upload_gbps"]), median(limit["download_gbps"])
         up, down = median(ours["upload_gbps"]), median(ours["download_gbps"])
         say(f"ckptd upload           {up:.3f} GB/s  ({100 * up / best_up:.0f}% of the limit, medians of the rounds)")
-        say(f"ckptd restore          {down:.3f} GB/s  ({100 * down / best_down:.0f}% of the limit, medians of the rounds)")
+        same = median(limit["same_objects_gbps"])
+        say(f"ckptd restore          {down:.3f} GB/s  ({100 * down / best_down:.0f}% of the limit, "
+            f"{100 * down / same:.0f}% of ranged GETs of the same objects; medians of the rounds)")
         resharded = {}
         for layout in ("flat", "rows"):
             r = resharded[layout] = reshard_from_remote(ckptd, reshard, work, remote, total, layout)
@@ -444,6 +472,7 @@ def main():
                 "sweep_best_download_gbps": max(r["download_gbps"] for r in sweep),
                 "ckptd_upload_gbps": up, "ckptd_upload_of_limit": up / best_up,
                 "ckptd_restore_remote_gbps": down, "ckptd_restore_of_limit": down / best_down,
+                "ckptd_restore_of_same_objects": down / same,
                 "reshard_from_remote": resharded, "training_loop": loop,
             }))
     finally:
