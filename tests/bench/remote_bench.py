@@ -232,14 +232,16 @@ def ranged_gets(url, piece=16 << 20, concurrency=16):
                           config=Config(s3={"addressing_style": "path"}))
     objects = [(o["Key"], o["Size"]) for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
                if o["Key"].endswith(".safetensors")]
-    args = ["curl", "--no-progress-meter", "--fail", "-Z", "--parallel-max", str(concurrency),
-            "--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
+    each = ["--no-progress-meter", "--fail", "--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
             "--user", f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}",
             "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
+    args = ["curl", "-Z", "--parallel-max", str(concurrency)]
+    # A range applies to every URL up to the next --next: each GET gets its own group.
     for key, size in objects:
         for at in range(0, size, piece):
-            args += ["-r", f"{at}-{min(size, at + piece) - 1}", "-o", "/dev/null",
-                     f"{env['AWS_ENDPOINT_URL_S3']}/{bucket}/{key}"]
+            args += each + ["-r", f"{at}-{min(size, at + piece) - 1}", "-o", "/dev/null",
+                            f"{env['AWS_ENDPOINT_URL_S3']}/{bucket}/{key}", "--next"]
+    args.pop()  # no group after the last
     t0 = time.monotonic()
     run_curl(args)
     return gbps(sum(size for _, size in objects), time.monotonic() - t0)
