@@ -8,9 +8,9 @@
 #include <set>
 
 #include "common/log.h"
+#include "common/parallel.h"
 #include "common/status.h"
 #include "format/tiling.h"
-#include "common/parallel.h"
 #include "format/plan_reader.h"
 #include "format/read_plan.h"
 #include "storage/open_store.h"

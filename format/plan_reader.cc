@@ -39,14 +39,14 @@ const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
   return hot;
 }
 
-const format::TensorEntry* PlanReader::InMemory(const TensorReadPlan& tensor, const ShardRead& read) {
+const char* PlanReader::InMemory(const TensorReadPlan& tensor, const ShardRead& read) {
   const HotShard& hot = Hot(read.rank);
   auto e = hot.tensors.find(tensor.name);
   if (e == hot.tensors.end() || e->second->begin != read.entry_begin ||
       e->second->end != read.entry_end) {
     return nullptr;
   }
-  return e->second;
+  return hot.snapshot->data + read.entry_begin;
 }
 
 absl::Status PlanReader::Open(const std::vector<TensorReadPlan>& tensors) {
@@ -83,10 +83,10 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
   for (const ShardRead& read : tensor.reads) {
     if (read.runs.empty()) continue;
     // ckptd's own copy of the committed step: the bytes the file was written from.
-    if (InMemory(tensor, read) != nullptr) {
+    if (const char* saved = InMemory(tensor, read)) {
       size_t next = 0;
       const uint64_t size = read.entry_end - read.entry_begin;
-      Scatter(read.runs, next, 0, Hot(read.rank).snapshot->data + read.entry_begin, size, dst);
+      Scatter(read.runs, next, 0, saved, size, dst);
       for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
       continue;
     }

@@ -73,8 +73,8 @@ class PlanReader {
   };
   // Looked up, and indexed, once per rank.
   const HotShard& Hot(uint32_t rank);
-  // The entry of `read` in ckptd's memory copy of its rank, or null.
-  const format::TensorEntry* InMemory(const TensorReadPlan& tensor, const ShardRead& read);
+  // The bytes of `read`'s saved entry in ckptd's memory copy of its rank, or null.
+  const char* InMemory(const TensorReadPlan& tensor, const ShardRead& read);
   absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
 
   storage::Store& store_;

@@ -86,14 +86,14 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
                                    std::chrono::milliseconds(static_cast<int64_t>(
                                        request->upload().interval_seconds() * 1000))}
             : upload_policies_.node_default();
-    if (const upload::UploadPolicy live = upload_policies_.For(s->job()); !(live == policy)) {
-      for (const SessionPtr& other : sessions_.All()) {
-        if (other->job() != s->job()) continue;
-        return absl::FailedPreconditionError(fmt::format(
-            "rank {} of job {} asks to upload {}, its other ranks {}: give every rank the same "
-            "upload policy (Python: upload_every_steps, upload_interval_seconds)",
-            s->rank(), s->job(), upload::Describe(policy), upload::Describe(live)));
-      }
+    const std::vector<SessionPtr> live_sessions = sessions_.All();
+    const bool job_live = std::any_of(live_sessions.begin(), live_sessions.end(),
+                                      [&](const SessionPtr& other) { return other->job() == s->job(); });
+    if (const upload::UploadPolicy live = upload_policies_.For(s->job()); job_live && !(live == policy)) {
+      return absl::FailedPreconditionError(fmt::format(
+          "rank {} of job {} asks to upload {}, its other ranks {}: give every rank the same "
+          "upload policy (Python: upload_every_steps, upload_interval_seconds)",
+          s->rank(), s->job(), upload::Describe(policy), upload::Describe(live)));
     }
     s->Start(stager_, persist_, board_);
     if (absl::Status added = sessions_.Add(s); !added.ok()) {

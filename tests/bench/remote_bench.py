@@ -90,13 +90,9 @@ def curl_sweep(env, bucket, payload, total, quick):
 def curl_once(env, bucket, payload, part, concurrency, total):
     """curl --parallel PUTting `total` bytes as objects of `part` bytes (`payload`, a file of
     that size), `concurrency` at once, then GETting them."""
-    auth = ["--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
-            "--user", f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}",
-            # RGW and S3 refuse a SigV4 signature without it; curl does not add it.
-            "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
     base = f"{env['AWS_ENDPOINT_URL_S3']}/{bucket}/limit"
     objects = max(1, total // part)
-    up = ["curl", "--no-progress-meter", "--fail", "-Z", "--parallel-max", str(concurrency)] + auth
+    up = ["curl", "-Z", "--parallel-max", str(concurrency)] + curl_options(env)
     down = list(up)
     for i in range(objects):
         up += ["-T", payload, f"{base}/o{i}", "-o", "/dev/null"]
@@ -108,6 +104,14 @@ def curl_once(env, bucket, payload, part, concurrency, total):
     t2 = time.monotonic()
     return {"setting": f"curl {part >> 20} MiB x {concurrency}", "part": part, "concurrency": concurrency,
             "upload_gbps": gbps(objects * part, t1 - t0), "download_gbps": gbps(objects * part, t2 - t1)}
+
+
+def curl_options(env):
+    """What every curl request here carries: quiet, failing on HTTP errors, signed."""
+    return ["--no-progress-meter", "--fail", "--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
+            "--user", f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}",
+            # RGW and S3 refuse a SigV4 signature without it; curl does not add it.
+            "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
 
 
 def run_curl(args):
@@ -232,9 +236,7 @@ def ranged_gets(url, piece=16 << 20, concurrency=16):
                           config=Config(s3={"addressing_style": "path"}))
     objects = [(o["Key"], o["Size"]) for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
                if o["Key"].endswith(".safetensors")]
-    each = ["--no-progress-meter", "--fail", "--aws-sigv4", f"aws:amz:{env['AWS_REGION']}:s3",
-            "--user", f"{env['AWS_ACCESS_KEY_ID']}:{env['AWS_SECRET_ACCESS_KEY']}",
-            "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD"]
+    each = curl_options(env)
     args = ["curl", "-Z", "--parallel-max", str(concurrency)]
     # A range applies to every URL up to the next --next: each GET gets its own group.
     for key, size in objects:

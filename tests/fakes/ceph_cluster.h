@@ -43,13 +43,11 @@ class CephCluster {
   // a test asks: its mount point.
   const std::string& FileSystem() {
     if (!cephfs_.empty()) return cephfs_;
-    const std::string log = dir_.path() + "/ceph-fs.log";
-    const int rc = std::system((script_ + " fs " + dir_.path() + "/ceph >" + log + " 2>&1").c_str());
-    std::ifstream in(log);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (rc != 0) FAIL("could not add CephFS with tools/ceph.sh fs (exit " << rc << "):\n" << text);
-    cephfs_ = text.substr(0, text.find_last_not_of("\n") + 1);
-    cephfs_ = cephfs_.substr(cephfs_.rfind('\n') + 1);
+    std::string output;
+    if (int rc = Script("fs", &output); rc != 0) {
+      FAIL("could not add CephFS with tools/ceph.sh fs (exit " << rc << "):\n" << output);
+    }
+    cephfs_ = dir_.path() + "/ceph/cephfs";  // where tools/ceph.sh fs mounts it
     return cephfs_;
   }
 
@@ -60,18 +58,25 @@ class CephCluster {
     const char* srcdir = std::getenv("TEST_SRCDIR");
     const char* workspace = std::getenv("TEST_WORKSPACE");
     script_ = srcdir && workspace ? std::string(srcdir) + "/" + workspace + "/tools/ceph.sh" : "tools/ceph.sh";
-    const std::string log = dir_.path() + "/ceph-start.log";
-    const int rc = std::system((script_ + " start " + dir_.path() + "/ceph >" + log + " 2>&1").c_str());
+    std::string output;
+    const int rc = Script("start", &output);
     std::ifstream env(dir_.path() + "/ceph/s3.env");
     std::string line;
     while (std::getline(env, line)) {
       if (auto eq = line.find('='); eq != std::string::npos) env_[line.substr(0, eq)] = line.substr(eq + 1);
     }
     if (rc != 0 || env_.size() < 5) {
-      std::ifstream in(log);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      FAIL("could not start a Ceph cluster with tools/ceph.sh (exit " << rc << "):\n" << text);
+      FAIL("could not start a Ceph cluster with tools/ceph.sh (exit " << rc << "):\n" << output);
     }
+  }
+
+  // Runs `tools/ceph.sh COMMAND <dir>/ceph`; its exit code, and what it printed in `output`.
+  int Script(const std::string& command, std::string* output) {
+    const std::string log = dir_.path() + "/ceph-" + command + ".log";
+    const int rc = std::system((script_ + " " + command + " " + dir_.path() + "/ceph >" + log + " 2>&1").c_str());
+    std::ifstream in(log);
+    output->assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    return rc;
   }
 
   TempDir dir_{"/tmp"};
