@@ -323,8 +323,10 @@ TEST_CASE("a group: every node uploads its part, the coordinator publishes; a no
   }
   INFO(node0.Log() << node1->Log());
   REQUIRE(WaitUntil([&] { return RemoteLists(shared, bucket, "reshard", 8); }, 30s, 100ms));
-  CHECK(Contains(node1->Log(), "(this node's part)"));
-  CHECK(Contains(node0.Log(), "(manifest written)"));
+  // Each node logs its line once its upload returned: a reader may list the step a moment
+  // before (the coordinator's comes after the manifest and the nodes' reports are removed).
+  CHECK(WaitUntil([&] { return Contains(node1->Log(), "(this node's part)"); }, 30s, 100ms));
+  CHECK(WaitUntil([&] { return Contains(node0.Log(), "(manifest written)"); }, 30s, 100ms));
   RunResult verified = Offline(shared, bucket, {"--job", "reshard", "verify", "8"});
   INFO(verified.out << verified.err);
   CHECK(verified.exit_code == 0);
