@@ -66,17 +66,18 @@ absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   }
   const format::ManifestShard& shard = manifest_.shards[rank];
   const std::string path = step_dir_ + "/" + shard.file;
-  CKPT_ASSIGN_OR_RETURN(bool exists, store_.Exists(path));
-  if (!exists) {
+  // Opened without asking first whether it is there: over a store far away each question
+  // is a round trip.
+  absl::StatusOr<format::ShardReaderPtr> reader = format::ShardReader::Open(store_, path, shard.bytes);
+  if (absl::IsNotFound(reader.status())) {
     return absl::NotFoundError(fmt::format(
         "{}: rank {}'s shard of step {} is neither in memory nor on this node's disk (a "
         "restore with another placement reads every saved shard it overlaps; across nodes "
         "they must share one --root)",
         store_.Describe(path), rank, manifest_.step));
   }
-  CKPT_ASSIGN_OR_RETURN(format::ShardReaderPtr reader,
-                        format::ShardReader::Open(store_, path, shard.bytes));
-  return readers_.emplace(rank, std::move(reader)).first->second.get();
+  CKPT_RETURN_IF_ERROR(reader.status());
+  return readers_.emplace(rank, *std::move(reader)).first->second.get();
 }
 
 absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -77,6 +78,7 @@ struct Request {
   size_t body_size = 0;
   char* into = nullptr;  // GET straight into caller memory, exactly into_size bytes
   size_t into_size = 0;
+  size_t max_body = size_t{1} << 30;  // a 2xx answer kept in Response::body: at most this
 };
 
 // Everything a transfer's callbacks touch.
@@ -98,7 +100,12 @@ size_t OnBody(char* data, size_t size, size_t n, void* user) {
     }
     std::memcpy(t->request->into + t->received, data, bytes);
   } else {
-    if (t->response->body.size() + bytes > (size_t{1} << 30)) return 0;
+    // An error's XML body is never large; the cap is for what was asked for.
+    const size_t cap = t->response->status / 100 == 2 ? t->request->max_body : size_t{1} << 20;
+    if (t->response->body.size() + bytes > cap) {
+      t->overflow = true;
+      return 0;
+    }
     t->response->body.append(data, bytes);
   }
   t->received += bytes;
@@ -184,7 +191,9 @@ class S3Client {
       bool retry = false;
       std::string why;
       if (code != CURLE_OK) {
-        why = t.overflow ? "the server sent more than the range asked for" : curl_easy_strerror(code);
+        why = t.overflow ? fmt::format("the server sent more than the {} bytes asked for",
+                                       r.into != nullptr ? r.into_size : r.max_body)
+                         : curl_easy_strerror(code);
         retry = !t.overflow;
       } else if (status >= 500 || status == 429 || status == 408) {
         why = ErrorOf(status, response.body);
@@ -210,6 +219,11 @@ class S3Client {
   absl::StatusOr<Response> SendOk(const Request& r, std::string_view what) {
     CKPT_ASSIGN_OR_RETURN(Response response, Send(r, what));
     if (response.status / 100 == 2) return response;
+    return StatusOf(response, what);
+  }
+
+  // What an answer other than 2xx means.
+  absl::Status StatusOf(const Response& response, std::string_view what) const {
     std::string message = fmt::format("S3 {}: {}", what, ErrorOf(response.status, response.body));
     switch (response.status) {
       case 404:
@@ -423,8 +437,10 @@ class S3ObjectWriter final : public ObjectWriter {
 
 class S3ObjectReader final : public ObjectReader {
  public:
-  S3ObjectReader(std::shared_ptr<S3Client> client, std::string key, uint64_t size)
-      : client_(std::move(client)), key_(std::move(key)), name_(client_->Url(key_)), size_(size) {}
+  // `head`: the object's first bytes, fetched when it was opened.
+  S3ObjectReader(std::shared_ptr<S3Client> client, std::string key, uint64_t size, std::string head)
+      : client_(std::move(client)), key_(std::move(key)), name_(client_->Url(key_)), size_(size),
+        head_(std::move(head)) {}
 
   uint64_t size() const override { return size_; }
   const std::string& name() const override { return name_; }
@@ -435,6 +451,10 @@ class S3ObjectReader final : public ObjectReader {
                                                name_, size, offset, size_));
     }
     if (size == 0) return absl::OkStatus();
+    if (offset + size <= head_.size()) {  // a file's header: no round trip
+      std::memcpy(data, head_.data() + offset, size);
+      return absl::OkStatus();
+    }
     const uint64_t piece = client_->options().part_bytes;
     Parallel gets(client_->options().parallel);
     for (uint64_t done = 0; done < size; done += piece) {
@@ -456,6 +476,7 @@ class S3ObjectReader final : public ObjectReader {
   const std::string key_;
   const std::string name_;
   const uint64_t size_;
+  const std::string head_;
 };
 
 class S3Store final : public Store {
@@ -468,9 +489,12 @@ class S3Store final : public Store {
     return std::unique_ptr<ObjectWriter>(new S3ObjectWriter(client_, key));
   }
 
+  // One round trip: a GET of the object's first kOpenBytes tells its size (Content-Range)
+  // and holds what a reader asks for first, a safetensors file's header. Where each request
+  // costs a round trip to another building, a HEAD and two small GETs per shard add up.
   absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) override {
-    CKPT_ASSIGN_OR_RETURN(uint64_t size, Head(key));
-    return std::unique_ptr<ObjectReader>(new S3ObjectReader(client_, key, size));
+    CKPT_ASSIGN_OR_RETURN(Start start, GetStart(key, kOpenBytes));
+    return std::unique_ptr<ObjectReader>(new S3ObjectReader(client_, key, start.size, std::move(start.bytes)));
   }
 
   absl::StatusOr<bool> Exists(const std::string& key) override {
@@ -498,15 +522,12 @@ class S3Store final : public Store {
   }
 
   absl::StatusOr<std::string> Get(const std::string& key, size_t max_bytes) override {
-    CKPT_ASSIGN_OR_RETURN(uint64_t size, Head(key));
-    if (size > max_bytes) {
-      return absl::OutOfRangeError(fmt::format("{} is {} bytes; at most {} expected", client_->Url(key), size, max_bytes));
+    // One byte more than allowed tells a larger object from one of exactly max_bytes.
+    CKPT_ASSIGN_OR_RETURN(Start start, GetStart(key, std::min(max_bytes, kMaxGetBytes) + 1));
+    if (start.size > max_bytes) {
+      return absl::OutOfRangeError(fmt::format("{} is {} bytes; at most {} expected", client_->Url(key), start.size, max_bytes));
     }
-    std::string out(size, '\0');
-    if (size == 0) return out;
-    S3ObjectReader reader(client_, key, size);
-    CKPT_RETURN_IF_ERROR(reader.ReadAt(out.data(), size, 0));
-    return out;
+    return std::move(start.bytes);
   }
 
   std::string StagingPrefix(const std::string& published) const override { return published; }
@@ -544,6 +565,50 @@ class S3Store final : public Store {
   }
 
  private:
+  static constexpr size_t kOpenBytes = 64 << 10;
+  static constexpr size_t kMaxGetBytes = size_t{1} << 30;
+
+  // An object's size and its first bytes (all of it when it has no more), in one GET.
+  struct Start {
+    uint64_t size = 0;
+    std::string bytes;
+  };
+  absl::StatusOr<Start> GetStart(const std::string& key, size_t bytes) {
+    const std::string what = "GET " + client_->Url(key);
+    Request r{.method = "GET", .key = client_->Key(key),
+              .headers = {fmt::format("Range: bytes=0-{}", bytes - 1)}, .max_body = bytes};
+    CKPT_ASSIGN_OR_RETURN(Response got, client_->Send(r, what));
+    Start start;
+    if (got.status == 206) {
+      CKPT_ASSIGN_OR_RETURN(start.size, TotalOf(got, what));
+    } else if (got.status == 200) {
+      start.size = got.body.size();  // the whole object (a server that ignores Range)
+    } else if (got.status == 416) {
+      got.body.clear();  // an empty object has no byte 0 to range over
+    } else {
+      return client_->StatusOf(got, what);
+    }
+    if (got.body.size() > start.size || (got.body.size() < std::min<uint64_t>(bytes, start.size))) {
+      return absl::DataLossError(fmt::format("S3 {}: {} bytes arrived of the first {} of a {}-byte object",
+                                             what, got.body.size(), bytes, start.size));
+    }
+    start.bytes = std::move(got.body);
+    return start;
+  }
+
+  // The object's size from a 206 answer's "Content-Range: bytes 0-N/SIZE".
+  static absl::StatusOr<uint64_t> TotalOf(const Response& got, const std::string& what) {
+    auto range = got.headers.find("content-range");
+    const size_t slash = range == got.headers.end() ? std::string::npos : range->second.rfind('/');
+    uint64_t size = 0;
+    const char* end = range == got.headers.end() ? nullptr : range->second.data() + range->second.size();
+    if (slash == std::string::npos ||
+        std::from_chars(range->second.data() + slash + 1, end, size) != std::from_chars_result{end, {}}) {
+      return absl::DataLossError(fmt::format("S3 {}: a partial answer without its object's size", what));
+    }
+    return size;
+  }
+
   absl::StatusOr<uint64_t> Head(const std::string& key) {
     Request r{.method = "HEAD", .key = client_->Key(key)};
     CKPT_ASSIGN_OR_RETURN(Response head, client_->SendOk(r, "HEAD " + client_->Url(key)));

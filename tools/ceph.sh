@@ -83,7 +83,7 @@ ms_bind_msgr1 = false
 ms_bind_msgr2 = true
 osd_crush_chooseleaf_type = 0
 [client.rgw]
-rgw_frontends = beast endpoint=127.0.0.1:$rgw_port
+rgw_frontends = beast endpoint=127.0.0.1:$rgw_port tcp_nodelay=1
 rgw_data = $dir/rgw
 rgw_gc_obj_min_wait = 10
 rgw_gc_processor_period = 10

@@ -132,6 +132,44 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
   CHECK(Message(past).find("rank-00000.safetensors") != std::string::npos);
 }
 
+// S3 opens an object with one ranged GET (its size from Content-Range, its first bytes
+// kept): empty objects have no byte to range over, and a Get's limit must tell an object of
+// exactly that size from a larger one.
+TEMPLATE_TEST_CASE("empty, small and missing objects: sizes, whole gets and limits", "", LocalDisk,
+                   LocalTmpfs, S3Rgw) {
+  TestType t;
+  REQUIRE(t.store->Put("job/empty", "").ok());
+  auto empty = t.store->Open("job/empty");
+  REQUIRE(empty.ok());
+  CHECK((*empty)->size() == 0);
+  char byte = 0;
+  CHECK(absl::IsOutOfRange((*empty)->ReadAt(&byte, 1, 0)));
+  auto got = t.store->Get("job/empty", 10);
+  REQUIRE(got.ok());
+  CHECK(got->empty());
+
+  const std::vector<char> pattern = Pattern(70000, 3);  // over the first GET's 64 KiB
+  const std::string contents(pattern.begin(), pattern.end());
+  REQUIRE(t.store->Put("job/small", contents).ok());
+  auto small = t.store->Open("job/small");
+  REQUIRE(small.ok());
+  CHECK((*small)->size() == contents.size());
+  std::string tail(contents.size() - 60000, '\0');  // across the kept first bytes' end
+  REQUIRE((*small)->ReadAt(tail.data(), tail.size(), 60000).ok());
+  CHECK(tail == contents.substr(60000));
+  got = t.store->Get("job/small", contents.size());
+  REQUIRE(got.ok());
+  CHECK(*got == contents);
+  auto over = t.store->Get("job/small", contents.size() - 1);
+  CHECK(absl::IsOutOfRange(over.status()));
+  CHECK_THAT(Message(over.status()), Catch::Contains("small") && Catch::Contains("70000"));
+
+  auto missing = t.store->Open("job/missing");
+  CHECK(absl::IsNotFound(missing.status()));
+  CHECK_THAT(Message(missing.status()), Catch::Contains("job/missing"));
+  CHECK(absl::IsNotFound(t.store->Get("job/missing", 10).status()));
+}
+
 TEMPLATE_TEST_CASE("a published step appears whole, marker last; a retracted one is gone", "",
                    LocalDisk, LocalTmpfs, S3Rgw) {
   TestType t;
