@@ -14,21 +14,13 @@
 
 #include "common/status.h"
 #include "common/unique_fd.h"
+#include "storage/aligned_buffer.h"
 
 namespace ckpt::storage {
 namespace {
 
 constexpr uint64_t kBlock = 4096;               // O_DIRECT alignment
 constexpr uint64_t kBounceBytes = 8u << 20;     // copies of unaligned appends go through this
-
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using AlignedBuffer = std::unique_ptr<char, FreeDeleter>;
-
-AlignedBuffer Aligned(size_t bytes) {
-  return AlignedBuffer(static_cast<char*>(std::aligned_alloc(kBlock, (bytes + kBlock - 1) / kBlock * kBlock)));
-}
 
 std::string ParentOf(const std::string& path) {
   return std::filesystem::path(path).parent_path().string();
@@ -60,7 +52,7 @@ class LocalObjectWriter final : public ObjectWriter {
     }
     // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer, the
     // last block padded with zeros and cut off again by Finish().
-    if (!bounce_) bounce_ = Aligned(kBounceBytes);
+    if (!bounce_) bounce_ = AllocateAligned(kBounceBytes);
     if (!bounce_) return absl::ResourceExhaustedError("no memory for an aligned write buffer");
     for (size_t done = 0; done < size;) {
       const size_t n = std::min<size_t>(kBounceBytes, size - done);

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -60,6 +61,17 @@ class Store {
 
   virtual absl::StatusOr<std::unique_ptr<ObjectWriter>> Create(const std::string& key) = 0;
   virtual absl::StatusOr<std::unique_ptr<ObjectReader>> Open(const std::string& key) = 0;
+
+  // Called as a copy progresses, with the bytes just written, on any of its threads; an
+  // error it returns (Cancelled: the daemon is stopping) ends the copy with that error.
+  using CopyProgress = std::function<absl::Status(uint64_t bytes)>;
+  // Writes the object at `key` with every byte of `from` (an upload: a local shard file to
+  // the remote tier); durable once it returns its size. This default streams `from` through
+  // Create() in 16 MiB pieces; a store that takes an object in parts (S3) reads each part on
+  // the thread that sends it, so that reads overlap the transfer and no part waits for
+  // another's read.
+  virtual absl::StatusOr<uint64_t> CopyFrom(const ObjectReader& from, const std::string& key,
+                                            const CopyProgress& progress);
   // Whether an object is at `key`.
   virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
   // What is directly under `prefix` (one level), sorted by name; empty when nothing is.

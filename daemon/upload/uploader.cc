@@ -145,27 +145,15 @@ absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std
   const std::string key = remote_.TempStepKey(job, step) + "/" + file;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
                         local_.objects().Open(format::CheckpointStore::StepKey(job, step) + "/" + file));
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> out, remote_.objects().Create(key));
-  std::unique_ptr<char, void (*)(void*)> buffer(
-      static_cast<char*>(std::aligned_alloc(4096, options_.buffer_bytes)), &std::free);
-  if (buffer == nullptr) return absl::ResourceExhaustedError("no memory for an upload buffer");
-  const uint64_t size = in->size();
-  for (uint64_t offset = 0; offset < size;) {
-    {
-      std::lock_guard lock(mu_);
-      if (stopping_) return absl::CancelledError("ckptd is stopping");
-    }
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(options_.buffer_bytes, size - offset));
-    CKPT_RETURN_IF_ERROR(in->ReadAt(buffer.get(), n, offset));
-    CKPT_RETURN_IF_ERROR(out->Append(buffer.get(), n));
-    offset += n;
+  CKPT_ASSIGN_OR_RETURN(uint64_t written, remote_.objects().CopyFrom(*in, key, [this](uint64_t n) {
     std::lock_guard lock(mu_);
+    if (stopping_) return absl::CancelledError("ckptd is stopping");
     progress_.bytes_done += n;
-  }
-  CKPT_ASSIGN_OR_RETURN(uint64_t written, out->Finish());
-  if (written != size) {
+    return absl::OkStatus();
+  }));
+  if (written != in->size()) {
     return absl::DataLossError(fmt::format("{}: {} bytes uploaded of {}", remote_.objects().Describe(key),
-                                           written, size));
+                                           written, in->size()));
   }
   return absl::OkStatus();
 }

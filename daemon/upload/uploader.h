@@ -62,7 +62,6 @@ class Uploader {
     std::chrono::milliseconds poll{std::chrono::milliseconds(200)};
     std::chrono::milliseconds first_backoff{std::chrono::seconds(1)};
     std::chrono::milliseconds max_backoff{std::chrono::seconds(60)};
-    size_t buffer_bytes = size_t{16} << 20;  // per file being uploaded
     int parallel_files = 4;                  // files of a step uploaded at once
     // Runs before each attempt at a job's step (the job's owner record goes first); an
     // error fails the attempt.

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -168,6 +169,61 @@ TEMPLATE_TEST_CASE("empty, small and missing objects: sizes, whole gets and limi
   CHECK(absl::IsNotFound(missing.status()));
   CHECK_THAT(Message(missing.status()), Catch::Contains("job/missing"));
   CHECK(absl::IsNotFound(t.store->Get("job/missing", 10).status()));
+}
+
+// A local file as an upload reads it: the source of CopyFrom (a real file on the test's
+// disk), and one whose reads fail from some offset on (a disk that went bad mid-upload).
+class FailingFrom final : public ObjectReader {
+ public:
+  FailingFrom(const ObjectReader& real, uint64_t fail_at) : real_(real), fail_at_(fail_at) {}
+  uint64_t size() const override { return real_.size(); }
+  const std::string& name() const override { return real_.name(); }
+  absl::Status ReadAt(void* data, size_t size, uint64_t offset) const override {
+    if (offset + size > fail_at_) return absl::DataLossError(name() + ": input/output error");
+    return real_.ReadAt(data, size, offset);
+  }
+
+ private:
+  const ObjectReader& real_;
+  const uint64_t fail_at_;
+};
+
+TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at all", "", LocalDisk,
+                   S3Rgw) {
+  TestType t;
+  LocalDisk source;
+  // 13 MiB and a bit: three and a bit 5 MiB parts on S3, read ahead and sent out of order.
+  const std::vector<char> all = Pattern((13u << 20) + 1234, 9);
+  REQUIRE(source.store->Put("job/rank-00000.safetensors", std::string_view(all.data(), all.size())).ok());
+  auto from = source.store->Open("job/rank-00000.safetensors");
+  REQUIRE(from.ok());
+
+  std::atomic<uint64_t> reported = 0;
+  auto copied = t.store->CopyFrom(**from, "up/rank-00000.safetensors", [&](uint64_t n) {
+    reported += n;
+    return absl::OkStatus();
+  });
+  REQUIRE(copied.ok());
+  CHECK(*copied == all.size());
+  CHECK(reported == all.size());
+  auto back = t.store->Get("up/rank-00000.safetensors", all.size());
+  REQUIRE(back.ok());
+  CHECK(*back == std::string(all.data(), all.size()));
+
+  // Stopped on the way (the daemon stopping): the error is the stop, and on S3 the upload
+  // is aborted, never completed into an object.
+  auto stopped = t.store->CopyFrom(**from, "up/stopped.safetensors",
+                                   [](uint64_t) { return absl::CancelledError("ckptd is stopping"); });
+  CHECK(absl::IsCancelled(stopped.status()));
+  // A source that fails halfway: its error, naming the file.
+  FailingFrom failing(**from, 7u << 20);
+  auto failed = t.store->CopyFrom(failing, "up/failed.safetensors", [](uint64_t) { return absl::OkStatus(); });
+  CHECK(absl::IsDataLoss(failed.status()));
+  CHECK_THAT(Message(failed.status()), Catch::Contains("rank-00000.safetensors"));
+  if constexpr (std::is_same_v<TestType, S3Rgw>) {
+    CHECK_FALSE(*t.store->Exists("up/stopped.safetensors"));
+    CHECK_FALSE(*t.store->Exists("up/failed.safetensors"));
+  }
 }
 
 TEMPLATE_TEST_CASE("a published step appears whole, marker last; a retracted one is gone", "",
