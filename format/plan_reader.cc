@@ -73,8 +73,8 @@ absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
     return absl::NotFoundError(fmt::format(
         "{}: rank {}'s shard of step {} is neither in memory nor on this node's disk (a "
         "restore with another placement reads every saved shard it overlaps; across nodes "
-        "they must share one --root)",
-        store_.Describe(path), rank, manifest_.step));
+        "they must share one --root): {}",
+        store_.Describe(path), rank, manifest_.step, Message(reader.status())));
   }
   CKPT_RETURN_IF_ERROR(reader.status());
   return readers_.emplace(rank, *std::move(reader)).first->second.get();

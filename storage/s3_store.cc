@@ -192,7 +192,7 @@ class S3Client {
       bool retry = false;
       std::string why;
       if (code != CURLE_OK) {
-        why = t.overflow ? fmt::format("the server sent more than the {} bytes asked for",
+        why = t.overflow ? fmt::format("the server sent more than the {} bytes asked for (does it ignore Range?)",
                                        r.into != nullptr ? r.into_size : r.max_body)
                          : curl_easy_strerror(code);
         retry = !t.overflow;
@@ -421,6 +421,11 @@ class PartBuffers {
         }
       }
     }
+    {
+      // Parts grew (every 1,000): the smaller buffers are of no more use.
+      std::lock_guard lock(mu_);
+      std::erase_if(free_, [&](const auto& b) { return b.second < bytes; });
+    }
     AlignedBuffer fresh = AllocateAligned(bytes);
     std::lock_guard lock(mu_);
     if (fresh != nullptr) capacity_[fresh.get()] = bytes;
@@ -428,14 +433,16 @@ class PartBuffers {
   }
   void Give(AlignedBuffer buffer) {
     std::lock_guard lock(mu_);
-    const size_t capacity = capacity_.at(buffer.get());
+    auto it = capacity_.find(buffer.get());
+    const size_t capacity = it->second;
+    capacity_.erase(it);
     free_.emplace_back(std::move(buffer), capacity);
   }
 
  private:
   std::mutex mu_;
   std::vector<std::pair<AlignedBuffer, size_t>> free_;  // guarded by mu_
-  std::map<const char*, size_t> capacity_;              // guarded by mu_
+  std::map<const char*, size_t> capacity_;              // taken ones; guarded by mu_
 };
 
 // S3 allows 10,000 parts: parts grow as an object does (doubling every 1,000), so any size fits.
@@ -568,6 +575,7 @@ class S3Store final : public Store {
       for (uint64_t offset = 0; offset < size;) {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(PartBytes(first, ++number), size - offset));
         CKPT_RETURN_IF_ERROR(parts.Run([&, number, offset, n]() -> absl::Status {
+          CKPT_RETURN_IF_ERROR(progress(0));  // stopping: no part starts after
           AlignedBuffer part = buffers.Take(n);
           if (part == nullptr) {
             return absl::ResourceExhaustedError(fmt::format("no memory for a {}-byte part of {}", n, client_->Url(key)));
@@ -623,6 +631,10 @@ class S3Store final : public Store {
     CKPT_ASSIGN_OR_RETURN(Start start, GetStart(key, std::min(max_bytes, kMaxGetBytes) + 1));
     if (start.size > max_bytes) {
       return absl::OutOfRangeError(fmt::format("{} is {} bytes; at most {} expected", client_->Url(key), start.size, max_bytes));
+    }
+    if (start.bytes.size() != start.size) {  // more than one GET of kMaxGetBytes holds
+      return absl::OutOfRangeError(fmt::format("{} is {} bytes: too large to get whole (read it with Open)",
+                                               client_->Url(key), start.size));
     }
     return std::move(start.bytes);
   }
@@ -680,9 +692,18 @@ class S3Store final : public Store {
     if (got.status == 206) {
       CKPT_ASSIGN_OR_RETURN(start.size, TotalOf(got, what));
     } else if (got.status == 200) {
-      start.size = got.body.size();  // the whole object (a server that ignores Range)
+      // All of an object smaller than the range (a larger one from a server that ignores
+      // Range overflows max_body: ckptd's ranged reads need Range anyway).
+      start.size = got.body.size();
     } else if (got.status == 416) {
-      got.body.clear();  // an empty object has no byte 0 to range over
+      // An empty object has no byte 0 to range over; RGW names no size in this answer, so
+      // a HEAD confirms it (empty objects are rare: one more round trip for those alone).
+      CKPT_ASSIGN_OR_RETURN(start.size, Head(key));
+      if (start.size != 0) {
+        return absl::DataLossError(fmt::format("S3 {}: refused the range 0-{} of a {}-byte object", what,
+                                               bytes - 1, start.size));
+      }
+      got.body.clear();
     } else {
       return client_->StatusOf(got, what);
     }
@@ -694,15 +715,25 @@ class S3Store final : public Store {
     return start;
   }
 
-  // The object's size from a 206 answer's "Content-Range: bytes 0-N/SIZE".
+  // The object's size from a 206 answer to a range from byte 0: "Content-Range: bytes
+  // 0-LAST/SIZE", LAST the answer's last byte (bytes elsewhere in the object would be taken
+  // for its start, and served from the reader's copy without another look).
   static absl::StatusOr<uint64_t> TotalOf(const Response& got, const std::string& what) {
+    auto bad = [&] {
+      return absl::DataLossError(fmt::format("S3 {}: a partial answer that does not say it holds the object's "
+                                             "first {} bytes and its size", what, got.body.size()));
+    };
     auto range = got.headers.find("content-range");
-    const size_t slash = range == got.headers.end() ? std::string::npos : range->second.rfind('/');
-    uint64_t size = 0;
-    const char* end = range == got.headers.end() ? nullptr : range->second.data() + range->second.size();
-    if (slash == std::string::npos ||
-        std::from_chars(range->second.data() + slash + 1, end, size) != std::from_chars_result{end, {}}) {
-      return absl::DataLossError(fmt::format("S3 {}: a partial answer without its object's size", what));
+    if (range == got.headers.end()) return bad();
+    const std::string& v = range->second;
+    constexpr std::string_view kFrom = "bytes 0-";
+    const size_t slash = v.find('/');
+    uint64_t last = 0, size = 0;
+    if (v.rfind(kFrom, 0) != 0 || slash == std::string::npos ||
+        std::from_chars(v.data() + kFrom.size(), v.data() + slash, last) != std::from_chars_result{v.data() + slash, {}} ||
+        std::from_chars(v.data() + slash + 1, v.data() + v.size(), size) != std::from_chars_result{v.data() + v.size(), {}} ||
+        last + 1 != got.body.size() || last >= size) {
+      return bad();
     }
     return size;
   }

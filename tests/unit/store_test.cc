@@ -3,6 +3,7 @@
 // published name, the marker comes with everything else, a retraction never leaves a step
 // half visible, and faults are statuses naming the object.
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include <errno.h>
 
@@ -27,6 +28,7 @@
 #include "tests/fakes/ceph_cluster.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
+#include "tests/integration/tcp_proxy.h"
 
 using namespace ckpt;
 using namespace ckpt::storage;
@@ -67,6 +69,18 @@ struct S3Rgw {
 std::vector<char> Pattern(size_t n, int seed) {
   std::vector<char> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<char>((i * 131 + seed * 7) >> 3);
+  return v;
+}
+
+// Bytes that never repeat at any period a store could confuse (Pattern repeats every 2 KiB,
+// so a part read from another part's offset would still compare equal).
+std::vector<char> Unique(size_t n, uint64_t seed) {
+  std::vector<char> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    uint64_t z = (i + seed * 0x9e3779b97f4a7c15ULL) * 0xbf58476d1ce4e5b9ULL;  // splitmix64's mix
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    v[i] = static_cast<char>(z ^ (z >> 31));
+  }
   return v;
 }
 
@@ -149,7 +163,7 @@ TEMPLATE_TEST_CASE("empty, small and missing objects: sizes, whole gets and limi
   REQUIRE(got.ok());
   CHECK(got->empty());
 
-  const std::vector<char> pattern = Pattern(70000, 3);  // over the first GET's 64 KiB
+  const std::vector<char> pattern = Unique(70000, 3);  // over the first GET's 64 KiB
   const std::string contents(pattern.begin(), pattern.end());
   REQUIRE(t.store->Put("job/small", contents).ok());
   auto small = t.store->Open("job/small");
@@ -193,7 +207,7 @@ TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at 
   TestType t;
   LocalDisk source;
   // 13 MiB and a bit: three and a bit 5 MiB parts on S3, read ahead and sent out of order.
-  const std::vector<char> all = Pattern((13u << 20) + 1234, 9);
+  const std::vector<char> all = Unique((13u << 20) + 1234, 9);
   REQUIRE(source.store->Put("job/rank-00000.safetensors", std::string_view(all.data(), all.size())).ok());
   auto from = source.store->Open("job/rank-00000.safetensors");
   REQUIRE(from.ok());
@@ -224,6 +238,48 @@ TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at 
     CHECK_FALSE(*t.store->Exists("up/stopped.safetensors"));
     CHECK_FALSE(*t.store->Exists("up/failed.safetensors"));
   }
+}
+
+// A server (or a proxy in front of one) whose answer to the first GET of an object is not
+// what was asked: its bytes must never be taken for the object's start or size.
+TEST_CASE("an S3 object's first answer that is not its first bytes is refused, never trusted") {
+  testing::CephCluster& ceph = testing::CephCluster::Get();
+  const std::string endpoint = ceph.Options().endpoint;  // http://127.0.0.1:PORT
+  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+  S3Options options = ceph.Options();
+  options.endpoint = "http://" + proxy.address();
+  options.prefix = ceph.FreshPrefix();
+  options.attempts = 1;
+  auto store = MakeS3Store(options);
+  REQUIRE(store.ok());
+  auto answer = [&](const std::string& status, const std::string& headers, const std::string& body) {
+    proxy.Answer(fmt::format("HTTP/1.1 {}\r\n{}Content-Length: {}\r\nConnection: close\r\n\r\n{}", status,
+                             headers, body.size(), body));
+  };
+  // Bytes 10-19 of a 20-byte object, in an answer as long as the object.
+  answer("206 Partial Content", "Content-Range: bytes 10-19/20\r\n", "0123456789abcdefghij");
+  auto open = (*store)->Open("job/x");
+  CHECK(absl::IsDataLoss(open.status()));
+  CHECK_THAT(Message(open.status()), Catch::Contains("job/x"));
+  CHECK(absl::IsDataLoss((*store)->Get("job/x", 100).status()));
+  // No size at all.
+  answer("206 Partial Content", "", "hello");
+  CHECK(absl::IsDataLoss((*store)->Open("job/x").status()));
+  // "Not satisfiable" for an object the server then says is not empty (and to every HEAD).
+  answer("416 Requested Range Not Satisfiable", "", "");
+  CHECK_FALSE((*store)->Open("job/x").ok());
+  CHECK_FALSE((*store)->Get("job/x", 100).ok());
+  // A server that ignores Range and sends all of a large object: refused, not buffered.
+  answer("200 OK", "", std::string(100000, 'x'));
+  auto ignored = (*store)->Open("job/x");
+  CHECK_FALSE(ignored.ok());
+  CHECK_THAT(Message(ignored.status()), Catch::Contains("ignore Range"));
+  // Healed, the same calls work against the real gateway.
+  proxy.Heal();
+  REQUIRE((*store)->Put("job/x", "hello").ok());
+  auto got = (*store)->Get("job/x", 100);
+  REQUIRE(got.ok());
+  CHECK(*got == "hello");
 }
 
 TEMPLATE_TEST_CASE("a published step appears whole, marker last; a retracted one is gone", "",
