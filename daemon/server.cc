@@ -50,8 +50,29 @@
 #include <cstdlib>
 #include <random>
 #include <set>
+#include <thread>
 
 namespace ckpt::daemon {
+
+// The tiered mode's look at the remote tier at start, off the start path: a gateway that
+// stopped answering takes each request's stall timeout and retries (minutes), and the node's
+// trainers must not wait that long to connect. Gone: the look ends (Cancel) and is joined.
+class RemoteCheck {
+ public:
+  RemoteCheck(storage::StorePtr store, std::function<void(const absl::Status&)> on_error)
+      : store_(std::move(store)), thread_([this, on_error = std::move(on_error)] {
+          absl::Status listed = store_->List("").status();
+          if (!listed.ok() && !absl::IsCancelled(listed)) on_error(listed);
+        }) {}
+  ~RemoteCheck() {
+    store_->Cancel();
+    thread_.join();
+  }
+
+ private:
+  storage::StorePtr store_;
+  std::thread thread_;  // last: started once store_ is there
+};
 
 constexpr int kUnixServerThreads = 2 * TrainerService::kMaxLongCalls;
 constexpr size_t kUnixServerMemoryBytes = size_t{2} << 30;  // 32 messages of the 64 MiB maximum
@@ -107,6 +128,7 @@ struct Server::Parts {
   std::unique_ptr<grpc::Server> tcp_admin_server;  // --admin-addr: the admin service only
   std::unique_ptr<ControlFdServer> control_fds;  // hands trainers their control blocks
   std::unique_ptr<UnixListener> listener;
+  std::unique_ptr<RemoteCheck> remote_check;  // writes to `board`: gone before it
   bool shut_down = false;
 };
 
@@ -290,11 +312,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         config.remote, p->fs, {config.s3_endpoint, config.s3_credentials_file});
     if (!opened.ok()) return Annotate(opened.status(), "--remote");
     remote = std::move(*opened);
-    // Tell a wrong bucket, endpoint or key at start rather than at the first upload.
-    if (absl::Status reachable = remote->List("").status(); !reachable.ok()) {
-      if (direct) return Annotate(reachable, "--remote");
-      log.error("--remote {}: {}; uploads will be retried", config.remote, Message(reachable));
-      p->board.RecordError(fmt::format("--remote {}: {}", config.remote, Message(reachable)));
+    // Tell a wrong bucket, endpoint or key at start rather than at the first upload: in
+    // direct mode by refusing to start; in tiered mode on the log and status, as the
+    // daemon starts.
+    if (direct) {
+      if (absl::Status reachable = remote->List("").status(); !reachable.ok()) {
+        return Annotate(reachable, "--remote");
+      }
+    } else {
+      p->remote_check = std::make_unique<RemoteCheck>(
+          remote, [url = config.remote, board = &p->board](const absl::Status& unreachable) {
+            log::Get(log::Component::kMain).error("--remote {}: {}; uploads will be retried", url, Message(unreachable));
+            board->RecordError(fmt::format("--remote {}: {}", url, Message(unreachable)));
+          });
     }
   }
   if (direct) {
@@ -560,6 +590,9 @@ void Server::Shutdown() {
   p.committer->Shutdown();
   p.group_member.reset();
   if (p.group_server) p.group_server->Shutdown();
+  // Direct mode: writes to the bucket that outlived their shutdown timeout above end now
+  // rather than wait out a gateway that stopped answering.
+  p.store->objects().Cancel();
   if (p.uploader) p.uploader->Stop();  // an upload in progress resumes at the next start
   p.retention->Stop();
   if (p.remote_retention) p.remote_retention->Stop();

@@ -4,9 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <charconv>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -176,6 +178,7 @@ class S3Client {
   absl::StatusOr<Response> Send(const Request& r, std::string_view what) {
     std::mt19937_64 random(std::random_device{}());
     for (int attempt = 1;; ++attempt) {
+      if (cancelled_) return Cancelled(what);
       Response response;
       Transfer t{&r, &response};
       CURL* h = Acquire();
@@ -188,6 +191,7 @@ class S3Client {
       curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
       curl_slist_free_all(headers);
       Release(h, code == CURLE_OK);
+      if (cancelled_) return Cancelled(what);
       response.status = status;
       bool retry = false;
       std::string why;
@@ -212,8 +216,15 @@ class S3Client {
       // 100 ms, 200 ms, ... up to 5 s, each jittered over [half, whole].
       const auto cap = std::min<int64_t>(5000, int64_t{100} << std::min(attempt - 1, 6));
       std::uniform_int_distribution<int64_t> jitter(cap / 2, cap);
-      std::this_thread::sleep_for(std::chrono::milliseconds(jitter(random)));
+      std::unique_lock lock(mu_);
+      cancel_cv_.wait_for(lock, std::chrono::milliseconds(jitter(random)), [this] { return cancelled_.load(); });
     }
+  }
+
+  void Cancel() {
+    cancelled_ = true;
+    std::lock_guard lock(mu_);  // a Send between its check and its wait sees it there
+    cancel_cv_.notify_all();
   }
 
   // Send, and an error status for any answer but 2xx (404: NotFound, 403: PermissionDenied).
@@ -274,6 +285,9 @@ class S3Client {
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &t);
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, OnHeader);
     curl_easy_setopt(h, CURLOPT_HEADERDATA, &t);
+    curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+    curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, OnProgress);
+    curl_easy_setopt(h, CURLOPT_XFERINFODATA, this);
     struct curl_slist* headers = nullptr;
     // curl does not add it, and RGW and S3 refuse a signature without it.
     headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
@@ -324,9 +338,19 @@ class S3Client {
     }
   }
 
+  static absl::Status Cancelled(std::string_view what) {
+    return absl::CancelledError(fmt::format("S3 {}: ckptd is stopping", what));
+  }
+  // libcurl asks about once a second, whether bytes move or not.
+  static int OnProgress(void* client, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+    return static_cast<S3Client*>(client)->cancelled_ ? 1 : 0;  // nonzero: abort
+  }
+
   const S3Options options_;
   std::string sigv4_;
   std::string host_base_;
+  std::atomic<bool> cancelled_ = false;
+  std::condition_variable cancel_cv_;  // with mu_: a back-off ends at Cancel()
   std::mutex mu_;
   std::vector<CURL*> idle_;  // guarded by mu_
   static constexpr int kMaxRequests = 1024;
@@ -659,6 +683,8 @@ class S3Store final : public Store {
     CKPT_RETURN_IF_ERROR(DeleteKey(client_->Key(published + "/" + marker)));
     return RemovePrefix(published);
   }
+
+  void Cancel() override { client_->Cancel(); }
 
   absl::Status RemovePrefix(const std::string& prefix) override {
     std::vector<std::string> keys;

@@ -97,6 +97,11 @@ class Store {
   // Removes everything under `prefix` (objects never published, a staging prefix). Ok
   // when nothing is there.
   virtual absl::Status RemovePrefix(const std::string& prefix) = 0;
+
+  // Ends every transfer in flight (within a second) and fails every later call with
+  // Cancelled: a daemon stopping does not wait on a store that stopped answering (a request
+  // to it waits out its stall timeout, then is retried). A local disk answers; nothing to do.
+  virtual void Cancel() {}
 };
 
 using StorePtr = std::shared_ptr<Store>;

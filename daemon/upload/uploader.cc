@@ -56,6 +56,9 @@ void Uploader::Stop() {
     stopping_ = true;
     cv_.notify_all();
   }
+  // Requests in flight end now, not after a gateway that stopped answering has timed each
+  // attempt out; the upload resumes at the next start.
+  remote_.objects().Cancel();
   if (thread_.joinable()) thread_.join();
 }
 

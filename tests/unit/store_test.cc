@@ -15,6 +15,7 @@
 #include <numeric>
 #include <utility>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -280,6 +281,29 @@ TEST_CASE("an S3 object's first answer that is not its first bytes is refused, n
   auto got = (*store)->Get("job/x", 100);
   REQUIRE(got.ok());
   CHECK(*got == "hello");
+}
+
+TEST_CASE("Cancel ends S3 requests to a gateway that stopped answering, at once") {
+  testing::CephCluster& ceph = testing::CephCluster::Get();
+  const std::string endpoint = ceph.Options().endpoint;
+  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+  S3Options options = ceph.Options();
+  options.endpoint = "http://" + proxy.address();
+  options.prefix = ceph.FreshPrefix();
+  auto store = MakeS3Store(options);  // stall timeout 30 s, 6 attempts
+  REQUIRE(store.ok());
+  proxy.Cut(testing::TcpProxy::CutMode::kBlackhole);
+  absl::Status put;
+  std::thread waiting([&] { put = (*store)->Put("job/x", "hello"); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // in its request
+  const auto began = std::chrono::steady_clock::now();
+  (*store)->Cancel();
+  waiting.join();
+  CHECK(std::chrono::steady_clock::now() - began < std::chrono::seconds(5));
+  CHECK(absl::IsCancelled(put));
+  CHECK_THAT(Message(put), Catch::Contains("job/x") && Catch::Contains("stopping"));
+  proxy.Heal();
+  CHECK(absl::IsCancelled((*store)->Get("job/x", 10).status()));  // and every later call
 }
 
 TEMPLATE_TEST_CASE("a published step appears whole, marker last; a retracted one is gone", "",
