@@ -432,41 +432,33 @@ class MultipartUpload {
 // and frees on every part (a tenth of an upload's CPU here, taken from the gateway).
 class PartBuffers {
  public:
-  // Null when no memory is to be had.
-  AlignedBuffer Take(size_t bytes) {
+  struct Buffer {
+    AlignedBuffer data;  // null when no memory was to be had
+    size_t capacity = 0;
+  };
+  Buffer Take(size_t bytes) {
     {
       std::lock_guard lock(mu_);
       for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->second >= bytes) {
-          AlignedBuffer taken = std::move(it->first);
-          capacity_[taken.get()] = it->second;
+        if (it->capacity >= bytes) {
+          Buffer taken = std::move(*it);
           free_.erase(it);
           return taken;
         }
       }
-    }
-    {
       // Parts grew (every 1,000): the smaller buffers are of no more use.
-      std::lock_guard lock(mu_);
-      std::erase_if(free_, [&](const auto& b) { return b.second < bytes; });
+      free_.clear();
     }
-    AlignedBuffer fresh = AllocateAligned(bytes);
-    std::lock_guard lock(mu_);
-    if (fresh != nullptr) capacity_[fresh.get()] = bytes;
-    return fresh;
+    return {AllocateAligned(bytes), bytes};
   }
-  void Give(AlignedBuffer buffer) {
+  void Give(Buffer buffer) {
     std::lock_guard lock(mu_);
-    auto it = capacity_.find(buffer.get());
-    const size_t capacity = it->second;
-    capacity_.erase(it);
-    free_.emplace_back(std::move(buffer), capacity);
+    free_.push_back(std::move(buffer));
   }
 
  private:
   std::mutex mu_;
-  std::vector<std::pair<AlignedBuffer, size_t>> free_;  // guarded by mu_
-  std::map<const char*, size_t> capacity_;              // taken ones; guarded by mu_
+  std::vector<Buffer> free_;  // guarded by mu_
 };
 
 // S3 allows 10,000 parts: parts grow as an object does (doubling every 1,000), so any size fits.
@@ -600,12 +592,12 @@ class S3Store final : public Store {
         const size_t n = static_cast<size_t>(std::min<uint64_t>(PartBytes(first, ++number), size - offset));
         CKPT_RETURN_IF_ERROR(parts.Run([&, number, offset, n]() -> absl::Status {
           CKPT_RETURN_IF_ERROR(progress(0));  // stopping: no part starts after
-          AlignedBuffer part = buffers.Take(n);
-          if (part == nullptr) {
+          PartBuffers::Buffer part = buffers.Take(n);
+          if (part.data == nullptr) {
             return absl::ResourceExhaustedError(fmt::format("no memory for a {}-byte part of {}", n, client_->Url(key)));
           }
-          absl::Status sent = from.ReadAt(part.get(), n, offset);
-          if (sent.ok()) sent = upload.SendPart(number, part.get(), n);
+          absl::Status sent = from.ReadAt(part.data.get(), n, offset);
+          if (sent.ok()) sent = upload.SendPart(number, part.data.get(), n);
           buffers.Give(std::move(part));
           CKPT_RETURN_IF_ERROR(sent);
           return progress(n);

@@ -148,17 +148,13 @@ absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std
   const std::string key = remote_.TempStepKey(job, step) + "/" + file;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
                         local_.objects().Open(format::CheckpointStore::StepKey(job, step) + "/" + file));
-  CKPT_ASSIGN_OR_RETURN(uint64_t written, remote_.objects().CopyFrom(*in, key, [this](uint64_t n) {
+  // CopyFrom checks that every byte arrived.
+  return remote_.objects().CopyFrom(*in, key, [this](uint64_t n) {
     std::lock_guard lock(mu_);
     if (stopping_) return absl::CancelledError("ckptd is stopping");
     progress_.bytes_done += n;
     return absl::OkStatus();
-  }));
-  if (written != in->size()) {
-    return absl::DataLossError(fmt::format("{}: {} bytes uploaded of {}", remote_.objects().Describe(key),
-                                           written, in->size()));
-  }
-  return absl::OkStatus();
+  }).status();
 }
 
 absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::duration own_upload_took) {
