@@ -442,7 +442,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     // delete, or upload, the same).
     if (own_steps) {
       // The uploader pins the step first: local retention never deletes it unuploaded.
-      if (parts->uploader) parts->uploader->Committed(manifest);
+      if (parts->uploader) {
+        // The data regions go up from staging memory while the hot cache keeps them.
+        std::map<uint32_t, upload::InMemoryShard> in_memory;
+        for (const StagedSnapshotPtr& snap : local) {
+          in_memory[snap->rank] = {std::shared_ptr<const char>(snap, snap->shard.data),
+                                   snap->shard.data_bytes};
+        }
+        parts->uploader->Committed(manifest, std::move(in_memory));
+      }
       parts->retention->Schedule(manifest.job);
     }
   };

@@ -62,7 +62,7 @@ void Uploader::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Uploader::Committed(const format::Manifest& manifest) {
+void Uploader::Committed(const format::Manifest& manifest, std::map<uint32_t, InMemoryShard> in_memory) {
   std::lock_guard lock(mu_);
   if (stopping_) return;
   JobState& job = jobs_[manifest.job];
@@ -75,7 +75,7 @@ void Uploader::Committed(const format::Manifest& manifest) {
   job.queued = Pending{manifest,
                        std::make_unique<persist::RetentionKeeper::Pin>(retention_, manifest.job,
                                                                        manifest.step),
-                       Clock::now()};
+                       Clock::now(), std::move(in_memory)};
   job.retry_at = {};
   cv_.notify_all();
 }
@@ -102,7 +102,7 @@ void Uploader::CatchUp() {
         Log().info("[{} s{}] not in the remote tier yet: uploading it", job, *it);
         state.queued = Pending{*manifest,
                                std::make_unique<persist::RetentionKeeper::Pin>(retention_, job, *it),
-                               Clock::now()};
+                               Clock::now(), /*in_memory=*/{}};
       }
       break;
     }
@@ -142,12 +142,16 @@ bool Uploader::StoppingOrReplaced(const std::string& job) {
   return stopping_ || jobs_[job].queued.has_value();
 }
 
-absl::Status Uploader::CopyFile(const std::string& job, uint64_t step, const std::string& file) {
+absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& shard) {
+  const format::Manifest& m = p.manifest;
   // Objects go where the remote store writes a step before it is published: the step's
   // own keys on S3, where the manifest alone publishes it.
-  const std::string key = remote_.TempStepKey(job, step) + "/" + file;
+  const std::string key = remote_.TempStepKey(m.job, m.step) + "/" + shard.file;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
-                        local_.objects().Open(format::CheckpointStore::StepKey(job, step) + "/" + file));
+                        local_.objects().Open(format::CheckpointStore::StepKey(m.job, m.step) + "/" + shard.file));
+  if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end()) {
+    in = MemoryFirst(std::move(in), it->second, &from_memory_);
+  }
   // CopyFrom checks that every byte arrived.
   return remote_.objects().CopyFrom(*in, key, [this](uint64_t n) {
     std::lock_guard lock(mu_);
@@ -232,7 +236,7 @@ absl::Status Uploader::Upload(Pending& p) {
     CKPT_ASSIGN_OR_RETURN(sizes, RemoteSizes(remote_.TempStepKey(m.job, m.step)));
   }
   attempted_.insert(attempt);
-  std::vector<std::string> todo;
+  std::vector<const format::ManifestShard*> todo;
   {
     std::lock_guard lock(mu_);
     progress_.bytes_total = progress_.bytes_done = 0;
@@ -241,7 +245,7 @@ absl::Status Uploader::Upload(Pending& p) {
       if (auto it = sizes.find(s->file); it != sizes.end() && it->second == s->bytes) {
         progress_.bytes_done += s->bytes;
       } else {
-        todo.push_back(s->file);
+        todo.push_back(s);
       }
     }
   }
@@ -253,7 +257,7 @@ absl::Status Uploader::Upload(Pending& p) {
   absl::Status first_error;
   auto work = [&] {
     for (size_t i = next++; i < todo.size(); i = next++) {
-      absl::Status copied = CopyFile(m.job, m.step, todo[i]);
+      absl::Status copied = CopyFile(p, *todo[i]);
       if (!copied.ok()) {
         std::lock_guard lock(first_error_mu);
         if (first_error.ok()) first_error = copied;
@@ -343,13 +347,15 @@ void Uploader::Loop() {
     }
     const uint64_t step = current_->manifest.step;
     const Clock::time_point started = Clock::now();
+    from_memory_ = 0;
     absl::Status s = Upload(*current_);
     std::unique_lock lock(mu_);
     JobState& state = jobs_[job];
     if (s.ok()) {
-      Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.2f} s)", job, step,
+      Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.2f} s, {} of them "
+                 "read from staging memory)", job, step,
                  options_.publishes ? "(manifest written)" : "(this node's part)",
-                 progress_.bytes_total, SecondsSince(started));
+                 progress_.bytes_total, SecondsSince(started), from_memory_.load());
       for (auto it = attempted_.begin(); it != attempted_.end();) {  // bounded by the queue
         it = std::get<0>(*it) == job && std::get<1>(*it) <= step ? attempted_.erase(it) : std::next(it);
       }

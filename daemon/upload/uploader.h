@@ -13,6 +13,7 @@
 // the newest published one are removed by the publisher.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -29,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "daemon/persist/retention_keeper.h"
+#include "daemon/upload/memory_first_reader.h"
 #include "daemon/upload/upload_policy.h"
 #include "format/checkpoint_store.h"
 
@@ -79,7 +81,11 @@ class Uploader {
   Uploader& operator=(const Uploader&) = delete;
 
   // A step was committed on this node (the commit hook, before local retention runs).
-  void Committed(const format::Manifest& manifest);
+  // `in_memory`: this node's ranks' snapshots of it, by rank, still in staging memory (the
+  // hot cache); their data regions are uploaded from there while they last
+  // (memory_first_reader.h), the rest from the local files.
+  void Committed(const format::Manifest& manifest,
+                 std::map<uint32_t, InMemoryShard> in_memory = {});
   // At start: queues each job's newest committed local step that the remote tier lacks
   // (an upload a restart interrupted), and removes unfinished remote steps.
   void CatchUp();
@@ -96,6 +102,7 @@ class Uploader {
     format::Manifest manifest;
     std::unique_ptr<persist::RetentionKeeper::Pin> pin;
     std::chrono::steady_clock::time_point queued;
+    std::map<uint32_t, InMemoryShard> in_memory;
   };
   struct JobState {
     std::optional<Pending> queued;   // waits for the one in progress
@@ -108,7 +115,7 @@ class Uploader {
   // One attempt at `p`; Cancelled when stopping or when a newer step replaced it while
   // the publisher waits for other nodes' files.
   absl::Status Upload(Pending& p);
-  absl::Status CopyFile(const std::string& job, uint64_t step, const std::string& file);
+  absl::Status CopyFile(const Pending& p, const format::ManifestShard& shard);
   absl::Status WaitForParts(const format::Manifest& manifest,
                             std::chrono::steady_clock::duration own_upload_took);
   void RemoveOrphans(const std::string& job, uint64_t published);
@@ -132,6 +139,7 @@ class Uploader {
   std::map<std::string, JobState> jobs_;
   std::optional<Pending> current_;   // being uploaded (the thread's; progress under mu_)
   UploadProgress progress_;          // of current_
+  std::atomic<uint64_t> from_memory_{0};  // bytes of current_ read from staging memory
   std::map<std::string, uint64_t> last_uploaded_;
   // (job, step, run) this process has made an attempt at (the uploader's thread only).
   std::set<std::tuple<std::string, uint64_t, uint64_t>> attempted_;

@@ -27,8 +27,9 @@ class FaultyFilesystem final : public Filesystem {
     err_ = err;
   }
   void Heal() { op_ = Op::kNone; }
-  // Bytes passed to successful WriteAt calls so far.
+  // Bytes passed to successful WriteAt (ReadAt) calls so far.
   uint64_t bytes_written() const { return bytes_written_; }
+  uint64_t bytes_read() const { return bytes_read_; }
 
   absl::StatusOr<UniqueFd> CreateFile(const std::string& path) override {
     if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
@@ -67,7 +68,9 @@ class FaultyFilesystem final : public Filesystem {
       std::lock_guard lock(mu_);
       if (direct_read_fds_.count(fd)) return ErrnoStatus(EINVAL, "read (O_DIRECT)");
     }
-    return real_->ReadAt(fd, data, size, offset);
+    absl::Status s = real_->ReadAt(fd, data, size, offset);
+    if (s.ok()) bytes_read_ += size;
+    return s;
   }
   absl::Status SyncFile(int fd) override {
     if (Trip(Op::kSync)) return ErrnoStatus(err_, "fsync");
@@ -124,6 +127,7 @@ class FaultyFilesystem final : public Filesystem {
   FilesystemPtr real_;
   std::atomic<Op> op_{Op::kNone};
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> bytes_read_{0};
   std::atomic<int> remaining_{0};
   int err_ = 0;
   bool no_direct_ = false;

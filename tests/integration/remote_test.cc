@@ -152,6 +152,9 @@ TEST_CASE("a node that lost its disk resumes from the remote tier, with the same
     INFO(d.Log());
     REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "reshard", 5); }, 30s, 100ms));
     CHECK(WaitUntil([&] { return U64(JobStatus(d, "reshard")["latest_remote_step"]) == 5; }, 5s, 100ms));
+    // The shards' data went up from staging memory, not read back from this node's disk.
+    CHECK(Contains(d.Log(), "of them read from staging memory"));
+    CHECK_FALSE(Contains(d.Log(), " 0 of them read from staging memory"));
     RunResult listed = d.Ctl({"--job", "reshard", "list"});
     CHECK(Contains(listed.out, "memory,local,remote"));
     REQUIRE(d.Stop() == 0);
@@ -237,7 +240,8 @@ TEST_CASE("a missing bucket, then a gateway answering 503 SlowDown: named, retri
   TempDir dir;
   Daemon d(dir, {"--remote", bucket.url});
   d.Start();
-  CHECK(Contains(d.Log(), "NoSuchBucket"));  // said at start, and ckptd runs on
+  // Said at start (by the look at the remote tier that runs beside it), and ckptd runs on.
+  CHECK(WaitUntil([&] { return Contains(d.Log(), "NoSuchBucket"); }, 30s, 100ms));
   SaveRanks(d, dir, 2, 5);
   REQUIRE(WaitUntil([&] {
     return Contains(FirstUpload(d, "reshard").value("last_error", ""), "the bucket " + missing + " does not exist");

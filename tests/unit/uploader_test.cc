@@ -8,13 +8,18 @@
 #include <thread>
 
 #include "daemon/persist/retention_keeper.h"
+#include "daemon/upload/memory_first_reader.h"
 #include "daemon/upload/upload_policy.h"
 #include "daemon/upload/uploader.h"
 #include "format/checkpoint_store.h"
+#include "format/safetensors.h"
 #include "storage/filesystem.h"
+#include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
 #include "tests/fakes/wait_until.h"
 
+using ckpt::daemon::upload::InMemoryShard;
+using ckpt::daemon::upload::MemoryFirst;
 using ckpt::daemon::upload::ShouldUpload;
 using ckpt::daemon::upload::Uploader;
 using ckpt::daemon::upload::UploadPolicy;
@@ -53,7 +58,128 @@ ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t
   return m;
 }
 
+// Bytes that never repeat at a small period (a misplaced offset shows).
+std::shared_ptr<std::string> DataRegion(size_t bytes, uint32_t seed) {
+  auto data = std::make_shared<std::string>(bytes, '\0');
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (char& c : *data) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    c = static_cast<char>(x);
+  }
+  return data;
+}
+
+// Commits `step` of job "j" as one rank whose shard is a real safetensors file: a 4 KiB
+// aligned header (as persist writes it), then `data`.
+ckpt::format::Manifest CommitShard(ckpt::format::CheckpointStore& store, uint64_t step,
+                                   const std::string& data) {
+  ckpt::format::Manifest m;
+  m.job = "j";
+  m.step = step;
+  m.world_size = 1;
+  m.unix_time = 1000.0 + static_cast<double>(step);
+  m.run = 777;
+  const std::string file = ckpt::format::EncodeHeader(
+                               {{"w", "U8", {static_cast<int64_t>(data.size())}, 0, data.size()}}, {}, 4096) +
+                           data;
+  REQUIRE(store.BeginStep("j", step).ok());
+  ckpt::format::ManifestShard s;
+  s.rank = 0;
+  s.file = ckpt::format::ShardFileName(0);
+  s.bytes = file.size();
+  m.shards.push_back(s);
+  auto out = store.objects().Create(store.TempStepKey("j", step) + "/" + s.file);
+  REQUIRE(out.ok());
+  REQUIRE((*out)->Append(file.data(), file.size()).ok());
+  REQUIRE((*out)->Finish().ok());
+  REQUIRE(store.Commit(m).ok());
+  return m;
+}
+
+std::string ReadAll(ckpt::format::CheckpointStore& store, const std::string& key) {
+  auto object = store.objects().Open(key);
+  REQUIRE(object.ok());
+  std::string bytes((*object)->size(), '\0');
+  REQUIRE((*object)->ReadAt(bytes.data(), bytes.size(), 0).ok());
+  return bytes;
+}
+
+InMemoryShard Held(const std::shared_ptr<std::string>& data) {
+  return {std::shared_ptr<const char>(data, data->data()), data->size()};
+}
+
 }  // namespace
+
+TEST_CASE("a shard's data region is read from staging memory while it lasts, then from the file") {
+  TempDir dir;
+  auto disk = std::make_shared<ckpt::testing::FaultyFilesystem>(ckpt::MakePosixFilesystem());
+  ckpt::format::CheckpointStore local(disk, dir.path() + "/local");
+  auto data = DataRegion(3 << 20, 1);
+  CommitShard(local, 1, *data);
+  const std::string key = "j/step-00000001/" + ckpt::format::ShardFileName(0);
+  const std::string file = ReadAll(local, key);
+  const uint64_t header = file.size() - data->size();
+
+  std::atomic<uint64_t> from_memory{0};
+  auto open = local.objects().Open(key);
+  REQUIRE(open.ok());
+  std::unique_ptr<ckpt::storage::ObjectReader> reader = MemoryFirst(std::move(*open), Held(data), &from_memory);
+  std::string got(1 << 20, '\0');
+  const uint64_t before = disk->bytes_read();
+  // A read across the header's end: the header from the file, the rest from memory.
+  REQUIRE(reader->ReadAt(got.data(), got.size(), header - 100).ok());
+  CHECK(got == file.substr(header - 100, got.size()));
+  CHECK(disk->bytes_read() - before == 100);
+  CHECK(from_memory == got.size() - 100);
+  // The stager took the memory back: the rest comes from the file, and is the same.
+  data.reset();
+  REQUIRE(reader->ReadAt(got.data(), got.size(), header + (1 << 20)).ok());
+  CHECK(got == file.substr(header + (1 << 20), got.size()));
+  CHECK(disk->bytes_read() - before == 100 + got.size());
+  CHECK(from_memory == got.size() - 100);
+
+  // Memory that is not this file's data region (another size) is never used.
+  auto other = DataRegion((3 << 20) - 4096, 1);
+  open = local.objects().Open(key);
+  REQUIRE(open.ok());
+  reader = MemoryFirst(std::move(*open), Held(other), &from_memory);
+  REQUIRE(reader->ReadAt(got.data(), got.size(), header).ok());
+  CHECK(got == file.substr(header, got.size()));
+  CHECK(from_memory == (1 << 20) - 100);
+}
+
+TEST_CASE("an upload sends the data regions from staging memory, and from disk once they are gone") {
+  TempDir dir;
+  auto disk = std::make_shared<ckpt::testing::FaultyFilesystem>(ckpt::MakePosixFilesystem());
+  ckpt::format::CheckpointStore local(disk, dir.path() + "/local");
+  ckpt::format::CheckpointStore remote(ckpt::MakePosixFilesystem(), dir.path() + "/remote");
+  ckpt::persist::RetentionKeeper retention(local, {2, 0}, [](const std::string&, uint64_t) {},
+                                           [](const std::string&) {});
+  Uploader::Options o;
+  o.poll = 10ms;
+  Uploader uploader(local, remote, retention, o, [](const std::string&) {}, [](const std::string&) {});
+  const std::string shard = "/" + ckpt::format::ShardFileName(0);
+
+  auto hot = DataRegion(5 << 20, 2);
+  ckpt::format::Manifest first = CommitShard(local, 1, *hot);
+  uint64_t before = disk->bytes_read();
+  uploader.Committed(first, {{0, Held(hot)}});
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 1); }, 10s, 10ms));
+  CHECK(disk->bytes_read() - before < 64 * 1024);  // the header and the manifest
+  CHECK(ReadAll(remote, "j/step-00000001" + shard) == ReadAll(local, "j/step-00000001" + shard));
+
+  // Evicted before its upload began: every byte comes from the file.
+  auto evicted = DataRegion(5 << 20, 3);
+  ckpt::format::Manifest second = CommitShard(local, 2, *evicted);
+  InMemoryShard gone = Held(evicted);
+  evicted.reset();
+  before = disk->bytes_read();
+  uploader.Committed(second, {{0, gone}});
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 2); }, 10s, 10ms));
+  CHECK(disk->bytes_read() - before >= (5u << 20));
+  CHECK(ReadAll(remote, "j/step-00000002" + shard) == ReadAll(local, "j/step-00000002" + shard));
+  uploader.Stop();
+}
 
 TEST_CASE("the policy: multiples of N, then the first of each window, the same on every node") {
   UploadPolicy every{1, 0ms};
