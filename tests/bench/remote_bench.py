@@ -224,9 +224,12 @@ def upload_and_restore(a, ckptd, helper, work, remote, total):
     d = Daemon(ckptd, os.path.join(work, "root"), os.path.join(work, "s.sock"), remote,
                os.path.join(work, "ckptd.log"))
     ranks(helper, d.socket, a.ranks, ["--bytes", str(per_rank), "save", "--step", "10", "--wait-committed"], work)
-    up = wait_for(r"\[upload\] \[bench s10\] in the remote tier .*?\((\d+) bytes from this node in ([\d.]+) s\)",
-                  d, 600)
-    up_bytes, up_s = int(up[0][0]), float(up[0][1])
+    up = wait_for(r"\[upload\] \[bench s10\] in the remote tier .*?\((\d+) bytes from this node in ([\d.]+) s, "
+                  r"(\d+) of them read from staging memory\)", d, 600)
+    up_bytes, up_s, from_memory = int(up[0][0]), float(up[0][1]), int(up[0][2])
+    # The step is still ckptd's hot copy: its data goes up from memory, not read back from disk.
+    if from_memory == 0:
+        raise SystemExit("the upload read every byte from disk, none from staging memory:\n" + d.log())
     d.stop()
     shutil.rmtree(os.path.join(work, "root"))
     # The download limit on the very objects the restore reads, just before it reads them.
