@@ -105,6 +105,10 @@ struct Server::Parts {
   std::unique_ptr<persist::RetentionKeeper> remote_retention;  // the publisher's
   // Each job's upload policy (its trainers' own, or the node's); set by the trainer service.
   std::shared_ptr<upload::UploadPolicies> upload_policies;
+  // In a group with node-local disks and a remote tier: the step of each job node 0 uploads,
+  // as node 0 announces it and as the others hear it with heartbeats (upload_targets.h).
+  group::UploadTargets announced_uploads;
+  group::UploadTargets heard_uploads;
   std::unique_ptr<upload::Uploader> uploader;
   group::GroupOptions group_options;
   group::DecisionLogPtr decision_log;
@@ -207,7 +211,7 @@ absl::Status StartGroup(Server::Parts& p) {
     };
   }
   CKPT_ASSIGN_OR_RETURN(p.group_server, group::StartGroupServer(o, incarnation, p.decision_log.get(),
-                                                                std::move(publish)));
+                                                                std::move(publish), &p.announced_uploads));
   // Node 0 talks to its own coordinator like every other node (one code path), at the
   // address it really bound (the port may have been 0).
   if (o.coordinator_role()) o.coordinator = p.group_server->address();
@@ -415,7 +419,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       upload::Uploader::Options o;
       o.policies = p->upload_policies;
       o.publishes = publishes;
-      if (grouped && !p->shared_store) o.node = config.node_rank;
+      if (grouped && !p->shared_store) {
+        o.node = config.node_rank;
+        // Every node uploads its part of the step node 0 uploads.
+        if (publishes) {
+          o.announce = [t = &p->announced_uploads](const std::string& job, uint64_t step) { t->Set(job, step); };
+        } else {
+          o.follow = [t = &p->heard_uploads](const std::string& job) { return t->Get(job); };
+        }
+      }
       o.wait_for_parts = std::chrono::milliseconds(config.upload_wait_ms);
       // A job's owner record goes to the bucket before its first step does.
       o.before_upload = [owners = p->owners.get()](const std::string& job) {
@@ -477,8 +489,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads},
       [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });
   if (grouped) {
-    p->group_member = std::make_unique<group::GroupMember>(p->group_options, *p->group_client,
-                                                           [] {});
+    p->group_member = std::make_unique<group::GroupMember>(
+        p->group_options, *p->group_client, [] {},
+        [t = &p->heard_uploads](const group::GroupViewData& view) { t->Replace(view.uploading); });
   }
   std::vector<cuda::CopyEngine*> device_engines;
   for (const auto& e : p->device_engines) device_engines.push_back(e.get());

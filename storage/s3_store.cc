@@ -82,12 +82,18 @@ struct Request {
   char* into = nullptr;  // GET straight into caller memory, exactly into_size bytes
   size_t into_size = 0;
   size_t max_body = size_t{1} << 30;  // a 2xx answer kept in Response::body: at most this
+  // Clean-up (aborting a multipart upload): still sent after Cancel(), once, for at most
+  // kCleanupTimeout, so that a stop does not leave stored, billed parts behind.
+  bool cleanup = false;
 };
+
+constexpr std::chrono::milliseconds kCleanupTimeout{3000};
 
 // Everything a transfer's callbacks touch.
 struct Transfer {
   const Request* request;
   Response* response;
+  const std::atomic<bool>* cancelled;  // the client's
   size_t sent = 0;
   size_t received = 0;
   bool overflow = false;
@@ -178,9 +184,9 @@ class S3Client {
   absl::StatusOr<Response> Send(const Request& r, std::string_view what) {
     std::mt19937_64 random(std::random_device{}());
     for (int attempt = 1;; ++attempt) {
-      if (cancelled_) return Cancelled(what);
+      if (cancelled_ && !r.cleanup) return Cancelled(what);
       Response response;
-      Transfer t{&r, &response};
+      Transfer t{&r, &response, &cancelled_};
       CURL* h = Acquire();
       struct curl_slist* headers = Configure(h, r, t);
       in_flight_.acquire();
@@ -191,7 +197,8 @@ class S3Client {
       curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
       curl_slist_free_all(headers);
       Release(h, code == CURLE_OK);
-      if (cancelled_) return Cancelled(what);
+      const bool stopping = cancelled_;
+      if (stopping && !r.cleanup) return Cancelled(what);
       response.status = status;
       bool retry = false;
       std::string why;
@@ -209,7 +216,7 @@ class S3Client {
       } else {
         return response;
       }
-      if (!retry || attempt >= options_.attempts) {
+      if (!retry || attempt >= options_.attempts || stopping) {
         return absl::UnavailableError(fmt::format(
             "S3 {}: {}{}", what, why, retry ? fmt::format(" (after {} attempts)", attempt) : ""));
       }
@@ -287,7 +294,8 @@ class S3Client {
     curl_easy_setopt(h, CURLOPT_HEADERDATA, &t);
     curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
     curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, OnProgress);
-    curl_easy_setopt(h, CURLOPT_XFERINFODATA, this);
+    curl_easy_setopt(h, CURLOPT_XFERINFODATA, &t);
+    if (r.cleanup) curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, static_cast<long>(kCleanupTimeout.count()));
     struct curl_slist* headers = nullptr;
     // curl does not add it, and RGW and S3 refuse a signature without it.
     headers = curl_slist_append(headers, "x-amz-content-sha256: UNSIGNED-PAYLOAD");
@@ -342,8 +350,9 @@ class S3Client {
     return absl::CancelledError(fmt::format("S3 {}: ckptd is stopping", what));
   }
   // libcurl asks about once a second, whether bytes move or not.
-  static int OnProgress(void* client, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
-    return static_cast<S3Client*>(client)->cancelled_ ? 1 : 0;  // nonzero: abort
+  static int OnProgress(void* transfer, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+    const auto* t = static_cast<const Transfer*>(transfer);
+    return *t->cancelled && !t->request->cleanup ? 1 : 0;  // nonzero: abort
   }
 
   const S3Options options_;
@@ -366,7 +375,8 @@ class MultipartUpload {
       : client_(std::move(client)), key_(std::move(key)) {}
   ~MultipartUpload() {
     if (!id_.empty() && !completed_) {
-      Request r{.method = "DELETE", .key = client_->Key(key_), .query = {{"uploadId", id_}}};
+      Request r{.method = "DELETE", .key = client_->Key(key_), .query = {{"uploadId", id_}},
+                .cleanup = true};
       (void)client_->Send(r, "abort upload " + client_->Url(key_));
     }
   }
@@ -683,10 +693,21 @@ class S3Store final : public Store {
     const std::string base = client_->Key(prefix);
     CKPT_RETURN_IF_ERROR(ListKeys(base.empty() ? "" : base + "/", /*delimited=*/false,
                                   [&](ListEntry e) { keys.push_back(e.name); }));
+    // And multipart uploads never completed under it (a kill mid-upload): invisible to a
+    // listing, but stored and billed until aborted.
+    std::vector<std::pair<std::string, std::string>> unfinished;  // (bucket key, upload id)
+    CKPT_RETURN_IF_ERROR(ListUnfinished(base.empty() ? "" : base + "/", unfinished));
     Parallel deletes(client_->options().parallel);
     const std::string full = base.empty() ? "" : base + "/";
     for (const std::string& name : keys) {
       CKPT_RETURN_IF_ERROR(deletes.Run([this, key = full + name] { return DeleteKey(key); }));
+    }
+    for (auto& [key, id] : unfinished) {
+      CKPT_RETURN_IF_ERROR(deletes.Run([this, key = key, id = id] {
+        Request r{.method = "DELETE", .key = key, .query = {{"uploadId", id}}};
+        absl::StatusOr<Response> aborted = client_->SendOk(r, "abort upload " + client_->Url(key));
+        return absl::IsNotFound(aborted.status()) ? absl::OkStatus() : aborted.status();
+      }));
     }
     return deletes.Wait();
   }
@@ -771,6 +792,35 @@ class S3Store final : public Store {
     absl::StatusOr<Response> deleted = client_->SendOk(r, fmt::format("DELETE s3://{}/{}", client_->options().bucket, bucket_key));
     if (absl::IsNotFound(deleted.status())) return absl::OkStatus();
     return deleted.status();
+  }
+
+  // ListMultipartUploads under `listed` (a bucket prefix ending in '/', or empty), every page.
+  absl::Status ListUnfinished(const std::string& listed,
+                              std::vector<std::pair<std::string, std::string>>& out) {
+    std::string key_marker, id_marker;
+    while (true) {
+      Query query;  // sorted by name
+      if (!key_marker.empty()) query.push_back({"key-marker", key_marker});
+      query.push_back({"prefix", listed});
+      if (!id_marker.empty()) query.push_back({"upload-id-marker", id_marker});
+      query.push_back({"uploads", ""});
+      Request r{.method = "GET", .key = "", .query = std::move(query)};
+      const std::string what = fmt::format("list uploads s3://{}/{}", client_->options().bucket, listed);
+      CKPT_ASSIGN_OR_RETURN(Response page, client_->SendOk(r, what));
+      try {
+        boost::property_tree::ptree tree = ParseXml(page.body);
+        const auto& result = tree.get_child("ListMultipartUploadsResult");
+        for (const auto& [tag, node] : result) {
+          if (tag == "Upload") out.emplace_back(node.get<std::string>("Key"), node.get<std::string>("UploadId"));
+        }
+        if (result.get<std::string>("IsTruncated", "false") != "true") return absl::OkStatus();
+        key_marker = result.get<std::string>("NextKeyMarker", "");
+        id_marker = result.get<std::string>("NextUploadIdMarker", "");
+        if (key_marker.empty()) return absl::DataLossError(fmt::format("S3 {}: truncated without a next marker", what));
+      } catch (const std::exception& e) {
+        return absl::DataLossError(fmt::format("S3 {}: unreadable answer ({})", what, e.what()));
+      }
+    }
   }
 
   // ListObjectsV2 under `listed` (a bucket prefix ending in '/', or empty), page by page:

@@ -94,13 +94,15 @@ class Store {
   // The reverse: what is under `published` stops being visible at once (a crash never
   // leaves it half deleted and still marked complete), then is removed.
   virtual absl::Status Retract(const std::string& published, const std::string& marker) = 0;
-  // Removes everything under `prefix` (objects never published, a staging prefix). Ok
-  // when nothing is there.
+  // Removes everything under `prefix` (objects never published, a staging prefix; on S3
+  // also the multipart uploads begun under it and never completed, which a kill leaves
+  // invisible but stored). Ok when nothing is there.
   virtual absl::Status RemovePrefix(const std::string& prefix) = 0;
 
   // Ends every transfer in flight (within a second) and fails every later call with
   // Cancelled: a daemon stopping does not wait on a store that stopped answering (a request
-  // to it waits out its stall timeout, then is retried). A local disk answers; nothing to do.
+  // to it waits out its stall timeout, then is retried). An upload cut short still sends its
+  // abort, once and briefly (S3: 3 s). A local disk answers; nothing to do.
   virtual void Cancel() {}
 };
 

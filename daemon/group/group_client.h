@@ -23,6 +23,7 @@ struct GroupViewData {
   std::vector<MemberView> members;
   std::vector<StepProgress> steps;
   std::map<std::string, uint64_t> committed;  // newest globally committed step per job
+  std::map<std::string, uint64_t> uploading;  // the step node 0 uploads per job (upload_targets.h)
 };
 
 class GroupClient {

@@ -22,8 +22,10 @@ constexpr milliseconds kRetryAfterFailure{100};
 }  // namespace
 
 GroupMember::GroupMember(const GroupOptions& options, GroupClient& client,
-                         std::function<void()> on_joined)
-    : options_(options), client_(client), on_joined_(std::move(on_joined)) {
+                         std::function<void()> on_joined,
+                         std::function<void(const GroupViewData&)> on_view)
+    : options_(options), client_(client), on_joined_(std::move(on_joined)),
+      on_view_(std::move(on_view)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -69,6 +71,7 @@ void GroupMember::Loop() {
         // The coordinator restarted, or marked this node lost: only a new join helps.
         if (absl::IsFailedPrecondition(view.status())) must_join = true;
       }
+      if (view.ok() && on_view_) on_view_(*view);
       if (joined_now) {
         must_join = false;
         // Steps this node holds in doubt are resolved now, before heartbeats resume.

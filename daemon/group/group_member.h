@@ -27,8 +27,10 @@ class GroupMember {
   };
 
   // `on_joined` runs on the member's thread after every successful (re)join: the node asks
-  // for the outcome of steps it holds in doubt then.
-  GroupMember(const GroupOptions& options, GroupClient& client, std::function<void()> on_joined);
+  // for the outcome of steps it holds in doubt then. `on_view` gets every view the
+  // coordinator answers with (after a join or a heartbeat).
+  GroupMember(const GroupOptions& options, GroupClient& client, std::function<void()> on_joined,
+              std::function<void(const GroupViewData&)> on_view = {});
   ~GroupMember();  // stops the thread
   GroupMember(const GroupMember&) = delete;
   GroupMember& operator=(const GroupMember&) = delete;
@@ -43,6 +45,7 @@ class GroupMember {
   const GroupOptions options_;
   GroupClient& client_;
   std::function<void()> on_joined_;
+  std::function<void(const GroupViewData&)> on_view_;
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
   bool stopping_ = false;

@@ -58,10 +58,10 @@ std::string BoundAddress(const std::string& listen_addr, int port) {
 class GrpcGroupServer final : public GroupServer {
  public:
   GrpcGroupServer(const GroupOptions& options, uint64_t incarnation, DecisionLog* log,
-                  CommitCoordinator::Publisher publish)
+                  CommitCoordinator::Publisher publish, const UploadTargets* uploading)
       : options_(options),
         state_(options.coordinator_role()
-                   ? std::make_unique<CoordinatorState>(options, *log, std::move(publish))
+                   ? std::make_unique<CoordinatorState>(options, *log, std::move(publish), uploading)
                    : nullptr),
         service_(options, incarnation, state_.get()) {}
 
@@ -196,7 +196,8 @@ class GrpcGroupServer final : public GroupServer {
 
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
                                                 DecisionLog* log,
-                                                CommitCoordinator::Publisher publish) {
+                                                CommitCoordinator::Publisher publish,
+                                                const UploadTargets* uploading) {
   if (options.token.empty()) {
     return absl::InvalidArgumentError("the group server needs a group token (--group-token-file)");
   }
@@ -207,7 +208,8 @@ absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uin
   if (options.coordinator_role() && log == nullptr) {
     return absl::InvalidArgumentError("the coordinator needs a decision log");
   }
-  auto server = std::make_unique<GrpcGroupServer>(options, incarnation, log, std::move(publish));
+  auto server = std::make_unique<GrpcGroupServer>(options, incarnation, log, std::move(publish),
+                                                  uploading);
   CKPT_RETURN_IF_ERROR(server->Start());
   return GroupServerPtr(std::move(server));
 }

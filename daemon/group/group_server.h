@@ -14,6 +14,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/upload_targets.h"
 
 namespace ckpt::group {
 
@@ -30,10 +31,12 @@ class GroupServer {
 
 using GroupServerPtr = std::unique_ptr<GroupServer>;
 
-// Binds options.listen_addr (port 0: an ephemeral port). `log` and `publish` are used by
-// the coordinator role only; `log` must outlive the server.
+// Binds options.listen_addr (port 0: an ephemeral port). `log`, `publish` and `uploading`
+// (what node 0 uploads, handed out with heartbeats) are used by the coordinator role only;
+// `log` and `uploading` must outlive the server.
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
                                                 DecisionLog* log,
-                                                CommitCoordinator::Publisher publish = {});
+                                                CommitCoordinator::Publisher publish = {},
+                                                const UploadTargets* uploading = nullptr);
 
 }  // namespace ckpt::group

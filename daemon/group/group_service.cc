@@ -180,6 +180,13 @@ void GroupService::FillView(pb::GroupView* view) const {
     committed->set_job(job);
     committed->set_step(step);
   }
+  if (coordinator_->uploading != nullptr) {
+    for (const auto& [job, step] : coordinator_->uploading->All()) {
+      pb::JobUploading* uploading = view->add_uploading();
+      uploading->set_job(job);
+      uploading->set_step(step);
+    }
+  }
 }
 
 // A node bound to every interface ("0.0.0.0:PORT") is shown at the host it called from.

@@ -17,6 +17,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/upload_targets.h"
 #include "daemon/schedule/save_schedule.h"
 #include "proto/group.grpc.pb.h"
 
@@ -25,14 +26,16 @@ namespace ckpt::group {
 // What only node 0 holds. Owned by the server, outlives the service.
 struct CoordinatorState {
   CoordinatorState(const GroupOptions& options, DecisionLog& log,
-                   CommitCoordinator::Publisher publish)
+                   CommitCoordinator::Publisher publish, const UploadTargets* uploading)
       : membership(options.num_nodes, options.group_timeout),
         commits(log, CommitCoordinator::Options{options.step_timeout, 1u << 20,
-                                                std::move(publish)}) {}
+                                                std::move(publish)}),
+        uploading(uploading) {}
   Membership membership;
   CommitCoordinator commits;
   GatherTable gathers;
   daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
+  const UploadTargets* uploading;  // node 0's uploader's (null without a remote tier)
 };
 
 class GroupService final : public ckptd::group::v1::Group::CallbackService {

@@ -51,6 +51,7 @@ GroupViewData FromProto(const pb::GroupView& view) {
                           {s.missing_ranks().begin(), s.missing_ranks().end()}, s.age_s()});
   }
   for (const pb::JobCommitted& c : view.committed()) data.committed[c.job()] = c.step();
+  for (const pb::JobUploading& u : view.uploading()) data.uploading[u.job()] = u.step();
   return data;
 }
 

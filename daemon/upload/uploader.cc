@@ -312,9 +312,25 @@ void Uploader::RemoveOrphans(const std::string& job, uint64_t published) {
   }
 }
 
+absl::StatusOr<Uploader::Pending> Uploader::FollowedFromDisk(const std::string& job, uint64_t step) {
+  // Pinned before it is looked at: retention cannot delete it in between.
+  auto pin = std::make_unique<persist::RetentionKeeper::Pin>(retention_, job, step);
+  absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, step);
+  if (manifest.ok()) return Pending{*std::move(manifest), std::move(pin), Clock::now(), /*in_memory=*/{}};
+  absl::StatusOr<std::vector<uint64_t>> steps = local_.ListSteps(job);
+  if (steps.ok() && (steps->empty() || steps->back() < step)) {
+    return absl::UnavailableError(fmt::format("[{} s{}] not committed on this node yet", job, step));
+  }
+  return absl::NotFoundError(fmt::format(
+      "[{} s{}] node 0 uploads this step, but this node no longer holds it (deleted by local "
+      "retention): its part is not uploaded; --keep-last larger than the steps committed during "
+      "an upload avoids this", job, step));
+}
+
 void Uploader::Loop() {
   while (true) {
     std::string job;
+    std::optional<uint64_t> followed;  // Options::follow: the publisher's step
     {
       std::unique_lock lock(mu_);
       Clock::time_point wake = Clock::time_point::max();
@@ -322,7 +338,12 @@ void Uploader::Loop() {
         const Clock::time_point now = Clock::now();
         wake = Clock::time_point::max();
         for (auto& [name, state] : jobs_) {
-          if (!state.queued) continue;
+          if (options_.follow) {
+            followed = options_.follow(name);
+            if (!followed || followed == state.followed) continue;
+          } else if (!state.queued) {
+            continue;
+          }
           if (state.retry_at <= now) {
             job = name;
             break;
@@ -330,6 +351,8 @@ void Uploader::Loop() {
           wake = std::min(wake, state.retry_at);
         }
         if (!job.empty()) break;
+        // A follower looks for the publisher's next step as the heartbeats bring it.
+        if (options_.follow) wake = std::min(wake, now + options_.poll);
         if (wake == Clock::time_point::max()) {
           cv_.wait(lock);
         } else {
@@ -337,8 +360,29 @@ void Uploader::Loop() {
         }
       }
       if (stopping_) return;
-      current_ = std::move(jobs_[job].queued);
-      jobs_[job].queued.reset();
+      JobState& state = jobs_[job];
+      if (!followed || (state.queued && state.queued->manifest.step == *followed)) {
+        current_ = std::move(state.queued);
+        state.queued.reset();
+      }
+    }
+    if (!current_) {
+      absl::StatusOr<Pending> from_disk = FollowedFromDisk(job, *followed);
+      std::lock_guard lock(mu_);
+      if (absl::IsUnavailable(from_disk.status())) {
+        jobs_[job].retry_at = Clock::now() + options_.poll;
+        continue;
+      }
+      if (!from_disk.ok()) {
+        Log().warn("{}", Message(from_disk.status()));
+        jobs_[job].followed = followed;
+        continue;
+      }
+      current_ = std::move(*from_disk);
+    }
+    if (options_.announce) options_.announce(job, current_->manifest.step);
+    {
+      std::lock_guard lock(mu_);
       progress_ = UploadProgress{};
       progress_.job = job;
       progress_.step = current_->manifest.step;
@@ -361,6 +405,7 @@ void Uploader::Loop() {
       }
       state.failures = 0;
       state.last_error.clear();
+      if (options_.follow) state.followed = step;
       if (options_.publishes) {
         // Housekeeping before the step counts as done, so that status shows it going on.
         progress_.state = "removing unfinished older steps";
@@ -382,13 +427,15 @@ void Uploader::Loop() {
     if (absl::IsAlreadyExists(s)) {
       // Retrying cannot help: said once, on the log and status.
       Log().error("{}", message);
+      if (options_.follow) state.followed = step;
       current_.reset();
       lock.unlock();
       on_error_(message);
       continue;
     }
-    if (absl::IsCancelled(s) || state.queued) {
-      // A newer step waits: it replaces this one (its objects go as orphans).
+    if (absl::IsCancelled(s) || (state.queued && !options_.follow)) {
+      // A newer step waits: it replaces this one (its objects go as orphans). A follower
+      // retries the publisher's step until the publisher moves on.
       Log().warn("{}; uploading step {} instead", message,
                  state.queued ? state.queued->manifest.step : step);
       current_.reset();
@@ -400,7 +447,7 @@ void Uploader::Loop() {
     Log().warn("{} (attempt {}); retrying in {:.0f} s", message, state.failures,
                std::chrono::duration<double>(backoff).count());
     state.retry_at = Clock::now() + backoff;
-    state.queued = std::move(current_);
+    if (!state.queued) state.queued = std::move(current_);  // else a follower's newer one stays
     current_.reset();
     lock.unlock();
     on_error_(message);

@@ -68,6 +68,15 @@ class Uploader {
     // Runs before each attempt at a job's step (the job's owner record goes first); an
     // error fails the attempt.
     std::function<absl::Status(const std::string& job)> before_upload;
+    // The group's publisher: told which step of a job it starts uploading (the group hands
+    // it to the other nodes with heartbeats).
+    std::function<void(const std::string& job, uint64_t step)> announce;
+    // The other nodes of a group with node-local disks: the step of `job` the publisher
+    // uploads (nullopt: none heard yet). Set, this node uploads its part of that step and no
+    // other, whatever it committed last or its own policy says: nodes that each picked
+    // their newest committed step could pick different ones every time checkpoints commit
+    // faster than they upload, and no step would ever be complete in the bucket.
+    std::function<std::optional<uint64_t>(const std::string& job)> follow;
   };
 
   // `uploaded` runs after a step is published remotely (remote retention); `on_error`
@@ -110,8 +119,13 @@ class Uploader {
     std::chrono::steady_clock::time_point retry_at{};  // after a failed attempt
     int failures = 0;                                  // in a row
     std::string last_error;
+    std::optional<uint64_t> followed;  // Options::follow: the publisher's step last handled
   };
   void Loop();
+  // Options::follow: the step the publisher uploads, when it is not this node's queued one:
+  // pinned and read from this node's disk. NotFound: this node no longer holds it;
+  // Unavailable: it has not committed it yet.
+  absl::StatusOr<Pending> FollowedFromDisk(const std::string& job, uint64_t step);
   // One attempt at `p`; Cancelled when stopping or when a newer step replaced it while
   // the publisher waits for other nodes' files.
   absl::Status Upload(Pending& p);

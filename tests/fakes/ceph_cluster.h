@@ -12,6 +12,7 @@
 #include <string>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 
 #include "storage/s3_config.h"
 #include "tests/fakes/temp_dir.h"
@@ -38,6 +39,27 @@ class CephCluster {
   const std::map<std::string, std::string>& env() const { return env_; }
   // A prefix no other case of this binary uses.
   std::string FreshPrefix() { return "case-" + std::to_string(++cases_); }
+
+  // A signed request to the gateway with curl (what no Store call makes: listing unfinished
+  // multipart uploads, beginning one as a killed writer would leave it): the answer's body.
+  std::string Curl(const std::string& method, const std::string& path_and_query) {
+    const std::string out = dir_.path() + "/curl.out";
+    const std::string command = fmt::format(
+        "/usr/bin/curl -sS --fail -X {} --aws-sigv4 aws:amz:{}:s3 --user '{}:{}' -H "
+        "'x-amz-content-sha256: UNSIGNED-PAYLOAD' '{}/{}{}' >{} 2>&1",
+        method, env_.at("AWS_REGION"), env_.at("AWS_ACCESS_KEY_ID"), env_.at("AWS_SECRET_ACCESS_KEY"),
+        env_.at("AWS_ENDPOINT_URL_S3"), env_.at("CKPTD_TEST_BUCKET"), path_and_query, out);
+    const int rc = std::system(command.c_str());
+    std::ifstream in(out);
+    std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (rc != 0) FAIL("curl -X " << method << " " << path_and_query << " failed: " << body);
+    return body;
+  }
+  // The multipart uploads begun and neither completed nor aborted under `prefix`/: the
+  // answer's XML (one <UploadId> each).
+  std::string UnfinishedUploads(const std::string& prefix) {
+    return Curl("GET", "?prefix=" + prefix + "%2F&uploads=");
+  }
 
   // A CephFS of the same cluster, mounted with ceph-fuse (tools/ceph.sh fs), the first time
   // a test asks: its mount point.

@@ -29,6 +29,7 @@
 #include "tests/fakes/ceph_cluster.h"
 #include "tests/fakes/faulty_filesystem.h"
 #include "tests/fakes/temp_dir.h"
+#include "tests/fakes/wait_until.h"
 #include "tests/integration/tcp_proxy.h"
 
 using namespace ckpt;
@@ -60,11 +61,13 @@ struct S3Rgw {
     options.prefix = testing::CephCluster::Get().FreshPrefix();
     options.part_bytes = 5u << 20;
     options.parallel = 4;
+    prefix = options.prefix;
     auto made = MakeS3Store(options);
     REQUIRE(made.ok());
     store = *made;
   }
   StorePtr store;
+  std::string prefix;
 };
 
 std::vector<char> Pattern(size_t n, int seed) {
@@ -238,7 +241,49 @@ TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at 
   if constexpr (std::is_same_v<TestType, S3Rgw>) {
     CHECK_FALSE(*t.store->Exists("up/stopped.safetensors"));
     CHECK_FALSE(*t.store->Exists("up/failed.safetensors"));
+    CHECK_THAT(testing::CephCluster::Get().UnfinishedUploads(t.prefix), !Catch::Contains("<UploadId>"));
   }
+}
+
+TEST_CASE("no multipart upload is left behind: one a stop cut short is aborted, one a kill left is removed with its prefix") {
+  testing::CephCluster& ceph = testing::CephCluster::Get();
+  S3Options options = ceph.Options();
+  options.prefix = ceph.FreshPrefix();
+  options.part_bytes = 5u << 20;
+  auto store = MakeS3Store(options);
+  REQUIRE(store.ok());
+  LocalDisk source;
+  const std::vector<char> all = Unique(32u << 20, 3);
+  REQUIRE(source.store->Put("rank-00000.safetensors", std::string_view(all.data(), all.size())).ok());
+  auto from = source.store->Open("rank-00000.safetensors");
+  REQUIRE(from.ok());
+
+  // ckptd stops once a part is in: Cancel ends the copy, and its upload is still aborted.
+  std::atomic<bool> part_in = false, cancelled = false;
+  absl::StatusOr<uint64_t> copied;
+  std::thread copying([&] {
+    copied = (*store)->CopyFrom(**from, "job/step-00000001/rank-00000.safetensors", [&](uint64_t) {
+      part_in = true;
+      while (!cancelled) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      return absl::OkStatus();
+    });
+  });
+  REQUIRE(testing::WaitUntil([&] { return part_in.load(); }, std::chrono::seconds(30), std::chrono::milliseconds(1)));
+  (*store)->Cancel();
+  cancelled = true;
+  copying.join();
+  CHECK(absl::IsCancelled(copied.status()));
+  CHECK_THAT(ceph.UnfinishedUploads(options.prefix), !Catch::Contains("<UploadId>"));
+
+  // A writer killed mid-upload leaves its upload begun: invisible to a listing, removed with
+  // the step's prefix (an orphaned step's clean-up) all the same.
+  auto fresh = MakeS3Store(options);
+  REQUIRE(fresh.ok());
+  ceph.Curl("POST", "/" + options.prefix + "/job/step-00000002/rank-00000.safetensors?uploads=");
+  REQUIRE_THAT(ceph.UnfinishedUploads(options.prefix), Catch::Contains("<UploadId>"));
+  CHECK(Names(**fresh, "job/step-00000002").empty());
+  REQUIRE((*fresh)->RemovePrefix("job/step-00000002").ok());
+  CHECK_THAT(ceph.UnfinishedUploads(options.prefix), !Catch::Contains("<UploadId>"));
 }
 
 // A server (or a proxy in front of one) whose answer to the first GET of an object is not

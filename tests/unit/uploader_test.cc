@@ -7,6 +7,7 @@
 #include <chrono>
 #include <thread>
 
+#include "daemon/group/upload_targets.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/upload/memory_first_reader.h"
 #include "daemon/upload/upload_policy.h"
@@ -267,4 +268,57 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   uploader.Stop();
   std::lock_guard lock(mu);
   CHECK(published == std::vector<std::string>{"j"});
+}
+
+TEST_CASE("in a group every node uploads its part of the step node 0 uploads, whatever it committed last") {
+  TempDir dir;
+  auto fs = ckpt::MakePosixFilesystem();
+  ckpt::format::CheckpointStore node0(fs, dir.path() + "/node0");
+  ckpt::format::CheckpointStore node1(fs, dir.path() + "/node1");
+  ckpt::format::CheckpointStore remote(fs, dir.path() + "/remote");
+  ckpt::persist::RetentionKeeper keep0(node0, {0, 0}, [](const std::string&, uint64_t) {}, [](const std::string&) {});
+  ckpt::persist::RetentionKeeper keep1(node1, {0, 0}, [](const std::string&, uint64_t) {}, [](const std::string&) {});
+  ckpt::group::UploadTargets targets;  // what node 0 announces, and node 1 hears
+  Uploader::Options follower;
+  follower.node = 1;
+  follower.publishes = false;
+  follower.poll = 10ms;
+  follower.follow = [&](const std::string& job) { return targets.Get(job); };
+  Uploader node1_uploader(node1, remote, keep1, follower, [](const std::string&) {}, [](const std::string&) {});
+
+  // Node 1 commits steps 1-3 (uploads slower than commits: its newest is 3), and hears of no
+  // upload: it sends nothing of its own accord.
+  std::vector<ckpt::format::Manifest> steps;
+  for (uint64_t step = 1; step <= 3; ++step) {
+    steps.push_back(CommitStep(node1, step, {1}));
+    node1_uploader.Committed(steps.back());
+  }
+  std::this_thread::sleep_for(300ms);
+  CHECK_FALSE(remote.objects().Exists("j/.uploads/step-00000003/node-1").value_or(true));
+
+  // Node 0 uploads step 2 (its uploader was free when step 2 committed there): node 1 sends
+  // its part of step 2, not its newest, and step 2 is published.
+  Uploader::Options publisher;
+  publisher.node = 0;
+  publisher.poll = 10ms;
+  publisher.announce = [&](const std::string& job, uint64_t step) { targets.Set(job, step); };
+  Uploader node0_uploader(node0, remote, keep0, publisher, [](const std::string&) {}, [](const std::string&) {});
+  std::vector<ckpt::format::Manifest> on_node0;
+  for (uint64_t step = 1; step <= 3; ++step) on_node0.push_back(CommitStep(node0, step, {0}));
+  node0_uploader.Committed(on_node0[1]);
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 2); }, 10s, 10ms));
+  CHECK_FALSE(remote.Committed("j", 3));
+  CHECK(ReadAll(remote, "j/step-00000002/" + ckpt::format::ShardFileName(1)) == std::string(5001, 'c'));
+
+  // Node 0 moves on to a step node 1 has not committed yet: node 1 waits for its commit,
+  // then sends its part.
+  node0_uploader.Committed(CommitStep(node0, 4, {0}));
+  REQUIRE(WaitUntil([&] { return targets.Get("j") == 4u; }, 5s, 10ms));
+  std::this_thread::sleep_for(100ms);
+  CHECK_FALSE(remote.Committed("j", 4));
+  node1_uploader.Committed(CommitStep(node1, 4, {1}));
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 4); }, 10s, 10ms));
+  CHECK_FALSE(remote.Committed("j", 3));
+  node0_uploader.Stop();
+  node1_uploader.Stop();
 }
