@@ -12,10 +12,12 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <semaphore>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <boost/property_tree/ptree.hpp>
@@ -373,6 +375,10 @@ class MultipartUpload {
  public:
   MultipartUpload(std::shared_ptr<S3Client> client, std::string key)
       : client_(std::move(client)), key_(std::move(key)) {}
+  // Resumes an upload begun earlier, with the parts it already holds.
+  MultipartUpload(std::shared_ptr<S3Client> client, std::string key, std::string id,
+                  std::map<int, std::string> etags)
+      : client_(std::move(client)), key_(std::move(key)), id_(std::move(id)), etags_(std::move(etags)) {}
   ~MultipartUpload() {
     if (!id_.empty() && !completed_) {
       Request r{.method = "DELETE", .key = client_->Key(key_), .query = {{"uploadId", id_}},
@@ -405,6 +411,16 @@ class MultipartUpload {
     std::lock_guard lock(mu_);
     etags_[number] = etag->second;
     return absl::OkStatus();
+  }
+
+  bool HasPart(int number) {
+    std::lock_guard lock(mu_);
+    return etags_.count(number) > 0;
+  }
+  // Leaves the upload unfinished (not aborted) for a later copy to resume: its id and parts.
+  std::pair<std::string, std::map<int, std::string>> Release() {
+    std::lock_guard lock(mu_);
+    return {std::exchange(id_, ""), std::move(etags_)};
   }
 
   // Once every part was sent.
@@ -586,39 +602,28 @@ class S3Store final : public Store {
   // ends, where one reader thread per object refilled the slots that ended together one
   // read at a time (an upload kept 11-12 of its 16 requests in flight, not 16).
   absl::StatusOr<uint64_t> CopyFrom(const ObjectReader& from, const std::string& key,
-                                    const CopyProgress& progress) override {
+                                    const CopyProgress& progress, std::string_view version) override {
     const uint64_t size = from.size();
-    const size_t first = client_->options().part_bytes;
-    if (size <= first) return Store::CopyFrom(from, key, progress);  // one PUT
+    if (size <= client_->options().part_bytes) return Store::CopyFrom(from, key, progress, version);  // one PUT
+    if (std::optional<Unfinished> left = TakeUnfinished(key, version, size)) {
+      MultipartUpload upload(client_, key, std::move(left->id), std::move(left->etags));
+      absl::StatusOr<uint64_t> resumed = CopyParts(from, key, progress, version, upload);
+      // Gone meanwhile (aborted with its step, or by a lifecycle rule): from the start.
+      if (!absl::IsNotFound(resumed.status())) return resumed;
+    }
     MultipartUpload upload(client_, key);
     CKPT_RETURN_IF_ERROR(upload.Begin());
-    {
-      // A part's read (tens of ms from a local disk) is not a request: two parts more than
-      // `parallel` are read ahead, so a request ending is followed by the next at once.
-      PartBuffers buffers;
-      Parallel parts(client_->options().parallel + kPartsReadAhead);
-      int number = 0;
-      for (uint64_t offset = 0; offset < size;) {
-        const size_t n = static_cast<size_t>(std::min<uint64_t>(PartBytes(first, ++number), size - offset));
-        CKPT_RETURN_IF_ERROR(parts.Run([&, number, offset, n]() -> absl::Status {
-          CKPT_RETURN_IF_ERROR(progress(0));  // stopping: no part starts after
-          PartBuffers::Buffer part = buffers.Take(n);
-          if (part.data == nullptr) {
-            return absl::ResourceExhaustedError(fmt::format("no memory for a {}-byte part of {}", n, client_->Url(key)));
-          }
-          absl::Status sent = from.ReadAt(part.data.get(), n, offset);
-          if (sent.ok()) sent = upload.SendPart(number, part.data.get(), n);
-          buffers.Give(std::move(part));
-          CKPT_RETURN_IF_ERROR(sent);
-          return progress(n);
-        }));
-        offset += n;
-      }
-      CKPT_RETURN_IF_ERROR(parts.Wait());
-    }
-    CKPT_RETURN_IF_ERROR(upload.Complete());
-    return size;
+    return CopyParts(from, key, progress, version, upload);
   }
+
+  ~S3Store() override {
+    // Unfinished uploads nobody will resume now: aborted (all at once: a stop waits at most
+    // one abort's time), not left stored and billed.
+    std::vector<std::thread> aborts;
+    for (Unfinished& u : unfinished_) aborts.emplace_back([this, &u] { Abort(u); });
+    for (std::thread& t : aborts) t.join();
+  }
+
 
   // One round trip: a GET of the object's first kOpenBytes tells its size (Content-Range)
   // and holds what a reader asks for first, a safetensors file's header. Where each request
@@ -716,6 +721,90 @@ class S3Store final : public Store {
   static constexpr size_t kOpenBytes = 64 << 10;
   static constexpr int kPartsReadAhead = 2;
   static constexpr size_t kMaxGetBytes = size_t{1} << 30;
+  // Failed uploads kept for a copy to resume: one per file a step's upload has in flight.
+  static constexpr size_t kMaxUnfinished = 16;
+
+  // A multipart upload a failed copy left for the next copy of the same version to resume.
+  struct Unfinished {
+    std::string key;
+    std::string version;
+    uint64_t size = 0;
+    std::string id;
+    std::map<int, std::string> etags;  // the parts it holds
+  };
+
+  // Sends the parts `upload` lacks, then completes it. A failure other than a stop leaves the
+  // upload unfinished, for the next copy of `version` (when there is one) to resume.
+  absl::StatusOr<uint64_t> CopyParts(const ObjectReader& from, const std::string& key,
+                                     const CopyProgress& progress, std::string_view version,
+                                     MultipartUpload& upload) {
+    const uint64_t size = from.size();
+    const size_t first = client_->options().part_bytes;
+    absl::Status sent = [&]() -> absl::Status {
+      // A part's read (tens of ms from a local disk) is not a request: two parts more than
+      // `parallel` are read ahead, so a request ending is followed by the next at once.
+      PartBuffers buffers;
+      Parallel parts(client_->options().parallel + kPartsReadAhead);
+      int number = 0;
+      for (uint64_t offset = 0; offset < size;) {
+        const size_t n = static_cast<size_t>(std::min<uint64_t>(PartBytes(first, ++number), size - offset));
+        offset += n;
+        if (upload.HasPart(number)) {  // resumed: sent before
+          CKPT_RETURN_IF_ERROR(progress(n));
+          continue;
+        }
+        CKPT_RETURN_IF_ERROR(parts.Run([&, number, at = offset - n, n]() -> absl::Status {
+          CKPT_RETURN_IF_ERROR(progress(0));  // stopping: no part starts after
+          PartBuffers::Buffer part = buffers.Take(n);
+          if (part.data == nullptr) {
+            return absl::ResourceExhaustedError(fmt::format("no memory for a {}-byte part of {}", n, client_->Url(key)));
+          }
+          absl::Status one = from.ReadAt(part.data.get(), n, at);
+          if (one.ok()) one = upload.SendPart(number, part.data.get(), n);
+          buffers.Give(std::move(part));
+          CKPT_RETURN_IF_ERROR(one);
+          return progress(n);
+        }));
+      }
+      CKPT_RETURN_IF_ERROR(parts.Wait());
+      return upload.Complete();
+    }();
+    if (sent.ok()) return size;
+    if (!version.empty() && !absl::IsCancelled(sent) && !absl::IsNotFound(sent)) {
+      auto [id, etags] = upload.Release();
+      if (!id.empty()) KeepUnfinished({key, std::string(version), size, std::move(id), std::move(etags)});
+    }
+    return sent;
+  }
+
+  std::optional<Unfinished> TakeUnfinished(const std::string& key, std::string_view version, uint64_t size) {
+    Unfinished found;
+    {
+      std::lock_guard lock(unfinished_mu_);
+      auto it = std::find_if(unfinished_.begin(), unfinished_.end(),
+                             [&](const Unfinished& u) { return u.key == key; });
+      if (it == unfinished_.end()) return std::nullopt;
+      found = std::move(*it);
+      unfinished_.erase(it);
+    }
+    if (!version.empty() && found.version == version && found.size == size) return found;
+    Abort(found);  // another version of the object: its parts are of no use
+    return std::nullopt;
+  }
+  void KeepUnfinished(Unfinished u) {
+    Unfinished oldest;
+    {
+      std::lock_guard lock(unfinished_mu_);
+      unfinished_.push_back(std::move(u));
+      if (unfinished_.size() <= kMaxUnfinished) return;
+      oldest = std::move(unfinished_.front());
+      unfinished_.erase(unfinished_.begin());
+    }
+    Abort(oldest);
+  }
+  void Abort(Unfinished& u) {
+    MultipartUpload dropped(client_, u.key, std::move(u.id), {});  // its destructor aborts it
+  }
 
   // An object's size and its first bytes (all of it when it has no more), in one GET.
   struct Start {
@@ -863,6 +952,8 @@ class S3Store final : public Store {
   }
 
   std::shared_ptr<S3Client> client_;
+  std::mutex unfinished_mu_;
+  std::vector<Unfinished> unfinished_;  // oldest first; guarded by unfinished_mu_
 };
 
 }  // namespace

@@ -10,7 +10,7 @@
 namespace ckpt::storage {
 
 absl::StatusOr<uint64_t> Store::CopyFrom(const ObjectReader& from, const std::string& key,
-                                         const CopyProgress& progress) {
+                                         const CopyProgress& progress, std::string_view /*version*/) {
   constexpr size_t kPiece = size_t{16} << 20;
   const uint64_t size = from.size();
   AlignedBuffer buffer = AllocateAligned(static_cast<size_t>(std::min<uint64_t>(kPiece, std::max<uint64_t>(size, 1))));

@@ -70,8 +70,12 @@ class Store {
   // Create() in 16 MiB pieces; a store that takes an object in parts (S3) reads each part on
   // the thread that sends it, so that reads overlap the transfer and no part waits for
   // another's read.
+  // `version` names what the bytes are (the uploader: the run that saved them). A copy that
+  // fails part way (not one cancelled) may leave what it sent for a later copy of the same
+  // version to the same key to resume: S3 keeps a failed multipart upload's parts, and the
+  // next attempt sends only the parts still missing. Empty: never resumed.
   virtual absl::StatusOr<uint64_t> CopyFrom(const ObjectReader& from, const std::string& key,
-                                            const CopyProgress& progress);
+                                            const CopyProgress& progress, std::string_view version);
   // Whether an object is at `key`.
   virtual absl::StatusOr<bool> Exists(const std::string& key) = 0;
   // What is directly under `prefix` (one level), sorted by name; empty when nothing is.

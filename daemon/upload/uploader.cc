@@ -10,6 +10,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "format/checksum.h"
 
 namespace ckpt::daemon::upload {
 namespace {
@@ -33,6 +34,25 @@ double SecondsSince(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// What a shard's bytes are, for resuming its upload: the run that saved the step and the
+// checksums of everything in the file. Two shards of one key that agree on it hold the same
+// bytes, so the parts a failed copy sent can be completed by another copy; a step saved
+// again (another run, or the same run after a restore that went back) never mixes with them.
+std::string ShardVersion(const format::Manifest& m, const format::ManifestShard& shard) {
+  format::Checksum sum;
+  for (const auto& [name, tensor] : m.tensors) {
+    for (const format::TensorShard& piece : tensor.shards) {
+      if (piece.rank != shard.rank) continue;
+      sum.Update(name.data(), name.size());
+      sum.Update(piece.checksum.data(), piece.checksum.size());
+    }
+  }
+  for (const auto& [name, entry] : shard.train_state) {
+    sum.Update(name.data(), name.size());
+    sum.Update(entry.checksum.data(), entry.checksum.size());
+  }
+  return fmt::format("{}/{}/{}", m.run, shard.bytes, sum.Finish());
+}
 
 }  // namespace
 
@@ -152,13 +172,14 @@ absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& s
   if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end()) {
     in = MemoryFirst(std::move(in), it->second, &from_memory_);
   }
-  // CopyFrom checks that every byte arrived.
+  // CopyFrom checks that every byte arrived. A copy that a gateway's outage cut short
+  // resumes with the parts it sent, and only for the same bytes (ShardVersion).
   return remote_.objects().CopyFrom(*in, key, [this](uint64_t n) {
     std::lock_guard lock(mu_);
     if (stopping_) return absl::CancelledError("ckptd is stopping");
     progress_.bytes_done += n;
     return absl::OkStatus();
-  }).status();
+  }, ShardVersion(m, shard)).status();
 }
 
 absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::duration own_upload_took) {

@@ -220,7 +220,7 @@ TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at 
   auto copied = t.store->CopyFrom(**from, "up/rank-00000.safetensors", [&](uint64_t n) {
     reported += n;
     return absl::OkStatus();
-  });
+  }, "v1");
   REQUIRE(copied.ok());
   CHECK(*copied == all.size());
   CHECK(reported == all.size());
@@ -231,11 +231,11 @@ TEMPLATE_TEST_CASE("an object copied from a local file arrives whole, or not at 
   // Stopped on the way (the daemon stopping): the error is the stop, and on S3 the upload
   // is aborted, never completed into an object.
   auto stopped = t.store->CopyFrom(**from, "up/stopped.safetensors",
-                                   [](uint64_t) { return absl::CancelledError("ckptd is stopping"); });
+                                   [](uint64_t) { return absl::CancelledError("ckptd is stopping"); }, "v1");
   CHECK(absl::IsCancelled(stopped.status()));
   // A source that fails halfway: its error, naming the file.
   FailingFrom failing(**from, 7u << 20);
-  auto failed = t.store->CopyFrom(failing, "up/failed.safetensors", [](uint64_t) { return absl::OkStatus(); });
+  auto failed = t.store->CopyFrom(failing, "up/failed.safetensors", [](uint64_t) { return absl::OkStatus(); }, "");
   CHECK(absl::IsDataLoss(failed.status()));
   CHECK_THAT(Message(failed.status()), Catch::Contains("rank-00000.safetensors"));
   if constexpr (std::is_same_v<TestType, S3Rgw>) {
@@ -266,7 +266,7 @@ TEST_CASE("no multipart upload is left behind: one a stop cut short is aborted, 
       part_in = true;
       while (!cancelled) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       return absl::OkStatus();
-    });
+    }, "v1");
   });
   REQUIRE(testing::WaitUntil([&] { return part_in.load(); }, std::chrono::seconds(30), std::chrono::milliseconds(1)));
   (*store)->Cancel();
@@ -283,6 +283,60 @@ TEST_CASE("no multipart upload is left behind: one a stop cut short is aborted, 
   REQUIRE_THAT(ceph.UnfinishedUploads(options.prefix), Catch::Contains("<UploadId>"));
   CHECK(Names(**fresh, "job/step-00000002").empty());
   REQUIRE((*fresh)->RemovePrefix("job/step-00000002").ok());
+  CHECK_THAT(ceph.UnfinishedUploads(options.prefix), !Catch::Contains("<UploadId>"));
+}
+
+TEST_CASE("a multipart copy cut short resumes with the parts it sent; another version starts over") {
+  testing::CephCluster& ceph = testing::CephCluster::Get();
+  const std::string endpoint = ceph.Options().endpoint;
+  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
+  S3Options options = ceph.Options();
+  options.endpoint = "http://" + proxy.address();
+  options.prefix = ceph.FreshPrefix();
+  options.part_bytes = 5u << 20;
+  options.parallel = 2;
+  options.attempts = 1;  // the outage fails the copy at once
+  auto store = MakeS3Store(options);
+  REQUIRE(store.ok());
+  LocalDisk source;
+  const std::vector<char> all = Unique(40u << 20, 5);
+  REQUIRE(source.store->Put("rank-00000.safetensors", std::string_view(all.data(), all.size())).ok());
+  auto from = source.store->Open("rank-00000.safetensors");
+  REQUIRE(from.ok());
+  const std::string key = "job/step-00000001/rank-00000.safetensors";
+  auto ok = [](uint64_t) { return absl::OkStatus(); };
+
+  // The gateway goes away once two parts are in.
+  std::atomic<int> parts_in = 0;
+  auto cut = (*store)->CopyFrom(**from, key, [&](uint64_t n) {
+    if (n > 0 && ++parts_in == 2) proxy.Cut(testing::TcpProxy::CutMode::kRefuse);
+    return absl::OkStatus();
+  }, "run-1");
+  REQUIRE_FALSE(cut.ok());
+  CHECK_FALSE(absl::IsCancelled(cut.status()));
+  proxy.Heal();
+  // The same version again: only the missing parts go (at least the two that were in stay).
+  const uint64_t before = proxy.forwarded_bytes();
+  auto resumed = (*store)->CopyFrom(**from, key, ok, "run-1");
+  REQUIRE(resumed.ok());
+  CHECK(proxy.forwarded_bytes() - before < all.size() - (9u << 20));
+  auto back = (*store)->Get(key, all.size());
+  REQUIRE(back.ok());
+  CHECK(*back == std::string(all.data(), all.size()));
+  CHECK_THAT(ceph.UnfinishedUploads(options.prefix), !Catch::Contains("<UploadId>"));
+
+  // Cut short again, then copied as another version (another run's step of the same number):
+  // every part is sent again, and the first upload is aborted, not left behind.
+  parts_in = 0;
+  const std::string other = "job/step-00000002/rank-00000.safetensors";
+  REQUIRE_FALSE((*store)->CopyFrom(**from, other, [&](uint64_t n) {
+    if (n > 0 && ++parts_in == 2) proxy.Cut(testing::TcpProxy::CutMode::kRefuse);
+    return absl::OkStatus();
+  }, "run-1").ok());
+  proxy.Heal();
+  const uint64_t again = proxy.forwarded_bytes();
+  REQUIRE((*store)->CopyFrom(**from, other, ok, "run-2").ok());
+  CHECK(proxy.forwarded_bytes() - again > all.size());
   CHECK_THAT(ceph.UnfinishedUploads(options.prefix), !Catch::Contains("<UploadId>"));
 }
 
