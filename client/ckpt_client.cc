@@ -506,6 +506,8 @@ absl::Status Client::Register() {
   impl_->removed.clear();
   impl_->registered_once = true;
   session_id_ = reply.session_id();
+  committed_steps_.assign(reply.committed_steps().begin(), reply.committed_steps().end());
+  committed_count_ = reply.committed_count();
   if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
         reinterpret_cast<uint64_t*>(&block->staged_ticket)));
@@ -656,6 +658,7 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   info.not_in_checkpoint.assign(reply.not_in_checkpoint().begin(), reply.not_in_checkpoint().end());
   info.not_registered.assign(reply.not_registered().begin(), reply.not_registered().end());
   info.warnings.assign(reply.warnings().begin(), reply.warnings().end());
+  info.saved_world_size = reply.saved_world_size();
   // Host-copy transport: ckptd restored the mirrors; bring them up to the GPU.
   if (info.found && impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToDevice());
   return info;

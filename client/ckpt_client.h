@@ -103,6 +103,7 @@ struct RestoreInfo {
   std::vector<std::string> not_registered;
   // Newer steps given up because some rank found them damaged; each names the step and why.
   std::vector<std::string> warnings;
+  uint32_t saved_world_size = 0;  // the step's; another than the job's now: resharded
 };
 
 // "memory", "disk" or "remote".
@@ -263,6 +264,11 @@ class Client {
 
   const std::vector<std::unique_ptr<Tensor>>& tensors() const { return tensors_; }
   const std::string& session_id() const { return session_id_; }
+  // What the job held on this node when it last registered: its committed steps in the
+  // job's order (the 16 newest, newest last) and how many there were in all. A trainer
+  // that saves without having restored warns when there are some (docs/users.md).
+  const std::vector<uint64_t>& committed_steps() const { return committed_steps_; }
+  uint64_t committed_count() const { return committed_count_; }
 
  private:
   struct Impl;
@@ -280,6 +286,8 @@ class Client {
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;
   std::string session_id_;
+  std::vector<uint64_t> committed_steps_;
+  uint64_t committed_count_ = 0;
 };
 
 }  // namespace ckpt

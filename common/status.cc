@@ -1,6 +1,7 @@
 #include "common/status.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cerrno>
 #include <cstring>
@@ -34,5 +35,21 @@ absl::Status Annotate(const absl::Status& status, std::string_view context) {
 }
 
 std::string Message(const absl::Status& status) { return std::string(status.message()); }
+
+std::string Truncated(std::string_view message, size_t max) {
+  if (message.size() <= max) return std::string(message);
+  constexpr std::string_view kCut = " ... (cut: {} more bytes; the whole message is in ckptd's log)";
+  const size_t room = max > kCut.size() + 8 ? max - kCut.size() - 8 : 0;
+  size_t end = room;
+  // Never between the bytes of one UTF-8 character (continuation bytes are 10xxxxxx).
+  while (end > 0 && (static_cast<unsigned char>(message[end]) & 0xC0) == 0x80) --end;
+  return fmt::format("{}{}", message.substr(0, end), fmt::format(fmt::runtime(kCut), message.size() - end));
+}
+
+std::string JoinSome(const std::vector<std::string>& items, size_t shown, std::string_view separator) {
+  if (items.size() <= shown) return fmt::format("{}", fmt::join(items, separator));
+  return fmt::format("{} and {} more", fmt::join(items.begin(), items.begin() + shown, separator),
+                     items.size() - shown);
+}
 
 }  // namespace ckpt

@@ -3,6 +3,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -18,6 +19,20 @@ std::string Message(const absl::Status& status);
 
 // Prefixes a status message with context, keeping its code.
 absl::Status Annotate(const absl::Status& status, std::string_view context);
+
+// The most of an error message that crosses gRPC. gRPC carries a status message in a header
+// (percent-encoded: up to 3 bytes per byte) and a client refuses headers over 8 KiB with a
+// transport error of its own ("received initial metadata size exceeds limit") in place of
+// the message: so a message is cut well below that, whatever produced it.
+inline constexpr size_t kMaxWireMessageBytes = 2000;
+
+// `message` cut to at most `max` bytes at a UTF-8 character boundary, saying how much was
+// left out (so a cut message is never taken for the whole one).
+std::string Truncated(std::string_view message, size_t max = kMaxWireMessageBytes);
+
+// "a, b, c and 7 more": the first `shown` items, and how many were left out; a list of
+// problems in an error stays short and says how long it was.
+std::string JoinSome(const std::vector<std::string>& items, size_t shown, std::string_view separator = ", ");
 
 }  // namespace ckpt
 

@@ -18,19 +18,19 @@
 namespace ckpt::daemon {
 namespace {
 
-std::string ListSome(const std::vector<std::string>& names) {
-  std::vector<std::string> shown(names.begin(), names.begin() + std::min<size_t>(names.size(), 5));
-  return fmt::format("{}{}", fmt::join(shown, ", "), names.size() > 5 ? ", ..." : "");
-}
+std::string ListSome(const std::vector<std::string>& names) { return JoinSome(names, 5); }
 
-absl::Status CheckSameLayout(const RegisteredTensor& t, const std::string& dtype,
-                             const std::vector<int64_t>& shape, uint64_t step) {
-  if (t.dtype != dtype || t.shape != shape) {
-    return absl::FailedPreconditionError(fmt::format(
-        "tensor {}: registered as {} [{}] but checkpoint step {} holds {} [{}]", t.name, t.dtype,
-        fmt::join(t.shape, ", "), step, dtype, fmt::join(shape, ", ")));
+// Why `t` cannot take a saved entry of `dtype` and `shape`, or nothing when it can. In the
+// planner's words (format/read_plan.cc), so that a restore from memory and one from storage
+// describe the same mismatch alike.
+std::optional<std::string> LayoutProblem(const RegisteredTensor& t, const std::string& dtype,
+                                         const std::vector<int64_t>& shape) {
+  if (t.dtype != dtype) return fmt::format("{}: saved as {}, wanted as {}", t.name, dtype, t.dtype);
+  if (t.shape != shape) {
+    return fmt::format("{}: shape [{}] saved, [{}] wanted", t.name, fmt::join(shape, ", "),
+                       fmt::join(t.shape, ", "));
   }
-  return absl::OkStatus();
+  return std::nullopt;
 }
 
 // Whether every registered tensor this rank saved sits where it sat when saved: then its
@@ -90,8 +90,9 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
                              ListSome(unexpected));
     }
     message.pop_back();
-    return absl::FailedPreconditionError(
-        message + " (select fewer tensors, or allow missing ones to skip them)");
+    // No hint here: each client names its own way out (Python's strict=False and exclude=,
+    // C++'s RestoreOptions).
+    return absl::FailedPreconditionError(message);
   }
   if (matched.empty() && !selection.everything()) {
     return absl::InvalidArgumentError(fmt::format(
@@ -200,6 +201,7 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   CKPT_RETURN_IF_ERROR(manifest.status());
   result.found = true;
   result.step = step;
+  result.saved_world_size = manifest->world_size;
   auto started = std::chrono::steady_clock::now();
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
   if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest)) {
@@ -284,12 +286,21 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
                         MatchTensors(*session.tensors, stored, spec, snap.step, result));
   SplitCopy job;
+  std::vector<std::string> problems;
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
     const format::TensorEntry& e = *entries.at(t.name);
-    CKPT_RETURN_IF_ERROR(CheckSameLayout(t, e.dtype, e.shape, snap.step));
+    if (std::optional<std::string> problem = LayoutProblem(t, e.dtype, e.shape)) {
+      problems.push_back(std::move(*problem));
+      continue;
+    }
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
+  }
+  if (!problems.empty()) {
+    // Nothing copied yet: the trainer's buffers are as they were.
+    return absl::InvalidArgumentError(fmt::format("{} tensor(s) cannot be read from step {}: {}",
+                                                  problems.size(), snap.step, JoinSome(problems, 5, "; ")));
   }
   {
     cuda::CopyPriority::Copying copying(priority_);

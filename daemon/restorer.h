@@ -49,6 +49,7 @@ struct RestoreResult {
   std::vector<std::string> not_registered;
   // Newer steps given up because a rank found them damaged, each naming the step and why.
   std::vector<std::string> warnings;
+  uint32_t saved_world_size = 0;  // the restored step's world size
 };
 
 struct RestoreSpec {
@@ -81,6 +82,10 @@ class Restorer {
         device_engines_(std::move(device_engines)), pool_(pool) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, const RestoreSpec& spec);
+  // The job's committed steps on this node's disk, in the job's order (by run, then step).
+  absl::StatusOr<std::vector<uint64_t>> CommittedSteps(const std::string& job) {
+    return store_.ListStepsInRunOrder(job);
+  }
 
  private:
   absl::StatusOr<RestoreResult> RestoreLatest(const SessionView& session, const RestoreSpec& spec,

@@ -7,9 +7,13 @@
 #include <unordered_map>
 
 #include "common/dtype.h"
+#include "common/status.h"
 
 namespace ckpt::format {
 namespace {
+
+// How many of a plan's problems an error names (each is a line's worth).
+constexpr size_t kProblemsShown = 5;
 
 using Index = std::vector<int64_t>;
 
@@ -279,9 +283,11 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     plan.tensors.push_back(std::move(t));
   }
   if (!problems.empty()) {
+    // A model built with another width mismatches in every tensor: the first few say what
+    // changed, and the count how much.
     return absl::InvalidArgumentError(fmt::format("{} tensor(s) cannot be read from step {}: {}",
                                                   problems.size(), manifest.step,
-                                                  fmt::join(problems, "; ")));
+                                                  JoinSome(problems, kProblemsShown, "; ")));
   }
   return plan;
 }

@@ -173,6 +173,7 @@ class PyClient {
     d["not_in_checkpoint"] = r.not_in_checkpoint;
     d["not_registered"] = r.not_registered;
     d["warnings"] = r.warnings;
+    d["saved_world_size"] = r.saved_world_size;
     return d;
   }
 
@@ -196,6 +197,9 @@ class PyClient {
   }
 
   void RemoveTensor(const std::string& name) { Check(client_->RemoveTensor(name)); }
+
+  std::vector<uint64_t> CommittedSteps() const { return client_->committed_steps(); }
+  uint64_t CommittedCount() const { return client_->committed_count(); }
 
   void Unregister() {
     absl::Status status;
@@ -365,6 +369,8 @@ PYBIND11_MODULE(_native, m) {
       .def("update", &PyClient::Update)
       .def("remove", &PyClient::RemoveTensor, py::arg("name"))
       .def("unregister", &PyClient::Unregister)
+      .def_property_readonly("committed_steps", &PyClient::CommittedSteps)
+      .def_property_readonly("committed_count", &PyClient::CommittedCount)
       .def("abandon_pending", &PyClient::AbandonPending,
            "Gives up on every snapshot not yet staged: ckptd never commits them")
       .def_property_readonly("session_id", &PyClient::session_id);

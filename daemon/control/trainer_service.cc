@@ -17,6 +17,7 @@ namespace {
 constexpr size_t kMaxSessions = 4096;
 constexpr size_t kMaxSessionsPerUid = 1024;
 constexpr int kMaxArenaBatches = 64;  // of 64 arenas each: 4,096 arenas a session
+constexpr size_t kStepsInReply = 16;   // RegisterReply.committed_steps
 
 }  // namespace
 
@@ -104,6 +105,12 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     reply->set_session_id(s->id());
     reply->set_control_socket(control_socket_);
     reply->set_registered_bytes(s->registered_bytes());
+    if (absl::StatusOr<std::vector<uint64_t>> steps = restorer_.CommittedSteps(s->job()); steps.ok()) {
+      reply->set_committed_count(steps->size());
+      for (size_t i = steps->size() > kStepsInReply ? steps->size() - kStepsInReply : 0; i < steps->size(); ++i) {
+        reply->add_committed_steps((*steps)[i]);
+      }
+    }
     log::Get(log::Component::kControl)
         .info("[{}/r{}] registered pid {}: {} tensors, {} bytes (session {})", s->job(), s->rank(),
               s->pid(), s->tensor_count(), s->registered_bytes(), s->id());
@@ -155,7 +162,14 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
                                                 {request->exclude().begin(), request->exclude().end()}));
     spec.allow_missing = request->allow_missing();
     std::lock_guard lock(s->data_mutex());
-    CKPT_ASSIGN_OR_RETURN(RestoreResult result, restorer_.Restore(s->view(), spec));
+    absl::StatusOr<RestoreResult> restored = restorer_.Restore(s->view(), spec);
+    if (!restored.ok()) {
+      // The trainer sees a message cut to what fits in a gRPC status; the log has all of it.
+      log::Get(log::Component::kControl)
+          .warn("[{}/r{}] restore failed: {}", s->job(), s->rank(), Message(restored.status()));
+      return restored.status();
+    }
+    RestoreResult& result = *restored;
     reply->set_found(result.found);
     reply->set_step(result.step);
     reply->set_bytes(result.bytes);
@@ -164,6 +178,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     for (const std::string& name : result.not_in_checkpoint) reply->add_not_in_checkpoint(name);
     for (const std::string& name : result.not_registered) reply->add_not_registered(name);
     for (const std::string& w : result.warnings) reply->add_warnings(w);
+    reply->set_saved_world_size(result.saved_world_size);
     reply->set_source(result.source == RestoreResult::Source::kMemory   ? RESTORE_SOURCE_MEMORY
                       : result.source == RestoreResult::Source::kRemote ? RESTORE_SOURCE_REMOTE
                                                                         : RESTORE_SOURCE_DISK);

@@ -2,11 +2,13 @@
 
 #include <string>
 
+#include "common/status.h"
+
 namespace ckpt::group {
 
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), Truncated(Message(status)));
 }
 
 absl::Status FromGrpc(const grpc::Status& status) {
