@@ -659,6 +659,7 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   info.not_registered.assign(reply.not_registered().begin(), reply.not_registered().end());
   info.warnings.assign(reply.warnings().begin(), reply.warnings().end());
   info.saved_world_size = reply.saved_world_size();
+  info.other_jobs.assign(reply.other_jobs().begin(), reply.other_jobs().end());
   // Host-copy transport: ckptd restored the mirrors; bring them up to the GPU.
   if (info.found && impl_->mirror) CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToDevice());
   return info;

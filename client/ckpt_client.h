@@ -104,6 +104,8 @@ struct RestoreInfo {
   // Newer steps given up because some rank found them damaged; each names the step and why.
   std::vector<std::string> warnings;
   uint32_t saved_world_size = 0;  // the step's; another than the job's now: resharded
+  // Nothing found: other jobs on this node this user may restore (a misspelt job name?).
+  std::vector<std::string> other_jobs;
 };
 
 // "memory", "disk" or "remote".

@@ -86,6 +86,8 @@ class Restorer {
   absl::StatusOr<std::vector<uint64_t>> CommittedSteps(const std::string& job) {
     return store_.ListStepsInRunOrder(job);
   }
+  // The jobs with a directory on this node's disk.
+  absl::StatusOr<std::vector<std::string>> Jobs() { return store_.ListJobs(); }
 
  private:
   absl::StatusOr<RestoreResult> RestoreLatest(const SessionView& session, const RestoreSpec& spec,

@@ -174,6 +174,7 @@ class PyClient {
     d["not_registered"] = r.not_registered;
     d["warnings"] = r.warnings;
     d["saved_world_size"] = r.saved_world_size;
+    d["other_jobs"] = r.other_jobs;
     return d;
   }
 

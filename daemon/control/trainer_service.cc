@@ -18,6 +18,8 @@ constexpr size_t kMaxSessions = 4096;
 constexpr size_t kMaxSessionsPerUid = 1024;
 constexpr int kMaxArenaBatches = 64;  // of 64 arenas each: 4,096 arenas a session
 constexpr size_t kStepsInReply = 16;   // RegisterReply.committed_steps
+constexpr int kJobsInReply = 64;       // RestoreReply.other_jobs
+constexpr size_t kJobsLooked = 1024;   // job directories looked at for them
 
 }  // namespace
 
@@ -179,6 +181,15 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     for (const std::string& name : result.not_registered) reply->add_not_registered(name);
     for (const std::string& w : result.warnings) reply->add_warnings(w);
     reply->set_saved_world_size(result.saved_world_size);
+    if (!result.found) {
+      // Only jobs the caller may restore: another user's job names are not theirs to see.
+      if (absl::StatusOr<std::vector<std::string>> jobs = restorer_.Jobs(); jobs.ok()) {
+        for (size_t i = 0; i < jobs->size() && i < kJobsLooked && reply->other_jobs_size() < kJobsInReply; ++i) {
+          const std::string& other = (*jobs)[i];
+          if (other != s->job() && owners_.Check(other, caller, "see").ok()) reply->add_other_jobs(other);
+        }
+      }
+    }
     reply->set_source(result.source == RestoreResult::Source::kMemory   ? RESTORE_SOURCE_MEMORY
                       : result.source == RestoreResult::Source::kRemote ? RESTORE_SOURCE_REMOTE
                                                                         : RESTORE_SOURCE_DISK);
