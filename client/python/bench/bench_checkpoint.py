@@ -235,6 +235,7 @@ class Ckptd:
         # The first save moves the state into shared memory and registers it: what it holds
         # the loop up (until staged) is reported apart, with where it went; then it is let
         # finish.
+        # Patched where the manager looks it up: ckptd.torch imports it from ckptd._state_dict.
         import ckptd.torch as ckptd_torch
         moved = [0.0]
         move = ckptd_torch._move_to_arena

@@ -285,7 +285,7 @@ class _Evil:
 @pytest.mark.parametrize("key", ["rng.python", "lr_scheduler"])
 def test_a_crafted_train_state_never_runs_code(daemon, workdir, key):
     import pickle
-    import ckptd.torch as ckptd_torch
+    from ckptd._train_state import _to_bytes
     marker = os.path.join(workdir, "pwned")
     model, optimizer, scheduler = make_training()
 
@@ -293,7 +293,7 @@ def test_a_crafted_train_state_never_runs_code(daemon, workdir, key):
         def _train_state(self, step):
             state = super()._train_state(step)
             state[key] = (pickle.dumps(_Evil(marker)) if key == "rng.python"
-                          else ckptd_torch._to_bytes(_Evil(marker)))
+                          else _to_bytes(_Evil(marker)))
             return state
 
     with Crafting("crafted", model, optimizer, scheduler, socket=daemon.socket) as manager:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptd._native import open_store, xxh3_64
-from ckptd.torch import _DTYPES as _TORCH_NAMES
+from ckptd._state_dict import _DTYPES as _TORCH_NAMES
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
 

@@ -14,15 +14,11 @@ forward pass (which may update buffers such as BatchNorm statistics), so every c
 holds the values of the moment `save()` was called.
 """
 import functools
-import io
 import logging
 import os
 import pickle
 import random
 import re
-import socket
-import sys
-import threading
 import time
 import warnings
 
@@ -30,149 +26,22 @@ import torch
 
 import ckptd
 from ckptd import _placement
+from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
+from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
+from ckptd._state_dict import (_Entry, _dtype_name, _move_to_arena, _named_parameters, _param_names,
+                               _persistent_buffers, _set_buffer, _set_data, _set_item)
+from ckptd._train_state import _from_bytes, _plain_loads, _to_bytes
 
 __all__ = ["CheckpointManager", "CheckpointError"]
 
 log = logging.getLogger("ckptd")
-
-# torch dtype -> safetensors dtype, the names ckptd stores.
-_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
 
 # How long after a failed connection the manager tries again (at the next save).
 _RECONNECT_SECONDS = 30.0
 # How long a save waits for a listening ckptd to accept the connection before training goes
 # on without that save (the attempt continues in the background; a later save adopts it).
 _CONNECT_PATIENCE_SECONDS = 1.0
-
-
-class CheckpointError(ckptd.Error):
-    """A checkpoint that was asked for could not be taken, committed or loaded."""
-
-
-class _Entry:
-    """One registered tensor: its checkpoint key, the tensor, and how to swap its storage."""
-
-    __slots__ = ("name", "tensor", "replace")
-
-    def __init__(self, name, tensor, replace):
-        self.name, self.tensor, self.replace = name, tensor, replace
-
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _user_stacklevel():
-    """The stacklevel for warnings.warn that points at the first frame outside this package:
-    the user's line (maybe_save, save, load), however deep inside the manager the warning
-    is raised."""
-    frame, level = sys._getframe(1), 1  # the caller of this function, the one that warns
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _listening(path):
-    """Whether a process accepts connections on the Unix socket at `path`: answered at once
-    (no file, or nobody listening, is an immediate error)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(0.5)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
-class _Connector:
-    """One attempt to connect to ckptd, on a thread of its own."""
-
-    def __init__(self, connect):
-        self.client = self.error = None
-        self._thread = threading.Thread(target=self._run, args=(connect,), daemon=True,
-                                        name="ckptd-connect")
-        self._thread.start()
-
-    def _run(self, connect):
-        try:
-            self.client = connect()
-        except BaseException as e:  # whatever it is, the caller learns it, not a crash later
-            self.error = e if isinstance(e, ckptd.Error) else ckptd.Unavailable(f"{type(e).__name__}: {e}")
-
-    def done(self, timeout):
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-
-def _env_int(*names):
-    for name in names:
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return None
-
-
-def _to_bytes(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _from_bytes(data):
-    # A checkpoint is data from a file: never code. weights_only loads tensors, containers
-    # and numbers (state dicts), nothing that runs on load. PyTorch 1.13's weights-only
-    # loader lacks opcodes (floats): there the same rule is kept by an allowlist.
-    if _TORCH_MAJOR >= 2:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    # 1.13's torch.load ignores pickle_module unless weights_only (a bug): its zip loader is
-    # called directly, with the allowlist.
-    from torch import serialization
-    with serialization._open_zipfile_reader(io.BytesIO(data)) as archive:
-        return serialization._load(archive, "cpu", _StateDictPickle, encoding="utf-8")
-
-
-_TORCH_MAJOR = int(torch.__version__.split(".")[0])
-
-
-class _StateDictUnpickler(pickle.Unpickler):
-    """What a state dict is made of (tensors, their storages, ordered dicts, sizes) and
-    nothing else: no class or function that could run code on load."""
-
-    _ALLOWED = {("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
-                ("torch._utils", "_rebuild_parameter"), ("torch", "Size"), ("torch", "device"),
-                ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex")}
-
-    def find_class(self, module, name):
-        if (module, name) in self._ALLOWED or (module == "torch" and name.endswith("Storage")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"train state refers to {module}.{name}: refused")
-
-
-class _StateDictPickle:
-    """A pickle module for torch.load that unpickles with _StateDictUnpickler."""
-    Unpickler = _StateDictUnpickler
-    __name__ = "ckptd_state_dict_pickle"
-
-    @staticmethod
-    def load(file, **kwargs):
-        return _StateDictUnpickler(file, **kwargs).load()
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles ints, tuples and None (the step, Python's RNG state) and nothing that
-    names a class or function: a crafted blob cannot run code."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"train state refers to {module}.{name}: refused")
-
-
-def _plain_loads(data):
-    return _PlainUnpickler(io.BytesIO(data)).load()
 
 
 class CheckpointManager:
@@ -918,74 +787,3 @@ class CheckpointManager:
             return step(*args, **kwargs)
 
         self.optimizer.step = step_after_staged
-
-
-# Attribute names that wrappers insert between a model and its submodules: torch.compile's
-# OptimizedModule, FSDP1 and activation checkpointing. Checkpoint keys leave them out (as
-# DCP's state-dict helpers do), so a checkpoint saved from a compiled or wrapped model loads
-# into the plain one and back.
-_WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
-
-
-def _checkpoint_key(model, name):
-    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
-    if parts and parts[0] == "module" and _is_ddp(model):
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def _is_ddp(model):
-    ddp = getattr(torch.nn.parallel, "DistributedDataParallel", None)
-    inner = getattr(model, "_orig_mod", model)
-    return ddp is not None and isinstance(inner, ddp)
-
-
-def _named_parameters(model):
-    for name, p in model.named_parameters():
-        yield _checkpoint_key(model, name), p
-
-
-def _param_names(model):
-    return {id(p): n for n, p in _named_parameters(model)}
-
-
-def _persistent_buffers(model):
-    """(checkpoint key, module, attribute) of every buffer that belongs in a checkpoint."""
-    for module_name, module in model.named_modules():
-        for leaf, b in module._buffers.items():
-            if b is not None and leaf not in module._non_persistent_buffers_set:
-                name = f"{module_name}.{leaf}" if module_name else leaf
-                yield _checkpoint_key(model, name), module, leaf
-
-
-def _set_data(param, tensor):
-    param.data = tensor
-
-
-def _set_buffer(module, leaf, tensor):
-    module._buffers[leaf] = tensor
-
-
-def _set_item(mapping, key, tensor):
-    mapping[key] = tensor
-
-
-def _dtype_name(name, dtype):
-    """ckptd's name of a torch dtype (safetensors'), or CheckpointError naming the tensor."""
-    if dtype not in _DTYPES:
-        raise CheckpointError(f"tensor {name}: dtype {dtype} cannot be checkpointed")
-    return _DTYPES[dtype]
-
-
-def _move_to_arena(client, name, dtype, part):
-    """Copies `part` (a _placement.Local) into ckptd's shared memory and points its owner
-    there: same dtype and shape, and the spare elements after it that FSDP2 pads with."""
-    t = part.tensor
-    buffer = client.allocate(name, dtype, list(t.shape), part.global_shape, part.global_offset,
-                             spare_bytes=part.spare * t.element_size())
-    # Writable (the buffer protocol says so), so frombuffer has nothing to warn about, and no
-    # warnings.catch_warnings here: with one trainer thread per rank it races (see load()).
-    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(t.dtype)
-    with torch.no_grad():
-        flat[:t.numel()].view(t.shape).copy_(t)
-    part.relocate(flat)
