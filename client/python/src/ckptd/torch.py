@@ -25,15 +25,16 @@ import warnings
 import torch
 
 import ckptd
-from ckptd import _placement
+from ckptd import _advice, _placement
 from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
+from ckptd._restored import Restored
 from ckptd._state_dict import (_Entry, _dtype_name, _move_to_arena, _named_parameters, _param_names,
                                _persistent_buffers, _set_buffer, _set_data, _set_item)
 from ckptd._train_state import _from_bytes, _plain_loads, _to_bytes
 
-__all__ = ["CheckpointManager", "CheckpointError"]
+__all__ = ["CheckpointManager", "CheckpointError", "Restored"]
 
 log = logging.getLogger("ckptd")
 
@@ -119,6 +120,8 @@ class CheckpointManager:
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
         self._run = 0               # the step this run resumed from: names its save clock
+        self._loaded = False        # load() restored (or found nothing): this run continues the job
+        self._checked_run = False   # the first save looked at what the job already holds
         self._registered_where = {}  # see _where
         self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
@@ -182,6 +185,7 @@ class CheckpointManager:
             return False
         try:
             self._register_current_tensors()
+            self._check_other_run(step)
             metadata = self._metadata()
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
@@ -207,6 +211,24 @@ class CheckpointManager:
         if blocking:
             self.wait(committed=True)
         return True
+
+    def _check_other_run(self, step):
+        """At the first save: a job that already holds steps which this run neither loaded
+        nor asked about gets this run's steps among them, and retention deletes the oldest
+        of all. Said once, naming them and the ways out."""
+        if self._checked_run:
+            return
+        self._checked_run = True
+        if self._loaded or self.rank != 0 or not self._client.committed_count:
+            return
+        held = _advice.describe_steps(self._client.committed_steps, self._client.committed_count)
+        warnings.warn(
+            f"ckptd: job {self.job!r} already holds committed steps {held} from an earlier run, "
+            f"and this run saves step {step} without having called load(). Its steps join the "
+            "job's after them (restores take the newest run's newest step), and retention "
+            "(keep_last) deletes the oldest of all, the earlier run's first. To resume that run, "
+            "call manager.load() before training; to start clean, use another job name or delete "
+            f"its steps (ckptctl --job {self.job} delete STEP).", stacklevel=_user_stacklevel())
 
     def wait(self, committed=False):
         """Waits for the latest save to be staged (or, with `committed`, durable on every
@@ -282,14 +304,31 @@ class CheckpointManager:
         "optim.*.exp_avg_sq"). `strict=False` skips tensors that the model has and the
         checkpoint lacks, or the reverse, with a warning naming them.
 
-        After a restore, `manager.restored` says what came back: {"step", "source" (memory,
-        disk, or remote: ckptd's --remote tier), "bytes"}."""
+        Returns a `Restored`: the step, an int (so `(manager.load() or 0) + 1` is the next
+        step), that also says where it came from: `.source` ("memory", "disk", or "remote":
+        ckptd's --remote tier), `.bytes`, and `.resharded_from` (the world size it was saved
+        with, when that differs from this job's; None otherwise). The same is logged at INFO
+        and kept as `manager.restored`.
+
+        A load that raises leaves nothing registered with ckptd (the next save or load, or
+        another CheckpointManager of the same job, registers afresh)."""
         self._check_open()
         if from_dcp is not None:
             return self._load_from_dcp(os.fspath(from_dcp), step)
         exclude = self.exclude_from_loading if exclude is None else list(exclude)
         include, patterns, skip_state = self._selection(exclude)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
+        try:
+            restored = self._load(step, exclude, include, patterns, skip_state, strict)
+        except BaseException:
+            # A notebook re-runs the cell with a new manager: no session of this one may stand
+            # in its way, and nothing half-restored may be snapshotted by the next save.
+            self._release()
+            raise
+        self._loaded = True
+        return restored
+
+    def _load(self, step, exclude, include, patterns, skip_state, strict):
         created = [] if "optimizer" in exclude else self._create_optimizer_state()
         try:
             self._register_current_tensors()
@@ -299,9 +338,17 @@ class CheckpointManager:
             self._drop_optimizer_state(created)
             if isinstance(e, ckptd.Unavailable):
                 self._lost(e)
-            raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: {e}") from e
+            advice = _advice.restore_advice(str(e))
+            raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: {e}"
+                                  + (f"\n  what to do: {advice}" if advice else "")) from e
         if not info["found"]:
             self._drop_optimizer_state(created)
+            if info["other_jobs"] and step is None:
+                near = _advice.closest(self.job, info["other_jobs"])
+                warnings.warn(f"ckptd: job {self.job!r} has no checkpoint on this node; starting "
+                              f"from scratch. Jobs that do: {', '.join(map(repr, near))}"
+                              f"{' ...' if len(info['other_jobs']) > len(near) else ''} "
+                              "(a misspelt job name?)", stacklevel=_user_stacklevel())
             return None
         for warning in info["warnings"]:  # a newer step was damaged: never a silent fallback
             warnings.warn(f"ckptd: {warning}", stacklevel=_user_stacklevel())
@@ -316,10 +363,14 @@ class CheckpointManager:
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
-        log.info("ckptd: restored step %d from %s (%d bytes)", info["step"], info["source"], info["bytes"])
-        self.restored = {"step": info["step"], "source": info["source"], "bytes": info["bytes"]}
+        saved_world = info["saved_world_size"]
+        restored = Restored(info["step"], info["source"], info["bytes"],
+                            saved_world if saved_world and saved_world != self.world_size else None)
+        log.info("ckptd: job %r rank %d: %s", self.job, self.rank, restored.describe())
+        self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
+                         "resharded_from": restored.resharded_from}
         self._run = info["step"]
-        return info["step"]
+        return restored
 
     def _selection(self, exclude):
         """Maps `load(exclude=...)` keys onto ckptd's tensor selection: (include patterns,
@@ -365,6 +416,7 @@ class CheckpointManager:
             raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
         log.info("ckptd: loaded step %d from the DCP checkpoint %s", step, path)
         self._run = step
+        self._loaded = True
         return step
 
     def save_weights(self, step, dtype=None, job=None):
@@ -525,6 +577,19 @@ class CheckpointManager:
                 self._client.abandon_pending()
             except ckptd.Error:
                 pass
+
+    def _release(self):
+        """Leaves ckptd's session (if any) without waiting: what a failed load() does. The
+        tensors stay usable; the next save or load registers afresh."""
+        if self._client is not None:
+            try:
+                self._client.unregister()
+            except ckptd.Error:
+                pass  # gone already: nothing of it is left to release
+        self._client = None
+        self._registered = False
+        self._unstaged = None
+        self._last_ticket = None
 
     def _lost(self, error):
         self._abandon()

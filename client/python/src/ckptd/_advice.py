@@ -1,0 +1,38 @@
+"""What a Python user can do about what ckptd reports.
+
+ckptd's messages name the problem in terms of tensors and steps, the same for every client;
+the ways out are spelled here as this package's own arguments (`strict=False`,
+`exclude_from_loading=`), never as the C++ client's options.
+"""
+import difflib
+
+# Said by ckptd (daemon/restorer.cc, format/read_plan.cc); kept in one place so that a
+# change of wording there shows up here as a missing hint in the tests, not as silence.
+_NAMES_DIFFER = "does not match the registered tensors"
+_LAYOUT_DIFFERS = "cannot be read from step"
+
+
+def restore_advice(message):
+    """The Python way out of a failed restore, or None when the message is not one we know."""
+    if _NAMES_DIFFER in message:
+        return ("to load part of it, pass exclude_from_loading=['optimizer'] to the "
+                "CheckpointManager (or load(exclude=['optimizer'])) for the model alone, or a "
+                "tensor-name pattern such as 'lm_head.*'; load(strict=False) skips tensors found "
+                "on one side only, with a warning naming them")
+    if _LAYOUT_DIFFERS in message and "wanted" in message:
+        return ("the model is not the one that was saved (shapes or dtypes differ): build it with "
+                "the configuration it was saved with, or leave those tensors out with "
+                "load(exclude=['name-or-pattern', ...])")
+    return None
+
+
+def closest(name, candidates, n=3):
+    """The names in `candidates` that look most like `name` (a misspelt job name)."""
+    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
+    return close or sorted(candidates)[:n]
+
+
+def describe_steps(steps, count):
+    """"10, 20, 30" or "..., 80, 90 (12 in all)": the newest of a job's steps."""
+    shown = ", ".join(str(s) for s in steps[-5:])
+    return shown if count <= 5 else f"..., {shown} ({count} in all)"
