@@ -16,7 +16,8 @@ case $flavour in
   # What only PyTorch 2 has (torch.compile, DTensor, FSDP2) is not collected on 1.13.
   # Nor what needs `transformers` (the virtual environment's).
   debian) python=/usr/bin/python3; extra=(--ignore=client/python/tests/test_torch2.py
-                                          --ignore=client/python/tests/test_user_view.py) ;;
+                                          --ignore=client/python/tests/test_user_view.py
+                                          --ignore=client/python/tests/test_dcp_real_models.py) ;;
   torch2)
     python=${CKPTD_PYTHON:-}
     if [ -z "$python" ] || [ ! -x "$python" ]; then

@@ -963,3 +963,19 @@ def test_registering_again_from_the_same_process_takes_over_its_own_session(daem
     assert second.save(2, blocking=True) is True
     assert daemon.steps("again") == [1, 2]
     second.close()
+
+
+def test_dcp_interoperability_says_it_needs_pytorch_2_where_it_is_not(daemon, workdir):
+    """On Debian's PyTorch 1.13, ckptd.dcp and load(from_dcp=) say what they need instead of
+    a ModuleNotFoundError from inside torch; on PyTorch 2 they are there."""
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager("old-torch", model, socket=daemon.socket) as manager:
+        if int(torch.__version__.split(".")[0]) >= 2:
+            import ckptd.dcp  # noqa: F401
+            with pytest.raises(CheckpointError, match="cannot load DCP checkpoint"):
+                manager.load(from_dcp=os.path.join(workdir, "no-such", "step-1"))
+            return
+        with pytest.raises(ImportError, match="ckptd.dcp needs PyTorch 2"):
+            import ckptd.dcp  # noqa: F401
+        with pytest.raises(CheckpointError, match="needs PyTorch 2"):
+            manager.load(from_dcp=os.path.join(workdir, "step-1"))

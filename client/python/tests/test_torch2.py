@@ -296,7 +296,7 @@ def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, w
         CkptdStorageReader(step_dir).read_metadata()
 
 
-@pytest.mark.parametrize("layout", ["tutorial", "torchtitan"])
+@pytest.mark.parametrize("layout", ["nested", "torchtitan"])  # the tutorial's: test_dcp_real_models
 def test_a_job_switches_from_dcp_to_ckptd(daemon, workdir, layout):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -309,7 +309,7 @@ def test_a_job_switches_from_dcp_to_ckptd(daemon, workdir, layout):
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
         scheduler.step()
-    if layout == "tutorial":
+    if layout == "nested":
         state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, optimizer)}
     else:  # torchtitan: model keys at the top, optimizer state flattened
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -346,11 +346,17 @@ def test_from_dcp_names_what_the_checkpoint_lacks(daemon, workdir):
     import torch.distributed.checkpoint as dcp
 
     dcp_dir = os.path.join(workdir, "dcp-small")
-    dcp.save({"model": torch.nn.Linear(4, 8).state_dict()}, checkpoint_id=dcp_dir)
+    dcp.save({"model": torch.nn.Sequential(torch.nn.Linear(4, 8)).state_dict()}, checkpoint_id=dcp_dir)
     bigger = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     with CheckpointManager("lacking", bigger, socket=daemon.socket) as manager:
-        with pytest.raises(CheckpointError, match=r"cannot load DCP checkpoint .*dcp-small: Missing key in checkpoint state_dict: model\.0\.weight"):
+        with pytest.raises(CheckpointError, match=r"cannot load DCP checkpoint .*dcp-small: Missing key in checkpoint state_dict: model\.1\.weight"):
             manager.load(from_dcp=dcp_dir, step=7)
+        # A checkpoint of another model altogether: what was tried and what it holds.
+        other = os.path.join(workdir, "dcp-other")
+        dcp.save({"model": torch.nn.Linear(4, 8).state_dict()}, checkpoint_id=other)
+        with pytest.raises(CheckpointError, match=r"cannot load DCP checkpoint .*dcp-other: none of the "
+                           r"model's keys \(e.g. '0.weight'\) .* holds 2 keys under 'model', e.g. model.bias"):
+            manager.load(from_dcp=other, step=7)
 
 
 # --- the remote tier (ckptd --remote, a real Ceph RGW) -------------------------------------

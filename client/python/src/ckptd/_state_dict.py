@@ -96,3 +96,31 @@ def _move_to_arena(client, name, dtype, part):
     with torch.no_grad():
         flat[:t.numel()].view(t.shape).copy_(t)
     part.relocate(flat)
+
+
+# At most this many aliases are recorded: the step's metadata travels in one command.
+_MAX_ALIASES = 1024
+
+
+def _aliases(model):
+    """{other key: registered key} for tensors a model holds under several names (tied
+    parameters: GPT-2's lm_head.weight is transformer.wte.weight). A checkpoint stores each
+    tensor once, under the first name (the one named_parameters gives), but a state dict
+    has every name, and DCP asks for each."""
+    first = {}
+    for name, p in _named_parameters(model):
+        first.setdefault(id(p), name)
+    for name, module, leaf in _persistent_buffers(model):
+        first.setdefault(id(module._buffers[leaf]), name)
+    aliases = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        tensors = list(module._parameters.items())
+        tensors += [(leaf, b) for leaf, b in module._buffers.items()
+                    if leaf not in module._non_persistent_buffers_set]
+        for leaf, t in tensors:
+            if t is None or id(t) not in first:
+                continue
+            name = _checkpoint_key(model, f"{module_name}.{leaf}" if module_name else leaf)
+            if name != first[id(t)] and len(aliases) < _MAX_ALIASES:
+                aliases[name] = first[id(t)]
+    return aliases

@@ -12,29 +12,44 @@ remote tier), read through the same storage library as ckptd and ckptctl: endpoi
 and keys from the AWS environment (AWS_ENDPOINT_URL_S3, AWS_REGION, AWS_ACCESS_KEY_ID, ...),
 each piece fetched with ranged GETs.
 
-The reader offers every tensor of a ckptd checkpoint under the keys DCP-based code uses
-(torchtitan's layout): model tensors under their fully qualified names, ckptd.torch's
-optimizer tensors `optim.<fqn>.<key>` as `optimizer.state.<fqn>.<key>`. Sharded tensors
+The reader offers every tensor of a ckptd checkpoint under the keys DCP-based code uses:
+model tensors under their fully qualified names (torchtitan's layout) and under `model.<fqn>`
+(what `{"model": ..., "optimizer": ...}` of `get_state_dict` gives), tied parameters under
+each of their names, ckptd.torch's optimizer tensors `optim.<fqn>.<key>` as
+`optimizer.state.<fqn>.<key>`, and the optimizer's parameter groups and non-tensor state in
+both of `get_state_dict`'s forms (`optimizer.param_groups.<g>.<hyper>` with `.params`, and
+flattened, `optimizer.param_groups.<fqn>.<hyper>`). Sharded tensors
 (DTensor, FSDP2, any placement ckptd recorded) are offered as the global tensor with one
 chunk per saved shard, so DCP reshards them onto whatever the loading side uses. Every
-piece read is checked against its XXH3-64 checksum before it is copied. ckptd.torch's
-train state (RNG, LR scheduler, extra state) is its own encoding and is not offered: load
-it with CheckpointManager.
+piece read is checked against its XXH3-64 checksum before it is copied. The rest of
+ckptd.torch's train state (RNG, LR scheduler, extra state) is not offered: load it with
+CheckpointManager.
+
+DCP interoperability needs PyTorch 2 (its torch.distributed.checkpoint); ckptd.torch itself
+also runs on 1.13.
 """
+import io
 import json
 import math
 import os
-
+import pickle
 
 import torch
+
+if int(torch.__version__.split(".")[0]) < 2:
+    raise ImportError(f"ckptd.dcp needs PyTorch 2 (torch.distributed.checkpoint as it is there); "
+                      f"this is PyTorch {torch.__version__}. ckptd.torch works without it.")
+
 from torch.futures import Future
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptd._native import open_store, xxh3_64
 from ckptd._state_dict import _DTYPES as _TORCH_NAMES
+from ckptd._train_state import _from_bytes, _plain_loads
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
 
@@ -93,6 +108,19 @@ def dcp_key(name):
     return "optimizer.state." + name[len("optim."):] if name.startswith("optim.") else name
 
 
+def _dcp_keys(name, aliases_of):
+    """Every DCP key a ckptd tensor is offered under: model tensors at the top (torchtitan)
+    and under "model." (get_state_dict's {"model": ...}), each under its tied names too."""
+    if name.startswith("optim."):
+        return [dcp_key(name)]
+    names = [name] + aliases_of.get(name, [])
+    return names + ["model." + n for n in names]
+
+
+# A checkpoint's alias table is data from a file: bounded like the one ckptd.torch writes.
+_MAX_ALIASES = 1024
+
+
 class CkptdStorageReader(StorageReader):
     """Reads one committed ckptd step: `path` is its directory (`<root>/<job>/step-NNNNNNNN`)."""
 
@@ -128,11 +156,12 @@ class CkptdStorageReader(StorageReader):
             raise ValueError(f"{manifest_path}: not a ckptd manifest of a version this reader knows")
         state = {}
         self._pieces = {}
+        aliases_of = _aliases_of(manifest, manifest_path)
         for name, tensor in sorted(manifest["tensors"].items()):
             dtype = _DTYPES.get(tensor["dtype"])
             if dtype is None:
                 raise ValueError(f"tensor {name}: dtype {tensor['dtype']} has no torch equivalent")
-            key = dcp_key(name)
+            keys = _dcp_keys(name, aliases_of)
             size = torch.Size(tensor["global_shape"])
             chunks, seen = [], {}
             for shard in tensor["shards"]:
@@ -153,11 +182,16 @@ class CkptdStorageReader(StorageReader):
                 seen[(offsets, shape)] = shard["checksum"]
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
                 _check_file_name(shard["file"])
-                self._pieces[MetadataIndex(key, torch.Size(offsets))] = (
-                    shard["file"], shard["data_offsets"], dtype, shape, shard.get("checksum"))
+                for key in keys:
+                    self._pieces[MetadataIndex(key, torch.Size(offsets))] = (
+                        shard["file"], shard["data_offsets"], dtype, shape, shard.get("checksum"))
             _check_tiling(name, size, list(seen))
-            state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
-                                               chunks=chunks)
+            for key in keys:
+                state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
+                                                   chunks=chunks)
+        for key, value in self._optimizer_objects(manifest).items():
+            state[key] = BytesStorageMetadata()
+            self._pieces[MetadataIndex(key)] = value  # bytes: small, and DCP hands them round
         metadata = Metadata(state_dict_metadata=state)
         metadata.storage_data = dict(self._pieces)
         return metadata
@@ -176,8 +210,13 @@ class CkptdStorageReader(StorageReader):
         by_file = {}
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
-                raise ValueError(f"{item.dest_index.fqn}: a ckptd checkpoint offers tensors only "
-                                 "(load the train state with ckptd.torch.CheckpointManager)")
+                value = self._pieces.get(MetadataIndex(item.storage_index.fqn))
+                if not isinstance(value, bytes):
+                    raise ValueError(f"{item.dest_index.fqn}: this ckptd checkpoint offers no such "
+                                     "object (its train state: load it with "
+                                     "ckptd.torch.CheckpointManager)")
+                planner.load_bytes(item, io.BytesIO(value))
+                continue
             by_file.setdefault(self._pieces[item.storage_index][0], []).append(item)
         for file_name, items in sorted(by_file.items()):
             with self._step().open(file_name) as f:
@@ -196,6 +235,62 @@ class CkptdStorageReader(StorageReader):
         done.set_result(None)
         return done
 
+    def _optimizer_objects(self, manifest):
+        """The optimizer's parameter groups and non-tensor state, as DCP stores objects
+        (torch.save bytes) under get_state_dict's keys in both its forms. From rank 0's train
+        state (every rank's groups are the same); empty for a step saved without them."""
+        blobs = self._train_state(manifest, ("optim.param_groups", "optim.param_names", "optim.other_state"))
+        if "optim.param_groups" not in blobs or "optim.param_names" not in blobs:
+            return {}
+        try:
+            groups = _from_bytes(blobs["optim.param_groups"])
+            names = _plain_loads(blobs["optim.param_names"])
+            other = _from_bytes(blobs["optim.other_state"]) if "optim.other_state" in blobs else {}
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+            raise ValueError(f"{self.path}: the optimizer's train state is not usable: {e}") from e
+        if not (isinstance(groups, list) and isinstance(names, list) and len(groups) == len(names)
+                and all(isinstance(g, dict) for g in groups) and isinstance(other, dict)):
+            raise ValueError(f"{self.path}: the optimizer's train state is not what ckptd.torch writes")
+        objects = {}
+        for g, (group, params) in enumerate(zip(groups, names)):
+            objects[f"optimizer.param_groups.{g}.params"] = list(params)
+            for hyper, value in group.items():
+                objects[f"optimizer.param_groups.{g}.{hyper}"] = value
+                for fqn in params:
+                    objects[f"optimizer.param_groups.{fqn}.{hyper}"] = value
+        for fqn, state in other.items():
+            for key, value in state.items():
+                objects[f"optimizer.state.{fqn}.{key}"] = value
+        encoded = {}
+        for key, value in objects.items():
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            encoded[key] = buffer.getvalue()
+        return encoded
+
+    def _train_state(self, manifest, names):
+        """Rank 0's train-state blobs of these names that the step has, each checked."""
+        shard = next((s for s in manifest.get("shards", []) if s.get("rank") == 0), None)
+        entries = (shard or {}).get("train_state") or {}
+        wanted = {n: entries[n] for n in names if n in entries}
+        if not wanted:
+            return {}
+        _check_file_name(shard["file"])
+        blobs = {}
+        with self._step().open(shard["file"]) as f:
+            start = self._data_region(f, shard["file"])
+            for name, entry in wanted.items():
+                lo, hi = entry["data_offsets"]
+                if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= lo + (64 << 20)):
+                    raise ValueError(f"{shard['file']}: train state {name}: bad data_offsets {[lo, hi]}")
+                f.seek(start + lo)
+                data = f.read(hi - lo)
+                if len(data) != hi - lo or entry.get("checksum") != f"xxh3:{xxh3_64(data):016x}":
+                    raise ValueError(f"{shard['file']}: train state {name} is damaged (truncated or "
+                                     "a checksum mismatch)")
+                blobs[name] = bytes(data)
+        return blobs
+
     def _data_region(self, f, file_name):
         header = f.read(8)
         if len(header) != 8:
@@ -213,6 +308,26 @@ class CkptdStorageReader(StorageReader):
             raise ValueError(f"{index.fqn} in {file_name}: checksum mismatch (damaged file); "
                              "nothing of it was copied")
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _aliases_of(manifest, where):
+    """{stored name: [its other names]} from the step's `ckptd.aliases` (tied parameters)."""
+    text = (manifest.get("metadata") or {}).get("ckptd.aliases")
+    if not text:
+        return {}
+    try:
+        aliases = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: ckptd.aliases is not JSON: {e}") from e
+    if not isinstance(aliases, dict) or len(aliases) > _MAX_ALIASES or not all(
+            isinstance(k, str) and isinstance(v, str) and v in manifest["tensors"]
+            and k not in manifest["tensors"] for k, v in aliases.items()):
+        raise ValueError(f"{where}: ckptd.aliases must map at most {_MAX_ALIASES} new names onto "
+                         "the step's tensors")
+    aliases_of = {}
+    for alias, name in sorted(aliases.items()):
+        aliases_of.setdefault(name, []).append(alias)
+    return aliases_of
 
 
 def _check_piece(name, dtype, size, offsets, shape, data_offsets):
@@ -250,46 +365,3 @@ def _check_file_name(name):
     if not (name.startswith("rank-") and name.endswith(".safetensors") and
             name[5:-12].isdigit() and len(name) == 5 + 5 + 12):
         raise ValueError(f"shard file {name!r} is not rank-NNNNN.safetensors")
-
-
-def load_into(path, model, optimizer=None, lr_scheduler=None, extra_state=None):
-    """Loads a DCP checkpoint (a directory `dcp.save` wrote) into `model` and, where the
-    checkpoint has them, `optimizer`, `lr_scheduler` and every `extra_state` object, in
-    place. Model keys may be top level (torchtitan) or under "model." (the DCP tutorials'
-    {"model": ..., "optimizer": ...}); wrapper prefixes (torch.compile, FSDP) do not matter.
-    A tensor the model has and the checkpoint lacks is an error naming it (DCP's)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict,
-                                                         set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    keys = set(FileSystemReader(path).read_metadata().state_dict_metadata)
-    has = lambda prefix: any(k == prefix or k.startswith(prefix + ".") for k in keys)
-    model_state = get_model_state_dict(model)
-    nested = not any(k in keys for k in model_state) and has("model")
-    state = {"model": model_state} if nested else dict(model_state)
-    options = None
-    if optimizer is not None and has("optimizer"):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-        # torchtitan saves optimizer state flattened: param_groups keyed by parameter name,
-        # without the per-group "params" lists the nested form has.
-        flat = not any(k.startswith("optimizer.param_groups.") and k.endswith(".params")
-                       for k in keys)
-        options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
-    if lr_scheduler is not None and has("lr_scheduler"):
-        state["lr_scheduler"] = lr_scheduler.state_dict()
-    for name, obj in (extra_state or {}).items():
-        if has(name):
-            state[name] = obj.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"] if nested else {k: state[k] for k in model_state})
-    if "optimizer" in state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
-    if "lr_scheduler" in state:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-    for name, obj in (extra_state or {}).items():
-        if name in state:
-            obj.load_state_dict(state[name])

@@ -14,6 +14,8 @@ forward pass (which may update buffers such as BatchNorm statistics), so every c
 holds the values of the moment `save()` was called.
 """
 import functools
+import itertools
+import json
 import logging
 import os
 import pickle
@@ -30,7 +32,7 @@ from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
 from ckptd._restored import Restored
-from ckptd._state_dict import (_Entry, _dtype_name, _move_to_arena, _named_parameters, _param_names,
+from ckptd._state_dict import (_aliases, _Entry, _dtype_name, _move_to_arena, _named_parameters, _param_names,
                                _persistent_buffers, _set_buffer, _set_data, _set_item)
 from ckptd._train_state import _from_bytes, _plain_loads, _to_bytes
 
@@ -123,6 +125,7 @@ class CheckpointManager:
         self._loaded = False        # load() restored (or found nothing): this run continues the job
         self._checked_run = False   # the first save looked at what the job already holds
         self._registered_where = {}  # see _where
+        self._aliases = {}          # tied parameters' other names (_state_dict._aliases)
         self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
         self._install_hooks()
@@ -403,11 +406,15 @@ class CheckpointManager:
             if match is None:
                 raise CheckpointError(f"{path}: no step in the directory's name; pass step=")
             step = int(match.group(1))
-        from torch.distributed.checkpoint.api import CheckpointException
-        from ckptd import dcp as ckptd_dcp
+        try:
+            import ckptd.dcp  # noqa: F401 - first: says when this PyTorch cannot read DCP
+            from torch.distributed.checkpoint.api import CheckpointException
+            from ckptd._from_dcp import load_into
+        except ImportError as e:
+            raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
         self.wait_staged()
         try:
-            ckptd_dcp.load_into(path, self.model, self.optimizer, self.lr_scheduler, self.extra_state)
+            load_into(path, self.model, self.optimizer, self.lr_scheduler, self.extra_state)
         except CheckpointException as e:  # a BaseException: each rank's failure inside
             # Each rank's failure is (exception, its traceback summary).
             why = "; ".join(str(f[0] if isinstance(f, tuple) else f) for f in e.failures.values())
@@ -725,6 +732,7 @@ class CheckpointManager:
         self._param_names = _param_names(self.model)
         self._optimizer_param_list = ([p for g in self.optimizer.param_groups for p in g["params"]]
                                       if self.optimizer is not None else [])
+        self._aliases = _aliases(self.model)
         self._registered = True
         self._registered_fingerprint = self._fingerprint()
         self._registered_where = self._where(self._parts(self._collect()))  # after the moves
@@ -732,7 +740,10 @@ class CheckpointManager:
     # --- train state ----------------------------------------------------------------------
 
     def _metadata(self):
-        return {"framework": "torch", "torch_version": torch.__version__}
+        metadata = {"framework": "torch", "torch_version": torch.__version__}
+        if self._aliases:  # tied parameters: every name a state dict has (docs/format.md)
+            metadata["ckptd.aliases"] = json.dumps(self._aliases, sort_keys=True)
+        return metadata
 
     def _train_state(self, step):
         state = {
@@ -747,6 +758,11 @@ class CheckpointManager:
             other = {name: {k: v for k, v in self.optimizer.state.get(p, {}).items() if not torch.is_tensor(v)}
                      for name, p in self._optimizer_params()}
             state["optim.param_groups"] = _to_bytes(groups)
+            # Which parameters each group holds, by key: what DCP's optimizer state dicts
+            # (get_state_dict) call "params", so that ckptd.dcp can offer them.
+            names = iter(name for name, _ in self._optimizer_params())
+            state["optim.param_names"] = pickle.dumps(
+                [list(itertools.islice(names, len(g["params"]))) for g in self.optimizer.param_groups])
             state["optim.other_state"] = _to_bytes({k: v for k, v in other.items() if v})
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = _to_bytes(self.lr_scheduler.state_dict())
