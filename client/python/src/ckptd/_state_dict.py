@@ -9,6 +9,7 @@ keys; dcp.py offers the same tensors to DCP and reads the dtype names back with 
 import torch
 
 from ckptd._errors import CheckpointError
+from ckptd._parts import PART_PREFIX
 
 # torch dtype -> safetensors dtype, the names ckptd stores.
 _DTYPES = {
@@ -35,7 +36,8 @@ _WRAPPER_PARTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wr
 
 
 def _checkpoint_key(model, name):
-    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+    parts = [part for part in name.split(".")
+             if part not in _WRAPPER_PARTS and not part.startswith(PART_PREFIX)]
     if parts and parts[0] == "module" and _is_ddp(model):
         parts = parts[1:]
     return ".".join(parts)
@@ -86,10 +88,17 @@ def _dtype_name(name, dtype):
 
 def _move_to_arena(client, name, dtype, part):
     """Copies `part` (a _placement.Local) into ckptd's shared memory and points its owner
-    there: same dtype and shape, and the spare elements after it that FSDP2 pads with."""
+    there: same dtype and shape, and the spare elements after it that FSDP2 pads with. A
+    piece of an FSDP1 flat shard moves its whole shard, once."""
+    if part.shard is not None:
+        part.shard.move(client, dtype)
+        return
     t = part.tensor
-    buffer = client.allocate(name, dtype, list(t.shape), part.global_shape, part.global_offset,
-                             spare_bytes=part.spare * t.element_size())
+    if part.flat:
+        buffer = client.allocate_flat(name, dtype, part.global_shape, part.flat)
+    else:
+        buffer = client.allocate(name, dtype, list(t.shape), part.global_shape, part.global_offset,
+                                 spare_bytes=part.spare * t.element_size())
     # Writable (the buffer protocol says so), so frombuffer has nothing to warn about, and no
     # warnings.catch_warnings here: with one trainer thread per rank it races (see load()).
     flat = torch.frombuffer(buffer, dtype=torch.uint8).view(t.dtype)

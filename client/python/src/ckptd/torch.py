@@ -27,7 +27,7 @@ import warnings
 import torch
 
 import ckptd
-from ckptd import _advice, _placement
+from ckptd import _advice, _fsdp1, _parts, _placement
 from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
@@ -86,13 +86,13 @@ class CheckpointManager:
         if daemon_timeout < 0:
             raise ValueError(f"daemon_timeout must be 0 or more seconds, not {daemon_timeout}")
         self.job = job
-        self.model = model
-        self.optimizer = optimizer
-        self.lr_scheduler = lr_scheduler
+        # Lists or dicts of model parts, optimizers and schedulers (pipeline stages) act as one.
+        self.model = _parts.model_of(model)
+        self.optimizer = _parts.optimizer_of(optimizer)
+        self.lr_scheduler = _parts.scheduler_of(lr_scheduler)
         self.extra_state = dict(extra_state or {})
         for name, obj in self.extra_state.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"extra_state[{name!r}] has no state_dict()/load_state_dict()")
+            _check_extra(name, obj)
         self.socket = os.fspath(socket) if socket is not None else ckptd.default_socket()
         self.interval_steps = interval_steps
         self.interval_seconds = interval_seconds
@@ -361,12 +361,17 @@ class CheckpointManager:
                 warnings.warn(f"ckptd: step {info['step']}: {len(names)} tensors {side} were "
                               f"skipped (strict=False): {', '.join(names[:8])}"
                               f"{', ...' if len(names) > 8 else ''}", stacklevel=_user_stacklevel())
+        saved_world = info["saved_world_size"]
+        resharded = None
+        if saved_world and saved_world != self.world_size:
+            resharded = {"saved_world_size": saved_world, "world_size": self.world_size, "rank": self.rank,
+                         "from_rank": self.rank if self.rank < saved_world else 0}
+            self._warn_resharded_state(info["step"], saved_world, skip_state)
         try:
-            self._apply_train_state(info["train_state"], skip_state)
+            self._apply_train_state(info["train_state"], skip_state, resharded)
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
-        saved_world = info["saved_world_size"]
         restored = Restored(info["step"], info["source"], info["bytes"],
                             saved_world if saved_world and saved_world != self.world_size else None)
         log.info("ckptd: job %r rank %d: %s", self.job, self.rank, restored.describe())
@@ -374,6 +379,27 @@ class CheckpointManager:
                          "resharded_from": restored.resharded_from}
         self._run = info["step"]
         return restored
+
+    def _warn_resharded_state(self, step, saved_world, skip_state):
+        """On another world size, ranks the save did not have get rank 0's train state: a
+        dataloader or sampler would then read rank 0's share of the data. Said once (rank 0),
+        naming the objects and the ranks, unless each object decides for itself."""
+        blind = [name for name, obj in self.extra_state.items()
+                 if not torch.is_tensor(obj) and not hasattr(obj, "reshard_state_dict")
+                 and f"extra.{name}" not in skip_state]
+        if self.rank != 0 or not blind:
+            return
+        if self.world_size > saved_world:
+            who = (f"ranks {saved_world}-{self.world_size - 1} get rank 0's" if self.world_size - saved_world > 1
+                   else f"rank {saved_world} gets rank 0's")
+        else:
+            who = f"the state of ranks {self.world_size}-{saved_world - 1} is not loaded by any rank"
+        warnings.warn(
+            f"ckptd: step {step} was saved by {saved_world} ranks and is loaded by {self.world_size}: "
+            f"{who} extra_state {', '.join(map(repr, blind))}. Give such an object a "
+            "reshard_state_dict(state, saved_world_size, world_size, rank, from_rank) method that "
+            "returns the state to load, or leave it out with exclude_from_loading.",
+            stacklevel=_user_stacklevel())
 
     def _selection(self, exclude):
         """Maps `load(exclude=...)` keys onto ckptd's tensor selection: (include patterns,
@@ -391,6 +417,8 @@ class CheckpointManager:
                 skip_state.append("rng")
             elif key in self.extra_state:
                 skip_state.append(f"extra.{key}")
+                if torch.is_tensor(self.extra_state[key]):
+                    patterns.append(f"extra.{key}")
             elif isinstance(key, str) and key:
                 patterns.append(key)
             else:
@@ -406,6 +434,9 @@ class CheckpointManager:
             if match is None:
                 raise CheckpointError(f"{path}: no step in the directory's name; pass step=")
             step = int(match.group(1))
+        if isinstance(self.model, _parts.ModelParts):
+            raise CheckpointError("load(from_dcp=) takes one model: with several model parts, "
+                                  "load the DCP checkpoint with a manager per part")
         try:
             import ckptd.dcp  # noqa: F401 - first: says when this PyTorch cannot read DCP
             from torch.distributed.checkpoint.api import CheckpointException
@@ -444,16 +475,20 @@ class CheckpointManager:
             raise CheckpointError(f"weights of step {step} not saved: {e}") from e
         try:
             fsdp_params = _placement.fsdp2_params(self.model)
-            tensors = [(n, p) for n, p in _named_parameters(self.model)]
-            tensors += [(n, m._buffers[leaf]) for n, m, leaf in _persistent_buffers(self.model)]
-            for key, tensor in tensors:
-                part = _placement.local_part(key, tensor, None, fsdp_params, CheckpointError)
+            tensors = [_Entry(n, p, None) for n, p in _named_parameters(self.model)]
+            tensors += [_Entry(n, m._buffers[leaf], None) for n, m, leaf in _persistent_buffers(self.model)]
+            for e, part in _fsdp1.split(self.model, None, tensors, CheckpointError):
+                key = e.name
+                part = part or _placement.local_part(key, e.tensor, None, fsdp_params, CheckpointError)
                 source = part.tensor
                 if source.numel() == 0:
                     continue
                 out = dtype if dtype is not None and source.is_floating_point() else source.dtype
-                buffer = client.allocate(key, _dtype_name(key, out), list(source.shape), part.global_shape,
-                                         part.global_offset)
+                if part.flat:  # a piece of an FSDP1 flat parameter
+                    buffer = client.allocate_flat(key, _dtype_name(key, out), part.global_shape, part.flat)
+                else:
+                    buffer = client.allocate(key, _dtype_name(key, out), list(source.shape), part.global_shape,
+                                             part.global_offset)
                 target = torch.frombuffer(buffer, dtype=torch.uint8).view(out).view(source.shape)
                 with torch.no_grad():
                     target.copy_(source)
@@ -620,6 +655,8 @@ class CheckpointManager:
             if id(b) not in seen:
                 seen.add(id(b))
                 entries.append(_Entry(name, b, functools.partial(_set_buffer, module, leaf)))
+        for name, t in self._extra_tensors():
+            entries.append(_Entry(f"extra.{name}", t, functools.partial(_set_data, t)))
         if self.optimizer is not None:
             for owner, p in self._optimizer_params(_param_names(self.model)):
                 state = self.optimizer.state.get(p, {})
@@ -635,6 +672,7 @@ class CheckpointManager:
         It changes when tensors appear (optimizer state after the first step) or move
         (`optimizer.load_state_dict`, `model.to(...)`, a replaced `.data`)."""
         addresses = [(_placement.storage_address(t), t.shape) for t in self._slots_model()]
+        addresses += [(_placement.storage_address(t), t.shape) for _, t in self._extra_tensors()]
         if self.optimizer is not None:
             state = self.optimizer.state
             for p in self._optimizer_param_list:
@@ -642,6 +680,11 @@ class CheckpointManager:
                     if torch.is_tensor(value):
                         addresses.append((_placement.storage_address(value), value.shape))
         return addresses
+
+    def _extra_tensors(self):
+        """extra_state values that are tensors: registered like parameters (any size, in
+        shared memory), not pickled into the train state."""
+        return [(name, obj) for name, obj in self.extra_state.items() if torch.is_tensor(obj)]
 
     def _slots_model(self):
         for p in self._model_params:
@@ -686,10 +729,11 @@ class CheckpointManager:
         self._note_registered()
 
     def _parts(self, entries):
-        """Each entry with its local part (what this rank registers of it), in order."""
+        """Each entry with its local part (what this rank registers of it), in order; an FSDP1
+        FlatParameter and its optimizer state become one entry per original parameter."""
         fsdp_params = _placement.fsdp2_params(self.model)
-        return [(e, _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError))
-                for e in entries]
+        return [(e, part or _placement.local_part(e.name, e.tensor, e.replace, fsdp_params, CheckpointError))
+                for e, part in _fsdp1.split(self.model, self.optimizer, entries, CheckpointError)]
 
     @staticmethod
     def _where(parts):
@@ -767,10 +811,11 @@ class CheckpointManager:
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = _to_bytes(self.lr_scheduler.state_dict())
         for name, obj in self.extra_state.items():
-            state[f"extra.{name}"] = _to_bytes(obj.state_dict())
+            if not torch.is_tensor(obj):
+                state[f"extra.{name}"] = _to_bytes(obj.state_dict() if hasattr(obj, "state_dict") else obj)
         return state
 
-    def _apply_train_state(self, state, skip=()):
+    def _apply_train_state(self, state, skip=(), resharded=None):
         """Applies the saved train state, except the entries under a prefix in `skip`
         ("optim", "lr_scheduler", "rng", "extra.<name>": what load(exclude=) leaves alone)."""
         state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in skip)}
@@ -797,11 +842,14 @@ class CheckpointManager:
             self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
         for name, obj in self.extra_state.items():
             key = f"extra.{name}"
-            if key in skipped:
+            if key in skipped or torch.is_tensor(obj):  # a tensor came back with the tensors
                 continue
             if key not in state:
                 raise CheckpointError(f"the checkpoint has no extra_state[{name!r}]")
-            obj.load_state_dict(_from_bytes(state[key]))
+            value = _from_bytes(state[key])
+            if resharded is not None and hasattr(obj, "reshard_state_dict"):
+                value = obj.reshard_state_dict(value, **resharded)
+            _load_extra(name, obj, value)
 
     def _optimizer_params(self, names=None):
         """(name, parameter) for every optimizer parameter: its name in the model, else
@@ -852,19 +900,48 @@ class CheckpointManager:
 
     def _install_hooks(self):
         """Nothing may change a registered tensor before ckptd has copied it."""
-        self.model.register_forward_pre_hook(lambda module, inputs: self.wait_staged())
-        if self.optimizer is None:
-            self._original_step = None
-            return
-        step = self.optimizer.step
-        self._original_step = step
-        if hasattr(self.optimizer, "register_step_pre_hook"):  # PyTorch >= 2.0
-            self.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_staged())
-            return
+        for module in _parts.modules(self.model):
+            module.register_forward_pre_hook(lambda module, inputs: self.wait_staged())
+        steps = [self._hook_step(o) for o in _parts.optimizers(self.optimizer)]
+        # The optimizers' steps without the wait (_create_optimizer_state runs them).
+        self._original_step = (lambda: [step() for step in steps]) if steps else None
+
+    def _hook_step(self, optimizer):
+        """Makes `optimizer.step` wait for the latest snapshot's copy; returns its own step."""
+        step = optimizer.step
+        if hasattr(optimizer, "register_step_pre_hook"):  # PyTorch >= 2.0
+            optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_staged())
+            return step
 
         @functools.wraps(step)  # keeps the LR scheduler's step counter attributes
         def step_after_staged(*args, **kwargs):
             self.wait_staged()
             return step(*args, **kwargs)
 
-        self.optimizer.step = step_after_staged
+        optimizer.step = step_after_staged
+        return step
+
+
+def _check_extra(name, obj):
+    """What extra_state may hold: an object with state_dict()/load_state_dict(), a tensor
+    (registered like a parameter), or a dict or list (its contents restored in place)."""
+    if torch.is_tensor(obj) or isinstance(obj, (dict, list)):
+        return
+    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+        raise TypeError(f"extra_state[{name!r}] is a {type(obj).__name__}: pass an object with "
+                        "state_dict()/load_state_dict(), a tensor, or a dict or list (restored in "
+                        "place); a number or string cannot be restored in place: wrap it in a dict")
+
+
+def _load_extra(name, obj, value):
+    if isinstance(obj, dict):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"extra_state[{name!r}]: the checkpoint holds a {type(value).__name__}, not a dict")
+        obj.clear()
+        obj.update(value)
+    elif isinstance(obj, list):
+        if not isinstance(value, list):
+            raise CheckpointError(f"extra_state[{name!r}]: the checkpoint holds a {type(value).__name__}, not a list")
+        obj[:] = value
+    else:
+        obj.load_state_dict(value)

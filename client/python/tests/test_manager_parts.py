@@ -1,0 +1,159 @@
+"""What the reference checkpointers' users register that is not one model and one optimizer
+(issue 21 item 7): pipeline stages with an optimizer and scheduler each (torchtitan's
+model_parts, AReaL's lists), named parts, plain values in extra_state (a tensor of any size,
+a dict, a list), and train state on another world size (dataloaders). Real ckptd, both
+PyTorch lines."""
+import threading
+import warnings
+
+import pytest
+import torch
+
+from ckptd.torch import CheckpointManager
+
+
+def stages(seed=0):
+    torch.manual_seed(seed)
+    parts = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()),
+             torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
+             torch.nn.Sequential(torch.nn.Linear(8, 2))]
+    # Pipeline stages name their layers apart, as torchtitan's do.
+    for i, part in enumerate(parts):
+        part.add_module(f"stage{i}", part[0])
+        del part._modules["0"]
+    optimizers = [torch.optim.AdamW(p.parameters(), lr=1e-2) for p in parts]
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in optimizers]
+    return parts, optimizers, schedulers
+
+
+def train(parts, optimizers, schedulers, steps, seed=1):
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(3, 4)
+        for part in parts:
+            x = part(x)
+        x.square().mean().backward()
+        for o, s in zip(optimizers, schedulers):
+            o.step()
+            o.zero_grad()
+            s.step()
+
+
+def weights(parts):
+    return [t.clone() for p in parts for t in p.state_dict().values()]
+
+
+def same(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_pipeline_stages_with_their_optimizers_and_schedulers_resume_bit_exactly(daemon):
+    parts, optimizers, schedulers = stages()
+    train(parts, optimizers, schedulers, 3)
+    with CheckpointManager("pp", parts, optimizers, schedulers, socket=daemon.socket) as manager:
+        manager.save(3, blocking=True)
+    train(parts, optimizers, schedulers, 2, seed=2)  # the run that never stopped
+
+    fresh, fresh_optimizers, fresh_schedulers = stages(seed=9)
+    with CheckpointManager("pp", fresh, fresh_optimizers, fresh_schedulers, socket=daemon.socket) as manager:
+        assert manager.load() == 3
+        assert [s.last_epoch for s in fresh_schedulers] == [3, 3, 3]
+        keys = [e.name for e in manager._collect()]
+        train(fresh, fresh_optimizers, fresh_schedulers, 2, seed=2)
+    assert same(weights(fresh), weights(parts))
+    # Keys are the stages' own, merged, as torchtitan keeps them.
+    assert "stage0.weight" in keys and "stage2.bias" in keys and "optim.stage1.weight.exp_avg" in keys
+
+
+def test_named_parts_keep_their_keys_apart(daemon):
+    torch.manual_seed(0)
+    encoder, decoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)  # the same names inside
+    with CheckpointManager("named", {"encoder": encoder, "decoder": decoder}, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)
+        names = [e.name for e in manager._collect()]
+    assert {"encoder.weight", "decoder.weight"} <= set(names)
+    fresh = {"encoder": torch.nn.Linear(4, 4), "decoder": torch.nn.Linear(4, 4)}
+    with CheckpointManager("named", fresh, socket=daemon.socket) as manager:
+        assert manager.load() == 1
+    assert torch.equal(fresh["decoder"].weight, decoder.weight)
+
+
+def test_parts_whose_keys_collide_are_refused_by_name():
+    with pytest.raises(ValueError, match="model parts 0 and 1 both have 'weight': pass a dict"):
+        CheckpointManager("clash", [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], socket="/nonexistent")
+
+
+def test_plain_values_in_extra_state_come_back_in_place(daemon):
+    model = torch.nn.Linear(2, 2)
+    id_map = torch.arange(1 << 20, dtype=torch.int64)  # 8 MiB: far past a command's 256 KiB
+    history = {"loss": [3.0, 2.5, 2.1]}
+    seen = [1, 2, 3]
+    extra = {"id_map": id_map, "history": history, "seen": seen}
+    with CheckpointManager("plain", model, extra_state=extra, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)
+    id_map.zero_()
+    history["loss"].append(9.9)
+    seen.clear()
+    with CheckpointManager("plain", model, extra_state=extra, socket=daemon.socket) as manager:
+        assert manager.load() == 1
+    assert torch.equal(id_map, torch.arange(1 << 20, dtype=torch.int64))
+    assert history == {"loss": [3.0, 2.5, 2.1]} and seen == [1, 2, 3]
+    with pytest.raises(TypeError, match=r"extra_state\['epoch'\] is a int: .* wrap it in a dict"):
+        CheckpointManager("plain", model, extra_state={"epoch": 3}, socket=daemon.socket)
+
+
+class Loader:
+    """A dataloader's position; `reshard` chooses whether it decides for itself."""
+
+    def __init__(self, position, reshard=False):
+        self.position = position
+        self.calls = []
+        if reshard:
+            self.reshard_state_dict = self._reshard
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+    def _reshard(self, state, **where):
+        self.calls.append(where)
+        return {"position": state["position"] * where["saved_world_size"] // where["world_size"]}
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["warned", "hook"])
+def test_train_state_on_another_world_size_is_said_or_decided_by_the_object(daemon, hook):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    with CheckpointManager("dl", model, extra_state={"loader": Loader(100)}, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)  # one rank
+
+    loaders, errors = {}, []
+
+    def rank(r):
+        try:
+            loaders[r] = Loader(0, reshard=hook)
+            with CheckpointManager("dl", torch.nn.Linear(2, 2), extra_state={"loader": loaders[r]},
+                                   socket=daemon.socket, rank=r, world_size=2) as m:
+                m.load()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    # One catch for both rank threads: catch_warnings swaps process-wide state.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert not errors, errors
+    said = [str(w.message) for w in seen if "was saved by 1 ranks" in str(w.message)]
+    if hook:
+        assert said == []
+        assert loaders[1].calls == [{"saved_world_size": 1, "world_size": 2, "rank": 1, "from_rank": 0}]
+        assert loaders[1].position == 50
+    else:
+        assert len(said) == 1 and "rank 1 gets rank 0's extra_state 'loader'" in said[0]  # once
+        assert loaders[1].position == 100
