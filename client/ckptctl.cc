@@ -252,19 +252,20 @@ class Ctl {
                                           [](const auto& c) { return !c.error().empty(); });
       return unreadable || !r.errors().empty() ? 3 : 0;  // the same exit code as the table's
     }
-    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "WHERE"});
+    ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "WHERE", "KIND"});
     std::vector<std::string> errors;
     for (const auto& c : r.checkpoints()) {
       if (!c.error().empty()) {
         t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)",
-               fmt::format("{}", fmt::join(c.tiers(), ","))});
+               fmt::format("{}", fmt::join(c.tiers(), ",")), "?"});
         errors.push_back(fmt::format("step {} of job {}: {}", c.step(), c.job(), c.error()));
         continue;
       }
       t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()),
              std::to_string(c.tensors()), Bytes(c.bytes()),
              fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time()))),
-             fmt::format("{}", fmt::join(c.tiers(), ","))});
+             fmt::format("{}", fmt::join(c.tiers(), ",")),
+             c.flags().empty() ? "full" : fmt::format("{}", fmt::join(c.flags(), ","))});
     }
     std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());
     for (const std::string& e : errors) std::cout << "  " << e << "\n";

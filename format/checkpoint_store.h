@@ -112,6 +112,9 @@ struct CheckpointSummary {
   uint32_t tensors = 0;
   uint64_t bytes = 0;
   double unix_time = 0;
+  // What kind of step it is, from its metadata: "ephemeral" (kept only until a newer step
+  // commits), "weights-only" (model weights, no optimizer or train state).
+  std::vector<std::string> flags;
   std::string error;  // its manifest cannot be read: why (the other fields are then unknown)
 };
 

@@ -16,6 +16,7 @@ inline void ToProto(const format::CheckpointSummary& c, ::ckptd::v1::CheckpointI
   info->set_bytes(c.bytes);
   info->set_unix_time(c.unix_time);
   info->set_tensors(c.tensors);
+  for (const std::string& flag : c.flags) info->add_flags(flag);
   info->set_error(c.error);
 }
 

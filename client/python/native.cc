@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 
+#include "client/checkpoint_list.h"
 #include "client/ckpt_client.h"
 #include "storage/filesystem.h"
 #include "storage/open_store.h"
@@ -218,6 +219,30 @@ class PyClient {
   std::shared_ptr<ckpt::Client> client_;
 };
 
+py::tuple ListCheckpoints(const std::string& socket, const std::string& job) {
+  absl::StatusOr<ckpt::CheckpointList> listed;
+  {
+    py::gil_scoped_release unlocked;
+    listed = ckpt::ListCheckpoints(socket, job);
+  }
+  ckpt::CheckpointList list = ValueOr(std::move(listed));
+  py::list out;
+  for (const ckpt::CheckpointListing& c : list.checkpoints) {
+    py::dict d;
+    d["job"] = c.job;
+    d["step"] = c.step;
+    d["world_size"] = c.world_size;
+    d["tensors"] = c.tensors;
+    d["bytes"] = c.bytes;
+    d["unix_time"] = c.unix_time;
+    d["tiers"] = c.tiers;
+    d["flags"] = c.flags;
+    d["error"] = c.error;
+    out.append(d);
+  }
+  return py::make_tuple(out, list.errors);
+}
+
 PyClient Connect(const std::string& socket, const std::string& job, uint32_t rank,
                  uint32_t world_size, size_t arena_bytes, double rpc_timeout_s,
                  const std::string& cuda_transport, uint32_t keep_last, bool huge_pages, bool copy_on_write,
@@ -396,6 +421,9 @@ PYBIND11_MODULE(_native, m) {
     py::gil_scoped_release unlocked;
     return XXH3_64bits(info.ptr, static_cast<size_t>(info.size * info.itemsize));
   }, py::arg("data"), "XXH3-64 of a buffer's bytes");
+  m.def("list_checkpoints", &ListCheckpoints, py::arg("socket"), py::arg("job") = "",
+        "The committed checkpoints of `job` (every job when empty) that the ckptd at `socket` "
+        "holds: (list of dicts, errors naming tiers that could not be listed).");
   m.def("connect", &Connect, py::arg("socket"), py::arg("job"), py::arg("rank") = 0,
         py::arg("world_size") = 1, py::arg("arena_bytes") = size_t{64} << 20,
         py::arg("rpc_timeout") = 30.0, py::arg("cuda_transport") = "ipc", py::arg("keep_last") = 0,

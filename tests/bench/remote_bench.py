@@ -300,8 +300,8 @@ def reshard_from_remote(ckptd, reshard, work, remote, total, layout):
 
 def remote_steps(ckptctl, bucket_url, job):
     listed = subprocess.run([ckptctl, "--job", job, "list", "--root", bucket_url], capture_output=True, text=True)
-    rows = [line.split() for line in listed.stdout.splitlines()]  # JOB STEP ... WHERE
-    return {int(row[1]) for row in rows if row and row[0] == job and "remote" in row[-1]}
+    rows = [line.split() for line in listed.stdout.splitlines()]  # JOB STEP ... WHERE KIND
+    return {int(row[1]) for row in rows if row and row[0] == job and "remote" in row[-2]}  # WHERE, then KIND
 
 
 def pin_services(ceph):

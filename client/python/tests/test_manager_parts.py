@@ -157,3 +157,22 @@ def test_train_state_on_another_world_size_is_said_or_decided_by_the_object(daem
     else:
         assert len(said) == 1 and "rank 1 gets rank 0's extra_state 'loader'" in said[0]  # once
         assert loaders[1].position == 100
+
+
+def test_list_checkpoints_shows_each_step_with_its_tiers_size_and_kind(daemon):
+    model = torch.nn.Linear(4, 4)
+    with CheckpointManager("listed", model, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)
+        manager.save(2, blocking=True, ephemeral=True)
+        manager.save_weights(3, dtype=torch.bfloat16)
+        steps = manager.list_checkpoints()
+        weights = manager.list_checkpoints("listed-weights")
+    assert [(c["step"], c["flags"]) for c in steps] == [(1, []), (2, ["ephemeral"])]
+    assert all("local" in c["tiers"] and c["bytes"] >= 64 and c["world_size"] == 1 for c in steps)
+    assert "memory" in steps[-1]["tiers"]
+    assert [(c["step"], c["flags"]) for c in weights] == [(3, ["weights-only"])]
+    # ckptctl shows the same kinds.
+    import subprocess
+    from conftest import CKPTCTL
+    table = subprocess.run([CKPTCTL, "--socket", daemon.socket, "list"], capture_output=True, text=True).stdout
+    assert "KIND" in table and "ephemeral" in table and "weights-only" in table and "full" in table

@@ -386,8 +386,8 @@ def remote_steps(bucket, job):
     """The steps `ckptctl list` shows in the remote tier for `job`."""
     listed = subprocess.run([CKPTCTL, "--job", job, "list", "--root", bucket], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
-    rows = [line.split() for line in listed.stdout.splitlines()]  # JOB STEP ... WHERE
-    return {int(row[1]) for row in rows if row and row[0] == job and "remote" in row[-1]}
+    rows = [line.split() for line in listed.stdout.splitlines()]  # JOB STEP ... WHERE KIND
+    return {int(row[1]) for row in rows if row and row[0] == job and "remote" in row[-2]}  # WHERE, then KIND
 
 
 def test_a_job_chooses_which_of_its_steps_go_to_the_bucket(bucket, workdir):

@@ -5,9 +5,10 @@ underlying client (the C++ client, bound with pybind11) for other frameworks.
 """
 import os
 
-from ._native import ArenaBuffer, Client, Error, Unavailable, connect
+from ._native import ArenaBuffer, Client, Error, Unavailable, connect, list_checkpoints
 
-__all__ = ["ArenaBuffer", "Client", "Error", "Unavailable", "connect", "default_socket"]
+__all__ = ["ArenaBuffer", "Client", "Error", "Unavailable", "connect", "default_socket",
+           "list_checkpoints"]
 __version__ = "0.1.0"
 
 

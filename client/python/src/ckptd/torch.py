@@ -457,6 +457,20 @@ class CheckpointManager:
         self._loaded = True
         return step
 
+    def list_checkpoints(self, job=None):
+        """This job's committed checkpoints (or `job`'s, e.g. "<job>-weights") that the node's
+        ckptd holds, oldest first: dicts with "step", "tiers" (of "memory", "local",
+        "remote"), "bytes", "world_size", "tensors", "unix_time", "flags" ("ephemeral",
+        "weights-only"; none for a full checkpoint) and "error" (a step whose manifest
+        cannot be read says why). A tier that cannot be listed is a warning naming it."""
+        try:
+            listed, errors = ckptd.list_checkpoints(self.socket, job or self.job)
+        except ckptd.Error as e:
+            raise CheckpointError(f"cannot list the checkpoints of job {job or self.job!r}: {e}") from e
+        for error in errors:
+            warnings.warn(f"ckptd: {error}", stacklevel=_user_stacklevel())
+        return listed
+
     def save_weights(self, step, dtype=None, job=None):
         """A weights-only checkpoint: the model's parameters and persistent buffers (no
         optimizer, no train state), every floating-point tensor converted to `dtype` (for
