@@ -17,7 +17,8 @@ case $flavour in
   # Nor what needs `transformers` (the virtual environment's).
   debian) python=/usr/bin/python3; extra=(--ignore=client/python/tests/test_torch2.py
                                           --ignore=client/python/tests/test_user_view.py
-                                          --ignore=client/python/tests/test_dcp_real_models.py) ;;
+                                          --ignore=client/python/tests/test_dcp_real_models.py
+                                          --ignore=client/python/tests/test_docs_python.py) ;;
   torch2)
     python=${CKPTD_PYTHON:-}
     if [ -z "$python" ] || [ ! -x "$python" ]; then
