@@ -162,3 +162,28 @@ def test_from_dcp_that_holds_no_model_key_says_what_it_tried_and_what_is_there(d
     assert "'transformer.wte.weight'" in message         # what the model wants
     assert "'model.'" in message and "'app.model.'" in message  # the prefixes tried
     assert "weights.encoder.w" in message                # what the checkpoint holds
+
+
+def test_a_hugging_face_folder_warm_starts_a_model_in_its_own_dtype(daemon, workdir):
+    """load(from_hf=): what ckptctl export writes (BF16 here), or a hub download, into an FP32
+    model; model only, tied weights filled once; then the job saves to ckptd as usual."""
+    model, optimizer = gpt2()
+    train(model, optimizer, 2)
+    folder = os.path.join(workdir, "hf")
+    model.to(torch.bfloat16).save_pretrained(folder)  # what a hub holds: BF16, lm_head tied
+    model.to(torch.float32)
+    fresh, fresh_optimizer = gpt2(seed=9)
+    with CheckpointManager("warm", fresh, fresh_optimizer, socket=daemon.socket) as manager:
+        start = manager.load(from_hf=folder)
+        assert start == 0 and start.source == "hf"
+        manager.save(1, blocking=True)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor.to(torch.bfloat16).to(torch.float32)), name
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+    # Names that differ are mapped with the export's rules; unknown ones are named.
+    other = torch.nn.Linear(32, 32)
+    with CheckpointManager("warm2", other, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"2 of the model's tensors are not in it \(bias, weight\).*rename="):
+            manager.load(from_hf=folder)
+        manager.load(from_hf=folder, rename={"transformer.h.0.attn.c_proj.*": "*", "*": ""})
+    assert torch.equal(other.bias, model.transformer.h[0].attn.c_proj.bias.to(torch.bfloat16).float())

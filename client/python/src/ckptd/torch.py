@@ -290,7 +290,8 @@ class CheckpointManager:
         except ckptd.Error as e:
             self._lost(e)
 
-    def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True):
+    def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True,
+             from_hf=None, rename=None):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -318,6 +319,8 @@ class CheckpointManager:
         self._check_open()
         if from_dcp is not None:
             return self._load_from_dcp(os.fspath(from_dcp), step)
+        if from_hf is not None:
+            return self._load_from_hf(os.fspath(from_hf), rename, strict)
         exclude = self.exclude_from_loading if exclude is None else list(exclude)
         include, patterns, skip_state = self._selection(exclude)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
@@ -470,6 +473,57 @@ class CheckpointManager:
         for error in errors:
             warnings.warn(f"ckptd: {error}", stacklevel=_user_stacklevel())
         return listed
+
+    def _load_from_hf(self, path, rename, strict):
+        """A warm start: the model's weights from a Hugging Face folder (what `ckptctl export`
+        writes, or a hub download), each cast to its parameter's dtype; the optimizer and the
+        rest of the train state are left as they are (there are none in such a folder)."""
+        from ckptd import _from_hf
+        rules = dict(rename or {})
+        _from_hf.check_rules(rules)
+        self.wait_staged()
+        tensors = _from_hf.read_folder(path)
+        wanted = dict(_named_parameters(self.model))
+        for name, module, leaf in _persistent_buffers(self.model):
+            wanted.setdefault(name, module._buffers[leaf])
+        aliases = _aliases(self.model)  # a tied name fills the one tensor behind both
+        loaded, unexpected, nbytes = set(), [], 0
+        for name, tensor in sorted(tensors.items()):
+            key = _from_hf.rename(name, rules)
+            if key is None:
+                continue
+            key = aliases.get(key, key)
+            if key not in wanted:
+                unexpected.append(name)
+                continue
+            target = wanted[key]
+            if _placement.is_dtensor(target):
+                raise CheckpointError(f"load(from_hf={path!r}): {key} is sharded (DTensor, FSDP): "
+                                      "load the weights before sharding the model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"load(from_hf={path!r}): {name} is {list(tensor.shape)} in the "
+                                      f"folder, {key} is {list(target.shape)} in the model")
+            with torch.no_grad():
+                target.copy_(tensor)  # cast to the parameter's dtype
+            loaded.add(key)
+            nbytes += target.numel() * target.element_size()
+        missing = sorted(set(wanted) - loaded)
+        if missing or unexpected:
+            what = "; ".join(part for part in (
+                f"{len(missing)} of the model's tensors are not in it ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''})" if missing else "",
+                f"{len(unexpected)} of its tensors are not in the model ({', '.join(unexpected[:5])}"
+                f"{', ...' if len(unexpected) > 5 else ''})" if unexpected else "") if part)
+            if strict:
+                raise CheckpointError(f"load(from_hf={path!r}): {what}. What to do: rename=... maps "
+                                      "the folder's names onto the model's (as ckptctl export "
+                                      "--rename), or strict=False loads what matches")
+            warnings.warn(f"ckptd: load(from_hf={path!r}) (strict=False): {what}", stacklevel=_user_stacklevel())
+        restored = Restored(0, "hf", nbytes)
+        log.info("ckptd: job %r rank %d: loaded %d tensors (%d bytes) from the Hugging Face folder %s",
+                 self.job, self.rank, len(loaded), nbytes, path)
+        self.restored = {"step": 0, "source": "hf", "bytes": nbytes, "resharded_from": None}
+        return restored
 
     def save_weights(self, step, dtype=None, job=None):
         """A weights-only checkpoint: the model's parameters and persistent buffers (no
