@@ -88,6 +88,19 @@ std::vector<char> Unique(size_t n, uint64_t seed) {
   return v;
 }
 
+// The test cluster's gateway behind a proxy the test controls (faults, crafted answers):
+// S3Options of a fresh prefix that reach RGW through `proxy`.
+int GatewayPort(testing::CephCluster& ceph) {
+  const std::string endpoint = ceph.Options().endpoint;  // http://127.0.0.1:PORT
+  return std::stoi(endpoint.substr(endpoint.rfind(':') + 1));
+}
+S3Options ThroughProxy(testing::CephCluster& ceph, const testing::TcpProxy& proxy) {
+  S3Options options = ceph.Options();
+  options.endpoint = "http://" + proxy.address();
+  options.prefix = ceph.FreshPrefix();
+  return options;
+}
+
 struct AlignedFree {
   void operator()(char* p) const { std::free(p); }
 };
@@ -288,11 +301,8 @@ TEST_CASE("no multipart upload is left behind: one a stop cut short is aborted, 
 
 TEST_CASE("a multipart copy cut short resumes with the parts it sent; another version starts over") {
   testing::CephCluster& ceph = testing::CephCluster::Get();
-  const std::string endpoint = ceph.Options().endpoint;
-  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
-  S3Options options = ceph.Options();
-  options.endpoint = "http://" + proxy.address();
-  options.prefix = ceph.FreshPrefix();
+  testing::TcpProxy proxy("127.0.0.1", GatewayPort(ceph));
+  S3Options options = ThroughProxy(ceph, proxy);
   options.part_bytes = 5u << 20;
   options.parallel = 2;
   options.attempts = 1;  // the outage fails the copy at once
@@ -344,11 +354,8 @@ TEST_CASE("a multipart copy cut short resumes with the parts it sent; another ve
 // what was asked: its bytes must never be taken for the object's start or size.
 TEST_CASE("an S3 object's first answer that is not its first bytes is refused, never trusted") {
   testing::CephCluster& ceph = testing::CephCluster::Get();
-  const std::string endpoint = ceph.Options().endpoint;  // http://127.0.0.1:PORT
-  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
-  S3Options options = ceph.Options();
-  options.endpoint = "http://" + proxy.address();
-  options.prefix = ceph.FreshPrefix();
+  testing::TcpProxy proxy("127.0.0.1", GatewayPort(ceph));
+  S3Options options = ThroughProxy(ceph, proxy);
   options.attempts = 1;
   auto store = MakeS3Store(options);
   REQUIRE(store.ok());
@@ -384,11 +391,8 @@ TEST_CASE("an S3 object's first answer that is not its first bytes is refused, n
 
 TEST_CASE("Cancel ends S3 requests to a gateway that stopped answering, at once") {
   testing::CephCluster& ceph = testing::CephCluster::Get();
-  const std::string endpoint = ceph.Options().endpoint;
-  testing::TcpProxy proxy("127.0.0.1", std::stoi(endpoint.substr(endpoint.rfind(':') + 1)));
-  S3Options options = ceph.Options();
-  options.endpoint = "http://" + proxy.address();
-  options.prefix = ceph.FreshPrefix();
+  testing::TcpProxy proxy("127.0.0.1", GatewayPort(ceph));
+  S3Options options = ThroughProxy(ceph, proxy);
   auto store = MakeS3Store(options);  // stall timeout 30 s, 6 attempts
   REQUIRE(store.ok());
   proxy.Cut(testing::TcpProxy::CutMode::kBlackhole);

@@ -106,3 +106,23 @@ def losses(stdout):
         if len(parts) == 4 and parts[0] == "step" and parts[2] == "loss":
             out[int(parts[1])] = parts[3]
     return out
+
+
+def ranks_in_threads(rank, world, timeout=120):
+    """Runs rank(r) for every r in range(world), each on a thread of its own (the ranks of one
+    job in one process), and returns what they raised (an empty list when none did)."""
+    import threading
+    errors = []
+
+    def run(r):
+        try:
+            rank(r)
+        except Exception as e:  # noqa: BLE001 - the caller reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors

@@ -3,13 +3,14 @@
 model_parts, AReaL's lists), named parts, plain values in extra_state (a tensor of any size,
 a dict, a list), and train state on another world size (dataloaders). Real ckptd, both
 PyTorch lines."""
-import threading
 import warnings
 
 import pytest
 import torch
 
 from ckptd.torch import CheckpointManager
+
+from conftest import ranks_in_threads
 
 
 def stages(seed=0):
@@ -129,25 +130,18 @@ def test_train_state_on_another_world_size_is_said_or_decided_by_the_object(daem
     with CheckpointManager("dl", model, extra_state={"loader": Loader(100)}, socket=daemon.socket) as manager:
         manager.save(1, blocking=True)  # one rank
 
-    loaders, errors = {}, []
+    loaders = {}
 
     def rank(r):
-        try:
-            loaders[r] = Loader(0, reshard=hook)
-            with CheckpointManager("dl", torch.nn.Linear(2, 2), extra_state={"loader": loaders[r]},
-                                   socket=daemon.socket, rank=r, world_size=2) as m:
-                m.load()
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        loaders[r] = Loader(0, reshard=hook)
+        with CheckpointManager("dl", torch.nn.Linear(2, 2), extra_state={"loader": loaders[r]},
+                               socket=daemon.socket, rank=r, world_size=2) as m:
+            m.load()
 
     # One catch for both rank threads: catch_warnings swaps process-wide state.
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        errors = ranks_in_threads(rank, 2)
     assert not errors, errors
     said = [str(w.message) for w in seen if "was saved by 1 ranks" in str(w.message)]
     if hook:

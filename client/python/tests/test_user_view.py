@@ -6,15 +6,16 @@ Each test runs a real ckptd and real PyTorch, with a real model where the case c
 (a GPT-2 from `transformers`, in the project's virtual environment: run on PyTorch 2 only,
 as run_pytest.sh says).
 """
-import threading
 import warnings
 
 import pytest
 import torch
+import transformers
 
 from ckptd.torch import CheckpointError, CheckpointManager, Restored
 
-import transformers
+from conftest import ranks_in_threads
+
 
 
 def gpt2(width, seed=0):
@@ -115,22 +116,15 @@ def test_load_says_what_it_restored_and_from_where(daemon):
 
 def test_a_step_loaded_on_another_world_size_says_it_was_resharded(daemon):
     saved_gpt2(daemon)  # one rank
-    results, errors = {}, []
+    results = {}
 
     def rank(r):
-        try:
-            model, optimizer = gpt2(64, seed=r + 5)
-            with CheckpointManager("gpt", model, optimizer, socket=daemon.socket, rank=r,
-                                   world_size=2) as manager:
-                results[r] = manager.load()
-        except Exception as e:  # noqa: BLE001 - the test reports it
-            errors.append(e)
+        model, optimizer = gpt2(64, seed=r + 5)
+        with CheckpointManager("gpt", model, optimizer, socket=daemon.socket, rank=r,
+                               world_size=2) as manager:
+            results[r] = manager.load()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = ranks_in_threads(rank, 2)
     assert not errors, errors
     assert [results[r].resharded_from for r in range(2)] == [1, 1]
     assert "resharded from 1 ranks" in results[0].describe()
