@@ -17,7 +17,6 @@ from ckptd.torch import CheckpointError, CheckpointManager, Restored
 from conftest import ranks_in_threads
 
 
-
 def gpt2(width, seed=0):
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_embd=width, n_layer=2, n_head=4, vocab_size=256,
