@@ -24,13 +24,18 @@ class Local:
     global tensor (empty: whole); `spare`: elements after it that are allocated with it
     but not checkpointed; `relocate(buffer)`: points the owner at `buffer` (a flat tensor of
     `tensor.numel() + spare` elements whose head holds the data) instead of the old storage.
+    A flat shard (FSDP1, _fsdp1.py) has `flat`, the ranges [begin, end) of the flattened
+    global tensor that the 1-D `tensor` holds, instead of an offset; `shard`, when set, is the
+    _fsdp1._Shard that `tensor` is a piece of, which moves into shared memory as a whole.
     """
 
-    __slots__ = ("tensor", "global_shape", "global_offset", "spare", "relocate")
+    __slots__ = ("tensor", "global_shape", "global_offset", "spare", "relocate", "flat", "shard")
 
-    def __init__(self, tensor, global_shape=(), global_offset=(), spare=0, relocate=None):
+    def __init__(self, tensor, global_shape=(), global_offset=(), spare=0, relocate=None,
+                 flat=(), shard=None):
         self.tensor, self.spare, self.relocate = tensor, spare, relocate
         self.global_shape, self.global_offset = list(global_shape), list(global_offset)
+        self.flat, self.shard = list(flat), shard
 
 
 def is_dtensor(t):
