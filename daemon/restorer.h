@@ -27,6 +27,7 @@
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/stager.h"
 #include "shm/payload.h"
+#include "storage/open_store.h"
 
 namespace ckpt::daemon {
 
@@ -86,8 +87,12 @@ class Restorer {
   absl::StatusOr<std::vector<uint64_t>> CommittedSteps(const std::string& job) {
     return store_.ListStepsInRunOrder(job);
   }
-  // The jobs with a directory on this node's disk.
+  // The jobs with a directory in this node's store, and a job's committed steps there by
+  // number (a listing, no manifest read).
   absl::StatusOr<std::vector<std::string>> Jobs() { return store_.ListJobs(); }
+  absl::StatusOr<std::vector<uint64_t>> Steps(const std::string& job) { return store_.ListSteps(job); }
+  // Whether this node's store is an object store (direct mode): listings cost requests.
+  bool StoreIsRemote() const { return storage::IsS3Url(store_.root()); }
 
  private:
   absl::StatusOr<RestoreResult> RestoreLatest(const SessionView& session, const RestoreSpec& spec,

@@ -206,8 +206,12 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
         c.tensors = static_cast<uint32_t>(manifest->tensors.size());
         c.bytes = manifest->total_bytes();
         c.unix_time = manifest->unix_time;
-        if (manifest->metadata.count("ckptd.ephemeral")) c.flags.push_back("ephemeral");
-        if (manifest->metadata.count("weights_only")) c.flags.push_back("weights-only");
+        auto says = [&](const char* key) {
+          auto it = manifest->metadata.find(key);
+          return it != manifest->metadata.end() && it->second == "1";
+        };
+        if (says("ckptd.ephemeral")) c.flags.push_back("ephemeral");
+        if (says("weights_only")) c.flags.push_back("weights-only");
       } else {
         c.error = Message(manifest.status());
       }

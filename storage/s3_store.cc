@@ -608,8 +608,10 @@ class S3Store final : public Store {
     if (std::optional<Unfinished> left = TakeUnfinished(key, version, size)) {
       MultipartUpload upload(client_, key, std::move(left->id), std::move(left->etags));
       absl::StatusOr<uint64_t> resumed = CopyParts(from, key, progress, version, upload);
-      // Gone meanwhile (aborted with its step, or by a lifecycle rule): from the start.
-      if (!absl::IsNotFound(resumed.status())) return resumed;
+      // Done, stopped, or cut short again (kept for the next try): that is the answer. Any
+      // other refusal of the resumed upload (gone meanwhile with its step or by a lifecycle
+      // rule, a part the gateway will not take): it is aborted, and the copy starts over.
+      if (resumed.ok() || absl::IsCancelled(resumed.status()) || Transient(resumed.status())) return resumed;
     }
     MultipartUpload upload(client_, key);
     CKPT_RETURN_IF_ERROR(upload.Begin());
@@ -724,6 +726,11 @@ class S3Store final : public Store {
   // Failed uploads kept for a copy to resume: one per file a step's upload has in flight.
   static constexpr size_t kMaxUnfinished = 16;
 
+  // A failure the next attempt may not meet (the gateway unreachable or overloaded after
+  // every retry, a request timed out): worth keeping the parts for. Anything the gateway
+  // refused outright is not: resuming it would fail the same way every time.
+  static bool Transient(const absl::Status& s) { return absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s); }
+
   // A multipart upload a failed copy left for the next copy of the same version to resume.
   struct Unfinished {
     std::string key;
@@ -770,7 +777,7 @@ class S3Store final : public Store {
       return upload.Complete();
     }();
     if (sent.ok()) return size;
-    if (!version.empty() && !absl::IsCancelled(sent) && !absl::IsNotFound(sent)) {
+    if (!version.empty() && Transient(sent)) {
       auto [id, etags] = upload.Release();
       if (!id.empty()) KeepUnfinished({key, std::string(version), size, std::move(id), std::move(etags)});
     }

@@ -107,7 +107,12 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     reply->set_session_id(s->id());
     reply->set_control_socket(control_socket_);
     reply->set_registered_bytes(s->registered_bytes());
-    if (absl::StatusOr<std::vector<uint64_t>> steps = restorer_.CommittedSteps(s->job()); steps.ok()) {
+    // What the job holds already (a run that saves without restoring is warned). Not in
+    // direct mode: there it would be a manifest GET per step before the trainer's answer.
+    if (absl::StatusOr<std::vector<uint64_t>> steps = restorer_.StoreIsRemote()
+                                                          ? absl::StatusOr<std::vector<uint64_t>>(std::vector<uint64_t>{})
+                                                          : restorer_.CommittedSteps(s->job());
+        steps.ok()) {
       reply->set_committed_count(steps->size());
       for (size_t i = steps->size() > kStepsInReply ? steps->size() - kStepsInReply : 0; i < steps->size(); ++i) {
         reply->add_committed_steps((*steps)[i]);
@@ -181,12 +186,16 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     for (const std::string& name : result.not_registered) reply->add_not_registered(name);
     for (const std::string& w : result.warnings) reply->add_warnings(w);
     reply->set_saved_world_size(result.saved_world_size);
-    if (!result.found) {
-      // Only jobs the caller may restore: another user's job names are not theirs to see.
+    if (!result.found && !restorer_.StoreIsRemote()) {
+      // Jobs with committed steps that the caller may see (never another user's job names),
+      // from this node's disk alone: a fresh job's first load() costs no remote request.
       if (absl::StatusOr<std::vector<std::string>> jobs = restorer_.Jobs(); jobs.ok()) {
         for (size_t i = 0; i < jobs->size() && i < kJobsLooked && reply->other_jobs_size() < kJobsInReply; ++i) {
           const std::string& other = (*jobs)[i];
-          if (other != s->job() && owners_.Check(other, caller, "see").ok()) reply->add_other_jobs(other);
+          if (other == s->job() || !owners_.VisibleTo(other, caller)) continue;
+          if (absl::StatusOr<std::vector<uint64_t>> steps = restorer_.Steps(other); steps.ok() && !steps->empty()) {
+            reply->add_other_jobs(other);
+          }
         }
       }
     }

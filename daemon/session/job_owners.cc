@@ -267,6 +267,16 @@ int JobOwners::CloseAll() {
   return closed;
 }
 
+bool JobOwners::VisibleTo(const std::string& job, const PeerIdentity& caller) {
+  if (!ValidateJobName(job).ok()) return false;
+  std::lock_guard lock(mu_);
+  if (auto it = owners_.find(job); it != owners_.end()) return Allowed(it->second, caller);
+  absl::StatusOr<std::string> text = ReadSmallFile(fs_, root_ + "/" + job + "/" + kOwnerFile);
+  if (!text.ok()) return false;
+  auto parsed = ParseOwner(*text);
+  return parsed && Allowed(Owner{parsed->first, parsed->second}, caller);
+}
+
 absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller,
                               std::string_view what) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));

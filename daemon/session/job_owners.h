@@ -64,6 +64,12 @@ class JobOwners {
   // by an older ckptd, or never registered) is open to root and the daemon's uid only.
   absl::Status Check(const std::string& job, const PeerIdentity& caller, std::string_view what);
 
+  // Whether `caller` may see that `job` exists (a misspelt job name's neighbours): from what
+  // this node knows alone, its memory and the job's local owner record, never the remote
+  // tier (a lookup must cost no request, under a lock every registration takes). A job
+  // without a readable record is visible to nobody.
+  bool VisibleTo(const std::string& job, const PeerIdentity& caller);
+
  private:
   struct Owner {
     uid_t uid = 0;

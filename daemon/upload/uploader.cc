@@ -40,18 +40,24 @@ double SecondsSince(Clock::time_point t) {
 // again (another run, or the same run after a restore that went back) never mixes with them.
 std::string ShardVersion(const format::Manifest& m, const format::ManifestShard& shard) {
   format::Checksum sum;
+  auto add = [&](const std::string& s) {
+    const uint64_t n = s.size();  // length first: no two sequences of strings hash alike
+    sum.Update(&n, sizeof n);
+    sum.Update(s.data(), s.size());
+  };
+  // Everything the file's header says, as well as its data: a step saved again with the
+  // same tensors but other metadata has another header.
   for (const auto& [name, tensor] : m.tensors) {
     for (const format::TensorShard& piece : tensor.shards) {
       if (piece.rank != shard.rank) continue;
-      sum.Update(name.data(), name.size());
-      sum.Update(piece.checksum.data(), piece.checksum.size());
+      add(name);
+      add(tensor.dtype);
+      add(fmt::format("{}|{}|{}|{}", fmt::join(piece.shape, ","), piece.begin, piece.end, piece.checksum));
     }
   }
-  for (const auto& [name, entry] : shard.train_state) {
-    sum.Update(name.data(), name.size());
-    sum.Update(entry.checksum.data(), entry.checksum.size());
-  }
-  return fmt::format("{}/{}/{}", m.run, shard.bytes, sum.Finish());
+  for (const auto& [name, entry] : shard.train_state) add(fmt::format("{}|{}|{}|{}", name, entry.begin, entry.end, entry.checksum));
+  for (const auto& [key, value] : shard.metadata) add(key + "=" + value);
+  return fmt::format("{}/{}/{}/{}", m.run, m.unix_time, shard.bytes, sum.Finish());
 }
 
 }  // namespace

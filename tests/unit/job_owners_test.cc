@@ -57,3 +57,22 @@ TEST_CASE("a job owned by another uid in the remote tier is refused, and never p
   CHECK(later.PublishRemote("new").ok());
   CHECK(bucket->Get("new/.owner", 4096).value_or("") == "{\"uid\":1001}\n");
 }
+
+TEST_CASE("who may see that a job exists: its owner, from this node's records alone") {
+  TempDir dir;
+  auto fs = ckpt::MakePosixFilesystem();
+  auto bucket = ckpt::storage::MakeLocalStore(fs, dir.path() + "/bucket");
+  REQUIRE(bucket->Put("remote-only/.owner", "{\"uid\":1001}\n").ok());
+  JobOwners owners(*fs, dir.path() + "/root", {.daemon_uid = 0, .job_gids = {}, .remote = bucket.get()});
+  REQUIRE(owners.Claim("ours", User(1001)).ok());
+  CHECK(owners.VisibleTo("ours", User(1001)));
+  CHECK_FALSE(owners.VisibleTo("ours", User(1002)));  // another user never learns the name
+  CHECK(owners.VisibleTo("ours", User(0)));
+  // Only in the remote tier: not looked up (no request under the lock registrations take).
+  CHECK_FALSE(owners.VisibleTo("remote-only", User(1001)));
+  CHECK_FALSE(owners.VisibleTo("../etc", User(0)));
+  // A record written by another daemon's run, not yet in memory, is read from disk.
+  JobOwners restarted(*fs, dir.path() + "/root", {.daemon_uid = 0, .job_gids = {}, .remote = nullptr});
+  CHECK(restarted.VisibleTo("ours", User(1001)));
+  CHECK_FALSE(restarted.VisibleTo("ours", User(1002)));
+}

@@ -151,6 +151,15 @@ def test_from_dcp_finds_the_model_under_any_prefix(daemon, workdir):
     assert same(fresh.state_dict(), model.state_dict())
 
 
+def test_from_dcp_with_two_copies_of_the_model_refuses_to_guess(daemon, workdir):
+    model, optimizer = gpt2()
+    path = os.path.join(workdir, "dcp", "step-1")
+    dcp.save({"ema": model.state_dict(), "net": model.state_dict()}, checkpoint_id=path)
+    with CheckpointManager("gpt", model, optimizer, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"under 2 prefixes equally \('ema.', 'net.'\)"):
+            manager.load(from_dcp=path)
+
+
 def test_from_dcp_that_holds_no_model_key_says_what_it_tried_and_what_is_there(daemon, workdir):
     model, optimizer = gpt2()
     path = os.path.join(workdir, "dcp", "step-1")

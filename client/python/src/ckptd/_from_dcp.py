@@ -82,7 +82,17 @@ def _model_prefix(keys, model_state):
         if counts:
             break
     if counts:
-        return max(counts, key=lambda p: (counts[p], p in _COMMON_PREFIXES, -len(p)))
+        best = max(counts.values())
+        winners = sorted(p for p, n in counts.items() if n == best)
+        common = [p for p in winners if p in _COMMON_PREFIXES]
+        if len(winners) == 1 or len(common) == 1:
+            return (common or winners)[0]
+        # Two copies of the model (an EMA beside the weights, a teacher and a student): which
+        # one is meant is not the reader's guess, and every rank must take the same.
+        raise CheckpointError(
+            f"the DCP checkpoint holds the model's keys under {len(winners)} prefixes equally "
+            f"({', '.join(repr(p) for p in winners)}): it holds several copies of the model; load the one "
+            "you mean with torch.distributed.checkpoint directly")
     example = next(iter(model_state), "?")
     tops = sorted({k.split(".")[0] for k in keys})
     shown = sorted(keys)[:5]

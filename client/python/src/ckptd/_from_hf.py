@@ -71,6 +71,8 @@ def _read_file(file):
         header = json.loads(bytes(data[8:8 + header_len]))
     except ValueError as e:
         raise CheckpointError(f"{file}: its header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: its header is not a JSON object")
     start = 8 + header_len
     tensors = {}
     for name, entry in header.items():
@@ -82,12 +84,15 @@ def _read_file(file):
             lo, hi = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: tensor {name}: a header entry safetensors cannot have ({e})") from e
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * itemsize
         if any(d < 0 for d in shape) or lo < 0 or hi - lo != nbytes or start + hi > size:
             raise CheckpointError(f"{file}: tensor {name}: shape {shape} of {entry['dtype']} does not "
                                   f"fit bytes [{lo}, {hi}) of the data")
         raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=start + lo) if nbytes \
             else torch.empty(0, dtype=torch.uint8)
+        if (start + lo) % itemsize:
+            raw = raw.clone()  # an offset the dtype cannot view in place: copied, not refused
         tensors[name] = raw.view(dtype).view(shape)
     return tensors
 

@@ -76,12 +76,12 @@ class _StateView:
 
     def __init__(self, optimizers):
         self._optimizers = optimizers
+        self._owners = {}  # id(parameter) -> its optimizer's state; rebuilt when one is missing
 
     def _owner(self, p):
-        for o in self._optimizers:
-            if any(q is p for g in o.param_groups for q in g["params"]):
-                return o.state
-        return None
+        if id(p) not in self._owners:  # a parameter added to a group since: look again
+            self._owners = {id(q): o.state for o in self._optimizers for g in o.param_groups for q in g["params"]}
+        return self._owners.get(id(p))
 
     def get(self, p, default=None):
         state = self._owner(p)

@@ -249,7 +249,9 @@ class CkptdStorageReader(StorageReader):
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
             raise ValueError(f"{self.path}: the optimizer's train state is not usable: {e}") from e
         if not (isinstance(groups, list) and isinstance(names, list) and len(groups) == len(names)
-                and all(isinstance(g, dict) for g in groups) and isinstance(other, dict)):
+                and all(isinstance(g, dict) and all(isinstance(k, str) for k in g) for g in groups)
+                and all(isinstance(n, list) and all(isinstance(f, str) for f in n) for n in names)
+                and isinstance(other, dict) and all(isinstance(v, dict) for v in other.values())):
             raise ValueError(f"{self.path}: the optimizer's train state is not what ckptd.torch writes")
         objects = {}
         for g, (group, params) in enumerate(zip(groups, names)):
@@ -319,9 +321,13 @@ def _aliases_of(manifest, where):
         aliases = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{where}: ckptd.aliases is not JSON: {e}") from e
+    # An alias names a model tensor by a name no tensor has, so it can never stand in for
+    # another key (an optimizer's, or a "model." one).
     if not isinstance(aliases, dict) or len(aliases) > _MAX_ALIASES or not all(
             isinstance(k, str) and isinstance(v, str) and v in manifest["tensors"]
-            and k not in manifest["tensors"] for k, v in aliases.items()):
+            and not v.startswith("optim.") and not k.startswith(("optim.", "optimizer.", "model."))
+            and k not in manifest["tensors"] and "model." + k not in manifest["tensors"]
+            for k, v in aliases.items()):
         raise ValueError(f"{where}: ckptd.aliases must map at most {_MAX_ALIASES} new names onto "
                          "the step's tensors")
     aliases_of = {}

@@ -40,6 +40,12 @@ __all__ = ["CheckpointManager", "CheckpointError", "Restored"]
 
 log = logging.getLogger("ckptd")
 
+# What one snapshot's metadata and train state may take (shm/layout.h kSlotPayloadBytes), and
+# the share of it that names for DCP may use (the rest is the user's).
+_MAX_PAYLOAD_BYTES = 256 << 10
+_MAX_PARAM_NAMES_BYTES = 64 << 10
+_MAX_ALIASES_BYTES = 16 << 10
+
 # How long after a failed connection the manager tries again (at the next save).
 _RECONNECT_SECONDS = 30.0
 # How long a save waits for a listening ckptd to accept the connection before training goes
@@ -126,6 +132,7 @@ class CheckpointManager:
         self._checked_run = False   # the first save looked at what the job already holds
         self._registered_where = {}  # see _where
         self._aliases = {}          # tied parameters' other names (_state_dict._aliases)
+        self._extra_checked = set()  # extra_state entries seen to read back (_extra_bytes)
         self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
         self._install_hooks()
@@ -192,7 +199,9 @@ class CheckpointManager:
             metadata = self._metadata()
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
-            ticket = self._client.snapshot(int(step), metadata, self._train_state(step))
+            train_state = self._train_state(step)
+            self._check_payload(metadata, train_state)
+            ticket = self._client.snapshot(int(step), metadata, train_state)
         except CheckpointError:
             raise  # this process's own mistake (a tensor that cannot be checkpointed)
         except ckptd.Error as e:
@@ -328,7 +337,8 @@ class CheckpointManager:
             restored = self._load(step, exclude, include, patterns, skip_state, strict)
         except BaseException:
             # A notebook re-runs the cell with a new manager: no session of this one may stand
-            # in its way, and nothing half-restored may be snapshotted by the next save.
+            # in its way. (What was restored before the failure stays in the tensors: a failed
+            # load leaves the model in no defined state; load again or rebuild it.)
             self._release()
             raise
         self._loaded = True
@@ -854,7 +864,9 @@ class CheckpointManager:
     def _metadata(self):
         metadata = {"framework": "torch", "torch_version": torch.__version__}
         if self._aliases:  # tied parameters: every name a state dict has (docs/format.md)
-            metadata["ckptd.aliases"] = json.dumps(self._aliases, sort_keys=True)
+            aliases = json.dumps(self._aliases, sort_keys=True)
+            if len(aliases) <= _MAX_ALIASES_BYTES:  # else DCP sees each tensor under one name
+                metadata["ckptd.aliases"] = aliases
         return metadata
 
     def _train_state(self, step):
@@ -872,16 +884,48 @@ class CheckpointManager:
             state["optim.param_groups"] = _to_bytes(groups)
             # Which parameters each group holds, by key: what DCP's optimizer state dicts
             # (get_state_dict) call "params", so that ckptd.dcp can offer them.
+            # Left out where it would crowd the command (a model of tens of thousands of
+            # parameters): DCP then reads the optimizer's tensors but not its groups.
             names = iter(name for name, _ in self._optimizer_params())
-            state["optim.param_names"] = pickle.dumps(
+            param_names = pickle.dumps(
                 [list(itertools.islice(names, len(g["params"]))) for g in self.optimizer.param_groups])
+            if len(param_names) <= _MAX_PARAM_NAMES_BYTES:
+                state["optim.param_names"] = param_names
             state["optim.other_state"] = _to_bytes({k: v for k, v in other.items() if v})
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = _to_bytes(self.lr_scheduler.state_dict())
         for name, obj in self.extra_state.items():
             if not torch.is_tensor(obj):
-                state[f"extra.{name}"] = _to_bytes(obj.state_dict() if hasattr(obj, "state_dict") else obj)
+                state[f"extra.{name}"] = self._extra_bytes(name, obj)
         return state
+
+    def _extra_bytes(self, name, obj):
+        """An extra_state entry as train state. The first save of each checks that it reads
+        back (as load() will read it: data only): a value that saves but can never be loaded
+        is refused now, naming it, not found out at the restart."""
+        value = obj.state_dict() if hasattr(obj, "state_dict") else obj
+        if name in self._extra_checked:
+            return _to_bytes(value)
+        try:
+            data = _to_bytes(value)
+            _from_bytes(data)
+        except Exception as e:  # what torch.save cannot write, or its weights-only reader refuses
+            raise CheckpointError(f"extra_state[{name!r}] holds something a checkpoint cannot load "
+                                  f"back as plain data ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                                  "keep to tensors, numbers, strings, lists and dicts") from e
+        self._extra_checked.add(name)
+        return data
+
+    def _check_payload(self, metadata, state):
+        """Metadata and train state travel in one command of ckptd's ring: what does not fit is
+        this process's own doing, said as such (not as ckptd being unavailable)."""
+        size = sum(len(k) + len(v) + 8 for k, v in metadata.items()) + sum(len(k) + len(v) + 8 for k, v in state.items())
+        if size > _MAX_PAYLOAD_BYTES:
+            largest = sorted(state.items(), key=lambda kv: -len(kv[1]))[:3]
+            raise CheckpointError(
+                f"the train state takes {size} bytes, more than the {_MAX_PAYLOAD_BYTES} a snapshot "
+                f"carries (largest: {', '.join(f'{k} {len(v)} bytes' for k, v in largest)}): put large "
+                "state in a tensor (extra_state={'name': tensor} is registered like a parameter)")
 
     def _apply_train_state(self, state, skip=(), resharded=None):
         """Applies the saved train state, except the entries under a prefix in `skip`
