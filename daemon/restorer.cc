@@ -18,21 +18,6 @@
 namespace ckpt::daemon {
 namespace {
 
-std::string ListSome(const std::vector<std::string>& names) { return JoinSome(names, 5); }
-
-// Why `t` cannot take a saved entry of `dtype` and `shape`, or nothing when it can. In the
-// planner's words (format/read_plan.cc), so that a restore from memory and one from storage
-// describe the same mismatch alike.
-std::optional<std::string> LayoutProblem(const RegisteredTensor& t, const std::string& dtype,
-                                         const std::vector<int64_t>& shape) {
-  if (t.dtype != dtype) return fmt::format("{}: saved as {}, wanted as {}", t.name, dtype, t.dtype);
-  if (t.shape != shape) {
-    return fmt::format("{}: shape [{}] saved, [{}] wanted", t.name, fmt::join(shape, ", "),
-                       fmt::join(t.shape, ", "));
-  }
-  return std::nullopt;
-}
-
 // Whether every registered tensor this rank saved sits where it sat when saved: then its
 // own snapshot in memory is its restore as it is.
 bool SamePlacement(const SessionView& session, const format::Manifest& manifest) {
@@ -83,11 +68,11 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
                                                 : fmt::format(" ({})", selection.Describe()));
     if (!missing.empty()) {
       message += fmt::format(" {} registered but not in the checkpoint ({});", missing.size(),
-                             ListSome(missing));
+                             JoinSome(missing, 5));
     }
     if (!unexpected.empty()) {
       message += fmt::format(" {} in the checkpoint but not registered ({});", unexpected.size(),
-                             ListSome(unexpected));
+                             JoinSome(unexpected, 5));
     }
     message.pop_back();
     // No hint here: each client names its own way out (Python's strict=False and exclude=,
@@ -105,7 +90,7 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     return absl::FailedPreconditionError(fmt::format(
         "none of the {} tensors that checkpoint step {} holds for this rank is registered "
         "(e.g. {}); nothing would be restored",
-        stored.size(), step, ListSome(stored)));
+        stored.size(), step, JoinSome(stored, 5)));
   }
   missing.resize(std::min(missing.size(), kMaxListed));
   unexpected.resize(std::min(unexpected.size(), kMaxListed));
@@ -290,18 +275,15 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
     const format::TensorEntry& e = *entries.at(t.name);
-    if (std::optional<std::string> problem = LayoutProblem(t, e.dtype, e.shape)) {
+    if (std::optional<std::string> problem =
+            format::LayoutProblem(t.name, e.dtype, e.shape, t.dtype, t.shape, "shape")) {
       problems.push_back(std::move(*problem));
       continue;
     }
     job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
     result.bytes += t.nbytes;
   }
-  if (!problems.empty()) {
-    // Nothing copied yet: the trainer's buffers are as they were.
-    return absl::InvalidArgumentError(fmt::format("{} tensor(s) cannot be read from step {}: {}",
-                                                  problems.size(), snap.step, JoinSome(problems, 5, "; ")));
-  }
+  if (!problems.empty()) return format::CannotRead(problems, snap.step);  // nothing copied yet
   {
     cuda::CopyPriority::Copying copying(priority_);
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, job));

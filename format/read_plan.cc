@@ -186,13 +186,9 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     }
     const format::ManifestTensor& saved = it->second;
     const Index global = w.global_shape.empty() ? w.shape : w.global_shape;
-    if (saved.dtype != w.dtype) {
-      problems.push_back(fmt::format("{}: saved as {}, wanted as {}", w.name, saved.dtype, w.dtype));
-      continue;
-    }
-    if (saved.global_shape != global) {
-      problems.push_back(fmt::format("{}: global shape [{}] saved, [{}] wanted", w.name,
-                                     fmt::join(saved.global_shape, ", "), fmt::join(global, ", ")));
+    if (std::optional<std::string> problem =
+            LayoutProblem(w.name, saved.dtype, saved.global_shape, w.dtype, global, "global shape")) {
+      problems.push_back(std::move(*problem));
       continue;
     }
     const format::Placement want = format::PlacementOf(w.offset, w.shape, w.flat, global);
@@ -282,14 +278,27 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     }
     plan.tensors.push_back(std::move(t));
   }
-  if (!problems.empty()) {
-    // A model built with another width mismatches in every tensor: the first few say what
-    // changed, and the count how much.
-    return absl::InvalidArgumentError(fmt::format("{} tensor(s) cannot be read from step {}: {}",
-                                                  problems.size(), manifest.step,
-                                                  JoinSome(problems, kProblemsShown, "; ")));
-  }
+  if (!problems.empty()) return CannotRead(problems, manifest.step);
   return plan;
+}
+
+absl::Status CannotRead(const std::vector<std::string>& problems, uint64_t step) {
+  // A model built with another width mismatches in every tensor: the first few say what
+  // changed, and the count how much.
+  return absl::InvalidArgumentError(fmt::format("{} tensor(s) cannot be read from step {}: {}", problems.size(),
+                                                step, JoinSome(problems, kProblemsShown, "; ")));
+}
+
+std::optional<std::string> LayoutProblem(const std::string& name, const std::string& saved_dtype,
+                                         const std::vector<int64_t>& saved_shape,
+                                         const std::string& wanted_dtype,
+                                         const std::vector<int64_t>& wanted_shape, const char* shape_kind) {
+  if (saved_dtype != wanted_dtype) return fmt::format("{}: saved as {}, wanted as {}", name, saved_dtype, wanted_dtype);
+  if (saved_shape != wanted_shape) {
+    return fmt::format("{}: {} [{}] saved, [{}] wanted", name, shape_kind, fmt::join(saved_shape, ", "),
+                       fmt::join(wanted_shape, ", "));
+  }
+  return std::nullopt;
 }
 
 }  // namespace ckpt::format

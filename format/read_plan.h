@@ -94,4 +94,14 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
                                   const std::vector<WantedTensor>& wanted,
                                   const ReadPlanOptions& options = {});
 
+// The error for tensors that cannot be read from `step`, one problem each ("w: saved as F32,
+// wanted as BF16"): the first few and a count of the rest, whatever reads them (the planner,
+// or a restore from memory), so that one mismatch is described alike everywhere.
+absl::Status CannotRead(const std::vector<std::string>& problems, uint64_t step);
+// One tensor's dtype or shape problem in those words, or nothing when they match.
+std::optional<std::string> LayoutProblem(const std::string& name, const std::string& saved_dtype,
+                                         const std::vector<int64_t>& saved_shape,
+                                         const std::string& wanted_dtype,
+                                         const std::vector<int64_t>& wanted_shape, const char* shape_kind);
+
 }  // namespace ckpt::format

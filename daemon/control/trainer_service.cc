@@ -109,14 +109,12 @@ grpc::Status TrainerService::Register(grpc::ServerContext* ctx, const RegisterRe
     reply->set_registered_bytes(s->registered_bytes());
     // What the job holds already (a run that saves without restoring is warned). Not in
     // direct mode: there it would be a manifest GET per step before the trainer's answer.
-    if (absl::StatusOr<std::vector<uint64_t>> steps = restorer_.StoreIsRemote()
-                                                          ? absl::StatusOr<std::vector<uint64_t>>(std::vector<uint64_t>{})
-                                                          : restorer_.CommittedSteps(s->job());
-        steps.ok()) {
+    absl::StatusOr<std::vector<uint64_t>> steps = std::vector<uint64_t>{};
+    if (!restorer_.StoreIsRemote()) steps = restorer_.CommittedSteps(s->job());
+    if (steps.ok()) {
       reply->set_committed_count(steps->size());
-      for (size_t i = steps->size() > kStepsInReply ? steps->size() - kStepsInReply : 0; i < steps->size(); ++i) {
-        reply->add_committed_steps((*steps)[i]);
-      }
+      const size_t first = steps->size() - std::min(steps->size(), kStepsInReply);
+      for (size_t i = first; i < steps->size(); ++i) reply->add_committed_steps((*steps)[i]);
     }
     log::Get(log::Component::kControl)
         .info("[{}/r{}] registered pid {}: {} tensors, {} bytes (session {})", s->job(), s->rank(),

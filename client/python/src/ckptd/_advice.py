@@ -32,6 +32,18 @@ def closest(name, candidates, n=3):
     return close or sorted(candidates)[:n]
 
 
+def other_run(job, steps, count, step, resume):
+    """The warning for a run that saves `step` into a job already holding `count` committed
+    steps (the newest `steps`) without having resumed from them; `resume` says how to resume
+    in the caller's terms."""
+    return (f"ckptd: job {job!r} already holds committed steps {describe_steps(steps, count)} from an "
+            f"earlier run, and this run saves step {step} without having resumed from it. Its steps "
+            "join the job's after them (restores take the newest run's newest step), and retention "
+            f"(keep_last) deletes the oldest of all, the earlier run's first. To resume that run, "
+            f"{resume}; to start clean, use another job name or delete its steps "
+            f"(ckptctl --job {job} delete STEP).")
+
+
 def describe_steps(steps, count):
     """"10, 20, 30" or "..., 80, 90 (12 in all)": the newest of a job's steps."""
     shown = ", ".join(str(s) for s in steps[-5:])

@@ -16,11 +16,8 @@ import os
 import torch
 
 from ckptd._errors import CheckpointError
+from ckptd._state_dict import _TORCH_DTYPES
 
-# safetensors dtype -> torch dtype (every dtype ckptd and export write, and the common rest).
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool}
 _MAX_HEADER_BYTES = 100 << 20  # what the safetensors library itself accepts
 
 
@@ -79,7 +76,7 @@ def _read_file(file):
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = _TORCH_DTYPES[entry["dtype"]]
             shape = [int(d) for d in entry["shape"]]
             lo, hi = (int(x) for x in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:

@@ -17,6 +17,8 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL",
 }
+# And back: the torch dtype of a stored name (readers of ckptd's and safetensors files).
+_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 class _Entry:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptd._native import open_store, xxh3_64
-from ckptd._state_dict import _DTYPES as _TORCH_NAMES
+from ckptd._state_dict import _TORCH_DTYPES
 from ckptd._train_state import _from_bytes, _plain_loads
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
@@ -98,9 +98,6 @@ class _StepFiles:
         if self._store is None:
             return open(self.name(file_name), "rb")
         return _ObjectFile(self._store.open(file_name))
-
-# safetensors dtype -> torch dtype: the inverse of what ckptd.torch registers.
-_DTYPES = {name: dtype for dtype, name in _TORCH_NAMES.items()}
 
 
 def dcp_key(name):
@@ -158,7 +155,7 @@ class CkptdStorageReader(StorageReader):
         self._pieces = {}
         aliases_of = _aliases_of(manifest, manifest_path)
         for name, tensor in sorted(manifest["tensors"].items()):
-            dtype = _DTYPES.get(tensor["dtype"])
+            dtype = _TORCH_DTYPES.get(tensor["dtype"])
             if dtype is None:
                 raise ValueError(f"tensor {name}: dtype {tensor['dtype']} has no torch equivalent")
             keys = _dcp_keys(name, aliases_of)

@@ -32,7 +32,7 @@ import ckptd
 from ckptd import _advice
 from ckptd._connection import _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
-from ckptd._state_dict import _DTYPES
+from ckptd._state_dict import _DTYPES, _TORCH_DTYPES
 from ckptd._train_state import _from_bytes, _to_bytes
 
 try:  # the `lightning` package, and the standalone `pytorch-lightning` (lightning_fabric)
@@ -375,13 +375,9 @@ class CkptdCheckpointIO(*_bases()):
         self._checked_run = True
         if self._loaded or not self._client.committed_count:
             return
-        held = _advice.describe_steps(self._client.committed_steps, self._client.committed_count)
-        warnings.warn(
-            f"ckptd: job {self.job!r} already holds committed steps {held} from an earlier run, "
-            f"and this run saves step {step} without having resumed from it. Its steps join the "
-            "job's, and retention (keep_last) deletes the oldest of all. To resume, pass "
-            "trainer.fit(..., ckpt_path='last' or a checkpoint path); to start clean, use another "
-            "job name.", stacklevel=_user_stacklevel())
+        warnings.warn(_advice.other_run(self.job, self._client.committed_steps, self._client.committed_count,
+                                        step, "pass trainer.fit(..., ckpt_path='last' or a checkpoint path)"),
+                      stacklevel=_user_stacklevel())
 
     def _lost(self, error, what):
         warnings.warn(f"ckptd: {what}, training continues: {error}", RuntimeWarning,
@@ -404,7 +400,6 @@ class CkptdCheckpointIO(*_bases()):
 
 # --- the checkpoint dict: tensors and the rest -----------------------------------------------
 
-_TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 class _Entry:

@@ -233,14 +233,9 @@ class CheckpointManager:
         self._checked_run = True
         if self._loaded or self.rank != 0 or not self._client.committed_count:
             return
-        held = _advice.describe_steps(self._client.committed_steps, self._client.committed_count)
-        warnings.warn(
-            f"ckptd: job {self.job!r} already holds committed steps {held} from an earlier run, "
-            f"and this run saves step {step} without having called load(). Its steps join the "
-            "job's after them (restores take the newest run's newest step), and retention "
-            "(keep_last) deletes the oldest of all, the earlier run's first. To resume that run, "
-            "call manager.load() before training; to start clean, use another job name or delete "
-            f"its steps (ckptctl --job {self.job} delete STEP).", stacklevel=_user_stacklevel())
+        warnings.warn(_advice.other_run(self.job, self._client.committed_steps, self._client.committed_count,
+                                        step, "call manager.load() before training"),
+                      stacklevel=_user_stacklevel())
 
     def wait(self, committed=False):
         """Waits for the latest save to be staged (or, with `committed`, durable on every
