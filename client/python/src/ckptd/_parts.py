@@ -54,7 +54,6 @@ class OptimizerParts:
     and a step that steps each."""
 
     def __init__(self, optimizers):
-        self.names = list(optimizers) if isinstance(optimizers, dict) else None
         self.optimizers = list(optimizers.values()) if isinstance(optimizers, dict) else list(optimizers)
         for i, o in enumerate(self.optimizers):
             if not isinstance(o, torch.optim.Optimizer):
