@@ -25,6 +25,7 @@
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
 #include "shm/command_ring.h"
+#include "shm/payload_segment.h"
 #include "shm/sealed_segment.h"
 
 namespace ckpt {
@@ -74,6 +75,36 @@ absl::StatusOr<std::vector<std::string>> HandOverArenas(const std::string& socke
     tokens.emplace_back(text.substr(kDepositAccepted.size()));
   }
   return tokens;
+}
+
+// Hands a snapshot's payload that does not fit in a ring slot to ckptd as a sealed memfd;
+// the token ckptd answered, for the kCommandSnapshotDeposited command.
+absl::StatusOr<std::string> DepositPayload(const std::string& socket, const shm::SnapshotPayload& payload) {
+  CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment, shm::EncodeToSegment(payload, "ckpt-payload"));
+  const int fd = segment->fd();
+  const std::string path = DescriptorSocketPath(socket);
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds answer, RequestFds(path, kDepositPayload, 0, {&fd, 1}));
+  std::string_view text = answer.payload;
+  if (text.substr(0, kDepositAccepted.size()) != kDepositAccepted) {
+    return absl::FailedPreconditionError(fmt::format(
+        "ckptd did not take the snapshot's train state at {}: {}", path,
+        text.empty() ? "no answer" : text));
+  }
+  return std::string(text.substr(kDepositAccepted.size()));
+}
+
+// A restore's train state that ckptd kept in shared memory (RestoreReply.train_state_deposited).
+absl::StatusOr<shm::SnapshotPayload> FetchTrainState(const std::string& socket,
+                                                     const std::string& session_id) {
+  const std::string path = DescriptorSocketPath(socket);
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds got, RequestFds(path, std::string(kFetchTrainState) + session_id, 1));
+  if (got.fds.size() != 1) {
+    return absl::FailedPreconditionError(fmt::format(
+        "ckptd did not hand over the restored train state: {}",
+        got.payload.empty() ? std::string("no answer") : got.payload));
+  }
+  CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment, shm::SealedSegment::Map(std::move(got.fds[0])));
+  return shm::DecodeSegment(*segment);
 }
 
 // A userfaultfd for this process that also sees writes made by the kernel on the
@@ -568,6 +599,12 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
   shm::SnapshotPayload payload;
   payload.metadata = metadata;
   for (const auto& [name, data] : train_state) payload.train_state.push_back({name, data});
+  // Too large for a ring slot: handed over as shared memory of its own, before the
+  // snapshot point, so that the trainer waits for nothing after it.
+  std::string deposit_token;
+  if (shm::EncodedSize(payload) > shm::kSlotPayloadBytes) {
+    CKPT_ASSIGN_OR_RETURN(deposit_token, DepositPayload(impl_->options.socket, payload));
+  }
   std::lock_guard lock(impl_->publish_mu);
   if (impl_->gpu_sync) CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream));
   uint32_t wait_copy = 0;
@@ -579,6 +616,7 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
     CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToHostAsync(
         impl_->gpu_sync->event(), [producer, wait_copy] { producer->MarkClientCopyDone(wait_copy); }));
   }
+  if (!deposit_token.empty()) return impl_->producer->PublishDepositedSnapshot(step, deposit_token, wait_copy);
   return impl_->producer->PublishSnapshot(step, payload, wait_copy);
 }
 
@@ -653,6 +691,10 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
                                                                         : RestoreInfo::Source::kDisk;
   info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
   for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
+  if (reply.train_state_deposited()) {
+    CKPT_ASSIGN_OR_RETURN(shm::SnapshotPayload state, FetchTrainState(impl_->options.socket, session_id_));
+    for (shm::NamedBlob& blob : state.train_state) info.train_state[blob.name] = std::move(blob.data);
+  }
   info.tensors = reply.tensors();
   info.skipped = reply.skipped();
   info.not_in_checkpoint.assign(reply.not_in_checkpoint().begin(), reply.not_in_checkpoint().end());

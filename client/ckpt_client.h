@@ -84,7 +84,9 @@ struct FlatShard {
 };
 
 using Metadata = std::map<std::string, std::string>;
-using TrainState = std::map<std::string, std::string>;  // small opaque per-rank blobs
+// Opaque per-rank blobs: up to 256 KiB in all travel in the command ring, more as shared
+// memory of their own (bounded by ckptd's staging budget).
+using TrainState = std::map<std::string, std::string>;
 
 struct RestoreInfo {
   // Where the bytes came from: ckptd's memory, this node's disk, the remote tier.

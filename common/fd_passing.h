@@ -51,6 +51,13 @@ inline constexpr std::string_view kDepositAccepted = "ok ";
 // "write-protect" with one userfaultfd attached: "ok <token>" (for
 // RegisterRequest.write_protect_token), or a line why not.
 inline constexpr std::string_view kDepositWriteProtect = "write-protect";
+// "payload" with one sealed memfd attached, holding a snapshot's payload (shm/payload.h)
+// too large for a ring slot: "ok <token>" (for a kCommandSnapshotDeposited command).
+inline constexpr std::string_view kDepositPayload = "payload";
+// "train-state <session id>": the train state of the session's last restore, as a sealed
+// memfd (one descriptor), when RestoreReply.train_state_deposited says it did not fit in
+// the reply; or a line why not.
+inline constexpr std::string_view kFetchTrainState = "train-state ";
 // The answer to a request that came while too many of its user's were being served.
 inline constexpr std::string_view kBusy = "busy: ";
 

@@ -522,6 +522,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.arena_budget = p->arena_budget.get();
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
+  limits.deposits = &p->arenas;
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, *p->upload_policies,

@@ -11,6 +11,7 @@
 #include <vector>
 #include <new>
 
+#include "common/status.h"
 #include "shm/futex.h"
 
 namespace ckpt::shm {
@@ -47,9 +48,9 @@ absl::StatusOr<ControlBlock*> ValidateControlBlock(void* memory, size_t size) {
   return block;
 }
 
-absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
-                                                          const SnapshotPayload& payload,
-                                                          uint32_t wait_client_copy) {
+template <typename Fill>
+absl::StatusOr<uint64_t> CommandProducer::Publish(uint64_t step, uint32_t wait_client_copy,
+                                                  const Fill& fill) {
   uint64_t tail = block_->tail.load(std::memory_order_relaxed);
   uint64_t head = block_->head.load(std::memory_order_acquire);
   if (tail - head >= kRingSlots) {
@@ -57,13 +58,10 @@ absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
         fmt::format("command ring full: ckptd has not picked up the last {} snapshots", kRingSlots));
   }
   CommandSlot& slot = block_->commands[tail % kRingSlots];
-  auto written = EncodePayload(payload, slot.payload, kSlotPayloadBytes);
-  if (!written.ok()) return written.status();
+  CKPT_RETURN_IF_ERROR(fill(slot));
   uint64_t ticket = tail + 1;
   slot.ticket = ticket;
   slot.step = step;
-  slot.kind = kCommandSnapshot;
-  slot.payload_bytes = static_cast<uint32_t>(*written);
   slot.wait_client_copy = wait_client_copy;
 
   TicketSlot& t = block_->tickets[ticket % kTicketSlots];
@@ -76,6 +74,32 @@ absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
   block_->doorbell.fetch_add(1, std::memory_order_release);
   FutexWakeAll(&block_->doorbell);
   return ticket;
+}
+
+absl::StatusOr<uint64_t> CommandProducer::PublishSnapshot(uint64_t step,
+                                                          const SnapshotPayload& payload,
+                                                          uint32_t wait_client_copy) {
+  return Publish(step, wait_client_copy, [&](CommandSlot& slot) -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(size_t written, EncodePayload(payload, slot.payload, kSlotPayloadBytes));
+    slot.kind = kCommandSnapshot;
+    slot.payload_bytes = static_cast<uint32_t>(written);
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<uint64_t> CommandProducer::PublishDepositedSnapshot(uint64_t step,
+                                                                   std::string_view deposit_token,
+                                                                   uint32_t wait_client_copy) {
+  if (deposit_token.empty() || deposit_token.size() > kMaxDepositTokenBytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("a deposit token of {} bytes (1..{})", deposit_token.size(), kMaxDepositTokenBytes));
+  }
+  return Publish(step, wait_client_copy, [&](CommandSlot& slot) {
+    std::memcpy(slot.payload, deposit_token.data(), deposit_token.size());
+    slot.kind = kCommandSnapshotDeposited;
+    slot.payload_bytes = static_cast<uint32_t>(deposit_token.size());
+    return absl::OkStatus();
+  });
 }
 
 void CommandProducer::MarkClientCopyDone(uint32_t seq) {
@@ -200,13 +224,21 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
   command.kind = static_cast<CommandKind>(kind);
   command.wait_client_copy = once(slot.wait_client_copy);
   const uint32_t payload_bytes = once(slot.payload_bytes);
-  if (command.ticket != head + 1 || kind != kCommandSnapshot || payload_bytes > kSlotPayloadBytes) {
+  const bool deposited = kind == kCommandSnapshotDeposited;
+  if (command.ticket != head + 1 || (kind != kCommandSnapshot && !deposited) ||
+      payload_bytes > (deposited ? kMaxDepositTokenBytes : kSlotPayloadBytes)) {
     command.ticket = head + 1;
     command.payload = absl::InvalidArgumentError("malformed command in the session ring");
   } else {
+    // Copied out once: the trainer may rewrite the slot while it is decoded.
     std::vector<uint8_t> payload(payload_bytes);
     std::memcpy(payload.data(), slot.payload, payload_bytes);
-    command.payload = DecodePayload(payload.data(), payload.size());
+    if (deposited) {
+      command.deposit_token.assign(payload.begin(), payload.end());
+      command.payload = SnapshotPayload{};
+    } else {
+      command.payload = DecodePayload(payload.data(), payload.size());
+    }
   }
   head_ = head + 1;
   block_->head.store(head_, std::memory_order_release);

@@ -38,6 +38,10 @@ class CommandProducer {
   // picked up kRingSlots earlier commands). Never blocks.
   absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const SnapshotPayload& payload,
                                            uint32_t wait_client_copy = 0);
+  // The same for a payload handed over as a sealed memfd (kCommandSnapshotDeposited):
+  // `deposit_token` is what ckptd answered for it.
+  absl::StatusOr<uint64_t> PublishDepositedSnapshot(uint64_t step, std::string_view deposit_token,
+                                                    uint32_t wait_client_copy = 0);
 
   // Host-copy transport, called when the trainer's copies for `seq` have landed (from a
   // CUDA host callback: no CUDA calls, no blocking).
@@ -73,6 +77,10 @@ class CommandProducer {
   static constexpr std::chrono::milliseconds kLivenessSlice{20};
 
  private:
+  // Fills the next free slot (`fill` writes its kind and payload) and publishes it.
+  template <typename Fill>
+  absl::StatusOr<uint64_t> Publish(uint64_t step, uint32_t wait_client_copy, const Fill& fill);
+
   ControlBlock* block_;
   int daemon_liveness_ = -1;
 };
@@ -83,6 +91,9 @@ struct Command {
   CommandKind kind = kCommandSnapshot;
   uint32_t wait_client_copy = 0;
   absl::StatusOr<SnapshotPayload> payload;  // decode errors fail the ticket, not the daemon
+  // kCommandSnapshotDeposited: the payload is in the descriptor deposited under this token
+  // (`payload` is then empty until the session redeems it).
+  std::string deposit_token;
 };
 
 // Daemon end.

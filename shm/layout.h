@@ -17,10 +17,12 @@
 namespace ckpt::shm {
 
 inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
-inline constexpr uint32_t kControlAbiVersion = 4;  // 4: kTicketAbandoned
+inline constexpr uint32_t kControlAbiVersion = 5;  // 4: kTicketAbandoned; 5: kCommandSnapshotDeposited
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr uint32_t kTicketSlots = 64;
 inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
+// A deposit token in a kCommandSnapshotDeposited slot is at most this long.
+inline constexpr uint32_t kMaxDepositTokenBytes = 64;
 inline constexpr uint32_t kTicketErrorBytes = 480;
 
 // Values of TicketSlot::state; they match proto TicketState.
@@ -40,6 +42,11 @@ enum TicketStateValue : uint32_t {
 
 enum CommandKind : uint32_t {
   kCommandSnapshot = 1,
+  // A snapshot whose payload (metadata and train state) is larger than a slot: the trainer
+  // handed it to ckptd as a sealed memfd on the descriptor socket, and the slot's payload
+  // is the token ckptd answered (ArenaDeposits, kind kPayload). Train state of any size
+  // travels in shared memory this way, bounded by the staging budget alone.
+  kCommandSnapshotDeposited = 2,
 };
 
 struct alignas(64) CommandSlot {

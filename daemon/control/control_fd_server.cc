@@ -116,16 +116,23 @@ void ControlFdServer::Serve(UniqueFd conn, const PeerIdentity& caller) {
   if (text == kDepositWriteProtect) {
     return Deposit(conn.get(), caller, std::move(request->fds), ArenaDeposits::Kind::kWriteProtect);
   }
+  if (text == kDepositPayload) {
+    return Deposit(conn.get(), caller, std::move(request->fds), ArenaDeposits::Kind::kPayload);
+  }
   if (!request->fds.empty()) {
     Dispose(std::move(request->fds));
-    Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\" or "
-                      "\"write-protect\" request");
+    Reply(conn.get(), "refused: descriptors are accepted only with an \"arenas\", "
+                      "\"write-protect\" or \"payload\" request");
     return;
   }
   if (text.substr(0, kFetchControlBlock.size()) == kFetchControlBlock) {
     return SendControlBlock(conn.get(), caller, std::string(text.substr(kFetchControlBlock.size())));
   }
-  Reply(conn.get(), "refused: unknown request (expected \"control <session>\" or \"arenas\")");
+  if (text.substr(0, kFetchTrainState.size()) == kFetchTrainState) {
+    return SendTrainState(conn.get(), caller, std::string(text.substr(kFetchTrainState.size())));
+  }
+  Reply(conn.get(), "refused: unknown request (expected \"control <session>\", "
+                    "\"train-state <session>\", \"arenas\", \"write-protect\" or \"payload\")");
 }
 
 void ControlFdServer::Dispose(std::vector<UniqueFd> fds) {
@@ -169,6 +176,28 @@ void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
   const int fds[2] = {(*session)->control_fd(), liveness_read_.get()};
   if (absl::Status sent = SendFds(conn, fds, "ok"); !sent.ok()) {
     Log().warn("could not hand session {} its control block: {}", session_id, Message(sent));
+  }
+}
+
+void ControlFdServer::SendTrainState(int conn, const PeerIdentity& caller,
+                                     const std::string& session_id) {
+  // Like the control block: only the process that registered the session, and once.
+  absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, caller);
+  if (!session.ok()) {
+    Log().warn("train state of session \"{}\" refused to {}: {}", session_id.substr(0, 64),
+               caller.Describe(), Message(session.status()));
+    Reply(conn, Message(session.status()));
+    return;
+  }
+  shm::SealedSegmentPtr state = (*session)->TakeRestoredTrainState();
+  if (state == nullptr) {
+    Reply(conn, fmt::format("session {} has no restored train state waiting (fetched already?)",
+                            session_id));
+    return;
+  }
+  const int fd = state->fd();
+  if (absl::Status sent = SendFds(conn, {&fd, 1}, "ok"); !sent.ok()) {
+    Log().warn("could not hand session {} its restored train state: {}", session_id, Message(sent));
   }
 }
 

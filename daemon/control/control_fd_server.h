@@ -51,6 +51,7 @@ class ControlFdServer {
   void Serve(UniqueFd conn, const PeerIdentity& caller);
   void Dispose(std::vector<UniqueFd> fds);
   void SendControlBlock(int conn, const PeerIdentity& caller, const std::string& session_id);
+  void SendTrainState(int conn, const PeerIdentity& caller, const std::string& session_id);
   void Deposit(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds,
                ArenaDeposits::Kind kind);
 

@@ -7,6 +7,7 @@
 #include "common/log.h"
 #include "common/status.h"
 #include "daemon/control/grpc_status.h"
+#include "shm/payload_segment.h"
 
 namespace ckpt::daemon {
 
@@ -20,6 +21,8 @@ constexpr int kMaxArenaBatches = 64;  // of 64 arenas each: 4,096 arenas a sessi
 constexpr size_t kStepsInReply = 16;   // RegisterReply.committed_steps
 constexpr int kJobsInReply = 64;       // RestoreReply.other_jobs
 constexpr size_t kJobsLooked = 1024;   // job directories looked at for them
+// Train state up to this size comes back in the Restore reply; more, in shared memory.
+constexpr uint64_t kInlineTrainStateBytes = 1 << 20;
 
 }  // namespace
 
@@ -201,6 +204,17 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
                       : result.source == RestoreResult::Source::kRemote ? RESTORE_SOURCE_REMOTE
                                                                         : RESTORE_SOURCE_DISK);
     reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());
+    uint64_t state_bytes = 0;
+    for (const shm::NamedBlob& blob : result.train_state) state_bytes += blob.data.size();
+    if (state_bytes > kInlineTrainStateBytes) {
+      // Shared memory, like the tensors: a reply stays small whatever the train state.
+      shm::SnapshotPayload state{.train_state = std::move(result.train_state)};
+      CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment,
+                            shm::EncodeToSegment(state, fmt::format("ckptd-restored-{}", s->id())));
+      s->SetRestoredTrainState(std::move(segment));
+      reply->set_train_state_deposited(true);
+      return absl::OkStatus();
+    }
     for (auto& blob : result.train_state) {
       Blob* b = reply->add_train_state();
       b->set_name(blob.name);

@@ -16,6 +16,15 @@ std::string RandomToken() {
   return fmt::format("{:08x}{:08x}{:08x}{:08x}", rd(), rd(), rd(), rd());
 }
 
+const char* What(ArenaDeposits::Kind kind) {
+  switch (kind) {
+    case ArenaDeposits::Kind::kArenas: return "arenas";
+    case ArenaDeposits::Kind::kWriteProtect: return "a userfaultfd";
+    case ArenaDeposits::Kind::kPayload: return "a snapshot payload";
+  }
+  return "?";
+}
+
 }  // namespace
 
 absl::Status ArenaDeposits::Check(const std::vector<UniqueFd>& fds, Kind kind) {
@@ -25,6 +34,10 @@ absl::Status ArenaDeposits::Check(const std::vector<UniqueFd>& fds, Kind kind) {
           fmt::format("write-protection takes one userfaultfd, not {} descriptors", fds.size()));
     }
     return WriteProtector::CheckReceivable(fds[0].get());
+  }
+  if (kind == Kind::kPayload && fds.size() != 1) {
+    return absl::InvalidArgumentError(
+        fmt::format("a snapshot payload is one sealed memfd, not {} descriptors", fds.size()));
   }
   if (fds.empty()) return absl::InvalidArgumentError("no arenas attached");
   for (size_t i = 0; i < fds.size(); ++i) {
@@ -64,21 +77,19 @@ absl::StatusOr<std::vector<UniqueFd>> ArenaDeposits::Take(const std::string& tok
   auto it = batches_.find(token);
   if (it == batches_.end()) {
     return absl::NotFoundError(fmt::format(
-        "arena token \"{}\" is unknown or expired (arenas must be registered within {} ms of "
-        "being handed over)",
-        token.substr(0, 64), options_.expire_after.count()));
+        "token \"{}\" for {} is unknown or expired ({} must be used within {} ms of being "
+        "handed over)",
+        token.substr(0, 64), What(kind), What(kind), options_.expire_after.count()));
   }
   if (it->second.pid != caller.pid || it->second.uid != caller.uid) {
     return absl::PermissionDeniedError(fmt::format(
-        "arena token \"{}\" was handed over by another process (pid {} uid {}), not by the "
+        "token \"{}\" was handed over by another process (pid {} uid {}), not by the "
         "caller ({})",
         token, it->second.pid, it->second.uid, caller.Describe()));
   }
   if (it->second.kind != kind) {
-    return absl::InvalidArgumentError(fmt::format(
-        "token \"{}\" was handed over with {}, not {}", token.substr(0, 64),
-        it->second.kind == Kind::kArenas ? "arenas" : "a userfaultfd",
-        kind == Kind::kArenas ? "arenas" : "a userfaultfd"));
+    return absl::InvalidArgumentError(fmt::format("token \"{}\" was handed over with {}, not {}",
+                                                  token.substr(0, 64), What(it->second.kind), What(kind)));
   }
   std::vector<UniqueFd> fds = std::move(it->second.fds);
   fds_ -= fds.size();

@@ -4,8 +4,10 @@
 // server puts each batch here under a fresh random token and the depositor's identity, as
 // the kernel gave it; Register names the tokens, and only the same process may take them.
 // Unclaimed batches expire, and each user can hold only so many descriptors here.
-// A trainer hands over its userfaultfd the same way (copy-on-write snapshots), as a batch
-// of its own kind: a token redeems only the kind it was given for.
+// A trainer hands over its userfaultfd the same way (copy-on-write snapshots), and a
+// snapshot's payload too large for a ring slot (a sealed memfd: shm/layout.h,
+// kCommandSnapshotDeposited), each as a batch of its own kind: a token redeems only the
+// kind it was given for.
 #pragma once
 
 #include <chrono>
@@ -31,7 +33,8 @@ class ArenaDeposits {
   };
   // kArenas: sealed shared memory (shm/sealed_segment.h), up to kMaxPassedFds a batch.
   // kWriteProtect: one userfaultfd (daemon/staging/write_protector.h).
-  enum class Kind { kArenas, kWriteProtect };
+  // kPayload: one sealed memfd holding a snapshot's encoded payload (shm/payload.h).
+  enum class Kind { kArenas, kWriteProtect, kPayload };
 
   ArenaDeposits() : ArenaDeposits(Options{}) {}
   explicit ArenaDeposits(Options options) : options_(options) {}

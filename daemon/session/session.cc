@@ -19,6 +19,7 @@
 #include "common/dtype.h"
 #include "format/manifest.h"
 #include "shm/futex.h"
+#include "shm/payload_segment.h"
 #include "shm/prefault.h"
 
 namespace ckpt::daemon {
@@ -102,6 +103,8 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
   // Who the kernel says connected, never what the request says.
   s->pid_ = caller.pid;
   s->uid_ = caller.uid;
+  s->deposits_ = limits.deposits;
+  s->staging_bytes_ = limits.staging_bytes;
   auto pidfd = OpenPidfd(caller.pid);
   if (!pidfd.ok()) {
     // The caller is gone already (its pid is visible: the kernel translated it into ours):
@@ -487,6 +490,13 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  if (!command.deposit_token.empty()) {
+    command.payload = RedeemPayload(command.deposit_token);
+    if (!command.payload.ok()) {
+      bool busy = absl::IsResourceExhausted(command.payload.status());
+      return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(command.payload.status()));
+    }
+  }
   if (consumer_->Abandoned(command.ticket)) {
     // Queued before a stall; the trainer went on without it: its tensors are not what they
     // were at the snapshot, so nothing is copied.
@@ -540,6 +550,41 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
               (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
               (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
+}
+
+absl::StatusOr<shm::SnapshotPayload> Session::RedeemPayload(const std::string& token) {
+  if (deposits_ == nullptr) {
+    return absl::FailedPreconditionError("this ckptd takes no snapshot payloads handed over as memory");
+  }
+  // Only this session's trainer can have deposited it (the kernel's word on who it was).
+  PeerIdentity trainer;
+  trainer.pid = pid_;
+  trainer.uid = uid_;
+  CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
+                        deposits_->Take(token, trainer, ArenaDeposits::Kind::kPayload));
+  CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment, shm::SealedSegment::Map(std::move(fds[0])));
+  // Checked before a byte is copied: decoding holds the payload in ckptd's heap until it
+  // is staged, and staging could never take more than the whole budget anyway.
+  if (segment->size() > staging_bytes_) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "the snapshot's metadata and train state take {} bytes, more than ckptd's whole staging "
+        "budget ({} bytes, --staging-bytes): keep large state in registered tensors, or give "
+        "ckptd a larger budget",
+        segment->size(), staging_bytes_));
+  }
+  // The trainer can still write the memory while it is decoded: every length is read once
+  // and checked, so it can tear only its own train state.
+  return shm::DecodeSegment(*segment);
+}
+
+void Session::SetRestoredTrainState(shm::SealedSegmentPtr state) {
+  std::lock_guard lock(restored_mu_);
+  restored_train_state_ = std::move(state);
+}
+
+shm::SealedSegmentPtr Session::TakeRestoredTrainState() {
+  std::lock_guard lock(restored_mu_);
+  return std::move(restored_train_state_);
 }
 
 absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {

@@ -20,6 +20,7 @@
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
 #include "daemon/session/arena_budget.h"
+#include "daemon/session/arena_deposits.h"
 #include "daemon/session/peer_identity.h"
 #include "daemon/session/session_events.h"
 #include "daemon/staging/snapshot_sink.h"
@@ -40,6 +41,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
     ArenaBudget* arena_budget = nullptr;  // what mapped arenas may cost; null: unbounded
     uid_t daemon_uid = 0;
     std::vector<uint32_t> allow_uids;
+    // Where a snapshot payload too large for a ring slot was handed over (ArenaDeposits,
+    // kind kPayload); null: such snapshots fail.
+    ArenaDeposits* deposits = nullptr;
   };
 
   // Validates the request, maps the trainer's arenas and creates the control block.
@@ -103,6 +107,11 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   void SetTicketState(uint64_t ticket, shm::TicketStateValue state,
                       std::string_view error = {}) override;
 
+  // A restore's train state too large for its reply waits here until the trainer fetches
+  // it on the descriptor socket (ControlFdServer); a later restore replaces it.
+  void SetRestoredTrainState(shm::SealedSegmentPtr state);
+  shm::SealedSegmentPtr TakeRestoredTrainState();
+
   // Serialises restores with snapshots of this session.
   std::timed_mutex& data_mutex() { return data_mu_; }
 
@@ -125,6 +134,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       SessionEvents& events);
   bool PollTrainerAlive();
+  // The payload the trainer handed over under `token` (a kCommandSnapshotDeposited command).
+  absl::StatusOr<shm::SnapshotPayload> RedeemPayload(const std::string& token);
   // Staged, unless the trainer abandoned the ticket first (false).
   bool MarkStaged(uint64_t ticket);
   // Counts one more arena (refusing the same memory twice, and beyond the budget).
@@ -175,6 +186,10 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   std::atomic<uint64_t> last_staged_step_{0};
   std::atomic<uint64_t> last_committed_step_{0};
   std::map<uint64_t, uint64_t> ticket_steps_;  // guarded by ticket_mu_
+  ArenaDeposits* deposits_ = nullptr;
+  uint64_t staging_bytes_ = 0;  // the daemon's whole staging budget: no payload is larger
+  std::mutex restored_mu_;
+  shm::SealedSegmentPtr restored_train_state_;  // guarded by restored_mu_
 };
 
 using SessionPtr = std::shared_ptr<Session>;

@@ -61,6 +61,24 @@ TEST_CASE("only sealed shared memory is taken") {
   CHECK_FALSE(deposits.Put(kTrainer, {}).ok());
 }
 
+TEST_CASE("a token redeems only the kind it was handed over as") {
+  ArenaDeposits deposits;
+  auto two = deposits.Put(kTrainer, Arenas(2), ArenaDeposits::Kind::kPayload);
+  REQUIRE_FALSE(two.ok());
+  CHECK(Message(two.status()).find("a snapshot payload is one sealed memfd, not 2 descriptors") != std::string::npos);
+  auto payload = deposits.Put(kTrainer, Arenas(1), ArenaDeposits::Kind::kPayload);
+  REQUIRE(payload.ok());
+  // A payload's token given where arenas are registered is refused, and stays a payload.
+  auto as_arenas = deposits.Take(*payload, kTrainer, ArenaDeposits::Kind::kArenas);
+  REQUIRE_FALSE(as_arenas.ok());
+  CHECK(Message(as_arenas.status()).find("was handed over with a snapshot payload, not arenas") != std::string::npos);
+  CHECK(deposits.Take(*payload, PeerIdentity{.pid = 101, .uid = 1000}, ArenaDeposits::Kind::kPayload)
+            .status().code() == absl::StatusCode::kPermissionDenied);
+  auto mine = deposits.Take(*payload, kTrainer, ArenaDeposits::Kind::kPayload);
+  REQUIRE(mine.ok());
+  CHECK(mine->size() == 1);
+}
+
 TEST_CASE("deposits are bounded per user and in all, and expire") {
   ArenaDeposits deposits({.expire_after = std::chrono::milliseconds(200), .max_fds_per_uid = 4,
                           .max_fds = 6});

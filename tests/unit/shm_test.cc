@@ -24,6 +24,7 @@
 #include "shm/command_ring.h"
 #include "shm/futex.h"
 #include "shm/payload.h"
+#include "shm/payload_segment.h"
 #include "shm/sealed_segment.h"
 
 using namespace ckpt;
@@ -240,6 +241,39 @@ TEST_CASE("oversized train state is refused with its size") {
   auto r = producer.PublishSnapshot(1, big);
   CHECK(absl::IsResourceExhausted(r.status()));
   CHECK(Message(r.status()).find("at most") != std::string::npos);
+}
+
+TEST_CASE("a payload too large for a slot travels as a deposited segment, named by its token") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  SnapshotPayload big;
+  big.metadata["loss"] = "0.5";
+  big.train_state = {{"history", std::string(3 * kSlotPayloadBytes, 'h')}, {"rng", "r"}};
+  auto segment = EncodeToSegment(big, "test-payload");
+  REQUIRE(segment.ok());
+  REQUIRE(producer.PublishDepositedSnapshot(7, "0123abcd").ok());
+  auto cmd = consumer.Next(1s);
+  REQUIRE(cmd.has_value());
+  CHECK(cmd->step == 7);
+  CHECK(cmd->deposit_token == "0123abcd");
+  REQUIRE(cmd->payload.ok());
+  CHECK(cmd->payload->train_state.empty());  // the session redeems the token for it
+  auto back = DecodeSegment(**segment);
+  REQUIRE(back.ok());
+  CHECK(back->metadata == big.metadata);
+  REQUIRE(back->train_state.size() == 2);
+  CHECK(back->train_state[0].data == big.train_state[0].data);
+  // A token is short: a longer one is refused by the producer, and a slot that claims one
+  // is refused by the daemon.
+  CHECK_FALSE(producer.PublishDepositedSnapshot(8, std::string(kMaxDepositTokenBytes + 1, 't')).ok());
+  CHECK_FALSE(producer.PublishDepositedSnapshot(8, "").ok());
+  REQUIRE(producer.PublishDepositedSnapshot(8, "t").ok());
+  ring.block->commands[1].payload_bytes = kMaxDepositTokenBytes + 1;
+  auto lying = consumer.Next(1s);
+  REQUIRE(lying.has_value());
+  CHECK_FALSE(lying->payload.ok());
+  CHECK(lying->deposit_token.empty());
 }
 
 TEST_CASE("a silent or closed daemon is detected instead of waiting forever") {

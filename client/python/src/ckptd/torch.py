@@ -42,7 +42,6 @@ log = logging.getLogger("ckptd")
 
 # What one snapshot's metadata and train state may take (shm/layout.h kSlotPayloadBytes), and
 # the share of it that names for DCP may use (the rest is the user's).
-_MAX_PAYLOAD_BYTES = 256 << 10
 _MAX_PARAM_NAMES_BYTES = 64 << 10
 _MAX_ALIASES_BYTES = 16 << 10
 
@@ -200,7 +199,6 @@ class CheckpointManager:
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
             train_state = self._train_state(step)
-            self._check_payload(metadata, train_state)
             ticket = self._client.snapshot(int(step), metadata, train_state)
         except CheckpointError:
             raise  # this process's own mistake (a tensor that cannot be checkpointed)
@@ -910,17 +908,6 @@ class CheckpointManager:
                                   "keep to tensors, numbers, strings, lists and dicts") from e
         self._extra_checked.add(name)
         return data
-
-    def _check_payload(self, metadata, state):
-        """Metadata and train state travel in one command of ckptd's ring: what does not fit is
-        this process's own doing, said as such (not as ckptd being unavailable)."""
-        size = sum(len(k) + len(v) + 8 for k, v in metadata.items()) + sum(len(k) + len(v) + 8 for k, v in state.items())
-        if size > _MAX_PAYLOAD_BYTES:
-            largest = sorted(state.items(), key=lambda kv: -len(kv[1]))[:3]
-            raise CheckpointError(
-                f"the train state takes {size} bytes, more than the {_MAX_PAYLOAD_BYTES} a snapshot "
-                f"carries (largest: {', '.join(f'{k} {len(v)} bytes' for k, v in largest)}): put large "
-                "state in a tensor (extra_state={'name': tensor} is registered like a parameter)")
 
     def _apply_train_state(self, state, skip=(), resharded=None):
         """Applies the saved train state, except the entries under a prefix in `skip`
