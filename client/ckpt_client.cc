@@ -670,6 +670,7 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   for (const std::string& p : options.include) req.add_include(p);
   for (const std::string& p : options.exclude) req.add_exclude(p);
   req.set_allow_missing(options.allow_missing);
+  req.set_cast(options.cast);
   const bool partial = !options.include.empty() || !options.exclude.empty() || options.allow_missing;
   if (partial && impl_->mirror) {
     // Host-copy transport: every mirror goes back to the GPU below, so the mirrors of

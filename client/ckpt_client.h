@@ -123,6 +123,9 @@ struct RestoreOptions {
   // Selected tensors registered but not in the checkpoint (or the reverse) are skipped and
   // listed in RestoreInfo instead of failing the restore.
   bool allow_missing = false;
+  // Floating-point tensors (F64, F32, F16, BF16) saved in another dtype than registered are
+  // cast, rounding to nearest even as PyTorch does, instead of refused.
+  bool cast = false;
 };
 
 // How GPU tensors reach ckptd. kIpc: ckptd maps them through CUDA IPC and copies them on

@@ -7,6 +7,8 @@
 #include <chrono>
 #include <set>
 
+#include "common/dtype.h"
+#include "common/dtype_cast.h"
 #include "common/log.h"
 #include "common/parallel.h"
 #include "common/status.h"
@@ -34,6 +36,16 @@ bool SamePlacement(const SessionView& session, const format::Manifest& manifest)
     }
   }
   return true;
+}
+
+// Whether some registered tensor was saved in another dtype (a restore that casts reads it
+// through the planner, which reads memory as well, and casts on the way).
+bool DtypesDiffer(const SessionView& session, const format::Manifest& manifest) {
+  for (const RegisteredTensor& t : *session.tensors) {
+    auto it = manifest.tensors.find(t.name);
+    if (it != manifest.tensors.end() && it->second.dtype != t.dtype) return true;
+  }
+  return false;
 }
 
 }  // namespace
@@ -189,7 +201,8 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   result.saved_world_size = manifest->world_size;
   auto started = std::chrono::steady_clock::now();
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
-  if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest)) {
+  if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest) &&
+      !(spec.cast && DtypesDiffer(session, *manifest))) {
     // The fast path of a crashed trainer: its own snapshot, straight into its buffers.
     result.source = RestoreResult::Source::kMemory;
     CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
@@ -314,9 +327,16 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
                         MatchTensors(*session.tensors, stored, spec, manifest.step, result,
                                      /*report_unregistered=*/same_world));
   std::vector<format::WantedTensor> wanted;
+  std::vector<bool> cast;  // per matched tensor: read in its saved dtype, then cast
   uint64_t total = 0;
   for (const RegisteredTensor* t : matched) {
-    wanted.push_back({t->name, t->dtype, t->shape, t->placement.global_shape, t->placement.offset,
+    std::string dtype = t->dtype;
+    if (auto saved = manifest.tensors.find(t->name); spec.cast && saved != manifest.tensors.end() &&
+                                                      CanCast(saved->second.dtype, t->dtype)) {
+      dtype = saved->second.dtype;
+    }
+    cast.push_back(dtype != t->dtype);
+    wanted.push_back({t->name, dtype, t->shape, t->placement.global_shape, t->placement.offset,
                       t->placement.flat, std::nullopt});
     total += t->nbytes;
   }
@@ -331,24 +351,31 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   }
 
   // 1. Everything is read into ckptd's memory and checked first, so a corrupt or crafted
-  //    file is refused without having touched the trainer's buffers.
+  //    file is refused without having touched the trainer's buffers. A tensor to be cast
+  //    gets room for the wider of its two dtypes, and is cast there.
+  std::vector<uint64_t> room(matched.size());
+  uint64_t bounce_bytes = 0;
+  for (size_t i = 0; i < matched.size(); ++i) {
+    room[i] = std::max(matched[i]->nbytes, plan->tensors[i].bytes);
+    bounce_bytes += room[i];
+  }
   cuda::StagingBlockPtr block;
   std::unique_ptr<char[]> heap;
   char* bounce = nullptr;
   if (pool_ != nullptr) {
-    if (auto allocated = pool_->Allocate(std::max<uint64_t>(total, 1)); allocated.ok()) {
+    if (auto allocated = pool_->Allocate(std::max<uint64_t>(bounce_bytes, 1)); allocated.ok()) {
       block = std::move(*allocated);
       bounce = block->data();
     }
   }
   if (bounce == nullptr) {
     // Staging memory is busy with snapshots: borrow ordinary memory for the restore.
-    heap.reset(new (std::nothrow) char[std::max<uint64_t>(total, 1)]);
+    heap.reset(new (std::nothrow) char[std::max<uint64_t>(bounce_bytes, 1)]);
     if (heap == nullptr) {
       return absl::ResourceExhaustedError(fmt::format(
           "restoring rank {} needs {} bytes of memory to check the checkpoint before it reaches "
           "the trainer, and none is free",
-          session.rank, total));
+          session.rank, bounce_bytes));
     }
     bounce = heap.get();
   }
@@ -383,15 +410,20 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   for (size_t i = 0; i < matched.size(); ++i) {
     const RegisteredTensor& t = *matched[i];
     char* into = bounce + offset;
+    const std::string saved_dtype = wanted[i].dtype;
+    auto read = [&reader, &tensor = plan->tensors[i], into, &t, saved_dtype, cast = cast[i]]() -> absl::Status {
+      CKPT_RETURN_IF_ERROR(reader.Read(tensor, into));
+      if (!cast) return absl::OkStatus();
+      CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(saved_dtype));
+      return CastInPlace(into, tensor.bytes / itemsize, saved_dtype, t.dtype);
+    };
     if (remote_source) {
-      CKPT_RETURN_IF_ERROR(reads.Run([&reader, &tensor = plan->tensors[i], into] {
-        return reader.Read(tensor, into);
-      }));
+      CKPT_RETURN_IF_ERROR(reads.Run(read));
     } else {
-      CKPT_RETURN_IF_ERROR(reader.Read(plan->tensors[i], into));
+      CKPT_RETURN_IF_ERROR(read());
     }
     copy.Add(t, {t.data, into, t.nbytes});
-    offset += t.nbytes;
+    offset += room[i];
   }
   CKPT_RETURN_IF_ERROR(reads.Wait());
   // Train state and metadata: the same rank's where the checkpoint has it, else rank 0's

@@ -152,12 +152,12 @@ class PyClient {
   }
 
   py::dict Restore(std::optional<uint64_t> step, std::vector<std::string> include,
-                   std::vector<std::string> exclude, bool allow_missing) {
+                   std::vector<std::string> exclude, bool allow_missing, bool cast) {
     absl::StatusOr<ckpt::RestoreInfo> info;
     {
       py::gil_scoped_release unlocked;
       info = client_->Restore(ckpt::RestoreOptions{step, std::move(include), std::move(exclude),
-                                                   allow_missing});
+                                                   allow_missing, cast});
     }
     ckpt::RestoreInfo r = ValueOr(std::move(info));
     py::dict d;
@@ -389,7 +389,8 @@ PYBIND11_MODULE(_native, m) {
       .def("stream_wait_staged", &PyClient::StreamWaitStaged, py::arg("ticket"), py::arg("stream"))
       .def("restore", &PyClient::Restore, py::arg("step") = std::nullopt,
            py::arg("include") = std::vector<std::string>{},
-           py::arg("exclude") = std::vector<std::string>{}, py::arg("allow_missing") = false)
+           py::arg("exclude") = std::vector<std::string>{}, py::arg("allow_missing") = false,
+           py::arg("cast") = false)
       .def("should_save", &PyClient::ShouldSave, py::arg("step"), py::arg("interval_seconds"),
            py::arg("run") = 0)
       .def("update", &PyClient::Update)

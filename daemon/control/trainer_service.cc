@@ -169,6 +169,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
                           format::TensorSelection::Make({request->include().begin(), request->include().end()},
                                                 {request->exclude().begin(), request->exclude().end()}));
     spec.allow_missing = request->allow_missing();
+    spec.cast = request->cast();
     std::lock_guard lock(s->data_mutex());
     absl::StatusOr<RestoreResult> restored = restorer_.Restore(s->view(), spec);
     if (!restored.ok()) {

@@ -67,6 +67,8 @@ def test_every_python_snippet_in_the_guide_runs(daemon, workdir, monkeypatch):
     for job, step in (("my-job", 40), ("llm", 1200)):
         with CheckpointManager(job, model, optimizer, lr_scheduler, socket=daemon.socket) as manager:
             manager.save(step, blocking=True)
+    with CheckpointManager("gpt", model, socket=daemon.socket) as manager:
+        manager.save_weights(1, dtype=torch.bfloat16)  # the job "gpt-weights"
     old_dcp = os.path.join(workdir, "old-ckpt", "step-1200")
     dcp.save({"model": model.state_dict()}, checkpoint_id=old_dcp)
     paths = {'"/ckpt/': f'"{daemon.root}/', '"/old-ckpt/step-1200"': f'"{old_dcp}"'}

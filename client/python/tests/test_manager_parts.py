@@ -226,3 +226,49 @@ def test_train_state_that_cannot_come_back_is_refused_at_the_first_save(daemon):
     with CheckpointManager("odd", model, extra_state={"meta": {"x": Opaque()}}, socket=daemon.socket) as manager:
         with pytest.raises(CheckpointError, match=r"extra_state\['meta'\] holds something a checkpoint cannot load back"):
             manager.save(1)
+
+
+def test_a_weights_only_step_saved_in_bf16_loads_into_fp32_with_cast(daemon):
+    """What OLMo-core does with a weights-only directory: the bf16 export is the warm start
+    of an fp32 model. Without cast=True the dtypes are named, with the way out."""
+    from ckptd.torch import CheckpointError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    with CheckpointManager("w", model, socket=daemon.socket) as manager:
+        manager.save_weights(1, dtype=torch.bfloat16)
+    expected = {k: v.to(torch.bfloat16).float() for k, v in model.state_dict().items()}
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    with CheckpointManager("w-weights", fresh, socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"(?s)saved as BF16, wanted as F32.*load\(cast=True\)"):
+            manager.load()
+        assert manager.load(cast=True) == 1
+    for name, value in fresh.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, expected[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_cast_rounds_as_tensor_to_does(daemon, dtype):
+    """Ties, the smallest normals and subnormals, overflow and NaN: cast on load gives
+    Tensor.to's bits, from memory and from disk."""
+    values = torch.tensor([1.0, 1.00390625, 1.01171875, -1.00390625, 3.4e38, 1e5, 70000.0, 1e-40,
+                           6e-8, float("inf"), float("-inf"), float("nan"), -0.0, 0.1, 1 / 3],
+                          dtype=torch.float32)
+    values = torch.cat([values, torch.randn(4096)])
+    saved = torch.nn.Module()
+    saved.w = torch.nn.Parameter(values.clone())
+    with CheckpointManager("cast", saved, socket=daemon.socket) as manager:
+        manager.save(1, blocking=True)
+    expected = values.to(dtype)
+    for restart in (False, True):
+        if restart:
+            daemon.restart()
+        loaded = torch.nn.Module()
+        loaded.w = torch.nn.Parameter(torch.zeros(values.numel(), dtype=dtype))
+        with CheckpointManager("cast", loaded, socket=daemon.socket) as manager:
+            assert manager.load(cast=True) == 1
+        got = loaded.w.detach()
+        # NaN stays NaN (which NaN depends on PyTorch's code path: its vectorized conversion
+        # gives 0xffff, its scalar one 0x7fc0); every other value to the bit.
+        assert torch.equal(got.isnan(), expected.isnan())
+        bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float64: torch.int64}[dtype]
+        assert torch.equal(got[~got.isnan()].view(bits), expected[~expected.isnan()].view(bits))

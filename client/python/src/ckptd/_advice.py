@@ -5,11 +5,23 @@ the ways out are spelled here as this package's own arguments (`strict=False`,
 `exclude_from_loading=`), never as the C++ client's options.
 """
 import difflib
+import re
 
 # Said by ckptd (daemon/restorer.cc, format/read_plan.cc); kept in one place so that a
 # change of wording there shows up here as a missing hint in the tests, not as silence.
 _NAMES_DIFFER = "does not match the registered tensors"
 _LAYOUT_DIFFERS = "cannot be read from step"
+_DTYPE_DIFFERS = re.compile(r"saved as (\w+), wanted as (\w+)")
+_OTHER_PROBLEMS = ("shape [", "no saved shard", "not in the checkpoint", "the wanted piece")
+_FLOATS = {"F64", "F32", "F16", "BF16"}
+
+
+def _only_float_dtypes_differ(message):
+    """Whether every problem listed is a floating-point tensor saved in another float dtype:
+    what load(cast=True) reads."""
+    pairs = _DTYPE_DIFFERS.findall(message)
+    return bool(pairs) and all(a in _FLOATS and b in _FLOATS for a, b in pairs) and not any(
+        w in message for w in _OTHER_PROBLEMS)
 
 
 def restore_advice(message):
@@ -19,6 +31,9 @@ def restore_advice(message):
                 "CheckpointManager (or load(exclude=['optimizer'])) for the model alone, or a "
                 "tensor-name pattern such as 'lm_head.*'; load(strict=False) skips tensors found "
                 "on one side only, with a warning naming them")
+    if _LAYOUT_DIFFERS in message and _only_float_dtypes_differ(message):
+        return ("the checkpoint holds these tensors in another floating-point dtype (a weights-only "
+                "save in bf16?): load(cast=True) casts them into the model's dtype as Tensor.to does")
     if _LAYOUT_DIFFERS in message and "wanted" in message:
         return ("the model is not the one that was saved (shapes or dtypes differ): build it with "
                 "the configuration it was saved with, or leave those tensors out with "

@@ -293,7 +293,7 @@ class CheckpointManager:
             self._lost(e)
 
     def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True,
-             from_hf=None, rename=None):
+             from_hf=None, rename=None, cast=False):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -308,7 +308,10 @@ class CheckpointManager:
         "model", "optimizer" (its tensors and hyper-parameters), "lr_scheduler", "rng", the
         name of an `extra_state` entry, or a shell pattern on tensor names ("layers.0.*",
         "optim.*.exp_avg_sq"). `strict=False` skips tensors that the model has and the
-        checkpoint lacks, or the reverse, with a warning naming them.
+        checkpoint lacks, or the reverse, with a warning naming them. `cast=True` loads
+        floating-point tensors saved in another dtype into the model's (a `save_weights(dtype=
+        torch.bfloat16)` step into an FP32 model), rounding as `Tensor.to` does; without it a
+        dtype that differs is an error naming the tensors.
 
         Returns a `Restored`: the step, an int (so `(manager.load() or 0) + 1` is the next
         step), that also says where it came from: `.source` ("memory", "disk", or "remote":
@@ -327,7 +330,7 @@ class CheckpointManager:
         include, patterns, skip_state = self._selection(exclude)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         try:
-            restored = self._load(step, exclude, include, patterns, skip_state, strict)
+            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast)
         except BaseException:
             # A notebook re-runs the cell with a new manager: no session of this one may stand
             # in its way. (What was restored before the failure stays in the tensors: a failed
@@ -337,12 +340,12 @@ class CheckpointManager:
         self._loaded = True
         return restored
 
-    def _load(self, step, exclude, include, patterns, skip_state, strict):
+    def _load(self, step, exclude, include, patterns, skip_state, strict, cast=False):
         created = [] if "optimizer" in exclude else self._create_optimizer_state()
         try:
             self._register_current_tensors()
             info = self._client.restore(step, include=include, exclude=patterns,
-                                        allow_missing=not strict)
+                                        allow_missing=not strict, cast=bool(cast))
         except ckptd.Error as e:
             self._drop_optimizer_state(created)
             if isinstance(e, ckptd.Unavailable):
