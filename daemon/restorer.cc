@@ -314,18 +314,25 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
                                 const format::Manifest& manifest, RestoreResult& result) {
   // With the saved world size each rank compares its registration with its own saved
   // pieces, so a tensor it does not register is named (pipeline stages hold different
-  // tensors, so only this rank's count). With another one no rank knows which tensors the
-  // others will take: what it registers must be in the checkpoint, nothing more.
+  // tensors, so only this rank's count). A tensor it registers that only other ranks saved
+  // is read from theirs: the same world size in another layout (FSDP1's flat shards hold
+  // no piece of some tensors on some ranks; FSDP2 then wants a piece of each on every rank).
+  // With another world size, or the same in another layout (FSDP2 saved a piece of every
+  // tensor on every rank; FSDP1's flat shards leave some out), no rank knows which tensors
+  // the others will take: what it registers must be in the checkpoint, nothing more.
   const bool same_world = manifest.world_size == session.world_size;
+  const bool same_layout = same_world && SamePlacement(session, manifest);
+  std::set<std::string_view> registered;
+  for (const RegisteredTensor& t : *session.tensors) registered.insert(t.name);
   std::vector<std::string> stored;
   for (const auto& [name, tensor] : manifest.tensors) {
     bool mine = std::any_of(tensor.shards.begin(), tensor.shards.end(),
                             [&](const format::TensorShard& s) { return s.rank == session.rank; });
-    if (mine || !same_world) stored.push_back(name);
+    if (mine || !same_world || registered.count(name) != 0) stored.push_back(name);
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
                         MatchTensors(*session.tensors, stored, spec, manifest.step, result,
-                                     /*report_unregistered=*/same_world));
+                                     /*report_unregistered=*/same_layout));
   std::vector<format::WantedTensor> wanted;
   std::vector<bool> cast;  // per matched tensor: read in its saved dtype, then cast
   uint64_t total = 0;
