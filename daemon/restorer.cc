@@ -8,7 +8,7 @@
 #include <set>
 
 #include "common/dtype.h"
-#include "common/dtype_cast.h"
+#include "common/dtype_convert.h"
 #include "common/log.h"
 #include "common/parallel.h"
 #include "common/status.h"
@@ -339,7 +339,8 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
   for (const RegisteredTensor* t : matched) {
     std::string dtype = t->dtype;
     if (auto saved = manifest.tensors.find(t->name); spec.cast && saved != manifest.tensors.end() &&
-                                                      CanCast(saved->second.dtype, t->dtype)) {
+                                                      IsFloatDType(saved->second.dtype) &&
+                                                      IsFloatDType(t->dtype)) {
       dtype = saved->second.dtype;
     }
     cast.push_back(dtype != t->dtype);
@@ -422,7 +423,8 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
       CKPT_RETURN_IF_ERROR(reader.Read(tensor, into));
       if (!cast) return absl::OkStatus();
       CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(saved_dtype));
-      return CastInPlace(into, tensor.bytes / itemsize, saved_dtype, t.dtype);
+      ConvertElements(saved_dtype, t.dtype, into, into, tensor.bytes / itemsize);
+      return absl::OkStatus();
     };
     if (remote_source) {
       CKPT_RETURN_IF_ERROR(reads.Run(read));

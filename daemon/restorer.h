@@ -58,7 +58,7 @@ struct RestoreSpec {
   format::TensorSelection selection;     // default: every tensor
   // Selected tensors on one side only are skipped and listed instead of failing the restore.
   bool allow_missing = false;
-  // Floating-point tensors saved in another dtype than registered are cast (common/dtype_cast.h)
+  // Floating-point tensors saved in another dtype than registered are cast (common/dtype_convert.h)
   // instead of refused: a weights-only checkpoint saved in BF16, loaded into FP32.
   bool cast = false;
 };

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/dtype_convert.h"
 
 namespace ckpt::exporter {
 
@@ -14,9 +15,7 @@ namespace ckpt::exporter {
 // integers, booleans and FP8 keep theirs. InvalidArgument for a target other than those.
 absl::StatusOr<std::string> ExportDType(const std::string& dtype, const std::string& target);
 
-// Converts `count` elements from `from` to `to` (both among F64, F32, F16, BF16; the same
-// dtype copies; `dst` may be `src`). Rounds to nearest even, as PyTorch's .to() does; NaN stays NaN.
-void ConvertElements(const std::string& from, const std::string& to, const void* src, void* dst,
-                     size_t count);
+// Conversion itself is common/dtype_convert.h's, shared with restores that cast.
+using ::ckpt::ConvertElements;
 
 }  // namespace ckpt::exporter
