@@ -77,13 +77,16 @@ absl::StatusOr<std::vector<std::string>> HandOverArenas(const std::string& socke
   return tokens;
 }
 
+constexpr std::chrono::milliseconds kDepositTimeout{2000};
+
 // Hands a snapshot's payload that does not fit in a ring slot to ckptd as a sealed memfd;
 // the token ckptd answered, for the kCommandSnapshotDeposited command.
 absl::StatusOr<std::string> DepositPayload(const std::string& socket, const shm::SnapshotPayload& payload) {
   CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment, shm::EncodeToSegment(payload, "ckpt-payload"));
   const int fd = segment->fd();
   const std::string path = DescriptorSocketPath(socket);
-  CKPT_ASSIGN_OR_RETURN(ReceivedFds answer, RequestFds(path, kDepositPayload, 0, {&fd, 1}));
+  // On the training thread: a ckptd that stalled costs this save, not the step.
+  CKPT_ASSIGN_OR_RETURN(ReceivedFds answer, RequestFds(path, kDepositPayload, 0, {&fd, 1}, kDepositTimeout));
   std::string_view text = answer.payload;
   if (text.substr(0, kDepositAccepted.size()) != kDepositAccepted) {
     return absl::FailedPreconditionError(fmt::format(
@@ -603,6 +606,10 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
   // snapshot point, so that the trainer waits for nothing after it.
   std::string deposit_token;
   if (shm::EncodedSize(payload) > shm::kSlotPayloadBytes) {
+    if (impl_->producer->Full()) {  // refused below anyway: nothing handed over for nothing
+      return absl::ResourceExhaustedError(fmt::format(
+          "command ring full: ckptd has not picked up the last {} snapshots", shm::kRingSlots));
+    }
     CKPT_ASSIGN_OR_RETURN(deposit_token, DepositPayload(impl_->options.socket, payload));
   }
   std::lock_guard lock(impl_->publish_mu);

@@ -58,6 +58,9 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
   do {
     n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    return absl::DeadlineExceededError("no answer within the socket's receive timeout");
+  }
   if (n < 0) return ErrnoStatus(errno, "recvmsg");
   // Take ownership of whatever arrived before judging the message, so nothing leaks.
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
@@ -89,7 +92,8 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
 namespace {
 
 absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_view request,
-                                        size_t max_fds, std::span<const int> send) {
+                                        size_t max_fds, std::span<const int> send,
+                                        std::chrono::milliseconds timeout) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -101,6 +105,11 @@ absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_vie
       ::connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return absl::UnavailableError(fmt::format("cannot reach {}: {}", path, std::strerror(errno)));
   }
+  // A ckptd that stalled (stopped, swapping) never answers: the caller, maybe a training
+  // step, waits no longer than `timeout`.
+  timeval limit{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof limit);
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_SNDTIMEO, &limit, sizeof limit);
   if (absl::Status sent = SendFds(sock.get(), send, request); !sent.ok()) {
     // ckptd turns a connection away (kBusy: too many at once) by answering before it reads
     // anything, then closing: the send can fail with EPIPE while the answer waits unread.
@@ -114,19 +123,24 @@ absl::StatusOr<ReceivedFds> RequestOnce(const std::string& path, std::string_vie
     }
     return absl::UnavailableError(fmt::format("send to {}: {}", path, Message(sent)));
   }
-  return RecvFds(sock.get(), max_fds, 4096);
+  absl::StatusOr<ReceivedFds> answer = RecvFds(sock.get(), max_fds, 4096);
+  if (absl::IsDeadlineExceeded(answer.status())) {
+    return absl::UnavailableError(fmt::format("{} did not answer within {} ms", path, timeout.count()));
+  }
+  return answer;
 }
 
 }  // namespace
 
 absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
-                                       size_t max_fds, std::span<const int> send) {
+                                       size_t max_fds, std::span<const int> send,
+                                       std::chrono::milliseconds timeout) {
   using std::chrono::milliseconds;
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
   std::minstd_rand jitter(std::random_device{}());
   milliseconds backoff(2);
   while (true) {
-    absl::StatusOr<ReceivedFds> answer = RequestOnce(path, request, max_fds, send);
+    absl::StatusOr<ReceivedFds> answer = RequestOnce(path, request, max_fds, send, timeout);
     bool busy = answer.ok() && answer->payload.starts_with(kBusy);
     if (!busy || std::chrono::steady_clock::now() + backoff > give_up) return answer;
     // Jittered, so that ranks turned away together do not all come back together.

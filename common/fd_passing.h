@@ -3,6 +3,8 @@
 // virtual memory API, PyTorch's expandable segments).
 #pragma once
 
+#include <chrono>
+
 #include <cstddef>
 #include <span>
 #include <string>
@@ -34,10 +36,12 @@ absl::StatusOr<ReceivedFds> RecvFds(int socket, size_t max_fds, size_t max_paylo
 // Connects to the Unix socket at `path`, sends `request` with `send` attached and receives
 // the answer (at most `max_fds` descriptors and 4 KiB of text): how a trainer hands ckptd
 // its arenas and asks for its control block. An answer of kBusy is retried, with backoff,
-// for up to 10 s (a node's ranks of one user register at once; ckptd serves a few
-// connections per user at a time).
+// for up to `timeout` (a node's ranks of one user register at once; ckptd serves a few
+// connections per user at a time). Gives up after `timeout` in all (Unavailable), also when
+// ckptd accepted the connection and stalled.
 absl::StatusOr<ReceivedFds> RequestFds(const std::string& path, std::string_view request,
-                                       size_t max_fds, std::span<const int> send = {});
+                                       size_t max_fds, std::span<const int> send = {},
+                                       std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
 // ckptd's descriptor socket, beside the trainers' gRPC socket (gRPC cannot carry
 // descriptors). One request per connection, the first message; the answer is one message.

@@ -75,6 +75,7 @@ std::string Config::ToJson() const {
                       {"admin_addr", admin_addr},
                       {"admin_allow_remote", admin_allow_remote},
                       {"admin_token_file", admin_token_file},
+                      {"metrics_addr", metrics_addr},
                       {"staging_bytes", staging_bytes},
                       {"staging_chunk_bytes", staging_chunk_bytes},
                       {"prefault_staging", prefault_staging},
@@ -131,6 +132,8 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--admin-token-file", c.admin_token_file,
                  "file holding the token that delete calls over --admin-addr must carry")
       ->envname("CKPTD_ADMIN_TOKEN_FILE");
+  app.add_option("--metrics-addr", c.metrics_addr,
+                 "serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: 127.0.0.1)");
   app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")->capture_default_str();
   app.add_option("--staging-chunk", staging_chunk,
                  "bytes per staging copy call; the shard writer starts on each chunk once it "
@@ -282,6 +285,10 @@ ParseResult ParseFlags(int argc, char** argv) {
     }
     *out = *ms;
   }
+  // Loopback unless an address is named: the figures name jobs.
+  if (!c.metrics_addr.empty() && c.metrics_addr.find(':') == std::string::npos) c.metrics_addr = ":" + c.metrics_addr;
+  if (c.metrics_addr.rfind(':', 0) == 0) c.metrics_addr = "127.0.0.1" + c.metrics_addr;
+  if (c.metrics_addr.rfind("localhost:", 0) == 0) c.metrics_addr = "127.0.0.1" + c.metrics_addr.substr(9);
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
   c.remote_mode = remote_mode == "direct" ? RemoteMode::kDirect : RemoteMode::kTiered;
   return result;
@@ -309,6 +316,14 @@ absl::Status Validate(const Config& c) {
           "--admin-addr {} is not a loopback address; add --admin-allow-remote to expose the "
           "admin API beyond this host",
           c.admin_addr));
+    }
+  }
+  if (!c.metrics_addr.empty()) {
+    auto colon = c.metrics_addr.rfind(':');
+    const std::string port = c.metrics_addr.substr(colon + 1);
+    if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
+        std::stoi(port) > 65535) {
+      return bad(fmt::format("--metrics-addr \"{}\" is not HOST:PORT (or PORT for 127.0.0.1)", c.metrics_addr));
     }
   }
   if (c.num_nodes == 0 || c.num_nodes > 65536) return bad("--num-nodes must be 1..65536");

@@ -21,6 +21,9 @@ struct Config {
   // Holds the token that destructive admin calls over --admin-addr must carry; empty:
   // they are refused over TCP (the Unix socket, where peers are checked, still allows them).
   std::string admin_token_file;
+  // Prometheus metrics at http://HOST:PORT/metrics; empty: none. "PORT" or ":PORT" mean
+  // 127.0.0.1:PORT (ParseFlags writes it so).
+  std::string metrics_addr;
   uint64_t staging_bytes = 4ull << 30;
   uint64_t staging_chunk_bytes = 128ull << 20;  // per copy call; writing follows chunk by chunk
   bool prefault_staging = true;

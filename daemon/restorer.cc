@@ -10,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/dtype_convert.h"
 #include "common/log.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "common/parallel.h"
 #include "common/status.h"
 #include "format/tiling.h"
@@ -212,6 +213,12 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"
                        : result.source == RestoreResult::Source::kRemote ? "the remote tier"
                                                                          : "disk";
+  const char* tier = result.source == RestoreResult::Source::kMemory   ? "memory"
+                     : result.source == RestoreResult::Source::kRemote ? "remote"
+                                                                       : "disk";
+  metrics::Metrics().restore_seconds.With({tier}).Observe(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  metrics::Metrics().restored_bytes.With({tier}).Add(static_cast<double>(result.bytes));
   log::Get(log::Component::kControl)
       .info("[{}/r{} s{}] restored {} tensors ({} bytes, {} read from storage; {} skipped) from {} in {:.1f} ms",
             session.job, session.rank, step, result.tensors, result.bytes, result.bytes_read,
@@ -419,9 +426,10 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     const RegisteredTensor& t = *matched[i];
     char* into = bounce + offset;
     const std::string saved_dtype = wanted[i].dtype;
-    auto read = [&reader, &tensor = plan->tensors[i], into, &t, saved_dtype, cast = cast[i]]() -> absl::Status {
+    const bool convert = cast[i];  // a copy: vector<bool>'s element is a proxy into the vector
+    auto read = [&reader, &tensor = plan->tensors[i], into, &t, saved_dtype, convert]() -> absl::Status {
       CKPT_RETURN_IF_ERROR(reader.Read(tensor, into));
-      if (!cast) return absl::OkStatus();
+      if (!convert) return absl::OkStatus();
       CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(saved_dtype));
       ConvertElements(saved_dtype, t.dtype, into, into, tensor.bytes / itemsize);
       return absl::OkStatus();

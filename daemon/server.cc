@@ -19,7 +19,11 @@
 #include "daemon/commit/group_committer.h"
 #include "daemon/commit/single_node_committer.h"
 #include "daemon/control/admin_service.h"
+#include "daemon/control/node_figures.h"
 #include "daemon/control/status_board.h"
+#include "daemon/metrics/daemon_metrics.h"
+#include "daemon/metrics/http_exporter.h"
+#include "daemon/metrics/last_commits.h"
 #include "daemon/control/trainer_service.h"
 #include "daemon/control/unix_listener.h"
 #include "daemon/group/decision_log.h"
@@ -133,6 +137,9 @@ struct Server::Parts {
   std::unique_ptr<ControlFdServer> control_fds;  // hands trainers their control blocks
   std::unique_ptr<UnixListener> listener;
   std::unique_ptr<RemoteCheck> remote_check;  // writes to `board`: gone before it
+  metrics::LastCommits last_commits;  // each job's last commit, for the per-job gauges
+  // --metrics-addr: reads every part above at each scrape, so it goes first.
+  std::unique_ptr<metrics::HttpExporter> metrics_http;
   bool shut_down = false;
 };
 
@@ -449,6 +456,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   hooks.committed = [parts = p.get(), own_steps](const format::Manifest& manifest,
                                                  const std::vector<StagedSnapshotPtr>& local) {
     parts->board.checkpoints_committed++;
+    metrics::Metrics().checkpoints.With({"committed"}).Add();
+    parts->last_commits.Record(manifest.job, manifest.step, std::chrono::system_clock::now());
     parts->hot->Insert(local);
     // On a shared store retention and uploads are the coordinator's (every node would
     // delete, or upload, the same).
@@ -468,6 +477,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   };
   hooks.failed = [board = &p->board](const std::string& job, uint64_t step, const std::string& m) {
     board->checkpoints_failed++;
+    metrics::Metrics().checkpoints.With({"failed"}).Add();
     board->RecordError(fmt::format("[{} s{}] {}", job, step, m));
   };
   hooks.progress = [progress = &p->progress] { progress->Notify(); };
@@ -486,7 +496,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     p->save_clock = MakeLocalSaveClock();
   }
   p->writes = std::make_unique<persist::WriteQueue>(
-      *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads},
+      *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads, storage::IsS3Url(config.root) ? "remote" : "local"},
       [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });
   if (grouped) {
     p->group_member = std::make_unique<group::GroupMember>(
@@ -586,6 +596,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
   CKPT_ASSIGN_OR_RETURN(p->control_fds, ControlFdServer::Start(DescriptorSocketPath(config.socket),
                                                                p->sessions, p->arenas, policy));
+  if (!config.metrics_addr.empty()) {
+    NodeFigureSources figures{*p->pool, *p->ledger, p->sessions, p->last_commits, sources.group_status};
+    CKPT_ASSIGN_OR_RETURN(p->metrics_http,
+                          metrics::HttpExporter::Start(config.metrics_addr, [figures] {
+                            metrics::Exposition out;
+                            metrics::Metrics().registry.Render(out);
+                            CollectNodeFigures(figures, out);
+                            return out.Take();
+                          }));
+    log.info("metrics at http://{}:{}/metrics", config.metrics_addr.substr(0, config.metrics_addr.rfind(':')),
+             p->metrics_http->port());
+  }
   CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy, p->peers));
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));

@@ -48,6 +48,10 @@ absl::StatusOr<ControlBlock*> ValidateControlBlock(void* memory, size_t size) {
   return block;
 }
 
+bool CommandProducer::Full() const {
+  return block_->tail.load(std::memory_order_relaxed) - block_->head.load(std::memory_order_acquire) >= kRingSlots;
+}
+
 template <typename Fill>
 absl::StatusOr<uint64_t> CommandProducer::Publish(uint64_t step, uint32_t wait_client_copy,
                                                   const Fill& fill) {
@@ -226,7 +230,8 @@ std::optional<Command> CommandConsumer::Next(std::chrono::nanoseconds wait) {
   const uint32_t payload_bytes = once(slot.payload_bytes);
   const bool deposited = kind == kCommandSnapshotDeposited;
   if (command.ticket != head + 1 || (kind != kCommandSnapshot && !deposited) ||
-      payload_bytes > (deposited ? kMaxDepositTokenBytes : kSlotPayloadBytes)) {
+      payload_bytes > (deposited ? kMaxDepositTokenBytes : kSlotPayloadBytes) ||
+      (deposited && payload_bytes == 0)) {
     command.ticket = head + 1;
     command.payload = absl::InvalidArgumentError("malformed command in the session ring");
   } else {

@@ -38,6 +38,8 @@ class CommandProducer {
   // picked up kRingSlots earlier commands). Never blocks.
   absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const SnapshotPayload& payload,
                                            uint32_t wait_client_copy = 0);
+  // Whether PublishSnapshot would find the ring full now (only this producer fills it).
+  bool Full() const;
   // The same for a payload handed over as a sealed memfd (kCommandSnapshotDeposited):
   // `deposit_token` is what ckptd answered for it.
   absl::StatusOr<uint64_t> PublishDepositedSnapshot(uint64_t step, std::string_view deposit_token,

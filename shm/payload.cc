@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cstdint>
 #include <cstring>
 
 namespace ckpt::shm {
@@ -38,6 +39,7 @@ class Reader {
     pos_ += sizeof *v;
     return true;
   }
+  bool AtEnd() const { return pos_ == size_; }
   bool String(std::string* s) {
     uint32_t n;
     if (!U32(&n) || size_ - pos_ < n) return false;
@@ -75,6 +77,24 @@ size_t EncodedSize(const SnapshotPayload& payload) {
 
 absl::StatusOr<size_t> EncodePayload(const SnapshotPayload& payload, uint8_t* out,
                                      size_t capacity) {
+  // Lengths are 32-bit: a larger entry would be written as its size modulo 2^32.
+  for (const auto& [key, value] : payload.metadata) {
+    if (value.size() > UINT32_MAX || key.size() > UINT32_MAX) {
+      return absl::InvalidArgumentError(fmt::format("metadata \"{}\" is larger than 4 GiB", key.substr(0, 64)));
+    }
+  }
+  for (const auto& blob : payload.train_state) {
+    if (blob.data.size() > UINT32_MAX || blob.name.size() > UINT32_MAX) {
+      return absl::InvalidArgumentError(fmt::format(
+          "train state \"{}\" takes {} bytes; one entry holds at most 4 GiB (put it in a tensor)",
+          blob.name.substr(0, 64), blob.data.size()));
+    }
+  }
+  if (payload.metadata.size() > kMaxPayloadEntries || payload.train_state.size() > kMaxPayloadEntries) {
+    return absl::InvalidArgumentError(fmt::format(
+        "{} metadata entries and {} train-state entries; at most {} of each", payload.metadata.size(),
+        payload.train_state.size(), kMaxPayloadEntries));
+  }
   size_t needed = EncodedSize(payload);
   if (needed > capacity) {
     return absl::ResourceExhaustedError(fmt::format(
@@ -91,18 +111,21 @@ absl::StatusOr<SnapshotPayload> DecodePayload(const uint8_t* data, size_t size) 
   SnapshotPayload payload;
   uint32_t count;
   auto malformed = [] { return absl::InvalidArgumentError("malformed snapshot payload"); };
-  if (!r.U32(&count)) return malformed();
+  // Counts are bounded before anything is allocated: 12 million empty entries fit in
+  // 100 MB of payload and would take a gigabyte once decoded.
+  if (!r.U32(&count) || count > kMaxPayloadEntries) return malformed();
   for (uint32_t i = 0; i < count; ++i) {
     std::string key, value;
     if (!r.String(&key) || !r.String(&value)) return malformed();
     payload.metadata[key] = std::move(value);
   }
-  if (!r.U32(&count)) return malformed();
+  if (!r.U32(&count) || count > kMaxPayloadEntries) return malformed();
   for (uint32_t i = 0; i < count; ++i) {
     NamedBlob blob;
     if (!r.String(&blob.name) || !r.String(&blob.data)) return malformed();
     payload.train_state.push_back(std::move(blob));
   }
+  if (!r.AtEnd()) return malformed();  // what follows the last entry was never written by a client
   return payload;
 }
 

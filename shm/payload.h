@@ -22,10 +22,14 @@ struct SnapshotPayload {
   std::vector<NamedBlob> train_state;
 };
 
+// Metadata entries, and train-state entries, one payload may hold.
+inline constexpr uint32_t kMaxPayloadEntries = 16384;
+
 // Bytes EncodePayload would write.
 size_t EncodedSize(const SnapshotPayload& payload);
 
-// Writes `payload` to out[0, capacity); ResourceExhausted when it does not fit.
+// Writes `payload` to out[0, capacity); ResourceExhausted when it does not fit,
+// InvalidArgument for an entry over 4 GiB or more than kMaxPayloadEntries entries.
 absl::StatusOr<size_t> EncodePayload(const SnapshotPayload& payload, uint8_t* out,
                                      size_t capacity);
 

@@ -1,5 +1,10 @@
 #include "shm/payload_segment.h"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <vector>
+
 #include "common/status.h"
 
 namespace ckpt::shm {
@@ -15,6 +20,18 @@ absl::StatusOr<SealedSegmentPtr> EncodeToSegment(const SnapshotPayload& payload,
 
 absl::StatusOr<SnapshotPayload> DecodeSegment(const SealedSegment& segment) {
   return DecodePayload(static_cast<const uint8_t*>(segment.data()), segment.size());
+}
+
+absl::StatusOr<SnapshotPayload> DecodeMemfd(int fd, size_t size) {
+  std::vector<uint8_t> copy(size);
+  for (size_t done = 0; done < size;) {
+    ssize_t n = ::pread(fd, copy.data() + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return ErrnoStatus(errno, "reading the snapshot payload");
+    if (n == 0) return absl::InvalidArgumentError("the snapshot payload is shorter than its memfd");
+    done += static_cast<size_t>(n);
+  }
+  return DecodePayload(copy.data(), copy.size());
 }
 
 }  // namespace ckpt::shm

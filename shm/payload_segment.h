@@ -15,8 +15,13 @@ namespace ckpt::shm {
 absl::StatusOr<SealedSegmentPtr> EncodeToSegment(const SnapshotPayload& payload,
                                                  const std::string& debug_name);
 
-// Decodes what the other side wrote; its writer may still be writing (each length is
-// read once and checked, so a torn write tears only its own bytes).
+// Decodes what ckptd wrote (the trainer's side of a restore).
 absl::StatusOr<SnapshotPayload> DecodeSegment(const SealedSegment& segment);
+
+// Decodes the payload in a trainer's memfd (ckptd's side of a snapshot), never mapping it:
+// its bytes are copied out with pread first, so holes punched in it read as zeros instead
+// of faulting ckptd (SIGBUS), and a trainer still writing it can tear nothing but the copy's
+// own bytes. `size` is the memfd's, already checked by the caller.
+absl::StatusOr<SnapshotPayload> DecodeMemfd(int fd, size_t size);
 
 }  // namespace ckpt::shm

@@ -7,6 +7,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "daemon/persist/write_queue.h"
 
 namespace ckpt::daemon::commit {
@@ -121,6 +122,8 @@ void CommitterBase::FinishCommitted(const Key& key, const format::Manifest& mani
     if (it == steps_.end()) return;
     waiting = std::move(it->second.waiting);
     for (auto& [rank, entry] : it->second.durable) local.push_back(entry.first);
+    metrics::Metrics().commit_seconds.With({"node"}).Observe(
+        std::chrono::duration<double>(Clock::now() - it->second.started).count());
     steps_.erase(it);
   }
   Log().info("[{} s{}] committed: {} ranks, {} bytes", key.first, key.second, manifest.world_size,

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
 #include "common/status.h"
 
@@ -165,6 +166,7 @@ void GroupCommitter::ReleaseInDoubt(const Key& key, double waited_s) {
     if (w == watches_.end()) return;
     w->second.released = true;
   }
+  metrics::Metrics().Fail(metrics::Cause::kTimeout);
   FinishAborted(key,
                 fmt::format("outcome unknown: the coordinator has not decided step {} after {:.0f} "
                             "s; this node keeps its shards and commits or removes them when it "
@@ -189,7 +191,14 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
       return;
     }
     applying_.insert(key);
-    if (watched) watches_.erase(watch);
+    if (watched) {
+      // The group's round as this node saw it: from its first rank durable to the decision.
+      if (watch->second.since != Clock::time_point{}) {
+        metrics::Metrics().commit_seconds.With({"group"}).Observe(
+            std::chrono::duration<double>(Clock::now() - watch->second.since).count());
+      }
+      watches_.erase(watch);
+    }
   }
   struct Done {
     GroupCommitter* self;
@@ -203,6 +212,7 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     std::string why = decision.reason.empty() ? "aborted by the coordinator" : decision.reason;
     if (why.rfind("aborted", 0) != 0) why = "aborted: " + why;
     if (ours) {
+      metrics::Metrics().Fail(metrics::Cause::kGroup);
       FinishAborted(key, why);
     } else {
       DiscardUnfinished(key);  // a step in doubt: only its files are left
@@ -221,6 +231,7 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
   if (!published.ok()) {
     Log().error("[{} s{}] committed globally, but not published here: {}", key.first, key.second,
                 Message(published));
+    if (ours) metrics::Metrics().Fail(metrics::Cause::kStorage);
     if (ours) FinishAborted(key,
                   fmt::format("step {} committed globally, but this node could not publish its "
                               "part: {}",

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "format/tiling.h"
@@ -56,6 +57,7 @@ void SingleNodeCommitter::Commit(const Key& key) {
   }
   absl::Status committed = manifest.ok() ? store_.Commit(*manifest) : manifest.status();
   if (!committed.ok()) {
+    metrics::Metrics().Fail(metrics::Cause::kStorage);
     FinishAborted(key, fmt::format("commit of step {} failed: {}", key.second, Message(committed)));
     return;
   }
@@ -107,7 +109,10 @@ void SingleNodeCommitter::TimeoutLoop() {
                            step.world_size, std::chrono::duration<double>(now - step.started).count()));
     }
     lock.unlock();
-    for (const auto& [key, why] : expired) FinishAborted(key, why);
+    for (const auto& [key, why] : expired) {
+      metrics::Metrics().Fail(metrics::Cause::kTimeout);
+      FinishAborted(key, why);
+    }
     lock.lock();
   }
 }

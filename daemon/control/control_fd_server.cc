@@ -198,6 +198,7 @@ void ControlFdServer::SendTrainState(int conn, const PeerIdentity& caller,
   const int fd = state->fd();
   if (absl::Status sent = SendFds(conn, {&fd, 1}, "ok"); !sent.ok()) {
     Log().warn("could not hand session {} its restored train state: {}", session_id, Message(sent));
+    (*session)->SetRestoredTrainState(std::move(state));  // for the trainer's next try
   }
 }
 

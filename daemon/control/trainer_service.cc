@@ -208,7 +208,19 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     uint64_t state_bytes = 0;
     for (const shm::NamedBlob& blob : result.train_state) state_bytes += blob.data.size();
     if (state_bytes > kInlineTrainStateBytes) {
-      // Shared memory, like the tensors: a reply stays small whatever the train state.
+      // Shared memory, like the tensors: a reply stays small whatever the train state. What
+      // one user's sessions leave unfetched is bounded by the staging budget (and each is
+      // dropped after Session::kRestoredStateKept).
+      uint64_t waiting = 0;
+      for (const SessionPtr& other : sessions_.All()) {
+        if (other->uid() == caller.uid && other != s) waiting += other->restored_state_bytes();
+      }
+      if (waiting + state_bytes > limits_.staging_bytes) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "restore: this user's sessions hold {} bytes of restored train state not yet fetched; "
+            "{} more would pass --staging-bytes ({})",
+            waiting, state_bytes, limits_.staging_bytes));
+      }
       shm::SnapshotPayload state{.train_state = std::move(result.train_state)};
       CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment,
                             shm::EncodeToSegment(state, fmt::format("ckptd-restored-{}", s->id())));

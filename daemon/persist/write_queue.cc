@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/metrics/daemon_metrics.h"
 
 namespace ckpt::persist {
 namespace {
@@ -89,15 +90,24 @@ void WriteQueue::Loop() {
 void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
   auto dir = listener_.StepDirectory(snapshot);
   if (!dir.ok()) {
+    if (!absl::IsAborted(dir.status())) metrics::Metrics().Fail(metrics::Cause::kStorage);  // else: the step ended
     listener_.Failed(snapshot, Message(dir.status()));
     return;
   }
+  const auto started = std::chrono::steady_clock::now();
   auto written = writer_.Write(snapshot->shard, *dir);
+  metrics::DaemonMetrics& metrics = metrics::Metrics();
   if (!written.ok()) {
+    // Aborted: the trainer abandoned the snapshot during its copy (torn tensors, never
+    // written); anything else is the store's.
+    metrics.Fail(absl::IsAborted(written.status()) ? metrics::Cause::kTrainer : metrics::Cause::kStorage);
     listener_.Failed(snapshot,
                      fmt::format("writing rank {}: {}", snapshot->rank, Message(written.status())));
     return;
   }
+  metrics.write_seconds.With({options_.tier}).Observe(
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+  metrics.written_bytes.With({options_.tier}).Add(static_cast<double>(written->bytes));
   if (on_written_) on_written_(written->bytes);
   Log().debug("[{} s{}] r{} shard written ({} bytes)", snapshot->job, snapshot->step,
               snapshot->rank, written->bytes);

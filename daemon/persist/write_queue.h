@@ -25,6 +25,7 @@ class WriteQueue : public daemon::SnapshotSink {
  public:
   struct Options {
     int io_threads = 2;
+    std::string tier = "local";  // what the store is, for metrics: local, or remote (--remote-mode direct)
   };
   // `on_written(bytes)` counts persisted bytes for status.
   WriteQueue(ShardWriter& writer, WriteListener& listener, daemon::ProgressSignal& progress,

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <random>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "common/log.h"
@@ -18,6 +19,7 @@
 #include "common/status.h"
 #include "common/dtype.h"
 #include "format/manifest.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "shm/futex.h"
 #include "shm/payload_segment.h"
 #include "shm/prefault.h"
@@ -25,7 +27,61 @@
 namespace ckpt::daemon {
 namespace {
 
+// Bytes of trainers' payloads being copied out and decoded now, in every session of the
+// process: held in ckptd's heap outside the staging pool, so bounded by its size.
+struct PayloadsInDecode {
+  static inline std::atomic<uint64_t> bytes{0};
+  class Slot {
+   public:
+    bool Take(uint64_t n, uint64_t limit) {
+      uint64_t now = bytes.load();
+      do {
+        if (now + n > limit) return false;
+      } while (!bytes.compare_exchange_weak(now, now + n));
+      taken_ = n;
+      return true;
+    }
+    ~Slot() { bytes -= taken_; }
+
+   private:
+    uint64_t taken_ = 0;
+  };
+};
+
 spdlog::logger& Log() { return log::Get(log::Component::kSession); }
+
+// The payload `trainer` handed over under `token` (a kCommandSnapshotDeposited command),
+// holding `slot` for its size until the caller has staged it.
+absl::StatusOr<shm::SnapshotPayload> RedeemPayload(ArenaDeposits* deposits, const PeerIdentity& trainer,
+                                                   uint64_t staging_bytes, const std::string& token,
+                                                   PayloadsInDecode::Slot& slot) {
+  if (deposits == nullptr) {
+    return absl::FailedPreconditionError("this ckptd takes no snapshot payloads handed over as memory");
+  }
+  // Only this session's trainer can have deposited it (the kernel's word on who it was).
+  CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
+                        deposits->Take(token, trainer, ArenaDeposits::Kind::kPayload));
+  struct stat st {};
+  if (::fstat(fds[0].get(), &st) != 0) return ErrnoStatus(errno, "the snapshot payload's memfd");
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  // Checked before a byte is copied: decoding holds the payload in ckptd's heap until it
+  // is staged, and staging could never take more than the whole budget anyway.
+  if (size > staging_bytes) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "the snapshot's metadata and train state take {} bytes, more than ckptd's whole staging "
+        "budget ({} bytes, --staging-bytes): keep large state in registered tensors, or give "
+        "ckptd a larger budget",
+        size, staging_bytes));
+  }
+  // And every session's payloads being decoded and staged at once are bounded by it too.
+  if (!slot.Take(size, staging_bytes)) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "ckptd is decoding other large train states ({} bytes of --staging-bytes {}); this "
+        "snapshot's {} bytes were not taken",
+        PayloadsInDecode::bytes.load(), staging_bytes, size));
+  }
+  return shm::DecodeMemfd(fds[0].get(), size);
+}
 
 std::string RandomId() {
   std::random_device rd;
@@ -483,18 +539,30 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, SessionEvents& 
 
 void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                              SessionEvents& events) {
-  auto reject = [&](shm::TicketStateValue state, const std::string& why) {
+  const auto taken = std::chrono::steady_clock::now();
+  metrics::DaemonMetrics& metrics = metrics::Metrics();
+  // Every refusal is counted by outcome and, but for a daemon shutting down, by cause: the
+  // trainer's own doing unless the staging budget said no.
+  auto reject = [&](shm::TicketStateValue state, const std::string& why,
+                    std::optional<metrics::Cause> cause = metrics::Cause::kTrainer) {
+    metrics.snapshots.With({state == shm::kTicketRejected ? "rejected" : "failed"}).Add();
+    if (cause) metrics.Fail(*cause);
     Log().warn("[{}/r{} s{}] snapshot {}: {}", job_, rank_, command.step,
                state == shm::kTicketRejected ? "rejected" : "failed", why);
     events.SnapshotRejected(fmt::format("[{}/r{} s{}] {}", job_, rank_, command.step, why));
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
+  PayloadsInDecode::Slot decoding;  // held until the payload is staged
   if (!command.deposit_token.empty()) {
-    command.payload = RedeemPayload(command.deposit_token);
+    PeerIdentity trainer;
+    trainer.pid = pid_;
+    trainer.uid = uid_;
+    command.payload = RedeemPayload(deposits_, trainer, staging_bytes_, command.deposit_token, decoding);
     if (!command.payload.ok()) {
       bool busy = absl::IsResourceExhausted(command.payload.status());
-      return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(command.payload.status()));
+      return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(command.payload.status()),
+                    busy ? metrics::Cause::kBudget : metrics::Cause::kTrainer);
     }
   }
   if (consumer_->Abandoned(command.ticket)) {
@@ -505,7 +573,8 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   if (refusing_) {
     return reject(shm::kTicketRejected,
                   "ckptd is shutting down: this snapshot was not taken (those already staged "
-                  "are still written)");
+                  "are still written)",
+                  std::nullopt);
   }
   if (command.wait_client_copy != 0 &&
       !consumer_->WaitClientCopy(command.wait_client_copy, std::chrono::seconds(60))) {
@@ -539,52 +608,49 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     // The trainer may write from here: after the copy, or, for a copy-on-write snapshot,
     // before it. The step may already be committed by then (its writer finished the moment
     // the last byte landed); the ring keeps a decided ticket decided.
-    auto release = [&] { return MarkStaged(command.ticket); };
+    auto release = [&] {
+      if (!MarkStaged(command.ticket)) return false;
+      metrics.snapshot_seconds.With({}).Observe(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - taken).count());
+      return true;
+    };
     staged = stager.Stage(view(), command.step, std::move(*command.payload), submit, release);
   }
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());
-    return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()));
+    return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()),
+                  busy ? metrics::Cause::kBudget : metrics::Cause::kTrainer);
   }
   events.SnapshotStaged();
+  metrics.snapshots.With({"staged"}).Add();
+  metrics.staging_seconds.With({}).Observe((*staged)->copy_seconds);
+  metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes));
   Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
               (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
               (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
 }
 
-absl::StatusOr<shm::SnapshotPayload> Session::RedeemPayload(const std::string& token) {
-  if (deposits_ == nullptr) {
-    return absl::FailedPreconditionError("this ckptd takes no snapshot payloads handed over as memory");
-  }
-  // Only this session's trainer can have deposited it (the kernel's word on who it was).
-  PeerIdentity trainer;
-  trainer.pid = pid_;
-  trainer.uid = uid_;
-  CKPT_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds,
-                        deposits_->Take(token, trainer, ArenaDeposits::Kind::kPayload));
-  CKPT_ASSIGN_OR_RETURN(shm::SealedSegmentPtr segment, shm::SealedSegment::Map(std::move(fds[0])));
-  // Checked before a byte is copied: decoding holds the payload in ckptd's heap until it
-  // is staged, and staging could never take more than the whole budget anyway.
-  if (segment->size() > staging_bytes_) {
-    return absl::ResourceExhaustedError(fmt::format(
-        "the snapshot's metadata and train state take {} bytes, more than ckptd's whole staging "
-        "budget ({} bytes, --staging-bytes): keep large state in registered tensors, or give "
-        "ckptd a larger budget",
-        segment->size(), staging_bytes_));
-  }
-  // The trainer can still write the memory while it is decoded: every length is read once
-  // and checked, so it can tear only its own train state.
-  return shm::DecodeSegment(*segment);
-}
-
 void Session::SetRestoredTrainState(shm::SealedSegmentPtr state) {
   std::lock_guard lock(restored_mu_);
   restored_train_state_ = std::move(state);
+  restored_at_ = std::chrono::steady_clock::now();
+  restored_bytes_ = restored_train_state_ ? restored_train_state_->size() : 0;
 }
 
 shm::SealedSegmentPtr Session::TakeRestoredTrainState() {
   std::lock_guard lock(restored_mu_);
+  restored_bytes_ = 0;
   return std::move(restored_train_state_);
+}
+
+void Session::Heartbeat() {
+  consumer_->Heartbeat();
+  // A restore's train state its trainer never fetched (it died, or lies) is not kept.
+  std::lock_guard lock(restored_mu_);
+  if (restored_train_state_ && std::chrono::steady_clock::now() - restored_at_ > kRestoredStateKept) {
+    restored_train_state_.reset();
+    restored_bytes_ = 0;
+  }
 }
 
 absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {

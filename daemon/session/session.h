@@ -93,7 +93,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Tells the trainer this daemon is alive (SessionRegistry's ticker, every 100 ms).
-  void Heartbeat() { consumer_->Heartbeat(); }
+  // Also drops a restored train state left unfetched for kRestoredStateKept.
+  void Heartbeat();
   // Checks the trainer now rather than at the command thread's next tick.
   bool CheckTrainerAlive();
   bool ended() const { return ended_.load(); }
@@ -111,6 +112,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   // it on the descriptor socket (ControlFdServer); a later restore replaces it.
   void SetRestoredTrainState(shm::SealedSegmentPtr state);
   shm::SealedSegmentPtr TakeRestoredTrainState();
+  uint64_t restored_state_bytes() const { return restored_bytes_.load(); }  // waiting to be fetched
+  static constexpr std::chrono::seconds kRestoredStateKept{60};
 
   // Serialises restores with snapshots of this session.
   std::timed_mutex& data_mutex() { return data_mu_; }
@@ -134,8 +137,6 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   void HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink& persist,
                       SessionEvents& events);
   bool PollTrainerAlive();
-  // The payload the trainer handed over under `token` (a kCommandSnapshotDeposited command).
-  absl::StatusOr<shm::SnapshotPayload> RedeemPayload(const std::string& token);
   // Staged, unless the trainer abandoned the ticket first (false).
   bool MarkStaged(uint64_t ticket);
   // Counts one more arena (refusing the same memory twice, and beyond the budget).
@@ -190,6 +191,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint64_t staging_bytes_ = 0;  // the daemon's whole staging budget: no payload is larger
   std::mutex restored_mu_;
   shm::SealedSegmentPtr restored_train_state_;  // guarded by restored_mu_
+  std::chrono::steady_clock::time_point restored_at_;  // guarded by restored_mu_
+  std::atomic<uint64_t> restored_bytes_{0};
 };
 
 using SessionPtr = std::shared_ptr<Session>;

@@ -63,4 +63,14 @@ void StagingLedger::Release(uid_t uid, const std::string& job, size_t bytes) {
   }
 }
 
+std::map<std::string, size_t> StagingLedger::InFlightByJob() const {
+  std::lock_guard lock(mu_);
+  return of_job_;
+}
+
+std::map<uid_t, size_t> StagingLedger::InFlightByUser() const {
+  std::lock_guard lock(mu_);
+  return of_user_;
+}
+
 }  // namespace ckpt::daemon

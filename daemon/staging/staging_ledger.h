@@ -53,6 +53,9 @@ class StagingLedger {
 
   size_t in_flight(const std::string& job) const;
   size_t in_flight_of_user(uid_t uid) const;
+  // Every job's and user's bytes in flight now (metrics).
+  std::map<std::string, size_t> InFlightByJob() const;
+  std::map<uid_t, size_t> InFlightByUser() const;
 
  private:
   void Release(uid_t uid, const std::string& job, size_t bytes);

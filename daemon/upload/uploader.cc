@@ -8,6 +8,7 @@
 #include <set>
 #include <tuple>
 
+#include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
 #include "common/status.h"
 #include "format/checksum.h"
@@ -423,6 +424,8 @@ void Uploader::Loop() {
     std::unique_lock lock(mu_);
     JobState& state = jobs_[job];
     if (s.ok()) {
+      metrics::Metrics().upload_seconds.With({}).Observe(SecondsSince(started));
+      metrics::Metrics().uploaded_bytes.With({}).Add(static_cast<double>(progress_.bytes_total));
       Log().info("[{} s{}] in the remote tier {} ({} bytes from this node in {:.2f} s, {} of them "
                  "read from staging memory)", job, step,
                  options_.publishes ? "(manifest written)" : "(this node's part)",
@@ -449,6 +452,7 @@ void Uploader::Loop() {
       current_.reset();
       return;
     }
+    metrics::Metrics().Fail(metrics::Cause::kStorage);
     const std::string message = fmt::format("[{} s{}] upload: {}", job, step, Message(s));
     state.last_error = Message(s);
     if (absl::IsAlreadyExists(s)) {

@@ -119,6 +119,19 @@ TEST_CASE("a busy answer is retried until the server takes the request") {
   CHECK(got->payload == "served hello");
 }
 
+TEST_CASE("a server that accepts and never answers costs the caller its timeout, no more") {
+  std::string path = fmt::format("/tmp/ckpt-fd-test-stall-{}.sock", ::getpid());
+  UniqueFd listener = Listen(path);  // the backlog accepts; nobody reads or answers (a stopped ckptd)
+  auto start = std::chrono::steady_clock::now();
+  auto got = RequestFds(path, "payload", 0, {}, std::chrono::milliseconds(300));
+  auto took = std::chrono::steady_clock::now() - start;
+  std::filesystem::remove(path);
+  REQUIRE_FALSE(got.ok());
+  CHECK(absl::IsUnavailable(got.status()));
+  CHECK(Message(got.status()).find("did not answer within 300 ms") != std::string::npos);
+  CHECK(took < std::chrono::seconds(2));
+}
+
 TEST_CASE("a busy answer sent before the request is read is retried too (the send fails with EPIPE)") {
   // ckptd turns a connection away by answering and closing at once. A request larger than
   // the socket buffer is still being sent then: the send fails, the answer is waiting.

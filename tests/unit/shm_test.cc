@@ -268,12 +268,41 @@ TEST_CASE("a payload too large for a slot travels as a deposited segment, named 
   // is refused by the daemon.
   CHECK_FALSE(producer.PublishDepositedSnapshot(8, std::string(kMaxDepositTokenBytes + 1, 't')).ok());
   CHECK_FALSE(producer.PublishDepositedSnapshot(8, "").ok());
-  REQUIRE(producer.PublishDepositedSnapshot(8, "t").ok());
-  ring.block->commands[1].payload_bytes = kMaxDepositTokenBytes + 1;
-  auto lying = consumer.Next(1s);
-  REQUIRE(lying.has_value());
-  CHECK_FALSE(lying->payload.ok());
-  CHECK(lying->deposit_token.empty());
+  for (uint32_t lie : {kMaxDepositTokenBytes + 1, 0u}) {  // too long, or no token at all
+    REQUIRE(producer.PublishDepositedSnapshot(8, "t").ok());
+    ring.block->commands[(ring.block->tail.load() - 1) % kRingSlots].payload_bytes = lie;
+    auto lying = consumer.Next(1s);
+    REQUIRE(lying.has_value());
+    CHECK_FALSE(lying->payload.ok());
+    CHECK(lying->deposit_token.empty());
+  }
+}
+
+TEST_CASE("a deposited payload is read without mapping it: holes read as zeros, lies are refused") {
+  SnapshotPayload p;
+  p.train_state = {{"history", std::string(1 << 20, 'h')}};
+  auto segment = EncodeToSegment(p, "test-payload");
+  REQUIRE(segment.ok());
+  auto back = DecodeMemfd((*segment)->fd(), (*segment)->size());
+  REQUIRE(back.ok());
+  CHECK(back->train_state[0].data == p.train_state[0].data);
+  // The trainer punches its pages out after handing it over: never a fault, at most a
+  // payload that no longer says what it did.
+  REQUIRE(::fallocate((*segment)->fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096) == 0);
+  auto holed = DecodeMemfd((*segment)->fd(), (*segment)->size());
+  CHECK_FALSE(holed.ok());
+  // Bytes after the last entry, and more entries than a payload may hold, are refused.
+  std::vector<uint8_t> buf(EncodedSize(p) + 1);
+  REQUIRE(EncodePayload(p, buf.data(), buf.size()).ok());
+  CHECK_FALSE(DecodePayload(buf.data(), buf.size()).ok());
+  CHECK(DecodePayload(buf.data(), buf.size() - 1).ok());
+  std::vector<uint8_t> many = {0, 0, 0, 0, 0xff, 0xff, 0, 0};  // 65535 entries claimed, none there
+  CHECK_FALSE(DecodePayload(many.data(), many.size()).ok());
+  SnapshotPayload crowded;
+  for (uint32_t i = 0; i <= kMaxPayloadEntries; ++i) crowded.train_state.push_back({std::to_string(i), ""});
+  std::vector<uint8_t> room(EncodedSize(crowded));
+  auto refused = EncodePayload(crowded, room.data(), room.size());
+  CHECK(absl::IsInvalidArgument(refused.status()));
 }
 
 TEST_CASE("a silent or closed daemon is detected instead of waiting forever") {

@@ -40,8 +40,9 @@ __all__ = ["CheckpointManager", "CheckpointError", "Restored"]
 
 log = logging.getLogger("ckptd")
 
-# What one snapshot's metadata and train state may take (shm/layout.h kSlotPayloadBytes), and
-# the share of it that names for DCP may use (the rest is the user's).
+# What the names DCP needs (parameter-group names, tied aliases) may add to a snapshot's
+# metadata: metadata goes into every shard header and manifest, so it stays small; the
+# train state itself has no such cap (it travels in shared memory past 256 KiB).
 _MAX_PARAM_NAMES_BYTES = 64 << 10
 _MAX_ALIASES_BYTES = 16 << 10
 

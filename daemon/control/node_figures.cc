@@ -1,0 +1,80 @@
+#include "daemon/control/node_figures.h"
+
+#include <map>
+#include <string>
+
+#include "daemon/config.h"
+#include "daemon/metrics/process_metrics.h"
+
+namespace ckpt::daemon {
+namespace {
+
+using Rows = std::vector<std::pair<metrics::LabelValues, double>>;
+
+}  // namespace
+
+void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) {
+  out.Samples({"ckptd_build_info", "ckptd's version; the value is 1.", {"version"}}, {{{kVersion}, 1}});
+
+  uint64_t in_flight = 0;
+  Rows by_user, by_job;
+  for (const auto& [uid, bytes] : src.ledger.InFlightByUser()) {
+    by_user.push_back({{std::to_string(uid)}, static_cast<double>(bytes)});
+    in_flight += bytes;
+  }
+  for (const auto& [job, bytes] : src.ledger.InFlightByJob()) by_job.push_back({{job}, static_cast<double>(bytes)});
+  out.Samples({"ckptd_staging_bytes",
+               "Staging memory: capacity (--staging-bytes), used (snapshots in flight and committed "
+               "copies kept for hot restore), in_flight (reserved by snapshots not yet committed or failed).",
+               {"state"}},
+              {{{"capacity"}, static_cast<double>(src.pool.capacity())},
+               {{"used"}, static_cast<double>(src.pool.used())},
+               {{"in_flight"}, static_cast<double>(in_flight)}});
+  out.Samples({"ckptd_staging_user_bytes", "Staging memory in flight per user (uid).", {"uid"}},
+              metrics::FoldRows(std::move(by_user), kMaxLabelled, 0));
+  out.Samples({"ckptd_staging_job_bytes", "Staging memory in flight per job.", {"job"}},
+              metrics::FoldRows(std::move(by_job), kMaxLabelled, 0));
+
+  double alive = 0, registered = 0;
+  std::vector<SessionPtr> sessions = src.sessions.All();
+  for (const SessionPtr& s : sessions) {
+    if (s->trainer_alive() && !s->ended()) ++alive;
+    registered += static_cast<double>(s->registered_bytes());
+  }
+  out.Samples({"ckptd_sessions", "Trainer sessions registered, by whether their trainer is alive.", {"state"}},
+              {{{"alive"}, alive}, {{"ended"}, static_cast<double>(sessions.size()) - alive}});
+  out.Samples({"ckptd_registered_bytes", "Bytes of tensors the registered sessions hold.", {}}, {{{}, registered}});
+
+  size_t jobs = 0;
+  const auto now = std::chrono::system_clock::now();
+  Rows steps, ages;
+  for (const metrics::LastCommits::Commit& c : src.commits.Newest(kMaxLabelled, &jobs)) {
+    steps.push_back({{c.job}, static_cast<double>(c.step)});
+    ages.push_back({{c.job}, std::chrono::duration<double>(now - c.at).count()});
+  }
+  out.Samples({"ckptd_job_last_committed_step",
+               "Each job's last step committed since ckptd started (the 64 most recent jobs).", {"job"}},
+              steps);
+  out.Samples({"ckptd_job_last_commit_age_seconds", "Seconds since each job's last commit (the 64 most recent jobs).",
+               {"job"}},
+              ages);
+  out.Samples({"ckptd_jobs_committed", "Jobs that committed a step since ckptd started (at most 1024 remembered).", {}},
+              {{{}, static_cast<double>(jobs)}});
+
+  if (src.group_status) {
+    ::ckptd::v1::StatusReply reply;
+    src.group_status(&reply);
+    std::map<std::string, double> by_state = {{"waiting", 0}, {"alive", 0}, {"lost", 0}};
+    for (const auto& m : reply.group().members()) by_state[m.state()] += 1;
+    Rows members;
+    for (const auto& [state, n] : by_state) members.push_back({{state}, n});
+    out.Samples({"ckptd_group_members", "The group's members by state, as the coordinator last reported them.",
+                 {"state"}},
+                members);
+    out.Samples({"ckptd_group_joined", "1 when this node has joined its group.", {}},
+                {{{}, reply.group().joined() ? 1.0 : 0.0}});
+  }
+  metrics::CollectProcess(out);
+}
+
+}  // namespace ckpt::daemon

@@ -1,0 +1,77 @@
+#include "daemon/metrics/daemon_metrics.h"
+
+namespace ckpt::metrics {
+
+const char* CauseName(Cause cause) {
+  switch (cause) {
+    case Cause::kBudget: return "budget";
+    case Cause::kStorage: return "storage";
+    case Cause::kGroup: return "group";
+    case Cause::kTimeout: return "timeout";
+    case Cause::kTrainer: return "trainer";
+  }
+  return "unknown";
+}
+
+DaemonMetrics::DaemonMetrics()
+    : snapshot_seconds(registry.AddHistogram(
+          {"ckptd_snapshot_seconds",
+           "Seconds from ckptd taking a snapshot command to releasing the trainer (what a trainer "
+           "waiting for staged waits).",
+           {}})),
+      staging_seconds(registry.AddHistogram(
+          {"ckptd_staging_seconds", "Seconds copying a snapshot's registered buffers into staging memory.", {}})),
+      write_seconds(registry.AddHistogram(
+          {"ckptd_write_seconds", "Seconds writing one rank's shard to this node's store.", {"tier"}})),
+      commit_seconds(registry.AddHistogram(
+          {"ckptd_commit_seconds",
+           "Seconds to commit a step: scope=node from its first snapshot staged here to committed; "
+           "scope=group the group's round, from this node's ranks durable to the decision.",
+           {"scope"}})),
+      restore_seconds(registry.AddHistogram(
+          {"ckptd_restore_seconds", "Seconds restoring one rank, by the tier its bytes came from.", {"tier"}})),
+      upload_seconds(registry.AddHistogram(
+          {"ckptd_upload_seconds", "Seconds uploading one step's files of this node to the remote tier.", {}})),
+      staged_bytes(registry.AddCounter(
+          {"ckptd_staged_bytes_total", "Bytes copied into staging memory (registered buffers and train state).", {}})),
+      written_bytes(registry.AddCounter(
+          {"ckptd_written_bytes_total", "Bytes of shards written to this node's store.", {"tier"}})),
+      restored_bytes(registry.AddCounter(
+          {"ckptd_restored_bytes_total", "Bytes restored into trainers, by the tier they came from.", {"tier"}})),
+      uploaded_bytes(registry.AddCounter(
+          {"ckptd_uploaded_bytes_total", "Bytes uploaded to the remote tier.", {}})),
+      snapshots(registry.AddCounter(
+          {"ckptd_snapshots_total", "Snapshot commands by outcome: staged, rejected (not taken), failed.",
+           {"outcome"}})),
+      checkpoints(registry.AddCounter(
+          {"ckptd_checkpoints_total", "Steps this node decided, by outcome: committed, failed.", {"outcome"}})),
+      failures(registry.AddCounter(
+          {"ckptd_failures_total",
+           "Snapshots and checkpoints not taken or not committed, by cause: budget (staging memory), "
+           "storage, group, timeout, trainer.",
+           {"cause"}})) {
+  // Every label value of the fixed sets is exported from the start at 0: an alert on a
+  // rate sees the series before the first failure, a dashboard its panels before the first
+  // checkpoint.
+  for (auto* h : {&snapshot_seconds, &staging_seconds, &upload_seconds}) h->With({});
+  write_seconds.With({"local"});
+  commit_seconds.With({"node"});
+  for (const char* tier : {"memory", "disk"}) {
+    restore_seconds.With({tier});
+    restored_bytes.With({tier});
+  }
+  for (auto* c : {&staged_bytes, &uploaded_bytes}) c->With({});
+  written_bytes.With({"local"});
+  for (Cause c : {Cause::kBudget, Cause::kStorage, Cause::kGroup, Cause::kTimeout, Cause::kTrainer}) {
+    failures.With({CauseName(c)});
+  }
+  for (const char* outcome : {"staged", "rejected", "failed"}) snapshots.With({outcome});
+  for (const char* outcome : {"committed", "failed"}) checkpoints.With({outcome});
+}
+
+DaemonMetrics& Metrics() {
+  static DaemonMetrics* metrics = new DaemonMetrics();  // never destroyed: threads may record at exit
+  return *metrics;
+}
+
+}  // namespace ckpt::metrics

@@ -1,0 +1,44 @@
+// The daemon's metric families (docs/operators.md lists each): what every stage updates,
+// in the one registry the --metrics-addr endpoint serves.
+//
+// One registry per process, found through Metrics(), as a Prometheus client's default
+// registry is: every stage records into it without each constructor taking it, and tests
+// that start real daemons scrape each daemon's own process.
+#pragma once
+
+#include <string>
+
+#include "daemon/metrics/registry.h"
+
+namespace ckpt::metrics {
+
+// Why a snapshot or checkpoint was not taken or not committed (ckptd_failures_total).
+enum class Cause { kBudget, kStorage, kGroup, kTimeout, kTrainer };
+const char* CauseName(Cause cause);
+
+struct DaemonMetrics {
+  DaemonMetrics();
+
+  Registry registry;
+  // From ckptd taking a snapshot command off the ring to releasing the trainer: what a
+  // trainer that waits for `staged` waits for.
+  Family<Histogram>& snapshot_seconds;
+  Family<Histogram>& staging_seconds;  // copying the registered buffers into staging memory
+  Family<Histogram>& write_seconds;    // one rank's shard to this node's store, {tier}
+  Family<Histogram>& commit_seconds;   // {scope}: node (first rank staged to committed), group round
+  Family<Histogram>& restore_seconds;  // {tier}: memory, disk, remote
+  Family<Histogram>& upload_seconds;   // one step's files of this node to the remote tier
+  Family<Counter>& staged_bytes;
+  Family<Counter>& written_bytes;      // {tier}
+  Family<Counter>& restored_bytes;     // {tier}
+  Family<Counter>& uploaded_bytes;
+  Family<Counter>& snapshots;          // {outcome}: staged, rejected, failed
+  Family<Counter>& checkpoints;        // {outcome}: committed, failed
+  Family<Counter>& failures;           // {cause}
+
+  void Fail(Cause cause) { failures.With({CauseName(cause)}).Add(); }
+};
+
+DaemonMetrics& Metrics();
+
+}  // namespace ckpt::metrics
