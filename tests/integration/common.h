@@ -34,6 +34,27 @@ inline int PickFreePort() {
   return ntohs(addr.sin_port);
 }
 
+// GET http://127.0.0.1:port/path (HTTP/1.0: the server closes after the answer); the whole
+// answer, headers included, or "" when nothing answers.
+inline std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  std::string answer;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+    const std::string request = "GET " + path + " HTTP/1.0\r\n\r\n";
+    if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(request.size())) {
+      char buf[65536];
+      for (ssize_t n; (n = ::recv(fd, buf, sizeof buf, 0)) > 0;) answer.append(buf, static_cast<size_t>(n));
+    }
+  }
+  ::close(fd);
+  return answer;
+}
+
 // ckptctl status --json of one daemon; an empty object when it does not answer.
 inline nlohmann::json Status(const Daemon& d) {
   RunResult r = d.Ctl({"status", "--json"});

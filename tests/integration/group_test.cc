@@ -159,6 +159,7 @@ class Cluster {
     for (size_t n = 0; n < layout_.size(); ++n) {
       dirs_.push_back(std::make_unique<TempDir>());
       daemons_.emplace_back();
+      metrics_ports_.push_back(PickFreePort());
       world_size_ += static_cast<uint32_t>(layout_[n].size());
     }
     token_file_ = shared_ / "token";
@@ -176,12 +177,15 @@ class Cluster {
   const std::string& token_file() const { return token_file_; }
   Daemon& node(int n) { return *daemons_[n]; }
   const TempDir& dir(int n) const { return *dirs_[n]; }
+  // Node n's /metrics, as Prometheus would scrape it.
+  std::string Metrics(int n) const { return HttpGet(metrics_ports_[n], "/metrics"); }
   std::string StepDir(int n, uint64_t step) const { return dirs_[n]->path() + "/root/g/" + StepName(step); }
 
   std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
                                   "--coordinator", coordinator, "--group-token-file", token_file_,
-                                  "--group-timeout", "1s", "--step-timeout", step_timeout, "--restore-timeout", "10s"};
+                                  "--group-timeout", "1s", "--step-timeout", step_timeout, "--restore-timeout", "10s",
+                                  "--metrics-addr", std::to_string(metrics_ports_[n])};
     if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
     return f;
   }
@@ -301,6 +305,7 @@ class Cluster {
   std::string token_file_;
   std::vector<std::unique_ptr<TempDir>> dirs_;
   std::vector<std::unique_ptr<Daemon>> daemons_;
+  std::vector<int> metrics_ports_;
 };
 
 // Fails the test (with every daemon's log) unless `condition` holds within `timeout`.
@@ -393,6 +398,19 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
   }());
 
   c.RestoreAll(10, {"memory", "memory", "memory"});
+  // What Prometheus sees of the group on every node: three members alive, this node joined,
+  // the step's round and the restores from memory (test_metrics.py parses a whole scrape).
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n);
+    const std::string scrape = c.Metrics(n);
+    CHECK(scrape.rfind("HTTP/1.0 200 OK\r\n", 0) == 0);
+    CHECK(Contains(scrape, "\nckptd_group_members{state=\"alive\"} 3\n"));
+    CHECK(Contains(scrape, "\nckptd_group_members{state=\"lost\"} 0\n"));
+    CHECK(Contains(scrape, "\nckptd_group_joined 1\n"));
+    CHECK(Contains(scrape, "\nckptd_commit_seconds_count{scope=\"group\"} 1\n"));
+    CHECK(Contains(scrape, "\nckptd_job_last_committed_step{job=\"g\"} 10\n"));
+    CHECK(Contains(scrape, "\nckptd_restore_seconds_count{tier=\"memory\"} " + std::to_string(c.ranks(n).size()) + "\n"));
+  }
 
   for (int n = c.num_nodes() - 1; n >= 0; --n) {
     INFO("stopping node " << n << "\n" << c.Logs());

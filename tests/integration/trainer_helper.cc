@@ -126,7 +126,10 @@ int Save(const Flags& f) {
     return 2;
   }
   auto staged = c->WaitStaged(*ticket);
-  if (!staged.ok() || staged->state != ckpt::TicketState::kStaged) {
+  // Committed is staged too: on a loaded machine every rank may be written and the step
+  // decided before this process wakes up to look.
+  if (!staged.ok() ||
+      (staged->state != ckpt::TicketState::kStaged && staged->state != ckpt::TicketState::kCommitted)) {
     std::cout << "not staged: " << (staged.ok() ? ckpt::ToString(staged->state) + std::string(" ") + staged->error
                                                 : ckpt::Message(staged.status()))
               << "\n";
