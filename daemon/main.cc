@@ -1,6 +1,9 @@
 // ckptd: per-node checkpoint daemon. See docs/operators.md.
 #include <signal.h>
 
+#include <fmt/format.h>
+
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 
@@ -8,6 +11,7 @@
 #include "common/status.h"
 #include "daemon/config.h"
 #include "daemon/server.h"
+#include "daemon/service_notify.h"
 
 int main(int argc, char** argv) {
   using namespace ckpt;
@@ -40,9 +44,21 @@ int main(int argc, char** argv) {
     log::Get(log::Component::kMain).critical("cannot start: {}", Message(server.status()));
     return 1;
   }
+  // Ready for the service manager once trainers can be served: the socket answers, and in a
+  // group the group is joined (a unit ordered after ckptd then starts into a working daemon).
   int sig = 0;
-  sigwait(&signals, &sig);
+  const timespec tick{0, 200'000'000};
+  std::string waiting_for;
+  while (!(*server)->WaitReady(std::chrono::milliseconds(0), &waiting_for)) {
+    daemon::NotifyStatus(waiting_for);
+    if ((sig = sigtimedwait(&signals, nullptr, &tick)) > 0) break;
+  }
+  if (sig <= 0) {
+    daemon::NotifyReady(fmt::format("serving on {}", config.socket));
+    sigwait(&signals, &sig);
+  }
   log::Get(log::Component::kMain).info("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  daemon::NotifyStopping();
   (*server)->Shutdown();
   return 0;
 }

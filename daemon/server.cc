@@ -613,6 +613,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }
 
+bool Server::WaitReady(std::chrono::milliseconds timeout, std::string* waiting_for) const {
+  const Parts& p = *parts_;
+  if (!p.group_member) return true;
+  if (p.group_member->WaitJoined(timeout)) return true;
+  if (waiting_for != nullptr) {
+    group::GroupMember::State state = p.group_member->state();
+    *waiting_for = fmt::format("joining the group at {} as node {} of {}{}{}", p.config.coordinator,
+                               p.config.node_rank, p.config.num_nodes, state.last_error.empty() ? "" : ": ",
+                               state.last_error);
+  }
+  return false;
+}
+
 void Server::Shutdown() {
   Parts& p = *parts_;
   if (p.shut_down) return;

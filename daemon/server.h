@@ -2,7 +2,9 @@
 // copy engine, shard writer) and wires the stages together.
 #pragma once
 
+#include <chrono>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "daemon/config.h"
@@ -15,6 +17,10 @@ class Server {
 
   static absl::StatusOr<std::unique_ptr<Server>> Start(const Config& config);
   ~Server();
+
+  // Whether the daemon is ready for its trainers: always on one node; in a group, once this
+  // node has joined (waits up to `timeout` for that). What it waits for, in `waiting_for`.
+  bool WaitReady(std::chrono::milliseconds timeout, std::string* waiting_for) const;
 
   // Stops accepting, lets in-flight writes finish (up to --shutdown-timeout-ms), aborts the
   // rest and ends every session. Idempotent.

@@ -125,18 +125,20 @@ RunResult Run(std::vector<std::string> argv, const std::string& dir,
   return r;
 }
 
-Daemon::Daemon(const TempDir& dir, std::vector<std::string> extra_flags)
-    : dir_(dir), flags_(std::move(extra_flags)), socket_(socket_dir_ / "ckptd.sock"), root_(dir / "root") {}
+Daemon::Daemon(const TempDir& dir, std::vector<std::string> extra_flags, std::string binary)
+    : dir_(dir), flags_(std::move(extra_flags)), binary_(std::move(binary)), socket_(socket_dir_ / "ckptd.sock"),
+      root_(dir / "root") {}
 
 Daemon::~Daemon() {
   if (process_ && process_->Running()) Kill();
 }
 
 void Daemon::Start() {
-  std::vector<std::string> argv = {Runfile("daemon/ckptd"), "--root", root_, "--socket", socket_,
+  std::vector<std::string> argv = {binary_.empty() ? Runfile("daemon/ckptd") : binary_, "--root", root_, "--socket", socket_,
                                    "--staging-bytes", "512M", "--prefault-staging", "false",
                                    "--log-level", "debug"};
   argv.insert(argv.end(), flags_.begin(), flags_.end());
+  argv.insert(argv.begin(), wrapper_.begin(), wrapper_.end());
   process_ = std::make_unique<Process>(argv, dir_.path(), "ckptd" + std::to_string(starts_++));
   auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (!SocketAnswers(socket_)) {

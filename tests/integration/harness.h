@@ -54,7 +54,8 @@ RunResult Run(std::vector<std::string> argv, const std::string& dir,
 // A ckptd on a private root and socket.
 class Daemon {
  public:
-  explicit Daemon(const TempDir& dir, std::vector<std::string> extra_flags = {});
+  // `binary`: another ckptd than the runfile daemon/ckptd (a copy a sandboxed user may run).
+  explicit Daemon(const TempDir& dir, std::vector<std::string> extra_flags = {}, std::string binary = "");
   ~Daemon();
 
   void Start();  // and wait until the socket answers
@@ -66,6 +67,9 @@ class Daemon {
   const std::string& root() const { return root_; }
   // Another --root than <dir>/root (a shared file system), for the next Start().
   void set_root(std::string root) { root_ = std::move(root); }
+  // A command that runs ckptd (its argv follows), for the next Start(): a sandbox.
+  void set_wrapper(std::vector<std::string> wrapper) { wrapper_ = std::move(wrapper); }
+  const std::string& socket_dir() const { return socket_dir_.path(); }
   std::string Log() const;
 
   // ckptctl against this daemon.
@@ -75,6 +79,8 @@ class Daemon {
   const TempDir& dir_;
   TempDir socket_dir_{"/tmp"};  // unique, but short enough for sun_path
   std::vector<std::string> flags_;
+  std::vector<std::string> wrapper_;
+  std::string binary_;
   std::string socket_, root_;
   std::unique_ptr<Process> process_;
   int starts_ = 0;
