@@ -25,6 +25,7 @@
 #include "storage/open_store.h"
 #include "client/table.h"
 #include "proto/admin.grpc.pb.h"
+#include "proto/health.grpc.pb.h"
 
 namespace {
 
@@ -42,6 +43,8 @@ struct Options {
   std::string root;
   std::string s3_endpoint;
   std::string s3_credentials_file;
+  std::string service;  // health: "" (ready), ckptd.v1.Trainer (the same), ckptd.v1.Admin (alive)
+  int timeout_s = 5;    // health
 };
 
 std::string Bytes(uint64_t n) {
@@ -92,6 +95,31 @@ class Ctl {
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
     if (!o_.token.empty()) ctx->AddMetadata("x-ckptd-admin-token", o_.token);
     return ctx;
+  }
+
+  // grpc.health.v1 Check, for probes: 0 SERVING, 1 NOT_SERVING (or an unknown service),
+  // 2 unreachable or no answer within --timeout.
+  int Health() {
+    const std::string target = o_.addr.empty() ? "unix:" + o_.socket : o_.addr;
+    auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service(o_.service);
+    grpc::health::v1::HealthCheckResponse response;
+    grpc::Status s = stub->Check(Context(o_.timeout_s).get(), request, &response);
+    const std::string what = o_.service.empty() ? "ckptd" : o_.service;
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+      std::cerr << fmt::format("ckptctl health: cannot reach ckptd at {} within {} s: {}\n",
+                               o_.addr.empty() ? o_.socket : o_.addr, o_.timeout_s, s.error_message());
+      return 2;
+    }
+    if (!s.ok()) {
+      std::cerr << fmt::format("ckptctl health: {}: {}\n", what, s.error_message());
+      return 1;
+    }
+    const bool serving = response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+    std::cout << what << ": " << grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status())
+              << (serving || !o_.service.empty() ? "" : " (ckptctl status says why: the group)") << "\n";
+    return serving ? 0 : 1;
   }
 
   int Status() {
@@ -356,6 +384,13 @@ int main(int argc, char** argv) {
   auto* show = app.add_subcommand("show", "print a checkpoint's manifest");
   auto* verify = app.add_subcommand("verify", "re-read a checkpoint and check every checksum");
   auto* del = app.add_subcommand("delete", "delete a committed checkpoint");
+  auto* health = app.add_subcommand(
+      "health", "is ckptd ready (exit 0), not ready (1: not joined to its group, or a member lost), "
+                "or unreachable (2)? For probes");
+  health->add_option("--service", o.service,
+                     "\"\" (ready), ckptd.v1.Trainer (the same), ckptd.v1.Admin (alive: serving at all)");
+  health->add_option("--timeout", o.timeout_s, "seconds to wait for an answer")->capture_default_str();
+  health->fallthrough();
   for (auto* sub : {show, verify, del}) sub->add_option("STEP", o.step, "step number")->required();
   for (auto* sub : {status, list, show, verify, del}) sub->fallthrough();
   for (auto* sub : {list, verify}) {
@@ -416,6 +451,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   Ctl ctl(o);
+  if (health->parsed()) return ctl.Health();
   if (status->parsed()) return ctl.Status();
   if (list->parsed()) return ctl.List();
   if (show->parsed()) return ctl.Show();

@@ -19,6 +19,7 @@
 #include "daemon/commit/group_committer.h"
 #include "daemon/commit/single_node_committer.h"
 #include "daemon/control/admin_service.h"
+#include "daemon/control/health_reporter.h"
 #include "daemon/control/node_figures.h"
 #include "daemon/control/status_board.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -134,6 +135,7 @@ struct Server::Parts {
   std::unique_ptr<AdminService> tcp_admin_service;  // --admin-addr
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<grpc::Server> tcp_admin_server;  // --admin-addr: the admin service only
+  std::unique_ptr<HealthReporter> health;  // what both servers' health services answer
   std::unique_ptr<ControlFdServer> control_fds;  // hands trainers their control blocks
   std::unique_ptr<UnixListener> listener;
   std::unique_ptr<RemoteCheck> remote_check;  // writes to `board`: gone before it
@@ -228,6 +230,26 @@ absl::Status StartGroup(Server::Parts& p) {
 }
 
 const char* MemberState(group::MemberState s) { return group::MemberStateName(s); }
+
+// Why the daemon is not ready for trainers, or "" when it is: in a group it must have
+// joined, and every member must be alive (a step cannot commit without all of them).
+std::string NotReadyReason(const Server::Parts& p) {
+  if (!p.group_member) return "";
+  group::GroupMember::State state = p.group_member->state();
+  if (!state.joined) {
+    return fmt::format("not joined to the group at {}{}{}", p.group_options.coordinator,
+                       state.last_error.empty() ? "" : ": ", state.last_error);
+  }
+  if (state.view.members.size() < p.config.num_nodes) {
+    return fmt::format("{} of {} group members have joined", state.view.members.size(), p.config.num_nodes);
+  }
+  for (const group::MemberView& m : state.view.members) {
+    if (m.state != group::MemberState::kAlive) {
+      return fmt::format("group member {} ({}) is {}", m.node, m.address, MemberState(m.state));
+    }
+  }
+  return "";
+}
 
 void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   ::ckptd::v1::GroupStatus* g = reply->mutable_group();
@@ -593,6 +615,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
              config.admin_token_file.empty() ? "refused over TCP (no --admin-token-file)"
                                              : "needs the admin token");
   }
+  std::vector<grpc::Server*> servers = {p->grpc_server.get()};
+  if (p->tcp_admin_server) servers.push_back(p->tcp_admin_server.get());
+  p->health = std::make_unique<HealthReporter>(servers, [parts = p.get()] { return NotReadyReason(*parts); });
   PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
   CKPT_ASSIGN_OR_RETURN(p->control_fds, ControlFdServer::Start(DescriptorSocketPath(config.socket),
                                                                p->sessions, p->arenas, policy));
