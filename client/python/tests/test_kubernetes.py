@@ -1,0 +1,164 @@
+"""deploy/kubernetes (issue 22 item 3): every manifest validates against Kubernetes' own
+schemas for 1.29 to 1.34 (kubernetes-validate; a PyTorchJob's pod templates as Pods), and
+what keeps the preemption save is checked field by field, not by eye: ckptd is a native
+sidecar (an init container that restarts: it starts before the trainer and stops after
+it), the trainer starts only once ckptd's startup probe passes, the liveness probe asks a
+service that a busy daemon still answers. The flags and probes are run for real: ckptd
+--check-config takes each manifest's arguments and environment, and each probe's command
+answers as it should against a running ckptd.
+"""
+import glob
+import json
+import os
+import re
+import subprocess
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import CKPTCTL, CKPTD, Daemon
+
+MANIFESTS = sorted(glob.glob("deploy/kubernetes/*.yaml"))
+VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
+
+
+def documents(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def pod_specs(path):
+    """(where, pod spec) of every pod a manifest makes."""
+    out = []
+    for d in documents(path):
+        if d["kind"] == "Pod":
+            out.append((d["metadata"]["name"], d["spec"]))
+        elif d["kind"] == "Job":
+            out.append((d["metadata"]["name"], d["spec"]["template"]["spec"]))
+        elif d["kind"] == "PyTorchJob":
+            for role, replica in d["spec"]["pytorchReplicaSpecs"].items():
+                out.append((role, replica["template"]["spec"]))
+    return out
+
+
+def test_the_manifests_are_the_ones_documented():
+    assert [os.path.basename(p) for p in MANIFESTS] == [
+        "ckptd-indexed-job.yaml", "ckptd-pytorchjob.yaml", "ckptd-sidecar.yaml"]
+    assert all(pod_specs(p) for p in MANIFESTS)
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_every_manifest_validates_for_kubernetes_1_29_to_1_34(path):
+    for d in documents(path):
+        resources = [d]
+        if d["kind"] == "PyTorchJob":  # a custom resource: its pod templates are what Kubernetes checks
+            resources = [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": role.lower()}, "spec": spec}
+                         for role, spec in pod_specs(path)]
+        for resource in resources:
+            for version in VERSIONS:
+                kubernetes_validate.validate(resource, version, strict=True)
+
+
+def flag(container, name):
+    for arg in container.get("args", []):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_ckptd_is_a_native_sidecar_that_keeps_the_preemption_save(path):
+    for where, spec in pod_specs(path):
+        ckptd, = [c for c in spec.get("initContainers", []) if c["name"] == "ckptd"]
+        assert not [c for c in spec["containers"] if c["name"] == "ckptd"], where
+        # Restarts with the pod and outlives the main containers: starts before, stops after.
+        assert ckptd["restartPolicy"] == "Always", where
+        # The trainer starts only once ckptd serves (and its group is joined).
+        startup = ckptd["startupProbe"]["exec"]["command"]
+        assert startup[-3:] == ["health", "--timeout", "5"] and "--service" not in startup, where
+        assert ckptd["startupProbe"]["failureThreshold"] * ckptd["startupProbe"]["periodSeconds"] >= 600, where
+        assert ckptd["readinessProbe"]["exec"]["command"] == startup, where
+        # Liveness never asks readiness: a daemon waiting for its group or busy is not killed.
+        liveness = ckptd["livenessProbe"]["exec"]["command"]
+        assert liveness[liveness.index("--service") + 1] == "ckptd.v1.Admin", where
+        # The trainers' SIGTERM save, then ckptd's own writes, fit in the grace period.
+        shutdown_s = int(flag(ckptd, "shutdown-timeout-ms")) / 1000
+        assert spec["terminationGracePeriodSeconds"] >= shutdown_s + 60, where
+        socket = flag(ckptd, "socket")
+        for trainer in spec["containers"]:
+            env = {e["name"]: e.get("value") for e in trainer.get("env", [])}
+            assert env["CKPTD_SOCKET"] == socket, where
+            # GPUs are the trainer container's: ckptd cannot open their IPC handles.
+            assert env["CKPTD_CUDA_TRANSPORT"] == "host-copy" and flag(ckptd, "cuda-ipc") == "false", where
+            shared = {m["mountPath"] for m in trainer["volumeMounts"]} & {m["mountPath"] for m in ckptd["volumeMounts"]}
+            assert os.path.dirname(socket) in shared, where
+            assert "nvidia.com/gpu" in trainer["resources"]["limits"], where
+        assert spec["shareProcessNamespace"] is True, where  # ckptd watches trainer pids
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_ckptd_runs_unprivileged_with_its_resources(path):
+    for where, spec in pod_specs(path):
+        ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+        pod_security, security = spec["securityContext"], ckptd["securityContext"]
+        assert pod_security["runAsNonRoot"] is True and pod_security["seccompProfile"]["type"] == "RuntimeDefault"
+        assert security["readOnlyRootFilesystem"] is True and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"]["drop"] == ["ALL"] and security["runAsUser"] != 0, where
+        # Trainers under another uid reach the socket through the fsGroup.
+        assert security["runAsGroup"] == pod_security["fsGroup"] == int(flag(ckptd, "allow-gid")), where
+        requests, limits = ckptd["resources"]["requests"], ckptd["resources"]["limits"]
+        staging = flag(ckptd, "staging-bytes")
+        assert requests["hugepages-2Mi"] == limits["hugepages-2Mi"] == staging.replace("G", "Gi"), where
+        assert requests["memory"] == limits["memory"] and "cpu" in requests, where
+
+
+def ckptd_argv(ckptd, tmp, daemon_path, replica_index):
+    """What the container runs, with the pod's environment (fieldRefs and secrets filled in:
+    the Job's completion index 3, a PyTorchJob's `replica_index`) and paths moved into `tmp`."""
+    env = {"POD_IP": "10.0.0.7", "REPLICA_INDEX": str(replica_index), "AWS_ACCESS_KEY_ID": "k",
+           "AWS_SECRET_ACCESS_KEY": "s"}
+    for e in ckptd.get("env", []):
+        if "value" in e:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        elif "annotations" in e["valueFrom"].get("fieldRef", {}).get("fieldPath", ""):
+            env[e["name"]] = "3"
+    token = os.path.join(tmp, "token")
+    with open(token, "w") as f:
+        f.write("a-token-of-sixteen-or-more-characters\n")
+    if "CKPTD_GROUP_TOKEN_FILE" in env:
+        env["CKPTD_GROUP_TOKEN_FILE"] = token
+    args = [a.replace("/run/ckptd", tmp).replace("=/ckpt", f"={tmp}/ckpt") for a in ckptd["args"]]
+    command = [c.replace("/usr/bin/ckptd", daemon_path) for c in ckptd.get("command", [daemon_path])]
+    return command + args, env
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_ckptd_takes_each_manifests_flags_and_environment(path, workdir):
+    for where, spec in pod_specs(path):
+        ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+        argv, env = ckptd_argv(ckptd, workdir, CKPTD, replica_index=0 if where == "Master" else 2)
+        r = subprocess.run(argv + ["--check-config"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, **env})
+        assert r.returncode == 0, f"{where}: {r.stderr}"
+        config = json.loads(r.stdout)
+        if "CKPTD_NUM_NODES" in env:  # a group: each pod's node rank from its index
+            # Indexed Job: the completion index (3); PyTorchJob: the master 0, worker 2 is node 3.
+            assert config["num_nodes"] == 4 and config["node_rank"] == (0 if where == "Master" else 3), where
+            assert config["group_addr"] == "10.0.0.7:7077", where
+
+
+def test_the_probes_answer_as_kubernetes_needs(workdir):
+    """The manifests' own probe commands against a running ckptd: started, ready, alive."""
+    daemon = Daemon(workdir).start()
+    try:
+        for path in MANIFESTS:
+            for where, spec in pod_specs(path):
+                ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                    command = [c.replace("/usr/bin/ckptctl", CKPTCTL).replace("/run/ckptd/ckptd.sock", daemon.socket)
+                               for c in ckptd[probe]["exec"]["command"]]
+                    r = subprocess.run(command, capture_output=True, text=True, timeout=30)
+                    assert r.returncode == 0, (path, where, probe, r.stdout, r.stderr)
+    finally:
+        daemon.stop()
