@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "client/ctl_exit.h"
 #include "storage/filesystem.h"
 #include "common/status.h"
 #include "client/export/exporter.h"
@@ -89,7 +90,7 @@ int RunExport(const ExportArgs& args) {
   std::string job = args.job;
   if (job.empty()) {
     absl::StatusOr<std::vector<std::string>> jobs = store.ListJobs();
-    if (!jobs.ok()) return Fail(Message(jobs.status()), 4);
+    if (!jobs.ok()) return Fail(Message(jobs.status()), ExitFor(jobs.status()));
     if (jobs->size() != 1) {
       return Fail(fmt::format("{} holds {} jobs ({}): name one with --job", args.root, jobs->size(),
                               fmt::join(*jobs, ", ")),
@@ -98,7 +99,11 @@ int RunExport(const ExportArgs& args) {
     job = jobs->front();
   }
   absl::StatusOr<format::Manifest> manifest = store.LoadManifest(job, args.step);
-  if (!manifest.ok()) return Fail(Message(manifest.status()), absl::IsDataLoss(manifest.status()) ? 3 : 4);
+  if (!manifest.ok()) {
+    // Where it looked, too: the root of the daemon at --socket, or the one given.
+    return Fail(fmt::format("{} (in the checkpoint root {})", Message(manifest.status()), args.root),
+                ExitFor(manifest.status()));
+  }
 
   ProgressBar bar;
   if (args.progress && !args.json && ::isatty(STDERR_FILENO)) {
@@ -110,7 +115,7 @@ int RunExport(const ExportArgs& args) {
                            *manifest, options);
   if (!report.ok()) {
     const absl::Status& s = report.status();
-    return Fail(Message(s), absl::IsDataLoss(s) ? 3 : absl::IsInvalidArgument(s) || absl::IsAlreadyExists(s) ? 1 : 4);
+    return Fail(Message(s), ExitFor(s));
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (args.json) {

@@ -27,8 +27,8 @@ struct ExportArgs {
   bool json = false;
 };
 
-// Exit status: 0 done, 1 bad arguments, 3 the checkpoint is damaged or disagrees with its
-// manifest (as ckptctl verify), 4 other I/O errors.
+// Exit status (client/ctl_exit.h): 0 done, 1 an error (bad arguments, no such step, I/O),
+// 2 the store did not answer, 3 the checkpoint is damaged or disagrees with its manifest.
 int RunExport(const ExportArgs& args);
 
 }  // namespace ckpt::ctl

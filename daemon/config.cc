@@ -246,6 +246,19 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.set_version_flag("--version", kVersion);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 says "INI was not able to parse KEY" of a TOML file's unknown key.
+    std::string what = e.what();
+    const std::string marker = "not able to parse ";
+    const auto at = what.find(marker);
+    result.exit = true;
+    result.exit_code = 2;
+    result.message = at == std::string::npos
+                         ? fmt::format("ckptd: --config: {}\n", what)
+                         : fmt::format("ckptd: --config: unknown key \"{}\" (the keys are the long flag names without "
+                                       "the dashes, e.g. staging-bytes; ckptd --help lists them)\n",
+                                       what.substr(at + marker.size()));
+    return result;
   } catch (const CLI::ParseError& e) {
     result.exit = true;
     result.exit_code = e.get_exit_code();

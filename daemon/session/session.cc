@@ -547,9 +547,13 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
                     std::optional<metrics::Cause> cause = metrics::Cause::kTrainer) {
     metrics.snapshots.With({state == shm::kTicketRejected ? "rejected" : "failed"}).Add();
     if (cause) metrics.Fail(*cause);
-    Log().warn("[{}/r{} s{}] snapshot {}: {}", job_, rank_, command.step,
-               state == shm::kTicketRejected ? "rejected" : "failed", why);
-    events.SnapshotRejected(fmt::format("[{}/r{} s{}] {}", job_, rank_, command.step, why));
+    // The stager's messages already name the snapshot ("[job/r1 s260] snapshot: ..."):
+    // said once, not twice.
+    const std::string tag = fmt::format("[{}/r{} s{}]", job_, rank_, command.step);
+    const bool tagged = why.rfind(tag, 0) == 0;
+    Log().warn("{} snapshot {}: {}", tag, state == shm::kTicketRejected ? "rejected" : "failed",
+               tagged ? why.substr(tag.size() + 1) : why);
+    events.SnapshotRejected(tagged ? why : fmt::format("{} {}", tag, why));
     SetTicketState(command.ticket, state, why);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));

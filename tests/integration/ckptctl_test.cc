@@ -3,7 +3,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <signal.h>
+
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 
@@ -30,15 +34,16 @@ TEST_CASE("ckptctl status, list, show, verify and delete") {
   CHECK(Contains(status.out, "committed 2"));
   CHECK(Contains(status.out, "JOBS"));
   auto sj = nlohmann::json::parse(d.Ctl({"status", "--json"}).out);
-  CHECK(sj["checkpoints_committed"] == "2");
+  CHECK(sj["checkpoints_committed"] == 2);  // numbers as numbers
   CHECK(sj["jobs"][0]["job"] == "ctl");
-  CHECK(nlohmann::json::parse(sj["config_json"].get<std::string>())["keep_last"] == 0);
+  CHECK(sj["config"]["keep_last"] == 0);
 
   auto list = d.Ctl({"list"});
   CHECK(Contains(list.out, "STEP"));
   CHECK(Contains(list.out, "ctl  20"));
   auto lj = nlohmann::json::parse(d.Ctl({"--json", "list"}).out);
   CHECK(lj["checkpoints"].size() == 2);
+  CHECK(lj["checkpoints"][1]["step"] == 20);
 
   auto show = d.Ctl({"show", "20"});  // --job may be left out: one job exists
   auto manifest = nlohmann::json::parse(show.out);
@@ -64,8 +69,120 @@ TEST_CASE("ckptctl says clearly when the daemon is not there") {
   TempDir dir;
   Daemon d(dir);
   auto r = d.Ctl({"status"});
-  CHECK(r.exit_code == 1);
-  CHECK(Contains(r.err, "cannot reach ckptd at " + d.socket()));
+  CHECK(r.exit_code == 2);
+  CHECK(Contains(r.err, "no ckptd listens at " + d.socket() + " (the socket does not exist): is ckptd running?"));
+}
+
+// What scripts rely on (client/ctl_exit.h): 0 ok, 1 error, 2 unreachable or timed out,
+// 3 damaged data, 64 usage; a sentence for each error, and JSON under --json.
+TEST_CASE("ckptctl's exit codes, sentences and JSON follow one convention") {
+  TempDir dir;
+  Daemon d(dir, {"--keep-last", "0"});
+  d.Start();
+  REQUIRE(Run(Helper(d, {"--job", "cli", "--bytes", "1000", "save", "--step", "5", "--wait-committed"}),
+              dir.path()).exit_code == 0);
+  auto version = d.Ctl({"--version"});
+  CHECK(version.exit_code == 0);
+  CHECK(Contains(version.out, "0.1.0"));
+  CHECK(d.Ctl({}).exit_code == 64);  // no command
+  CHECK(d.Ctl({"list", "--no-such-flag"}).exit_code == 64);
+  auto negative = d.Ctl({"verify", "-5"});
+  CHECK(negative.exit_code == 64);
+  CHECK(Contains(negative.err, "a step is a number 0 or more, not \"-5\""));
+  // Every command's help names the options it takes, the shared ones included.
+  auto help = d.Ctl({"verify", "--help"});
+  for (const char* option : {"--job", "--json", "--socket", "--timeout", "--dial-timeout"}) {
+    CHECK(Contains(help.out, option));
+  }
+  // An error under --json is JSON too, on stdout.
+  auto missing = d.Ctl({"--json", "--job", "cli", "show", "6"});
+  CHECK(missing.exit_code == 1);
+  auto error = nlohmann::json::parse(missing.out);
+  CHECK(error["error"]["exit_code"] == 1);
+  CHECK(error["error"]["command"] == "show");
+  CHECK(Contains(error["error"]["message"].get<std::string>(), "no committed checkpoint at step 6"));
+  // Numbers are numbers in every command's JSON, and verify says what it verified.
+  auto verified = nlohmann::json::parse(d.Ctl({"--json", "--job", "cli", "verify", "5"}).out);
+  CHECK(verified["job"] == "cli");
+  CHECK(verified["step"] == 5);
+  CHECK(verified["ok"] == true);
+  CHECK(verified["bytes_checked"].is_number());
+  auto listed = nlohmann::json::parse(d.Ctl({"--json", "list"}).out);
+  CHECK(listed["checkpoints"][0]["step"] == 5);
+  CHECK(listed["checkpoints"][0]["bytes"].is_number());
+
+  // A daemon that stopped (SIGSTOP) costs the --dial-timeout, then exit 2 and a sentence.
+  d.Signal(SIGSTOP);
+  auto start = std::chrono::steady_clock::now();
+  auto stalled = d.Ctl({"--dial-timeout", "1", "status"});
+  auto took = std::chrono::steady_clock::now() - start;
+  d.Signal(SIGCONT);
+  CHECK(stalled.exit_code == 2);
+  CHECK(Contains(stalled.err, "could not connect to ckptd at " + d.socket() + " within 1 s"));
+  CHECK(took < std::chrono::seconds(5));
+  // A user the socket is not for: a sentence, not gRPC's words.
+  const std::string ctl = dir.path() + "/ckptctl";  // where that user may run it
+  std::filesystem::copy_file(Runfile("client/ckptctl"), ctl);
+  auto denied = Run({"/usr/bin/setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", ctl,
+                     "--socket", d.socket(), "status"},
+                    dir.path());
+  CHECK(denied.exit_code == 2);
+  CHECK(Contains(denied.err, "this user may not connect to ckptd at " + d.socket() + " (permission denied)"));
+}
+
+TEST_CASE("ckptctl wait blocks until a step is committed, with progress, and times out with exit 2") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  // A job of two ranks: step 8 commits only once the second rank saves, seconds later.
+  Process first(Helper(d, {"--job", "w", "--rank", "0", "--world-size", "2", "--bytes", "1000", "save", "--step",
+                           "8", "--wait-committed"}),
+                dir.path(), "first");
+  Process waiter({Runfile("client/ckptctl"), "--socket", d.socket(), "--job", "w", "wait", "8", "--timeout", "60"},
+                 dir.path(), "waiter");
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  CHECK(waiter.Running());  // step 8 is not committed yet: rank 1 has not saved
+  REQUIRE(Run(Helper(d, {"--job", "w", "--rank", "1", "--world-size", "2", "--bytes", "1000", "save", "--step",
+                         "8", "--wait-committed"}),
+              dir.path()).exit_code == 0);
+  CHECK(first.Wait() == 0);
+  CHECK(waiter.Wait() == 0);
+  INFO(waiter.Stdout() << waiter.Stderr());
+  CHECK(Contains(waiter.Stdout(), "step 8 of job w committed"));
+  CHECK(Contains(waiter.Stderr(), "step 8: writing (node), waiting for ranks 1"));
+  // Already committed: at once. A step that never comes: exit 2 after --timeout, saying so.
+  CHECK(d.Ctl({"--job", "w", "wait", "8"}).exit_code == 0);
+  auto late = d.Ctl({"--job", "w", "wait", "9", "--timeout", "1", "--quiet"});
+  CHECK(late.exit_code == 2);
+  CHECK(Contains(late.err, "step 9 of job w not committed within 1 s"));
+}
+
+TEST_CASE("a rejected snapshot's error names it once, and export finds the daemon's root") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "2M"});
+  d.Start();
+  // Rank 0 of two saves step 2 while its step 1 (which rank 1 never saves) still holds the
+  // staging memory: the stager refuses it, in words that name the snapshot.
+  auto save = [&](const char* step) {
+    return Run(Helper(d, {"--job", "big", "--rank", "0", "--world-size", "2", "--bytes", "1500000", "save",
+                          "--step", step}),
+               dir.path());
+  };
+  REQUIRE(save("1").exit_code == 0);
+  auto r = save("2");
+  INFO(r.out << r.err << d.Log());
+  auto status = nlohmann::json::parse(d.Ctl({"--json", "status"}).out);
+  REQUIRE(status["recent_errors"].size() >= 1);
+  const std::string e = status["recent_errors"][0];
+  CHECK(Contains(e, "[big/r0 s2]"));
+  CHECK(e.find("[big/r0 s2]") == e.rfind("[big/r0 s2]"));
+
+  // export reads the files of the daemon at --socket, not /var/lib/ckptd, and says where it looked.
+  auto exported = Run({Runfile("client/ckptctl"), "--socket", d.socket(), "--job", "big", "export", "1",
+                       dir.path() + "/out"},
+                      dir.path());
+  CHECK(exported.exit_code == 1);
+  CHECK(Contains(exported.err, "(in the checkpoint root " + d.root() + ")"));
 }
 
 TEST_CASE("standard gRPC health checks answer SERVING; the RPC snapshot path commits") {

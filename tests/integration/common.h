@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <set>
 #include <thread>
 #include <string>
 #include <vector>
@@ -53,6 +54,15 @@ inline std::string HttpGet(int port, const std::string& path) {
   }
   ::close(fd);
   return answer;
+}
+
+// The steps of `job` that `ckptctl list --json` shows.
+inline std::set<uint64_t> ListedSteps(const Daemon& d, const std::string& job) {
+  std::set<uint64_t> steps;
+  auto listed = nlohmann::json::parse(d.Ctl({"--job", job, "--json", "list"}).out, nullptr, false);
+  if (listed.is_discarded() || !listed.contains("checkpoints")) return steps;
+  for (const auto& c : listed["checkpoints"]) steps.insert(c["step"].get<uint64_t>());
+  return steps;
 }
 
 // ckptctl status --json of one daemon; an empty object when it does not answer.

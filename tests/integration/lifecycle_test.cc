@@ -3,6 +3,8 @@
 #include <sys/stat.h>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
@@ -179,31 +181,29 @@ TEST_CASE("retention keeps the last K and every N-th, never blocking saves") {
   REQUIRE(r.exit_code == 0);
   // Which steps committed: a step still being written when a newer one commits is abandoned
   // (it can happen to step 20 when its write is slow), and retention only sees committed ones.
-  std::vector<std::string> committed;
-  for (int step = 10; step <= 60; step += 10) {
-    if (Contains(r.out, "committed step=" + std::to_string(step) + "\n")) {
-      committed.push_back("\"" + std::to_string(step) + "\"");
-    }
+  std::vector<uint64_t> committed;
+  for (uint64_t step = 10; step <= 60; step += 10) {
+    if (Contains(r.out, "committed step=" + std::to_string(step) + "\n")) committed.push_back(step);
   }
   REQUIRE(committed.size() >= 4);
-  REQUIRE(committed.back() == "\"60\"");
+  REQUIRE(committed.back() == 60);
   // Kept: the last 2 committed, and every committed multiple of 20.
-  std::vector<std::string> kept, gone;
+  std::vector<uint64_t> kept, gone;
   for (size_t i = 0; i < committed.size(); ++i) {
-    int step = std::stoi(committed[i].substr(1));
+    uint64_t step = committed[i];
     bool keep = i + 2 >= committed.size() || step % 20 == 0;
     (keep ? kept : gone).push_back(committed[i]);
   }
   // Retention runs just after the last commit, off the trainer's path.
-  auto all_gone = [&](const std::string& out) {
-    return std::none_of(gone.begin(), gone.end(), [&](const std::string& g) { return Contains(out, g); });
+  auto all_gone = [&](const std::set<uint64_t>& listed) {
+    return std::none_of(gone.begin(), gone.end(), [&](uint64_t g) { return listed.count(g) != 0; });
   };
-  WaitUntil([&] { return all_gone(d.Ctl({"--job", "ret", "--json", "list"}).out); }, 10s, 20ms);
-  auto list = d.Ctl({"--job", "ret", "--json", "list"});
-  INFO(r.out << r.err << list.out);
-  for (const std::string& k : kept) CHECK(Contains(list.out, k));
-  CHECK(all_gone(list.out));
-  CHECK(Contains(list.out, "\"20\"") == Contains(r.out, "committed step=20\n"));
+  WaitUntil([&] { return all_gone(ListedSteps(d, "ret")); }, 10s, 20ms);
+  const std::set<uint64_t> listed = ListedSteps(d, "ret");
+  INFO(r.out << r.err << fmt::format("{}", fmt::join(listed, ",")));
+  for (uint64_t k : kept) CHECK(listed.count(k));
+  CHECK(all_gone(listed));
+  CHECK((listed.count(20) != 0) == Contains(r.out, "committed step=20\n"));
 }
 
 TEST_CASE("training carries on when ckptd is absent or dies") {
@@ -329,8 +329,7 @@ TEST_CASE("a job that goes back to an older step trains on: its new steps are ke
                dir.path());
   };
   for (uint64_t step : {10, 20, 30}) REQUIRE(save(step).exit_code == 0);
-  WaitUntil([&] { return !Contains(d.Ctl({"--job", "back", "--json", "list"}).out, "\"10\""); },
-            10s, 20ms);
+  WaitUntil([&] { return ListedSteps(d, "back").count(10) == 0; }, 10s, 20ms);
   // The job resumes from step 20 (say the run after it diverged) and trains on.
   auto back = Run(Helper(d, {"--job", "back", "--bytes", "100000", "--seed", "20", "check",
                              "--step", "20"}),
@@ -339,11 +338,10 @@ TEST_CASE("a job that goes back to an older step trains on: its new steps are ke
   REQUIRE(save(25).exit_code == 0);  // a later run: each save here is a new trainer process
   REQUIRE(save(26).exit_code == 0);
   // Retention keeps the two latest in run order, not the two highest numbers.
-  WaitUntil([&] { return !Contains(d.Ctl({"--job", "back", "--json", "list"}).out, "\"30\""); },
-            10s, 20ms);
-  auto list = d.Ctl({"--job", "back", "--json", "list"}).out;
-  CHECK(Contains(list, "\"25\""));
-  CHECK(Contains(list, "\"26\""));
+  WaitUntil([&] { return ListedSteps(d, "back").count(30) == 0; }, 10s, 20ms);
+  const std::set<uint64_t> list = ListedSteps(d, "back");
+  CHECK(list.count(25));
+  CHECK(list.count(26));
   // "Latest" is the last committed: the abandoned step 30 is not resumed.
   auto latest = Run(Helper(d, {"--job", "back", "--bytes", "100000", "--seed", "26", "check"}),
                     dir.path());
