@@ -28,7 +28,16 @@ def main(out, files):
     entries.append((f"{dist_info}/METADATA", (
         "Metadata-Version: 2.1\nName: ckptd\nVersion: " + VERSION + "\n"
         "Summary: Python client and PyTorch checkpoint manager for the ckptd daemon\n"
-        "Requires-Python: ==3.11.*\n").encode()))
+        "Requires-Python: ==3.11.*\n"
+        # ckptd.torch, .dcp, .lightning, .transformers need PyTorch; the bindings do not.
+        "Provides-Extra: torch\n"
+        "Requires-Dist: torch>=1.13; extra == \"torch\"\n"
+        # _native.so links Debian 12's gRPC, protobuf and Abseil: a wheel for Debian 12
+        # (and its python3.11), where the python3-ckptd package says so in its Depends.
+        "Description-Content-Type: text/plain\n\n"
+        "Built on Debian 12 against its gRPC 1.51, protobuf 3.21 and Abseil 20220623\n"
+        "(libgrpc++1.51, libprotobuf32, libabsl20220623): install those, or use the\n"
+        "python3-ckptd package, which depends on them.\n").encode()))
     entries.append((f"{dist_info}/WHEEL", (
         "Wheel-Version: 1.0\nGenerator: ckptd make_wheel.py\nRoot-Is-Purelib: false\n"
         f"Tag: {TAG}\n").encode()))

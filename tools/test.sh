@@ -59,6 +59,18 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
   done
 fi
 
+# The packages, installed into a clean Debian 12 with a trainer built against them
+# (tests/packaging/packages_test.sh); CKPTD_SKIP_PACKAGES=1 leaves it out.
+packages_line=""
+if [ "${CKPTD_SKIP_PACKAGES:-0}" != 1 ]; then
+  if out=$(timeout 1200 tests/packaging/packages_test.sh 2>&1); then
+    packages_line="packages: passed"
+  else
+    packages_line="packages: FAILED"
+  fi
+  echo "$out" | tail -n 30
+fi
+
 passed=0
 failed=0
 skipped=0
@@ -121,6 +133,16 @@ for line in "${bench_lines[@]}"; do
     failed=$((failed + 1))
   fi
 done
+
+if [ -n "$packages_line" ]; then
+  if [ "$packages_line" = "packages: passed" ]; then
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:packages_test.sh" 1 0 0
+    passed=$((passed + 1))
+  else
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:packages_test.sh" 0 1 0
+    failed=$((failed + 1))
+  fi
+fi
 
 if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
   failed=1  # a build itself failed
