@@ -140,6 +140,19 @@ std::optional<std::string> Commands::Job(const std::string& command, int* exit_c
   return std::nullopt;
 }
 
+std::optional<CheckpointRef> Commands::Ref(const std::string& command, int* exit_code) {
+  if (auto why = Connect()) {
+    *exit_code = Report(o_, command, kUnreachable, *why);
+    return std::nullopt;
+  }
+  std::optional<std::string> job = Job(command, exit_code);
+  if (!job) return std::nullopt;
+  CheckpointRef ref;
+  ref.set_job(*job);
+  ref.set_step(*o_.step);
+  return ref;
+}
+
 int Commands::Status() {
   if (auto why = Connect()) return Report(o_, "status", kUnreachable, *why);
   StatusReply r;
@@ -240,35 +253,28 @@ int Commands::PrintList(const ListReply& r, const Options& o) {
 }
 
 int Commands::Show() {
-  if (auto why = Connect()) return Report(o_, "show", kUnreachable, *why);
   int code = kError;
-  auto job = Job("show", &code);
-  if (!job) return code;
-  CheckpointRef ref;
-  ref.set_job(*job);
-  ref.set_step(*o_.step);
+  std::optional<CheckpointRef> ref = Ref("show", &code);
+  if (!ref) return code;
   ShowReply r;
-  grpc::Status s = stub_->Show(Context(kCallSeconds).get(), ref, &r);
+  grpc::Status s = stub_->Show(Context(kCallSeconds).get(), *ref, &r);
   if (!s.ok()) return Failed("show", s, kCallSeconds);
   std::cout << r.manifest_json() << "\n";  // the manifest itself (docs/format.md), with or without --json
   return kOk;
 }
 
 int Commands::Verify() {
-  if (auto why = Connect()) return Report(o_, "verify", kUnreachable, *why);
   int code = kError;
-  auto job = Job("verify", &code);
-  if (!job) return code;
-  CheckpointRef ref;
-  ref.set_job(*job);
-  ref.set_step(*o_.step);
+  std::optional<CheckpointRef> ref = Ref("verify", &code);
+  if (!ref) return code;
+  const std::string& job = ref->job();
   if (!o_.json && o_.progress && ::isatty(STDERR_FILENO)) {
-    std::cerr << fmt::format("verifying step {} of job {} (every byte is re-read)...\n", *o_.step, *job);
+    std::cerr << fmt::format("verifying step {} of job {} (every byte is re-read)...\n", *o_.step, job);
   }
   VerifyReply r;
-  grpc::Status s = stub_->Verify(Context(kVerifySeconds).get(), ref, &r);
+  grpc::Status s = stub_->Verify(Context(kVerifySeconds).get(), *ref, &r);
   if (!s.ok()) return Failed("verify", s, kVerifySeconds);
-  return PrintVerify(r, *job, *o_.step, o_);
+  return PrintVerify(r, job, *o_.step, o_);
 }
 
 int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t step, const Options& o) {
@@ -290,20 +296,17 @@ int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t
 }
 
 int Commands::Delete() {
-  if (auto why = Connect()) return Report(o_, "delete", kUnreachable, *why);
   int code = kError;
-  auto job = Job("delete", &code);
-  if (!job) return code;
-  CheckpointRef ref;
-  ref.set_job(*job);
-  ref.set_step(*o_.step);
+  std::optional<CheckpointRef> ref = Ref("delete", &code);
+  if (!ref) return code;
+  const std::string& job = ref->job();
   DeleteReply r;
-  grpc::Status s = stub_->Delete(Context(kCallSeconds).get(), ref, &r);
+  grpc::Status s = stub_->Delete(Context(kCallSeconds).get(), *ref, &r);
   if (!s.ok()) return Failed("delete", s, kCallSeconds);
   if (o_.json) {
-    PrintJson({{"deleted", {{"job", *job}, {"step", *o_.step}}}});
+    PrintJson({{"deleted", {{"job", job}, {"step", *o_.step}}}});
   } else {
-    std::cout << fmt::format("deleted step {} of job {}\n", *o_.step, *job);
+    std::cout << fmt::format("deleted step {} of job {}\n", *o_.step, job);
   }
   return kOk;
 }

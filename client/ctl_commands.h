@@ -67,6 +67,8 @@ class Commands {
   int Failed(const std::string& command, const grpc::Status& s, double seconds);
   // --job, or the only job ckptd holds.
   std::optional<std::string> Job(const std::string& command, int* exit_code);
+  // The checkpoint show, verify and delete name: connected, --job (or the only one), STEP.
+  std::optional<::ckptd::v1::CheckpointRef> Ref(const std::string& command, int* exit_code);
 
   const Options& o_;
   std::shared_ptr<grpc::Channel> channel_;

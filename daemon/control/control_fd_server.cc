@@ -163,16 +163,23 @@ void ControlFdServer::Deposit(int conn, const PeerIdentity& caller, std::vector<
   Reply(conn, std::string(kDepositAccepted) + *token);
 }
 
-void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
-                                       const std::string& session_id) {
-  // Only the process that registered the session gets its control block.
+std::optional<SessionPtr> ControlFdServer::SessionOf(int conn, const PeerIdentity& caller,
+                                                    const std::string& session_id, const char* what) {
+  // Only the process that registered the session gets what is its own.
   absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, caller);
   if (!session.ok()) {
-    Log().warn("control block of session \"{}\" refused to {}: {}", session_id.substr(0, 64),
-               caller.Describe(), Message(session.status()));
+    Log().warn("{} of session \"{}\" refused to {}: {}", what, session_id.substr(0, 64), caller.Describe(),
+               Message(session.status()));
     Reply(conn, Message(session.status()));
-    return;
+    return std::nullopt;
   }
+  return *std::move(session);
+}
+
+void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
+                                       const std::string& session_id) {
+  std::optional<SessionPtr> session = SessionOf(conn, caller, session_id, "control block");
+  if (!session) return;
   const int fds[2] = {(*session)->control_fd(), liveness_read_.get()};
   if (absl::Status sent = SendFds(conn, fds, "ok"); !sent.ok()) {
     Log().warn("could not hand session {} its control block: {}", session_id, Message(sent));
@@ -181,14 +188,9 @@ void ControlFdServer::SendControlBlock(int conn, const PeerIdentity& caller,
 
 void ControlFdServer::SendTrainState(int conn, const PeerIdentity& caller,
                                      const std::string& session_id) {
-  // Like the control block: only the process that registered the session, and once.
-  absl::StatusOr<SessionPtr> session = sessions_.FindFor(session_id, caller);
-  if (!session.ok()) {
-    Log().warn("train state of session \"{}\" refused to {}: {}", session_id.substr(0, 64),
-               caller.Describe(), Message(session.status()));
-    Reply(conn, Message(session.status()));
-    return;
-  }
+  // Like the control block, and once.
+  std::optional<SessionPtr> session = SessionOf(conn, caller, session_id, "train state");
+  if (!session) return;
   shm::SealedSegmentPtr state = (*session)->TakeRestoredTrainState();
   if (state == nullptr) {
     Reply(conn, fmt::format("session {} has no restored train state waiting (fetched already?)",

@@ -18,6 +18,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,6 +51,9 @@ class ControlFdServer {
   void AcceptLoop();
   void Serve(UniqueFd conn, const PeerIdentity& caller);
   void Dispose(std::vector<UniqueFd> fds);
+  // The session `session_id` if `caller` registered it; answers why not otherwise.
+  std::optional<SessionPtr> SessionOf(int conn, const PeerIdentity& caller, const std::string& session_id,
+                                      const char* what);
   void SendControlBlock(int conn, const PeerIdentity& caller, const std::string& session_id);
   void SendTrainState(int conn, const PeerIdentity& caller, const std::string& session_id);
   void Deposit(int conn, const PeerIdentity& caller, std::vector<UniqueFd> fds,
