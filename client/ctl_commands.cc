@@ -100,8 +100,8 @@ std::optional<std::string> Commands::Connect() {
                          o_.socket);
     }
     if (::access(o_.socket.c_str(), W_OK) != 0) {  // the socket, or a directory above it
-      return fmt::format("this user may not connect to ckptd at {} (permission denied): the socket is for "
-                         "ckptd's group; join it, or ask the operator for --allow-uid",
+      return fmt::format("this user may not connect to ckptd at {} (permission denied): the socket (mode "
+                         "0660) is for ckptd's group: join it",
                          o_.socket);
     }
   }
@@ -354,6 +354,16 @@ int Commands::Wait() {
   StatusReply r;
   if (grpc::Status s = status(r); !s.ok()) return Failed("wait", s, 10);
   if (const JobStatus* j = FindJob(r, job); j != nullptr && j->has_committed()) baseline = j->latest_committed_step();
+  // A job this ckptd knows nothing of (no steps, no sessions) is a misspelling more often
+  // than a job about to start: waiting for it needs a --timeout.
+  const bool known = FindJob(r, job) != nullptr ||
+                     std::any_of(r.sessions().begin(), r.sessions().end(), [&](const auto& s) { return s.job() == job; });
+  if (!known && !deadline) {
+    return Report(o_, "wait", kError,
+                  fmt::format("ckptd at {} knows no job {} (no steps, no sessions): check --job, or give a "
+                              "--timeout to wait for it to start",
+                              o_.Where(), job));
+  }
   bool seen_in_flight = false;
   std::string last_line;
   while (true) {

@@ -41,8 +41,8 @@ std::string Explain(const grpc::Status& status, const std::string& where, int se
                          where);
     }
     if (Has(m, "Permission denied")) {
-      return fmt::format("this user may not connect to ckptd at {} (permission denied): the socket "
-                         "is for ckptd's group; join it, or ask the operator for --allow-uid",
+      return fmt::format("this user may not connect to ckptd at {} (permission denied): the socket (mode "
+                         "0660) is for ckptd's group: join it",
                          where);
     }
     if (Has(m, "Connection refused")) {

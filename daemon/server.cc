@@ -147,13 +147,6 @@ struct Server::Parts {
 
 namespace {
 
-absl::StatusOr<std::string> ReadSecretFile(const std::string& path, const char* flag) {
-  auto fs = MakePosixFilesystem();
-  auto text = ReadSmallFile(*fs, path);
-  if (!text.ok()) return Annotate(text.status(), flag);
-  return *text;
-}
-
 // Test-only fault: the coordinator exits right after recording a commit decision, before
 // anyone hears it (tests/integration/group_test.cc kills it "between decision and rename").
 class ExitAfterRecord : public group::DecisionLog {
@@ -193,11 +186,11 @@ absl::Status StartGroup(Server::Parts& p) {
   o.group_timeout = std::chrono::milliseconds(c.group_timeout_ms);
   o.step_timeout = std::chrono::milliseconds(c.step_timeout_ms);
   CKPT_ASSIGN_OR_RETURN(o.token,
-                        ReadToken(*MakePosixFilesystem(), c.group_token_file, "--group-token-file"));
+                        ReadToken(c.group_token_file, "--group-token-file"));
   if (!c.group_tls_cert.empty()) {
-    CKPT_ASSIGN_OR_RETURN(o.tls_cert_pem, ReadSecretFile(c.group_tls_cert, "--group-tls-cert"));
-    CKPT_ASSIGN_OR_RETURN(o.tls_key_pem, ReadSecretFile(c.group_tls_key, "--group-tls-key"));
-    CKPT_ASSIGN_OR_RETURN(o.tls_ca_pem, ReadSecretFile(c.group_tls_ca, "--group-tls-ca"));
+    CKPT_ASSIGN_OR_RETURN(o.tls_cert_pem, ReadOperatorFile(c.group_tls_cert, "--group-tls-cert"));
+    CKPT_ASSIGN_OR_RETURN(o.tls_key_pem, ReadOperatorFile(c.group_tls_key, "--group-tls-key"));
+    CKPT_ASSIGN_OR_RETURN(o.tls_ca_pem, ReadOperatorFile(c.group_tls_ca, "--group-tls-ca"));
   } else {
     log.warn("group traffic is not encrypted (no --group-tls-*): acceptable only on a private, "
              "trusted network; calls are still authenticated by the token");
@@ -598,7 +591,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     AdminExposure tcp;
     tcp.over_tcp = true;
     if (!config.admin_token_file.empty()) {
-      CKPT_ASSIGN_OR_RETURN(tcp.token, ReadToken(*p->fs, config.admin_token_file,
+      CKPT_ASSIGN_OR_RETURN(tcp.token, ReadToken(config.admin_token_file,
                                                  "--admin-token-file"));
     }
     p->tcp_admin_service = std::make_unique<AdminService>(p->config, sources, std::move(tcp));
@@ -655,6 +648,10 @@ void Server::Shutdown() {
   Parts& p = *parts_;
   if (p.shut_down) return;
   p.shut_down = true;
+  // What reads the other parts from threads of its own (scrapes, the health thread) stops
+  // before any of them goes.
+  p.metrics_http.reset();
+  p.health.reset();
   auto& log = log::Get(log::Component::kMain);
   log.info("shutting down: new snapshots are refused; finishing in-flight writes (up to {} ms)",
            p.config.shutdown_timeout_ms);

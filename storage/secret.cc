@@ -4,17 +4,40 @@
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <cctype>
+#include <cerrno>
 
 #include "common/status.h"
+#include "common/unique_fd.h"
 
 namespace ckpt {
 
-absl::StatusOr<std::string> ReadToken(Filesystem& fs, const std::string& path,
-                                      std::string_view flag) {
-  auto text = ReadSmallFile(fs, path);
-  if (!text.ok()) return Annotate(text.status(), std::string(flag));
-  std::string token = std::move(*text);
+absl::StatusOr<std::string> ReadOperatorFile(const std::string& path, std::string_view flag) {
+  // O_NONBLOCK: a FIFO named by mistake must not hang the start.
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK));
+  if (!fd.valid()) return Annotate(ErrnoStatus(errno, "open " + path), std::string(flag));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > (1 << 20)) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: {} is not a regular file of at most 1 MiB", flag, path));
+  }
+  std::string contents(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < contents.size()) {
+    ssize_t n = ::pread(fd.get(), contents.data() + done, contents.size() - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Annotate(ErrnoStatus(n < 0 ? errno : EIO, "read " + path), std::string(flag));
+    done += static_cast<size_t>(n);
+  }
+  return contents;
+}
+
+absl::StatusOr<std::string> ReadToken(const std::string& path, std::string_view flag) {
+  CKPT_ASSIGN_OR_RETURN(std::string token, ReadOperatorFile(path, flag));
   while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
   if (token.size() < 16) {
     return absl::InvalidArgumentError(fmt::format(

@@ -65,7 +65,18 @@ if [ "$1" = configure ] && ! getent passwd ckptd >/dev/null; then
 fi
 if [ -d /run/systemd/system ]; then systemctl daemon-reload || true; fi
 POSTINST
-chmod 0755 "$P/DEBIAN/postinst"
+cat > "$P/DEBIAN/prerm" <<'PRERM'
+#!/bin/sh
+# Stopped before its files go (a running ckptd finishes its writes on SIGTERM).
+set -e
+if [ "$1" = remove ] && [ -d /run/systemd/system ]; then systemctl stop ckptd.service || true; fi
+PRERM
+cat > "$P/DEBIAN/postrm" <<'POSTRM'
+#!/bin/sh
+set -e
+if [ -d /run/systemd/system ]; then systemctl daemon-reload || true; fi
+POSTRM
+chmod 0755 "$P/DEBIAN/postinst" "$P/DEBIAN/prerm" "$P/DEBIAN/postrm"
 package "$P" ckptd "$(depends "$P" -e"$P/usr/bin/ckptd" -e"$P/usr/bin/ckptctl"), adduser" \
   "per-node checkpoint daemon for GPU training
  ckptd copies trainers' registered buffers into its own memory at each checkpoint,

@@ -32,15 +32,23 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
                {{"in_flight"}, static_cast<double>(in_flight)}});
   out.Samples({"ckptd_staging_user_bytes", "Staging memory in flight per user (uid).", {"uid"}},
               metrics::FoldRows(std::move(by_user), kMaxLabelled, 0));
-  out.Samples({"ckptd_staging_job_bytes", "Staging memory in flight per job.", {"job"}},
+  out.Samples({"ckptd_staging_job_bytes", "Staging memory in flight per job.", {"ckpt_job"}},
               metrics::FoldRows(std::move(by_job), kMaxLabelled, 0));
 
   double alive = 0, registered = 0;
+  std::map<std::string, double> of_job;
   std::vector<SessionPtr> sessions = src.sessions.All();
   for (const SessionPtr& s : sessions) {
-    if (s->trainer_alive() && !s->ended()) ++alive;
+    if (s->trainer_alive() && !s->ended()) {
+      ++alive;
+      of_job[s->job()] += 1;
+    }
     registered += static_cast<double>(s->registered_bytes());
   }
+  Rows job_sessions;
+  for (const auto& [job, n] : of_job) job_sessions.push_back({{job}, n});
+  out.Samples({"ckptd_job_sessions", "Live trainer sessions per job (a job training here now).", {"ckpt_job"}},
+              metrics::FoldRows(std::move(job_sessions), kMaxLabelled, 0));
   out.Samples({"ckptd_sessions", "Trainer sessions registered, by whether their trainer is alive.", {"state"}},
               {{{"alive"}, alive}, {{"ended"}, static_cast<double>(sessions.size()) - alive}});
   out.Samples({"ckptd_registered_bytes", "Bytes of tensors the registered sessions hold.", {}}, {{{}, registered}});
@@ -53,10 +61,10 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
     ages.push_back({{c.job}, std::chrono::duration<double>(now - c.at).count()});
   }
   out.Samples({"ckptd_job_last_committed_step",
-               "Each job's last step committed since ckptd started (the 64 most recent jobs).", {"job"}},
+               "Each job's last step committed since ckptd started (the 64 most recent jobs).", {"ckpt_job"}},
               steps);
   out.Samples({"ckptd_job_last_commit_age_seconds", "Seconds since each job's last commit (the 64 most recent jobs).",
-               {"job"}},
+               {"ckpt_job"}},
               ages);
   out.Samples({"ckptd_jobs_committed", "Jobs that committed a step since ckptd started (at most 1024 remembered).", {}},
               {{{}, static_cast<double>(jobs)}});

@@ -9,7 +9,7 @@
 #include <boost/beast/http.hpp>
 #include <condition_variable>
 #include <mutex>
-#include <set>
+#include <map>
 #include <thread>
 
 namespace ckpt::metrics {
@@ -33,8 +33,11 @@ class BeastExporter final : public HttpExporter {
     if (acceptor_.is_open()) ::shutdown(acceptor_.native_handle(), SHUT_RDWR);
     if (thread_.joinable()) thread_.join();
     std::unique_lock lock(mu_);
-    for (int fd : open_) ::shutdown(fd, SHUT_RDWR);
+    for (const auto& [fd, since] : open_) ::shutdown(fd, SHUT_RDWR);
+    idle_.notify_all();  // the watchdog
     idle_.wait(lock, [this] { return serving_ == 0; });
+    lock.unlock();
+    if (watchdog_.joinable()) watchdog_.join();
   }
 
   absl::Status Listen(const std::string& addr) {
@@ -62,12 +65,26 @@ class BeastExporter final : public HttpExporter {
     if (ec) return absl::UnavailableError(fmt::format("cannot listen on {}: {}", addr, ec.message()));
     port_ = acceptor_.local_endpoint().port();
     thread_ = std::thread([this] { AcceptLoop(); });
+    watchdog_ = std::thread([this] { Watchdog(); });
     return absl::OkStatus();
   }
 
   int port() const override { return port_; }
 
  private:
+  // Reads here block (Beast's deadlines apply to asynchronous calls only): a connection
+  // still open kDeadline after it was accepted, idle or dripping bytes, is shut down.
+  void Watchdog() {
+    std::unique_lock lock(mu_);
+    while (!stopping_) {
+      idle_.wait_for(lock, std::chrono::milliseconds(250));
+      const auto now = std::chrono::steady_clock::now();
+      for (const auto& [fd, since] : open_) {
+        if (now - since > kDeadline) ::shutdown(fd, SHUT_RDWR);
+      }
+    }
+  }
+
   void AcceptLoop() {
     while (!stopping_) {
       tcp::socket socket(io_);
@@ -75,13 +92,15 @@ class BeastExporter final : public HttpExporter {
       acceptor_.accept(socket, ec);
       if (ec) {
         if (stopping_ || ec == asio::error::bad_descriptor) return;
+        // Out of descriptors (EMFILE) leaves the connection queued: wait, do not spin.
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
         continue;
       }
       std::unique_lock lock(mu_);
       if (serving_ >= kMaxConnections || stopping_) continue;  // closed: the scraper retries
       ++serving_;
       const int fd = socket.native_handle();
-      open_.insert(fd);
+      open_[fd] = std::chrono::steady_clock::now();
       lock.unlock();
       std::thread([this, fd, s = std::move(socket)]() mutable {
         {
@@ -102,7 +121,6 @@ class BeastExporter final : public HttpExporter {
   void Serve(beast::tcp_stream& stream) {
     beast::flat_buffer buffer;
     for (int requests = 0; requests < 16 && !stopping_; ++requests) {
-      stream.expires_after(kDeadline);
       http::request_parser<http::empty_body> parser;
       parser.header_limit(8 * 1024);
       beast::error_code ec;
@@ -154,7 +172,9 @@ class BeastExporter final : public HttpExporter {
   std::mutex mu_;
   std::condition_variable idle_;
   int serving_ = 0;
-  std::set<int> open_;  // the serving connections' descriptors, guarded by mu_
+  // The serving connections' descriptors and when each was accepted, guarded by mu_.
+  std::map<int, std::chrono::steady_clock::time_point> open_;
+  std::thread watchdog_;
 };
 
 }  // namespace

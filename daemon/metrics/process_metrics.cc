@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <fstream>
@@ -25,17 +26,13 @@ std::vector<std::string> StatFields() {
   return fields;
 }
 
+// When the system booted, in Unix time: from the clocks, not /proc/stat (which a unit's
+// ProcSubset=pid hides).
 double BootTime() {
-  std::ifstream in("/proc/stat");
-  for (std::string key; in >> key;) {
-    if (key == "btime") {
-      double t = 0;
-      in >> t;
-      return t;
-    }
-    in.ignore(1 << 20, '\n');
-  }
-  return 0;
+  timespec real{}, boot{};
+  ::clock_gettime(CLOCK_REALTIME, &real);
+  ::clock_gettime(CLOCK_BOOTTIME, &boot);
+  return static_cast<double>(real.tv_sec - boot.tv_sec) + (real.tv_nsec - boot.tv_nsec) * 1e-9;
 }
 
 double OpenFds() {

@@ -408,7 +408,7 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
     CHECK(Contains(scrape, "\nckptd_group_members{state=\"lost\"} 0\n"));
     CHECK(Contains(scrape, "\nckptd_group_joined 1\n"));
     CHECK(Contains(scrape, "\nckptd_commit_seconds_count{scope=\"group\"} 1\n"));
-    CHECK(Contains(scrape, "\nckptd_job_last_committed_step{job=\"g\"} 10\n"));
+    CHECK(Contains(scrape, "\nckptd_job_last_committed_step{ckpt_job=\"g\"} 10\n"));
     CHECK(Contains(scrape, "\nckptd_restore_seconds_count{tier=\"memory\"} " + std::to_string(c.ranks(n).size()) + "\n"));
   }
 

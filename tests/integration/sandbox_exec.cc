@@ -5,7 +5,8 @@
 //   sandbox_exec --syscalls FILE [--writable DIR]... [--uid N --gid N] -- COMMAND...
 //
 // In order: a mount namespace whose root file system is read-only but for the --writable
-// directories (ProtectSystem=strict + ReadWritePaths); every capability dropped from the
+// directories (ProtectSystem=strict + ReadWritePaths) and whose /proc shows only the user's
+// own processes (ProtectProc=invisible); every capability dropped from the
 // bounding set and, with --uid/--gid, an unprivileged user (User=, Group=,
 // CapabilityBoundingSet=); no new privileges (NoNewPrivileges=); a seccomp filter that
 // allows the system calls named in FILE, one per line, and fails every other with EPERM
@@ -44,6 +45,10 @@ void ReadOnlyRootExcept(const std::vector<std::string>& writable) {
     if (::mount(dir.c_str(), dir.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) Die("bind " + dir);
   }
   if (::mount(nullptr, "/", nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY, nullptr) != 0) Die("remount / read-only");
+  // ProtectProc=invisible: other users' processes are not in /proc.
+  if (::mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible") != 0) {
+    Die("mount /proc with hidepid=invisible");
+  }
 }
 
 void DropPrivileges(long uid, long gid) {

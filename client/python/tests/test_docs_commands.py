@@ -64,7 +64,7 @@ def run(script, cwd, timeout=300):
 def test_the_readme_example(workdir):
     (_, block), = [b for b in blocks("README.md") if b[1].startswith("bazel build")]
     script = "\n".join(line for line in block.splitlines() if not line.startswith("bazel build"))
-    script = script.replace("/tmp/ckptd.sock", f"{workdir}/ckptd.sock").replace("/tmp/ckpt", f"{workdir}/ckpt")
+    script = re.sub(r"/tmp/ckpt\b(?!d)", f"{workdir}/ckpt", script.replace("/tmp/ckptd.sock", f"{workdir}/ckptd.sock"))
     binaries(workdir)
     rc, out = run(script + "\nkill %1; wait %1 || true\n", workdir)
     assert rc == 0, out

@@ -42,6 +42,20 @@ def pod_specs(path):
     return out
 
 
+def test_the_coordinator_is_published_before_it_is_ready():
+    """A node is ready only once every node joined: the coordinator's address must resolve
+    before that, or no node ever joins."""
+    for path in ("deploy/kubernetes/ckptd-indexed-job.yaml", "deploy/kubernetes/ckptd-pytorchjob.yaml"):
+        services = [d for d in documents(path) if d["kind"] == "Service"]
+        coordinators = set()
+        for _, spec in pod_specs(path):
+            ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+            coordinators |= {e["value"] for e in ckptd["env"] if e["name"] == "CKPTD_COORDINATOR"}
+        host = coordinators.pop().split(":")[0]
+        service, = [s for s in services if host in (s["metadata"]["name"], f"trainer-0.{s['metadata']['name']}")]
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True, path
+
+
 def test_the_manifests_are_the_ones_documented():
     assert [os.path.basename(p) for p in MANIFESTS] == [
         "ckptd-indexed-job.yaml", "ckptd-pytorchjob.yaml", "ckptd-sidecar.yaml"]
@@ -108,9 +122,14 @@ def test_ckptd_runs_unprivileged_with_its_resources(path):
         # Trainers under another uid reach the socket through the fsGroup.
         assert security["runAsGroup"] == pod_security["fsGroup"] == int(flag(ckptd, "allow-gid")), where
         requests, limits = ckptd["resources"]["requests"], ckptd["resources"]["limits"]
-        staging = flag(ckptd, "staging-bytes")
-        assert requests["hugepages-2Mi"] == limits["hugepages-2Mi"] == staging.replace("G", "Gi"), where
-        assert requests["memory"] == limits["memory"] and "cpu" in requests, where
+        # Staging memory is ckptd's ordinary memory (pre-faulted at start): under its limit.
+        staging_gib = int(flag(ckptd, "staging-bytes").rstrip("G"))
+        assert requests["memory"] == limits["memory"], where
+        assert int(limits["memory"].rstrip("Gi")) >= staging_gib + 4, where
+        assert "hugepages-2Mi" not in limits and "cpu" in requests, where
+        for trainer in spec["containers"]:  # the arenas in hugetlb pages are the trainer's
+            t = trainer["resources"]
+            assert t["requests"]["hugepages-2Mi"] == t["limits"]["hugepages-2Mi"], where
 
 
 def ckptd_argv(ckptd, tmp, daemon_path, replica_index):

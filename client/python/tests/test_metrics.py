@@ -22,7 +22,7 @@ FAMILIES = {
     "ckptd_restore_seconds", "ckptd_upload_seconds", "ckptd_staged_bytes", "ckptd_written_bytes",
     "ckptd_restored_bytes", "ckptd_uploaded_bytes", "ckptd_snapshots", "ckptd_checkpoints",
     "ckptd_failures", "ckptd_build_info", "ckptd_staging_bytes", "ckptd_staging_user_bytes",
-    "ckptd_staging_job_bytes", "ckptd_sessions", "ckptd_registered_bytes",
+    "ckptd_staging_job_bytes", "ckptd_sessions", "ckptd_registered_bytes", "ckptd_job_sessions",
     "ckptd_job_last_committed_step", "ckptd_job_last_commit_age_seconds", "ckptd_jobs_committed",
     "process_cpu_seconds", "process_open_fds", "process_max_fds", "process_virtual_memory_bytes",
     "process_resident_memory_bytes", "process_start_time_seconds",
@@ -71,6 +71,7 @@ def test_a_scrape_during_a_run_shows_every_figure(workdir):
         daemon.stop()
     assert FAMILIES <= set(after), FAMILIES - set(after)
     assert value(during, "ckptd_sessions", state="alive") == 1
+    assert value(during, "ckptd_job_sessions", ckpt_job="run") == 1
     assert value(during, "ckptd_registered_bytes") >= 256 * 256 * 4
     assert value(after, "ckptd_snapshots", "ckptd_snapshots_total", outcome="staged") == 3
     assert value(after, "ckptd_checkpoints", "ckptd_checkpoints_total", outcome="committed") == 3
@@ -82,8 +83,8 @@ def test_a_scrape_during_a_run_shows_every_figure(workdir):
         assert value(after, histogram, histogram + "_bucket", le="+Inf", **labels) == 3, histogram
     assert value(after, "ckptd_restore_seconds", "ckptd_restore_seconds_count", tier="memory") == 1
     assert value(after, "ckptd_restored_bytes", "ckptd_restored_bytes_total", tier="memory") >= 256 * 256 * 4
-    assert value(after, "ckptd_job_last_committed_step", job="run") == 3
-    assert 0 <= value(after, "ckptd_job_last_commit_age_seconds", job="run") < 60
+    assert value(after, "ckptd_job_last_committed_step", ckpt_job="run") == 3
+    assert 0 <= value(after, "ckptd_job_last_commit_age_seconds", ckpt_job="run") < 60
     ((_, labels), one), = after["ckptd_build_info"].items()
     assert one == 1 and re.fullmatch(r"\d+\.\d+\.\d+", dict(labels)["version"])
     assert value(after, "ckptd_staging_bytes", state="capacity") == 512 << 20
@@ -121,5 +122,5 @@ def test_job_names_a_trainer_invents_cannot_grow_the_exposition(workdir):
     finally:
         daemon.stop()
     assert len(families["ckptd_job_last_committed_step"]) == 64  # the most recent 64 jobs
-    assert value(families, "ckptd_job_last_committed_step", job="invented-079") == 1
+    assert value(families, "ckptd_job_last_committed_step", ckpt_job="invented-079") == 1
     assert value(families, "ckptd_jobs_committed") == 80

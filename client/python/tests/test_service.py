@@ -79,10 +79,14 @@ def test_ready_once_the_socket_serves_and_stopping_on_sigterm(workdir):
 
 def test_in_a_group_ready_waits_for_the_join(workdir):
     port = free_port()
-    token = os.path.join(workdir, "token")
-    with open(token, "w") as f:
+    # The token as a Kubernetes Secret volume presents it: a link into the current version.
+    secret = os.path.join(workdir, "secret")
+    os.makedirs(os.path.join(secret, "..2026_11_25_version"))
+    with open(os.path.join(secret, "..2026_11_25_version", "token"), "w") as f:
         f.write("a-group-token-of-enough-length-0123456789\n")
-    os.chmod(token, 0o600)
+    os.symlink("..2026_11_25_version", os.path.join(secret, "..data"))
+    os.symlink("..data/token", os.path.join(secret, "token"))
+    token = os.path.join(secret, "token")
     group = ["--num-nodes", "2", "--coordinator", f"127.0.0.1:{port}", "--group-token-file", token,
              "--group-timeout", "1s"]
     notify1 = NotifySocket(os.path.join(workdir, "notify1"))
