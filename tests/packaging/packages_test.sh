@@ -21,10 +21,12 @@ tools/packages.sh "$work/dist"
 
 # A clean Debian 12, kept between runs (it is the archive's, not ours).
 base=${CKPTD_DEBIAN_TARBALL:-$HOME/.cache/ckptd/bookworm-minbase.tar}
-if [ ! -s "$base" ]; then
+if [ ! -f "$base" ] || [ ! -s "$base" ]; then
+  rm -rf "$base" "$base.part.tar"
   mkdir -p "$(dirname "$base")"
-  mmdebstrap --quiet --variant=minbase bookworm "$base.tmp"
-  mv "$base.tmp" "$base"
+  # mmdebstrap picks the output's format by its name: the partial file must end in .tar.
+  mmdebstrap --quiet --variant=minbase bookworm "$base.part.tar"
+  mv "$base.part.tar" "$base"
 fi
 mkdir -p "$root"
 tar -xf "$base" -C "$root"
