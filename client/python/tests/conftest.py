@@ -108,6 +108,30 @@ def losses(stdout):
     return out
 
 
+def last_line(out, word):
+    """What follows `word` on the last line of `out` that starts with it."""
+    return next(line.split(maxsplit=1)[1] for line in reversed(out.splitlines()) if line.startswith(word + " "))
+
+
+def kill_after_commit(daemon, job, process, step):
+    """SIGKILLs the trainer once it prints `step` and ckptd has committed a step of `job`;
+    returns what it printed."""
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith(f"step {step} "):
+            deadline = time.monotonic() + 30
+            while not daemon.steps(job) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGKILL)
+            break
+    seen.extend(process.stdout)
+    process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert daemon.steps(job), "no step was committed before the kill"
+    return "".join(seen)
+
+
 def ranks_in_threads(rank, world, timeout=120):
     """Runs rank(r) for every r in range(world), each on a thread of its own (the ranks of one
     job in one process), and returns what they raised (an empty list when none did)."""

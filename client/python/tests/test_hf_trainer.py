@@ -6,10 +6,8 @@ and gives the uninterrupted run's losses and final weights bit for bit.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ pytest.importorskip("accelerate")  # what transformers.Trainer runs on
 from ckptd.torch import CheckpointError  # noqa: E402
 from ckptd.transformers import CkptdCallback  # noqa: E402
 
-from conftest import PYTHONPATH, losses  # noqa: E402
+from conftest import PYTHONPATH, kill_after_commit, last_line, losses  # noqa: E402
 
 WORKER = "client/python/tests/hf_worker.py"
 
@@ -37,28 +35,6 @@ def finish(process):
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err[-3000:]
     return out
-
-
-def last_line(out, word):
-    return next(line.split(maxsplit=1)[1] for line in reversed(out.splitlines()) if line.startswith(word + " "))
-
-
-def kill_after_commit(daemon, job, process, step):
-    """SIGKILLs the trainer once it prints `step` and ckptd has committed a step of `job`."""
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if line.startswith(f"step {step} "):
-            deadline = time.monotonic() + 30
-            while not daemon.steps(job) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            process.send_signal(signal.SIGKILL)
-            break
-    seen.extend(process.stdout)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
-    assert daemon.steps(job), "no step was committed before the kill"
-    return "".join(seen)
 
 
 def test_sigkill_and_resume_gives_the_uninterrupted_run(daemon):

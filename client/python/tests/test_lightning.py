@@ -8,7 +8,6 @@ plugin directly with the dicts Lightning hands it.
 import collections
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ pytest.importorskip("lightning")
 
 from ckptd.lightning import CheckpointError, CkptdCheckpointIO  # noqa: E402
 
-from conftest import PYTHONPATH, losses  # noqa: E402
+from conftest import PYTHONPATH, kill_after_commit, last_line, losses  # noqa: E402
 
 WORKER = "client/python/tests/lightning_worker.py"
 
@@ -39,29 +38,6 @@ def finish(process, stderr=None):
     if stderr is not None:
         stderr.append(err)
     return out
-
-
-def last_line(out, word):
-    return next(line.split(maxsplit=1)[1] for line in reversed(out.splitlines()) if line.startswith(word + " "))
-
-
-def kill_after_commit(daemon, job, process, step):
-    """SIGKILLs the trainer once it prints `step` and ckptd has committed a step of `job`;
-    returns what it printed."""
-    seen = []
-    for line in process.stdout:
-        seen.append(line)
-        if line.startswith(f"step {step} "):
-            deadline = time.monotonic() + 30
-            while not daemon.steps(job) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            process.send_signal(signal.SIGKILL)
-            break
-    seen.extend(process.stdout)
-    process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL
-    assert daemon.steps(job), "no step was committed before the kill"
-    return "".join(seen)
 
 
 def test_sigkill_and_fit_from_last_gives_the_uninterrupted_run(daemon):
