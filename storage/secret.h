@@ -6,7 +6,6 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
-#include "storage/filesystem.h"
 
 namespace ckpt {
 

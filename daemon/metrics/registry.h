@@ -57,7 +57,6 @@ class Histogram {
     double sum = 0;
   };
   Values Read() const;
-  const std::vector<double>& bounds() const { return bounds_; }
 
  private:
   const std::vector<double> bounds_;
