@@ -1,6 +1,8 @@
 // ckptctl: the operator's view of ckptd (status, health, list, show, verify, delete, wait:
 // client/ctl_commands.h), and export of a step's files without a daemon
 // (client/export_command.h). Exit codes: client/ctl_exit.h.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -15,6 +17,7 @@
 #include "client/ctl_commands.h"
 #include "client/ctl_exit.h"
 #include "client/export_command.h"
+#include "client/progress_bar.h"
 #include "common/status.h"
 #include "format/checkpoint_store.h"
 #include "format/verify.h"
@@ -57,7 +60,20 @@ int Offline(const Options& o, bool list) {
     }
     job = jobs->front();
   }
-  auto report = ckpt::format::VerifyCheckpoint(store, job, *o.step);
+  std::optional<ckpt::ctl::ProgressBar> bar;
+  if (o.progress_lines) {
+    bar.emplace("verify", ckpt::ctl::ProgressBar::Style::kLines);
+  } else if (!o.json && o.progress && ::isatty(STDERR_FILENO)) {
+    bar.emplace("verify", ckpt::ctl::ProgressBar::Style::kBar);
+  }
+  ckpt::format::VerifyOptions options;
+  if (bar) {
+    options.progress = [&](uint64_t checked, uint64_t total) {
+      bar->Update(checked, total);
+      return true;
+    };
+  }
+  auto report = ckpt::format::VerifyCheckpoint(store, job, *o.step, options);
   if (!report.ok()) return Report(o, command, ExitFor(report.status()), ckpt::Message(report.status()));
   VerifyReply r;
   ckpt::ToProto(*report, &r);
@@ -120,6 +136,9 @@ int main(int argc, char** argv) {
   wait->add_option("STEP", o.step, "step number")->check(kStepNumber);
   bool quiet = false;
   wait->add_flag("--quiet", quiet, "no progress lines");
+  bool no_verify_progress = false;
+  verify->add_flag("--no-progress", no_verify_progress, "no progress bar on a terminal");
+  verify->add_flag("--progress", o.progress_lines, "progress lines on stderr even when it is not a terminal");
   for (auto* sub : {show, verify, del}) {
     sub->add_option("STEP", o.step, "step number")->required()->check(kStepNumber);
   }
@@ -190,11 +209,11 @@ int main(int argc, char** argv) {
       o.token.pop_back();
     }
   }
+  o.progress = !quiet && !no_verify_progress;
   if (!o.root.empty() && (list->parsed() || verify->parsed())) return Offline(o, list->parsed());
   if (!o.root.empty()) {
     return Report(o, "ckptctl", kUsage, "--root reads files without ckptd: only list, verify and export take it");
   }
-  o.progress = !quiet;
   Commands ctl(o);
   if (wait->parsed()) return ctl.Wait();
   if (health->parsed()) return ctl.Health();

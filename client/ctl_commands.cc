@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "client/ctl_exit.h"
+#include "client/progress_bar.h"
 #include "client/proto_json.h"
 #include "client/table.h"
 #include "proto/health.grpc.pb.h"
@@ -267,14 +268,24 @@ int Commands::Verify() {
   int code = kError;
   std::optional<CheckpointRef> ref = Ref("verify", &code);
   if (!ref) return code;
-  const std::string& job = ref->job();
-  if (!o_.json && o_.progress && ::isatty(STDERR_FILENO)) {
-    std::cerr << fmt::format("verifying step {} of job {} (every byte is re-read)...\n", *o_.step, job);
+  std::optional<ProgressBar> bar;
+  if (o_.progress_lines) {
+    bar.emplace("verify", ProgressBar::Style::kLines);
+  } else if (!o_.json && o_.progress && ::isatty(STDERR_FILENO)) {
+    bar.emplace("verify", ProgressBar::Style::kBar);
   }
-  VerifyReply r;
-  grpc::Status s = stub_->Verify(Context(kVerifySeconds).get(), *ref, &r);
+  auto context = Context(kVerifySeconds);
+  std::unique_ptr<grpc::ClientReader<VerifyUpdate>> stream = stub_->VerifyWithProgress(context.get(), *ref);
+  VerifyUpdate update;
+  std::optional<VerifyReply> result;
+  while (stream->Read(&update)) {
+    if (bar) bar->Update(update.bytes_checked(), update.bytes_total());
+    if (update.has_result()) result = update.result();
+  }
+  grpc::Status s = stream->Finish();
   if (!s.ok()) return Failed("verify", s, kVerifySeconds);
-  return PrintVerify(r, job, *o_.step, o_);
+  if (!result) return Report(o_, "verify", kError, "ckptd ended the verify without a result");
+  return PrintVerify(*result, ref->job(), *o_.step, o_);
 }
 
 int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t step, const Options& o) {

@@ -29,7 +29,8 @@ struct Options {
   std::string service;  // health: "" (ready), ckptd.v1.Trainer (the same), ckptd.v1.Admin (alive)
   double dial_timeout_s = 2;  // connecting to ckptd
   double timeout_s = 0;       // each call (and all of wait); 0: the command's own default
-  bool progress = true;       // wait: a line per change on stderr
+  bool progress = true;       // wait: a line per change on stderr; verify: a bar on a terminal
+  bool progress_lines = false;  // verify: progress lines on stderr even when not a terminal
 
   std::string Where() const { return addr.empty() ? socket : addr; }
 };

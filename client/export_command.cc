@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "client/ctl_exit.h"
+#include "client/progress_bar.h"
 #include "storage/filesystem.h"
 #include "common/status.h"
 #include "client/export/exporter.h"
@@ -21,28 +22,6 @@ namespace ckpt::ctl {
 namespace {
 
 std::string GiB(uint64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
-
-// A one-line bar, redrawn at most 10 times a second.
-class ProgressBar {
- public:
-  void Update(uint64_t done, uint64_t total) {
-    auto now = std::chrono::steady_clock::now();
-    if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
-    const double seconds = std::chrono::duration<double>(now - start_).count();
-    const double fraction = total == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total);
-    const int width = 30, filled = static_cast<int>(fraction * width);
-    std::cerr << fmt::format("\r{:3.0f}% [{}{}] {} of {}, {:.0f} MB/s ", fraction * 100,
-                             std::string(filled, '='), std::string(width - filled, ' '), GiB(done),
-                             GiB(total), seconds > 0 ? static_cast<double>(done) / seconds / 1e6 : 0.0)
-              << std::flush;
-    if (done >= total) std::cerr << "\n";
-  }
-
- private:
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::time_point last_{};
-};
 
 int Fail(const std::string& message, int code) {
   std::cerr << "ckptctl export: " << message << "\n";
@@ -105,7 +84,7 @@ int RunExport(const ExportArgs& args) {
                 ExitFor(manifest.status()));
   }
 
-  ProgressBar bar;
+  ProgressBar bar("export", ProgressBar::Style::kBar);
   if (args.progress && !args.json && ::isatty(STDERR_FILENO)) {
     options.progress = [&](uint64_t done, uint64_t total) { bar.Update(done, total); };
   }

@@ -85,17 +85,39 @@ void ReportTruncatedEntries(storage::Store& store, const std::string& path, uint
   }
 }
 
+// Counts the bytes checked against those to check, and tells VerifyOptions::progress.
+class ProgressCounter {
+ public:
+  ProgressCounter(const VerifyOptions& options, uint64_t total) : options_(options), total_(total) {}
+  // False once the caller has asked to stop.
+  bool Add(uint64_t bytes) {
+    checked_ += bytes;
+    if (options_.progress && !options_.progress(checked_, total_)) stopped_ = true;
+    return !stopped_;
+  }
+  bool stopped() const { return stopped_; }
+
+ private:
+  const VerifyOptions& options_;
+  const uint64_t total_;
+  uint64_t checked_ = 0;
+  bool stopped_ = false;
+};
+
 // Reads one entry in windows, checking its chunks as they come (ReadRange) and the whole
 // entry's checksum at the end: a manifest whose chunk and whole checksums disagree is found
 // too.
 void CheckEntry(const format::ShardReader& reader, const TensorEntry& entry, const Expected& want,
-                uint64_t chunk_bytes, VerifyReport& report) {
+                uint64_t chunk_bytes, ProgressCounter& progress, VerifyReport& report) {
   format::Checksum whole;
   const std::vector<std::string> no_chunks;
   const bool chunked = !want.chunk_checksums.empty();
   absl::Status read = reader.ReadRange(
       entry, {want.checksum, chunked ? want.chunk_checksums : no_chunks, chunked ? chunk_bytes : 0}, 0,
-      entry.end - entry.begin, [&](uint64_t, const char* data, uint64_t bytes) { whole.Update(data, bytes); });
+      entry.end - entry.begin, [&](uint64_t, const char* data, uint64_t bytes) {
+        whole.Update(data, bytes);
+        progress.Add(bytes);  // a stop takes effect after this entry: ReadRange cannot be stopped
+      });
   if (!read.ok()) {
     report.problems.push_back(Message(read));
     return;
@@ -112,7 +134,7 @@ void CheckEntry(const format::ShardReader& reader, const TensorEntry& entry, con
 }  // namespace
 
 absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, const std::string& job,
-                                              uint64_t step, std::optional<uint32_t> node) {
+                                              uint64_t step, const VerifyOptions& options) {
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, store.LoadManifest(job, step));
   VerifyReport report;
   const std::string dir = format::CheckpointStore::StepKey(job, step);  // a key of store.objects()
@@ -135,8 +157,19 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
     report.problems.push_back(fmt::format("{}/manifest.json: {}", dir_name, Message(by_rank.status())));
     return report;
   }
+  auto here = [&](uint32_t rank) {
+    std::optional<uint32_t> holder = manifest.NodeOf(rank);
+    return !options.node || !holder || *holder == *options.node;
+  };
+  uint64_t total = 0;
   for (const format::ManifestShard& shard : manifest.shards) {
-    if (auto holder = manifest.NodeOf(shard.rank); node && holder && *holder != *node) {
+    if (!here(shard.rank)) continue;
+    for (const Expected& want : by_rank->at(shard.rank)) total += want.end - want.begin;
+  }
+  ProgressCounter progress(options, total);
+  for (const format::ManifestShard& shard : manifest.shards) {
+    if (progress.stopped()) break;
+    if (!here(shard.rank)) {
       report.skipped_ranks.push_back(shard.rank);
       continue;
     }
@@ -155,6 +188,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
     }
     std::set<std::string> listed;
     for (const Expected& want : *expected) {
+      if (progress.stopped()) break;
       listed.insert(want.name);
       const TensorEntry* entry = (*reader)->Find(want.name);
       if (entry == nullptr) {
@@ -169,8 +203,9 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
             want.dtype, fmt::join(want.shape, ","), want.begin, want.end));
         continue;
       }
-      CheckEntry(**reader, *entry, want, manifest.checksum_chunk_bytes, report);
+      CheckEntry(**reader, *entry, want, manifest.checksum_chunk_bytes, progress, report);
     }
+    if (progress.stopped()) continue;  // the entries not yet read are not "extra"
     for (const TensorEntry& entry : (*reader)->header().tensors) {
       if (!listed.count(entry.name)) {
         report.problems.push_back(fmt::format("tensor {} in {}: in the file but not in the manifest",
@@ -178,6 +213,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
       }
     }
   }
+  report.cancelled = progress.stopped();
   return report;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,16 +20,24 @@ struct VerifyReport {
   std::vector<std::string> problems;  // each names the file and, where known, the tensor
   uint64_t bytes_checked = 0;
   std::vector<uint32_t> skipped_ranks;  // held by other nodes (node-local disks)
+  bool cancelled = false;               // `progress` asked to stop: the report is partial
+};
+
+struct VerifyOptions {
+  // Shards the manifest places on another node are skipped (and listed): with node-local
+  // disks each node holds only its own.
+  std::optional<uint32_t> node;
+  // Called after each window read, with the bytes checked and the bytes the verify will
+  // check in all (a verify of a large step takes minutes). Returning false stops it: whoever
+  // asked has gone, and the step should not stay pinned and read for nobody.
+  std::function<bool(uint64_t checked, uint64_t total)> progress;
 };
 
 // Errors only when the manifest itself cannot be read; damage is reported in the report:
 // a flipped bit (whole-entry or chunk checksum), a truncated, missing or extra file, a
-// header that disagrees with the manifest, entries the manifest does not list. With
-// `node`, shards the manifest places on another node are skipped (and listed): with
-// node-local disks each node holds only its own. Memory: one window of
-// format::ShardReader::kReadWindowBytes, whatever the size of an entry.
+// header that disagrees with the manifest, entries the manifest does not list. Memory: one
+// window of format::ShardReader::kReadWindowBytes, whatever the size of an entry.
 absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, const std::string& job,
-                                              uint64_t step,
-                                              std::optional<uint32_t> node = std::nullopt);
+                                              uint64_t step, const VerifyOptions& options = {});
 
 }  // namespace ckpt::format

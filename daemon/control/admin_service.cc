@@ -139,26 +139,71 @@ grpc::Status AdminService::Show(grpc::ServerContext* ctx, const CheckpointRef* r
   });
 }
 
+absl::StatusOr<format::VerifyReport> AdminService::RunVerify(grpc::ServerContext* ctx,
+                                                             const CheckpointRef& request,
+                                                             format::VerifyOptions options) {
+  CKPT_RETURN_IF_ERROR(MayAct(ctx, "verify", request.job()));
+  // One at a time for the whole daemon: a verify reads a whole step and pins it against
+  // retention, and anyone who may read status may ask for one.
+  static std::mutex verifying;
+  std::unique_lock one(verifying, std::try_to_lock);
+  if (!one.owns_lock()) {
+    return absl::ResourceExhaustedError("another verify is running; try again when it is done");
+  }
+  persist::RetentionKeeper::Pin pin(src_.retention, request.job(), request.step());
+  options.node = LocalNode();
+  CKPT_ASSIGN_OR_RETURN(format::VerifyReport report,
+                        format::VerifyCheckpoint(store_, request.job(), request.step(), options));
+  if (report.cancelled) {
+    // Said in the log: the caller that went away will not read it.
+    const std::string why = fmt::format("the verify of step {} of job {} stopped after {} bytes: its caller went away",
+                                        request.step(), request.job(), report.bytes_checked);
+    log::Get(log::Component::kControl).info("{}", why);
+    return absl::CancelledError(why);
+  }
+  if (!report.ok()) {
+    board_.RecordError(fmt::format("[{} s{}] verify: {}", request.job(), request.step(),
+                                   report.problems.front()));
+  }
+  return report;
+}
+
 grpc::Status AdminService::Verify(grpc::ServerContext* ctx, const CheckpointRef* request,
                                   VerifyReply* reply) {
   return Guarded("Verify", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(MayAct(ctx, "verify", request->job()));
-    // One at a time for the whole daemon: a verify reads a whole step and pins it against
-    // retention, and anyone who may read status may ask for one.
-    static std::mutex verifying;
-    std::unique_lock one(verifying, std::try_to_lock);
-    if (!one.owns_lock()) {
-      return absl::ResourceExhaustedError("another verify is running; try again when it is done");
-    }
-    persist::RetentionKeeper::Pin pin(src_.retention, request->job(), request->step());
-    CKPT_ASSIGN_OR_RETURN(format::VerifyReport report,
-                          format::VerifyCheckpoint(store_, request->job(), request->step(),
-                                                    LocalNode()));
+    format::VerifyOptions options;
+    options.progress = [ctx](uint64_t, uint64_t) { return !ctx->IsCancelled(); };
+    CKPT_ASSIGN_OR_RETURN(format::VerifyReport report, RunVerify(ctx, *request, std::move(options)));
     ToProto(report, reply);
-    if (!report.ok()) {
-      board_.RecordError(fmt::format("[{} s{}] verify: {}", request->job(), request->step(),
-                                     report.problems.front()));
-    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AdminService::VerifyWithProgress(grpc::ServerContext* ctx, const CheckpointRef* request,
+                                              grpc::ServerWriter<VerifyUpdate>* writer) {
+  return Guarded("VerifyWithProgress", [&]() -> absl::Status {
+    // A few updates a second: enough for a progress bar, nothing next to the reading.
+    constexpr auto kEvery = std::chrono::milliseconds(250);
+    auto last = std::chrono::steady_clock::now();
+    uint64_t total = 0;
+    format::VerifyOptions options;
+    options.progress = [&](uint64_t checked, uint64_t to_check) {
+      if (ctx->IsCancelled()) return false;
+      total = to_check;
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last < kEvery) return true;
+      last = now;
+      VerifyUpdate update;
+      update.set_bytes_checked(checked);
+      update.set_bytes_total(to_check);
+      return writer->Write(update);  // false: the stream is gone
+    };
+    CKPT_ASSIGN_OR_RETURN(format::VerifyReport report, RunVerify(ctx, *request, std::move(options)));
+    VerifyUpdate last_update;
+    last_update.set_bytes_checked(report.bytes_checked);
+    last_update.set_bytes_total(std::max(total, report.bytes_checked));
+    ToProto(report, last_update.mutable_result());
+    if (!writer->Write(last_update)) return absl::CancelledError("the caller went away before the result");
     return absl::OkStatus();
   });
 }

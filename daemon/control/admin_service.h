@@ -13,6 +13,7 @@
 #include "daemon/config.h"
 #include "daemon/control/status_board.h"
 #include "format/checkpoint_store.h"
+#include "format/verify.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/staging/hot_cache.h"
@@ -70,6 +71,8 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
                     ::ckptd::v1::ShowReply* reply) override;
   grpc::Status Verify(grpc::ServerContext*, const ::ckptd::v1::CheckpointRef* request,
                       ::ckptd::v1::VerifyReply* reply) override;
+  grpc::Status VerifyWithProgress(grpc::ServerContext*, const ::ckptd::v1::CheckpointRef* request,
+                                  grpc::ServerWriter<::ckptd::v1::VerifyUpdate>* writer) override;
   grpc::Status Delete(grpc::ServerContext* ctx, const ::ckptd::v1::CheckpointRef* request,
                       ::ckptd::v1::DeleteReply* reply) override;
 
@@ -78,6 +81,10 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   // act on the job (its owner, its --job-group, root, ckptd's uid); over TCP only the holder
   // of the admin token.
   absl::Status MayAct(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
+  // Both verify calls: one verify at a time, the step pinned against retention while it runs.
+  absl::StatusOr<format::VerifyReport> RunVerify(grpc::ServerContext* ctx,
+                                                 const ::ckptd::v1::CheckpointRef& request,
+                                                 format::VerifyOptions options);
   // This node's rank when its disk holds only its own ranks' shards (a group without
   // --shared-root); nullopt when it holds every shard.
   std::optional<uint32_t> LocalNode() const {

@@ -54,6 +54,12 @@ TEST_CASE("ckptctl status, list, show, verify and delete") {
   auto verify = d.Ctl({"verify", "20"});
   CHECK(verify.exit_code == 0);
   CHECK(Contains(verify.out, "OK"));
+  // Progress streams from ckptd as it reads; --progress prints it even off a terminal.
+  auto progress = d.Ctl({"verify", "20", "--progress"});
+  INFO(progress.err);
+  CHECK(progress.exit_code == 0);
+  CHECK(Contains(progress.err, "verify: 100% ("));
+  CHECK(Contains(progress.out, "OK"));
 
   CHECK(d.Ctl({"delete", "10"}).exit_code == 0);
   CHECK(nlohmann::json::parse(d.Ctl({"--json", "list"}).out)["checkpoints"].size() == 1);
@@ -63,6 +69,32 @@ TEST_CASE("ckptctl status, list, show, verify and delete") {
   auto bad_job = d.Ctl({"--job", "../etc", "list"});
   CHECK(bad_job.exit_code == 1);
   CHECK(Contains(bad_job.err, "invalid job name"));
+}
+
+TEST_CASE("a verify whose caller goes away stops reading and lets the next one run") {
+  TempDir dir;
+  Daemon d(dir, {"--staging-bytes", "2G"});
+  d.Start();
+  auto saved = Run(Helper(d, {"--job", "big", "--bytes", std::to_string(1536ull << 20), "save", "--step", "1",
+                              "--wait-committed"}),
+                   dir.path());
+  INFO(saved.out << saved.err);
+  REQUIRE(saved.exit_code == 0);
+  // 1.5 GiB takes ckptd seconds to re-read here; the caller gives up after 0.3 s.
+  auto gone = d.Ctl({"verify", "1", "--timeout", "0.3"});
+  INFO(gone.err);
+  CHECK(gone.exit_code == 2);
+  RunResult next;
+  for (int i = 0; i < 100; ++i) {
+    next = d.Ctl({"verify", "1"});
+    if (!Contains(next.err, "another verify is running")) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  INFO(next.out << next.err);
+  CHECK(next.exit_code == 0);
+  CHECK(Contains(next.out, "OK"));
+  const std::string log = d.Log();
+  CHECK(Contains(log, "the verify of step 1 of job big stopped after"));
 }
 
 TEST_CASE("ckptctl says clearly when the daemon is not there") {
@@ -307,7 +339,9 @@ TEST_CASE("ckptctl lists, verifies and exports from the files alone: a root, or 
   CHECK(listed.exit_code == 0);
   CHECK(Contains(listed.out, "offline  1"));
   CHECK(Contains(listed.out, "offline  2"));
-  CHECK(ctl({"--job", "offline", "verify", "2", "--root", d.root()}).exit_code == 0);
+  auto offline = ctl({"--job", "offline", "verify", "2", "--root", d.root(), "--progress"});
+  CHECK(offline.exit_code == 0);
+  CHECK(Contains(offline.err, "verify: 100% ("));
 
   // The same steps on a bucket of a real Ceph RGW, read with the AWS environment.
   auto& ceph = CephCluster::Get();

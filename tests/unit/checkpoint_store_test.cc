@@ -74,6 +74,30 @@ TEST_CASE("a committed step is listed and verifies") {
   CHECK(report->bytes_checked == 4096);
 }
 
+TEST_CASE("verify reports its progress, and stops when its caller asks it to") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  std::vector<std::pair<uint64_t, uint64_t>> seen;
+  VerifyOptions options;
+  options.progress = [&](uint64_t checked, uint64_t total) {
+    seen.emplace_back(checked, total);
+    return true;
+  };
+  auto report = VerifyCheckpoint(f.store, "job", 10, options);
+  REQUIRE(report.ok());
+  CHECK(report->ok());
+  CHECK_FALSE(report->cancelled);
+  REQUIRE_FALSE(seen.empty());
+  CHECK(seen.back() == std::pair<uint64_t, uint64_t>{4096, 4096});
+
+  // Stopped after its first window: cancelled, and what it did not read is not called damage.
+  options.progress = [](uint64_t, uint64_t) { return false; };
+  auto stopped = VerifyCheckpoint(f.store, "job", 10, options);
+  REQUIRE(stopped.ok());
+  CHECK(stopped->cancelled);
+  CHECK(stopped->problems.empty());
+}
+
 TEST_CASE("steps are listed by number, and in run order for retention and \"latest\"") {
   Fixture f;
   // Run 1 saved 10..40 (40 finishing before 30); run 2 went back to 20 and saved 25.

@@ -1,0 +1,38 @@
+#include "client/progress_bar.h"
+
+#include <fmt/format.h>
+
+#include <iostream>
+
+namespace ckpt::ctl {
+namespace {
+
+std::string GiB(uint64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
+
+}  // namespace
+
+void ProgressBar::Update(uint64_t done, uint64_t total) {
+  if (finished_) return;
+  const auto now = std::chrono::steady_clock::now();
+  // A bar redraws at most 10 times a second; a log gets a line every 2 s.
+  const auto every = style_ == Style::kBar ? std::chrono::milliseconds(100) : std::chrono::milliseconds(2000);
+  const bool last = done >= total;
+  if (!last && now - last_ < every) return;
+  last_ = now;
+  finished_ = last;
+  const double seconds = std::chrono::duration<double>(now - start_).count();
+  const double fraction = total == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total);
+  const std::string figures =
+      fmt::format("{} of {}, {:.0f} MB/s", GiB(done), GiB(total),
+                  seconds > 0 ? static_cast<double>(done) / seconds / 1e6 : 0.0);
+  if (style_ == Style::kLines) {
+    std::cerr << fmt::format("{}: {:3.0f}% ({})\n", what_, fraction * 100, figures) << std::flush;
+    return;
+  }
+  const int width = 30, filled = static_cast<int>(fraction * width);
+  std::cerr << fmt::format("\r{:3.0f}% [{}{}] {} ", fraction * 100, std::string(filled, '='),
+                           std::string(width - filled, ' '), figures)
+            << (last ? "\n" : "") << std::flush;
+}
+
+}  // namespace ckpt::ctl
