@@ -47,6 +47,8 @@ fi
 bench_lines=()
 if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
   for bench in "ckpt_bench:bazel-bin/tests/bench/ckpt_bench --ranks 1 --bytes-per-rank 16M --rounds 1 --skip-torch --latency-samples 10" \
+               "group_bench:bazel-bin/tests/bench/group_bench --nodes 2,4 --rounds 5" \
+               "cow_bench:bazel-bin/tests/bench/cow_bench --mib 64" \
                "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick"; do
     name=${bench%%:*}
     if out=$(timeout 600 ${bench#*:} 2>&1); then

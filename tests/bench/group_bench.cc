@@ -177,7 +177,7 @@ ckpt::format::Manifest Part(uint32_t rank, uint32_t world_size, uint64_t step) {
   m.world_size = world_size;
   m.ckptd_version = "group_bench";
   m.wall_time = "2026-01-01T00:00:00Z";
-  std::string file = fmt::format("rank-{}.safetensors", rank);
+  std::string file = ckpt::format::ShardFileName(rank);
   ckpt::format::ManifestShard shard;
   shard.rank = rank;
   shard.file = file;
