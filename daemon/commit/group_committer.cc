@@ -28,6 +28,7 @@ GroupCommitter::~GroupCommitter() { Shutdown(); }
 void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) {
   const Key key{snapshot->job, snapshot->step};
   uint64_t attempt = 0;
+  std::set<uint32_t> ready;
   {
     std::lock_guard lock(mu_);
     Step* step = CurrentStepLocked(snapshot);
@@ -42,14 +43,45 @@ void GroupCommitter::Durable(const StagedSnapshotPtr& snapshot, persist::Written
     }
     if (w.since == Clock::time_point{}) w.since = Clock::now();
     w.unsent.insert(snapshot->rank);
+    ready = TakeReadyLocked(key, attempt);
   }
-  // Prepared from the I/O thread at once: one round trip, so the commit follows the last
-  // rank's fsync without waiting for a poll.
-  SendPrepare(key, attempt, {snapshot->rank});
+  // Prepared from the I/O thread at once, one prepare for all of this node's ranks: the
+  // commit follows the last rank's fsync without waiting for a poll, and the coordinator
+  // hears from each node once a step, not once per rank.
+  if (!ready.empty()) SendPrepare(key, attempt, ready);
   std::lock_guard lock(mu_);
   if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
     EnsureWatcherLocked(key);
   }
+}
+
+std::set<uint32_t> GroupCommitter::TakeReadyLocked(const Key& key, uint64_t attempt) {
+  auto w = watches_.find(key);
+  if (w == watches_.end() || w->second.attempt != attempt || w->second.unsent.empty()) return {};
+  auto step = steps_.find(key);
+  if (step != steps_.end() && step->second.attempt == attempt) {
+    // A rank of this node still being written will be durable soon (or fail the step):
+    // its prepare carries the others too.
+    for (uint32_t rank : step->second.arrived) {
+      if (!step->second.durable.count(rank)) return {};
+    }
+  }
+  // Taken by one sender (the I/O thread or the watcher), never both.
+  std::set<uint32_t> ready = std::move(w->second.unsent);
+  w->second.unsent.clear();
+  w->second.sending.insert(ready.begin(), ready.end());
+  return ready;
+}
+
+void GroupCommitter::SentLocked(const Key& key, uint64_t attempt, const std::set<uint32_t>& ranks,
+                                bool delivered) {
+  auto w = watches_.find(key);
+  if (w == watches_.end() || w->second.attempt != attempt) return;
+  for (uint32_t r : ranks) {
+    w->second.sending.erase(r);
+    if (!delivered) w->second.unsent.insert(r);
+  }
+  if (delivered) w->second.acknowledged = true;
 }
 
 bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
@@ -63,6 +95,7 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
       // so there is nothing left to send; the watcher only asks for the outcome now.
       if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
         w->second.unsent.clear();
+        w->second.sending.clear();
       }
       return true;
     }
@@ -70,25 +103,29 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
     for (uint32_t r : ranks) {
       if (auto d = it->second.durable.find(r); d != it->second.durable.end()) chosen.insert(*d);
     }
-    if (chosen.empty()) return false;
+    if (chosen.empty()) {
+      SentLocked(key, attempt, ranks, /*delivered=*/false);
+      return false;
+    }
     part = BuildManifest(key.first, key.second, it->second.world_size, chosen);
   }
   if (!part.ok()) {
+    {
+      std::lock_guard lock(mu_);
+      SentLocked(key, attempt, ranks, /*delivered=*/false);
+    }
     OnLocalFailure(key, Message(part.status()));
     return false;
   }
   auto reply = client_.Prepare(*part, attempt);
+  {
+    std::lock_guard lock(mu_);
+    SentLocked(key, attempt, ranks, reply.ok());
+  }
   if (!reply.ok()) {
     Log().warn("[{} s{}] prepare of ranks {} not delivered (will retry): {}", key.first,
                key.second, ranks.size(), Message(reply.status()));
     return false;
-  }
-  {
-    std::lock_guard lock(mu_);
-    if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
-      for (uint32_t r : ranks) w->second.unsent.erase(r);
-      w->second.acknowledged = true;
-    }
   }
   if (reply->outcome == group::Outcome::kCommitted || reply->outcome == group::Outcome::kAborted) {
     Apply(key, attempt, *reply);
@@ -116,12 +153,12 @@ void GroupCommitter::WatchLoop(Key key) {
       if (stopping_) break;
       auto w = watches_.find(key);
       if (w == watches_.end()) break;  // decided
-      unsent = w->second.unsent;
       acknowledged = w->second.acknowledged;
       adopted = w->second.adopted;
       released = w->second.released;
       since = w->second.since;
       attempt = w->second.attempt;
+      unsent = TakeReadyLocked(key, attempt);
     }
     if (!unsent.empty() && !SendPrepare(key, attempt, unsent)) {
       std::unique_lock lock(mu_);
@@ -129,13 +166,15 @@ void GroupCommitter::WatchLoop(Key key) {
     } else {
       auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll);
       if (decision.ok()) {
-        bool decided = decision->outcome == group::Outcome::kCommitted ||
-                       decision->outcome == group::Outcome::kAborted ||
-                       // No record although the coordinator saw this node's prepare (or
-                       // this node gave up waiting, long after the coordinator's own step
-                       // timeout): it restarted before deciding (presumed abort).
-                       (decision->outcome == group::Outcome::kUnknown &&
-                        (acknowledged || adopted || released));
+        // Only once the coordinator has seen this attempt (or this node no longer holds
+        // it) is an answer about it: before its first prepare, "aborted" is about an
+        // earlier attempt at the step. "Unknown" although the coordinator saw the prepare
+        // (or this node gave up waiting, long after the coordinator's own step timeout):
+        // it restarted before deciding (presumed abort).
+        const bool seen = acknowledged || adopted || released;
+        bool decided = seen && (decision->outcome == group::Outcome::kCommitted ||
+                                decision->outcome == group::Outcome::kAborted ||
+                                decision->outcome == group::Outcome::kUnknown);
         if (decided) {
           Apply(key, attempt, *decision);
           continue;

@@ -140,29 +140,34 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
 
 void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
                                            const format::Manifest& part) {
-  std::set<uint32_t> ranks;
-  for (const format::ManifestShard& s : part.shards) ranks.insert(s.rank);
-  for (auto it = round.parts.begin(); it != round.parts.end();) {
-    if (it->first == node) {
-      format::Manifest& old = it->second;
+  std::vector<format::Manifest>& mine = round.parts[node];
+  if (!mine.empty()) {
+    std::set<uint32_t> ranks;
+    for (const format::ManifestShard& s : part.shards) ranks.insert(s.rank);
+    for (format::Manifest& old : mine) {
       std::erase_if(old.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
       for (auto& [name, tensor] : old.tensors) {
         std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
       }
       std::erase_if(old.tensors, [](const auto& t) { return t.second.shards.empty(); });
     }
-    it = it->second.shards.empty() ? round.parts.erase(it) : std::next(it);
+    std::erase_if(mine, [](const format::Manifest& old) { return old.shards.empty(); });
   }
-  round.parts.emplace_back(node, part);
+  mine.push_back(part);
 }
 
 void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
   std::erase_if(round.node_of_rank, [&](const auto& entry) { return entry.second == node; });
-  std::erase_if(round.parts, [&](const auto& part) { return part.first == node; });
+  round.parts.erase(node);
 }
 
 void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
-  auto merged = format::MergeManifestParts(round.parts);
+  std::vector<std::pair<uint32_t, format::Manifest>> parts;
+  for (auto& [node, mine] : round.parts) {
+    for (format::Manifest& part : mine) parts.emplace_back(node, std::move(part));
+  }
+  round.parts.clear();
+  auto merged = format::MergeManifestParts(parts);
   if (merged.ok()) {
     if (absl::Status tiled = format::CheckTiling(*merged); !tiled.ok()) merged = tiled;
   }
@@ -299,9 +304,7 @@ void CommitCoordinator::Tick(Clock::time_point now) {
     for (auto& [key, round] : rounds_) {
       if (now - round.started >= options_.step_timeout) {
         std::vector<uint32_t> nodes;
-        for (const auto& [node, part] : round.parts) nodes.push_back(node);
-        std::sort(nodes.begin(), nodes.end());
-        nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+        for (const auto& [node, mine] : round.parts) nodes.push_back(node);
         timed_out.emplace_back(
             key, fmt::format("step {} timed out after {:.1f} s (--step-timeout): missing ranks {} "
                              "of {} (prepared by nodes {})",

@@ -104,7 +104,9 @@ class CommitCoordinator {
     Clock::time_point started;
     std::map<uint32_t, uint32_t> node_of_rank;
     std::map<uint32_t, uint64_t> attempt_of_node;
-    std::vector<std::pair<uint32_t, format::Manifest>> parts;
+    // What each node prepared (one part per prepare; nodes send one a step): a node's
+    // newer word touches only its own parts, so a prepare costs the size of its part.
+    std::map<uint32_t, std::vector<format::Manifest>> parts;
     std::vector<PendingWaiter> waiters;
   };
   struct Remembered {

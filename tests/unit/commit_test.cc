@@ -4,6 +4,7 @@
 // has follow.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <condition_variable>
 #include <map>
@@ -149,6 +150,44 @@ struct SingleNode {
 };
 
 // A coordinator and this node's client over loopback gRPC, as on node 0 of a group.
+// Counts the prepares a node sends, passing every call on.
+class CountingGroupClient : public group::GroupClient {
+ public:
+  explicit CountingGroupClient(group::GroupClientPtr real) : real_(std::move(real)) {}
+  absl::StatusOr<group::GroupViewData> Join(std::chrono::steady_clock::time_point deadline) override {
+    return real_->Join(deadline);
+  }
+  absl::StatusOr<group::GroupViewData> Heartbeat() override { return real_->Heartbeat(); }
+  absl::StatusOr<group::Decision> Prepare(const format::Manifest& part, uint64_t attempt) override {
+    prepares.fetch_add(1);
+    ranks_prepared.fetch_add(part.shards.size());
+    return real_->Prepare(part, attempt);
+  }
+  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+                     const std::string& reason) override {
+    return real_->Abort(job, step, attempt, reason);
+  }
+  absl::StatusOr<group::Decision> GetOutcome(const std::string& job, uint64_t step,
+                                             std::chrono::milliseconds wait) override {
+    return real_->GetOutcome(job, step, wait);
+  }
+  absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
+                                                  uint32_t participants, std::string payload,
+                                                  std::chrono::milliseconds timeout) override {
+    return real_->Gather(key, participant, participants, std::move(payload), timeout);
+  }
+  absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) override {
+    return real_->DecideSave(question);
+  }
+  void CancelGathers(const std::string& why) override { real_->CancelGathers(why); }
+
+  std::atomic<int> prepares{0};
+  std::atomic<size_t> ranks_prepared{0};
+
+ private:
+  group::GroupClientPtr real_;
+};
+
 struct Group {
   static constexpr bool kGroup = true;
   explicit Group(Stages& s) {
@@ -161,7 +200,7 @@ struct Group {
     log = group::MakeFileDecisionLog(s.fs, s.dir.path() + "/decisions");
     server = std::move(*group::StartGroupServer(o, 7, log.get()));
     o.coordinator = server->address();
-    client = std::move(*group::MakeGrpcGroupClient(o, 7, server->address()));
+    client = std::make_unique<CountingGroupClient>(std::move(*group::MakeGrpcGroupClient(o, 7, server->address())));
     REQUIRE(client->Join(std::chrono::steady_clock::now() + 5s).ok());  // prepares need it
     committer = std::make_unique<commit::GroupCommitter>(s.store, s.Hooks(), s.options, *client, 0);
     options = o;
@@ -177,7 +216,7 @@ struct Group {
   group::GroupOptions options;
   group::DecisionLogPtr log;
   group::GroupServerPtr server;
-  group::GroupClientPtr client;
+  std::unique_ptr<CountingGroupClient> client;
   std::unique_ptr<commit::GroupCommitter> committer;
 };
 
@@ -293,8 +332,28 @@ TEMPLATE_TEST_CASE("a step still missing ranks after the step timeout is aborted
   auto now = std::chrono::steady_clock::now();
   std::vector<uint64_t> again;
   for (uint32_t r = 0; r < 3; ++r) again.push_back(f.Submit(10, r, 3, 2.0f, now));
-  for (uint64_t t : again) CHECK(f.sink->WaitFinal(t) == shm::kTicketCommitted);
+  for (uint64_t t : again) {
+    INFO(f.sink->error(t));
+    CHECK(f.sink->WaitFinal(t) == shm::kTicketCommitted);
+  }
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+}
+
+TEST_CASE("a node prepares all its ranks of a step in one call", "[commit]") {
+  Fixture<Group> f;
+  std::vector<uint64_t> tickets;
+  for (uint32_t r = 0; r < 4; ++r) tickets.push_back(f.Submit(10, r, 4));
+  f.writer.Open();  // all four arrived before any is written, as a node's trainers snapshot together
+  for (uint64_t t : tickets) CHECK(f.sink->WaitFinal(t) == shm::kTicketCommitted);
+  CHECK(f.kind.client->prepares == 1);
+  CHECK(f.kind.client->ranks_prepared == 4);
+  // A rank that arrives after the others were written is prepared on its own.
+  auto early = f.Submit(20, 0, 2);
+  WaitUntil([&] { return f.kind.client->prepares == 2; }, 5s);
+  auto late = f.Submit(20, 1, 2);
+  CHECK(f.sink->WaitFinal(early) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(late) == shm::kTicketCommitted);
+  CHECK(f.kind.client->prepares == 3);
 }
 
 TEMPLATE_TEST_CASE("ranks that disagree on the world size are refused", "[commit]", SingleNode, Group) {
