@@ -23,6 +23,12 @@ constexpr size_t kMaxRounds = 4096;
 
 std::string Prefix(const std::string& job, uint64_t step) { return fmt::format("[{} s{}]", job, step); }
 
+uint64_t UnixNanos() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
 }  // namespace
 
 const char* OutcomeName(Outcome outcome) {
@@ -77,6 +83,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
         // new round that would hold files the node has already removed.
         auto seen = decided->second.attempts.find(node);
         if (seen != decided->second.attempts.end() && attempt <= seen->second) return before;
+        // A node that had not prepared before the abort (it was stopped, or cut off) and
+        // prepares now for trainers registered before it: the same attempt, late.
+        if (part.run != 0 && part.run < decided->second.aborted_unix_ns) return before;
       }
       // An abort is forgotten here: this is a new attempt at the step (trainers that
       // restarted and saved it again).
@@ -103,7 +112,11 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       ForgetNodeLocked(round, node);
       said->second = attempt;
     }
-    if (round.world_size != part.world_size) {
+    if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, part.run) : std::nullopt) {
+      for (const format::ManifestShard& s : part.shards) round.node_of_rank.emplace(s.rank, node);
+      AbortLocked(key, fmt::format("{}; missing ranks {}", *lost, MissingRanks(round)), notify);
+      result = recent_[key].decision;
+    } else if (round.world_size != part.world_size) {
       AbortLocked(key, fmt::format("node {} prepared world size {}, earlier nodes {}", node,
                                    part.world_size, round.world_size),
                   notify);
@@ -196,6 +209,9 @@ void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications
   for (PendingWaiter& w : round.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
   latest = std::max(latest, key.second);
+  std::vector<uint32_t>& nodes = nodes_of_job_[key.first];
+  nodes.clear();
+  for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
              round.world_size, merged->nodes.size());
   rounds_.erase(key);
@@ -217,7 +233,10 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
 
 void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
                                        std::map<uint32_t, uint64_t> attempts) {
-  if (recent_.insert_or_assign(key, Remembered{std::move(decision), std::move(attempts)}).second) {
+  const uint64_t aborted_unix_ns =
+      decision.outcome == Outcome::kAborted ? UnixNanos() : 0;
+  if (recent_.insert_or_assign(key, Remembered{std::move(decision), std::move(attempts), aborted_unix_ns})
+          .second) {
     recent_order_.push_back(key);
   }
   while (recent_order_.size() > kRecentDecisions) {
@@ -294,6 +313,34 @@ void CommitCoordinator::AbortIncomplete(const std::string& why) {
     for (const auto& [key, reason] : doomed) AbortLocked(key, reason, notify);
   }
   Deliver(notify);
+}
+
+void CommitCoordinator::MemberLost(uint32_t node, const std::string& why) {
+  {
+    std::lock_guard lock(mu_);
+    lost_[node] = {why, UnixNanos()};
+  }
+  AbortIncomplete(why);
+}
+
+void CommitCoordinator::MemberBack(uint32_t node) {
+  std::lock_guard lock(mu_);
+  lost_.erase(node);
+}
+
+std::optional<std::string> CommitCoordinator::LostHolderLocked(const std::string& job, uint64_t run) const {
+  if (lost_.empty() || run == 0) return std::nullopt;
+  auto nodes = nodes_of_job_.find(job);
+  if (nodes == nodes_of_job_.end()) return std::nullopt;
+  for (uint32_t node : nodes->second) {
+    auto lost = lost_.find(node);
+    if (lost != lost_.end() && run < lost->second.since_unix_ns) {
+      return fmt::format("{}, and held ranks of this job's last commit: a step of this run cannot commit "
+                         "until it joins again",
+                         lost->second.why);
+    }
+  }
+  return std::nullopt;
 }
 
 void CommitCoordinator::Tick(Clock::time_point now) {

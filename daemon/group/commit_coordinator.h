@@ -85,6 +85,14 @@ class CommitCoordinator {
   // restarted: its trainers' ranks can no longer arrive).
   void AbortIncomplete(const std::string& why);
 
+  // `node` was marked lost (`why`): undecided steps are aborted, and until it joins again
+  // (MemberBack) a step of a job whose last commit had ranks on it is aborted as soon as
+  // its first prepare arrives, when the run preparing it began before the loss: that run's
+  // ranks on the lost node cannot be prepared (the node is refused until it joins again),
+  // so the step could only wait for its timeout while holding every node's staging.
+  void MemberLost(uint32_t node, const std::string& why);
+  void MemberBack(uint32_t node);
+
   // Step timeouts and waiter deadlines; call a few times a second.
   void Tick(Clock::time_point now);
 
@@ -112,6 +120,16 @@ class CommitCoordinator {
   struct Remembered {
     Decision decision;
     std::map<uint32_t, uint64_t> attempts;  // of an aborted round, by node
+    // When it was aborted (wall clock, ns): a late prepare from a run that began before
+    // then (Manifest::run, the registration of its newest rank) belongs to the aborted
+    // attempt and hears the abort again, rather than opening a round that can only time
+    // out. Runs compare across nodes' clocks: a skew makes the rule fall back to waiting
+    // (a node ahead) or refuse a run restarted within the skew (a node behind).
+    uint64_t aborted_unix_ns = 0;
+  };
+  struct LostMember {
+    std::string why;
+    uint64_t since_unix_ns = 0;
   };
   using Key = std::pair<std::string, uint64_t>;
   using Notifications = std::vector<std::pair<Waiter, Decision>>;
@@ -123,6 +141,9 @@ class CommitCoordinator {
   static void ReplaceRanksLocked(Round& round, uint32_t node, const format::Manifest& part);
   static void ForgetNodeLocked(Round& round, uint32_t node);
   static std::string MissingRanks(const Round& round, size_t limit = 16);
+  // Why a run of `job` that began at `run` (ns) cannot commit now: a node that held ranks
+  // of the job's last commit is lost since after `run`. nullopt when none is.
+  std::optional<std::string> LostHolderLocked(const std::string& job, uint64_t run) const;
   static void Deliver(Notifications& notifications);
 
   DecisionLog& log_;
@@ -133,6 +154,8 @@ class CommitCoordinator {
   std::map<Key, Remembered> recent_;
   std::vector<Key> recent_order_;
   std::map<std::string, uint64_t> latest_committed_;
+  std::map<std::string, std::vector<uint32_t>> nodes_of_job_;  // the nodes of its last commit
+  std::map<uint32_t, LostMember> lost_;
 };
 
 const char* OutcomeName(Outcome outcome);

@@ -168,7 +168,7 @@ class GrpcGroupServer final : public GroupServer {
     state_->gathers.Expire(now);
     for (const auto& [node, why] : state_->membership.Expire(now)) {
       Log().warn("{}: aborting undecided steps", why);
-      state_->commits.AbortIncomplete(why);
+      state_->commits.MemberLost(node, why);
     }
   }
 

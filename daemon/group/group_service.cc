@@ -221,6 +221,7 @@ grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
                address, request->incarnation(),
                request->version().empty() ? "" : ", ckptd ",
                Truncated(request->version(), 64));
+    coordinator_->commits.MemberBack(request->node_rank());
     if (restarted) {
       // Its trainers' ranks of any undecided step died with the old daemon.
       std::string why = fmt::format("node {} restarted", request->node_rank());

@@ -493,6 +493,65 @@ TEST_CASE("a daemon SIGKILLed mid-checkpoint: the step aborts everywhere, the gr
   c.RestoreAll(30, {"memory", "memory", "memory"});
 }
 
+TEST_CASE("a daemon stopped past --group-timeout: its job's steps abort at once, its queued step is refused, the next commits") {
+  Cluster c({{0}, {1}, {2}});
+  c.step_timeout = "60s";  // any step left to its timeout would far outlast every bound here
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+  std::vector<uint64_t> hot_bytes;  // step 10, kept in memory
+  for (int n = 0; n < c.num_nodes(); ++n) hot_bytes.push_back(U64(Status(c.node(n))["staging_bytes_used"]));
+
+  // Trainers of the job are registered (as a training run's are) when node 2's ckptd
+  // stalls; the test says when they save step 20.
+  const std::string go = c.shared() / "go-20";
+  auto with_cue = [&](uint32_t rank) {
+    auto args = c.RankArgs(rank, 20);
+    args.insert(args.end(), {"save", "--step", "20", "--wait-committed", "--start-file", go});
+    return std::make_unique<Process>(Helper(c.node(c.NodeOf(rank)), args), c.dir(c.NodeOf(rank)).path(),
+                                     "cued20r" + std::to_string(rank));
+  };
+  std::vector<std::unique_ptr<Process>> savers;
+  for (uint32_t r : {0u, 1u, 2u}) savers.push_back(with_cue(r));
+  for (auto& p : savers) {
+    REQUIRE_WITHIN(c, kProcessBound, "a trainer registered", Contains(p->Stdout(), "registered, waiting"));
+  }
+  c.node(2).Signal(SIGSTOP);
+  REQUIRE_WITHIN(c, 10s, "the coordinator marks node 2 lost", MemberState(Status(c.node(0)), 2) == "lost");
+  WriteFile(go, "");
+  // Nodes 0 and 1 hear at once that step 20 cannot commit, naming the lost node, and give
+  // their staging memory back: not after the 60 s step timeout.
+  const auto started = std::chrono::steady_clock::now();
+  for (int i : {0, 1}) {
+    int rc = savers[i]->Wait(15s);
+    INFO("rank " << i << ": " << savers[i]->Stdout() << savers[i]->Stderr() << c.Logs());
+    CHECK(rc == 5);
+    CHECK(Contains(savers[i]->Stdout(), "node 2 ("));
+    CHECK(Contains(savers[i]->Stdout(), "lost"));
+  }
+  CHECK(std::chrono::steady_clock::now() - started < 15s);
+  for (int n : {0, 1}) {
+    REQUIRE_WITHIN(c, 5s, "node " << n << " holds no staging of step 20 and nothing in flight", [&] {
+      json s = Status(c.node(n));
+      return !s.empty() && U64(s["staging_bytes_used"]) == hot_bytes[n] && TotalInFlight(s) == 0;
+    }());
+  }
+
+  // Node 2 resumes with rank 2's snapshot of step 20 queued: it rejoins, its prepare hears
+  // the abort (no round that could only time out), and its staging memory is freed.
+  c.node(2).Signal(SIGCONT);
+  REQUIRE_WITHIN(c, kJoinBound, "node 2 rejoined and every member is alive", c.AllAlive());
+  REQUIRE_WITHIN(c, 15s, "node 2 drops step 20 and holds nothing in flight", [&] {
+    json s = Status(c.node(2));
+    return !s.empty() && U64(s["staging_bytes_used"]) == hot_bytes[2] && TotalInFlight(s) == 0 &&
+           TotalInFlight(Status(c.node(0))) == 0 && !fs::exists(c.StepDir(2, 20) + ".tmp");
+  }());
+  savers[2]->Wait(kProcessBound);
+  for (int n = 0; n < c.num_nodes(); ++n) CHECK_FALSE(fs::exists(c.StepDir(n, 20)));
+  // The group is whole again: the next step commits everywhere.
+  c.SaveAllCommitted(30);
+}
+
 TEST_CASE("the coordinator dies between recording a commit and announcing it: after restart all nodes agree") {
   Cluster c({{0}, {1, 2}, {3}});
   ::setenv("CKPTD_FAULT", "exit-after-commit-record", 1);

@@ -33,6 +33,7 @@ namespace {
 
 struct Flags {
   std::string socket, job = "job", dump, bad_case, target, session, victim_token, victim_arena;
+  std::string start_file;  // save: registered, snapshot only once this file exists
   int hold_seconds = 30;
   int count = 40;
   uint64_t steps = 30, interval_ms = 300;
@@ -115,6 +116,13 @@ int Save(const Flags& f) {
     if (!f.dump.empty()) {
       std::ofstream(f.dump + "/" + tensors[t]->name + ".bin", std::ios::binary)
           .write(static_cast<const char*>(tensors[t]->data), static_cast<std::streamsize>(tensors[t]->nbytes));
+    }
+  }
+  if (!f.start_file.empty()) {
+    // A trainer that registered long before it saves: the test decides when.
+    std::cout << "registered, waiting for " << f.start_file << std::endl;
+    for (int i = 0; i < 3000 && ::access(f.start_file.c_str(), F_OK) != 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
   ckpt::Metadata metadata = {{"seed", std::to_string(f.seed)}};
@@ -723,6 +731,7 @@ int main(int argc, char** argv) {
   save->add_flag("--die-after-staged", f.die_after_staged);
   save->add_flag("--wait-committed", f.wait_committed);
   save->add_option("--dump", f.dump);
+  save->add_option("--start-file", f.start_file, "register, then snapshot once this file exists");
   auto* check = app.add_subcommand("check");
   check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
   auto* bad = app.add_subcommand("register-bad");

@@ -408,6 +408,64 @@ TEST_CASE("commit: a new attempt after an abort starts a new round") {
   CHECK(c.Lookup("job", 11).outcome == Outcome::kCommitted);
 }
 
+// A part of the run whose newest rank registered at `run` (wall clock, ns).
+format::Manifest RunPart(const std::string& job, uint64_t step, uint32_t world_size,
+                         std::vector<uint32_t> ranks, uint64_t run) {
+  format::Manifest m = Part(job, step, world_size, std::move(ranks));
+  m.run = run;
+  return m;
+}
+
+uint64_t NowNanos(std::chrono::seconds offset = 0s) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   (std::chrono::system_clock::now() + offset).time_since_epoch())
+                                   .count());
+}
+
+TEST_CASE("commit: a late prepare from the run the abort ended hears the abort; a new run opens a round") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  const uint64_t run = NowNanos(-60s);
+  REQUIRE(c.Prepare(0, 1, RunPart("job", 11, 2, {0}, run)).outcome == Outcome::kPending);
+  c.AbortIncomplete("node 1 (10.0.0.2:7000) lost: no heartbeat for 3.0 s");
+  // Node 1 was stopped through all of it; it comes back and prepares its queued rank.
+  Decision late = c.Prepare(1, 7, RunPart("job", 11, 2, {1}, run));
+  CHECK(late.outcome == Outcome::kAborted);
+  CHECK_THAT(late.reason, Catch::Contains("node 1 (10.0.0.2:7000) lost"));
+  CHECK(c.InFlight().empty());  // no round that could only time out
+  // Trainers that registered after the abort save the step again: a new round.
+  const uint64_t restarted = NowNanos(1s);
+  CHECK(c.Prepare(1, 8, RunPart("job", 11, 2, {1}, restarted)).outcome == Outcome::kPending);
+  CHECK(c.Prepare(0, 2, RunPart("job", 11, 2, {0}, restarted)).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: while a node of the job is lost, its run's steps abort at their first prepare") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  const uint64_t run = NowNanos(-60s);
+  c.Prepare(0, 1, RunPart("job", 10, 3, {0, 1}, run));
+  REQUIRE(c.Prepare(1, 1, RunPart("job", 10, 3, {2}, run)).outcome == Outcome::kCommitted);
+
+  c.MemberLost(1, "node 1 (10.0.0.2:7000) lost: no heartbeat for 3.0 s");
+  Decision at_once = c.Prepare(0, 2, RunPart("job", 20, 3, {0, 1}, run));
+  CHECK(at_once.outcome == Outcome::kAborted);
+  CHECK_THAT(at_once.reason, Catch::Contains("node 1 (10.0.0.2:7000) lost"));
+  CHECK_THAT(at_once.reason, Catch::Contains("missing ranks 2"));
+  CHECK(c.InFlight().empty());
+  // Another job, whose last commit had nothing on node 1, goes on.
+  c.Prepare(0, 3, RunPart("other", 5, 1, {0}, run));
+  CHECK(c.LatestCommitted().count("other") == 1);
+  // The job restarted (on node 0 and a spare, say) after the loss: its steps may commit.
+  const uint64_t restarted = NowNanos(1s);
+  CHECK(c.Prepare(0, 4, RunPart("job", 20, 3, {0, 1}, restarted)).outcome == Outcome::kPending);
+  c.AbortIncomplete("test over");
+
+  // Node 1 joins again: the run that was training goes on committing.
+  c.MemberBack(1);
+  CHECK(c.Prepare(0, 5, RunPart("job", 30, 3, {0, 1}, run)).outcome == Outcome::kPending);
+  CHECK(c.Prepare(1, 2, RunPart("job", 30, 3, {2}, run)).outcome == Outcome::kCommitted);
+}
+
 TEST_CASE("commit: a node's newer attempt replaces its older one; late words of the older are "
           "refused") {
   MemoryDecisionLog log;
