@@ -60,10 +60,16 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
   }
   Notifications notify;
   Decision result;
+  std::optional<std::vector<std::pair<uint32_t, format::Manifest>>> complete;
   {
     std::lock_guard lock(mu_);
+    if (auto deciding = rounds_.find(key); deciding != rounds_.end() && deciding->second.deciding) {
+      return Decision{Outcome::kPending, {}, {}};  // a retry while the decision is recorded
+    }
     if (auto decided = recent_.find(key); decided != recent_.end() || !rounds_.count(key)) {
-      Decision before = decided != recent_.end() ? decided->second.decision : Decision{};
+      Decision before = decided != recent_.end() && !decided->second.manifest_in_log
+                            ? decided->second.decision
+                            : Decision{};
       if (before.outcome == Outcome::kUnknown) {
         // Not in memory: a coordinator restart forgets rounds but not commits.
         auto recorded = log_.FindCommit(key.first, key.second);
@@ -140,15 +146,27 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
         AbortLocked(key, conflict, notify);
         result = recent_[key].decision;
       } else if (round.node_of_rank.size() == round.world_size) {
-        CommitLocked(key, round, notify);
-        result = recent_[key].decision;
+        complete = TakePartsLocked(round);
       } else {
         result.outcome = Outcome::kPending;
       }
     }
   }
+  // The round is complete: merged, checked and recorded without the lock that every other
+  // prepare, heartbeat and outcome poll needs.
+  if (complete) result = Decide(key, std::move(*complete), notify);
   Deliver(notify);
   return result;
+}
+
+std::vector<std::pair<uint32_t, format::Manifest>> CommitCoordinator::TakePartsLocked(Round& round) {
+  std::vector<std::pair<uint32_t, format::Manifest>> parts;
+  for (auto& [node, mine] : round.parts) {
+    for (format::Manifest& part : mine) parts.emplace_back(node, std::move(part));
+  }
+  round.parts.clear();
+  round.deciding = true;  // nothing else ends or changes it now
+  return parts;
 }
 
 void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
@@ -174,48 +192,50 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
   round.parts.erase(node);
 }
 
-void CommitCoordinator::CommitLocked(const Key& key, Round& round, Notifications& out) {
-  std::vector<std::pair<uint32_t, format::Manifest>> parts;
-  for (auto& [node, mine] : round.parts) {
-    for (format::Manifest& part : mine) parts.emplace_back(node, std::move(part));
-  }
-  round.parts.clear();
+Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_t, format::Manifest>> parts,
+                                   Notifications& out) {
   auto merged = format::MergeManifestParts(parts);
+  parts.clear();
   if (merged.ok()) {
     if (absl::Status tiled = format::CheckTiling(*merged); !tiled.ok()) merged = tiled;
   }
-  if (!merged.ok()) {
-    AbortLocked(key, Message(merged.status()), out);
-    return;
-  }
-  std::string json = format::ManifestToJson(*merged);
-  // Durable before anyone hears "committed": a node that renames on this answer must
-  // find the same answer after a coordinator crash.
-  if (absl::Status recorded = log_.RecordCommit(key.first, key.second, json); !recorded.ok()) {
-    AbortLocked(key, fmt::format("the coordinator could not record the decision: {}",
-                                 Message(recorded)),
-                out);
-    return;
-  }
-  if (options_.publish.commit) {
-    // The decision stands either way; a coordinator restart publishes it again (the step
-    // stays in .tmp and is resolved from the log).
-    if (absl::Status published = options_.publish.commit(*merged); !published.ok()) {
-      Log().error("{} committed but not published on the shared root: {}",
-                  Prefix(key.first, key.second), Message(published));
+  std::string json;
+  absl::Status recorded;
+  if (merged.ok()) {
+    json = format::ManifestToJson(*merged);
+    // Durable before anyone hears "committed": a node that renames on this answer must
+    // find the same answer after a coordinator crash.
+    recorded = log_.RecordCommit(key.first, key.second, json);
+    if (recorded.ok() && options_.publish.commit) {
+      // The decision stands either way; a coordinator restart publishes it again (the step
+      // stays in .tmp and is resolved from the log).
+      if (absl::Status published = options_.publish.commit(*merged); !published.ok()) {
+        Log().error("{} committed but not published on the shared root: {}",
+                    Prefix(key.first, key.second), Message(published));
+      }
     }
   }
+  std::lock_guard lock(mu_);
+  auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
+  if (!merged.ok() || !recorded.ok()) {
+    AbortLocked(key,
+                merged.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
+                            : Message(merged.status()),
+                out);
+    return recent_[key].decision;
+  }
   Decision decision{Outcome::kCommitted, {}, std::move(json)};
-  for (PendingWaiter& w : round.waiters) out.emplace_back(std::move(w.waiter), decision);
+  for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
   latest = std::max(latest, key.second);
   std::vector<uint32_t>& nodes = nodes_of_job_[key.first];
   nodes.clear();
   for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
-             round.world_size, merged->nodes.size());
-  rounds_.erase(key);
-  RememberLocked(key, std::move(decision));
+             round->second.world_size, merged->nodes.size());
+  rounds_.erase(round);
+  RememberLocked(key, decision);
+  return decision;
 }
 
 void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, Notifications& out) {
@@ -235,13 +255,28 @@ void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
                                        std::map<uint32_t, uint64_t> attempts) {
   const uint64_t aborted_unix_ns =
       decision.outcome == Outcome::kAborted ? UnixNanos() : 0;
-  if (recent_.insert_or_assign(key, Remembered{std::move(decision), std::move(attempts), aborted_unix_ns})
-          .second) {
+  recent_manifest_bytes_ += decision.manifest_json.size();
+  auto [it, fresh] = recent_.try_emplace(key);
+  if (fresh) {
     recent_order_.push_back(key);
+  } else {
+    recent_manifest_bytes_ -= it->second.decision.manifest_json.size();
   }
+  it->second = Remembered{std::move(decision), std::move(attempts), aborted_unix_ns};
   while (recent_order_.size() > kRecentDecisions) {
+    recent_manifest_bytes_ -= recent_[recent_order_.front()].decision.manifest_json.size();
     recent_.erase(recent_order_.front());
-    recent_order_.erase(recent_order_.begin());
+    recent_order_.pop_front();
+  }
+  // Manifests beyond the budget are dropped from memory, oldest first, and read back from
+  // the decision log when asked for (a node that missed the answer, long after).
+  for (auto old = recent_order_.begin();
+       recent_manifest_bytes_ > options_.recent_manifest_bytes && std::next(old) != recent_order_.end(); ++old) {
+    Remembered& r = recent_[*old];
+    if (r.decision.manifest_json.empty()) continue;
+    recent_manifest_bytes_ -= r.decision.manifest_json.size();
+    std::string().swap(r.decision.manifest_json);
+    r.manifest_in_log = true;
   }
 }
 
@@ -253,7 +288,7 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
     Key key{job, step};
     // Only an undecided step can be aborted: a commit already announced stands.
     auto round = rounds_.find(key);
-    if (round == rounds_.end()) return;
+    if (round == rounds_.end() || round->second.deciding) return;
     auto said = round->second.attempt_of_node.find(node);
     if (said != round->second.attempt_of_node.end() && attempt < said->second) {
       Log().info("{} ignored a late abort from node {}'s earlier attempt", Prefix(job, step), node);
@@ -281,7 +316,9 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     Key key{job, step};
     if (rounds_.count(key)) return {Outcome::kPending, {}, {}};
-    if (auto it = recent_.find(key); it != recent_.end()) return it->second.decision;
+    if (auto it = recent_.find(key); it != recent_.end() && !it->second.manifest_in_log) {
+      return it->second.decision;
+    }
   }
   auto recorded = log_.FindCommit(job, step);
   if (!recorded.ok()) {
@@ -308,6 +345,7 @@ void CommitCoordinator::AbortIncomplete(const std::string& why) {
     std::lock_guard lock(mu_);
     std::vector<std::pair<Key, std::string>> doomed;
     for (const auto& [key, round] : rounds_) {
+      if (round.deciding) continue;  // complete: its decision is being recorded
       doomed.emplace_back(key, fmt::format("{}; missing ranks {}", why, MissingRanks(round)));
     }
     for (const auto& [key, reason] : doomed) AbortLocked(key, reason, notify);
@@ -349,7 +387,7 @@ void CommitCoordinator::Tick(Clock::time_point now) {
     std::lock_guard lock(mu_);
     std::vector<std::pair<Key, std::string>> timed_out;
     for (auto& [key, round] : rounds_) {
-      if (now - round.started >= options_.step_timeout) {
+      if (!round.deciding && now - round.started >= options_.step_timeout) {
         std::vector<uint32_t> nodes;
         for (const auto& [node, mine] : round.parts) nodes.push_back(node);
         timed_out.emplace_back(

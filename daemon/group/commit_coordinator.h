@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -56,6 +57,10 @@ class CommitCoordinator {
     std::chrono::milliseconds step_timeout{300'000};
     uint32_t max_world_size = 1u << 20;
     Publisher publish;
+    // Committed manifests kept in memory with their decisions, in all; older ones are read
+    // back from the decision log when asked for (the newest is always kept). At 10,000
+    // nodes one manifest is tens of MB.
+    size_t recent_manifest_bytes = size_t{64} << 20;
   };
 
   CommitCoordinator(DecisionLog& log, Options options);
@@ -116,6 +121,7 @@ class CommitCoordinator {
     // newer word touches only its own parts, so a prepare costs the size of its part.
     std::map<uint32_t, std::vector<format::Manifest>> parts;
     std::vector<PendingWaiter> waiters;
+    bool deciding = false;  // every rank prepared: being merged and recorded, unlocked
   };
   struct Remembered {
     Decision decision;
@@ -126,6 +132,7 @@ class CommitCoordinator {
     // out. Runs compare across nodes' clocks: a skew makes the rule fall back to waiting
     // (a node ahead) or refuse a run restarted within the skew (a node behind).
     uint64_t aborted_unix_ns = 0;
+    bool manifest_in_log = false;  // committed; its manifest dropped from memory (read it back)
   };
   struct LostMember {
     std::string why;
@@ -134,8 +141,13 @@ class CommitCoordinator {
   using Key = std::pair<std::string, uint64_t>;
   using Notifications = std::vector<std::pair<Waiter, Decision>>;
 
-  // Both return with mu_ held; the waiters to notify go to `out`, called after unlocking.
-  void CommitLocked(const Key& key, Round& round, Notifications& out);
+  // The parts of a complete round, which is marked deciding.
+  static std::vector<std::pair<uint32_t, format::Manifest>> TakePartsLocked(Round& round);
+  // Merges, checks and records a complete round's parts without holding mu_, then ends the
+  // round committed (or aborted when the parts disagree or the record fails).
+  Decision Decide(const Key& key, std::vector<std::pair<uint32_t, format::Manifest>> parts,
+                  Notifications& out);
+  // With mu_ held; the waiters to notify go to `out`, called after unlocking.
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
   static void ReplaceRanksLocked(Round& round, uint32_t node, const format::Manifest& part);
@@ -152,7 +164,8 @@ class CommitCoordinator {
   std::map<Key, Round> rounds_;
   // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
   std::map<Key, Remembered> recent_;
-  std::vector<Key> recent_order_;
+  std::deque<Key> recent_order_;
+  size_t recent_manifest_bytes_ = 0;  // of the decisions in recent_
   std::map<std::string, uint64_t> latest_committed_;
   std::map<std::string, std::vector<uint32_t>> nodes_of_job_;  // the nodes of its last commit
   std::map<uint32_t, LostMember> lost_;

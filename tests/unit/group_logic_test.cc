@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -31,6 +32,14 @@ class MemoryDecisionLog : public DecisionLog {
  public:
   absl::Status RecordCommit(const std::string& job, uint64_t step,
                             const std::string& manifest_json) override {
+    {
+      std::unique_lock lock(mu_);
+      if (job == held_job_) {
+        recording_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return held_job_.empty(); });
+      }
+    }
     std::lock_guard lock(mu_);
     if (fail_) return absl::ResourceExhaustedError("decision log: no space left on device");
     records_[{job, step}] = manifest_json;
@@ -39,6 +48,7 @@ class MemoryDecisionLog : public DecisionLog {
   absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
                                                         uint64_t step) override {
     std::lock_guard lock(mu_);
+    ++finds_;
     auto it = records_.find({job, step});
     if (it == records_.end()) return std::optional<std::string>();
     return std::optional<std::string>(it->second);
@@ -51,9 +61,31 @@ class MemoryDecisionLog : public DecisionLog {
     std::lock_guard lock(mu_);
     fail_ = fail;
   }
+  int finds() {
+    std::lock_guard lock(mu_);
+    return finds_;
+  }
+  // Holds the records of `job` until Release(), as a slow disk would.
+  void Hold(std::string job) {
+    std::lock_guard lock(mu_);
+    held_job_ = std::move(job);
+  }
+  void Release() {
+    std::lock_guard lock(mu_);
+    held_job_.clear();
+    cv_.notify_all();
+  }
+  void WaitRecording() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return recording_; });
+  }
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
+  std::string held_job_;
+  bool recording_ = false;
+  int finds_ = 0;
   bool fail_ = false;
   std::map<std::pair<std::string, uint64_t>, std::string> records_;
 };
@@ -310,6 +342,57 @@ TEST_CASE("commit: the decision is durable before any waiter hears committed") {
   REQUIRE(heard.has_value());
   CHECK(heard->outcome == Outcome::kCommitted);
   CHECK(recorded_when_heard);
+}
+
+TEST_CASE("commit: a decision is recorded without the lock: other steps, polls and retries go on meanwhile") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, 1, Part("job", 10, 2, {0}));
+  log.Hold("job");
+  std::thread decider([&] { CHECK(c.Prepare(1, 1, Part("job", 10, 2, {1})).outcome == Outcome::kCommitted); });
+  log.WaitRecording();  // the decision of step 10 is being written, slowly
+  // Meanwhile: another job's step commits, the step being decided answers pending to a
+  // poll and to a retried prepare, and nothing can end it.
+  c.Prepare(0, 1, Part("other", 3, 1, {0}));
+  CHECK(c.Lookup("other", 3).outcome == Outcome::kCommitted);
+  CHECK(c.Lookup("job", 10).outcome == Outcome::kPending);
+  CHECK(c.Prepare(0, 1, Part("job", 10, 2, {0})).outcome == Outcome::kPending);
+  c.Abort("job", 10, 0, 1, "too late to abort");
+  c.AbortIncomplete("node 3 lost");
+  c.Tick(Clock::now() + 1h);
+  std::atomic<int> heard{0};
+  c.Await("job", 10, Clock::now() + 1h, [&](const Decision& d) {
+    CHECK(d.outcome == Outcome::kCommitted);
+    ++heard;
+  });
+  log.Release();
+  decider.join();
+  CHECK(heard == 1);
+  CHECK(c.Lookup("job", 10).outcome == Outcome::kCommitted);
+  CHECK(log.Has("job", 10));
+}
+
+TEST_CASE("commit: old manifests leave memory and are read back from the decision log") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  options.recent_manifest_bytes = 1;  // only the newest stays in memory
+  CommitCoordinator c(log, options);
+  for (uint64_t step = 1; step <= 5; ++step) {
+    c.Prepare(0, 1, Part("job", step, 2, {0}));
+    REQUIRE(c.Prepare(1, 1, Part("job", step, 2, {1})).outcome == Outcome::kCommitted);
+  }
+  const int before = log.finds();
+  Decision newest = c.Lookup("job", 5);
+  CHECK(newest.outcome == Outcome::kCommitted);
+  CHECK(log.finds() == before);  // from memory
+  Decision old = c.Lookup("job", 2);
+  CHECK(old.outcome == Outcome::kCommitted);
+  CHECK(log.finds() == before + 1);  // from the log
+  auto manifest = format::ParseManifest(old.manifest_json, "test");
+  REQUIRE(manifest.ok());
+  CHECK(manifest->step == 2);
+  // A prepare retried long after its commit still hears committed.
+  CHECK(c.Prepare(1, 1, Part("job", 1, 2, {1})).outcome == Outcome::kCommitted);
 }
 
 TEST_CASE("commit: a decision that cannot be recorded aborts the step") {
