@@ -60,7 +60,9 @@ void PrintGroup(const GroupStatus& g) {
   ckpt::Table members({"NODE", "ADDRESS", "STATE", "LAST HEARTBEAT"});
   for (const auto& m : g.members()) {
     members.Add({std::to_string(m.node_rank()), m.address().empty() ? "-" : m.address(), m.state(),
-                 m.last_heartbeat_age_s() < 0 ? "never" : fmt::format("{:.1f} s ago", m.last_heartbeat_age_s())});
+                 m.last_heartbeat_age_s() >= 0 ? fmt::format("{:.1f} s ago", m.last_heartbeat_age_s())
+                 : m.state() == "waiting"      ? "never"
+                                               : "-"});  // only the coordinator's status has ages
   }
   std::cout << "MEMBERS\n" << (g.members().empty() ? "(not heard from the coordinator)\n" : members.Render()) << "\n";
 }

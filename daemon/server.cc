@@ -257,7 +257,10 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   g->set_joined(state.joined);
   g->set_last_error(state.last_error);
   g->set_last_contact_age_s(state.last_ok_age_s);
-  for (const group::MemberView& m : state.view.members) {
+  // The coordinator's own table has every member's heartbeat age; other nodes hear only
+  // what changed, without ages.
+  const group::Membership* table = p.group_server ? p.group_server->membership() : nullptr;
+  for (const group::MemberView& m : table ? table->View() : state.view.members) {
     ::ckptd::v1::GroupMember* out = g->add_members();
     out->set_node_rank(m.node);
     out->set_address(m.address);

@@ -20,6 +20,9 @@ constexpr size_t kRecentDecisions = 4096;
 // Steps undecided at once, over all jobs: far beyond what jobs keep in flight (one or two
 // each), small enough that a peer opening rounds for made-up steps cannot exhaust memory.
 constexpr size_t kMaxRounds = 4096;
+// Ranks of the undecided steps, in all (each costs 4 bytes): 1M-rank jobs keep a few steps
+// in flight, and a peer cannot make the coordinator hold gigabytes.
+constexpr uint64_t kMaxRoundRanks = uint64_t{64} << 20;
 
 std::string Prefix(const std::string& job, uint64_t step) { return fmt::format("[{} s{}]", job, step); }
 
@@ -97,13 +100,16 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       // restarted and saved it again).
       if (decided != recent_.end()) recent_.erase(decided);
     }
-    if (!rounds_.count(key) && rounds_.size() >= kMaxRounds) {
-      return refuse(fmt::format("the coordinator already has {} steps in flight", kMaxRounds));
+    if (!rounds_.count(key) && (rounds_.size() >= kMaxRounds || round_ranks_ + part.world_size > kMaxRoundRanks)) {
+      return refuse(fmt::format("the coordinator already has {} steps of {} ranks in all in flight",
+                                rounds_.size(), round_ranks_));
     }
     auto [it, inserted] = rounds_.try_emplace(key);
     Round& round = it->second;
     if (inserted) {
       round.world_size = part.world_size;
+      round.node_of_rank.assign(part.world_size, kNoNode);
+      round_ranks_ += part.world_size;
       round.started = Clock::now();
       Log().debug("{} first prepare (node {}, world size {})", Prefix(key.first, key.second), node,
                   part.world_size);
@@ -119,7 +125,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       said->second = attempt;
     }
     if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, part.run) : std::nullopt) {
-      for (const format::ManifestShard& s : part.shards) round.node_of_rank.emplace(s.rank, node);
+      for (const format::ManifestShard& s : part.shards) ClaimLocked(round, s.rank, node);
       AbortLocked(key, fmt::format("{}; missing ranks {}", *lost, MissingRanks(round)), notify);
       result = recent_[key].decision;
     } else if (round.world_size != part.world_size) {
@@ -130,10 +136,8 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
     } else {
       std::string conflict;
       for (const format::ManifestShard& s : part.shards) {
-        auto [r, fresh] = round.node_of_rank.emplace(s.rank, node);
-        if (!fresh && r->second != node) {
-          conflict = fmt::format("rank {} was prepared by node {} and by node {}", s.rank,
-                                 r->second, node);
+        if (std::optional<uint32_t> other = ClaimLocked(round, s.rank, node)) {
+          conflict = fmt::format("rank {} was prepared by node {} and by node {}", s.rank, *other, node);
         }
       }
       if (conflict.empty()) {
@@ -145,7 +149,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       if (!conflict.empty()) {
         AbortLocked(key, conflict, notify);
         result = recent_[key].decision;
-      } else if (round.node_of_rank.size() == round.world_size) {
+      } else if (round.prepared == round.world_size) {
         complete = TakePartsLocked(round);
       } else {
         result.outcome = Outcome::kPending;
@@ -187,8 +191,23 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
   mine.push_back(part);
 }
 
+std::optional<uint32_t> CommitCoordinator::ClaimLocked(Round& round, uint32_t rank, uint32_t node) {
+  uint32_t& holder = round.node_of_rank.at(rank);  // ranks were checked against the world size
+  if (holder == kNoNode) {
+    holder = node;
+    ++round.prepared;
+  }
+  if (holder != node) return holder;
+  return std::nullopt;
+}
+
 void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
-  std::erase_if(round.node_of_rank, [&](const auto& entry) { return entry.second == node; });
+  for (uint32_t& holder : round.node_of_rank) {
+    if (holder == node) {
+      holder = kNoNode;
+      --round.prepared;
+    }
+  }
   round.parts.erase(node);
 }
 
@@ -233,6 +252,7 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
   for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
              round->second.world_size, merged->nodes.size());
+  round_ranks_ -= round->second.world_size;
   rounds_.erase(round);
   RememberLocked(key, decision);
   return decision;
@@ -244,6 +264,7 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
   if (auto it = rounds_.find(key); it != rounds_.end()) {
     for (PendingWaiter& w : it->second.waiters) out.emplace_back(std::move(w.waiter), decision);
     attempts = std::move(it->second.attempt_of_node);
+    round_ranks_ -= it->second.world_size;
     rounds_.erase(it);
   }
   Log().warn("{} aborted: {}", Prefix(key.first, key.second), reason);
@@ -332,7 +353,7 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step) {
 std::string CommitCoordinator::MissingRanks(const Round& round, size_t limit) {
   std::vector<uint32_t> missing;
   for (uint32_t r = 0; r < round.world_size && missing.size() <= limit; ++r) {
-    if (!round.node_of_rank.count(r)) missing.push_back(r);
+    if (round.node_of_rank[r] == kNoNode) missing.push_back(r);
   }
   size_t shown = std::min(missing.size(), limit);
   return fmt::format("{}{}", fmt::join(missing.begin(), missing.begin() + shown, ", "),
@@ -419,7 +440,7 @@ std::vector<StepProgress> CommitCoordinator::InFlight() const {
     StepProgress p{key.first, key.second, round.world_size, {},
                    std::chrono::duration<double>(now - round.started).count()};
     for (uint32_t r = 0; r < round.world_size && p.missing_ranks.size() < 64; ++r) {
-      if (!round.node_of_rank.count(r)) p.missing_ranks.push_back(r);
+      if (round.node_of_rank[r] == kNoNode) p.missing_ranks.push_back(r);
     }
     out.push_back(std::move(p));
   }

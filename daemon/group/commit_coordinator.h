@@ -112,10 +112,14 @@ class CommitCoordinator {
     Clock::time_point deadline;
     Waiter waiter;
   };
+  static constexpr uint32_t kNoNode = ~uint32_t{0};
   struct Round {
     uint32_t world_size = 0;
     Clock::time_point started;
-    std::map<uint32_t, uint32_t> node_of_rank;
+    // The node that prepared each rank, kNoNode while none has: a vector, so that the
+    // missing ranks every heartbeat reply lists are found without a walk of a tree.
+    std::vector<uint32_t> node_of_rank;
+    uint32_t prepared = 0;  // ranks with a node
     std::map<uint32_t, uint64_t> attempt_of_node;
     // What each node prepared (one part per prepare; nodes send one a step): a node's
     // newer word touches only its own parts, so a prepare costs the size of its part.
@@ -152,6 +156,8 @@ class CommitCoordinator {
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
   static void ReplaceRanksLocked(Round& round, uint32_t node, const format::Manifest& part);
   static void ForgetNodeLocked(Round& round, uint32_t node);
+  // Records that `node` prepared `rank`; the node that had already prepared it otherwise.
+  static std::optional<uint32_t> ClaimLocked(Round& round, uint32_t rank, uint32_t node);
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   // Why a run of `job` that began at `run` (ns) cannot commit now: a node that held ranks
   // of the job's last commit is lost since after `run`. nullopt when none is.
@@ -162,6 +168,7 @@ class CommitCoordinator {
   const Options options_;
   mutable std::mutex mu_;
   std::map<Key, Round> rounds_;
+  uint64_t round_ranks_ = 0;  // the world sizes of rounds_, in all: what they hold in memory
   // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
   std::map<Key, Remembered> recent_;
   std::deque<Key> recent_order_;

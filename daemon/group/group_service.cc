@@ -158,8 +158,9 @@ absl::Status GroupService::CheckNode(const char* field, uint32_t node) const {
   return absl::OkStatus();
 }
 
-void GroupService::FillView(pb::GroupView* view) const {
-  for (const MemberView& m : coordinator_->membership.View()) {
+void GroupService::FillView(pb::GroupView* view, uint64_t known_members_version) const {
+  uint64_t version = 0;
+  for (const MemberView& m : coordinator_->membership.Changes(known_members_version, &version)) {
     pb::Member* member = view->add_members();
     member->set_node_rank(m.node);
     member->set_address(m.address);
@@ -167,6 +168,8 @@ void GroupService::FillView(pb::GroupView* view) const {
     member->set_last_heartbeat_age_s(m.last_heartbeat_age_s);
     member->set_incarnation(m.incarnation);
   }
+  view->set_members_version(version);
+  view->set_members_complete(known_members_version == 0 || known_members_version > version);
   for (const StepProgress& s : coordinator_->commits.InFlight()) {
     pb::StepInFlight* step = view->add_steps();
     step->set_job(s.job);
@@ -228,7 +231,7 @@ grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
       Log().warn("{}: aborting undecided steps", why);
       coordinator_->commits.AbortIncomplete(why);
     }
-    FillView(reply->mutable_view());
+    FillView(reply->mutable_view(), 0);
     return absl::OkStatus();
   }));
   return reactor;
@@ -243,7 +246,7 @@ grpc::ServerUnaryReactor* GroupService::Heartbeat(grpc::CallbackServerContext* c
     CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
     CKPT_RETURN_IF_ERROR(
         coordinator_->membership.Heartbeat(request->node_rank(), request->incarnation()));
-    FillView(reply->mutable_view());
+    FillView(reply->mutable_view(), request->known_members_version());
     return absl::OkStatus();
   }));
   return reactor;

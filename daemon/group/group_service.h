@@ -78,7 +78,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   absl::Status Admit(grpc::CallbackServerContext* ctx, const char* method, Role role);
   void WarnRefused(const std::string& peer, const char* method);
   absl::Status CheckNode(const char* field, uint32_t node) const;
-  void FillView(ckptd::group::v1::GroupView* view) const;
+  // The group view for a node that knows the membership at `known_members_version` (0:
+  // nothing, so every member).
+  void FillView(ckptd::group::v1::GroupView* view, uint64_t known_members_version) const;
 
   const GroupOptions options_;
   const uint64_t incarnation_;

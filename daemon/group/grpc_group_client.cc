@@ -40,12 +40,39 @@ MemberState FromProto(pb::MemberState state) {
   }
 }
 
-GroupViewData FromProto(const pb::GroupView& view) {
-  GroupViewData data;
-  for (const pb::Member& m : view.members()) {
-    data.members.push_back({m.node_rank(), m.address(), FromProto(m.state()),
-                            m.last_heartbeat_age_s(), m.incarnation()});
+// The members as this node last heard them: heartbeat replies carry only the changes.
+class KnownMembers {
+ public:
+  // Applies the members of `view` (all of them, or the changes) and returns every member.
+  // One not in this reply has no age (-1): only the coordinator knows how fresh it is.
+  std::vector<MemberView> Apply(const pb::GroupView& view) {
+    std::lock_guard lock(mu_);
+    if (view.members_complete()) members_.clear();
+    for (auto& [node, m] : members_) m.last_heartbeat_age_s = -1;
+    for (const pb::Member& m : view.members()) {
+      members_[m.node_rank()] = {m.node_rank(), m.address(), FromProto(m.state()), m.last_heartbeat_age_s(),
+                                 m.incarnation()};
+    }
+    version_ = view.members_version();
+    std::vector<MemberView> out;
+    out.reserve(members_.size());
+    for (const auto& [node, m] : members_) out.push_back(m);
+    return out;
   }
+  uint64_t version() const {
+    std::lock_guard lock(mu_);
+    return version_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uint32_t, MemberView> members_;
+  uint64_t version_ = 0;
+};
+
+GroupViewData FromProto(const pb::GroupView& view, KnownMembers& known) {
+  GroupViewData data;
+  data.members = known.Apply(view);
   for (const pb::StepInFlight& s : view.steps()) {
     data.steps.push_back({s.job(), s.step(), s.world_size(),
                           {s.missing_ranks().begin(), s.missing_ranks().end()}, s.age_s()});
@@ -108,7 +135,7 @@ class GrpcGroupClient final : public GroupClient {
       StartCall(ctx, std::min(deadline, Clock::now() + options_.rpc_timeout));
       pb::JoinReply reply;
       grpc::Status status = stub_->Join(&ctx, request, &reply);
-      if (status.ok()) return FromProto(reply.view());
+      if (status.ok()) return FromProto(reply.view(), members_);
       bool unreachable = status.error_code() == grpc::StatusCode::UNAVAILABLE ||
                          status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
       if (!unreachable) return Describe("join", status);
@@ -126,11 +153,12 @@ class GrpcGroupClient final : public GroupClient {
     pb::HeartbeatRequest request;
     request.set_node_rank(options_.node_rank);
     request.set_incarnation(incarnation_);
+    request.set_known_members_version(members_.version());
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     pb::HeartbeatReply reply;
     CKPT_RETURN_IF_ERROR(Describe("heartbeat", stub_->Heartbeat(&ctx, request, &reply)));
-    return FromProto(reply.view());
+    return FromProto(reply.view(), members_);
   }
 
   absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) override {
@@ -254,6 +282,7 @@ class GrpcGroupClient final : public GroupClient {
   const uint64_t incarnation_;
   const std::string address_;
   const std::unique_ptr<pb::Group::Stub> stub_;
+  KnownMembers members_;
   std::mutex gathers_mu_;
   std::set<grpc::ClientContext*> gathers_;  // in flight, for CancelGathers
   std::string gathers_cancelled_;           // why, once cancelled

@@ -54,7 +54,11 @@ absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::stri
         node, m.address, address.substr(0, 256), node));
   }
   *restarted = m.incarnation != 0 && m.incarnation != incarnation;
-  m.address = address.substr(0, 256);
+  const std::string advertised = address.substr(0, 256);
+  if (m.state != MemberState::kAlive || m.address != advertised || m.incarnation != incarnation) {
+    ChangedLocked(m);
+  }
+  m.address = advertised;
   m.incarnation = incarnation;
   m.state = MemberState::kAlive;
   m.last_heard = Clock::now();
@@ -88,6 +92,7 @@ std::vector<std::pair<uint32_t, std::string>> Membership::Expire(Clock::time_poi
     Member& m = members_[n];
     if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
       m.state = MemberState::kLost;
+      ChangedLocked(m);
       lost.emplace_back(n, fmt::format("node {} ({}) lost: no heartbeat for {:.1f} s", n, m.address,
                                        std::chrono::duration<double>(now - m.last_heard).count()));
     }
@@ -95,17 +100,28 @@ std::vector<std::pair<uint32_t, std::string>> Membership::Expire(Clock::time_poi
   return lost;
 }
 
+MemberView Membership::ViewOf(uint32_t node, Clock::time_point now) const {
+  const Member& m = members_[node];
+  double age = m.state == MemberState::kWaiting
+                   ? -1
+                   : std::chrono::duration<double>(now - m.last_heard).count();
+  return {node, m.address, m.state, age, m.incarnation};
+}
+
 std::vector<MemberView> Membership::View() const {
+  uint64_t version;
+  return Changes(0, &version);
+}
+
+std::vector<MemberView> Membership::Changes(uint64_t since, uint64_t* version) const {
   std::vector<MemberView> view;
   auto now = Clock::now();
   std::lock_guard lock(mu_);
+  if (since > version_) since = 0;  // not a version of this table: everything
   for (uint32_t n = 0; n < members_.size(); ++n) {
-    const Member& m = members_[n];
-    double age = m.state == MemberState::kWaiting
-                     ? -1
-                     : std::chrono::duration<double>(now - m.last_heard).count();
-    view.push_back({n, m.address, m.state, age, m.incarnation});
+    if (since == 0 || members_[n].changed_in > since) view.push_back(ViewOf(n, now));
   }
+  *version = version_;
   return view;
 }
 

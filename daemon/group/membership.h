@@ -37,6 +37,9 @@ class Membership {
   // Marks members silent for longer than the timeout as lost; returns them with why.
   std::vector<std::pair<uint32_t, std::string>> Expire(Clock::time_point now);
   std::vector<MemberView> View() const;
+  // The members whose state, address or incarnation changed after version `since` (all of
+  // them for 0, or a version this table never had), and the version they bring one to.
+  std::vector<MemberView> Changes(uint64_t since, uint64_t* version) const;
   uint32_t num_nodes() const { return static_cast<uint32_t>(members_.size()); }
 
  private:
@@ -45,10 +48,15 @@ class Membership {
     MemberState state = MemberState::kWaiting;
     uint64_t incarnation = 0;
     Clock::time_point last_heard{};
+    uint64_t changed_in = 0;  // the version of its last change
   };
+  MemberView ViewOf(uint32_t node, Clock::time_point now) const;
+  void ChangedLocked(Member& m) { m.changed_in = ++version_; }
+
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::vector<Member> members_;
+  uint64_t version_ = 1;  // 0 is "nothing known" in a heartbeat
 };
 
 const char* MemberStateName(MemberState state);

@@ -218,6 +218,49 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+TEST_CASE("rpc: heartbeat replies carry only the members that changed; nodes still see every member") {
+  Group g(3);
+  auto node1 = g.Client(1);
+  auto node2 = g.Client(2);
+  REQUIRE(node1->Join(Clock::now() + 3s).ok());
+  // Raw heartbeats of node 1 (incarnation 2001), as its client sends them.
+  auto beat = [&](uint64_t known) {
+    RawCall call(g.server->address());
+    pb::HeartbeatRequest request;
+    request.set_node_rank(1);
+    request.set_incarnation(2001);
+    request.set_known_members_version(known);
+    pb::HeartbeatReply reply;
+    REQUIRE(call.stub->Heartbeat(&call.ctx, request, &reply).ok());
+    return reply.view();
+  };
+  pb::GroupView all = beat(0);
+  CHECK(all.members_complete());
+  CHECK(all.members_size() == 3);
+  const uint64_t version = all.members_version();
+  pb::GroupView nothing = beat(version);
+  CHECK_FALSE(nothing.members_complete());
+  CHECK(nothing.members_size() == 0);  // nothing changed: no member travels
+  REQUIRE(node2->Join(Clock::now() + 3s).ok());
+  pb::GroupView joined = beat(version);
+  REQUIRE(joined.members_size() == 1);
+  CHECK(joined.members(0).node_rank() == 2);
+  CHECK(joined.members(0).state() == pb::MEMBER_ALIVE);
+  CHECK(joined.members_version() > version);
+  CHECK(beat(version + 1000).members_complete());  // a version it never had: everything
+
+  // The client merges the changes: its view lists every member, the changed ones fresh.
+  auto view = node1->Heartbeat();
+  REQUIRE(view.ok());
+  REQUIRE(view->members.size() == 3);
+  CHECK(view->members[1].state == MemberState::kAlive);
+  CHECK(view->members[2].state == MemberState::kAlive);
+  CHECK(view->members[0].state == MemberState::kWaiting);
+  auto again = node1->Heartbeat();
+  REQUIRE(again.ok());
+  CHECK(again->members.size() == 3);
+}
+
 TEST_CASE("rpc: requests are validated field by field") {
   Group g(2);
   auto client = g.Client(1);
