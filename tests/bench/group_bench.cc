@@ -3,6 +3,8 @@
 //   bazel build //tests/bench:group_bench
 //   bazel-bin/tests/bench/group_bench [--nodes 2,4,16,64] [--rounds 200] [--dir /tmp]
 //                                     [--processes] [--json]
+//   bazel-bin/tests/bench/group_bench scale ...   (thousands of nodes, simulated:
+//                                                  tests/bench/group_scale.cc)
 //
 // For each N: one coordinator group server (node 0's role) whose decision log is a real
 // directory under --dir, so every commit includes its fsyncs (file, then directory), and N
@@ -53,6 +55,7 @@
 #include "daemon/group/group_server.h"
 #include "format/manifest.h"
 #include "proto/group.grpc.pb.h"
+#include "tests/bench/group_scale.h"
 
 extern char** environ;
 
@@ -393,6 +396,7 @@ std::vector<uint32_t> ParseList(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "scale") return ckpt::bench::ScaleMain(argc - 1, argv + 1);
   std::string nodes_text = "2,4,16,64", dir;
   uint32_t rounds = 200;
   int ping_samples = 2000, fsync_samples = 200;

@@ -1,0 +1,526 @@
+// group_bench scale: the daemons' group at thousands of nodes, simulated with the real
+// coordinator and the real wire messages (issue 23).
+//
+//   bazel build -c opt //tests/bench:group_bench
+//   bazel-bin/tests/bench/group_bench scale [--nodes 64,1000] [--ranks-per-node 8]
+//       [--tensors 2,200] [--steps 3] [--channels 16] [--threads 32] [--dir /tmp]
+//       [--max-reply-gib 8] [--json]
+//
+// The coordinator is a real group server (node 0's role, `StartGroupServer`) with a file
+// decision log under --dir, in a child process (this binary again), so that its CPU time
+// (every thread's, from /proc/PID/task/*/schedstat) and its peak memory (VmHWM) are its own.
+// This process plays the N nodes: each joins under its own node rank and incarnation over
+// one of --channels gRPC channels (to the coordinator a node is who its requests say it
+// is, not a connection), and then, every step, each node
+//   1. heartbeats once, saying which membership version it knows;
+//   2. sends the one prepare a node sends: its ranks' manifest part, T tensors per rank,
+//      each rank's row of a [world x 16] F32 tensor with its checksum;
+//   3. long-polls the outcome, unless its prepare's reply already said "committed".
+// Per step it reports the coordinator's CPU time, the time from the first prepare sent to
+// the last node knowing "committed", and the bytes each node sends and receives (the
+// serialized messages; HTTP/2 framing adds a few percent).
+//
+// Today every node receives the step's whole manifest (the fan-out issue 23 removes). A
+// configuration whose outcome replies would move more than --max-reply-gib in one step is
+// run with 16 nodes polling instead of all of them, and its outcome replies (bytes, and
+// the coordinator's CPU for them) are projected from those 16 to N: said so in the output.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/group/decision_log.h"
+#include "daemon/group/group_server.h"
+#include "format/manifest.h"
+#include "proto/group.grpc.pb.h"
+#include "storage/filesystem.h"
+#include "tests/bench/group_scale.h"
+
+extern char** environ;
+
+namespace ckpt::bench {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+namespace pb = ckptd::group::v1;
+
+constexpr char kToken[] = "group-scale-bench-token-0123456789";
+constexpr uint32_t kPollSample = 16;  // nodes that poll when all of them would move too much
+
+[[noreturn]] void Die(const std::string& why) {
+  std::cerr << "group_bench scale: " << why << "\n";
+  std::exit(1);
+}
+
+std::vector<uint32_t> ParseCounts(const std::string& text, const char* what) {
+  std::vector<uint32_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) {
+    long v = std::stol(item);
+    if (v < 1) Die(fmt::format("{}: every count must be at least 1", what));
+    out.push_back(static_cast<uint32_t>(v));
+  }
+  return out;
+}
+
+group::GroupOptions CoordinatorOptions(uint32_t nodes) {
+  group::GroupOptions o;
+  o.node_rank = 0;
+  o.num_nodes = nodes;
+  o.listen_addr = "127.0.0.1:0";
+  o.token = kToken;
+  // Every node heartbeats once a step; a step of the largest configuration takes minutes
+  // on two cores, and no member may be marked lost mid-measurement.
+  o.group_timeout = 3600s;
+  o.step_timeout = 3600s;
+  o.rpc_timeout = 600s;
+  return o;
+}
+
+// --- the coordinator, in its own process -------------------------------------------------
+
+int ServeCoordinator(uint32_t nodes, const std::string& dir, const std::string& address_file) {
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  group::DecisionLogPtr log = group::MakeFileDecisionLog(MakePosixFilesystem(), dir + "/decisions");
+  auto server = group::StartGroupServer(CoordinatorOptions(nodes), 1, log.get());
+  if (!server.ok()) Die(Message(server.status()));
+  {
+    std::ofstream(address_file + ".tmp") << (*server)->address();
+  }
+  std::filesystem::rename(address_file + ".tmp", address_file);
+  int sig = 0;
+  sigwait(&stop, &sig);
+  (*server)->Shutdown();
+  return 0;
+}
+
+class Coordinator {
+ public:
+  Coordinator(const std::string& self, uint32_t nodes, const std::string& dir) {
+    const std::string address_file = dir + "/coordinator.address";
+    std::filesystem::remove(address_file);
+    std::vector<std::string> args = {self,    "scale",  "--serve", "--num-nodes", std::to_string(nodes),
+                                     "--dir", dir,      "--address-file", address_file};
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, self.c_str(), nullptr, nullptr, argv.data(), environ) != 0) Die("spawn");
+    for (int i = 0; i < 3000 && !std::filesystem::exists(address_file); ++i) std::this_thread::sleep_for(10ms);
+    std::ifstream in(address_file);
+    if (!std::getline(in, address_)) Die("the coordinator did not start");
+  }
+  ~Coordinator() {
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+  }
+  const std::string& address() const { return address_; }
+
+  // CPU time of every thread of the coordinator so far, in ns.
+  uint64_t CpuNs() const {
+    uint64_t total = 0;
+    for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid_))) {
+      std::ifstream in(task.path() / "schedstat");
+      uint64_t on_cpu = 0;
+      if (in >> on_cpu) total += on_cpu;
+    }
+    // Threads that ended are not listed; their time is in the process's own counters.
+    return std::max(total, TicksNs());
+  }
+  // Peak resident memory, in bytes.
+  uint64_t PeakRss() const {
+    std::ifstream in(fmt::format("/proc/{}/status", pid_));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+    }
+    return 0;
+  }
+
+ private:
+  uint64_t TicksNs() const {
+    std::ifstream in(fmt::format("/proc/{}/stat", pid_));
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::istringstream fields(text.substr(text.rfind(')') + 2));
+    std::vector<std::string> f((std::istream_iterator<std::string>(fields)), std::istream_iterator<std::string>());
+    if (f.size() < 13) return 0;
+    const uint64_t ticks = std::stoull(f[11]) + std::stoull(f[12]);  // utime, stime
+    return ticks * 1'000'000'000 / static_cast<uint64_t>(::sysconf(_SC_CLK_TCK));
+  }
+
+  pid_t pid_ = 0;
+  std::string address_;
+};
+
+// --- the simulated nodes ----------------------------------------------------------------
+
+struct Config {
+  uint32_t nodes, ranks_per_node, tensors, steps, channels, threads;
+  double max_reply_bytes;
+};
+
+// What one node sent and received in one step.
+struct NodeBytes {
+  uint64_t sent = 0, received = 0;
+};
+
+// The part a node prepares: its ranks' shards, each holding a 16-element row of every tensor.
+format::Manifest NodePart(const Config& c, uint32_t node, uint64_t step) {
+  const uint32_t world = c.nodes * c.ranks_per_node;
+  format::Manifest m;
+  m.job = "scale";
+  m.step = step;
+  m.world_size = world;
+  m.ckptd_version = "group_bench";
+  m.wall_time = "2026-01-01T00:00:00Z";
+  for (uint32_t r = node * c.ranks_per_node; r < (node + 1) * c.ranks_per_node; ++r) {
+    format::ManifestShard shard;
+    shard.rank = r;
+    shard.file = format::ShardFileName(r);
+    shard.bytes = 4096 + uint64_t{64} * c.tensors;
+    for (uint32_t t = 0; t < c.tensors; ++t) {
+      format::ManifestTensor& tensor = m.tensors[fmt::format("model.layers.{}.weight", t)];
+      tensor.dtype = "F32";
+      tensor.global_shape = {int64_t{16} * world};
+      tensor.shards.push_back({r, shard.file, uint64_t{64} * t, uint64_t{64} * (t + 1), {int64_t{16} * r}, {16},
+                               fmt::format("xxh3:{:016x}", (step << 40) ^ (uint64_t{r} << 12) ^ t), {}, {}});
+    }
+    m.shards.push_back(std::move(shard));
+  }
+  return m;
+}
+
+// Runs fn(node) for every node on `threads` threads.
+template <typename Fn>
+void ForEachNode(uint32_t nodes, uint32_t threads, Fn fn) {
+  std::vector<std::thread> pool;
+  std::atomic<uint32_t> next{0};
+  for (uint32_t t = 0; t < std::min(threads, nodes); ++t) {
+    pool.emplace_back([&] {
+      for (uint32_t n = next++; n < nodes; n = next++) fn(n);
+    });
+  }
+  for (auto& t : pool) t.join();
+}
+
+struct StepFigures {
+  double prepare_cpu_ms = 0;   // the coordinator's, for the prepares and the decision
+  double outcome_cpu_ms = 0;   // the coordinator's, for the outcome replies
+  double commit_ms = 0;        // first prepare sent to every node knowing (polls sampled: to the sample)
+  uint64_t manifest_bytes = 0;
+  uint64_t node_sent_p50 = 0, node_sent_max = 0, node_received_p50 = 0, node_received_max = 0;
+  bool projected = false;
+};
+
+struct ScaleResult {
+  Config config;
+  uint64_t join_received_per_node = 0;
+  std::vector<StepFigures> steps;
+  uint64_t coordinator_peak_rss = 0;
+  double seconds = 0;
+};
+
+class Simulation {
+ public:
+  Simulation(const Config& c, const std::string& address) : c_(c) {
+    for (uint32_t i = 0; i < c.channels; ++i) {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(-1);
+      args.SetMaxSendMessageSize(-1);
+      args.SetInt("grpc.channel_id", static_cast<int>(i));  // distinct connections
+      stubs_.push_back(pb::Group::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+    }
+    known_version_.assign(c.nodes, 0);
+  }
+
+  // Every node joins; returns the bytes a join reply brings a node (the whole membership).
+  uint64_t Join() {
+    std::atomic<uint64_t> received{0};
+    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+      pb::JoinRequest request;
+      request.set_node_rank(n);
+      request.set_num_nodes(c_.nodes);
+      request.set_address(fmt::format("10.{}.{}.{}:7000", n >> 16, (n >> 8) & 255, n & 255));
+      request.set_incarnation(1000 + n);
+      pb::JoinReply reply;
+      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Join(ctx, request, &reply); });
+      known_version_[n] = reply.view().members_version();
+      received += reply.ByteSizeLong();
+    });
+    return received / c_.nodes;
+  }
+
+  StepFigures Step(uint64_t step, const Coordinator& coordinator) {
+    std::vector<NodeBytes> bytes(c_.nodes);
+    // 1. Heartbeats.
+    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+      pb::HeartbeatRequest request;
+      request.set_node_rank(n);
+      request.set_incarnation(1000 + n);
+      request.set_known_members_version(known_version_[n]);
+      pb::HeartbeatReply reply;
+      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Heartbeat(ctx, request, &reply); });
+      known_version_[n] = reply.view().members_version();
+      bytes[n].sent += request.ByteSizeLong();
+      bytes[n].received += reply.ByteSizeLong();
+    });
+    // The parts, built before the clock starts: a node has its part ready when it prepares.
+    std::vector<pb::PrepareRequest> prepares(c_.nodes);
+    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+      format::Manifest part = NodePart(c_, n, step);
+      pb::PrepareRequest& request = prepares[n];
+      request.set_node_rank(n);
+      request.set_incarnation(1000 + n);
+      request.set_job(part.job);
+      request.set_step(step);
+      request.set_world_size(part.world_size);
+      for (const auto& s : part.shards) request.add_ranks(s.rank);
+      request.set_manifest_part_json(format::ManifestToJson(part));
+      request.set_attempt(1);
+    });
+    uint64_t part_bytes = 0;
+    for (const auto& p : prepares) part_bytes += p.manifest_part_json().size();
+    const bool sample = static_cast<double>(part_bytes) * c_.nodes > c_.max_reply_bytes;
+
+    const uint64_t cpu_before = coordinator.CpuNs();
+    const auto start = Clock::now();
+    // 2. Prepares.
+    std::vector<char> decided(c_.nodes, 0);
+    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+      pb::PrepareReply reply;
+      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Prepare(ctx, prepares[n], &reply); });
+      if (reply.outcome() == pb::OUTCOME_ABORTED) Die(fmt::format("step {} aborted: {}", step, reply.reason()));
+      decided[n] = reply.outcome() == pb::OUTCOME_COMMITTED;
+      bytes[n].sent += prepares[n].ByteSizeLong();
+      bytes[n].received += reply.ByteSizeLong();
+    });
+    const uint64_t cpu_prepared = coordinator.CpuNs();
+    // 3. Outcome polls (all nodes, or a sample of them).
+    std::vector<uint32_t> pollers;
+    for (uint32_t n = 0; n < c_.nodes; ++n) {
+      if (!decided[n]) pollers.push_back(n);
+    }
+    const size_t all_pollers = pollers.size();
+    if (sample && pollers.size() > kPollSample) pollers.resize(kPollSample);
+    uint64_t manifest_bytes = 0;
+    std::mutex mu;
+    ForEachNode(static_cast<uint32_t>(pollers.size()), c_.threads, [&](uint32_t i) {
+      const uint32_t n = pollers[i];
+      pb::OutcomeRequest request;
+      request.set_job("scale");
+      request.set_step(step);
+      request.set_wait_ms(30'000);
+      request.set_node_rank(n);
+      pb::OutcomeReply reply;
+      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.GetOutcome(ctx, request, &reply); });
+      if (reply.outcome() != pb::OUTCOME_COMMITTED) Die(fmt::format("step {} not committed: {}", step, reply.reason()));
+      bytes[n].sent += request.ByteSizeLong();
+      bytes[n].received += reply.ByteSizeLong();
+      std::lock_guard lock(mu);
+      manifest_bytes = reply.manifest_json().size();
+    });
+    const auto end = Clock::now();
+    const uint64_t cpu_after = coordinator.CpuNs();
+
+    StepFigures f;
+    f.projected = sample && all_pollers > pollers.size();
+    double poll_cpu = static_cast<double>(cpu_after - cpu_prepared);
+    if (f.projected) {
+      // The polls not made cost what the sample's did, each.
+      poll_cpu *= static_cast<double>(all_pollers) / static_cast<double>(pollers.size());
+      const uint64_t per_poll = bytes[pollers[0]].received - ReplyOverhead(bytes, pollers[0]);
+      for (uint32_t n = 0; n < c_.nodes; ++n) {
+        if (!decided[n] && std::find(pollers.begin(), pollers.end(), n) == pollers.end()) bytes[n].received += per_poll;
+      }
+    }
+    f.prepare_cpu_ms = static_cast<double>(cpu_prepared - cpu_before) / 1e6;
+    f.outcome_cpu_ms = poll_cpu / 1e6;
+    f.commit_ms = std::chrono::duration<double, std::milli>(end - start).count();
+    f.manifest_bytes = manifest_bytes;
+    std::vector<uint64_t> sent, received;
+    for (const NodeBytes& b : bytes) {
+      sent.push_back(b.sent);
+      received.push_back(b.received);
+    }
+    std::sort(sent.begin(), sent.end());
+    std::sort(received.begin(), received.end());
+    f.node_sent_p50 = sent[sent.size() / 2];
+    f.node_sent_max = sent.back();
+    f.node_received_p50 = received[received.size() / 2];
+    f.node_received_max = received.back();
+    return f;
+  }
+
+ private:
+  // What a node received this step apart from its outcome reply: its heartbeat and
+  // prepare replies, to tell the outcome reply's size from the rest.
+  uint64_t ReplyOverhead(const std::vector<NodeBytes>& bytes, uint32_t sampled) const {
+    uint64_t least = ~uint64_t{0};
+    for (const NodeBytes& b : bytes) least = std::min(least, b.received);
+    return std::min(least, bytes[sampled].received);
+  }
+
+  template <typename Rpc>
+  void Call(uint32_t node, Rpc rpc) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-ckptd-group-token", kToken);
+    ctx.set_deadline(std::chrono::system_clock::now() + 600s);
+    grpc::Status s = rpc(*stubs_[node % stubs_.size()], &ctx);
+    if (!s.ok()) Die(fmt::format("node {}: {}", node, s.error_message()));
+  }
+
+  const Config c_;
+  std::vector<std::unique_ptr<pb::Group::Stub>> stubs_;
+  std::vector<uint64_t> known_version_;
+};
+
+ScaleResult Measure(const Config& c, const std::string& self, const std::string& dir) {
+  const auto start = Clock::now();
+  const std::string run_dir = fmt::format("{}/n{}-t{}", dir, c.nodes, c.tensors);
+  std::filesystem::create_directories(run_dir);
+  Coordinator coordinator(self, c.nodes, run_dir);
+  Simulation sim(c, coordinator.address());
+  ScaleResult result{c};
+  result.join_received_per_node = sim.Join();
+  for (uint64_t step = 1; step <= c.steps; ++step) result.steps.push_back(sim.Step(step, coordinator));
+  result.coordinator_peak_rss = coordinator.PeakRss();
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::filesystem::remove_all(run_dir);
+  return result;
+}
+
+std::string Size(double bytes) {
+  if (bytes >= 1 << 30) return fmt::format("{:.1f} GiB", bytes / (1 << 30));
+  if (bytes >= 1 << 20) return fmt::format("{:.1f} MiB", bytes / (1 << 20));
+  if (bytes >= 1 << 10) return fmt::format("{:.1f} KiB", bytes / (1 << 10));
+  return fmt::format("{:.0f} B", bytes);
+}
+
+}  // namespace
+
+int ScaleMain(int argc, char** argv) {
+  std::string nodes_text = "64,1000", tensors_text = "2,200", dir, address_file;
+  Config c{0, 8, 0, 3, 16, 32, 0};
+  double max_reply_gib = 8;
+  bool json = false, serve = false;
+  uint32_t serve_nodes = 0;
+  CLI::App app{"group_bench scale: the coordinator at thousands of nodes, simulated"};
+  app.add_option("--nodes", nodes_text, "group sizes, comma-separated")->capture_default_str();
+  app.add_option("--ranks-per-node", c.ranks_per_node)->capture_default_str();
+  app.add_option("--tensors", tensors_text, "tensors per rank, comma-separated")->capture_default_str();
+  app.add_option("--steps", c.steps, "steps measured per configuration")->capture_default_str();
+  app.add_option("--channels", c.channels, "gRPC channels the simulated nodes share")->capture_default_str();
+  app.add_option("--threads", c.threads, "threads sending the simulated nodes' calls")->capture_default_str();
+  app.add_option("--max-reply-gib", max_reply_gib,
+                 "outcome replies of one step beyond this are sampled and projected")
+      ->capture_default_str();
+  app.add_option("--dir", dir, "where the decision log lives (default: a new dir in /tmp)");
+  app.add_flag("--json", json, "print one JSON object");
+  app.add_flag("--serve", serve)->group("");  // internal: the coordinator's process
+  app.add_option("--num-nodes", serve_nodes)->group("");
+  app.add_option("--address-file", address_file)->group("");
+  CLI11_PARSE(app, argc, argv);
+  log::SetLevel("warn");
+  if (serve) return ServeCoordinator(serve_nodes, dir, address_file);
+
+  bool own_dir = dir.empty();
+  if (own_dir) {
+    std::string tmpl = "/tmp/group-scale.XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) Die("mkdtemp");
+    dir = tmpl;
+  }
+  c.max_reply_bytes = max_reply_gib * (1 << 30);
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  std::vector<ScaleResult> results;
+  for (uint32_t tensors : ParseCounts(tensors_text, "--tensors")) {
+    for (uint32_t nodes : ParseCounts(nodes_text, "--nodes")) {
+      Config run = c;
+      run.nodes = nodes;
+      run.tensors = tensors;
+      if (!json) std::cerr << fmt::format("{} nodes x {} ranks x {} tensors... ", nodes, c.ranks_per_node, tensors) << std::flush;
+      results.push_back(Measure(run, self, dir));
+      if (!json) std::cerr << fmt::format("{:.1f} s\n", results.back().seconds);
+    }
+  }
+  if (own_dir) std::filesystem::remove_all(dir);
+
+  if (json) {
+    nlohmann::ordered_json out;
+    out["cpus"] = std::thread::hardware_concurrency();
+    for (const ScaleResult& r : results) {
+      nlohmann::ordered_json j = {{"nodes", r.config.nodes},
+                                  {"ranks_per_node", r.config.ranks_per_node},
+                                  {"tensors_per_rank", r.config.tensors},
+                                  {"join_bytes_per_node", r.join_received_per_node},
+                                  {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
+      for (const StepFigures& f : r.steps) {
+        j["steps"].push_back({{"coordinator_prepare_cpu_ms", f.prepare_cpu_ms},
+                              {"coordinator_outcome_cpu_ms", f.outcome_cpu_ms},
+                              {"commit_ms", f.commit_ms},
+                              {"manifest_bytes", f.manifest_bytes},
+                              {"node_sent_p50", f.node_sent_p50},
+                              {"node_sent_max", f.node_sent_max},
+                              {"node_received_p50", f.node_received_p50},
+                              {"node_received_max", f.node_received_max},
+                              {"projected", f.projected}});
+      }
+      out["runs"].push_back(j);
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  fmt::print("group_bench scale: the real coordinator in its own process, N simulated nodes over {} gRPC "
+             "channels, {} CPUs, loopback; decision log on {}\n",
+             c.channels, std::thread::hardware_concurrency(), dir);
+  fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, and for the\n"
+             "outcome replies; first prepare to every node knowing the outcome; bytes per node (median, max)\n\n",
+             c.steps);
+  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9}\n", "nodes",
+             "ranks", "tensors", "manifest", "CPU decide", "CPU replies", "commit", "sent/node", "max",
+             "recv/node", "max", "coord RSS");
+  for (const ScaleResult& r : results) {
+    std::vector<StepFigures> steps = r.steps;
+    std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.commit_ms < b.commit_ms; });
+    const StepFigures& f = steps[steps.size() / 2];
+    fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
+               "{:>9}{}\n",
+               r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors, Size(f.manifest_bytes),
+               f.prepare_cpu_ms, f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max),
+               Size(f.node_received_p50), Size(f.node_received_max), Size(r.coordinator_peak_rss),
+               f.projected ? "  *" : "");
+  }
+  if (std::any_of(results.begin(), results.end(), [](const ScaleResult& r) {
+        return std::any_of(r.steps.begin(), r.steps.end(), [](const StepFigures& f) { return f.projected; });
+      })) {
+    fmt::print("* outcome replies of all nodes would move more than --max-reply-gib: {} nodes polled, the others'\n"
+               "  replies (bytes, the coordinator's CPU) are projected from theirs, and commit is to the {}\n",
+               kPollSample, kPollSample);
+  }
+  for (const ScaleResult& r : results) {
+    fmt::print("join: {} nodes: {} per node (the whole membership, once)\n", r.config.nodes,
+               Size(r.join_received_per_node));
+  }
+  return 0;
+}
+
+}  // namespace ckpt::bench
