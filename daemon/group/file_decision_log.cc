@@ -1,7 +1,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
+#include <set>
 #include <vector>
 
 #include "common/names.h"
@@ -30,7 +32,7 @@ class FileDecisionLog : public DecisionLog {
       CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
     }
     CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, Path(job, step), manifest_json));
-    Prune(job_dir);
+    Prune(job, job_dir, step);
     return absl::OkStatus();
   }
 
@@ -48,22 +50,30 @@ class FileDecisionLog : public DecisionLog {
     return fmt::format("{}/{}/step-{:08d}.json", dir_, job, step);
   }
 
-  // Old records are dropped best effort: a failure here never fails a commit.
-  void Prune(const std::string& job_dir) {
-    auto names = fs_->ListDir(job_dir);
-    if (!names.ok()) return;
-    std::vector<uint64_t> steps;
-    for (const std::string& name : *names) {
-      uint64_t step;
-      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
-          format::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
-        steps.push_back(step);
+  // Old records are dropped best effort: a failure here never fails a commit. The job's
+  // directory is listed once per daemon life; after that the steps recorded are known, so
+  // a record costs one removal at most, not a listing of a thousand files.
+  void Prune(const std::string& job, const std::string& job_dir, uint64_t recorded) {
+    auto [it, first] = steps_.try_emplace(job);
+    std::set<uint64_t>& steps = it->second;
+    if (first) {
+      auto names = fs_->ListDir(job_dir);
+      if (!names.ok()) {
+        steps_.erase(it);
+        return;
+      }
+      for (const std::string& name : *names) {
+        uint64_t step;
+        if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
+            format::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
+          steps.insert(step);
+        }
       }
     }
-    if (steps.size() <= keep_) return;
-    std::sort(steps.begin(), steps.end());
-    for (size_t i = 0; i + keep_ < steps.size(); ++i) {
-      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, steps[i]));
+    steps.insert(recorded);
+    while (steps.size() > keep_) {
+      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, *steps.begin()));
+      steps.erase(steps.begin());
     }
   }
 
@@ -71,6 +81,7 @@ class FileDecisionLog : public DecisionLog {
   const std::string dir_;
   const size_t keep_;
   std::mutex mu_;
+  std::map<std::string, std::set<uint64_t>> steps_;  // recorded steps per job; guarded by mu_
 };
 
 }  // namespace

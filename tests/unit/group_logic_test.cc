@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -674,6 +675,13 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
   auto never = log->FindCommit("other", 1);
   REQUIRE(never.ok());
   CHECK_FALSE(never->has_value());
+  // A restarted log learns what is on disk once, and goes on pruning from there.
+  REQUIRE(log->RecordCommit("job", 4, "{\"four\":4}").ok());
+  CHECK_FALSE(log->FindCommit("job", 2)->has_value());
+  CHECK(log->FindCommit("job", 3)->has_value());
+  CHECK(log->FindCommit("job", 4)->has_value());
+  CHECK(std::distance(std::filesystem::directory_iterator(dir / "decisions/job"),
+                      std::filesystem::directory_iterator()) == 2);
 }
 
 TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {
