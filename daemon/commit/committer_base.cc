@@ -127,7 +127,7 @@ void CommitterBase::FinishCommitted(const Key& key, const format::Manifest& mani
     steps_.erase(it);
   }
   Log().info("[{} s{}] committed: {} ranks, {} bytes", key.first, key.second, manifest.world_size,
-             manifest.total_bytes());
+             manifest.StepBytes());
   hooks_.committed(manifest, local);  // hot before "committed": a restore then finds it
   local.clear();
   persist::NotifyTickets(waiting, shm::kTicketCommitted, "");

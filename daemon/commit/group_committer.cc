@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "daemon/group/committed_step.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
 #include "common/status.h"
@@ -164,7 +165,9 @@ void GroupCommitter::WatchLoop(Key key) {
       std::unique_lock lock(mu_);
       watch_cv_.wait_for(lock, kRetryPause, [&] { return stopping_; });
     } else {
-      auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll);
+      // A step in doubt has no snapshots left to build its manifest from: it asks for
+      // the whole one and cuts its own ranks from it.
+      auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll, adopted || released);
       if (decision.ok()) {
         // Only once the coordinator has seen this attempt (or this node no longer holds
         // it) is an answer about it: before its first prepare, "aborted" is about an
@@ -224,6 +227,11 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     bool watched = watch != watches_.end() && watch->second.attempt == attempt;
     // The I/O thread (prepare reply) and the watcher (outcome poll) may both hear it.
     if (applying_.count(key) || (!ours && !watched)) return;
+    // A commit without the whole manifest cannot be published by a node that no longer
+    // holds its snapshots (released in doubt just now): its watcher asks for the whole one.
+    if (!ours && decision.outcome == group::Outcome::kCommitted && decision.committed->manifest_json.empty()) {
+      return;
+    }
     // A newer attempt at the same step is writing: leave its directory alone.
     if (!ours && step != steps_.end()) {
       watches_.erase(watch);
@@ -258,8 +266,8 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     }
     return;
   }
-  auto manifest = format::ParseManifest(decision.manifest_json, "the coordinator's decision");
-  absl::Status published = manifest.ok() ? CheckDecision(key, *manifest) : manifest.status();
+  absl::StatusOr<format::Manifest> manifest = Publishable(key, *decision.committed);
+  absl::Status published = manifest.status();
   if (published.ok() && !store_.Committed(key.first, key.second)) {
     // On a shared root the coordinator publishes the step before announcing it, and
     // again (here, on node 0) when it restarted in between.
@@ -283,7 +291,43 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
              node_rank_);
 }
 
-absl::Status GroupCommitter::CheckDecision(const Key& key, const format::Manifest& manifest) {
+absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, const group::CommittedStep& committed) {
+  if (!committed.manifest_json.empty()) {
+    // Node 0 publishes the whole step; a node that asked for it (in doubt) cuts its own.
+    CKPT_ASSIGN_OR_RETURN(format::Manifest whole,
+                          format::ParseManifest(committed.manifest_json, "the coordinator's decision"));
+    CKPT_RETURN_IF_ERROR(CheckWhole(key, whole));
+    if (node_rank_ == 0 || store_.shared()) return whole;
+    return group::NodeManifestFromWhole(whole, format::ManifestDigest(committed.manifest_json), node_rank_);
+  }
+  // Every other node: the manifest of its own durable ranks, as it prepared them, with the
+  // step's header. The commit's share of this node must be what it wrote.
+  std::lock_guard lock(mu_);
+  auto step = steps_.find(key);
+  if (step == steps_.end()) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
+  const group::StepHeader& header = committed.header;
+  if (header.world_size != step->second.world_size) {
+    return absl::DataLossError(fmt::format("the coordinator committed world size {}, this node's ranks have world size {}",
+                                           header.world_size, step->second.world_size));
+  }
+  group::NodeShare written;
+  for (const auto& [rank, entry] : step->second.durable) {
+    ++written.ranks;
+    written.bytes += entry.second.bytes;
+  }
+  auto share = committed.shares.find(node_rank_);
+  const group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
+  if (given != written) {
+    return absl::DataLossError(fmt::format(
+        "the coordinator committed {} ranks ({} bytes) of this node (node {}); it wrote {} ranks ({} bytes)",
+        given.ranks, given.bytes, node_rank_, written.ranks, written.bytes));
+  }
+  CKPT_ASSIGN_OR_RETURN(format::Manifest part,
+                        BuildManifest(key.first, key.second, step->second.world_size, step->second.durable));
+  return group::NodeManifest(std::move(part), header, node_rank_);
+}
+
+absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& manifest) {
   if (manifest.job != key.first || manifest.step != key.second) {
     return absl::DataLossError(fmt::format(
         "the coordinator answered for job {} step {} with the manifest of job {} step {}",
@@ -302,8 +346,8 @@ absl::Status GroupCommitter::CheckDecision(const Key& key, const format::Manifes
   for (const auto& [rank, entry] : step->second.durable) {
     std::optional<uint32_t> holder = manifest.NodeOf(rank);
     const persist::WrittenShard& written = entry.second;
-    if (holder != node_rank_ || rank >= manifest.shards.size() ||
-        manifest.shards[rank].bytes != written.bytes) {
+    const format::ManifestShard* listed = manifest.Shard(rank);
+    if (holder != node_rank_ || listed == nullptr || listed->bytes != written.bytes) {
       return absl::DataLossError(fmt::format(
           "the coordinator's manifest does not list rank {} as this node's (node {}) shard of "
           "{} bytes",

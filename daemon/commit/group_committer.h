@@ -63,9 +63,14 @@ class GroupCommitter : public CommitterBase {
   // Only for `attempt`: a decision about an earlier attempt never ends a newer one.
   void Apply(const Key& key, uint64_t attempt, const group::Decision& decision);
   void ReleaseInDoubt(const Key& key, double waited_s);
-  // A committed decision must be about `key` and list this node's durable ranks as the
-  // files it wrote; anything else is refused rather than renamed into place.
-  absl::Status CheckDecision(const Key& key, const format::Manifest& manifest);
+  // What this node publishes of a committed step: the whole manifest (node 0, a shared
+  // root) or this node's ranks with the step's header (docs/format.md, "Across nodes").
+  // A commit that does not give this node exactly the ranks and bytes it wrote is refused
+  // rather than renamed into place.
+  absl::StatusOr<format::Manifest> Publishable(const Key& key, const group::CommittedStep& committed);
+  // A whole manifest must be about `key` and list this node's durable ranks as the files it
+  // wrote.
+  absl::Status CheckWhole(const Key& key, const format::Manifest& manifest);
 
   group::GroupClient& client_;
   const uint32_t node_rank_;

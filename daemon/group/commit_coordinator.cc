@@ -67,24 +67,20 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
   {
     std::lock_guard lock(mu_);
     if (auto deciding = rounds_.find(key); deciding != rounds_.end() && deciding->second.deciding) {
-      return Decision{Outcome::kPending, {}, {}};  // a retry while the decision is recorded
+      return Decision{Outcome::kPending, {}, nullptr};  // a retry while the decision is recorded
     }
     if (auto decided = recent_.find(key); decided != recent_.end() || !rounds_.count(key)) {
-      Decision before = decided != recent_.end() && !decided->second.manifest_in_log
-                            ? decided->second.decision
-                            : Decision{};
+      Decision before = decided != recent_.end() ? decided->second.decision : Decision{};
       if (before.outcome == Outcome::kUnknown) {
         // Not in memory: a coordinator restart forgets rounds but not commits.
-        auto recorded = log_.FindCommit(key.first, key.second);
-        if (recorded.ok() && recorded->has_value()) before = {Outcome::kCommitted, {}, **recorded};
+        before = FromLog(key);
       }
       if (before.outcome == Outcome::kCommitted) {
-        auto committed = format::ParseManifest(before.manifest_json, "decision record");
-        bool retry = committed.ok();
-        for (const format::ManifestShard& s : part.shards) {
-          retry = retry && committed->NodeOf(s.rank) == node;
-        }
-        if (retry) return before;  // a prepare whose reply was lost: same answer again
+        // A prepare whose reply was lost: the same answer again, if the commit gives this
+        // node its ranks (a new run saving a committed step number is refused on its node,
+        // whose disk holds the step, before it could prepare).
+        auto share = before.committed->shares.find(node);
+        if (share != before.committed->shares.end() && share->second.ranks >= part.shards.size()) return before;
         return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
       }
       if (before.outcome == Outcome::kAborted) {
@@ -234,16 +230,21 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
       }
     }
   }
+  std::shared_ptr<const CommittedStep> committed;
+  if (merged.ok() && recorded.ok()) {
+    committed = std::make_shared<const CommittedStep>(DescribeCommit(std::move(json), *merged));
+  }
   std::lock_guard lock(mu_);
   auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
-  if (!merged.ok() || !recorded.ok()) {
+  if (!committed) {
     AbortLocked(key,
                 merged.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
                             : Message(merged.status()),
                 out);
     return recent_[key].decision;
   }
-  Decision decision{Outcome::kCommitted, {}, std::move(json)};
+  const uint32_t nodes = static_cast<uint32_t>(merged->nodes.size());
+  Decision decision{Outcome::kCommitted, {}, std::move(committed)};
   for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
   latest = std::max(latest, key.second);
@@ -251,7 +252,7 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
   nodes.clear();
   for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
-             round->second.world_size, merged->nodes.size());
+             round->second.world_size, nodes);
   round_ranks_ -= round->second.world_size;
   rounds_.erase(round);
   RememberLocked(key, decision);
@@ -272,32 +273,42 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
   RememberLocked(key, std::move(decision), std::move(attempts));
 }
 
+namespace {
+
+// What a committed step holds in memory: its manifest's text, and its node shares.
+size_t ManifestBytes(const Decision& d) { return d.committed ? d.committed->manifest_json.size() : 0; }
+
+}  // namespace
+
 void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
                                        std::map<uint32_t, uint64_t> attempts) {
   const uint64_t aborted_unix_ns =
       decision.outcome == Outcome::kAborted ? UnixNanos() : 0;
-  recent_manifest_bytes_ += decision.manifest_json.size();
+  recent_manifest_bytes_ += ManifestBytes(decision);
   auto [it, fresh] = recent_.try_emplace(key);
   if (fresh) {
     recent_order_.push_back(key);
   } else {
-    recent_manifest_bytes_ -= it->second.decision.manifest_json.size();
+    recent_manifest_bytes_ -= ManifestBytes(it->second.decision);
   }
   it->second = Remembered{std::move(decision), std::move(attempts), aborted_unix_ns};
   while (recent_order_.size() > kRecentDecisions) {
-    recent_manifest_bytes_ -= recent_[recent_order_.front()].decision.manifest_json.size();
+    recent_manifest_bytes_ -= ManifestBytes(recent_[recent_order_.front()].decision);
     recent_.erase(recent_order_.front());
     recent_order_.pop_front();
   }
   // Manifests beyond the budget are dropped from memory, oldest first, and read back from
-  // the decision log when asked for (a node that missed the answer, long after).
+  // the decision log when node 0 or a node in doubt asks for one; the header and node
+  // shares that the other nodes ask for stay. Answers in flight keep their own copy.
   for (auto old = recent_order_.begin();
        recent_manifest_bytes_ > options_.recent_manifest_bytes && std::next(old) != recent_order_.end(); ++old) {
-    Remembered& r = recent_[*old];
-    if (r.decision.manifest_json.empty()) continue;
-    recent_manifest_bytes_ -= r.decision.manifest_json.size();
-    std::string().swap(r.decision.manifest_json);
-    r.manifest_in_log = true;
+    Decision& d = recent_[*old].decision;
+    if (ManifestBytes(d) == 0) continue;
+    recent_manifest_bytes_ -= ManifestBytes(d);
+    auto slim = std::make_shared<CommittedStep>();
+    slim->header = d.committed->header;
+    slim->shares = d.committed->shares;
+    d.committed = std::move(slim);
   }
 }
 
@@ -321,7 +332,7 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
 }
 
 void CommitCoordinator::Await(const std::string& job, uint64_t step, Clock::time_point deadline,
-                              Waiter waiter) {
+                              Waiter waiter, bool whole_manifest) {
   {
     std::lock_guard lock(mu_);
     if (auto it = rounds_.find({job, step}); it != rounds_.end()) {
@@ -329,25 +340,39 @@ void CommitCoordinator::Await(const std::string& job, uint64_t step, Clock::time
       return;
     }
   }
-  waiter(Lookup(job, step));
+  waiter(Lookup(job, step, whole_manifest));
 }
 
-Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step) {
+Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool whole_manifest) {
+  const Key key{job, step};
   {
     std::lock_guard lock(mu_);
-    Key key{job, step};
-    if (rounds_.count(key)) return {Outcome::kPending, {}, {}};
-    if (auto it = recent_.find(key); it != recent_.end() && !it->second.manifest_in_log) {
-      return it->second.decision;
+    if (rounds_.count(key)) return {Outcome::kPending, {}, nullptr};
+    if (auto it = recent_.find(key); it != recent_.end()) {
+      const Decision& d = it->second.decision;
+      if (!whole_manifest || d.outcome != Outcome::kCommitted || !d.committed->manifest_json.empty()) return d;
     }
   }
-  auto recorded = log_.FindCommit(job, step);
+  Decision recorded = FromLog(key);
+  if (recorded.outcome == Outcome::kCommitted) {
+    std::lock_guard lock(mu_);
+    RememberLocked(key, recorded);  // every node in doubt asks after a coordinator restart
+  }
+  return recorded;
+}
+
+Decision CommitCoordinator::FromLog(const Key& key) {
+  auto recorded = log_.FindCommit(key.first, key.second);
   if (!recorded.ok()) {
     // Cannot tell: the asker keeps its step in doubt and asks again.
-    return {Outcome::kPending, Message(recorded.status()), {}};
+    return {Outcome::kPending, Message(recorded.status()), nullptr};
   }
-  if (recorded->has_value()) return {Outcome::kCommitted, {}, std::move(**recorded)};
-  return {Outcome::kUnknown, "the coordinator holds no record of this step (presumed aborted)", {}};
+  if (!recorded->has_value()) {
+    return {Outcome::kUnknown, "the coordinator holds no record of this step (presumed aborted)", nullptr};
+  }
+  auto whole = format::ParseManifest(**recorded, "decision record");
+  if (!whole.ok()) return {Outcome::kPending, Message(whole.status()), nullptr};
+  return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(DescribeCommit(std::move(**recorded), *whole))};
 }
 
 std::string CommitCoordinator::MissingRanks(const Round& round, size_t limit) {

@@ -12,12 +12,14 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "daemon/group/committed_step.h"
 #include "daemon/group/decision_log.h"
 #include "format/manifest.h"
 
@@ -27,8 +29,10 @@ enum class Outcome { kUnknown, kPending, kCommitted, kAborted };
 
 struct Decision {
   Outcome outcome = Outcome::kUnknown;
-  std::string reason;         // why aborted
-  std::string manifest_json;  // the whole step, when committed
+  std::string reason;  // why aborted
+  // Committed: the step as recorded, shared by every answer about it (at 10,000 nodes its
+  // manifest is tens of MB: never copied per answer).
+  std::shared_ptr<const CommittedStep> committed;
 };
 
 struct StepProgress {
@@ -58,8 +62,9 @@ class CommitCoordinator {
     uint32_t max_world_size = 1u << 20;
     Publisher publish;
     // Committed manifests kept in memory with their decisions, in all; older ones are read
-    // back from the decision log when asked for (the newest is always kept). At 10,000
-    // nodes one manifest is tens of MB.
+    // back from the decision log when node 0 (or a node in doubt) asks for one (the newest
+    // is always kept). At 10,000 nodes one manifest is tens of MB. Headers and node shares,
+    // what the other nodes ask for, stay.
     size_t recent_manifest_bytes = size_t{64} << 20;
   };
 
@@ -81,10 +86,13 @@ class CommitCoordinator {
 
   // Calls `waiter` once the step is decided, or with what is known at `deadline`
   // (pending while undecided; unknown when there is no record).
-  void Await(const std::string& job, uint64_t step, Clock::time_point deadline, Waiter waiter);
+  void Await(const std::string& job, uint64_t step, Clock::time_point deadline, Waiter waiter,
+             bool whole_manifest = false);
 
-  // What is known now, without waiting.
-  Decision Lookup(const std::string& job, uint64_t step);
+  // What is known now, without waiting. A committed decision carries the whole manifest
+  // when `whole_manifest` (node 0, which publishes it), else perhaps only the header and
+  // node shares every other node needs.
+  Decision Lookup(const std::string& job, uint64_t step, bool whole_manifest = false);
 
   // Aborts undecided steps that are missing ranks, naming `why` (a node was lost or
   // restarted: its trainers' ranks can no longer arrive).
@@ -136,7 +144,6 @@ class CommitCoordinator {
     // out. Runs compare across nodes' clocks: a skew makes the rule fall back to waiting
     // (a node ahead) or refuse a run restarted within the skew (a node behind).
     uint64_t aborted_unix_ns = 0;
-    bool manifest_in_log = false;  // committed; its manifest dropped from memory (read it back)
   };
   struct LostMember {
     std::string why;
@@ -169,6 +176,9 @@ class CommitCoordinator {
   mutable std::mutex mu_;
   std::map<Key, Round> rounds_;
   uint64_t round_ranks_ = 0;  // the world sizes of rounds_, in all: what they hold in memory
+  // The decision of a committed step, from the decision log (a restarted coordinator, or
+  // a manifest dropped from memory); unknown when there is no record.
+  Decision FromLog(const Key& key);
   // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
   std::map<Key, Remembered> recent_;
   std::deque<Key> recent_order_;

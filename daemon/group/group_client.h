@@ -41,9 +41,12 @@ class GroupClient {
   virtual absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) = 0;
   virtual absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
                              const std::string& reason) = 0;
-  // Long-poll: returns when decided or after `wait` (then kPending).
+  // Long-poll: returns when decided or after `wait` (then kPending). A commit comes with
+  // the step's header and this node's share; with the whole manifest only on node 0 or
+  // when `whole_manifest` (a node that kept the step in doubt and lost what it wrote).
   virtual absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
-                                              std::chrono::milliseconds wait) = 0;
+                                              std::chrono::milliseconds wait,
+                                              bool whole_manifest = false) = 0;
   // All-gather among `participants` (any node may host any participant); the payloads by
   // participant, or DeadlineExceeded naming who is missing.
   virtual absl::StatusOr<std::vector<std::string>> Gather(const std::string& key,

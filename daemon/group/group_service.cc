@@ -89,6 +89,28 @@ pb::MemberState ToProto(MemberState state) {
 
 absl::Status CheckJob(const std::string& job) { return Annotate(ValidateJobName(job), "job"); }
 
+// A committed decision as `node` hears it: the header and its own share, and the whole
+// manifest only when `whole` (node 0 publishes it; a node in doubt asks for it).
+void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::string* manifest_json,
+                   pb::CommittedStep* out) {
+  if (decision.outcome != Outcome::kCommitted || !decision.committed) return;
+  const CommittedStep& c = *decision.committed;
+  if (whole) *manifest_json = c.manifest_json;
+  out->set_world_size(c.header.world_size);
+  out->set_nodes(c.header.nodes);
+  out->set_step_bytes(c.header.step_bytes);
+  out->set_step_tensors(c.header.step_tensors);
+  out->set_digest(c.header.digest);
+  out->set_run(c.header.run);
+  out->set_unix_time(c.header.unix_time);
+  out->set_wall_time(c.header.wall_time);
+  out->mutable_metadata()->insert(c.header.metadata.begin(), c.header.metadata.end());
+  if (auto share = c.shares.find(node); share != c.shares.end()) {
+    out->set_node_ranks(share->second.ranks);
+    out->set_node_bytes(share->second.bytes);
+  }
+}
+
 // The part a node prepared must say what its request says.
 absl::Status CheckPartMatches(const pb::PrepareRequest& request, const format::Manifest& part) {
   if (part.job != request.job() || part.step != request.step() ||
@@ -284,9 +306,12 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
     }
     CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, *part));
     Decision decision = coordinator_->commits.Prepare(node, request->attempt(), *part);
+    if (node == 0 && decision.outcome == Outcome::kCommitted && decision.committed->manifest_json.empty()) {
+      decision = coordinator_->commits.Lookup(request->job(), request->step(), /*whole_manifest=*/true);
+    }
     reply->set_outcome(ToProto(decision.outcome));
     reply->set_reason(decision.reason);
-    reply->set_manifest_json(decision.manifest_json);
+    FillCommitted(decision, node, /*whole=*/node == 0, reply->mutable_manifest_json(), reply->mutable_committed());
     return absl::OkStatus();
   }));
   return reactor;
@@ -322,16 +347,19 @@ grpc::ServerUnaryReactor* GroupService::GetOutcome(grpc::CallbackServerContext* 
         std::chrono::milliseconds(request->wait_ms()), kMaxOutcomeWait);
     if (stop_waiting_) wait = std::chrono::milliseconds(0);
     // `reply` lives until the reactor finishes, which only the completion does.
+    const uint32_t node = request->node_rank();
+    const bool whole = node == 0 || request->whole_manifest();
     coordinator_->commits.Await(
         request->job(), request->step(), Clock::now() + wait,
-        [completion, reply](const Decision& decision) {
+        [completion, reply, node, whole](const Decision& decision) {
           completion->Finish("GetOutcome", [&]() -> absl::Status {
             reply->set_outcome(ToProto(decision.outcome));
             reply->set_reason(decision.reason);
-            reply->set_manifest_json(decision.manifest_json);
+            FillCommitted(decision, node, whole, reply->mutable_manifest_json(), reply->mutable_committed());
             return absl::OkStatus();
           });
-        });
+        },
+        whole);
     return absl::OkStatus();
   });
   if (!early.ok()) completion->Finish("GetOutcome", [&] { return FromGrpc(early); });

@@ -175,7 +175,7 @@ class GrpcGroupClient final : public GroupClient {
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     pb::PrepareReply reply;
     CKPT_RETURN_IF_ERROR(Describe("prepare", stub_->Prepare(&ctx, request, &reply)));
-    return Decision{FromProto(reply.outcome()), reply.reason(), reply.manifest_json()};
+    return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
   }
 
   absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
@@ -192,18 +192,19 @@ class GrpcGroupClient final : public GroupClient {
     return Describe("abort", stub_->Abort(&ctx, request, &reply));
   }
 
-  absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
-                                      milliseconds wait) override {
+  absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step, milliseconds wait,
+                                      bool whole_manifest) override {
     pb::OutcomeRequest request;
     request.set_job(job);
     request.set_step(step);
     request.set_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(wait.count(), 0, UINT32_MAX)));
     request.set_node_rank(options_.node_rank);
+    request.set_whole_manifest(whole_manifest);
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + wait + options_.rpc_timeout);
     pb::OutcomeReply reply;
     CKPT_RETURN_IF_ERROR(Describe("outcome", stub_->GetOutcome(&ctx, request, &reply)));
-    return Decision{FromProto(reply.outcome()), reply.reason(), reply.manifest_json()};
+    return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
   }
 
   absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
@@ -276,6 +277,21 @@ class GrpcGroupClient final : public GroupClient {
           options_.coordinator, status.error_message()));
     }
     return Annotate(FromGrpc(status), fmt::format("group {} at {}", call, options_.coordinator));
+  }
+
+  // A decision as this node heard it: a commit's header and this node's share, and the
+  // whole manifest when it was sent.
+  Decision FromReply(pb::Outcome outcome, const std::string& reason, const std::string& manifest_json,
+                     const pb::CommittedStep& c) const {
+    Decision d{FromProto(outcome), reason, nullptr};
+    if (d.outcome != Outcome::kCommitted) return d;
+    auto step = std::make_shared<CommittedStep>();
+    step->manifest_json = manifest_json;
+    step->header = {c.world_size(), c.nodes(), c.step_bytes(), c.step_tensors(), c.digest(), c.run(),
+                    c.unix_time(), c.wall_time(), {c.metadata().begin(), c.metadata().end()}};
+    step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes()};
+    d.committed = std::move(step);
+    return d;
   }
 
   const GroupOptions options_;

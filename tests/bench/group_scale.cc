@@ -15,15 +15,11 @@
 //   1. heartbeats once, saying which membership version it knows;
 //   2. sends the one prepare a node sends: its ranks' manifest part, T tensors per rank,
 //      each rank's row of a [world x 16] F32 tensor with its checksum;
-//   3. long-polls the outcome, unless its prepare's reply already said "committed".
+//   3. long-polls the outcome, unless its prepare's reply already said "committed" (node 0
+//      hears the whole step's manifest, every other node the step's header and its share).
 // Per step it reports the coordinator's CPU time, the time from the first prepare sent to
 // the last node knowing "committed", and the bytes each node sends and receives (the
 // serialized messages; HTTP/2 framing adds a few percent).
-//
-// Today every node receives the step's whole manifest (the fan-out issue 23 removes). A
-// configuration whose outcome replies would move more than --max-reply-gib in one step is
-// run with 16 nodes polling instead of all of them, and its outcome replies (bytes, and
-// the coordinator's CPU for them) are projected from those 16 to N: said so in the output.
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -63,7 +59,6 @@ using Clock = std::chrono::steady_clock;
 namespace pb = ckptd::group::v1;
 
 constexpr char kToken[] = "group-scale-bench-token-0123456789";
-constexpr uint32_t kPollSample = 16;  // nodes that poll when all of them would move too much
 
 [[noreturn]] void Die(const std::string& why) {
   std::cerr << "group_bench scale: " << why << "\n";
@@ -176,7 +171,6 @@ class Coordinator {
 
 struct Config {
   uint32_t nodes, ranks_per_node, tensors, steps, channels, threads;
-  double max_reply_bytes;
 };
 
 // What one node sent and received in one step.
@@ -226,10 +220,11 @@ void ForEachNode(uint32_t nodes, uint32_t threads, Fn fn) {
 struct StepFigures {
   double prepare_cpu_ms = 0;   // the coordinator's, for the prepares and the decision
   double outcome_cpu_ms = 0;   // the coordinator's, for the outcome replies
-  double commit_ms = 0;        // first prepare sent to every node knowing (polls sampled: to the sample)
+  double commit_ms = 0;        // first prepare sent to every node knowing
   uint64_t manifest_bytes = 0;
+  // Nodes other than node 0, which alone receives the whole manifest.
   uint64_t node_sent_p50 = 0, node_sent_max = 0, node_received_p50 = 0, node_received_max = 0;
-  bool projected = false;
+  uint64_t node0_received = 0;
 };
 
 struct ScaleResult {
@@ -298,9 +293,6 @@ class Simulation {
       request.set_manifest_part_json(format::ManifestToJson(part));
       request.set_attempt(1);
     });
-    uint64_t part_bytes = 0;
-    for (const auto& p : prepares) part_bytes += p.manifest_part_json().size();
-    const bool sample = static_cast<double>(part_bytes) * c_.nodes > c_.max_reply_bytes;
 
     const uint64_t cpu_before = coordinator.CpuNs();
     const auto start = Clock::now();
@@ -315,13 +307,11 @@ class Simulation {
       bytes[n].received += reply.ByteSizeLong();
     });
     const uint64_t cpu_prepared = coordinator.CpuNs();
-    // 3. Outcome polls (all nodes, or a sample of them).
+    // 3. Outcome polls.
     std::vector<uint32_t> pollers;
     for (uint32_t n = 0; n < c_.nodes; ++n) {
       if (!decided[n]) pollers.push_back(n);
     }
-    const size_t all_pollers = pollers.size();
-    if (sample && pollers.size() > kPollSample) pollers.resize(kPollSample);
     uint64_t manifest_bytes = 0;
     std::mutex mu;
     ForEachNode(static_cast<uint32_t>(pollers.size()), c_.threads, [&](uint32_t i) {
@@ -337,24 +327,14 @@ class Simulation {
       bytes[n].sent += request.ByteSizeLong();
       bytes[n].received += reply.ByteSizeLong();
       std::lock_guard lock(mu);
-      manifest_bytes = reply.manifest_json().size();
+      manifest_bytes = std::max<uint64_t>(manifest_bytes, reply.manifest_json().size());  // node 0's
     });
     const auto end = Clock::now();
     const uint64_t cpu_after = coordinator.CpuNs();
 
     StepFigures f;
-    f.projected = sample && all_pollers > pollers.size();
-    double poll_cpu = static_cast<double>(cpu_after - cpu_prepared);
-    if (f.projected) {
-      // The polls not made cost what the sample's did, each.
-      poll_cpu *= static_cast<double>(all_pollers) / static_cast<double>(pollers.size());
-      const uint64_t per_poll = bytes[pollers[0]].received - ReplyOverhead(bytes, pollers[0]);
-      for (uint32_t n = 0; n < c_.nodes; ++n) {
-        if (!decided[n] && std::find(pollers.begin(), pollers.end(), n) == pollers.end()) bytes[n].received += per_poll;
-      }
-    }
     f.prepare_cpu_ms = static_cast<double>(cpu_prepared - cpu_before) / 1e6;
-    f.outcome_cpu_ms = poll_cpu / 1e6;
+    f.outcome_cpu_ms = static_cast<double>(cpu_after - cpu_prepared) / 1e6;
     f.commit_ms = std::chrono::duration<double, std::milli>(end - start).count();
     f.manifest_bytes = manifest_bytes;
     std::vector<uint64_t> sent, received;
@@ -362,6 +342,10 @@ class Simulation {
       sent.push_back(b.sent);
       received.push_back(b.received);
     }
+    f.node0_received = received[0];  // the whole manifest
+    sent.erase(sent.begin());
+    received.erase(received.begin());
+    if (sent.empty()) return f;
     std::sort(sent.begin(), sent.end());
     std::sort(received.begin(), received.end());
     f.node_sent_p50 = sent[sent.size() / 2];
@@ -372,13 +356,6 @@ class Simulation {
   }
 
  private:
-  // What a node received this step apart from its outcome reply: its heartbeat and
-  // prepare replies, to tell the outcome reply's size from the rest.
-  uint64_t ReplyOverhead(const std::vector<NodeBytes>& bytes, uint32_t sampled) const {
-    uint64_t least = ~uint64_t{0};
-    for (const NodeBytes& b : bytes) least = std::min(least, b.received);
-    return std::min(least, bytes[sampled].received);
-  }
 
   template <typename Rpc>
   void Call(uint32_t node, Rpc rpc) {
@@ -420,8 +397,7 @@ std::string Size(double bytes) {
 
 int ScaleMain(int argc, char** argv) {
   std::string nodes_text = "64,1000", tensors_text = "2,200", dir, address_file;
-  Config c{0, 8, 0, 3, 16, 32, 0};
-  double max_reply_gib = 8;
+  Config c{0, 8, 0, 3, 16, 32};
   bool json = false, serve = false;
   uint32_t serve_nodes = 0;
   CLI::App app{"group_bench scale: the coordinator at thousands of nodes, simulated"};
@@ -431,9 +407,6 @@ int ScaleMain(int argc, char** argv) {
   app.add_option("--steps", c.steps, "steps measured per configuration")->capture_default_str();
   app.add_option("--channels", c.channels, "gRPC channels the simulated nodes share")->capture_default_str();
   app.add_option("--threads", c.threads, "threads sending the simulated nodes' calls")->capture_default_str();
-  app.add_option("--max-reply-gib", max_reply_gib,
-                 "outcome replies of one step beyond this are sampled and projected")
-      ->capture_default_str();
   app.add_option("--dir", dir, "where the decision log lives (default: a new dir in /tmp)");
   app.add_flag("--json", json, "print one JSON object");
   app.add_flag("--serve", serve)->group("");  // internal: the coordinator's process
@@ -449,7 +422,6 @@ int ScaleMain(int argc, char** argv) {
     if (::mkdtemp(tmpl.data()) == nullptr) Die("mkdtemp");
     dir = tmpl;
   }
-  c.max_reply_bytes = max_reply_gib * (1 << 30);
   const std::string self = std::filesystem::read_symlink("/proc/self/exe");
   std::vector<ScaleResult> results;
   for (uint32_t tensors : ParseCounts(tensors_text, "--tensors")) {
@@ -482,7 +454,7 @@ int ScaleMain(int argc, char** argv) {
                               {"node_sent_max", f.node_sent_max},
                               {"node_received_p50", f.node_received_p50},
                               {"node_received_max", f.node_received_max},
-                              {"projected", f.projected}});
+                              {"node0_received", f.node0_received}});
       }
       out["runs"].push_back(j);
     }
@@ -493,28 +465,22 @@ int ScaleMain(int argc, char** argv) {
              "channels, {} CPUs, loopback; decision log on {}\n",
              c.channels, std::thread::hardware_concurrency(), dir);
   fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, and for the\n"
-             "outcome replies; first prepare to every node knowing the outcome; bytes per node (median, max)\n\n",
+             "outcome replies; first prepare to every node knowing the outcome; bytes per node other than node 0\n"
+             "(median, max), and what node 0 receives (the whole manifest)\n\n",
              c.steps);
-  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9}\n", "nodes",
-             "ranks", "tensors", "manifest", "CPU decide", "CPU replies", "commit", "sent/node", "max",
-             "recv/node", "max", "coord RSS");
+  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>9}\n",
+             "nodes", "ranks", "tensors", "manifest", "CPU decide", "CPU replies", "commit", "sent/node", "max",
+             "recv/node", "max", "node 0", "coord RSS");
   for (const ScaleResult& r : results) {
     std::vector<StepFigures> steps = r.steps;
     std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.commit_ms < b.commit_ms; });
     const StepFigures& f = steps[steps.size() / 2];
     fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
-               "{:>9}{}\n",
+               "{:>9} | {:>9}\n",
                r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors, Size(f.manifest_bytes),
                f.prepare_cpu_ms, f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max),
-               Size(f.node_received_p50), Size(f.node_received_max), Size(r.coordinator_peak_rss),
-               f.projected ? "  *" : "");
-  }
-  if (std::any_of(results.begin(), results.end(), [](const ScaleResult& r) {
-        return std::any_of(r.steps.begin(), r.steps.end(), [](const StepFigures& f) { return f.projected; });
-      })) {
-    fmt::print("* outcome replies of all nodes would move more than --max-reply-gib: {} nodes polled, the others'\n"
-               "  replies (bytes, the coordinator's CPU) are projected from theirs, and commit is to the {}\n",
-               kPollSample, kPollSample);
+               Size(f.node_received_p50), Size(f.node_received_max), Size(f.node0_received),
+               Size(r.coordinator_peak_rss));
   }
   for (const ScaleResult& r : results) {
     fmt::print("join: {} nodes: {} per node (the whole membership, once)\n", r.config.nodes,

@@ -353,6 +353,37 @@ std::set<std::string> Entries(const std::string& dir) {
   return out;
 }
 
+// Node 0 holds the whole step's manifest; every other node the entries of its own ranks,
+// with the whole step's node count, bytes and tensors in its scope, the same on every node.
+void CheckScopedManifests(Cluster& c, uint64_t step) {
+  json whole = json::parse(ReadFile(c.StepDir(0, step) + "/manifest.json"), nullptr, false);
+  REQUIRE_FALSE(whole.is_discarded());
+  CHECK_FALSE(whole.contains("scope"));
+  CHECK(whole["shards"].size() == c.world_size());
+  uint64_t bytes = 0;
+  for (const json& s : whole["shards"]) bytes += U64(s["bytes"]);
+  std::string digest;
+  for (int n = 1; n < c.num_nodes(); ++n) {
+    INFO("node " << n);
+    json mine = json::parse(ReadFile(c.StepDir(n, step) + "/manifest.json"), nullptr, false);
+    REQUIRE_FALSE(mine.is_discarded());
+    REQUIRE(mine.contains("scope"));
+    CHECK(mine["format_version"] == 3);
+    CHECK(mine["scope"]["node"] == n);
+    CHECK(mine["scope"]["nodes"] == c.num_nodes());
+    CHECK(U64(mine["scope"]["step_bytes"]) == bytes);
+    CHECK(mine["run"] == whole["run"]);
+    std::vector<uint32_t> ranks;
+    for (const json& s : mine["shards"]) {
+      ranks.push_back(s["rank"].get<uint32_t>());
+      CHECK(s == whole["shards"][s["rank"].get<size_t>()]);
+    }
+    CHECK(ranks == c.ranks(n));
+    if (digest.empty()) digest = mine["scope"]["digest"].get<std::string>();
+    CHECK(mine["scope"]["digest"] == digest);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("three daemons commit one step globally and restore it bit-exactly, hot then from disk") {
@@ -367,7 +398,8 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
   }
   c.SaveAllCommitted(10);
 
-  // Each node holds only its own ranks' shards, and a manifest of the whole step.
+  // Each node holds only its own ranks' shards. Node 0 holds the manifest of the whole
+  // step; the others a manifest of their own ranks, scoped to it.
   for (int n = 0; n < c.num_nodes(); ++n) {
     INFO("node " << n);
     std::set<std::string> want = {"manifest.json"};
@@ -377,13 +409,21 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
     REQUIRE_FALSE(m.is_discarded());
     CHECK(m.value("world_size", 0u) == 5);
     CHECK(U64(m["step"]) == 10);
-    std::vector<uint32_t> shard_ranks;
-    for (const json& s : m["shards"]) shard_ranks.push_back(s["rank"].get<uint32_t>());
-    CHECK(shard_ranks == std::vector<uint32_t>{0, 1, 2, 3, 4});
-    REQUIRE(m.contains("nodes"));
-    std::map<uint32_t, std::vector<uint32_t>> nodes;
-    for (const json& e : m["nodes"]) nodes[e["node"].get<uint32_t>()] = e["ranks"].get<std::vector<uint32_t>>();
-    CHECK(nodes == std::map<uint32_t, std::vector<uint32_t>>{{0, {0, 1}}, {1, {2, 3}}, {2, {4}}});
+  }
+  json whole = json::parse(ReadFile(c.StepDir(0, 10) + "/manifest.json"), nullptr, false);
+  std::map<uint32_t, std::vector<uint32_t>> nodes;
+  for (const json& e : whole["nodes"]) nodes[e["node"].get<uint32_t>()] = e["ranks"].get<std::vector<uint32_t>>();
+  CHECK(nodes == std::map<uint32_t, std::vector<uint32_t>>{{0, {0, 1}}, {1, {2, 3}}, {2, {4}}});
+  CheckScopedManifests(c, 10);
+  // ckptctl list says the same of the step on every node: the whole step's size.
+  std::string listed;
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    json l = json::parse(c.node(n).Ctl({"--json", "list"}).out, nullptr, false);
+    REQUIRE_FALSE(l.is_discarded());
+    REQUIRE(l["checkpoints"].size() == 1);
+    const std::string line = l["checkpoints"][0]["bytes"].dump() + "/" + l["checkpoints"][0]["tensors"].dump();
+    if (n == 0) listed = line;
+    CHECK(line == listed);
   }
   // The group's newest committed step, as node 2 last heard it from the coordinator.
   REQUIRE_WITHIN(c, 5s, "node 2 reports latest_global_step 10", [&] {
@@ -624,15 +664,9 @@ TEST_CASE("the coordinator dies between recording a commit and announcing it: af
     CHECK(rc == 0);
     CHECK(Contains(savers[i]->Stdout(), "committed"));
   }
-  // The same manifest (the same committed set) on every node.
-  std::string manifest0 = ReadFile(c.StepDir(0, 10) + "/manifest.json");
-  for (int n = 1; n < c.num_nodes(); ++n) {
-    json a = json::parse(manifest0, nullptr, false), b = json::parse(ReadFile(c.StepDir(n, 10) + "/manifest.json"), nullptr, false);
-    REQUIRE_FALSE(a.is_discarded());
-    REQUIRE_FALSE(b.is_discarded());
-    CHECK(a["shards"] == b["shards"]);
-    CHECK(a["nodes"] == b["nodes"]);
-  }
+  // The same committed set everywhere: node 0 holds the whole step's manifest, every other
+  // node its own ranks' entries, scoped to that whole step (docs/format.md).
+  CheckScopedManifests(c, 10);
   REQUIRE_WITHIN(c, kJoinBound, "every member alive after the coordinator restart", c.AllAlive());
   c.RestoreAll(10, {"disk", "memory", "memory"});
   c.SaveAllCommitted(20);

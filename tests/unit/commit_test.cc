@@ -168,8 +168,8 @@ class CountingGroupClient : public group::GroupClient {
     return real_->Abort(job, step, attempt, reason);
   }
   absl::StatusOr<group::Decision> GetOutcome(const std::string& job, uint64_t step,
-                                             std::chrono::milliseconds wait) override {
-    return real_->GetOutcome(job, step, wait);
+                                             std::chrono::milliseconds wait, bool whole_manifest) override {
+    return real_->GetOutcome(job, step, wait, whole_manifest);
   }
   absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
                                                   uint32_t participants, std::string payload,

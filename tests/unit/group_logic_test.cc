@@ -343,7 +343,7 @@ TEST_CASE("commit: all ranks prepared across three nodes commit with a merged ma
 
   Decision d = c.Prepare(2, 1, Part("job", 100, 4, {3}));
   REQUIRE(d.outcome == Outcome::kCommitted);
-  auto merged = format::ParseManifest(d.manifest_json, "test");
+  auto merged = format::ParseManifest(d.committed->manifest_json, "test");
   REQUIRE(merged.ok());
   CHECK(merged->shards.size() == 4);
   REQUIRE(merged->nodes.size() == 3);
@@ -410,13 +410,21 @@ TEST_CASE("commit: old manifests leave memory and are read back from the decisio
     REQUIRE(c.Prepare(1, 1, Part("job", step, 2, {1})).outcome == Outcome::kCommitted);
   }
   const int before = log.finds();
-  Decision newest = c.Lookup("job", 5);
+  Decision newest = c.Lookup("job", 5, /*whole_manifest=*/true);
   CHECK(newest.outcome == Outcome::kCommitted);
+  CHECK_FALSE(newest.committed->manifest_json.empty());
   CHECK(log.finds() == before);  // from memory
-  Decision old = c.Lookup("job", 2);
+  // What nodes other than node 0 ask for stays in memory: the header and their shares.
+  Decision header = c.Lookup("job", 2);
+  CHECK(header.outcome == Outcome::kCommitted);
+  CHECK(header.committed->manifest_json.empty());
+  CHECK(header.committed->header.world_size == 2);
+  CHECK(header.committed->shares.at(1).ranks == 1);
+  CHECK(log.finds() == before);
+  Decision old = c.Lookup("job", 2, /*whole_manifest=*/true);
   CHECK(old.outcome == Outcome::kCommitted);
   CHECK(log.finds() == before + 1);  // from the log
-  auto manifest = format::ParseManifest(old.manifest_json, "test");
+  auto manifest = format::ParseManifest(old.committed->manifest_json, "test");
   REQUIRE(manifest.ok());
   CHECK(manifest->step == 2);
   // A prepare retried long after its commit still hears committed.
@@ -632,7 +640,7 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
   CommitCoordinator after(log, {});
   Decision committed = after.Lookup("job", 20);
   CHECK(committed.outcome == Outcome::kCommitted);
-  CHECK(format::ParseManifest(committed.manifest_json, "test").ok());
+  CHECK(format::ParseManifest(committed.committed->manifest_json, "test").ok());
   CHECK(after.Lookup("job", 21).outcome == Outcome::kUnknown);
   CHECK(after.Lookup("other", 1).outcome == Outcome::kUnknown);
   // A node retrying its prepare of the committed step hears committed.
@@ -701,7 +709,7 @@ TEST_CASE("commit: a node's newest prepare of a rank replaces what it said befor
   other.tensors["w"] = {"F32", {2}, {{1, "rank-00001.safetensors", 0, 4, {1}, {1}, "one"}}};
   Decision d = c.Prepare(1, 1, other);
   REQUIRE(d.outcome == Outcome::kCommitted);
-  auto m = format::ParseManifest(d.manifest_json, "decision");
+  auto m = format::ParseManifest(d.committed->manifest_json, "decision");
   REQUIRE(m.ok());
   CHECK(m->shards[0].bytes == 222);
   REQUIRE(m->tensors.at("w").shards.size() == 2);

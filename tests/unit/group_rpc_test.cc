@@ -167,9 +167,24 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   REQUIRE(polled.ok());
   CHECK(polled->outcome == Outcome::kCommitted);
   CHECK(poll_took < 3s);  // answered by the commit, not by the wait running out
-  auto manifest = format::ParseManifest(polled->manifest_json, "outcome");
+  auto manifest = format::ParseManifest(polled->committed->manifest_json, "outcome");
   REQUIRE(manifest.ok());
   CHECK(manifest->nodes.size() == 3);
+  // Node 0 hears the whole manifest; the others the step's header and their own share.
+  REQUIRE(last->committed);
+  CHECK(last->committed->manifest_json.empty());
+  CHECK(last->committed->header.world_size == 4);
+  CHECK(last->committed->header.nodes == 3);
+  CHECK(last->committed->header.step_bytes == manifest->total_bytes());
+  CHECK(last->committed->header.digest == format::ManifestDigest(polled->committed->manifest_json));
+  CHECK(last->committed->shares.at(2) == NodeShare{1, manifest->Shard(3)->bytes});
+  auto asked = clients[1]->GetOutcome("job", 100, 100ms);
+  REQUIRE(asked.ok());
+  CHECK(asked->committed->manifest_json.empty());
+  CHECK(asked->committed->shares.at(1).ranks == 1);
+  auto whole = clients[1]->GetOutcome("job", 100, 100ms, /*whole_manifest=*/true);
+  REQUIRE(whole.ok());
+  CHECK(whole->committed->manifest_json == polled->committed->manifest_json);
   CHECK(clients[1]->Heartbeat()->committed.at("job") == 100);
 
   // An undecided step's long poll answers pending when the wait runs out.

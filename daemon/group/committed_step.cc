@@ -1,0 +1,61 @@
+#include "daemon/group/committed_step.h"
+
+#include <algorithm>
+#include <set>
+
+namespace ckpt::group {
+
+CommittedStep DescribeCommit(std::string json, const format::Manifest& whole) {
+  CommittedStep c;
+  c.header.world_size = whole.world_size;
+  c.header.nodes = static_cast<uint32_t>(whole.nodes.size());
+  c.header.step_bytes = whole.total_bytes();
+  c.header.step_tensors = static_cast<uint32_t>(whole.tensors.size());
+  c.header.digest = format::ManifestDigest(json);
+  c.header.run = whole.run;
+  c.header.unix_time = whole.unix_time;
+  c.header.wall_time = whole.wall_time;
+  c.header.metadata = whole.metadata;
+  for (const format::ManifestNode& node : whole.nodes) {
+    NodeShare& share = c.shares[node.node];
+    for (uint32_t rank : node.ranks) {
+      ++share.ranks;
+      if (const format::ManifestShard* shard = whole.Shard(rank)) share.bytes += shard->bytes;
+    }
+  }
+  c.manifest_json = std::move(json);
+  return c;
+}
+
+format::Manifest NodeManifest(format::Manifest part, const StepHeader& header, uint32_t node) {
+  part.world_size = header.world_size;
+  part.run = header.run;
+  part.unix_time = header.unix_time;
+  part.wall_time = header.wall_time;
+  part.metadata = header.metadata;
+  part.nodes.clear();
+  format::ManifestNode mine{node, {}};
+  for (const format::ManifestShard& s : part.shards) mine.ranks.push_back(s.rank);
+  part.nodes.push_back(std::move(mine));
+  part.scope = format::StepScope{node, header.nodes, header.step_bytes, header.step_tensors, header.digest};
+  return part;
+}
+
+format::Manifest NodeManifestFromWhole(const format::Manifest& whole, const std::string& digest, uint32_t node) {
+  format::Manifest m = whole;
+  std::set<uint32_t> mine;
+  for (const format::ManifestNode& n : whole.nodes) {
+    if (n.node == node) mine.insert(n.ranks.begin(), n.ranks.end());
+  }
+  std::erase_if(m.shards, [&](const format::ManifestShard& s) { return !mine.count(s.rank); });
+  for (auto& [name, tensor] : m.tensors) {
+    std::erase_if(tensor.shards, [&](const format::TensorShard& s) { return !mine.count(s.rank); });
+  }
+  std::erase_if(m.tensors, [](const auto& t) { return t.second.shards.empty(); });
+  m.nodes = {{node, {mine.begin(), mine.end()}}};
+  m.scope = format::StepScope{node, static_cast<uint32_t>(whole.nodes.size()), whole.total_bytes(),
+                              static_cast<uint32_t>(whole.tensors.size()), digest};
+  return m;
+}
+
+}  // namespace ckpt::group

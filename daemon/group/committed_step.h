@@ -1,0 +1,55 @@
+// A committed step as the coordinator announces it. Node 0 publishes the whole step's
+// manifest; every other node publishes a manifest of its own ranks (docs/format.md, "Across
+// nodes"), for which it needs only the step's header and what the commit gives it: so an
+// answer to a node is O(1) bytes however many nodes the step has, not the whole manifest.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "format/manifest.h"
+
+namespace ckpt::group {
+
+// The whole step, as a node that holds only some of its ranks writes it in its scope.
+struct StepHeader {
+  uint32_t world_size = 0;
+  uint32_t nodes = 0;
+  uint64_t step_bytes = 0;
+  uint32_t step_tensors = 0;
+  std::string digest;  // of the whole step's manifest.json (format::ManifestDigest)
+  uint64_t run = 0;
+  double unix_time = 0;
+  std::string wall_time;
+  std::map<std::string, std::string> metadata;  // rank 0's user metadata
+};
+
+// The ranks, and their shard bytes in all, that a commit gives one node.
+struct NodeShare {
+  uint32_t ranks = 0;
+  uint64_t bytes = 0;
+  bool operator==(const NodeShare&) const = default;
+};
+
+struct CommittedStep {
+  // The whole step's manifest: on the coordinator while it fits its memory budget, and in
+  // answers to node 0 (or to a node that asks for it: one that lost track of its ranks).
+  std::string manifest_json;
+  StepHeader header;
+  std::map<uint32_t, NodeShare> shares;  // by node; a node's own answers carry its own only
+};
+
+// The header and shares of `whole`, whose text is `json`; the text is kept.
+CommittedStep DescribeCommit(std::string json, const format::Manifest& whole);
+
+// The manifest a node other than node 0 publishes: its `part` (the manifest of its own
+// durable ranks, as it prepared them) with the whole step's header and scope.
+format::Manifest NodeManifest(format::Manifest part, const StepHeader& header, uint32_t node);
+
+// The same, cut from the whole step's manifest (a node that no longer holds its snapshots:
+// a step it kept in doubt across a restart).
+format::Manifest NodeManifestFromWhole(const format::Manifest& whole, const std::string& digest, uint32_t node);
+
+}  // namespace ckpt::group
