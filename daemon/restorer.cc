@@ -273,9 +273,9 @@ bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set
                            const format::Manifest& manifest) {
   for (uint32_t rank : ranks) {
     if (hot_.Find(job, rank, step)) continue;
-    if (rank >= manifest.shards.size() || !store_.HasFile(job, step, manifest.shards[rank].file)) {
-      return false;
-    }
+    // Not listed: outside the world, or another node's in a node-scoped manifest.
+    const format::ManifestShard* shard = manifest.Shard(rank);
+    if (shard == nullptr || !store_.HasFile(job, step, shard->file)) return false;
   }
   return true;
 }

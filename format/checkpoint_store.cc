@@ -177,8 +177,10 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
                                            manifest.step));
   }
   // ckptd commits only steps whose shards tile every tensor; one that does not was edited
-  // or damaged, and a reader that trusted it could leave part of a tensor unread.
-  if (absl::Status tiled = CheckTiling(manifest); !tiled.ok()) {
+  // or damaged, and a reader that trusted it could leave part of a tensor unread. A
+  // node-scoped manifest holds one node's pieces only, which tile nothing by themselves: the
+  // whole step was checked where it was decided, and the planner still refuses overlaps.
+  if (absl::Status tiled = manifest.scope ? absl::OkStatus() : CheckTiling(manifest); !tiled.ok()) {
     return absl::DataLossError(fmt::format("{}: {}", path, Message(tiled)));
   }
   return manifest;
@@ -203,8 +205,10 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
       absl::StatusOr<Manifest> manifest = store.LoadManifest(j, step);
       if (manifest.ok()) {
         c.world_size = manifest->world_size;
-        c.tensors = static_cast<uint32_t>(manifest->tensors.size());
-        c.bytes = manifest->total_bytes();
+        // The whole step's figures, which every node shows alike, though a node-scoped
+        // manifest lists only the node's own ranks.
+        c.tensors = manifest->StepTensors();
+        c.bytes = manifest->StepBytes();
         c.unix_time = manifest->unix_time;
         auto says = [&](const char* key) {
           auto it = manifest->metadata.find(key);

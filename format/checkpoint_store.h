@@ -67,6 +67,8 @@ class CheckpointStore {
   // The same, as (run, step) pairs: to merge the steps of two tiers in the job's order.
   absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> ListRunsAndSteps(const std::string& job);
   absl::StatusOr<std::vector<std::string>> ListJobs();
+  // The step's manifest as this store holds it: on a node of a group with node-local disks
+  // other than node 0, node-scoped (Manifest::scope: only the node's own ranks).
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
   // Whether the step is committed here (its marker, the manifest, is there); false when it
   // cannot be told.
@@ -109,8 +111,8 @@ struct CheckpointSummary {
   std::string job;
   uint64_t step = 0;
   uint32_t world_size = 0;
-  uint32_t tensors = 0;
-  uint64_t bytes = 0;
+  uint32_t tensors = 0;  // of the whole step, also where this node holds only its own ranks
+  uint64_t bytes = 0;    // shard bytes of the whole step, likewise
   double unix_time = 0;
   // What kind of step it is, from its metadata: "ephemeral" (kept only until a newer step
   // commits), "weights-only" (model weights, no optimizer or train state).

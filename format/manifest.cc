@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <type_traits>
 #include <set>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -28,6 +29,25 @@ uint64_t Manifest::total_bytes() const {
   return total;
 }
 
+const ManifestShard* Manifest::Shard(uint32_t rank) const {
+  // A whole manifest lists ranks 0..world_size-1 in order: the rank is its index.
+  if (rank < shards.size() && shards[rank].rank == rank) return &shards[rank];
+  // A node-scoped one lists an ascending subset of them.
+  auto it = std::lower_bound(shards.begin(), shards.end(), rank,
+                             [](const ManifestShard& s, uint32_t r) { return s.rank < r; });
+  return it != shards.end() && it->rank == rank ? &*it : nullptr;
+}
+
+uint64_t Manifest::StepBytes() const { return scope ? scope->step_bytes : total_bytes(); }
+
+uint32_t Manifest::StepTensors() const {
+  return scope ? scope->step_tensors : static_cast<uint32_t>(tensors.size());
+}
+
+std::string ManifestDigest(const std::string& manifest_json) {
+  return ChecksumOf(manifest_json.data(), manifest_json.size());
+}
+
 std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
   for (const ManifestNode& n : nodes) {
     if (std::find(n.ranks.begin(), n.ranks.end(), rank) != n.ranks.end()) return n.node;
@@ -40,12 +60,13 @@ std::string TrainStateKey(const std::string& name) { return "__train_state__." +
 namespace {
 
 int FormatVersionOf(const Manifest& m) {
+  if (m.scope) return kManifestScopedFormatVersion;
   for (const auto& [name, t] : m.tensors) {
     for (const TensorShard& s : t.shards) {
-      if (!s.flat.empty()) return 2;
+      if (!s.flat.empty()) return kManifestFlatFormatVersion;
     }
   }
-  return 1;
+  return kManifestBoxFormatVersion;
 }
 
 }  // namespace
@@ -161,6 +182,13 @@ std::string ManifestToJson(const Manifest& m) {
     for (const ManifestNode& n : m.nodes) nodes.push_back({{"node", n.node}, {"ranks", n.ranks}});
     j["nodes"] = nodes;
   }
+  if (m.scope) {
+    j["scope"] = {{"node", m.scope->node},
+                  {"nodes", m.scope->nodes},
+                  {"step_bytes", m.scope->step_bytes},
+                  {"step_tensors", m.scope->step_tensors},
+                  {"digest", m.scope->digest}};
+  }
   return SealJson(j);
 }
 
@@ -203,6 +231,71 @@ double Real(const json& v, const char* field) {
   return v.get<double>();
 }
 
+// "xxh3:" and 16 lowercase hex digits, as ChecksumOf writes them.
+bool IsDigest(const std::string& s) {
+  constexpr std::string_view kPrefix = "xxh3:";
+  return s.size() == kPrefix.size() + 16 && s.compare(0, kPrefix.size(), kPrefix) == 0 &&
+         std::all_of(s.begin() + kPrefix.size(), s.end(),
+                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+// The "scope" object's fields, each required and of its type.
+StepScope ParseStepScope(const json& j) {
+  if (!j.is_object()) throw BadField("\"scope\" is not an object");
+  auto field = [&](const char* name) -> const json& {
+    auto it = j.find(name);
+    if (it == j.end()) throw BadField(fmt::format("\"scope\" has no \"{}\"", name));
+    return *it;
+  };
+  StepScope scope;
+  scope.node = Int<uint32_t>(field("node"), "scope.node");
+  scope.nodes = Int<uint32_t>(field("nodes"), "scope.nodes");
+  scope.step_bytes = Int<uint64_t>(field("step_bytes"), "scope.step_bytes");
+  scope.step_tensors = Int<uint32_t>(field("step_tensors"), "scope.step_tensors");
+  if (!field("digest").is_string()) throw BadField("\"scope.digest\" is not a string");
+  scope.digest = field("digest").get<std::string>();
+  return scope;
+}
+
+// What a node-scoped manifest lists against what its scope says of the whole step; the
+// shards are already known to ascend within the world. Empty when they agree, else why not.
+std::string ScopeProblem(const Manifest& m) {
+  const StepScope& scope = *m.scope;
+  if (m.shards.empty()) return "a node-scoped manifest lists no shards";
+  if (scope.nodes == 0 || scope.nodes > m.world_size) {
+    return fmt::format("scope says {} nodes hold ranks of a step of world size {}", scope.nodes,
+                       m.world_size);
+  }
+  // Every other node holds a rank at least.
+  if (m.shards.size() > m.world_size - (scope.nodes - 1)) {
+    return fmt::format("scope says {} nodes hold the {} ranks of the step, but node {} lists {} of them",
+                       scope.nodes, m.world_size, scope.node, m.shards.size());
+  }
+  if (scope.step_bytes < m.total_bytes()) {
+    return fmt::format("scope says the step holds {} bytes, fewer than the {} of node {}'s own shards",
+                       scope.step_bytes, m.total_bytes(), scope.node);
+  }
+  if (scope.step_tensors < m.tensors.size()) {
+    return fmt::format("scope says the step holds {} tensors, fewer than the {} node {} lists",
+                       scope.step_tensors, m.tensors.size(), scope.node);
+  }
+  if (!IsDigest(scope.digest)) {
+    return fmt::format("scope's digest \"{}\" is not \"xxh3:\" and 16 lowercase hex digits", scope.digest);
+  }
+  if (m.nodes.empty()) return {};
+  if (m.nodes.size() != 1 || m.nodes[0].node != scope.node) {
+    return fmt::format("\"nodes\" of node {}'s scoped manifest lists other nodes than node {} alone",
+                       scope.node, scope.node);
+  }
+  std::vector<uint32_t> listed;
+  for (const ManifestShard& s : m.shards) listed.push_back(s.rank);
+  if (m.nodes[0].ranks != listed) {
+    return fmt::format("\"nodes\" gives node {} ranks [{}], but its shards are ranks [{}]", scope.node,
+                       fmt::join(m.nodes[0].ranks, ", "), fmt::join(listed, ", "));
+  }
+  return {};
+}
+
 }  // namespace
 
 absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::string& source,
@@ -219,6 +312,19 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     if (m.format_version > kManifestFormatVersion) {
       return bad(fmt::format("format version {} is newer than this ckptd understands ({})",
                              m.format_version, kManifestFormatVersion));
+    }
+    // Version 3 is exactly the node-scoped manifest: a reader that took one without its
+    // scope for a whole step would miss every other node's ranks.
+    if (auto found = j.find("scope"); found != j.end()) {
+      if (m.format_version != kManifestScopedFormatVersion) {
+        return bad(fmt::format("it has a \"scope\" (a node-scoped manifest), which needs format "
+                               "version {}, not {}",
+                               kManifestScopedFormatVersion, m.format_version));
+      }
+      m.scope = ParseStepScope(*found);
+    } else if (m.format_version == kManifestScopedFormatVersion) {
+      return bad(fmt::format("format version {} is a node-scoped manifest, but it has no \"scope\"",
+                             m.format_version));
     }
     m.job = j.at("job").get<std::string>();
     if (absl::Status valid = ValidateJobName(m.job); !valid.ok()) return bad(std::string(valid.message()));
@@ -250,9 +356,19 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         }
         shard.train_state[it.key()] = e;
       }
-      if (scope == ManifestScope::kWhole ? shard.rank != m.shards.size()
-                                         : (shard.rank >= m.world_size ||
-                                            (!m.shards.empty() && shard.rank <= m.shards.back().rank))) {
+      if (m.scope) {
+        if (shard.rank >= m.world_size) {
+          return bad(fmt::format("shard of rank {} is outside the world of {} ranks", shard.rank,
+                                 m.world_size));
+        }
+        if (!m.shards.empty() && shard.rank <= m.shards.back().rank) {
+          return bad(fmt::format("shards are not in strictly ascending rank order: rank {} after "
+                                 "rank {} (a node-scoped manifest lists each of its ranks once, in order)",
+                                 shard.rank, m.shards.back().rank));
+        }
+      } else if (scope == ManifestScope::kWhole ? shard.rank != m.shards.size()
+                                                : (shard.rank >= m.world_size ||
+                                                   (!m.shards.empty() && shard.rank <= m.shards.back().rank))) {
         return bad("shards are not ranks 0..world_size-1");
       }
       if (shard.file != ShardFileName(shard.rank)) {
@@ -261,7 +377,7 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
       }
       m.shards.push_back(std::move(shard));
     }
-    if (scope == ManifestScope::kWhole && m.shards.size() != m.world_size) {
+    if (scope == ManifestScope::kWhole && !m.scope && m.shards.size() != m.world_size) {
       return bad("shard count differs from world_size");
     }
     if (auto nodes = j.find("nodes"); nodes != j.end()) {
@@ -297,6 +413,11 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         }
         shard.checksum = s.at("checksum").get<std::string>();
         auto owner = by_rank.find(shard.rank);
+        if (owner == by_rank.end() && m.scope) {
+          return bad(fmt::format("tensor {}: a piece of rank {}, which node {}'s scoped manifest does "
+                                 "not list (held by another node, or by none)",
+                                 it.key(), shard.rank, m.scope->node));
+        }
         if (owner == by_rank.end() || shard.file != owner->second->file) {
           return bad(fmt::format("tensor {}: a piece names rank {} or file {} that the shards "
                                  "list does not",
@@ -328,6 +449,9 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         t.shards.push_back(std::move(shard));
       }
       m.tensors[it.key()] = std::move(t);
+    }
+    if (m.scope) {
+      if (std::string problem = ScopeProblem(m); !problem.empty()) return bad(problem);
     }
     // Last, so that a manifest that is wrong in a named way says how.
     if (auto sum = j.find(kChecksumKey); sum != j.end()) {

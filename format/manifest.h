@@ -11,9 +11,17 @@
 
 namespace ckpt::format {
 
-// 2: some shard is a flat shard ("flat" instead of "offset"); manifests without one are
-// still written as 1, which readers from before flat shards read.
-inline constexpr int kManifestFormatVersion = 2;
+// Which readers can read a manifest. Each is written only where it must be, so that older
+// readers still read the manifests they can; a reader refuses versions it does not know.
+//   1: box shards only, every rank of the step listed.
+//   2: some shard is a flat shard ("flat" instead of "offset").
+//   3: node-scoped: only the ranks one node holds, and a `scope` (StepScope) saying what the
+//      whole step holds. A reader of version 2 would take it for a step it can read whole.
+inline constexpr int kManifestBoxFormatVersion = 1;
+inline constexpr int kManifestFlatFormatVersion = 2;
+inline constexpr int kManifestScopedFormatVersion = 3;
+// The newest version this ckptd reads and writes.
+inline constexpr int kManifestFormatVersion = kManifestScopedFormatVersion;
 // Entries longer than this also get a checksum per chunk of this many bytes (the last one
 // shorter), so that a read of part of an entry (a resharding restore) is verified without
 // reading the whole entry. Recorded in each manifest (Manifest::checksum_chunk_bytes).
@@ -74,8 +82,18 @@ struct ManifestNode {
   std::vector<uint32_t> ranks;
 };
 
+// What the whole step holds, in a manifest that lists only some of its ranks: a node's own
+// ranks on node-local disks in a group (docs/format.md, "Node-scoped manifests").
+struct StepScope {
+  uint32_t node = 0;          // the node whose ranks this manifest lists
+  uint32_t nodes = 0;         // nodes that hold ranks of the step
+  uint64_t step_bytes = 0;    // shard bytes of the whole step, every node's
+  uint32_t step_tensors = 0;  // tensors of the whole step
+  std::string digest;         // "xxh3:<16 hex>" of the whole step's manifest.json text
+};
+
 struct Manifest {
-  int format_version = kManifestFormatVersion;
+  int format_version = kManifestFormatVersion;  // as parsed; ManifestToJson writes what the contents need
   std::string job;
   uint64_t step = 0;
   double unix_time = 0;
@@ -90,15 +108,32 @@ struct Manifest {
   uint64_t checksum_chunk_bytes = 0;  // of TensorShard::chunk_checksums; 0: none recorded
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
   std::map<std::string, ManifestTensor> tensors;
-  std::vector<ManifestShard> shards;  // by rank
+  // By rank: ranks 0..world_size-1 in a whole manifest, an ascending subset of them in a
+  // scoped one (see `scope`). Look a rank up with Shard(), never by index.
+  std::vector<ManifestShard> shards;
   std::vector<ManifestNode> nodes;     // where each rank's shard was written; by node
+  // Set when this manifest lists only the ranks of one node (format version 3): `tensors`,
+  // `shards` and `nodes` are then that node's alone, and the whole step's figures are here.
+  std::optional<StepScope> scope;
 
+  // Shard bytes of the ranks this manifest lists (the whole step's unless scoped).
   uint64_t total_bytes() const;
+  // The rank's shard entry, or nullptr when this manifest does not list it (outside the
+  // world, or held by another node in a scoped manifest).
+  const ManifestShard* Shard(uint32_t rank) const;
+  // Shard bytes and tensors of the whole step, whichever node's manifest this is.
+  uint64_t StepBytes() const;
+  uint32_t StepTensors() const;
   // The node holding `rank`'s shard; nullopt when the manifest does not say (single node).
   std::optional<uint32_t> NodeOf(uint32_t rank) const;
 };
 
+// Written as format version 3 when `scope` is set; otherwise 2 when some shard is flat, else 1.
 std::string ManifestToJson(const Manifest& manifest);
+
+// "xxh3:<16 hex>" of a manifest's JSON text as written: what StepScope::digest records of the
+// whole step's manifest, so that a node-scoped manifest names the one it was cut from.
+std::string ManifestDigest(const std::string& manifest_json);
 
 // The largest step a step directory's name can hold ("step-" and at most 19 digits).
 inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
@@ -107,14 +142,17 @@ inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
 std::string ShardFileName(uint32_t rank);
 
 enum class ManifestScope {
-  kWhole,  // a committed step: shards are exactly ranks 0..world_size-1
+  // A committed step: shards are exactly ranks 0..world_size-1, or, in a node-scoped
+  // manifest (version 3, with `scope`), a non-empty ascending subset of them.
+  kWhole,
   kPart,   // one node's ranks before a group commit: any ascending subset
 };
 
 // Parses and checks a manifest: version, required fields, the job name, shard ranks and
 // file names (each rank's file is ShardFileName(rank), so no manifest can point outside
 // its step directory or at another rank's file), every tensor piece inside a listed
-// rank's file with a placement of the tensor's rank.
+// rank's file with a placement of the tensor's rank. A node-scoped manifest's scope is
+// checked against what it lists (StepScope; docs/format.md).
 absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::string& source,
                                        ManifestScope scope = ManifestScope::kWhole);
 

@@ -59,12 +59,24 @@ absl::Status PlanReader::Open(const std::vector<TensorReadPlan>& tensors) {
   return absl::OkStatus();
 }
 
+absl::Status PlanReader::HeldElsewhere(uint32_t rank) const {
+  return absl::NotFoundError(fmt::format(
+      "rank {}'s shard of step {} is held by another node: this is node {}'s manifest, which "
+      "lists only its own ranks (a reader of other nodes' ranks needs node 0's manifest or the "
+      "remote tier's, and their shard files)",
+      rank, manifest_.step, manifest_.scope->node));
+}
+
 absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   if (auto it = readers_.find(rank); it != readers_.end()) return it->second.get();
-  if (rank >= manifest_.shards.size()) {
+  const format::ManifestShard* listed = manifest_.Shard(rank);
+  if (listed == nullptr && manifest_.scope && rank < manifest_.world_size) {
+    return HeldElsewhere(rank);
+  }
+  if (listed == nullptr) {
     return absl::DataLossError(fmt::format("the manifest of step {} has no rank {}", manifest_.step, rank));
   }
-  const format::ManifestShard& shard = manifest_.shards[rank];
+  const format::ManifestShard& shard = *listed;
   const std::string path = step_dir_ + "/" + shard.file;
   // Opened without asking first whether it is there: over a store far away each question
   // is a round trip.
@@ -130,8 +142,10 @@ absl::StatusOr<std::vector<NamedBytes>> PlanReader::TrainState(uint32_t rank) {
     }
     return state;
   }
-  if (rank >= manifest_.shards.size()) return state;
-  const auto& saved = manifest_.shards[rank].train_state;
+  const format::ManifestShard* listed = manifest_.Shard(rank);
+  if (listed == nullptr && manifest_.scope && rank < manifest_.world_size) return HeldElsewhere(rank);
+  if (listed == nullptr) return state;  // a rank the step was not saved with: no state
+  const auto& saved = listed->train_state;
   if (saved.empty()) return state;
   CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(rank));
   for (const auto& [name, e] : saved) {

@@ -55,10 +55,12 @@ class PlanReader {
 
   // Fills dst[0, tensor.bytes) with the wanted piece. DataLoss when what was read does not
   // match its checksums or the file disagrees with the manifest; NotFound when a shard it
-  // needs is neither in memory nor on this node's disk.
+  // needs is neither in memory nor on this node's disk, or is held by another node (a
+  // node-scoped manifest: Manifest::scope).
   absl::Status Read(const TensorReadPlan& tensor, char* dst);
 
-  // Rank `rank`'s train state, checked the same way.
+  // Rank `rank`'s train state, checked the same way; none for a rank the step was not saved
+  // with, NotFound for one that a node-scoped manifest leaves to another node.
   absl::StatusOr<std::vector<NamedBytes>> TrainState(uint32_t rank);
 
   uint64_t bytes_from_memory() const { return from_memory_; }
@@ -76,6 +78,8 @@ class PlanReader {
   // The bytes of `read`'s saved entry in ckptd's memory copy of its rank, or null.
   const char* InMemory(const TensorReadPlan& tensor, const ShardRead& read);
   absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
+  // NotFound for a rank of the step that a node-scoped manifest leaves to another node.
+  absl::Status HeldElsewhere(uint32_t rank) const;
 
   storage::Store& store_;
   const std::string step_dir_;

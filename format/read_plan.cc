@@ -147,6 +147,13 @@ absl::StatusOr<const SavedIndex*> IndexOf(std::unordered_map<std::string, SavedI
   return &index;
 }
 
+// Why a node-scoped manifest (Manifest::scope) cannot give what its node does not hold.
+std::string ScopeNote(const format::Manifest& manifest) {
+  return fmt::format("node {}'s manifest lists only its own ranks ({} of {}); the others are held "
+                     "by other nodes (read node 0's manifest or the remote tier's)",
+                     manifest.scope->node, manifest.shards.size(), manifest.world_size);
+}
+
 absl::Status TooFine(const std::string& name, uint64_t max_runs) {
   return absl::ResourceExhaustedError(fmt::format(
       "reading {} would take more than {} separate byte runs: its saved shards and the "
@@ -177,7 +184,11 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
   for (const WantedTensor& w : wanted) {
     auto it = manifest.tensors.find(w.name);
     if (it == manifest.tensors.end()) {
-      if (options.allow_missing) {
+      // A node-scoped manifest that lists fewer tensors than the step has cannot tell a
+      // tensor the step lacks from one only other nodes hold: never skipped as missing.
+      if (manifest.scope && manifest.tensors.size() < manifest.StepTensors()) {
+        problems.push_back(fmt::format("{}: {}", w.name, ScopeNote(manifest)));
+      } else if (options.allow_missing) {
         plan.missing.push_back(w.name);
       } else {
         problems.push_back(fmt::format("{}: not in the checkpoint", w.name));
@@ -272,8 +283,9 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
         where = gap ? gap->Range() : "part of " + want.box.Range();
       }
       problems.push_back(fmt::format("{}: no saved shard holds {} ({} of {} wanted elements "
-                                     "are missing)",
-                                     w.name, where, volume - covered, volume));
+                                     "are missing){}",
+                                     w.name, where, volume - covered, volume,
+                                     manifest.scope ? "; " + ScopeNote(manifest) : ""));
       continue;
     }
     plan.tensors.push_back(std::move(t));

@@ -89,7 +89,9 @@ std::vector<std::vector<WantedTensor>> SavedPieces(const format::Manifest& manif
 // The plan, or InvalidArgument listing every wanted tensor that cannot be read: not in the
 // checkpoint (unless allowed), another dtype or global shape, a box outside the global
 // tensor, or a region no saved shard covers (named with its range). DataLoss when the
-// manifest's shards of a tensor overlap.
+// manifest's shards of a tensor overlap. From a node-scoped manifest (Manifest::scope),
+// pieces other nodes hold are such regions, said to be held elsewhere; and a tensor it
+// does not list is never skipped as missing unless it lists all of the step's tensors.
 absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
                                   const std::vector<WantedTensor>& wanted,
                                   const ReadPlanOptions& options = {});

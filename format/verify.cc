@@ -167,6 +167,13 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
     for (const Expected& want : by_rank->at(shard.rank)) total += want.end - want.begin;
   }
   ProgressCounter progress(options, total);
+  // A node-scoped manifest lists its node's ranks alone: every other one is another node's,
+  // as with `options.node`.
+  if (manifest.scope) {
+    for (uint32_t rank = 0; rank < manifest.world_size; ++rank) {
+      if (manifest.Shard(rank) == nullptr) report.skipped_ranks.push_back(rank);
+    }
+  }
   for (const format::ManifestShard& shard : manifest.shards) {
     if (progress.stopped()) break;
     if (!here(shard.rank)) {
@@ -213,6 +220,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
       }
     }
   }
+  std::sort(report.skipped_ranks.begin(), report.skipped_ranks.end());
   report.cancelled = progress.stopped();
   return report;
 }

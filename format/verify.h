@@ -19,7 +19,9 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
   std::vector<std::string> problems;  // each names the file and, where known, the tensor
   uint64_t bytes_checked = 0;
-  std::vector<uint32_t> skipped_ranks;  // held by other nodes (node-local disks)
+  // Held by other nodes (node-local disks): placed elsewhere by `nodes` with
+  // VerifyOptions::node, or not listed by a node-scoped manifest. Ascending.
+  std::vector<uint32_t> skipped_ranks;
   bool cancelled = false;               // `progress` asked to stop: the report is partial
 };
 
