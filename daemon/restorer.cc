@@ -240,7 +240,8 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     // A rank the step was not saved with (the job grew): it can restore from the step
     // where this node holds every shard, in memory or on disk.
     auto manifest = store_.LoadManifest(session.job, step);
-    if (!manifest.ok() || session.rank < manifest->world_size) continue;
+    // A node's part of a step saved across nodes never holds every shard.
+    if (!manifest.ok() || session.rank < manifest->world_size || manifest->scope) continue;
     std::set<uint32_t> all;
     for (const format::ManifestShard& s : manifest->shards) all.insert(s.rank);
     if (LocalHasAll(session.job, step, all, *manifest)) available.emplace_back(run, step);
@@ -456,7 +457,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, copy));
   }
   result.bytes += total;
-  result.metadata = manifest.shards.at(state_rank).metadata;
+  if (const format::ManifestShard* shard = manifest.Shard(state_rank)) result.metadata = shard->metadata;
   result.bytes_read += reader.bytes_from_disk();
   result.source = reader.bytes_from_disk() == 0 ? RestoreResult::Source::kMemory
                   : remote_source               ? RestoreResult::Source::kRemote

@@ -320,6 +320,13 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, storage::Store& source,
   if (fs.Exists(options.out)) {
     return absl::AlreadyExistsError(fmt::format("{} exists: export writes a new file or folder", options.out));
   }
+  if (manifest.scope) {
+    // It lists this node's ranks only: an export from it would silently leave out the rest.
+    return absl::FailedPreconditionError(fmt::format(
+        "step {} of job {} here is node {}'s part of a step saved across {} nodes (its manifest lists only the "
+        "ranks this node holds): export it from node 0's checkpoint root, or from the remote tier",
+        manifest.step, manifest.job, manifest.scope->node, manifest.scope->nodes));
+  }
   ExportReport report;
   CKPT_ASSIGN_OR_RETURN(std::vector<Item> items, ChooseTensors(manifest, options, report));
   std::vector<OutFile> files = PlanFiles(items, options);

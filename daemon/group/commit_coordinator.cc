@@ -77,10 +77,19 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       }
       if (before.outcome == Outcome::kCommitted) {
         // A prepare whose reply was lost: the same answer again, if the commit gives this
-        // node its ranks (a new run saving a committed step number is refused on its node,
-        // whose disk holds the step, before it could prepare).
-        auto share = before.committed->shares.find(node);
-        if (share != before.committed->shares.end() && share->second.ranks >= part.shards.size()) return before;
+        // node these ranks. (Once memory is short only the count is known; a new run saving
+        // a committed step number is refused on its own node, whose disk holds the step.)
+        const CommittedStep& c = *before.committed;
+        bool retry;
+        if (!c.node_of_rank.empty()) {
+          retry = std::all_of(part.shards.begin(), part.shards.end(), [&](const format::ManifestShard& s) {
+            return s.rank < c.node_of_rank.size() && c.node_of_rank[s.rank] == node;
+          });
+        } else {
+          auto share = c.shares.find(node);
+          retry = share != c.shares.end() && share->second.ranks >= part.shards.size();
+        }
+        if (retry) return before;
         return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
       }
       if (before.outcome == Outcome::kAborted) {
@@ -243,7 +252,7 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
                 out);
     return recent_[key].decision;
   }
-  const uint32_t nodes = static_cast<uint32_t>(merged->nodes.size());
+  const size_t node_count = merged->nodes.size();
   Decision decision{Outcome::kCommitted, {}, std::move(committed)};
   for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
@@ -252,7 +261,7 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
   nodes.clear();
   for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
-             round->second.world_size, nodes);
+             round->second.world_size, node_count);
   round_ranks_ -= round->second.world_size;
   rounds_.erase(round);
   RememberLocked(key, decision);
@@ -275,8 +284,11 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
 
 namespace {
 
-// What a committed step holds in memory: its manifest's text, and its node shares.
-size_t ManifestBytes(const Decision& d) { return d.committed ? d.committed->manifest_json.size() : 0; }
+// What a committed step holds in memory beside its header and shares: its manifest's text
+// and its rank table.
+size_t ManifestBytes(const Decision& d) {
+  return d.committed ? d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size() : 0;
+}
 
 }  // namespace
 

@@ -16,9 +16,11 @@ CommittedStep DescribeCommit(std::string json, const format::Manifest& whole) {
   c.header.unix_time = whole.unix_time;
   c.header.wall_time = whole.wall_time;
   c.header.metadata = whole.metadata;
+  c.node_of_rank.assign(whole.world_size, ~uint32_t{0});
   for (const format::ManifestNode& node : whole.nodes) {
     NodeShare& share = c.shares[node.node];
     for (uint32_t rank : node.ranks) {
+      if (rank < c.node_of_rank.size()) c.node_of_rank[rank] = node.node;
       ++share.ranks;
       if (const format::ManifestShard* shard = whole.Shard(rank)) share.bytes += shard->bytes;
     }

@@ -39,6 +39,9 @@ struct CommittedStep {
   std::string manifest_json;
   StepHeader header;
   std::map<uint32_t, NodeShare> shares;  // by node; a node's own answers carry its own only
+  // The coordinator's: the node holding each rank, to tell a retried prepare from a claim
+  // on another node's rank. Dropped with the manifest when memory is short.
+  std::vector<uint32_t> node_of_rank;
 };
 
 // The header and shares of `whole`, whose text is `json`; the text is kept.
