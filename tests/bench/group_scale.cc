@@ -379,7 +379,10 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   Simulation sim(c, coordinator.address());
   ScaleResult result{c};
   result.join_received_per_node = sim.Join();
-  for (uint64_t step = 1; step <= c.steps; ++step) result.steps.push_back(sim.Step(step, coordinator));
+  // One step first, not counted: its heartbeats bring each node the members that joined
+  // after it, and first uses warm the coordinator up.
+  sim.Step(1, coordinator);
+  for (uint64_t step = 2; step <= c.steps + 1; ++step) result.steps.push_back(sim.Step(step, coordinator));
   result.coordinator_peak_rss = coordinator.PeakRss();
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::filesystem::remove_all(run_dir);
@@ -404,7 +407,8 @@ int ScaleMain(int argc, char** argv) {
   app.add_option("--nodes", nodes_text, "group sizes, comma-separated")->capture_default_str();
   app.add_option("--ranks-per-node", c.ranks_per_node)->capture_default_str();
   app.add_option("--tensors", tensors_text, "tensors per rank, comma-separated")->capture_default_str();
-  app.add_option("--steps", c.steps, "steps measured per configuration")->capture_default_str();
+  app.add_option("--steps", c.steps, "steps measured per configuration (after one not counted)")
+      ->capture_default_str();
   app.add_option("--channels", c.channels, "gRPC channels the simulated nodes share")->capture_default_str();
   app.add_option("--threads", c.threads, "threads sending the simulated nodes' calls")->capture_default_str();
   app.add_option("--dir", dir, "where the decision log lives (default: a new dir in /tmp)");
