@@ -332,6 +332,11 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     m.unix_time = Real(j.at("unix_time"), "unix_time");
     m.wall_time = j.at("wall_time").get<std::string>();
     m.world_size = Int<uint32_t>(j.at("world_size"), "world_size");
+    // The group's own limit: a node-scoped manifest lists a few ranks of its world, and a
+    // reader (verify's skipped ranks) must not be made to walk billions.
+    if (m.world_size > kMaxManifestWorldSize) {
+      return bad(fmt::format("world_size {} is over {}", m.world_size, kMaxManifestWorldSize));
+    }
     m.ckptd_version = j.at("ckptd_version").get<std::string>();
     if (auto run = j.find("run"); run != j.end()) m.run = Int<uint64_t>(*run, "run");
     if (auto chunk = j.find("checksum_chunk_bytes"); chunk != j.end()) {

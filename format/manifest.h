@@ -135,6 +135,9 @@ std::string ManifestToJson(const Manifest& manifest);
 // whole step's manifest, so that a node-scoped manifest names the one it was cut from.
 std::string ManifestDigest(const std::string& manifest_json);
 
+// The largest world a manifest may describe (the group's own limit, 1M ranks).
+inline constexpr uint32_t kMaxManifestWorldSize = 1u << 20;
+
 // The largest step a step directory's name can hold ("step-" and at most 19 digits).
 inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
 

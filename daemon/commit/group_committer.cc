@@ -275,6 +275,11 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
                     ? absl::DataLossError("the coordinator did not publish it on the shared root")
                     : store_.Commit(*manifest);
   }
+  if (absl::IsNotFound(published) && !ours) {
+    Log().warn("[{} s{}] {}: removing the files this node kept in doubt", key.first, key.second, Message(published));
+    DiscardUnfinished(key);
+    return;
+  }
   if (!published.ok()) {
     Log().error("[{} s{}] committed globally, but not published here: {}", key.first, key.second,
                 Message(published));
@@ -296,9 +301,17 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
     // Node 0 publishes the whole step; a node that asked for it (in doubt) cuts its own.
     CKPT_ASSIGN_OR_RETURN(format::Manifest whole,
                           format::ParseManifest(committed.manifest_json, "the coordinator's decision"));
+    if (whole.scope) return absl::DataLossError("the coordinator's whole manifest is one node's part");
     CKPT_RETURN_IF_ERROR(CheckWhole(key, whole));
     if (node_rank_ == 0 || store_.shared()) return whole;
-    return group::NodeManifestFromWhole(whole, format::ManifestDigest(committed.manifest_json), node_rank_);
+    format::Manifest mine =
+        group::NodeManifestFromWhole(whole, format::ManifestDigest(committed.manifest_json), node_rank_);
+    if (mine.shards.empty()) {
+      // Files of an attempt the commit does not include (the job saved the step again
+      // without this node): not part of the step.
+      return absl::NotFoundError(fmt::format("the commit of step {} gives this node no ranks", key.second));
+    }
+    return mine;
   }
   // Every other node: the manifest of its own durable ranks, as it prepared them, with the
   // step's header. The commit's share of this node must be what it wrote.
@@ -310,21 +323,31 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
     return absl::DataLossError(fmt::format("the coordinator committed world size {}, this node's ranks have world size {}",
                                            header.world_size, step->second.world_size));
   }
-  group::NodeShare written;
+  group::NodeShare written{0, 0, step->second.attempt};
   for (const auto& [rank, entry] : step->second.durable) {
     ++written.ranks;
     written.bytes += entry.second.bytes;
   }
   auto share = committed.shares.find(node_rank_);
-  const group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
+  group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
+  if (given.attempt == 0) given.attempt = written.attempt;  // a decision read back from the log
   if (given != written) {
     return absl::DataLossError(fmt::format(
-        "the coordinator committed {} ranks ({} bytes) of this node (node {}); it wrote {} ranks ({} bytes)",
-        given.ranks, given.bytes, node_rank_, written.ranks, written.bytes));
+        "the coordinator committed {} ranks ({} bytes) of this node (node {}) from its attempt {}; this attempt ({}) "
+        "wrote {} ranks ({} bytes)",
+        given.ranks, given.bytes, node_rank_, given.attempt, written.attempt, written.ranks, written.bytes));
   }
   CKPT_ASSIGN_OR_RETURN(format::Manifest part,
                         BuildManifest(key.first, key.second, step->second.world_size, step->second.durable));
-  return group::NodeManifest(std::move(part), header, node_rank_);
+  if (part.run > header.run) {
+    // The commit's run is the newest of its parts: these ranks registered after it.
+    return absl::DataLossError(fmt::format("the commit is of an earlier run than this node's ranks ({} < {})",
+                                           header.run, part.run));
+  }
+  format::Manifest mine = group::NodeManifest(std::move(part), header, node_rank_);
+  // Whatever the wire said, what is renamed into place must read back.
+  CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(mine), "this node's manifest").status());
+  return mine;
 }
 
 absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& manifest) {

@@ -17,6 +17,8 @@ namespace {
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr size_t kRecentDecisions = 4096;
+// Node shares of the decisions kept, in all: at 10,000 nodes about 640 KB a decision.
+constexpr size_t kRecentShareBytes = size_t{256} << 20;
 // Steps undecided at once, over all jobs: far beyond what jobs keep in flight (one or two
 // each), small enough that a peer opening rounds for made-up steps cannot exhaust memory.
 constexpr size_t kMaxRounds = 4096;
@@ -63,7 +65,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
   }
   Notifications notify;
   Decision result;
-  std::optional<std::vector<std::pair<uint32_t, format::Manifest>>> complete;
+  std::optional<CompleteRound> complete;
   {
     std::lock_guard lock(mu_);
     if (auto deciding = rounds_.find(key); deciding != rounds_.end() && deciding->second.deciding) {
@@ -74,6 +76,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       if (before.outcome == Outcome::kUnknown) {
         // Not in memory: a coordinator restart forgets rounds but not commits.
         before = FromLog(key);
+        // A log that cannot answer is no proof that the step was never committed: no
+        // round is opened over it (the node asks again).
+        if (before.outcome == Outcome::kPending) return before;
       }
       if (before.outcome == Outcome::kCommitted) {
         // A prepare whose reply was lost: the same answer again, if the commit gives this
@@ -129,7 +134,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       ForgetNodeLocked(round, node);
       said->second = attempt;
     }
-    if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, part.run) : std::nullopt) {
+    if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, part.run, part.world_size) : std::nullopt) {
       for (const format::ManifestShard& s : part.shards) ClaimLocked(round, s.rank, node);
       AbortLocked(key, fmt::format("{}; missing ranks {}", *lost, MissingRanks(round)), notify);
       result = recent_[key].decision;
@@ -168,14 +173,15 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
   return result;
 }
 
-std::vector<std::pair<uint32_t, format::Manifest>> CommitCoordinator::TakePartsLocked(Round& round) {
-  std::vector<std::pair<uint32_t, format::Manifest>> parts;
+CommitCoordinator::CompleteRound CommitCoordinator::TakePartsLocked(Round& round) {
+  CompleteRound complete;
   for (auto& [node, mine] : round.parts) {
-    for (format::Manifest& part : mine) parts.emplace_back(node, std::move(part));
+    for (format::Manifest& part : mine) complete.parts.emplace_back(node, std::move(part));
   }
+  complete.attempts = round.attempt_of_node;
   round.parts.clear();
   round.deciding = true;  // nothing else ends or changes it now
-  return parts;
+  return complete;
 }
 
 void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
@@ -216,10 +222,9 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
   round.parts.erase(node);
 }
 
-Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_t, format::Manifest>> parts,
-                                   Notifications& out) {
-  auto merged = format::MergeManifestParts(parts);
-  parts.clear();
+Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notifications& out) {
+  auto merged = format::MergeManifestParts(complete.parts);
+  complete.parts.clear();
   if (merged.ok()) {
     if (absl::Status tiled = format::CheckTiling(*merged); !tiled.ok()) merged = tiled;
   }
@@ -241,7 +246,7 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
   }
   std::shared_ptr<const CommittedStep> committed;
   if (merged.ok() && recorded.ok()) {
-    committed = std::make_shared<const CommittedStep>(DescribeCommit(std::move(json), *merged));
+    committed = std::make_shared<const CommittedStep>(DescribeCommit(std::move(json), *merged, complete.attempts));
   }
   std::lock_guard lock(mu_);
   auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
@@ -257,9 +262,10 @@ Decision CommitCoordinator::Decide(const Key& key, std::vector<std::pair<uint32_
   for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
   uint64_t& latest = latest_committed_[key.first];
   latest = std::max(latest, key.second);
-  std::vector<uint32_t>& nodes = nodes_of_job_[key.first];
-  nodes.clear();
-  for (const format::ManifestNode& n : merged->nodes) nodes.push_back(n.node);
+  LastCommit& last = last_commit_[key.first];
+  last.world_size = merged->world_size;
+  last.nodes.clear();
+  for (const format::ManifestNode& n : merged->nodes) last.nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
              round->second.world_size, node_count);
   round_ranks_ -= round->second.world_size;
@@ -290,6 +296,9 @@ size_t ManifestBytes(const Decision& d) {
   return d.committed ? d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size() : 0;
 }
 
+// What its node shares hold (a map node: about 64 bytes each).
+size_t ShareBytes(const Decision& d) { return d.committed ? 64 * d.committed->shares.size() : 0; }
+
 }  // namespace
 
 void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
@@ -297,15 +306,22 @@ void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
   const uint64_t aborted_unix_ns =
       decision.outcome == Outcome::kAborted ? UnixNanos() : 0;
   recent_manifest_bytes_ += ManifestBytes(decision);
+  recent_share_bytes_ += ShareBytes(decision);
   auto [it, fresh] = recent_.try_emplace(key);
   if (fresh) {
     recent_order_.push_back(key);
   } else {
     recent_manifest_bytes_ -= ManifestBytes(it->second.decision);
+    recent_share_bytes_ -= ShareBytes(it->second.decision);
   }
   it->second = Remembered{std::move(decision), std::move(attempts), aborted_unix_ns};
-  while (recent_order_.size() > kRecentDecisions) {
-    recent_manifest_bytes_ -= ManifestBytes(recent_[recent_order_.front()].decision);
+  // Forgotten decisions are read back from the log when asked for (commits), or presumed
+  // aborted (aborts, as after a restart).
+  while (recent_order_.size() > kRecentDecisions ||
+         (recent_share_bytes_ > kRecentShareBytes && recent_order_.size() > 1)) {
+    const Decision& oldest = recent_[recent_order_.front()].decision;
+    recent_manifest_bytes_ -= ManifestBytes(oldest);
+    recent_share_bytes_ -= ShareBytes(oldest);
     recent_.erase(recent_order_.front());
     recent_order_.pop_front();
   }
@@ -366,9 +382,14 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
     }
   }
   Decision recorded = FromLog(key);
+  std::lock_guard lock(mu_);
   if (recorded.outcome == Outcome::kCommitted) {
-    std::lock_guard lock(mu_);
     RememberLocked(key, recorded);  // every node in doubt asks after a coordinator restart
+  } else if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.outcome == Outcome::kCommitted) {
+    // Memory knows it committed; the log cannot give its manifest (pruned, unreadable):
+    // never "unknown", which a node would take for an abort of a committed step.
+    return {Outcome::kPending, fmt::format("the decision log cannot give the manifest: {}", recorded.reason),
+            nullptr};
   }
   return recorded;
 }
@@ -411,29 +432,36 @@ void CommitCoordinator::AbortIncomplete(const std::string& why) {
   Deliver(notify);
 }
 
-void CommitCoordinator::MemberLost(uint32_t node, const std::string& why) {
+void CommitCoordinator::MemberLost(uint32_t node, const std::string& why, uint64_t version,
+                                   uint64_t silent_since_unix_ns) {
   {
     std::lock_guard lock(mu_);
-    lost_[node] = {why, UnixNanos()};
+    MemberNews& news = members_[node];
+    if (version <= news.version) return;  // it joined again since
+    news = {version, true, why, silent_since_unix_ns};
   }
   AbortIncomplete(why);
 }
 
-void CommitCoordinator::MemberBack(uint32_t node) {
+void CommitCoordinator::MemberBack(uint32_t node, uint64_t version) {
   std::lock_guard lock(mu_);
-  lost_.erase(node);
+  MemberNews& news = members_[node];
+  if (version <= news.version) return;
+  news = {version, false, {}, 0};
 }
 
-std::optional<std::string> CommitCoordinator::LostHolderLocked(const std::string& job, uint64_t run) const {
-  if (lost_.empty() || run == 0) return std::nullopt;
-  auto nodes = nodes_of_job_.find(job);
-  if (nodes == nodes_of_job_.end()) return std::nullopt;
-  for (uint32_t node : nodes->second) {
-    auto lost = lost_.find(node);
-    if (lost != lost_.end() && run < lost->second.since_unix_ns) {
+std::optional<std::string> CommitCoordinator::LostHolderLocked(const std::string& job, uint64_t run,
+                                                               uint32_t world_size) const {
+  if (run == 0) return std::nullopt;
+  auto last = last_commit_.find(job);
+  // A job whose world changed since (restarted smaller, without the lost node) is not held.
+  if (last == last_commit_.end() || last->second.world_size != world_size) return std::nullopt;
+  for (uint32_t node : last->second.nodes) {
+    auto news = members_.find(node);
+    if (news != members_.end() && news->second.lost && run < news->second.since_unix_ns) {
       return fmt::format("{}, and held ranks of this job's last commit: a step of this run cannot commit "
                          "until it joins again",
-                         lost->second.why);
+                         news->second.why);
     }
   }
   return std::nullopt;

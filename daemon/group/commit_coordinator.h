@@ -98,13 +98,16 @@ class CommitCoordinator {
   // restarted: its trainers' ranks can no longer arrive).
   void AbortIncomplete(const std::string& why);
 
-  // `node` was marked lost (`why`): undecided steps are aborted, and until it joins again
-  // (MemberBack) a step of a job whose last commit had ranks on it is aborted as soon as
-  // its first prepare arrives, when the run preparing it began before the loss: that run's
-  // ranks on the lost node cannot be prepared (the node is refused until it joins again),
-  // so the step could only wait for its timeout while holding every node's staging.
-  void MemberLost(uint32_t node, const std::string& why);
-  void MemberBack(uint32_t node);
+  // `node` was marked lost (`why`), silent since `silent_since_unix_ns`: undecided steps
+  // are aborted, and until it joins again (MemberBack) a step of a job whose last commit had
+  // ranks on it, with that commit's world size, is aborted as soon as its first prepare
+  // arrives when the run preparing it began before the node fell silent: that run's ranks
+  // on the lost node cannot be prepared (the node is refused until it joins again), so the
+  // step could only wait for its timeout while holding every node's staging. `version` is
+  // the membership's version of the change: a loss and a join that race reach here in
+  // either order, and the newer one wins.
+  void MemberLost(uint32_t node, const std::string& why, uint64_t version, uint64_t silent_since_unix_ns);
+  void MemberBack(uint32_t node, uint64_t version);
 
   // Step timeouts and waiter deadlines; call a few times a second.
   void Tick(Clock::time_point now);
@@ -145,19 +148,25 @@ class CommitCoordinator {
     // (a node ahead) or refuse a run restarted within the skew (a node behind).
     uint64_t aborted_unix_ns = 0;
   };
-  struct LostMember {
+  struct MemberNews {
+    uint64_t version = 0;      // of the membership change last applied
+    bool lost = false;
     std::string why;
-    uint64_t since_unix_ns = 0;
+    uint64_t since_unix_ns = 0;  // silent since
   };
   using Key = std::pair<std::string, uint64_t>;
   using Notifications = std::vector<std::pair<Waiter, Decision>>;
 
+  // A complete round's parts, and the attempt each node prepared them in.
+  struct CompleteRound {
+    std::vector<std::pair<uint32_t, format::Manifest>> parts;
+    std::map<uint32_t, uint64_t> attempts;
+  };
   // The parts of a complete round, which is marked deciding.
-  static std::vector<std::pair<uint32_t, format::Manifest>> TakePartsLocked(Round& round);
+  static CompleteRound TakePartsLocked(Round& round);
   // Merges, checks and records a complete round's parts without holding mu_, then ends the
   // round committed (or aborted when the parts disagree or the record fails).
-  Decision Decide(const Key& key, std::vector<std::pair<uint32_t, format::Manifest>> parts,
-                  Notifications& out);
+  Decision Decide(const Key& key, CompleteRound complete, Notifications& out);
   // With mu_ held; the waiters to notify go to `out`, called after unlocking.
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
@@ -168,7 +177,7 @@ class CommitCoordinator {
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   // Why a run of `job` that began at `run` (ns) cannot commit now: a node that held ranks
   // of the job's last commit is lost since after `run`. nullopt when none is.
-  std::optional<std::string> LostHolderLocked(const std::string& job, uint64_t run) const;
+  std::optional<std::string> LostHolderLocked(const std::string& job, uint64_t run, uint32_t world_size) const;
   static void Deliver(Notifications& notifications);
 
   DecisionLog& log_;
@@ -183,9 +192,14 @@ class CommitCoordinator {
   std::map<Key, Remembered> recent_;
   std::deque<Key> recent_order_;
   size_t recent_manifest_bytes_ = 0;  // of the decisions in recent_
+  size_t recent_share_bytes_ = 0;
   std::map<std::string, uint64_t> latest_committed_;
-  std::map<std::string, std::vector<uint32_t>> nodes_of_job_;  // the nodes of its last commit
-  std::map<uint32_t, LostMember> lost_;
+  struct LastCommit {
+    uint32_t world_size = 0;
+    std::vector<uint32_t> nodes;
+  };
+  std::map<std::string, LastCommit> last_commit_;  // per job
+  std::map<uint32_t, MemberNews> members_;
 };
 
 const char* OutcomeName(Outcome outcome);

@@ -5,7 +5,8 @@
 
 namespace ckpt::group {
 
-CommittedStep DescribeCommit(std::string json, const format::Manifest& whole) {
+CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
+                             const std::map<uint32_t, uint64_t>& attempts) {
   CommittedStep c;
   c.header.world_size = whole.world_size;
   c.header.nodes = static_cast<uint32_t>(whole.nodes.size());
@@ -19,6 +20,7 @@ CommittedStep DescribeCommit(std::string json, const format::Manifest& whole) {
   c.node_of_rank.assign(whole.world_size, ~uint32_t{0});
   for (const format::ManifestNode& node : whole.nodes) {
     NodeShare& share = c.shares[node.node];
+    if (auto attempt = attempts.find(node.node); attempt != attempts.end()) share.attempt = attempt->second;
     for (uint32_t rank : node.ranks) {
       if (rank < c.node_of_rank.size()) c.node_of_rank[rank] = node.node;
       ++share.ranks;

@@ -26,10 +26,12 @@ struct StepHeader {
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
 };
 
-// The ranks, and their shard bytes in all, that a commit gives one node.
+// The ranks, and their shard bytes in all, that a commit gives one node, and the node's
+// attempt they were prepared in (0: not known, a decision read back from the log).
 struct NodeShare {
   uint32_t ranks = 0;
   uint64_t bytes = 0;
+  uint64_t attempt = 0;
   bool operator==(const NodeShare&) const = default;
 };
 
@@ -44,8 +46,10 @@ struct CommittedStep {
   std::vector<uint32_t> node_of_rank;
 };
 
-// The header and shares of `whole`, whose text is `json`; the text is kept.
-CommittedStep DescribeCommit(std::string json, const format::Manifest& whole);
+// The header and shares of `whole`, whose text is `json` (kept), each node's share with
+// its attempt from `attempts` when given.
+CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
+                             const std::map<uint32_t, uint64_t>& attempts = {});
 
 // The manifest a node other than node 0 publishes: its `part` (the manifest of its own
 // durable ranks, as it prepared them) with the whole step's header and scope.

@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
@@ -50,30 +51,36 @@ class FileDecisionLog : public DecisionLog {
     return fmt::format("{}/{}/step-{:08d}.json", dir_, job, step);
   }
 
-  // Old records are dropped best effort: a failure here never fails a commit. The job's
-  // directory is listed once per daemon life; after that the steps recorded are known, so
-  // a record costs one removal at most, not a listing of a thousand files.
+  // Old records are dropped best effort: a failure here never fails a commit. Oldest
+  // recorded first, never the one just written: a job that went back to an older step
+  // records lower step numbers than those it abandoned, and those new records are the ones
+  // to keep. The job's directory is listed once per daemon life (what was there comes
+  // first, by step); after that a record costs one removal at most.
   void Prune(const std::string& job, const std::string& job_dir, uint64_t recorded) {
-    auto [it, first] = steps_.try_emplace(job);
-    std::set<uint64_t>& steps = it->second;
+    auto [it, first] = order_.try_emplace(job);
+    std::deque<uint64_t>& order = it->second;
     if (first) {
       auto names = fs_->ListDir(job_dir);
       if (!names.ok()) {
-        steps_.erase(it);
+        order_.erase(it);
         return;
       }
+      std::vector<uint64_t> found;
       for (const std::string& name : *names) {
         uint64_t step;
         if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
-            format::ParseStepDirName(name.substr(0, name.size() - 5), &step)) {
-          steps.insert(step);
+            format::ParseStepDirName(name.substr(0, name.size() - 5), &step) && step != recorded) {
+          found.push_back(step);
         }
       }
+      std::sort(found.begin(), found.end());
+      order.assign(found.begin(), found.end());
     }
-    steps.insert(recorded);
-    while (steps.size() > keep_) {
-      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, *steps.begin()));
-      steps.erase(steps.begin());
+    std::erase(order, recorded);  // recorded again (a retried commit): now the newest
+    order.push_back(recorded);
+    while (order.size() > keep_) {
+      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, order.front()));
+      order.pop_front();
     }
   }
 
@@ -81,7 +88,7 @@ class FileDecisionLog : public DecisionLog {
   const std::string dir_;
   const size_t keep_;
   std::mutex mu_;
-  std::map<std::string, std::set<uint64_t>> steps_;  // recorded steps per job; guarded by mu_
+  std::map<std::string, std::deque<uint64_t>> order_;  // recorded steps per job, oldest first; guarded by mu_
 };
 
 }  // namespace

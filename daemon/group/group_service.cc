@@ -108,6 +108,7 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
   if (auto share = c.shares.find(node); share != c.shares.end()) {
     out->set_node_ranks(share->second.ranks);
     out->set_node_bytes(share->second.bytes);
+    out->set_node_attempt(share->second.attempt);
   }
 }
 
@@ -246,7 +247,7 @@ grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
                address, request->incarnation(),
                request->version().empty() ? "" : ", ckptd ",
                Truncated(request->version(), 64));
-    coordinator_->commits.MemberBack(request->node_rank());
+    coordinator_->commits.MemberBack(request->node_rank(), coordinator_->membership.VersionOf(request->node_rank()));
     if (restarted) {
       // Its trainers' ranks of any undecided step died with the old daemon.
       std::string why = fmt::format("node {} restarted", request->node_rank());

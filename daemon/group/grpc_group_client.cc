@@ -289,7 +289,7 @@ class GrpcGroupClient final : public GroupClient {
     step->manifest_json = manifest_json;
     step->header = {c.world_size(), c.nodes(), c.step_bytes(), c.step_tensors(), c.digest(), c.run(),
                     c.unix_time(), c.wall_time(), {c.metadata().begin(), c.metadata().end()}};
-    step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes()};
+    step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes(), c.node_attempt()};
     d.committed = std::move(step);
     return d;
   }

@@ -85,19 +85,31 @@ absl::Status Membership::Heartbeat(uint32_t node, uint64_t incarnation) {
   return absl::OkStatus();
 }
 
-std::vector<std::pair<uint32_t, std::string>> Membership::Expire(Clock::time_point now) {
-  std::vector<std::pair<uint32_t, std::string>> lost;
+std::vector<LostMember> Membership::Expire(Clock::time_point now) {
+  std::vector<LostMember> lost;
+  const auto wall_now = std::chrono::system_clock::now();
   std::lock_guard lock(mu_);
   for (uint32_t n = 0; n < members_.size(); ++n) {
     Member& m = members_[n];
     if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
       m.state = MemberState::kLost;
       ChangedLocked(m);
-      lost.emplace_back(n, fmt::format("node {} ({}) lost: no heartbeat for {:.1f} s", n, m.address,
-                                       std::chrono::duration<double>(now - m.last_heard).count()));
+      const auto silent_since = wall_now - std::chrono::duration_cast<std::chrono::system_clock::duration>(now - m.last_heard);
+      lost.push_back({n,
+                      fmt::format("node {} ({}) lost: no heartbeat for {:.1f} s", n, m.address,
+                                  std::chrono::duration<double>(now - m.last_heard).count()),
+                      m.changed_in,
+                      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                silent_since.time_since_epoch())
+                                                .count())});
     }
   }
   return lost;
+}
+
+uint64_t Membership::VersionOf(uint32_t node) const {
+  std::lock_guard lock(mu_);
+  return node < members_.size() ? members_[node].changed_in : 0;
 }
 
 MemberView Membership::ViewOf(uint32_t node, Clock::time_point now) const {

@@ -23,6 +23,14 @@ struct MemberView {
   uint64_t incarnation = 0;
 };
 
+// A member Expire marked lost.
+struct LostMember {
+  uint32_t node = 0;
+  std::string why;
+  uint64_t version = 0;               // of the membership change that marked it lost
+  uint64_t silent_since_unix_ns = 0;  // its last heartbeat, on the wall clock
+};
+
 class Membership {
  public:
   using Clock = std::chrono::steady_clock;
@@ -35,7 +43,9 @@ class Membership {
   // FailedPrecondition when the node must join (again) first.
   absl::Status Heartbeat(uint32_t node, uint64_t incarnation);
   // Marks members silent for longer than the timeout as lost; returns them with why.
-  std::vector<std::pair<uint32_t, std::string>> Expire(Clock::time_point now);
+  std::vector<LostMember> Expire(Clock::time_point now);
+  // The version of `node`'s last change (a join, a loss): orders what others learn of it.
+  uint64_t VersionOf(uint32_t node) const;
   std::vector<MemberView> View() const;
   // The members whose state, address or incarnation changed after version `since` (all of
   // them for 0, or a version this table never had), and the version they bring one to.

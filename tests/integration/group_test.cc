@@ -583,6 +583,9 @@ TEST_CASE("a daemon stopped past --group-timeout: its job's steps abort at once,
   for (auto& p : savers) {
     REQUIRE_WITHIN(c, kProcessBound, "a trainer registered", Contains(p->Stdout(), "registered, waiting"));
   }
+  // The run began before node 2 fell silent: it heartbeats (every 250 ms) after the
+  // registrations, as a daemon under a training run long since registered does.
+  std::this_thread::sleep_for(1s);
   c.node(2).Signal(SIGSTOP);
   REQUIRE_WITHIN(c, 10s, "the coordinator marks node 2 lost", MemberState(Status(c.node(0)), 2) == "lost");
   WriteFile(go, "");

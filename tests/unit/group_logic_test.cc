@@ -315,9 +315,9 @@ TEST_CASE("membership: a silent member is lost and must join again") {
   CHECK(m.Expire(Clock::now() + 50ms).empty());
   auto lost = m.Expire(Clock::now() + 500ms);
   REQUIRE(lost.size() == 1);
-  CHECK(lost[0].first == 1);
-  CHECK_THAT(lost[0].second, Catch::Contains("node 1"));
-  CHECK_THAT(lost[0].second, Catch::Contains("lost"));
+  CHECK(lost[0].node == 1);
+  CHECK_THAT(lost[0].why, Catch::Contains("node 1"));
+  CHECK_THAT(lost[0].why, Catch::Contains("lost"));
   CHECK(m.View()[1].state == MemberState::kLost);
   CHECK(m.Expire(Clock::now() + 1s).empty());  // reported once
 
@@ -565,7 +565,7 @@ TEST_CASE("commit: while a node of the job is lost, its run's steps abort at the
   c.Prepare(0, 1, RunPart("job", 10, 3, {0, 1}, run));
   REQUIRE(c.Prepare(1, 1, RunPart("job", 10, 3, {2}, run)).outcome == Outcome::kCommitted);
 
-  c.MemberLost(1, "node 1 (10.0.0.2:7000) lost: no heartbeat for 3.0 s");
+  c.MemberLost(1, "node 1 (10.0.0.2:7000) lost: no heartbeat for 3.0 s", 5, NowNanos(-3s));
   Decision at_once = c.Prepare(0, 2, RunPart("job", 20, 3, {0, 1}, run));
   CHECK(at_once.outcome == Outcome::kAborted);
   CHECK_THAT(at_once.reason, Catch::Contains("node 1 (10.0.0.2:7000) lost"));
@@ -579,9 +579,13 @@ TEST_CASE("commit: while a node of the job is lost, its run's steps abort at the
   CHECK(c.Prepare(0, 4, RunPart("job", 20, 3, {0, 1}, restarted)).outcome == Outcome::kPending);
   c.AbortIncomplete("test over");
 
+  // The same run with another world size (it shrank without node 1) is not held.
+  CHECK(c.Prepare(0, 4, RunPart("job", 25, 2, {0, 1}, run)).outcome == Outcome::kCommitted);
   // Node 1 joins again: the run that was training goes on committing.
-  c.MemberBack(1);
-  CHECK(c.Prepare(0, 5, RunPart("job", 30, 3, {0, 1}, run)).outcome == Outcome::kPending);
+  c.MemberBack(1, 6);
+  // A loss that raced with that join and arrives after it is older: ignored.
+  c.MemberLost(1, "node 1 lost (stale)", 5, NowNanos(-1s));
+  c.Prepare(0, 5, RunPart("job", 30, 3, {0, 1}, run));
   CHECK(c.Prepare(1, 2, RunPart("job", 30, 3, {2}, run)).outcome == Outcome::kCommitted);
 }
 
@@ -690,6 +694,11 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
   CHECK(log->FindCommit("job", 4)->has_value());
   CHECK(std::distance(std::filesystem::directory_iterator(dir / "decisions/job"),
                       std::filesystem::directory_iterator()) == 2);
+  // The job went back and commits a lower step: it is kept, the oldest record goes.
+  REQUIRE(log->RecordCommit("job", 2, "{\"two again\":2}").ok());
+  CHECK(log->FindCommit("job", 2)->has_value());
+  CHECK_FALSE(log->FindCommit("job", 3)->has_value());
+  CHECK(log->FindCommit("job", 4)->has_value());
 }
 
 TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {

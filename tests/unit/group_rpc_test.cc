@@ -177,7 +177,7 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   CHECK(last->committed->header.nodes == 3);
   CHECK(last->committed->header.step_bytes == manifest->total_bytes());
   CHECK(last->committed->header.digest == format::ManifestDigest(polled->committed->manifest_json));
-  CHECK(last->committed->shares.at(2) == NodeShare{1, manifest->Shard(3)->bytes});
+  CHECK(last->committed->shares.at(2) == NodeShare{1, manifest->Shard(3)->bytes, 1});  // attempt 1
   auto asked = clients[1]->GetOutcome("job", 100, 100ms);
   REQUIRE(asked.ok());
   CHECK(asked->committed->manifest_json.empty());
