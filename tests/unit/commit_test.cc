@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -161,7 +162,7 @@ class CountingGroupClient : public group::GroupClient {
   absl::StatusOr<group::Decision> Prepare(const format::Manifest& part, uint64_t attempt) override {
     prepares.fetch_add(1);
     ranks_prepared.fetch_add(part.shards.size());
-    return real_->Prepare(part, attempt);
+    return Tampered(real_->Prepare(part, attempt));
   }
   absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
                      const std::string& reason) override {
@@ -169,7 +170,7 @@ class CountingGroupClient : public group::GroupClient {
   }
   absl::StatusOr<group::Decision> GetOutcome(const std::string& job, uint64_t step,
                                              std::chrono::milliseconds wait, bool whole_manifest) override {
-    return real_->GetOutcome(job, step, wait, whole_manifest);
+    return Tampered(real_->GetOutcome(job, step, wait, whole_manifest));
   }
   absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
                                                   uint32_t participants, std::string payload,
@@ -183,8 +184,19 @@ class CountingGroupClient : public group::GroupClient {
 
   std::atomic<int> prepares{0};
   std::atomic<size_t> ranks_prepared{0};
+  // Changes what a commit says of this node, as a confused coordinator would.
+  std::function<void(group::CommittedStep&)> tamper;
 
  private:
+  absl::StatusOr<group::Decision> Tampered(absl::StatusOr<group::Decision> d) {
+    if (tamper && d.ok() && d->committed) {
+      auto changed = std::make_shared<group::CommittedStep>(*d->committed);
+      tamper(*changed);
+      d->committed = std::move(changed);
+    }
+    return d;
+  }
+
   group::GroupClientPtr real_;
 };
 
@@ -354,6 +366,22 @@ TEST_CASE("a node prepares all its ranks of a step in one call", "[commit]") {
   CHECK(f.sink->WaitFinal(early) == shm::kTicketCommitted);
   CHECK(f.sink->WaitFinal(late) == shm::kTicketCommitted);
   CHECK(f.kind.client->prepares == 3);
+}
+
+TEST_CASE("a node refuses a commit that gives it another attempt's ranks, and keeps its files in doubt") {
+  Fixture<Group> f;
+  // Node 0 is the one node that hears the whole manifest: this test plays node 0 of a
+  // group whose answer comes without it, as every other node hears it.
+  f.kind.client->tamper = [](group::CommittedStep& c) {
+    c.manifest_json.clear();
+    for (auto& [node, share] : c.shares) share.attempt += 1;
+  };
+  f.writer.Open();
+  uint64_t t = f.Submit(10, 0, 1);
+  CHECK(f.sink->WaitFinal(t) == shm::kTicketFailed);
+  CHECK_THAT(f.sink->error(t), Catch::Contains("from its attempt"));
+  CHECK(f.store.ListSteps("job")->empty());
+  CHECK(f.fs->Exists(f.store.TempStepDir("job", 10)));  // the coordinator says committed: kept
 }
 
 TEMPLATE_TEST_CASE("ranks that disagree on the world size are refused", "[commit]", SingleNode, Group) {

@@ -147,6 +147,12 @@ TEST_CASE("version 3 without a scope, and a scope in an older version, are refus
   RefusedFor(newer, "newer than this ckptd understands (3)");
 }
 
+TEST_CASE("a manifest describes at most 1M ranks, so that no reader walks billions of other nodes' ranks") {
+  auto j = nlohmann::json::parse(ManifestToJson(NodeOne()));
+  j["world_size"] = (1u << 20) + 1;
+  RefusedFor(j, "world_size 1048577 is over 1048576");
+}
+
 TEST_CASE("a scoped manifest's shards ascend, are not empty, and hold every piece it lists") {
   auto j = nlohmann::json::parse(ManifestToJson(NodeOne()));
   auto swapped = j;
