@@ -159,7 +159,7 @@ class Cluster {
     for (size_t n = 0; n < layout_.size(); ++n) {
       dirs_.push_back(std::make_unique<TempDir>());
       daemons_.emplace_back();
-      metrics_ports_.push_back(PickFreePort());
+      metrics_ports_.push_back(0);  // picked when the node is first started
       world_size_ += static_cast<uint32_t>(layout_[n].size());
     }
     token_file_ = shared_ / "token";
@@ -168,6 +168,7 @@ class Cluster {
 
   std::string step_timeout = "3s";   // --step-timeout of daemons not started yet
   std::string group_timeout = "1s";  // --group-timeout of daemons not started yet
+  bool metrics_everywhere = true;    // else only node 0 serves /metrics (fewer ports to pick)
 
   int num_nodes() const { return static_cast<int>(layout_.size()); }
   uint32_t world_size() const { return world_size_; }
@@ -185,8 +186,8 @@ class Cluster {
   std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
                                   "--coordinator", coordinator, "--group-token-file", token_file_,
-                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", "10s",
-                                  "--metrics-addr", std::to_string(metrics_ports_[n])};
+                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", "10s"};
+    if (metrics_everywhere || n == 0) f.insert(f.end(), {"--metrics-addr", std::to_string(metrics_ports_[n])});
     if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
     return f;
   }
@@ -195,6 +196,9 @@ class Cluster {
   // and starts it: until its socket answers.
   void Start(int n, const std::string& coordinator = "") {
     if (!daemons_[n]) {
+      // Picked now, not when the cluster was made: with many daemons up, their group servers'
+      // and connections' ephemeral ports would by then have taken some of the ports picked.
+      metrics_ports_[n] = PickFreePort();
       daemons_[n] = std::make_unique<Daemon>(*dirs_[n], GroupFlags(n, coordinator.empty() ? this->coordinator() : coordinator));
     }
     daemons_[n]->Start();
@@ -475,6 +479,7 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
   // turn for seconds, which must not count as a lost member.
   c.group_timeout = "30s";
   c.step_timeout = "120s";
+  c.metrics_everywhere = false;
   c.StartAll();
   REQUIRE_WITHIN(c, 120s, "every node joined and alive", c.AllAlive());
   c.SaveAllCommitted(10);
