@@ -70,7 +70,6 @@ std::set<uint32_t> GroupCommitter::TakeReadyLocked(const Key& key, uint64_t atte
   // Taken by one sender (the I/O thread or the watcher), never both.
   std::set<uint32_t> ready = std::move(w->second.unsent);
   w->second.unsent.clear();
-  w->second.sending.insert(ready.begin(), ready.end());
   return ready;
 }
 
@@ -78,11 +77,11 @@ void GroupCommitter::SentLocked(const Key& key, uint64_t attempt, const std::set
                                 bool delivered) {
   auto w = watches_.find(key);
   if (w == watches_.end() || w->second.attempt != attempt) return;
-  for (uint32_t r : ranks) {
-    w->second.sending.erase(r);
-    if (!delivered) w->second.unsent.insert(r);
+  if (delivered) {
+    w->second.acknowledged = true;
+  } else {
+    w->second.unsent.insert(ranks.begin(), ranks.end());
   }
-  if (delivered) w->second.acknowledged = true;
 }
 
 bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
@@ -96,7 +95,6 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
       // so there is nothing left to send; the watcher only asks for the outcome now.
       if (auto w = watches_.find(key); w != watches_.end() && w->second.attempt == attempt) {
         w->second.unsent.clear();
-        w->second.sending.clear();
       }
       return true;
     }

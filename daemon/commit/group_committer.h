@@ -41,7 +41,6 @@ class GroupCommitter : public CommitterBase {
  private:
   struct Watch {
     std::set<uint32_t> unsent;   // durable ranks whose prepare was not acknowledged
-    std::set<uint32_t> sending;  // ranks of a prepare in flight
     bool acknowledged = false;   // the coordinator has seen a prepare of this node
     Clock::time_point since;     // first prepare (or adoption)
     bool released = false;       // tickets told "in doubt", memory released
@@ -52,8 +51,9 @@ class GroupCommitter : public CommitterBase {
   // Sends prepares for `ranks` of `key`; true when acknowledged. Applies a decision that
   // comes back with the reply.
   bool SendPrepare(const Key& key, uint64_t attempt, const std::set<uint32_t>& ranks);
-  // The ranks of `key` to prepare now, moved from unsent to sending: every unsent durable
-  // rank, once none of this node's arrived ranks is still being written; empty before then.
+  // The ranks of `key` to prepare now, taken from unsent (a sender that fails puts them
+  // back): every unsent durable rank, once none of this node's arrived ranks is still being
+  // written; empty before then.
   std::set<uint32_t> TakeReadyLocked(const Key& key, uint64_t attempt);
   // A prepare of `ranks` returned: acknowledged, or back to unsent to be sent again.
   void SentLocked(const Key& key, uint64_t attempt, const std::set<uint32_t>& ranks, bool delivered);
