@@ -257,17 +257,15 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
                 out);
     return recent_[key].decision;
   }
-  const size_t node_count = merged->nodes.size();
   Decision decision{Outcome::kCommitted, {}, std::move(committed)};
   for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
-  uint64_t& latest = latest_committed_[key.first];
-  latest = std::max(latest, key.second);
-  LastCommit& last = last_commit_[key.first];
-  last.world_size = merged->world_size;
-  last.nodes.clear();
-  for (const format::ManifestNode& n : merged->nodes) last.nodes.push_back(n.node);
+  JobCommits& job = jobs_[key.first];
+  job.latest_step = std::max(job.latest_step, key.second);
+  job.world_size = merged->world_size;
+  job.nodes.clear();
+  for (const format::ManifestNode& n : merged->nodes) job.nodes.push_back(n.node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
-             round->second.world_size, node_count);
+             round->second.world_size, job.nodes.size());
   round_ranks_ -= round->second.world_size;
   rounds_.erase(round);
   RememberLocked(key, decision);
@@ -408,11 +406,16 @@ Decision CommitCoordinator::FromLog(const Key& key) {
   return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(DescribeCommit(std::move(**recorded), *whole))};
 }
 
-std::string CommitCoordinator::MissingRanks(const Round& round, size_t limit) {
+std::vector<uint32_t> CommitCoordinator::MissingRankList(const Round& round, size_t most) {
   std::vector<uint32_t> missing;
-  for (uint32_t r = 0; r < round.world_size && missing.size() <= limit; ++r) {
+  for (uint32_t r = 0; r < round.world_size && missing.size() < most; ++r) {
     if (round.node_of_rank[r] == kNoNode) missing.push_back(r);
   }
+  return missing;
+}
+
+std::string CommitCoordinator::MissingRanks(const Round& round, size_t limit) {
+  const std::vector<uint32_t> missing = MissingRankList(round, limit + 1);  // one more: "..."
   size_t shown = std::min(missing.size(), limit);
   return fmt::format("{}{}", fmt::join(missing.begin(), missing.begin() + shown, ", "),
                      missing.size() > limit ? ", ..." : "");
@@ -453,9 +456,9 @@ void CommitCoordinator::MemberBack(uint32_t node, uint64_t version) {
 std::optional<std::string> CommitCoordinator::LostHolderLocked(const std::string& job, uint64_t run,
                                                                uint32_t world_size) const {
   if (run == 0) return std::nullopt;
-  auto last = last_commit_.find(job);
+  auto last = jobs_.find(job);
   // A job whose world changed since (restarted smaller, without the lost node) is not held.
-  if (last == last_commit_.end() || last->second.world_size != world_size) return std::nullopt;
+  if (last == jobs_.end() || last->second.world_size != world_size) return std::nullopt;
   for (uint32_t node : last->second.nodes) {
     auto news = members_.find(node);
     if (news != members_.end() && news->second.lost && run < news->second.since_unix_ns) {
@@ -504,9 +507,7 @@ std::vector<StepProgress> CommitCoordinator::InFlight() const {
   for (const auto& [key, round] : rounds_) {
     StepProgress p{key.first, key.second, round.world_size, {},
                    std::chrono::duration<double>(now - round.started).count()};
-    for (uint32_t r = 0; r < round.world_size && p.missing_ranks.size() < 64; ++r) {
-      if (round.node_of_rank[r] == kNoNode) p.missing_ranks.push_back(r);
-    }
+    p.missing_ranks = MissingRankList(round, 64);
     out.push_back(std::move(p));
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.age_s > b.age_s; });
@@ -515,7 +516,9 @@ std::vector<StepProgress> CommitCoordinator::InFlight() const {
 
 std::map<std::string, uint64_t> CommitCoordinator::LatestCommitted() const {
   std::lock_guard lock(mu_);
-  return latest_committed_;
+  std::map<std::string, uint64_t> latest;
+  for (const auto& [job, commits] : jobs_) latest[job] = commits.latest_step;
+  return latest;
 }
 
 void CommitCoordinator::ReleaseWaiters() {

@@ -174,31 +174,35 @@ class CommitCoordinator {
   static void ForgetNodeLocked(Round& round, uint32_t node);
   // Records that `node` prepared `rank`; the node that had already prepared it otherwise.
   static std::optional<uint32_t> ClaimLocked(Round& round, uint32_t rank, uint32_t node);
+  // The first `most` ranks no node has prepared yet.
+  static std::vector<uint32_t> MissingRankList(const Round& round, size_t most);
+  // The same as text: "1, 2, ..." (`limit` named).
   static std::string MissingRanks(const Round& round, size_t limit = 16);
   // Why a run of `job` that began at `run` (ns) cannot commit now: a node that held ranks
   // of the job's last commit is lost since after `run`. nullopt when none is.
   std::optional<std::string> LostHolderLocked(const std::string& job, uint64_t run, uint32_t world_size) const;
   static void Deliver(Notifications& notifications);
+  // The decision of a committed step, from the decision log (a restarted coordinator, or
+  // a manifest dropped from memory); unknown when there is no record.
+  Decision FromLog(const Key& key);
 
   DecisionLog& log_;
   const Options options_;
   mutable std::mutex mu_;
   std::map<Key, Round> rounds_;
   uint64_t round_ranks_ = 0;  // the world sizes of rounds_, in all: what they hold in memory
-  // The decision of a committed step, from the decision log (a restarted coordinator, or
-  // a manifest dropped from memory); unknown when there is no record.
-  Decision FromLog(const Key& key);
   // Recent decisions, for quick answers and to tell a retried prepare from a new attempt.
   std::map<Key, Remembered> recent_;
   std::deque<Key> recent_order_;
   size_t recent_manifest_bytes_ = 0;  // of the decisions in recent_
   size_t recent_share_bytes_ = 0;
-  std::map<std::string, uint64_t> latest_committed_;
-  struct LastCommit {
+  // Per job: its newest committed step, and the world and nodes of its last commit.
+  struct JobCommits {
+    uint64_t latest_step = 0;
     uint32_t world_size = 0;
     std::vector<uint32_t> nodes;
   };
-  std::map<std::string, LastCommit> last_commit_;  // per job
+  std::map<std::string, JobCommits> jobs_;
   std::map<uint32_t, MemberNews> members_;
 };
 
