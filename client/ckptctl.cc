@@ -1,8 +1,6 @@
 // ckptctl: the operator's view of ckptd (status, health, list, show, verify, delete, wait:
 // client/ctl_commands.h), and export of a step's files without a daemon
 // (client/export_command.h). Exit codes: client/ctl_exit.h.
-#include <unistd.h>
-
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -17,7 +15,6 @@
 #include "client/ctl_commands.h"
 #include "client/ctl_exit.h"
 #include "client/export_command.h"
-#include "client/progress_bar.h"
 #include "common/status.h"
 #include "format/checkpoint_store.h"
 #include "format/verify.h"
@@ -60,12 +57,7 @@ int Offline(const Options& o, bool list) {
     }
     job = jobs->front();
   }
-  std::optional<ckpt::ctl::ProgressBar> bar;
-  if (o.progress_lines) {
-    bar.emplace("verify", ckpt::ctl::ProgressBar::Style::kLines);
-  } else if (!o.json && o.progress && ::isatty(STDERR_FILENO)) {
-    bar.emplace("verify", ckpt::ctl::ProgressBar::Style::kBar);
-  }
+  std::optional<ckpt::ctl::ProgressBar> bar = Commands::VerifyProgress(o);
   ckpt::format::VerifyOptions options;
   if (bar) {
     options.progress = [&](uint64_t checked, uint64_t total) {

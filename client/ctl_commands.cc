@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "client/ctl_exit.h"
-#include "client/progress_bar.h"
 #include "client/proto_json.h"
 #include "client/table.h"
 #include "proto/health.grpc.pb.h"
@@ -270,12 +269,7 @@ int Commands::Verify() {
   int code = kError;
   std::optional<CheckpointRef> ref = Ref("verify", &code);
   if (!ref) return code;
-  std::optional<ProgressBar> bar;
-  if (o_.progress_lines) {
-    bar.emplace("verify", ProgressBar::Style::kLines);
-  } else if (!o_.json && o_.progress && ::isatty(STDERR_FILENO)) {
-    bar.emplace("verify", ProgressBar::Style::kBar);
-  }
+  std::optional<ProgressBar> bar = VerifyProgress(o_);
   auto context = Context(kVerifySeconds);
   std::unique_ptr<grpc::ClientReader<VerifyUpdate>> stream = stub_->VerifyWithProgress(context.get(), *ref);
   VerifyUpdate update;
@@ -288,6 +282,12 @@ int Commands::Verify() {
   if (!s.ok()) return Failed("verify", s, kVerifySeconds);
   if (!result) return Report(o_, "verify", kError, "ckptd ended the verify without a result");
   return PrintVerify(*result, ref->job(), *o_.step, o_);
+}
+
+std::optional<ProgressBar> Commands::VerifyProgress(const Options& o) {
+  if (o.progress_lines) return ProgressBar("verify", ProgressBar::Style::kLines);
+  if (!o.json && o.progress && ::isatty(STDERR_FILENO)) return ProgressBar("verify", ProgressBar::Style::kBar);
+  return std::nullopt;
 }
 
 int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t step, const Options& o) {

@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 
+#include "client/progress_bar.h"
 #include "proto/admin.grpc.pb.h"
 
 namespace ckpt::ctl {
@@ -57,6 +58,9 @@ class Commands {
 
   // Printing shared with the commands that read files directly (--root).
   static int PrintList(const ::ckptd::v1::ListReply& r, const Options& o);
+  // verify's progress on stderr, as the options ask: lines (--progress), a bar on a terminal,
+  // or none (--no-progress, --json).
+  static std::optional<ProgressBar> VerifyProgress(const Options& o);
   static int PrintVerify(const ::ckptd::v1::VerifyReply& r, const std::string& job, uint64_t step,
                          const Options& o);
 
