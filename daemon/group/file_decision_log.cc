@@ -4,7 +4,6 @@
 #include <deque>
 #include <map>
 #include <mutex>
-#include <set>
 #include <vector>
 
 #include "common/names.h"
@@ -79,7 +78,7 @@ class FileDecisionLog : public DecisionLog {
     std::erase(order, recorded);  // recorded again (a retried commit): now the newest
     order.push_back(recorded);
     while (order.size() > keep_) {
-      (void)fs_->RemoveTree(fmt::format("{}/step-{:08d}.json", job_dir, order.front()));
+      (void)fs_->RemoveTree(Path(job, order.front()));
       order.pop_front();
     }
   }
