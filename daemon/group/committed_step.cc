@@ -1,22 +1,31 @@
 #include "daemon/group/committed_step.h"
 
-#include <algorithm>
 #include <set>
+#include <utility>
 
 namespace ckpt::group {
+
+namespace {
+
+// What a node-scoped manifest says of the whole step `whole`, whose text hashes to `digest`.
+StepHeader HeaderOf(const format::Manifest& whole, std::string digest) {
+  return {whole.world_size,
+          static_cast<uint32_t>(whole.nodes.size()),
+          whole.total_bytes(),
+          static_cast<uint32_t>(whole.tensors.size()),
+          std::move(digest),
+          whole.run,
+          whole.unix_time,
+          whole.wall_time,
+          whole.metadata};
+}
+
+}  // namespace
 
 CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
                              const std::map<uint32_t, uint64_t>& attempts) {
   CommittedStep c;
-  c.header.world_size = whole.world_size;
-  c.header.nodes = static_cast<uint32_t>(whole.nodes.size());
-  c.header.step_bytes = whole.total_bytes();
-  c.header.step_tensors = static_cast<uint32_t>(whole.tensors.size());
-  c.header.digest = format::ManifestDigest(json);
-  c.header.run = whole.run;
-  c.header.unix_time = whole.unix_time;
-  c.header.wall_time = whole.wall_time;
-  c.header.metadata = whole.metadata;
+  c.header = HeaderOf(whole, format::ManifestDigest(json));
   c.node_of_rank.assign(whole.world_size, ~uint32_t{0});
   for (const format::ManifestNode& node : whole.nodes) {
     NodeShare& share = c.shares[node.node];
@@ -46,20 +55,17 @@ format::Manifest NodeManifest(format::Manifest part, const StepHeader& header, u
 }
 
 format::Manifest NodeManifestFromWhole(const format::Manifest& whole, const std::string& digest, uint32_t node) {
-  format::Manifest m = whole;
+  format::Manifest part = whole;
   std::set<uint32_t> mine;
   for (const format::ManifestNode& n : whole.nodes) {
     if (n.node == node) mine.insert(n.ranks.begin(), n.ranks.end());
   }
-  std::erase_if(m.shards, [&](const format::ManifestShard& s) { return !mine.count(s.rank); });
-  for (auto& [name, tensor] : m.tensors) {
+  std::erase_if(part.shards, [&](const format::ManifestShard& s) { return !mine.count(s.rank); });
+  for (auto& [name, tensor] : part.tensors) {
     std::erase_if(tensor.shards, [&](const format::TensorShard& s) { return !mine.count(s.rank); });
   }
-  std::erase_if(m.tensors, [](const auto& t) { return t.second.shards.empty(); });
-  m.nodes = {{node, {mine.begin(), mine.end()}}};
-  m.scope = format::StepScope{node, static_cast<uint32_t>(whole.nodes.size()), whole.total_bytes(),
-                              static_cast<uint32_t>(whole.tensors.size()), digest};
-  return m;
+  std::erase_if(part.tensors, [](const auto& t) { return t.second.shards.empty(); });
+  return NodeManifest(std::move(part), HeaderOf(whole, digest), node);
 }
 
 }  // namespace ckpt::group
