@@ -1,0 +1,88 @@
+#include "format/part_structure.h"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+namespace ckpt::format {
+namespace {
+
+// Calls `slot(std::string&)` on every checksum of `m`, in PartValues::checksums order. The
+// structure keeps each slot, empty, so that a values list fits it by position.
+template <typename ManifestT, typename Slot>
+void ForEachChecksum(ManifestT& m, Slot&& slot) {
+  for (auto& [name, tensor] : m.tensors) {
+    for (auto& piece : tensor.shards) {
+      slot(piece.checksum);
+      for (auto& chunk : piece.chunk_checksums) slot(chunk);
+    }
+  }
+  for (auto& shard : m.shards) {
+    for (auto& [name, entry] : shard.train_state) slot(entry.checksum);
+  }
+}
+
+}  // namespace
+
+SplitResult SplitPart(const Manifest& part) {
+  SplitResult out;
+  auto structure = std::make_shared<PartStructure>();
+  Manifest& s = structure->structure;
+  s = part;
+  PartValues& v = out.values;
+  v.step = part.step;
+  v.run = part.run;
+  v.unix_time = part.unix_time;
+  v.wall_time = part.wall_time;
+  v.metadata = part.metadata;
+  s.step = 0;
+  s.run = 0;
+  s.unix_time = 0;
+  s.wall_time.clear();
+  s.metadata.clear();
+  for (ManifestShard& shard : s.shards) {
+    v.ranks.push_back({shard.bytes, std::move(shard.metadata)});
+    shard.bytes = 0;
+    shard.metadata.clear();
+  }
+  ForEachChecksum(s, [&](std::string& checksum) { v.checksums.push_back(std::exchange(checksum, {})); });
+  const std::string json = ManifestToJson(s);
+  structure->digest = ManifestDigest(json);
+  structure->json_bytes = json.size();
+  structure->checksums = v.checksums.size();
+  out.structure = std::move(structure);
+  return out;
+}
+
+absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& values) {
+  if (values.ranks.size() != structure.structure.shards.size()) {
+    return absl::InvalidArgumentError(fmt::format("values for {} ranks, but structure {} has {}",
+                                                  values.ranks.size(), structure.digest,
+                                                  structure.structure.shards.size()));
+  }
+  if (values.checksums.size() != structure.checksums) {
+    return absl::InvalidArgumentError(fmt::format("{} checksums, but structure {} has {}",
+                                                  values.checksums.size(), structure.digest,
+                                                  structure.checksums));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValues& values) {
+  if (absl::Status fits = CheckValuesFit(structure, values); !fits.ok()) return fits;
+  Manifest m = structure.structure;
+  m.step = values.step;
+  m.run = values.run;
+  m.unix_time = values.unix_time;
+  m.wall_time = values.wall_time;
+  m.metadata = values.metadata;
+  for (size_t i = 0; i < m.shards.size(); ++i) {
+    m.shards[i].bytes = values.ranks[i].bytes;
+    m.shards[i].metadata = values.ranks[i].metadata;
+  }
+  size_t next = 0;
+  ForEachChecksum(m, [&](std::string& checksum) { checksum = values.checksums[next++]; });
+  return m;
+}
+
+}  // namespace ckpt::format

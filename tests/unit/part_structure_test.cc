@@ -1,0 +1,82 @@
+// A part splits into its structure and one step's values and joins back to the same
+// manifest; values that do not fit the structure are refused, naming the difference.
+#include <catch2/catch.hpp>
+
+#include "common/status.h"
+#include "format/part_structure.h"
+
+using namespace ckpt::format;
+
+namespace {
+
+// Ranks 2 and 3 of a world of 4, one tensor with a chunked piece, a train-state entry.
+Manifest Part(uint64_t step, const std::string& checksum) {
+  Manifest m;
+  m.job = "llm";
+  m.step = step;
+  m.unix_time = 1.5e9 + static_cast<double>(step);
+  m.wall_time = "2026-11-22T06:00:00Z";
+  m.world_size = 4;
+  m.ckptd_version = "0.1.0";
+  m.run = 7;
+  m.checksum_chunk_bytes = 8;
+  m.metadata = {{"loss", std::to_string(step)}};
+  for (uint32_t r = 2; r < 4; ++r) {
+    ManifestShard s;
+    s.rank = r;
+    s.file = ShardFileName(r);
+    s.bytes = 100 + step + r;
+    s.metadata = {{"seen", std::to_string(step * r)}};
+    s.train_state["rng"] = {16, 24, checksum};
+    m.shards.push_back(s);
+    TensorShard piece{r, s.file, 0, 16, {2 * r, 0}, {2, 2}, checksum, {checksum, checksum}, {}};
+    m.tensors["w"].dtype = "F32";
+    m.tensors["w"].global_shape = {8, 2};
+    m.tensors["w"].shards.push_back(piece);
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("a part joins back from its structure and values") {
+  Manifest part = Part(100, "xxh3:00000000000000ab");
+  SplitResult split = SplitPart(part);
+  CHECK(split.structure->checksums == 8);  // 2 pieces x (1 + 2 chunks) + 2 train-state entries
+  CHECK(split.values.ranks.size() == 2);
+  auto joined = JoinPart(*split.structure, split.values);
+  REQUIRE(joined.ok());
+  CHECK(ManifestToJson(*joined) == ManifestToJson(part));
+}
+
+TEST_CASE("steps of the same structure share its digest; a changed structure does not") {
+  SplitResult a = SplitPart(Part(100, "xxh3:00000000000000ab"));
+  SplitResult b = SplitPart(Part(200, "xxh3:00000000000000cd"));
+  CHECK(a.structure->digest == b.structure->digest);
+  CHECK(a.values.checksums != b.values.checksums);
+  // Step 200's values on step 100's structure: step 200's part exactly.
+  auto joined = JoinPart(*a.structure, b.values);
+  REQUIRE(joined.ok());
+  CHECK(ManifestToJson(*joined) == ManifestToJson(Part(200, "xxh3:00000000000000cd")));
+
+  Manifest moved = Part(100, "xxh3:00000000000000ab");
+  moved.tensors["w"].shards[0].end = 20;  // another byte range: another file layout
+  CHECK(SplitPart(moved).structure->digest != a.structure->digest);
+  Manifest renamed = Part(100, "xxh3:00000000000000ab");
+  renamed.job = "other";
+  CHECK(SplitPart(renamed).structure->digest != a.structure->digest);
+}
+
+TEST_CASE("values that do not fit a structure are refused") {
+  SplitResult split = SplitPart(Part(100, "xxh3:00000000000000ab"));
+  PartValues fewer = split.values;
+  fewer.checksums.pop_back();
+  auto short_checksums = JoinPart(*split.structure, fewer);
+  REQUIRE_FALSE(short_checksums.ok());
+  CHECK_THAT(ckpt::Message(short_checksums.status()), Catch::Contains("7 checksums") && Catch::Contains("has 8"));
+  PartValues more_ranks = split.values;
+  more_ranks.ranks.emplace_back();
+  auto extra = JoinPart(*split.structure, more_ranks);
+  REQUIRE_FALSE(extra.ok());
+  CHECK_THAT(ckpt::Message(extra.status()), Catch::Contains("values for 3 ranks"));
+}
