@@ -153,8 +153,8 @@ class ExitAfterRecord : public group::DecisionLog {
  public:
   explicit ExitAfterRecord(group::DecisionLogPtr inner) : inner_(std::move(inner)) {}
   absl::Status RecordCommit(const std::string& job, uint64_t step,
-                            const std::string& manifest_json) override {
-    absl::Status s = inner_->RecordCommit(job, step, manifest_json);
+                            const std::string& record_json) override {
+    absl::Status s = inner_->RecordCommit(job, step, record_json);
     if (s.ok()) {
       log::Get(log::Component::kGroup)
           .warn("[{} s{}] CKPTD_FAULT=exit-after-commit-record: exiting", job, step);
@@ -166,6 +166,12 @@ class ExitAfterRecord : public group::DecisionLog {
   absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
                                                         uint64_t step) override {
     return inner_->FindCommit(job, step);
+  }
+  absl::Status RecordManifest(const std::string& job, uint64_t step, const std::string& manifest_json) override {
+    return inner_->RecordManifest(job, step, manifest_json);
+  }
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step) override {
+    return inner_->FindManifest(job, step);
   }
 
  private:

@@ -17,6 +17,8 @@ namespace ckpt::format {
 namespace {
 
 constexpr char kManifestName[] = "manifest.json";
+// RecordPrepared's file: a dot name, which no shard file can have (ShardFileName).
+constexpr char kPreparedName[] = ".prepared.json";
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -90,9 +92,28 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
         StepDir(manifest.job, manifest.step), manifest.step, manifest.job));
   }
   CKPT_RETURN_IF_ERROR(published);
+  // Best effort: a record left behind (a crash just now) is ignored by every reader.
+  (void)objects_->RemovePrefix(StepKey(manifest.job, manifest.step) + "/" + kPreparedName);
   std::lock_guard lock(mu_);
   runs_[{manifest.job, manifest.step}] = manifest.run;
   return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::RecordPrepared(const Manifest& part) {
+  return objects_->Put(TempStepKey(part.job, part.step) + "/" + kPreparedName, ManifestToJson(part));
+}
+
+absl::StatusOr<std::optional<Manifest>> CheckpointStore::LoadPrepared(const std::string& job, uint64_t step) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  const std::string key = TempStepKey(job, step) + "/" + kPreparedName;
+  CKPT_ASSIGN_OR_RETURN(bool exists, objects_->Exists(key));
+  if (!exists) return std::optional<Manifest>();
+  CKPT_ASSIGN_OR_RETURN(std::string json, objects_->Get(key, kMaxManifestBytes));
+  CKPT_ASSIGN_OR_RETURN(Manifest part, ParseManifest(json, objects_->Describe(key), ManifestScope::kPart));
+  if (part.job != job || part.step != step) {
+    return absl::DataLossError(fmt::format("{} is a record of job {} step {}", objects_->Describe(key), part.job, part.step));
+  }
+  return std::optional<Manifest>(std::move(part));
 }
 
 absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {

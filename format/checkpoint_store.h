@@ -57,6 +57,12 @@ class CheckpointStore {
   absl::Status Commit(const Manifest& manifest);
   // Removes an unfinished step directory.
   absl::Status AbortStep(const std::string& job, uint64_t step);
+  // A group node's record, in the step's staging, of the ranks it prepared (`part`, as sent
+  // to the coordinator): what it publishes its share from when it restarted meanwhile and
+  // hears only the commit's header. Durable when it returns; Commit removes it.
+  absl::Status RecordPrepared(const Manifest& part);
+  // nullopt when the step's staging holds none.
+  absl::StatusOr<std::optional<Manifest>> LoadPrepared(const std::string& job, uint64_t step);
 
   // Committed steps (directories with a manifest), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListSteps(const std::string& job);

@@ -87,6 +87,7 @@ void GroupCommitter::SentLocked(const Key& key, uint64_t attempt, const std::set
 bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
                                  const std::set<uint32_t>& ranks) {
   absl::StatusOr<format::Manifest> part;
+  std::optional<format::Manifest> record;  // node-local disks: kept in the step's staging
   {
     std::lock_guard lock(mu_);
     auto it = steps_.find(key);
@@ -107,6 +108,22 @@ bool GroupCommitter::SendPrepare(const Key& key, uint64_t attempt,
       return false;
     }
     part = BuildManifest(key.first, key.second, it->second.world_size, chosen);
+    if (part.ok() && !store_.shared()) {
+      // What this node publishes from if it restarts before hearing the decision: every
+      // rank of the attempt prepared so far, this prepare's and earlier ones'.
+      if (chosen.size() == it->second.durable.size()) {
+        record = *part;
+      } else if (auto all = BuildManifest(key.first, key.second, it->second.world_size, it->second.durable); all.ok()) {
+        record = std::move(*all);
+      } else {
+        part = all.status();
+      }
+    }
+  }
+  if (part.ok() && record) {
+    if (absl::Status kept = store_.RecordPrepared(*record); !kept.ok()) {
+      part = Annotate(kept, "recording the prepared ranks");
+    }
   }
   if (!part.ok()) {
     {
@@ -217,6 +234,15 @@ void GroupCommitter::ReleaseInDoubt(const Key& key, double waited_s) {
 
 void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decision& decision) {
   bool ours = false;  // the step in the table is the attempt decided
+  // A commit without the whole manifest is published by a node that no longer holds its
+  // snapshots (it restarted, or released the step in doubt) from the record of what it
+  // prepared; without one, its watcher asks for the whole manifest.
+  bool recorded = false;
+  if (decision.outcome == group::Outcome::kCommitted && decision.committed->manifest_json.empty() &&
+      !HoldsAttempt(key, attempt)) {
+    auto prepared = store_.LoadPrepared(key.first, key.second);
+    recorded = prepared.ok() && prepared->has_value();
+  }
   {
     std::lock_guard lock(mu_);
     auto step = steps_.find(key);
@@ -225,9 +251,8 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     bool watched = watch != watches_.end() && watch->second.attempt == attempt;
     // The I/O thread (prepare reply) and the watcher (outcome poll) may both hear it.
     if (applying_.count(key) || (!ours && !watched)) return;
-    // A commit without the whole manifest cannot be published by a node that no longer
-    // holds its snapshots (released in doubt just now): its watcher asks for the whole one.
-    if (!ours && decision.outcome == group::Outcome::kCommitted && decision.committed->manifest_json.empty()) {
+    if (!ours && !recorded && decision.outcome == group::Outcome::kCommitted &&
+        decision.committed->manifest_json.empty()) {
       return;
     }
     // A newer attempt at the same step is writing: leave its directory alone.
@@ -303,7 +328,7 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
     CKPT_RETURN_IF_ERROR(CheckWhole(key, whole));
     if (node_rank_ == 0 || store_.shared()) return whole;
     format::Manifest mine =
-        group::NodeManifestFromWhole(whole, format::ManifestDigest(committed.manifest_json), node_rank_);
+        group::NodeManifestFromWhole(whole, committed.header.digest, node_rank_);
     if (mine.shards.empty()) {
       // Files of an attempt the commit does not include (the job saved the step again
       // without this node): not part of the step.
@@ -313,6 +338,7 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
   }
   // Every other node: the manifest of its own durable ranks, as it prepared them, with the
   // step's header. The commit's share of this node must be what it wrote.
+  if (!HoldsAttempt(key, 0)) return FromPreparedRecord(key, committed);
   std::lock_guard lock(mu_);
   auto step = steps_.find(key);
   if (step == steps_.end()) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
@@ -344,6 +370,38 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
   }
   format::Manifest mine = group::NodeManifest(std::move(part), header, node_rank_);
   // Whatever the wire said, what is renamed into place must read back.
+  CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(mine), "this node's manifest").status());
+  return mine;
+}
+
+bool GroupCommitter::HoldsAttempt(const Key& key, uint64_t attempt) {
+  std::lock_guard lock(mu_);
+  auto step = steps_.find(key);
+  return step != steps_.end() && (attempt == 0 || step->second.attempt == attempt);
+}
+
+absl::StatusOr<format::Manifest> GroupCommitter::FromPreparedRecord(const Key& key,
+                                                                   const group::CommittedStep& committed) {
+  CKPT_ASSIGN_OR_RETURN(std::optional<format::Manifest> prepared, store_.LoadPrepared(key.first, key.second));
+  if (!prepared) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
+  group::NodeShare recorded{0, 0, 0};
+  for (const format::ManifestShard& s : prepared->shards) {
+    ++recorded.ranks;
+    recorded.bytes += s.bytes;
+  }
+  auto share = committed.shares.find(node_rank_);
+  group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
+  if (given.ranks == 0) {
+    // Files of an attempt the commit does not include: not part of the step.
+    return absl::NotFoundError(fmt::format("the commit of step {} gives this node no ranks", key.second));
+  }
+  if (given.ranks != recorded.ranks || given.bytes != recorded.bytes || prepared->world_size != committed.header.world_size) {
+    return absl::DataLossError(fmt::format(
+        "the coordinator committed {} ranks ({} bytes) of this node (node {}); its record of what it prepared holds {} "
+        "ranks ({} bytes)",
+        given.ranks, given.bytes, node_rank_, recorded.ranks, recorded.bytes));
+  }
+  format::Manifest mine = group::NodeManifest(std::move(*prepared), committed.header, node_rank_);
   CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(mine), "this node's manifest").status());
   return mine;
 }

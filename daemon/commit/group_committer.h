@@ -71,6 +71,11 @@ class GroupCommitter : public CommitterBase {
   // A whole manifest must be about `key` and list this node's durable ranks as the files it
   // wrote.
   absl::Status CheckWhole(const Key& key, const format::Manifest& manifest);
+  // Whether this node holds the step's snapshots, of `attempt` (0: of any attempt).
+  bool HoldsAttempt(const Key& key, uint64_t attempt);
+  // This node's manifest of a committed step whose snapshots it no longer holds, from the
+  // record of what it prepared (CheckpointStore::RecordPrepared) and the commit's header.
+  absl::StatusOr<format::Manifest> FromPreparedRecord(const Key& key, const group::CommittedStep& committed);
 
   group::GroupClient& client_;
   const uint32_t node_rank_;

@@ -25,6 +25,8 @@ constexpr size_t kMaxRounds = 4096;
 // Ranks of the undecided steps, in all (each costs 4 bytes): 1M-rank jobs keep a few steps
 // in flight, and a peer cannot make the coordinator hold gigabytes.
 constexpr uint64_t kMaxRoundRanks = uint64_t{64} << 20;
+// Structure checks remembered (CheckStructures), in all: a few per job.
+constexpr size_t kStructureChecks = 64;
 
 std::string Prefix(const std::string& job, uint64_t step) { return fmt::format("[{} s{}]", job, step); }
 
@@ -47,10 +49,48 @@ const char* OutcomeName(Outcome outcome) {
 }
 
 CommitCoordinator::CommitCoordinator(DecisionLog& log, Options options)
-    : log_(log), options_(options) {}
+    : log_(log), options_(options), assembler_([this] { AssembleLoop(); }) {}
 
-Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const format::Manifest& part) {
-  const Key key{part.job, part.step};
+CommitCoordinator::~CommitCoordinator() {
+  ReleaseWaiters();
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  assemble_cv_.notify_all();
+  assembler_.join();
+}
+
+void CommitCoordinator::AssembleLoop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    assemble_cv_.wait(lock, [&] { return stopping_ || !to_assemble_.empty(); });
+    if (stopping_) return;
+    auto [key, decided] = std::move(to_assemble_.front());
+    to_assemble_.pop_front();
+    lock.unlock();
+    Decision whole = WithWholeManifest(key, decided);
+    Notifications notify;
+    lock.lock();
+    if (auto waiting = awaiting_whole_.find(key); waiting != awaiting_whole_.end()) {
+      for (PendingWaiter& w : waiting->second) notify.emplace_back(std::move(w.waiter), whole);
+      awaiting_whole_.erase(waiting);
+    }
+    lock.unlock();
+    Deliver(notify);
+    lock.lock();
+  }
+}
+
+Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const format::Manifest& whole_part) {
+  format::SplitResult split = format::SplitPart(whole_part);
+  return Prepare(node, attempt, PreparedPart{std::move(split.structure), std::move(split.values)});
+}
+
+Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPart prepared) {
+  const format::Manifest& part = prepared.shape();
+  const uint64_t run = prepared.values.run;
+  const Key key{part.job, prepared.values.step};
   auto refuse = [&](std::string why) { return Decision{Outcome::kAborted, std::move(why), {}}; };
   if (absl::Status valid = ValidateJobName(part.job); !valid.ok()) return refuse(Message(valid));
   if (part.world_size == 0 || part.world_size > options_.max_world_size) {
@@ -58,6 +98,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
                               options_.max_world_size));
   }
   if (part.shards.empty()) return refuse("a prepare must name at least one rank");
+  if (absl::Status fits = format::CheckValuesFit(*prepared.structure, prepared.values); !fits.ok()) {
+    return refuse(Message(fits));
+  }
   for (const format::ManifestShard& s : part.shards) {
     if (s.rank >= part.world_size) {
       return refuse(fmt::format("rank {} is outside world size {}", s.rank, part.world_size));
@@ -75,7 +118,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       Decision before = decided != recent_.end() ? decided->second.decision : Decision{};
       if (before.outcome == Outcome::kUnknown) {
         // Not in memory: a coordinator restart forgets rounds but not commits.
-        before = FromLog(key);
+        before = FromLog(key, /*whole=*/false);
         // A log that cannot answer is no proof that the step was never committed: no
         // round is opened over it (the node asks again).
         if (before.outcome == Outcome::kPending) return before;
@@ -104,7 +147,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
         if (seen != decided->second.attempts.end() && attempt <= seen->second) return before;
         // A node that had not prepared before the abort (it was stopped, or cut off) and
         // prepares now for trainers registered before it: the same attempt, late.
-        if (part.run != 0 && part.run < decided->second.aborted_unix_ns) return before;
+        if (run != 0 && run < decided->second.aborted_unix_ns) return before;
       }
       // An abort is forgotten here: this is a new attempt at the step (trainers that
       // restarted and saved it again).
@@ -134,7 +177,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
       ForgetNodeLocked(round, node);
       said->second = attempt;
     }
-    if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, part.run, part.world_size) : std::nullopt) {
+    if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, run, part.world_size) : std::nullopt) {
       for (const format::ManifestShard& s : part.shards) ClaimLocked(round, s.rank, node);
       AbortLocked(key, fmt::format("{}; missing ranks {}", *lost, MissingRanks(round)), notify);
       result = recent_[key].decision;
@@ -154,7 +197,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
         // The node's newest word on a rank wins: a retried prepare, or the rank written
         // again (a new attempt after an abort this node had not heard of yet), replaces
         // what it said before, so the manifest describes the file now on disk.
-        ReplaceRanksLocked(round, node, part);
+        ReplaceRanksLocked(round, node, std::move(prepared));
       }
       if (!conflict.empty()) {
         AbortLocked(key, conflict, notify);
@@ -176,7 +219,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, const forma
 CommitCoordinator::CompleteRound CommitCoordinator::TakePartsLocked(Round& round) {
   CompleteRound complete;
   for (auto& [node, mine] : round.parts) {
-    for (format::Manifest& part : mine) complete.parts.emplace_back(node, std::move(part));
+    for (PreparedPart& part : mine) complete.parts.emplace_back(node, std::move(part));
   }
   complete.attempts = round.attempt_of_node;
   round.parts.clear();
@@ -184,22 +227,34 @@ CommitCoordinator::CompleteRound CommitCoordinator::TakePartsLocked(Round& round
   return complete;
 }
 
-void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node,
-                                           const format::Manifest& part) {
-  std::vector<format::Manifest>& mine = round.parts[node];
+void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, PreparedPart part) {
+  std::vector<PreparedPart>& mine = round.parts[node];
   if (!mine.empty()) {
     std::set<uint32_t> ranks;
-    for (const format::ManifestShard& s : part.shards) ranks.insert(s.rank);
-    for (format::Manifest& old : mine) {
-      std::erase_if(old.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
-      for (auto& [name, tensor] : old.tensors) {
-        std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
+    for (const format::ManifestShard& s : part.shape().shards) ranks.insert(s.rank);
+    std::vector<PreparedPart> kept;
+    for (PreparedPart& old : mine) {
+      size_t overlap = 0;
+      for (const format::ManifestShard& s : old.shape().shards) overlap += ranks.count(s.rank);
+      if (overlap == 0) {
+        kept.push_back(std::move(old));
+      } else if (overlap < old.shape().shards.size()) {
+        // Some of an older part's ranks said again (rare: a retry that found more ranks
+        // durable): the older part keeps the others, as a structure of its own.
+        absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values);
+        if (!rest.ok()) continue;  // cannot happen: its values were checked to fit
+        std::erase_if(rest->shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
+        for (auto& [name, tensor] : rest->tensors) {
+          std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
+        }
+        std::erase_if(rest->tensors, [](const auto& t) { return t.second.shards.empty(); });
+        format::SplitResult split = format::SplitPart(*rest);
+        kept.push_back({std::move(split.structure), std::move(split.values)});
       }
-      std::erase_if(old.tensors, [](const auto& t) { return t.second.shards.empty(); });
     }
-    std::erase_if(mine, [](const format::Manifest& old) { return old.shards.empty(); });
+    mine = std::move(kept);
   }
-  mine.push_back(part);
+  mine.push_back(std::move(part));
 }
 
 std::optional<uint32_t> CommitCoordinator::ClaimLocked(Round& round, uint32_t rank, uint32_t node) {
@@ -222,48 +277,132 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
   round.parts.erase(node);
 }
 
-Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notifications& out) {
-  auto merged = format::MergeManifestParts(complete.parts);
-  complete.parts.clear();
-  if (merged.ok()) {
-    if (absl::Status tiled = format::CheckTiling(*merged); !tiled.ok()) merged = tiled;
+CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const PreparedParts& parts) {
+  std::string key;  // the same structures on the same nodes
+  for (const auto& [node, part] : parts) key += fmt::format("{}:{};", node, part.structure->digest);
+  {
+    std::lock_guard lock(checks_mu_);
+    if (auto made = checks_.find(key); made != checks_.end()) return made->second;
   }
-  std::string json;
-  absl::Status recorded;
+  std::vector<std::pair<uint32_t, format::Manifest>> shapes;
+  shapes.reserve(parts.size());
+  for (const auto& [node, part] : parts) shapes.emplace_back(node, part.shape());
+  StructureCheck check;
+  absl::StatusOr<format::Manifest> merged = format::MergeManifestParts(shapes);
   if (merged.ok()) {
-    json = format::ManifestToJson(*merged);
-    // Durable before anyone hears "committed": a node that renames on this answer must
-    // find the same answer after a coordinator crash.
-    recorded = log_.RecordCommit(key.first, key.second, json);
-    if (recorded.ok() && options_.publish.commit) {
-      // The decision stands either way; a coordinator restart publishes it again (the step
-      // stays in .tmp and is resolved from the log).
-      if (absl::Status published = options_.publish.commit(*merged); !published.ok()) {
-        Log().error("{} committed but not published on the shared root: {}",
-                    Prefix(key.first, key.second), Message(published));
-      }
+    check.status = format::CheckTiling(*merged);
+    check.tensors = static_cast<uint32_t>(merged->tensors.size());
+  } else {
+    check.status = merged.status();
+  }
+  std::lock_guard lock(checks_mu_);
+  if (checks_.emplace(key, check).second) checks_order_.push_back(key);
+  while (checks_order_.size() > kStructureChecks) {
+    checks_.erase(checks_order_.front());
+    checks_order_.pop_front();
+  }
+  return check;
+}
+
+namespace {
+
+// The header and shares of a complete round whose structures passed their check: O(ranks).
+CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors,
+                            const std::map<uint32_t, uint64_t>& attempts) {
+  CommittedStep c;
+  StepHeader& h = c.header;
+  h.world_size = parts.front().second.shape().world_size;
+  h.step_tensors = tensors;
+  c.node_of_rank.assign(h.world_size, ~uint32_t{0});
+  for (const auto& [node, part] : parts) {
+    NodeShare& share = c.shares[node];
+    if (auto attempt = attempts.find(node); attempt != attempts.end()) share.attempt = attempt->second;
+    const format::PartValues& v = part.values;
+    // The latest clock among the nodes: the moment the last part became durable.
+    h.run = std::max(h.run, v.run);
+    if (v.unix_time > h.unix_time) {
+      h.unix_time = v.unix_time;
+      h.wall_time = v.wall_time;
+    }
+    const std::vector<format::ManifestShard>& shards = part.shape().shards;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      c.node_of_rank[shards[i].rank] = node;
+      ++share.ranks;
+      share.bytes += v.ranks[i].bytes;
+      h.step_bytes += v.ranks[i].bytes;
+      if (shards[i].rank == 0) h.metadata = v.ranks[i].metadata;
     }
   }
-  std::shared_ptr<const CommittedStep> committed;
-  if (merged.ok() && recorded.ok()) {
-    committed = std::make_shared<const CommittedStep>(DescribeCommit(std::move(json), *merged, complete.attempts));
+  h.nodes = static_cast<uint32_t>(c.shares.size());
+  return c;
+}
+
+}  // namespace
+
+Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notifications& out) {
+  auto parts = std::make_shared<const PreparedParts>(std::move(complete.parts));
+  // Merging and checking the tiling costs O(tensor pieces): done once per combination of
+  // structures, then each step costs O(ranks).
+  StructureCheck check = CheckStructures(*parts);
+  absl::Status recorded = check.status;
+  std::shared_ptr<CommittedStep> committed;
+  if (recorded.ok()) {
+    committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors, complete.attempts));
+    std::map<uint32_t, std::vector<std::string>> structures;
+    for (const auto& [node, part] : *parts) structures[node].push_back(part.structure->digest);
+    const std::string record = DecisionRecordJson(key.first, key.second, *committed, structures);
+    committed->header.digest = format::ManifestDigest(record);
+    // Durable before anyone hears "committed": a node that renames on this answer must
+    // find the same answer after a coordinator crash.
+    recorded = log_.RecordCommit(key.first, key.second, record);
+  }
+  if (recorded.ok() && options_.publish.commit) {
+    // One shared filesystem: the coordinator writes the one manifest before announcing.
+    // The decision stands either way; a coordinator restart publishes it again (the step
+    // stays in .tmp and is resolved from the log).
+    absl::StatusOr<format::Manifest> whole = AssembleWhole(*parts);
+    absl::Status published = whole.status();
+    if (whole.ok()) {
+      committed->manifest_json = format::ManifestToJson(*whole);
+      (void)log_.RecordManifest(key.first, key.second, committed->manifest_json);
+      published = options_.publish.commit(*whole);
+    }
+    if (!published.ok()) {
+      Log().error("{} committed but not published on the shared root: {}", Prefix(key.first, key.second),
+                  Message(published));
+    }
+  } else if (recorded.ok()) {
+    committed->parts = parts;  // the whole manifest is assembled when node 0 asks
   }
   std::lock_guard lock(mu_);
   auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
-  if (!committed) {
+  if (!recorded.ok()) {
     AbortLocked(key,
-                merged.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
-                            : Message(merged.status()),
+                check.status.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
+                                  : Message(check.status),
                 out);
     return recent_[key].decision;
   }
   Decision decision{Outcome::kCommitted, {}, std::move(committed)};
-  for (PendingWaiter& w : round->second.waiters) out.emplace_back(std::move(w.waiter), decision);
+  const bool assemble = decision.committed->manifest_json.empty();
+  for (PendingWaiter& w : round->second.waiters) {
+    if (w.whole && assemble) {
+      awaiting_whole_[key].push_back(std::move(w));
+    } else {
+      out.emplace_back(std::move(w.waiter), decision);
+    }
+  }
+  if (assemble) {
+    awaiting_whole_.try_emplace(key);  // marks it as being assembled (Await)
+    // Off the commit path: every node has its answer before node 0's manifest is built.
+    to_assemble_.emplace_back(key, decision);
+    assemble_cv_.notify_one();
+  }
   JobCommits& job = jobs_[key.first];
   job.latest_step = std::max(job.latest_step, key.second);
-  job.world_size = merged->world_size;
+  job.world_size = decision.committed->header.world_size;
   job.nodes.clear();
-  for (const format::ManifestNode& n : merged->nodes) job.nodes.push_back(n.node);
+  for (const auto& [node, share] : decision.committed->shares) job.nodes.push_back(node);
   Log().info("{} committed globally: {} ranks on {} node(s)", Prefix(key.first, key.second),
              round->second.world_size, job.nodes.size());
   round_ranks_ -= round->second.world_size;
@@ -289,9 +428,16 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
 namespace {
 
 // What a committed step holds in memory beside its header and shares: its manifest's text
-// and its rank table.
+// or the parts it is assembled from, and its rank table.
 size_t ManifestBytes(const Decision& d) {
-  return d.committed ? d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size() : 0;
+  if (!d.committed) return 0;
+  size_t bytes = d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size();
+  if (d.committed->parts) {
+    for (const auto& [node, part] : *d.committed->parts) {
+      bytes += 64 + 48 * part.values.checksums.size() + 64 * part.values.ranks.size();
+    }
+  }
+  return bytes;
 }
 
 // What its node shares hold (a map node: about 64 bytes each).
@@ -362,7 +508,11 @@ void CommitCoordinator::Await(const std::string& job, uint64_t step, Clock::time
   {
     std::lock_guard lock(mu_);
     if (auto it = rounds_.find({job, step}); it != rounds_.end()) {
-      it->second.waiters.push_back({deadline, std::move(waiter)});
+      it->second.waiters.push_back({deadline, std::move(waiter), whole_manifest});
+      return;
+    }
+    if (auto assembling = awaiting_whole_.find({job, step}); whole_manifest && assembling != awaiting_whole_.end()) {
+      assembling->second.push_back({deadline, std::move(waiter), true});
       return;
     }
   }
@@ -371,28 +521,62 @@ void CommitCoordinator::Await(const std::string& job, uint64_t step, Clock::time
 
 Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool whole_manifest) {
   const Key key{job, step};
+  Decision known;
   {
     std::lock_guard lock(mu_);
     if (rounds_.count(key)) return {Outcome::kPending, {}, nullptr};
     if (auto it = recent_.find(key); it != recent_.end()) {
-      const Decision& d = it->second.decision;
-      if (!whole_manifest || d.outcome != Outcome::kCommitted || !d.committed->manifest_json.empty()) return d;
+      known = it->second.decision;
+      if (!whole_manifest || known.outcome != Outcome::kCommitted) return known;
     }
   }
-  Decision recorded = FromLog(key);
-  std::lock_guard lock(mu_);
+  if (known.outcome == Outcome::kCommitted) return WithWholeManifest(key, known);
+  Decision recorded = FromLog(key, whole_manifest);
   if (recorded.outcome == Outcome::kCommitted) {
+    std::lock_guard lock(mu_);
     RememberLocked(key, recorded);  // every node in doubt asks after a coordinator restart
-  } else if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.outcome == Outcome::kCommitted) {
-    // Memory knows it committed; the log cannot give its manifest (pruned, unreadable):
-    // never "unknown", which a node would take for an abort of a committed step.
-    return {Outcome::kPending, fmt::format("the decision log cannot give the manifest: {}", recorded.reason),
-            nullptr};
   }
   return recorded;
 }
 
-Decision CommitCoordinator::FromLog(const Key& key) {
+Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& decision) {
+  const CommittedStep& c = *decision.committed;
+  if (!c.manifest_json.empty()) return decision;
+  if (!c.parts) {
+    Decision recorded = FromLog(key, /*whole=*/true);
+    if (recorded.outcome == Outcome::kCommitted && !recorded.committed->manifest_json.empty()) {
+      std::lock_guard lock(mu_);
+      RememberLocked(key, recorded);
+      return recorded;
+    }
+    // Memory knows it committed; the log cannot give its manifest (pruned, unreadable,
+    // never written): never "unknown", which a node would take for an abort.
+    return {Outcome::kPending,
+            fmt::format("the decision log cannot give the whole manifest: {}",
+                        recorded.reason.empty() ? "it was not recorded" : recorded.reason),
+            nullptr};
+  }
+  absl::StatusOr<format::Manifest> whole = AssembleWhole(*c.parts);
+  if (!whole.ok()) {  // cannot happen: every part's values were checked against its structure
+    return {Outcome::kPending, fmt::format("the whole manifest cannot be assembled: {}", Message(whole.status())),
+            nullptr};
+  }
+  auto full = std::make_shared<CommittedStep>(c);
+  full->parts.reset();
+  full->manifest_json = format::ManifestToJson(*whole);
+  if (absl::Status written = log_.RecordManifest(key.first, key.second, full->manifest_json); !written.ok()) {
+    Log().warn("{} the whole manifest was not recorded beside the decision: {}", Prefix(key.first, key.second),
+               Message(written));
+  }
+  Decision assembled{Outcome::kCommitted, {}, std::move(full)};
+  std::lock_guard lock(mu_);
+  if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) {
+    RememberLocked(key, assembled);
+  }
+  return assembled;
+}
+
+Decision CommitCoordinator::FromLog(const Key& key, bool whole) {
   auto recorded = log_.FindCommit(key.first, key.second);
   if (!recorded.ok()) {
     // Cannot tell: the asker keeps its step in doubt and asks again.
@@ -401,9 +585,20 @@ Decision CommitCoordinator::FromLog(const Key& key) {
   if (!recorded->has_value()) {
     return {Outcome::kUnknown, "the coordinator holds no record of this step (presumed aborted)", nullptr};
   }
-  auto whole = format::ParseManifest(**recorded, "decision record");
-  if (!whole.ok()) return {Outcome::kPending, Message(whole.status()), nullptr};
-  return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(DescribeCommit(std::move(**recorded), *whole))};
+  absl::StatusOr<CommittedStep> decided = ParseDecisionRecord(**recorded);
+  if (absl::IsNotFound(decided.status())) {
+    // Recorded by an older ckptd: the whole manifest itself.
+    auto old = format::ParseManifest(**recorded, "decision record");
+    if (!old.ok()) return {Outcome::kPending, Message(old.status()), nullptr};
+    return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(DescribeCommit(std::move(**recorded), *old))};
+  }
+  if (!decided.ok()) return {Outcome::kPending, Message(decided.status()), nullptr};
+  if (whole) {
+    auto manifest = log_.FindManifest(key.first, key.second);
+    if (!manifest.ok()) return {Outcome::kPending, Message(manifest.status()), nullptr};
+    if (manifest->has_value()) decided->manifest_json = std::move(**manifest);
+  }
+  return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(std::move(*decided))};
 }
 
 std::vector<uint32_t> CommitCoordinator::MissingRankList(const Round& round, size_t most) {
@@ -525,6 +720,10 @@ void CommitCoordinator::ReleaseWaiters() {
   Notifications notify;
   {
     std::lock_guard lock(mu_);
+    for (auto& [key, waiters] : awaiting_whole_) {
+      for (PendingWaiter& w : waiters) notify.emplace_back(std::move(w.waiter), Decision{Outcome::kPending, {}, {}});
+    }
+    awaiting_whole_.clear();
     for (auto& [key, round] : rounds_) {
       for (PendingWaiter& w : round.waiters) {
         notify.emplace_back(std::move(w.waiter), Decision{Outcome::kPending, {}, {}});

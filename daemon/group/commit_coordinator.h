@@ -13,9 +13,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -69,13 +71,19 @@ class CommitCoordinator {
   };
 
   CommitCoordinator(DecisionLog& log, Options options);
+  // Stops the assembler (ReleaseWaiters first: waiters it holds hear "pending").
+  ~CommitCoordinator();
 
   // `node` has made `ranks` of (job, step) durable in its attempt `attempt` at the step;
   // `part` is their manifest. Attempt ids of a node grow: a prepare of a newer attempt
   // replaces everything the node said in older ones (their files are gone or rewritten),
   // and a late prepare of an older attempt is refused, so a commit never mixes attempts.
   // Returns the step's state after this: pending, committed (this completed it, or a
-  // retry of a prepare that was part of the commit), or aborted with the reason.
+  // retry of a prepare that was part of the commit), or aborted with the reason. The
+  // values must fit the structure (format::CheckValuesFit); a commit carries the header
+  // and shares, and the whole manifest only once asked for (Lookup).
+  Decision Prepare(uint32_t node, uint64_t attempt, PreparedPart part);
+  // The same for a whole part (tests, and parts not yet split).
   Decision Prepare(uint32_t node, uint64_t attempt, const format::Manifest& part);
 
   // `node` cannot finish its attempt `attempt` at the step (a rank failed to write). An
@@ -85,13 +93,15 @@ class CommitCoordinator {
              const std::string& reason);
 
   // Calls `waiter` once the step is decided, or with what is known at `deadline`
-  // (pending while undecided; unknown when there is no record).
+  // (pending while undecided; unknown when there is no record). A waiter for the whole
+  // manifest of a step being committed hears once it is assembled, after everyone else.
   void Await(const std::string& job, uint64_t step, Clock::time_point deadline, Waiter waiter,
              bool whole_manifest = false);
 
   // What is known now, without waiting. A committed decision carries the whole manifest
   // when `whole_manifest` (node 0, which publishes it), else perhaps only the header and
-  // node shares every other node needs.
+  // node shares every other node needs. The whole manifest is assembled from the parts on
+  // the first such call, off the commit path, and recorded beside the decision.
   Decision Lookup(const std::string& job, uint64_t step, bool whole_manifest = false);
 
   // Aborts undecided steps that are missing ranks, naming `why` (a node was lost or
@@ -122,6 +132,7 @@ class CommitCoordinator {
   struct PendingWaiter {
     Clock::time_point deadline;
     Waiter waiter;
+    bool whole = false;  // wants the whole manifest
   };
   static constexpr uint32_t kNoNode = ~uint32_t{0};
   struct Round {
@@ -133,8 +144,8 @@ class CommitCoordinator {
     uint32_t prepared = 0;  // ranks with a node
     std::map<uint32_t, uint64_t> attempt_of_node;
     // What each node prepared (one part per prepare; nodes send one a step): a node's
-    // newer word touches only its own parts, so a prepare costs the size of its part.
-    std::map<uint32_t, std::vector<format::Manifest>> parts;
+    // newer word touches only its own parts, so a prepare costs the size of its values.
+    std::map<uint32_t, std::vector<PreparedPart>> parts;
     std::vector<PendingWaiter> waiters;
     bool deciding = false;  // every rank prepared: being merged and recorded, unlocked
   };
@@ -159,18 +170,32 @@ class CommitCoordinator {
 
   // A complete round's parts, and the attempt each node prepared them in.
   struct CompleteRound {
-    std::vector<std::pair<uint32_t, format::Manifest>> parts;
+    PreparedParts parts;
     std::map<uint32_t, uint64_t> attempts;
+  };
+  // What the structures of a complete round say once merged and checked for tiling (a
+  // step's structures rarely change, so this is computed once per combination).
+  struct StructureCheck {
+    absl::Status status;
+    uint32_t tensors = 0;
   };
   // The parts of a complete round, which is marked deciding.
   static CompleteRound TakePartsLocked(Round& round);
-  // Merges, checks and records a complete round's parts without holding mu_, then ends the
-  // round committed (or aborted when the parts disagree or the record fails).
+  // Checks and records a complete round's parts without holding mu_, then ends the round
+  // committed (or aborted when the parts disagree or the record fails).
   Decision Decide(const Key& key, CompleteRound complete, Notifications& out);
+  // The merge-and-tiling check of these parts' structures, from checks_ when it was made.
+  StructureCheck CheckStructures(const PreparedParts& parts);
+  // The committed step with its whole manifest, assembled from its parts (and recorded
+  // beside its decision) or read back from the log.
+  Decision WithWholeManifest(const Key& key, const Decision& decision);
+  // The assembler thread: builds and records each committed step's whole manifest after
+  // its decision was announced, then answers the waiters that asked for it.
+  void AssembleLoop();
   // With mu_ held; the waiters to notify go to `out`, called after unlocking.
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
-  static void ReplaceRanksLocked(Round& round, uint32_t node, const format::Manifest& part);
+  static void ReplaceRanksLocked(Round& round, uint32_t node, PreparedPart part);
   static void ForgetNodeLocked(Round& round, uint32_t node);
   // Records that `node` prepared `rank`; the node that had already prepared it otherwise.
   static std::optional<uint32_t> ClaimLocked(Round& round, uint32_t rank, uint32_t node);
@@ -183,8 +208,9 @@ class CommitCoordinator {
   std::optional<std::string> LostHolderLocked(const std::string& job, uint64_t run, uint32_t world_size) const;
   static void Deliver(Notifications& notifications);
   // The decision of a committed step, from the decision log (a restarted coordinator, or
-  // a manifest dropped from memory); unknown when there is no record.
-  Decision FromLog(const Key& key);
+  // a manifest dropped from memory), with its whole manifest when `whole` and recorded;
+  // unknown when there is no record.
+  Decision FromLog(const Key& key, bool whole);
 
   DecisionLog& log_;
   const Options options_;
@@ -204,6 +230,18 @@ class CommitCoordinator {
   };
   std::map<std::string, JobCommits> jobs_;
   std::map<uint32_t, MemberNews> members_;
+  // Structure checks made, by the combination of (node, structure digest) they were made
+  // for; a few per job (a job that changes its structure makes a new one).
+  std::mutex checks_mu_;
+  std::map<std::string, StructureCheck> checks_;
+  std::deque<std::string> checks_order_;
+  // Committed steps whose whole manifest is still to be assembled, with the waiters for it;
+  // guarded by mu_.
+  std::deque<std::pair<Key, Decision>> to_assemble_;
+  std::map<Key, std::vector<PendingWaiter>> awaiting_whole_;
+  std::condition_variable assemble_cv_;
+  bool stopping_ = false;
+  std::thread assembler_;  // last: started once everything above exists
 };
 
 const char* OutcomeName(Outcome outcome);

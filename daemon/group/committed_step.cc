@@ -1,9 +1,14 @@
 #include "daemon/group/committed_step.h"
 
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
 #include <set>
 #include <utility>
 
 namespace ckpt::group {
+
+using json = nlohmann::json;
 
 namespace {
 
@@ -38,6 +43,90 @@ CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
   }
   c.manifest_json = std::move(json);
   return c;
+}
+
+std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
+                               const std::map<uint32_t, std::vector<std::string>>& structures) {
+  std::map<uint32_t, std::vector<uint32_t>> ranks;
+  for (uint32_t rank = 0; rank < c.node_of_rank.size(); ++rank) ranks[c.node_of_rank[rank]].push_back(rank);
+  json nodes = json::array();
+  for (const auto& [node, share] : c.shares) {
+    auto digests = structures.find(node);
+    nodes.push_back({{"node", node},
+                     {"ranks", ranks[node]},
+                     {"bytes", share.bytes},
+                     {"structures", digests != structures.end() ? digests->second : std::vector<std::string>{}}});
+  }
+  const StepHeader& h = c.header;
+  json j = {{"format", "ckptd-decision"},
+            {"format_version", 1},
+            {"job", job},
+            {"step", step},
+            {"outcome", "committed"},
+            {"world_size", h.world_size},
+            {"step_bytes", h.step_bytes},
+            {"step_tensors", h.step_tensors},
+            {"run", h.run},
+            {"unix_time", h.unix_time},
+            {"wall_time", h.wall_time},
+            {"metadata", h.metadata},
+            {"nodes", std::move(nodes)}};
+  return j.dump();
+}
+
+absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || j.value("format", "") != "ckptd-decision") {
+    return absl::NotFoundError("not a decision record");
+  }
+  try {
+    if (j.at("format_version").get<int>() != 1) {
+      return absl::FailedPreconditionError(
+          fmt::format("decision record format_version {} is not 1", j.at("format_version").dump()));
+    }
+    CommittedStep c;
+    StepHeader& h = c.header;
+    h.world_size = j.at("world_size").get<uint32_t>();
+    if (h.world_size == 0 || h.world_size > format::kMaxManifestWorldSize) {
+      return absl::DataLossError(fmt::format("decision record: world size {} is out of range", h.world_size));
+    }
+    h.step_bytes = j.at("step_bytes").get<uint64_t>();
+    h.step_tensors = j.at("step_tensors").get<uint32_t>();
+    h.run = j.at("run").get<uint64_t>();
+    h.unix_time = j.at("unix_time").get<double>();
+    h.wall_time = j.at("wall_time").get<std::string>();
+    h.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
+    h.digest = format::ManifestDigest(text);
+    c.node_of_rank.assign(h.world_size, ~uint32_t{0});
+    for (const json& n : j.at("nodes")) {
+      const uint32_t node = n.at("node").get<uint32_t>();
+      NodeShare& share = c.shares[node];
+      share.bytes = n.at("bytes").get<uint64_t>();
+      for (const json& r : n.at("ranks")) {
+        const uint32_t rank = r.get<uint32_t>();
+        if (rank >= h.world_size || c.node_of_rank[rank] != ~uint32_t{0}) {
+          return absl::DataLossError(fmt::format("decision record: rank {} is outside the world or listed twice", rank));
+        }
+        c.node_of_rank[rank] = node;
+        ++share.ranks;
+      }
+    }
+    h.nodes = static_cast<uint32_t>(c.shares.size());
+    return c;
+  } catch (const json::exception& e) {
+    return absl::DataLossError(fmt::format("decision record: {}", e.what()));
+  }
+}
+
+absl::StatusOr<format::Manifest> AssembleWhole(const PreparedParts& parts) {
+  std::vector<std::pair<uint32_t, format::Manifest>> joined;
+  joined.reserve(parts.size());
+  for (const auto& [node, part] : parts) {
+    absl::StatusOr<format::Manifest> m = format::JoinPart(*part.structure, part.values);
+    if (!m.ok()) return m.status();
+    joined.emplace_back(node, std::move(*m));
+  }
+  return format::MergeManifestParts(joined);
 }
 
 format::Manifest NodeManifest(format::Manifest part, const StepHeader& header, uint32_t node) {

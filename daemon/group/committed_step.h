@@ -6,10 +6,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "format/manifest.h"
+#include "format/part_structure.h"
 
 namespace ckpt::group {
 
@@ -19,7 +23,7 @@ struct StepHeader {
   uint32_t nodes = 0;
   uint64_t step_bytes = 0;
   uint32_t step_tensors = 0;
-  std::string digest;  // of the whole step's manifest.json (format::ManifestDigest)
+  std::string digest;  // of the coordinator's decision record (DecisionRecordJson)
   uint64_t run = 0;
   double unix_time = 0;
   std::string wall_time;
@@ -35,6 +39,15 @@ struct NodeShare {
   bool operator==(const NodeShare&) const = default;
 };
 
+// What a node prepared: a structure the coordinator holds (shared with its StructureCache
+// and every round of the same structure) and one step's values.
+struct PreparedPart {
+  std::shared_ptr<const format::PartStructure> structure;
+  format::PartValues values;
+  const format::Manifest& shape() const { return structure->structure; }
+};
+using PreparedParts = std::vector<std::pair<uint32_t, PreparedPart>>;  // by node
+
 struct CommittedStep {
   // The whole step's manifest: on the coordinator while it fits its memory budget, and in
   // answers to node 0 (or to a node that asks for it: one that lost track of its ranks).
@@ -44,7 +57,23 @@ struct CommittedStep {
   // The coordinator's: the node holding each rank, to tell a retried prepare from a claim
   // on another node's rank. Dropped with the manifest when memory is short.
   std::vector<uint32_t> node_of_rank;
+  // The coordinator's, until the whole manifest is assembled from them: what the nodes
+  // prepared. Dropped with the manifest when memory is short.
+  std::shared_ptr<const PreparedParts> parts;
 };
+
+// The record the coordinator makes durable before it announces a commit: the header (but
+// its digest, which is the digest of this text), and each node's ranks, bytes and part
+// structures; O(ranks), however many tensors they hold (docs/format.md, "Decision log").
+std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
+                               const std::map<uint32_t, std::vector<std::string>>& structures);
+
+// A decision record read back: header (with the text's digest), shares and rank table.
+// NotFound when `text` is not a decision record (a whole manifest, as older ckptd recorded).
+absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text);
+
+// The whole step's manifest from what its nodes prepared.
+absl::StatusOr<format::Manifest> AssembleWhole(const PreparedParts& parts);
 
 // The header and shares of `whole`, whose text is `json` (kept), each node's share with
 // its attempt from `attempts` when given.

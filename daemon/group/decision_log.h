@@ -16,19 +16,28 @@ namespace ckpt::group {
 class DecisionLog {
  public:
   virtual ~DecisionLog() = default;
-  // Durable when it returns OK: the whole step's manifest.
+  // Durable when it returns OK: the decision record (committed_step.h, DecisionRecordJson),
+  // O(ranks) bytes. On the commit path: nothing is announced before it returns.
   virtual absl::Status RecordCommit(const std::string& job, uint64_t step,
-                                    const std::string& manifest_json) = 0;
-  // The recorded manifest, or nullopt when the step was never committed (or the record
-  // was pruned long after).
+                                    const std::string& record_json) = 0;
+  // The recorded decision, or nullopt when the step was never committed (or the record
+  // was pruned long after). Logs written by older ckptd hold the whole manifest instead.
   virtual absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
                                                                 uint64_t step) = 0;
+  // The whole step's manifest, written once it is assembled, after the decision was
+  // announced: for node 0, and for a node that asks for it after a coordinator restart.
+  virtual absl::Status RecordManifest(const std::string& job, uint64_t step,
+                                      const std::string& manifest_json) = 0;
+  // nullopt when it was never recorded (the coordinator stopped in between) or pruned.
+  virtual absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job,
+                                                                  uint64_t step) = 0;
 };
 
 using DecisionLogPtr = std::unique_ptr<DecisionLog>;
 
-// One file per committed step under `dir`/<job>/step-NNNNNNNN.json, written atomically;
-// keeps the newest `keep_per_job` records of each job.
+// One file per committed step under `dir`/<job>/step-NNNNNNNN.json and its manifest beside
+// it (step-NNNNNNNN.manifest.json), written atomically; keeps the newest `keep_per_job`
+// steps of each job.
 DecisionLogPtr MakeFileDecisionLog(FilesystemPtr fs, std::string dir, size_t keep_per_job = 1024);
 
 }  // namespace ckpt::group

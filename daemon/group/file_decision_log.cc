@@ -25,8 +25,8 @@ class FileDecisionLog : public DecisionLog {
     std::lock_guard lock(mu_);
     std::string job_dir = dir_ + "/" + job;
     if (!fs_->Exists(job_dir)) {
-      // Decisions hold every job's manifest: the log is ckptd's alone (0700), as a job's own
-      // files are its owner's (docs/security.md).
+      // Decisions and manifests of every job: the log is ckptd's alone (0700), as a job's
+      // own files are its owner's (docs/security.md).
       CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(dir_));
       CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(job_dir));
       CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
@@ -39,15 +39,34 @@ class FileDecisionLog : public DecisionLog {
   absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
                                                         uint64_t step) override {
     CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-    std::string path = Path(job, step);
-    if (!fs_->Exists(path)) return std::optional<std::string>();
-    CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
-    return std::optional<std::string>(std::move(text));
+    return Read(Path(job, step));
+  }
+
+  absl::Status RecordManifest(const std::string& job, uint64_t step,
+                              const std::string& manifest_json) override {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    // Written after the record, into the job's directory the record made.
+    return WriteFileAtomically(*fs_, ManifestPath(job, step), manifest_json);
+  }
+
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job,
+                                                          uint64_t step) override {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    return Read(ManifestPath(job, step));
   }
 
  private:
   std::string Path(const std::string& job, uint64_t step) const {
     return fmt::format("{}/{}/step-{:08d}.json", dir_, job, step);
+  }
+  std::string ManifestPath(const std::string& job, uint64_t step) const {
+    return fmt::format("{}/{}/step-{:08d}.manifest.json", dir_, job, step);
+  }
+
+  absl::StatusOr<std::optional<std::string>> Read(const std::string& path) {
+    if (!fs_->Exists(path)) return std::optional<std::string>();
+    CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
+    return std::optional<std::string>(std::move(text));
   }
 
   // Old records are dropped best effort: a failure here never fails a commit. Oldest
@@ -79,6 +98,7 @@ class FileDecisionLog : public DecisionLog {
     order.push_back(recorded);
     while (order.size() > keep_) {
       (void)fs_->RemoveTree(Path(job, order.front()));
+      (void)fs_->RemoveTree(ManifestPath(job, order.front()));
       order.pop_front();
     }
   }

@@ -15,7 +15,9 @@
 #include "storage/secret.h"
 #include "common/status.h"
 #include "daemon/group/grpc_util.h"
+#include "daemon/group/part_values_proto.h"
 #include "format/manifest.h"
+#include "format/part_structure.h"
 
 namespace ckpt::group {
 namespace {
@@ -113,22 +115,20 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
 }
 
 // The part a node prepared must say what its request says.
-absl::Status CheckPartMatches(const pb::PrepareRequest& request, const format::Manifest& part) {
-  if (part.job != request.job() || part.step != request.step() ||
+absl::Status CheckPartMatches(const pb::PrepareRequest& request, const PreparedPart& prepared) {
+  const format::Manifest& part = prepared.shape();
+  const char* what = request.structure_digest().empty() ? "manifest_part_json" : "structure_digest";
+  if (part.job != request.job() || prepared.values.step != request.step() ||
       part.world_size != request.world_size()) {
     return absl::InvalidArgumentError(fmt::format(
-        "manifest_part_json is for job {} step {} world size {}, the request for job {} step {} "
-        "world size {}",
-        part.job, part.step, part.world_size, request.job(), request.step(),
-        request.world_size()));
+        "{} is for job {} step {} world size {}, the request for job {} step {} world size {}", what,
+        part.job, prepared.values.step, part.world_size, request.job(), request.step(), request.world_size()));
   }
   bool same_ranks = part.shards.size() == static_cast<size_t>(request.ranks_size());
   for (size_t i = 0; same_ranks && i < part.shards.size(); ++i) {
     same_ranks = part.shards[i].rank == request.ranks(static_cast<int>(i));
   }
-  if (!same_ranks) {
-    return absl::InvalidArgumentError("ranks differ from the shards of manifest_part_json");
-  }
+  if (!same_ranks) return absl::InvalidArgumentError(fmt::format("ranks differ from the shards of {}", what));
   return absl::OkStatus();
 }
 
@@ -278,8 +278,10 @@ grpc::ServerUnaryReactor* GroupService::Heartbeat(grpc::CallbackServerContext* c
 grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx,
                                                 const pb::PrepareRequest* request,
                                                 pb::PrepareReply* reply) {
+  // DefaultReactor() constructs the reactor: call it once per call.
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(Guarded("Prepare", [&]() -> absl::Status {
+  auto completion = std::make_shared<Completion>(reactor);
+  grpc::Status early = Guarded("Prepare", [&]() -> absl::Status {
     CKPT_RETURN_IF_ERROR(Admit(ctx, "Prepare", Role::kCoordinatorOnly));
     uint32_t node = request->node_rank();
     CKPT_RETURN_IF_ERROR(CheckNode("node_rank", node));
@@ -298,23 +300,57 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
     // Only a member in good standing may vote: a prepare from an old incarnation (sent
     // before a restart) or from a node marked lost must not count. Counts as a heartbeat.
     CKPT_RETURN_IF_ERROR(coordinator_->membership.Heartbeat(node, request->incarnation()));
-    absl::StatusOr<format::Manifest> part =
-        format::ParseManifest(request->manifest_part_json(),
-                               fmt::format("prepare from node {}", node),
-                               format::ManifestScope::kPart);
-    if (!part.ok()) {
-      return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(part.status())));
+    PreparedPart part;
+    if (!request->structure_digest().empty()) {
+      // Only this step's values, of a structure sent before.
+      if (!request->manifest_part_json().empty()) {
+        return absl::InvalidArgumentError("a prepare carries manifest_part_json or structure_digest, not both");
+      }
+      part.structure = coordinator_->structures.Find(request->structure_digest());
+      if (!part.structure) {
+        completion->Finish("Prepare", [&] {
+          reply->set_outcome(pb::OUTCOME_PENDING);
+          reply->set_need_structure(true);
+          return absl::OkStatus();
+        });
+        return absl::OkStatus();
+      }
+      part.values = FromProto(request->values(), request->step());
+      CKPT_RETURN_IF_ERROR(Annotate(format::CheckValuesFit(*part.structure, part.values), "values"));
+    } else {
+      absl::StatusOr<format::Manifest> whole_part =
+          format::ParseManifest(request->manifest_part_json(), fmt::format("prepare from node {}", node),
+                                format::ManifestScope::kPart);
+      if (!whole_part.ok()) {
+        return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(whole_part.status())));
+      }
+      format::SplitResult split = format::SplitPart(*whole_part);
+      part = {std::move(split.structure), std::move(split.values)};
     }
-    CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, *part));
-    Decision decision = coordinator_->commits.Prepare(node, request->attempt(), *part);
+    CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, part));
+    // Kept once it proved to be this node's part: its next prepares send only values.
+    if (request->structure_digest().empty()) coordinator_->structures.Add(part.structure);
+    Decision decision = coordinator_->commits.Prepare(node, request->attempt(), std::move(part));
+    // `reply` lives until the reactor finishes, which only the completion does.
+    auto answer = [completion, reply, node](const Decision& d) {
+      completion->Finish("Prepare", [&]() -> absl::Status {
+        reply->set_outcome(ToProto(d.outcome));
+        reply->set_reason(d.reason);
+        FillCommitted(d, node, /*whole=*/node == 0, reply->mutable_manifest_json(), reply->mutable_committed());
+        return absl::OkStatus();
+      });
+    };
     if (node == 0 && decision.outcome == Outcome::kCommitted && decision.committed->manifest_json.empty()) {
-      decision = coordinator_->commits.Lookup(request->job(), request->step(), /*whole_manifest=*/true);
+      // Node 0 publishes the whole step: it hears once the manifest is assembled, after
+      // every other node has heard.
+      coordinator_->commits.Await(request->job(), request->step(), Clock::now() + kMaxOutcomeWait, answer,
+                                  /*whole_manifest=*/true);
+    } else {
+      answer(decision);
     }
-    reply->set_outcome(ToProto(decision.outcome));
-    reply->set_reason(decision.reason);
-    FillCommitted(decision, node, /*whole=*/node == 0, reply->mutable_manifest_json(), reply->mutable_committed());
     return absl::OkStatus();
-  }));
+  });
+  if (!early.ok()) completion->Finish("Prepare", [&] { return FromGrpc(early); });
   return reactor;
 }
 

@@ -17,6 +17,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/structure_cache.h"
 #include "daemon/group/upload_targets.h"
 #include "daemon/schedule/save_schedule.h"
 #include "proto/group.grpc.pb.h"
@@ -33,6 +34,9 @@ struct CoordinatorState {
         uploading(uploading) {}
   Membership membership;
   CommitCoordinator commits;
+  // The part structures nodes sent, so that their prepares carry only values. 1 GiB holds
+  // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it nodes resend theirs.
+  StructureCache structures{size_t{1} << 30};
   GatherTable gathers;
   daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
   const UploadTargets* uploading;  // node 0's uploader's (null without a remote tier)

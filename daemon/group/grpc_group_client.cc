@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <deque>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -10,6 +11,8 @@
 #include "common/status.h"
 #include "daemon/group/group_client.h"
 #include "daemon/group/grpc_util.h"
+#include "daemon/group/part_values_proto.h"
+#include "format/part_structure.h"
 #include "proto/group.grpc.pb.h"
 
 namespace ckpt::group {
@@ -162,20 +165,37 @@ class GrpcGroupClient final : public GroupClient {
   }
 
   absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) override {
-    pb::PrepareRequest request;
-    request.set_node_rank(options_.node_rank);
-    request.set_incarnation(incarnation_);
-    request.set_job(part.job);
-    request.set_step(part.step);
-    request.set_world_size(part.world_size);
-    for (const format::ManifestShard& s : part.shards) request.add_ranks(s.rank);
-    request.set_manifest_part_json(format::ManifestToJson(part));
-    request.set_attempt(attempt);
-    grpc::ClientContext ctx;
-    StartCall(ctx, Clock::now() + options_.rpc_timeout);
-    pb::PrepareReply reply;
-    CKPT_RETURN_IF_ERROR(Describe("prepare", stub_->Prepare(&ctx, request, &reply)));
-    return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
+    format::SplitResult split = format::SplitPart(part);
+    const std::string& digest = split.structure->digest;
+    // Once the coordinator holds this part's structure, only the step's values go: a
+    // coordinator that lost it (restarted, or dropped it) asks, and the whole part follows.
+    for (bool compact = KnowsStructure(digest);; compact = false) {
+      pb::PrepareRequest request;
+      request.set_node_rank(options_.node_rank);
+      request.set_incarnation(incarnation_);
+      request.set_job(part.job);
+      request.set_step(part.step);
+      request.set_world_size(part.world_size);
+      for (const format::ManifestShard& s : part.shards) request.add_ranks(s.rank);
+      if (compact) {
+        request.set_structure_digest(digest);
+        ToProto(split.values, request.mutable_values());
+      } else {
+        request.set_manifest_part_json(format::ManifestToJson(part));
+      }
+      request.set_attempt(attempt);
+      grpc::ClientContext ctx;
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      pb::PrepareReply reply;
+      CKPT_RETURN_IF_ERROR(Describe("prepare", stub_->Prepare(&ctx, request, &reply)));
+      if (reply.need_structure()) {
+        if (!compact) return absl::InternalError("group prepare: the coordinator asked for a structure it was sent");
+        ForgetStructure(digest);
+        continue;
+      }
+      if (!compact) RememberStructure(digest);
+      return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
+    }
   }
 
   absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
@@ -293,6 +313,27 @@ class GrpcGroupClient final : public GroupClient {
     d.committed = std::move(step);
     return d;
   }
+
+  bool KnowsStructure(const std::string& digest) const {
+    std::lock_guard lock(structures_mu_);
+    return std::find(structures_.begin(), structures_.end(), digest) != structures_.end();
+  }
+  void RememberStructure(const std::string& digest) {
+    std::lock_guard lock(structures_mu_);
+    if (std::find(structures_.begin(), structures_.end(), digest) != structures_.end()) return;
+    structures_.push_back(digest);
+    if (structures_.size() > kKnownStructures) structures_.pop_front();
+  }
+  void ForgetStructure(const std::string& digest) {
+    std::lock_guard lock(structures_mu_);
+    std::erase(structures_, digest);
+  }
+
+  // Structures of this node's parts the coordinator acknowledged, newest last: a job's
+  // part has one; a few jobs, or a changed layout, a few more.
+  static constexpr size_t kKnownStructures = 16;
+  mutable std::mutex structures_mu_;
+  std::deque<std::string> structures_;
 
   const GroupOptions options_;
   const uint64_t incarnation_;

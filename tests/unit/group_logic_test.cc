@@ -54,6 +54,25 @@ class MemoryDecisionLog : public DecisionLog {
     if (it == records_.end()) return std::optional<std::string>();
     return std::optional<std::string>(it->second);
   }
+  absl::Status RecordManifest(const std::string& job, uint64_t step, const std::string& manifest_json) override {
+    std::lock_guard lock(mu_);
+    manifests_[{job, step}] = manifest_json;
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step) override {
+    std::lock_guard lock(mu_);
+    auto it = manifests_.find({job, step});
+    if (it == manifests_.end()) return std::optional<std::string>();
+    return std::optional<std::string>(it->second);
+  }
+  std::string Record(const std::string& job, uint64_t step) {
+    std::lock_guard lock(mu_);
+    return records_[{job, step}];
+  }
+  bool HasManifest(const std::string& job, uint64_t step) {
+    std::lock_guard lock(mu_);
+    return manifests_.count({job, step}) > 0;
+  }
   bool Has(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     return records_.count({job, step}) > 0;
@@ -89,6 +108,7 @@ class MemoryDecisionLog : public DecisionLog {
   int finds_ = 0;
   bool fail_ = false;
   std::map<std::pair<std::string, uint64_t>, std::string> records_;
+  std::map<std::pair<std::string, uint64_t>, std::string> manifests_;
 };
 
 using ckpt::testing::ManifestPart;
@@ -343,7 +363,16 @@ TEST_CASE("commit: all ranks prepared across three nodes commit with a merged ma
 
   Decision d = c.Prepare(2, 1, Part("job", 100, 4, {3}));
   REQUIRE(d.outcome == Outcome::kCommitted);
-  auto merged = format::ParseManifest(d.committed->manifest_json, "test");
+  // Decided without the whole manifest: it is assembled when node 0 asks for it.
+  CHECK(d.committed->manifest_json.empty());
+  CHECK(d.committed->header.nodes == 3);
+  CHECK(d.committed->shares.at(0).ranks == 2);
+  CHECK_FALSE(log.HasManifest("job", 100));
+  Decision whole = c.Lookup("job", 100, /*whole_manifest=*/true);
+  REQUIRE(whole.outcome == Outcome::kCommitted);
+  CHECK(log.HasManifest("job", 100));
+  CHECK(whole.committed->header.digest == d.committed->header.digest);
+  auto merged = format::ParseManifest(whole.committed->manifest_json, "test");
   REQUIRE(merged.ok());
   CHECK(merged->shards.size() == 4);
   REQUIRE(merged->nodes.size() == 3);
@@ -408,6 +437,7 @@ TEST_CASE("commit: old manifests leave memory and are read back from the decisio
   for (uint64_t step = 1; step <= 5; ++step) {
     c.Prepare(0, 1, Part("job", step, 2, {0}));
     REQUIRE(c.Prepare(1, 1, Part("job", step, 2, {1})).outcome == Outcome::kCommitted);
+    if (step < 5) c.Lookup("job", step, /*whole_manifest=*/true);  // as node 0 asks
   }
   const int before = log.finds();
   Decision newest = c.Lookup("job", 5, /*whole_manifest=*/true);
@@ -429,6 +459,75 @@ TEST_CASE("commit: old manifests leave memory and are read back from the decisio
   CHECK(manifest->step == 2);
   // A prepare retried long after its commit still hears committed.
   CHECK(c.Prepare(1, 1, Part("job", 1, 2, {1})).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a restart answers from it") {
+  MemoryDecisionLog log;
+  {
+    CommitCoordinator c(log, {});
+    c.Prepare(0, 1, Part("job", 7, 4, {0, 1}));
+    REQUIRE(c.Prepare(1, 1, Part("job", 7, 4, {2, 3})).outcome == Outcome::kCommitted);
+    const std::string record = log.Record("job", 7);
+    CHECK_THAT(record, Catch::Contains("\"ckptd-decision\""));
+    CHECK_THAT(record, !Catch::Contains("\"w\""));  // no tensor
+    auto parsed = ParseDecisionRecord(record);
+    REQUIRE(parsed.ok());
+    CHECK(parsed->header.digest == format::ManifestDigest(record));
+    CHECK(parsed->header.step_bytes == 1000 + 1001 + 1002 + 1003);
+    CHECK(parsed->header.step_tensors == 1);
+    CHECK(parsed->shares.at(1) == NodeShare{2, 2005, 0});
+    CHECK(parsed->node_of_rank == std::vector<uint32_t>{0, 0, 1, 1});
+    // Step 8 commits, but the coordinator stops before node 0 asked for its whole manifest.
+    c.Prepare(0, 1, Part("job", 8, 4, {0, 1}));
+    REQUIRE(c.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
+    c.Lookup("job", 7, /*whole_manifest=*/true);
+  }
+  CommitCoordinator restarted(log, {});
+  Decision seven = restarted.Lookup("job", 7, /*whole_manifest=*/true);
+  REQUIRE(seven.outcome == Outcome::kCommitted);
+  auto whole = format::ParseManifest(seven.committed->manifest_json, "test");
+  REQUIRE(whole.ok());
+  CHECK(whole->shards.size() == 4);
+  CHECK(seven.committed->header.digest == format::ManifestDigest(log.Record("job", 7)));
+  // Step 8: committed, with its header and shares; its whole manifest is gone for good.
+  Decision eight = restarted.Lookup("job", 8, /*whole_manifest=*/true);
+  REQUIRE(eight.outcome == Outcome::kCommitted);
+  CHECK(eight.committed->manifest_json.empty());
+  CHECK(eight.committed->shares.at(0).ranks == 2);
+  // A retried prepare of step 8 hears committed again; another node's claim does not.
+  CHECK(restarted.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
+  CHECK(restarted.Prepare(0, 1, Part("job", 8, 4, {2})).outcome == Outcome::kAborted);
+}
+
+TEST_CASE("commit: a record written by an older ckptd (the whole manifest) still answers") {
+  MemoryDecisionLog log;
+  format::Manifest whole = Part("job", 3, 2, {0, 1});
+  whole.nodes = {{0, {0}}, {1, {1}}};
+  const std::string json = format::ManifestToJson(whole);
+  REQUIRE(log.RecordCommit("job", 3, json).ok());
+  CommitCoordinator c(log, {});
+  Decision d = c.Lookup("job", 3, /*whole_manifest=*/true);
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  CHECK(d.committed->manifest_json == json);
+  CHECK(d.committed->header.digest == format::ManifestDigest(json));
+  CHECK(d.committed->shares.at(1).ranks == 1);
+}
+
+TEST_CASE("commit: parts of a new structure are checked again; disagreeing parts abort") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, 1, Part("job", 1, 2, {0}));
+  REQUIRE(c.Prepare(1, 1, Part("job", 1, 2, {1})).outcome == Outcome::kCommitted);
+  // Step 2: node 1's piece now overlaps node 0's (same structure on node 0, a new one on 1).
+  format::Manifest overlapping = Part("job", 2, 2, {1});
+  overlapping.tensors["w"].shards[0].offset = {0};
+  c.Prepare(0, 1, Part("job", 2, 2, {0}));
+  Decision d = c.Prepare(1, 1, overlapping);
+  CHECK(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("w"));
+  // Step 3, the first structures again: the check made for step 1 still holds.
+  c.Prepare(0, 1, Part("job", 3, 2, {0}));
+  CHECK(c.Prepare(1, 1, Part("job", 3, 2, {1})).outcome == Outcome::kCommitted);
 }
 
 TEST_CASE("commit: a decision that cannot be recorded aborts the step") {
@@ -639,10 +738,12 @@ TEST_CASE("commit: a restarted coordinator answers from the decision log") {
     CommitCoordinator before(log, {});
     before.Prepare(0, 1, Part("job", 20, 2, {0}));
     REQUIRE(before.Prepare(1, 1, Part("job", 20, 2, {1})).outcome == Outcome::kCommitted);
+    before.Lookup("job", 20, /*whole_manifest=*/true);  // node 0 asked for it
     before.Prepare(0, 1, Part("job", 21, 2, {0}));  // undecided when the coordinator dies
   }
   CommitCoordinator after(log, {});
-  Decision committed = after.Lookup("job", 20);
+  CHECK(after.Lookup("job", 20).committed->shares.at(1).ranks == 1);
+  Decision committed = after.Lookup("job", 20, /*whole_manifest=*/true);
   CHECK(committed.outcome == Outcome::kCommitted);
   CHECK(format::ParseManifest(committed.committed->manifest_json, "test").ok());
   CHECK(after.Lookup("job", 21).outcome == Outcome::kUnknown);
@@ -695,10 +796,16 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
   CHECK(std::distance(std::filesystem::directory_iterator(dir / "decisions/job"),
                       std::filesystem::directory_iterator()) == 2);
   // The job went back and commits a lower step: it is kept, the oldest record goes.
+  REQUIRE(log->RecordManifest("job", 3, "{\"manifest\":3}").ok());
+  REQUIRE(log->RecordManifest("job", 4, "{\"manifest\":4}").ok());
+  CHECK(**log->FindManifest("job", 3) == "{\"manifest\":3}");
   REQUIRE(log->RecordCommit("job", 2, "{\"two again\":2}").ok());
   CHECK(log->FindCommit("job", 2)->has_value());
   CHECK_FALSE(log->FindCommit("job", 3)->has_value());
+  CHECK_FALSE(log->FindManifest("job", 3)->has_value());  // pruned with its record
   CHECK(log->FindCommit("job", 4)->has_value());
+  CHECK(log->FindManifest("job", 4)->has_value());
+  CHECK_FALSE(log->FindManifest("job", 2)->has_value());
 }
 
 TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {
@@ -716,8 +823,8 @@ TEST_CASE("commit: a node's newest prepare of a rank replaces what it said befor
   CHECK(c.Prepare(0, 1, new_part).outcome == Outcome::kPending);
   format::Manifest other = Part("job", 12, 2, {1});
   other.tensors["w"] = {"F32", {2}, {{1, "rank-00001.safetensors", 0, 4, {1}, {1}, "one"}}};
-  Decision d = c.Prepare(1, 1, other);
-  REQUIRE(d.outcome == Outcome::kCommitted);
+  REQUIRE(c.Prepare(1, 1, other).outcome == Outcome::kCommitted);
+  Decision d = c.Lookup("job", 12, /*whole_manifest=*/true);
   auto m = format::ParseManifest(d.committed->manifest_json, "decision");
   REQUIRE(m.ok());
   CHECK(m->shards[0].bytes == 222);

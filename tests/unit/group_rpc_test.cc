@@ -25,6 +25,7 @@
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
 #include "format/manifest.h"
+#include "format/part_structure.h"
 #include "daemon/schedule/save_clock.h"
 #include "proto/group.grpc.pb.h"
 #include "tests/fakes/temp_dir.h"
@@ -128,6 +129,115 @@ void GatherAmongThree(std::vector<GroupClientPtr>& clients, const std::string& k
 
 }  // namespace
 
+namespace {
+
+// A prepare of node 0 (incarnation 2000) over a raw stub: the whole part, or only its values
+// under `digest`.
+grpc::Status RawPrepare(const std::string& address, const format::Manifest& part, const std::string& digest,
+                        const format::PartValues* values, pb::PrepareReply* reply) {
+  RawCall call(address);
+  pb::PrepareRequest request;
+  request.set_node_rank(0);
+  request.set_incarnation(2000);
+  request.set_job(part.job);
+  request.set_step(part.step);
+  request.set_world_size(part.world_size);
+  for (const format::ManifestShard& s : part.shards) request.add_ranks(s.rank);
+  request.set_attempt(1);
+  if (digest.empty()) {
+    request.set_manifest_part_json(format::ManifestToJson(part));
+  } else {
+    request.set_structure_digest(digest);
+    auto* v = request.mutable_values();
+    v->set_run(values->run);
+    v->set_wall_time(values->wall_time);
+    for (const auto& rank : values->ranks) v->add_ranks()->set_bytes(rank.bytes);
+    for (const std::string& c : values->checksums) v->add_checksums(c);
+  }
+  return call.stub->Prepare(&call.ctx, request, reply);
+}
+
+format::Manifest Checksummed(format::Manifest part, const std::string& checksum) {
+  for (auto& [name, tensor] : part.tensors) {
+    for (auto& piece : tensor.shards) piece.checksum = checksum;
+  }
+  return part;
+}
+
+}  // namespace
+
+TEST_CASE("rpc: once the coordinator holds a part's structure, a prepare carries only its values") {
+  Group g(2);
+  auto node0 = g.Client(0);
+  auto node1 = g.Client(1);
+  REQUIRE(node0->Join(Clock::now() + 3s).ok());
+  REQUIRE(node1->Join(Clock::now() + 3s).ok());
+  const std::string address = g.server->address();
+
+  // Step 1: node 0 names a structure the coordinator was never sent: it is asked for it.
+  format::Manifest step1 = Checksummed(Part("job", 1, 2, {0}), "xxh3:0000000000000001");
+  format::SplitResult split1 = format::SplitPart(step1);
+  pb::PrepareReply reply;
+  REQUIRE(RawPrepare(address, step1, split1.structure->digest, &split1.values, &reply).ok());
+  CHECK(reply.need_structure());
+  CHECK(reply.outcome() == pb::OUTCOME_PENDING);
+  reply.Clear();
+  REQUIRE(RawPrepare(address, step1, "", nullptr, &reply).ok());  // the whole part
+  CHECK_FALSE(reply.need_structure());
+  CHECK(reply.outcome() == pb::OUTCOME_PENDING);
+  REQUIRE(node1->Prepare(Part("job", 1, 2, {1}), 1)->outcome == Outcome::kCommitted);
+
+  // Step 2: the same structure, only values; the whole manifest carries them.
+  format::Manifest step2 = Checksummed(Part("job", 2, 2, {0}), "xxh3:0000000000000002");
+  format::SplitResult split2 = format::SplitPart(step2);
+  REQUIRE(split2.structure->digest == split1.structure->digest);
+  reply.Clear();
+  REQUIRE(RawPrepare(address, step2, split2.structure->digest, &split2.values, &reply).ok());
+  CHECK_FALSE(reply.need_structure());
+  CHECK(reply.outcome() == pb::OUTCOME_PENDING);
+  REQUIRE(node1->Prepare(Part("job", 2, 2, {1}), 1)->outcome == Outcome::kCommitted);
+  // (node 1's second prepare went as values too: its client had the structure acknowledged)
+  auto whole = node0->GetOutcome("job", 2, 100ms);
+  REQUIRE(whole.ok());
+  auto manifest = format::ParseManifest(whole->committed->manifest_json, "outcome");
+  REQUIRE(manifest.ok());
+  CHECK(manifest->tensors.at("w").shards[0].checksum == "xxh3:0000000000000002");
+  CHECK(manifest->Shard(0)->bytes == 1000);
+
+  // Values that do not fit the structure, or a prepare that says both: refused, named.
+  format::PartValues short_values = split2.values;
+  short_values.checksums.clear();
+  reply.Clear();
+  grpc::Status misfit = RawPrepare(address, Part("job", 3, 2, {0}), split2.structure->digest, &short_values, &reply);
+  CHECK(misfit.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(misfit.error_message(), Catch::Contains("values") && Catch::Contains("0 checksums"));
+  {
+    RawCall call(address);
+    pb::PrepareRequest both;
+    both.set_node_rank(0);
+    both.set_incarnation(2000);
+    both.set_job("job");
+    both.set_step(3);
+    both.set_world_size(2);
+    both.add_ranks(0);
+    both.set_structure_digest(split2.structure->digest);
+    both.set_manifest_part_json(format::ManifestToJson(Part("job", 3, 2, {0})));
+    grpc::Status s = call.stub->Prepare(&call.ctx, both, &reply);
+    CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(s.error_message(), Catch::Contains("not both"));
+  }
+  // A structure of another job under a request for this one is refused.
+  format::Manifest other = Part("other", 3, 2, {0});
+  format::SplitResult split_other = format::SplitPart(other);
+  reply.Clear();
+  REQUIRE(RawPrepare(address, other, "", nullptr, &reply).ok());
+  format::Manifest mislabeled = Part("job", 3, 2, {0});
+  reply.Clear();
+  grpc::Status wrong_job = RawPrepare(address, mislabeled, split_other.structure->digest, &split_other.values, &reply);
+  CHECK(wrong_job.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(wrong_job.error_message(), Catch::Contains("structure_digest is for job other"));
+}
+
 TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   Group g(3);
   std::vector<GroupClientPtr> clients;
@@ -176,7 +286,9 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   CHECK(last->committed->header.world_size == 4);
   CHECK(last->committed->header.nodes == 3);
   CHECK(last->committed->header.step_bytes == manifest->total_bytes());
-  CHECK(last->committed->header.digest == format::ManifestDigest(polled->committed->manifest_json));
+  // Every node names the step by the same digest: of the coordinator's decision record.
+  CHECK_FALSE(last->committed->header.digest.empty());
+  CHECK(last->committed->header.digest == polled->committed->header.digest);
   CHECK(last->committed->shares.at(2) == NodeShare{1, manifest->Shard(3)->bytes, 1});  // attempt 1
   auto asked = clients[1]->GetOutcome("job", 100, 100ms);
   REQUIRE(asked.ok());
