@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <set>
 
@@ -62,6 +64,7 @@ CommitCoordinator::~CommitCoordinator() {
 }
 
 void CommitCoordinator::AssembleLoop() {
+  pthread_setname_np(pthread_self(), kAssemblerThreadName);
   std::unique_lock lock(mu_);
   while (true) {
     assemble_cv_.wait(lock, [&] { return stopping_ || !to_assemble_.empty(); });
@@ -691,6 +694,15 @@ void CommitCoordinator::Tick(Clock::time_point now) {
       }
     }
     for (const auto& [key, reason] : timed_out) AbortLocked(key, reason, notify);
+    // Waiters for a whole manifest still being assembled hear "pending" at their deadline
+    // and ask again, as waiters for an undecided step do.
+    for (auto& [key, waiters] : awaiting_whole_) {
+      std::erase_if(waiters, [&](PendingWaiter& w) {
+        if (w.deadline > now) return false;
+        notify.emplace_back(std::move(w.waiter), Decision{Outcome::kPending, {}, {}});
+        return true;
+      });
+    }
   }
   Deliver(notify);
 }

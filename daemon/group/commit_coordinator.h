@@ -29,6 +29,9 @@ namespace ckpt::group {
 
 enum class Outcome { kUnknown, kPending, kCommitted, kAborted };
 
+// The thread that assembles node 0's whole manifests (as `top -H` and /proc show it).
+inline constexpr char kAssemblerThreadName[] = "ckptd-assemble";
+
 struct Decision {
   Outcome outcome = Outcome::kUnknown;
   std::string reason;  // why aborted

@@ -95,6 +95,12 @@ void Uploader::Committed(const format::Manifest& manifest, std::map<uint32_t, In
   JobState& job = jobs_[manifest.job];
   const UploadPolicy policy = options_.policies->For(manifest.job);
   if (!OnStepGrid(policy, manifest.step)) return;
+  if (options_.publishes && manifest.scope) {
+    // Node 0 holds only its own ranks' manifest of this step (the coordinator stopped before
+    // assembling the whole one): the remote tier gets the next step instead.
+    Log().warn("[{} s{}] not uploaded: this node holds no whole manifest of it", manifest.job, manifest.step);
+    return;
+  }
   const bool due = ShouldUpload(policy, manifest.step, manifest.unix_time, job.previous);
   job.previous = manifest.unix_time;
   if (!due) return;
@@ -122,7 +128,7 @@ void Uploader::CatchUp() {
       // policy would have picked anyway.
       if (remote_.Committed(job, *it)) break;
       absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, *it);
-      if (!manifest.ok()) break;
+      if (!manifest.ok() || (options_.publishes && manifest->scope)) break;
       std::lock_guard lock(mu_);
       JobState& state = jobs_[job];
       if (!state.queued) {

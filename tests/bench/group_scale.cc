@@ -42,9 +42,12 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
 #include "daemon/group/group_server.h"
+#include "daemon/group/part_values_proto.h"
 #include "format/manifest.h"
+#include "format/part_structure.h"
 #include "proto/group.grpc.pb.h"
 #include "storage/filesystem.h"
 #include "tests/bench/group_scale.h"
@@ -132,16 +135,18 @@ class Coordinator {
   }
   const std::string& address() const { return address_; }
 
-  // CPU time of every thread of the coordinator so far, in ns.
+  // CPU time of every thread of the coordinator so far, in ns, but the assembler's (node
+  // 0's whole manifest, built after the decision: AssemblerCpuNs).
   uint64_t CpuNs() const {
-    uint64_t total = 0;
-    for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid_))) {
-      std::ifstream in(task.path() / "schedstat");
-      uint64_t on_cpu = 0;
-      if (in >> on_cpu) total += on_cpu;
-    }
+    uint64_t total = 0, assembler = 0;
+    ThreadsCpuNs(&total, &assembler);
     // Threads that ended are not listed; their time is in the process's own counters.
-    return std::max(total, TicksNs());
+    return std::max(total, TicksNs()) - assembler;
+  }
+  uint64_t AssemblerCpuNs() const {
+    uint64_t total = 0, assembler = 0;
+    ThreadsCpuNs(&total, &assembler);
+    return assembler;
   }
   // Peak resident memory, in bytes.
   uint64_t PeakRss() const {
@@ -161,6 +166,19 @@ class Coordinator {
     if (f.size() < 13) return 0;
     const uint64_t ticks = std::stoull(f[11]) + std::stoull(f[12]);  // utime, stime
     return ticks * 1'000'000'000 / static_cast<uint64_t>(::sysconf(_SC_CLK_TCK));
+  }
+
+  void ThreadsCpuNs(uint64_t* total, uint64_t* assembler) const {
+    for (const auto& task : std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid_))) {
+      std::ifstream in(task.path() / "schedstat");
+      uint64_t on_cpu = 0;
+      if (!(in >> on_cpu)) continue;
+      *total += on_cpu;
+      std::string name;
+      if (std::getline(std::ifstream(task.path() / "comm"), name) && name == group::kAssemblerThreadName) {
+        *assembler += on_cpu;
+      }
+    }
   }
 
   pid_t pid_ = 0;
@@ -220,7 +238,9 @@ void ForEachNode(uint32_t nodes, uint32_t threads, Fn fn) {
 struct StepFigures {
   double prepare_cpu_ms = 0;   // the coordinator's, for the prepares and the decision
   double outcome_cpu_ms = 0;   // the coordinator's, for the outcome replies
-  double commit_ms = 0;        // first prepare sent to every node knowing
+  double commit_ms = 0;        // first prepare sent to every node but node 0 knowing
+  double assemble_cpu_ms = 0;  // the coordinator's, for node 0's whole manifest
+  double node0_ms = 0;         // first prepare sent to node 0 holding the whole manifest
   uint64_t manifest_bytes = 0;
   // Nodes other than node 0, which alone receives the whole manifest.
   uint64_t node_sent_p50 = 0, node_sent_max = 0, node_received_p50 = 0, node_received_max = 0;
@@ -246,6 +266,7 @@ class Simulation {
       stubs_.push_back(pb::Group::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
     }
     known_version_.assign(c.nodes, 0);
+    structure_known_.assign(c.nodes, 0);
   }
 
   // Every node joins; returns the bytes a join reply brings a node (the whole membership).
@@ -280,9 +301,12 @@ class Simulation {
       bytes[n].received += reply.ByteSizeLong();
     });
     // The parts, built before the clock starts: a node has its part ready when it prepares.
-    std::vector<pb::PrepareRequest> prepares(c_.nodes);
+    // As ckptd's client does, a node sends its whole part until the coordinator holds its
+    // structure, and then only each step's values under the structure's digest.
+    std::vector<pb::PrepareRequest> prepares(c_.nodes), whole_parts(c_.nodes);
     ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
       format::Manifest part = NodePart(c_, n, step);
+      format::SplitResult split = format::SplitPart(part);
       pb::PrepareRequest& request = prepares[n];
       request.set_node_rank(n);
       request.set_incarnation(1000 + n);
@@ -290,32 +314,39 @@ class Simulation {
       request.set_step(step);
       request.set_world_size(part.world_size);
       for (const auto& s : part.shards) request.add_ranks(s.rank);
-      request.set_manifest_part_json(format::ManifestToJson(part));
       request.set_attempt(1);
+      whole_parts[n] = request;
+      whole_parts[n].set_manifest_part_json(format::ManifestToJson(part));
+      request.set_structure_digest(split.structure->digest);
+      group::ToProto(split.values, request.mutable_values());
     });
 
     const uint64_t cpu_before = coordinator.CpuNs();
+    const uint64_t assembler_before = coordinator.AssemblerCpuNs();
     const auto start = Clock::now();
-    // 2. Prepares.
+    // 2. Prepares: node 0's first, so that another node's completes the step (node 0 hears
+    // the commit once its whole manifest is assembled: timed on its own below).
     std::vector<char> decided(c_.nodes, 0);
-    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+    auto prepare = [&](uint32_t n) {
       pb::PrepareReply reply;
-      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Prepare(ctx, prepares[n], &reply); });
+      for (bool compact = structure_known_[n] != 0;; compact = false) {
+        const pb::PrepareRequest& request = compact ? prepares[n] : whole_parts[n];
+        reply.Clear();
+        Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Prepare(ctx, request, &reply); });
+        bytes[n].sent += request.ByteSizeLong();
+        bytes[n].received += reply.ByteSizeLong();
+        if (!reply.need_structure()) break;
+        if (!compact) Die("the coordinator asked for a structure it was sent");
+      }
+      structure_known_[n] = 1;
       if (reply.outcome() == pb::OUTCOME_ABORTED) Die(fmt::format("step {} aborted: {}", step, reply.reason()));
       decided[n] = reply.outcome() == pb::OUTCOME_COMMITTED;
-      bytes[n].sent += prepares[n].ByteSizeLong();
-      bytes[n].received += reply.ByteSizeLong();
-    });
+    };
+    prepare(0);
+    ForEachNode(c_.nodes - 1, c_.threads, [&](uint32_t i) { prepare(i + 1); });
     const uint64_t cpu_prepared = coordinator.CpuNs();
-    // 3. Outcome polls.
-    std::vector<uint32_t> pollers;
-    for (uint32_t n = 0; n < c_.nodes; ++n) {
-      if (!decided[n]) pollers.push_back(n);
-    }
-    uint64_t manifest_bytes = 0;
-    std::mutex mu;
-    ForEachNode(static_cast<uint32_t>(pollers.size()), c_.threads, [&](uint32_t i) {
-      const uint32_t n = pollers[i];
+    // 3. Outcome polls: node 0's (the whole manifest) beside every other node's.
+    auto poll = [&](uint32_t n, uint64_t* manifest_bytes) {
       pb::OutcomeRequest request;
       request.set_job("scale");
       request.set_step(step);
@@ -326,16 +357,29 @@ class Simulation {
       if (reply.outcome() != pb::OUTCOME_COMMITTED) Die(fmt::format("step {} not committed: {}", step, reply.reason()));
       bytes[n].sent += request.ByteSizeLong();
       bytes[n].received += reply.ByteSizeLong();
-      std::lock_guard lock(mu);
-      manifest_bytes = std::max<uint64_t>(manifest_bytes, reply.manifest_json().size());  // node 0's
+      if (manifest_bytes) *manifest_bytes = reply.manifest_json().size();
+    };
+    uint64_t manifest_bytes = 0;
+    Clock::time_point node0_end = start;
+    std::thread node0([&] {
+      if (!decided[0]) poll(0, &manifest_bytes);
+      node0_end = Clock::now();
     });
+    std::vector<uint32_t> pollers;
+    for (uint32_t n = 1; n < c_.nodes; ++n) {
+      if (!decided[n]) pollers.push_back(n);
+    }
+    ForEachNode(static_cast<uint32_t>(pollers.size()), c_.threads, [&](uint32_t i) { poll(pollers[i], nullptr); });
     const auto end = Clock::now();
     const uint64_t cpu_after = coordinator.CpuNs();
+    node0.join();
 
     StepFigures f;
     f.prepare_cpu_ms = static_cast<double>(cpu_prepared - cpu_before) / 1e6;
     f.outcome_cpu_ms = static_cast<double>(cpu_after - cpu_prepared) / 1e6;
     f.commit_ms = std::chrono::duration<double, std::milli>(end - start).count();
+    f.assemble_cpu_ms = static_cast<double>(coordinator.AssemblerCpuNs() - assembler_before) / 1e6;
+    f.node0_ms = std::chrono::duration<double, std::milli>(node0_end - start).count();
     f.manifest_bytes = manifest_bytes;
     std::vector<uint64_t> sent, received;
     for (const NodeBytes& b : bytes) {
@@ -369,6 +413,7 @@ class Simulation {
   const Config c_;
   std::vector<std::unique_ptr<pb::Group::Stub>> stubs_;
   std::vector<uint64_t> known_version_;
+  std::vector<char> structure_known_;  // by node: the coordinator holds its part's structure
 };
 
 ScaleResult Measure(const Config& c, const std::string& self, const std::string& dir) {
@@ -458,7 +503,9 @@ int ScaleMain(int argc, char** argv) {
                               {"node_sent_max", f.node_sent_max},
                               {"node_received_p50", f.node_received_p50},
                               {"node_received_max", f.node_received_max},
-                              {"node0_received", f.node0_received}});
+                              {"node0_received", f.node0_received},
+                              {"coordinator_assemble_cpu_ms", f.assemble_cpu_ms},
+                              {"node0_whole_manifest_ms", f.node0_ms}});
       }
       out["runs"].push_back(j);
     }
@@ -469,22 +516,24 @@ int ScaleMain(int argc, char** argv) {
              "channels, {} CPUs, loopback; decision log on {}\n",
              c.channels, std::thread::hardware_concurrency(), dir);
   fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, and for the\n"
-             "outcome replies; first prepare to every node knowing the outcome; bytes per node other than node 0\n"
-             "(median, max), and what node 0 receives (the whole manifest)\n\n",
+             "outcome replies; first prepare to every node but node 0 knowing the outcome; bytes per node other\n"
+             "than node 0 (median, max); node 0's whole manifest: the coordinator's CPU assembling it after the\n"
+             "decision, first prepare to node 0 holding it, and what node 0 receives\n\n",
              c.steps);
-  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9} | {:>9}\n",
+  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>12} {:>10} {:>9} | "
+             "{:>9}\n",
              "nodes", "ranks", "tensors", "manifest", "CPU decide", "CPU replies", "commit", "sent/node", "max",
-             "recv/node", "max", "node 0", "coord RSS");
+             "recv/node", "max", "CPU assemble", "node 0", "node 0 rx", "coord RSS");
   for (const ScaleResult& r : results) {
     std::vector<StepFigures> steps = r.steps;
     std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.commit_ms < b.commit_ms; });
     const StepFigures& f = steps[steps.size() / 2];
     fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
-               "{:>9} | {:>9}\n",
+               "{:>9.0f} ms {:>7.0f} ms {:>9} | {:>9}\n",
                r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors, Size(f.manifest_bytes),
                f.prepare_cpu_ms, f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max),
-               Size(f.node_received_p50), Size(f.node_received_max), Size(f.node0_received),
-               Size(r.coordinator_peak_rss));
+               Size(f.node_received_p50), Size(f.node_received_max), f.assemble_cpu_ms, f.node0_ms,
+               Size(f.node0_received), Size(r.coordinator_peak_rss));
   }
   for (const ScaleResult& r : results) {
     fmt::print("join: {} nodes: {} per node (the whole membership, once)\n", r.config.nodes,

@@ -568,6 +568,38 @@ TEST_CASE("group: a prepared step survives shutdown in .tmp and is resolved at t
   CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
 }
 
+TEST_CASE("group: a step in doubt is published from the node's record of what it prepared when the commit "
+          "comes without the whole manifest",
+          "[commit]") {
+  Fixture<Group> f;
+  f.writer.Open();
+  uint64_t a = f.Submit(10, 0, 2);
+  WaitUntil([&] { return !f.committer.InFlight().empty() &&
+                         f.committer.InFlight()[0].state == "prepared"; }, 2s);
+  f.writes.Shutdown(2s);
+  f.kind.committer->Shutdown();
+  CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
+  REQUIRE(f.fs->Exists(f.store.TempStepDir("job", 10) + "/.prepared.json"));
+  auto other = f.kind.OtherNode()->Prepare(testing::ManifestPart("job", 10, 2, {1}), 1);
+  REQUIRE(other.ok());
+  CHECK(other->outcome == group::Outcome::kCommitted);
+  // What every node but node 0 hears, and node 0 after a coordinator that stopped before
+  // assembling the whole manifest: the header and this node's share.
+  f.kind.client->tamper = [](group::CommittedStep& c) { c.manifest_json.clear(); };
+  commit::GroupCommitter restarted(f.store, f.Hooks(), f.options, *f.kind.client, 0);
+  restarted.AdoptInDoubt(*f.store.ListTempSteps());
+  WaitUntil([&] { return f.store.ListSteps("job")->size() == 1; }, 5s);
+  auto manifest = f.store.LoadManifest("job", 10);
+  REQUIRE(manifest.ok());
+  REQUIRE(manifest->scope.has_value());
+  CHECK(manifest->scope->nodes == 2);
+  REQUIRE(manifest->shards.size() == 1);
+  CHECK(manifest->shards[0].rank == 0);
+  CHECK(manifest->scope->step_bytes == manifest->shards[0].bytes + 1001);  // rank 1's part: 1001 bytes
+  CHECK_FALSE(f.fs->Exists(f.store.StepDir("job", 10) + "/.prepared.json"));  // removed once published
+  restarted.Shutdown();
+}
+
 TEST_CASE("group: a new attempt at a step in doubt is refused and leaves the step's files alone",
           "[commit]") {
   Fixture<Group> f;
