@@ -154,19 +154,20 @@ absl::StatusOr<RestoreResult> Restorer::RestoreLatest(const SessionView& session
                           : absl::IsDataLoss(mine.status()) ? "damaged "
                                                             : "failed ";
     if (!mine.ok()) outcome += Message(mine.status()).substr(0, 2000);
-    CKPT_ASSIGN_OR_RETURN(std::vector<std::string> outcomes,
+    CKPT_ASSIGN_OR_RETURN(std::vector<SharedOutcome> outcomes,
                           agreement_.ShareOutcomes(session.job, session.rank, session.world_size,
                                                    *agreed, outcome, agree_timeout_));
+    if (outcome.rfind("failed ", 0) == 0) return mine.status();
     std::vector<std::string> damage;
-    for (size_t r = 0; r < outcomes.size(); ++r) {
-      const std::string& o = outcomes[r];
+    for (const SharedOutcome& shared : outcomes) {
+      const std::string& o = shared.outcome;
+      const std::string others = shared.ranks > 1 ? fmt::format(" and {} other ranks", shared.ranks - 1) : "";
       if (o.rfind("failed ", 0) == 0) {
-        if (r == session.rank) return mine.status();
         return absl::AbortedError(fmt::format(
-            "job {}: rank {} could not restore step {} ({}), so no rank resumes from it",
-            session.job, r, *agreed, o.substr(7)));
+            "job {}: rank {}{} could not restore step {} ({}), so no rank resumes from it",
+            session.job, shared.rank, others, *agreed, o.substr(7)));
       }
-      if (o.rfind("damaged ", 0) == 0) damage.push_back(fmt::format("rank {}: {}", r, o.substr(8)));
+      if (o.rfind("damaged ", 0) == 0) damage.push_back(fmt::format("rank {}{}: {}", shared.rank, others, o.substr(8)));
     }
     if (damage.empty()) {
       for (const std::string& d : damaged) {

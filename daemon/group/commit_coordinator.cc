@@ -544,7 +544,7 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
 
 Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& decision) {
   const CommittedStep& c = *decision.committed;
-  if (!c.manifest_json.empty()) return decision;
+  if (!c.manifest_json.empty() || c.whole_too_large) return decision;
   if (!c.parts) {
     Decision recorded = FromLog(key, /*whole=*/true);
     if (recorded.outcome == Outcome::kCommitted && !recorded.committed->manifest_json.empty()) {
@@ -570,6 +570,15 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
   if (absl::Status written = log_.RecordManifest(key.first, key.second, full->manifest_json); !written.ok()) {
     Log().warn("{} the whole manifest was not recorded beside the decision: {}", Prefix(key.first, key.second),
                Message(written));
+  }
+  if (full->manifest_json.size() > options_.max_whole_manifest_bytes) {
+    // No reader would load it from a step directory: node 0 keeps its own ranks' manifest,
+    // and the whole one stays in the decision log for tools.
+    Log().warn("{} the whole manifest is {} bytes, more than a step's manifest may be ({}): node 0 publishes "
+               "its own ranks only",
+               Prefix(key.first, key.second), full->manifest_json.size(), options_.max_whole_manifest_bytes);
+    full->manifest_json.clear();
+    full->whole_too_large = true;
   }
   Decision assembled{Outcome::kCommitted, {}, std::move(full)};
   std::lock_guard lock(mu_);
@@ -599,7 +608,11 @@ Decision CommitCoordinator::FromLog(const Key& key, bool whole) {
   if (whole) {
     auto manifest = log_.FindManifest(key.first, key.second);
     if (!manifest.ok()) return {Outcome::kPending, Message(manifest.status()), nullptr};
-    if (manifest->has_value()) decided->manifest_json = std::move(**manifest);
+    if (manifest->has_value() && (*manifest)->size() > options_.max_whole_manifest_bytes) {
+      decided->whole_too_large = true;
+    } else if (manifest->has_value()) {
+      decided->manifest_json = std::move(**manifest);
+    }
   }
   return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(std::move(*decided))};
 }

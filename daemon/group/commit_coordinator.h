@@ -71,6 +71,9 @@ class CommitCoordinator {
     // is always kept). At 10,000 nodes one manifest is tens of MB. Headers and node shares,
     // what the other nodes ask for, stay.
     size_t recent_manifest_bytes = size_t{64} << 20;
+    // A whole manifest larger than this is kept in the decision log only: node 0 publishes
+    // its own ranks (CheckpointStore::kMaxManifestBytes, what a reader loads).
+    size_t max_whole_manifest_bytes = size_t{64} << 20;
   };
 
   CommitCoordinator(DecisionLog& log, Options options);

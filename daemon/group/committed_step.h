@@ -60,6 +60,9 @@ struct CommittedStep {
   // The coordinator's, until the whole manifest is assembled from them: what the nodes
   // prepared. Dropped with the manifest when memory is short.
   std::shared_ptr<const PreparedParts> parts;
+  // The whole manifest is larger than a manifest may be (CheckpointStore::kMaxManifestBytes):
+  // it is kept in the decision log only, and node 0 publishes its own ranks like any node.
+  bool whole_too_large = false;
 };
 
 // The record the coordinator makes durable before it announces a commit: the header (but

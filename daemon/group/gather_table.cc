@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 namespace ckpt::group {
@@ -31,32 +32,68 @@ constexpr size_t kMaxHeldBytes = size_t{256} << 20;
 
 }  // namespace
 
+const GatherTable::Distinct& GatherTable::Completed::GetDistinct() {
+  std::call_once(distinct_once, [&] {
+    std::map<std::string_view, size_t> index;
+    for (uint32_t p = 0; p < payloads.size(); ++p) {
+      auto [it, first] = index.try_emplace(payloads[p], distinct.payloads.size());
+      if (first) {
+        distinct.payloads.push_back(payloads[p]);
+        distinct.senders.push_back(p);
+        distinct.counts.push_back(0);
+      }
+      ++distinct.counts[it->second];
+    }
+  });
+  return distinct;
+}
+
 void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
                          std::string payload, Clock::time_point deadline, Done done) {
+  ArriveWith(key, participant, participants, std::move(payload), deadline,
+             [done = std::move(done)](const absl::Status& failed, Completed* c) {
+               if (c == nullptr) return done(failed);
+               done(c->payloads);
+             });
+}
+
+void GatherTable::ArriveDistinct(const std::string& key, uint32_t participant, uint32_t participants,
+                                 std::string payload, Clock::time_point deadline, DistinctDone done) {
+  ArriveWith(key, participant, participants, std::move(payload), deadline,
+             [done = std::move(done)](const absl::Status& failed, Completed* c) {
+               if (c == nullptr) return done(failed);
+               done(c->GetDistinct());
+             });
+}
+
+void GatherTable::ArriveWith(const std::string& key, uint32_t participant, uint32_t participants,
+                             std::string payload, Clock::time_point deadline, Finish done) {
   if (participants == 0 || participant >= participants) {
     done(absl::InvalidArgumentError(fmt::format(
-        "gather {}: participant {} is not in 0..{}", key, participant,
-        participants == 0 ? 0 : participants - 1)));
+             "gather {}: participant {} is not in 0..{}", key, participant,
+             participants == 0 ? 0 : participants - 1)),
+         nullptr);
     return;
   }
-  std::vector<Done> replaced;
-  std::vector<Done> finish;
-  std::vector<std::string> payloads;
+  std::vector<Finish> replaced;
+  std::vector<Finish> finish;
+  auto completed = std::make_shared<Completed>();
   std::string refused;
   {
     std::unique_lock lock(mu_);
     if (!closed_.empty()) {
       std::string closed = closed_;
       lock.unlock();
-      done(absl::UnavailableError(closed));
+      done(absl::UnavailableError(closed), nullptr);
       return;
     }
     if ((!rounds_.count(key) && rounds_.size() >= kMaxOpenRounds) ||
         held_bytes_ + payload.size() > kMaxHeldBytes) {
       lock.unlock();
       done(absl::ResourceExhaustedError(fmt::format(
-          "gather {}: too many gathers in progress ({} rounds, {} bytes held)", key,
-          kMaxOpenRounds, kMaxHeldBytes)));
+               "gather {}: too many gathers in progress ({} rounds, {} bytes held)", key,
+               kMaxOpenRounds, kMaxHeldBytes)),
+           nullptr);
       return;
     }
     auto [it, inserted] = rounds_.try_emplace(key);
@@ -79,10 +116,10 @@ void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t 
       held_bytes_ += payload.size();
       round.arrived.emplace(participant, Arrival{std::move(payload), deadline, std::move(done)});
       if (round.arrived.size() == round.participants) {
-        payloads.reserve(round.participants);
+        completed->payloads.reserve(round.participants);
         for (auto& [p, arrival] : round.arrived) {
           held_bytes_ -= arrival.payload.size();
-          payloads.push_back(std::move(arrival.payload));
+          completed->payloads.push_back(std::move(arrival.payload));
           finish.push_back(std::move(arrival.done));
         }
         rounds_.erase(it);
@@ -90,17 +127,17 @@ void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t 
     }
   }
   if (!refused.empty()) {
-    done(absl::InvalidArgumentError(refused));
+    done(absl::InvalidArgumentError(refused), nullptr);
     return;
   }
-  for (Done& d : replaced) {
-    d(absl::AbortedError(fmt::format("gather {}: participant {} arrived again", key, participant)));
+  for (Finish& d : replaced) {
+    d(absl::AbortedError(fmt::format("gather {}: participant {} arrived again", key, participant)), nullptr);
   }
-  for (Done& d : finish) d(payloads);
+  for (Finish& d : finish) d(absl::OkStatus(), completed.get());
 }
 
 void GatherTable::Expire(Clock::time_point now) {
-  std::vector<std::pair<Done, std::string>> expired;
+  std::vector<std::pair<Finish, std::string>> expired;
   {
     std::lock_guard lock(mu_);
     for (auto it = rounds_.begin(); it != rounds_.end();) {
@@ -123,7 +160,7 @@ void GatherTable::Expire(Clock::time_point now) {
       it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);
     }
   }
-  for (auto& [done, why] : expired) done(absl::DeadlineExceededError(why));
+  for (auto& [done, why] : expired) done(absl::DeadlineExceededError(why), nullptr);
 }
 
 void GatherTable::Close(const std::string& why) { FailAll(why, /*close=*/true); }
@@ -131,7 +168,7 @@ void GatherTable::Close(const std::string& why) { FailAll(why, /*close=*/true); 
 void GatherTable::FailAll(const std::string& why) { FailAll(why, /*close=*/false); }
 
 void GatherTable::FailAll(const std::string& why, bool close) {
-  std::vector<Done> failed;
+  std::vector<Finish> failed;
   {
     std::lock_guard lock(mu_);
     if (close) closed_ = why.empty() ? "closed" : why;
@@ -141,25 +178,22 @@ void GatherTable::FailAll(const std::string& why, bool close) {
     rounds_.clear();
     held_bytes_ = 0;
   }
-  for (Done& d : failed) d(absl::UnavailableError(why));
+  for (Finish& d : failed) d(absl::UnavailableError(why), nullptr);
 }
 
-absl::StatusOr<std::vector<std::string>> GatherTable::ArriveAndWait(
-    const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
-    std::chrono::milliseconds timeout) {
-  struct Result {
+template <typename Result, typename Start>
+absl::StatusOr<Result> GatherTable::Wait(Clock::time_point deadline, Start start) {
+  struct Waiting {
     std::mutex mu;
     std::condition_variable cv;
-    std::optional<absl::StatusOr<std::vector<std::string>>> value;
+    std::optional<absl::StatusOr<Result>> value;
   };
-  auto result = std::make_shared<Result>();
-  auto deadline = Clock::now() + timeout;
-  Arrive(key, participant, participants, std::move(payload), deadline,
-         [result](absl::StatusOr<std::vector<std::string>> r) {
-           std::lock_guard lock(result->mu);
-           result->value = std::move(r);
-           result->cv.notify_all();
-         });
+  auto result = std::make_shared<Waiting>();
+  start([result](absl::StatusOr<Result> r) {
+    std::lock_guard lock(result->mu);
+    result->value = std::move(r);
+    result->cv.notify_all();
+  });
   std::unique_lock lock(result->mu);
   while (!result->value) {
     // Nobody else may be expiring this table: whoever waits past its deadline does it.
@@ -171,6 +205,24 @@ absl::StatusOr<std::vector<std::string>> GatherTable::ArriveAndWait(
     }
   }
   return std::move(*result->value);
+}
+
+absl::StatusOr<std::vector<std::string>> GatherTable::ArriveAndWait(
+    const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+    std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  return Wait<std::vector<std::string>>(deadline, [&](Done done) {
+    Arrive(key, participant, participants, std::move(payload), deadline, std::move(done));
+  });
+}
+
+absl::StatusOr<GatherTable::Distinct> GatherTable::ArriveDistinctAndWait(
+    const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+    std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  return Wait<Distinct>(deadline, [&](DistinctDone done) {
+    ArriveDistinct(key, participant, participants, std::move(payload), deadline, std::move(done));
+  });
 }
 
 size_t GatherTable::open_rounds() const {

@@ -22,6 +22,15 @@ class GatherTable {
   using Clock = std::chrono::steady_clock;
   // Receives the payloads by participant, or why the round failed for this participant.
   using Done = std::function<void(absl::StatusOr<std::vector<std::string>>)>;
+  // A gather of distinct payloads: each payload once, in the order of the first participant
+  // that sent it, with that participant and how many sent it. A reply costs the distinct
+  // payloads, not the participants: restoring ranks mostly bring the same step list.
+  struct Distinct {
+    std::vector<std::string> payloads;
+    std::vector<uint32_t> senders;  // the first participant that sent each
+    std::vector<uint32_t> counts;   // how many sent each
+  };
+  using DistinctDone = std::function<void(absl::StatusOr<Distinct>)>;
 
   // Adds `participant`'s payload to the open round of `key`. `done` runs exactly once, on
   // the thread that completes the round, the one that calls Expire, or here when the
@@ -30,6 +39,11 @@ class GatherTable {
   // that `done` takes.
   void Arrive(const std::string& key, uint32_t participant, uint32_t participants,
               std::string payload, Clock::time_point deadline, Done done);
+
+  // The same, answered with the distinct payloads. A round may mix both kinds of arrival:
+  // each hears what it asked for, and the distinct payloads are found once.
+  void ArriveDistinct(const std::string& key, uint32_t participant, uint32_t participants,
+                      std::string payload, Clock::time_point deadline, DistinctDone done);
 
   // Fails every arrival whose deadline is before `now`, naming the missing participants.
   void Expire(Clock::time_point now);
@@ -47,14 +61,31 @@ class GatherTable {
                                                          std::string payload,
                                                          std::chrono::milliseconds timeout);
 
+  absl::StatusOr<Distinct> ArriveDistinctAndWait(const std::string& key, uint32_t participant,
+                                                 uint32_t participants, std::string payload,
+                                                 std::chrono::milliseconds timeout);
+
   size_t open_rounds() const;
 
  private:
+  // A complete round's payloads, shared by its participants' callbacks.
+  struct Completed {
+    std::vector<std::string> payloads;  // by participant
+    std::once_flag distinct_once;
+    Distinct distinct;
+    const Distinct& GetDistinct();
+  };
+  // Either kind of callback: the round's result, or (null) why it failed.
+  using Finish = std::function<void(const absl::Status&, Completed*)>;
   struct Arrival {
     std::string payload;
     Clock::time_point deadline;
-    Done done;
+    Finish done;
   };
+  void ArriveWith(const std::string& key, uint32_t participant, uint32_t participants,
+                  std::string payload, Clock::time_point deadline, Finish done);
+  template <typename Result, typename Start>
+  absl::StatusOr<Result> Wait(Clock::time_point deadline, Start start);
   struct Round {
     uint32_t participants = 0;
     Clock::time_point started;

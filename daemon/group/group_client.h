@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/group/commit_coordinator.h"
+#include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
 #include "format/manifest.h"
@@ -54,6 +55,12 @@ class GroupClient {
                                                           uint32_t participants,
                                                           std::string payload,
                                                           std::chrono::milliseconds timeout) = 0;
+  // The same, answered with each distinct payload once (GatherTable::Distinct): what a
+  // collective whose participants mostly bring the same payload needs, in O(distinct)
+  // bytes per participant instead of O(participants).
+  virtual absl::StatusOr<GatherTable::Distinct> GatherDistinct(const std::string& key, uint32_t participant,
+                                                               uint32_t participants, std::string payload,
+                                                               std::chrono::milliseconds timeout) = 0;
   // The coordinator's SaveSchedule decision for `question`.
   virtual absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) = 0;
   // Ends the gathers in flight and fails later ones at once with `why` (shutdown).

@@ -432,6 +432,20 @@ grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
     if (stop_waiting_) return absl::UnavailableError("the coordinator is shutting down");
     auto timeout = std::min<std::chrono::milliseconds>(
         std::chrono::milliseconds(request->timeout_ms()), kMaxGatherTimeout);
+    if (request->distinct()) {
+      coordinator_->gathers.ArriveDistinct(
+          request->key(), request->participant(), request->participants(), request->payload(),
+          Clock::now() + timeout, [completion, reply](absl::StatusOr<GatherTable::Distinct> distinct) {
+            completion->Finish("Gather", [&]() -> absl::Status {
+              if (!distinct.ok()) return distinct.status();
+              for (std::string& p : distinct->payloads) reply->add_payloads(std::move(p));
+              reply->mutable_senders()->Add(distinct->senders.begin(), distinct->senders.end());
+              reply->mutable_counts()->Add(distinct->counts.begin(), distinct->counts.end());
+              return absl::OkStatus();
+            });
+          });
+      return absl::OkStatus();
+    }
     coordinator_->gathers.Arrive(
         request->key(), request->participant(), request->participants(), request->payload(),
         Clock::now() + timeout,

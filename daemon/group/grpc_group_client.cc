@@ -230,31 +230,23 @@ class GrpcGroupClient final : public GroupClient {
   absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
                                                   uint32_t participants, std::string payload,
                                                   milliseconds timeout) override {
-    pb::GatherRequest request;
-    request.set_key(key);
-    request.set_participant(participant);
-    request.set_participants(participants);
-    request.set_payload(std::move(payload));
-    request.set_timeout_ms(
-        static_cast<uint32_t>(std::clamp<int64_t>(timeout.count(), 1, UINT32_MAX)));
-    grpc::ClientContext ctx;
-    // The coordinator expires the round first and names who is missing; our deadline is
-    // only for a coordinator that does not answer at all.
-    StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
-    {
-      std::lock_guard lock(gathers_mu_);
-      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
-      gathers_.insert(&ctx);
-    }
-    pb::GatherReply reply;
-    grpc::Status status = stub_->Gather(&ctx, request, &reply);
-    {
-      std::lock_guard lock(gathers_mu_);
-      gathers_.erase(&ctx);
-      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
-    }
-    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+    CKPT_ASSIGN_OR_RETURN(pb::GatherReply reply,
+                          CallGather(key, participant, participants, std::move(payload), timeout, false));
     return std::vector<std::string>(reply.payloads().begin(), reply.payloads().end());
+  }
+
+  absl::StatusOr<GatherTable::Distinct> GatherDistinct(const std::string& key, uint32_t participant,
+                                                       uint32_t participants, std::string payload,
+                                                       milliseconds timeout) override {
+    CKPT_ASSIGN_OR_RETURN(pb::GatherReply reply,
+                          CallGather(key, participant, participants, std::move(payload), timeout, true));
+    GatherTable::Distinct d{{reply.payloads().begin(), reply.payloads().end()},
+                            {reply.senders().begin(), reply.senders().end()},
+                            {reply.counts().begin(), reply.counts().end()}};
+    if (d.senders.size() != d.payloads.size() || d.counts.size() != d.payloads.size()) {
+      return absl::DataLossError(fmt::format("group gather {}: the coordinator's distinct reply is malformed", key));
+    }
+    return d;
   }
 
   absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) override {
@@ -334,6 +326,36 @@ class GrpcGroupClient final : public GroupClient {
   static constexpr size_t kKnownStructures = 16;
   mutable std::mutex structures_mu_;
   std::deque<std::string> structures_;
+
+  absl::StatusOr<pb::GatherReply> CallGather(const std::string& key, uint32_t participant, uint32_t participants,
+                                             std::string payload, milliseconds timeout, bool distinct) {
+    pb::GatherRequest request;
+    request.set_key(key);
+    request.set_participant(participant);
+    request.set_participants(participants);
+    request.set_payload(std::move(payload));
+    request.set_timeout_ms(
+        static_cast<uint32_t>(std::clamp<int64_t>(timeout.count(), 1, UINT32_MAX)));
+    request.set_distinct(distinct);
+    grpc::ClientContext ctx;
+    // The coordinator expires the round first and names who is missing; our deadline is
+    // only for a coordinator that does not answer at all.
+    StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
+    {
+      std::lock_guard lock(gathers_mu_);
+      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
+      gathers_.insert(&ctx);
+    }
+    pb::GatherReply reply;
+    grpc::Status status = stub_->Gather(&ctx, request, &reply);
+    {
+      std::lock_guard lock(gathers_mu_);
+      gathers_.erase(&ctx);
+      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
+    }
+    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+    return reply;
+  }
 
   const GroupOptions options_;
   const uint64_t incarnation_;

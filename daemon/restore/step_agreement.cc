@@ -19,18 +19,22 @@ std::string OutcomeKey(const std::string& job, uint64_t step) {
   return fmt::format("restored/{}/{}", job, step);
 }
 
-absl::StatusOr<std::vector<std::string>> Outcomes(const std::string& job, uint64_t step,
-                                                  absl::StatusOr<std::vector<std::string>> gathered) {
+absl::StatusOr<std::vector<SharedOutcome>> Outcomes(const std::string& job, uint64_t step,
+                                                    absl::StatusOr<group::GatherTable::Distinct> gathered) {
   if (!gathered.ok()) {
     return absl::FailedPreconditionError(fmt::format(
         "job {}: waiting for every rank's outcome of restoring step {}: {}", job, step,
         Message(gathered.status())));
   }
-  return gathered;
+  std::vector<SharedOutcome> outcomes;
+  for (size_t i = 0; i < gathered->payloads.size(); ++i) {
+    outcomes.push_back({std::move(gathered->payloads[i]), gathered->senders[i], gathered->counts[i]});
+  }
+  return outcomes;
 }
 
 absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
-                                               absl::StatusOr<std::vector<std::string>> gathered) {
+                                               absl::StatusOr<group::GatherTable::Distinct> gathered) {
   if (!gathered.ok()) {
     // Not DeadlineExceeded or Unavailable: clients read those as "ckptd unreachable" and
     // may start from scratch, while the other ranks of the job resume.
@@ -39,10 +43,10 @@ absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
         "--restore-timeout)",
         job, Message(gathered.status())));
   }
-  std::vector<std::vector<uint64_t>> lists;
-  for (const std::string& payload : *gathered) {
-    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, DecodeSteps(payload));
-    lists.push_back(std::move(steps));
+  std::vector<std::pair<uint32_t, std::vector<uint64_t>>> lists;
+  for (size_t i = 0; i < gathered->payloads.size(); ++i) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, DecodeSteps(gathered->payloads[i]));
+    lists.emplace_back(gathered->senders[i], std::move(steps));
   }
   return ChooseCommonStep(job, lists);
 }
@@ -53,15 +57,15 @@ class LocalStepAgreement : public StepAgreement {
                                                 uint32_t world_size,
                                                 const std::vector<uint64_t>& available,
                                                 std::chrono::milliseconds timeout) override {
-    return Decide(job, table_.ArriveAndWait(Key(job), rank, world_size, EncodeSteps(available),
-                                            timeout));
+    return Decide(job, table_.ArriveDistinctAndWait(Key(job), rank, world_size, EncodeSteps(available),
+                                                    timeout));
   }
-  absl::StatusOr<std::vector<std::string>> ShareOutcomes(const std::string& job, uint32_t rank,
-                                                         uint32_t world_size, uint64_t step,
-                                                         std::string outcome,
-                                                         std::chrono::milliseconds timeout) override {
-    return Outcomes(job, step, table_.ArriveAndWait(OutcomeKey(job, step), rank, world_size,
-                                                    std::move(outcome), timeout));
+  absl::StatusOr<std::vector<SharedOutcome>> ShareOutcomes(const std::string& job, uint32_t rank,
+                                                           uint32_t world_size, uint64_t step,
+                                                           std::string outcome,
+                                                           std::chrono::milliseconds timeout) override {
+    return Outcomes(job, step, table_.ArriveDistinctAndWait(OutcomeKey(job, step), rank, world_size,
+                                                            std::move(outcome), timeout));
   }
   void Cancel(const std::string& why) override { table_.Close(why); }
 
@@ -76,14 +80,14 @@ class GroupStepAgreement : public StepAgreement {
                                                 uint32_t world_size,
                                                 const std::vector<uint64_t>& available,
                                                 std::chrono::milliseconds timeout) override {
-    return Decide(job, client_.Gather(Key(job), rank, world_size, EncodeSteps(available), timeout));
+    return Decide(job, client_.GatherDistinct(Key(job), rank, world_size, EncodeSteps(available), timeout));
   }
-  absl::StatusOr<std::vector<std::string>> ShareOutcomes(const std::string& job, uint32_t rank,
-                                                         uint32_t world_size, uint64_t step,
-                                                         std::string outcome,
-                                                         std::chrono::milliseconds timeout) override {
-    return Outcomes(job, step, client_.Gather(OutcomeKey(job, step), rank, world_size,
-                                              std::move(outcome), timeout));
+  absl::StatusOr<std::vector<SharedOutcome>> ShareOutcomes(const std::string& job, uint32_t rank,
+                                                           uint32_t world_size, uint64_t step,
+                                                           std::string outcome,
+                                                           std::chrono::milliseconds timeout) override {
+    return Outcomes(job, step, client_.GatherDistinct(OutcomeKey(job, step), rank, world_size,
+                                                      std::move(outcome), timeout));
   }
   void Cancel(const std::string& why) override { client_.CancelGathers(why); }
 
@@ -100,10 +104,10 @@ StepAgreementPtr MakeGroupStepAgreement(group::GroupClient& client) {
 }
 
 absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
-    const std::string& job, const std::vector<std::vector<uint64_t>>& available) {
+    const std::string& job, const std::vector<std::pair<uint32_t, std::vector<uint64_t>>>& available) {
   bool any = false;
   std::optional<std::set<uint64_t>> common;
-  for (const auto& list : available) {
+  for (const auto& [rank, list] : available) {
     any = any || !list.empty();
     std::set<uint64_t> mine(list.begin(), list.end());
     if (!common) {
@@ -119,19 +123,20 @@ absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
   if (common && !common->empty()) {
     // The latest step they all have, in rank 0's run order (every node reads the same run
     // from the same manifest, so the lists agree; one rank's view decides all the same).
-    for (auto it = available[0].rbegin(); it != available[0].rend(); ++it) {
+    const std::vector<uint64_t>& first = available.front().second;
+    for (auto it = first.rbegin(); it != first.rend(); ++it) {
       if (common->count(*it)) return std::optional<uint64_t>(*it);
     }
   }
   std::vector<std::string> per_rank;
-  for (size_t r = 0; r < available.size() && per_rank.size() < 8; ++r) {
-    const auto& list = available[r];
-    per_rank.push_back(list.empty() ? fmt::format("rank {}: none", r)
-                                    : fmt::format("rank {}: newest {}", r, list.back()));
+  for (size_t i = 0; i < available.size() && per_rank.size() < 8; ++i) {
+    const auto& [rank, list] = available[i];
+    per_rank.push_back(list.empty() ? fmt::format("rank {}: none", rank)
+                                    : fmt::format("rank {}: newest {}", rank, list.back()));
   }
   return absl::FailedPreconditionError(fmt::format(
-      "job {}: no committed step is present for every rank ({}{})", job,
-      fmt::join(per_rank, "; "), available.size() > 8 ? "; ..." : ""));
+      "job {}: no committed step is present for every rank ({}{})", job, fmt::join(per_rank, "; "),
+      available.size() > 8 ? "; ..." : ""));
 }
 
 std::string EncodeSteps(const std::vector<uint64_t>& steps) {

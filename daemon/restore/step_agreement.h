@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -19,6 +20,13 @@ class GatherTable;
 }  // namespace ckpt::group
 
 namespace ckpt::daemon {
+
+// One outcome of restoring a step, and the ranks that had it: the first and how many.
+struct SharedOutcome {
+  std::string outcome;
+  uint32_t rank = 0;
+  uint32_t ranks = 0;
+};
 
 class StepAgreement {
  public:
@@ -31,9 +39,11 @@ class StepAgreement {
                                                         const std::vector<uint64_t>& available,
                                                         std::chrono::milliseconds timeout) = 0;
   // After every rank has tried the agreed `step`: each rank brings its outcome (empty when
-  // it restored; see restorer.cc for the rest) and gets every rank's, by rank, so that all
-  // ranks take the same next move (done, fall back to an older step, or fail).
-  virtual absl::StatusOr<std::vector<std::string>> ShareOutcomes(
+  // it restored; see restorer.cc for the rest) and gets every distinct outcome, with the
+  // first rank that had it, so that all ranks take the same next move (done, fall back to
+  // an older step, or fail). Distinct, not by rank: at 80,000 ranks, every rank hearing
+  // every rank's would cost the coordinator O(ranks²) bytes.
+  virtual absl::StatusOr<std::vector<SharedOutcome>> ShareOutcomes(
       const std::string& job, uint32_t rank, uint32_t world_size, uint64_t step,
       std::string outcome, std::chrono::milliseconds timeout) = 0;
   // Ends every Agree that waits, and every later one, with `why` (shutdown: a restore
@@ -46,11 +56,12 @@ using StepAgreementPtr = std::unique_ptr<StepAgreement>;
 StepAgreementPtr MakeLocalStepAgreement();
 StepAgreementPtr MakeGroupStepAgreement(group::GroupClient& client);
 
-// The choice itself, from every rank's list (by rank, each in run order): the latest step
-// in all of them, by rank 0's order.
-// nullopt when every list is empty; FailedPrecondition naming ranks when they share none.
+// The choice itself, from the ranks' lists (each in run order), each distinct list once
+// with the first rank that brought it, rank 0's first: the latest step in all of them, by
+// rank 0's order. nullopt when every list is empty; FailedPrecondition naming ranks when
+// they share none.
 absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
-    const std::string& job, const std::vector<std::vector<uint64_t>>& available);
+    const std::string& job, const std::vector<std::pair<uint32_t, std::vector<uint64_t>>>& available);
 
 // Lists travel as text: "12,20,30" (at most the kMaxAdvertised latest).
 inline constexpr size_t kMaxAdvertised = 256;

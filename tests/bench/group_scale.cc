@@ -353,10 +353,15 @@ class Simulation {
       request.set_wait_ms(30'000);
       request.set_node_rank(n);
       pb::OutcomeReply reply;
-      Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.GetOutcome(ctx, request, &reply); });
+      // As a node's watcher does: a poll that ends before the answer (a long decision, or
+      // node 0's manifest still being assembled) is sent again.
+      do {
+        reply.Clear();
+        Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.GetOutcome(ctx, request, &reply); });
+        bytes[n].sent += request.ByteSizeLong();
+        bytes[n].received += reply.ByteSizeLong();
+      } while (reply.outcome() == pb::OUTCOME_PENDING);
       if (reply.outcome() != pb::OUTCOME_COMMITTED) Die(fmt::format("step {} not committed: {}", step, reply.reason()));
-      bytes[n].sent += request.ByteSizeLong();
-      bytes[n].received += reply.ByteSizeLong();
       if (manifest_bytes) *manifest_bytes = reply.manifest_json().size();
     };
     uint64_t manifest_bytes = 0;

@@ -177,6 +177,11 @@ class CountingGroupClient : public group::GroupClient {
                                                   std::chrono::milliseconds timeout) override {
     return real_->Gather(key, participant, participants, std::move(payload), timeout);
   }
+  absl::StatusOr<group::GatherTable::Distinct> GatherDistinct(const std::string& key, uint32_t participant,
+                                                              uint32_t participants, std::string payload,
+                                                              std::chrono::milliseconds timeout) override {
+    return real_->GatherDistinct(key, participant, participants, std::move(payload), timeout);
+  }
   absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) override {
     return real_->DecideSave(question);
   }

@@ -149,6 +149,36 @@ TEST_CASE("gather: the last arrival completes the round for everyone") {
   CHECK(table.open_rounds() == 0);
 }
 
+TEST_CASE("gather: a distinct gather answers each payload once, with its first sender and count") {
+  GatherTable table;
+  auto deadline = Clock::now() + 10s;
+  std::optional<absl::StatusOr<GatherTable::Distinct>> heard[4];
+  const char* payloads[] = {"10,20", "10", "10,20", "20"};
+  for (uint32_t p : {3u, 1u, 2u}) {
+    table.ArriveDistinct("restore/job", p, 5, payloads[p], deadline,
+                         [&heard, p](absl::StatusOr<GatherTable::Distinct> d) { heard[p] = std::move(d); });
+  }
+  Catcher plain;  // a participant of the same round that asked for every payload
+  table.Arrive("restore/job", 4, 5, "10,20", deadline, plain.done());
+  CHECK_FALSE(heard[1].has_value());
+  table.ArriveDistinct("restore/job", 0, 5, payloads[0], deadline,
+                       [&heard](absl::StatusOr<GatherTable::Distinct> d) { heard[0] = std::move(d); });
+  for (uint32_t p = 0; p < 4; ++p) {
+    INFO("participant " << p);
+    REQUIRE(heard[p].has_value());
+    REQUIRE(heard[p]->ok());
+    CHECK((*heard[p])->payloads == std::vector<std::string>{"10,20", "10", "20"});
+    CHECK((*heard[p])->senders == std::vector<uint32_t>{0, 1, 3});
+    CHECK((*heard[p])->counts == std::vector<uint32_t>{3, 1, 1});
+  }
+  REQUIRE(plain.result.has_value());
+  CHECK(**plain.result == std::vector<std::string>{"10,20", "10", "10,20", "20", "10,20"});
+  // Failures reach distinct arrivals as any other.
+  auto alone = table.ArriveDistinctAndWait("k", 0, 2, "x", 50ms);
+  REQUIRE_FALSE(alone.ok());
+  CHECK_THAT(ckpt::Message(alone.status()), Catch::Contains("missing: 1"));
+}
+
 TEST_CASE("gather: a participant arriving again replaces its payload") {
   GatherTable table;
   auto deadline = Clock::now() + 10s;
@@ -497,6 +527,27 @@ TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a res
   // A retried prepare of step 8 hears committed again; another node's claim does not.
   CHECK(restarted.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
   CHECK(restarted.Prepare(0, 1, Part("job", 8, 4, {2})).outcome == Outcome::kAborted);
+}
+
+TEST_CASE("commit: a whole manifest larger than a manifest may be stays in the decision log; node 0 gets the header") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  options.max_whole_manifest_bytes = 100;  // every manifest here is larger
+  CommitCoordinator c(log, options);
+  c.Prepare(0, 1, Part("job", 4, 2, {0}));
+  REQUIRE(c.Prepare(1, 1, Part("job", 4, 2, {1})).outcome == Outcome::kCommitted);
+  Decision d = c.Lookup("job", 4, /*whole_manifest=*/true);
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  CHECK(d.committed->manifest_json.empty());
+  CHECK(d.committed->whole_too_large);
+  CHECK(d.committed->shares.at(0).ranks == 1);
+  CHECK(log.HasManifest("job", 4));
+  // The same after a restart, from the log.
+  CommitCoordinator restarted(log, options);
+  Decision again = restarted.Lookup("job", 4, /*whole_manifest=*/true);
+  REQUIRE(again.outcome == Outcome::kCommitted);
+  CHECK(again.committed->manifest_json.empty());
+  CHECK(again.committed->whole_too_large);
 }
 
 TEST_CASE("commit: a record written by an older ckptd (the whole manifest) still answers") {

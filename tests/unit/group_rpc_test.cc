@@ -111,6 +111,22 @@ int ConnectTcp(const std::string& address) {
   return fd;
 }
 
+// Three participants gather distinct payloads through three clients at once.
+void GatherDistinctAmongThree(std::vector<GroupClientPtr>& clients, const std::string& key) {
+  std::vector<absl::StatusOr<GatherTable::Distinct>> results(3);
+  std::vector<std::thread> threads;
+  for (uint32_t p = 0; p < 3; ++p) {
+    threads.emplace_back([&, p] { results[p] = clients[p]->GatherDistinct(key, p, 3, p == 1 ? "b" : "a", 3s); });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& r : results) {
+    REQUIRE(r.ok());
+    CHECK(r->payloads == std::vector<std::string>{"a", "b"});
+    CHECK(r->senders == std::vector<uint32_t>{0, 1});
+    CHECK(r->counts == std::vector<uint32_t>{2, 1});
+  }
+}
+
 // Three participants gather through three clients at once.
 void GatherAmongThree(std::vector<GroupClientPtr>& clients, const std::string& key) {
   std::vector<absl::StatusOr<std::vector<std::string>>> results(3);
@@ -312,6 +328,7 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   CHECK(clients[0]->GetOutcome("job", 999, 0ms)->outcome == Outcome::kUnknown);
 
   GatherAmongThree(clients, "restore/job");
+  GatherDistinctAmongThree(clients, "restore/distinct");
 
   // Barrier and broadcast are gathers too.
   // Assertions only on this thread: Catch2's are not thread-safe (TSan said so).

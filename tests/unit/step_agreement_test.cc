@@ -10,19 +10,40 @@
 using namespace ckpt::daemon;
 using namespace std::chrono_literals;
 
+namespace {
+
+// Every rank's list, by rank, as the choice takes distinct lists: each named by its rank.
+absl::StatusOr<std::optional<uint64_t>> ChooseByRank(const std::string& job,
+                                                      const std::vector<std::vector<uint64_t>>& lists) {
+  std::vector<std::pair<uint32_t, std::vector<uint64_t>>> named;
+  for (uint32_t r = 0; r < lists.size(); ++r) named.emplace_back(r, lists[r]);
+  return ChooseCommonStep(job, named);
+}
+
+}  // namespace
+
 TEST_CASE("the newest step every rank has is chosen") {
-  CHECK(**ChooseCommonStep("j", {{10, 20, 30}, {10, 20}, {20, 30}}) == 20);
-  CHECK(**ChooseCommonStep("j", {{10}}) == 10);
+  CHECK(**ChooseByRank("j", {{10, 20, 30}, {10, 20}, {20, 30}}) == 20);
+  CHECK(**ChooseByRank("j", {{10}}) == 10);
   // Lists are in run order: a job that went back to step 100 and committed 110 resumes
   // from 110, not from the abandoned 500.
-  CHECK(**ChooseCommonStep("j", {{100, 500, 110}, {100, 500, 110}}) == 110);
-  CHECK(**ChooseCommonStep("j", {{100, 500, 110}, {100, 500}}) == 500);
-  CHECK_FALSE(ChooseCommonStep("j", {{}, {}})->has_value());  // a fresh start
-  auto none = ChooseCommonStep("j", {{10}, {20}, {}});
+  CHECK(**ChooseByRank("j", {{100, 500, 110}, {100, 500, 110}}) == 110);
+  CHECK(**ChooseByRank("j", {{100, 500, 110}, {100, 500}}) == 500);
+  CHECK_FALSE(ChooseByRank("j", {{}, {}})->has_value());  // a fresh start
+  auto none = ChooseByRank("j", {{10}, {20}, {}});
   REQUIRE_FALSE(none.ok());
   CHECK(ckpt::Message(none.status()).find("no committed step is present for every rank") !=
         std::string::npos);
   CHECK(ckpt::Message(none.status()).find("rank 2: none") != std::string::npos);
+}
+
+TEST_CASE("the choice from distinct lists, each named by the first rank that brought it") {
+  using Lists = std::vector<std::pair<uint32_t, std::vector<uint64_t>>>;
+  // 80,000 ranks with two different lists between them: two entries, not 80,000.
+  CHECK(**ChooseCommonStep("j", Lists{{0, {10, 20, 30}}, {17, {10, 20}}}) == 20);
+  auto none = ChooseCommonStep("j", Lists{{0, {10}}, {5, {20}}});
+  REQUIRE_FALSE(none.ok());
+  CHECK_THAT(ckpt::Message(none.status()), Catch::Contains("rank 5: newest 20"));
 }
 
 TEST_CASE("step lists travel as text and bad text is refused") {
