@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <optional>
+#include <string_view>
 #include <utility>
 
 namespace ckpt::format {
@@ -20,6 +22,40 @@ void ForEachChecksum(ManifestT& m, Slot&& slot) {
   for (auto& shard : m.shards) {
     for (auto& [name, entry] : shard.train_state) slot(entry.checksum);
   }
+}
+
+// The value of "xxh3:" and 16 lowercase hex digits, as Checksum writes it.
+std::optional<uint64_t> Xxh3Value(const std::string& text) {
+  constexpr std::string_view kPrefix = "xxh3:";
+  if (text.size() != kPrefix.size() + 16 || text.compare(0, kPrefix.size(), kPrefix) != 0) return std::nullopt;
+  uint64_t value = 0;
+  for (size_t i = kPrefix.size(); i < text.size(); ++i) {
+    const char c = text[i];
+    int digit;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else {
+      return std::nullopt;
+    }
+    value = value << 4 | static_cast<uint64_t>(digit);
+  }
+  return value;
+}
+
+// Moves `v.checksums` into `v.xxh3` when every one is in the form ckptd writes.
+void PackChecksums(PartValues& v) {
+  std::vector<uint64_t> packed;
+  packed.reserve(v.checksums.size());
+  for (const std::string& c : v.checksums) {
+    std::optional<uint64_t> value = Xxh3Value(c);
+    if (!value) return;
+    packed.push_back(*value);
+  }
+  if (packed.empty()) return;
+  v.xxh3 = std::move(packed);
+  v.checksums.clear();
 }
 
 }  // namespace
@@ -46,10 +82,11 @@ SplitResult SplitPart(const Manifest& part) {
     shard.metadata.clear();
   }
   ForEachChecksum(s, [&](std::string& checksum) { v.checksums.push_back(std::exchange(checksum, {})); });
+  PackChecksums(v);
   const std::string json = ManifestToJson(s);
   structure->digest = ManifestDigest(json);
   structure->json_bytes = json.size();
-  structure->checksums = v.checksums.size();
+  structure->checksums = v.checksum_count();
   out.structure = std::move(structure);
   return out;
 }
@@ -60,9 +97,12 @@ absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& va
                                                   values.ranks.size(), structure.digest,
                                                   structure.structure.shards.size()));
   }
-  if (values.checksums.size() != structure.checksums) {
+  if (!values.xxh3.empty() && !values.checksums.empty()) {
+    return absl::InvalidArgumentError("checksums come as xxh3 values or as text, not both");
+  }
+  if (values.checksum_count() != structure.checksums) {
     return absl::InvalidArgumentError(fmt::format("{} checksums, but structure {} has {}",
-                                                  values.checksums.size(), structure.digest,
+                                                  values.checksum_count(), structure.digest,
                                                   structure.checksums));
   }
   return absl::OkStatus();
@@ -81,7 +121,11 @@ absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValu
     m.shards[i].metadata = values.ranks[i].metadata;
   }
   size_t next = 0;
-  ForEachChecksum(m, [&](std::string& checksum) { checksum = values.checksums[next++]; });
+  if (values.xxh3.empty()) {
+    ForEachChecksum(m, [&](std::string& checksum) { checksum = values.checksums[next++]; });
+  } else {
+    ForEachChecksum(m, [&](std::string& checksum) { checksum = fmt::format("xxh3:{:016x}", values.xxh3[next++]); });
+  }
   return m;
 }
 

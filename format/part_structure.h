@@ -39,7 +39,13 @@ struct PartValues {
   std::vector<Rank> ranks;  // in the structure's shard order
   // Every checksum of the part, in the structure's order: per tensor (by name), per piece,
   // the entry's checksum and then its chunk checksums; then per rank, per train-state entry.
+  // Checksums as ckptd writes them ("xxh3:" and 16 lowercase hex digits) are kept as their
+  // 64-bit value in `xxh3`: a prepare carries 8 bytes a piece and a coordinator allocates
+  // nothing per piece. Any other text (a part not written by ckptd) goes in `checksums`,
+  // and `xxh3` is then empty.
+  std::vector<uint64_t> xxh3;
   std::vector<std::string> checksums;
+  size_t checksum_count() const { return xxh3.empty() ? checksums.size() : xxh3.size(); }
 };
 
 struct SplitResult {

@@ -437,7 +437,7 @@ size_t ManifestBytes(const Decision& d) {
   size_t bytes = d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size();
   if (d.committed->parts) {
     for (const auto& [node, part] : *d.committed->parts) {
-      bytes += 64 + 48 * part.values.checksums.size() + 64 * part.values.ranks.size();
+      bytes += 64 + 8 * part.values.xxh3.size() + 48 * part.values.checksums.size() + 64 * part.values.ranks.size();
     }
   }
   return bytes;

@@ -12,7 +12,7 @@ void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out
     r->set_bytes(rank.bytes);
     r->mutable_metadata()->insert(rank.metadata.begin(), rank.metadata.end());
   }
-  out->mutable_checksums()->Reserve(static_cast<int>(values.checksums.size()));
+  out->mutable_xxh3()->Add(values.xxh3.begin(), values.xxh3.end());
   for (const std::string& checksum : values.checksums) out->add_checksums(checksum);
 }
 
@@ -27,6 +27,7 @@ format::PartValues FromProto(const ckptd::group::v1::PartValues& values, uint64_
   for (const auto& rank : values.ranks()) {
     out.ranks.push_back({rank.bytes(), {rank.metadata().begin(), rank.metadata().end()}});
   }
+  out.xxh3.assign(values.xxh3().begin(), values.xxh3().end());
   out.checksums.assign(values.checksums().begin(), values.checksums().end());
   return out;
 }

@@ -25,6 +25,7 @@
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
 #include "format/manifest.h"
+#include "daemon/group/part_values_proto.h"
 #include "format/part_structure.h"
 #include "daemon/schedule/save_clock.h"
 #include "proto/group.grpc.pb.h"
@@ -164,11 +165,7 @@ grpc::Status RawPrepare(const std::string& address, const format::Manifest& part
     request.set_manifest_part_json(format::ManifestToJson(part));
   } else {
     request.set_structure_digest(digest);
-    auto* v = request.mutable_values();
-    v->set_run(values->run);
-    v->set_wall_time(values->wall_time);
-    for (const auto& rank : values->ranks) v->add_ranks()->set_bytes(rank.bytes);
-    for (const std::string& c : values->checksums) v->add_checksums(c);
+    ToProto(*values, request.mutable_values());
   }
   return call.stub->Prepare(&call.ctx, request, reply);
 }
@@ -223,6 +220,7 @@ TEST_CASE("rpc: once the coordinator holds a part's structure, a prepare carries
   // Values that do not fit the structure, or a prepare that says both: refused, named.
   format::PartValues short_values = split2.values;
   short_values.checksums.clear();
+  short_values.xxh3.clear();
   reply.Clear();
   grpc::Status misfit = RawPrepare(address, Part("job", 3, 2, {0}), split2.structure->digest, &short_values, &reply);
   CHECK(misfit.error_code() == grpc::StatusCode::INVALID_ARGUMENT);

@@ -53,7 +53,9 @@ TEST_CASE("steps of the same structure share its digest; a changed structure doe
   SplitResult a = SplitPart(Part(100, "xxh3:00000000000000ab"));
   SplitResult b = SplitPart(Part(200, "xxh3:00000000000000cd"));
   CHECK(a.structure->digest == b.structure->digest);
-  CHECK(a.values.checksums != b.values.checksums);
+  CHECK(a.values.xxh3 == std::vector<uint64_t>(8, 0xab));  // packed: 8 bytes each
+  CHECK(a.values.checksums.empty());
+  CHECK(a.values.xxh3 != b.values.xxh3);
   // Step 200's values on step 100's structure: step 200's part exactly.
   auto joined = JoinPart(*a.structure, b.values);
   REQUIRE(joined.ok());
@@ -70,7 +72,7 @@ TEST_CASE("steps of the same structure share its digest; a changed structure doe
 TEST_CASE("values that do not fit a structure are refused") {
   SplitResult split = SplitPart(Part(100, "xxh3:00000000000000ab"));
   PartValues fewer = split.values;
-  fewer.checksums.pop_back();
+  fewer.xxh3.pop_back();
   auto short_checksums = JoinPart(*split.structure, fewer);
   REQUIRE_FALSE(short_checksums.ok());
   CHECK_THAT(ckpt::Message(short_checksums.status()), Catch::Contains("7 checksums") && Catch::Contains("has 8"));
@@ -79,4 +81,19 @@ TEST_CASE("values that do not fit a structure are refused") {
   auto extra = JoinPart(*split.structure, more_ranks);
   REQUIRE_FALSE(extra.ok());
   CHECK_THAT(ckpt::Message(extra.status()), Catch::Contains("values for 3 ranks"));
+}
+
+TEST_CASE("checksums not in ckptd's form travel as text, and join back the same") {
+  Manifest part = Part(100, "made by hand");
+  SplitResult split = SplitPart(part);
+  CHECK(split.values.xxh3.empty());
+  CHECK(split.values.checksums.size() == 8);
+  auto joined = JoinPart(*split.structure, split.values);
+  REQUIRE(joined.ok());
+  CHECK(ManifestToJson(*joined) == ManifestToJson(part));
+  // Upper-case hex is not what ckptd writes: text too, so that it joins back unchanged.
+  CHECK(SplitPart(Part(100, "xxh3:00000000000000AB")).values.xxh3.empty());
+  PartValues both = SplitPart(Part(100, "xxh3:00000000000000ab")).values;
+  both.checksums.push_back("x");
+  CHECK_FALSE(JoinPart(*split.structure, both).ok());
 }
