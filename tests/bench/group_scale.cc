@@ -22,6 +22,7 @@
 // serialized messages; HTTP/2 framing adds a few percent).
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -100,6 +101,8 @@ int ServeCoordinator(uint32_t nodes, const std::string& dir, const std::string& 
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  // A benchmark that dies (a failed call exits at once) takes its coordinator with it.
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   group::DecisionLogPtr log = group::MakeFileDecisionLog(MakePosixFilesystem(), dir + "/decisions");
   auto server = group::StartGroupServer(CoordinatorOptions(nodes), 1, log.get());
   if (!server.ok()) Die(Message(server.status()));
