@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <charconv>
+#include <functional>
+#include <memory>
 #include <set>
 
 #include "common/status.h"
@@ -51,56 +53,53 @@ absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
   return ChooseCommonStep(job, lists);
 }
 
-class LocalStepAgreement : public StepAgreement {
+// The agreement over a distinct gather: this node's own table, or the group's.
+class GatheringStepAgreement : public StepAgreement {
  public:
+  using Gather = std::function<absl::StatusOr<group::GatherTable::Distinct>(
+      const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+      std::chrono::milliseconds timeout)>;
+  using CancelFn = std::function<void(const std::string& why)>;
+  GatheringStepAgreement(Gather gather, CancelFn cancel) : gather_(std::move(gather)), cancel_(std::move(cancel)) {}
+
   absl::StatusOr<std::optional<uint64_t>> Agree(const std::string& job, uint32_t rank,
                                                 uint32_t world_size,
                                                 const std::vector<uint64_t>& available,
                                                 std::chrono::milliseconds timeout) override {
-    return Decide(job, table_.ArriveDistinctAndWait(Key(job), rank, world_size, EncodeSteps(available),
-                                                    timeout));
+    return Decide(job, gather_(Key(job), rank, world_size, EncodeSteps(available), timeout));
   }
   absl::StatusOr<std::vector<SharedOutcome>> ShareOutcomes(const std::string& job, uint32_t rank,
                                                            uint32_t world_size, uint64_t step,
                                                            std::string outcome,
                                                            std::chrono::milliseconds timeout) override {
-    return Outcomes(job, step, table_.ArriveDistinctAndWait(OutcomeKey(job, step), rank, world_size,
-                                                            std::move(outcome), timeout));
+    return Outcomes(job, step, gather_(OutcomeKey(job, step), rank, world_size, std::move(outcome), timeout));
   }
-  void Cancel(const std::string& why) override { table_.Close(why); }
+  void Cancel(const std::string& why) override { cancel_(why); }
 
  private:
-  group::GatherTable table_;
-};
-
-class GroupStepAgreement : public StepAgreement {
- public:
-  explicit GroupStepAgreement(group::GroupClient& client) : client_(client) {}
-  absl::StatusOr<std::optional<uint64_t>> Agree(const std::string& job, uint32_t rank,
-                                                uint32_t world_size,
-                                                const std::vector<uint64_t>& available,
-                                                std::chrono::milliseconds timeout) override {
-    return Decide(job, client_.GatherDistinct(Key(job), rank, world_size, EncodeSteps(available), timeout));
-  }
-  absl::StatusOr<std::vector<SharedOutcome>> ShareOutcomes(const std::string& job, uint32_t rank,
-                                                           uint32_t world_size, uint64_t step,
-                                                           std::string outcome,
-                                                           std::chrono::milliseconds timeout) override {
-    return Outcomes(job, step, client_.GatherDistinct(OutcomeKey(job, step), rank, world_size,
-                                                      std::move(outcome), timeout));
-  }
-  void Cancel(const std::string& why) override { client_.CancelGathers(why); }
-
- private:
-  group::GroupClient& client_;
+  const Gather gather_;
+  const CancelFn cancel_;
 };
 
 }  // namespace
 
-StepAgreementPtr MakeLocalStepAgreement() { return std::make_unique<LocalStepAgreement>(); }
+StepAgreementPtr MakeLocalStepAgreement() {
+  auto table = std::make_shared<group::GatherTable>();
+  return std::make_unique<GatheringStepAgreement>(
+      [table](const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+              std::chrono::milliseconds timeout) {
+        return table->ArriveDistinctAndWait(key, participant, participants, std::move(payload), timeout);
+      },
+      [table](const std::string& why) { table->Close(why); });
+}
 
 StepAgreementPtr MakeGroupStepAgreement(group::GroupClient& client) {
-  return std::make_unique<GroupStepAgreement>(client);
+  return std::make_unique<GatheringStepAgreement>(
+      [&client](const std::string& key, uint32_t participant, uint32_t participants, std::string payload,
+                std::chrono::milliseconds timeout) {
+        return client.GatherDistinct(key, participant, participants, std::move(payload), timeout);
+      },
+      [&client](const std::string& why) { client.CancelGathers(why); });
 }
 
 absl::StatusOr<std::optional<uint64_t>> ChooseCommonStep(
