@@ -170,8 +170,9 @@ class ExitAfterRecord : public group::DecisionLog {
   absl::Status RecordManifest(const std::string& job, uint64_t step, const std::string& manifest_json) override {
     return inner_->RecordManifest(job, step, manifest_json);
   }
-  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step) override {
-    return inner_->FindManifest(job, step);
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step,
+                                                          size_t max_bytes) override {
+    return inner_->FindManifest(job, step, max_bytes);
   }
 
  private:

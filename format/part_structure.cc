@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <map>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -83,6 +86,15 @@ SplitResult SplitPart(const Manifest& part) {
   }
   ForEachChecksum(s, [&](std::string& checksum) { v.checksums.push_back(std::exchange(checksum, {})); });
   PackChecksums(v);
+  std::map<uint32_t, uint64_t> ends;  // by rank
+  for (const auto& [name, tensor] : s.tensors) {
+    for (const TensorShard& piece : tensor.shards) ends[piece.rank] = std::max(ends[piece.rank], piece.end);
+  }
+  for (const ManifestShard& shard : s.shards) {
+    uint64_t end = ends[shard.rank];
+    for (const auto& [name, entry] : shard.train_state) end = std::max(end, entry.end);
+    structure->min_bytes.push_back(end);
+  }
   const std::string json = ManifestToJson(s);
   structure->digest = ManifestDigest(json);
   structure->json_bytes = json.size();
@@ -96,6 +108,16 @@ absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& va
     return absl::InvalidArgumentError(fmt::format("values for {} ranks, but structure {} has {}",
                                                   values.ranks.size(), structure.digest,
                                                   structure.structure.shards.size()));
+  }
+  for (size_t i = 0; i < values.ranks.size() && i < structure.min_bytes.size(); ++i) {
+    if (values.ranks[i].bytes < structure.min_bytes[i]) {
+      return absl::InvalidArgumentError(fmt::format(
+          "rank {} holds {} bytes, less than the end of its entries ({})", structure.structure.shards[i].rank,
+          values.ranks[i].bytes, structure.min_bytes[i]));
+    }
+  }
+  if (!std::isfinite(values.unix_time) || values.unix_time < 0) {
+    return absl::InvalidArgumentError(fmt::format("unix_time {} is not a time", values.unix_time));
   }
   if (!values.xxh3.empty() && !values.checksums.empty()) {
     return absl::InvalidArgumentError("checksums come as xxh3 values or as text, not both");

@@ -23,6 +23,9 @@ struct PartStructure {
   std::string digest;       // "xxh3:<16 hex>"
   size_t json_bytes = 0;    // of the structure's text: what caching it costs, roughly
   size_t checksums = 0;     // how many PartValues::checksums a part of this structure has
+  // By shard: the least a rank's file may hold (the end of its last entry), so that values
+  // can never describe a file shorter than its own entries.
+  std::vector<uint64_t> min_bytes;
 };
 
 // What one step of a part says beyond its structure.

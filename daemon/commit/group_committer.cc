@@ -395,6 +395,13 @@ absl::StatusOr<format::Manifest> GroupCommitter::FromPreparedRecord(const Key& k
     // Files of an attempt the commit does not include: not part of the step.
     return absl::NotFoundError(fmt::format("the commit of step {} gives this node no ranks", key.second));
   }
+  if (prepared->run > committed.header.run) {
+    // The commit's run is the newest of its parts: this record is of a later attempt (the
+    // trainers restarted and saved the step again), not of what was committed.
+    return absl::DataLossError(fmt::format("the commit is of an earlier run than this node's record of what it "
+                                           "prepared ({} < {})",
+                                           committed.header.run, prepared->run));
+  }
   if (given.ranks != recorded.ranks || given.bytes != recorded.bytes || prepared->world_size != committed.header.world_size) {
     return absl::DataLossError(fmt::format(
         "the coordinator committed {} ranks ({} bytes) of this node (node {}); its record of what it prepared holds {} "

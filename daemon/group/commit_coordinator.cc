@@ -72,7 +72,13 @@ void CommitCoordinator::AssembleLoop() {
     auto [key, decided] = std::move(to_assemble_.front());
     to_assemble_.pop_front();
     lock.unlock();
-    Decision whole = WithWholeManifest(key, decided);
+    Decision whole;
+    try {
+      whole = WithWholeManifest(key, decided);
+    } catch (const std::exception& e) {  // bad_alloc: node 0 asks again; the commit stands
+      Log().error("{} assembling the whole manifest failed: {}", Prefix(key.first, key.second), e.what());
+      whole = {Outcome::kPending, fmt::format("assembling the whole manifest failed: {}", e.what()), nullptr};
+    }
     Notifications notify;
     lock.lock();
     if (auto waiting = awaiting_whole_.find(key); waiting != awaiting_whole_.end()) {
@@ -483,6 +489,7 @@ void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
     auto slim = std::make_shared<CommittedStep>();
     slim->header = d.committed->header;
     slim->shares = d.committed->shares;
+    slim->whole_unavailable = d.committed->whole_unavailable;
     d.committed = std::move(slim);
   }
 }
@@ -544,10 +551,11 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
 
 Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& decision) {
   const CommittedStep& c = *decision.committed;
-  if (!c.manifest_json.empty() || c.whole_too_large) return decision;
+  if (!c.manifest_json.empty() || c.whole_unavailable) return decision;
   if (!c.parts) {
     Decision recorded = FromLog(key, /*whole=*/true);
-    if (recorded.outcome == Outcome::kCommitted && !recorded.committed->manifest_json.empty()) {
+    if (recorded.outcome == Outcome::kCommitted) {
+      // With the whole manifest, or marked as having none: never asked of the log again.
       std::lock_guard lock(mu_);
       RememberLocked(key, recorded);
       return recorded;
@@ -578,7 +586,7 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
                "its own ranks only",
                Prefix(key.first, key.second), full->manifest_json.size(), options_.max_whole_manifest_bytes);
     full->manifest_json.clear();
-    full->whole_too_large = true;
+    full->whole_unavailable = true;
   }
   Decision assembled{Outcome::kCommitted, {}, std::move(full)};
   std::lock_guard lock(mu_);
@@ -606,12 +614,15 @@ Decision CommitCoordinator::FromLog(const Key& key, bool whole) {
   }
   if (!decided.ok()) return {Outcome::kPending, Message(decided.status()), nullptr};
   if (whole) {
-    auto manifest = log_.FindManifest(key.first, key.second);
-    if (!manifest.ok()) return {Outcome::kPending, Message(manifest.status()), nullptr};
-    if (manifest->has_value() && (*manifest)->size() > options_.max_whole_manifest_bytes) {
-      decided->whole_too_large = true;
+    auto manifest = log_.FindManifest(key.first, key.second, options_.max_whole_manifest_bytes);
+    if (absl::IsResourceExhausted(manifest.status())) {
+      decided->whole_unavailable = true;  // larger than a step's manifest may be
+    } else if (!manifest.ok()) {
+      return {Outcome::kPending, Message(manifest.status()), nullptr};
     } else if (manifest->has_value()) {
       decided->manifest_json = std::move(**manifest);
+    } else {
+      decided->whole_unavailable = true;  // the coordinator stopped before recording it
     }
   }
   return {Outcome::kCommitted, {}, std::make_shared<const CommittedStep>(std::move(*decided))};

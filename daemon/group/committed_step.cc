@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
+#include <cstdint>
 #include <set>
+#include <stdexcept>
 #include <utility>
 
 namespace ckpt::group {
@@ -74,46 +76,64 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
   return j.dump();
 }
 
+namespace {
+
+struct BadRecord : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// A field that must be an unsigned integer of at most `max`: nlohmann's get<> would cast a
+// float such as 1e300, or wrap a negative number, into a valid-looking value.
+uint64_t Unsigned(const json& j, const char* field, uint64_t max) {
+  const json& v = j.at(field);
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > max) {
+    throw BadRecord(fmt::format("\"{}\" is not an integer in 0..{}", field, max));
+  }
+  return v.get<uint64_t>();
+}
+
+}  // namespace
+
 absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
   json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object() || j.value("format", "") != "ckptd-decision") {
+  if (!j.is_object() || !j.contains("format") || j["format"] != "ckptd-decision") {
     return absl::NotFoundError("not a decision record");
   }
   try {
-    if (j.at("format_version").get<int>() != 1) {
+    if (j.at("format_version") != 1) {
       return absl::FailedPreconditionError(
           fmt::format("decision record format_version {} is not 1", j.at("format_version").dump()));
     }
+    constexpr uint64_t kU32 = UINT32_MAX;
     CommittedStep c;
     StepHeader& h = c.header;
-    h.world_size = j.at("world_size").get<uint32_t>();
-    if (h.world_size == 0 || h.world_size > format::kMaxManifestWorldSize) {
-      return absl::DataLossError(fmt::format("decision record: world size {} is out of range", h.world_size));
-    }
-    h.step_bytes = j.at("step_bytes").get<uint64_t>();
-    h.step_tensors = j.at("step_tensors").get<uint32_t>();
-    h.run = j.at("run").get<uint64_t>();
+    h.world_size = static_cast<uint32_t>(Unsigned(j, "world_size", format::kMaxManifestWorldSize));
+    if (h.world_size == 0) throw BadRecord("world size 0");
+    h.step_bytes = Unsigned(j, "step_bytes", UINT64_MAX);
+    h.step_tensors = static_cast<uint32_t>(Unsigned(j, "step_tensors", kU32));
+    h.run = Unsigned(j, "run", UINT64_MAX);
+    if (!j.at("unix_time").is_number()) throw BadRecord("\"unix_time\" is not a number");
     h.unix_time = j.at("unix_time").get<double>();
     h.wall_time = j.at("wall_time").get<std::string>();
     h.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
     h.digest = format::ManifestDigest(text);
     c.node_of_rank.assign(h.world_size, ~uint32_t{0});
     for (const json& n : j.at("nodes")) {
-      const uint32_t node = n.at("node").get<uint32_t>();
+      const uint32_t node = static_cast<uint32_t>(Unsigned(n, "node", kU32 - 1));
       NodeShare& share = c.shares[node];
-      share.bytes = n.at("bytes").get<uint64_t>();
+      share.bytes = Unsigned(n, "bytes", UINT64_MAX);
       for (const json& r : n.at("ranks")) {
-        const uint32_t rank = r.get<uint32_t>();
-        if (rank >= h.world_size || c.node_of_rank[rank] != ~uint32_t{0}) {
-          return absl::DataLossError(fmt::format("decision record: rank {} is outside the world or listed twice", rank));
+        if (!r.is_number_unsigned() || r.get<uint64_t>() >= h.world_size ||
+            c.node_of_rank[r.get<uint64_t>()] != ~uint32_t{0}) {
+          throw BadRecord(fmt::format("rank {} is outside the world or listed twice", r.dump()));
         }
-        c.node_of_rank[rank] = node;
+        c.node_of_rank[r.get<uint64_t>()] = node;
         ++share.ranks;
       }
     }
     h.nodes = static_cast<uint32_t>(c.shares.size());
     return c;
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // BadRecord, or nlohmann's type and key errors
     return absl::DataLossError(fmt::format("decision record: {}", e.what()));
   }
 }

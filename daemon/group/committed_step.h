@@ -60,9 +60,10 @@ struct CommittedStep {
   // The coordinator's, until the whole manifest is assembled from them: what the nodes
   // prepared. Dropped with the manifest when memory is short.
   std::shared_ptr<const PreparedParts> parts;
-  // The whole manifest is larger than a manifest may be (CheckpointStore::kMaxManifestBytes):
-  // it is kept in the decision log only, and node 0 publishes its own ranks like any node.
-  bool whole_too_large = false;
+  // No whole manifest will be sent: it is larger than a step's manifest may be (it stays
+  // in the decision log), or it was never recorded (the coordinator stopped between the
+  // decision and the assembly). Node 0 then publishes its own ranks like any node.
+  bool whole_unavailable = false;
 };
 
 // The record the coordinator makes durable before it announces a commit: the header (but

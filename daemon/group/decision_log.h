@@ -28,9 +28,10 @@ class DecisionLog {
   // announced: for node 0, and for a node that asks for it after a coordinator restart.
   virtual absl::Status RecordManifest(const std::string& job, uint64_t step,
                                       const std::string& manifest_json) = 0;
-  // nullopt when it was never recorded (the coordinator stopped in between) or pruned.
-  virtual absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job,
-                                                                  uint64_t step) = 0;
+  // nullopt when it was never recorded (the coordinator stopped in between) or pruned;
+  // ResourceExhausted when it is larger than `max_bytes`.
+  virtual absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step,
+                                                                  size_t max_bytes) = 0;
 };
 
 using DecisionLogPtr = std::unique_ptr<DecisionLog>;

@@ -49,10 +49,17 @@ class FileDecisionLog : public DecisionLog {
     return WriteFileAtomically(*fs_, ManifestPath(job, step), manifest_json);
   }
 
-  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job,
-                                                          uint64_t step) override {
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step,
+                                                          size_t max_bytes) override {
     CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-    return Read(ManifestPath(job, step));
+    const std::string path = ManifestPath(job, step);
+    if (fs_->Exists(path)) {
+      CKPT_ASSIGN_OR_RETURN(uint64_t size, fs_->FileSize(path));
+      if (size > max_bytes) {
+        return absl::ResourceExhaustedError(fmt::format("{} is {} bytes, more than {}", path, size, max_bytes));
+      }
+    }
+    return Read(path);
   }
 
  private:

@@ -59,10 +59,12 @@ class MemoryDecisionLog : public DecisionLog {
     manifests_[{job, step}] = manifest_json;
     return absl::OkStatus();
   }
-  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step) override {
+  absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step,
+                                                          size_t max_bytes) override {
     std::lock_guard lock(mu_);
     auto it = manifests_.find({job, step});
     if (it == manifests_.end()) return std::optional<std::string>();
+    if (it->second.size() > max_bytes) return absl::ResourceExhaustedError("too large");
     return std::optional<std::string>(it->second);
   }
   std::string Record(const std::string& job, uint64_t step) {
@@ -523,7 +525,10 @@ TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a res
   Decision eight = restarted.Lookup("job", 8, /*whole_manifest=*/true);
   REQUIRE(eight.outcome == Outcome::kCommitted);
   CHECK(eight.committed->manifest_json.empty());
+  CHECK(eight.committed->whole_unavailable);
   CHECK(eight.committed->shares.at(0).ranks == 2);
+  // Every node in doubt that asks hears the same, not only the first.
+  for (int i = 0; i < 3; ++i) CHECK(restarted.Lookup("job", 8, /*whole_manifest=*/true).outcome == Outcome::kCommitted);
   // A retried prepare of step 8 hears committed again; another node's claim does not.
   CHECK(restarted.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
   CHECK(restarted.Prepare(0, 1, Part("job", 8, 4, {2})).outcome == Outcome::kAborted);
@@ -539,7 +544,7 @@ TEST_CASE("commit: a whole manifest larger than a manifest may be stays in the d
   Decision d = c.Lookup("job", 4, /*whole_manifest=*/true);
   REQUIRE(d.outcome == Outcome::kCommitted);
   CHECK(d.committed->manifest_json.empty());
-  CHECK(d.committed->whole_too_large);
+  CHECK(d.committed->whole_unavailable);
   CHECK(d.committed->shares.at(0).ranks == 1);
   CHECK(log.HasManifest("job", 4));
   // The same after a restart, from the log.
@@ -547,7 +552,27 @@ TEST_CASE("commit: a whole manifest larger than a manifest may be stays in the d
   Decision again = restarted.Lookup("job", 4, /*whole_manifest=*/true);
   REQUIRE(again.outcome == Outcome::kCommitted);
   CHECK(again.committed->manifest_json.empty());
-  CHECK(again.committed->whole_too_large);
+  CHECK(again.committed->whole_unavailable);
+}
+
+TEST_CASE("commit: a damaged decision record is refused, naming the field") {
+  CHECK(absl::IsNotFound(ParseDecisionRecord("{\"format\": 5}").status()));
+  CHECK(absl::IsNotFound(ParseDecisionRecord("not json").status()));
+  const std::string good =
+      R"({"format":"ckptd-decision","format_version":1,"job":"j","step":1,"outcome":"committed","world_size":2,)"
+      R"("step_bytes":10,"step_tensors":1,"run":0,"unix_time":1.5,"wall_time":"w","metadata":{},)"
+      R"("nodes":[{"node":0,"ranks":[0,1],"bytes":10,"structures":[]}]})";
+  REQUIRE(ParseDecisionRecord(good).ok());
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string bad = good;
+    bad.replace(bad.find(from), from.size(), to);
+    return ParseDecisionRecord(bad).status();
+  };
+  CHECK_THAT(ckpt::Message(with("\"world_size\":2", "\"world_size\":1e300")), Catch::Contains("world_size"));
+  CHECK_THAT(ckpt::Message(with("\"node\":0", "\"node\":-1")), Catch::Contains("node"));
+  CHECK_THAT(ckpt::Message(with("[0,1]", "[0,0]")), Catch::Contains("listed twice"));
+  CHECK_THAT(ckpt::Message(with("[0,1]", "[0,7]")), Catch::Contains("outside the world"));
+  CHECK(absl::IsDataLoss(with("\"wall_time\":\"w\"", "\"wall_time\":3")));
 }
 
 TEST_CASE("commit: a record written by an older ckptd (the whole manifest) still answers") {
@@ -849,14 +874,15 @@ TEST_CASE("file decision log: records survive and old ones are pruned") {
   // The job went back and commits a lower step: it is kept, the oldest record goes.
   REQUIRE(log->RecordManifest("job", 3, "{\"manifest\":3}").ok());
   REQUIRE(log->RecordManifest("job", 4, "{\"manifest\":4}").ok());
-  CHECK(**log->FindManifest("job", 3) == "{\"manifest\":3}");
+  CHECK(**log->FindManifest("job", 3, 1000) == "{\"manifest\":3}");
+  CHECK(absl::IsResourceExhausted(log->FindManifest("job", 3, 4).status()));
   REQUIRE(log->RecordCommit("job", 2, "{\"two again\":2}").ok());
   CHECK(log->FindCommit("job", 2)->has_value());
   CHECK_FALSE(log->FindCommit("job", 3)->has_value());
-  CHECK_FALSE(log->FindManifest("job", 3)->has_value());  // pruned with its record
+  CHECK_FALSE(log->FindManifest("job", 3, 1000)->has_value());  // pruned with its record
   CHECK(log->FindCommit("job", 4)->has_value());
-  CHECK(log->FindManifest("job", 4)->has_value());
-  CHECK_FALSE(log->FindManifest("job", 2)->has_value());
+  CHECK(log->FindManifest("job", 4, 1000)->has_value());
+  CHECK_FALSE(log->FindManifest("job", 2, 1000)->has_value());
 }
 
 TEST_CASE("commit: a node's newest prepare of a rank replaces what it said before") {

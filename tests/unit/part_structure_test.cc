@@ -2,6 +2,8 @@
 // manifest; values that do not fit the structure are refused, naming the difference.
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include "common/status.h"
 #include "format/part_structure.h"
 
@@ -96,4 +98,16 @@ TEST_CASE("checksums not in ckptd's form travel as text, and join back the same"
   PartValues both = SplitPart(Part(100, "xxh3:00000000000000ab")).values;
   both.checksums.push_back("x");
   CHECK_FALSE(JoinPart(*split.structure, both).ok());
+}
+
+TEST_CASE("values that describe a file shorter than its entries, or no time, are refused") {
+  SplitResult split = SplitPart(Part(100, "xxh3:00000000000000ab"));
+  CHECK(split.structure->min_bytes == std::vector<uint64_t>{24, 24});  // train state ends at 24
+  PartValues short_file = split.values;
+  short_file.ranks[1].bytes = 20;
+  CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, short_file)),
+             Catch::Contains("rank 3 holds 20 bytes, less than the end of its entries (24)"));
+  PartValues no_time = split.values;
+  no_time.unix_time = std::numeric_limits<double>::infinity();
+  CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, no_time)), Catch::Contains("is not a time"));
 }
