@@ -28,8 +28,9 @@ class StructureCache {
   size_t size() const;
 
  private:
-  // What a structure costs in memory: its parsed form holds about twice its text.
-  static size_t Cost(const format::PartStructure& s) { return 2 * s.json_bytes + 256; }
+  // What a structure costs in memory: its parsed form holds about twice its text, and each
+  // (empty) checksum slot a string of its own.
+  static size_t Cost(const format::PartStructure& s) { return 2 * s.json_bytes + 32 * s.checksums + 256; }
 
   const size_t max_bytes_;
   mutable std::mutex mu_;
