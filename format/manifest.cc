@@ -57,6 +57,14 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
 
+void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& remove) {
+  std::erase_if(manifest.shards, [&](const ManifestShard& s) { return remove(s.rank); });
+  for (auto& [name, tensor] : manifest.tensors) {
+    std::erase_if(tensor.shards, [&](const TensorShard& s) { return remove(s.rank); });
+  }
+  std::erase_if(manifest.tensors, [](const auto& t) { return t.second.shards.empty(); });
+}
+
 namespace {
 
 int FormatVersionOf(const Manifest& m) {

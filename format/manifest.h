@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -164,6 +165,11 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::strin
 // when parts disagree (job, step, world size, a tensor's dtype or global shape), a rank
 // appears twice or is missing.
 absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts);
+
+// Removes the shards and tensor pieces of every rank `remove` names, and the tensors left
+// without pieces: a node's ranks cut from a whole manifest, or ranks said again cut from
+// an older part. `nodes` and `scope` are left as they are.
+void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& remove);
 
 // Whether `shard`'s placement fits a tensor of shape `global`: a box inside it, or flat
 // ranges that are ascending, disjoint, inside it and as many elements as the 1-D local

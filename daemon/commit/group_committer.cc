@@ -339,34 +339,47 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
   // Every other node: the manifest of its own durable ranks, as it prepared them, with the
   // step's header. The commit's share of this node must be what it wrote.
   if (!HoldsAttempt(key, 0)) return FromPreparedRecord(key, committed);
-  std::lock_guard lock(mu_);
-  auto step = steps_.find(key);
-  if (step == steps_.end()) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
-  const group::StepHeader& header = committed.header;
-  if (header.world_size != step->second.world_size) {
-    return absl::DataLossError(fmt::format("the coordinator committed world size {}, this node's ranks have world size {}",
-                                           header.world_size, step->second.world_size));
+  absl::StatusOr<format::Manifest> part;
+  uint64_t attempt = 0;
+  {
+    std::lock_guard lock(mu_);
+    auto step = steps_.find(key);
+    if (step == steps_.end()) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
+    attempt = step->second.attempt;
+    part = BuildManifest(key.first, key.second, step->second.world_size, step->second.durable);
   }
-  group::NodeShare written{0, 0, step->second.attempt};
-  for (const auto& [rank, entry] : step->second.durable) {
+  CKPT_RETURN_IF_ERROR(part.status());
+  return ScopedToCommit(committed, std::move(*part), attempt, fmt::format("this node's attempt {}", attempt));
+}
+
+absl::StatusOr<format::Manifest> GroupCommitter::ScopedToCommit(const group::CommittedStep& committed,
+                                                               format::Manifest part, uint64_t attempt,
+                                                               const std::string& source) {
+  const group::StepHeader& header = committed.header;
+  if (header.world_size != part.world_size) {
+    return absl::DataLossError(fmt::format("the coordinator committed world size {}, {} has world size {}",
+                                           header.world_size, source, part.world_size));
+  }
+  group::NodeShare written{0, 0, attempt};
+  for (const format::ManifestShard& s : part.shards) {
     ++written.ranks;
-    written.bytes += entry.second.bytes;
+    written.bytes += s.bytes;
   }
   auto share = committed.shares.find(node_rank_);
   group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
-  if (given.attempt == 0) given.attempt = written.attempt;  // a decision read back from the log
+  // Not known on one side: a decision read back from the log, or a record read from disk.
+  if (given.attempt == 0 || written.attempt == 0) given.attempt = written.attempt;
   if (given != written) {
     return absl::DataLossError(fmt::format(
-        "the coordinator committed {} ranks ({} bytes) of this node (node {}) from its attempt {}; this attempt ({}) "
-        "wrote {} ranks ({} bytes)",
-        given.ranks, given.bytes, node_rank_, given.attempt, written.attempt, written.ranks, written.bytes));
+        "the coordinator committed {} ranks ({} bytes) of this node (node {}) from its attempt {}; {} holds {} ranks "
+        "({} bytes)",
+        given.ranks, given.bytes, node_rank_, given.attempt, source, written.ranks, written.bytes));
   }
-  CKPT_ASSIGN_OR_RETURN(format::Manifest part,
-                        BuildManifest(key.first, key.second, step->second.world_size, step->second.durable));
   if (part.run > header.run) {
-    // The commit's run is the newest of its parts: these ranks registered after it.
-    return absl::DataLossError(fmt::format("the commit is of an earlier run than this node's ranks ({} < {})",
-                                           header.run, part.run));
+    // The commit's run is the newest of its parts: these ranks registered after it (the
+    // trainers restarted and saved the step again).
+    return absl::DataLossError(
+        fmt::format("the commit is of an earlier run than {} ({} < {})", source, header.run, part.run));
   }
   format::Manifest mine = group::NodeManifest(std::move(part), header, node_rank_);
   // Whatever the wire said, what is renamed into place must read back.
@@ -384,33 +397,12 @@ absl::StatusOr<format::Manifest> GroupCommitter::FromPreparedRecord(const Key& k
                                                                    const group::CommittedStep& committed) {
   CKPT_ASSIGN_OR_RETURN(std::optional<format::Manifest> prepared, store_.LoadPrepared(key.first, key.second));
   if (!prepared) return absl::FailedPreconditionError("this node no longer holds the step's snapshots");
-  group::NodeShare recorded{0, 0, 0};
-  for (const format::ManifestShard& s : prepared->shards) {
-    ++recorded.ranks;
-    recorded.bytes += s.bytes;
-  }
   auto share = committed.shares.find(node_rank_);
-  group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
-  if (given.ranks == 0) {
+  if (share == committed.shares.end() || share->second.ranks == 0) {
     // Files of an attempt the commit does not include: not part of the step.
     return absl::NotFoundError(fmt::format("the commit of step {} gives this node no ranks", key.second));
   }
-  if (prepared->run > committed.header.run) {
-    // The commit's run is the newest of its parts: this record is of a later attempt (the
-    // trainers restarted and saved the step again), not of what was committed.
-    return absl::DataLossError(fmt::format("the commit is of an earlier run than this node's record of what it "
-                                           "prepared ({} < {})",
-                                           committed.header.run, prepared->run));
-  }
-  if (given.ranks != recorded.ranks || given.bytes != recorded.bytes || prepared->world_size != committed.header.world_size) {
-    return absl::DataLossError(fmt::format(
-        "the coordinator committed {} ranks ({} bytes) of this node (node {}); its record of what it prepared holds {} "
-        "ranks ({} bytes)",
-        given.ranks, given.bytes, node_rank_, recorded.ranks, recorded.bytes));
-  }
-  format::Manifest mine = group::NodeManifest(std::move(*prepared), committed.header, node_rank_);
-  CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(mine), "this node's manifest").status());
-  return mine;
+  return ScopedToCommit(committed, std::move(*prepared), /*attempt=*/0, "this node's record of what it prepared");
 }
 
 absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& manifest) {

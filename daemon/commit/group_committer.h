@@ -76,6 +76,11 @@ class GroupCommitter : public CommitterBase {
   // This node's manifest of a committed step whose snapshots it no longer holds, from the
   // record of what it prepared (CheckpointStore::RecordPrepared) and the commit's header.
   absl::StatusOr<format::Manifest> FromPreparedRecord(const Key& key, const group::CommittedStep& committed);
+  // `part` (the ranks this node holds, known from `source`, of `attempt`; 0: not known)
+  // scoped to the commit: refused unless the commit gives this node exactly these ranks and
+  // bytes, of that attempt, from a run no older than theirs.
+  absl::StatusOr<format::Manifest> ScopedToCommit(const group::CommittedStep& committed, format::Manifest part,
+                                                  uint64_t attempt, const std::string& source);
 
   group::GroupClient& client_;
   const uint32_t node_rank_;

@@ -252,11 +252,7 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, Prepared
         // durable): the older part keeps the others, as a structure of its own.
         absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values);
         if (!rest.ok()) continue;  // cannot happen: its values were checked to fit
-        std::erase_if(rest->shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
-        for (auto& [name, tensor] : rest->tensors) {
-          std::erase_if(tensor.shards, [&](const auto& s) { return ranks.count(s.rank) > 0; });
-        }
-        std::erase_if(rest->tensors, [](const auto& t) { return t.second.shards.empty(); });
+        format::RemoveRanks(*rest, [&](uint32_t rank) { return ranks.count(rank) > 0; });
         format::SplitResult split = format::SplitPart(*rest);
         kept.push_back({std::move(split.structure), std::move(split.values)});
       }

@@ -169,11 +169,7 @@ format::Manifest NodeManifestFromWhole(const format::Manifest& whole, const std:
   for (const format::ManifestNode& n : whole.nodes) {
     if (n.node == node) mine.insert(n.ranks.begin(), n.ranks.end());
   }
-  std::erase_if(part.shards, [&](const format::ManifestShard& s) { return !mine.count(s.rank); });
-  for (auto& [name, tensor] : part.tensors) {
-    std::erase_if(tensor.shards, [&](const format::TensorShard& s) { return !mine.count(s.rank); });
-  }
-  std::erase_if(part.tensors, [](const auto& t) { return t.second.shards.empty(); });
+  format::RemoveRanks(part, [&](uint32_t rank) { return !mine.count(rank); });
   return NodeManifest(std::move(part), HeaderOf(whole, digest), node);
 }
 
