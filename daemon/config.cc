@@ -101,6 +101,7 @@ std::string Config::ToJson() const {
                       {"group_timeout_ms", group_timeout_ms},
                       {"step_timeout_ms", step_timeout_ms},
                       {"restore_timeout_ms", restore_timeout_ms},
+                      {"group_relay_fanout", group_relay_fanout},
                       {"remote", remote},
                       {"remote_mode", remote_mode == RemoteMode::kDirect ? "direct" : "tiered"},
                       {"s3_endpoint", s3_endpoint},
@@ -205,6 +206,12 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--step-timeout", step_timeout,
                  "a step still missing ranks this long after its first rank is aborted")
       ->envname("CKPTD_STEP_TIMEOUT")
+      ->capture_default_str();
+  app.add_option("--group-relay-fanout", c.group_relay_fanout,
+                 "nodes send prepares and outcome polls to their parent in a tree of this fan-out, "
+                 "which batches them (0: every node calls node 0; groups of at most fan-out + 1 "
+                 "nodes have no relays)")
+      ->envname("CKPTD_GROUP_RELAY_FANOUT")
       ->capture_default_str();
   app.add_option("--restore-timeout", restore_timeout,
                  "how long restoring ranks wait for every rank of their job")
@@ -366,6 +373,7 @@ absl::Status Validate(const Config& c) {
   if (c.shared_root && c.num_nodes < 2) return bad("--shared-root needs --num-nodes > 1");
   if (c.step_timeout_ms < 100) return bad("--step-timeout must be at least 100ms");
   if (c.group_timeout_ms < 100) return bad("--group-timeout must be at least 100ms");
+  if (c.group_relay_fanout == 1) return bad("--group-relay-fanout 1 makes a chain, not a tree: use 2 or more, or 0");
   if (!c.remote.empty() && c.remote.rfind("s3://", 0) != 0) {
     return bad(fmt::format("--remote \"{}\" is not an s3://bucket/prefix URL", c.remote));
   }

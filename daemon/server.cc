@@ -192,6 +192,7 @@ absl::Status StartGroup(Server::Parts& p) {
                                         : "0.0.0.0:0";
   o.group_timeout = std::chrono::milliseconds(c.group_timeout_ms);
   o.step_timeout = std::chrono::milliseconds(c.step_timeout_ms);
+  o.relay_fanout = c.group_relay_fanout;
   CKPT_ASSIGN_OR_RETURN(o.token,
                         ReadToken(c.group_token_file, "--group-token-file"));
   if (!c.group_tls_cert.empty()) {
@@ -226,6 +227,8 @@ absl::Status StartGroup(Server::Parts& p) {
   if (o.coordinator_role()) o.coordinator = p.group_server->address();
   CKPT_ASSIGN_OR_RETURN(p.group_client,
                         group::MakeGrpcGroupClient(o, incarnation, p.group_server->address()));
+  // Every node but the coordinator relays for the nodes below it in the tree (if any call).
+  if (group::RelayUpstream* upstream = p.group_client->relay_upstream()) p.group_server->StartRelay(*upstream);
   return absl::OkStatus();
 }
 

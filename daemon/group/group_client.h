@@ -1,5 +1,6 @@
 // A node's connection to the coordinator: one gRPC channel (keepalive, optional mutual
-// TLS), the shared token on every call, deadlines on every call, retries with back-off
+// TLS), and one to its parent relay for prepares and outcome polls (relay_tree.h; the
+// coordinator whenever the parent fails), the shared token on every call, deadlines on every call, retries with back-off
 // only where a call is idempotent (all of them are: prepare and abort are keyed by job,
 // step and rank).
 #pragma once
@@ -15,6 +16,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/relay.h"
 #include "format/manifest.h"
 #include "daemon/schedule/save_schedule.h"
 
@@ -65,6 +67,9 @@ class GroupClient {
   virtual absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) = 0;
   // Ends the gathers in flight and fails later ones at once with `why` (shutdown).
   virtual void CancelGathers(const std::string& why) = 0;
+  // Where this node's relay forwards what it relays (this client's parent, else the
+  // coordinator); null when the client cannot relay.
+  virtual RelayUpstream* relay_upstream() { return nullptr; }
 };
 
 using GroupClientPtr = std::unique_ptr<GroupClient>;

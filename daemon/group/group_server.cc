@@ -116,6 +116,18 @@ class GrpcGroupServer final : public GroupServer {
     return state_ != nullptr ? &state_->commits : nullptr;
   }
 
+  void StartRelay(RelayUpstream& upstream) override {
+    std::lock_guard lock(mu_);
+    if (state_ != nullptr || options_.relay_fanout == 0 || relay_ != nullptr || shut_down_) return;
+    relay_ = std::make_unique<Relay>(options_.node_rank, upstream);
+    service_.SetRelay(relay_.get());
+  }
+
+  Relay::Counters relayed() const override {
+    std::lock_guard lock(mu_);
+    return relay_ != nullptr ? relay_->counters() : Relay::Counters{};
+  }
+
   void Shutdown() override {
     {
       std::lock_guard lock(mu_);
@@ -125,6 +137,9 @@ class GrpcGroupServer final : public GroupServer {
     }
     cv_.notify_all();
     service_.StopWaiting();
+    // What the relay holds fails now (its nodes call the coordinator), and its calls
+    // upstream end: nothing of it may hold gRPC's shutdown.
+    if (relay_ != nullptr) relay_->Stop();
     // gRPC's Shutdown waits for every call to finish; meanwhile the ticker keeps failing
     // the long polls that were already waiting or that raced with StopWaiting.
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
@@ -184,7 +199,9 @@ class GrpcGroupServer final : public GroupServer {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 
-  std::mutex mu_;
+  std::unique_ptr<Relay> relay_;  // set once, under mu_; outlives the server's calls
+
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   bool shut_down_ = false;  // Shutdown has begun
   bool draining_ = false;   // long polls are to be failed, not waited on

@@ -14,6 +14,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/relay.h"
 #include "daemon/group/upload_targets.h"
 
 namespace ckpt::group {
@@ -26,6 +27,12 @@ class GroupServer {
   // Coordinator only (null elsewhere): what `ckptctl status` shows.
   virtual const Membership* membership() const = 0;
   virtual CommitCoordinator* coordinator() = 0;
+  // Nodes other than 0, with a relay tree (options.relay_fanout): from now on this node
+  // relays prepares and outcome polls for the nodes below it, through `upstream` (its own
+  // group client), which must outlive Shutdown.
+  virtual void StartRelay(RelayUpstream& upstream) = 0;
+  // Relayed so far (zero without a relay).
+  virtual Relay::Counters relayed() const = 0;
   virtual void Shutdown() = 0;
 };
 

@@ -36,6 +36,7 @@ constexpr size_t kMaxPayloadBytes = 1u << 20;
 constexpr size_t kMaxAddressBytes = 256;
 constexpr size_t kMaxReasonBytes = 4096;
 constexpr std::chrono::milliseconds kMaxOutcomeWait{30'000};
+constexpr size_t kMaxBatchPrepares = 1u << 16;
 constexpr std::chrono::milliseconds kMaxGatherTimeout{600'000};
 
 // Runs `fn` (returning absl::Status), turning any exception into INTERNAL: nothing may
@@ -111,6 +112,20 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
     out->set_node_ranks(share->second.ranks);
     out->set_node_bytes(share->second.bytes);
     out->set_node_attempt(share->second.attempt);
+  }
+}
+
+// The shares a relay asked for, of a commit: it answers those nodes itself.
+void FillShares(const Decision& decision, const std::vector<uint32_t>& nodes, pb::OutcomeReply* reply) {
+  if (decision.outcome != Outcome::kCommitted || !decision.committed) return;
+  for (uint32_t n : nodes) {
+    auto share = decision.committed->shares.find(n);
+    if (share == decision.committed->shares.end()) continue;
+    pb::NodeShare* out = reply->add_shares();
+    out->set_node_rank(n);
+    out->set_ranks(share->second.ranks);
+    out->set_bytes(share->second.bytes);
+    out->set_attempt(share->second.attempt);
   }
 }
 
@@ -281,8 +296,77 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
   // DefaultReactor() constructs the reactor: call it once per call.
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto completion = std::make_shared<Completion>(reactor);
-  grpc::Status early = Guarded("Prepare", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(Admit(ctx, "Prepare", Role::kCoordinatorOnly));
+  if (absl::Status admitted = Admit(ctx, "Prepare", Role::kCoordinatorOnly); !admitted.ok()) {
+    completion->Finish("Prepare", [&] { return admitted; });
+    return reactor;
+  }
+  PrepareOne(*request, reply, [completion](const Fill& fill) { completion->Finish("Prepare", fill); });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext* ctx,
+                                                     const pb::PrepareBatchRequest* request,
+                                                     pb::PrepareBatchReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto completion = std::make_shared<Completion>(reactor);
+  absl::Status admitted = Admit(ctx, "PrepareBatch", Role::kAnyNode);
+  if (admitted.ok() && request->prepares_size() > static_cast<int>(kMaxBatchPrepares)) {
+    admitted = absl::InvalidArgumentError(
+        fmt::format("a batch of {} prepares is over the {} limit", request->prepares_size(), kMaxBatchPrepares));
+  }
+  Relay* relay = relay_;
+  if (admitted.ok() && coordinator_ == nullptr && relay == nullptr) {
+    admitted = absl::FailedPreconditionError(fmt::format("node {} does not relay", options_.node_rank));
+  }
+  if (!admitted.ok()) {
+    completion->Finish("PrepareBatch", [&] { return admitted; });
+    return reactor;
+  }
+  if (coordinator_ == nullptr) {
+    // A relay: the batch goes on up with what else is queued.
+    relay->Prepare(*request, [completion, reply](absl::StatusOr<pb::PrepareBatchReply> results) {
+      completion->Finish("PrepareBatch", [&]() -> absl::Status {
+        if (!results.ok()) return results.status();
+        reply->Swap(&*results);
+        return absl::OkStatus();
+      });
+    });
+    return reactor;
+  }
+  // Every prepare is answered on its own; the call ends with the last.
+  const int n = request->prepares_size();
+  if (n == 0) {
+    completion->Finish("PrepareBatch", [] { return absl::OkStatus(); });
+    return reactor;
+  }
+  for (int i = 0; i < n; ++i) reply->add_results();
+  struct Items {
+    std::atomic<int> left;
+    std::unique_ptr<std::atomic<bool>[]> done;
+  };
+  auto items = std::make_shared<Items>();
+  items->left = n;
+  items->done = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    pb::PrepareResult* result = reply->mutable_results(i);
+    PrepareOne(request->prepares(i), result->mutable_reply(), [completion, items, result, i](const Fill& fill) {
+      if (items->done[i].exchange(true)) return;
+      grpc::Status status = Guarded("PrepareBatch", fill);
+      if (!status.ok()) {
+        result->Clear();
+        result->set_code(static_cast<int32_t>(status.error_code()));
+        result->set_message(status.error_message());
+      }
+      if (--items->left == 0) completion->Finish("PrepareBatch", [] { return absl::OkStatus(); });
+    });
+  }
+  return reactor;
+}
+
+void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::PrepareReply* reply,
+                              std::function<void(const Fill&)> finish) {
+  const pb::PrepareRequest* request = &request_ref;
+  absl::Status early = FromGrpc(Guarded("Prepare", [&]() -> absl::Status {
     uint32_t node = request->node_rank();
     CKPT_RETURN_IF_ERROR(CheckNode("node_rank", node));
     CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
@@ -308,7 +392,7 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
       }
       part.structure = coordinator_->structures.Find(request->structure_digest());
       if (!part.structure) {
-        completion->Finish("Prepare", [&] {
+        finish([&] {
           reply->set_outcome(pb::OUTCOME_PENDING);
           reply->set_need_structure(true);
           return absl::OkStatus();
@@ -331,9 +415,9 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
     // Kept once it proved to be this node's part: its next prepares send only values.
     if (request->structure_digest().empty()) coordinator_->structures.Add(part.structure);
     Decision decision = coordinator_->commits.Prepare(node, request->attempt(), std::move(part));
-    // `reply` lives until the reactor finishes, which only the completion does.
-    auto answer = [completion, reply, node](const Decision& d) {
-      completion->Finish("Prepare", [&]() -> absl::Status {
+    // `reply` lives until the call finishes, which only `finish` does.
+    auto answer = [finish, reply, node](const Decision& d) {
+      finish([&]() -> absl::Status {
         reply->set_outcome(ToProto(d.outcome));
         reply->set_reason(d.reason);
         FillCommitted(d, node, /*whole=*/node == 0, reply->mutable_manifest_json(), reply->mutable_committed());
@@ -349,9 +433,8 @@ grpc::ServerUnaryReactor* GroupService::Prepare(grpc::CallbackServerContext* ctx
       answer(decision);
     }
     return absl::OkStatus();
-  });
-  if (!early.ok()) completion->Finish("Prepare", [&] { return FromGrpc(early); });
-  return reactor;
+  }));
+  if (!early.ok()) finish([&] { return early; });
 }
 
 grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
@@ -377,22 +460,40 @@ grpc::ServerUnaryReactor* GroupService::GetOutcome(grpc::CallbackServerContext* 
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto completion = std::make_shared<Completion>(reactor);
   grpc::Status early = Guarded("GetOutcome", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(Admit(ctx, "GetOutcome", Role::kCoordinatorOnly));
+    Relay* relay = relay_;
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "GetOutcome", relay == nullptr ? Role::kCoordinatorOnly : Role::kAnyNode));
     CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
     CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    if (static_cast<uint32_t>(request->shares_for_size()) > options_.num_nodes) {
+      return absl::InvalidArgumentError(fmt::format("shares_for names {} nodes, the group has {}",
+                                                    request->shares_for_size(), options_.num_nodes));
+    }
+    for (uint32_t n : request->shares_for()) CKPT_RETURN_IF_ERROR(CheckNode("shares_for", n));
     auto wait = std::min<std::chrono::milliseconds>(
         std::chrono::milliseconds(request->wait_ms()), kMaxOutcomeWait);
     if (stop_waiting_) wait = std::chrono::milliseconds(0);
+    if (coordinator_ == nullptr) {
+      relay->GetOutcome(*request, Clock::now() + wait, [completion, reply](absl::StatusOr<pb::OutcomeReply> answer) {
+        completion->Finish("GetOutcome", [&]() -> absl::Status {
+          if (!answer.ok()) return answer.status();
+          reply->Swap(&*answer);
+          return absl::OkStatus();
+        });
+      });
+      return absl::OkStatus();
+    }
     // `reply` lives until the reactor finishes, which only the completion does.
     const uint32_t node = request->node_rank();
     const bool whole = node == 0 || request->whole_manifest();
+    std::vector<uint32_t> shares_for(request->shares_for().begin(), request->shares_for().end());
     coordinator_->commits.Await(
         request->job(), request->step(), Clock::now() + wait,
-        [completion, reply, node, whole](const Decision& decision) {
+        [completion, reply, node, whole, shares_for = std::move(shares_for)](const Decision& decision) {
           completion->Finish("GetOutcome", [&]() -> absl::Status {
             reply->set_outcome(ToProto(decision.outcome));
             reply->set_reason(decision.reason);
             FillCommitted(decision, node, whole, reply->mutable_manifest_json(), reply->mutable_committed());
+            FillShares(decision, shares_for, reply);
             return absl::OkStatus();
           });
         },

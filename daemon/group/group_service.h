@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -17,6 +18,7 @@
 #include "daemon/group/gather_table.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
+#include "daemon/group/relay.h"
 #include "daemon/group/structure_cache.h"
 #include "daemon/group/upload_targets.h"
 #include "daemon/schedule/save_schedule.h"
@@ -49,6 +51,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
 
   // From now on long polls answer at once (shutdown: nothing may wait any more).
   void StopWaiting() { stop_waiting_ = true; }
+  // On nodes other than 0: relays prepares and outcome polls for the nodes below
+  // (relay.h). Set before the server starts; must outlive it.
+  void SetRelay(Relay* relay) { relay_ = relay; }
 
   grpc::ServerUnaryReactor* Join(grpc::CallbackServerContext* ctx,
                                  const ckptd::group::v1::JoinRequest* request,
@@ -59,6 +64,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   grpc::ServerUnaryReactor* Prepare(grpc::CallbackServerContext* ctx,
                                     const ckptd::group::v1::PrepareRequest* request,
                                     ckptd::group::v1::PrepareReply* reply) override;
+  grpc::ServerUnaryReactor* PrepareBatch(grpc::CallbackServerContext* ctx,
+                                         const ckptd::group::v1::PrepareBatchRequest* request,
+                                         ckptd::group::v1::PrepareBatchReply* reply) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* ctx,
                                   const ckptd::group::v1::AbortRequest* request,
                                   ckptd::group::v1::AbortReply* reply) override;
@@ -77,6 +85,13 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
 
  private:
   enum class Role { kAnyNode, kCoordinatorOnly };
+  using Fill = std::function<absl::Status()>;
+
+  // Checks and prepares one node's part (a Prepare, or one of a batch): `finish` runs once,
+  // with what fills `reply` or the error, perhaps later on another thread (node 0 hears a
+  // commit once the whole manifest is assembled).
+  void PrepareOne(const ckptd::group::v1::PrepareRequest& request, ckptd::group::v1::PrepareReply* reply,
+                  std::function<void(const Fill&)> finish);
 
   // The token, then the role: the checks every handler makes before reading its request.
   absl::Status Admit(grpc::CallbackServerContext* ctx, const char* method, Role role);
@@ -89,6 +104,7 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   const GroupOptions options_;
   const uint64_t incarnation_;
   CoordinatorState* const coordinator_;
+  std::atomic<Relay*> relay_{nullptr};
   std::atomic<bool> stop_waiting_{false};
 
   // Refused peers, so that a misconfigured node logs one line a second, not one a call.

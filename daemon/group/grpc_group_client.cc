@@ -1,4 +1,4 @@
-// GroupClient over one gRPC channel to the coordinator.
+// GroupClient over gRPC: one channel to the coordinator, one to the parent relay.
 #include <fmt/format.h>
 #include <grpcpp/grpcpp.h>
 
@@ -8,10 +8,13 @@
 #include <set>
 #include <thread>
 
+#include "common/log.h"
 #include "common/status.h"
 #include "daemon/group/group_client.h"
 #include "daemon/group/grpc_util.h"
 #include "daemon/group/part_values_proto.h"
+#include "daemon/group/relay.h"
+#include "daemon/group/relay_tree.h"
 #include "format/part_structure.h"
 #include "proto/group.grpc.pb.h"
 
@@ -21,6 +24,8 @@ namespace {
 namespace pb = ckptd::group::v1;
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr int kMaxMessageBytes = 64 << 20;
 constexpr milliseconds kFirstBackoff{100};
@@ -65,6 +70,13 @@ class KnownMembers {
   uint64_t version() const {
     std::lock_guard lock(mu_);
     return version_;
+  }
+  // Where `node` listens, while it is alive as far as this node knows; empty otherwise.
+  std::string AliveAddress(uint32_t node) const {
+    std::lock_guard lock(mu_);
+    auto it = members_.find(node);
+    if (it == members_.end() || it->second.state != MemberState::kAlive) return "";
+    return it->second.address;
   }
 
  private:
@@ -116,12 +128,49 @@ grpc::ChannelArguments ChannelArgs(const GroupOptions& options) {
   return args;
 }
 
-class GrpcGroupClient final : public GroupClient {
+// Calls in flight that shutdown must be able to end (long polls, gathers, forwards).
+class CallSet {
+ public:
+  // False once cancelled: the call must not start.
+  bool Add(grpc::ClientContext* ctx) {
+    std::lock_guard lock(mu_);
+    if (!cancelled_.empty()) return false;
+    calls_.insert(ctx);
+    return true;
+  }
+  // The reason, once cancelled (the call's own status is then only "cancelled").
+  std::string Remove(grpc::ClientContext* ctx) {
+    std::lock_guard lock(mu_);
+    calls_.erase(ctx);
+    return cancelled_;
+  }
+  std::string cancelled() const {
+    std::lock_guard lock(mu_);
+    return cancelled_;
+  }
+  void CancelAll(const std::string& why) {
+    std::lock_guard lock(mu_);
+    cancelled_ = why.empty() ? "cancelled" : why;
+    for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::set<grpc::ClientContext*> calls_;
+  std::string cancelled_;
+};
+
+// A parent relay that failed a call is passed over for this long: its nodes call the
+// coordinator meanwhile, and try it again after.
+constexpr std::chrono::seconds kParentRetryAfter{30};
+
+class GrpcGroupClient final : public GroupClient, public RelayUpstream {
  public:
   GrpcGroupClient(const GroupOptions& options, uint64_t incarnation, std::string address)
       : options_(options),
         incarnation_(incarnation),
         address_(std::move(address)),
+        parent_(RelayParent(options.node_rank, options.relay_fanout).value_or(0)),
         stub_(pb::Group::NewStub(grpc::CreateCustomChannel(options.coordinator,
                                                            Credentials(options),
                                                            ChannelArgs(options)))) {}
@@ -184,10 +233,8 @@ class GrpcGroupClient final : public GroupClient {
         request.set_manifest_part_json(format::ManifestToJson(part));
       }
       request.set_attempt(attempt);
-      grpc::ClientContext ctx;
-      StartCall(ctx, Clock::now() + options_.rpc_timeout);
       pb::PrepareReply reply;
-      CKPT_RETURN_IF_ERROR(Describe("prepare", stub_->Prepare(&ctx, request, &reply)));
+      CKPT_RETURN_IF_ERROR(Describe("prepare", CallPrepare(request, &reply)));
       if (reply.need_structure()) {
         if (!compact) return absl::InternalError("group prepare: the coordinator asked for a structure it was sent");
         ForgetStructure(digest);
@@ -220,10 +267,8 @@ class GrpcGroupClient final : public GroupClient {
     request.set_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(wait.count(), 0, UINT32_MAX)));
     request.set_node_rank(options_.node_rank);
     request.set_whole_manifest(whole_manifest);
-    grpc::ClientContext ctx;
-    StartCall(ctx, Clock::now() + wait + options_.rpc_timeout);
     pb::OutcomeReply reply;
-    CKPT_RETURN_IF_ERROR(Describe("outcome", stub_->GetOutcome(&ctx, request, &reply)));
+    CKPT_RETURN_IF_ERROR(Describe("outcome", CallOutcome(request, &reply)));
     return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
   }
 
@@ -264,11 +309,32 @@ class GrpcGroupClient final : public GroupClient {
     return reply.save();
   }
 
-  void CancelGathers(const std::string& why) override {
-    std::lock_guard lock(gathers_mu_);
-    gathers_cancelled_ = why.empty() ? "cancelled" : why;
-    for (grpc::ClientContext* ctx : gathers_) ctx->TryCancel();
+  void CancelGathers(const std::string& why) override { gathers_.CancelAll(why); }
+
+  // ---- RelayUpstream: this node's relay forwards through its own parent ----
+
+  absl::StatusOr<pb::PrepareBatchReply> ForwardPrepares(const pb::PrepareBatchRequest& batch) override {
+    pb::PrepareBatchReply reply;
+    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      return stub.PrepareBatch(&ctx, batch, &reply);
+    });
+    CKPT_RETURN_IF_ERROR(Describe("relayed prepares", status));
+    return reply;
   }
+
+  absl::StatusOr<pb::OutcomeReply> ForwardOutcome(const pb::OutcomeRequest& request) override {
+    pb::OutcomeReply reply;
+    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
+      StartCall(ctx, Clock::now() + milliseconds(request.wait_ms()) + options_.rpc_timeout);
+      return stub.GetOutcome(&ctx, request, &reply);
+    });
+    CKPT_RETURN_IF_ERROR(Describe("relayed outcome", status));
+    return reply;
+  }
+
+  void CancelForwards(const std::string& why) override { forwards_.CancelAll(why); }
+  RelayUpstream* relay_upstream() override { return this; }
 
  private:
   // Every call: a deadline and the token.
@@ -341,30 +407,117 @@ class GrpcGroupClient final : public GroupClient {
     // The coordinator expires the round first and names who is missing; our deadline is
     // only for a coordinator that does not answer at all.
     StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
-    {
-      std::lock_guard lock(gathers_mu_);
-      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
-      gathers_.insert(&ctx);
-    }
+    if (!gathers_.Add(&ctx)) return absl::UnavailableError(gathers_.cancelled());
     pb::GatherReply reply;
     grpc::Status status = stub_->Gather(&ctx, request, &reply);
-    {
-      std::lock_guard lock(gathers_mu_);
-      gathers_.erase(&ctx);
-      if (!gathers_cancelled_.empty()) return absl::UnavailableError(gathers_cancelled_);
-    }
+    if (std::string why = gathers_.Remove(&ctx); !why.empty()) return absl::UnavailableError(why);
     CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
     return reply;
+  }
+
+  // ---- the relay tree ----
+
+  // This node's parent relay, unless it has none (a child of node 0, or no tree), is not
+  // alive as this node last heard, or failed a call in the last kParentRetryAfter.
+  std::shared_ptr<pb::Group::Stub> Parent() {
+    if (parent_ == 0) return nullptr;
+    std::string address = members_.AliveAddress(parent_);
+    std::lock_guard lock(parent_mu_);
+    if (address.empty() || Clock::now() < parent_down_until_) return nullptr;
+    if (address != parent_address_ || !parent_stub_) {
+      parent_address_ = address;
+      parent_stub_ = pb::Group::NewStub(grpc::CreateCustomChannel(address, Credentials(options_),
+                                                                  ChannelArgs(options_)));
+    }
+    return parent_stub_;
+  }
+
+  void ParentFailed(const grpc::Status& status) {
+    {
+      std::lock_guard lock(parent_mu_);
+      parent_down_until_ = Clock::now() + kParentRetryAfter;
+    }
+    Log().warn("node {}: its relay, node {} at {}, failed a call ({}): calling the coordinator for {} s",
+               options_.node_rank, parent_, parent_address_, status.error_message(), kParentRetryAfter.count());
+  }
+
+  // `call(stub, ctx)` on the parent relay, and on the coordinator if the parent has none,
+  // does not answer or fails: every relayed call is idempotent. Ends early on shutdown.
+  template <typename Call>
+  grpc::Status Forward(Call call) {
+    if (auto parent = Parent()) {
+      grpc::ClientContext ctx;
+      grpc::Status status = Tracked(forwards_, ctx, [&] { return call(*parent, ctx); });
+      if (status.ok() || !forwards_.cancelled().empty()) return status;
+      ParentFailed(status);
+    }
+    grpc::ClientContext ctx;
+    return Tracked(forwards_, ctx, [&] { return call(*stub_, ctx); });
+  }
+
+  template <typename Fn>
+  static grpc::Status Tracked(CallSet& set, grpc::ClientContext& ctx, Fn fn) {
+    if (!set.Add(&ctx)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, set.cancelled());
+    grpc::Status status = fn();
+    if (std::string why = set.Remove(&ctx); !why.empty()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, why);
+    return status;
+  }
+
+  // A prepare through the parent relay (a batch of one), or to the coordinator. The
+  // relay's own failure sends it to the coordinator; the coordinator's answer, relayed,
+  // is the answer.
+  grpc::Status CallPrepare(const pb::PrepareRequest& request, pb::PrepareReply* reply) {
+    if (auto parent = Parent()) {
+      pb::PrepareBatchRequest batch;
+      *batch.add_prepares() = request;
+      pb::PrepareBatchReply results;
+      grpc::ClientContext ctx;
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      grpc::Status status = parent->PrepareBatch(&ctx, batch, &results);
+      if (status.ok() && results.results_size() == 1) {
+        pb::PrepareResult& result = *results.mutable_results(0);
+        if (result.code() != 0) {
+          return grpc::Status(static_cast<grpc::StatusCode>(result.code()), result.message());
+        }
+        reply->Swap(result.mutable_reply());
+        return grpc::Status::OK;
+      }
+      ParentFailed(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "a malformed batch reply") : status);
+    }
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    return stub_->Prepare(&ctx, request, reply);
+  }
+
+  // An outcome poll through the parent relay, or to the coordinator (a whole manifest
+  // always comes from the coordinator).
+  grpc::Status CallOutcome(const pb::OutcomeRequest& request, pb::OutcomeReply* reply) {
+    const auto deadline = Clock::now() + milliseconds(request.wait_ms()) + options_.rpc_timeout;
+    if (auto parent = request.whole_manifest() ? nullptr : Parent()) {
+      grpc::ClientContext ctx;
+      StartCall(ctx, deadline);
+      grpc::Status status = parent->GetOutcome(&ctx, request, reply);
+      if (status.ok()) return status;
+      ParentFailed(status);
+      reply->Clear();
+    }
+    grpc::ClientContext ctx;
+    StartCall(ctx, deadline);
+    return stub_->GetOutcome(&ctx, request, reply);
   }
 
   const GroupOptions options_;
   const uint64_t incarnation_;
   const std::string address_;
+  const uint32_t parent_;  // 0: the coordinator itself
   const std::unique_ptr<pb::Group::Stub> stub_;
   KnownMembers members_;
-  std::mutex gathers_mu_;
-  std::set<grpc::ClientContext*> gathers_;  // in flight, for CancelGathers
-  std::string gathers_cancelled_;           // why, once cancelled
+  CallSet gathers_;   // in flight, for CancelGathers
+  CallSet forwards_;  // the relay's, for CancelForwards
+  std::mutex parent_mu_;
+  std::string parent_address_;
+  std::shared_ptr<pb::Group::Stub> parent_stub_;
+  Clock::time_point parent_down_until_{};
 };
 
 }  // namespace

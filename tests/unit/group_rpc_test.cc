@@ -641,6 +641,123 @@ TEST_CASE("rpc: shutdown answers waiting long polls") {
   CHECK_FALSE(gathered.ok());
 }
 
+// ---- the relay tree ----
+
+TEST_CASE("rpc: a relay tree of fan-out 2 carries prepares and polls; a relay that stops sends its nodes to node 0") {
+  GroupOptions base = NodeOptions(0, 7, "");
+  base.relay_fanout = 2;  // node 1 relays for 3 and 4, node 2 for 5 and 6
+  base.group_timeout = 20s;
+  Group g(7, base);
+  // The clients outlive the relays, which forward through them.
+  std::vector<GroupClientPtr> clients;
+  std::vector<GroupServerPtr> relays(3);
+  clients.push_back(g.Client(0));
+  for (uint32_t n = 1; n < 7; ++n) {
+    GroupOptions o = g.options;
+    o.node_rank = n;
+    o.coordinator = g.server->address();
+    std::string address = fmt::format("127.0.0.1:{}", 9000 + n);
+    if (n <= 2) {
+      auto started = StartGroupServer(o, 2000 + n, nullptr);
+      REQUIRE(started.ok());
+      relays[n] = std::move(*started);
+      address = relays[n]->address();
+    }
+    auto client = MakeGrpcGroupClient(o, 2000 + n, address);
+    REQUIRE(client.ok());
+    if (n <= 2) relays[n]->StartRelay(*(*client)->relay_upstream());
+    clients.push_back(std::move(*client));
+  }
+  // Relays first, so that the nodes below hear them alive when they join.
+  for (auto& c : clients) REQUIRE(c->Join(Clock::now() + 3s).ok());
+
+  auto save = [&](uint64_t step) {
+    for (uint32_t n : {3u, 4u, 5u, 6u, 1u, 2u}) {
+      auto prepared = clients[n]->Prepare(Part("job", step, 7, {n}), 1);
+      REQUIRE(prepared.ok());
+      CHECK(prepared->outcome == Outcome::kPending);
+    }
+    auto last = clients[0]->Prepare(Part("job", step, 7, {0}), 1);
+    REQUIRE(last.ok());
+    CHECK(last->outcome == Outcome::kCommitted);
+    for (uint32_t n = 1; n < 7; ++n) {
+      INFO("node " << n << " step " << step);
+      auto heard = clients[n]->GetOutcome("job", step, 5s);
+      REQUIRE(heard.ok());
+      REQUIRE(heard->outcome == Outcome::kCommitted);
+      // Its own share, as the coordinator recorded it, whichever way the answer came.
+      const auto& share = heard->committed->shares.at(n);
+      CHECK(share.ranks == 1);
+      CHECK(share.attempt == 1);
+      CHECK(share.bytes == Part("job", step, 7, {n}).shards[0].bytes);
+      CHECK(heard->committed->header.world_size == 7);
+    }
+  };
+  save(10);
+  for (uint32_t n : {1u, 2u}) {
+    INFO("relay " << n);
+    Relay::Counters relayed = relays[n]->relayed();
+    CHECK(relayed.prepares == 2);
+    CHECK(relayed.outcome_polls == 2);
+  }
+
+  // Node 1 stops relaying (its server is gone): nodes 3 and 4 call node 0 themselves, and
+  // the next step commits as the one before.
+  relays[1]->Shutdown();
+  save(20);
+  CHECK(relays[2]->relayed().prepares == 4);
+}
+
+TEST_CASE("rpc: a batch of prepares is answered prepare by prepare; only relays and node 0 take batches") {
+  Group g(3);
+  auto other = StartGroupServer(NodeOptions(1, 3, g.server->address()), 3001, nullptr);
+  REQUIRE(other.ok());
+  for (uint32_t n = 0; n < 3; ++n) REQUIRE(g.Client(n)->Join(Clock::now() + 3s).ok());
+  pb::PrepareBatchRequest batch;
+  for (uint32_t n : {1u, 2u}) {
+    pb::PrepareRequest* p = batch.add_prepares();
+    format::Manifest part = Part("job", 4, 3, {n});
+    p->set_node_rank(n);
+    p->set_incarnation(2000 + n);
+    p->set_job("job");
+    p->set_step(4);
+    p->set_world_size(n == 2 ? 0 : 3);  // node 2's is malformed
+    p->add_ranks(n);
+    p->set_attempt(1);
+    p->set_manifest_part_json(format::ManifestToJson(part));
+  }
+  {
+    RawCall call(g.server->address());
+    pb::PrepareBatchReply reply;
+    REQUIRE(call.stub->PrepareBatch(&call.ctx, batch, &reply).ok());
+    REQUIRE(reply.results_size() == 2);
+    CHECK(reply.results(0).code() == 0);
+    CHECK(reply.results(0).reply().outcome() == pb::OUTCOME_PENDING);
+    CHECK(reply.results(1).code() == static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+    CHECK_THAT(reply.results(1).message(), Catch::Contains("world_size 0"));
+  }
+  {
+    // A node that does not relay (no StartRelay) refuses batches and outcome polls.
+    RawCall call((*other)->address());
+    pb::PrepareBatchReply reply;
+    grpc::Status status = call.stub->PrepareBatch(&call.ctx, batch, &reply);
+    CHECK(status.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+    CHECK_THAT(status.error_message(), Catch::Contains("does not relay"));
+  }
+  {
+    RawCall call(g.server->address());
+    pb::OutcomeRequest request;
+    request.set_job("job");
+    request.set_step(4);
+    request.set_node_rank(1);
+    request.add_shares_for(7);
+    pb::OutcomeReply reply;
+    grpc::Status status = call.stub->GetOutcome(&call.ctx, request, &reply);
+    CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(status.error_message(), Catch::Contains("shares_for 7"));
+  }
+}
+
 // ---- mutual TLS ----
 
 namespace {
