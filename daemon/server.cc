@@ -31,6 +31,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_member.h"
 #include "daemon/group/group_server.h"
+#include "daemon/group/relay_tree.h"
 #include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
@@ -262,6 +263,14 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   g->set_coordinator(p.group_options.coordinator);
   g->set_address(p.group_server ? p.group_server->address() : "");
   g->set_tls(p.group_options.tls());
+  g->set_relay_parent(group::RelayParent(p.config.node_rank, p.group_options.relay_fanout).value_or(0));
+  if (p.group_server) {
+    group::Relay::Counters relayed = p.group_server->relayed();
+    g->set_relayed_prepares(relayed.prepares);
+    g->set_relayed_batches(relayed.batches);
+    g->set_relayed_outcome_polls(relayed.outcome_polls);
+    g->set_relayed_upstream_polls(relayed.upstream_polls);
+  }
   if (!p.group_member) return;
   group::GroupMember::State state = p.group_member->state();
   g->set_joined(state.joined);

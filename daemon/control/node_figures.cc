@@ -81,6 +81,16 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
                 members);
     out.Samples({"ckptd_group_joined", "1 when this node has joined its group.", {}},
                 {{{}, reply.group().joined() ? 1.0 : 0.0}});
+    const auto& g = reply.group();
+    out.Samples({"ckptd_group_relayed_total",
+                 "What this node relayed for the nodes below it in the relay tree: prepares, the batches "
+                 "that carried them up, outcome polls answered, and the polls up that answered them.",
+                 {"what"}},
+                {{{"prepares"}, static_cast<double>(g.relayed_prepares())},
+                 {{"batches"}, static_cast<double>(g.relayed_batches())},
+                 {{"outcome_polls"}, static_cast<double>(g.relayed_outcome_polls())},
+                 {{"upstream_polls"}, static_cast<double>(g.relayed_upstream_polls())}},
+                /*counter=*/true);
   }
   metrics::CollectProcess(out);
 }

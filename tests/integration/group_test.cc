@@ -169,6 +169,7 @@ class Cluster {
   std::string step_timeout = "3s";   // --step-timeout of daemons not started yet
   std::string group_timeout = "1s";  // --group-timeout of daemons not started yet
   bool metrics_everywhere = true;    // else only node 0 serves /metrics (fewer ports to pick)
+  std::string relay_fanout = "32";   // --group-relay-fanout
 
   int num_nodes() const { return static_cast<int>(layout_.size()); }
   uint32_t world_size() const { return world_size_; }
@@ -186,7 +187,8 @@ class Cluster {
   std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
                                   "--coordinator", coordinator, "--group-token-file", token_file_,
-                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", "10s"};
+                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", "10s",
+                                  "--group-relay-fanout", relay_fanout};
     if (metrics_everywhere || n == 0) f.insert(f.end(), {"--metrics-addr", std::to_string(metrics_ports_[n])});
     if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});
     return f;
@@ -507,10 +509,23 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
   c.group_timeout = "30s";
   c.step_timeout = "120s";
   c.metrics_everywhere = false;
+  // Fan-out 4: nodes 1-4 relay for 5-20, which relay for 21-84; three levels below node 0.
+  c.relay_fanout = "4";
   c.StartAll();
   REQUIRE_WITHIN(c, 120s, "every node joined and alive", c.AllAlive());
   c.SaveAllCommitted(10);
   c.RestoreAll(10, std::vector<std::string>(kNodes, "memory"));
+  // Every node below the first level sent its prepare and its polls through its parent.
+  uint64_t relayed = 0;
+  for (uint32_t n = 1; n < kNodes; ++n) {
+    json group = Status(c.node(static_cast<int>(n)))["group"];
+    INFO("node " << n << ": " << group.dump());
+    CHECK(group.value("relay_parent", 0u) == (n - 1) / 4);
+    relayed += U64(group.value("relayed_prepares", json(0)));
+  }
+  // A prepare from level 3 is relayed twice (levels 2 and 1), one from level 2 once.
+  const uint64_t level2 = std::min<uint64_t>(kNodes, 21) - 5, level3 = kNodes > 21 ? kNodes - 21 : 0;
+  CHECK(relayed >= level2 + 2 * level3);
   // One prepare per node reached the coordinator, and every node applied the decision.
   const std::string scrape = c.Metrics(0);
   CHECK(Contains(scrape, "\nckptd_group_members{state=\"alive\"} " + std::to_string(kNodes) + "\n"));
@@ -518,6 +533,39 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
     INFO("node " << n);
     CHECK(fs::exists(c.StepDir(static_cast<int>(n), 10) + "/" + ShardName(n)));
   }
+}
+
+TEST_CASE("a relay that stops answering (SIGSTOP): the nodes below it call node 0 and their steps commit") {
+  Cluster c({{0}, {1}, {2}, {3}, {4}});
+  c.relay_fanout = "2";       // node 1 relays for 3 and 4
+  c.group_timeout = "60s";    // node 1 stays a member: only its relaying stops
+  c.step_timeout = "60s";
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+  CHECK(U64(Status(c.node(1))["group"].value("relayed_prepares", json(0))) == 2);
+
+  // A job on nodes 0, 3 and 4 saves while node 1 is stopped.
+  c.node(1).Signal(SIGSTOP);
+  std::vector<std::unique_ptr<Process>> savers;
+  const std::vector<int> nodes = {0, 3, 4};
+  for (uint32_t r = 0; r < nodes.size(); ++r) {
+    std::vector<std::string> args = {"--job", "h", "--rank", std::to_string(r), "--world-size", "3", "--seed",
+                                     std::to_string(Seed(20, r)), "--bytes", std::to_string(kBytes),
+                                     "save", "--step", "20", "--wait-committed"};
+    savers.push_back(std::make_unique<Process>(Helper(c.node(nodes[r]), args), c.dir(nodes[r]).path(),
+                                               "h20r" + std::to_string(r)));
+  }
+  for (uint32_t r = 0; r < savers.size(); ++r) {
+    int rc = savers[r]->Wait(kProcessBound);
+    INFO("rank " << r << ": " << savers[r]->Stdout() << savers[r]->Stderr() << c.Logs());
+    CHECK(rc == 0);
+    CHECK(Contains(savers[r]->Stdout(), "committed"));
+  }
+  for (int n : {3, 4}) CHECK(Contains(c.node(n).Log(), "its relay, node 1"));
+  c.node(1).Signal(SIGCONT);
+  // Node 1 answers again; the whole group's next step commits.
+  c.SaveAllCommitted(30);
 }
 
 TEST_CASE("ranks on three nodes saving by time save the same steps, decided on the coordinator's clock") {
