@@ -3,8 +3,8 @@
 //
 //   bazel build -c opt //tests/bench:group_bench
 //   bazel-bin/tests/bench/group_bench scale [--nodes 64,1000] [--ranks-per-node 8]
-//       [--tensors 2,200] [--steps 3] [--channels 16] [--threads 32] [--dir /tmp]
-//       [--max-reply-gib 8] [--json]
+//       [--tensors 2,200] [--steps 3] [--fanout 32] [--channels 16] [--threads 32]
+//       [--dir /tmp] [--json]
 //
 // The coordinator is a real group server (node 0's role, `StartGroupServer`) with a file
 // decision log under --dir, in a child process (this binary again), so that its CPU time
@@ -20,6 +20,15 @@
 // Per step it reports the coordinator's CPU time, the time from the first prepare sent to
 // the last node knowing "committed", and the bytes each node sends and receives (the
 // serialized messages; HTTP/2 framing adds a few percent).
+//
+// With a relay tree (--fanout F > 0, as ckptd's --group-relay-fanout, and more than F + 1
+// nodes) the first level's relays, nodes 1..F, are real: a group server and a group client
+// each, in this process, relaying for the nodes below them. Deeper levels are simulated by
+// what their relays would send up at best: each second-level node sends its own prepare
+// (a batch of one) and one batch of all its subtree's prepares to its first-level relay,
+// and one outcome poll asking for its subtree's shares. A node below the second level is
+// counted as sending its prepare and receiving its outcome with its own share only, as its
+// relay answers it; a relay's own traffic (its subtree's, up and down) is reported apart.
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
@@ -45,6 +54,7 @@
 #include "common/status.h"
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
+#include "daemon/group/group_client.h"
 #include "daemon/group/group_server.h"
 #include "daemon/group/part_values_proto.h"
 #include "format/manifest.h"
@@ -80,7 +90,7 @@ std::vector<uint32_t> ParseCounts(const std::string& text, const char* what) {
   return out;
 }
 
-group::GroupOptions CoordinatorOptions(uint32_t nodes) {
+group::GroupOptions CoordinatorOptions(uint32_t nodes, uint32_t fanout = 0) {
   group::GroupOptions o;
   o.node_rank = 0;
   o.num_nodes = nodes;
@@ -91,6 +101,7 @@ group::GroupOptions CoordinatorOptions(uint32_t nodes) {
   o.group_timeout = 3600s;
   o.step_timeout = 3600s;
   o.rpc_timeout = 600s;
+  o.relay_fanout = fanout;
   return o;
 }
 
@@ -191,12 +202,53 @@ class Coordinator {
 // --- the simulated nodes ----------------------------------------------------------------
 
 struct Config {
-  uint32_t nodes, ranks_per_node, tensors, steps, channels, threads;
+  uint32_t nodes, ranks_per_node, tensors, steps, fanout, channels, threads;
+  // Whether the tree has relays at all, and node n's level (1: a child of node 0).
+  bool tree() const { return fanout > 0 && nodes > fanout + 1; }
+  uint32_t Level(uint32_t n) const {
+    uint32_t level = 0;
+    for (; n > 0; n = (n - 1) / fanout) ++level;
+    return level;
+  }
+};
+
+// The tree's first level, nodes 1..F, each a real group server relaying through its own
+// group client (as ckptd runs them), joined as members.
+class FirstLevelRelays {
+ public:
+  FirstLevelRelays(const Config& c, const std::string& coordinator) {
+    if (!c.tree()) return;
+    for (uint32_t n = 1; n <= c.fanout; ++n) {
+      group::GroupOptions o = CoordinatorOptions(c.nodes, c.fanout);
+      o.node_rank = n;
+      o.coordinator = coordinator;
+      auto server = group::StartGroupServer(o, 1000 + n, nullptr);
+      if (!server.ok()) Die(Message(server.status()));
+      auto client = group::MakeGrpcGroupClient(o, 1000 + n, (*server)->address());
+      if (!client.ok()) Die(Message(client.status()));
+      (*server)->StartRelay(*(*client)->relay_upstream());
+      if (auto joined = (*client)->Join(Clock::now() + 60s); !joined.ok()) Die(Message(joined.status()));
+      addresses_.push_back((*server)->address());
+      clients_.push_back(std::move(*client));
+      servers_.push_back(std::move(*server));
+    }
+  }
+  ~FirstLevelRelays() {
+    for (auto& s : servers_) s->Shutdown();  // before the clients they relay through
+  }
+  // Relay n's address (n in 1..F).
+  const std::string& address(uint32_t n) const { return addresses_.at(n - 1); }
+
+ private:
+  std::vector<std::string> addresses_;
+  std::vector<group::GroupClientPtr> clients_;
+  std::vector<group::GroupServerPtr> servers_;
 };
 
 // What one node sent and received in one step.
 struct NodeBytes {
   uint64_t sent = 0, received = 0;
+  uint64_t relay_sent = 0, relay_received = 0;  // for the nodes below it
 };
 
 // The part a node prepares: its ranks' shards, each holding a 16-element row of every tensor.
@@ -248,6 +300,7 @@ struct StepFigures {
   // Nodes other than node 0, which alone receives the whole manifest.
   uint64_t node_sent_p50 = 0, node_sent_max = 0, node_received_p50 = 0, node_received_max = 0;
   uint64_t node0_received = 0;
+  uint64_t relay_sent_max = 0, relay_received_max = 0;  // a relay's, for its subtree
 };
 
 struct ScaleResult {
@@ -260,22 +313,25 @@ struct ScaleResult {
 
 class Simulation {
  public:
-  Simulation(const Config& c, const std::string& address) : c_(c) {
+  Simulation(const Config& c, const std::string& address, const FirstLevelRelays& relays) : c_(c) {
     for (uint32_t i = 0; i < c.channels; ++i) {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(-1);
-      args.SetMaxSendMessageSize(-1);
-      args.SetInt("grpc.channel_id", static_cast<int>(i));  // distinct connections
-      stubs_.push_back(pb::Group::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      stubs_.push_back(pb::Group::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), Args(i))));
     }
     known_version_.assign(c.nodes, 0);
     structure_known_.assign(c.nodes, 0);
+    if (c.tree()) {
+      for (uint32_t n = 1; n <= c.fanout; ++n) {
+        relay_stubs_.push_back(
+            pb::Group::NewStub(grpc::CreateCustomChannel(relays.address(n), grpc::InsecureChannelCredentials(), Args(n))));
+      }
+    }
   }
 
   // Every node joins; returns the bytes a join reply brings a node (the whole membership).
   uint64_t Join() {
     std::atomic<uint64_t> received{0};
     ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
+      if (c_.tree() && n >= 1 && n <= c_.fanout) return;  // the real relays joined themselves
       pb::JoinRequest request;
       request.set_node_rank(n);
       request.set_num_nodes(c_.nodes);
@@ -346,7 +402,22 @@ class Simulation {
       decided[n] = reply.outcome() == pb::OUTCOME_COMMITTED;
     };
     prepare(0);
-    ForEachNode(c_.nodes - 1, c_.threads, [&](uint32_t i) { prepare(i + 1); });
+    if (!c_.tree()) {
+      ForEachNode(c_.nodes - 1, c_.threads, [&](uint32_t i) { prepare(i + 1); });
+    } else {
+      // Level 1 calls node 0; each level-2 node sends its own prepare and its subtree's
+      // batch to its level-1 relay.
+      ForEachNode(c_.fanout, c_.threads, [&](uint32_t i) { prepare(i + 1); });
+      const std::vector<uint32_t> second = Level2();
+      ForEachNode(static_cast<uint32_t>(second.size() * 2), c_.threads, [&](uint32_t i) {
+        const uint32_t q = second[i / 2];
+        if (i % 2 == 0) {
+          PrepareThroughRelay(q, {q}, prepares, whole_parts, bytes, decided, /*relaying=*/0);
+        } else if (!Below(q).empty()) {
+          PrepareThroughRelay(q, Below(q), prepares, whole_parts, bytes, decided, q);
+        }
+      });
+    }
     const uint64_t cpu_prepared = coordinator.CpuNs();
     // 3. Outcome polls: node 0's (the whole manifest) beside every other node's.
     auto poll = [&](uint32_t n, uint64_t* manifest_bytes) {
@@ -374,10 +445,16 @@ class Simulation {
       node0_end = Clock::now();
     });
     std::vector<uint32_t> pollers;
-    for (uint32_t n = 1; n < c_.nodes; ++n) {
+    const uint32_t direct = c_.tree() ? c_.fanout + 1 : c_.nodes;
+    for (uint32_t n = 1; n < direct; ++n) {
       if (!decided[n]) pollers.push_back(n);
     }
     ForEachNode(static_cast<uint32_t>(pollers.size()), c_.threads, [&](uint32_t i) { poll(pollers[i], nullptr); });
+    if (c_.tree()) {
+      const std::vector<uint32_t> second = Level2();
+      ForEachNode(static_cast<uint32_t>(second.size()), c_.threads,
+                  [&](uint32_t i) { PollThroughRelay(second[i], step, bytes); });
+    }
     const auto end = Clock::now();
     const uint64_t cpu_after = coordinator.CpuNs();
     node0.join();
@@ -395,6 +472,10 @@ class Simulation {
       received.push_back(b.received);
     }
     f.node0_received = received[0];  // the whole manifest
+    for (const NodeBytes& b : bytes) {
+      f.relay_sent_max = std::max(f.relay_sent_max, b.relay_sent);
+      f.relay_received_max = std::max(f.relay_received_max, b.relay_received);
+    }
     sent.erase(sent.begin());
     received.erase(received.begin());
     if (sent.empty()) return f;
@@ -408,6 +489,128 @@ class Simulation {
   }
 
  private:
+  static grpc::ChannelArguments Args(uint32_t channel) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    args.SetInt("grpc.channel_id", static_cast<int>(channel));  // distinct connections
+    return args;
+  }
+
+  std::vector<uint32_t> Level2() const {
+    std::vector<uint32_t> out;
+    for (uint32_t n = c_.fanout + 1; n < c_.nodes && c_.Level(n) == 2; ++n) out.push_back(n);
+    return out;
+  }
+
+  // Every node below q (its subtree, q excluded).
+  std::vector<uint32_t> Below(uint32_t q) const {
+    std::vector<uint32_t> out, frontier{q};
+    while (!frontier.empty()) {
+      std::vector<uint32_t> next;
+      for (uint32_t from : frontier) {
+        for (uint64_t child = uint64_t{from} * c_.fanout + 1;
+             child <= uint64_t{from} * c_.fanout + c_.fanout && child < c_.nodes; ++child) {
+          next.push_back(static_cast<uint32_t>(child));
+        }
+      }
+      out.insert(out.end(), next.begin(), next.end());
+      frontier = std::move(next);
+    }
+    return out;
+  }
+
+  // `nodes`' prepares in one batch to level-2 node q's relay (its level-1 parent): as q's
+  // own (a batch of one) or as q relaying its subtree. Resends the whole parts of those
+  // the coordinator asks structures for.
+  void PrepareThroughRelay(uint32_t q, const std::vector<uint32_t>& nodes, const std::vector<pb::PrepareRequest>& compact,
+                           const std::vector<pb::PrepareRequest>& whole, std::vector<NodeBytes>& bytes,
+                           std::vector<char>& decided, uint32_t relaying) {
+    const uint32_t relay = (q - 1) / c_.fanout;
+    std::vector<uint32_t> left = nodes;
+    for (int attempt = 0; !left.empty(); ++attempt) {
+      if (attempt == 2) Die("the coordinator asked twice for a structure it was sent");
+      pb::PrepareBatchRequest batch;
+      for (uint32_t n : left) *batch.add_prepares() = structure_known_[n] ? compact[n] : whole[n];
+      pb::PrepareBatchReply reply;
+      CallOn(*relay_stubs_[relay - 1], q,
+             [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.PrepareBatch(ctx, batch, &reply); });
+      if (reply.results_size() != batch.prepares_size()) Die("a relay answered a batch with the wrong count");
+      const uint64_t sent = batch.ByteSizeLong(), received = reply.ByteSizeLong();
+      bytes[relay].relay_sent += sent;  // it forwards what it is sent, and the answers back
+      bytes[relay].relay_received += received;
+      if (relaying != 0) {
+        bytes[relaying].relay_sent += sent;
+        bytes[relaying].relay_received += received;
+      }
+      std::vector<uint32_t> again;
+      for (int i = 0; i < reply.results_size(); ++i) {
+        const uint32_t n = left[static_cast<size_t>(i)];
+        const pb::PrepareResult& r = reply.results(i);
+        if (r.code() != 0) Die(fmt::format("node {}: {}", n, r.message()));
+        bytes[n].sent += batch.prepares(i).ByteSizeLong() + 3;  // a batch of one around it
+        bytes[n].received += r.ByteSizeLong() + 3;
+        if (r.reply().need_structure()) {
+          if (!structure_known_[n]) Die("the coordinator asked for a structure it was sent");
+          structure_known_[n] = 0;
+          again.push_back(n);
+          continue;
+        }
+        structure_known_[n] = 1;
+        if (r.reply().outcome() == pb::OUTCOME_ABORTED) Die(fmt::format("aborted: {}", r.reply().reason()));
+        decided[n] = r.reply().outcome() == pb::OUTCOME_COMMITTED;
+      }
+      left = std::move(again);
+    }
+  }
+
+  // Level-2 node q polls its relay for its own outcome and its subtree's shares; each node
+  // below hears the header and its own share (what q would answer it).
+  void PollThroughRelay(uint32_t q, uint64_t step, std::vector<NodeBytes>& bytes) {
+    const uint32_t relay = (q - 1) / c_.fanout;
+    const std::vector<uint32_t> below = Below(q);
+    pb::OutcomeRequest request;
+    request.set_job("scale");
+    request.set_step(step);
+    request.set_wait_ms(30'000);
+    request.set_node_rank(q);
+    request.mutable_shares_for()->Add(below.begin(), below.end());
+    pb::OutcomeReply reply;
+    do {
+      reply.Clear();
+      CallOn(*relay_stubs_[relay - 1], q,
+             [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.GetOutcome(ctx, request, &reply); });
+      bytes[relay].relay_sent += request.ByteSizeLong();
+      bytes[relay].relay_received += reply.ByteSizeLong();
+    } while (reply.outcome() == pb::OUTCOME_PENDING);
+    if (reply.outcome() != pb::OUTCOME_COMMITTED) Die(fmt::format("step {} not committed: {}", step, reply.reason()));
+    if (static_cast<size_t>(reply.shares_size()) != below.size()) Die("a relay left out shares");
+    pb::OutcomeReply own = reply;
+    own.clear_shares();
+    bytes[q].sent += request.ByteSizeLong() - request.shares_for_size() * 3;
+    bytes[q].received += own.ByteSizeLong();
+    bytes[q].relay_received += reply.ByteSizeLong() - own.ByteSizeLong();
+    pb::OutcomeRequest leaf_request = request;
+    leaf_request.clear_shares_for();
+    for (const pb::NodeShare& share : reply.shares()) {
+      pb::OutcomeReply leaf = own;
+      leaf.mutable_committed()->set_node_ranks(share.ranks());
+      leaf.mutable_committed()->set_node_bytes(share.bytes());
+      leaf.mutable_committed()->set_node_attempt(share.attempt());
+      bytes[share.node_rank()].sent += leaf_request.ByteSizeLong();
+      bytes[share.node_rank()].received += leaf.ByteSizeLong();
+      bytes[q].relay_sent += leaf.ByteSizeLong();
+    }
+  }
+
+  template <typename Rpc>
+  void CallOn(pb::Group::Stub& stub, uint32_t node, Rpc rpc) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("x-ckptd-group-token", kToken);
+    ctx.set_deadline(std::chrono::system_clock::now() + 600s);
+    grpc::Status s = rpc(stub, &ctx);
+    if (!s.ok()) Die(fmt::format("node {}: {}", node, s.error_message()));
+  }
 
   template <typename Rpc>
   void Call(uint32_t node, Rpc rpc) {
@@ -420,6 +623,7 @@ class Simulation {
 
   const Config c_;
   std::vector<std::unique_ptr<pb::Group::Stub>> stubs_;
+  std::vector<std::unique_ptr<pb::Group::Stub>> relay_stubs_;  // the first level's, by node - 1
   std::vector<uint64_t> known_version_;
   std::vector<char> structure_known_;  // by node: the coordinator holds its part's structure
 };
@@ -429,7 +633,8 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   const std::string run_dir = fmt::format("{}/n{}-t{}", dir, c.nodes, c.tensors);
   std::filesystem::create_directories(run_dir);
   Coordinator coordinator(self, c.nodes, run_dir);
-  Simulation sim(c, coordinator.address());
+  FirstLevelRelays relays(c, coordinator.address());
+  Simulation sim(c, coordinator.address(), relays);
   ScaleResult result{c};
   result.join_received_per_node = sim.Join();
   // One step first, not counted: its heartbeats bring each node the members that joined
@@ -453,7 +658,7 @@ std::string Size(double bytes) {
 
 int ScaleMain(int argc, char** argv) {
   std::string nodes_text = "64,1000", tensors_text = "2,200", dir, address_file;
-  Config c{0, 8, 0, 3, 16, 32};
+  Config c{0, 8, 0, 3, 32, 16, 32};
   bool json = false, serve = false;
   uint32_t serve_nodes = 0;
   CLI::App app{"group_bench scale: the coordinator at thousands of nodes, simulated"};
@@ -461,6 +666,8 @@ int ScaleMain(int argc, char** argv) {
   app.add_option("--ranks-per-node", c.ranks_per_node)->capture_default_str();
   app.add_option("--tensors", tensors_text, "tensors per rank, comma-separated")->capture_default_str();
   app.add_option("--steps", c.steps, "steps measured per configuration (after one not counted)")
+      ->capture_default_str();
+  app.add_option("--fanout", c.fanout, "the relay tree's fan-out, as --group-relay-fanout (0: none)")
       ->capture_default_str();
   app.add_option("--channels", c.channels, "gRPC channels the simulated nodes share")->capture_default_str();
   app.add_option("--threads", c.threads, "threads sending the simulated nodes' calls")->capture_default_str();
@@ -500,6 +707,7 @@ int ScaleMain(int argc, char** argv) {
       nlohmann::ordered_json j = {{"nodes", r.config.nodes},
                                   {"ranks_per_node", r.config.ranks_per_node},
                                   {"tensors_per_rank", r.config.tensors},
+                                  {"relay_fanout", r.config.tree() ? r.config.fanout : 0},
                                   {"join_bytes_per_node", r.join_received_per_node},
                                   {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
       for (const StepFigures& f : r.steps) {
@@ -512,6 +720,8 @@ int ScaleMain(int argc, char** argv) {
                               {"node_received_p50", f.node_received_p50},
                               {"node_received_max", f.node_received_max},
                               {"node0_received", f.node0_received},
+                              {"relay_sent_max", f.relay_sent_max},
+                              {"relay_received_max", f.relay_received_max},
                               {"coordinator_assemble_cpu_ms", f.assemble_cpu_ms},
                               {"node0_whole_manifest_ms", f.node0_ms}});
       }
@@ -521,27 +731,29 @@ int ScaleMain(int argc, char** argv) {
     return 0;
   }
   fmt::print("group_bench scale: the real coordinator in its own process, N simulated nodes over {} gRPC "
-             "channels, {} CPUs, loopback; decision log on {}\n",
-             c.channels, std::thread::hardware_concurrency(), dir);
+             "channels, relay fan-out {}, {} CPUs, loopback; decision log on {}\n",
+             c.channels, c.fanout, std::thread::hardware_concurrency(), dir);
   fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, and for the\n"
              "outcome replies; first prepare to every node but node 0 knowing the outcome; bytes per node other\n"
-             "than node 0 (median, max); node 0's whole manifest: the coordinator's CPU assembling it after the\n"
-             "decision, first prepare to node 0 holding it, and what node 0 receives\n\n",
+             "than node 0 (median, max), and the most a relay moves for its subtree (sent, received); node 0's\n"
+             "whole manifest: the coordinator's CPU assembling it after the decision, first prepare to node 0\n"
+             "holding it, and what node 0 receives\n\n",
              c.steps);
-  fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>12} {:>10} {:>9} | "
-             "{:>9}\n",
-             "nodes", "ranks", "tensors", "manifest", "CPU decide", "CPU replies", "commit", "sent/node", "max",
-             "recv/node", "max", "CPU assemble", "node 0", "node 0 rx", "coord RSS");
+  fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} | "
+             "{:>12} {:>10} {:>9} | {:>9}\n",
+             "nodes", "ranks", "tensors", "fanout", "manifest", "CPU decide", "CPU replies", "commit", "sent/node",
+             "max", "recv/node", "max", "relay tx", "relay rx", "CPU assemble", "node 0", "node 0 rx", "coord RSS");
   for (const ScaleResult& r : results) {
     std::vector<StepFigures> steps = r.steps;
     std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.commit_ms < b.commit_ms; });
     const StepFigures& f = steps[steps.size() / 2];
-    fmt::print("{:>6} {:>6} {:>7} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
-               "{:>9.0f} ms {:>7.0f} ms {:>9} | {:>9}\n",
-               r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors, Size(f.manifest_bytes),
-               f.prepare_cpu_ms, f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max),
-               Size(f.node_received_p50), Size(f.node_received_max), f.assemble_cpu_ms, f.node0_ms,
-               Size(f.node0_received), Size(r.coordinator_peak_rss));
+    fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
+               "{:>9} {:>9} | {:>9.0f} ms {:>7.0f} ms {:>9} | {:>9}\n",
+               r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors,
+               r.config.tree() ? std::to_string(r.config.fanout) : "-", Size(f.manifest_bytes), f.prepare_cpu_ms,
+               f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max), Size(f.node_received_p50),
+               Size(f.node_received_max), Size(f.relay_sent_max), Size(f.relay_received_max), f.assemble_cpu_ms,
+               f.node0_ms, Size(f.node0_received), Size(r.coordinator_peak_rss));
   }
   for (const ScaleResult& r : results) {
     fmt::print("join: {} nodes: {} per node (the whole membership, once)\n", r.config.nodes,

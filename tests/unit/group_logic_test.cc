@@ -71,6 +71,11 @@ class MemoryDecisionLog : public DecisionLog {
     std::lock_guard lock(mu_);
     return records_[{job, step}];
   }
+  // As if the coordinator had stopped before its assembler recorded this manifest.
+  void ForgetManifest(const std::string& job, uint64_t step) {
+    std::lock_guard lock(mu_);
+    manifests_.erase({job, step});
+  }
   bool HasManifest(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     return manifests_.count({job, step}) > 0;
@@ -509,11 +514,12 @@ TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a res
     CHECK(parsed->header.step_tensors == 1);
     CHECK(parsed->shares.at(1) == NodeShare{2, 2005, 0});
     CHECK(parsed->node_of_rank == std::vector<uint32_t>{0, 0, 1, 1});
-    // Step 8 commits, but the coordinator stops before node 0 asked for its whole manifest.
+    // Step 8 commits, but the coordinator stops before its whole manifest is recorded.
     c.Prepare(0, 1, Part("job", 8, 4, {0, 1}));
     REQUIRE(c.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
     c.Lookup("job", 7, /*whole_manifest=*/true);
   }
+  log.ForgetManifest("job", 8);
   CommitCoordinator restarted(log, {});
   Decision seven = restarted.Lookup("job", 7, /*whole_manifest=*/true);
   REQUIRE(seven.outcome == Outcome::kCommitted);
