@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace ckpt::group {
 namespace {
 
@@ -56,7 +58,7 @@ absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::stri
   *restarted = m.incarnation != 0 && m.incarnation != incarnation;
   const std::string advertised = address.substr(0, 256);
   if (m.state != MemberState::kAlive || m.address != advertised || m.incarnation != incarnation) {
-    ChangedLocked(m);
+    ChangedLocked(node);
   }
   m.address = advertised;
   m.incarnation = incarnation;
@@ -93,7 +95,7 @@ std::vector<LostMember> Membership::Expire(Clock::time_point now) {
     Member& m = members_[n];
     if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
       m.state = MemberState::kLost;
-      ChangedLocked(m);
+      ChangedLocked(n);
       const auto silent_since = wall_now - std::chrono::duration_cast<std::chrono::system_clock::duration>(now - m.last_heard);
       lost.push_back({n,
                       fmt::format("node {} ({}) lost: no heartbeat for {:.1f} s", n, m.address,
@@ -125,15 +127,29 @@ std::vector<MemberView> Membership::View() const {
   return Changes(0, &version);
 }
 
+void Membership::ChangedLocked(uint32_t node) {
+  members_[node].changed_in = ++version_;
+  changes_.emplace_back(version_, node);
+  if (changes_.size() > 2 * members_.size() + 64) {
+    std::erase_if(changes_, [&](const auto& c) { return members_[c.second].changed_in != c.first; });
+  }
+}
+
 std::vector<MemberView> Membership::Changes(uint64_t since, uint64_t* version) const {
   std::vector<MemberView> view;
   auto now = Clock::now();
   std::lock_guard lock(mu_);
-  if (since > version_) since = 0;  // not a version of this table: everything
-  for (uint32_t n = 0; n < members_.size(); ++n) {
-    if (since == 0 || members_[n].changed_in > since) view.push_back(ViewOf(n, now));
-  }
   *version = version_;
+  if (since == 0 || since > version_) {  // nothing known, or not a version of this table
+    view.reserve(members_.size());
+    for (uint32_t n = 0; n < members_.size(); ++n) view.push_back(ViewOf(n, now));
+    return view;
+  }
+  auto first = std::upper_bound(changes_.begin(), changes_.end(), std::make_pair(since, UINT32_MAX));
+  for (auto it = first; it != changes_.end(); ++it) {
+    if (members_[it->second].changed_in == it->first) view.push_back(ViewOf(it->second, now));
+  }
+  std::sort(view.begin(), view.end(), [](const MemberView& a, const MemberView& b) { return a.node < b.node; });
   return view;
 }
 

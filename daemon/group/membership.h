@@ -61,12 +61,16 @@ class Membership {
     uint64_t changed_in = 0;  // the version of its last change
   };
   MemberView ViewOf(uint32_t node, Clock::time_point now) const;
-  void ChangedLocked(Member& m) { m.changed_in = ++version_; }
+  void ChangedLocked(uint32_t node);
 
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::vector<Member> members_;
   uint64_t version_ = 1;  // 0 is "nothing known" in a heartbeat
+  // (version, node) of every change, in version order, so that a heartbeat from a node
+  // that knows the newest version costs O(1), not a scan of 10,000 members. Entries a
+  // later change of the same node superseded are dropped when they reach num_nodes.
+  std::vector<std::pair<uint64_t, uint32_t>> changes_;
 };
 
 const char* MemberStateName(MemberState state);

@@ -325,6 +325,31 @@ TEST_CASE("membership: changes since a version list only the members that change
   CHECK(m.Changes(v3 + 7, &v3).size() == 3);  // a version this table never had: all
 }
 
+TEST_CASE("membership: a node that changed many times is listed once, in node order, whatever the log holds") {
+  Membership m(4, 1s);
+  bool restarted = false;
+  for (uint32_t n : {3u, 0u, 2u}) REQUIRE(m.Join(n, 4, fmt::format("10.0.0.{}:7000", n), 100 + n, &restarted).ok());
+  uint64_t joined = 0;
+  m.Changes(0, &joined);
+  // Node 2 restarts 100 times (its log entries are compacted past 2 x num_nodes), then
+  // node 1 joins.
+  for (uint64_t i = 1; i <= 100; ++i) REQUIRE(m.Join(2, 4, "10.0.0.2:7000", 1000 + i, &restarted).ok());
+  REQUIRE(m.Join(1, 4, "10.0.0.1:7000", 101, &restarted).ok());
+  uint64_t now = 0;
+  auto changed = m.Changes(joined, &now);
+  REQUIRE(changed.size() == 2);
+  CHECK(changed[0].node == 1);
+  CHECK(changed[1].node == 2);
+  CHECK(changed[1].incarnation == 1100);
+  CHECK(now == joined + 101);
+  uint64_t same = 0;
+  CHECK(m.Changes(now, &same).empty());
+  CHECK(same == now);
+  // From before the first join: every member that changed since, node 3 included.
+  uint64_t v = 0;
+  CHECK(m.Changes(1, &v).size() == 4);
+}
+
 TEST_CASE("membership: a node with another --num-nodes or rank is refused") {
   Membership m(3, 1s);
   bool restarted;
