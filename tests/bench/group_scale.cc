@@ -291,6 +291,7 @@ void ForEachNode(uint32_t nodes, uint32_t threads, Fn fn) {
 }
 
 struct StepFigures {
+  double heartbeat_cpu_ms = 0; // the coordinator's, for one heartbeat of every node
   double prepare_cpu_ms = 0;   // the coordinator's, for the prepares and the decision
   double outcome_cpu_ms = 0;   // the coordinator's, for the outcome replies
   double commit_ms = 0;        // first prepare sent to every node but node 0 knowing
@@ -347,6 +348,7 @@ class Simulation {
 
   StepFigures Step(uint64_t step, const Coordinator& coordinator) {
     std::vector<NodeBytes> bytes(c_.nodes);
+    const uint64_t cpu_heartbeats = coordinator.CpuNs();
     // 1. Heartbeats.
     ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
       pb::HeartbeatRequest request;
@@ -460,6 +462,7 @@ class Simulation {
     node0.join();
 
     StepFigures f;
+    f.heartbeat_cpu_ms = static_cast<double>(cpu_before - cpu_heartbeats) / 1e6;
     f.prepare_cpu_ms = static_cast<double>(cpu_prepared - cpu_before) / 1e6;
     f.outcome_cpu_ms = static_cast<double>(cpu_after - cpu_prepared) / 1e6;
     f.commit_ms = std::chrono::duration<double, std::milli>(end - start).count();
@@ -711,7 +714,8 @@ int ScaleMain(int argc, char** argv) {
                                   {"join_bytes_per_node", r.join_received_per_node},
                                   {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
       for (const StepFigures& f : r.steps) {
-        j["steps"].push_back({{"coordinator_prepare_cpu_ms", f.prepare_cpu_ms},
+        j["steps"].push_back({{"coordinator_heartbeat_cpu_ms", f.heartbeat_cpu_ms},
+                              {"coordinator_prepare_cpu_ms", f.prepare_cpu_ms},
                               {"coordinator_outcome_cpu_ms", f.outcome_cpu_ms},
                               {"commit_ms", f.commit_ms},
                               {"manifest_bytes", f.manifest_bytes},
@@ -733,25 +737,25 @@ int ScaleMain(int argc, char** argv) {
   fmt::print("group_bench scale: the real coordinator in its own process, N simulated nodes over {} gRPC "
              "channels, relay fan-out {}, {} CPUs, loopback; decision log on {}\n",
              c.channels, c.fanout, std::thread::hardware_concurrency(), dir);
-  fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, and for the\n"
-             "outcome replies; first prepare to every node but node 0 knowing the outcome; bytes per node other\n"
+  fmt::print("per step (median of {}): the coordinator's CPU for the prepares and the decision, for the\n"
+             "outcome replies, and for one heartbeat from every node; first prepare to every node but node 0 knowing the outcome; bytes per node other\n"
              "than node 0 (median, max), and the most a relay moves for its subtree (sent, received); node 0's\n"
              "whole manifest: the coordinator's CPU assembling it after the decision, first prepare to node 0\n"
              "holding it, and what node 0 receives\n\n",
              c.steps);
-  fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>11} {:>11} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} | "
+  fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>11} {:>11} {:>10} | {:>10} | {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} | "
              "{:>12} {:>10} {:>9} | {:>9}\n",
-             "nodes", "ranks", "tensors", "fanout", "manifest", "CPU decide", "CPU replies", "commit", "sent/node",
+             "nodes", "ranks", "tensors", "fanout", "manifest", "CPU decide", "CPU replies", "CPU hbeats", "commit", "sent/node",
              "max", "recv/node", "max", "relay tx", "relay rx", "CPU assemble", "node 0", "node 0 rx", "coord RSS");
   for (const ScaleResult& r : results) {
     std::vector<StepFigures> steps = r.steps;
     std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.commit_ms < b.commit_ms; });
     const StepFigures& f = steps[steps.size() / 2];
-    fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>8.0f} ms {:>8.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
+    fmt::print("{:>6} {:>6} {:>7} {:>6} | {:>10} | {:>8.0f} ms {:>8.0f} ms {:>7.0f} ms | {:>7.0f} ms | {:>9} {:>9} | {:>9} {:>9} | "
                "{:>9} {:>9} | {:>9.0f} ms {:>7.0f} ms {:>9} | {:>9}\n",
                r.config.nodes, r.config.nodes * r.config.ranks_per_node, r.config.tensors,
                r.config.tree() ? std::to_string(r.config.fanout) : "-", Size(f.manifest_bytes), f.prepare_cpu_ms,
-               f.outcome_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max), Size(f.node_received_p50),
+               f.outcome_cpu_ms, f.heartbeat_cpu_ms, f.commit_ms, Size(f.node_sent_p50), Size(f.node_sent_max), Size(f.node_received_p50),
                Size(f.node_received_max), Size(f.relay_sent_max), Size(f.relay_received_max), f.assemble_cpu_ms,
                f.node0_ms, Size(f.node0_received), Size(r.coordinator_peak_rss));
   }
