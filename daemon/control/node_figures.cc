@@ -83,11 +83,13 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
                 {{{}, reply.group().joined() ? 1.0 : 0.0}});
     const auto& g = reply.group();
     out.Samples({"ckptd_group_relayed_total",
-                 "What this node relayed for the nodes below it in the relay tree: prepares, the batches "
-                 "that carried them up, outcome polls answered, and the polls up that answered them.",
+                 "What this node relayed for the nodes below it in the relay tree: prepares and heartbeats, "
+                 "the batches that carried them up, outcome polls answered, and the polls up that answered them.",
                  {"what"}},
                 {{{"prepares"}, static_cast<double>(g.relayed_prepares())},
                  {{"batches"}, static_cast<double>(g.relayed_batches())},
+                 {{"heartbeats"}, static_cast<double>(g.relayed_heartbeats())},
+                 {{"heartbeat_batches"}, static_cast<double>(g.relayed_heartbeat_batches())},
                  {{"outcome_polls"}, static_cast<double>(g.relayed_outcome_polls())},
                  {{"upstream_polls"}, static_cast<double>(g.relayed_upstream_polls())}},
                 /*counter=*/true);

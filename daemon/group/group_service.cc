@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string_view>
 #include <utility>
@@ -287,6 +288,56 @@ grpc::ServerUnaryReactor* GroupService::Heartbeat(grpc::CallbackServerContext* c
     FillView(reply->mutable_view(), request->known_members_version());
     return absl::OkStatus();
   }));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GroupService::HeartbeatBatch(grpc::CallbackServerContext* ctx,
+                                                       const pb::HeartbeatBatchRequest* request,
+                                                       pb::HeartbeatBatchReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  auto completion = std::make_shared<Completion>(reactor);
+  absl::Status admitted = Admit(ctx, "HeartbeatBatch", Role::kAnyNode);
+  if (admitted.ok() && request->heartbeats_size() > static_cast<int>(kMaxBatchPrepares)) {
+    admitted = absl::InvalidArgumentError(fmt::format("a batch of {} heartbeats is over the {} limit",
+                                                      request->heartbeats_size(), kMaxBatchPrepares));
+  }
+  Relay* relay = relay_;
+  if (admitted.ok() && coordinator_ == nullptr && relay == nullptr) {
+    admitted = absl::FailedPreconditionError(fmt::format("node {} does not relay", options_.node_rank));
+  }
+  if (!admitted.ok()) {
+    completion->Finish("HeartbeatBatch", [&] { return admitted; });
+    return reactor;
+  }
+  if (coordinator_ == nullptr) {
+    relay->Heartbeat(*request, [completion, reply](absl::StatusOr<pb::HeartbeatBatchReply> answers) {
+      completion->Finish("HeartbeatBatch", [&]() -> absl::Status {
+        if (!answers.ok()) return answers.status();
+        reply->Swap(&*answers);
+        return absl::OkStatus();
+      });
+    });
+    return reactor;
+  }
+  // Each heartbeat is checked on its own; the view is filled once per membership version
+  // the nodes know (after the first steps, one for the whole batch).
+  completion->Finish("HeartbeatBatch", [&]() -> absl::Status {
+    std::map<uint64_t, uint32_t> view_of_version;
+    for (const pb::HeartbeatRequest& h : request->heartbeats()) {
+      pb::HeartbeatResult* result = reply->add_results();
+      absl::Status status = CheckNode("node_rank", h.node_rank());
+      if (status.ok()) status = coordinator_->membership.Heartbeat(h.node_rank(), h.incarnation());
+      if (!status.ok()) {
+        result->set_code(static_cast<int32_t>(status.code()));
+        result->set_message(std::string(status.message()));
+        continue;
+      }
+      auto [it, added] = view_of_version.try_emplace(h.known_members_version(), static_cast<uint32_t>(reply->views_size()));
+      if (added) FillView(reply->add_views(), h.known_members_version());
+      result->set_view(it->second);
+    }
+    return absl::OkStatus();
+  });
   return reactor;
 }
 

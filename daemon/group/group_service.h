@@ -61,6 +61,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx,
                                       const ckptd::group::v1::HeartbeatRequest* request,
                                       ckptd::group::v1::HeartbeatReply* reply) override;
+  grpc::ServerUnaryReactor* HeartbeatBatch(grpc::CallbackServerContext* ctx,
+                                           const ckptd::group::v1::HeartbeatBatchRequest* request,
+                                           ckptd::group::v1::HeartbeatBatchReply* reply) override;
   grpc::ServerUnaryReactor* Prepare(grpc::CallbackServerContext* ctx,
                                     const ckptd::group::v1::PrepareRequest* request,
                                     ckptd::group::v1::PrepareReply* reply) override;

@@ -206,10 +206,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     request.set_node_rank(options_.node_rank);
     request.set_incarnation(incarnation_);
     request.set_known_members_version(members_.version());
-    grpc::ClientContext ctx;
-    StartCall(ctx, Clock::now() + options_.rpc_timeout);
     pb::HeartbeatReply reply;
-    CKPT_RETURN_IF_ERROR(Describe("heartbeat", stub_->Heartbeat(&ctx, request, &reply)));
+    CKPT_RETURN_IF_ERROR(Describe("heartbeat", CallHeartbeat(request, &reply)));
     return FromProto(reply.view(), members_);
   }
 
@@ -320,6 +318,16 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       return stub.PrepareBatch(&ctx, batch, &reply);
     });
     CKPT_RETURN_IF_ERROR(Describe("relayed prepares", status));
+    return reply;
+  }
+
+  absl::StatusOr<pb::HeartbeatBatchReply> ForwardHeartbeats(const pb::HeartbeatBatchRequest& batch) override {
+    pb::HeartbeatBatchReply reply;
+    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      return stub.HeartbeatBatch(&ctx, batch, &reply);
+    });
+    CKPT_RETURN_IF_ERROR(Describe("relayed heartbeats", status));
     return reply;
   }
 
@@ -487,6 +495,35 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     return stub_->Prepare(&ctx, request, reply);
+  }
+
+  // A heartbeat through the parent relay (a batch of one), or to the coordinator: as
+  // CallPrepare.
+  grpc::Status CallHeartbeat(const pb::HeartbeatRequest& request, pb::HeartbeatReply* reply) {
+    if (auto parent = Parent()) {
+      pb::HeartbeatBatchRequest batch;
+      *batch.add_heartbeats() = request;
+      pb::HeartbeatBatchReply results;
+      grpc::ClientContext ctx;
+      // A stalled relay must not cost this node its membership: its heartbeat still
+      // reaches the coordinator within the group timeout.
+      StartCall(ctx, Clock::now() + std::min<milliseconds>(options_.rpc_timeout, options_.group_timeout / 4));
+      grpc::Status status = parent->HeartbeatBatch(&ctx, batch, &results);
+      if (status.ok() && results.results_size() == 1) {
+        const pb::HeartbeatResult& result = results.results(0);
+        if (result.code() != 0) {
+          return grpc::Status(static_cast<grpc::StatusCode>(result.code()), result.message());
+        }
+        if (result.view() < static_cast<uint32_t>(results.views_size())) {
+          reply->mutable_view()->Swap(results.mutable_views(static_cast<int>(result.view())));
+          return grpc::Status::OK;
+        }
+      }
+      ParentFailed(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "a malformed batch reply") : status);
+    }
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + options_.rpc_timeout);
+    return stub_->Heartbeat(&ctx, request, reply);
   }
 
   // An outcome poll through the parent relay, or to the coordinator (a whole manifest

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <map>
 
 #include "common/log.h"
 #include "common/status.h"
@@ -23,107 +24,111 @@ absl::Status Stopped() { return absl::UnavailableError("the relay is stopping");
 
 }  // namespace
 
-struct Relay::Pending {
-  pb::PrepareBatchRequest batch;
-  pb::PrepareBatchReply reply;
-  size_t left = 0;
-  PrepareDone done;  // null once answered
-};
-
 Relay::Relay(uint32_t node, RelayUpstream& upstream, Limits limits)
-    : node_(node), upstream_(upstream), limits_(limits) {
-  flusher_ = std::thread([this] { FlushLoop(); });
-}
+    : node_(node),
+      upstream_(upstream),
+      limits_(limits),
+      prepares_("prepares", {limits.batch_items, limits.batch_bytes, limits.queued_items},
+                [this](std::vector<pb::PrepareRequest>& items) { return SendPrepares(items); }),
+      heartbeats_("heartbeats", {limits.batch_items, limits.batch_bytes, limits.queued_items},
+                  [this](std::vector<pb::HeartbeatRequest>& items) { return SendHeartbeats(items); }) {}
 
 Relay::~Relay() { Stop(); }
 
 Relay::Counters Relay::counters() const {
-  std::lock_guard lock(mu_);
-  return counters_;
+  Counters c;
+  {
+    std::lock_guard lock(mu_);
+    c = counters_;
+  }
+  c.prepares = prepares_.items_sent();
+  c.batches = prepares_.batches_sent();
+  c.heartbeats = heartbeats_.items_sent();
+  c.heartbeat_batches = heartbeats_.batches_sent();
+  return c;
 }
 
 void Relay::Prepare(pb::PrepareBatchRequest batch, PrepareDone done) {
-  auto pending = std::make_shared<Pending>();
-  const int n = batch.prepares_size();
-  pending->batch = std::move(batch);
-  pending->reply.mutable_results()->Reserve(n);
-  for (int i = 0; i < n; ++i) pending->reply.add_results();
-  pending->left = static_cast<size_t>(n);
-  absl::Status refused;
-  {
-    std::lock_guard lock(mu_);
-    if (stopping_) {
-      refused = Stopped();
-    } else if (n == 0) {
-      refused = absl::InvalidArgumentError("a batch of no prepares");
-    } else if (queue_.size() + static_cast<size_t>(n) > limits_.queued_prepares) {
-      refused = absl::ResourceExhaustedError(fmt::format(
-          "node {} relays {} prepares already: call the coordinator", node_, queue_.size()));
-    } else {
-      pending->done = std::move(done);
-      for (int i = 0; i < n; ++i) queue_.push_back({pending, i});
-    }
-  }
-  if (!refused.ok()) {
-    done(refused);
-    return;
-  }
-  cv_.notify_all();
+  std::vector<pb::PrepareRequest> items;
+  items.reserve(static_cast<size_t>(batch.prepares_size()));
+  for (pb::PrepareRequest& p : *batch.mutable_prepares()) items.push_back(std::move(p));
+  auto answer = std::make_shared<PrepareDone>(std::move(done));
+  absl::Status queued = prepares_.Add(std::move(items), [answer](absl::StatusOr<std::vector<pb::PrepareResult>> results) {
+    if (!results.ok()) return (*answer)(results.status());
+    pb::PrepareBatchReply reply;
+    reply.mutable_results()->Reserve(static_cast<int>(results->size()));
+    for (pb::PrepareResult& r : *results) *reply.add_results() = std::move(r);
+    (*answer)(std::move(reply));
+  });
+  if (!queued.ok()) (*answer)(queued);
 }
 
-void Relay::FlushLoop() {
-  std::unique_lock lock(mu_);
-  while (true) {
-    cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-    if (stopping_) return;
-    // Whatever queued while the last batch was upstream goes in this one: no timer, so an
-    // idle relay adds no latency and a busy one batches as much as it is sent.
-    std::vector<Queued> taken;
-    size_t bytes = 0;
-    while (!queue_.empty() && taken.size() < limits_.batch_prepares) {
-      const Queued& q = queue_.front();
-      size_t size = q.from->batch.prepares(q.index).ByteSizeLong();
-      if (!taken.empty() && bytes + size > limits_.batch_bytes) break;
-      bytes += size;
-      taken.push_back(q);
-      queue_.pop_front();
-    }
-    lock.unlock();
-    // Each queued prepare is this thread's alone once taken: moved, not copied.
-    pb::PrepareBatchRequest request;
-    request.mutable_prepares()->Reserve(static_cast<int>(taken.size()));
-    for (const Queued& q : taken) request.add_prepares()->Swap(q.from->batch.mutable_prepares(q.index));
-    absl::StatusOr<pb::PrepareBatchReply> reply = upstream_.ForwardPrepares(request);
-    if (reply.ok() && reply->results_size() != static_cast<int>(taken.size())) {
-      reply = absl::InternalError(fmt::format("relay: {} results upstream for {} prepares",
-                                              reply->results_size(), taken.size()));
-    }
-    if (!reply.ok()) {
-      Log().warn("node {}: relaying {} prepares failed (the nodes below will call the coordinator): {}",
-                 node_, taken.size(), Message(reply.status()));
-    }
-    std::vector<std::pair<PrepareDone, absl::StatusOr<pb::PrepareBatchReply>>> answers;
-    lock.lock();
-    counters_.prepares += taken.size();
-    ++counters_.batches;
-    for (size_t i = 0; i < taken.size(); ++i) {
-      Pending& p = *taken[i].from;
-      if (!p.done) continue;  // already failed
-      if (!reply.ok()) {
-        answers.emplace_back(std::move(p.done), reply.status());
-        p.done = nullptr;
-        continue;
-      }
-      p.reply.mutable_results(taken[i].index)->Swap(reply->mutable_results(static_cast<int>(i)));
-      if (--p.left == 0) {
-        answers.emplace_back(std::move(p.done), std::move(p.reply));
-        p.done = nullptr;
-      }
-    }
-    lock.unlock();
-    for (auto& [done, result] : answers) done(std::move(result));
-    lock.lock();
+BatchQueue<pb::PrepareRequest, pb::PrepareResult>::Answers Relay::SendPrepares(std::vector<pb::PrepareRequest>& items) {
+  pb::PrepareBatchRequest request;
+  request.mutable_prepares()->Reserve(static_cast<int>(items.size()));
+  for (pb::PrepareRequest& p : items) *request.add_prepares() = std::move(p);
+  absl::StatusOr<pb::PrepareBatchReply> reply = upstream_.ForwardPrepares(request);
+  if (!reply.ok()) {
+    Log().warn("node {}: relaying {} prepares failed (the nodes below will call the coordinator): {}", node_,
+               items.size(), Message(reply.status()));
+    return reply.status();
   }
+  std::vector<pb::PrepareResult> results;
+  results.reserve(static_cast<size_t>(reply->results_size()));
+  for (pb::PrepareResult& r : *reply->mutable_results()) results.push_back(std::move(r));
+  return results;
+}
+
+void Relay::Heartbeat(pb::HeartbeatBatchRequest batch, HeartbeatDone done) {
+  std::vector<pb::HeartbeatRequest> items;
+  items.reserve(static_cast<size_t>(batch.heartbeats_size()));
+  for (pb::HeartbeatRequest& h : *batch.mutable_heartbeats()) items.push_back(std::move(h));
+  auto answer = std::make_shared<HeartbeatDone>(std::move(done));
+  absl::Status queued = heartbeats_.Add(std::move(items), [answer](absl::StatusOr<std::vector<HeartbeatAnswer>> answers) {
+    if (!answers.ok()) return (*answer)(answers.status());
+    // Each distinct view once, as node 0 sent them.
+    pb::HeartbeatBatchReply reply;
+    std::map<const pb::GroupView*, uint32_t> index;
+    for (HeartbeatAnswer& a : *answers) {
+      pb::HeartbeatResult* result = reply.add_results();
+      *result = std::move(a.result);
+      if (!a.view) continue;
+      auto [it, added] = index.try_emplace(a.view.get(), static_cast<uint32_t>(index.size()));
+      if (added) *reply.add_views() = *a.view;
+      result->set_view(it->second);
+    }
+    (*answer)(std::move(reply));
+  });
+  if (!queued.ok()) (*answer)(queued);
+}
+
+BatchQueue<pb::HeartbeatRequest, Relay::HeartbeatAnswer>::Answers Relay::SendHeartbeats(
+    std::vector<pb::HeartbeatRequest>& items) {
+  pb::HeartbeatBatchRequest request;
+  request.mutable_heartbeats()->Reserve(static_cast<int>(items.size()));
+  for (pb::HeartbeatRequest& h : items) *request.add_heartbeats() = std::move(h);
+  absl::StatusOr<pb::HeartbeatBatchReply> reply = upstream_.ForwardHeartbeats(request);
+  if (!reply.ok()) {
+    Log().warn("node {}: relaying {} heartbeats failed (the nodes below will call the coordinator): {}", node_,
+               items.size(), Message(reply.status()));
+    return reply.status();
+  }
+  std::vector<std::shared_ptr<const pb::GroupView>> views;
+  for (pb::GroupView& v : *reply->mutable_views()) views.push_back(std::make_shared<const pb::GroupView>(std::move(v)));
+  std::vector<HeartbeatAnswer> answers;
+  answers.reserve(static_cast<size_t>(reply->results_size()));
+  for (pb::HeartbeatResult& r : *reply->mutable_results()) {
+    HeartbeatAnswer a;
+    if (r.code() == 0) {
+      if (r.view() >= views.size()) {
+        return absl::InternalError(fmt::format("relay: a heartbeat's view {} of {} from upstream", r.view(), views.size()));
+      }
+      a.view = views[r.view()];
+    }
+    a.result = std::move(r);
+    answers.push_back(std::move(a));
+  }
+  return answers;
 }
 
 void Relay::GetOutcome(const pb::OutcomeRequest& request, Clock::time_point deadline, OutcomeDone done) {
@@ -286,15 +291,10 @@ void Relay::Stop() {
   std::vector<std::function<void()>> later;
   {
     std::lock_guard lock(mu_);
-    if (stopping_ && !flusher_.joinable()) return;
+    // Once only: the destructor's Stop may come after the upstream (the node's group
+    // client) is gone.
+    if (stopping_) return;
     stopping_ = true;
-    for (Queued& q : queue_) {
-      if (q.from->done) {
-        later.push_back([d = std::move(q.from->done)] { d(Stopped()); });
-        q.from->done = nullptr;
-      }
-    }
-    queue_.clear();
     for (auto& [key, s] : steps_) {
       for (Waiter& w : s.waiters) later.push_back([d = std::move(w.done)] { d(Stopped()); });
       s.waiters.clear();
@@ -303,8 +303,13 @@ void Relay::Stop() {
   }
   cv_.notify_all();
   for (auto& answer : later) answer();
+  // Fails what is queued, then ends the calls upstream in flight, so that the queues'
+  // threads return at once.
+  prepares_.Close();
+  heartbeats_.Close();
   upstream_.CancelForwards("the relay is stopping");
-  if (flusher_.joinable()) flusher_.join();
+  prepares_.Stop();
+  heartbeats_.Stop();
   std::unique_lock lock(mu_);
   cv_.wait(lock, [&] { return pollers_ == 0; });
 }

@@ -1,6 +1,6 @@
 // A node's relay for the nodes below it in the tree (relay_tree.h): it batches their
-// prepares into one call upstream, and answers their outcome polls from one upstream poll
-// per step. At 10,000 nodes and fan-out 32 the coordinator hears 32 calls per step instead
+// prepares and heartbeats into one call upstream each, and answers their outcome polls
+// from one upstream poll per step. At 10,000 nodes and fan-out 32 the coordinator hears 32 calls per step instead
 // of 10,000: what a gRPC call costs there (~120 us of its CPU) is paid once per batch.
 //
 // A relay adds no trust: every node holds the group token, and the coordinator checks each
@@ -12,19 +12,18 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "daemon/group/batch_queue.h"
 #include "proto/group.pb.h"
 
 namespace ckpt::group {
@@ -36,6 +35,8 @@ class RelayUpstream {
   virtual ~RelayUpstream() = default;
   virtual absl::StatusOr<ckptd::group::v1::PrepareBatchReply> ForwardPrepares(
       const ckptd::group::v1::PrepareBatchRequest& batch) = 0;
+  virtual absl::StatusOr<ckptd::group::v1::HeartbeatBatchReply> ForwardHeartbeats(
+      const ckptd::group::v1::HeartbeatBatchRequest& batch) = 0;
   // A long poll: returns within the request's wait_ms plus the call deadline.
   virtual absl::StatusOr<ckptd::group::v1::OutcomeReply> ForwardOutcome(
       const ckptd::group::v1::OutcomeRequest& request) = 0;
@@ -47,12 +48,13 @@ class Relay {
  public:
   using Clock = std::chrono::steady_clock;
   using PrepareDone = std::function<void(absl::StatusOr<ckptd::group::v1::PrepareBatchReply>)>;
+  using HeartbeatDone = std::function<void(absl::StatusOr<ckptd::group::v1::HeartbeatBatchReply>)>;
   using OutcomeDone = std::function<void(absl::StatusOr<ckptd::group::v1::OutcomeReply>)>;
 
   struct Limits {
-    size_t batch_prepares = 4096;             // per call upstream
+    size_t batch_items = 4096;                // prepares or heartbeats per call upstream
     size_t batch_bytes = size_t{16} << 20;    // per call upstream (gRPC's cap is 64 MiB)
-    size_t queued_prepares = 65536;           // waiting to go up; beyond: RESOURCE_EXHAUSTED
+    size_t queued_items = 65536;              // of each, waiting; beyond: RESOURCE_EXHAUSTED
     size_t outcome_waiters = 65536;           // polls held; beyond: RESOURCE_EXHAUSTED
     size_t decided_steps = 256;               // decisions kept to answer late polls
   };
@@ -67,26 +69,33 @@ class Relay {
   // order, once the coordinator answered them all, or the status of the relay's own call
   // upstream, for the whole batch: the child then calls the coordinator itself.
   void Prepare(ckptd::group::v1::PrepareBatchRequest batch, PrepareDone done);
+  // Heartbeats from the nodes below, the same way: node 0 checks each, and the views they
+  // hear come back once per distinct membership version they know.
+  void Heartbeat(ckptd::group::v1::HeartbeatBatchRequest batch, HeartbeatDone done);
   // An outcome poll from a node below, answered by `deadline` (then "pending"). Polls for
   // one step share one poll upstream; a decision is kept for the polls that come later.
   void GetOutcome(const ckptd::group::v1::OutcomeRequest& request, Clock::time_point deadline,
                   OutcomeDone done);
   // Fails what waits and everything later with Unavailable; waits for the relay's threads.
+  // Only the first call does anything (and uses the upstream).
   void Stop();
 
   struct Counters {
     uint64_t prepares = 0;         // relayed upstream
     uint64_t batches = 0;          // calls upstream carrying them
+    uint64_t heartbeats = 0;       // relayed upstream
+    uint64_t heartbeat_batches = 0;
     uint64_t outcome_polls = 0;    // answered
     uint64_t upstream_polls = 0;   // calls upstream for them
   };
   Counters counters() const;
 
  private:
-  struct Pending;  // a child's batch, answered once every prepare in it is
-  struct Queued {
-    std::shared_ptr<Pending> from;
-    int index;
+  // A heartbeat's answer: its status, and the view it hears (shared by every heartbeat of
+  // a batch that knew the same membership version).
+  struct HeartbeatAnswer {
+    ckptd::group::v1::HeartbeatResult result;
+    std::shared_ptr<const ckptd::group::v1::GroupView> view;
   };
   struct Waiter {
     uint32_t node;
@@ -104,7 +113,10 @@ class Relay {
   };
   using StepKey = std::pair<std::string, uint64_t>;
 
-  void FlushLoop();
+  BatchQueue<ckptd::group::v1::PrepareRequest, ckptd::group::v1::PrepareResult>::Answers SendPrepares(
+      std::vector<ckptd::group::v1::PrepareRequest>& items);
+  BatchQueue<ckptd::group::v1::HeartbeatRequest, HeartbeatAnswer>::Answers SendHeartbeats(
+      std::vector<ckptd::group::v1::HeartbeatRequest>& items);
   void PollLoop(StepKey key);
   // Answers (into `later`, run after unlocking) every waiter of `s` whose node and
   // asked-for shares the decision covers.
@@ -118,13 +130,13 @@ class Relay {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
-  std::deque<Queued> queue_;
   std::map<StepKey, Step> steps_;
   size_t waiters_ = 0;
   uint64_t decisions_ = 0;
   int pollers_ = 0;  // PollLoop threads running (detached, counted)
-  Counters counters_;
-  std::thread flusher_;
+  Counters counters_;  // outcome polls; the queues count their own
+  BatchQueue<ckptd::group::v1::PrepareRequest, ckptd::group::v1::PrepareResult> prepares_;
+  BatchQueue<ckptd::group::v1::HeartbeatRequest, HeartbeatAnswer> heartbeats_;
 };
 
 }  // namespace ckpt::group

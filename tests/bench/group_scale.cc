@@ -24,9 +24,10 @@
 // With a relay tree (--fanout F > 0, as ckptd's --group-relay-fanout, and more than F + 1
 // nodes) the first level's relays, nodes 1..F, are real: a group server and a group client
 // each, in this process, relaying for the nodes below them. Deeper levels are simulated by
-// what their relays would send up at best: each second-level node sends its own prepare
-// (a batch of one) and one batch of all its subtree's prepares to its first-level relay,
-// and one outcome poll asking for its subtree's shares. A node below the second level is
+// what their relays would send up at best: each second-level node sends its own heartbeat
+// and prepare (batches of one) and one batch of all its subtree's heartbeats and one of
+// its prepares to its first-level relay, and one outcome poll asking for its subtree's
+// shares. A node below the second level is
 // counted as sending its prepare and receiving its outcome with its own share only, as its
 // relay answers it; a relay's own traffic (its subtree's, up and down) is reported apart.
 #include <signal.h>
@@ -349,18 +350,30 @@ class Simulation {
   StepFigures Step(uint64_t step, const Coordinator& coordinator) {
     std::vector<NodeBytes> bytes(c_.nodes);
     const uint64_t cpu_heartbeats = coordinator.CpuNs();
-    // 1. Heartbeats.
-    ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
-      pb::HeartbeatRequest request;
-      request.set_node_rank(n);
-      request.set_incarnation(1000 + n);
-      request.set_known_members_version(known_version_[n]);
+    // 1. Heartbeats: straight to node 0, or (below the first level) through the tree as
+    // prepares go.
+    auto heartbeat = [&](uint32_t n) {
+      pb::HeartbeatRequest request = HeartbeatOf(n);
       pb::HeartbeatReply reply;
       Call(n, [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.Heartbeat(ctx, request, &reply); });
       known_version_[n] = reply.view().members_version();
       bytes[n].sent += request.ByteSizeLong();
       bytes[n].received += reply.ByteSizeLong();
-    });
+    };
+    if (!c_.tree()) {
+      ForEachNode(c_.nodes, c_.threads, heartbeat);
+    } else {
+      ForEachNode(c_.fanout + 1, c_.threads, heartbeat);
+      const std::vector<uint32_t> second = Level2();
+      ForEachNode(static_cast<uint32_t>(second.size() * 2), c_.threads, [&](uint32_t i) {
+        const uint32_t q = second[i / 2];
+        if (i % 2 == 0) {
+          HeartbeatThroughRelay(q, {q}, bytes, 0);
+        } else if (!Below(q).empty()) {
+          HeartbeatThroughRelay(q, Below(q), bytes, q);
+        }
+      });
+    }
     // The parts, built before the clock starts: a node has its part ready when it prepares.
     // As ckptd's client does, a node sends its whole part until the coordinator holds its
     // structure, and then only each step's values under the structure's digest.
@@ -521,6 +534,43 @@ class Simulation {
       frontier = std::move(next);
     }
     return out;
+  }
+
+  pb::HeartbeatRequest HeartbeatOf(uint32_t n) const {
+    pb::HeartbeatRequest request;
+    request.set_node_rank(n);
+    request.set_incarnation(1000 + n);
+    request.set_known_members_version(known_version_[n]);
+    return request;
+  }
+
+  // `nodes`' heartbeats in one batch to level-2 node q's relay, as q's own (a batch of
+  // one) or as q relaying its subtree's.
+  void HeartbeatThroughRelay(uint32_t q, const std::vector<uint32_t>& nodes, std::vector<NodeBytes>& bytes,
+                             uint32_t relaying) {
+    const uint32_t relay = (q - 1) / c_.fanout;
+    pb::HeartbeatBatchRequest batch;
+    for (uint32_t n : nodes) *batch.add_heartbeats() = HeartbeatOf(n);
+    pb::HeartbeatBatchReply reply;
+    CallOn(*relay_stubs_[relay - 1], q,
+           [&](pb::Group::Stub& stub, grpc::ClientContext* ctx) { return stub.HeartbeatBatch(ctx, batch, &reply); });
+    if (reply.results_size() != batch.heartbeats_size()) Die("a relay answered heartbeats with the wrong count");
+    bytes[relay].relay_sent += batch.ByteSizeLong();
+    bytes[relay].relay_received += reply.ByteSizeLong();
+    if (relaying != 0) {
+      bytes[relaying].relay_sent += batch.ByteSizeLong();
+      bytes[relaying].relay_received += reply.ByteSizeLong();
+    }
+    for (int i = 0; i < reply.results_size(); ++i) {
+      const uint32_t n = nodes[static_cast<size_t>(i)];
+      const pb::HeartbeatResult& r = reply.results(i);
+      if (r.code() != 0) Die(fmt::format("node {}: {}", n, r.message()));
+      if (r.view() >= static_cast<uint32_t>(reply.views_size())) Die("a heartbeat's view is missing");
+      const pb::GroupView& view = reply.views(static_cast<int>(r.view()));
+      known_version_[n] = view.members_version();
+      bytes[n].sent += batch.heartbeats(i).ByteSizeLong() + 3;  // a batch of one around it
+      bytes[n].received += view.ByteSizeLong() + 6;
+    }
   }
 
   // `nodes`' prepares in one batch to level-2 node q's relay (its level-1 parent): as q's

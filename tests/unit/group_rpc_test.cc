@@ -694,11 +694,31 @@ TEST_CASE("rpc: a relay tree of fan-out 2 carries prepares and polls; a relay th
     }
   };
   save(10);
+  // Heartbeats go the same way, and a node the coordinator does not know hears so through
+  // its relay (it must join again), rather than calling the coordinator instead.
+  for (uint32_t n = 3; n < 7; ++n) {
+    auto view = clients[n]->Heartbeat();
+    REQUIRE(view.ok());
+    CHECK(view->members.size() == 7);
+  }
   for (uint32_t n : {1u, 2u}) {
     INFO("relay " << n);
     Relay::Counters relayed = relays[n]->relayed();
     CHECK(relayed.prepares == 2);
     CHECK(relayed.outcome_polls == 2);
+    CHECK(relayed.heartbeats == 2);
+  }
+  {
+    GroupOptions o = g.options;
+    o.node_rank = 5;
+    o.coordinator = g.server->address();
+    auto stranger = MakeGrpcGroupClient(o, 777, "127.0.0.1:9005");  // not node 5's incarnation
+    REQUIRE(stranger.ok());
+    REQUIRE((*stranger)->Join(Clock::now() + 3s).ok());  // learns the members, then...
+    REQUIRE(clients[5]->Join(Clock::now() + 3s).ok());   // ...node 5 takes its rank back
+    auto refused = (*stranger)->Heartbeat();
+    CHECK(absl::IsFailedPrecondition(refused.status()));
+    CHECK(relays[2]->relayed().heartbeats == 3);
   }
 
   // Node 1 stops relaying (its server is gone): nodes 3 and 4 call node 0 themselves, and
@@ -706,6 +726,7 @@ TEST_CASE("rpc: a relay tree of fan-out 2 carries prepares and polls; a relay th
   relays[1]->Shutdown();
   save(20);
   CHECK(relays[2]->relayed().prepares == 4);
+  for (uint32_t n : {3u, 4u}) CHECK(clients[n]->Heartbeat().ok());
 }
 
 TEST_CASE("rpc: a batch of prepares is answered prepare by prepare; only relays and node 0 take batches") {

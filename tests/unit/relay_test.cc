@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <future>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -42,6 +43,27 @@ class ScriptedUpstream final : public RelayUpstream {
       }
       r->mutable_reply()->set_outcome(pb::OUTCOME_PENDING);
       r->mutable_reply()->set_reason(std::to_string(p.node_rank()));
+    }
+    return reply;
+  }
+
+  // A view per distinct known version, saying version + 1; node 13 is told to join again.
+  absl::StatusOr<pb::HeartbeatBatchReply> ForwardHeartbeats(const pb::HeartbeatBatchRequest& batch) override {
+    Hold();
+    std::lock_guard lock(mu_);
+    batch_sizes.push_back(batch.heartbeats_size());
+    pb::HeartbeatBatchReply reply;
+    std::map<uint64_t, uint32_t> views;
+    for (const pb::HeartbeatRequest& h : batch.heartbeats()) {
+      pb::HeartbeatResult* r = reply.add_results();
+      if (h.node_rank() == 13) {
+        r->set_code(9);  // FAILED_PRECONDITION
+        r->set_message("node 13 was marked lost: join again");
+        continue;
+      }
+      auto [it, added] = views.try_emplace(h.known_members_version(), static_cast<uint32_t>(reply.views_size()));
+      if (added) reply.add_views()->set_members_version(h.known_members_version() + 1);
+      r->set_view(it->second);
     }
     return reply;
   }
@@ -113,6 +135,16 @@ pb::PrepareBatchRequest Batch(std::vector<uint32_t> nodes, const std::string& jo
   return batch;
 }
 
+pb::HeartbeatBatchRequest Heartbeats(std::vector<std::pair<uint32_t, uint64_t>> node_versions) {
+  pb::HeartbeatBatchRequest batch;
+  for (auto [node, version] : node_versions) {
+    pb::HeartbeatRequest* h = batch.add_heartbeats();
+    h->set_node_rank(node);
+    h->set_known_members_version(version);
+  }
+  return batch;
+}
+
 pb::OutcomeRequest Poll(uint32_t node, uint64_t step = 5, std::vector<uint32_t> shares_for = {}) {
   pb::OutcomeRequest r;
   r.set_job("j");
@@ -123,12 +155,20 @@ pb::OutcomeRequest Poll(uint32_t node, uint64_t step = 5, std::vector<uint32_t> 
 }
 
 using PrepareResult = absl::StatusOr<pb::PrepareBatchReply>;
+using HeartbeatResult = absl::StatusOr<pb::HeartbeatBatchReply>;
 using OutcomeResult = absl::StatusOr<pb::OutcomeReply>;
 
 std::future<PrepareResult> Send(Relay& relay, pb::PrepareBatchRequest batch) {
   auto promise = std::make_shared<std::promise<PrepareResult>>();
   auto future = promise->get_future();
   relay.Prepare(std::move(batch), [promise](PrepareResult r) { promise->set_value(std::move(r)); });
+  return future;
+}
+
+std::future<HeartbeatResult> Beat(Relay& relay, pb::HeartbeatBatchRequest batch) {
+  auto promise = std::make_shared<std::promise<HeartbeatResult>>();
+  auto future = promise->get_future();
+  relay.Heartbeat(std::move(batch), [promise](HeartbeatResult r) { promise->set_value(std::move(r)); });
   return future;
 }
 
@@ -176,11 +216,42 @@ TEST_CASE("relay: what queues while a batch is upstream goes up in one call; eac
   CHECK(relay.counters().batches == 2);
 }
 
+TEST_CASE("relay: heartbeats go up in batches; each node hears its own status and the view of its version") {
+  ScriptedUpstream up;
+  up.held = true;
+  Relay relay(1, up);
+  auto first = Beat(relay, Heartbeats({{3, 5}}));
+  REQUIRE(ckpt::testing::WaitUntil([&] { return up.calls_waiting() == 1; }, 5s));
+  auto below = Beat(relay, Heartbeats({{4, 5}, {5, 0}, {6, 5}}));  // a relay below, for three
+  auto lost = Beat(relay, Heartbeats({{13, 5}}));
+  up.Release();
+  auto r = first.get();
+  REQUIRE(r.ok());
+  REQUIRE(r->results_size() == 1);
+  REQUIRE(r->views_size() == 1);
+  CHECK(r->views(0).members_version() == 6);
+  auto b = below.get();
+  REQUIRE(b.ok());
+  REQUIRE(b->results_size() == 3);
+  // Two distinct views for three heartbeats, each named by index.
+  REQUIRE(b->views_size() == 2);
+  CHECK(b->views(static_cast<int>(b->results(0).view())).members_version() == 6);
+  CHECK(b->views(static_cast<int>(b->results(1).view())).members_version() == 1);
+  CHECK(b->results(2).view() == b->results(0).view());
+  auto l = lost.get();
+  REQUIRE(l.ok());
+  CHECK(l->results(0).code() == 9);
+  CHECK(l->views_size() == 0);
+  CHECK(up.batch_sizes == std::vector<int>{1, 4});
+  CHECK(relay.counters().heartbeats == 5);
+  CHECK(relay.counters().heartbeat_batches == 2);
+}
+
 TEST_CASE("relay: a batch upstream is capped in prepares; the rest follows in the next") {
   ScriptedUpstream up;
   up.held = true;
   Relay::Limits limits;
-  limits.batch_prepares = 3;
+  limits.batch_items = 3;
   Relay relay(1, up, limits);
   auto first = Send(relay, Batch({2}));
   REQUIRE(ckpt::testing::WaitUntil([&] { return up.calls_waiting() == 1; }, 5s));
@@ -207,7 +278,7 @@ TEST_CASE("relay: beyond its queue bound a batch is refused at once") {
   ScriptedUpstream up;
   up.held = true;
   Relay::Limits limits;
-  limits.queued_prepares = 4;
+  limits.queued_items = 4;
   Relay relay(1, up, limits);
   auto first = Send(relay, Batch({2}));
   REQUIRE(ckpt::testing::WaitUntil([&] { return up.calls_waiting() == 1; }, 5s));
