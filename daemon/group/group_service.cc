@@ -319,9 +319,17 @@ grpc::ServerUnaryReactor* GroupService::HeartbeatBatch(grpc::CallbackServerConte
     });
     return reactor;
   }
-  // Each heartbeat is checked on its own; the view is filled once per membership version
-  // the nodes know (after the first steps, one for the whole batch).
+  // Each heartbeat is checked on its own. The view is filled at most twice per batch: all
+  // members for nodes that know none, and for the rest the changes since the oldest
+  // version any of them knows (changes a node already has are harmless to hear again). A
+  // view per distinct version would be O(nodes²) bytes after the joins of a group's start.
   completion->Finish("HeartbeatBatch", [&]() -> absl::Status {
+    uint64_t oldest = 0;
+    for (const pb::HeartbeatRequest& h : request->heartbeats()) {
+      if (h.known_members_version() != 0 && (oldest == 0 || h.known_members_version() < oldest)) {
+        oldest = h.known_members_version();
+      }
+    }
     std::map<uint64_t, uint32_t> view_of_version;
     for (const pb::HeartbeatRequest& h : request->heartbeats()) {
       pb::HeartbeatResult* result = reply->add_results();
@@ -332,8 +340,9 @@ grpc::ServerUnaryReactor* GroupService::HeartbeatBatch(grpc::CallbackServerConte
         result->set_message(std::string(status.message()));
         continue;
       }
-      auto [it, added] = view_of_version.try_emplace(h.known_members_version(), static_cast<uint32_t>(reply->views_size()));
-      if (added) FillView(reply->add_views(), h.known_members_version());
+      const uint64_t known = h.known_members_version() == 0 ? 0 : oldest;
+      auto [it, added] = view_of_version.try_emplace(known, static_cast<uint32_t>(reply->views_size()));
+      if (added) FillView(reply->add_views(), known);
       result->set_view(it->second);
     }
     return absl::OkStatus();

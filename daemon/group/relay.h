@@ -69,8 +69,8 @@ class Relay {
   // order, once the coordinator answered them all, or the status of the relay's own call
   // upstream, for the whole batch: the child then calls the coordinator itself.
   void Prepare(ckptd::group::v1::PrepareBatchRequest batch, PrepareDone done);
-  // Heartbeats from the nodes below, the same way: node 0 checks each, and the views they
-  // hear come back once per distinct membership version they know.
+  // Heartbeats from the nodes below, the same way: node 0 checks each, and each view they
+  // hear comes back once (node 0 sends at most two per batch).
   void Heartbeat(ckptd::group::v1::HeartbeatBatchRequest batch, HeartbeatDone done);
   // An outcome poll from a node below, answered by `deadline` (then "pending"). Polls for
   // one step share one poll upstream; a decision is kept for the polls that come later.

@@ -758,6 +758,30 @@ TEST_CASE("rpc: a batch of prepares is answered prepare by prepare; only relays 
     CHECK_THAT(reply.results(1).message(), Catch::Contains("world_size 0"));
   }
   {
+    // Heartbeats of a batch hear at most two views, whatever versions they know: all
+    // members (version 0), and the changes since the oldest version the others know.
+    pb::HeartbeatBatchRequest heartbeats;
+    for (uint64_t known : {0, 1, 3}) {
+      pb::HeartbeatRequest* h = heartbeats.add_heartbeats();
+      h->set_node_rank(static_cast<uint32_t>(heartbeats.heartbeats_size() - 1));
+      h->set_incarnation(2000 + static_cast<uint64_t>(heartbeats.heartbeats_size() - 1));
+      h->set_known_members_version(known);
+    }
+    RawCall call(g.server->address());
+    pb::HeartbeatBatchReply reply;
+    REQUIRE(call.stub->HeartbeatBatch(&call.ctx, heartbeats, &reply).ok());
+    REQUIRE(reply.results_size() == 3);
+    for (const auto& r : reply.results()) CHECK(r.code() == 0);
+    REQUIRE(reply.views_size() == 2);
+    const pb::GroupView& all = reply.views(static_cast<int>(reply.results(0).view()));
+    CHECK(all.members_complete());
+    CHECK(all.members_size() == 3);
+    CHECK(reply.results(1).view() == reply.results(2).view());
+    const pb::GroupView& changes = reply.views(static_cast<int>(reply.results(1).view()));
+    CHECK_FALSE(changes.members_complete());
+    CHECK(changes.members_size() == 3);  // all three joined after version 1
+  }
+  {
     // A node that does not relay (no StartRelay) refuses batches and outcome polls.
     RawCall call((*other)->address());
     pb::PrepareBatchReply reply;
