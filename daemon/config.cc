@@ -208,7 +208,7 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->envname("CKPTD_STEP_TIMEOUT")
       ->capture_default_str();
   app.add_option("--group-relay-fanout", c.group_relay_fanout,
-                 "nodes send prepares and outcome polls to their parent in a tree of this fan-out, "
+                 "nodes send heartbeats, prepares and outcome polls to their parent in a tree of this fan-out, "
                  "which batches them (0: every node calls node 0; groups of at most fan-out + 1 "
                  "nodes have no relays)")
       ->envname("CKPTD_GROUP_RELAY_FANOUT")

@@ -57,7 +57,7 @@ struct Config {
   uint32_t group_timeout_ms = 10'000;   // a member silent this long is lost
   uint32_t step_timeout_ms = 300'000;   // a step still missing ranks this long is aborted
   uint32_t restore_timeout_ms = 300'000;  // ranks wait this long for each other at restore
-  // Prepares and outcome polls go up a tree of this fan-out (0: straight to node 0).
+  // Heartbeats, prepares and outcome polls go up a tree of this fan-out (0: to node 0).
   uint32_t group_relay_fanout = 32;
   // The remote tier (docs/operators.md, "Off the node"): an s3://bucket/prefix URL.
   // Tiered: the local root commits as always and committed steps are uploaded behind it.

@@ -1,5 +1,5 @@
 // A node's connection to the coordinator: one gRPC channel (keepalive, optional mutual
-// TLS), and one to its parent relay for prepares and outcome polls (relay_tree.h; the
+// TLS), and one to its parent relay for heartbeats, prepares and outcome polls (relay_tree.h; the
 // coordinator whenever the parent fails), the shared token on every call, deadlines on every call, retries with back-off
 // only where a call is idempotent (all of them are: prepare and abort are keyed by job,
 // step and rank).

@@ -17,8 +17,8 @@ struct GroupOptions {
   std::chrono::milliseconds group_timeout{10'000};   // silent this long: a member is lost
   std::chrono::milliseconds step_timeout{300'000};   // a step still missing ranks aborts
   std::chrono::milliseconds rpc_timeout{5'000};      // per call, beside long polls
-  // Prepares and outcome polls go through a tree of this fan-out (relay_tree.h); 0: every
-  // node calls the coordinator.
+  // Heartbeats, prepares and outcome polls go through a tree of this fan-out
+  // (relay_tree.h); 0: every node calls the coordinator.
   uint32_t relay_fanout = 32;
 
   bool enabled() const { return num_nodes > 1; }

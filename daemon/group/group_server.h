@@ -28,7 +28,7 @@ class GroupServer {
   virtual const Membership* membership() const = 0;
   virtual CommitCoordinator* coordinator() = 0;
   // Nodes other than 0, with a relay tree (options.relay_fanout): from now on this node
-  // relays prepares and outcome polls for the nodes below it, through `upstream` (its own
+  // relays heartbeats, prepares and outcome polls for the nodes below it, through `upstream` (its own
   // group client), which must outlive Shutdown.
   virtual void StartRelay(RelayUpstream& upstream) = 0;
   // Relayed so far (zero without a relay).

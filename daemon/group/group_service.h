@@ -51,7 +51,7 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
 
   // From now on long polls answer at once (shutdown: nothing may wait any more).
   void StopWaiting() { stop_waiting_ = true; }
-  // On nodes other than 0: relays prepares and outcome polls for the nodes below
+  // On nodes other than 0: relays heartbeats, prepares and outcome polls for the nodes below
   // (relay.h). Set before the server starts; must outlive it.
   void SetRelay(Relay* relay) { relay_ = relay; }
 

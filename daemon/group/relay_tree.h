@@ -1,6 +1,6 @@
-// Where a node sends its prepares and outcome polls: to its parent in a tree of fan-out F
-// laid out like a heap (node n's parent is (n - 1) / F), so that the coordinator hears F
-// batched calls per step instead of one per node. 10,000 nodes at F = 32 are 3 levels
+// Where a node sends its heartbeats, prepares and outcome polls: to its parent in a tree
+// of fan-out F laid out like a heap (node n's parent is (n - 1) / F), so that the
+// coordinator hears F batched calls per step instead of one per node. 10,000 nodes at F = 32 are 3 levels
 // below node 0; groups of at most F + 1 nodes are one level, with no relays at all.
 //
 // The layout is computed, never negotiated: a node relays for whoever calls it, and a node
