@@ -37,7 +37,7 @@ constexpr size_t kMaxPayloadBytes = 1u << 20;
 constexpr size_t kMaxAddressBytes = 256;
 constexpr size_t kMaxReasonBytes = 4096;
 constexpr std::chrono::milliseconds kMaxOutcomeWait{30'000};
-constexpr size_t kMaxBatchPrepares = 1u << 16;
+constexpr size_t kMaxBatchItems = 1u << 16;
 constexpr std::chrono::milliseconds kMaxGatherTimeout{600'000};
 
 // Runs `fn` (returning absl::Status), turning any exception into INTERNAL: nothing may
@@ -71,6 +71,20 @@ class Completion {
   grpc::ServerUnaryReactor* const reactor_;
   std::atomic<bool> done_{false};
 };
+
+// Finishes the call with what a relay answers: `reply` takes it, or the call fails with
+// its status (the node below then calls the coordinator itself).
+template <typename Reply>
+std::function<void(absl::StatusOr<Reply>)> AnswerFromRelay(std::shared_ptr<Completion> completion, Reply* reply,
+                                                            const char* method) {
+  return [completion = std::move(completion), reply, method](absl::StatusOr<Reply> answer) {
+    completion->Finish(method, [&]() -> absl::Status {
+      if (!answer.ok()) return answer.status();
+      reply->Swap(&*answer);
+      return absl::OkStatus();
+    });
+  };
+}
 
 pb::Outcome ToProto(Outcome outcome) {
   switch (outcome) {
@@ -291,32 +305,30 @@ grpc::ServerUnaryReactor* GroupService::Heartbeat(grpc::CallbackServerContext* c
   return reactor;
 }
 
+absl::StatusOr<Relay*> GroupService::AdmitBatch(grpc::CallbackServerContext* ctx, const char* method,
+                                                const char* what, int size) {
+  CKPT_RETURN_IF_ERROR(Admit(ctx, method, Role::kAnyNode));
+  if (size > static_cast<int>(kMaxBatchItems)) {
+    return absl::InvalidArgumentError(fmt::format("a batch of {} {} is over the {} limit", size, what, kMaxBatchItems));
+  }
+  if (coordinator_ != nullptr) return nullptr;
+  Relay* relay = relay_;
+  if (relay == nullptr) return absl::FailedPreconditionError(fmt::format("node {} does not relay", options_.node_rank));
+  return relay;
+}
+
 grpc::ServerUnaryReactor* GroupService::HeartbeatBatch(grpc::CallbackServerContext* ctx,
                                                        const pb::HeartbeatBatchRequest* request,
                                                        pb::HeartbeatBatchReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto completion = std::make_shared<Completion>(reactor);
-  absl::Status admitted = Admit(ctx, "HeartbeatBatch", Role::kAnyNode);
-  if (admitted.ok() && request->heartbeats_size() > static_cast<int>(kMaxBatchPrepares)) {
-    admitted = absl::InvalidArgumentError(fmt::format("a batch of {} heartbeats is over the {} limit",
-                                                      request->heartbeats_size(), kMaxBatchPrepares));
-  }
-  Relay* relay = relay_;
-  if (admitted.ok() && coordinator_ == nullptr && relay == nullptr) {
-    admitted = absl::FailedPreconditionError(fmt::format("node {} does not relay", options_.node_rank));
-  }
-  if (!admitted.ok()) {
-    completion->Finish("HeartbeatBatch", [&] { return admitted; });
+  absl::StatusOr<Relay*> relay = AdmitBatch(ctx, "HeartbeatBatch", "heartbeats", request->heartbeats_size());
+  if (!relay.ok()) {
+    completion->Finish("HeartbeatBatch", [&] { return relay.status(); });
     return reactor;
   }
-  if (coordinator_ == nullptr) {
-    relay->Heartbeat(*request, [completion, reply](absl::StatusOr<pb::HeartbeatBatchReply> answers) {
-      completion->Finish("HeartbeatBatch", [&]() -> absl::Status {
-        if (!answers.ok()) return answers.status();
-        reply->Swap(&*answers);
-        return absl::OkStatus();
-      });
-    });
+  if (*relay != nullptr) {
+    (*relay)->Heartbeat(*request, AnswerFromRelay(completion, reply, "HeartbeatBatch"));
     return reactor;
   }
   // Each heartbeat is checked on its own. The view is filled at most twice per batch: all
@@ -369,28 +381,14 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
                                                      pb::PrepareBatchReply* reply) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto completion = std::make_shared<Completion>(reactor);
-  absl::Status admitted = Admit(ctx, "PrepareBatch", Role::kAnyNode);
-  if (admitted.ok() && request->prepares_size() > static_cast<int>(kMaxBatchPrepares)) {
-    admitted = absl::InvalidArgumentError(
-        fmt::format("a batch of {} prepares is over the {} limit", request->prepares_size(), kMaxBatchPrepares));
-  }
-  Relay* relay = relay_;
-  if (admitted.ok() && coordinator_ == nullptr && relay == nullptr) {
-    admitted = absl::FailedPreconditionError(fmt::format("node {} does not relay", options_.node_rank));
-  }
-  if (!admitted.ok()) {
-    completion->Finish("PrepareBatch", [&] { return admitted; });
+  absl::StatusOr<Relay*> relay = AdmitBatch(ctx, "PrepareBatch", "prepares", request->prepares_size());
+  if (!relay.ok()) {
+    completion->Finish("PrepareBatch", [&] { return relay.status(); });
     return reactor;
   }
-  if (coordinator_ == nullptr) {
+  if (*relay != nullptr) {
     // A relay: the batch goes on up with what else is queued.
-    relay->Prepare(*request, [completion, reply](absl::StatusOr<pb::PrepareBatchReply> results) {
-      completion->Finish("PrepareBatch", [&]() -> absl::Status {
-        if (!results.ok()) return results.status();
-        reply->Swap(&*results);
-        return absl::OkStatus();
-      });
-    });
+    (*relay)->Prepare(*request, AnswerFromRelay(completion, reply, "PrepareBatch"));
     return reactor;
   }
   // Every prepare is answered on its own; the call ends with the last.
@@ -533,13 +531,7 @@ grpc::ServerUnaryReactor* GroupService::GetOutcome(grpc::CallbackServerContext* 
         std::chrono::milliseconds(request->wait_ms()), kMaxOutcomeWait);
     if (stop_waiting_) wait = std::chrono::milliseconds(0);
     if (coordinator_ == nullptr) {
-      relay->GetOutcome(*request, Clock::now() + wait, [completion, reply](absl::StatusOr<pb::OutcomeReply> answer) {
-        completion->Finish("GetOutcome", [&]() -> absl::Status {
-          if (!answer.ok()) return answer.status();
-          reply->Swap(&*answer);
-          return absl::OkStatus();
-        });
-      });
+      relay->GetOutcome(*request, Clock::now() + wait, AnswerFromRelay(completion, reply, "GetOutcome"));
       return absl::OkStatus();
     }
     // `reply` lives until the reactor finishes, which only the completion does.

@@ -90,6 +90,10 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   enum class Role { kAnyNode, kCoordinatorOnly };
   using Fill = std::function<absl::Status()>;
 
+  // The checks a batch makes before its items (token, size, and that this node is the
+  // coordinator or relays): the relay to hand it to, or null on the coordinator.
+  absl::StatusOr<Relay*> AdmitBatch(grpc::CallbackServerContext* ctx, const char* method, const char* what,
+                                    int size);
   // Checks and prepares one node's part (a Prepare, or one of a batch): `finish` runs once,
   // with what fills `reply` or the error, perhaps later on another thread (node 0 hears a
   // commit once the whole manifest is assembled).

@@ -312,23 +312,11 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   // ---- RelayUpstream: this node's relay forwards through its own parent ----
 
   absl::StatusOr<pb::PrepareBatchReply> ForwardPrepares(const pb::PrepareBatchRequest& batch) override {
-    pb::PrepareBatchReply reply;
-    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
-      StartCall(ctx, Clock::now() + options_.rpc_timeout);
-      return stub.PrepareBatch(&ctx, batch, &reply);
-    });
-    CKPT_RETURN_IF_ERROR(Describe("relayed prepares", status));
-    return reply;
+    return ForwardBatch(batch, &pb::Group::Stub::PrepareBatch, "relayed prepares");
   }
 
   absl::StatusOr<pb::HeartbeatBatchReply> ForwardHeartbeats(const pb::HeartbeatBatchRequest& batch) override {
-    pb::HeartbeatBatchReply reply;
-    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
-      StartCall(ctx, Clock::now() + options_.rpc_timeout);
-      return stub.HeartbeatBatch(&ctx, batch, &reply);
-    });
-    CKPT_RETURN_IF_ERROR(Describe("relayed heartbeats", status));
-    return reply;
+    return ForwardBatch(batch, &pb::Group::Stub::HeartbeatBatch, "relayed heartbeats");
   }
 
   absl::StatusOr<pb::OutcomeReply> ForwardOutcome(const pb::OutcomeRequest& request) override {
@@ -461,6 +449,20 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     }
     grpc::ClientContext ctx;
     return Tracked(forwards_, ctx, [&] { return call(*stub_, ctx); });
+  }
+
+  // A batch up through Forward, with the call's deadline.
+  template <typename Request, typename Reply>
+  absl::StatusOr<Reply> ForwardBatch(const Request& batch,
+                                     grpc::Status (pb::Group::Stub::*method)(grpc::ClientContext*, const Request&, Reply*),
+                                     const char* what) {
+    Reply reply;
+    grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      return (stub.*method)(&ctx, batch, &reply);
+    });
+    CKPT_RETURN_IF_ERROR(Describe(what, status));
+    return reply;
   }
 
   template <typename Fn>
