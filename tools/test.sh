@@ -49,6 +49,7 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
   for bench in "ckpt_bench:bazel-bin/tests/bench/ckpt_bench --ranks 1 --bytes-per-rank 16M --rounds 1 --skip-torch --latency-samples 10" \
                "group_bench:bazel-bin/tests/bench/group_bench --nodes 2,4 --rounds 5" \
                "group_scale:bazel-bin/tests/bench/group_bench scale --nodes 16 --tensors 2 --steps 1" \
+               "group_scale_tree:bazel-bin/tests/bench/group_bench scale --nodes 40 --tensors 2 --steps 1 --fanout 4" \
                "cow_bench:bazel-bin/tests/bench/cow_bench --mib 64" \
                "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick"; do
     name=${bench%%:*}
