@@ -173,7 +173,6 @@ void Relay::GetOutcome(const pb::OutcomeRequest& request, Clock::time_point dead
 void Relay::AnswerCoveredLocked(Step& s, std::vector<std::function<void()>>& later) {
   if (!s.decided) return;
   auto covered = [&](const Waiter& w) {
-    if (s.decided->outcome() != pb::OUTCOME_COMMITTED) return true;
     if (!s.asked.count(w.node)) return false;
     return std::all_of(w.shares_for.begin(), w.shares_for.end(), [&](uint32_t n) { return s.asked.count(n) > 0; });
   };
@@ -243,7 +242,7 @@ void Relay::PollLoop(StepKey key) {
       for (Waiter& w : t.waiters) later.push_back([d = std::move(w.done), st = reply.status()] { d(st); });
       waiters_ -= t.waiters.size();
       t.waiters.clear();
-    } else if (reply->outcome() == pb::OUTCOME_COMMITTED || reply->outcome() == pb::OUTCOME_ABORTED) {
+    } else if (reply->outcome() == pb::OUTCOME_COMMITTED) {
       for (const pb::NodeShare& share : reply->shares()) t.shares[share.node_rank()] = share;
       t.asked.insert(wanted.begin(), wanted.end());
       if (!t.decided) {
@@ -253,8 +252,10 @@ void Relay::PollLoop(StepKey key) {
       }
       AnswerCoveredLocked(t, later);
     } else {
-      // Pending (or unknown: nothing to keep): every waiter hears it and polls again, as
-      // a node's watcher does.
+      // Pending, aborted or unknown: passed on, never kept. Only a commit is final; an
+      // aborted step may be saved again under a new attempt, whose polls must not hear
+      // the old abort. Every waiter hears it (and, if pending, polls again, as a node's
+      // watcher does).
       for (Waiter& w : t.waiters) {
         later.push_back([d = std::move(w.done), r = *reply]() mutable { d(std::move(r)); });
         ++counters_.outcome_polls;

@@ -73,7 +73,8 @@ class Relay {
   // hear comes back once (node 0 sends at most two per batch).
   void Heartbeat(ckptd::group::v1::HeartbeatBatchRequest batch, HeartbeatDone done);
   // An outcome poll from a node below, answered by `deadline` (then "pending"). Polls for
-  // one step share one poll upstream; a decision is kept for the polls that come later.
+  // one step share one poll upstream; a commit is kept for the polls that come later (an
+  // abort is not: the step may be saved again under a new attempt).
   void GetOutcome(const ckptd::group::v1::OutcomeRequest& request, Clock::time_point deadline,
                   OutcomeDone done);
   // Fails what waits and everything later with Unavailable; waits for the relay's threads.
@@ -104,7 +105,7 @@ class Relay {
     OutcomeDone done;
   };
   struct Step {
-    std::unique_ptr<ckptd::group::v1::OutcomeReply> decided;  // committed or aborted
+    std::unique_ptr<ckptd::group::v1::OutcomeReply> decided;  // committed: final
     std::map<uint32_t, ckptd::group::v1::NodeShare> shares;  // of `decided`, by node
     std::set<uint32_t> asked;                                 // shares the coordinator sent
     std::vector<Waiter> waiters;

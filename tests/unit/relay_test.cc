@@ -333,13 +333,18 @@ TEST_CASE("relay: polls for one step share one poll upstream, and each node hear
         std::vector<uint32_t>{9});
 }
 
-TEST_CASE("relay: an aborted step is answered to every later poll without asking again") {
+TEST_CASE("relay: an abort is passed on, never kept: the step may be saved again and commit") {
   ScriptedUpstream up;
   up.outcome = pb::OUTCOME_ABORTED;
   Relay relay(1, up);
   CHECK(Ask(relay, Poll(3)).get()->outcome() == pb::OUTCOME_ABORTED);
-  CHECK(Ask(relay, Poll(4)).get()->outcome() == pb::OUTCOME_ABORTED);
-  CHECK(up.polls.size() == 1);
+  // The trainers save step 5 again (a new attempt), and it commits.
+  up.outcome = pb::OUTCOME_COMMITTED;
+  auto again = Ask(relay, Poll(3)).get();
+  REQUIRE(again.ok());
+  CHECK(again->outcome() == pb::OUTCOME_COMMITTED);
+  CHECK(again->committed().node_bytes() == 1003);
+  CHECK(up.polls.size() == 2);
 }
 
 TEST_CASE("relay: pending is passed on and nothing is kept; an error reaches every waiting poll") {
