@@ -118,8 +118,10 @@ struct Server::Parts {
   std::unique_ptr<upload::Uploader> uploader;
   group::GroupOptions group_options;
   group::DecisionLogPtr decision_log;
-  group::GroupServerPtr group_server;
+  // The client before the server: the server's relay forwards through the client, so the
+  // client must be destroyed after it, whatever path (a failed start too) destroys them.
   group::GroupClientPtr group_client;
+  group::GroupServerPtr group_server;
   std::unique_ptr<commit::Committer> committer;
   std::unique_ptr<persist::WriteQueue> writes;
   std::unique_ptr<group::GroupMember> group_member;

@@ -17,6 +17,7 @@
 #include "common/status.h"
 #include "daemon/group/grpc_util.h"
 #include "daemon/group/part_values_proto.h"
+#include "daemon/group/relay_tree.h"
 #include "format/manifest.h"
 #include "format/part_structure.h"
 
@@ -130,14 +131,15 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
   }
 }
 
-// The shares a relay asked for, of a commit: it answers those nodes itself.
+// The shares a relay asked for, of a commit: it answers those nodes itself. Every node
+// asked for gets one, empty if the commit gives it no ranks (as FillCommitted leaves it).
 void FillShares(const Decision& decision, const std::vector<uint32_t>& nodes, pb::OutcomeReply* reply) {
   if (decision.outcome != Outcome::kCommitted || !decision.committed) return;
   for (uint32_t n : nodes) {
-    auto share = decision.committed->shares.find(n);
-    if (share == decision.committed->shares.end()) continue;
     pb::NodeShare* out = reply->add_shares();
     out->set_node_rank(n);
+    auto share = decision.committed->shares.find(n);
+    if (share == decision.committed->shares.end()) continue;
     out->set_ranks(share->second.ranks);
     out->set_bytes(share->second.bytes);
     out->set_attempt(share->second.attempt);
@@ -526,7 +528,19 @@ grpc::ServerUnaryReactor* GroupService::GetOutcome(grpc::CallbackServerContext* 
       return absl::InvalidArgumentError(fmt::format("shares_for names {} nodes, the group has {}",
                                                     request->shares_for_size(), options_.num_nodes));
     }
-    for (uint32_t n : request->shares_for()) CKPT_RETURN_IF_ERROR(CheckNode("shares_for", n));
+    // A relay asks for the shares of its own subtree only (and a relay is asked only by the
+    // nodes below it): what a poll makes a relay or node 0 hold stays within the tree.
+    for (uint32_t n : request->shares_for()) {
+      CKPT_RETURN_IF_ERROR(CheckNode("shares_for", n));
+      if (!RelayBelow(n, request->node_rank(), options_.relay_fanout)) {
+        return absl::InvalidArgumentError(fmt::format("shares_for {} is not below node {} in the relay tree (fan-out {})",
+                                                      n, request->node_rank(), options_.relay_fanout));
+      }
+    }
+    if (coordinator_ == nullptr && !RelayBelow(request->node_rank(), options_.node_rank, options_.relay_fanout)) {
+      return absl::InvalidArgumentError(fmt::format("node {} is not below node {} in the relay tree (fan-out {})",
+                                                    request->node_rank(), options_.node_rank, options_.relay_fanout));
+    }
     auto wait = std::min<std::chrono::milliseconds>(
         std::chrono::milliseconds(request->wait_ms()), kMaxOutcomeWait);
     if (stop_waiting_) wait = std::chrono::milliseconds(0);

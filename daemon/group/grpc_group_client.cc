@@ -312,17 +312,19 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   // ---- RelayUpstream: this node's relay forwards through its own parent ----
 
   absl::StatusOr<pb::PrepareBatchReply> ForwardPrepares(const pb::PrepareBatchRequest& batch) override {
-    return ForwardBatch(batch, &pb::Group::Stub::PrepareBatch, "relayed prepares");
+    return ForwardBatch(batch, &pb::Group::Stub::PrepareBatch, "relayed prepares", ForwardBudget(options_.rpc_timeout));
   }
 
   absl::StatusOr<pb::HeartbeatBatchReply> ForwardHeartbeats(const pb::HeartbeatBatchRequest& batch) override {
-    return ForwardBatch(batch, &pb::Group::Stub::HeartbeatBatch, "relayed heartbeats");
+    return ForwardBatch(batch, &pb::Group::Stub::HeartbeatBatch, "relayed heartbeats",
+                        ForwardBudget(HeartbeatDeadline()));
   }
 
   absl::StatusOr<pb::OutcomeReply> ForwardOutcome(const pb::OutcomeRequest& request) override {
     pb::OutcomeReply reply;
     grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
-      StartCall(ctx, Clock::now() + milliseconds(request.wait_ms()) + options_.rpc_timeout);
+      reply.Clear();  // nothing of a failed try
+      StartCall(ctx, Clock::now() + milliseconds(request.wait_ms()) + ForwardBudget(options_.rpc_timeout));
       return stub.GetOutcome(&ctx, request, &reply);
     });
     CKPT_RETURN_IF_ERROR(Describe("relayed outcome", status));
@@ -429,12 +431,14 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   }
 
   void ParentFailed(const grpc::Status& status) {
+    std::string address;
     {
       std::lock_guard lock(parent_mu_);
       parent_down_until_ = Clock::now() + kParentRetryAfter;
+      address = parent_address_;
     }
     Log().warn("node {}: its relay, node {} at {}, failed a call ({}): calling the coordinator for {} s",
-               options_.node_rank, parent_, parent_address_, status.error_message(), kParentRetryAfter.count());
+               options_.node_rank, parent_, address, status.error_message(), kParentRetryAfter.count());
   }
 
   // `call(stub, ctx)` on the parent relay, and on the coordinator if the parent has none,
@@ -451,14 +455,26 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     return Tracked(forwards_, ctx, [&] { return call(*stub_, ctx); });
   }
 
-  // A batch up through Forward, with the call's deadline.
+  // How long a relay's call up may take, per try (its parent, then the coordinator), when
+  // the nodes below it wait `theirs` for it: both tries, and the batch in flight before
+  // this one, within their deadline, so that a stalled parent does not make the nodes
+  // below give up on a relay that is well.
+  static milliseconds ForwardBudget(milliseconds theirs) { return std::max<milliseconds>(theirs / 4, milliseconds(50)); }
+  // A heartbeat must reach the coordinator within the group timeout even when a relay
+  // stalls: it waits for its relay a quarter of it at most.
+  milliseconds HeartbeatDeadline() const {
+    return std::min<milliseconds>(options_.rpc_timeout, options_.group_timeout / 4);
+  }
+
+  // A batch up through Forward, each try within `budget`.
   template <typename Request, typename Reply>
   absl::StatusOr<Reply> ForwardBatch(const Request& batch,
                                      grpc::Status (pb::Group::Stub::*method)(grpc::ClientContext*, const Request&, Reply*),
-                                     const char* what) {
+                                     const char* what, milliseconds budget) {
     Reply reply;
     grpc::Status status = Forward([&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
-      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      reply.Clear();  // nothing of a failed try
+      StartCall(ctx, Clock::now() + budget);
       return (stub.*method)(&ctx, batch, &reply);
     });
     CKPT_RETURN_IF_ERROR(Describe(what, status));
@@ -509,7 +525,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       grpc::ClientContext ctx;
       // A stalled relay must not cost this node its membership: its heartbeat still
       // reaches the coordinator within the group timeout.
-      StartCall(ctx, Clock::now() + std::min<milliseconds>(options_.rpc_timeout, options_.group_timeout / 4));
+      StartCall(ctx, Clock::now() + HeartbeatDeadline());
       grpc::Status status = parent->HeartbeatBatch(&ctx, batch, &results);
       if (status.ok() && results.results_size() == 1) {
         const pb::HeartbeatResult& result = results.results(0);

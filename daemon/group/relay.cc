@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <system_error>
 #include <map>
 
 #include "common/log.h"
@@ -153,15 +154,36 @@ void Relay::GetOutcome(const pb::OutcomeRequest& request, Clock::time_point dead
       });
     } else {
       StepKey key{request.job(), request.step()};
-      Step& s = steps_[key];
-      s.waiters.push_back(std::move(waiter));
-      ++waiters_;
-      AnswerCoveredLocked(s, later);
-      if (!s.waiters.empty() && !s.polling) {
-        s.polling = true;
-        ++pollers_;
-        // Detached and counted: Stop waits for every one to return.
-        std::thread([this, key] { PollLoop(key); }).detach();
+      auto found = steps_.find(key);
+      const bool polling = found != steps_.end() && found->second.polling;
+      if (!polling && pollers_ >= static_cast<int>(limits_.polled_steps)) {
+        // One thread polls per step; legitimate nodes wait on a few steps at a time.
+        later.push_back([d = std::move(waiter.done), n = node_, max = limits_.polled_steps] {
+          d(absl::ResourceExhaustedError(
+              fmt::format("node {} polls {} steps already: ask the coordinator", n, max)));
+        });
+      } else {
+        Step& s = steps_[key];
+        s.waiters.push_back(std::move(waiter));
+        ++waiters_;
+        AnswerCoveredLocked(s, later);
+        if (!s.waiters.empty() && !s.polling) {
+          try {
+            // Detached and counted: Stop waits for every one to return.
+            std::thread([this, key] { PollLoop(key); }).detach();
+            s.polling = true;
+            ++pollers_;
+          } catch (const std::system_error& e) {
+            for (Waiter& w : s.waiters) {
+              later.push_back([d = std::move(w.done), why = std::string(e.what())] {
+                d(absl::ResourceExhaustedError("the relay cannot start a poller: " + why));
+              });
+            }
+            waiters_ -= s.waiters.size();
+            s.waiters.clear();
+            if (!s.decided) steps_.erase(key);
+          }
+        }
       }
     }
   }
@@ -243,14 +265,30 @@ void Relay::PollLoop(StepKey key) {
       waiters_ -= t.waiters.size();
       t.waiters.clear();
     } else if (reply->outcome() == pb::OUTCOME_COMMITTED) {
-      for (const pb::NodeShare& share : reply->shares()) t.shares[share.node_rank()] = share;
-      t.asked.insert(wanted.begin(), wanted.end());
+      // Only what came back counts as known: a node 0 that sent no share for a node (an
+      // older one) sends that node to node 0 itself, rather than around this loop.
+      for (const pb::NodeShare& share : reply->shares()) {
+        t.shares[share.node_rank()] = share;
+        t.asked.insert(share.node_rank());
+      }
       if (!t.decided) {
         reply->clear_shares();
         t.decided = std::make_unique<pb::OutcomeReply>(std::move(*reply));
         t.decided_order = ++decisions_;
       }
       AnswerCoveredLocked(t, later);
+      auto missing = [&](uint32_t n) { return wanted.count(n) > 0 && t.asked.count(n) == 0; };
+      for (auto it = t.waiters.begin(); it != t.waiters.end();) {
+        if (!missing(it->node) && std::none_of(it->shares_for.begin(), it->shares_for.end(), missing)) {
+          ++it;  // covered, or asked for in the next poll
+          continue;
+        }
+        later.push_back([d = std::move(it->done)] {
+          d(absl::UnavailableError("the coordinator sent the relay no share for this node: ask it directly"));
+        });
+        it = t.waiters.erase(it);
+        --waiters_;
+      }
     } else {
       // Pending, aborted or unknown: passed on, never kept. Only a commit is final; an
       // aborted step may be saved again under a new attempt, whose polls must not hear

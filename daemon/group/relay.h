@@ -1,12 +1,15 @@
 // A node's relay for the nodes below it in the tree (relay_tree.h): it batches their
 // prepares and heartbeats into one call upstream each, and answers their outcome polls
-// from one upstream poll per step. At 10,000 nodes and fan-out 32 the coordinator hears 32 calls per step instead
-// of 10,000: what a gRPC call costs there (~120 us of its CPU) is paid once per batch.
+// from one upstream poll per step. At 10,000 nodes and fan-out 32 the coordinator hears
+// about 32 calls per step instead of 10,000: what a gRPC call costs there (~100 us of its
+// CPU) is paid once per batch.
 //
-// A relay adds no trust: every node holds the group token, and the coordinator checks each
-// prepare in a batch as if it came on its own (incarnation, job, ranks). It adds no state
-// that matters either: a relay that dies or stops answering only makes its children call
-// the coordinator directly (GrpcGroupClient), and every call it carries is idempotent.
+// Every node holds the group token, and the coordinator checks each item of a batch as if
+// it came on its own (incarnation, job, ranks, values). A relay keeps only what is final
+// (commits, and each node's share of them), never an abort or "pending", which a new
+// attempt at the step could contradict. A relay that dies or stops answering only makes
+// its children call the coordinator directly (GrpcGroupClient), and every call it carries
+// is idempotent.
 #pragma once
 
 #include <chrono>
@@ -55,7 +58,8 @@ class Relay {
     size_t batch_items = 4096;                // prepares or heartbeats per call upstream
     size_t batch_bytes = size_t{16} << 20;    // per call upstream (gRPC's cap is 64 MiB)
     size_t queued_items = 65536;              // of each, waiting; beyond: RESOURCE_EXHAUSTED
-    size_t outcome_waiters = 65536;           // polls held; beyond: RESOURCE_EXHAUSTED
+    size_t outcome_waiters = 16384;           // polls held; beyond: RESOURCE_EXHAUSTED
+    size_t polled_steps = 64;                 // steps polled upstream at once (a thread each)
     size_t decided_steps = 256;               // decisions kept to answer late polls
   };
 

@@ -18,6 +18,13 @@ inline std::optional<uint32_t> RelayParent(uint32_t node, uint32_t fanout) {
   return (node - 1) / fanout;
 }
 
+// Whether `node` is below `ancestor` in the tree (not `ancestor` itself).
+inline bool RelayBelow(uint32_t node, uint32_t ancestor, uint32_t fanout) {
+  if (fanout == 0 || node <= ancestor) return false;
+  while (node > ancestor) node = (node - 1) / fanout;
+  return node == ancestor;
+}
+
 // Levels below node 0 that `nodes` fill (1 without relays).
 inline uint32_t RelayDepth(uint32_t nodes, uint32_t fanout) {
   if (nodes <= 1) return 0;

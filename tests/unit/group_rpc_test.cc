@@ -801,6 +801,19 @@ TEST_CASE("rpc: a batch of prepares is answered prepare by prepare; only relays 
     CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
     CHECK_THAT(status.error_message(), Catch::Contains("shares_for 7"));
   }
+  {
+    // A node asks for the shares of nodes below it only (here, at fan-out 32, none is).
+    RawCall call(g.server->address());
+    pb::OutcomeRequest request;
+    request.set_job("job");
+    request.set_step(4);
+    request.set_node_rank(1);
+    request.add_shares_for(2);
+    pb::OutcomeReply reply;
+    grpc::Status status = call.stub->GetOutcome(&call.ctx, request, &reply);
+    CHECK(status.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK_THAT(status.error_message(), Catch::Contains("shares_for 2 is not below node 1"));
+  }
 }
 
 // ---- mutual TLS ----

@@ -79,6 +79,7 @@ class ScriptedUpstream final : public RelayUpstream {
       reply.mutable_committed()->set_world_size(64);
       reply.mutable_committed()->set_digest("d");
       for (uint32_t n : request.shares_for()) {
+        if (n == drop_share) continue;
         pb::NodeShare* s = reply.add_shares();
         s->set_node_rank(n);
         s->set_ranks(1);
@@ -112,6 +113,7 @@ class ScriptedUpstream final : public RelayUpstream {
   size_t waiting = 0;
   absl::Status prepare_error, outcome_error;
   pb::Outcome outcome = pb::OUTCOME_COMMITTED;
+  uint32_t drop_share = UINT32_MAX;  // a node 0 that leaves this node's share out
   std::vector<int> batch_sizes;
   std::vector<pb::OutcomeRequest> polls;
 
@@ -331,6 +333,36 @@ TEST_CASE("relay: polls for one step share one poll upstream, and each node hear
   CHECK(up.polls[2].wait_ms() == 0);
   CHECK(std::vector<uint32_t>(up.polls[2].shares_for().begin(), up.polls[2].shares_for().end()) ==
         std::vector<uint32_t>{9});
+}
+
+TEST_CASE("relay: a node whose share node 0 did not send hears Unavailable (it asks node 0), never a loop") {
+  ScriptedUpstream up;
+  up.drop_share = 4;
+  Relay relay(1, up);
+  auto r3 = Ask(relay, Poll(3));
+  auto r3_result = r3.get();
+  REQUIRE(r3_result.ok());
+  auto r4 = Ask(relay, Poll(4)).get();
+  CHECK(absl::IsUnavailable(r4.status()));
+  CHECK(up.polls.size() == 2);
+}
+
+TEST_CASE("relay: it polls a bounded number of steps at once; beyond, a poll is refused at once") {
+  ScriptedUpstream up;
+  up.held = true;
+  Relay::Limits limits;
+  limits.polled_steps = 2;
+  Relay relay(1, up, limits);
+  auto a = Ask(relay, Poll(3, 5));
+  auto b = Ask(relay, Poll(3, 6));
+  REQUIRE(ckpt::testing::WaitUntil([&] { return up.calls_waiting() == 2; }, 5s));
+  auto same_step = Ask(relay, Poll(4, 6));  // joins a step already polled
+  auto refused = Ask(relay, Poll(3, 7)).get();
+  CHECK(absl::IsResourceExhausted(refused.status()));
+  up.Release();
+  CHECK(a.get().ok());
+  CHECK(b.get().ok());
+  CHECK(same_step.get().ok());
 }
 
 TEST_CASE("relay: an abort is passed on, never kept: the step may be saved again and commit") {
