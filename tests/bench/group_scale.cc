@@ -91,7 +91,7 @@ std::vector<uint32_t> ParseCounts(const std::string& text, const char* what) {
   return out;
 }
 
-group::GroupOptions CoordinatorOptions(uint32_t nodes, uint32_t fanout = 0) {
+group::GroupOptions CoordinatorOptions(uint32_t nodes, uint32_t fanout) {
   group::GroupOptions o;
   o.node_rank = 0;
   o.num_nodes = nodes;
@@ -108,7 +108,9 @@ group::GroupOptions CoordinatorOptions(uint32_t nodes, uint32_t fanout = 0) {
 
 // --- the coordinator, in its own process -------------------------------------------------
 
-int ServeCoordinator(uint32_t nodes, const std::string& dir, const std::string& address_file) {
+// The coordinator knows the tree's fan-out as every node does: it checks that a relay asks
+// for the shares of its own subtree only.
+int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, const std::string& address_file) {
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
@@ -116,7 +118,7 @@ int ServeCoordinator(uint32_t nodes, const std::string& dir, const std::string& 
   // A benchmark that dies (a failed call exits at once) takes its coordinator with it.
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   group::DecisionLogPtr log = group::MakeFileDecisionLog(MakePosixFilesystem(), dir + "/decisions");
-  auto server = group::StartGroupServer(CoordinatorOptions(nodes), 1, log.get());
+  auto server = group::StartGroupServer(CoordinatorOptions(nodes, fanout), 1, log.get());
   if (!server.ok()) Die(Message(server.status()));
   {
     std::ofstream(address_file + ".tmp") << (*server)->address();
@@ -130,11 +132,11 @@ int ServeCoordinator(uint32_t nodes, const std::string& dir, const std::string& 
 
 class Coordinator {
  public:
-  Coordinator(const std::string& self, uint32_t nodes, const std::string& dir) {
+  Coordinator(const std::string& self, uint32_t nodes, uint32_t fanout, const std::string& dir) {
     const std::string address_file = dir + "/coordinator.address";
     std::filesystem::remove(address_file);
     std::vector<std::string> args = {self,    "scale",  "--serve", "--num-nodes", std::to_string(nodes),
-                                     "--dir", dir,      "--address-file", address_file};
+                                     "--fanout", std::to_string(fanout), "--dir", dir, "--address-file", address_file};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -685,7 +687,7 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   const auto start = Clock::now();
   const std::string run_dir = fmt::format("{}/n{}-t{}", dir, c.nodes, c.tensors);
   std::filesystem::create_directories(run_dir);
-  Coordinator coordinator(self, c.nodes, run_dir);
+  Coordinator coordinator(self, c.nodes, c.fanout, run_dir);
   FirstLevelRelays relays(c, coordinator.address());
   Simulation sim(c, coordinator.address(), relays);
   ScaleResult result{c};
@@ -731,7 +733,7 @@ int ScaleMain(int argc, char** argv) {
   app.add_option("--address-file", address_file)->group("");
   CLI11_PARSE(app, argc, argv);
   log::SetLevel("warn");
-  if (serve) return ServeCoordinator(serve_nodes, dir, address_file);
+  if (serve) return ServeCoordinator(serve_nodes, c.fanout, dir, address_file);
 
   bool own_dir = dir.empty();
   if (own_dir) {
