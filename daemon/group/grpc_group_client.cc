@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -405,10 +406,9 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     // The coordinator expires the round first and names who is missing; our deadline is
     // only for a coordinator that does not answer at all.
     StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
-    if (!gathers_.Add(&ctx)) return absl::UnavailableError(gathers_.cancelled());
     pb::GatherReply reply;
-    grpc::Status status = stub_->Gather(&ctx, request, &reply);
-    if (std::string why = gathers_.Remove(&ctx); !why.empty()) return absl::UnavailableError(why);
+    grpc::Status status = Tracked(gathers_, ctx, [&] { return stub_->Gather(&ctx, request, &reply); });
+    if (std::string why = gathers_.cancelled(); !why.empty()) return absl::UnavailableError(why);
     CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
     return reply;
   }
@@ -489,55 +489,59 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     return status;
   }
 
-  // A prepare through the parent relay (a batch of one), or to the coordinator. The
-  // relay's own failure sends it to the coordinator; the coordinator's answer, relayed,
-  // is the answer.
+  // `item` as a batch of one to the parent relay, within `timeout`: the relayed status (a
+  // refusal of the item included) once `take` found the item's answer in the reply; nullopt
+  // when there is no parent, or it failed or answered malformed (it is then passed over,
+  // and the caller asks the coordinator). A relayed answer is the coordinator's answer.
+  template <typename BatchRequest, typename BatchReply, typename Item, typename Take>
+  std::optional<grpc::Status> AsBatchOfOneToParent(
+      const Item& item, Item* (BatchRequest::*add)(),
+      grpc::Status (pb::Group::Stub::*method)(grpc::ClientContext*, const BatchRequest&, BatchReply*),
+      milliseconds timeout, Take take) {
+    auto parent = Parent();
+    if (!parent) return std::nullopt;
+    BatchRequest batch;
+    *(batch.*add)() = item;
+    BatchReply results;
+    grpc::ClientContext ctx;
+    StartCall(ctx, Clock::now() + timeout);
+    grpc::Status status = ((*parent).*method)(&ctx, batch, &results);
+    if (status.ok() && results.results_size() == 1) {
+      const auto& result = results.results(0);
+      if (result.code() != 0) return grpc::Status(static_cast<grpc::StatusCode>(result.code()), result.message());
+      if (take(results)) return grpc::Status::OK;
+    }
+    ParentFailed(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "a malformed batch reply") : status);
+    return std::nullopt;
+  }
+
+  // A prepare through the parent relay, or to the coordinator.
   grpc::Status CallPrepare(const pb::PrepareRequest& request, pb::PrepareReply* reply) {
-    if (auto parent = Parent()) {
-      pb::PrepareBatchRequest batch;
-      *batch.add_prepares() = request;
-      pb::PrepareBatchReply results;
-      grpc::ClientContext ctx;
-      StartCall(ctx, Clock::now() + options_.rpc_timeout);
-      grpc::Status status = parent->PrepareBatch(&ctx, batch, &results);
-      if (status.ok() && results.results_size() == 1) {
-        pb::PrepareResult& result = *results.mutable_results(0);
-        if (result.code() != 0) {
-          return grpc::Status(static_cast<grpc::StatusCode>(result.code()), result.message());
-        }
-        reply->Swap(result.mutable_reply());
-        return grpc::Status::OK;
-      }
-      ParentFailed(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "a malformed batch reply") : status);
+    if (auto relayed = AsBatchOfOneToParent(request, &pb::PrepareBatchRequest::add_prepares,
+                                            &pb::Group::Stub::PrepareBatch, options_.rpc_timeout,
+                                            [&](pb::PrepareBatchReply& results) {
+                                              reply->Swap(results.mutable_results(0)->mutable_reply());
+                                              return true;
+                                            })) {
+      return *relayed;
     }
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     return stub_->Prepare(&ctx, request, reply);
   }
 
-  // A heartbeat through the parent relay (a batch of one), or to the coordinator: as
-  // CallPrepare.
+  // A heartbeat through the parent relay, or to the coordinator. A stalled relay must not
+  // cost this node its membership: it waits for its relay at most HeartbeatDeadline.
   grpc::Status CallHeartbeat(const pb::HeartbeatRequest& request, pb::HeartbeatReply* reply) {
-    if (auto parent = Parent()) {
-      pb::HeartbeatBatchRequest batch;
-      *batch.add_heartbeats() = request;
-      pb::HeartbeatBatchReply results;
-      grpc::ClientContext ctx;
-      // A stalled relay must not cost this node its membership: its heartbeat still
-      // reaches the coordinator within the group timeout.
-      StartCall(ctx, Clock::now() + HeartbeatDeadline());
-      grpc::Status status = parent->HeartbeatBatch(&ctx, batch, &results);
-      if (status.ok() && results.results_size() == 1) {
-        const pb::HeartbeatResult& result = results.results(0);
-        if (result.code() != 0) {
-          return grpc::Status(static_cast<grpc::StatusCode>(result.code()), result.message());
-        }
-        if (result.view() < static_cast<uint32_t>(results.views_size())) {
-          reply->mutable_view()->Swap(results.mutable_views(static_cast<int>(result.view())));
-          return grpc::Status::OK;
-        }
-      }
-      ParentFailed(status.ok() ? grpc::Status(grpc::StatusCode::INTERNAL, "a malformed batch reply") : status);
+    if (auto relayed = AsBatchOfOneToParent(
+            request, &pb::HeartbeatBatchRequest::add_heartbeats, &pb::Group::Stub::HeartbeatBatch,
+            HeartbeatDeadline(), [&](pb::HeartbeatBatchReply& results) {
+              const uint32_t view = results.results(0).view();
+              if (view >= static_cast<uint32_t>(results.views_size())) return false;
+              reply->mutable_view()->Swap(results.mutable_views(static_cast<int>(view)));
+              return true;
+            })) {
+      return *relayed;
     }
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
