@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "format/json_text.h"
+
 namespace ckpt::group {
 
 using json = nlohmann::json;
@@ -51,29 +53,54 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
                                const std::map<uint32_t, std::vector<std::string>>& structures) {
   std::map<uint32_t, std::vector<uint32_t>> ranks;
   for (uint32_t rank = 0; rank < c.node_of_rank.size(); ++rank) ranks[c.node_of_rank[rank]].push_back(rank);
-  json nodes = json::array();
+  // Written straight to text, as nlohmann would dump it (keys in order): at 10,000 nodes
+  // a tree of 80,000 ranks cost node 0 tens of ms inside every decision.
+  const StepHeader& h = c.header;
+  format::JsonText w;
+  w.BeginObject();
+  w.Key("format");
+  w.String("ckptd-decision");
+  w.Key("format_version");
+  w.Unsigned(1);
+  w.Key("job");
+  w.String(job);
+  w.Key("metadata");
+  w.StringMap(h.metadata);
+  w.Key("nodes");
+  w.BeginArray();
+  static const std::vector<std::string> kNone;
   for (const auto& [node, share] : c.shares) {
     auto digests = structures.find(node);
-    nodes.push_back({{"node", node},
-                     {"ranks", ranks[node]},
-                     {"bytes", share.bytes},
-                     {"structures", digests != structures.end() ? digests->second : std::vector<std::string>{}}});
+    w.BeginObject();
+    w.Key("bytes");
+    w.Unsigned(share.bytes);
+    w.Key("node");
+    w.Unsigned(node);
+    w.Key("ranks");
+    w.Integers(ranks[node]);
+    w.Key("structures");
+    w.Strings(digests != structures.end() ? digests->second : kNone);
+    w.EndObject();
   }
-  const StepHeader& h = c.header;
-  json j = {{"format", "ckptd-decision"},
-            {"format_version", 1},
-            {"job", job},
-            {"step", step},
-            {"outcome", "committed"},
-            {"world_size", h.world_size},
-            {"step_bytes", h.step_bytes},
-            {"step_tensors", h.step_tensors},
-            {"run", h.run},
-            {"unix_time", h.unix_time},
-            {"wall_time", h.wall_time},
-            {"metadata", h.metadata},
-            {"nodes", std::move(nodes)}};
-  return j.dump();
+  w.EndArray();
+  w.Key("outcome");
+  w.String("committed");
+  w.Key("run");
+  w.Unsigned(h.run);
+  w.Key("step");
+  w.Unsigned(step);
+  w.Key("step_bytes");
+  w.Unsigned(h.step_bytes);
+  w.Key("step_tensors");
+  w.Unsigned(h.step_tensors);
+  w.Key("unix_time");
+  w.Double(h.unix_time);
+  w.Key("wall_time");
+  w.String(h.wall_time);
+  w.Key("world_size");
+  w.Unsigned(h.world_size);
+  w.EndObject();
+  return w.Take();
 }
 
 namespace {
