@@ -172,7 +172,11 @@ std::string Truncated(const std::string& text, size_t limit) {
 
 GroupService::GroupService(const GroupOptions& options, uint64_t incarnation,
                            CoordinatorState* coordinator)
-    : options_(options), incarnation_(incarnation), coordinator_(coordinator) {}
+    : options_(options), incarnation_(incarnation), coordinator_(coordinator) {
+  SetMessageAllocatorFor_PrepareBatch(&prepare_batch_messages_);
+  SetMessageAllocatorFor_HeartbeatBatch(&heartbeat_batch_messages_);
+  SetMessageAllocatorFor_GetOutcome(&outcome_messages_);
+}
 
 absl::Status GroupService::Admit(grpc::CallbackServerContext* ctx, const char* method, Role role) {
   const auto& metadata = ctx->client_metadata();

@@ -16,6 +16,7 @@
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
 #include "daemon/group/gather_table.h"
+#include "daemon/group/grpc_util.h"
 #include "daemon/group/group_options.h"
 #include "daemon/group/membership.h"
 #include "daemon/group/relay.h"
@@ -113,6 +114,10 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   CoordinatorState* const coordinator_;
   std::atomic<Relay*> relay_{nullptr};
   std::atomic<bool> stop_waiting_{false};
+  ArenaMessages<ckptd::group::v1::PrepareBatchRequest, ckptd::group::v1::PrepareBatchReply> prepare_batch_messages_;
+  ArenaMessages<ckptd::group::v1::HeartbeatBatchRequest, ckptd::group::v1::HeartbeatBatchReply>
+      heartbeat_batch_messages_;
+  ArenaMessages<ckptd::group::v1::OutcomeRequest, ckptd::group::v1::OutcomeReply> outcome_messages_;
 
   // Refused peers, so that a misconfigured node logs one line a second, not one a call.
   std::mutex warn_mu_;

@@ -2,6 +2,8 @@
 // gRPC use the same canonical codes), and the token metadata.
 #pragma once
 
+#include <google/protobuf/arena.h>
+#include <grpcpp/support/message_allocator.h>
 #include <grpcpp/support/status.h>
 
 #include <string_view>
@@ -15,5 +17,27 @@ inline constexpr char kTokenMetadata[] = "x-ckptd-group-token";
 
 grpc::Status ToGrpc(const absl::Status& status);
 absl::Status FromGrpc(const grpc::Status& status);
+
+// A call's request and reply on one protobuf arena, freed at once when the call ends. A
+// relayed batch of 300 prepares is thousands of small messages, maps and strings: one
+// malloc and free each cost node 0 more than the work they carry.
+template <typename Request, typename Reply>
+class ArenaMessages final : public grpc::MessageAllocator<Request, Reply> {
+ public:
+  grpc::MessageHolder<Request, Reply>* AllocateMessages() override { return new Holder; }
+
+ private:
+  class Holder final : public grpc::MessageHolder<Request, Reply> {
+   public:
+    Holder() {
+      this->set_request(google::protobuf::Arena::CreateMessage<Request>(&arena_));
+      this->set_response(google::protobuf::Arena::CreateMessage<Reply>(&arena_));
+    }
+    void Release() override { delete this; }
+
+   private:
+    google::protobuf::Arena arena_;
+  };
+};
 
 }  // namespace ckpt::group
