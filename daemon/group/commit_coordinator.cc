@@ -563,6 +563,21 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
                         recorded.reason.empty() ? "it was not recorded" : recorded.reason),
             nullptr};
   }
+  if (const size_t estimate = WholeManifestEstimate(*c.parts); estimate > 2 * options_.max_whole_manifest_bytes) {
+    // Far over what a step's manifest may be: no reader could load it, and building it
+    // would cost node 0 seconds and gigabytes a step (1,000 nodes x 8 ranks x 200 tensors:
+    // 362 MiB of text, 24 s, 7.6 GiB). Node 0 publishes its own ranks like every node.
+    Log().warn("{} the whole manifest would be about {} bytes, more than a step's manifest may be ({}): it is "
+               "not assembled, and node 0 publishes its own ranks only",
+               Prefix(key.first, key.second), estimate, options_.max_whole_manifest_bytes);
+    auto header_only = std::make_shared<CommittedStep>(c);
+    header_only->parts.reset();
+    header_only->whole_unavailable = true;
+    Decision decided{Outcome::kCommitted, {}, std::move(header_only)};
+    std::lock_guard lock(mu_);
+    if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);
+    return decided;
+  }
   absl::StatusOr<format::Manifest> whole = AssembleWhole(*c.parts);
   if (!whole.ok()) {  // cannot happen: every part's values were checked against its structure
     return {Outcome::kPending, fmt::format("the whole manifest cannot be assembled: {}", Message(whole.status())),

@@ -165,6 +165,12 @@ absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
   }
 }
 
+size_t WholeManifestEstimate(const PreparedParts& parts) {
+  size_t bytes = 0;
+  for (const auto& [node, part] : parts) bytes += part.structure->json_bytes;
+  return bytes;
+}
+
 absl::StatusOr<format::Manifest> AssembleWhole(const PreparedParts& parts) {
   std::vector<std::pair<uint32_t, format::Manifest>> joined;
   joined.reserve(parts.size());

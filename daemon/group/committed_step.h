@@ -76,6 +76,9 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
 // NotFound when `text` is not a decision record (a whole manifest, as older ckptd recorded).
 absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text);
 
+// About how large the whole step's manifest of these parts would be (its structures' text):
+// a little less, never far more.
+size_t WholeManifestEstimate(const PreparedParts& parts);
 // The whole step's manifest from what its nodes prepared.
 absl::StatusOr<format::Manifest> AssembleWhole(const PreparedParts& parts);
 

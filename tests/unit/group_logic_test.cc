@@ -570,10 +570,19 @@ TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a res
   CHECK(restarted.Prepare(0, 1, Part("job", 8, 4, {2})).outcome == Outcome::kAborted);
 }
 
+// The size of step 4's whole manifest of two one-rank parts, as the coordinator writes it.
+size_t WholeManifestBytes() {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  c.Prepare(0, 1, Part("job", 4, 2, {0}));
+  c.Prepare(1, 1, Part("job", 4, 2, {1}));
+  return c.Lookup("job", 4, /*whole_manifest=*/true).committed->manifest_json.size();
+}
+
 TEST_CASE("commit: a whole manifest larger than a manifest may be stays in the decision log; node 0 gets the header") {
   MemoryDecisionLog log;
   CommitCoordinator::Options options;
-  options.max_whole_manifest_bytes = 100;  // every manifest here is larger
+  options.max_whole_manifest_bytes = WholeManifestBytes() - 1;  // just over
   CommitCoordinator c(log, options);
   c.Prepare(0, 1, Part("job", 4, 2, {0}));
   REQUIRE(c.Prepare(1, 1, Part("job", 4, 2, {1})).outcome == Outcome::kCommitted);
@@ -588,6 +597,36 @@ TEST_CASE("commit: a whole manifest larger than a manifest may be stays in the d
   Decision again = restarted.Lookup("job", 4, /*whole_manifest=*/true);
   REQUIRE(again.outcome == Outcome::kCommitted);
   CHECK(again.committed->manifest_json.empty());
+  CHECK(again.committed->whole_unavailable);
+}
+
+TEST_CASE("commit: a whole manifest far larger than a manifest may be is never assembled") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  options.max_whole_manifest_bytes = 100;  // the parts alone are many times more
+  CommitCoordinator c(log, options);
+  c.Prepare(0, 1, Part("job", 4, 2, {0}));
+  REQUIRE(c.Prepare(1, 1, Part("job", 4, 2, {1})).outcome == Outcome::kCommitted);
+  Decision d = c.Lookup("job", 4, /*whole_manifest=*/true);
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  CHECK(d.committed->manifest_json.empty());
+  CHECK(d.committed->whole_unavailable);
+  CHECK(d.committed->shares.at(1).ranks == 1);
+  CHECK_FALSE(log.HasManifest("job", 4));
+  // A node waiting for the whole manifest hears the header at once.
+  c.Prepare(0, 1, Part("job", 5, 2, {0}));
+  std::optional<Decision> heard;
+  c.Await("job", 5, CommitCoordinator::Clock::now() + 5s, [&](const Decision& got) { heard = got; },
+          /*whole_manifest=*/true);
+  REQUIRE(c.Prepare(1, 1, Part("job", 5, 2, {1})).outcome == Outcome::kCommitted);
+  for (int i = 0; i < 500 && !heard; ++i) std::this_thread::sleep_for(10ms);
+  REQUIRE(heard);
+  CHECK(heard->outcome == Outcome::kCommitted);
+  CHECK(heard->committed->whole_unavailable);
+  // After a restart, from the log: still no whole manifest, never "unknown".
+  CommitCoordinator restarted(log, options);
+  Decision again = restarted.Lookup("job", 4, /*whole_manifest=*/true);
+  REQUIRE(again.outcome == Outcome::kCommitted);
   CHECK(again.committed->whole_unavailable);
 }
 
