@@ -63,6 +63,14 @@ CommitCoordinator::~CommitCoordinator() {
   assembler_.join();
 }
 
+namespace {
+
+// What a committed step waiting for its whole manifest holds: its parts (none when the
+// manifest is to be read back from the log).
+size_t AssemblyBytes(const Decision& d) { return d.committed->parts ? WholeManifestEstimate(*d.committed->parts) : 0; }
+
+}  // namespace
+
 void CommitCoordinator::AssembleLoop() {
   pthread_setname_np(pthread_self(), kAssemblerThreadName);
   std::unique_lock lock(mu_);
@@ -71,6 +79,7 @@ void CommitCoordinator::AssembleLoop() {
     if (stopping_) return;
     auto [key, decided] = std::move(to_assemble_.front());
     to_assemble_.pop_front();
+    queued_assembly_bytes_ -= AssemblyBytes(decided);
     lock.unlock();
     Decision whole;
     try {
@@ -401,6 +410,26 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
     awaiting_whole_.try_emplace(key);  // marks it as being assembled (Await)
     // Off the commit path: every node has its answer before node 0's manifest is built.
     to_assemble_.emplace_back(key, decision);
+    queued_assembly_bytes_ += AssemblyBytes(decision);
+    // Steps committing faster than their manifests are built (many jobs at once, or a
+    // slow disk under the log): the oldest waiting ones are given up, so that what waits
+    // (every node's values) stays bounded. Their node 0 publishes its own ranks.
+    while (queued_assembly_bytes_ > options_.assembly_queue_bytes && to_assemble_.size() > 1) {
+      auto [old_key, old] = std::move(to_assemble_.front());
+      to_assemble_.pop_front();
+      queued_assembly_bytes_ -= AssemblyBytes(old);
+      Log().warn("{} the whole manifest is not assembled: {} bytes of newer steps' manifests wait to be; node 0 "
+                 "publishes its own ranks only",
+                 Prefix(old_key.first, old_key.second), queued_assembly_bytes_);
+      Decision given_up = WithoutWholeManifest(old);
+      if (auto waiting = awaiting_whole_.find(old_key); waiting != awaiting_whole_.end()) {
+        for (PendingWaiter& w : waiting->second) out.emplace_back(std::move(w.waiter), given_up);
+        awaiting_whole_.erase(waiting);
+      }
+      if (auto known = recent_.find(old_key); known != recent_.end() && known->second.decision.committed) {
+        RememberLocked(old_key, given_up);
+      }
+    }
     assemble_cv_.notify_one();
   }
   JobCommits& job = jobs_[key.first];
@@ -545,6 +574,13 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
   return recorded;
 }
 
+Decision CommitCoordinator::WithoutWholeManifest(const Decision& decision) {
+  auto header_only = std::make_shared<CommittedStep>(*decision.committed);
+  header_only->parts.reset();
+  header_only->whole_unavailable = true;
+  return {Outcome::kCommitted, {}, std::move(header_only)};
+}
+
 Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& decision) {
   const CommittedStep& c = *decision.committed;
   if (!c.manifest_json.empty() || c.whole_unavailable) return decision;
@@ -570,10 +606,7 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
     Log().warn("{} the whole manifest would be about {} bytes, more than a step's manifest may be ({}): it is "
                "not assembled, and node 0 publishes its own ranks only",
                Prefix(key.first, key.second), estimate, options_.max_whole_manifest_bytes);
-    auto header_only = std::make_shared<CommittedStep>(c);
-    header_only->parts.reset();
-    header_only->whole_unavailable = true;
-    Decision decided{Outcome::kCommitted, {}, std::move(header_only)};
+    Decision decided = WithoutWholeManifest(decision);
     std::lock_guard lock(mu_);
     if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);
     return decided;

@@ -74,6 +74,10 @@ class CommitCoordinator {
     // A whole manifest larger than this is kept in the decision log only: node 0 publishes
     // its own ranks (CheckpointStore::kMaxManifestBytes, what a reader loads).
     size_t max_whole_manifest_bytes = size_t{64} << 20;
+    // Committed steps waiting for their whole manifest to be assembled, in manifest bytes
+    // (about): beyond it the oldest are given up (node 0 publishes its own ranks of them).
+    // The newest is always kept.
+    size_t assembly_queue_bytes = size_t{256} << 20;
   };
 
   CommitCoordinator(DecisionLog& log, Options options);
@@ -195,6 +199,9 @@ class CommitCoordinator {
   // The committed step with its whole manifest, assembled from its parts (and recorded
   // beside its decision) or read back from the log.
   Decision WithWholeManifest(const Key& key, const Decision& decision);
+  // The same committed step, marked as having no whole manifest (node 0 publishes its own
+  // ranks): the manifest would be too large, or its assembly was given up.
+  static Decision WithoutWholeManifest(const Decision& decision);
   // The assembler thread: builds and records each committed step's whole manifest after
   // its decision was announced, then answers the waiters that asked for it.
   void AssembleLoop();
@@ -244,6 +251,7 @@ class CommitCoordinator {
   // Committed steps whose whole manifest is still to be assembled, with the waiters for it;
   // guarded by mu_.
   std::deque<std::pair<Key, Decision>> to_assemble_;
+  size_t queued_assembly_bytes_ = 0;  // their WholeManifestEstimate, in all
   std::map<Key, std::vector<PendingWaiter>> awaiting_whole_;
   std::condition_variable assemble_cv_;
   bool stopping_ = false;

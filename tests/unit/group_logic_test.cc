@@ -630,6 +630,64 @@ TEST_CASE("commit: a whole manifest far larger than a manifest may be is never a
   CHECK(again.committed->whole_unavailable);
 }
 
+TEST_CASE("commit: steps waiting for their whole manifest are bounded; the oldest is given up, the newest built") {
+  // A log that holds the assembler inside its first manifest record until released.
+  struct SlowManifestLog : MemoryDecisionLog {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool entered = false, released = false;
+    absl::Status RecordManifest(const std::string& job, uint64_t step, const std::string& manifest_json) override {
+      {
+        std::unique_lock lock(mu);
+        entered = true;
+        cv.notify_all();
+        cv.wait(lock, [&] { return released; });
+      }
+      return MemoryDecisionLog::RecordManifest(job, step, manifest_json);
+    }
+  } log;
+  CommitCoordinator::Options options;
+  options.assembly_queue_bytes = 1;  // two waiting steps are one too many
+  CommitCoordinator c(log, options);
+  auto commit = [&](uint64_t step) {
+    c.Prepare(0, 1, Part("job", step, 2, {0}));
+    return c.Prepare(1, 1, Part("job", step, 2, {1})).outcome;
+  };
+  REQUIRE(commit(1) == Outcome::kCommitted);
+  {
+    std::unique_lock lock(log.mu);
+    REQUIRE(log.cv.wait_for(lock, 5s, [&] { return log.entered; }));  // busy with step 1
+  }
+  // Node 0 waits for step 2's whole manifest.
+  c.Prepare(0, 1, Part("job", 2, 2, {0}));
+  std::optional<Decision> heard;
+  c.Await("job", 2, CommitCoordinator::Clock::now() + 30s, [&](const Decision& got) { heard = got; },
+          /*whole_manifest=*/true);
+  REQUIRE(c.Prepare(1, 1, Part("job", 2, 2, {1})).outcome == Outcome::kCommitted);
+  CHECK_FALSE(heard);  // queued behind step 1
+  REQUIRE(commit(3) == Outcome::kCommitted);
+  // Step 3 pushed step 2 out: its waiter hears at once that there is no whole manifest.
+  REQUIRE(heard);
+  CHECK(heard->outcome == Outcome::kCommitted);
+  CHECK(heard->committed->whole_unavailable);
+  CHECK(heard->committed->shares.at(1).ranks == 1);
+  {
+    std::lock_guard lock(log.mu);
+    log.released = true;
+  }
+  log.cv.notify_all();
+  // Steps 1 and 3 are built; step 2 never is.
+  Decision newest;
+  for (int i = 0; i < 500; ++i) {
+    newest = c.Lookup("job", 3, /*whole_manifest=*/true);
+    if (!newest.committed->manifest_json.empty()) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK_FALSE(newest.committed->manifest_json.empty());
+  CHECK(c.Lookup("job", 2, /*whole_manifest=*/true).committed->whole_unavailable);
+  CHECK_FALSE(log.HasManifest("job", 2));
+}
+
 TEST_CASE("commit: a damaged decision record is refused, naming the field") {
   CHECK(absl::IsNotFound(ParseDecisionRecord("{\"format\": 5}").status()));
   CHECK(absl::IsNotFound(ParseDecisionRecord("not json").status()));
