@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +21,11 @@ struct GroupOptions {
   // Heartbeats, prepares and outcome polls go through a tree of this fan-out
   // (relay_tree.h); 0: every node calls the coordinator.
   uint32_t relay_fanout = 32;
+  // A part whose manifest text is larger than this goes to the coordinator in chunks of
+  // `structure_chunk_bytes` before its prepare (gRPC messages are capped at 64 MiB, and a
+  // relay's batches at 16 MiB). Settings for tests; operators have no flag for them.
+  size_t inline_part_bytes = size_t{8} << 20;
+  size_t structure_chunk_bytes = size_t{4} << 20;
 
   bool enabled() const { return num_nodes > 1; }
   bool coordinator_role() const { return enabled() && node_rank == 0; }

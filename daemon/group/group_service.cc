@@ -501,6 +501,35 @@ void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::Prepare
   if (!early.ok()) finish([&] { return early; });
 }
 
+grpc::ServerUnaryReactor* GroupService::PutStructure(grpc::CallbackServerContext* ctx,
+                                                     const pb::StructureChunk* request,
+                                                     pb::StructureChunkReply* reply) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Guarded("PutStructure", [&]() -> absl::Status {
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "PutStructure", Role::kCoordinatorOnly));
+    const uint32_t node = request->node_rank();
+    CKPT_RETURN_IF_ERROR(CheckNode("node_rank", node));
+    // Only a member in good standing may make the coordinator hold bytes.
+    CKPT_RETURN_IF_ERROR(coordinator_->membership.Heartbeat(node, request->incarnation()));
+    absl::StatusOr<std::optional<std::string>> text = coordinator_->uploads.Add(
+        node, request->structure_digest(), request->total_bytes(), request->offset(), request->data(), Clock::now());
+    if (!text.ok()) return Annotate(text.status(), "structure chunk");
+    if (!*text) return absl::OkStatus();
+    absl::StatusOr<format::Manifest> part = format::ParseManifest(
+        **text, fmt::format("structure from node {}", node), format::ManifestScope::kPart);
+    if (!part.ok()) return absl::InvalidArgumentError(fmt::format("the uploaded part: {}", Message(part.status())));
+    format::SplitResult split = format::SplitPart(*part);
+    if (split.structure->digest != request->structure_digest()) {
+      return absl::InvalidArgumentError(fmt::format("the uploaded part's structure digest is {}, not {} as named",
+                                                    split.structure->digest, request->structure_digest()));
+    }
+    coordinator_->structures.Add(std::move(split.structure));
+    reply->set_complete(true);
+    return absl::OkStatus();
+  }));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
                                               const pb::AbortRequest* request, pb::AbortReply*) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();

@@ -21,6 +21,7 @@
 #include "daemon/group/membership.h"
 #include "daemon/group/relay.h"
 #include "daemon/group/structure_cache.h"
+#include "daemon/group/structure_uploads.h"
 #include "daemon/group/upload_targets.h"
 #include "daemon/schedule/save_schedule.h"
 #include "proto/group.grpc.pb.h"
@@ -40,6 +41,7 @@ struct CoordinatorState {
   // The part structures nodes sent, so that their prepares carry only values. 1 GiB holds
   // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it nodes resend theirs.
   StructureCache structures{size_t{1} << 30};
+  StructureUploads uploads{StructureUploads::Limits{}};
   GatherTable gathers;
   daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
   const UploadTargets* uploading;  // node 0's uploader's (null without a remote tier)
@@ -71,6 +73,9 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   grpc::ServerUnaryReactor* PrepareBatch(grpc::CallbackServerContext* ctx,
                                          const ckptd::group::v1::PrepareBatchRequest* request,
                                          ckptd::group::v1::PrepareBatchReply* reply) override;
+  grpc::ServerUnaryReactor* PutStructure(grpc::CallbackServerContext* ctx,
+                                         const ckptd::group::v1::StructureChunk* request,
+                                         ckptd::group::v1::StructureChunkReply* reply) override;
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* ctx,
                                   const ckptd::group::v1::AbortRequest* request,
                                   ckptd::group::v1::AbortReply* reply) override;

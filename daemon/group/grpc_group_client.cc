@@ -217,7 +217,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     const std::string& digest = split.structure->digest;
     // Once the coordinator holds this part's structure, only the step's values go: a
     // coordinator that lost it (restarted, or dropped it) asks, and the whole part follows.
-    for (bool compact = KnowsStructure(digest);; compact = false) {
+    bool known = KnowsStructure(digest);
+    for (int asked = 0;; ++asked) {
       pb::PrepareRequest request;
       request.set_node_rank(options_.node_rank);
       request.set_incarnation(incarnation_);
@@ -225,21 +226,32 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       request.set_step(part.step);
       request.set_world_size(part.world_size);
       for (const format::ManifestShard& s : part.shards) request.add_ranks(s.rank);
-      if (compact) {
+      if (!known) {
+        std::string text = format::ManifestToJson(part);
+        if (text.size() > options_.inline_part_bytes) {
+          // Too large for one message (or a relay's batch): the part goes first, in chunks.
+          CKPT_RETURN_IF_ERROR(PutStructure(digest, text));
+          known = true;
+        } else {
+          request.set_manifest_part_json(std::move(text));
+        }
+      }
+      if (known) {
         request.set_structure_digest(digest);
         ToProto(split.values, request.mutable_values());
-      } else {
-        request.set_manifest_part_json(format::ManifestToJson(part));
       }
       request.set_attempt(attempt);
       pb::PrepareReply reply;
       CKPT_RETURN_IF_ERROR(Describe("prepare", CallPrepare(request, &reply)));
       if (reply.need_structure()) {
-        if (!compact) return absl::InternalError("group prepare: the coordinator asked for a structure it was sent");
+        if (!request.manifest_part_json().empty() || asked > 0) {
+          return absl::InternalError("group prepare: the coordinator asked for a structure it was sent");
+        }
         ForgetStructure(digest);
+        known = false;
         continue;
       }
-      if (!compact) RememberStructure(digest);
+      RememberStructure(digest);
       return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
     }
   }
@@ -369,6 +381,29 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes(), c.node_attempt()};
     d.committed = std::move(step);
     return d;
+  }
+
+  // Sends a part's text to the coordinator in chunks, straight (not through a relay: it
+  // happens once per structure, and a relay would hold it whole).
+  absl::Status PutStructure(const std::string& digest, const std::string& text) {
+    const size_t chunk = std::max<size_t>(options_.structure_chunk_bytes, 1);
+    for (size_t offset = 0; offset < text.size(); offset += chunk) {
+      pb::StructureChunk request;
+      request.set_node_rank(options_.node_rank);
+      request.set_incarnation(incarnation_);
+      request.set_structure_digest(digest);
+      request.set_total_bytes(text.size());
+      request.set_offset(offset);
+      request.set_data(text.substr(offset, chunk));
+      grpc::ClientContext ctx;
+      StartCall(ctx, Clock::now() + options_.rpc_timeout);
+      pb::StructureChunkReply reply;
+      CKPT_RETURN_IF_ERROR(Describe("prepare: sending the part's structure", stub_->PutStructure(&ctx, request, &reply)));
+      if (offset + chunk >= text.size() && !reply.complete()) {
+        return absl::InternalError("group prepare: the coordinator did not take the part's last chunk as its last");
+      }
+    }
+    return absl::OkStatus();
   }
 
   bool KnowsStructure(const std::string& digest) const {

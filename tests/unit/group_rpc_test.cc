@@ -252,6 +252,65 @@ TEST_CASE("rpc: once the coordinator holds a part's structure, a prepare carries
   CHECK_THAT(wrong_job.error_message(), Catch::Contains("structure_digest is for job other"));
 }
 
+TEST_CASE("rpc: a part larger than a message goes in chunks before its prepare; bad chunks are refused, named") {
+  GroupOptions base = NodeOptions(0, 2, "");
+  base.inline_part_bytes = 100;      // every part here is larger
+  base.structure_chunk_bytes = 97;   // many chunks, the last one short
+  Group g(2, base);
+  auto node0 = g.Client(0);
+  auto node1 = g.Client(1);
+  REQUIRE(node0->Join(Clock::now() + 3s).ok());
+  REQUIRE(node1->Join(Clock::now() + 3s).ok());
+  for (uint64_t step = 1; step <= 2; ++step) {
+    REQUIRE(node0->Prepare(Checksummed(Part("job", step, 2, {0}), "xxh3:000000000000000a"), 1)->outcome ==
+            Outcome::kPending);
+    REQUIRE(node1->Prepare(Part("job", step, 2, {1}), 1)->outcome == Outcome::kCommitted);
+  }
+  auto whole = node0->GetOutcome("job", 2, 100ms);
+  REQUIRE(whole.ok());
+  auto manifest = format::ParseManifest(whole->committed->manifest_json, "outcome");
+  REQUIRE(manifest.ok());
+  CHECK(manifest->tensors.at("w").shards[0].checksum == "xxh3:000000000000000a");
+
+  const std::string address = g.server->address();
+  const format::Manifest part = Part("job", 3, 2, {0});
+  const std::string text = format::ManifestToJson(part);
+  const std::string digest = format::SplitPart(part).structure->digest;
+  auto chunk = [&](uint64_t offset, std::string data, std::string named = "", uint64_t total = 0,
+                   uint64_t incarnation = 2000, pb::StructureChunkReply* reply = nullptr) {
+    RawCall call(address);
+    pb::StructureChunk request;
+    request.set_node_rank(0);
+    request.set_incarnation(incarnation);
+    request.set_structure_digest(named.empty() ? digest : named);
+    request.set_total_bytes(total != 0 ? total : text.size());
+    request.set_offset(offset);
+    request.set_data(std::move(data));
+    pb::StructureChunkReply ignored;
+    return call.stub->PutStructure(&call.ctx, request, reply != nullptr ? reply : &ignored);
+  };
+  // Out of order, beyond the end, empty, too large, from a stranger: refused, named.
+  grpc::Status skipped = chunk(10, text.substr(10, 10));
+  CHECK(skipped.error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  CHECK_THAT(skipped.error_message(), Catch::Contains("from offset 0"));
+  CHECK_THAT(chunk(0, text + "x").error_message(), Catch::Contains("beyond total_bytes"));
+  CHECK_THAT(chunk(0, "").error_message(), Catch::Contains("no data"));
+  CHECK_THAT(chunk(0, "x", "", uint64_t{8} << 30).error_message(), Catch::Contains("is not in 1.."));
+  CHECK(chunk(0, text, "", 0, /*incarnation=*/77).error_code() == grpc::StatusCode::FAILED_PRECONDITION);
+  // A whole part whose structure is not the one named: refused once complete.
+  grpc::Status misnamed = chunk(0, text, "xxh3:0123456789abcdef");
+  CHECK(misnamed.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(misnamed.error_message(), Catch::Contains("not xxh3:0123456789abcdef as named"));
+  // Not a manifest at all: refused, named.
+  CHECK_THAT(chunk(0, std::string(text.size(), '{')).error_message(), Catch::Contains("the uploaded part"));
+  // In two chunks, the second completes it.
+  pb::StructureChunkReply reply;
+  REQUIRE(chunk(0, text.substr(0, 50), "", 0, 2000, &reply).ok());
+  CHECK_FALSE(reply.complete());
+  REQUIRE(chunk(50, text.substr(50), "", 0, 2000, &reply).ok());
+  CHECK(reply.complete());
+}
+
 TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   Group g(3);
   std::vector<GroupClientPtr> clients;

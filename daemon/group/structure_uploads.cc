@@ -1,0 +1,71 @@
+#include "daemon/group/structure_uploads.h"
+
+#include <fmt/format.h>
+
+namespace ckpt::group {
+
+void StructureUploads::DropIdleLocked(Clock::time_point now) {
+  for (auto it = uploads_.begin(); it != uploads_.end();) {
+    if (now - it->second.last > limits_.idle) {
+      reserved_ -= it->second.total;
+      it = uploads_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+absl::StatusOr<std::optional<std::string>> StructureUploads::Add(uint32_t node, const std::string& digest,
+                                                                 uint64_t total, uint64_t offset,
+                                                                 std::string_view data, Clock::time_point now) {
+  if (total == 0 || total > limits_.part_bytes) {
+    return absl::InvalidArgumentError(
+        fmt::format("total_bytes {} is not in 1..{} (a part's text)", total, limits_.part_bytes));
+  }
+  if (data.empty()) return absl::InvalidArgumentError("the chunk holds no data");
+  if (offset > total || data.size() > total - offset) {
+    return absl::InvalidArgumentError(fmt::format("a chunk of {} bytes at offset {} lies beyond total_bytes {}",
+                                                  data.size(), offset, total));
+  }
+  std::lock_guard lock(mu_);
+  DropIdleLocked(now);
+  auto it = uploads_.find(node);
+  if (offset == 0) {
+    if (it != uploads_.end()) {
+      reserved_ -= it->second.total;
+      uploads_.erase(it);
+    }
+    if (reserved_ + total > limits_.total_bytes) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "the coordinator is receiving {} bytes of parts already (at most {}); try again shortly", reserved_,
+          limits_.total_bytes));
+    }
+    Upload& started = uploads_[node];
+    started.digest = digest;
+    started.total = total;
+    started.text.reserve(total);
+    reserved_ += total;
+    it = uploads_.find(node);
+  } else if (it == uploads_.end() || it->second.digest != digest || it->second.total != total ||
+             it->second.text.size() != offset) {
+    // Out of order, or an upload dropped as idle: the node starts again from offset 0.
+    return absl::FailedPreconditionError(
+        fmt::format("no upload of structure {} continues at offset {} (send it again from offset 0)", digest,
+                    offset));
+  }
+  Upload& upload = it->second;
+  upload.text.append(data);
+  upload.last = now;
+  if (upload.text.size() < upload.total) return std::optional<std::string>();
+  std::string text = std::move(upload.text);
+  reserved_ -= upload.total;
+  uploads_.erase(it);
+  return std::optional<std::string>(std::move(text));
+}
+
+size_t StructureUploads::bytes() const {
+  std::lock_guard lock(mu_);
+  return reserved_;
+}
+
+}  // namespace ckpt::group
