@@ -55,6 +55,28 @@ class JsonText {
   void Strings(const std::vector<std::string>& values);
   void StringMap(const std::map<std::string, std::string>& values);
 
+  // A key and its value, the value written as its type says.
+  template <typename T>
+  void Field(std::string_view key, const T& value) {
+    Key(key);
+    Value(value);
+  }
+  void Value(std::string_view s) { String(s); }
+  void Value(const std::string& s) { String(s); }
+  void Value(const char* s) { String(s); }
+  void Value(double v) { Double(v); }
+  template <typename Int>
+    requires std::is_integral_v<Int>
+  void Value(Int v) {
+    Number(v);
+  }
+  template <typename Int>
+  void Value(const std::vector<Int>& values) {
+    Integers(values);
+  }
+  void Value(const std::vector<std::string>& values) { Strings(values); }
+  void Value(const std::map<std::string, std::string>& values) { StringMap(values); }
+
   // The text so far; its size is where the next character goes.
   const std::string& text() const { return out_; }
   std::string Take() { return std::move(out_); }

@@ -140,73 +140,52 @@ std::string ManifestToJson(const Manifest& m) {
   // JSON tree first cost node 0 seconds per step for a 10,000-node step's manifest.
   JsonText w(/*indent=*/1);
   w.BeginObject();
-  if (m.checksum_chunk_bytes != 0) {
-    w.Key("checksum_chunk_bytes");
-    w.Unsigned(m.checksum_chunk_bytes);
-  }
-  w.Key("ckptd_version");
-  w.String(m.ckptd_version);
-  w.Key("format");
-  w.String("ckptd-manifest");
-  w.Key("format_version");
-  w.Signed(FormatVersionOf(m));
-  w.Key("job");
-  w.String(m.job);
+  if (m.checksum_chunk_bytes != 0) w.Field("checksum_chunk_bytes", m.checksum_chunk_bytes);
+  w.Field("ckptd_version", m.ckptd_version);
+  w.Field("format", "ckptd-manifest");
+  w.Field("format_version", FormatVersionOf(m));
+  w.Field("job", m.job);
   // The checksum is of the text with this field empty (Digest): filled in at the end.
   w.Key(kChecksumKey);
   const size_t checksum_at = w.text().size() + 1;  // inside the quotes
   w.String("");
-  w.Key("metadata");
-  w.StringMap(m.metadata);
+  w.Field("metadata", m.metadata);
   if (!m.nodes.empty()) {
     w.Key("nodes");
     w.BeginArray();
     for (const ManifestNode& n : m.nodes) {
       w.BeginObject();
-      w.Key("node");
-      w.Unsigned(n.node);
-      w.Key("ranks");
-      w.Integers(n.ranks);
+      w.Field("node", n.node);
+      w.Field("ranks", n.ranks);
       w.EndObject();
     }
     w.EndArray();
   }
-  w.Key("run");
-  w.Unsigned(m.run);
+  w.Field("run", m.run);
   if (m.scope) {
     w.Key("scope");
     w.BeginObject();
-    w.Key("digest");
-    w.String(m.scope->digest);
-    w.Key("node");
-    w.Unsigned(m.scope->node);
-    w.Key("nodes");
-    w.Unsigned(m.scope->nodes);
-    w.Key("step_bytes");
-    w.Unsigned(m.scope->step_bytes);
-    w.Key("step_tensors");
-    w.Unsigned(m.scope->step_tensors);
+    w.Field("digest", m.scope->digest);
+    w.Field("node", m.scope->node);
+    w.Field("nodes", m.scope->nodes);
+    w.Field("step_bytes", m.scope->step_bytes);
+    w.Field("step_tensors", m.scope->step_tensors);
     w.EndObject();
   }
   w.Key("shards");
   w.BeginArray();
   for (const ManifestShard& s : m.shards) {
     w.BeginObject();
-    w.Key("bytes");
-    w.Unsigned(s.bytes);
-    w.Key("file");
-    w.String(s.file);
-    w.Key("metadata");
-    w.StringMap(s.metadata);
-    w.Key("rank");
-    w.Unsigned(s.rank);
+    w.Field("bytes", s.bytes);
+    w.Field("file", s.file);
+    w.Field("metadata", s.metadata);
+    w.Field("rank", s.rank);
     w.Key("train_state");
     w.BeginObject();
     for (const auto& [name, e] : s.train_state) {
       w.Key(name);
       w.BeginObject();
-      w.Key("checksum");
-      w.String(e.checksum);
+      w.Field("checksum", e.checksum);
       w.Key("data_offsets");
       w.Pair(e.begin, e.end);
       w.EndObject();
@@ -215,56 +194,42 @@ std::string ManifestToJson(const Manifest& m) {
     w.EndObject();
   }
   w.EndArray();
-  w.Key("step");
-  w.Unsigned(m.step);
+  w.Field("step", m.step);
   w.Key("tensors");
   w.BeginObject();
   for (const auto& [name, t] : m.tensors) {
     w.Key(name);
     w.BeginObject();
-    w.Key("dtype");
-    w.String(t.dtype);
-    w.Key("global_shape");
-    w.Integers(t.global_shape);
+    w.Field("dtype", t.dtype);
+    w.Field("global_shape", t.global_shape);
     w.Key("shards");
     w.BeginArray();
     for (const TensorShard& s : t.shards) {
       w.BeginObject();
-      w.Key("checksum");
-      w.String(s.checksum);
-      if (!s.chunk_checksums.empty()) {
-        w.Key("chunk_checksums");
-        w.Strings(s.chunk_checksums);
-      }
+      w.Field("checksum", s.checksum);
+      if (!s.chunk_checksums.empty()) w.Field("chunk_checksums", s.chunk_checksums);
       w.Key("data_offsets");
       w.Pair(s.begin, s.end);
-      w.Key("file");
-      w.String(s.file);
+      w.Field("file", s.file);
       if (s.flat.empty()) {
-        w.Key("offset");
-        w.Integers(s.offset);
+        w.Field("offset", s.offset);
       } else {
         w.Key("flat");
         w.BeginArray();
         for (const ElementRange& r : s.flat) w.Pair(r.begin, r.end);
         w.EndArray();
       }
-      w.Key("rank");
-      w.Unsigned(s.rank);
-      w.Key("shape");
-      w.Integers(s.shape);
+      w.Field("rank", s.rank);
+      w.Field("shape", s.shape);
       w.EndObject();
     }
     w.EndArray();
     w.EndObject();
   }
   w.EndObject();
-  w.Key("unix_time");
-  w.Double(m.unix_time);
-  w.Key("wall_time");
-  w.String(m.wall_time);
-  w.Key("world_size");
-  w.Unsigned(m.world_size);
+  w.Field("unix_time", m.unix_time);
+  w.Field("wall_time", m.wall_time);
+  w.Field("world_size", m.world_size);
   w.EndObject();
   std::string text = w.Take();
   text.insert(checksum_at, ChecksumOf(text.data(), text.size()));
