@@ -77,4 +77,11 @@ std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);
 // tensor, and the ranks that overlap or the range nobody holds.
 absl::Status CheckTiling(const Manifest& manifest);
 
+// What MergeManifestParts and CheckTiling together say of these parts (each node's), without
+// building the merged manifest: the parts agree on job, step and world size, every rank is
+// in exactly one part, each tensor has one dtype and global shape, and its pieces tile it.
+// One tensor's pieces are gathered at a time, so that checking a 10,000-node step costs a
+// tensor's worth of memory, not a second copy of every part. The number of tensors when OK.
+absl::StatusOr<uint32_t> CheckPartsTile(const std::vector<std::pair<uint32_t, const Manifest*>>& parts);
+
 }  // namespace ckpt::format

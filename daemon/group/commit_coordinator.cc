@@ -298,16 +298,17 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
     std::lock_guard lock(checks_mu_);
     if (auto made = checks_.find(key); made != checks_.end()) return made->second;
   }
-  std::vector<std::pair<uint32_t, format::Manifest>> shapes;
+  // Checked in place, tensor by tensor: a merged copy of every structure would double the
+  // coordinator's memory for a large job's first step.
+  std::vector<std::pair<uint32_t, const format::Manifest*>> shapes;
   shapes.reserve(parts.size());
-  for (const auto& [node, part] : parts) shapes.emplace_back(node, part.shape());
+  for (const auto& [node, part] : parts) shapes.emplace_back(node, &part.shape());
   StructureCheck check;
-  absl::StatusOr<format::Manifest> merged = format::MergeManifestParts(shapes);
-  if (merged.ok()) {
-    check.status = format::CheckTiling(*merged);
-    check.tensors = static_cast<uint32_t>(merged->tensors.size());
+  absl::StatusOr<uint32_t> tensors = format::CheckPartsTile(shapes);
+  if (tensors.ok()) {
+    check.tensors = *tensors;
   } else {
-    check.status = merged.status();
+    check.status = tensors.status();
   }
   std::lock_guard lock(checks_mu_);
   if (checks_.emplace(key, check).second) checks_order_.push_back(key);

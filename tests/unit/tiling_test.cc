@@ -4,8 +4,11 @@
 #include <string>
 
 #include "format/tiling.h"
+#include "tests/fakes/manifest_part.h"
 
+using ckpt::format::CheckPartsTile;
 using ckpt::format::CheckTiling;
+using ckpt::format::MergeManifestParts;
 using ckpt::format::ElementRange;
 using ckpt::format::Manifest;
 using ckpt::format::TensorShard;
@@ -101,4 +104,60 @@ TEST_CASE("flat overlaps, gaps and bad ranges are named with their elements") {
   CHECK(Why(Flat({{{0, 20}}, {{20, 47}}})) == "tensor layer.w: no rank holds elements [47, 48) of the flattened tensor");
   CHECK(Why(Flat({{{0, 20}}, {{20, 49}}})).find("rank 1's piece has flat element range [20, 49)") != std::string::npos);
   CHECK(Why(Flat({{{20, 48}, {0, 20}}})).find("out of order") != std::string::npos);
+}
+
+namespace {
+
+// Checks that CheckPartsTile says of `parts` what merging them and checking the merge
+// says; whether they tile.
+bool SameAsMerged(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
+  std::vector<std::pair<uint32_t, const Manifest*>> refs;
+  for (const auto& [node, part] : parts) refs.emplace_back(node, &part);
+  absl::StatusOr<uint32_t> streamed = CheckPartsTile(refs);
+  absl::StatusOr<Manifest> merged = MergeManifestParts(parts);
+  absl::Status expected = merged.ok() ? CheckTiling(*merged) : merged.status();
+  INFO(expected.message());
+  REQUIRE(streamed.ok() == expected.ok());
+  if (expected.ok()) {
+    CHECK(*streamed == merged->tensors.size());
+  } else {
+    CHECK(streamed.status().code() == expected.code());
+    CHECK(streamed.status().message() == expected.message());
+  }
+  return expected.ok();
+}
+
+}  // namespace
+
+TEST_CASE("tiling: parts checked in place say what their merged manifest says") {
+  using ckpt::testing::ManifestPart;
+  SECTION("two nodes that tile") {
+    CHECK(SameAsMerged({{0, ManifestPart("job", 1, 4, {0, 1})}, {1, ManifestPart("job", 1, 4, {2, 3})}}));
+  }
+  SECTION("a second tensor on one node only") {
+    Manifest extra = ManifestPart("job", 1, 2, {1});
+    extra.tensors["b"] = {"F32", {16}, {{1, extra.shards[0].file, 64, 128, {0}, {16}, "", {}, {}}}};
+    CHECK(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, extra}}));
+  }
+  SECTION("a piece moved over its neighbour's") {
+    Manifest moved = ManifestPart("job", 1, 2, {1});
+    moved.tensors["w"].shards[0].offset = {0};
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, moved}}));
+  }
+  SECTION("a rank prepared twice, or missing") {
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 3, {0, 1})}, {1, ManifestPart("job", 1, 3, {1, 2})}}));
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 3, {0})}, {1, ManifestPart("job", 1, 3, {2})}}));
+  }
+  SECTION("a tensor's dtype or global shape differs between nodes") {
+    Manifest dtype = ManifestPart("job", 1, 2, {1});
+    dtype.tensors["w"].dtype = "BF16";
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, dtype}}));
+    Manifest shape = ManifestPart("job", 1, 2, {1});
+    shape.tensors["w"].global_shape = {64};
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, shape}}));
+  }
+  SECTION("parts of another job or world size") {
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, ManifestPart("other", 1, 2, {1})}}));
+    CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, ManifestPart("job", 1, 3, {1})}}));
+  }
 }
