@@ -130,7 +130,24 @@ absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& va
   return absl::OkStatus();
 }
 
+std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure) {
+  auto summary = std::make_shared<PartStructure>();
+  summary->structure.job = structure.structure.job;
+  summary->structure.world_size = structure.structure.world_size;
+  summary->structure.ckptd_version = structure.structure.ckptd_version;
+  summary->structure.shards = structure.structure.shards;
+  summary->digest = structure.digest;
+  summary->json_bytes = structure.json_bytes;
+  summary->checksums = structure.checksums;
+  summary->min_bytes = structure.min_bytes;
+  summary->summary = true;
+  return summary;
+}
+
 absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValues& values) {
+  if (structure.summary) {
+    return absl::FailedPreconditionError(fmt::format("structure {} is held as a summary only", structure.digest));
+  }
   if (absl::Status fits = CheckValuesFit(structure, values); !fits.ok()) return fits;
   Manifest m = structure.structure;
   m.step = values.step;

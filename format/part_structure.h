@@ -26,6 +26,9 @@ struct PartStructure {
   // By shard: the least a rank's file may hold (the end of its last entry), so that values
   // can never describe a file shorter than its own entries.
   std::vector<uint64_t> min_bytes;
+  // Only a summary (Summarize): `structure` has no tensors. Enough to check a step's
+  // values and describe its ranks, not to check tiling or to join a part again.
+  bool summary = false;
 };
 
 // What one step of a part says beyond its structure.
@@ -62,6 +65,10 @@ SplitResult SplitPart(const Manifest& part);
 // The part again. InvalidArgument, naming the difference, when `values` does not fit
 // `structure` (another number of ranks or checksums).
 absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValues& values);
+
+// The same structure without its tensors (a few bytes per rank), for a coordinator that
+// has checked the structure's combination and keeps tens of thousands of them.
+std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure);
 
 // Whether `values` fits `structure`, in O(ranks): what a coordinator checks per step.
 absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& values);

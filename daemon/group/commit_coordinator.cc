@@ -298,6 +298,24 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
     std::lock_guard lock(checks_mu_);
     if (auto made = checks_.find(key); made != checks_.end()) return made->second;
   }
+  // A combination not checked before needs every structure whole; those held as summaries
+  // only (the cache was full) are dropped, so that their nodes send them again with the
+  // next step. Not remembered: the next step's check is made afresh.
+  std::vector<uint32_t> summarized;
+  for (const auto& [node, part] : parts) {
+    if (part.structure->summary) summarized.push_back(node);
+  }
+  if (!summarized.empty()) {
+    for (const auto& [node, part] : parts) {
+      if (part.structure->summary && options_.forget_structure) options_.forget_structure(part.structure->digest);
+    }
+    return {absl::FailedPreconditionError(fmt::format(
+                "the coordinator holds only a summary of the structures of {} node(s) (nodes {}{}) and must see them "
+                "whole to check this combination: they send them again with the next step",
+                summarized.size(), fmt::join(summarized.begin(), summarized.begin() + std::min<size_t>(summarized.size(), 8), ", "),
+                summarized.size() > 8 ? ", ..." : "")),
+            0};
+  }
   // Checked in place, tensor by tensor: a merged copy of every structure would double the
   // coordinator's memory for a large job's first step.
   std::vector<std::pair<uint32_t, const format::Manifest*>> shapes;
@@ -607,6 +625,17 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
     Log().warn("{} the whole manifest would be about {} bytes, more than a step's manifest may be ({}): it is "
                "not assembled, and node 0 publishes its own ranks only",
                Prefix(key.first, key.second), estimate, options_.max_whole_manifest_bytes);
+    Decision decided = WithoutWholeManifest(decision);
+    std::lock_guard lock(mu_);
+    if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);
+    return decided;
+  }
+  if (std::any_of(c.parts->begin(), c.parts->end(), [](const auto& p) { return p.second.structure->summary; })) {
+    // Some structures are held as summaries only (the cache was full): node 0 publishes
+    // its own ranks of this step.
+    Log().warn("{} the whole manifest is not assembled: the coordinator holds only summaries of some nodes' "
+               "structures; node 0 publishes its own ranks only",
+               Prefix(key.first, key.second));
     Decision decided = WithoutWholeManifest(decision);
     std::lock_guard lock(mu_);
     if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);

@@ -78,6 +78,9 @@ class CommitCoordinator {
     // (about): beyond it the oldest are given up (node 0 publishes its own ranks of them).
     // The newest is always kept.
     size_t assembly_queue_bytes = size_t{256} << 20;
+    // Drops the structure under a digest from the structure cache: a new combination found
+    // it held as a summary only, and its node must send it whole again.
+    std::function<void(const std::string& digest)> forget_structure;
   };
 
   CommitCoordinator(DecisionLog& log, Options options);

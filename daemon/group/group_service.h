@@ -33,8 +33,7 @@ struct CoordinatorState {
   CoordinatorState(const GroupOptions& options, DecisionLog& log,
                    CommitCoordinator::Publisher publish, const UploadTargets* uploading)
       : membership(options.num_nodes, options.group_timeout),
-        commits(log, CommitCoordinator::Options{options.step_timeout, 1u << 20,
-                                                std::move(publish)}),
+        commits(log, CommitOptions(options, std::move(publish))),
         uploading(uploading) {}
   Membership membership;
   CommitCoordinator commits;
@@ -45,6 +44,16 @@ struct CoordinatorState {
   GatherTable gathers;
   daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
   const UploadTargets* uploading;  // node 0's uploader's (null without a remote tier)
+
+ private:
+  CommitCoordinator::Options CommitOptions(const GroupOptions& options, CommitCoordinator::Publisher publish) {
+    CommitCoordinator::Options o;
+    o.step_timeout = options.step_timeout;
+    o.publish = std::move(publish);
+    // Called once `structures` exists: only prepares, after construction, reach it.
+    o.forget_structure = [this](const std::string& digest) { structures.Forget(digest); };
+    return o;
+  }
 };
 
 class GroupService final : public ckptd::group::v1::Group::CallbackService {

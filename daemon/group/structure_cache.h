@@ -1,7 +1,9 @@
 // The part structures (format/part_structure.h) the coordinator has been sent, by digest,
 // so that a node sends its structure once and then only each step's values. Bounded in
-// bytes, least recently used dropped first: a node whose structure was dropped hears
-// "need structure" and sends it again, so the bound costs a round trip, never a commit.
+// bytes: the least recently used are kept as summaries first (enough for their values to be
+// checked every step; not for a new combination's tiling check or a whole manifest), then
+// dropped. A node whose structure was dropped hears "need structure" and sends it again,
+// so the bound costs a round trip, never a commit.
 #pragma once
 
 #include <cstddef>
@@ -19,24 +21,39 @@ class StructureCache {
  public:
   explicit StructureCache(size_t max_bytes) : max_bytes_(max_bytes) {}
 
-  // Keeps `structure` (or refreshes the copy held under its digest).
+  // Keeps `structure` (or refreshes the copy held under its digest; a whole structure
+  // replaces a summary).
   void Add(std::shared_ptr<const format::PartStructure> structure);
-  // The structure under `digest`, or null.
+  // The structure under `digest`, whole or summarized, or null.
   std::shared_ptr<const format::PartStructure> Find(const std::string& digest);
+  // Drops what is held under `digest`: its node sends the whole part again.
+  void Forget(const std::string& digest);
 
   size_t bytes() const;
-  size_t size() const;
+  size_t size() const;       // structures held, whole or summarized
+  size_t summaries() const;  // of them, summarized
 
  private:
   // What a structure costs in memory: its parsed form holds about twice its text, and each
-  // (empty) checksum slot a string of its own.
-  static size_t Cost(const format::PartStructure& s) { return 2 * s.json_bytes + 32 * s.checksums + 256; }
+  // (empty) checksum slot a string of its own; a summary, its ranks.
+  static size_t Cost(const format::PartStructure& s) {
+    return s.summary ? 256 + 96 * s.structure.shards.size() : 2 * s.json_bytes + 32 * s.checksums + 256;
+  }
+  using Lru = std::list<std::shared_ptr<const format::PartStructure>>;
+  // Over the bound: the least recently used whole structures become summaries (a few bytes
+  // per rank: a 10,000-node job keeps every node's), and only then are summaries dropped.
+  void ShrinkLocked();
+  void EraseLocked(const std::string& digest);
 
   const size_t max_bytes_;
   mutable std::mutex mu_;
-  using Lru = std::list<std::shared_ptr<const format::PartStructure>>;
-  Lru lru_;  // most recently used first
-  std::map<std::string, Lru::iterator> by_digest_;
+  Lru whole_;      // most recently used first
+  Lru summaries_;  // most recently used first
+  struct Held {
+    Lru::iterator at;
+    bool summary;
+  };
+  std::map<std::string, Held> by_digest_;
   size_t bytes_ = 0;
 };
 

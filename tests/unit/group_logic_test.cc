@@ -676,6 +676,47 @@ TEST_CASE("commit: steps waiting for their whole manifest are bounded; the oldes
   CHECK_FALSE(log.HasManifest("job", 2));
 }
 
+TEST_CASE("commit: structures held as summaries commit a checked combination; a new one makes nodes resend them") {
+  MemoryDecisionLog log;
+  std::vector<std::string> forgotten;
+  CommitCoordinator::Options options;
+  options.forget_structure = [&](const std::string& digest) { forgotten.push_back(digest); };
+  CommitCoordinator c(log, options);
+  auto whole = [](uint64_t step, uint32_t world, std::vector<uint32_t> ranks) {
+    format::SplitResult split = format::SplitPart(Part("job", step, world, std::move(ranks)));
+    return PreparedPart{split.structure, split.values};
+  };
+  auto summarized = [&](uint64_t step, uint32_t world, std::vector<uint32_t> ranks) {
+    PreparedPart part = whole(step, world, std::move(ranks));
+    part.structure = format::Summarize(*part.structure);
+    return part;
+  };
+  // Step 1 checks the combination with both structures whole.
+  c.Prepare(0, 1, whole(1, 2, {0}));
+  REQUIRE(c.Prepare(1, 1, whole(1, 2, {1})).outcome == Outcome::kCommitted);
+  // Step 2: node 1's structure is a summary now (the cache was full): the combination is
+  // known, so the step commits; node 0 gets no whole manifest of it.
+  c.Prepare(0, 1, whole(2, 2, {0}));
+  Decision two = c.Prepare(1, 1, summarized(2, 2, {1}));
+  REQUIRE(two.outcome == Outcome::kCommitted);
+  CHECK(c.Lookup("job", 2, /*whole_manifest=*/true).committed->whole_unavailable);
+  CHECK(forgotten.empty());
+  // Step 3: a new combination (world size 3, node 2 joins) with node 1 still a summary:
+  // aborted, naming why, and node 1's structure is dropped so that it sends it whole.
+  c.Prepare(0, 1, whole(3, 3, {0}));
+  c.Prepare(2, 1, whole(3, 3, {2}));
+  PreparedPart stale = summarized(3, 3, {1});
+  const std::string digest = stale.structure->digest;
+  Decision three = c.Prepare(1, 1, std::move(stale));
+  REQUIRE(three.outcome == Outcome::kAborted);
+  CHECK_THAT(three.reason, Catch::Contains("only a summary") && Catch::Contains("nodes 1"));
+  CHECK(forgotten == std::vector<std::string>{digest});
+  // Step 4: sent whole again, the new combination is checked and commits.
+  c.Prepare(0, 1, whole(4, 3, {0}));
+  c.Prepare(2, 1, whole(4, 3, {2}));
+  CHECK(c.Prepare(1, 1, whole(4, 3, {1})).outcome == Outcome::kCommitted);
+}
+
 TEST_CASE("commit: a damaged decision record is refused, naming the field") {
   CHECK(absl::IsNotFound(ParseDecisionRecord("{\"format\": 5}").status()));
   CHECK(absl::IsNotFound(ParseDecisionRecord("not json").status()));
