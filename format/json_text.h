@@ -66,7 +66,7 @@ class JsonText {
   void Value(const char* s) { String(s); }
   void Value(double v) { Double(v); }
   template <typename Int>
-    requires std::is_integral_v<Int>
+    requires(std::is_integral_v<Int> && !std::is_same_v<Int, bool>)
   void Value(Int v) {
     Number(v);
   }

@@ -135,7 +135,10 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure) {
   summary->structure.job = structure.structure.job;
   summary->structure.world_size = structure.structure.world_size;
   summary->structure.ckptd_version = structure.structure.ckptd_version;
-  summary->structure.shards = structure.structure.shards;
+  summary->structure.shards.reserve(structure.structure.shards.size());
+  for (const ManifestShard& shard : structure.structure.shards) {
+    summary->structure.shards.push_back({shard.rank, shard.file, shard.bytes, {}, {}});  // no train state
+  }
   summary->digest = structure.digest;
   summary->json_bytes = structure.json_bytes;
   summary->checksums = structure.checksums;

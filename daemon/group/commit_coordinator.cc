@@ -296,23 +296,30 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
   for (const auto& [node, part] : parts) key += fmt::format("{}:{};", node, part.structure->digest);
   {
     std::lock_guard lock(checks_mu_);
-    if (auto made = checks_.find(key); made != checks_.end()) return made->second;
+    if (auto made = checks_.find(key); made != checks_.end()) {
+      // Least recently used goes first: a large job's check, made every step, stays.
+      checks_order_.splice(checks_order_.end(), checks_order_, made->second.second);
+      return made->second.first;
+    }
   }
-  // A combination not checked before needs every structure whole; those held as summaries
-  // only (the cache was full) are dropped, so that their nodes send them again with the
-  // next step. Not remembered: the next step's check is made afresh.
+  // A combination not checked before needs every structure whole. When some are held as
+  // summaries only (the cache was full), every structure of the combination is dropped,
+  // so that every node of it sends its whole part with the next step and the round holds
+  // them all at once: dropping only the summaries would let the cache summarize others
+  // before their nodes prepare, step after step. Not remembered: checked afresh next time.
   std::vector<uint32_t> summarized;
   for (const auto& [node, part] : parts) {
     if (part.structure->summary) summarized.push_back(node);
   }
   if (!summarized.empty()) {
-    for (const auto& [node, part] : parts) {
-      if (part.structure->summary && options_.forget_structure) options_.forget_structure(part.structure->digest);
+    if (options_.forget_structure) {
+      for (const auto& [node, part] : parts) options_.forget_structure(part.structure->digest);
     }
     return {absl::FailedPreconditionError(fmt::format(
-                "the coordinator holds only a summary of the structures of {} node(s) (nodes {}{}) and must see them "
-                "whole to check this combination: they send them again with the next step",
-                summarized.size(), fmt::join(summarized.begin(), summarized.begin() + std::min<size_t>(summarized.size(), 8), ", "),
+                "the coordinator holds only a summary of the structures of {} node(s) (nodes {}{}) and must see every "
+                "structure whole to check this combination: the nodes send them again with the next step",
+                summarized.size(),
+                fmt::join(summarized.begin(), summarized.begin() + std::min<size_t>(summarized.size(), 8), ", "),
                 summarized.size() > 8 ? ", ..." : "")),
             0};
   }
@@ -329,7 +336,10 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
     check.status = tensors.status();
   }
   std::lock_guard lock(checks_mu_);
-  if (checks_.emplace(key, check).second) checks_order_.push_back(key);
+  if (!checks_.count(key)) {
+    checks_order_.push_back(key);
+    checks_.emplace(key, std::make_pair(check, std::prev(checks_order_.end())));
+  }
   while (checks_order_.size() > kStructureChecks) {
     checks_.erase(checks_order_.front());
     checks_order_.pop_front();
@@ -405,7 +415,14 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
                   Message(published));
     }
   } else if (recorded.ok()) {
-    committed->parts = parts;  // the whole manifest is assembled when node 0 asks
+    if (std::optional<std::string> why = WhyNotAssembled(*parts)) {
+      // Decided here, in O(parts): such a step never waits in the assembler's queue.
+      Log().warn("{} the whole manifest is not assembled: {}; node 0 publishes its own ranks only",
+                 Prefix(key.first, key.second), *why);
+      committed->whole_unavailable = true;
+    } else {
+      committed->parts = parts;  // the whole manifest is assembled when node 0 asks
+    }
   }
   std::lock_guard lock(mu_);
   auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
@@ -417,7 +434,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
     return recent_[key].decision;
   }
   Decision decision{Outcome::kCommitted, {}, std::move(committed)};
-  const bool assemble = decision.committed->manifest_json.empty();
+  const bool assemble = decision.committed->manifest_json.empty() && !decision.committed->whole_unavailable;
   for (PendingWaiter& w : round->second.waiters) {
     if (w.whole && assemble) {
       awaiting_whole_[key].push_back(std::move(w));
@@ -593,6 +610,19 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
   return recorded;
 }
 
+std::optional<std::string> CommitCoordinator::WhyNotAssembled(const PreparedParts& parts) const {
+  if (const size_t estimate = WholeManifestEstimate(parts); estimate > 2 * options_.max_whole_manifest_bytes) {
+    // No reader could load it, and building it would cost node 0 seconds and gigabytes a
+    // step (1,000 nodes x 8 ranks x 200 tensors: 362 MiB of text, 24 s, 7.6 GiB).
+    return fmt::format("it would be about {} bytes, more than a step's manifest may be ({})", estimate,
+                       options_.max_whole_manifest_bytes);
+  }
+  if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.structure->summary; })) {
+    return std::string("the coordinator holds only summaries of some nodes' structures (its cache is full)");
+  }
+  return std::nullopt;
+}
+
 Decision CommitCoordinator::WithoutWholeManifest(const Decision& decision) {
   auto header_only = std::make_shared<CommittedStep>(*decision.committed);
   header_only->parts.reset();
@@ -618,24 +648,9 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
                         recorded.reason.empty() ? "it was not recorded" : recorded.reason),
             nullptr};
   }
-  if (const size_t estimate = WholeManifestEstimate(*c.parts); estimate > 2 * options_.max_whole_manifest_bytes) {
-    // Far over what a step's manifest may be: no reader could load it, and building it
-    // would cost node 0 seconds and gigabytes a step (1,000 nodes x 8 ranks x 200 tensors:
-    // 362 MiB of text, 24 s, 7.6 GiB). Node 0 publishes its own ranks like every node.
-    Log().warn("{} the whole manifest would be about {} bytes, more than a step's manifest may be ({}): it is "
-               "not assembled, and node 0 publishes its own ranks only",
-               Prefix(key.first, key.second), estimate, options_.max_whole_manifest_bytes);
-    Decision decided = WithoutWholeManifest(decision);
-    std::lock_guard lock(mu_);
-    if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);
-    return decided;
-  }
-  if (std::any_of(c.parts->begin(), c.parts->end(), [](const auto& p) { return p.second.structure->summary; })) {
-    // Some structures are held as summaries only (the cache was full): node 0 publishes
-    // its own ranks of this step.
-    Log().warn("{} the whole manifest is not assembled: the coordinator holds only summaries of some nodes' "
-               "structures; node 0 publishes its own ranks only",
-               Prefix(key.first, key.second));
+  if (std::optional<std::string> why = WhyNotAssembled(*c.parts)) {
+    Log().warn("{} the whole manifest is not assembled: {}; node 0 publishes its own ranks only",
+               Prefix(key.first, key.second), *why);
     Decision decided = WithoutWholeManifest(decision);
     std::lock_guard lock(mu_);
     if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);

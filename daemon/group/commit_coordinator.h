@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <condition_variable>
@@ -205,6 +206,9 @@ class CommitCoordinator {
   // The same committed step, marked as having no whole manifest (node 0 publishes its own
   // ranks): the manifest would be too large, or its assembly was given up.
   static Decision WithoutWholeManifest(const Decision& decision);
+  // Why the whole manifest of these parts will not be assembled (far too large, or some
+  // structures held as summaries only); nullopt when it will.
+  std::optional<std::string> WhyNotAssembled(const PreparedParts& parts) const;
   // The assembler thread: builds and records each committed step's whole manifest after
   // its decision was announced, then answers the waiters that asked for it.
   void AssembleLoop();
@@ -249,8 +253,8 @@ class CommitCoordinator {
   // Structure checks made, by the combination of (node, structure digest) they were made
   // for; a few per job (a job that changes its structure makes a new one).
   std::mutex checks_mu_;
-  std::map<std::string, StructureCheck> checks_;
-  std::deque<std::string> checks_order_;
+  std::list<std::string> checks_order_;  // least recently used first
+  std::map<std::string, std::pair<StructureCheck, std::list<std::string>::iterator>> checks_;
   // Committed steps whose whole manifest is still to be assembled, with the waiters for it;
   // guarded by mu_.
   std::deque<std::pair<Key, Decision>> to_assemble_;

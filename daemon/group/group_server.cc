@@ -181,6 +181,7 @@ class GrpcGroupServer final : public GroupServer {
     auto now = Clock::now();
     state_->commits.Tick(now);
     state_->gathers.Expire(now);
+    state_->uploads.DropStale(now);
     for (const LostMember& lost : state_->membership.Expire(now)) {
       Log().warn("{}: aborting undecided steps", lost.why);
       state_->commits.MemberLost(lost.node, lost.why, lost.version, lost.silent_since_unix_ns);

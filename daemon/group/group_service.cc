@@ -515,8 +515,10 @@ grpc::ServerUnaryReactor* GroupService::PutStructure(grpc::CallbackServerContext
         node, request->structure_digest(), request->total_bytes(), request->offset(), request->data(), Clock::now());
     if (!text.ok()) return Annotate(text.status(), "structure chunk");
     if (!*text) return absl::OkStatus();
+    std::lock_guard parsing(coordinator_->parse_mu);
     absl::StatusOr<format::Manifest> part = format::ParseManifest(
         **text, fmt::format("structure from node {}", node), format::ManifestScope::kPart);
+    text->reset();
     if (!part.ok()) return absl::InvalidArgumentError(fmt::format("the uploaded part: {}", Message(part.status())));
     format::SplitResult split = format::SplitPart(*part);
     if (split.structure->digest != request->structure_digest()) {

@@ -41,9 +41,15 @@ struct CoordinatorState {
   // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it nodes resend theirs.
   StructureCache structures{size_t{1} << 30};
   StructureUploads uploads{StructureUploads::Limits{}};
+  // One uploaded part parsed at a time: a parse holds several times its text in memory.
+  std::mutex parse_mu;
   GatherTable gathers;
   daemon::SaveSchedule saves;  // every job's save clock (interval_seconds)
   const UploadTargets* uploading;  // node 0's uploader's (null without a remote tier)
+
+  // forget_structure points at `structures` of this very object.
+  CoordinatorState(const CoordinatorState&) = delete;
+  CoordinatorState& operator=(const CoordinatorState&) = delete;
 
  private:
   CommitCoordinator::Options CommitOptions(const GroupOptions& options, CommitCoordinator::Publisher publish) {

@@ -244,7 +244,9 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       pb::PrepareReply reply;
       CKPT_RETURN_IF_ERROR(Describe("prepare", CallPrepare(request, &reply)));
       if (reply.need_structure()) {
-        if (!request.manifest_part_json().empty() || asked > 0) {
+        // Asked again after an upload: the structure was dropped in between (a new
+        // combination met a summary); once more, then the step is retried later.
+        if (!request.manifest_part_json().empty() || asked > 1) {
           return absl::InternalError("group prepare: the coordinator asked for a structure it was sent");
         }
         ForgetStructure(digest);
@@ -386,6 +388,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   // Sends a part's text to the coordinator in chunks, straight (not through a relay: it
   // happens once per structure, and a relay would hold it whole).
   absl::Status PutStructure(const std::string& digest, const std::string& text) {
+    // One upload at a time from this daemon: the coordinator takes few per node.
+    std::lock_guard uploading(upload_mu_);
     const size_t chunk = std::max<size_t>(options_.structure_chunk_bytes, 1);
     for (size_t offset = 0; offset < text.size(); offset += chunk) {
       pb::StructureChunk request;
@@ -405,6 +409,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     }
     return absl::OkStatus();
   }
+
+  std::mutex upload_mu_;
 
   bool KnowsStructure(const std::string& digest) const {
     std::lock_guard lock(structures_mu_);

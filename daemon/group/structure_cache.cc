@@ -21,7 +21,10 @@ void StructureCache::ShrinkLocked() {
     bytes_ += Cost(*summaries_.front());
     by_digest_[oldest->digest] = {summaries_.begin(), true};
   }
-  while (bytes_ > max_bytes_ && !summaries_.empty()) EraseLocked(summaries_.back()->digest);
+  while (bytes_ > max_bytes_ && !summaries_.empty()) {
+    const std::string oldest = summaries_.back()->digest;  // a copy: erasing frees the original
+    EraseLocked(oldest);
+  }
 }
 
 void StructureCache::Add(std::shared_ptr<const format::PartStructure> structure) {

@@ -23,6 +23,34 @@ TEST_CASE("uploads: chunks in order make the whole text; nodes' uploads are apar
   CHECK(uploads.bytes() == 0);
 }
 
+TEST_CASE("uploads: one node's uploads of two structures go apart; a node has at most two at once") {
+  StructureUploads uploads({});
+  const auto now = Clock::now();
+  REQUIRE(uploads.Add(1, "job-a", 4, 0, "ab", now).ok());
+  REQUIRE(uploads.Add(1, "job-b", 2, 0, "x", now).ok());  // does not reset job-a's
+  CHECK(absl::IsResourceExhausted(uploads.Add(1, "job-c", 2, 0, "x", now).status()));
+  CHECK(**uploads.Add(1, "job-a", 4, 2, "cd", now) == "abcd");
+  CHECK(**uploads.Add(1, "job-b", 2, 1, "y", now) == "xy");
+}
+
+TEST_CASE("uploads: an upload still running five minutes after it began is dropped, however busy") {
+  StructureUploads uploads({});
+  const auto start = Clock::now();
+  REQUIRE(uploads.Add(1, "d", 100, 0, "a", start).ok());
+  auto t = start;
+  for (uint64_t offset = 1; offset < 10; ++offset) {
+    t += 40s;  // never idle for a minute
+    auto added = uploads.Add(1, "d", 100, offset, "a", t);
+    if (t - start > 300s) {
+      CHECK(absl::IsFailedPrecondition(added.status()));
+      break;
+    }
+    REQUIRE(added.ok());
+  }
+  uploads.DropStale(t);
+  CHECK(uploads.bytes() == 0);
+}
+
 TEST_CASE("uploads: a chunk out of order, of another digest or size, is refused; offset 0 starts again") {
   StructureUploads uploads({});
   const auto now = Clock::now();
