@@ -32,14 +32,19 @@ namespace ckpt::group {
 struct CoordinatorState {
   CoordinatorState(const GroupOptions& options, DecisionLog& log,
                    CommitCoordinator::Publisher publish, const UploadTargets* uploading)
-      : membership(options.num_nodes, options.group_timeout),
+      : publishes(static_cast<bool>(publish.commit)),
+        membership(options.num_nodes, options.group_timeout),
         commits(log, CommitOptions(options, std::move(publish))),
+        structures(size_t{1} << 30, /*summarize=*/!publishes),
         uploading(uploading) {}
+  // On a shared root the coordinator publishes every step's whole manifest itself, so it
+  // keeps every structure whole (a summary could not be joined into it).
+  const bool publishes;
   Membership membership;
   CommitCoordinator commits;
   // The part structures nodes sent, so that their prepares carry only values. 1 GiB holds
   // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it nodes resend theirs.
-  StructureCache structures{size_t{1} << 30};
+  StructureCache structures;
   StructureUploads uploads{StructureUploads::Limits{}};
   // One uploaded part parsed at a time: a parse holds several times its text in memory.
   std::mutex parse_mu;

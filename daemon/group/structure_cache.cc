@@ -14,6 +14,11 @@ void StructureCache::EraseLocked(const std::string& digest) {
 void StructureCache::ShrinkLocked() {
   // The most recently added whole structure always stays: its node must be able to prepare.
   while (bytes_ > max_bytes_ && whole_.size() > 1) {
+    if (!summarize_) {
+      const std::string oldest = whole_.back()->digest;  // a copy: erasing frees the original
+      EraseLocked(oldest);
+      continue;
+    }
     std::shared_ptr<const format::PartStructure> oldest = std::move(whole_.back());
     whole_.pop_back();
     bytes_ -= Cost(*oldest);

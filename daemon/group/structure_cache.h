@@ -19,7 +19,9 @@ namespace ckpt::group {
 
 class StructureCache {
  public:
-  explicit StructureCache(size_t max_bytes) : max_bytes_(max_bytes) {}
+  // Without `summarize`, structures over the bound are dropped whole (a coordinator that
+  // publishes every step's whole manifest on a shared root needs every structure whole).
+  explicit StructureCache(size_t max_bytes, bool summarize = true) : max_bytes_(max_bytes), summarize_(summarize) {}
 
   // Keeps `structure` (or refreshes the copy held under its digest; a whole structure
   // replaces a summary).
@@ -46,6 +48,7 @@ class StructureCache {
   void EraseLocked(const std::string& digest);
 
   const size_t max_bytes_;
+  const bool summarize_;
   mutable std::mutex mu_;
   Lru whole_;      // most recently used first
   Lru summaries_;  // most recently used first

@@ -86,3 +86,18 @@ TEST_CASE("structure cache: the newest stays even when it alone is over the boun
   CHECK(cache.size() == 1);
   CHECK(cache.Find(b->digest) == b);
 }
+
+TEST_CASE("structure cache: without summaries (a shared root), the least recently used are dropped whole") {
+  auto a = Structure("a"), b = Structure("b"), c = Structure("c");
+  group::StructureCache probe(size_t{1} << 30);
+  probe.Add(a);
+  const size_t one = probe.bytes();
+  group::StructureCache cache(2 * one + one / 2, /*summarize=*/false);
+  cache.Add(a);
+  cache.Add(b);
+  cache.Add(c);
+  CHECK(cache.size() == 2);
+  CHECK(cache.summaries() == 0);
+  CHECK(cache.Find(a->digest) == nullptr);
+  CHECK(cache.Find(c->digest) == c);
+}
