@@ -601,7 +601,8 @@ TEST_CASE("group: a step in doubt is published from the node's record of what it
   REQUIRE(manifest->shards.size() == 1);
   CHECK(manifest->shards[0].rank == 0);
   CHECK(manifest->scope->step_bytes == manifest->shards[0].bytes + 1001);  // rank 1's part: 1001 bytes
-  CHECK_FALSE(f.fs->Exists(f.store.StepDir("job", 10) + "/.prepared.json"));  // removed once published
+  // Removed once published: just after the rename that made the step appear.
+  CHECK(WaitUntil([&] { return !f.fs->Exists(f.store.StepDir("job", 10) + "/.prepared.json"); }, 5s));
   restarted.Shutdown();
 }
 
