@@ -462,9 +462,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
         for (PendingWaiter& w : waiting->second) out.emplace_back(std::move(w.waiter), given_up);
         awaiting_whole_.erase(waiting);
       }
-      if (auto known = recent_.find(old_key); known != recent_.end() && known->second.decision.committed) {
-        RememberLocked(old_key, given_up);
-      }
+      ReplaceRememberedLocked(old_key, given_up);
     }
     assemble_cv_.notify_one();
   }
@@ -648,14 +646,7 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
                         recorded.reason.empty() ? "it was not recorded" : recorded.reason),
             nullptr};
   }
-  if (std::optional<std::string> why = WhyNotAssembled(*c.parts)) {
-    Log().warn("{} the whole manifest is not assembled: {}; node 0 publishes its own ranks only",
-               Prefix(key.first, key.second), *why);
-    Decision decided = WithoutWholeManifest(decision);
-    std::lock_guard lock(mu_);
-    if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decided);
-    return decided;
-  }
+  // (Parts are kept only for a step whose manifest will be built: Decide asked WhyNotAssembled.)
   absl::StatusOr<format::Manifest> whole = AssembleWhole(*c.parts);
   if (!whole.ok()) {  // cannot happen: every part's values were checked against its structure
     return {Outcome::kPending, fmt::format("the whole manifest cannot be assembled: {}", Message(whole.status())),
@@ -679,10 +670,13 @@ Decision CommitCoordinator::WithWholeManifest(const Key& key, const Decision& de
   }
   Decision assembled{Outcome::kCommitted, {}, std::move(full)};
   std::lock_guard lock(mu_);
-  if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) {
-    RememberLocked(key, assembled);
-  }
+  ReplaceRememberedLocked(key, assembled);
   return assembled;
+}
+
+void CommitCoordinator::ReplaceRememberedLocked(const Key& key, const Decision& decision) {
+  // Not brought back once forgotten, nor over a decision that is not a commit.
+  if (auto it = recent_.find(key); it != recent_.end() && it->second.decision.committed) RememberLocked(key, decision);
 }
 
 Decision CommitCoordinator::FromLog(const Key& key, bool whole) {

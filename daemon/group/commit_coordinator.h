@@ -204,7 +204,7 @@ class CommitCoordinator {
   // beside its decision) or read back from the log.
   Decision WithWholeManifest(const Key& key, const Decision& decision);
   // The same committed step, marked as having no whole manifest (node 0 publishes its own
-  // ranks): the manifest would be too large, or its assembly was given up.
+  // ranks): its assembly was given up.
   static Decision WithoutWholeManifest(const Decision& decision);
   // Why the whole manifest of these parts will not be assembled (far too large, or some
   // structures held as summaries only); nullopt when it will.
@@ -215,6 +215,9 @@ class CommitCoordinator {
   // With mu_ held; the waiters to notify go to `out`, called after unlocking.
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
+  // The committed step `key` as remembered now (with or without its whole manifest), if it
+  // is still remembered.
+  void ReplaceRememberedLocked(const Key& key, const Decision& decision);
   static void ReplaceRanksLocked(Round& round, uint32_t node, PreparedPart part);
   static void ForgetNodeLocked(Round& round, uint32_t node);
   // Records that `node` prepared `rank`; the node that had already prepared it otherwise.
