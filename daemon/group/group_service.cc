@@ -164,6 +164,15 @@ absl::Status CheckPartMatches(const pb::PrepareRequest& request, const PreparedP
   return absl::OkStatus();
 }
 
+// A node's part as text (inline in a prepare, or uploaded in chunks), parsed; InvalidArgument
+// naming `field` when it is not a part.
+absl::StatusOr<format::Manifest> ParsePartText(const std::string& text, const std::string& source,
+                                               const char* field) {
+  absl::StatusOr<format::Manifest> part = format::ParseManifest(text, source, format::ManifestScope::kPart);
+  if (!part.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}", field, Message(part.status())));
+  return part;
+}
+
 std::string Truncated(const std::string& text, size_t limit) {
   return text.size() <= limit ? text : text.substr(0, limit) + "...";
 }
@@ -466,13 +475,10 @@ void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::Prepare
       part.values = FromProto(request->values(), request->step());
       CKPT_RETURN_IF_ERROR(Annotate(format::CheckValuesFit(*part.structure, part.values), "values"));
     } else {
-      absl::StatusOr<format::Manifest> whole_part =
-          format::ParseManifest(request->manifest_part_json(), fmt::format("prepare from node {}", node),
-                                format::ManifestScope::kPart);
-      if (!whole_part.ok()) {
-        return absl::InvalidArgumentError(fmt::format("manifest_part_json: {}", Message(whole_part.status())));
-      }
-      format::SplitResult split = format::SplitPart(*whole_part);
+      CKPT_ASSIGN_OR_RETURN(format::Manifest whole_part,
+                            ParsePartText(request->manifest_part_json(), fmt::format("prepare from node {}", node),
+                                          "manifest_part_json"));
+      format::SplitResult split = format::SplitPart(whole_part);
       part = {std::move(split.structure), std::move(split.values)};
     }
     CKPT_RETURN_IF_ERROR(CheckPartMatches(*request, part));
@@ -516,11 +522,10 @@ grpc::ServerUnaryReactor* GroupService::PutStructure(grpc::CallbackServerContext
     if (!text.ok()) return Annotate(text.status(), "structure chunk");
     if (!*text) return absl::OkStatus();
     std::lock_guard parsing(coordinator_->parse_mu);
-    absl::StatusOr<format::Manifest> part = format::ParseManifest(
-        **text, fmt::format("structure from node {}", node), format::ManifestScope::kPart);
-    text->reset();
-    if (!part.ok()) return absl::InvalidArgumentError(fmt::format("the uploaded part: {}", Message(part.status())));
-    format::SplitResult split = format::SplitPart(*part);
+    CKPT_ASSIGN_OR_RETURN(format::Manifest part,
+                          ParsePartText(**text, fmt::format("structure from node {}", node), "the uploaded part"));
+    text->reset();  // up to 256 MiB, not needed for the split
+    format::SplitResult split = format::SplitPart(part);
     if (split.structure->digest != request->structure_digest()) {
       return absl::InvalidArgumentError(fmt::format("the uploaded part's structure digest is {}, not {} as named",
                                                     split.structure->digest, request->structure_digest()));

@@ -32,19 +32,18 @@ namespace ckpt::group {
 struct CoordinatorState {
   CoordinatorState(const GroupOptions& options, DecisionLog& log,
                    CommitCoordinator::Publisher publish, const UploadTargets* uploading)
-      : publishes(static_cast<bool>(publish.commit)),
-        membership(options.num_nodes, options.group_timeout),
+      : membership(options.num_nodes, options.group_timeout),
+        // On a shared root the coordinator publishes every step's whole manifest itself, so
+        // it keeps every structure whole (a summary could not be joined into it).
+        structures(size_t{1} << 30, /*summarize=*/!publish.commit),
         commits(log, CommitOptions(options, std::move(publish))),
-        structures(size_t{1} << 30, /*summarize=*/!publishes),
         uploading(uploading) {}
-  // On a shared root the coordinator publishes every step's whole manifest itself, so it
-  // keeps every structure whole (a summary could not be joined into it).
-  const bool publishes;
   Membership membership;
-  CommitCoordinator commits;
   // The part structures nodes sent, so that their prepares carry only values. 1 GiB holds
-  // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it nodes resend theirs.
+  // about 1,000 nodes' structures of 8 ranks x 200 tensors; beyond it, summaries. Before
+  // `commits`, which drops structures from it, and so outlives it.
   StructureCache structures;
+  CommitCoordinator commits;
   StructureUploads uploads{StructureUploads::Limits{}};
   // One uploaded part parsed at a time: a parse holds several times its text in memory.
   std::mutex parse_mu;
@@ -61,7 +60,6 @@ struct CoordinatorState {
     CommitCoordinator::Options o;
     o.step_timeout = options.step_timeout;
     o.publish = std::move(publish);
-    // Called once `structures` exists: only prepares, after construction, reach it.
     o.forget_structure = [this](const std::string& digest) { structures.Forget(digest); };
     return o;
   }
