@@ -520,8 +520,51 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
 
 namespace ckpt::format {
 
-absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
+absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Manifest*>>& parts) {
   if (parts.empty()) return absl::InvalidArgumentError("no manifest parts to merge");
+  const Manifest& first = *parts.front().second;
+  std::vector<bool> held(first.world_size, false);
+  uint32_t ranks = 0;
+  for (const auto& [node, part] : parts) {
+    if (part->job != first.job || part->step != first.step || part->world_size != first.world_size) {
+      return absl::FailedPreconditionError(fmt::format(
+          "node {} prepared job {} step {} with world size {}; another node prepared job {} step {} "
+          "with world size {}",
+          node, part->job, part->step, part->world_size, first.job, first.step, first.world_size));
+    }
+    for (const ManifestShard& s : part->shards) {
+      if (s.rank >= held.size() || held[s.rank]) {
+        return absl::FailedPreconditionError(
+            s.rank >= held.size() ? fmt::format("rank {} is outside world size {}", s.rank, first.world_size)
+                                  : fmt::format("rank {} of step {} was prepared twice", s.rank, first.step));
+      }
+      held[s.rank] = true;
+      ++ranks;
+    }
+  }
+  if (ranks != first.world_size) {
+    std::vector<uint32_t> missing;
+    for (uint32_t r = 0; r < held.size(); ++r) {
+      if (!held[r]) missing.push_back(r);
+    }
+    return absl::FailedPreconditionError(fmt::format("step {} is missing ranks {}", first.step, fmt::join(missing, ", ")));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameTensor(const std::string& name, uint32_t node, const ManifestTensor& t,
+                             const ManifestTensor& other) {
+  if (t.dtype == other.dtype && t.global_shape == other.global_shape) return absl::OkStatus();
+  return absl::FailedPreconditionError(fmt::format("tensor {}: node {} has {} [{}], another node has {} [{}]", name,
+                                                   node, t.dtype, fmt::join(t.global_shape, ","), other.dtype,
+                                                   fmt::join(other.global_shape, ",")));
+}
+
+absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
+  std::vector<std::pair<uint32_t, const Manifest*>> refs;
+  refs.reserve(parts.size());
+  for (const auto& [node, part] : parts) refs.emplace_back(node, &part);
+  if (absl::Status covered = CheckPartsCoverWorld(refs); !covered.ok()) return covered;
   const Manifest& first = parts.front().second;
   Manifest m;
   m.job = first.job;
@@ -533,12 +576,6 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
   std::map<uint32_t, const ManifestShard*> by_rank;
   std::map<uint32_t, std::vector<uint32_t>> by_node;
   for (const auto& [node, part] : parts) {
-    if (part.job != m.job || part.step != m.step || part.world_size != m.world_size) {
-      return absl::FailedPreconditionError(fmt::format(
-          "node {} prepared job {} step {} with world size {}; another node prepared job {} step {} "
-          "with world size {}",
-          node, part.job, part.step, part.world_size, m.job, m.step, m.world_size));
-    }
     // The latest clock among the nodes: the moment the last part became durable.
     m.run = std::max(m.run, part.run);
     if (part.unix_time > m.unix_time) {
@@ -546,29 +583,16 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
       m.wall_time = part.wall_time;
     }
     for (const ManifestShard& s : part.shards) {
-      if (!by_rank.emplace(s.rank, &s).second) {
-        return absl::FailedPreconditionError(
-            fmt::format("rank {} of step {} was prepared twice", s.rank, m.step));
-      }
+      by_rank.emplace(s.rank, &s);
       by_node[node].push_back(s.rank);
     }
     for (const auto& [name, t] : part.tensors) {
       auto [it, inserted] = m.tensors.try_emplace(name, ManifestTensor{t.dtype, t.global_shape, {}});
-      if (!inserted && (it->second.dtype != t.dtype || it->second.global_shape != t.global_shape)) {
-        return absl::FailedPreconditionError(fmt::format(
-            "tensor {}: node {} has {} [{}], another node has {} [{}]", name, node, t.dtype,
-            fmt::join(t.global_shape, ","), it->second.dtype, fmt::join(it->second.global_shape, ",")));
+      if (!inserted) {
+        if (absl::Status same = CheckSameTensor(name, node, t, it->second); !same.ok()) return same;
       }
       it->second.shards.insert(it->second.shards.end(), t.shards.begin(), t.shards.end());
     }
-  }
-  std::vector<uint32_t> missing;
-  for (uint32_t r = 0; r < m.world_size; ++r) {
-    if (!by_rank.count(r)) missing.push_back(r);
-  }
-  if (!missing.empty() || by_rank.size() != m.world_size) {
-    return absl::FailedPreconditionError(
-        fmt::format("step {} is missing ranks {}", m.step, fmt::join(missing, ", ")));
   }
   for (const auto& [rank, shard] : by_rank) {
     m.shards.push_back(*shard);

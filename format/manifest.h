@@ -166,6 +166,14 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::strin
 // appears twice or is missing.
 absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts);
 
+// What merging parts checks first (MergeManifestParts, and format::CheckPartsTile, which
+// checks without merging): they agree on job, step and world size, and every rank of the
+// world is in exactly one of them. FailedPrecondition naming the first disagreement.
+absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Manifest*>>& parts);
+// That tensor `name` of `node`'s part has the dtype and global shape of `other`'s.
+absl::Status CheckSameTensor(const std::string& name, uint32_t node, const ManifestTensor& t,
+                             const ManifestTensor& other);
+
 // Removes the shards and tensor pieces of every rank `remove` names, and the tensors left
 // without pieces: a node's ranks cut from a whole manifest, or ranks said again cut from
 // an older part. `nodes` and `scope` are left as they are.

@@ -298,46 +298,17 @@ absl::Status CheckTiling(const Manifest& manifest) {
 }
 
 absl::StatusOr<uint32_t> CheckPartsTile(const std::vector<std::pair<uint32_t, const Manifest*>>& parts) {
-  if (parts.empty()) return absl::InvalidArgumentError("no manifest parts to merge");
-  const Manifest& first = *parts.front().second;
-  std::vector<bool> held(first.world_size, false);
-  uint32_t ranks = 0;
+  if (absl::Status covered = CheckPartsCoverWorld(parts); !covered.ok()) return covered;
   // Each tensor's entry in every part that has it, by name (pointers: no piece is copied).
   std::map<std::string, std::vector<std::pair<uint32_t, const ManifestTensor*>>> tensors;
   for (const auto& [node, part] : parts) {
-    if (part->job != first.job || part->step != first.step || part->world_size != first.world_size) {
-      return absl::FailedPreconditionError(fmt::format(
-          "node {} prepared job {} step {} with world size {}; another node prepared job {} step {} "
-          "with world size {}",
-          node, part->job, part->step, part->world_size, first.job, first.step, first.world_size));
-    }
-    for (const ManifestShard& s : part->shards) {
-      if (s.rank >= held.size() || held[s.rank]) {
-        return absl::FailedPreconditionError(
-            s.rank >= held.size() ? fmt::format("rank {} is outside world size {}", s.rank, first.world_size)
-                                  : fmt::format("rank {} of step {} was prepared twice", s.rank, first.step));
-      }
-      held[s.rank] = true;
-      ++ranks;
-    }
     for (const auto& [name, t] : part->tensors) tensors[name].emplace_back(node, &t);
-  }
-  if (ranks != first.world_size) {
-    std::vector<uint32_t> missing;
-    for (uint32_t r = 0; r < held.size(); ++r) {
-      if (!held[r]) missing.push_back(r);
-    }
-    return absl::FailedPreconditionError(fmt::format("step {} is missing ranks {}", first.step, fmt::join(missing, ", ")));
   }
   for (const auto& [name, entries] : tensors) {
     const ManifestTensor& model = *entries.front().second;
     ManifestTensor merged{model.dtype, model.global_shape, {}};
     for (const auto& [node, t] : entries) {
-      if (t->dtype != model.dtype || t->global_shape != model.global_shape) {
-        return absl::FailedPreconditionError(fmt::format(
-            "tensor {}: node {} has {} [{}], another node has {} [{}]", name, node, t->dtype,
-            fmt::join(t->global_shape, ","), model.dtype, fmt::join(model.global_shape, ",")));
-      }
+      if (absl::Status same = CheckSameTensor(name, node, *t, model); !same.ok()) return same;
       merged.shards.insert(merged.shards.end(), t->shards.begin(), t->shards.end());
     }
     std::sort(merged.shards.begin(), merged.shards.end(),
