@@ -78,6 +78,7 @@ fi
 passed=0
 failed=0
 skipped=0
+failed_logs=()
 # Adds up one test log: Catch2's or pytest's summary, and "SKIPPED:" lines.
 report() {
   local target=$1 log=$2 label=$3
@@ -103,6 +104,7 @@ report() {
   if [ -n "$pytest_summary" ]; then k=$(count skipped); p=$((p + k)); fi
   p=$((p > k ? p - k : 0))
   printf '%-60s %4d passed %4d failed %4d skipped\n' "$target$label" "$p" "$f" "$k"
+  [ "$f" -eq 0 ] || failed_logs+=("$target$label|$log")
   passed=$((passed + p))
   failed=$((failed + f))
   skipped=$((skipped + k))
@@ -147,6 +149,13 @@ if [ -n "$packages_line" ]; then
     failed=$((failed + 1))
   fi
 fi
+
+# Why each failed target failed, where only the end of this output may be kept (a CI log):
+# the end of its log, which holds pytest's or Catch2's failures or Bazel's TIMEOUT.
+for entry in "${failed_logs[@]}"; do
+  echo "--- ${entry%%|*}: the end of ${entry#*|}"
+  tail -n 40 "${entry#*|}" 2>/dev/null | cut -c1-400
+done
 
 if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
   failed=1  # a build itself failed

@@ -4,6 +4,9 @@
 #   run_pytest.sh debian   Debian 12's /usr/bin/python3 and python3-torch (1.13)
 #   run_pytest.sh torch2   the project's virtual environment ($CKPTD_PYTHON, made by
 #                          tools/setup.sh), which holds PyTorch 2 from PyPI
+# Further arguments go to pytest: test files to run (all of client/python/tests when none is
+# named) or options such as --ignore, so that one suite can be split into targets that each
+# stay well inside Bazel's timeout.
 set -euo pipefail
 flavour=${1:?usage: run_pytest.sh debian|torch2 [pytest args]}
 shift
@@ -40,4 +43,10 @@ case $flavour in
     ;;
   *) echo "unknown flavour $flavour" >&2; exit 2 ;;
 esac
-exec "$python" -m pytest -p no:cacheprovider -q client/python/tests "${extra[@]}" "$@"
+files=()
+for arg in "$@"; do
+  case $arg in -*) extra+=("$arg") ;; *) files+=("$arg") ;; esac
+done
+[ ${#files[@]} -gt 0 ] || files=(client/python/tests)
+# --durations: the slowest cases in the log, to split a target that nears its timeout.
+exec "$python" -m pytest -p no:cacheprovider -q --durations=10 "${files[@]}" "${extra[@]}"

@@ -1,6 +1,6 @@
 """ckptd.torch with what only PyTorch 2 has: torch.compile, DTensor, FSDP2 (fully_shard).
 
-Run by //client/python:python_torch2_test only (run_pytest.sh leaves this file out on
+Run by //client/python:python_torch2_parallel_test only (run_pytest.sh leaves this file out on
 Debian's PyTorch 1.13).
 """
 import json
