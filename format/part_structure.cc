@@ -119,8 +119,8 @@ absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& va
   if (!std::isfinite(values.unix_time) || values.unix_time < 0) {
     return absl::InvalidArgumentError(fmt::format("unix_time {} is not a time", values.unix_time));
   }
-  if (!values.xxh3.empty() && !values.checksums.empty()) {
-    return absl::InvalidArgumentError("checksums come as xxh3 values or as text, not both");
+  if (!values.xxh3.empty() + !values.checksums.empty() + (values.withheld > 0) > 1) {
+    return absl::InvalidArgumentError("checksums come as xxh3 values, as text or as a count, not more than one");
   }
   if (values.checksum_count() != structure.checksums) {
     return absl::InvalidArgumentError(fmt::format("{} checksums, but structure {} has {}",
@@ -147,11 +147,28 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure) {
   return summary;
 }
 
+PartValues PartValues::WithChecksumsWithheld() const {
+  PartValues v;
+  v.step = step;
+  v.run = run;
+  v.unix_time = unix_time;
+  v.wall_time = wall_time;
+  v.metadata = metadata;
+  v.ranks = ranks;
+  v.withheld = checksum_count();
+  return v;
+}
+
 absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValues& values) {
   if (structure.summary) {
     return absl::FailedPreconditionError(fmt::format("structure {} is held as a summary only", structure.digest));
   }
   if (absl::Status fits = CheckValuesFit(structure, values); !fits.ok()) return fits;
+  if (values.withheld) {
+    return absl::FailedPreconditionError(
+        fmt::format("the checksums of a part of structure {} stayed on its node (only their count came)",
+                    structure.digest));
+  }
   Manifest m = structure.structure;
   m.step = values.step;
   m.run = values.run;

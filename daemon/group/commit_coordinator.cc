@@ -6,6 +6,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <iterator>
 #include <set>
 
 #include "common/log.h"
@@ -116,6 +117,10 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
                               options_.max_world_size));
   }
   if (part.shards.empty()) return refuse("a prepare must name at least one rank");
+  if (prepared.values.withheld && options_.publish.commit) {
+    return refuse("the coordinator publishes every step's whole manifest on the shared root and needs every checksum, "
+                  "but this part's stayed on its node");
+  }
   if (absl::Status fits = format::CheckValuesFit(*prepared.structure, prepared.values); !fits.ok()) {
     return refuse(Message(fits));
   }
@@ -259,8 +264,10 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, Prepared
       } else if (overlap < old.shape().shards.size()) {
         // Some of an older part's ranks said again (rare: a retry that found more ranks
         // durable): the older part keeps the others, as a structure of its own.
+        // A part held as a summary, or whose checksums stayed on its node, cannot be
+        // split: its other ranks are dropped, and the step aborts for them at its decision.
         absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values);
-        if (!rest.ok()) continue;  // cannot happen: its values were checked to fit
+        if (!rest.ok()) continue;
         format::RemoveRanks(*rest, [&](uint32_t rank) { return ranks.count(rank) > 0; });
         format::SplitResult split = format::SplitPart(*rest);
         kept.push_back({std::move(split.structure), std::move(split.values)});
@@ -293,7 +300,8 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
 
 CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const PreparedParts& parts) {
   std::string key;  // the same structures on the same nodes
-  for (const auto& [node, part] : parts) key += fmt::format("{}:{};", node, part.structure->digest);
+  key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.structure->digest.size() + 12));
+  for (const auto& [node, part] : parts) fmt::format_to(std::back_inserter(key), "{}:{};", node, part.structure->digest);
   {
     std::lock_guard lock(checks_mu_);
     if (auto made = checks_.find(key); made != checks_.end()) {
@@ -415,11 +423,12 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
                   Message(published));
     }
   } else if (recorded.ok()) {
-    if (std::optional<std::string> why = WhyNotAssembled(*parts)) {
+    if (std::optional<NotAssembled> not_assembled = WhyNotAssembled(*parts)) {
       // Decided here, in O(parts): such a step never waits in the assembler's queue.
       Log().warn("{} the whole manifest is not assembled: {}; node 0 publishes its own ranks only",
-                 Prefix(key.first, key.second), *why);
+                 Prefix(key.first, key.second), not_assembled->why);
       committed->whole_unavailable = true;
+      committed->checksums_unused = not_assembled->checksums_unused;
     } else {
       committed->parts = parts;  // the whole manifest is assembled when node 0 asks
     }
@@ -608,15 +617,21 @@ Decision CommitCoordinator::Lookup(const std::string& job, uint64_t step, bool w
   return recorded;
 }
 
-std::optional<std::string> CommitCoordinator::WhyNotAssembled(const PreparedParts& parts) const {
+std::optional<CommitCoordinator::NotAssembled> CommitCoordinator::WhyNotAssembled(const PreparedParts& parts) const {
   if (const size_t estimate = WholeManifestEstimate(parts); estimate > 2 * options_.max_whole_manifest_bytes) {
     // No reader could load it, and building it would cost node 0 seconds and gigabytes a
     // step (1,000 nodes x 8 ranks x 200 tensors: 362 MiB of text, 24 s, 7.6 GiB).
-    return fmt::format("it would be about {} bytes, more than a step's manifest may be ({})", estimate,
-                       options_.max_whole_manifest_bytes);
+    return NotAssembled{fmt::format("it would be about {} bytes, more than a step's manifest may be ({})", estimate,
+                                    options_.max_whole_manifest_bytes),
+                        true};
   }
   if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.structure->summary; })) {
-    return std::string("the coordinator holds only summaries of some nodes' structures (its cache is full)");
+    return NotAssembled{"the coordinator holds only summaries of some nodes' structures (its cache is full)", true};
+  }
+  if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.values.withheld > 0; })) {
+    // They were told to, while the manifest was too large; it no longer is: the answer
+    // tells them to send checksums again.
+    return NotAssembled{"some nodes kept their checksums (the manifest was too large before)", false};
   }
   return std::nullopt;
 }

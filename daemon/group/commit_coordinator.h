@@ -206,9 +206,14 @@ class CommitCoordinator {
   // The same committed step, marked as having no whole manifest (node 0 publishes its own
   // ranks): its assembly was given up.
   static Decision WithoutWholeManifest(const Decision& decision);
-  // Why the whole manifest of these parts will not be assembled (far too large, or some
-  // structures held as summaries only); nullopt when it will.
-  std::optional<std::string> WhyNotAssembled(const PreparedParts& parts) const;
+  // Why the whole manifest of these parts will not be assembled (far too large, some
+  // structures held as summaries only, or some nodes' checksums withheld); nullopt when it
+  // will.
+  struct NotAssembled {
+    std::string why;
+    bool checksums_unused;  // the reason lasts beyond this step: nodes may withhold checksums
+  };
+  std::optional<NotAssembled> WhyNotAssembled(const PreparedParts& parts) const;
   // The assembler thread: builds and records each committed step's whole manifest after
   // its decision was announced, then answers the waiters that asked for it.
   void AssembleLoop();

@@ -51,8 +51,21 @@ CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
 
 std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
                                const std::map<uint32_t, std::vector<std::string>>& structures) {
-  std::map<uint32_t, std::vector<uint32_t>> ranks;
-  for (uint32_t rank = 0; rank < c.node_of_rank.size(); ++rank) ranks[c.node_of_rank[rank]].push_back(rank);
+  // Each node's ranks, in order, by a counting sort over the rank table: a map of vectors
+  // cost node 0 milliseconds a step at 80,000 ranks.
+  const uint32_t nodes_end = c.shares.empty() ? 0 : c.shares.rbegin()->first + 1;
+  std::vector<uint32_t> first(static_cast<size_t>(nodes_end) + 1, 0);  // by node: where its ranks begin
+  for (uint32_t node : c.node_of_rank) {
+    if (node < nodes_end) ++first[node + 1];
+  }
+  for (size_t n = 1; n < first.size(); ++n) first[n] += first[n - 1];
+  std::vector<uint32_t> ranks(first.back());
+  {
+    std::vector<uint32_t> next(first.begin(), first.end() - 1);
+    for (uint32_t rank = 0; rank < c.node_of_rank.size(); ++rank) {
+      if (uint32_t node = c.node_of_rank[rank]; node < nodes_end) ranks[next[node]++] = rank;
+    }
+  }
   // Written straight to text, as nlohmann would dump it (keys in order): at 10,000 nodes
   // a tree of 80,000 ranks cost node 0 tens of ms inside every decision.
   const StepHeader& h = c.header;
@@ -70,7 +83,10 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
     w.BeginObject();
     w.Field("bytes", share.bytes);
     w.Field("node", node);
-    w.Field("ranks", ranks[node]);
+    w.Key("ranks");
+    w.BeginArray();
+    for (uint32_t i = first[node]; i < first[node + 1]; ++i) w.Number(ranks[i]);
+    w.EndArray();
     w.Field("structures", digests != structures.end() ? digests->second : kNone);
     w.EndObject();
   }

@@ -124,6 +124,7 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
   out->set_unix_time(c.header.unix_time);
   out->set_wall_time(c.header.wall_time);
   out->mutable_metadata()->insert(c.header.metadata.begin(), c.header.metadata.end());
+  out->set_checksums_unused(c.checksums_unused);
   if (auto share = c.shares.find(node); share != c.shares.end()) {
     out->set_node_ranks(share->second.ranks);
     out->set_node_bytes(share->second.bytes);

@@ -238,7 +238,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       }
       if (known) {
         request.set_structure_digest(digest);
-        ToProto(split.values, request.mutable_values());
+        ToProto(WithholdsChecksums(part.job) ? split.values.WithChecksumsWithheld() : split.values,
+                request.mutable_values());
       }
       request.set_attempt(attempt);
       pb::PrepareReply reply;
@@ -254,6 +255,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
         continue;
       }
       RememberStructure(digest);
+      NoteChecksumsUse(part.job, reply.outcome(), reply.committed());
       return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
     }
   }
@@ -282,6 +284,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     request.set_whole_manifest(whole_manifest);
     pb::OutcomeReply reply;
     CKPT_RETURN_IF_ERROR(Describe("outcome", CallOutcome(request, &reply)));
+    NoteChecksumsUse(job, reply.outcome(), reply.committed());
     return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
   }
 
@@ -426,6 +429,22 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     std::lock_guard lock(structures_mu_);
     std::erase(structures_, digest);
   }
+
+  // Jobs whose checksums the coordinator said it keeps none of (CommittedStep
+  // .checksums_unused), as its last commit of each said: their prepares send only a count.
+  bool WithholdsChecksums(const std::string& job) const {
+    std::lock_guard lock(structures_mu_);
+    return std::find(checksums_unused_.begin(), checksums_unused_.end(), job) != checksums_unused_.end();
+  }
+  void NoteChecksumsUse(const std::string& job, pb::Outcome outcome, const pb::CommittedStep& c) {
+    if (outcome != pb::OUTCOME_COMMITTED) return;
+    std::lock_guard lock(structures_mu_);
+    std::erase(checksums_unused_, job);
+    if (!c.checksums_unused()) return;
+    checksums_unused_.push_back(job);
+    if (checksums_unused_.size() > kKnownStructures) checksums_unused_.pop_front();
+  }
+  std::deque<std::string> checksums_unused_;  // guarded by structures_mu_
 
   // Structures of this node's parts the coordinator acknowledged, newest last: a job's
   // part has one; a few jobs, or a changed layout, a few more.

@@ -14,6 +14,7 @@ void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out
   }
   out->mutable_xxh3()->Add(values.xxh3.begin(), values.xxh3.end());
   for (const std::string& checksum : values.checksums) out->add_checksums(checksum);
+  out->set_checksums_withheld(values.withheld);
 }
 
 format::PartValues FromProto(const ckptd::group::v1::PartValues& values, uint64_t step) {
@@ -29,6 +30,7 @@ format::PartValues FromProto(const ckptd::group::v1::PartValues& values, uint64_
   }
   out.xxh3.assign(values.xxh3().begin(), values.xxh3().end());
   out.checksums.assign(values.checksums().begin(), values.checksums().end());
+  out.withheld = values.checksums_withheld();
   return out;
 }
 

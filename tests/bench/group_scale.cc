@@ -394,7 +394,9 @@ class Simulation {
       whole_parts[n] = request;
       whole_parts[n].set_manifest_part_json(format::ManifestToJson(part));
       request.set_structure_digest(split.structure->digest);
-      group::ToProto(split.values, request.mutable_values());
+      // As ckptd's client does, once the coordinator said it keeps none of the job's checksums.
+      group::ToProto(checksums_unused_ ? split.values.WithChecksumsWithheld() : split.values,
+                     request.mutable_values());
     });
 
     const uint64_t cpu_before = coordinator.CpuNs();
@@ -415,6 +417,7 @@ class Simulation {
         if (!compact) Die("the coordinator asked for a structure it was sent");
       }
       structure_known_[n] = 1;
+      if (reply.outcome() == pb::OUTCOME_COMMITTED) checksums_unused_ = reply.committed().checksums_unused();
       if (reply.outcome() == pb::OUTCOME_ABORTED) Die(fmt::format("step {} aborted: {}", step, reply.reason()));
       decided[n] = reply.outcome() == pb::OUTCOME_COMMITTED;
     };
@@ -453,6 +456,7 @@ class Simulation {
         bytes[n].received += reply.ByteSizeLong();
       } while (reply.outcome() == pb::OUTCOME_PENDING);
       if (reply.outcome() != pb::OUTCOME_COMMITTED) Die(fmt::format("step {} not committed: {}", step, reply.reason()));
+      checksums_unused_ = reply.committed().checksums_unused();
       if (manifest_bytes) *manifest_bytes = reply.manifest_json().size();
     };
     uint64_t manifest_bytes = 0;
@@ -681,6 +685,8 @@ class Simulation {
   std::vector<std::unique_ptr<pb::Group::Stub>> relay_stubs_;  // the first level's, by node - 1
   std::vector<uint64_t> known_version_;
   std::vector<char> structure_known_;  // by node: the coordinator holds its part's structure
+  // The coordinator said, in its last commit, that it keeps none of the job's checksums.
+  std::atomic<bool> checksums_unused_{false};
 };
 
 ScaleResult Measure(const Config& c, const std::string& self, const std::string& dir) {

@@ -618,6 +618,69 @@ TEST_CASE("commit: a whole manifest larger than a manifest may be is not sent; n
   CHECK(again.committed->whole_unavailable);
 }
 
+TEST_CASE("commit: while the whole manifest is far too large, nodes keep their checksums; once it fits, they send them") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  options.max_whole_manifest_bytes = 100;  // far under this job's manifest
+  auto c = std::make_unique<CommitCoordinator>(log, options);
+  auto prepared = [](uint64_t step, uint32_t node, bool withhold) {
+    format::SplitResult split = format::SplitPart(Part("job", step, 2, {node}));
+    return PreparedPart{split.structure, withhold ? split.values.WithChecksumsWithheld() : split.values};
+  };
+  // Step 1, checksums sent: the manifest is not assembled, and the answer says that the
+  // job's checksums are not used.
+  c->Prepare(0, 1, prepared(1, 0, false));
+  Decision one = c->Prepare(1, 1, prepared(1, 1, false));
+  REQUIRE(one.outcome == Outcome::kCommitted);
+  CHECK(one.committed->whole_unavailable);
+  CHECK(one.committed->checksums_unused);
+  // Step 2, only their counts: committed alike.
+  c->Prepare(0, 1, prepared(2, 0, true));
+  Decision two = c->Prepare(1, 1, prepared(2, 1, true));
+  REQUIRE(two.outcome == Outcome::kCommitted);
+  CHECK(two.committed->checksums_unused);
+  CHECK(two.committed->shares.at(1).ranks == 1);
+  // A count that does not match the structure is refused like a wrong list.
+  PreparedPart wrong = prepared(3, 1, true);
+  ++wrong.values.withheld;
+  Decision refused = c->Prepare(1, 1, std::move(wrong));
+  REQUIRE(refused.outcome == Outcome::kAborted);
+  CHECK_THAT(refused.reason, Catch::Contains("checksums, but structure"));
+  // A coordinator whose limit the manifest fits (restarted with another setting) cannot
+  // assemble step 4 from counts: no whole manifest, and the answer tells the nodes to send
+  // their checksums again, so that step 5's is built.
+  options.max_whole_manifest_bytes = 64 << 20;
+  c = std::make_unique<CommitCoordinator>(log, options);
+  c->Prepare(0, 1, prepared(4, 0, true));
+  Decision four = c->Prepare(1, 1, prepared(4, 1, true));
+  REQUIRE(four.outcome == Outcome::kCommitted);
+  CHECK(four.committed->whole_unavailable);
+  CHECK_FALSE(four.committed->checksums_unused);
+  c->Prepare(0, 1, prepared(5, 0, false));
+  Decision five = c->Prepare(1, 1, prepared(5, 1, false));
+  REQUIRE(five.outcome == Outcome::kCommitted);
+  CHECK_FALSE(five.committed->whole_unavailable);
+  CHECK_FALSE(five.committed->checksums_unused);
+}
+
+TEST_CASE("commit: a coordinator that publishes on a shared root refuses a part without its checksums") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  std::vector<uint64_t> published;
+  options.publish.commit = [&](const format::Manifest& whole) {
+    published.push_back(whole.step);
+    return absl::OkStatus();
+  };
+  CommitCoordinator c(log, options);
+  format::SplitResult split = format::SplitPart(Part("job", 1, 1, {0}));
+  Decision d = c.Prepare(0, 1, PreparedPart{split.structure, split.values.WithChecksumsWithheld()});
+  REQUIRE(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("shared root") && Catch::Contains("stayed on its node"));
+  CHECK(published.empty());
+  REQUIRE(c.Prepare(0, 2, PreparedPart{split.structure, split.values}).outcome == Outcome::kCommitted);
+  CHECK(published == std::vector<uint64_t>{1});
+}
+
 TEST_CASE("commit: steps waiting for their whole manifest are bounded; the oldest is given up, the newest built") {
   // A log that holds the assembler inside its first manifest record until released.
   struct SlowManifestLog : MemoryDecisionLog {

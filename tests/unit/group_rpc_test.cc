@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -250,6 +251,73 @@ TEST_CASE("rpc: once the coordinator holds a part's structure, a prepare carries
   grpc::Status wrong_job = RawPrepare(address, mislabeled, split_other.structure->digest, &split_other.values, &reply);
   CHECK(wrong_job.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
   CHECK_THAT(wrong_job.error_message(), Catch::Contains("structure_digest is for job other"));
+}
+
+namespace {
+
+// A coordinator that only answers prepares, as told: committed, saying whether it keeps the
+// job's checksums; it records what each prepare carried.
+class ChecksumsCoordinator final : public pb::Group::Service {
+ public:
+  grpc::Status Prepare(grpc::ServerContext*, const pb::PrepareRequest* request, pb::PrepareReply* reply) override {
+    std::lock_guard lock(mu);
+    if (!request->structure_digest().empty() && !known.count(request->structure_digest())) {
+      reply->set_need_structure(true);
+      return grpc::Status::OK;
+    }
+    if (request->structure_digest().empty()) {
+      auto part = format::ParseManifest(request->manifest_part_json(), "part", format::ManifestScope::kPart);
+      if (!part.ok()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, Message(part.status()));
+      known.insert(format::SplitPart(*part).structure->digest);
+      carried.push_back("whole");
+    } else if (request->values().checksums_withheld() > 0) {
+      carried.push_back(fmt::format("count {}", request->values().checksums_withheld()));
+    } else {
+      carried.push_back(fmt::format("{} checksums", request->values().xxh3_size() + request->values().checksums_size()));
+    }
+    reply->set_outcome(pb::OUTCOME_COMMITTED);
+    reply->mutable_committed()->set_node_ranks(static_cast<uint32_t>(request->ranks_size()));
+    reply->mutable_committed()->set_checksums_unused(checksums_unused);
+    return grpc::Status::OK;
+  }
+  std::mutex mu;
+  std::set<std::string> known;
+  std::vector<std::string> carried;
+  bool checksums_unused = false;
+};
+
+}  // namespace
+
+TEST_CASE("rpc: a node keeps its checksums while the coordinator says it keeps none of the job's, and sends them when "
+          "it says it does") {
+  ChecksumsCoordinator coordinator;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&coordinator);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  REQUIRE(server);
+  GroupOptions o = NodeOptions(1, 2, fmt::format("127.0.0.1:{}", port));
+  auto client = MakeGrpcGroupClient(o, 2001, "127.0.0.1:9001");
+  REQUIRE(client.ok());
+  auto prepare = [&](uint64_t step, bool unused_from_now) {
+    {
+      std::lock_guard lock(coordinator.mu);
+      coordinator.checksums_unused = unused_from_now;
+    }
+    REQUIRE((*client)->Prepare(Part("job", step, 2, {1}), 1)->outcome == Outcome::kCommitted);
+  };
+  prepare(1, true);   // the structure, whole; the answer: checksums unused
+  prepare(2, true);   // only their count
+  prepare(3, false);  // only their count; the answer: used again
+  prepare(4, false);  // every checksum
+  const size_t checksums = format::SplitPart(Part("job", 1, 2, {1})).structure->checksums;
+  REQUIRE(checksums > 0);
+  std::lock_guard lock(coordinator.mu);
+  CHECK(coordinator.carried == std::vector<std::string>{"whole", fmt::format("count {}", checksums),
+                                                        fmt::format("count {}", checksums),
+                                                        fmt::format("{} checksums", checksums)});
+  server->Shutdown();
 }
 
 TEST_CASE("rpc: a part larger than a message goes in chunks before its prepare; bad chunks are refused, named") {

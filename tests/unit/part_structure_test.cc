@@ -111,3 +111,26 @@ TEST_CASE("values that describe a file shorter than its entries, or no time, are
   no_time.unix_time = std::numeric_limits<double>::infinity();
   CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, no_time)), Catch::Contains("is not a time"));
 }
+
+TEST_CASE("values whose checksums stayed on the node fit by their count, but cannot join back") {
+  for (const char* checksum : {"xxh3:00000000000000ab", "made by hand"}) {
+    SplitResult split = SplitPart(Part(100, checksum));
+    PartValues counted = split.values.WithChecksumsWithheld();
+    CHECK(counted.withheld == 8);
+    CHECK(counted.xxh3.empty());
+    CHECK(counted.checksums.empty());
+    CHECK(counted.checksum_count() == 8);
+    CHECK(counted.ranks.size() == split.values.ranks.size());
+    CHECK(counted.metadata == split.values.metadata);
+    CHECK(CheckValuesFit(*split.structure, counted).ok());
+    auto joined = JoinPart(*split.structure, counted);
+    REQUIRE_FALSE(joined.ok());
+    CHECK_THAT(ckpt::Message(joined.status()), Catch::Contains("stayed on its node"));
+    PartValues wrong_count = counted;
+    wrong_count.withheld = 9;
+    CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, wrong_count)), Catch::Contains("9 checksums"));
+    PartValues count_and_list = split.values;
+    count_and_list.withheld = 8;
+    CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, count_and_list)), Catch::Contains("not more than one"));
+  }
+}
