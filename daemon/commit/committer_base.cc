@@ -110,6 +110,25 @@ void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string&
   OnLocalFailure({snapshot->job, snapshot->step}, error);
 }
 
+void CommitterBase::Refused(const std::string& job, uint64_t step, const std::string& why) {
+  const Key key{job, step};
+  const std::string message = fmt::format("a rank's snapshot was refused: {}", why);
+  bool in_flight;
+  {
+    std::lock_guard lock(mu_);
+    in_flight = steps_.count(key) > 0;
+    // This attempt's ranks still to come are refused at once, and their memory with them.
+    if (!in_flight) ended_[key] = {Clock::now(), message};
+  }
+  if (in_flight) {
+    OnLocalFailure(key, message);
+    return;
+  }
+  Log().error("[{} s{}] checkpoint failed: {}", key.first, key.second, message);
+  hooks_.failed(key.first, key.second, message);
+  OnRefusedBeforeArrival(key, message);
+}
+
 void CommitterBase::OnLocalFailure(const Key& key, const std::string& message) {
   FinishAborted(key, message);
 }

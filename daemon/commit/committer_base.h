@@ -27,6 +27,7 @@ class CommitterBase : public Committer {
   absl::Status Arrived(const StagedSnapshotPtr& snapshot) override;
   absl::StatusOr<std::string> StepDirectory(const StagedSnapshotPtr& snapshot) override;
   void Failed(const StagedSnapshotPtr& snapshot, const std::string& error) override;
+  void Refused(const std::string& job, uint64_t step, const std::string& why) override;
   std::vector<StepInFlight> InFlight() const override;
 
  protected:
@@ -54,8 +55,12 @@ class CommitterBase : public Committer {
   // directory is removed (unless `keep_tmp`: its outcome is not known yet). Later ranks of
   // this attempt are refused with `message`.
   void FinishAborted(const Key& key, const std::string& message, bool keep_tmp = false);
-  // Called when a rank of `key` failed to write (the base has marked nothing yet).
+  // Called when a rank of `key` failed to write, or was refused (the base has marked
+  // nothing yet).
   virtual void OnLocalFailure(const Key& key, const std::string& message);
+  // Called when a rank of `key` was refused before any of its ranks arrived on this node
+  // (the base already refuses this attempt's later ranks). Group: the coordinator is told.
+  virtual void OnRefusedBeforeArrival(const Key& key, const std::string& message) {}
   // Removes an unfinished step's files (group on a shared root: the coordinator does).
   virtual void DiscardUnfinished(const Key& key) { (void)store_.AbortStep(key.first, key.second); }
   // Extra refusals before a step's directory is created (group: a step in doubt).

@@ -465,6 +465,38 @@ void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) 
   FinishAborted(key, message);
 }
 
+void GroupCommitter::Refused(const std::string& job, uint64_t step, const std::string& why) {
+  // The refusal comes on the trainer's command thread, which must not wait on the
+  // network: the step ends on a thread of its own (detached, counted as a watcher:
+  // Shutdown waits for it).
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;  // undecided steps fail their tickets at shutdown anyway
+    ++watchers_;
+  }
+  std::thread([this, job, step, why] {
+    CommitterBase::Refused(job, step, why);
+    std::lock_guard lock(mu_);
+    --watchers_;
+    watch_cv_.notify_all();
+  }).detach();
+}
+
+void GroupCommitter::OnRefusedBeforeArrival(const Key& key, const std::string& message) {
+  // The other nodes' ranks of the step may be prepared, or on their way: the coordinator
+  // ends the step for all of them. A fresh attempt number, so that it is never taken for a
+  // late word of an older attempt.
+  uint64_t attempt;
+  {
+    std::lock_guard lock(mu_);
+    attempt = ++attempts_;
+  }
+  if (absl::Status told = client_.Abort(key.first, key.second, attempt, message); !told.ok()) {
+    Log().warn("[{} s{}] could not tell the coordinator about the refusal: {}", key.first, key.second,
+               Message(told));
+  }
+}
+
 void GroupCommitter::DiscardUnfinished(const Key& key) {
   // A shared step directory holds other nodes' shards too: the coordinator removes it.
   if (!store_.shared()) (void)store_.AbortStep(key.first, key.second);

@@ -28,6 +28,8 @@ class GroupCommitter : public CommitterBase {
   void Durable(const StagedSnapshotPtr& snapshot, persist::WrittenShard shard) override;
   std::vector<StepInFlight> InFlight() const override;
   void Shutdown() override;
+  // As the base does, on a thread of its own: it may tell the coordinator.
+  void Refused(const std::string& job, uint64_t step, const std::string& why) override;
 
   // Steps this node holds in step-N.tmp from an earlier run: their outcome is asked of the
   // coordinator, then they are renamed or removed.
@@ -35,6 +37,7 @@ class GroupCommitter : public CommitterBase {
 
  protected:
   void OnLocalFailure(const Key& key, const std::string& message) override;
+  void OnRefusedBeforeArrival(const Key& key, const std::string& message) override;
   absl::Status CheckStepAllowed(const Key& key) override;
   void DiscardUnfinished(const Key& key) override;
 

@@ -570,13 +570,25 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
     Key key{job, step};
     // Only an undecided step can be aborted: a commit already announced stands.
     auto round = rounds_.find(key);
-    if (round == rounds_.end() || round->second.deciding) return;
-    auto said = round->second.attempt_of_node.find(node);
-    if (said != round->second.attempt_of_node.end() && attempt < said->second) {
-      Log().info("{} ignored a late abort from node {}'s earlier attempt", Prefix(job, step), node);
+    if (round == rounds_.end()) {
+      // No node has prepared yet (a node refused a rank's snapshot before any arrived):
+      // remembered as aborted, so that prepares of this attempt hear it at once (by their
+      // run, as after any abort) instead of opening a round that could only time out.
+      if (recent_.count(key)) return;
+      Decision logged = FromLog(key, /*whole=*/false);
+      if (logged.outcome == Outcome::kCommitted || logged.outcome == Outcome::kPending) return;
+      AbortLocked(key, reason, notify);
+      recent_[key].attempts[node] = attempt;
+    } else if (round->second.deciding) {
       return;
+    } else {
+      auto said = round->second.attempt_of_node.find(node);
+      if (said != round->second.attempt_of_node.end() && attempt < said->second) {
+        Log().info("{} ignored a late abort from node {}'s earlier attempt", Prefix(job, step), node);
+        return;
+      }
+      AbortLocked(key, reason, notify);
     }
-    AbortLocked(key, reason, notify);
   }
   Deliver(notify);
 }

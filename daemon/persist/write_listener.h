@@ -25,6 +25,11 @@ class WriteListener {
   virtual void Durable(const daemon::StagedSnapshotPtr& snapshot, WrittenShard shard) = 0;
   // Writing failed; the step cannot commit.
   virtual void Failed(const daemon::StagedSnapshotPtr& snapshot, const std::string& error) = 0;
+  // A rank's snapshot of (job, step) was refused before it was staged (no staging memory
+  // under --when-busy=skip, or its payload was unusable): the step can never complete, so
+  // it ends now, on this node and through the group, and its other ranks' memory is freed
+  // rather than held until the step timeout.
+  virtual void Refused(const std::string& job, uint64_t step, const std::string& why) = 0;
 };
 
 }  // namespace ckpt::persist

@@ -36,6 +36,9 @@ class WriteQueue : public daemon::SnapshotSink {
 
   // After Shutdown the snapshot's ticket fails at once.
   void Submit(daemon::StagedSnapshotPtr snapshot) override;
+  void Refused(const std::string& job, uint64_t step, const std::string& why) override {
+    listener_.Refused(job, step, why);
+  }
 
   // Steps with a rank queued or being written, by job.
   std::map<std::string, std::vector<uint64_t>> Pending() const;

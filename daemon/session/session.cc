@@ -542,9 +542,12 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   const auto taken = std::chrono::steady_clock::now();
   metrics::DaemonMetrics& metrics = metrics::Metrics();
   // Every refusal is counted by outcome and, but for a daemon shutting down, by cause: the
-  // trainer's own doing unless the staging budget said no.
+  // trainer's own doing unless the staging budget said no. A refused rank ends its step (the
+  // step can no longer complete: its other ranks' memory is freed at once, not held until
+  // the step timeout), but for a step this session already sent (a repeat must not end the
+  // one in flight) and at shutdown (every undecided step fails then).
   auto reject = [&](shm::TicketStateValue state, const std::string& why,
-                    std::optional<metrics::Cause> cause = metrics::Cause::kTrainer) {
+                    std::optional<metrics::Cause> cause = metrics::Cause::kTrainer, bool ends_step = true) {
     metrics.snapshots.With({state == shm::kTicketRejected ? "rejected" : "failed"}).Add();
     if (cause) metrics.Fail(*cause);
     // The stager's messages already name the snapshot ("[job/r1 s260] snapshot: ..."):
@@ -555,6 +558,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
                tagged ? why.substr(tag.size() + 1) : why);
     events.SnapshotRejected(tagged ? why : fmt::format("{} {}", tag, why));
     SetTicketState(command.ticket, state, why);
+    if (ends_step) persist.Refused(job_, command.step, tagged ? why : fmt::format("{} {}", tag, why));
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
   PayloadsInDecode::Slot decoding;  // held until the payload is staged
@@ -578,7 +582,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     return reject(shm::kTicketRejected,
                   "ckptd is shutting down: this snapshot was not taken (those already staged "
                   "are still written)",
-                  std::nullopt);
+                  std::nullopt, /*ends_step=*/false);
   }
   if (command.wait_client_copy != 0 &&
       !consumer_->WaitClientCopy(command.wait_client_copy, std::chrono::seconds(60))) {
@@ -589,7 +593,8 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   if (last != 0 && command.step <= last) {
     return reject(shm::kTicketRejected,
                   fmt::format("step {} is not after this session's last snapshot (step {})",
-                              command.step, last));
+                              command.step, last),
+                  metrics::Cause::kTrainer, /*ends_step=*/false);
   }
   // The persist stage gets the snapshot as soon as it is laid out, so that writing starts
   // while the copy is still running (see Stager).

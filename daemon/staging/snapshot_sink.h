@@ -2,6 +2,9 @@
 // know (tests hand it to a fake).
 #pragma once
 
+#include <cstdint>
+#include <string>
+
 #include "daemon/staging/staged_snapshot.h"
 
 namespace ckpt::daemon {
@@ -12,6 +15,9 @@ class SnapshotSink {
   // Takes the snapshot before its bytes have landed (see StagedSnapshot::landed). Never
   // blocks on storage.
   virtual void Submit(StagedSnapshotPtr snapshot) = 0;
+  // A rank's snapshot of (job, step) was refused before it was staged: the step cannot
+  // complete (persist::WriteListener::Refused).
+  virtual void Refused(const std::string& job, uint64_t step, const std::string& why) = 0;
 };
 
 }  // namespace ckpt::daemon

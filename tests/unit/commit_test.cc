@@ -330,6 +330,40 @@ TEMPLATE_TEST_CASE("one rank's failed write fails the step for every rank and ke
   CHECK(f.failed == 1);
 }
 
+TEMPLATE_TEST_CASE("a rank refused before staging ends its step at once, its other ranks' memory freed; the next "
+                   "step commits",
+                   "[commit]", SingleNode, Group) {
+  // The step timeout is far off: nothing here may wait for it.
+  Fixture<TestType> f(0, 60s);
+  f.writer.Open();
+  const auto registered = std::chrono::steady_clock::now();
+  // Rank 0 of step 10 is staged and written; rank 1's snapshot of it is refused (no
+  // staging memory under --when-busy=skip): step 10 fails for rank 0 at once.
+  uint64_t a = f.Submit(10, 0, 2, 1.0f, registered);
+  REQUIRE(WaitUntil([&] { return !f.committer.InFlight().empty() && f.writes.Pending().empty(); }, 5s));
+  const auto refused_at = std::chrono::steady_clock::now();
+  f.writes.Refused("job", 10, "[job/r1 s10] snapshot skipped: the staging budget is spent");
+  CHECK(f.sink->WaitFinal(a, 5s) == shm::kTicketFailed);
+  CHECK(std::chrono::steady_clock::now() - refused_at < 5s);
+  CHECK_THAT(f.sink->error(a), Catch::Contains("refused") && Catch::Contains("staging budget"));
+  CHECK(f.committer.InFlight().empty());
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
+  // Step 11: rank 1 refused first; rank 0 of the same attempt arrives after and is refused
+  // at once, its memory with it.
+  f.writes.Refused("job", 11, "[job/r1 s11] snapshot skipped: the staging budget is spent");
+  REQUIRE(WaitUntil([&] { return f.failed == 2; }, 5s));
+  uint64_t b = f.Submit(11, 0, 2, 1.0f, registered);
+  CHECK(f.sink->WaitFinal(b, 5s) == shm::kTicketFailed);
+  CHECK_THAT(f.sink->error(b), Catch::Contains("refused"));
+  CHECK(f.committer.InFlight().empty());
+  // Step 12 has both ranks: it commits.
+  uint64_t c0 = f.Submit(12, 0, 2, 1.0f, registered);
+  uint64_t c1 = f.Submit(12, 1, 2, 1.0f, registered);
+  CHECK(f.sink->WaitFinal(c0) == shm::kTicketCommitted);
+  CHECK(f.sink->WaitFinal(c1) == shm::kTicketCommitted);
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{12});
+}
+
 TEMPLATE_TEST_CASE("a step still missing ranks after the step timeout is aborted and forgotten",
                    "[commit]", SingleNode, Group) {
   Fixture<TestType> f(0, 600ms);

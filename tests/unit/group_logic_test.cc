@@ -782,6 +782,43 @@ TEST_CASE("commit: structures held as summaries commit a checked combination; a 
   CHECK(c.Prepare(1, 1, whole(4, 3, {1})).outcome == Outcome::kCommitted);
 }
 
+TEST_CASE("commit: an abort before any prepare ends the step: its run's prepares hear it at once, a later run's "
+          "commit") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  auto run_now = [] {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+  };
+  auto part = [](uint32_t rank, uint64_t run) {
+    format::Manifest m = Part("job", 5, 2, {rank});
+    m.run = run;
+    return m;
+  };
+  const uint64_t before = run_now();
+  std::this_thread::sleep_for(2ms);
+  // Node 1 refused its rank's snapshot before any node prepared.
+  c.Abort("job", 5, 1, 77, "node 1: a rank's snapshot was refused: no staging memory");
+  Decision heard = c.Prepare(0, 1, part(0, before));
+  REQUIRE(heard.outcome == Outcome::kAborted);
+  CHECK_THAT(heard.reason, Catch::Contains("refused"));
+  CHECK(c.InFlight().empty());  // no round waits for the step timeout
+  // Node 1's late prepare of the refused attempt hears it too.
+  CHECK(c.Prepare(1, 77, part(1, before)).outcome == Outcome::kAborted);
+  // Trainers that registered again since try the step anew: it commits.
+  std::this_thread::sleep_for(2ms);
+  const uint64_t after = run_now();
+  CHECK(c.Prepare(0, 2, part(0, after)).outcome == Outcome::kPending);
+  CHECK(c.Prepare(1, 78, part(1, after)).outcome == Outcome::kCommitted);
+  // An abort never undoes a commit, in memory or in the log.
+  c.Abort("job", 5, 1, 99, "late");
+  CHECK(c.Lookup("job", 5, false).outcome == Outcome::kCommitted);
+  CommitCoordinator restarted(log, {});
+  restarted.Abort("job", 5, 1, 99, "late");
+  CHECK(restarted.Lookup("job", 5, false).outcome == Outcome::kCommitted);
+}
+
 TEST_CASE("commit: a damaged decision record is refused, naming the field") {
   CHECK(absl::IsNotFound(ParseDecisionRecord("{\"format\": 5}").status()));
   CHECK(absl::IsNotFound(ParseDecisionRecord("not json").status()));
