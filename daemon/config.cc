@@ -87,6 +87,7 @@ std::string Config::ToJson() const {
                       {"busy_wait_ms", busy_wait_ms},
                       {"shutdown_timeout_ms", shutdown_timeout_ms},
                       {"allow_uids", allow_uids},
+                      {"max_connections_per_uid", max_connections_per_uid},
                       {"allow_gids", allow_gids},
                       {"job_gids", job_gids},
                       {"cuda_ipc", cuda_ipc},
@@ -157,6 +158,10 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--shutdown-timeout-ms", c.shutdown_timeout_ms,
                  "on SIGTERM, how long to let in-flight writes finish")
+      ->capture_default_str();
+  app.add_option("--max-connections-per-uid", c.max_connections_per_uid,
+                 "open connections one uid may hold on the trainer socket (0: no bound); beyond, "
+                 "new ones are closed at once, so that one user cannot take ckptd to its descriptor limit")
       ->capture_default_str();
   app.add_option("--allow-uid", c.allow_uids,
                  "uids allowed to connect besides the daemon's own and root")

@@ -35,6 +35,8 @@ struct Config {
   uint32_t busy_wait_ms = 30000;
   uint32_t shutdown_timeout_ms = 30000;
   std::vector<uint32_t> allow_uids;    // beside the daemon's own uid and root
+  // Open connections to the trainer socket per uid; beyond, new ones are closed at once.
+  uint32_t max_connections_per_uid = 1024;
   std::vector<uint32_t> allow_gids;    // beside the daemon's own gid
   // Members of these groups share the jobs any of them creates (otherwise a job is its
   // creator's uid's alone).

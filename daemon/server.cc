@@ -637,7 +637,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   std::vector<grpc::Server*> servers = {p->grpc_server.get()};
   if (p->tcp_admin_server) servers.push_back(p->tcp_admin_server.get());
   p->health = std::make_unique<HealthReporter>(servers, [parts = p.get()] { return NotReadyReason(*parts); });
-  PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids};
+  PeerPolicy policy{::geteuid(), ::getegid(), config.allow_uids, config.allow_gids, config.max_connections_per_uid};
   CKPT_ASSIGN_OR_RETURN(p->control_fds, ControlFdServer::Start(DescriptorSocketPath(config.socket),
                                                                p->sessions, p->arenas, policy));
   if (!config.metrics_addr.empty()) {

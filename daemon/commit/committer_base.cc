@@ -18,6 +18,7 @@ spdlog::logger& Log() { return log::Get(log::Component::kPersist); }
 // How long an aborted attempt's late ranks are refused; a rank of a session registered
 // after the abort is a new attempt and is never refused.
 constexpr std::chrono::minutes kRememberEnded{30};
+constexpr size_t kMaxEnded = 4096;
 
 }  // namespace
 
@@ -110,15 +111,35 @@ void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string&
   OnLocalFailure({snapshot->job, snapshot->step}, error);
 }
 
-void CommitterBase::Refused(const std::string& job, uint64_t step, const std::string& why) {
+void CommitterBase::Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) {
   const Key key{job, step};
   const std::string message = fmt::format("a rank's snapshot was refused: {}", why);
   bool in_flight;
   {
     std::lock_guard lock(mu_);
-    in_flight = steps_.count(key) > 0;
-    // This attempt's ranks still to come are refused at once, and their memory with them.
-    if (!in_flight) ended_[key] = {Clock::now(), message};
+    auto it = steps_.find(key);
+    // The rank already arrived in this attempt: what was refused is a repeat, which the
+    // attempt does not need (and a complete step may be committing).
+    if (it != steps_.end() && it->second.arrived.count(rank)) return;
+    in_flight = it != steps_.end();
+  }
+  if (!in_flight && store_.Committed(job, step)) return;  // a repeat of a committed step
+  {
+    std::lock_guard lock(mu_);
+    if (!in_flight) {
+      // This attempt's ranks still to come are refused at once, and their memory with them.
+      auto now = Clock::now();
+      ForgetOldEndedLocked(now);
+      ended_[key] = {now, message};
+      // Bounded however many steps a trainer's bad commands name.
+      while (ended_.size() > kMaxEnded) {
+        ended_.erase(std::min_element(ended_.begin(), ended_.end(), [](const auto& a, const auto& b) {
+          return a.second.when < b.second.when;
+        }));
+      }
+    } else if (!steps_.count(key)) {
+      return;  // ended meanwhile
+    }
   }
   if (in_flight) {
     OnLocalFailure(key, message);

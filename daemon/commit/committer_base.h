@@ -27,7 +27,7 @@ class CommitterBase : public Committer {
   absl::Status Arrived(const StagedSnapshotPtr& snapshot) override;
   absl::StatusOr<std::string> StepDirectory(const StagedSnapshotPtr& snapshot) override;
   void Failed(const StagedSnapshotPtr& snapshot, const std::string& error) override;
-  void Refused(const std::string& job, uint64_t step, const std::string& why) override;
+  void Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) override;
   std::vector<StepInFlight> InFlight() const override;
 
  protected:

@@ -465,21 +465,39 @@ void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) 
   FinishAborted(key, message);
 }
 
-void GroupCommitter::Refused(const std::string& job, uint64_t step, const std::string& why) {
+void GroupCommitter::Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) {
   // The refusal comes on the trainer's command thread, which must not wait on the
   // network: the step ends on a thread of its own (detached, counted as a watcher:
-  // Shutdown waits for it).
+  // Shutdown waits for it). One per step at a time, and a few in all: a trainer that
+  // sends bad commands in a loop cannot make threads without end (beyond, its steps end
+  // at the step timeout, as before).
+  const Key key{job, step};
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;  // undecided steps fail their tickets at shutdown anyway
+    if (refusing_.size() >= kMaxRefusing || !refusing_.insert(key).second) {
+      Log().warn("[{} s{}] a rank's refusal is not acted on now ({} refusals being handled): the step ends at "
+                 "its timeout",
+                 job, step, refusing_.size());
+      return;
+    }
     ++watchers_;
   }
-  std::thread([this, job, step, why] {
-    CommitterBase::Refused(job, step, why);
+  auto done = [this, key] {
     std::lock_guard lock(mu_);
+    refusing_.erase(key);
     --watchers_;
     watch_cv_.notify_all();
-  }).detach();
+  };
+  try {
+    std::thread([this, job, step, rank, why, done] {
+      CommitterBase::Refused(job, step, rank, why);
+      done();
+    }).detach();
+  } catch (const std::system_error& e) {
+    Log().error("[{} s{}] no thread to end the step after a rank's refusal: {}", job, step, e.what());
+    done();
+  }
 }
 
 void GroupCommitter::OnRefusedBeforeArrival(const Key& key, const std::string& message) {

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -29,7 +30,7 @@ class GroupCommitter : public CommitterBase {
   std::vector<StepInFlight> InFlight() const override;
   void Shutdown() override;
   // As the base does, on a thread of its own: it may tell the coordinator.
-  void Refused(const std::string& job, uint64_t step, const std::string& why) override;
+  void Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) override;
 
   // Steps this node holds in step-N.tmp from an earlier run: their outcome is asked of the
   // coordinator, then they are renamed or removed.
@@ -90,6 +91,9 @@ class GroupCommitter : public CommitterBase {
   std::map<Key, Watch> watches_;  // guarded by mu_
   std::condition_variable watch_cv_;
   bool stopping_ = false;  // guarded by mu_
+  // Steps whose refusal is being acted on, each on a thread of its own (Refused).
+  static constexpr size_t kMaxRefusing = 16;
+  std::set<Key> refusing_;  // guarded by mu_
   std::set<Key> applying_;  // decisions being applied; guarded by mu_
   std::set<Key> watched_;  // steps with a watcher thread; guarded by mu_
   int watchers_ = 0;        // running watcher threads; guarded by mu_

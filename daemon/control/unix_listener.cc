@@ -14,6 +14,7 @@
 #include <filesystem>
 
 #include "common/log.h"
+#include "common/log_limiter.h"
 #include "common/status.h"
 
 namespace ckpt::daemon {
@@ -111,13 +112,21 @@ void UnixListener::Stop() {
 }
 
 void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable& peers) {
+  // What a flood causes is logged at most every 10 s, with how many were held back.
+  LogLimiter accept_errors(std::chrono::seconds(10)), refusals(std::chrono::seconds(10));
   while (!stopping_) {
     // gRPC's endpoint expects a non-blocking socket.
     int conn = ::accept4(fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (conn < 0) {
-      if (errno == EINTR || errno == ECONNABORTED) continue;
-      if (!stopping_) Log().error("accept on {}: {}", path_, std::strerror(errno));
-      if (errno == EMFILE || errno == ENFILE) {
+      const int error = errno;
+      if (error == EINTR || error == ECONNABORTED) continue;
+      if (!stopping_) {
+        if (std::optional<uint64_t> held = accept_errors.Allow()) {
+          Log().error("accept on {}: {}{}", path_, std::strerror(error),
+                      *held ? fmt::format(" ({} more since the last report)", *held) : "");
+        }
+      }
+      if (error == EMFILE || error == ENFILE) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         continue;
       }
@@ -125,8 +134,20 @@ void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable
     }
     absl::StatusOr<PeerIdentity> peer = ReadPeerIdentity(conn);
     if (!peer.ok() || !policy.Allows(*peer)) {
-      Log().warn("refused connection from {}: not allowed (--allow-uid, --allow-gid)",
-                 peer.ok() ? peer->Describe() : std::string(peer.status().message()));
+      if (std::optional<uint64_t> held = refusals.Allow()) {
+        Log().warn("refused connection from {}: not allowed (--allow-uid, --allow-gid){}",
+                   peer.ok() ? peer->Describe() : std::string(peer.status().message()),
+                   *held ? fmt::format(" ({} more refusals since the last report)", *held) : "");
+      }
+      ::close(conn);
+      continue;
+    }
+    if (policy.max_connections_per_uid != 0 && peers.OpenConnections(peer->uid) >= policy.max_connections_per_uid) {
+      if (std::optional<uint64_t> held = refusals.Allow()) {
+        Log().warn("refused connection from {}: uid {} already holds {} connections (--max-connections-per-uid){}",
+                   peer->Describe(), peer->uid, policy.max_connections_per_uid,
+                   *held ? fmt::format(" ({} more refusals since the last report)", *held) : "");
+      }
       ::close(conn);
       continue;
     }

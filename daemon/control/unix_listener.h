@@ -24,6 +24,10 @@ struct PeerPolicy {
   gid_t daemon_gid = 0;
   std::vector<uint32_t> allow_uids;
   std::vector<uint32_t> allow_gids;  // matched against primary and supplementary groups
+  // Open connections one uid may hold on the socket (0: no bound): one user's idle
+  // connections must not take the daemon to its descriptor limit, where no other user
+  // (nor root's ckptctl) could connect.
+  size_t max_connections_per_uid = 0;
   bool Allows(const PeerIdentity& peer) const;
 };
 

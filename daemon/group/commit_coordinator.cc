@@ -117,10 +117,6 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
                               options_.max_world_size));
   }
   if (part.shards.empty()) return refuse("a prepare must name at least one rank");
-  if (prepared.values.withheld && options_.publish.commit) {
-    return refuse("the coordinator publishes every step's whole manifest on the shared root and needs every checksum, "
-                  "but this part's stayed on its node");
-  }
   if (absl::Status fits = format::CheckValuesFit(*prepared.structure, prepared.values); !fits.ok()) {
     return refuse(Message(fits));
   }
@@ -175,6 +171,11 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
       // An abort is forgotten here: this is a new attempt at the step (trainers that
       // restarted and saved it again).
       if (decided != recent_.end()) recent_.erase(decided);
+    }
+    // (After the retry of a committed step above, which is answered whatever it carries.)
+    if (prepared.values.withheld && options_.publish.commit) {
+      return refuse("the coordinator publishes every step's whole manifest on the shared root and needs every "
+                    "checksum, but this part's stayed on its node");
     }
     if (!rounds_.count(key) && (rounds_.size() >= kMaxRounds || round_ranks_ + part.world_size > kMaxRoundRanks)) {
       return refuse(fmt::format("the coordinator already has {} steps of {} ranks in all in flight",
@@ -574,7 +575,11 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
       // No node has prepared yet (a node refused a rank's snapshot before any arrived):
       // remembered as aborted, so that prepares of this attempt hear it at once (by their
       // run, as after any abort) instead of opening a round that could only time out.
+      // Not for a step at or below the job's newest commit (an old step's abort, late).
       if (recent_.count(key)) return;
+      if (auto job_commits = jobs_.find(job); job_commits != jobs_.end() && step <= job_commits->second.latest_step) {
+        return;
+      }
       Decision logged = FromLog(key, /*whole=*/false);
       if (logged.outcome == Outcome::kCommitted || logged.outcome == Outcome::kPending) return;
       AbortLocked(key, reason, notify);
@@ -638,7 +643,9 @@ std::optional<CommitCoordinator::NotAssembled> CommitCoordinator::WhyNotAssemble
                         true};
   }
   if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.structure->summary; })) {
-    return NotAssembled{"the coordinator holds only summaries of some nodes' structures (its cache is full)", true};
+    // Not said to the nodes: a full cache passes, and each time it did the step after
+    // would lose its whole manifest to withheld checksums.
+    return NotAssembled{"the coordinator holds only summaries of some nodes' structures (its cache is full)", false};
   }
   if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.values.withheld > 0; })) {
     // They were told to, while the manifest was too large; it no longer is: the answer

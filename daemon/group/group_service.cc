@@ -545,6 +545,8 @@ grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
     CKPT_RETURN_IF_ERROR(Admit(ctx, "Abort", Role::kCoordinatorOnly));
     CKPT_RETURN_IF_ERROR(CheckNode("node_rank", request->node_rank()));
     CKPT_RETURN_IF_ERROR(CheckJob(request->job()));
+    // As for a prepare: a node's old incarnation, or a node marked lost, has no say.
+    CKPT_RETURN_IF_ERROR(coordinator_->membership.Heartbeat(request->node_rank(), request->incarnation()));
     std::string reason = request->reason().empty() ? "no reason given" : request->reason();
     coordinator_->commits.Abort(
         request->job(), request->step(), request->node_rank(), request->attempt(),

@@ -236,10 +236,10 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
           request.set_manifest_part_json(std::move(text));
         }
       }
+      const bool withheld = known && WithholdsChecksums(part.job);
       if (known) {
         request.set_structure_digest(digest);
-        ToProto(WithholdsChecksums(part.job) ? split.values.WithChecksumsWithheld() : split.values,
-                request.mutable_values());
+        ToProto(withheld ? split.values.WithChecksumsWithheld() : split.values, request.mutable_values());
       }
       request.set_attempt(attempt);
       pb::PrepareReply reply;
@@ -256,6 +256,9 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       }
       RememberStructure(digest);
       NoteChecksumsUse(part.job, reply.outcome(), reply.committed());
+      // Refused without them (a coordinator restarted on a shared root, or older): the
+      // next attempt sends every checksum.
+      if (withheld && reply.outcome() == pb::OUTCOME_ABORTED) StopWithholding(part.job);
       return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
     }
   }
@@ -264,6 +267,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
                      const std::string& reason) override {
     pb::AbortRequest request;
     request.set_node_rank(options_.node_rank);
+    request.set_incarnation(incarnation_);
     request.set_attempt(attempt);
     request.set_job(job);
     request.set_step(step);
@@ -443,6 +447,10 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     if (!c.checksums_unused()) return;
     checksums_unused_.push_back(job);
     if (checksums_unused_.size() > kKnownStructures) checksums_unused_.pop_front();
+  }
+  void StopWithholding(const std::string& job) {
+    std::lock_guard lock(structures_mu_);
+    std::erase(checksums_unused_, job);
   }
   std::deque<std::string> checksums_unused_;  // guarded by structures_mu_
 

@@ -29,7 +29,9 @@ class WriteListener {
   // under --when-busy=skip, or its payload was unusable): the step can never complete, so
   // it ends now, on this node and through the group, and its other ranks' memory is freed
   // rather than held until the step timeout.
-  virtual void Refused(const std::string& job, uint64_t step, const std::string& why) = 0;
+  // Not when `rank` had already arrived in the step's attempt (a repeat, refused): that
+  // attempt does not need it again.
+  virtual void Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) = 0;
 };
 
 }  // namespace ckpt::persist

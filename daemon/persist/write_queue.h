@@ -36,8 +36,8 @@ class WriteQueue : public daemon::SnapshotSink {
 
   // After Shutdown the snapshot's ticket fails at once.
   void Submit(daemon::StagedSnapshotPtr snapshot) override;
-  void Refused(const std::string& job, uint64_t step, const std::string& why) override {
-    listener_.Refused(job, step, why);
+  void Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) override {
+    listener_.Refused(job, step, rank, why);
   }
 
   // Steps with a rank queued or being written, by job.

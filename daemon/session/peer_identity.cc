@@ -54,7 +54,28 @@ ino_t SocketInode(int fd) {
 void PeerTable::Remember(int fd, PeerIdentity peer) {
   ino_t inode = SocketInode(fd);
   std::lock_guard lock(mu_);
+  if (auto old = by_fd_.find(fd); old != by_fd_.end()) fds_of_uid_[old->second.peer.uid].erase(fd);
+  fds_of_uid_[peer.uid].insert(fd);
   by_fd_[fd] = Entry{std::move(peer), inode};
+}
+
+size_t PeerTable::OpenConnections(uid_t uid) {
+  std::lock_guard lock(mu_);
+  auto mine = fds_of_uid_.find(uid);
+  if (mine == fds_of_uid_.end()) return 0;
+  for (auto fd = mine->second.begin(); fd != mine->second.end();) {
+    auto entry = by_fd_.find(*fd);
+    if (entry != by_fd_.end() && entry->second.socket_inode != 0 && SocketInode(*fd) == entry->second.socket_inode) {
+      ++fd;
+      continue;
+    }
+    // Closed by gRPC (the number free, or reused for something else).
+    if (entry != by_fd_.end()) by_fd_.erase(entry);
+    fd = mine->second.erase(fd);
+  }
+  const size_t open = mine->second.size();
+  if (open == 0) fds_of_uid_.erase(mine);
+  return open;
 }
 
 absl::StatusOr<PeerIdentity> PeerTable::Of(const std::string& grpc_peer) const {

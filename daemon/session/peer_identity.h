@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,9 @@ class PeerTable {
   // The identity behind a gRPC peer name; Unauthenticated for anything but a connection
   // this daemon accepted on its socket (TCP, or an unknown descriptor).
   absl::StatusOr<PeerIdentity> Of(const std::string& grpc_peer) const;
+  // How many connections of `uid` are still open (their descriptor still names the socket
+  // accepted), forgetting those gRPC has closed: O(that uid's connections).
+  size_t OpenConnections(uid_t uid);
 
  private:
   mutable std::mutex mu_;
@@ -53,6 +57,7 @@ class PeerTable {
     ino_t socket_inode;
   };
   std::map<int, Entry> by_fd_;
+  std::map<uid_t, std::set<int>> fds_of_uid_;  // the same entries, by uid
 };
 
 }  // namespace ckpt::daemon

@@ -541,6 +541,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
                              SessionEvents& events) {
   const auto taken = std::chrono::steady_clock::now();
   metrics::DaemonMetrics& metrics = metrics::Metrics();
+  // A step this session already sent: refusing the repeat must not end the one in flight.
+  const uint64_t last = last_staged_step_.load();
+  const bool repeat = last != 0 && command.step <= last;
   // Every refusal is counted by outcome and, but for a daemon shutting down, by cause: the
   // trainer's own doing unless the staging budget said no. A refused rank ends its step (the
   // step can no longer complete: its other ranks' memory is freed at once, not held until
@@ -548,6 +551,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
   // one in flight) and at shutdown (every undecided step fails then).
   auto reject = [&](shm::TicketStateValue state, const std::string& why,
                     std::optional<metrics::Cause> cause = metrics::Cause::kTrainer, bool ends_step = true) {
+    ends_step = ends_step && !repeat;
     metrics.snapshots.With({state == shm::kTicketRejected ? "rejected" : "failed"}).Add();
     if (cause) metrics.Fail(*cause);
     // The stager's messages already name the snapshot ("[job/r1 s260] snapshot: ..."):
@@ -558,7 +562,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
                tagged ? why.substr(tag.size() + 1) : why);
     events.SnapshotRejected(tagged ? why : fmt::format("{} {}", tag, why));
     SetTicketState(command.ticket, state, why);
-    if (ends_step) persist.Refused(job_, command.step, tagged ? why : fmt::format("{} {}", tag, why));
+    if (ends_step) persist.Refused(job_, command.step, rank_, tagged ? why : fmt::format("{} {}", tag, why));
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
   PayloadsInDecode::Slot decoding;  // held until the payload is staged
@@ -589,12 +593,10 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     return reject(shm::kTicketFailed,
                   "the trainer's GPU-to-host copy for this snapshot did not finish within 60 s");
   }
-  uint64_t last = last_staged_step_.load();
-  if (last != 0 && command.step <= last) {
+  if (repeat) {
     return reject(shm::kTicketRejected,
                   fmt::format("step {} is not after this session's last snapshot (step {})",
-                              command.step, last),
-                  metrics::Cause::kTrainer, /*ends_step=*/false);
+                              command.step, last));
   }
   // The persist stage gets the snapshot as soon as it is laid out, so that writing starts
   // while the copy is still running (see Stager).

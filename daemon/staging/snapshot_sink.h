@@ -17,7 +17,7 @@ class SnapshotSink {
   virtual void Submit(StagedSnapshotPtr snapshot) = 0;
   // A rank's snapshot of (job, step) was refused before it was staged: the step cannot
   // complete (persist::WriteListener::Refused).
-  virtual void Refused(const std::string& job, uint64_t step, const std::string& why) = 0;
+  virtual void Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) = 0;
 };
 
 }  // namespace ckpt::daemon

@@ -892,11 +892,12 @@ TEST_CASE("hostile peers: a wrong token, random bytes and a silent client are re
     CHECK(r.exit_code == 1);
     CHECK(Contains(r.out, "code=16 "));  // UNAUTHENTICATED
   }
-  // The same tool with the right token is answered (an abort of a step nobody saves is a no-op).
+  // The same tool with the right token, but not a member (it never joined): refused too.
   {
     RunResult r = peer({"--token", kToken, "abort", "--job", "other", "--step", "99"});
     INFO(r.out << r.err);
-    CHECK(r.exit_code == 0);
+    CHECK(r.exit_code == 1);
+    CHECK(Contains(r.out, "join first"));
   }
   REQUIRE_WITHIN(c, 5s, "the coordinator logs the refused abort",
                  Contains(c.node(0).Log(), "refused a Abort call") || Contains(c.node(0).Log(), "refused an Abort call"));

@@ -19,9 +19,11 @@
 
 #include "common/unique_fd.h"
 
+#include "tests/fakes/wait_until.h"
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -275,6 +277,57 @@ void MakeLegacy(const std::string& job_dir) {
 }
 
 }  // namespace
+
+TEST_CASE("one user's idle connections to the trainer socket are capped; other users still checkpoint") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  Daemon d(dir, {"--allow-uid", "1000", "--max-connections-per-uid", "16"});
+  d.Start();
+  OpenSocket(d);
+  auto connect = [&] {
+    ckpt::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, d.socket().c_str(), sizeof addr.sun_path - 1);
+    REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    return fd;
+  };
+  // Closed by ckptd (end of file) within `within`, or still open.
+  auto closed_by_daemon = [](int fd, std::chrono::milliseconds within) {
+    return WaitUntil([&] {
+      char byte;
+      return ::recv(fd, &byte, 1, MSG_DONTWAIT) == 0;
+    }, within);
+  };
+  // Root holds 16 connections that never speak: all are kept.
+  std::vector<ckpt::UniqueFd> idle;
+  for (int i = 0; i < 16; ++i) idle.push_back(connect());
+  for (auto& fd : idle) CHECK_FALSE(closed_by_daemon(fd.get(), 10ms));
+  // 40 more: each closed at once, and said once in the log, not 40 times.
+  int refused = 0;
+  for (int i = 0; i < 40; ++i) {
+    ckpt::UniqueFd extra = connect();
+    refused += closed_by_daemon(extra.get(), 2s);
+  }
+  CHECK(refused == 40);
+  std::string log = d.Log();
+  size_t said = 0;
+  for (size_t at = log.find("already holds 16 connections"); at != std::string::npos;
+       at = log.find("already holds 16 connections", at + 1)) {
+    ++said;
+  }
+  CHECK(said == 1);
+  // Another user checkpoints meanwhile.
+  auto other = Run(Helper(d, As(1000, {"--job", "fine", "--bytes", "100000", "save", "--step", "1",
+                                       "--wait-committed"})),
+                   dir.path());
+  INFO(other.out << other.err);
+  CHECK(other.exit_code == 0);
+  CHECK(Contains(other.out, "committed"));
+  // Once root lets its connections go, it connects again.
+  idle.clear();
+  CHECK(WaitUntil([&] { return d.Ctl({"status"}).exit_code == 0; }, 10s));
+}
 
 TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner and root do") {
   REQUIRE(::geteuid() == 0);

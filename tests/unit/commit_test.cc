@@ -342,7 +342,7 @@ TEMPLATE_TEST_CASE("a rank refused before staging ends its step at once, its oth
   uint64_t a = f.Submit(10, 0, 2, 1.0f, registered);
   REQUIRE(WaitUntil([&] { return !f.committer.InFlight().empty() && f.writes.Pending().empty(); }, 5s));
   const auto refused_at = std::chrono::steady_clock::now();
-  f.writes.Refused("job", 10, "[job/r1 s10] snapshot skipped: the staging budget is spent");
+  f.writes.Refused("job", 10, 1, "[job/r1 s10] snapshot skipped: the staging budget is spent");
   CHECK(f.sink->WaitFinal(a, 5s) == shm::kTicketFailed);
   CHECK(std::chrono::steady_clock::now() - refused_at < 5s);
   CHECK_THAT(f.sink->error(a), Catch::Contains("refused") && Catch::Contains("staging budget"));
@@ -350,17 +350,23 @@ TEMPLATE_TEST_CASE("a rank refused before staging ends its step at once, its oth
   CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
   // Step 11: rank 1 refused first; rank 0 of the same attempt arrives after and is refused
   // at once, its memory with it.
-  f.writes.Refused("job", 11, "[job/r1 s11] snapshot skipped: the staging budget is spent");
+  f.writes.Refused("job", 11, 1, "[job/r1 s11] snapshot skipped: the staging budget is spent");
   REQUIRE(WaitUntil([&] { return f.failed == 2; }, 5s));
   uint64_t b = f.Submit(11, 0, 2, 1.0f, registered);
   CHECK(f.sink->WaitFinal(b, 5s) == shm::kTicketFailed);
   CHECK_THAT(f.sink->error(b), Catch::Contains("refused"));
   CHECK(f.committer.InFlight().empty());
-  // Step 12 has both ranks: it commits.
+  // Step 12 has both ranks: it commits. A repeat of rank 0's snapshot of it, refused, does
+  // not end it (rank 0 is already there), nor does one after the commit.
   uint64_t c0 = f.Submit(12, 0, 2, 1.0f, registered);
+  REQUIRE(WaitUntil([&] { return !f.committer.InFlight().empty(); }, 5s));
+  f.writes.Refused("job", 12, 0, "[job/r0 s12] snapshot failed: a repeat");
   uint64_t c1 = f.Submit(12, 1, 2, 1.0f, registered);
   CHECK(f.sink->WaitFinal(c0) == shm::kTicketCommitted);
   CHECK(f.sink->WaitFinal(c1) == shm::kTicketCommitted);
+  f.writes.Refused("job", 12, 1, "[job/r1 s12] snapshot failed: a repeat after the commit");
+  std::this_thread::sleep_for(200ms);
+  CHECK(f.failed == 2);
   CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{12});
 }
 

@@ -272,6 +272,11 @@ class ChecksumsCoordinator final : public pb::Group::Service {
       carried.push_back("whole");
     } else if (request->values().checksums_withheld() > 0) {
       carried.push_back(fmt::format("count {}", request->values().checksums_withheld()));
+      if (refuse_withheld) {  // as a coordinator on a shared root answers
+        reply->set_outcome(pb::OUTCOME_ABORTED);
+        reply->set_reason("needs every checksum");
+        return grpc::Status::OK;
+      }
     } else {
       carried.push_back(fmt::format("{} checksums", request->values().xxh3_size() + request->values().checksums_size()));
     }
@@ -284,6 +289,7 @@ class ChecksumsCoordinator final : public pb::Group::Service {
   std::set<std::string> known;
   std::vector<std::string> carried;
   bool checksums_unused = false;
+  bool refuse_withheld = false;
 };
 
 }  // namespace
@@ -310,13 +316,19 @@ TEST_CASE("rpc: a node keeps its checksums while the coordinator says it keeps n
   prepare(1, true);   // the structure, whole; the answer: checksums unused
   prepare(2, true);   // only their count
   prepare(3, false);  // only their count; the answer: used again
-  prepare(4, false);  // every checksum
+  prepare(4, true);   // every checksum; the answer: unused again
+  {
+    std::lock_guard lock(coordinator.mu);
+    coordinator.refuse_withheld = true;  // restarted on a shared root, say
+  }
+  // Step 5 goes with only their count and is refused for it; step 6 sends them all.
+  REQUIRE((*client)->Prepare(Part("job", 5, 2, {1}), 1)->outcome == Outcome::kAborted);
+  prepare(6, true);
   const size_t checksums = format::SplitPart(Part("job", 1, 2, {1})).structure->checksums;
   REQUIRE(checksums > 0);
+  const std::string count = fmt::format("count {}", checksums), all = fmt::format("{} checksums", checksums);
   std::lock_guard lock(coordinator.mu);
-  CHECK(coordinator.carried == std::vector<std::string>{"whole", fmt::format("count {}", checksums),
-                                                        fmt::format("count {}", checksums),
-                                                        fmt::format("{} checksums", checksums)});
+  CHECK(coordinator.carried == std::vector<std::string>{"whole", count, count, all, count, all});
   server->Shutdown();
 }
 
