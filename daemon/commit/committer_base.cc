@@ -114,18 +114,25 @@ void CommitterBase::Failed(const StagedSnapshotPtr& snapshot, const std::string&
 void CommitterBase::Refused(const std::string& job, uint64_t step, uint32_t rank, const std::string& why) {
   const Key key{job, step};
   const std::string message = fmt::format("a rank's snapshot was refused: {}", why);
+  // The rank already arrived in this attempt: what was refused is a repeat, which the
+  // attempt does not need (and a complete step may be committing).
+  auto repeat_locked = [&] {
+    auto it = steps_.find(key);
+    return it != steps_.end() && it->second.arrived.count(rank) > 0;
+  };
+  bool was_in_flight;
+  {
+    std::lock_guard lock(mu_);
+    if (repeat_locked()) return;
+    was_in_flight = steps_.count(key) > 0;
+  }
+  if (!was_in_flight && store_.Committed(job, step)) return;  // a repeat of a committed step (I/O: unlocked)
+  // Looked at again: the step may have begun meanwhile (its ranks then fail with it).
   bool in_flight;
   {
     std::lock_guard lock(mu_);
-    auto it = steps_.find(key);
-    // The rank already arrived in this attempt: what was refused is a repeat, which the
-    // attempt does not need (and a complete step may be committing).
-    if (it != steps_.end() && it->second.arrived.count(rank)) return;
-    in_flight = it != steps_.end();
-  }
-  if (!in_flight && store_.Committed(job, step)) return;  // a repeat of a committed step
-  {
-    std::lock_guard lock(mu_);
+    if (repeat_locked()) return;
+    in_flight = steps_.count(key) > 0;
     if (!in_flight) {
       // This attempt's ranks still to come are refused at once, and their memory with them.
       auto now = Clock::now();
@@ -137,8 +144,6 @@ void CommitterBase::Refused(const std::string& job, uint64_t step, uint32_t rank
           return a.second.when < b.second.when;
         }));
       }
-    } else if (!steps_.count(key)) {
-      return;  // ended meanwhile
     }
   }
   if (in_flight) {

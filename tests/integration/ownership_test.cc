@@ -34,6 +34,16 @@ void OpenSocket(const Daemon& d) {
   ::chmod((d.socket() + ".ctl").c_str(), 0666);  // where trainers fetch their control blocks
 }
 
+// A connection to the Unix socket at `path` that never speaks.
+ckpt::UniqueFd ConnectUnix(const std::string& path) {
+  ckpt::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  return fd;
+}
+
 std::string Line(const std::string& out, const std::string& key) {
   auto at = out.find(key + "=");
   REQUIRE(at != std::string::npos);
@@ -220,15 +230,7 @@ TEST_CASE("one user's idle descriptor-socket connections do not shut out other u
   // 64 connections from root that never speak (the server's whole capacity): 4 are held
   // (each for 2 s, until the server gives up on it), the rest are told "busy" at once.
   std::vector<ckpt::UniqueFd> idle;
-  for (int i = 0; i < 64; ++i) {
-    ckpt::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::string path = d.socket() + ".ctl";
-    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
-    REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    idle.push_back(std::move(fd));
-  }
+  for (int i = 0; i < 64; ++i) idle.push_back(ConnectUnix(d.socket() + ".ctl"));
   // Meanwhile another user hands over its arenas and checkpoints.
   auto other = Run(Helper(d, As(1000, {"--job", "fine", "--bytes", "100000", "save", "--step",
                                        "1", "--wait-committed"})),
@@ -284,14 +286,6 @@ TEST_CASE("one user's idle connections to the trainer socket are capped; other u
   Daemon d(dir, {"--allow-uid", "1000", "--max-connections-per-uid", "16"});
   d.Start();
   OpenSocket(d);
-  auto connect = [&] {
-    ckpt::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    std::strncpy(addr.sun_path, d.socket().c_str(), sizeof addr.sun_path - 1);
-    REQUIRE(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-    return fd;
-  };
   // Closed by ckptd (end of file) within `within`, or still open.
   auto closed_by_daemon = [](int fd, std::chrono::milliseconds within) {
     return WaitUntil([&] {
@@ -301,12 +295,12 @@ TEST_CASE("one user's idle connections to the trainer socket are capped; other u
   };
   // Root holds 16 connections that never speak: all are kept.
   std::vector<ckpt::UniqueFd> idle;
-  for (int i = 0; i < 16; ++i) idle.push_back(connect());
+  for (int i = 0; i < 16; ++i) idle.push_back(ConnectUnix(d.socket()));
   for (auto& fd : idle) CHECK_FALSE(closed_by_daemon(fd.get(), 10ms));
   // 40 more: each closed at once, and said once in the log, not 40 times.
   int refused = 0;
   for (int i = 0; i < 40; ++i) {
-    ckpt::UniqueFd extra = connect();
+    ckpt::UniqueFd extra = ConnectUnix(d.socket());
     refused += closed_by_daemon(extra.get(), 2s);
   }
   CHECK(refused == 40);
