@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <mutex>
 #include <optional>
+#include <string>
 
 namespace ckpt {
 
@@ -15,8 +16,8 @@ class LogLimiter {
   using Clock = std::chrono::steady_clock;
   explicit LogLimiter(Clock::duration every) : every_(every) {}
 
-  // When the line may be written now: how many were held back since the last one written.
-  // nullopt: hold this one back.
+  // When the line may be written now: how many were held back since the last one written
+  // (HeldBack says it). nullopt: hold this one back.
   std::optional<uint64_t> Allow(Clock::time_point now = Clock::now()) {
     std::lock_guard lock(mu_);
     if (written_ && now - last_ < every_) {
@@ -37,5 +38,11 @@ class LogLimiter {
   Clock::time_point last_;
   uint64_t held_ = 0;
 };
+
+// What to append to a line written after `held` others were held back: "" or " (N more
+// since the last report)".
+inline std::string HeldBack(uint64_t held) {
+  return held == 0 ? std::string() : " (" + std::to_string(held) + " more since the last report)";
+}
 
 }  // namespace ckpt

@@ -123,7 +123,7 @@ void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable
       if (!stopping_) {
         if (std::optional<uint64_t> held = accept_errors.Allow()) {
           Log().error("accept on {}: {}{}", path_, std::strerror(error),
-                      *held ? fmt::format(" ({} more since the last report)", *held) : "");
+                      HeldBack(*held));
         }
       }
       if (error == EMFILE || error == ENFILE) {
@@ -137,7 +137,7 @@ void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable
       if (std::optional<uint64_t> held = refusals.Allow()) {
         Log().warn("refused connection from {}: not allowed (--allow-uid, --allow-gid){}",
                    peer.ok() ? peer->Describe() : std::string(peer.status().message()),
-                   *held ? fmt::format(" ({} more refusals since the last report)", *held) : "");
+                   HeldBack(*held));
       }
       ::close(conn);
       continue;
@@ -146,7 +146,7 @@ void UnixListener::AcceptLoop(grpc::Server* server, PeerPolicy policy, PeerTable
       if (std::optional<uint64_t> held = refusals.Allow()) {
         Log().warn("refused connection from {}: uid {} already holds {} connections (--max-connections-per-uid){}",
                    peer->Describe(), peer->uid, policy.max_connections_per_uid,
-                   *held ? fmt::format(" ({} more refusals since the last report)", *held) : "");
+                   HeldBack(*held));
       }
       ::close(conn);
       continue;

@@ -64,8 +64,8 @@ struct CommittedStep {
   // in the decision log), or it was never recorded (the coordinator stopped between the
   // decision and the assembly). Node 0 then publishes its own ranks like any node.
   bool whole_unavailable = false;
-  // Nor will the next steps' be, as far as the coordinator can tell (it would be too large,
-  // or the structure cache holds summaries): nodes may withhold their checksums.
+  // Nor will the next steps' be, as far as the coordinator can tell (it would be too
+  // large): nodes may withhold their checksums.
   bool checksums_unused = false;
 };
 

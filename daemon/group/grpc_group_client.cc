@@ -258,7 +258,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       NoteChecksumsUse(part.job, reply.outcome(), reply.committed());
       // Refused without them (a coordinator restarted on a shared root, or older): the
       // next attempt sends every checksum.
-      if (withheld && reply.outcome() == pb::OUTCOME_ABORTED) StopWithholding(part.job);
+      if (withheld && reply.outcome() == pb::OUTCOME_ABORTED) SetWithholding(part.job, false);
       return FromReply(reply.outcome(), reply.reason(), reply.manifest_json(), reply.committed());
     }
   }
@@ -441,16 +441,14 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     return std::find(checksums_unused_.begin(), checksums_unused_.end(), job) != checksums_unused_.end();
   }
   void NoteChecksumsUse(const std::string& job, pb::Outcome outcome, const pb::CommittedStep& c) {
-    if (outcome != pb::OUTCOME_COMMITTED) return;
+    if (outcome == pb::OUTCOME_COMMITTED) SetWithholding(job, c.checksums_unused());
+  }
+  void SetWithholding(const std::string& job, bool withhold) {
     std::lock_guard lock(structures_mu_);
     std::erase(checksums_unused_, job);
-    if (!c.checksums_unused()) return;
+    if (!withhold) return;
     checksums_unused_.push_back(job);
     if (checksums_unused_.size() > kKnownStructures) checksums_unused_.pop_front();
-  }
-  void StopWithholding(const std::string& job) {
-    std::lock_guard lock(structures_mu_);
-    std::erase(checksums_unused_, job);
   }
   std::deque<std::string> checksums_unused_;  // guarded by structures_mu_
 

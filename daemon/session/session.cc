@@ -560,9 +560,10 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     const bool tagged = why.rfind(tag, 0) == 0;
     Log().warn("{} snapshot {}: {}", tag, state == shm::kTicketRejected ? "rejected" : "failed",
                tagged ? why.substr(tag.size() + 1) : why);
-    events.SnapshotRejected(tagged ? why : fmt::format("{} {}", tag, why));
+    const std::string named = tagged ? why : fmt::format("{} {}", tag, why);
+    events.SnapshotRejected(named);
     SetTicketState(command.ticket, state, why);
-    if (ends_step) persist.Refused(job_, command.step, rank_, tagged ? why : fmt::format("{} {}", tag, why));
+    if (ends_step) persist.Refused(job_, command.step, rank_, named);
   };
   if (!command.payload.ok()) return reject(shm::kTicketFailed, Message(command.payload.status()));
   PayloadsInDecode::Slot decoding;  // held until the payload is staged
