@@ -80,6 +80,8 @@ std::string Config::ToJson() const {
                       {"staging_chunk_bytes", staging_chunk_bytes},
                       {"prefault_staging", prefault_staging},
                       {"keep_last", keep_last},
+                      {"user_quota_bytes", user_quota_bytes},
+                      {"job_quota_bytes", job_quota_bytes},
                       {"keep_every", keep_every},
                       {"io_threads", io_threads},
                       {"copy_threads", copy_threads},
@@ -124,6 +126,7 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string staging = "4G";
   std::string staging_chunk = "128M";
+  std::string user_quota = "0", job_quota = "0";
   std::string when_busy = "skip";
   app.add_option("--root", c.root, "checkpoint root directory")->capture_default_str();
   app.add_option("--socket", c.socket, "Unix socket for trainers and ckptctl (mode 0660)")
@@ -146,6 +149,12 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--keep-last", c.keep_last, "keep the newest K checkpoints (0: all)")
       ->capture_default_str();
   app.add_option("--keep-every", c.keep_every, "also keep every step divisible by N (0: off)")
+      ->capture_default_str();
+  app.add_option("--user-quota-bytes", user_quota,
+                 "bytes of checkpoints the jobs of one uid may hold on --root, e.g. 500G (0: no bound); a shard "
+                 "that would pass it is not written and its step fails")
+      ->capture_default_str();
+  app.add_option("--job-quota-bytes", job_quota, "bytes of checkpoints one job may hold on --root (0: no bound)")
       ->capture_default_str();
   app.add_option("--io-threads", c.io_threads, "threads writing shards")->capture_default_str();
   app.add_option("--copy-threads", c.copy_threads, "threads of the host copy engine")
@@ -280,7 +289,9 @@ ParseResult ParseFlags(int argc, char** argv) {
     return result;
   }
   for (auto [flag, text, out] : {std::tuple{"--staging-bytes", &staging, &c.staging_bytes},
-                                 std::tuple{"--staging-chunk", &staging_chunk, &c.staging_chunk_bytes}}) {
+                                 std::tuple{"--staging-chunk", &staging_chunk, &c.staging_chunk_bytes},
+                                 std::tuple{"--user-quota-bytes", &user_quota, &c.user_quota_bytes},
+                                 std::tuple{"--job-quota-bytes", &job_quota, &c.job_quota_bytes}}) {
     auto bytes = ParseBytes(*text);
     if (!bytes.ok()) {
       result.exit = true;
@@ -384,6 +395,10 @@ absl::Status Validate(const Config& c) {
   }
   if (c.remote.empty() && c.remote_mode == RemoteMode::kDirect) {
     return bad("--remote-mode direct needs --remote s3://bucket/prefix");
+  }
+  if (c.remote_mode == RemoteMode::kDirect && (c.user_quota_bytes != 0 || c.job_quota_bytes != 0)) {
+    return bad("--user-quota-bytes and --job-quota-bytes bound what --root holds; with --remote-mode direct "
+               "nothing is written there (bound the bucket with the object store's own quotas)");
   }
   if (c.remote_mode == RemoteMode::kDirect && c.shared_root) {
     return bad("--remote-mode direct and --shared-root exclude each other: the remote store "

@@ -28,6 +28,9 @@ struct Config {
   uint64_t staging_chunk_bytes = 128ull << 20;  // per copy call; writing follows chunk by chunk
   bool prefault_staging = true;
   uint32_t keep_last = 3;              // 0 keeps everything
+  // Bytes of checkpoints on --root per owning uid and per job (persist/disk_quota.h); 0: none.
+  uint64_t user_quota_bytes = 0;
+  uint64_t job_quota_bytes = 0;
   uint64_t keep_every = 0;
   int io_threads = 2;
   int copy_threads = 2;

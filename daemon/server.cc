@@ -38,6 +38,7 @@
 #include "storage/local_store.h"
 #include "storage/open_store.h"
 #include "daemon/upload/uploader.h"
+#include "daemon/persist/disk_quota.h"
 #include "daemon/persist/write_queue.h"
 #include "daemon/restore/step_agreement.h"
 #include "daemon/schedule/save_clock.h"
@@ -123,6 +124,7 @@ struct Server::Parts {
   group::GroupClientPtr group_client;
   group::GroupServerPtr group_server;
   std::unique_ptr<commit::Committer> committer;
+  std::unique_ptr<persist::DiskQuota> quota;  // --user-quota-bytes, --job-quota-bytes
   std::unique_ptr<persist::WriteQueue> writes;
   std::unique_ptr<group::GroupMember> group_member;
   StepAgreementPtr agreement;
@@ -536,8 +538,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     p->agreement = MakeLocalStepAgreement();
     p->save_clock = MakeLocalSaveClock();
   }
+  persist::WriteQueue::Options write_options{config.io_threads, storage::IsS3Url(config.root) ? "remote" : "local"};
+  if (!direct && (config.user_quota_bytes != 0 || config.job_quota_bytes != 0)) {
+    p->quota = std::make_unique<persist::DiskQuota>(
+        *p->fs, config.root, persist::DiskQuota::Limits{config.user_quota_bytes, config.job_quota_bytes},
+        [owners = p->owners.get()](const std::string& job) -> std::optional<uint32_t> { return owners->LocalOwner(job); });
+    write_options.quota = p->quota.get();
+  }
   p->writes = std::make_unique<persist::WriteQueue>(
-      *p->writer, *p->committer, p->progress, persist::WriteQueue::Options{config.io_threads, storage::IsS3Url(config.root) ? "remote" : "local"},
+      *p->writer, *p->committer, p->progress, write_options,
       [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });
   if (grouped) {
     p->group_member = std::make_unique<group::GroupMember>(

@@ -9,6 +9,7 @@ const char* CauseName(Cause cause) {
     case Cause::kGroup: return "group";
     case Cause::kTimeout: return "timeout";
     case Cause::kTrainer: return "trainer";
+    case Cause::kQuota: return "quota";
   }
   return "unknown";
 }
@@ -62,7 +63,7 @@ DaemonMetrics::DaemonMetrics()
   }
   for (auto* c : {&staged_bytes, &uploaded_bytes}) c->With({});
   written_bytes.With({"local"});
-  for (Cause c : {Cause::kBudget, Cause::kStorage, Cause::kGroup, Cause::kTimeout, Cause::kTrainer}) {
+  for (Cause c : {Cause::kBudget, Cause::kStorage, Cause::kGroup, Cause::kTimeout, Cause::kTrainer, Cause::kQuota}) {
     failures.With({CauseName(c)});
   }
   for (const char* outcome : {"staged", "rejected", "failed"}) snapshots.With({outcome});

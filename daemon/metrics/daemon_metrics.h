@@ -13,7 +13,7 @@
 namespace ckpt::metrics {
 
 // Why a snapshot or checkpoint was not taken or not committed (ckptd_failures_total).
-enum class Cause { kBudget, kStorage, kGroup, kTimeout, kTrainer };
+enum class Cause { kBudget, kStorage, kGroup, kTimeout, kTrainer, kQuota };
 const char* CauseName(Cause cause);
 
 struct DaemonMetrics {

@@ -94,9 +94,21 @@ void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
     listener_.Failed(snapshot, Message(dir.status()));
     return;
   }
+  metrics::DaemonMetrics& metrics = metrics::Metrics();
+  // Counted in full while it is written: two I/O threads cannot both pass a bound.
+  const uint64_t reserved = snapshot->shard.data_bytes;
+  if (options_.quota) {
+    if (absl::Status admitted = options_.quota->Reserve(snapshot->job, snapshot->step, snapshot->rank, reserved);
+        !admitted.ok()) {
+      metrics.Fail(metrics::Cause::kQuota);
+      Log().warn("[{} s{}] r{}: {}", snapshot->job, snapshot->step, snapshot->rank, Message(admitted));
+      listener_.Failed(snapshot, Message(admitted));
+      return;
+    }
+  }
   const auto started = std::chrono::steady_clock::now();
   auto written = writer_.Write(snapshot->shard, *dir);
-  metrics::DaemonMetrics& metrics = metrics::Metrics();
+  if (options_.quota) options_.quota->Finished(snapshot->job, reserved, written.ok() ? written->bytes : 0);
   if (!written.ok()) {
     // Aborted: the trainer abandoned the snapshot during its copy (torn tensors, never
     // written); anything else is the store's.

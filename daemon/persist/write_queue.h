@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "daemon/persist/disk_quota.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/write_listener.h"
 #include "daemon/staging/progress_signal.h"
@@ -26,6 +27,9 @@ class WriteQueue : public daemon::SnapshotSink {
   struct Options {
     int io_threads = 2;
     std::string tier = "local";  // what the store is, for metrics: local, or remote (--remote-mode direct)
+    // Bounds the bytes each user and job may hold on the store (null: none); each shard is
+    // admitted by it before it is written.
+    DiskQuota* quota = nullptr;
   };
   // `on_written(bytes)` counts persisted bytes for status.
   WriteQueue(ShardWriter& writer, WriteListener& listener, daemon::ProgressSignal& progress,

@@ -267,14 +267,28 @@ int JobOwners::CloseAll() {
   return closed;
 }
 
+std::optional<JobOwners::Owner> JobOwners::LocalOwnerLocked(const std::string& job) {
+  if (auto it = owners_.find(job); it != owners_.end()) return it->second;
+  absl::StatusOr<std::string> text = ReadSmallFile(fs_, root_ + "/" + job + "/" + kOwnerFile);
+  if (!text.ok()) return std::nullopt;
+  auto parsed = ParseOwner(*text);
+  if (!parsed) return std::nullopt;
+  return Owner{parsed->first, parsed->second};
+}
+
 bool JobOwners::VisibleTo(const std::string& job, const PeerIdentity& caller) {
   if (!ValidateJobName(job).ok()) return false;
   std::lock_guard lock(mu_);
-  if (auto it = owners_.find(job); it != owners_.end()) return Allowed(it->second, caller);
-  absl::StatusOr<std::string> text = ReadSmallFile(fs_, root_ + "/" + job + "/" + kOwnerFile);
-  if (!text.ok()) return false;
-  auto parsed = ParseOwner(*text);
-  return parsed && Allowed(Owner{parsed->first, parsed->second}, caller);
+  std::optional<Owner> owner = LocalOwnerLocked(job);
+  return owner && Allowed(*owner, caller);
+}
+
+std::optional<uid_t> JobOwners::LocalOwner(const std::string& job) {
+  if (!ValidateJobName(job).ok()) return std::nullopt;
+  std::lock_guard lock(mu_);
+  std::optional<Owner> owner = LocalOwnerLocked(job);
+  if (!owner) return std::nullopt;
+  return owner->uid;
 }
 
 absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller,

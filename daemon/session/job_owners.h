@@ -70,6 +70,10 @@ class JobOwners {
   // without a readable record is visible to nobody.
   bool VisibleTo(const std::string& job, const PeerIdentity& caller);
 
+  // The uid that owns `job` as this node knows it (memory, or its local owner record; never
+  // the remote tier); nullopt when it has none or the record cannot be read.
+  std::optional<uid_t> LocalOwner(const std::string& job);
+
  private:
   struct Owner {
     uid_t uid = 0;
@@ -77,6 +81,8 @@ class JobOwners {
   };
 
   bool Allowed(const Owner& owner, const PeerIdentity& caller) const;
+  // LocalOwner's record, whole.
+  std::optional<Owner> LocalOwnerLocked(const std::string& job);
   // The owner from memory or from the job's .owner file; nullopt when there is none; an
   // error when the record exists but cannot be read.
   absl::StatusOr<std::optional<Owner>> LoadLocked(const std::string& job);
