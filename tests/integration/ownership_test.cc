@@ -437,3 +437,42 @@ TEST_CASE("a job directory deleted under a running ckptd comes back with its own
   CHECK(after.exit_code == 0);
   CHECK(Contains(save(1001, 4).out, "belongs to uid 1000"));
 }
+
+TEST_CASE("one user's jobs cannot fill the root: a user's quota refuses that user's next step and no one else's") {
+  REQUIRE(::geteuid() == 0);
+  TempDir dir;
+  // Each step is one 100 kB shard (and its manifest): three of one user's steps fit, four do not.
+  const int metrics_port = PickFreePort();
+  Daemon d(dir, {"--allow-uid", "1000", "--allow-uid", "1001", "--keep-last", "0", "--user-quota-bytes", "350K",
+                 "--job-quota-bytes", "250K", "--metrics-addr", std::to_string(metrics_port)});
+  d.Start();
+  OpenSocket(d);
+  REQUIRE(SaveAs(d, dir, 1000, "a1", 1).exit_code == 0);
+  REQUIRE(SaveAs(d, dir, 1000, "a2", 1).exit_code == 0);
+  REQUIRE(SaveAs(d, dir, 1000, "a1", 2).exit_code == 0);
+  RunResult over = SaveAs(d, dir, 1000, "a2", 2);
+  INFO(over.out << over.err);
+  CHECK(over.exit_code != 0);
+  CHECK(Contains(over.out, "uid 1000"));
+  CHECK(Contains(over.out, "--user-quota-bytes"));
+  CHECK(Contains(d.Log(), "--user-quota-bytes"));
+  // One job alone: its third step would pass the job's own bound.
+  RunResult job_over = SaveAs(d, dir, 1000, "a1", 3);
+  CHECK(job_over.exit_code != 0);
+  CHECK(Contains(job_over.out, "--job-quota-bytes"));
+
+  // The other user is untouched, and what the first user had committed stays.
+  CHECK(SaveAs(d, dir, 1001, "b1", 1).exit_code == 0);
+  CHECK(SaveAs(d, dir, 1001, "b2", 1).exit_code == 0);
+  CHECK(Contains(d.Ctl({"--job", "a1", "list"}).out, "2"));
+  CHECK(std::filesystem::exists(d.root() + "/a1/step-00000001"));
+  CHECK(std::filesystem::exists(d.root() + "/a2/step-00000001"));
+  CHECK_FALSE(std::filesystem::exists(d.root() + "/a2/step-00000002"));
+  CHECK_FALSE(std::filesystem::exists(d.root() + "/a2/step-00000002.tmp"));
+
+  // Room made (the owner deletes a step) is seen at the next write.
+  REQUIRE(Run(Helper(d, As(1000, {"--job", "a1", "admin-delete", "--step", "1"})), dir.path()).exit_code == 0);
+  std::this_thread::sleep_for(1100ms);  // a refusal measures the root again at most once a second
+  CHECK(SaveAs(d, dir, 1000, "a2", 2).exit_code == 0);
+  CHECK(Contains(HttpGet(metrics_port, "/metrics"), "ckptd_failures_total{cause=\"quota\"} 2"));
+}

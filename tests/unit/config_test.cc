@@ -88,6 +88,20 @@ TEST_CASE("bad flags and combinations are refused naming the flag") {
   Config f;
   f.socket = std::string(200, 's');
   CHECK_FALSE(Validate(f).ok());
+  // Quotas: byte counts, and only where --root holds the checkpoints.
+  auto quotas = Parse({"--user-quota-bytes", "500G", "--job-quota-bytes", "100G"});
+  REQUIRE_FALSE(quotas.exit);
+  CHECK(quotas.config.user_quota_bytes == 500ull << 30);
+  CHECK(quotas.config.job_quota_bytes == 100ull << 30);
+  auto bad_quota = Parse({"--user-quota-bytes", "plenty"});
+  CHECK(bad_quota.exit);
+  CHECK(bad_quota.message.find("--user-quota-bytes") != std::string::npos);
+  Config direct;
+  direct.remote = "s3://bucket/ckpt";
+  direct.remote_mode = RemoteMode::kDirect;
+  CHECK(Validate(direct).ok());
+  direct.job_quota_bytes = 1 << 30;
+  CHECK(ckpt::Message(Validate(direct)).find("--job-quota-bytes") != std::string::npos);
 }
 
 TEST_CASE("durations take ms/s/m/h units; a bare number is seconds") {
