@@ -18,7 +18,7 @@ import torch
 import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import losses, run_example
+from conftest import Daemon, losses, run_example
 
 
 def make_training(seed=0, hidden=16):
@@ -915,6 +915,89 @@ def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
     assert manager._client.session_id == session
     assert daemon.steps("stall")[-1] == step - 1
     manager.close()
+
+
+def _newest_committed(out):
+    steps = [int(m) for m in re.findall(r"committed step=(\d+)", out)]
+    return max(steps, default=0)
+
+
+def test_a_stalled_group_member_costs_its_python_and_cpp_trainers_only_missed_checkpoints(workdir):
+    """A member of a two-node group stopped (SIGSTOP) for 5 s, past --group-timeout, with a
+    Python trainer (CheckpointManager) and a C++ one (example_trainer) on it: the coordinator
+    marks it lost, neither trainer stops, raises or exits, and both jobs commit again once
+    the member is back and has joined again."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = os.path.join(workdir, "token")
+    with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write("a-group-token-of-enough-length-0123456789\n")
+    group = ["--num-nodes", "2", "--coordinator", f"127.0.0.1:{port}", "--group-token-file", token,
+             "--group-timeout", "2s", "--step-timeout", "60s"]
+    nodes = []
+    for n in (0, 1):
+        os.makedirs(os.path.join(workdir, f"n{n}"))
+        extra = ["--node-rank", str(n), *group] + (["--group-addr", f"127.0.0.1:{port}"] if n == 0 else [])
+        nodes.append(Daemon(os.path.join(workdir, f"n{n}"), extra))
+    cpp = None
+    try:
+        for d in nodes:
+            d.start()
+        member = nodes[1]
+        cpp = subprocess.Popen(["client/example_trainer", "--socket", member.socket, "--job", "cpp", "--steps",
+                                "100000000", "--save-every", "5", "--state-bytes", "400000", "--step-sleep-ms", "10"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cpp_out = []
+        reader = threading.Thread(target=lambda: cpp_out.extend(cpp.stdout), daemon=True)
+        reader.start()
+        (model, optimizer, scheduler), manager, times, step, session = _training_with_commits(member, "py")
+        deadline = time.monotonic() + 60
+        while _newest_committed("".join(cpp_out)) == 0:
+            assert cpp.poll() is None and time.monotonic() < deadline, "".join(cpp_out)
+            time.sleep(0.05)
+
+        member.process.send_signal(signal.SIGSTOP)
+        try:
+            stalled_from = len(times)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                deadline = time.monotonic() + 5.0
+                while time.monotonic() < deadline:
+                    step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
+        finally:
+            member.process.send_signal(signal.SIGCONT)
+        stalled = times[stalled_from:]
+        assert len(stalled) > 10  # training went on
+        assert max(stalled) < 4.5, stalled
+        assert cpp.poll() is None, "".join(cpp_out)
+        with open(nodes[0].log, errors="replace") as log:
+            assert re.search(r"node 1 \(.*\) lost: no heartbeat", log.read())
+        cpp_before = _newest_committed("".join(cpp_out))
+
+        # Back and joined again: both jobs commit new steps, the trainers never stopped.
+        deadline = time.monotonic() + 60
+        while True:
+            step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
+            try:
+                if manager.wait(committed=True) == "committed":
+                    break
+            except CheckpointError:  # a snapshot of the stall, abandoned or aborted
+                pass
+            assert time.monotonic() < deadline, open(member.log, errors="replace").read()[-4000:]
+        step = _train_with(manager, model, optimizer, scheduler, 3, step, times)
+        assert manager.wait(committed=True) == "committed"
+        assert member.steps("py")[-1] == step - 1
+        while _newest_committed("".join(cpp_out)) <= cpp_before:
+            assert cpp.poll() is None and time.monotonic() < deadline, "".join(cpp_out)
+            time.sleep(0.05)
+        manager.close()
+    finally:
+        if cpp is not None:
+            cpp.kill()
+            cpp.wait()
+        for d in nodes:
+            d.stop(signal.SIGKILL)
 
 
 def test_a_restarted_daemon_takes_the_trainer_back_by_itself(daemon):
