@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
+#include <memory>
 
 #include "common/log.h"
 #include "common/names.h"
@@ -93,8 +96,9 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
   });
 }
 
-grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request, ListReply* reply) {
+grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* request, ListReply* reply) {
   return Guarded("List", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(std::function<bool(const std::string&)> visible, ListableJobs(ctx));
     CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed,
                           format::ListCheckpoints(store_, request->job()));
     const auto hot = src_.hot.Steps();
@@ -124,7 +128,9 @@ grpc::Status AdminService::List(grpc::ServerContext*, const ListRequest* request
         }
       }
     }
-    for (auto& [key, info] : by_step) *reply->add_checkpoints() = std::move(info);
+    for (auto& [key, info] : by_step) {
+      if (visible(key.first)) *reply->add_checkpoints() = std::move(info);
+    }
     return absl::OkStatus();
   });
 }
@@ -206,6 +212,21 @@ grpc::Status AdminService::VerifyWithProgress(grpc::ServerContext* ctx, const Ch
     if (!writer->Write(last_update)) return absl::CancelledError("the caller went away before the result");
     return absl::OkStatus();
   });
+}
+
+absl::StatusOr<std::function<bool(const std::string&)>> AdminService::ListableJobs(grpc::ServerContext* ctx) const {
+  auto everything = [](const std::string&) { return true; };
+  // Over TCP, reads are the operator's (a firewall guards them); on the socket the caller
+  // is known, and another user's job names, steps and sizes are not shown.
+  if (exposure_.over_tcp || exposure_.peers == nullptr || exposure_.owners == nullptr) return everything;
+  CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, exposure_.peers->Of(ctx->peer()));
+  if (caller.uid == 0 || caller.uid == ::geteuid()) return everything;
+  return [owners = exposure_.owners, caller, seen = std::make_shared<std::map<std::string, bool>>()](
+             const std::string& job) {
+    auto [it, fresh] = seen->try_emplace(job, false);
+    if (fresh) it->second = owners->VisibleTo(job, caller);
+    return it->second;
+  };
 }
 
 absl::Status AdminService::MayAct(grpc::ServerContext* ctx, const char* call,

@@ -2,13 +2,12 @@
 #pragma once
 
 #include <chrono>
-#include <string>
-
-#include "cuda/staging_pool.h"
 #include <functional>
 #include <mutex>
 #include <optional>
+#include <string>
 
+#include "cuda/staging_pool.h"
 #include "daemon/commit/committer.h"
 #include "daemon/config.h"
 #include "daemon/control/status_board.h"
@@ -81,6 +80,9 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   // act on the job (its owner, its --job-group, root, ckptd's uid); over TCP only the holder
   // of the admin token.
   absl::Status MayAct(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
+  // Which jobs `list` shows the caller: on the Unix socket, those it may see (its own, its
+  // --job-group's; every job for root and ckptd's uid); over TCP every job.
+  absl::StatusOr<std::function<bool(const std::string&)>> ListableJobs(grpc::ServerContext* ctx) const;
   // Both verify calls: one verify at a time, the step pinned against retention while it runs.
   absl::StatusOr<format::VerifyReport> RunVerify(grpc::ServerContext* ctx,
                                                  const ::ckptd::v1::CheckpointRef& request,
