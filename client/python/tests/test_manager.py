@@ -878,24 +878,31 @@ def _train_with(manager, model, optimizer, scheduler, steps, first, step_times):
     return first + steps
 
 
+def _train_through_stall(daemon, training, manager, times, step, seconds=5.0):
+    """Trains while `daemon` is stopped (SIGSTOP) for `seconds`; returns the next step, the
+    times of the steps trained meanwhile (more than ten: training went on) and the warnings."""
+    daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        stalled_from = len(times)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                step = _train_with(manager, *training, 1, step, times)
+    finally:
+        daemon.process.send_signal(signal.SIGCONT)
+    stalled = times[stalled_from:]
+    assert len(stalled) > 10
+    return step, stalled, warned
+
+
 def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
     """ckptd stopped for 5 s (SIGSTOP: a long stall, a swapped node) and resumed: the trainer
     never stops; at most one step waits (for the snapshot ckptd had not copied, until its
     heartbeat is 3 s stale, then the snapshot is abandoned); it keeps its session, so saves
     commit again as soon as ckptd is back, with no new registration."""
     (model, optimizer, scheduler), manager, times, step, session = _training_with_commits(daemon, "stall")
-    daemon.process.send_signal(signal.SIGSTOP)
-    try:
-        stalled_from = len(times)
-        with warnings.catch_warnings(record=True) as warned:
-            warnings.simplefilter("always")
-            deadline = time.monotonic() + 5.0
-            while time.monotonic() < deadline:
-                step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
-    finally:
-        daemon.process.send_signal(signal.SIGCONT)
-    stalled = times[stalled_from:]
-    assert len(stalled) > 10  # training went on
+    step, stalled, warned = _train_through_stall(daemon, (model, optimizer, scheduler), manager, times, step)
     assert sum(t > 0.5 for t in stalled) <= 1, stalled
     assert max(stalled) < 4.5, stalled
     unavailable = [w for w in warned if "ckptd unavailable" in str(w.message)]
@@ -957,18 +964,7 @@ def test_a_stalled_group_member_costs_its_python_and_cpp_trainers_only_missed_ch
             assert cpp.poll() is None and time.monotonic() < deadline, "".join(cpp_out)
             time.sleep(0.05)
 
-        member.process.send_signal(signal.SIGSTOP)
-        try:
-            stalled_from = len(times)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                deadline = time.monotonic() + 5.0
-                while time.monotonic() < deadline:
-                    step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
-        finally:
-            member.process.send_signal(signal.SIGCONT)
-        stalled = times[stalled_from:]
-        assert len(stalled) > 10  # training went on
+        step, stalled, _ = _train_through_stall(member, (model, optimizer, scheduler), manager, times, step)
         assert max(stalled) < 4.5, stalled
         assert cpp.poll() is None, "".join(cpp_out)
         with open(nodes[0].log, errors="replace") as log:
