@@ -97,6 +97,9 @@ struct Server::Parts {
   bool shared_store = false;
   // Whose each job is; outlives every stage that asks (the uploader's thread included).
   std::unique_ptr<JobOwners> owners;
+  // --user-quota-bytes, --job-quota-bytes: after `owners` (it asks them whose a job is), and
+  // before every stage that writes or removes through `store` (whose hook tells it).
+  std::unique_ptr<persist::DiskQuota> quota;
   // --remote: the remote tier (tiered mode; in direct mode `store` is on it instead).
   std::unique_ptr<format::CheckpointStore> remote;
   cuda::StagingPoolPtr pool;
@@ -124,7 +127,6 @@ struct Server::Parts {
   group::GroupClientPtr group_client;
   group::GroupServerPtr group_server;
   std::unique_ptr<commit::Committer> committer;
-  std::unique_ptr<persist::DiskQuota> quota;  // --user-quota-bytes, --job-quota-bytes
   std::unique_ptr<persist::WriteQueue> writes;
   std::unique_ptr<group::GroupMember> group_member;
   StepAgreementPtr agreement;
@@ -393,6 +395,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         p->fs, config.root, [owners = &p->owners](const std::string& job) {
           if (*owners) (*owners)->Restore(job);
         });
+
     p->shared_store = config.shared_root;
     if (remote) p->remote = std::make_unique<format::CheckpointStore>(remote, config.remote);
   }
@@ -402,6 +405,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->fs, config.root,
       JobOwners::Options{::geteuid(), config.job_gids,
                          p->remote ? &p->remote->objects() : direct ? &p->store->objects() : nullptr});
+  if (!direct && (config.user_quota_bytes != 0 || config.job_quota_bytes != 0)) {
+    // Before any other thread uses the store: what retention, deletes and aborts remove is
+    // measured again before the job's next write.
+    p->quota = std::make_unique<persist::DiskQuota>(
+        *p->fs, config.root, persist::DiskQuota::Limits{config.user_quota_bytes, config.job_quota_bytes},
+        [owners = p->owners.get()](const std::string& job) -> std::optional<uint32_t> {
+          return owners->LocalOwner(job);
+        });
+    p->store->set_removed_hook([quota = p->quota.get()](const std::string& job) { quota->Changed(job); });
+  }
   if (int closed = p->owners->CloseAll(); closed > 0) {
     log::Get(log::Component::kMain).info("{} job directories readable by their owners alone", closed);
   }
@@ -539,12 +552,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     p->save_clock = MakeLocalSaveClock();
   }
   persist::WriteQueue::Options write_options{config.io_threads, storage::IsS3Url(config.root) ? "remote" : "local"};
-  if (!direct && (config.user_quota_bytes != 0 || config.job_quota_bytes != 0)) {
-    p->quota = std::make_unique<persist::DiskQuota>(
-        *p->fs, config.root, persist::DiskQuota::Limits{config.user_quota_bytes, config.job_quota_bytes},
-        [owners = p->owners.get()](const std::string& job) -> std::optional<uint32_t> { return owners->LocalOwner(job); });
-    write_options.quota = p->quota.get();
-  }
+  write_options.quota = p->quota.get();
   p->writes = std::make_unique<persist::WriteQueue>(
       *p->writer, *p->committer, p->progress, write_options,
       [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });

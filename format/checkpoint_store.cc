@@ -117,7 +117,9 @@ absl::StatusOr<std::optional<Manifest>> CheckpointStore::LoadPrepared(const std:
 }
 
 absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {
-  return objects_->RemovePrefix(TempStepKey(job, step));
+  absl::Status removed = objects_->RemovePrefix(TempStepKey(job, step));
+  if (removed_hook_) removed_hook_(job);
+  return removed;
 }
 
 absl::StatusOr<std::vector<uint64_t>> CheckpointStore::ListSteps(const std::string& job) {
@@ -270,6 +272,7 @@ absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     runs_.erase({job, step});  // what is cached is what is there: bounded by the steps kept
   }
+  if (removed_hook_) removed_hook_(job);
   if (absl::IsNotFound(retracted)) {
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }

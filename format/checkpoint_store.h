@@ -57,6 +57,9 @@ class CheckpointStore {
   absl::Status Commit(const Manifest& manifest);
   // Removes an unfinished step directory.
   absl::Status AbortStep(const std::string& job, uint64_t step);
+  // Called with the job after AbortStep or Delete removed some of its files (ckptd's disk
+  // quota measures the job again). Set before the store is shared with other threads.
+  void set_removed_hook(std::function<void(const std::string& job)> hook) { removed_hook_ = std::move(hook); }
   // A group node's record, in the step's staging, of the ranks it prepared (`part`, as sent
   // to the coordinator): what it publishes its share from when it restarted meanwhile and
   // hears only the commit's header. Durable when it returns; Commit removes it.
@@ -107,6 +110,7 @@ class CheckpointStore {
   storage::StorePtr objects_;
   std::string root_;
   bool shared_ = false;
+  std::function<void(const std::string& job)> removed_hook_;
   std::mutex mu_;
   // Manifest::run of committed steps (manifests never change once committed).
   std::map<std::pair<std::string, uint64_t>, uint64_t> runs_;

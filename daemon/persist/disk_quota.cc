@@ -1,7 +1,9 @@
 #include "daemon/persist/disk_quota.h"
 
 #include <fmt/format.h>
+#include <pthread.h>
 
+#include <set>
 #include <vector>
 
 #include "common/names.h"
@@ -17,9 +19,35 @@ std::string Size(uint64_t bytes) {
 
 }  // namespace
 
-DiskQuota::DiskQuota(Filesystem& fs, std::string root, Limits limits, OwnerOf owner_of,
+DiskQuota::DiskQuota(Filesystem& fs, std::string root, Limits limits, OwnerOf owner_of, bool walk_root,
                      std::function<Clock::time_point()> now)
-    : fs_(fs), root_(std::move(root)), limits_(limits), owner_of_(std::move(owner_of)), now_(std::move(now)) {}
+    : fs_(fs), root_(std::move(root)), limits_(limits), owner_of_(std::move(owner_of)), now_(std::move(now)) {
+  if (walk_root && enabled()) walker_ = std::thread([this] { WalkLoop(); });
+}
+
+DiskQuota::~DiskQuota() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  stop_cv_.notify_all();
+  if (walker_.joinable()) walker_.join();
+}
+
+void DiskQuota::WalkLoop() {
+  pthread_setname_np(pthread_self(), "ckptd-quota");
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    lock.unlock();
+    try {
+      MeasureRoot();
+    } catch (const std::exception&) {
+      // A root that cannot be walked now (bad_alloc, a filesystem error): the next walk.
+    }
+    lock.lock();
+    stop_cv_.wait_for(lock, kRescan, [this] { return stopping_; });
+  }
+}
 
 uint64_t DiskQuota::BytesUnder(const std::string& dir, int depth) {
   absl::StatusOr<std::vector<std::string>> names = fs_.ListDir(dir);
@@ -36,37 +64,63 @@ uint64_t DiskQuota::BytesUnder(const std::string& dir, int depth) {
   return bytes;
 }
 
-void DiskQuota::Measure(Clock::duration max_age) {
-  std::lock_guard measuring(measure_mu_);
+void DiskQuota::MeasureJob(const std::string& job) {
+  const std::optional<uint32_t> owner = owner_of_(job);
   {
     std::lock_guard lock(mu_);
-    if (measured_ && now_() - *measured_ < max_age) return;
+    Job& j = jobs_[job];
+    if (j.walks++ == 0) j.written_during_walk = 0;
+    j.changed = false;  // a removal from now on is seen by the next measurement
   }
-  // <root>/<job>/<step>/<file>: jobs are the root's directories with a job's name (the
-  // group's decision log and other daemon files start with a dot).
-  std::map<std::string, std::pair<uint64_t, std::optional<uint32_t>>> found;
-  if (absl::StatusOr<std::vector<std::string>> names = fs_.ListDir(root_); names.ok()) {
-    for (const std::string& job : *names) {
-      if (!ValidateJobName(job).ok() || !fs_.IsDirectory(root_ + "/" + job)) continue;
-      found[job] = {BytesUnder(root_ + "/" + job, 1), owner_of_(job)};
-    }
+  // <root>/<job>/<step>/<file>
+  const uint64_t bytes = BytesUnder(root_ + "/" + job, 1);
+  std::lock_guard lock(mu_);
+  Job& j = jobs_[job];
+  --j.walks;
+  j.on_root = bytes + j.written_during_walk;
+  if (owner) j.owner = owner;
+  j.measured = now_();
+}
+
+void DiskQuota::MeasureRoot() {
+  absl::StatusOr<std::vector<std::string>> names = fs_.ListDir(root_);
+  if (!names.ok()) return;
+  // Jobs are the root's directories with a job's name (the group's decision log and other
+  // daemon files start with a dot).
+  std::set<std::string> present;
+  for (const std::string& job : *names) {
+    if (!ValidateJobName(job).ok() || !fs_.IsDirectory(root_ + "/" + job)) continue;
+    present.insert(job);
+    MeasureJob(job);
   }
   std::lock_guard lock(mu_);
   for (auto it = jobs_.begin(); it != jobs_.end();) {
-    if (auto on_root = found.find(it->first); on_root != found.end()) {
-      it->second.on_root = on_root->second.first;
-      if (on_root->second.second) it->second.owner = on_root->second.second;
-      found.erase(on_root);
-      ++it;
-    } else if (it->second.reserved != 0) {
-      it->second.on_root = 0;  // its directory is about to be made
-      ++it;
-    } else {
-      it = jobs_.erase(it);
+    const bool idle = it->second.reserved == 0 && it->second.walks == 0;
+    it = !present.count(it->first) && idle ? jobs_.erase(it) : std::next(it);
+  }
+}
+
+void DiskQuota::Changed(const std::string& job) {
+  if (!enabled()) return;
+  std::lock_guard lock(mu_);
+  if (auto it = jobs_.find(job); it != jobs_.end()) it->second.changed = true;
+}
+
+void DiskQuota::Refresh(const std::string& job) {
+  bool measure = false;
+  std::vector<std::string> changed;  // the owner's other jobs ckptd removed files of
+  {
+    std::lock_guard lock(mu_);
+    const Job& j = jobs_[job];
+    measure = !j.measured || j.changed || now_() - *j.measured >= kRescan;
+    if (limits_.per_user != 0 && j.owner) {
+      for (const auto& [name, other] : jobs_) {
+        if (name != job && other.owner == j.owner && other.changed) changed.push_back(name);
+      }
     }
   }
-  for (auto& [job, measured] : found) jobs_[job] = Job{measured.first, 0, measured.second};
-  measured_ = now_();
+  if (measure) MeasureJob(job);
+  for (const std::string& name : changed) MeasureJob(name);
 }
 
 DiskQuota::Usage DiskQuota::UsageLocked(const std::string& job) const {
@@ -84,48 +138,42 @@ DiskQuota::Usage DiskQuota::UsageLocked(const std::string& job) const {
 }
 
 DiskQuota::Usage DiskQuota::UsageOf(const std::string& job) {
-  Measure(kRescan);
+  Refresh(job);
   std::lock_guard lock(mu_);
   return UsageLocked(job);
 }
 
 std::string DiskQuota::OverLocked(const std::string& job, uint64_t step, uint32_t rank, uint64_t bytes) const {
   const Usage usage = UsageLocked(job);
-  const std::string what = fmt::format("writing rank {} of step {} ({})", rank, step, Size(bytes));
+  auto what = [&] { return fmt::format("writing rank {} of step {} ({})", rank, step, Size(bytes)); };
   if (limits_.per_job != 0 && usage.job + bytes > limits_.per_job) {
     return fmt::format(
         "{} would take job {} to {} on {}, over its quota of {} (--job-quota-bytes): delete older steps "
         "(ckptctl delete) or keep fewer (--keep-last)",
-        what, job, Size(usage.job + bytes), root_, Size(limits_.per_job));
+        what(), job, Size(usage.job + bytes), root_, Size(limits_.per_job));
   }
   if (limits_.per_user != 0 && usage.owner && usage.user + bytes > limits_.per_user) {
     return fmt::format(
         "{} would take the checkpoints of uid {} on {} to {} (job {}: {}), over the user's quota of {} "
         "(--user-quota-bytes): delete older steps of the user's jobs (ckptctl list, ckptctl delete) or keep "
         "fewer (--keep-last)",
-        what, *usage.owner, root_, Size(usage.user + bytes), job, Size(usage.job + bytes), Size(limits_.per_user));
+        what(), *usage.owner, root_, Size(usage.user + bytes), job, Size(usage.job + bytes), Size(limits_.per_user));
   }
   return {};
 }
 
 absl::Status DiskQuota::Reserve(const std::string& job, uint64_t step, uint32_t rank, uint64_t bytes) {
   if (!enabled()) return absl::OkStatus();
-  const std::optional<uint32_t> owner = owner_of_(job);
-  auto admit = [&]() -> std::optional<std::string> {
+  if (const std::optional<uint32_t> owner = owner_of_(job)) {
     std::lock_guard lock(mu_);
-    Job& j = jobs_[job];
-    if (owner) j.owner = owner;
-    std::string over = OverLocked(job, step, rank, bytes);
-    if (!over.empty()) return over;
-    j.reserved += bytes;
-    return std::nullopt;
-  };
-  Measure(kRescan);
-  if (!admit()) return absl::OkStatus();
-  // Refused only on a fresh measurement: steps deleted since the last one are not held
-  // against the job.
-  Measure(kRecheck);
-  if (std::optional<std::string> over = admit()) return absl::ResourceExhaustedError(*over);
+    jobs_[job].owner = owner;
+  }
+  Refresh(job);
+  std::lock_guard lock(mu_);
+  if (std::string over = OverLocked(job, step, rank, bytes); !over.empty()) {
+    return absl::ResourceExhaustedError(over);
+  }
+  jobs_[job].reserved += bytes;
   return absl::OkStatus();
 }
 
@@ -135,6 +183,7 @@ void DiskQuota::Finished(const std::string& job, uint64_t reserved, uint64_t wri
   Job& j = jobs_[job];
   j.reserved -= std::min(j.reserved, reserved);
   j.on_root += written;
+  if (j.walks > 0) j.written_during_walk += written;
 }
 
 }  // namespace ckpt::persist

@@ -6,20 +6,25 @@
 // steps stay). Retention stays per job (--keep-last): one user's steps never push out
 // another's.
 //
-// What the root holds is what its files say: each job's directory is measured (file
-// sizes, every step and unfinished step in it) at most every kRescan, and the bytes
-// written meanwhile are added; a refusal is made only on a measurement at most
-// kRecheck old, so steps deleted meanwhile (retention, `ckptctl delete`, an operator) are
-// never held against a user. Shards being written count in full until they end.
+// What the root holds is what its files say. A job is measured (the sizes of the files in
+// its directory and its step directories) when a write finds its figure older than
+// kRescan, or marked changed: ckptd removed some of it (retention, `ckptctl delete`, an
+// aborted step: Changed()). Bytes written meanwhile are added as each write ends, and a
+// shard being written counts in full until it ends. A thread of its own walks the whole
+// root every kRescan (jobs other daemons write on a shared root, files an operator
+// removed): the I/O threads never walk more than the one job they write and the owner's
+// jobs marked changed, so no user can make another's writes wait on a walk of the root.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "storage/filesystem.h"
@@ -30,7 +35,6 @@ class DiskQuota {
  public:
   using Clock = std::chrono::steady_clock;
   static constexpr Clock::duration kRescan = std::chrono::seconds(30);
-  static constexpr Clock::duration kRecheck = std::chrono::seconds(1);
 
   struct Limits {
     uint64_t per_user = 0;  // bytes of all the jobs one uid owns on the root; 0: no bound
@@ -39,8 +43,13 @@ class DiskQuota {
   // The uid that owns a job on record (nullopt: none yet; its bytes count for the job only).
   using OwnerOf = std::function<std::optional<uint32_t>(const std::string& job)>;
 
-  DiskQuota(Filesystem& fs, std::string root, Limits limits, OwnerOf owner_of,
+  // `walk_root`: whether a thread of its own walks the whole root every kRescan (ckptd:
+  // yes; tests drive Measure themselves).
+  DiskQuota(Filesystem& fs, std::string root, Limits limits, OwnerOf owner_of, bool walk_root = true,
             std::function<Clock::time_point()> now = Clock::now);
+  ~DiskQuota();
+  DiskQuota(const DiskQuota&) = delete;
+  DiskQuota& operator=(const DiskQuota&) = delete;
 
   bool enabled() const { return limits_.per_user != 0 || limits_.per_job != 0; }
 
@@ -49,6 +58,10 @@ class DiskQuota {
   absl::Status Reserve(const std::string& job, uint64_t step, uint32_t rank, uint64_t bytes);
   // A write Reserve admitted ended: `written` bytes are on the root now (0: it failed).
   void Finished(const std::string& job, uint64_t reserved, uint64_t written);
+  // ckptd removed some of `job`'s files: it is measured again before its figure is used.
+  void Changed(const std::string& job);
+  // Walks the whole root now (the walking thread's work).
+  void MeasureRoot();
 
   // What the root holds for `job` and for the jobs of its owner, as last measured plus
   // what was written and is being written since.
@@ -64,24 +77,35 @@ class DiskQuota {
     uint64_t on_root = 0;    // measured, plus written since
     uint64_t reserved = 0;   // being written
     std::optional<uint32_t> owner;
+    std::optional<Clock::time_point> measured;  // never: to be measured before use
+    bool changed = false;    // ckptd removed some of it since it was measured
+    // Bytes written while a walk of the job ran (the walk may have seen them or not: they
+    // count once more rather than not at all).
+    uint64_t written_during_walk = 0;
+    int walks = 0;           // walks of the job running
   };
-  // Measures every job on the root when the last measurement is older than `max_age`.
-  void Measure(Clock::duration max_age);
-  // Bytes of the files under `dir` and its subdirectories (a job: steps, then shards).
+  // Bytes of the files under `dir` and its subdirectories, `depth` levels down.
   uint64_t BytesUnder(const std::string& dir, int depth);
+  // Measures `job` (outside mu_) and records what it found.
+  void MeasureJob(const std::string& job);
+  // Measures `job` when its figure is missing, stale or changed, and every job of its owner
+  // marked changed.
+  void Refresh(const std::string& job);
   Usage UsageLocked(const std::string& job) const;
   // Why writing `bytes` more for `job` would pass a bound; empty when it would not.
   std::string OverLocked(const std::string& job, uint64_t step, uint32_t rank, uint64_t bytes) const;
+  void WalkLoop();
 
   Filesystem& fs_;
   const std::string root_;
   const Limits limits_;
   const OwnerOf owner_of_;
   const std::function<Clock::time_point()> now_;
-  std::mutex measure_mu_;  // one measurement at a time, outside mu_
   mutable std::mutex mu_;
   std::map<std::string, Job> jobs_;
-  std::optional<Clock::time_point> measured_;
+  std::condition_variable stop_cv_;
+  bool stopping_ = false;
+  std::thread walker_;  // last: started once everything above exists
 };
 
 }  // namespace ckpt::persist

@@ -95,20 +95,30 @@ void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
     return;
   }
   metrics::DaemonMetrics& metrics = metrics::Metrics();
-  // Counted in full while it is written: two I/O threads cannot both pass a bound.
-  const uint64_t reserved = snapshot->shard.data_bytes;
+  // Counted in full while it is written (two I/O threads cannot both pass a bound), and
+  // given back however the write ends, an exception included.
+  struct QuotaHold {
+    DiskQuota* quota = nullptr;
+    const std::string& job;
+    uint64_t reserved = 0;
+    uint64_t written = 0;
+    ~QuotaHold() {
+      if (quota) quota->Finished(job, reserved, written);
+    }
+  } hold{nullptr, snapshot->job, snapshot->shard.data_bytes};
   if (options_.quota) {
-    if (absl::Status admitted = options_.quota->Reserve(snapshot->job, snapshot->step, snapshot->rank, reserved);
+    if (absl::Status admitted = options_.quota->Reserve(snapshot->job, snapshot->step, snapshot->rank, hold.reserved);
         !admitted.ok()) {
       metrics.Fail(metrics::Cause::kQuota);
       Log().warn("[{} s{}] r{}: {}", snapshot->job, snapshot->step, snapshot->rank, Message(admitted));
       listener_.Failed(snapshot, Message(admitted));
       return;
     }
+    hold.quota = options_.quota;
   }
   const auto started = std::chrono::steady_clock::now();
   auto written = writer_.Write(snapshot->shard, *dir);
-  if (options_.quota) options_.quota->Finished(snapshot->job, reserved, written.ok() ? written->bytes : 0);
+  if (written.ok()) hold.written = written->bytes;
   if (!written.ok()) {
     // Aborted: the trainer abandoned the snapshot during its copy (torn tensors, never
     // written); anything else is the store's.
