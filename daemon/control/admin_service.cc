@@ -99,8 +99,24 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
 grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* request, ListReply* reply) {
   return Guarded("List", [&]() -> absl::Status {
     CKPT_ASSIGN_OR_RETURN(std::function<bool(const std::string&)> visible, ListableJobs(ctx));
-    CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed,
-                          format::ListCheckpoints(store_, request->job()));
+    // Only the jobs the caller may see are read at all: another user's job that cannot be
+    // listed neither fails the call nor shows in its errors.
+    auto list = [&](format::CheckpointStore& store) -> absl::StatusOr<std::vector<format::CheckpointSummary>> {
+      if (!request->job().empty()) {
+        if (!visible(request->job())) return std::vector<format::CheckpointSummary>{};
+        return format::ListCheckpoints(store, request->job());
+      }
+      if (visible(std::string())) return format::ListCheckpoints(store, "");  // everything (root, TCP)
+      CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, store.ListJobs());
+      std::vector<format::CheckpointSummary> all;
+      for (const std::string& job : jobs) {
+        if (!visible(job)) continue;
+        CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> mine, format::ListCheckpoints(store, job));
+        all.insert(all.end(), mine.begin(), mine.end());
+      }
+      return all;
+    };
+    CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> listed, list(store_));
     const auto hot = src_.hot.Steps();
     std::map<std::pair<std::string, uint64_t>, ::ckptd::v1::CheckpointInfo> by_step;
     for (const format::CheckpointSummary& c : listed) {
@@ -115,8 +131,7 @@ grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* req
     if (src_.remote != nullptr) {
       // The remote tier lists only whole steps; a store that cannot be listed is named
       // in the reply's errors rather than failing the local listing.
-      absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded =
-          format::ListCheckpoints(*src_.remote, request->job());
+      absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded = list(*src_.remote);
       if (!uploaded.ok()) {
         reply->add_errors(fmt::format("the remote tier {} cannot be listed: {}", src_.remote->root(),
                                       Message(uploaded.status())));
@@ -128,9 +143,7 @@ grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* req
         }
       }
     }
-    for (auto& [key, info] : by_step) {
-      if (visible(key.first)) *reply->add_checkpoints() = std::move(info);
-    }
+    for (auto& [key, info] : by_step) *reply->add_checkpoints() = std::move(info);
     return absl::OkStatus();
   });
 }
@@ -215,6 +228,7 @@ grpc::Status AdminService::VerifyWithProgress(grpc::ServerContext* ctx, const Ch
 }
 
 absl::StatusOr<std::function<bool(const std::string&)>> AdminService::ListableJobs(grpc::ServerContext* ctx) const {
+  // Answers true for "" too: the caller may see every job.
   auto everything = [](const std::string&) { return true; };
   // Over TCP, reads are the operator's (a firewall guards them); on the socket the caller
   // is known, and another user's job names, steps and sizes are not shown.
@@ -223,6 +237,7 @@ absl::StatusOr<std::function<bool(const std::string&)>> AdminService::ListableJo
   if (caller.uid == 0 || caller.uid == ::geteuid()) return everything;
   return [owners = exposure_.owners, caller, seen = std::make_shared<std::map<std::string, bool>>()](
              const std::string& job) {
+    if (job.empty()) return false;
     auto [it, fresh] = seen->try_emplace(job, false);
     if (fresh) it->second = owners->VisibleTo(job, caller);
     return it->second;
