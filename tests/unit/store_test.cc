@@ -151,7 +151,7 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
   }
   // Into aligned memory at aligned offsets (a local file reads those with O_DIRECT where
   // the filesystem allows it, its unaligned tail through the page cache).
-  std::unique_ptr<char, AlignedFree> into(static_cast<char*>(std::aligned_alloc(4096, all.size() + 4096)));
+  std::unique_ptr<char, AlignedFree> into(static_cast<char*>(std::aligned_alloc(4096, (all.size() + 4096 + 4095) / 4096 * 4096)));
   for (auto [offset, n] : {std::pair<size_t, size_t>{0, all.size()}, {4096, 8192}, {8192, all.size() - 8192},
                            {0, 4095}}) {
     REQUIRE((*reader)->ReadAt(into.get(), n, offset).ok());
