@@ -896,6 +896,20 @@ def _train_through_stall(daemon, training, manager, times, step, seconds=5.0):
     return step, stalled, warned
 
 
+def _train_until_committed(training, manager, times, step, seconds, log=None):
+    """Trains a step at a time until one's checkpoint commits (snapshots of a stall are
+    abandoned or aborted until then); returns the next step."""
+    deadline = time.monotonic() + seconds
+    while True:
+        step = _train_with(manager, *training, 1, step, times)
+        try:
+            if manager.wait(committed=True) == "committed":
+                return step
+        except CheckpointError:
+            pass
+        assert time.monotonic() < deadline, open(log, errors="replace").read()[-4000:] if log else ""
+
+
 def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
     """ckptd stopped for 5 s (SIGSTOP: a long stall, a swapped node) and resumed: the trainer
     never stops; at most one step waits (for the snapshot ckptd had not copied, until its
@@ -908,15 +922,7 @@ def test_a_stalled_daemon_costs_only_the_checkpoints_it_missed(daemon):
     unavailable = [w for w in warned if "ckptd unavailable" in str(w.message)]
     assert len(unavailable) == 1, [str(w.message) for w in warned]  # once per outage
     # Back: the same session saves again, and its next checkpoint commits.
-    deadline = time.monotonic() + 30
-    while True:
-        step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
-        try:
-            if manager.wait(committed=True) == "committed":
-                break
-        except CheckpointError:  # the snapshot abandoned during the stall, until a new one
-            pass
-        assert time.monotonic() < deadline
+    step = _train_until_committed((model, optimizer, scheduler), manager, times, step, 30)
     step = _train_with(manager, model, optimizer, scheduler, 3, step, times)
     assert manager.wait(committed=True) == "committed"
     assert manager._client.session_id == session
@@ -972,15 +978,8 @@ def test_a_stalled_group_member_costs_its_python_and_cpp_trainers_only_missed_ch
         cpp_before = _newest_committed("".join(cpp_out))
 
         # Back and joined again: both jobs commit new steps, the trainers never stopped.
+        step = _train_until_committed((model, optimizer, scheduler), manager, times, step, 60, member.log)
         deadline = time.monotonic() + 60
-        while True:
-            step = _train_with(manager, model, optimizer, scheduler, 1, step, times)
-            try:
-                if manager.wait(committed=True) == "committed":
-                    break
-            except CheckpointError:  # a snapshot of the stall, abandoned or aborted
-                pass
-            assert time.monotonic() < deadline, open(member.log, errors="replace").read()[-4000:]
         step = _train_with(manager, model, optimizer, scheduler, 3, step, times)
         assert manager.wait(committed=True) == "committed"
         assert member.steps("py")[-1] == step - 1
