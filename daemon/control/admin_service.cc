@@ -22,8 +22,34 @@ namespace ckpt::daemon {
 
 using namespace ::ckptd::v1;
 
-grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, StatusReply* reply) {
+namespace {
+
+// What a caller who may not see every job keeps of a status reply: the sessions and jobs it
+// may see, and the errors about them ("[job s12] ..."); the node's own figures stay.
+void KeepVisible(StatusReply& reply, const std::function<bool(const std::string&)>& visible) {
+  auto* sessions = reply.mutable_sessions();
+  sessions->erase(std::remove_if(sessions->begin(), sessions->end(),
+                                 [&](const SessionStatus& s) { return !visible(s.job()); }),
+                  sessions->end());
+  auto* jobs = reply.mutable_jobs();
+  jobs->erase(std::remove_if(jobs->begin(), jobs->end(), [&](const JobStatus& j) { return !visible(j.job()); }),
+              jobs->end());
+  auto* errors = reply.mutable_recent_errors();
+  errors->erase(std::remove_if(errors->begin(), errors->end(),
+                               [&](const std::string& e) {
+                                 const size_t end = e.find(' ');
+                                 return e.empty() || e[0] != '[' || end == std::string::npos ||
+                                        !visible(e.substr(1, end - 1));
+                               }),
+                errors->end());
+  reply.mutable_group()->clear_last_error();
+}
+
+}  // namespace
+
+grpc::Status AdminService::Status(grpc::ServerContext* ctx, const StatusRequest*, StatusReply* reply) {
   return Guarded("Status", [&]() -> absl::Status {
+    CKPT_ASSIGN_OR_RETURN(std::function<bool(const std::string&)> visible, ListableJobs(ctx));
     reply->set_version(kVersion);
     reply->set_root(config_.root);
     reply->set_remote(config_.remote);
@@ -92,6 +118,7 @@ grpc::Status AdminService::Status(grpc::ServerContext*, const StatusRequest*, St
     reply->set_checkpoints_committed(board_.checkpoints_committed);
     reply->set_checkpoints_failed(board_.checkpoints_failed);
     reply->set_bytes_persisted(board_.bytes_persisted);
+    if (!visible(std::string())) KeepVisible(*reply, visible);
     return absl::OkStatus();
   });
 }

@@ -80,8 +80,8 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   // act on the job (its owner, its --job-group, root, ckptd's uid); over TCP only the holder
   // of the admin token.
   absl::Status MayAct(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
-  // Which jobs `list` shows the caller: on the Unix socket, those it may see (its own, its
-  // --job-group's; every job for root and ckptd's uid); over TCP every job.
+  // Which jobs `list` and `status` show the caller: on the Unix socket, those it may see
+  // (its own, its --job-group's; every job for root and ckptd's uid); over TCP every job.
   absl::StatusOr<std::function<bool(const std::string&)>> ListableJobs(grpc::ServerContext* ctx) const;
   // Both verify calls: one verify at a time, the step pinned against retention while it runs.
   absl::StatusOr<format::VerifyReport> RunVerify(grpc::ServerContext* ctx,

@@ -375,7 +375,8 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
     CHECK(RunAs(1000, "", {ckptctl, "--socket", d.socket(), "--job", "private", call, "1"}, dir.path())
               .exit_code == 0);
   }
-  // Nor its name, steps and sizes: `list` through ckptd shows a user only the jobs it may see.
+  // Nor its name, steps and sizes: `list` and `status` through ckptd show a user only the
+  // jobs it may see.
   auto listed_as = [&](int uid, const std::string& groups) {
     RunResult r = RunAs(uid, groups, {ckptctl, "--socket", d.socket(), "list"}, dir.path());
     INFO(r.out << r.err);
@@ -385,6 +386,16 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
   CHECK_FALSE(Contains(listed_as(1001, "0"), "private"));
   CHECK(Contains(listed_as(1000, ""), "private"));
   CHECK(Contains(d.Ctl({"list"}).out, "private"));  // root
+  // Nor in `status` (its jobs, sessions and errors).
+  auto status_as = [&](int uid, const std::string& groups) {
+    RunResult r = RunAs(uid, groups, {ckptctl, "--socket", d.socket(), "--json", "status"}, dir.path());
+    INFO(r.out << r.err);
+    CHECK(r.exit_code == 0);
+    return r.out;
+  };
+  CHECK_FALSE(Contains(status_as(1001, "0"), "private"));
+  CHECK(Contains(status_as(1000, ""), "private"));
+  CHECK(Contains(d.Ctl({"--json", "status"}).out, "private"));
 
   // The owner reads her own files (not in ckptd's group at all), and exports them.
   auto mine = RunAs(1000, "", {"/bin/cat", shard}, dir.path());
