@@ -120,6 +120,9 @@ TEST_CASE("ckptd killed at random while two ranks save and resume: no reported c
     REQUIRE((reported == 0 || (!listed.empty() && *listed.rbegin() >= reported)));
     for (uint64_t step : listed) {
       RunResult v = d.Ctl({"--job", "kl", "verify", std::to_string(step)});
+      // Trainers left running save again once they have registered with the new ckptd, and
+      // retention (--keep-last 3) may remove a listed step meanwhile: that one is not checked.
+      if (v.exit_code != 0 && !ListedSteps(d, "kl").count(step)) continue;
       INFO("verify " << step << ": " << v.out << v.err);
       REQUIRE(v.exit_code == 0);
       ++verified;
