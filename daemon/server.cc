@@ -395,7 +395,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         p->fs, config.root, [owners = &p->owners](const std::string& job) {
           if (*owners) (*owners)->Restore(job);
         });
-
     p->shared_store = config.shared_root;
     if (remote) p->remote = std::make_unique<format::CheckpointStore>(remote, config.remote);
   }

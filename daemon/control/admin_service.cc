@@ -26,7 +26,7 @@ namespace {
 
 // What a caller who may not see every job keeps of a status reply: the sessions and jobs it
 // may see, and the errors about them ("[job s12] ..."); the node's own figures stay.
-void KeepVisible(StatusReply& reply, const std::function<bool(const std::string&)>& visible) {
+void KeepVisible(StatusReply& reply, const std::function<bool(const std::string& job)>& visible) {
   auto* sessions = reply.mutable_sessions();
   sessions->erase(std::remove_if(sessions->begin(), sessions->end(),
                                  [&](const SessionStatus& s) { return !visible(s.job()); }),
@@ -49,7 +49,7 @@ void KeepVisible(StatusReply& reply, const std::function<bool(const std::string&
 
 grpc::Status AdminService::Status(grpc::ServerContext* ctx, const StatusRequest*, StatusReply* reply) {
   return Guarded("Status", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(std::function<bool(const std::string&)> visible, ListableJobs(ctx));
+    CKPT_ASSIGN_OR_RETURN(std::optional<JobFilter> visible, ListableJobs(ctx));
     reply->set_version(kVersion);
     reply->set_root(config_.root);
     reply->set_remote(config_.remote);
@@ -118,26 +118,26 @@ grpc::Status AdminService::Status(grpc::ServerContext* ctx, const StatusRequest*
     reply->set_checkpoints_committed(board_.checkpoints_committed);
     reply->set_checkpoints_failed(board_.checkpoints_failed);
     reply->set_bytes_persisted(board_.bytes_persisted);
-    if (!visible(std::string())) KeepVisible(*reply, visible);
+    if (visible) KeepVisible(*reply, *visible);
     return absl::OkStatus();
   });
 }
 
 grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* request, ListReply* reply) {
   return Guarded("List", [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(std::function<bool(const std::string&)> visible, ListableJobs(ctx));
+    CKPT_ASSIGN_OR_RETURN(std::optional<JobFilter> visible, ListableJobs(ctx));
     // Only the jobs the caller may see are read at all: another user's job that cannot be
     // listed neither fails the call nor shows in its errors.
     auto list = [&](format::CheckpointStore& store) -> absl::StatusOr<std::vector<format::CheckpointSummary>> {
+      if (!visible) return format::ListCheckpoints(store, request->job());
       if (!request->job().empty()) {
-        if (!visible(request->job())) return std::vector<format::CheckpointSummary>{};
+        if (!(*visible)(request->job())) return std::vector<format::CheckpointSummary>{};
         return format::ListCheckpoints(store, request->job());
       }
-      if (visible(std::string())) return format::ListCheckpoints(store, "");  // everything (root, TCP)
       CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, store.ListJobs());
       std::vector<format::CheckpointSummary> all;
       for (const std::string& job : jobs) {
-        if (!visible(job)) continue;
+        if (!(*visible)(job)) continue;
         CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> mine, format::ListCheckpoints(store, job));
         all.insert(all.end(), mine.begin(), mine.end());
       }
@@ -254,21 +254,18 @@ grpc::Status AdminService::VerifyWithProgress(grpc::ServerContext* ctx, const Ch
   });
 }
 
-absl::StatusOr<std::function<bool(const std::string&)>> AdminService::ListableJobs(grpc::ServerContext* ctx) const {
-  // Answers true for "" too: the caller may see every job.
-  auto everything = [](const std::string&) { return true; };
+absl::StatusOr<std::optional<AdminService::JobFilter>> AdminService::ListableJobs(grpc::ServerContext* ctx) const {
   // Over TCP, reads are the operator's (a firewall guards them); on the socket the caller
   // is known, and another user's job names, steps and sizes are not shown.
-  if (exposure_.over_tcp || exposure_.peers == nullptr || exposure_.owners == nullptr) return everything;
+  if (exposure_.over_tcp || exposure_.peers == nullptr || exposure_.owners == nullptr) return std::nullopt;
   CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, exposure_.peers->Of(ctx->peer()));
-  if (caller.uid == 0 || caller.uid == ::geteuid()) return everything;
-  return [owners = exposure_.owners, caller, seen = std::make_shared<std::map<std::string, bool>>()](
-             const std::string& job) {
-    if (job.empty()) return false;
+  if (caller.uid == 0 || caller.uid == ::geteuid()) return std::nullopt;
+  return JobFilter([owners = exposure_.owners, caller, seen = std::make_shared<std::map<std::string, bool>>()](
+                       const std::string& job) {
     auto [it, fresh] = seen->try_emplace(job, false);
     if (fresh) it->second = owners->VisibleTo(job, caller);
     return it->second;
-  };
+  });
 }
 
 absl::Status AdminService::MayAct(grpc::ServerContext* ctx, const char* call,

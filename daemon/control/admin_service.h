@@ -81,8 +81,10 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   // of the admin token.
   absl::Status MayAct(grpc::ServerContext* ctx, const char* call, const std::string& job) const;
   // Which jobs `list` and `status` show the caller: on the Unix socket, those it may see
-  // (its own, its --job-group's; every job for root and ckptd's uid); over TCP every job.
-  absl::StatusOr<std::function<bool(const std::string&)>> ListableJobs(grpc::ServerContext* ctx) const;
+  // (its own, its --job-group's); nullopt when it may see every job (root and ckptd's uid
+  // on the socket, anyone over TCP).
+  using JobFilter = std::function<bool(const std::string& job)>;
+  absl::StatusOr<std::optional<JobFilter>> ListableJobs(grpc::ServerContext* ctx) const;
   // Both verify calls: one verify at a time, the step pinned against retention while it runs.
   absl::StatusOr<format::VerifyReport> RunVerify(grpc::ServerContext* ctx,
                                                  const ::ckptd::v1::CheckpointRef& request,

@@ -118,7 +118,6 @@ void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
   }
   const auto started = std::chrono::steady_clock::now();
   auto written = writer_.Write(snapshot->shard, *dir);
-  if (written.ok()) hold.written = written->bytes;
   if (!written.ok()) {
     // Aborted: the trainer abandoned the snapshot during its copy (torn tensors, never
     // written); anything else is the store's.
@@ -127,6 +126,7 @@ void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
                      fmt::format("writing rank {}: {}", snapshot->rank, Message(written.status())));
     return;
   }
+  hold.written = written->bytes;
   metrics.write_seconds.With({options_.tier}).Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   metrics.written_bytes.With({options_.tier}).Add(static_cast<double>(written->bytes));
