@@ -79,14 +79,18 @@ void JsonText::String(std::string_view s) {
   Escaped(s);
 }
 
+// fmt::format_int writes into a buffer of its own: format_to through a back_inserter
+// appends a character at a time (node 0 writes 80,000 rank numbers into every decision).
 void JsonText::Unsigned(uint64_t v) {
   Separate();
-  fmt::format_to(std::back_inserter(out_), "{}", v);
+  const fmt::format_int text(v);
+  out_.append(text.data(), text.size());
 }
 
 void JsonText::Signed(int64_t v) {
   Separate();
-  fmt::format_to(std::back_inserter(out_), "{}", v);
+  const fmt::format_int text(v);
+  out_.append(text.data(), text.size());
 }
 
 void JsonText::Double(double v) {

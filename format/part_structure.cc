@@ -94,6 +94,7 @@ SplitResult SplitPart(const Manifest& part) {
     uint64_t end = ends[shard.rank];
     for (const auto& [name, entry] : shard.train_state) end = std::max(end, entry.end);
     structure->min_bytes.push_back(end);
+    structure->ranks.push_back(shard.rank);
   }
   const std::string json = ManifestToJson(s);
   structure->digest = ManifestDigest(json);
@@ -143,6 +144,7 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure) {
   summary->json_bytes = structure.json_bytes;
   summary->checksums = structure.checksums;
   summary->min_bytes = structure.min_bytes;
+  summary->ranks = structure.ranks;
   summary->summary = true;
   return summary;
 }

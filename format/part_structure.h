@@ -26,6 +26,10 @@ struct PartStructure {
   // By shard: the least a rank's file may hold (the end of its last entry), so that values
   // can never describe a file shorter than its own entries.
   std::vector<uint64_t> min_bytes;
+  // By shard: its rank. The same as structure.shards' ranks, side by side: a coordinator
+  // checks and places 10,000 nodes' ranks a step, a cache line per part instead of one per
+  // shard.
+  std::vector<uint32_t> ranks;
   // Only a summary (Summarize): `structure` has no tensors. Enough to check a step's
   // values and describe its ranks, not to check tiling or to join a part again.
   bool summary = false;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <numeric>
 #include <set>
 
 #include "common/log.h"
@@ -116,13 +117,14 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
     return refuse(fmt::format("world size {} is not in 1..{}", part.world_size,
                               options_.max_world_size));
   }
-  if (part.shards.empty()) return refuse("a prepare must name at least one rank");
+  const std::vector<uint32_t>& ranks = prepared.structure->ranks;
+  if (ranks.empty()) return refuse("a prepare must name at least one rank");
   if (absl::Status fits = format::CheckValuesFit(*prepared.structure, prepared.values); !fits.ok()) {
     return refuse(Message(fits));
   }
-  for (const format::ManifestShard& s : part.shards) {
-    if (s.rank >= part.world_size) {
-      return refuse(fmt::format("rank {} is outside world size {}", s.rank, part.world_size));
+  for (uint32_t rank : ranks) {
+    if (rank >= part.world_size) {
+      return refuse(fmt::format("rank {} is outside world size {}", rank, part.world_size));
     }
   }
   Notifications notify;
@@ -149,12 +151,12 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
         const CommittedStep& c = *before.committed;
         bool retry;
         if (!c.node_of_rank.empty()) {
-          retry = std::all_of(part.shards.begin(), part.shards.end(), [&](const format::ManifestShard& s) {
-            return s.rank < c.node_of_rank.size() && c.node_of_rank[s.rank] == node;
+          retry = std::all_of(ranks.begin(), ranks.end(), [&](uint32_t rank) {
+            return rank < c.node_of_rank.size() && c.node_of_rank[rank] == node;
           });
         } else {
           auto share = c.shares.find(node);
-          retry = share != c.shares.end() && share->second.ranks >= part.shards.size();
+          retry = share != c.shares.end() && share->second.ranks >= ranks.size();
         }
         if (retry) return before;
         return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
@@ -191,18 +193,18 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
       Log().debug("{} first prepare (node {}, world size {})", Prefix(key.first, key.second), node,
                   part.world_size);
     }
-    auto [said, first_word] = round.attempt_of_node.try_emplace(node, attempt);
-    if (attempt < said->second) {
+    NodeWord& said = round.nodes.try_emplace(node, NodeWord{attempt, 0}).first->second;
+    if (attempt < said.attempt) {
       return refuse(fmt::format("node {} has since started a newer attempt at step {}", node,
                                 key.second));
     }
-    if (attempt > said->second) {
+    if (attempt > said.attempt) {
       // The node abandoned its older attempt (its files are gone or being rewritten).
       ForgetNodeLocked(round, node);
-      said->second = attempt;
+      said.attempt = attempt;
     }
     if (std::optional<std::string> lost = inserted ? LostHolderLocked(part.job, run, part.world_size) : std::nullopt) {
-      for (const format::ManifestShard& s : part.shards) ClaimLocked(round, s.rank, node);
+      for (uint32_t rank : ranks) ClaimLocked(round, rank, node);
       AbortLocked(key, fmt::format("{}; missing ranks {}", *lost, MissingRanks(round)), notify);
       result = recent_[key].decision;
     } else if (round.world_size != part.world_size) {
@@ -212,9 +214,9 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
       result = recent_[key].decision;
     } else {
       std::string conflict;
-      for (const format::ManifestShard& s : part.shards) {
-        if (std::optional<uint32_t> other = ClaimLocked(round, s.rank, node)) {
-          conflict = fmt::format("rank {} was prepared by node {} and by node {}", s.rank, *other, node);
+      for (uint32_t rank : ranks) {
+        if (std::optional<uint32_t> other = ClaimLocked(round, rank, node)) {
+          conflict = fmt::format("rank {} was prepared by node {} and by node {}", rank, *other, node);
         }
       }
       if (conflict.empty()) {
@@ -240,43 +242,62 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
   return result;
 }
 
+void CommitCoordinator::DropReplacedParts(Round& round) {
+  std::erase_if(round.parts, [](const auto& part) { return !part.second.structure; });
+}
+
 CommitCoordinator::CompleteRound CommitCoordinator::TakePartsLocked(Round& round) {
+  // By node, a node's parts in the order it sent them: what the structure check's key, the
+  // decision record and the whole manifest are made of, the same every step. An order of
+  // indices is sorted, so that each part moves once.
+  std::vector<uint32_t> order(round.parts.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t a, uint32_t b) { return round.parts[a].first < round.parts[b].first; });
   CompleteRound complete;
-  for (auto& [node, mine] : round.parts) {
-    for (PreparedPart& part : mine) complete.parts.emplace_back(node, std::move(part));
-  }
-  complete.attempts = round.attempt_of_node;
+  complete.parts.reserve(order.size());
+  for (uint32_t i : order) complete.parts.push_back(std::move(round.parts[i]));
+  complete.nodes = std::move(round.nodes);  // given back if the decision fails (Decide)
   round.parts.clear();
   round.deciding = true;  // nothing else ends or changes it now
   return complete;
 }
 
 void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, PreparedPart part) {
-  std::vector<PreparedPart>& mine = round.parts[node];
-  if (!mine.empty()) {
+  uint32_t& count = round.nodes.at(node).parts;
+  if (count > 0) {
+    // The node's newer word on some ranks (rare: a retry, or a retry that found more ranks
+    // durable): a walk of the round's parts, once per such prepare.
     std::set<uint32_t> ranks;
     for (const format::ManifestShard& s : part.shape().shards) ranks.insert(s.rank);
-    std::vector<PreparedPart> kept;
-    for (PreparedPart& old : mine) {
+    std::vector<PreparedPart> split_off;
+    for (auto& [holder, old] : round.parts) {
+      if (holder != node || !old.structure) continue;
       size_t overlap = 0;
       for (const format::ManifestShard& s : old.shape().shards) overlap += ranks.count(s.rank);
-      if (overlap == 0) {
-        kept.push_back(std::move(old));
-      } else if (overlap < old.shape().shards.size()) {
-        // Some of an older part's ranks said again (rare: a retry that found more ranks
-        // durable): the older part keeps the others, as a structure of its own.
-        // A part held as a summary, or whose checksums stayed on its node, cannot be
-        // split: its other ranks are dropped, and the step aborts for them at its decision.
-        absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values);
-        if (!rest.ok()) continue;
-        format::RemoveRanks(*rest, [&](uint32_t rank) { return ranks.count(rank) > 0; });
-        format::SplitResult split = format::SplitPart(*rest);
-        kept.push_back({std::move(split.structure), std::move(split.values)});
+      if (overlap == 0) continue;
+      if (overlap < old.shape().shards.size()) {
+        // Some of an older part's ranks said again: the older part keeps the others, as a
+        // structure of its own. A part held as a summary, or whose checksums stayed on its
+        // node, cannot be split: its other ranks are dropped, and the step aborts for them
+        // at its decision.
+        if (absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values); rest.ok()) {
+          format::RemoveRanks(*rest, [&](uint32_t rank) { return ranks.count(rank) > 0; });
+          format::SplitResult split = format::SplitPart(*rest);
+          split_off.push_back({std::move(split.structure), std::move(split.values)});
+        }
       }
+      old = PreparedPart{};
+      --count;
     }
-    mine = std::move(kept);
+    DropReplacedParts(round);
+    for (PreparedPart& kept : split_off) {
+      round.parts.emplace_back(node, std::move(kept));
+      ++count;
+    }
   }
-  mine.push_back(std::move(part));
+  round.parts.emplace_back(node, std::move(part));
+  ++count;
 }
 
 std::optional<uint32_t> CommitCoordinator::ClaimLocked(Round& round, uint32_t rank, uint32_t node) {
@@ -296,13 +317,23 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
       --round.prepared;
     }
   }
-  round.parts.erase(node);
+  if (auto word = round.nodes.find(node); word != round.nodes.end() && word->second.parts > 0) {
+    for (auto& [holder, part] : round.parts) {
+      if (holder == node) part = PreparedPart{};
+    }
+    DropReplacedParts(round);
+    word->second.parts = 0;
+  }
 }
 
 CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const PreparedParts& parts) {
-  std::string key;  // the same structures on the same nodes
-  key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.structure->digest.size() + 12));
-  for (const auto& [node, part] : parts) fmt::format_to(std::back_inserter(key), "{}:{};", node, part.structure->digest);
+  std::string key;  // the same structures on the same nodes: each node's 4 bytes, then its digest and ';'
+  key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.structure->digest.size() + 5));
+  for (const auto& [node, part] : parts) {
+    key.append(reinterpret_cast<const char*>(&node), sizeof node);
+    key += part.structure->digest;
+    key += ';';
+  }
   {
     std::lock_guard lock(checks_mu_);
     if (auto made = checks_.find(key); made != checks_.end()) {
@@ -359,16 +390,21 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
 namespace {
 
 // The header and shares of a complete round whose structures passed their check: O(ranks).
-CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors,
-                            const std::map<uint32_t, uint64_t>& attempts) {
+template <typename NodeWords>
+CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors, const NodeWords& words) {
   CommittedStep c;
   StepHeader& h = c.header;
   h.world_size = parts.front().second.shape().world_size;
   h.step_tensors = tensors;
   c.node_of_rank.assign(h.world_size, ~uint32_t{0});
+  auto last = c.shares.end();
   for (const auto& [node, part] : parts) {
-    NodeShare& share = c.shares[node];
-    if (auto attempt = attempts.find(node); attempt != attempts.end()) share.attempt = attempt->second;
+    if (last == c.shares.end() || last->first != node) {
+      // Parts come by node: each share goes at the map's end, without a search.
+      last = c.shares.emplace_hint(c.shares.end(), node, NodeShare{});
+      if (auto word = words.find(node); word != words.end()) last->second.attempt = word->second.attempt;
+    }
+    NodeShare& share = last->second;
     const format::PartValues& v = part.values;
     // The latest clock among the nodes: the moment the last part became durable.
     h.run = std::max(h.run, v.run);
@@ -376,13 +412,13 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors,
       h.unix_time = v.unix_time;
       h.wall_time = v.wall_time;
     }
-    const std::vector<format::ManifestShard>& shards = part.shape().shards;
-    for (size_t i = 0; i < shards.size(); ++i) {
-      c.node_of_rank[shards[i].rank] = node;
+    const std::vector<uint32_t>& ranks = part.structure->ranks;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      c.node_of_rank[ranks[i]] = node;
       ++share.ranks;
       share.bytes += v.ranks[i].bytes;
       h.step_bytes += v.ranks[i].bytes;
-      if (shards[i].rank == 0) h.metadata = v.ranks[i].metadata;
+      if (ranks[i] == 0) h.metadata = v.ranks[i].metadata;
     }
   }
   h.nodes = static_cast<uint32_t>(c.shares.size());
@@ -399,10 +435,8 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   absl::Status recorded = check.status;
   std::shared_ptr<CommittedStep> committed;
   if (recorded.ok()) {
-    committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors, complete.attempts));
-    std::map<uint32_t, std::vector<std::string>> structures;
-    for (const auto& [node, part] : *parts) structures[node].push_back(part.structure->digest);
-    const std::string record = DecisionRecordJson(key.first, key.second, *committed, structures);
+    committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors, complete.nodes));
+    const std::string record = DecisionRecordJson(key.first, key.second, *committed, *parts);
     committed->header.digest = format::ManifestDigest(record);
     // Durable before anyone hears "committed": a node that renames on this answer must
     // find the same answer after a coordinator crash.
@@ -437,6 +471,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   std::lock_guard lock(mu_);
   auto round = rounds_.find(key);  // a deciding round is never ended by anyone else
   if (!recorded.ok()) {
+    round->second.nodes = std::move(complete.nodes);  // the aborted attempts are remembered
     AbortLocked(key,
                 check.status.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
                                   : Message(check.status),
@@ -494,7 +529,7 @@ void CommitCoordinator::AbortLocked(const Key& key, const std::string& reason, N
   std::map<uint32_t, uint64_t> attempts;
   if (auto it = rounds_.find(key); it != rounds_.end()) {
     for (PendingWaiter& w : it->second.waiters) out.emplace_back(std::move(w.waiter), decision);
-    attempts = std::move(it->second.attempt_of_node);
+    for (const auto& [node, word] : it->second.nodes) attempts.emplace(node, word.attempt);
     round_ranks_ -= it->second.world_size;
     rounds_.erase(it);
   }
@@ -587,8 +622,8 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
     } else if (round->second.deciding) {
       return;
     } else {
-      auto said = round->second.attempt_of_node.find(node);
-      if (said != round->second.attempt_of_node.end() && attempt < said->second) {
+      auto said = round->second.nodes.find(node);
+      if (said != round->second.nodes.end() && attempt < said->second.attempt) {
         Log().info("{} ignored a late abort from node {}'s earlier attempt", Prefix(job, step), node);
         return;
       }
@@ -817,7 +852,10 @@ void CommitCoordinator::Tick(Clock::time_point now) {
     for (auto& [key, round] : rounds_) {
       if (!round.deciding && now - round.started >= options_.step_timeout) {
         std::vector<uint32_t> nodes;
-        for (const auto& [node, mine] : round.parts) nodes.push_back(node);
+        for (const auto& [node, word] : round.nodes) {
+          if (word.parts > 0) nodes.push_back(node);
+        }
+        std::sort(nodes.begin(), nodes.end());
         timed_out.emplace_back(
             key, fmt::format("step {} timed out after {:.1f} s (--step-timeout): missing ranks {} "
                              "of {} (prepared by nodes {})",

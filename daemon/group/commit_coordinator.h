@@ -19,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -149,6 +150,13 @@ class CommitCoordinator {
     bool whole = false;  // wants the whole manifest
   };
   static constexpr uint32_t kNoNode = ~uint32_t{0};
+  // What a node said in a round: the attempt it prepared in, and how many of the round's
+  // parts are its (0 for most, so that a first prepare only appends).
+  struct NodeWord {
+    uint64_t attempt = 0;
+    uint32_t parts = 0;
+  };
+  using NodeWords = std::unordered_map<uint32_t, NodeWord>;
   struct Round {
     uint32_t world_size = 0;
     Clock::time_point started;
@@ -156,10 +164,12 @@ class CommitCoordinator {
     // missing ranks every heartbeat reply lists are found without a walk of a tree.
     std::vector<uint32_t> node_of_rank;
     uint32_t prepared = 0;  // ranks with a node
-    std::map<uint32_t, uint64_t> attempt_of_node;
-    // What each node prepared (one part per prepare; nodes send one a step): a node's
-    // newer word touches only its own parts, so a prepare costs the size of its values.
-    std::map<uint32_t, std::vector<PreparedPart>> parts;
+    // Every node that spoke, by node: hashed, as node 0 meets 10,000 of them a step.
+    NodeWords nodes;
+    // What the nodes prepared, in arrival order (one part per prepare; nodes send one a
+    // step); a part a node's newer word replaced has no structure. Sorted by node once,
+    // when the round is complete.
+    PreparedParts parts;
     std::vector<PendingWaiter> waiters;
     bool deciding = false;  // every rank prepared: being merged and recorded, unlocked
   };
@@ -182,10 +192,10 @@ class CommitCoordinator {
   using Key = std::pair<std::string, uint64_t>;
   using Notifications = std::vector<std::pair<Waiter, Decision>>;
 
-  // A complete round's parts, and the attempt each node prepared them in.
+  // A complete round's parts, by node, and the attempt each node prepared them in.
   struct CompleteRound {
     PreparedParts parts;
-    std::map<uint32_t, uint64_t> attempts;
+    NodeWords nodes;
   };
   // What the structures of a complete round say once merged and checked for tiling (a
   // step's structures rarely change, so this is computed once per combination).
@@ -193,7 +203,7 @@ class CommitCoordinator {
     absl::Status status;
     uint32_t tensors = 0;
   };
-  // The parts of a complete round, which is marked deciding.
+  // The parts of a complete round, which is marked deciding, sorted by node.
   static CompleteRound TakePartsLocked(Round& round);
   // Checks and records a complete round's parts without holding mu_, then ends the round
   // committed (or aborted when the parts disagree or the record fails).
@@ -224,6 +234,8 @@ class CommitCoordinator {
   // is still remembered.
   void ReplaceRememberedLocked(const Key& key, const Decision& decision);
   static void ReplaceRanksLocked(Round& round, uint32_t node, PreparedPart part);
+  // Removes the parts a newer word replaced (those without a structure) from the round.
+  static void DropReplacedParts(Round& round);
   static void ForgetNodeLocked(Round& round, uint32_t node);
   // Records that `node` prepared `rank`; the node that had already prepared it otherwise.
   static std::optional<uint32_t> ClaimLocked(Round& round, uint32_t rank, uint32_t node);

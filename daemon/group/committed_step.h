@@ -72,8 +72,9 @@ struct CommittedStep {
 // The record the coordinator makes durable before it announces a commit: the header (but
 // its digest, which is the digest of this text), and each node's ranks, bytes and part
 // structures; O(ranks), however many tensors they hold (docs/format.md, "Decision log").
+// `parts` are the step's, sorted by node (a node's structures are listed in their order).
 std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
-                               const std::map<uint32_t, std::vector<std::string>>& structures);
+                               const PreparedParts& parts);
 
 // A decision record read back: header (with the text's digest), shares and rank table.
 // NotFound when `text` is not a decision record (a whole manifest, as older ckptd recorded).

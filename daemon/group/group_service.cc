@@ -157,10 +157,8 @@ absl::Status CheckPartMatches(const pb::PrepareRequest& request, const PreparedP
         "{} is for job {} step {} world size {}, the request for job {} step {} world size {}", what,
         part.job, prepared.values.step, part.world_size, request.job(), request.step(), request.world_size()));
   }
-  bool same_ranks = part.shards.size() == static_cast<size_t>(request.ranks_size());
-  for (size_t i = 0; same_ranks && i < part.shards.size(); ++i) {
-    same_ranks = part.shards[i].rank == request.ranks(static_cast<int>(i));
-  }
+  const std::vector<uint32_t>& ranks = prepared.structure->ranks;
+  const bool same_ranks = std::equal(ranks.begin(), ranks.end(), request.ranks().begin(), request.ranks().end());
   if (!same_ranks) return absl::InvalidArgumentError(fmt::format("ranks differ from the shards of {}", what));
   return absl::OkStatus();
 }
