@@ -190,6 +190,11 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
       round.node_of_rank.assign(part.world_size, kNoNode);
       round_ranks_ += part.world_size;
       round.started = Clock::now();
+      // As many nodes as the job's last commit had: no rehash while 10,000 arrive.
+      if (auto last = jobs_.find(key.first); last != jobs_.end()) {
+        round.nodes.reserve(last->second.nodes.size());
+        round.parts.reserve(last->second.nodes.size());
+      }
       Log().debug("{} first prepare (node {}, world size {})", Prefix(key.first, key.second), node,
                   part.world_size);
     }

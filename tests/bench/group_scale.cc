@@ -53,6 +53,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "absl/synchronization/mutex.h"
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
 #include "daemon/group/group_client.h"
@@ -117,6 +118,7 @@ int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, co
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   // A benchmark that dies (a failed call exits at once) takes its coordinator with it.
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as ckptd's main does
   group::DecisionLogPtr log = group::MakeFileDecisionLog(MakePosixFilesystem(), dir + "/decisions");
   auto server = group::StartGroupServer(CoordinatorOptions(nodes, fanout), 1, log.get());
   if (!server.ok()) Die(Message(server.status()));
