@@ -105,6 +105,9 @@ void GroupMember::Loop() {
     }
     cv_.notify_all();
     milliseconds pause = view.ok() || !must_join ? heartbeat_period : kRetryAfterFailure;
+    // A join may bring only this node's relay (a group with a relay tree): the first
+    // heartbeat, through it, brings the other members.
+    if (joined_now && view.ok()) pause = milliseconds(0);
     cv_.wait_for(lock, pause, [&] { return stopping_; });
   }
 }

@@ -131,6 +131,13 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   // The group view for a node that knows the membership at `known_members_version` (0:
   // nothing, so every member).
   void FillView(ckptd::group::v1::GroupView* view, uint64_t known_members_version) const;
+  // The view a joining `node` hears, or one that knows no member and calls node 0 straight:
+  // when it has a relay, only its relay among the members and no version, so that the
+  // whole table reaches it through its relay, batched with its subtree's (FillView, every
+  // member, otherwise). A node whose relay is down learns the others once it is back.
+  void FillJoinView(ckptd::group::v1::GroupView* view, uint32_t node) const;
+  // The steps in flight, committed and uploading, every view's.
+  void FillProgress(ckptd::group::v1::GroupView* view) const;
 
   const GroupOptions options_;
   const uint64_t incarnation_;

@@ -122,6 +122,12 @@ MemberView Membership::ViewOf(uint32_t node, Clock::time_point now) const {
   return {node, m.address, m.state, age, m.incarnation};
 }
 
+std::optional<MemberView> Membership::MemberOf(uint32_t node) const {
+  std::lock_guard lock(mu_);
+  if (node >= members_.size()) return std::nullopt;
+  return ViewOf(node, Clock::now());
+}
+
 std::vector<MemberView> Membership::View() const {
   uint64_t version;
   return Changes(0, &version);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,8 @@ class Membership {
   // The version of `node`'s last change (a join, a loss): orders what others learn of it.
   uint64_t VersionOf(uint32_t node) const;
   std::vector<MemberView> View() const;
+  // One member, nullopt for a node outside the group.
+  std::optional<MemberView> MemberOf(uint32_t node) const;
   // The members whose state, address or incarnation changed after version `since` (all of
   // them for 0, or a version this table never had), and the version they bring one to.
   std::vector<MemberView> Changes(uint64_t since, uint64_t* version) const;

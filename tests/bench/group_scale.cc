@@ -312,6 +312,8 @@ struct StepFigures {
 struct ScaleResult {
   Config config;
   uint64_t join_received_per_node = 0;
+  double join_cpu_ms = 0;              // the coordinator's, for every node's join
+  double first_heartbeats_cpu_ms = 0;  // and for the first heartbeats, which bring the members
   std::vector<StepFigures> steps;
   uint64_t coordinator_peak_rss = 0;
   double seconds = 0;
@@ -333,7 +335,8 @@ class Simulation {
     }
   }
 
-  // Every node joins; returns the bytes a join reply brings a node (the whole membership).
+  // Every node joins; returns the bytes a join reply brings a node (its relay with the tree,
+  // the whole membership without).
   uint64_t Join() {
     std::atomic<uint64_t> received{0};
     ForEachNode(c_.nodes, c_.threads, [&](uint32_t n) {
@@ -699,10 +702,12 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   FirstLevelRelays relays(c, coordinator.address());
   Simulation sim(c, coordinator.address(), relays);
   ScaleResult result{c};
+  const uint64_t cpu_before_joins = coordinator.CpuNs();
   result.join_received_per_node = sim.Join();
-  // One step first, not counted: its heartbeats bring each node the members that joined
-  // after it, and first uses warm the coordinator up.
-  sim.Step(1, coordinator);
+  result.join_cpu_ms = static_cast<double>(coordinator.CpuNs() - cpu_before_joins) / 1e6;
+  // One step first, not counted: its heartbeats bring each node the members (through its
+  // relay, with the tree), and first uses warm the coordinator up.
+  result.first_heartbeats_cpu_ms = sim.Step(1, coordinator).heartbeat_cpu_ms;
   for (uint64_t step = 2; step <= c.steps + 1; ++step) result.steps.push_back(sim.Step(step, coordinator));
   result.coordinator_peak_rss = coordinator.PeakRss();
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -772,6 +777,8 @@ int ScaleMain(int argc, char** argv) {
                                   {"tensors_per_rank", r.config.tensors},
                                   {"relay_fanout", r.config.tree() ? r.config.fanout : 0},
                                   {"join_bytes_per_node", r.join_received_per_node},
+                                  {"join_cpu_ms", r.join_cpu_ms},
+                                  {"first_heartbeats_cpu_ms", r.first_heartbeats_cpu_ms},
                                   {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
       for (const StepFigures& f : r.steps) {
         j["steps"].push_back({{"coordinator_heartbeat_cpu_ms", f.heartbeat_cpu_ms},
@@ -820,8 +827,9 @@ int ScaleMain(int argc, char** argv) {
                f.node0_ms, Size(f.node0_received), Size(r.coordinator_peak_rss));
   }
   for (const ScaleResult& r : results) {
-    fmt::print("join: {} nodes: {} per node (the whole membership, once)\n", r.config.nodes,
-               Size(r.join_received_per_node));
+    fmt::print("join: {} nodes: {} per node; the coordinator's CPU for the joins {:.0f} ms, for the first "
+               "heartbeats (the membership) {:.0f} ms\n",
+               r.config.nodes, Size(r.join_received_per_node), r.join_cpu_ms, r.first_heartbeats_cpu_ms);
   }
   return 0;
 }
