@@ -48,11 +48,20 @@ const GatherTable::Distinct& GatherTable::Completed::GetDistinct() {
   return distinct;
 }
 
+namespace {
+
+// A status of its own for a waiter on another thread: a copy would share the failing
+// thread's, whose reference count lives in Debian's Abseil, out of TSan's sight (it took
+// the last release for a race).
+absl::Status OwnCopy(const absl::Status& status) { return absl::Status(status.code(), status.message()); }
+
+}  // namespace
+
 void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
                          std::string payload, Clock::time_point deadline, Done done) {
   ArriveWith(key, participant, participants, std::move(payload), deadline,
              [done = std::move(done)](const absl::Status& failed, Completed* c) {
-               if (c == nullptr) return done(failed);
+               if (c == nullptr) return done(OwnCopy(failed));
                done(c->payloads);
              });
 }
@@ -61,7 +70,7 @@ void GatherTable::ArriveDistinct(const std::string& key, uint32_t participant, u
                                  std::string payload, Clock::time_point deadline, DistinctDone done) {
   ArriveWith(key, participant, participants, std::move(payload), deadline,
              [done = std::move(done)](const absl::Status& failed, Completed* c) {
-               if (c == nullptr) return done(failed);
+               if (c == nullptr) return done(OwnCopy(failed));
                done(c->GetDistinct());
              });
 }
