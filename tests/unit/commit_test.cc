@@ -121,7 +121,8 @@ struct Stages {
   HotCache hot{progress};  // holds blocks of `pool`: destroyed first
   persist::RetentionKeeper retention;
   std::shared_ptr<RecordingSink> sink = std::make_shared<RecordingSink>();
-  int committed = 0, failed = 0;
+  // Counted on the committer's threads (a refusal's ends on a thread of its own), read here.
+  std::atomic<int> committed{0}, failed{0};
   commit::CommitOptions options;
 
   explicit Stages(uint32_t keep_last, std::chrono::milliseconds step_timeout)
