@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/timed_mutex.h"
 #include "common/unique_fd.h"
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/trainer_sync.h"
@@ -116,7 +117,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   static constexpr std::chrono::seconds kRestoredStateKept{60};
 
   // Serialises restores with snapshots of this session.
-  std::timed_mutex& data_mutex() { return data_mu_; }
+  TimedMutex& data_mutex() { return data_mu_; }
 
  private:
   Session() = default;
@@ -177,7 +178,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   shm::ControlBlock* control_block_ = nullptr;
   std::mutex ticket_mu_;  // SetTicketState from I/O threads and the command thread
   std::mutex rpc_mu_;     // RPC snapshots are a second producer: one at a time
-  std::timed_mutex data_mu_;  // timed: an update waits a bounded time, then says busy
+  TimedMutex data_mu_;  // timed: an update waits a bounded time, then says busy
   std::unique_ptr<shm::CommandConsumer> consumer_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
