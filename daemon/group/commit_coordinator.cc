@@ -273,15 +273,14 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, Prepared
   if (count > 0) {
     // The node's newer word on some ranks (rare: a retry, or a retry that found more ranks
     // durable): a walk of the round's parts, once per such prepare.
-    std::set<uint32_t> ranks;
-    for (const format::ManifestShard& s : part.shape().shards) ranks.insert(s.rank);
+    const std::set<uint32_t> ranks(part.structure->ranks.begin(), part.structure->ranks.end());
     std::vector<PreparedPart> split_off;
     for (auto& [holder, old] : round.parts) {
       if (holder != node || !old.structure) continue;
       size_t overlap = 0;
-      for (const format::ManifestShard& s : old.shape().shards) overlap += ranks.count(s.rank);
+      for (uint32_t rank : old.structure->ranks) overlap += ranks.count(rank);
       if (overlap == 0) continue;
-      if (overlap < old.shape().shards.size()) {
+      if (overlap < old.structure->ranks.size()) {
         // Some of an older part's ranks said again: the older part keeps the others, as a
         // structure of its own. A part held as a summary, or whose checksums stayed on its
         // node, cannot be split: its other ranks are dropped, and the step aborts for them
