@@ -248,8 +248,8 @@ void GroupService::FillView(pb::GroupView* view, uint64_t known_members_version)
 
 void GroupService::FillJoinView(pb::GroupView* view, uint32_t node) const {
   const std::optional<uint32_t> parent = RelayParent(node, options_.relay_fanout);
-  if (!parent || *parent == 0 || coordinator_->membership.num_nodes() <= options_.relay_fanout + 1) {
-    FillView(view, 0);  // no relay tree: the whole membership, as a heartbeat would bring it
+  if (!parent || *parent == 0) {
+    FillView(view, 0);  // no relay above it (no tree, or a child of node 0): every member
     return;
   }
   // Only the joiner's relay, and no version: its first heartbeat, which its relay batches
