@@ -11,7 +11,7 @@ out=gpu-bundle
 targets=(//daemon:ckptd //client:ckptctl //client:example_trainer //tests/bench:ckpt_bench
          //tests/gpu:cuda_copy_engine_test //tests/gpu:gpu_integration_test //tests/gpu:gpu_trainer
          //tests/integration:trainer_helper)
-bazel build "${targets[@]}"
+bazel build "$@" "${targets[@]}"  # e.g. -c opt for the benchmark
 rm -rf "$out" && mkdir -p "$out/lib"
 bins=()
 for t in "${targets[@]}"; do

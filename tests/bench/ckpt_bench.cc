@@ -72,6 +72,7 @@ struct Flags {
   bool json = false;
   bool skip_torch = false;
   bool gpu = false;
+  bool gpu_only = false;
   std::string gpu_bytes = "8G";
   int gpu_step_ms = 100;
 };
@@ -195,16 +196,18 @@ class DaemonProcess {
     // Measure a daemon whose staging memory is fully populated, as it is in steady state.
     std::string ctl = std::filesystem::path(f.ckptd).parent_path().parent_path().string() +
                       "/client/ckptctl";
-    for (int i = 0; i < 1200; ++i) {
+    bool prefaulted = false;
+    for (int i = 0; i < 1200 && !prefaulted; ++i) {
       std::string cmd = ctl + " --socket " + socket_ + " --json status 2>/dev/null";
       FILE* p = ::popen(cmd.c_str(), "r");
       std::string text;
       char buf[4096];
       while (p && std::fgets(buf, sizeof buf, p)) text += buf;
       if (p) ::pclose(p);
-      if (text.find("\"staging_prefaulted\": true") != std::string::npos) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      prefaulted = text.find("\"staging_prefaulted\": true") != std::string::npos;
+      if (!prefaulted) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+    if (!prefaulted) Die("`" + ctl + " status` never reported the staging memory prefaulted");
   }
   ~DaemonProcess() {
     ::kill(pid_, SIGTERM);
@@ -346,6 +349,7 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-torch", f.skip_torch);
   app.add_flag("--json", f.json, "print one JSON object");
   app.add_flag("--gpu", f.gpu, "also run the GPU benchmark (pinned limits, IPC staging, step overhead)");
+  app.add_flag("--gpu-only", f.gpu_only, "run only the GPU benchmark (and the memcpy limit)");
   app.add_option("--gpu-bytes", f.gpu_bytes, "GPU state for the GPU benchmark")->capture_default_str();
   app.add_option("--gpu-step-ms", f.gpu_step_ms, "busy GPU time per synthetic step")->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -362,6 +366,9 @@ int main(int argc, char** argv) {
     f.ckptd = rf ? std::string(rf) + "/ckptd/daemon/ckptd"
                  : std::filesystem::exists("daemon/ckptd") ? "daemon/ckptd" : "bazel-bin/daemon/ckptd";
   }
+  // ckptctl is found beside it (../client/ckptctl): a relative "daemon/ckptd" has no parent
+  // folder to climb to.
+  f.ckptd = std::filesystem::absolute(f.ckptd).string();
   bool own_root = f.root.empty();
   if (own_root) {
     std::string tmpl = "/var/tmp/ckpt-bench.XXXXXX";
@@ -380,6 +387,39 @@ int main(int argc, char** argv) {
   out["memcpy_gbps"] = std::max(memcpy1, memcpyn);
   out["memcpy_1thread_gbps"] = memcpy1;
   note(fmt::format("{:.2f} GB/s\n", out["memcpy_gbps"].get<double>()));
+
+  auto run_gpu = [&] {
+    if (!ckpt::cuda::DetectDevices().available()) {
+      out["gpu_error"] = "no usable CUDA device: " + ckpt::cuda::DetectDevices().reason;
+      note("GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
+      return;
+    }
+    note("GPU benchmark:\n");
+    uint64_t gpu_bytes = parse_bytes("--gpu-bytes", f.gpu_bytes);
+    DaemonProcess daemon(f, 2 * gpu_bytes + (1ull << 30));
+    ckpt::bench::GpuBenchOptions g;
+    g.socket = daemon.socket();
+    g.bytes = gpu_bytes;
+    g.step_ms = f.gpu_step_ms;
+    g.note = note;
+    bool ran = ckpt::bench::RunGpuBench(g, out);
+    note(ran ? "GPU benchmark done\n" : "GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
+  };
+  // The GPU benchmark's figures, as measured (gpu_bench.cc names them).
+  auto print_gpu_rows = [&] {
+    for (const auto& [key, value] : out.items()) {
+      if (key.rfind("gpu", 0) != 0) continue;
+      std::cout << fmt::format("{:<34} {:>16}\n", key,
+                               value.is_number_float() ? fmt::format("{:.3f}", value.get<double>()) : value.dump());
+    }
+  };
+  if (f.gpu_only) {
+    run_gpu();
+    if (own_root) std::filesystem::remove_all(f.root);
+    if (f.json) std::cout << out.dump() << "\n";
+    else print_gpu_rows();
+    return out.contains("gpu_error") ? 1 : 0;
+  }
 
   {
     DaemonProcess daemon(f, total * 9 / 4 + (64 << 20));
@@ -537,20 +577,7 @@ int main(int argc, char** argv) {
     out["export_gbps"] = Gbps(step_bytes, Seconds(Clock::now() - t0));
     std::filesystem::remove(target);
   }
-  if (f.gpu && !ckpt::cuda::DetectDevices().available()) {
-    out["gpu_error"] = "no usable CUDA device: " + ckpt::cuda::DetectDevices().reason;
-    note("GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
-  } else if (f.gpu) {
-    note("GPU benchmark... ");
-    uint64_t gpu_bytes = parse_bytes("--gpu-bytes", f.gpu_bytes);
-    DaemonProcess daemon(f, 2 * gpu_bytes + (1ull << 30));
-    ckpt::bench::GpuBenchOptions g;
-    g.socket = daemon.socket();
-    g.bytes = gpu_bytes;
-    g.step_ms = f.gpu_step_ms;
-    bool ran = ckpt::bench::RunGpuBench(g, out);
-    note(ran ? "done\n" : "not run: " + out["gpu_error"].get<std::string>() + "\n");
-  }
+  if (f.gpu) run_gpu();
   if (!f.skip_torch) {
     note("torch.save of the same state... ");
     out["torch_save_gbps"] = TorchSaveGbps(f, f.bytes);
@@ -602,5 +629,6 @@ int main(int argc, char** argv) {
   if (out.contains("torch_save_gbps")) {
     row("torch.save + fsync", fmt::format("{:.2f} GB/s", out["torch_save_gbps"].get<double>()), "");
   }
+  print_gpu_rows();
   return 0;
 }

@@ -77,7 +77,13 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
   cudaGetDeviceProperties(&prop, 0);
   out["gpu"] = prop.name;
   out["gpu_bytes"] = o.bytes;
+  const auto begin = Clock::now();
+  auto note = [&](const std::string& what) {
+    o.note(fmt::format("  [{:6.1f} s] {}\n", Seconds(Clock::now() - begin), what));
+  };
   PinnedLimits(std::min<uint64_t>(o.bytes, 2ull << 30), out);
+  note(fmt::format("pinned limits: D2H {:.1f} GB/s, H2D {:.1f} GB/s", out["gpu_pinned_d2h_gbps"].get<double>(),
+                   out["gpu_pinned_h2d_gbps"].get<double>()));
 
   for (int count : {1, 100, 10000}) {
     auto g = Register(o, fmt::format("gpu{}", count), count);
@@ -85,6 +91,7 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
       out["gpu_error"] = Message(g.status());
       return false;
     }
+    note(fmt::format("{} buffers registered", count));
     auto t0 = Clock::now();
     auto ticket = g->client->Snapshot(1);
     auto staged = ticket.ok() ? g->client->WaitStaged(*ticket) : ticket.status();
@@ -93,7 +100,9 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
       out["gpu_error"] = "GPU snapshot not staged";
       return false;
     }
+    note(fmt::format("{} buffers staged at {:.1f} GB/s", count, o.bytes / stage / 1e9));
     (void)g->client->WaitCommitted(*ticket);
+    note(fmt::format("{} buffers committed", count));
     t0 = Clock::now();
     auto restored = g->client->Restore();
     double restore = Seconds(Clock::now() - t0);
@@ -105,6 +114,9 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
       out[fmt::format("gpu_restore_vs_h2d_{}_buffers", count)] =
           o.bytes / restore / 1e9 / out["gpu_pinned_h2d_gbps"].get<double>();
     }
+    note(fmt::format("{} buffers restored from {} at {:.1f} GB/s", count,
+                     restored.ok() ? RestoreSourceName(restored->source) : Message(restored.status()),
+                     o.bytes / restore / 1e9));
     cudaFree(g->base);
   }
 
@@ -142,8 +154,11 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
     cudaStreamSynchronize(stream);
     return Seconds(Clock::now() - start) / o.steps;
   };
+  note(fmt::format("training loop: {} memsets of 1 GiB a step", per_step));
   double plain = run(false);
+  note(fmt::format("{} steps without checkpoints: {:.1f} ms a step", o.steps, plain * 1e3));
   double with_ckpt = run(true);
+  note(fmt::format("{} steps with a snapshot each: {:.1f} ms a step", o.steps, with_ckpt * 1e3));
   out["gpu_step_ms"] = plain * 1e3;
   out["gpu_step_with_snapshot_ms"] = with_ckpt * 1e3;
   out["gpu_step_overhead"] = (with_ckpt - plain) / plain;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -14,6 +15,8 @@ struct GpuBenchOptions {
   uint64_t bytes = 8ull << 30; // GPU state checkpointed
   int step_ms = 100;           // busy GPU time per synthetic training step
   int steps = 20;
+  // Progress lines (to stderr), so that a run stopped by a time limit shows where it was.
+  std::function<void(const std::string&)> note = [](const std::string&) {};
 };
 
 // Fills `out` with the figures; returns false (with out["gpu_error"]) when no GPU is usable.
