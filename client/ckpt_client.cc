@@ -510,7 +510,9 @@ absl::Status Client::Register() {
     req.mutable_upload()->set_every_steps(upload->every_steps);
     req.mutable_upload()->set_interval_seconds(upload->interval_seconds);
   }
-  if (!impl_->gpu.empty()) req.set_cuda_event_handle(impl_->gpu_sync->event_handle());
+  if (!impl_->gpu.empty()) {
+    for (const std::string& handle : impl_->gpu_sync->event_handles()) req.add_cuda_event_handles(handle);
+  }
   for (const auto& t : tensors_) FillSpec(*t, req.add_tensors());
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
                         HandOverArenas(impl_->options.socket, impl_->arenas, 0));
@@ -613,7 +615,11 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
     CKPT_ASSIGN_OR_RETURN(deposit_token, DepositPayload(impl_->options.socket, payload));
   }
   std::lock_guard lock(impl_->publish_mu);
-  if (impl_->gpu_sync) CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream));
+  const uint64_t ticket = impl_->producer->NextTicket();
+  if (impl_->gpu_sync) {
+    if (!impl_->gpu.empty()) CKPT_RETURN_IF_ERROR(WaitSnapshotEventFree(ticket));
+    CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream, ticket));
+  }
   uint32_t wait_copy = 0;
   if (impl_->mirror) {
     // The side stream copies GPU tensors to their mirrors after the snapshot point; ckptd
@@ -621,10 +627,26 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
     wait_copy = ++impl_->copy_seq == 0 ? ++impl_->copy_seq : impl_->copy_seq;
     shm::CommandProducer* producer = impl_->producer.get();
     CKPT_RETURN_IF_ERROR(impl_->mirror->CopyToHostAsync(
-        impl_->gpu_sync->event(), [producer, wait_copy] { producer->MarkClientCopyDone(wait_copy); }));
+        impl_->gpu_sync->event(ticket), [producer, wait_copy] { producer->MarkClientCopyDone(wait_copy); }));
   }
   if (!deposit_token.empty()) return impl_->producer->PublishDepositedSnapshot(step, deposit_token, wait_copy);
   return impl_->producer->PublishSnapshot(step, payload, wait_copy);
+}
+
+absl::Status Client::WaitSnapshotEventFree(uint64_t ticket) {
+  // ckptd waits on ticket t's event (t % kSnapshotEvents) when it takes the command: the
+  // event may be recorded again once ticket t - kSnapshotEvents has left "pending" (staged,
+  // or refused without a copy). Only a CPU that many snapshots ahead of ckptd waits here, and
+  // never for work queued after the older snapshot's point: no deadlock with StreamWaitStaged.
+  constexpr uint64_t kEvents = cuda::TrainerSync::kSnapshotEvents;
+  if (ticket <= kEvents) return absl::OkStatus();
+  absl::StatusOr<shm::TicketResult> older = impl_->producer->Wait(
+      ticket - kEvents, /*until_committed=*/false, kSnapshotEventWait, impl_->options.daemon_dead_after);
+  if (older.ok() || absl::IsUnavailable(older.status())) return absl::OkStatus();  // gone: abandoned
+  return absl::UnavailableError(fmt::format(
+      "snapshot refused: the snapshot {} tickets earlier is still waiting for its GPU copy after {} s "
+      "(the CPU is {} snapshots ahead of the GPU); its snapshot event cannot be recorded again yet",
+      kEvents, kSnapshotEventWait.count() / 1000, kEvents));
 }
 
 void Client::SetCudaStream(void* stream) { impl_->cuda_stream = stream; }

@@ -228,7 +228,9 @@ class Client {
   absl::Status Update();
 
   // Queues a snapshot of every registered tensor plus `train_state`; returns a ticket in
-  // microseconds. Do not mutate the tensors until WaitStaged(ticket) returns.
+  // microseconds. Do not mutate the tensors until WaitStaged(ticket) returns. With GPU
+  // tensors a CPU more than TrainerSync::kSnapshotEvents (8) snapshots ahead of ckptd waits
+  // here for the oldest of them to be copied (cuda/trainer_sync.h says why).
   absl::StatusOr<uint64_t> Snapshot(uint64_t step, const Metadata& metadata = {},
                                     const TrainState& train_state = {});
 
@@ -289,6 +291,9 @@ class Client {
   absl::Status RegisterAgainIfDaemonRestarted(const absl::Status& down);
   // Why there is no session: never registered, or its ckptd exited (Unavailable).
   absl::Status NoSession(const char* what) const;
+  // Waits until the snapshot event of ticket `ticket` may be recorded again (GPU tensors).
+  absl::Status WaitSnapshotEventFree(uint64_t ticket);
+  static constexpr std::chrono::milliseconds kSnapshotEventWait{60'000};
 
   std::unique_ptr<Impl> impl_;
   std::vector<std::unique_ptr<Tensor>> tensors_;

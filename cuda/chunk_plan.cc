@@ -4,13 +4,31 @@
 
 namespace ckpt::cuda {
 
+std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions) {
+  std::vector<CopyRegion> out;
+  out.reserve(regions.size());
+  for (const CopyRegion& r : regions) {
+    if (r.bytes == 0) continue;
+    if (!out.empty()) {
+      CopyRegion& last = out.back();
+      if (static_cast<char*>(last.dst) + last.bytes == r.dst &&
+          static_cast<const char*>(last.src) + last.bytes == r.src) {
+        last.bytes += r.bytes;
+        continue;
+      }
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
 std::vector<std::vector<CopyRegion>> PlanChunks(std::span<const CopyRegion> regions, int streams,
                                                 size_t chunk_bytes) {
   streams = std::max(1, streams);
   chunk_bytes = std::max<size_t>(1, chunk_bytes);
   std::vector<std::vector<CopyRegion>> plan(streams);
   size_t next = 0;
-  for (const CopyRegion& r : regions) {
+  for (const CopyRegion& r : CoalesceRegions(regions)) {
     for (size_t off = 0; off < r.bytes; off += chunk_bytes) {
       size_t n = std::min(chunk_bytes, r.bytes - off);
       plan[next++ % streams].push_back(

@@ -11,7 +11,13 @@
 
 namespace ckpt::cuda {
 
-// plan[s] lists stream s's chunks in order. Every byte of every region appears exactly once.
+// Regions that continue the previous one on both sides (source and destination adjacent),
+// as one region; empty regions dropped. Measured on an H200: 10,000 buffers of 430 KB,
+// copied one call each, restored at 28% of the pinned limit, the per-call cost dominating.
+std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions);
+
+// plan[s] lists stream s's chunks in order. Every byte of every region appears exactly once;
+// adjacent regions are copied as one (CoalesceRegions).
 std::vector<std::vector<CopyRegion>> PlanChunks(std::span<const CopyRegion> regions, int streams,
                                                 size_t chunk_bytes);
 

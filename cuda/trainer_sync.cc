@@ -29,25 +29,27 @@ absl::StatusOr<std::unique_ptr<TrainerSync>> TrainerSync::Create(int device) {
   s->device_ = device;
   DeviceGuard guard(device);
   CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "snapshot event");
-  cudaEvent_t event;
-  CKPT_CUDA_RETURN_IF_ERROR(
-      cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
-      "snapshot event");
-  s->event_ = event;
-  cudaIpcEventHandle_t handle;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetEventHandle(&handle, event), "snapshot event");
-  s->event_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof handle);
+  for (uint32_t i = 0; i < kSnapshotEvents; ++i) {
+    cudaEvent_t event;
+    CKPT_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+        "snapshot event");
+    s->events_.push_back(event);
+    cudaIpcEventHandle_t handle;
+    CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetEventHandle(&handle, event), "snapshot event");
+    s->event_handles_.emplace_back(reinterpret_cast<const char*>(&handle), sizeof handle);
+  }
   return s;
 }
 
 TrainerSync::~TrainerSync() {
   if (word_ != nullptr) (void)cudaHostUnregister(word_);
-  if (event_ != nullptr) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  for (void* event : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
-absl::Status TrainerSync::RecordSnapshotPoint(void* stream) {
+absl::Status TrainerSync::RecordSnapshotPoint(void* stream, uint64_t ticket) {
   CKPT_CUDA_RETURN_IF_ERROR(
-      cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)),
+      cudaEventRecord(static_cast<cudaEvent_t>(event(ticket)), static_cast<cudaStream_t>(stream)),
       "snapshot event");
   return absl::OkStatus();
 }

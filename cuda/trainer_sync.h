@@ -1,6 +1,13 @@
 // The trainer's side of ordering between its GPU work and ckptd, without host stalls:
-//   - an interprocess event, recorded on the trainer's stream at each snapshot; ckptd's copy
-//     streams wait on it, so the copy sees exactly the state of that moment;
+//   - interprocess events, one recorded on the trainer's stream at each snapshot, in turn
+//     (ticket % kSnapshotEvents); ckptd's copy streams wait on the ticket's, so the copy sees
+//     exactly the state of that moment. One event would not do: cudaStreamWaitEvent waits
+//     for the event's most recent record, and a CPU running ahead of its GPU records the
+//     next snapshot's point, behind this snapshot's StreamWaitStaged, before ckptd takes the
+//     command: ckptd's copy then waits for a point the stream reaches only after the copy
+//     (seen on an H200: a snapshot every step hung the trainer's stream). A ticket's event
+//     is recorded again only once the ticket kSnapshotEvents earlier has left "pending"
+//     (Client::Snapshot waits for that, which only a CPU that many snapshots ahead does);
 //   - the control block's `staged_ticket` word mapped into the GPU's address space, so
 //     that a stream can wait (cuStreamWaitValue64 >= ticket) for "staged" while the CPU
 //     keeps launching kernels.
@@ -9,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -16,18 +24,21 @@ namespace ckpt::cuda {
 
 class TrainerSync {
  public:
-  // Creates the interprocess event on `device`.
+  static constexpr uint32_t kSnapshotEvents = 8;
+
+  // Creates the interprocess events on `device`.
   static absl::StatusOr<std::unique_ptr<TrainerSync>> Create(int device);
   ~TrainerSync();
   TrainerSync(const TrainerSync&) = delete;
   TrainerSync& operator=(const TrainerSync&) = delete;
 
-  // The snapshot event itself (cudaEvent_t), for the host-copy transport.
-  void* event() const { return event_; }
-  // cudaIpcEventHandle_t bytes for the daemon.
-  const std::string& event_handle() const { return event_handle_; }
-  // Records the snapshot point on `stream` (a cudaStream_t; null: the legacy default stream).
-  absl::Status RecordSnapshotPoint(void* stream);
+  // Ticket `ticket`'s snapshot event itself (cudaEvent_t), for the host-copy transport.
+  void* event(uint64_t ticket) const { return events_[ticket % events_.size()]; }
+  // cudaIpcEventHandle_t bytes for the daemon, in ticket order: ticket t's is t % size().
+  const std::vector<std::string>& event_handles() const { return event_handles_; }
+  // Records ticket `ticket`'s snapshot point on `stream` (a cudaStream_t; null: the legacy
+  // default stream).
+  absl::Status RecordSnapshotPoint(void* stream, uint64_t ticket);
   // Maps the 4 KiB page holding `word` (page-aligned) for device access.
   absl::Status MapStagedWord(uint64_t* word);
   // Enqueues on `stream` a wait until the staged word reaches `ticket`.
@@ -36,8 +47,8 @@ class TrainerSync {
  private:
   TrainerSync() = default;
   int device_ = 0;
-  void* event_ = nullptr;  // cudaEvent_t
-  std::string event_handle_;
+  std::vector<void*> events_;  // cudaEvent_t
+  std::vector<std::string> event_handles_;
   uint64_t* word_ = nullptr;  // host address, registered with CUDA while set
   uint64_t word_device_ = 0;  // its device address
 };

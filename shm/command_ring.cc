@@ -52,6 +52,8 @@ bool CommandProducer::Full() const {
   return block_->tail.load(std::memory_order_relaxed) - block_->head.load(std::memory_order_acquire) >= kRingSlots;
 }
 
+uint64_t CommandProducer::NextTicket() const { return block_->tail.load(std::memory_order_relaxed) + 1; }
+
 template <typename Fill>
 absl::StatusOr<uint64_t> CommandProducer::Publish(uint64_t step, uint32_t wait_client_copy,
                                                   const Fill& fill) {

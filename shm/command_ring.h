@@ -40,6 +40,8 @@ class CommandProducer {
                                            uint32_t wait_client_copy = 0);
   // Whether PublishSnapshot would find the ring full now (only this producer fills it).
   bool Full() const;
+  // The ticket the next publish gets (tickets count 1, 2, 3... per control block).
+  uint64_t NextTicket() const;
   // The same for a payload handed over as a sealed memfd (kCommandSnapshotDeposited):
   // `deposit_token` is what ckptd answered for it.
   absl::StatusOr<uint64_t> PublishDepositedSnapshot(uint64_t step, std::string_view deposit_token,

@@ -192,10 +192,17 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
     s->registered_bytes_ += rt.nbytes;
     s->tensors_.push_back(std::move(rt));
   }
-  if (!s->gpu_mappings_.empty() && !req.cuda_event_handle().empty()) {
-    auto event = cuda::IpcEvent::Open(req.cuda_event_handle(), s->gpu_mappings_.front()->device());
-    if (!event.ok()) return Annotate(event.status(), "snapshot event");
-    s->snapshot_event_ = std::move(*event);
+  if (!s->gpu_mappings_.empty()) {
+    if (req.cuda_event_handles_size() == 0 || req.cuda_event_handles_size() > kMaxSnapshotEvents) {
+      return absl::InvalidArgumentError(fmt::format(
+          "GPU tensors need 1 to {} snapshot events, but the registration names {}", kMaxSnapshotEvents,
+          req.cuda_event_handles_size()));
+    }
+    for (const std::string& handle : req.cuda_event_handles()) {
+      auto event = cuda::IpcEvent::Open(handle, s->gpu_mappings_.front()->device());
+      if (!event.ok()) return Annotate(event.status(), "snapshot event");
+      s->snapshot_events_.push_back(std::move(*event));
+    }
   }
   if (s->registered_bytes_ > limits.staging_bytes) {
     return absl::FailedPreconditionError(fmt::format(
@@ -394,7 +401,7 @@ absl::StatusOr<std::vector<RegisteredTensor>> Session::Updated(const ::ckptd::v1
     if (!named.insert(t.name()).second) {
       return absl::InvalidArgumentError(fmt::format("tensor {} is named twice in the update", t.name()));
     }
-    if (t.has_cuda() && snapshot_event_ == nullptr) {
+    if (t.has_cuda() && snapshot_events_.empty()) {
       return absl::FailedPreconditionError(fmt::format(
           "tensor {} is on a GPU, but this session registered none (and so no snapshot event): "
           "register again",
@@ -626,7 +633,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
           std::chrono::duration<double>(std::chrono::steady_clock::now() - taken).count());
       return true;
     };
-    staged = stager.Stage(view(), command.step, std::move(*command.payload), submit, release);
+    staged = stager.Stage(view(command.ticket), command.step, std::move(*command.payload), submit, release);
   }
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());

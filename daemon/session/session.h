@@ -88,9 +88,10 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   // Only under data_mutex() (an update replaces them); tensor_count() anywhere.
   const std::vector<RegisteredTensor>& tensors() const { return tensors_; }
   size_t tensor_count() const { return tensor_count_.load(); }
-  SessionView view() const {
-    return {job_, uid_, rank_, world_size_, &tensors_,
-            snapshot_event_ ? snapshot_event_->get() : nullptr, write_protect_.get()};
+  // As snapshot `ticket` sees it: the copy waits for that ticket's snapshot event.
+  SessionView view(uint64_t ticket = 0) const {
+    void* after = snapshot_events_.empty() ? nullptr : snapshot_events_[ticket % snapshot_events_.size()]->get();
+    return {job_, uid_, rank_, world_size_, &tensors_, after, write_protect_.get()};
   }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Tells the trainer this daemon is alive (SessionRegistry's ticker, every 100 ms).
@@ -170,7 +171,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   size_t charged_arenas_ = 0;
   uint64_t charged_bytes_ = 0;
   std::vector<std::shared_ptr<cuda::IpcMapping>> gpu_mappings_;  // kept open for the session
-  std::unique_ptr<cuda::IpcEvent> snapshot_event_;  // the trainer's, for GPU tensors
+  // The trainer's, for GPU tensors: ticket t's copy waits for t % size() (TrainerSync).
+  std::vector<std::unique_ptr<cuda::IpcEvent>> snapshot_events_;
+  static constexpr int kMaxSnapshotEvents = 64;
   std::vector<RegisteredTensor> tensors_;  // guarded by data_mu_ once started
   std::atomic<size_t> tensor_count_{0};
   std::atomic<uint64_t> registered_bytes_{0};

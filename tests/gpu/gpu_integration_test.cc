@@ -39,6 +39,12 @@ TEST_CASE("GPU buffers: the checkpoint holds exactly the pre-snapshot state; res
   auto cold = Run(trainer({"--mode", "check", "--job", "g"}), dir.path());
   CHECK(Contains(cold.out, "match source=disk"));
 
+  // A snapshot every step, the CPU far ahead of the GPU, only GPU-side waits: no hang.
+  auto ahead = Run(trainer({"--mode", "run-ahead", "--job", "ahead"}), dir.path());
+  INFO(ahead.out << ahead.err << d.Log());
+  CHECK(ahead.exit_code == 0);
+  CHECK(Contains(ahead.out, "run-ahead drained"));
+
   // A trainer killed while ckptd has its allocations open.
   Process dying(trainer({"--mode", "save", "--job", "k", "--die-after-staged"}), dir.path(), "die");
   CHECK(dying.Wait() == 128 + SIGKILL);

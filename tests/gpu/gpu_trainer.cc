@@ -2,13 +2,17 @@
 // buffer inside one cudaMalloc allocation; their final pre-snapshot value is written by
 // device work still queued when Snapshot() is called (the daemon must wait for it), and
 // device work queued after StreamWaitStaged overwrites them (the checkpoint must not see
-// it). `check`: fresh allocations, Restore(), every byte compared.
+// it). `check`: fresh allocations, Restore(), every byte compared. `run-ahead`: a snapshot
+// every step with StreamWaitStaged and no host wait, the CPU many steps ahead of its GPU (as
+// PyTorch runs): the stream must drain (it hung with one snapshot event; see TrainerSync).
 #include <cuda_runtime_api.h>
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <iostream>
+#include <thread>
 #include <vector>
 
 #include "client/ckpt_client.h"
@@ -31,7 +35,7 @@ int main(int argc, char** argv) {
   bool die = false;
   CLI::App app{"gpu_trainer"};
   app.add_option("--socket", socket)->required();
-  app.add_option("--mode", mode)->check(CLI::IsMember({"save", "check"}));
+  app.add_option("--mode", mode)->check(CLI::IsMember({"save", "check", "run-ahead"}));
   app.add_option("--job", job);
   app.add_flag("--die-after-staged", die);
   app.add_option("--transport", transport)->check(CLI::IsMember({"ipc", "host-copy"}));
@@ -73,6 +77,31 @@ int main(int argc, char** argv) {
     cudaStreamSynchronize(stream);
     std::cout << "committed" << std::endl;
     return 0;
+  }
+  if (mode == "run-ahead") {
+    constexpr int kSteps = 30;
+    std::vector<uint64_t> tickets;
+    for (int step = 1; step <= kSteps; ++step) {
+      for (int i = 0; i < 20; ++i) cudaMemsetAsync(base, kNoise + i, total, stream);  // "forward, backward"
+      auto ticket = (*client)->Snapshot(step);
+      if (!ticket.ok()) return Fail(ckpt::Message(ticket.status()));
+      if (auto s = (*client)->StreamWaitStaged(*ticket, stream); !s.ok()) return Fail(ckpt::Message(s));
+      cudaMemsetAsync(base, kFinal, total, stream);  // "optimizer"
+      tickets.push_back(*ticket);
+    }
+    // The CPU is done; the GPU must finish too, within a bound.
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (cudaStreamQuery(stream) == cudaErrorNotReady) {
+      if (std::chrono::steady_clock::now() > deadline) return Fail("the stream hung: a snapshot's copy never ran");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    int staged = 0;
+    for (uint64_t t : tickets) {
+      auto r = (*client)->WaitStaged(t, std::chrono::seconds(30));
+      staged += r.ok() && (r->state == ckpt::TicketState::kStaged || r->state == ckpt::TicketState::kCommitted);
+    }
+    std::cout << "run-ahead drained, " << staged << " of " << kSteps << " staged" << std::endl;
+    return staged > 0 ? 0 : Fail("no snapshot was staged");
   }
   cudaMemset(base, 0, total);
   auto restored = (*client)->Restore();

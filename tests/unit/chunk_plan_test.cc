@@ -38,3 +38,32 @@ TEST_CASE("degenerate stream counts and chunk sizes are clamped") {
   CHECK(PlanChunks({&r, 1}, 0, 0)[0].size() == 10);
   CHECK(PlanChunks({}, 3, 64).size() == 3);
 }
+
+TEST_CASE("regions adjacent on both sides are copied as one; any gap keeps them apart") {
+  std::vector<char> src(1000), dst(2000);
+  // Four 100-byte tensors laid out back to back on both sides, then one with a gap in the
+  // destination (staging alignment), then one with a gap in the source.
+  std::vector<CopyRegion> regions;
+  for (int i = 0; i < 4; ++i) regions.push_back({dst.data() + 100 * i, src.data() + 100 * i, 100});
+  regions.push_back({dst.data() + 464, src.data() + 400, 100});
+  regions.push_back({dst.data() + 564, src.data() + 600, 100});
+  regions.push_back({dst.data() + 664, src.data() + 700, 0});  // empty: dropped
+  auto merged = CoalesceRegions(regions);
+  REQUIRE(merged.size() == 3);
+  CHECK(merged[0].dst == dst.data());
+  CHECK(merged[0].bytes == 400);
+  CHECK(merged[1].src == src.data() + 400);
+  CHECK(merged[2].src == src.data() + 600);
+  // Chunking still cuts the merged region at chunk_bytes.
+  auto plan = PlanChunks(regions, 2, 256);
+  size_t chunks = 0, bytes = 0;
+  for (const auto& stream : plan) {
+    for (const CopyRegion& c : stream) {
+      CHECK(c.bytes <= 256);
+      ++chunks;
+      bytes += c.bytes;
+    }
+  }
+  CHECK(chunks == 4);  // 256 + 144, 100, 100
+  CHECK(bytes == 600);
+}
