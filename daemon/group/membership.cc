@@ -64,6 +64,7 @@ absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::stri
   m.incarnation = incarnation;
   m.state = MemberState::kAlive;
   m.last_heard = Clock::now();
+  next_expiry_ = std::min(next_expiry_, m.last_heard + timeout_);
   return absl::OkStatus();
 }
 
@@ -91,8 +92,16 @@ std::vector<LostMember> Membership::Expire(Clock::time_point now) {
   std::vector<LostMember> lost;
   const auto wall_now = std::chrono::system_clock::now();
   std::lock_guard lock(mu_);
+  // Heartbeats only move last_heard later: no member can expire before the earliest
+  // deadline the last walk saw (or a join since set). The walk over 10,000 members (a cache
+  // miss each) then runs about once a timeout instead of every tick.
+  if (now <= next_expiry_) return lost;
+  next_expiry_ = Clock::time_point::max();
   for (uint32_t n = 0; n < members_.size(); ++n) {
     Member& m = members_[n];
+    if (m.state == MemberState::kAlive && now - m.last_heard <= timeout_) {
+      next_expiry_ = std::min(next_expiry_, m.last_heard + timeout_);
+    }
     if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
       m.state = MemberState::kLost;
       ChangedLocked(n);

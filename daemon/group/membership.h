@@ -74,6 +74,8 @@ class Membership {
   // that knows the newest version costs O(1), not a scan of 10,000 members. Entries a
   // later change of the same node superseded are dropped when they reach num_nodes.
   std::vector<std::pair<uint64_t, uint32_t>> changes_;
+  // No alive member's silence can exceed the timeout before this (Expire).
+  Clock::time_point next_expiry_ = Clock::time_point::min();
 };
 
 const char* MemberStateName(MemberState state);

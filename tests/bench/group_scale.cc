@@ -201,6 +201,9 @@ class Coordinator {
   }
 
   pid_t pid_ = 0;
+
+ public:
+  pid_t pid() const { return pid_; }
   std::string address_;
 };
 
@@ -208,6 +211,7 @@ class Coordinator {
 
 struct Config {
   uint32_t nodes, ranks_per_node, tensors, steps, fanout, channels, threads;
+  bool json = false;
   // Whether the tree has relays at all, and node n's level (1: a child of node 0).
   bool tree() const { return fanout > 0 && nodes > fanout + 1; }
   uint32_t Level(uint32_t n) const {
@@ -314,6 +318,7 @@ struct ScaleResult {
   uint64_t join_received_per_node = 0;
   double join_cpu_ms = 0;              // the coordinator's, for every node's join
   double first_heartbeats_cpu_ms = 0;  // and for the first heartbeats, which bring the members
+  double settle_cpu_ms = 0;  // after the first step, until idle (memory returned)
   std::vector<StepFigures> steps;
   uint64_t coordinator_peak_rss = 0;
   double seconds = 0;
@@ -707,8 +712,37 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   result.join_cpu_ms = static_cast<double>(coordinator.CpuNs() - cpu_before_joins) / 1e6;
   // One step first, not counted: its heartbeats bring each node the members (through its
   // relay, with the tree), and first uses warm the coordinator up.
+  // Progress on stderr (the coordinator's pid, to attach a profiler to its steps).
+  auto progress = [&](const std::string& what) {
+    if (!c.json) {
+      std::cerr << fmt::format("\n  [{:6.1f} s] coordinator pid {}: {}", 
+                               std::chrono::duration<double>(Clock::now() - start).count(), coordinator.pid(), what)
+                << std::flush;
+    }
+  };
+  progress("joined");
   result.first_heartbeats_cpu_ms = sim.Step(1, coordinator).heartbeat_cpu_ms;
-  for (uint64_t step = 2; step <= c.steps + 1; ++step) result.steps.push_back(sim.Step(step, coordinator));
+  const uint64_t cpu_after_first = coordinator.CpuNs();
+  progress("first step done");
+  // The first step parses and checks every node's whole structure, then keeps summaries:
+  // gigabytes freed at once at 10,000 x 8 x 200, which the allocator returns to the system
+  // over the next seconds (jemalloc's decay). Steps are seconds to minutes apart in a job:
+  // the measured ones start once the coordinator is idle again, as a job's next step would.
+  const auto settle_until = Clock::now() + 60s;
+  for (uint64_t cpu = coordinator.CpuNs(); Clock::now() < settle_until;) {
+    std::this_thread::sleep_for(500ms);
+    const uint64_t now = coordinator.CpuNs();
+    const bool idle = now - cpu < 25'000'000;  // under 5% of a core
+    cpu = now;
+    if (idle) break;
+  }
+  result.settle_cpu_ms = static_cast<double>(coordinator.CpuNs() - cpu_after_first) / 1e6;
+  progress(fmt::format("settled: {:.0f} ms of CPU after the first step", result.settle_cpu_ms));
+  for (uint64_t step = 2; step <= c.steps + 1; ++step) {
+    result.steps.push_back(sim.Step(step, coordinator));
+    progress(fmt::format("step {} done", step));
+  }
+  if (!c.json) std::cerr << "\n";
   result.coordinator_peak_rss = coordinator.PeakRss();
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::filesystem::remove_all(run_dir);
@@ -727,7 +761,8 @@ std::string Size(double bytes) {
 int ScaleMain(int argc, char** argv) {
   std::string nodes_text = "64,1000", tensors_text = "2,200", dir, address_file;
   Config c{0, 8, 0, 3, 32, 16, 32};
-  bool json = false, serve = false;
+  bool& json = c.json;
+  bool serve = false;
   uint32_t serve_nodes = 0;
   CLI::App app{"group_bench scale: the coordinator at thousands of nodes, simulated"};
   app.add_option("--nodes", nodes_text, "group sizes, comma-separated")->capture_default_str();
@@ -779,6 +814,7 @@ int ScaleMain(int argc, char** argv) {
                                   {"join_bytes_per_node", r.join_received_per_node},
                                   {"join_cpu_ms", r.join_cpu_ms},
                                   {"first_heartbeats_cpu_ms", r.first_heartbeats_cpu_ms},
+                                  {"settle_after_first_step_cpu_ms", r.settle_cpu_ms},
                                   {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
       for (const StepFigures& f : r.steps) {
         j["steps"].push_back({{"coordinator_heartbeat_cpu_ms", f.heartbeat_cpu_ms},
@@ -828,8 +864,9 @@ int ScaleMain(int argc, char** argv) {
   }
   for (const ScaleResult& r : results) {
     fmt::print("join: {} nodes: {} per node; the coordinator's CPU for the joins {:.0f} ms, for the first "
-               "heartbeats (the membership) {:.0f} ms\n",
-               r.config.nodes, Size(r.join_received_per_node), r.join_cpu_ms, r.first_heartbeats_cpu_ms);
+               "heartbeats (the membership) {:.0f} ms; after the first step, until idle again, {:.0f} ms\n",
+               r.config.nodes, Size(r.join_received_per_node), r.join_cpu_ms, r.first_heartbeats_cpu_ms,
+               r.settle_cpu_ms);
   }
   return 0;
 }

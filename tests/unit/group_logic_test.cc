@@ -393,6 +393,35 @@ TEST_CASE("membership: a second daemon with the same node rank on another host w
   REQUIRE(m.Join(1, 2, "[fd00::3]:7000", 10, &restarted).ok());
 }
 
+TEST_CASE("membership: expiry skips its walk until a deadline can pass, and never misses one") {
+  Membership m(3, 100ms);
+  bool restarted;
+  const auto t0 = Clock::now();
+  REQUIRE(m.Join(1, 3, "10.0.0.2:7000", 7, &restarted).ok());
+  CHECK(m.Expire(t0 + 50ms).empty());  // walks: node 1's deadline is about t0 + 100 ms
+  CHECK(m.Expire(t0 + 60ms).empty());  // skips the walk
+  auto lost = m.Expire(Clock::now() + 150ms);
+  REQUIRE(lost.size() == 1);
+  CHECK(lost.front().node == 1);
+  // No member alive: a join must set a deadline again.
+  REQUIRE(m.Join(2, 3, "10.0.0.3:7000", 8, &restarted).ok());
+  // Node 2 keeps heartbeating: never lost, however many ticks come in between.
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(m.Heartbeat(2, 8).ok());
+    for (const LostMember& l : m.Expire(Clock::now() + 60ms)) CHECK(l.node != 2);
+  }
+  CHECK(m.View()[2].state == MemberState::kAlive);
+  // Once it falls silent it is lost by the first tick past its deadline.
+  auto later = m.Expire(Clock::now() + 1s);
+  REQUIRE(later.size() == 1);
+  CHECK(later[0].node == 2);
+  // Lost node 1 joins again: it can expire again.
+  REQUIRE(m.Join(1, 3, "10.0.0.2:7000", 9, &restarted).ok());
+  auto again = m.Expire(Clock::now() + 1s);
+  REQUIRE(again.size() == 1);
+  CHECK(again[0].node == 1);
+}
+
 TEST_CASE("membership: a silent member is lost and must join again") {
   Membership m(2, 100ms);
   bool restarted;
