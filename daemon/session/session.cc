@@ -673,6 +673,13 @@ void Session::Heartbeat() {
 }
 
 absl::StatusOr<uint64_t> Session::PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload) {
+  if (!snapshot_events_.empty()) {
+    // The client picks ticket t's snapshot event before publishing; a ticket taken here
+    // would shift every later one onto another event (cuda/trainer_sync.h).
+    return absl::FailedPreconditionError(
+        "a session with GPU tensors snapshots through its shared-memory ring (Client::Snapshot), "
+        "not the Snapshot RPC");
+  }
   std::lock_guard lock(rpc_mu_);
   return producer().PublishSnapshot(step, payload);
 }

@@ -104,6 +104,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   uint64_t last_committed_step() const { return last_committed_step_.load(); }
 
   // The RPC path of a snapshot: publishes into this session's ring as the trainer would.
+  // Refused for a session with GPU tensors (its client numbers the snapshot events).
   absl::StatusOr<uint64_t> PublishSnapshot(uint64_t step, const shm::SnapshotPayload& payload);
   shm::CommandProducer producer() const { return shm::CommandProducer(control_block_); }
 
