@@ -511,6 +511,9 @@ absl::Status Client::Register() {
     req.mutable_upload()->set_interval_seconds(upload->interval_seconds);
   }
   if (!impl_->gpu.empty()) {
+    // A session of its own, with tickets from 1 again: fresh events, so that a record for
+    // its first tickets can never reach a copy of an earlier session still under way.
+    if (impl_->registered_once) CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RenewEvents());
     for (const std::string& handle : impl_->gpu_sync->event_handles()) req.add_cuda_event_handles(handle);
   }
   for (const auto& t : tensors_) FillSpec(*t, req.add_tensors());
@@ -615,6 +618,10 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
     CKPT_ASSIGN_OR_RETURN(deposit_token, DepositPayload(impl_->options.socket, payload));
   }
   std::lock_guard lock(impl_->publish_mu);
+  if (impl_->producer->Full()) {  // refused below anyway: fail before waiting for an event
+    return absl::ResourceExhaustedError(fmt::format(
+        "command ring full: ckptd has not picked up the last {} snapshots", shm::kRingSlots));
+  }
   const uint64_t ticket = impl_->producer->NextTicket();
   if (impl_->gpu_sync) {
     if (!impl_->gpu.empty()) CKPT_RETURN_IF_ERROR(WaitSnapshotEventFree(ticket));
@@ -634,19 +641,31 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
 }
 
 absl::Status Client::WaitSnapshotEventFree(uint64_t ticket) {
-  // ckptd waits on ticket t's event (t % kSnapshotEvents) when it takes the command: the
-  // event may be recorded again once ticket t - kSnapshotEvents has left "pending" (staged,
-  // or refused without a copy). Only a CPU that many snapshots ahead of ckptd waits here, and
-  // never for work queued after the older snapshot's point: no deadlock with StreamWaitStaged.
+  // ckptd's copy of ticket t waits on event t % kSnapshotEvents: the event may be recorded
+  // again once ckptd is done taking ticket t - kSnapshotEvents (events_taken; a ticket's
+  // state would not do: a step can fail a ticket while its copy still waits). Only a CPU
+  // that many snapshots ahead waits here, and never for work queued after the older
+  // snapshot's point: no deadlock with StreamWaitStaged.
   constexpr uint64_t kEvents = cuda::TrainerSync::kSnapshotEvents;
   if (ticket <= kEvents) return absl::OkStatus();
-  absl::StatusOr<shm::TicketResult> older = impl_->producer->Wait(
-      ticket - kEvents, /*until_committed=*/false, kSnapshotEventWait, impl_->options.daemon_dead_after);
-  if (older.ok() || absl::IsUnavailable(older.status())) return absl::OkStatus();  // gone: abandoned
-  return absl::UnavailableError(fmt::format(
-      "snapshot refused: the snapshot {} tickets earlier is still waiting for its GPU copy after {} s "
-      "(the CPU is {} snapshots ahead of the GPU); its snapshot event cannot be recorded again yet",
-      kEvents, kSnapshotEventWait.count() / 1000, kEvents));
+  const uint64_t needed = ticket - kEvents;
+  const auto deadline = std::chrono::steady_clock::now() + kSnapshotEventWait;
+  for (auto pause = std::chrono::microseconds(50); impl_->producer->EventsTaken() < needed;
+       pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(2))) {
+    // A ckptd that exited or stopped answering waits on nothing any more (the watchdog
+    // releases the stream's waits): go on, as every other call does.
+    if (!impl_->producer->CheckDaemonAliveOrAbandon(impl_->options.daemon_dead_after).ok()) {
+      return absl::OkStatus();
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return absl::DeadlineExceededError(fmt::format(
+          "snapshot refused: ckptd has not taken the snapshot {} tickets earlier after {} s (the CPU "
+          "is that far ahead of ckptd's GPU copies); its snapshot event cannot be recorded again yet",
+          kEvents, kSnapshotEventWait.count() / 1000));
+    }
+    std::this_thread::sleep_for(pause);
+  }
+  return absl::OkStatus();
 }
 
 void Client::SetCudaStream(void* stream) { impl_->cuda_stream = stream; }

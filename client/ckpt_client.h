@@ -230,7 +230,7 @@ class Client {
   // Queues a snapshot of every registered tensor plus `train_state`; returns a ticket in
   // microseconds. Do not mutate the tensors until WaitStaged(ticket) returns. With GPU
   // tensors a CPU more than TrainerSync::kSnapshotEvents (8) snapshots ahead of ckptd waits
-  // here for the oldest of them to be copied (cuda/trainer_sync.h says why).
+  // here, up to 60 s, until ckptd has taken the oldest of them (cuda/trainer_sync.h says why).
   absl::StatusOr<uint64_t> Snapshot(uint64_t step, const Metadata& metadata = {},
                                     const TrainState& train_state = {});
 

@@ -11,7 +11,8 @@ std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions) {
     if (r.bytes == 0) continue;
     if (!out.empty()) {
       CopyRegion& last = out.back();
-      if (static_cast<char*>(last.dst) + last.bytes == r.dst &&
+      if (r.allocation != nullptr && r.allocation == last.allocation &&
+          static_cast<char*>(last.dst) + last.bytes == r.dst &&
           static_cast<const char*>(last.src) + last.bytes == r.src) {
         last.bytes += r.bytes;
         continue;
@@ -32,7 +33,7 @@ std::vector<std::vector<CopyRegion>> PlanChunks(std::span<const CopyRegion> regi
     for (size_t off = 0; off < r.bytes; off += chunk_bytes) {
       size_t n = std::min(chunk_bytes, r.bytes - off);
       plan[next++ % streams].push_back(
-          {static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off, n});
+          {static_cast<char*>(r.dst) + off, static_cast<const char*>(r.src) + off, n, r.allocation});
     }
   }
   return plan;

@@ -11,8 +11,8 @@
 
 namespace ckpt::cuda {
 
-// Regions that continue the previous one on both sides (source and destination adjacent),
-// as one region; empty regions dropped. Measured on an H200: 10,000 buffers of 430 KB,
+// Regions of one device allocation (CopyRegion::allocation) that continue the previous one
+// on both sides (source and destination adjacent), as one region; empty regions dropped. Measured on an H200: 10,000 buffers of 430 KB,
 // copied one call each, restored at 28% of the pinned limit, the per-call cost dominating.
 std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions);
 

@@ -16,6 +16,10 @@ struct CopyRegion {
   void* dst;
   const void* src;
   size_t bytes;
+  // The device allocation (an identity, never dereferenced) the region's GPU side lies in:
+  // adjacent regions of one allocation are copied as one (CoalesceRegions). Null: never
+  // merged (a copy may not span two allocations, even adjacent ones).
+  const void* allocation = nullptr;
 };
 
 class CopyEngine {

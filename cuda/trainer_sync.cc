@@ -27,24 +27,41 @@ absl::StatusOr<StreamWaitValue64> GetStreamWaitValue64() {
 absl::StatusOr<std::unique_ptr<TrainerSync>> TrainerSync::Create(int device) {
   std::unique_ptr<TrainerSync> s(new TrainerSync());
   s->device_ = device;
-  DeviceGuard guard(device);
+  CKPT_RETURN_IF_ERROR(s->CreateEvents());
+  return s;
+}
+
+absl::Status TrainerSync::CreateEvents() {
+  DeviceGuard guard(device_);
   CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "snapshot event");
   for (uint32_t i = 0; i < kSnapshotEvents; ++i) {
     cudaEvent_t event;
     CKPT_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
         "snapshot event");
-    s->events_.push_back(event);
+    events_.push_back(event);
     cudaIpcEventHandle_t handle;
     CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetEventHandle(&handle, event), "snapshot event");
-    s->event_handles_.emplace_back(reinterpret_cast<const char*>(&handle), sizeof handle);
+    event_handles_.emplace_back(reinterpret_cast<const char*>(&handle), sizeof handle);
   }
-  return s;
+  return absl::OkStatus();
+}
+
+void TrainerSync::DestroyEvents() {
+  // An event still pending on a stream is released once the device completes it.
+  for (void* event : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  events_.clear();
+  event_handles_.clear();
+}
+
+absl::Status TrainerSync::RenewEvents() {
+  DestroyEvents();
+  return CreateEvents();
 }
 
 TrainerSync::~TrainerSync() {
   if (word_ != nullptr) (void)cudaHostUnregister(word_);
-  for (void* event : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  DestroyEvents();
 }
 
 absl::Status TrainerSync::RecordSnapshotPoint(void* stream, uint64_t ticket) {

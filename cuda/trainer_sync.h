@@ -6,8 +6,9 @@
 //     next snapshot's point, behind this snapshot's StreamWaitStaged, before ckptd takes the
 //     command: ckptd's copy then waits for a point the stream reaches only after the copy
 //     (seen on an H200: a snapshot every step hung the trainer's stream). A ticket's event
-//     is recorded again only once the ticket kSnapshotEvents earlier has left "pending"
-//     (Client::Snapshot waits for that, which only a CPU that many snapshots ahead does);
+//     is recorded again only once ckptd is done taking the ticket kSnapshotEvents earlier
+//     (ControlBlock::events_taken; Client::Snapshot waits for that, which only a CPU that
+//     many snapshots ahead does);
 //   - the control block's `staged_ticket` word mapped into the GPU's address space, so
 //     that a stream can wait (cuStreamWaitValue64 >= ticket) for "staged" while the CPU
 //     keeps launching kernels.
@@ -36,6 +37,8 @@ class TrainerSync {
   void* event(uint64_t ticket) const { return events_[ticket % events_.size()]; }
   // cudaIpcEventHandle_t bytes for the daemon, in ticket order: ticket t's is t % size().
   const std::vector<std::string>& event_handles() const { return event_handles_; }
+  // Replaces the events with new ones (a new session: its tickets start again at 1).
+  absl::Status RenewEvents();
   // Records ticket `ticket`'s snapshot point on `stream` (a cudaStream_t; null: the legacy
   // default stream).
   absl::Status RecordSnapshotPoint(void* stream, uint64_t ticket);
@@ -46,6 +49,8 @@ class TrainerSync {
 
  private:
   TrainerSync() = default;
+  absl::Status CreateEvents();
+  void DestroyEvents();
   int device_ = 0;
   std::vector<void*> events_;  // cudaEvent_t
   std::vector<std::string> event_handles_;

@@ -54,6 +54,8 @@ bool CommandProducer::Full() const {
 
 uint64_t CommandProducer::NextTicket() const { return block_->tail.load(std::memory_order_relaxed) + 1; }
 
+uint64_t CommandProducer::EventsTaken() const { return block_->events_taken.load(std::memory_order_acquire); }
+
 template <typename Fill>
 absl::StatusOr<uint64_t> CommandProducer::Publish(uint64_t step, uint32_t wait_client_copy,
                                                   const Fill& fill) {
@@ -297,6 +299,12 @@ bool CommandConsumer::WaitClientCopy(uint32_t seq, std::chrono::milliseconds tim
     Heartbeat();
     FutexWait(&block_->client_copy_done, done,
               std::min<std::chrono::nanoseconds>(deadline - now, std::chrono::milliseconds(100)));
+  }
+}
+
+void CommandConsumer::MarkTaken(uint64_t ticket) {
+  if (ticket > block_->events_taken.load(std::memory_order_relaxed)) {
+    block_->events_taken.store(ticket, std::memory_order_release);
   }
 }
 

@@ -42,6 +42,8 @@ class CommandProducer {
   bool Full() const;
   // The ticket the next publish gets (tickets count 1, 2, 3... per control block).
   uint64_t NextTicket() const;
+  // The last ticket whose command the daemon is done with (ControlBlock::events_taken).
+  uint64_t EventsTaken() const;
   // The same for a payload handed over as a sealed memfd (kCommandSnapshotDeposited):
   // `deposit_token` is what ckptd answered for it.
   absl::StatusOr<uint64_t> PublishDepositedSnapshot(uint64_t step, std::string_view deposit_token,
@@ -123,6 +125,10 @@ class CommandConsumer {
 
   // Waits until the trainer's copy `seq` has landed: false on timeout or a closed session.
   bool WaitClientCopy(uint32_t seq, std::chrono::milliseconds timeout);
+
+  // The daemon is done with `ticket`'s command: nothing it does from now on waits on the
+  // ticket's snapshot event (ControlBlock::events_taken).
+  void MarkTaken(uint64_t ticket);
 
   void Heartbeat();
   void Close();

@@ -17,7 +17,7 @@
 namespace ckpt::shm {
 
 inline constexpr uint64_t kControlMagic = 0x31544344'54504b43ULL;  // "CKPTDCT1"
-inline constexpr uint32_t kControlAbiVersion = 5;  // 4: kTicketAbandoned; 5: kCommandSnapshotDeposited
+inline constexpr uint32_t kControlAbiVersion = 6;  // 4: kTicketAbandoned; 5: kCommandSnapshotDeposited; 6: events_taken
 inline constexpr uint32_t kRingSlots = 8;
 inline constexpr uint32_t kTicketSlots = 64;
 inline constexpr uint32_t kSlotPayloadBytes = 256 * 1024;  // metadata + train-state blobs
@@ -85,6 +85,10 @@ struct alignas(4096) ControlBlock {
   std::atomic<uint32_t> closed;                  // daemon ended the session
   std::atomic<uint32_t> client_copy_done;        // futex word: last finished client copy
   std::atomic<uint64_t> daemon_heartbeat_ns;     // CLOCK_MONOTONIC, refreshed every 100 ms
+  // The last ticket the daemon is done taking: its copy has waited on (and copied after)
+  // the ticket's GPU snapshot event, or will never wait on it. A trainer records that event
+  // again for a later ticket only after this (cuda/trainer_sync.h).
+  alignas(64) std::atomic<uint64_t> events_taken;  // written by the daemon
 
   // The highest ticket staged so far (tickets are staged in order). Its own 4 KiB page so
   // that a trainer can map it into a GPU's address space and make a stream wait for it

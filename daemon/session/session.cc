@@ -456,6 +456,7 @@ absl::Status Session::AddGpuTensor(const ::ckptd::v1::TensorSpec& t, const Limit
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<cuda::IpcMapping> mapping,
                         limits.gpu_memory->Acquire(d, t.name()));
   out.data = mapping->base() + c.offset();
+  out.allocation = mapping->base();
   out.on_device = true;
   out.device = mapping->device();
   gpu_mappings_.push_back(std::move(mapping));
@@ -539,6 +540,10 @@ void Session::CommandLoop(Stager& stager, SnapshotSink& persist, SessionEvents& 
       Log().error("[{}/r{}] snapshot failed: {}", job_, rank_, e.what());
       SetTicketState(ticket, shm::kTicketFailed, fmt::format("internal error: {}", e.what()));
     }
+    // Done with it, copied or not (the copy is synchronous): the trainer may record this
+    // ticket's GPU snapshot event again. Its state says nothing of that: the persist
+    // stage can fail a ticket while its copy still waits on the event.
+    consumer_->MarkTaken(ticket);
   }
   consumer_->Close();
   ended_ = true;

@@ -36,6 +36,7 @@ struct RegisteredTensor {
   char* data = nullptr;  // in a segment or CUDA allocation the owning session keeps mapped
   bool on_device = false;  // a GPU buffer: copied by its device's CUDA engine
   int device = -1;         // the daemon's ordinal of that device
+  const void* allocation = nullptr;  // that buffer's CUDA allocation (its mapping's base)
   // Where the trainer sees `data`, when its arena is registered for write-protection
   // (copy-on-write snapshots); 0 otherwise.
   uint64_t trainer_address = 0;
@@ -123,6 +124,7 @@ struct SplitCopy {
   std::vector<cuda::CopyRegion> host;
   std::map<int, std::vector<cuda::CopyRegion>> device;  // by device ordinal
   void Add(const RegisteredTensor& t, cuda::CopyRegion region) {
+    region.allocation = t.on_device ? t.allocation : nullptr;
     (t.on_device ? device[t.device] : host).push_back(region);
   }
 };

@@ -43,11 +43,12 @@ TEST_CASE("regions adjacent on both sides are copied as one; any gap keeps them 
   std::vector<char> src(1000), dst(2000);
   // Four 100-byte tensors laid out back to back on both sides, then one with a gap in the
   // destination (staging alignment), then one with a gap in the source.
+  const void* one = src.data();  // the allocation's identity
   std::vector<CopyRegion> regions;
-  for (int i = 0; i < 4; ++i) regions.push_back({dst.data() + 100 * i, src.data() + 100 * i, 100});
-  regions.push_back({dst.data() + 464, src.data() + 400, 100});
-  regions.push_back({dst.data() + 564, src.data() + 600, 100});
-  regions.push_back({dst.data() + 664, src.data() + 700, 0});  // empty: dropped
+  for (int i = 0; i < 4; ++i) regions.push_back({dst.data() + 100 * i, src.data() + 100 * i, 100, one});
+  regions.push_back({dst.data() + 464, src.data() + 400, 100, one});
+  regions.push_back({dst.data() + 564, src.data() + 600, 100, one});
+  regions.push_back({dst.data() + 664, src.data() + 700, 0, one});  // empty: dropped
   auto merged = CoalesceRegions(regions);
   REQUIRE(merged.size() == 3);
   CHECK(merged[0].dst == dst.data());
@@ -66,4 +67,14 @@ TEST_CASE("regions adjacent on both sides are copied as one; any gap keeps them 
   }
   CHECK(chunks == 4);  // 256 + 144, 100, 100
   CHECK(bytes == 600);
+}
+
+TEST_CASE("regions of different allocations, or of none, are never merged, adjacent or not") {
+  std::vector<char> src(400), dst(400);
+  int a = 0, b = 0;
+  std::vector<CopyRegion> regions = {{dst.data(), src.data(), 100, &a},
+                                     {dst.data() + 100, src.data() + 100, 100, &b},  // another allocation
+                                     {dst.data() + 200, src.data() + 200, 100, nullptr},  // host memory
+                                     {dst.data() + 300, src.data() + 300, 100, nullptr}};
+  CHECK(CoalesceRegions(regions).size() == 4);
 }

@@ -415,6 +415,27 @@ TEST_CASE("the staged-ticket word only moves forward, and failures release waite
   CHECK(reinterpret_cast<uintptr_t>(&ring.block->staged_ticket) % 4096 == 0);
 }
 
+TEST_CASE("tickets count from 1; the events-taken word says which the daemon is done with, never backwards") {
+  Ring ring;
+  CommandProducer producer(ring.block);
+  CommandConsumer consumer(ring.block);
+  CHECK(producer.NextTicket() == 1);
+  uint64_t t1 = *producer.PublishSnapshot(1, {});
+  CHECK(t1 == 1);
+  CHECK(producer.NextTicket() == 2);
+  uint64_t t2 = *producer.PublishSnapshot(2, {});
+  CHECK(producer.EventsTaken() == 0);
+  // A ticket failed early (its step ended) is not "taken": the word moves only when the
+  // daemon says so.
+  consumer.SetTicketState(t1, kTicketFailed, "the step was aborted");
+  CHECK(producer.EventsTaken() == 0);
+  consumer.MarkTaken(t1);
+  CHECK(producer.EventsTaken() == t1);
+  consumer.MarkTaken(t2);
+  consumer.MarkTaken(t1);
+  CHECK(producer.EventsTaken() == t2);
+}
+
 TEST_CASE("host-copy transport: the daemon stages only after the trainer's copy lands") {
   Ring ring;
   CommandProducer producer(ring.block);
