@@ -611,20 +611,18 @@ absl::StatusOr<uint64_t> Client::Snapshot(uint64_t step, const Metadata& metadat
   // snapshot point, so that the trainer waits for nothing after it.
   std::string deposit_token;
   if (shm::EncodedSize(payload) > shm::kSlotPayloadBytes) {
-    if (impl_->producer->Full()) {  // refused below anyway: nothing handed over for nothing
-      return absl::ResourceExhaustedError(fmt::format(
-          "command ring full: ckptd has not picked up the last {} snapshots", shm::kRingSlots));
-    }
+    // Refused below anyway when full: nothing handed over for nothing.
+    CKPT_RETURN_IF_ERROR(impl_->producer->CheckRoom());
     CKPT_ASSIGN_OR_RETURN(deposit_token, DepositPayload(impl_->options.socket, payload));
   }
   std::lock_guard lock(impl_->publish_mu);
-  if (impl_->producer->Full()) {  // refused below anyway: fail before waiting for an event
-    return absl::ResourceExhaustedError(fmt::format(
-        "command ring full: ckptd has not picked up the last {} snapshots", shm::kRingSlots));
-  }
   const uint64_t ticket = impl_->producer->NextTicket();
   if (impl_->gpu_sync) {
-    if (!impl_->gpu.empty()) CKPT_RETURN_IF_ERROR(WaitSnapshotEventFree(ticket));
+    if (!impl_->gpu.empty()) {
+      // Refused below anyway when full: refused now, rather than after waiting for an event.
+      CKPT_RETURN_IF_ERROR(impl_->producer->CheckRoom());
+      CKPT_RETURN_IF_ERROR(WaitSnapshotEventFree(ticket));
+    }
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->RecordSnapshotPoint(impl_->cuda_stream, ticket));
   }
   uint32_t wait_copy = 0;

@@ -12,8 +12,9 @@
 namespace ckpt::cuda {
 
 // Regions of one device allocation (CopyRegion::allocation) that continue the previous one
-// on both sides (source and destination adjacent), as one region; empty regions dropped. Measured on an H200: 10,000 buffers of 430 KB,
-// copied one call each, restored at 28% of the pinned limit, the per-call cost dominating.
+// on both sides (source and destination adjacent), as one region; empty regions dropped.
+// Measured on an H200: 10,000 buffers of 430 KB, copied one call each, restored at 28% of
+// the pinned limit, the per-call cost dominating.
 std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions);
 
 // plan[s] lists stream s's chunks in order. Every byte of every region appears exactly once;

@@ -52,6 +52,12 @@ bool CommandProducer::Full() const {
   return block_->tail.load(std::memory_order_relaxed) - block_->head.load(std::memory_order_acquire) >= kRingSlots;
 }
 
+absl::Status CommandProducer::CheckRoom() const {
+  if (!Full()) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      fmt::format("command ring full: ckptd has not picked up the last {} snapshots", kRingSlots));
+}
+
 uint64_t CommandProducer::NextTicket() const { return block_->tail.load(std::memory_order_relaxed) + 1; }
 
 uint64_t CommandProducer::EventsTaken() const { return block_->events_taken.load(std::memory_order_acquire); }
@@ -59,12 +65,8 @@ uint64_t CommandProducer::EventsTaken() const { return block_->events_taken.load
 template <typename Fill>
 absl::StatusOr<uint64_t> CommandProducer::Publish(uint64_t step, uint32_t wait_client_copy,
                                                   const Fill& fill) {
+  CKPT_RETURN_IF_ERROR(CheckRoom());
   uint64_t tail = block_->tail.load(std::memory_order_relaxed);
-  uint64_t head = block_->head.load(std::memory_order_acquire);
-  if (tail - head >= kRingSlots) {
-    return absl::ResourceExhaustedError(
-        fmt::format("command ring full: ckptd has not picked up the last {} snapshots", kRingSlots));
-  }
   CommandSlot& slot = block_->commands[tail % kRingSlots];
   CKPT_RETURN_IF_ERROR(fill(slot));
   uint64_t ticket = tail + 1;

@@ -40,6 +40,8 @@ class CommandProducer {
                                            uint32_t wait_client_copy = 0);
   // Whether PublishSnapshot would find the ring full now (only this producer fills it).
   bool Full() const;
+  // ResourceExhausted, saying so, when the ring is full now; Ok otherwise.
+  absl::Status CheckRoom() const;
   // The ticket the next publish gets (tickets count 1, 2, 3... per control block).
   uint64_t NextTicket() const;
   // The last ticket whose command the daemon is done with (ControlBlock::events_taken).

@@ -99,10 +99,10 @@ std::vector<LostMember> Membership::Expire(Clock::time_point now) {
   next_expiry_ = Clock::time_point::max();
   for (uint32_t n = 0; n < members_.size(); ++n) {
     Member& m = members_[n];
-    if (m.state == MemberState::kAlive && now - m.last_heard <= timeout_) {
+    if (m.state != MemberState::kAlive) continue;
+    if (now - m.last_heard <= timeout_) {
       next_expiry_ = std::min(next_expiry_, m.last_heard + timeout_);
-    }
-    if (m.state == MemberState::kAlive && now - m.last_heard > timeout_) {
+    } else {
       m.state = MemberState::kLost;
       ChangedLocked(n);
       const auto silent_since = wall_now - std::chrono::duration_cast<std::chrono::system_clock::duration>(now - m.last_heard);

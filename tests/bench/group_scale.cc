@@ -153,6 +153,7 @@ class Coordinator {
     ::waitpid(pid_, &status, 0);
   }
   const std::string& address() const { return address_; }
+  pid_t pid() const { return pid_; }
 
   // CPU time of every thread of the coordinator so far, in ns, but the assembler's (node
   // 0's whole manifest, built after the decision: AssemblerCpuNs).
@@ -201,9 +202,6 @@ class Coordinator {
   }
 
   pid_t pid_ = 0;
-
- public:
-  pid_t pid() const { return pid_; }
   std::string address_;
 };
 
@@ -710,17 +708,17 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   const uint64_t cpu_before_joins = coordinator.CpuNs();
   result.join_received_per_node = sim.Join();
   result.join_cpu_ms = static_cast<double>(coordinator.CpuNs() - cpu_before_joins) / 1e6;
-  // One step first, not counted: its heartbeats bring each node the members (through its
-  // relay, with the tree), and first uses warm the coordinator up.
   // Progress on stderr (the coordinator's pid, to attach a profiler to its steps).
   auto progress = [&](const std::string& what) {
     if (!c.json) {
-      std::cerr << fmt::format("\n  [{:6.1f} s] coordinator pid {}: {}", 
+      std::cerr << fmt::format("\n  [{:6.1f} s] coordinator pid {}: {}",
                                std::chrono::duration<double>(Clock::now() - start).count(), coordinator.pid(), what)
                 << std::flush;
     }
   };
   progress("joined");
+  // One step first, not counted: its heartbeats bring each node the members (through its
+  // relay, with the tree), and first uses warm the coordinator up.
   result.first_heartbeats_cpu_ms = sim.Step(1, coordinator).heartbeat_cpu_ms;
   const uint64_t cpu_after_first = coordinator.CpuNs();
   progress("first step done");
