@@ -503,7 +503,9 @@ void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::Prepare
         });
         return absl::OkStatus();
       }
-      part.values = FromProto(request->values(), request->step());
+      absl::StatusOr<format::PartValues> values = FromProto(request->values(), request->step());
+      CKPT_RETURN_IF_ERROR(Annotate(values.status(), "values"));
+      part.values = std::move(*values);
       CKPT_RETURN_IF_ERROR(Annotate(format::CheckValuesFit(*part.structure, part.values), "values"));
     } else {
       CKPT_ASSIGN_OR_RETURN(format::Manifest whole_part,

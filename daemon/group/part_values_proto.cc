@@ -1,5 +1,7 @@
 #include "daemon/group/part_values_proto.h"
 
+#include <fmt/format.h>
+
 namespace ckpt::group {
 
 void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out) {
@@ -7,26 +9,49 @@ void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out
   out->set_unix_time(values.unix_time);
   out->set_wall_time(values.wall_time);
   out->mutable_metadata()->insert(values.metadata.begin(), values.metadata.end());
-  for (const format::PartValues::Rank& rank : values.ranks) {
-    auto* r = out->add_ranks();
-    r->set_bytes(rank.bytes);
-    r->mutable_metadata()->insert(rank.metadata.begin(), rank.metadata.end());
+  out->mutable_rank_bytes()->Reserve(static_cast<int>(values.ranks.size()));
+  for (size_t i = 0; i < values.ranks.size(); ++i) {
+    const format::PartValues::Rank& rank = values.ranks[i];
+    out->add_rank_bytes(rank.bytes);
+    if (rank.metadata.empty()) continue;
+    auto* m = out->add_rank_metadata();
+    m->set_index(static_cast<uint32_t>(i));
+    m->mutable_metadata()->insert(rank.metadata.begin(), rank.metadata.end());
   }
   out->mutable_xxh3()->Add(values.xxh3.begin(), values.xxh3.end());
   for (const std::string& checksum : values.checksums) out->add_checksums(checksum);
   out->set_checksums_withheld(values.withheld);
 }
 
-format::PartValues FromProto(const ckptd::group::v1::PartValues& values, uint64_t step) {
+absl::StatusOr<format::PartValues> FromProto(const ckptd::group::v1::PartValues& values, uint64_t step) {
   format::PartValues out;
   out.step = step;
   out.run = values.run();
   out.unix_time = values.unix_time();
   out.wall_time = values.wall_time();
   out.metadata.insert(values.metadata().begin(), values.metadata().end());
-  out.ranks.reserve(values.ranks_size());
-  for (const auto& rank : values.ranks()) {
-    out.ranks.push_back({rank.bytes(), {rank.metadata().begin(), rank.metadata().end()}});
+  if (values.ranks_size() > 0 && (values.rank_bytes_size() > 0 || values.rank_metadata_size() > 0)) {
+    return absl::InvalidArgumentError("values carry ranks and rank_bytes: send one form");
+  }
+  if (values.ranks_size() > 0) {
+    out.ranks.reserve(values.ranks_size());
+    for (const auto& rank : values.ranks()) {
+      out.ranks.push_back({rank.bytes(), {rank.metadata().begin(), rank.metadata().end()}});
+    }
+  } else {
+    out.ranks.resize(values.rank_bytes_size());
+    for (int i = 0; i < values.rank_bytes_size(); ++i) out.ranks[i].bytes = values.rank_bytes(i);
+    for (const auto& m : values.rank_metadata()) {
+      if (m.index() >= out.ranks.size()) {
+        return absl::InvalidArgumentError(
+            fmt::format("rank_metadata names index {}, but rank_bytes has {} ranks", m.index(), out.ranks.size()));
+      }
+      std::map<std::string, std::string>& into = out.ranks[m.index()].metadata;
+      if (!into.empty()) {
+        return absl::InvalidArgumentError(fmt::format("rank_metadata names index {} twice", m.index()));
+      }
+      into.insert(m.metadata().begin(), m.metadata().end());
+    }
   }
   out.xxh3.assign(values.xxh3().begin(), values.xxh3().end());
   out.checksums.assign(values.checksums().begin(), values.checksums().end());

@@ -45,16 +45,20 @@ class StructureCache {
   // Over the bound: the least recently used whole structures become summaries (a few bytes
   // per rank: a 10,000-node job keeps every node's), and only then are summaries dropped.
   void ShrinkLocked();
+  // The least recently used of `list` but `keep` (approximately: a list in order of
+  // insertion, with a second chance for what was found since), left in place at its back.
+  std::shared_ptr<const format::PartStructure> TakeLeastRecentLocked(Lru& list, const format::PartStructure* keep);
   void EraseLocked(const std::string& digest);
 
   const size_t max_bytes_;
   const bool summarize_;
   mutable std::mutex mu_;
-  Lru whole_;      // most recently used first
-  Lru summaries_;  // most recently used first
+  Lru whole_;      // most recently added or given a second chance first
+  Lru summaries_;  // the same
   struct Held {
     Lru::iterator at;
     bool summary;
+    bool found;  // by Find or Add since ShrinkLocked last passed it over
   };
   std::unordered_map<std::string, Held> by_digest_;  // hashed: 10,000 lookups a step at node 0
   size_t bytes_ = 0;

@@ -1067,3 +1067,46 @@ TEST_CASE("rpc: mutual TLS admits nodes with the group's certificates only") {
   REQUIRE(plain_client.ok());
   CHECK_FALSE((*plain_client)->Join(Clock::now() + 500ms).ok());
 }
+
+TEST_CASE("rpc: a part's rank values travel as one packed column, with metadata only for ranks that have it") {
+  format::PartValues values;
+  values.step = 7;
+  values.run = 42;
+  values.wall_time = "2026-11-27T00:00:00Z";
+  values.ranks = {{100, {}}, {200, {{"ckptd.aliases", "a=b"}}}, {300, {}}};
+  values.xxh3 = {1, 2, 3};
+  pb::PartValues wire;
+  ToProto(values, &wire);
+  CHECK(wire.ranks_size() == 0);
+  CHECK(wire.rank_bytes_size() == 3);
+  REQUIRE(wire.rank_metadata_size() == 1);
+  CHECK(wire.rank_metadata(0).index() == 1);
+  absl::StatusOr<format::PartValues> back = FromProto(wire, 7);
+  REQUIRE(back.ok());
+  REQUIRE(back->ranks.size() == 3);
+  CHECK(back->ranks[1].bytes == 200);
+  CHECK(back->ranks[1].metadata.at("ckptd.aliases") == "a=b");
+  CHECK(back->ranks[2].metadata.empty());
+  CHECK(back->xxh3 == values.xxh3);
+
+  // What older nodes send: a message per rank.
+  pb::PartValues old;
+  auto* r = old.add_ranks();
+  r->set_bytes(5);
+  (*r->mutable_metadata())["k"] = "v";
+  absl::StatusOr<format::PartValues> from_old = FromProto(old, 1);
+  REQUIRE(from_old.ok());
+  CHECK(from_old->ranks.at(0).bytes == 5);
+  CHECK(from_old->ranks.at(0).metadata.at("k") == "v");
+
+  // Malformed: both forms, metadata of a rank not sent, one rank's metadata twice.
+  pb::PartValues both = wire;
+  both.add_ranks()->set_bytes(1);
+  CHECK_THAT(std::string(FromProto(both, 7).status().message()), Catch::Contains("ranks and rank_bytes"));
+  pb::PartValues beyond = wire;
+  beyond.mutable_rank_metadata(0)->set_index(3);
+  CHECK_THAT(std::string(FromProto(beyond, 7).status().message()), Catch::Contains("index 3"));
+  pb::PartValues twice = wire;
+  *twice.add_rank_metadata() = wire.rank_metadata(0);
+  CHECK_THAT(std::string(FromProto(twice, 7).status().message()), Catch::Contains("twice"));
+}

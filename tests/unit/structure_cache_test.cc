@@ -101,3 +101,27 @@ TEST_CASE("structure cache: without summaries (a shared root), the least recentl
   CHECK(cache.Find(a->digest) == nullptr);
   CHECK(cache.Find(c->digest) == c);
 }
+
+TEST_CASE("structure cache: what was found since the last shrink gets a second chance, the newest is kept") {
+  auto a = Structure("a"), b = Structure("b"), c = Structure("c"), d = Structure("d"), e = Structure("e");
+  group::StructureCache probe(size_t{1} << 30);
+  probe.Add(a);
+  const size_t one = probe.bytes();
+  group::StructureCache cache(3 * one + one / 2, /*summarize=*/false);  // room for three
+  cache.Add(a);
+  cache.Add(b);
+  cache.Add(c);
+  CHECK(cache.Find(a->digest) == a);
+  CHECK(cache.Find(b->digest) == b);
+  cache.Add(d);  // c, added before d and not found since, goes
+  CHECK(cache.Find(c->digest) == nullptr);
+  CHECK(cache.size() == 3);
+  // Every one held was found since (those marks were cleared when c went; these are new):
+  // the oldest of them goes, never the one just added.
+  CHECK(cache.Find(a->digest) == a);
+  CHECK(cache.Find(b->digest) == b);
+  CHECK(cache.Find(d->digest) == d);
+  cache.Add(e);
+  CHECK(cache.size() == 3);
+  CHECK(cache.Find(e->digest) == e);
+}
