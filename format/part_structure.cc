@@ -105,15 +105,15 @@ SplitResult SplitPart(const Manifest& part) {
 }
 
 absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& values) {
-  if (values.ranks.size() != structure.structure.shards.size()) {
+  if (values.ranks.size() != structure.ranks.size()) {
     return absl::InvalidArgumentError(fmt::format("values for {} ranks, but structure {} has {}",
                                                   values.ranks.size(), structure.digest,
-                                                  structure.structure.shards.size()));
+                                                  structure.ranks.size()));
   }
   for (size_t i = 0; i < values.ranks.size() && i < structure.min_bytes.size(); ++i) {
     if (values.ranks[i].bytes < structure.min_bytes[i]) {
       return absl::InvalidArgumentError(fmt::format(
-          "rank {} holds {} bytes, less than the end of its entries ({})", structure.structure.shards[i].rank,
+          "rank {} holds {} bytes, less than the end of its entries ({})", structure.ranks[i],
           values.ranks[i].bytes, structure.min_bytes[i]));
     }
   }

@@ -19,7 +19,8 @@ namespace ckpt::format {
 // A part with every per-step field cleared, and the digest of its JSON text: equal digests,
 // equal structures (XXH3-64 of the canonical text; a group's structures are few).
 struct PartStructure {
-  Manifest structure;
+  // First what a coordinator reads of 10,000 structures every step (in its first two cache
+  // lines; the parsed manifest after them is kilobytes to megabytes away).
   std::string digest;       // "xxh3:<16 hex>"
   size_t json_bytes = 0;    // of the structure's text: what caching it costs, roughly
   size_t checksums = 0;     // how many PartValues::checksums a part of this structure has
@@ -33,6 +34,7 @@ struct PartStructure {
   // Only a summary (Summarize): `structure` has no tensors. Enough to check a step's
   // values and describe its ranks, not to check tiling or to join a part again.
   bool summary = false;
+  Manifest structure;
 };
 
 // What one step of a part says beyond its structure.

@@ -228,6 +228,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
         // The node's newest word on a rank wins: a retried prepare, or the rank written
         // again (a new attempt after an abort this node had not heard of yet), replaces
         // what it said before, so the manifest describes the file now on disk.
+        prepared.attempt = attempt;
         ReplaceRanksLocked(round, node, std::move(prepared));
       }
       if (!conflict.empty()) {
@@ -288,7 +289,7 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, Prepared
         if (absl::StatusOr<format::Manifest> rest = format::JoinPart(*old.structure, old.values); rest.ok()) {
           format::RemoveRanks(*rest, [&](uint32_t rank) { return ranks.count(rank) > 0; });
           format::SplitResult split = format::SplitPart(*rest);
-          split_off.push_back({std::move(split.structure), std::move(split.values)});
+          split_off.push_back({std::move(split.structure), std::move(split.values), old.attempt});
         }
       }
       old = PreparedPart{};
@@ -333,10 +334,14 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
 CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const PreparedParts& parts) {
   std::string key;  // the same structures on the same nodes: each node's 4 bytes, then its digest and ';'
   key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.structure->digest.size() + 5));
-  for (const auto& [node, part] : parts) {
+  std::vector<uint32_t> summarized;  // nodes whose structure is held as a summary only
+  for (size_t i = 0; i < parts.size(); ++i) {
+    PrefetchPart(parts, i);
+    const auto& [node, part] = parts[i];
     key.append(reinterpret_cast<const char*>(&node), sizeof node);
     key += part.structure->digest;
     key += ';';
+    if (part.structure->summary) summarized.push_back(node);
   }
   {
     std::lock_guard lock(checks_mu_);
@@ -351,10 +356,6 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
   // so that every node of it sends its whole part with the next step and the round holds
   // them all at once: dropping only the summaries would let the cache summarize others
   // before their nodes prepare, step after step. Not remembered: checked afresh next time.
-  std::vector<uint32_t> summarized;
-  for (const auto& [node, part] : parts) {
-    if (part.structure->summary) summarized.push_back(node);
-  }
   if (!summarized.empty()) {
     if (options_.forget_structure) {
       for (const auto& [node, part] : parts) options_.forget_structure(part.structure->digest);
@@ -394,19 +395,20 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
 namespace {
 
 // The header and shares of a complete round whose structures passed their check: O(ranks).
-template <typename NodeWords>
-CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors, const NodeWords& words) {
+CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
   CommittedStep c;
   StepHeader& h = c.header;
   h.world_size = parts.front().second.shape().world_size;
   h.step_tensors = tensors;
   c.node_of_rank.assign(h.world_size, ~uint32_t{0});
   auto last = c.shares.end();
-  for (const auto& [node, part] : parts) {
+  for (size_t p = 0; p < parts.size(); ++p) {
+    PrefetchPart(parts, p);
+    const auto& [node, part] = parts[p];
     if (last == c.shares.end() || last->first != node) {
       // Parts come by node: each share goes at the map's end, without a search.
       last = c.shares.emplace_hint(c.shares.end(), node, NodeShare{});
-      if (auto word = words.find(node); word != words.end()) last->second.attempt = word->second.attempt;
+      last->second.attempt = part.attempt;  // a node's parts are all of its newest attempt
     }
     NodeShare& share = last->second;
     const format::PartValues& v = part.values;
@@ -439,7 +441,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   absl::Status recorded = check.status;
   std::shared_ptr<CommittedStep> committed;
   if (recorded.ok()) {
-    committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors, complete.nodes));
+    committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors));
     const std::string record = DecisionRecordJson(key.first, key.second, *committed, *parts);
     committed->header.digest = format::ManifestDigest(record);
     // Durable before anyone hears "committed": a node that renames on this answer must

@@ -89,7 +89,10 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
     w.Key("structures");
     w.BeginArray();
     while (part != parts.end() && part->first < node) ++part;
-    for (; part != parts.end() && part->first == node; ++part) w.String(part->second.structure->digest);
+    for (; part != parts.end() && part->first == node; ++part) {
+      PrefetchPart(parts, static_cast<size_t>(part - parts.begin()));
+      w.String(part->second.structure->digest);
+    }
     w.EndArray();
     w.EndObject();
   }

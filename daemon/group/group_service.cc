@@ -444,6 +444,12 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
     return reactor;
   }
   for (int i = 0; i < n; ++i) reply->add_results();
+  // The batch's structures, looked up at once; each prepare then finds the lines it reads
+  // of its structure loaded, and those of a few prepares ahead on their way (at 10,000
+  // nodes x 8 x 200 structures fill gigabytes, and each first touch was a cache miss).
+  std::vector<const std::string*> digests(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) digests[i] = &request->prepares(i).structure_digest();
+  std::vector<std::shared_ptr<const format::PartStructure>> found = coordinator_->structures.FindMany(digests);
   struct Items {
     std::atomic<int> left;
     std::unique_ptr<std::atomic<bool>[]> done;
@@ -452,6 +458,11 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
   items->left = n;
   items->done = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
+    if (constexpr int kAhead = 4; i + kAhead < n && found[i + kAhead]) {
+      __builtin_prefetch(found[i + kAhead]->ranks.data());
+      __builtin_prefetch(found[i + kAhead]->min_bytes.data());
+      __builtin_prefetch(found[i + kAhead]->structure.job.data());
+    }
     pb::PrepareResult* result = reply->mutable_results(i);
     PrepareOne(request->prepares(i), result->mutable_reply(), [completion, items, result, i](const Fill& fill) {
       if (items->done[i].exchange(true)) return;
@@ -462,13 +473,14 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
         result->set_message(status.error_message());
       }
       if (--items->left == 0) completion->Finish("PrepareBatch", [] { return absl::OkStatus(); });
-    });
+    }, std::move(found[i]));
   }
   return reactor;
 }
 
 void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::PrepareReply* reply,
-                              std::function<void(const Fill&)> finish) {
+                              std::function<void(const Fill&)> finish,
+                              std::shared_ptr<const format::PartStructure> found) {
   const pb::PrepareRequest* request = &request_ref;
   absl::Status early = FromGrpc(Guarded("Prepare", [&]() -> absl::Status {
     uint32_t node = request->node_rank();
@@ -494,7 +506,7 @@ void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::Prepare
       if (!request->manifest_part_json().empty()) {
         return absl::InvalidArgumentError("a prepare carries manifest_part_json or structure_digest, not both");
       }
-      part.structure = coordinator_->structures.Find(request->structure_digest());
+      part.structure = found ? std::move(found) : coordinator_->structures.Find(request->structure_digest());
       if (!part.structure) {
         finish([&] {
           reply->set_outcome(pb::OUTCOME_PENDING);

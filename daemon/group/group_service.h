@@ -121,8 +121,11 @@ class GroupService final : public ckptd::group::v1::Group::CallbackService {
   // Checks and prepares one node's part (a Prepare, or one of a batch): `finish` runs once,
   // with what fills `reply` or the error, perhaps later on another thread (node 0 hears a
   // commit once the whole manifest is assembled).
+  // `found`: the structure its digest names, looked up beforehand (a batch's at once), or
+  // null to look it up here.
   void PrepareOne(const ckptd::group::v1::PrepareRequest& request, ckptd::group::v1::PrepareReply* reply,
-                  std::function<void(const Fill&)> finish);
+                  std::function<void(const Fill&)> finish,
+                  std::shared_ptr<const format::PartStructure> found = nullptr);
 
   // The token, then the role: the checks every handler makes before reading its request.
   absl::Status Admit(grpc::CallbackServerContext* ctx, const char* method, Role role);

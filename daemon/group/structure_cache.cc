@@ -71,6 +71,23 @@ std::shared_ptr<const format::PartStructure> StructureCache::Find(const std::str
   return *held->second.at;
 }
 
+std::vector<std::shared_ptr<const format::PartStructure>> StructureCache::FindMany(
+    const std::vector<const std::string*>& digests) {
+  std::vector<std::shared_ptr<const format::PartStructure>> found(digests.size());
+  std::lock_guard lock(mu_);
+  for (size_t i = 0; i < digests.size(); ++i) {
+    if (digests[i]->empty()) continue;
+    auto held = by_digest_.find(*digests[i]);
+    if (held == by_digest_.end()) continue;
+    held->second.found = true;
+    found[i] = *held->second.at;
+    __builtin_prefetch(found[i].get());
+    __builtin_prefetch(&found[i]->ranks);
+    __builtin_prefetch(&found[i]->structure.world_size);
+  }
+  return found;
+}
+
 void StructureCache::Forget(const std::string& digest) {
   std::lock_guard lock(mu_);
   EraseLocked(digest);

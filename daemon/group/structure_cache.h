@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "format/part_structure.h"
 
@@ -28,6 +29,10 @@ class StructureCache {
   void Add(std::shared_ptr<const format::PartStructure> structure);
   // The structure under `digest`, whole or summarized, or null.
   std::shared_ptr<const format::PartStructure> Find(const std::string& digest);
+  // The same for many digests under one lock (null for an empty one): node 0 looks up a
+  // relay's batch of hundreds at once, and starts loading each structure's first lines
+  // (which checking the step's values reads) while it looks up the next.
+  std::vector<std::shared_ptr<const format::PartStructure>> FindMany(const std::vector<const std::string*>& digests);
   // Drops what is held under `digest`: its node sends the whole part again.
   void Forget(const std::string& digest);
 
