@@ -229,6 +229,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
         // again (a new attempt after an abort this node had not heard of yet), replaces
         // what it said before, so the manifest describes the file now on disk.
         prepared.attempt = attempt;
+        prepared.TakeBrief();
         ReplaceRanksLocked(round, node, std::move(prepared));
       }
       if (!conflict.empty()) {
@@ -297,6 +298,7 @@ void CommitCoordinator::ReplaceRanksLocked(Round& round, uint32_t node, Prepared
     }
     DropReplacedParts(round);
     for (PreparedPart& kept : split_off) {
+      kept.TakeBrief();
       round.parts.emplace_back(node, std::move(kept));
       ++count;
     }
@@ -333,15 +335,13 @@ void CommitCoordinator::ForgetNodeLocked(Round& round, uint32_t node) {
 
 CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const PreparedParts& parts) {
   std::string key;  // the same structures on the same nodes: each node's 4 bytes, then its digest and ';'
-  key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.structure->digest.size() + 5));
+  key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.brief.digest.size() + 5));
   std::vector<uint32_t> summarized;  // nodes whose structure is held as a summary only
-  for (size_t i = 0; i < parts.size(); ++i) {
-    PrefetchPart(parts, i);
-    const auto& [node, part] = parts[i];
+  for (const auto& [node, part] : parts) {
     key.append(reinterpret_cast<const char*>(&node), sizeof node);
-    key += part.structure->digest;
+    key += part.brief.digest;
     key += ';';
-    if (part.structure->summary) summarized.push_back(node);
+    if (part.brief.summary) summarized.push_back(node);
   }
   {
     std::lock_guard lock(checks_mu_);
@@ -402,9 +402,7 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
   h.step_tensors = tensors;
   c.node_of_rank.assign(h.world_size, ~uint32_t{0});
   auto last = c.shares.end();
-  for (size_t p = 0; p < parts.size(); ++p) {
-    PrefetchPart(parts, p);
-    const auto& [node, part] = parts[p];
+  for (const auto& [node, part] : parts) {
     if (last == c.shares.end() || last->first != node) {
       // Parts come by node: each share goes at the map's end, without a search.
       last = c.shares.emplace_hint(c.shares.end(), node, NodeShare{});
@@ -418,13 +416,15 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
       h.unix_time = v.unix_time;
       h.wall_time = v.wall_time;
     }
-    const std::vector<uint32_t>& ranks = part.structure->ranks;
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      c.node_of_rank[ranks[i]] = node;
-      ++share.ranks;
-      share.bytes += v.ranks[i].bytes;
-      h.step_bytes += v.ranks[i].bytes;
-      if (ranks[i] == 0) h.metadata = v.ranks[i].metadata;
+    const std::vector<uint32_t>& ranks = part.brief.ranks;
+    for (uint32_t rank : ranks) c.node_of_rank[rank] = node;
+    share.ranks += static_cast<uint32_t>(ranks.size());
+    share.bytes += part.brief.bytes;
+    h.step_bytes += part.brief.bytes;
+    if (part.brief.has_rank0) {
+      for (size_t i = 0; i < ranks.size(); ++i) {
+        if (ranks[i] == 0) h.metadata = v.ranks[i].metadata;
+      }
     }
   }
   h.nodes = static_cast<uint32_t>(c.shares.size());
@@ -683,7 +683,7 @@ std::optional<CommitCoordinator::NotAssembled> CommitCoordinator::WhyNotAssemble
                                     options_.max_whole_manifest_bytes),
                         true};
   }
-  if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.structure->summary; })) {
+  if (std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.second.brief.summary; })) {
     // Not said to the nodes: a full cache passes, and each time it did the step after
     // would lose its whole manifest to withheld checksums.
     return NotAssembled{"the coordinator holds only summaries of some nodes' structures (its cache is full)", false};

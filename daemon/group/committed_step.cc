@@ -1,5 +1,7 @@
 #include "daemon/group/committed_step.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -49,6 +51,16 @@ CommittedStep DescribeCommit(std::string json, const format::Manifest& whole,
   return c;
 }
 
+void PreparedPart::TakeBrief() {
+  brief.digest = structure->digest;
+  brief.ranks = structure->ranks;
+  brief.bytes = 0;
+  for (const format::PartValues::Rank& rank : values.ranks) brief.bytes += rank.bytes;
+  brief.json_bytes = structure->json_bytes;
+  brief.summary = structure->summary;
+  brief.has_rank0 = std::find(brief.ranks.begin(), brief.ranks.end(), 0u) != brief.ranks.end();
+}
+
 std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
                                const PreparedParts& parts) {
   // Each node's ranks, in order, by a counting sort over the rank table: a map of vectors
@@ -89,10 +101,7 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
     w.Key("structures");
     w.BeginArray();
     while (part != parts.end() && part->first < node) ++part;
-    for (; part != parts.end() && part->first == node; ++part) {
-      PrefetchPart(parts, static_cast<size_t>(part - parts.begin()));
-      w.String(part->second.structure->digest);
-    }
+    for (; part != parts.end() && part->first == node; ++part) w.String(part->second.brief.digest);
     w.EndArray();
     w.EndObject();
   }
@@ -173,7 +182,7 @@ absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
 
 size_t WholeManifestEstimate(const PreparedParts& parts) {
   size_t bytes = 0;
-  for (const auto& [node, part] : parts) bytes += part.structure->json_bytes;
+  for (const auto& [node, part] : parts) bytes += part.brief.json_bytes;
   return bytes;
 }
 

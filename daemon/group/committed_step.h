@@ -45,30 +45,24 @@ struct PreparedPart {
   std::shared_ptr<const format::PartStructure> structure;
   format::PartValues values;
   uint64_t attempt = 0;  // the node's attempt it was prepared in (the coordinator's)
+  // What the decision reads of the structure and values, copied when the coordinator takes
+  // the part (TakeBrief), while the structure is in cache: the decision walks the parts
+  // four times, and at 10,000 nodes x 8 ranks x 200 tensors the structures lie apart in
+  // gigabytes of heap, where each first touch was a TLB and a cache miss (a fifth of node
+  // 0's CPU for a step, by perf). The copies are small and made in arrival order.
+  struct Brief {
+    std::string digest;
+    std::vector<uint32_t> ranks;  // the structure's, by shard
+    uint64_t bytes = 0;           // the values' shard bytes, in all
+    size_t json_bytes = 0;
+    bool summary = false;
+    bool has_rank0 = false;
+  } brief;
   const format::Manifest& shape() const { return structure->structure; }
+  // Fills `brief` from `structure` and `values`.
+  void TakeBrief();
 };
 using PreparedParts = std::vector<std::pair<uint32_t, PreparedPart>>;  // by node
-
-// Node 0 walks every part of a step (10,000 at 10,000 nodes) in each phase of its decision,
-// and each part's structure and values lie apart in gigabytes of heap: every first touch
-// was a TLB and a cache miss, a third of the decision's CPU at 10,000 nodes x 8 ranks x
-// 200 tensors (perf). A walk calls this for each i to touch the parts a few places ahead,
-// so that their misses overlap.
-inline void PrefetchPart(const PreparedParts& parts, size_t i) {
-  constexpr size_t kFar = 32, kNear = 16;  // the structure's first lines, then what they point to
-  if (i + kFar < parts.size() && parts[i + kFar].second.structure) {
-    const format::PartStructure* s = parts[i + kFar].second.structure.get();
-    __builtin_prefetch(s);
-    __builtin_prefetch(&s->ranks);
-    __builtin_prefetch(&s->structure.world_size);
-  }
-  if (i + kNear < parts.size() && parts[i + kNear].second.structure) {
-    const PreparedPart& part = parts[i + kNear].second;
-    __builtin_prefetch(part.structure->digest.data());
-    __builtin_prefetch(part.structure->ranks.data());
-    __builtin_prefetch(part.values.ranks.data());
-  }
-}
 
 struct CommittedStep {
   // The whole step's manifest: on the coordinator while it fits its memory budget, and in
@@ -94,7 +88,8 @@ struct CommittedStep {
 // The record the coordinator makes durable before it announces a commit: the header (but
 // its digest, which is the digest of this text), and each node's ranks, bytes and part
 // structures; O(ranks), however many tensors they hold (docs/format.md, "Decision log").
-// `parts` are the step's, sorted by node (a node's structures are listed in their order).
+// `parts` are the step's, sorted by node (a node's structures are listed in their order),
+// with their briefs taken.
 std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,
                                const PreparedParts& parts);
 
@@ -102,8 +97,8 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
 // NotFound when `text` is not a decision record (a whole manifest, as older ckptd recorded).
 absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text);
 
-// About how large the whole step's manifest of these parts would be (its structures' text):
-// a little less, never far more.
+// About how large the whole step's manifest of these parts would be (its structures' text,
+// from their briefs): a little less, never far more.
 size_t WholeManifestEstimate(const PreparedParts& parts);
 // The whole step's manifest from what its nodes prepared.
 absl::StatusOr<format::Manifest> AssembleWhole(const PreparedParts& parts);

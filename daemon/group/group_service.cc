@@ -444,9 +444,7 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
     return reactor;
   }
   for (int i = 0; i < n; ++i) reply->add_results();
-  // The batch's structures, looked up at once; each prepare then finds the lines it reads
-  // of its structure loaded, and those of a few prepares ahead on their way (at 10,000
-  // nodes x 8 x 200 structures fill gigabytes, and each first touch was a cache miss).
+  // The batch's structures, looked up under one lock rather than one each.
   std::vector<const std::string*> digests(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) digests[i] = &request->prepares(i).structure_digest();
   std::vector<std::shared_ptr<const format::PartStructure>> found = coordinator_->structures.FindMany(digests);
@@ -458,11 +456,6 @@ grpc::ServerUnaryReactor* GroupService::PrepareBatch(grpc::CallbackServerContext
   items->left = n;
   items->done = std::make_unique<std::atomic<bool>[]>(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
-    if (constexpr int kAhead = 4; i + kAhead < n && found[i + kAhead]) {
-      __builtin_prefetch(found[i + kAhead]->ranks.data());
-      __builtin_prefetch(found[i + kAhead]->min_bytes.data());
-      __builtin_prefetch(found[i + kAhead]->structure.job.data());
-    }
     pb::PrepareResult* result = reply->mutable_results(i);
     PrepareOne(request->prepares(i), result->mutable_reply(), [completion, items, result, i](const Fill& fill) {
       if (items->done[i].exchange(true)) return;

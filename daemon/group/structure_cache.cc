@@ -81,9 +81,6 @@ std::vector<std::shared_ptr<const format::PartStructure>> StructureCache::FindMa
     if (held == by_digest_.end()) continue;
     held->second.found = true;
     found[i] = *held->second.at;
-    __builtin_prefetch(found[i].get());
-    __builtin_prefetch(&found[i]->ranks);
-    __builtin_prefetch(&found[i]->structure.world_size);
   }
   return found;
 }

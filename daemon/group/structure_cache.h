@@ -30,8 +30,7 @@ class StructureCache {
   // The structure under `digest`, whole or summarized, or null.
   std::shared_ptr<const format::PartStructure> Find(const std::string& digest);
   // The same for many digests under one lock (null for an empty one): node 0 looks up a
-  // relay's batch of hundreds at once, and starts loading each structure's first lines
-  // (which checking the step's values reads) while it looks up the next.
+  // relay's batch of hundreds at once.
   std::vector<std::shared_ptr<const format::PartStructure>> FindMany(const std::vector<const std::string*>& digests);
   // Drops what is held under `digest`: its node sends the whole part again.
   void Forget(const std::string& digest);
