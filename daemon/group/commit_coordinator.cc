@@ -1,5 +1,7 @@
 #include "daemon/group/commit_coordinator.h"
 
+#include <cassert>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -338,6 +340,9 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
   key.reserve(parts.size() * (parts.empty() ? 0 : parts.front().second.brief.digest.size() + 5));
   std::vector<uint32_t> summarized;  // nodes whose structure is held as a summary only
   for (const auto& [node, part] : parts) {
+    // A part without its brief would key the check by nodes alone, and reuse another
+    // combination's verdict: every part is briefed when the coordinator takes it.
+    assert(!part.brief.digest.empty());
     key.append(reinterpret_cast<const char*>(&node), sizeof node);
     key += part.brief.digest;
     key += ';';
@@ -553,7 +558,9 @@ size_t ManifestBytes(const Decision& d) {
   size_t bytes = d.committed->manifest_json.size() + 4 * d.committed->node_of_rank.size();
   if (d.committed->parts) {
     for (const auto& [node, part] : *d.committed->parts) {
-      bytes += 64 + 8 * part.values.xxh3.size() + 48 * part.values.checksums.size() + 64 * part.values.ranks.size();
+      // The part, its values, and its brief (the digest and ranks copied).
+      bytes += 64 + 8 * part.values.xxh3.size() + 48 * part.values.checksums.size() + 64 * part.values.ranks.size() +
+               32 + part.brief.digest.capacity() + 4 * part.brief.ranks.capacity();
     }
   }
   return bytes;

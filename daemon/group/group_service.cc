@@ -499,7 +499,10 @@ void GroupService::PrepareOne(const pb::PrepareRequest& request_ref, pb::Prepare
       if (!request->manifest_part_json().empty()) {
         return absl::InvalidArgumentError("a prepare carries manifest_part_json or structure_digest, not both");
       }
-      part.structure = found ? std::move(found) : coordinator_->structures.Find(request->structure_digest());
+      // A summary found with the batch may have been dropped since by an earlier prepare's
+      // decision (its node must send the part whole): looked up again.
+      part.structure = found && !found->summary ? std::move(found)
+                                                 : coordinator_->structures.Find(request->structure_digest());
       if (!part.structure) {
         finish([&] {
           reply->set_outcome(pb::OUTCOME_PENDING);

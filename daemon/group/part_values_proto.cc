@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <vector>
+
 namespace ckpt::group {
 
 void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out) {
@@ -41,16 +43,17 @@ absl::StatusOr<format::PartValues> FromProto(const ckptd::group::v1::PartValues&
   } else {
     out.ranks.resize(values.rank_bytes_size());
     for (int i = 0; i < values.rank_bytes_size(); ++i) out.ranks[i].bytes = values.rank_bytes(i);
+    std::vector<bool> named(out.ranks.size());
     for (const auto& m : values.rank_metadata()) {
       if (m.index() >= out.ranks.size()) {
         return absl::InvalidArgumentError(
             fmt::format("rank_metadata names index {}, but rank_bytes has {} ranks", m.index(), out.ranks.size()));
       }
-      std::map<std::string, std::string>& into = out.ranks[m.index()].metadata;
-      if (!into.empty()) {
+      if (named[m.index()]) {
         return absl::InvalidArgumentError(fmt::format("rank_metadata names index {} twice", m.index()));
       }
-      into.insert(m.metadata().begin(), m.metadata().end());
+      named[m.index()] = true;
+      out.ranks[m.index()].metadata.insert(m.metadata().begin(), m.metadata().end());
     }
   }
   out.xxh3.assign(values.xxh3().begin(), values.xxh3().end());

@@ -117,7 +117,7 @@ TEST_CASE("structure cache: what was found since the last shrink gets a second c
   CHECK(cache.Find(c->digest) == nullptr);
   CHECK(cache.size() == 3);
   // Every one held was found since (those marks were cleared when c went; these are new):
-  // the oldest of them goes, never the one just added.
+  // one of them goes after its second chance, never the one just added.
   CHECK(cache.Find(a->digest) == a);
   CHECK(cache.Find(b->digest) == b);
   CHECK(cache.Find(d->digest) == d);
