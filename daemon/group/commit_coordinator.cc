@@ -363,7 +363,7 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
   // before their nodes prepare, step after step. Not remembered: checked afresh next time.
   if (!summarized.empty()) {
     if (options_.forget_structure) {
-      for (const auto& [node, part] : parts) options_.forget_structure(part.structure->digest);
+      for (const auto& [node, part] : parts) options_.forget_structure(part.brief.digest);
     }
     return {absl::FailedPreconditionError(fmt::format(
                 "the coordinator holds only a summary of the structures of {} node(s) (nodes {}{}) and must see every "
@@ -422,15 +422,13 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
       h.wall_time = v.wall_time;
     }
     const std::vector<uint32_t>& ranks = part.brief.ranks;
-    for (uint32_t rank : ranks) c.node_of_rank[rank] = node;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      c.node_of_rank[ranks[i]] = node;
+      if (ranks[i] == 0) h.metadata = v.ranks[i].metadata;  // the values' ranks: only here
+    }
     share.ranks += static_cast<uint32_t>(ranks.size());
     share.bytes += part.brief.bytes;
     h.step_bytes += part.brief.bytes;
-    if (part.brief.has_rank0) {
-      for (size_t i = 0; i < ranks.size(); ++i) {
-        if (ranks[i] == 0) h.metadata = v.ranks[i].metadata;
-      }
-    }
   }
   h.nodes = static_cast<uint32_t>(c.shares.size());
   return c;

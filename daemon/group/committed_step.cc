@@ -1,7 +1,5 @@
 #include "daemon/group/committed_step.h"
 
-#include <algorithm>
-
 #include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
@@ -58,7 +56,6 @@ void PreparedPart::TakeBrief() {
   for (const format::PartValues::Rank& rank : values.ranks) brief.bytes += rank.bytes;
   brief.json_bytes = structure->json_bytes;
   brief.summary = structure->summary;
-  brief.has_rank0 = std::find(brief.ranks.begin(), brief.ranks.end(), 0u) != brief.ranks.end();
 }
 
 std::string DecisionRecordJson(const std::string& job, uint64_t step, const CommittedStep& c,

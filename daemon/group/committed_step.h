@@ -56,7 +56,6 @@ struct PreparedPart {
     uint64_t bytes = 0;           // the values' shard bytes, in all
     size_t json_bytes = 0;
     bool summary = false;
-    bool has_rank0 = false;
   } brief;
   const format::Manifest& shape() const { return structure->structure; }
   // Fills `brief` from `structure` and `values`.

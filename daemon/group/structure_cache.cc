@@ -63,12 +63,16 @@ void StructureCache::Add(std::shared_ptr<const format::PartStructure> structure)
   ShrinkLocked();
 }
 
-std::shared_ptr<const format::PartStructure> StructureCache::Find(const std::string& digest) {
-  std::lock_guard lock(mu_);
+std::shared_ptr<const format::PartStructure> StructureCache::FindLocked(const std::string& digest) {
   auto held = by_digest_.find(digest);
   if (held == by_digest_.end()) return nullptr;
   held->second.found = true;
   return *held->second.at;
+}
+
+std::shared_ptr<const format::PartStructure> StructureCache::Find(const std::string& digest) {
+  std::lock_guard lock(mu_);
+  return FindLocked(digest);
 }
 
 std::vector<std::shared_ptr<const format::PartStructure>> StructureCache::FindMany(
@@ -76,11 +80,7 @@ std::vector<std::shared_ptr<const format::PartStructure>> StructureCache::FindMa
   std::vector<std::shared_ptr<const format::PartStructure>> found(digests.size());
   std::lock_guard lock(mu_);
   for (size_t i = 0; i < digests.size(); ++i) {
-    if (digests[i]->empty()) continue;
-    auto held = by_digest_.find(*digests[i]);
-    if (held == by_digest_.end()) continue;
-    held->second.found = true;
-    found[i] = *held->second.at;
+    if (!digests[i]->empty()) found[i] = FindLocked(*digests[i]);
   }
   return found;
 }

@@ -53,6 +53,8 @@ class StructureCache {
   // insertion, with a second chance for what was found since), left in place at its back.
   std::shared_ptr<const format::PartStructure> TakeLeastRecentLocked(Lru& list, const format::PartStructure* keep);
   void EraseLocked(const std::string& digest);
+  // Find, with mu_ held.
+  std::shared_ptr<const format::PartStructure> FindLocked(const std::string& digest);
 
   const size_t max_bytes_;
   const bool summarize_;
