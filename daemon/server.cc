@@ -278,6 +278,8 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
     g->set_relayed_upstream_polls(relayed.upstream_polls);
     g->set_relayed_heartbeats(relayed.heartbeats);
     g->set_relayed_heartbeat_batches(relayed.heartbeat_batches);
+    g->set_relayed_gathers(relayed.gathers);
+    g->set_relayed_gather_merges(relayed.gather_merges);
   }
   if (!p.group_member) return;
   group::GroupMember::State state = p.group_member->state();

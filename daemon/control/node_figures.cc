@@ -84,14 +84,17 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
     const auto& g = reply.group();
     out.Samples({"ckptd_group_relayed_total",
                  "What this node relayed for the nodes below it in the relay tree: prepares and heartbeats, "
-                 "the batches that carried them up, outcome polls answered, and the polls up that answered them.",
+                 "the batches that carried them up, outcome polls answered, the polls up that answered them, "
+                 "restore-gather arrivals and the merged calls up that carried them.",
                  {"what"}},
                 {{{"prepares"}, static_cast<double>(g.relayed_prepares())},
                  {{"batches"}, static_cast<double>(g.relayed_batches())},
                  {{"heartbeats"}, static_cast<double>(g.relayed_heartbeats())},
                  {{"heartbeat_batches"}, static_cast<double>(g.relayed_heartbeat_batches())},
                  {{"outcome_polls"}, static_cast<double>(g.relayed_outcome_polls())},
-                 {{"upstream_polls"}, static_cast<double>(g.relayed_upstream_polls())}},
+                 {{"upstream_polls"}, static_cast<double>(g.relayed_upstream_polls())},
+                 {{"gathers"}, static_cast<double>(g.relayed_gathers())},
+                 {{"gather_merges"}, static_cast<double>(g.relayed_gather_merges())}},
                 /*counter=*/true);
   }
   metrics::CollectProcess(out);

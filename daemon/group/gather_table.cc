@@ -32,17 +32,31 @@ constexpr size_t kMaxHeldBytes = size_t{256} << 20;
 
 }  // namespace
 
+std::vector<std::string> GatherTable::Completed::Payloads() const {
+  std::vector<std::string> out;
+  out.reserve(by_participant.size());
+  for (const std::string* payload : by_participant) out.push_back(*payload);
+  return out;
+}
+
 const GatherTable::Distinct& GatherTable::Completed::GetDistinct() {
   std::call_once(distinct_once, [&] {
     std::map<std::string_view, size_t> index;
-    for (uint32_t p = 0; p < payloads.size(); ++p) {
-      auto [it, first] = index.try_emplace(payloads[p], distinct.payloads.size());
-      if (first) {
-        distinct.payloads.push_back(payloads[p]);
-        distinct.senders.push_back(p);
-        distinct.counts.push_back(0);
+    const std::string* last = nullptr;  // merged participants share one payload: one lookup
+    size_t last_index = 0;
+    for (uint32_t p = 0; p < by_participant.size(); ++p) {
+      const std::string* payload = by_participant[p];
+      if (payload != last) {
+        auto [it, first] = index.try_emplace(*payload, distinct.payloads.size());
+        if (first) {
+          distinct.payloads.push_back(*payload);
+          distinct.senders.push_back(p);
+          distinct.counts.push_back(0);
+        }
+        last = payload;
+        last_index = it->second;
       }
-      ++distinct.counts[it->second];
+      ++distinct.counts[last_index];
     }
   });
   return distinct;
@@ -55,36 +69,70 @@ namespace {
 // the last release for a race).
 absl::Status OwnCopy(const absl::Status& status) { return absl::Status(status.code(), status.message()); }
 
+// Why `sent` cannot arrive in a round of `participants`; empty when it can.
+std::string Invalid(const std::string& key, uint32_t participants, const std::vector<GatherTable::Sent>& sent) {
+  if (sent.empty()) return fmt::format("gather {}: an arrival with no participant", key);
+  std::vector<uint32_t> all;
+  for (const GatherTable::Sent& s : sent) {
+    if (s.participants.empty()) return fmt::format("gather {}: a payload sent by no participant", key);
+    for (uint32_t p : s.participants) {
+      if (participants == 0 || p >= participants) {
+        return fmt::format("gather {}: participant {} is not in 0..{}", key, p,
+                           participants == 0 ? 0 : participants - 1);
+      }
+      all.push_back(p);
+    }
+  }
+  std::sort(all.begin(), all.end());
+  if (auto twice = std::adjacent_find(all.begin(), all.end()); twice != all.end()) {
+    return fmt::format("gather {}: participant {} is named twice in one arrival", key, *twice);
+  }
+  return {};
+}
+
 }  // namespace
 
 void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
                          std::string payload, Clock::time_point deadline, Done done) {
-  ArriveWith(key, participant, participants, std::move(payload), deadline,
+  std::vector<Sent> sent;
+  sent.push_back({std::move(payload), {participant}});
+  ArriveWith(key, participants, std::move(sent), deadline,
              [done = std::move(done)](const absl::Status& failed, Completed* c) {
                if (c == nullptr) return done(OwnCopy(failed));
-               done(c->payloads);
+               done(c->Payloads());
              });
 }
 
 void GatherTable::ArriveDistinct(const std::string& key, uint32_t participant, uint32_t participants,
                                  std::string payload, Clock::time_point deadline, DistinctDone done) {
-  ArriveWith(key, participant, participants, std::move(payload), deadline,
+  std::vector<Sent> sent;
+  sent.push_back({std::move(payload), {participant}});
+  ArriveMerged(key, participants, std::move(sent), deadline, std::move(done));
+}
+
+void GatherTable::ArriveMerged(const std::string& key, uint32_t participants, std::vector<Sent> sent,
+                               Clock::time_point deadline, DistinctDone done) {
+  ArriveWith(key, participants, std::move(sent), deadline,
              [done = std::move(done)](const absl::Status& failed, Completed* c) {
                if (c == nullptr) return done(OwnCopy(failed));
                done(c->GetDistinct());
              });
 }
 
-void GatherTable::ArriveWith(const std::string& key, uint32_t participant, uint32_t participants,
-                             std::string payload, Clock::time_point deadline, Finish done) {
-  if (participants == 0 || participant >= participants) {
-    done(absl::InvalidArgumentError(fmt::format(
-             "gather {}: participant {} is not in 0..{}", key, participant,
-             participants == 0 ? 0 : participants - 1)),
-         nullptr);
+void GatherTable::DropLocked(Round& round, const Arrival* arrival) {
+  held_bytes_ -= arrival->bytes;
+  std::erase_if(round.arrivals, [&](const std::shared_ptr<Arrival>& a) { return a.get() == arrival; });
+}
+
+void GatherTable::ArriveWith(const std::string& key, uint32_t participants, std::vector<Sent> sent,
+                             Clock::time_point deadline, Finish done) {
+  if (std::string invalid = Invalid(key, participants, sent); !invalid.empty()) {
+    done(absl::InvalidArgumentError(invalid), nullptr);
     return;
   }
-  std::vector<Finish> replaced;
+  auto arrival = std::make_shared<Arrival>();
+  for (const Sent& s : sent) arrival->bytes += s.payload.size();
+  std::vector<std::pair<Finish, uint32_t>> replaced;  // with one of their participants
   std::vector<Finish> finish;
   auto completed = std::make_shared<Completed>();
   std::string refused;
@@ -97,7 +145,7 @@ void GatherTable::ArriveWith(const std::string& key, uint32_t participant, uint3
       return;
     }
     if ((!rounds_.count(key) && rounds_.size() >= kMaxOpenRounds) ||
-        held_bytes_ + payload.size() > kMaxHeldBytes) {
+        held_bytes_ + arrival->bytes > kMaxHeldBytes) {
       lock.unlock();
       done(absl::ResourceExhaustedError(fmt::format(
                "gather {}: too many gathers in progress ({} rounds, {} bytes held)", key,
@@ -111,25 +159,41 @@ void GatherTable::ArriveWith(const std::string& key, uint32_t participant, uint3
       round.participants = participants;
       round.started = Clock::now();
     } else if (round.participants != participants) {
-      // Reported to this participant only: the round keeps its size.
-      refused = fmt::format(
-          "gather {}: participant {} says {} participants, the round in progress has {}", key,
-          participant, participants, round.participants);
+      // Reported to this arrival only: the round keeps its size.
+      refused = fmt::format("gather {}: participant {} says {} participants, the round in progress has {}", key,
+                            sent.front().participants.front(), participants, round.participants);
     }
     if (refused.empty()) {
-      if (auto old = round.arrived.find(participant); old != round.arrived.end()) {
-        replaced.push_back(std::move(old->second.done));
-        held_bytes_ -= old->second.payload.size();
-        round.arrived.erase(old);
+      arrival->deadline = deadline;
+      arrival->done = std::move(done);
+      held_bytes_ += arrival->bytes;
+      round.arrivals.push_back(arrival);
+      for (Sent& s : sent) {
+        const auto index = static_cast<uint32_t>(arrival->payloads.size());
+        for (uint32_t p : s.participants) {
+          auto [slot, fresh] = round.arrived.try_emplace(p, Slot{arrival, index});
+          ++arrival->live;
+          if (fresh) continue;
+          // A retry: the participant's newest arrival holds it. The one before is told so
+          // once none of its participants is left.
+          Arrival& before = *slot->second.arrival;
+          if (--before.live == 0) {
+            replaced.emplace_back(std::move(before.done), p);
+            DropLocked(round, &before);
+          }
+          slot->second = Slot{arrival, index};
+        }
+        arrival->payloads.push_back(std::move(s.payload));
       }
-      held_bytes_ += payload.size();
-      round.arrived.emplace(participant, Arrival{std::move(payload), deadline, std::move(done)});
       if (round.arrived.size() == round.participants) {
-        completed->payloads.reserve(round.participants);
-        for (auto& [p, arrival] : round.arrived) {
-          held_bytes_ -= arrival.payload.size();
-          completed->payloads.push_back(std::move(arrival.payload));
-          finish.push_back(std::move(arrival.done));
+        completed->by_participant.reserve(round.participants);
+        for (auto& [p, slot] : round.arrived) {
+          completed->by_participant.push_back(&slot.arrival->payloads[slot.payload]);
+        }
+        for (std::shared_ptr<Arrival>& a : round.arrivals) {
+          held_bytes_ -= a->bytes;
+          finish.push_back(std::move(a->done));
+          completed->arrivals.push_back(std::move(a));
         }
         rounds_.erase(it);
       }
@@ -139,7 +203,7 @@ void GatherTable::ArriveWith(const std::string& key, uint32_t participant, uint3
     done(absl::InvalidArgumentError(refused), nullptr);
     return;
   }
-  for (Finish& d : replaced) {
+  for (auto& [d, participant] : replaced) {
     d(absl::AbortedError(fmt::format("gather {}: participant {} arrived again", key, participant)), nullptr);
   }
   for (Finish& d : finish) d(absl::OkStatus(), completed.get());
@@ -151,21 +215,26 @@ void GatherTable::Expire(Clock::time_point now) {
     std::lock_guard lock(mu_);
     for (auto it = rounds_.begin(); it != rounds_.end();) {
       Round& round = it->second;
-      std::string missing;
-      for (auto a = round.arrived.begin(); a != round.arrived.end();) {
-        if (a->second.deadline > now) {
-          ++a;
-          continue;
-        }
-        if (missing.empty()) missing = Missing(round.participants, round.arrived);
-        double waited = std::chrono::duration<double>(now - round.started).count();
-        expired.emplace_back(
-            std::move(a->second.done),
-            fmt::format("{}: timed out after {:.1f} s with {} of {} arrived; missing: {}",
-                        it->first, waited, round.arrived.size(), round.participants, missing));
-        held_bytes_ -= a->second.payload.size();
-        a = round.arrived.erase(a);
+      // The expired arrivals first, then their participants in one pass: a round of
+      // 80,000 participants may have thousands of arrivals.
+      std::vector<std::shared_ptr<Arrival>> late;
+      for (const std::shared_ptr<Arrival>& a : round.arrivals) {
+        if (a->deadline <= now) late.push_back(a);
       }
+      if (late.empty()) {
+        ++it;
+        continue;
+      }
+      const std::string missing = Missing(round.participants, round.arrived);
+      const double waited = std::chrono::duration<double>(now - round.started).count();
+      const std::string why = fmt::format("{}: timed out after {:.1f} s with {} of {} arrived; missing: {}",
+                                          it->first, waited, round.arrived.size(), round.participants, missing);
+      std::erase_if(round.arrived, [&](const auto& entry) { return entry.second.arrival->deadline <= now; });
+      for (const std::shared_ptr<Arrival>& a : late) {
+        expired.emplace_back(std::move(a->done), why);
+        held_bytes_ -= a->bytes;
+      }
+      std::erase_if(round.arrivals, [&](const std::shared_ptr<Arrival>& a) { return a->deadline <= now; });
       it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);
     }
   }
@@ -182,7 +251,7 @@ void GatherTable::FailAll(const std::string& why, bool close) {
     std::lock_guard lock(mu_);
     if (close) closed_ = why.empty() ? "closed" : why;
     for (auto& [key, round] : rounds_) {
-      for (auto& [p, arrival] : round.arrived) failed.push_back(std::move(arrival.done));
+      for (std::shared_ptr<Arrival>& arrival : round.arrivals) failed.push_back(std::move(arrival->done));
     }
     rounds_.clear();
     held_bytes_ = 0;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -31,6 +32,13 @@ class GatherTable {
     std::vector<uint32_t> counts;   // how many sent each
   };
   using DistinctDone = std::function<void(absl::StatusOr<Distinct>)>;
+  // Arrivals merged on their way (a node's own ranks, a relay's subtree): one payload and
+  // the participants that sent it. At 80,000 ranks the coordinator then hears one call per
+  // relay, each payload once, rather than a call and a copy per rank.
+  struct Sent {
+    std::string payload;
+    std::vector<uint32_t> participants;
+  };
 
   // Adds `participant`'s payload to the open round of `key`. `done` runs exactly once, on
   // the thread that completes the round, the one that calls Expire, or here when the
@@ -44,6 +52,13 @@ class GatherTable {
   // each hears what it asked for, and the distinct payloads are found once.
   void ArriveDistinct(const std::string& key, uint32_t participant, uint32_t participants,
                       std::string payload, Clock::time_point deadline, DistinctDone done);
+
+  // Many participants in one arrival, answered once with the distinct payloads. Refused as
+  // a whole when a participant is out of range or named twice. A participant that arrives
+  // again later is taken from this arrival; the arrival is told so once all of its
+  // participants were, and otherwise hears the round's answer.
+  void ArriveMerged(const std::string& key, uint32_t participants, std::vector<Sent> sent,
+                    Clock::time_point deadline, DistinctDone done);
 
   // Fails every arrival whose deadline is before `now`, naming the missing participants.
   void Expire(Clock::time_point now);
@@ -68,29 +83,43 @@ class GatherTable {
   size_t open_rounds() const;
 
  private:
-  // A complete round's payloads, shared by its participants' callbacks.
-  struct Completed {
-    std::vector<std::string> payloads;  // by participant
-    std::once_flag distinct_once;
-    Distinct distinct;
-    const Distinct& GetDistinct();
-  };
+  struct Completed;
   // Either kind of callback: the round's result, or (null) why it failed.
   using Finish = std::function<void(const absl::Status&, Completed*)>;
+  // One call's arrival: one participant, or many merged, answered once.
   struct Arrival {
-    std::string payload;
+    std::vector<std::string> payloads;  // distinct
     Clock::time_point deadline;
     Finish done;
+    uint32_t live = 0;  // its participants not since taken by a later arrival
+    size_t bytes = 0;   // of its payloads
   };
-  void ArriveWith(const std::string& key, uint32_t participant, uint32_t participants,
-                  std::string payload, Clock::time_point deadline, Finish done);
+  // Where a participant's payload is: its arrival, and which of its payloads.
+  struct Slot {
+    std::shared_ptr<Arrival> arrival;
+    uint32_t payload = 0;
+  };
+  // A complete round's payloads, shared by its arrivals' callbacks.
+  struct Completed {
+    std::vector<std::shared_ptr<Arrival>> arrivals;  // hold the payloads
+    std::vector<const std::string*> by_participant;
+    std::once_flag distinct_once;
+    Distinct distinct;
+    std::vector<std::string> Payloads() const;
+    const Distinct& GetDistinct();
+  };
+  void ArriveWith(const std::string& key, uint32_t participants, std::vector<Sent> sent,
+                  Clock::time_point deadline, Finish done);
   template <typename Result, typename Start>
   absl::StatusOr<Result> Wait(Clock::time_point deadline, Start start);
   struct Round {
     uint32_t participants = 0;
     Clock::time_point started;
-    std::map<uint32_t, Arrival> arrived;
+    std::map<uint32_t, Slot> arrived;
+    std::vector<std::shared_ptr<Arrival>> arrivals;  // those with a participant still here
   };
+  // Removes `arrival` from `round` (its participants still there, its bytes).
+  void DropLocked(Round& round, const Arrival* arrival);
 
   void FailAll(const std::string& why, bool close);
 

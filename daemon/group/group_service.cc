@@ -35,6 +35,8 @@ constexpr uint32_t kMaxWorldSize = 1u << 20;
 constexpr uint32_t kMaxParticipants = 1u << 20;
 constexpr size_t kMaxKeyBytes = 512;
 constexpr size_t kMaxPayloadBytes = 1u << 20;
+// Of a gather's merged arrivals, in all (GatherMerger sends at most half of it per call).
+constexpr size_t kMaxMergedBytes = size_t{16} << 20;
 constexpr size_t kMaxAddressBytes = 256;
 constexpr size_t kMaxReasonBytes = 4096;
 constexpr std::chrono::milliseconds kMaxOutcomeWait{30'000};
@@ -85,6 +87,48 @@ std::function<void(absl::StatusOr<Reply>)> AnswerFromRelay(std::shared_ptr<Compl
       return absl::OkStatus();
     });
   };
+}
+
+// A gather's arrivals: its one participant's payload, or those merged on the way.
+absl::StatusOr<std::vector<GatherTable::Sent>> ArrivalsOf(const pb::GatherRequest& request) {
+  std::vector<GatherTable::Sent> sent;
+  size_t bytes = 0;
+  if (request.merged_size() == 0) {
+    if (request.participant() >= request.participants()) {
+      return absl::InvalidArgumentError(
+          fmt::format("participant {} is not in 0..{}", request.participant(), request.participants() - 1));
+    }
+    bytes = request.payload().size();
+    sent.push_back({request.payload(), {request.participant()}});
+  } else {
+    if (!request.distinct()) return absl::InvalidArgumentError("merged arrivals are for distinct gathers only");
+    // participant = participants: out of range for a coordinator that predates merged
+    // arrivals, which refuses the call rather than read it as participant 0's.
+    if (!request.payload().empty() || request.participant() != request.participants()) {
+      return absl::InvalidArgumentError(
+          "a gather carries merged arrivals (with participant = participants) or a participant's payload, not both");
+    }
+    size_t named = 0;
+    for (const pb::GatherArrivals& a : request.merged()) {
+      if (a.payload().size() > kMaxPayloadBytes) {
+        return absl::InvalidArgumentError(
+            fmt::format("a payload of {} bytes is over the {} byte limit", a.payload().size(), kMaxPayloadBytes));
+      }
+      bytes += a.payload().size();
+      named += static_cast<size_t>(a.participants_size());
+      sent.push_back({a.payload(), {a.participants().begin(), a.participants().end()}});
+    }
+    // Out of range and twice-named participants are the gather table's to refuse.
+    if (named > request.participants()) {
+      return absl::InvalidArgumentError(
+          fmt::format("merged arrivals name {} participants, the gather has {}", named, request.participants()));
+    }
+  }
+  const size_t limit = request.merged_size() == 0 ? kMaxPayloadBytes : kMaxMergedBytes;
+  if (bytes > limit) {
+    return absl::InvalidArgumentError(fmt::format("payloads of {} bytes are over the {} byte limit", bytes, limit));
+  }
+  return sent;
 }
 
 pb::Outcome ToProto(Outcome outcome) {
@@ -660,7 +704,8 @@ grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   auto completion = std::make_shared<Completion>(reactor);
   grpc::Status early = Guarded("Gather", [&]() -> absl::Status {
-    CKPT_RETURN_IF_ERROR(Admit(ctx, "Gather", Role::kCoordinatorOnly));
+    Relay* relay = relay_;
+    CKPT_RETURN_IF_ERROR(Admit(ctx, "Gather", relay == nullptr ? Role::kCoordinatorOnly : Role::kAnyNode));
     if (request->key().empty() || request->key().size() > kMaxKeyBytes) {
       return absl::InvalidArgumentError(
           fmt::format("key must be 1..{} bytes, not {}", kMaxKeyBytes, request->key().size()));
@@ -669,33 +714,31 @@ grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
       return absl::InvalidArgumentError(fmt::format("participants {} is not in 1..{}",
                                                     request->participants(), kMaxParticipants));
     }
-    if (request->participant() >= request->participants()) {
-      return absl::InvalidArgumentError(fmt::format("participant {} is not in 0..{}",
-                                                    request->participant(),
-                                                    request->participants() - 1));
-    }
-    if (request->payload().size() > kMaxPayloadBytes) {
-      return absl::InvalidArgumentError(fmt::format("payload of {} bytes is over the {} byte limit",
-                                                    request->payload().size(), kMaxPayloadBytes));
-    }
     if (request->timeout_ms() == 0) return absl::InvalidArgumentError("timeout_ms is 0");
+    CKPT_ASSIGN_OR_RETURN(std::vector<GatherTable::Sent> sent, ArrivalsOf(*request));
     if (stop_waiting_) return absl::UnavailableError("the coordinator is shutting down");
     auto timeout = std::min<std::chrono::milliseconds>(
         std::chrono::milliseconds(request->timeout_ms()), kMaxGatherTimeout);
     if (request->distinct()) {
-      coordinator_->gathers.ArriveDistinct(
-          request->key(), request->participant(), request->participants(), request->payload(),
-          Clock::now() + timeout, [completion, reply](absl::StatusOr<GatherTable::Distinct> distinct) {
-            completion->Finish("Gather", [&]() -> absl::Status {
-              if (!distinct.ok()) return distinct.status();
-              for (std::string& p : distinct->payloads) reply->add_payloads(std::move(p));
-              reply->mutable_senders()->Add(distinct->senders.begin(), distinct->senders.end());
-              reply->mutable_counts()->Add(distinct->counts.begin(), distinct->counts.end());
-              return absl::OkStatus();
-            });
-          });
+      auto answer = [completion, reply](absl::StatusOr<GatherTable::Distinct> distinct) {
+        completion->Finish("Gather", [&]() -> absl::Status {
+          if (!distinct.ok()) return distinct.status();
+          for (std::string& p : distinct->payloads) reply->add_payloads(std::move(p));
+          reply->mutable_senders()->Add(distinct->senders.begin(), distinct->senders.end());
+          reply->mutable_counts()->Add(distinct->counts.begin(), distinct->counts.end());
+          return absl::OkStatus();
+        });
+      };
+      if (relay != nullptr) {
+        // A relay: merged with the other arrivals of the key that come within its linger.
+        return relay->Gather(request->key(), request->participants(), std::move(sent), Clock::now() + timeout,
+                             std::move(answer));
+      }
+      coordinator_->gathers.ArriveMerged(request->key(), request->participants(), std::move(sent),
+                                         Clock::now() + timeout, std::move(answer));
       return absl::OkStatus();
     }
+    if (relay != nullptr) return absl::InvalidArgumentError("a relay takes distinct gathers only: call the coordinator");
     coordinator_->gathers.Arrive(
         request->key(), request->participant(), request->participants(), request->payload(),
         Clock::now() + timeout,

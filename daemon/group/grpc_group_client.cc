@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -11,6 +12,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/group/gather_merger.h"
 #include "daemon/group/group_client.h"
 #include "daemon/group/grpc_util.h"
 #include "daemon/group/part_values_proto.h"
@@ -175,6 +177,10 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
         stub_(pb::Group::NewStub(grpc::CreateCustomChannel(options.coordinator,
                                                            Credentials(options),
                                                            ChannelArgs(options)))) {}
+  ~GrpcGroupClient() override {
+    gathers_.CancelAll("the group client is closing");
+    own_gathers_.Stop("the group client is closing");
+  }
 
   absl::StatusOr<GroupViewData> Join(Clock::time_point deadline) override {
     pb::JoinRequest request;
@@ -300,18 +306,35 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     return std::vector<std::string>(reply.payloads().begin(), reply.payloads().end());
   }
 
+  // This node's ranks' arrivals are merged (GatherMerger) and go up through the relay tree.
   absl::StatusOr<GatherTable::Distinct> GatherDistinct(const std::string& key, uint32_t participant,
                                                        uint32_t participants, std::string payload,
                                                        milliseconds timeout) override {
-    CKPT_ASSIGN_OR_RETURN(pb::GatherReply reply,
-                          CallGather(key, participant, participants, std::move(payload), timeout, true));
-    GatherTable::Distinct d{{reply.payloads().begin(), reply.payloads().end()},
-                            {reply.senders().begin(), reply.senders().end()},
-                            {reply.counts().begin(), reply.counts().end()}};
-    if (d.senders.size() != d.payloads.size() || d.counts.size() != d.payloads.size()) {
-      return absl::DataLossError(fmt::format("group gather {}: the coordinator's distinct reply is malformed", key));
+    struct Waiting {
+      std::mutex mu;
+      std::condition_variable cv;
+      std::optional<absl::StatusOr<GatherTable::Distinct>> answer;
+    };
+    auto waiting = std::make_shared<Waiting>();
+    std::vector<GatherTable::Sent> sent;
+    sent.push_back({payload, {participant}});
+    absl::Status merged = own_gathers_.Arrive(
+        key, participants, std::move(sent), Clock::now() + timeout,
+        [waiting](absl::StatusOr<GatherTable::Distinct> answer) {
+          std::lock_guard lock(waiting->mu);
+          waiting->answer = std::move(answer);
+          waiting->cv.notify_all();
+        });
+    if (!merged.ok()) {
+      // Stopping, or too many merges held: the rank's own call, straight to the coordinator.
+      if (std::string why = gathers_.cancelled(); !why.empty()) return absl::UnavailableError(why);
+      CKPT_ASSIGN_OR_RETURN(pb::GatherReply reply,
+                            CallGather(key, participant, participants, std::move(payload), timeout, true));
+      return DistinctOf(key, reply);
     }
-    return d;
+    std::unique_lock lock(waiting->mu);
+    waiting->cv.wait(lock, [&] { return waiting->answer.has_value(); });
+    return std::move(*waiting->answer);
   }
 
   absl::StatusOr<bool> DecideSave(const daemon::SaveQuestion& question) override {
@@ -351,6 +374,12 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     });
     CKPT_RETURN_IF_ERROR(Describe("relayed outcome", status));
     return reply;
+  }
+
+  absl::StatusOr<GatherTable::Distinct> ForwardGather(const std::string& key, uint32_t participants,
+                                                      const std::vector<GatherTable::Sent>& sent,
+                                                      Clock::time_point deadline) override {
+    return SendGather(forwards_, key, participants, sent, deadline);
   }
 
   void CancelForwards(const std::string& why) override { forwards_.CancelAll(why); }
@@ -477,6 +506,68 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     if (std::string why = gathers_.cancelled(); !why.empty()) return absl::UnavailableError(why);
     CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
     return reply;
+  }
+
+  static absl::StatusOr<GatherTable::Distinct> DistinctOf(const std::string& key, const pb::GatherReply& reply) {
+    GatherTable::Distinct d{{reply.payloads().begin(), reply.payloads().end()},
+                            {reply.senders().begin(), reply.senders().end()},
+                            {reply.counts().begin(), reply.counts().end()}};
+    if (d.senders.size() != d.payloads.size() || d.counts.size() != d.payloads.size()) {
+      return absl::DataLossError(fmt::format("group gather {}: the distinct reply is malformed", key));
+    }
+    return d;
+  }
+
+  // Merged arrivals of a distinct gather (this node's ranks, or a relay's subtree) up to the
+  // parent relay, and to the coordinator when there is none or it failed the call itself
+  // (it is down, stopping or full). An answer the relay passes on from the coordinator (a
+  // timeout naming who is missing) is final: asking the coordinator again would only wait
+  // as long once more. A gather waits for every participant, so no try has a shorter
+  // deadline than the gather's: a relay that stalls rather than fails makes its subtree's
+  // ranks wait for the gather's timeout (docs/architecture.md).
+  absl::StatusOr<GatherTable::Distinct> SendGather(CallSet& calls, const std::string& key, uint32_t participants,
+                                                   const std::vector<GatherTable::Sent>& sent,
+                                                   Clock::time_point deadline) {
+    pb::GatherRequest request;
+    request.set_key(key);
+    request.set_participants(participants);
+    // Out of range for a coordinator older than merged arrivals, which then refuses the
+    // call instead of reading it as participant 0's empty payload.
+    request.set_participant(participants);
+    request.set_distinct(true);
+    for (const GatherTable::Sent& s : sent) {
+      pb::GatherArrivals* a = request.add_merged();
+      a->set_payload(s.payload);
+      a->mutable_participants()->Add(s.participants.begin(), s.participants.end());
+    }
+    auto timeout_ms = [&] {
+      auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+      return static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
+    };
+    pb::GatherReply reply;
+    if (auto parent = Parent()) {
+      grpc::ClientContext ctx;
+      request.set_timeout_ms(timeout_ms());
+      StartCall(ctx, deadline + options_.rpc_timeout);
+      grpc::Status status = Tracked(calls, ctx, [&] { return parent->Gather(&ctx, request, &reply); });
+      if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
+      const auto code = status.error_code();
+      const bool relay_failed = code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+                                code == grpc::StatusCode::FAILED_PRECONDITION || code == grpc::StatusCode::UNIMPLEMENTED;
+      if (!relay_failed) {
+        CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+        return DistinctOf(key, reply);
+      }
+      ParentFailed(status);
+      reply.Clear();
+    }
+    grpc::ClientContext ctx;
+    request.set_timeout_ms(timeout_ms());
+    StartCall(ctx, deadline + options_.rpc_timeout);
+    grpc::Status status = Tracked(calls, ctx, [&] { return stub_->Gather(&ctx, request, &reply); });
+    if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
+    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+    return DistinctOf(key, reply);
   }
 
   // ---- the relay tree ----
@@ -643,6 +734,13 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   std::string parent_address_;
   std::shared_ptr<pb::Group::Stub> parent_stub_;
   Clock::time_point parent_down_until_{};
+  // This node's ranks' distinct gathers, merged on their way up; last, so that it stops
+  // (after the destructor cancelled its calls) before what its calls use is gone.
+  GatherMerger own_gathers_{
+      "this node's gathers",
+      [this](const std::string& key, uint32_t participants, const std::vector<GatherTable::Sent>& sent,
+             Clock::time_point deadline) { return SendGather(gathers_, key, participants, sent, deadline); },
+      GatherMerger::Limits{}};
 };
 
 }  // namespace

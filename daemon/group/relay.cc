@@ -32,7 +32,11 @@ Relay::Relay(uint32_t node, RelayUpstream& upstream, Limits limits)
       prepares_("prepares", {limits.batch_items, limits.batch_bytes, limits.queued_items},
                 [this](std::vector<pb::PrepareRequest>& items) { return SendPrepares(items); }),
       heartbeats_("heartbeats", {limits.batch_items, limits.batch_bytes, limits.queued_items},
-                  [this](std::vector<pb::HeartbeatRequest>& items) { return SendHeartbeats(items); }) {}
+                  [this](std::vector<pb::HeartbeatRequest>& items) { return SendHeartbeats(items); }),
+      gathers_("the relay's gathers",
+               [this](const std::string& key, uint32_t participants, const std::vector<GatherTable::Sent>& sent,
+                      Clock::time_point deadline) { return upstream_.ForwardGather(key, participants, sent, deadline); },
+               GatherMerger::Limits{}) {}
 
 Relay::~Relay() { Stop(); }
 
@@ -46,7 +50,15 @@ Relay::Counters Relay::counters() const {
   c.batches = prepares_.batches_sent();
   c.heartbeats = heartbeats_.items_sent();
   c.heartbeat_batches = heartbeats_.batches_sent();
+  const GatherMerger::Counters g = gathers_.counters();
+  c.gathers = g.arrivals;
+  c.gather_merges = g.merges;
   return c;
+}
+
+absl::Status Relay::Gather(const std::string& key, uint32_t participants, std::vector<GatherTable::Sent> sent,
+                           Clock::time_point deadline, GatherTable::DistinctDone done) {
+  return gathers_.Arrive(key, participants, std::move(sent), deadline, std::move(done));
 }
 
 void Relay::Prepare(pb::PrepareBatchRequest batch, PrepareDone done) {
@@ -347,6 +359,7 @@ void Relay::Stop() {
   prepares_.Close();
   heartbeats_.Close();
   upstream_.CancelForwards("the relay is stopping");
+  gathers_.Stop("the relay is stopping");
   prepares_.Stop();
   heartbeats_.Stop();
   std::unique_lock lock(mu_);

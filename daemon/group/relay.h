@@ -27,6 +27,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "daemon/group/batch_queue.h"
+#include "daemon/group/gather_merger.h"
+#include "daemon/group/gather_table.h"
 #include "proto/group.pb.h"
 
 namespace ckpt::group {
@@ -43,6 +45,11 @@ class RelayUpstream {
   // A long poll: returns within the request's wait_ms plus the call deadline.
   virtual absl::StatusOr<ckptd::group::v1::OutcomeReply> ForwardOutcome(
       const ckptd::group::v1::OutcomeRequest& request) = 0;
+  // Merged arrivals of a distinct gather, answered by `deadline` (a gather waits for every
+  // participant) with the round's distinct payloads.
+  virtual absl::StatusOr<GatherTable::Distinct> ForwardGather(const std::string& key, uint32_t participants,
+                                                              const std::vector<GatherTable::Sent>& sent,
+                                                              std::chrono::steady_clock::time_point deadline) = 0;
   // Ends the forwards in flight and fails later ones at once (shutdown).
   virtual void CancelForwards(const std::string& why) = 0;
 };
@@ -81,6 +88,12 @@ class Relay {
   // abort is not: the step may be saved again under a new attempt).
   void GetOutcome(const ckptd::group::v1::OutcomeRequest& request, Clock::time_point deadline,
                   OutcomeDone done);
+  // Arrivals of a distinct gather from the nodes below (a node's ranks, merged, or a relay's
+  // subtree), merged with the others of the key that come within a short linger and sent
+  // up as one call (gather_merger.h). `done` runs once; a refusal (stopping, too many
+  // merges held) keeps nothing, and the child then calls the coordinator itself.
+  absl::Status Gather(const std::string& key, uint32_t participants, std::vector<GatherTable::Sent> sent,
+                      Clock::time_point deadline, GatherTable::DistinctDone done);
   // Fails what waits and everything later with Unavailable; waits for the relay's threads.
   // Only the first call does anything (and uses the upstream).
   void Stop();
@@ -92,6 +105,8 @@ class Relay {
     uint64_t heartbeat_batches = 0;
     uint64_t outcome_polls = 0;    // answered
     uint64_t upstream_polls = 0;   // calls upstream for them
+    uint64_t gathers = 0;          // gather arrivals relayed
+    uint64_t gather_merges = 0;    // calls upstream carrying them
   };
   Counters counters() const;
 
@@ -142,6 +157,7 @@ class Relay {
   Counters counters_;  // outcome polls; the queues count their own
   BatchQueue<ckptd::group::v1::PrepareRequest, ckptd::group::v1::PrepareResult> prepares_;
   BatchQueue<ckptd::group::v1::HeartbeatRequest, HeartbeatAnswer> heartbeats_;
+  GatherMerger gathers_;
 };
 
 }  // namespace ckpt::group

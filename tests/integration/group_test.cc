@@ -544,18 +544,27 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
   c.SaveAllCommitted(10);
   c.RestoreAll(10, std::vector<std::string>(kNodes, "memory"));
   // Every node below the first level sent its prepare and its polls through its parent.
-  uint64_t relayed = 0;
+  uint64_t relayed = 0, relayed_gathers = 0, gather_merges = 0;
   for (uint32_t n = 1; n < kNodes; ++n) {
     json group = Status(c.node(static_cast<int>(n)))["group"];
     INFO("node " << n << ": " << group.dump());
     CHECK(group.value("relay_parent", 0u) == (n - 1) / 4);
     relayed += U64(group.value("relayed_prepares", json(0)));
+    relayed_gathers += U64(group.value("relayed_gathers", json(0)));
+    gather_merges += U64(group.value("relayed_gather_merges", json(0)));
   }
   // A prepare from level 3 is relayed twice (levels 2 and 1), one from level 2 once. A
   // relay starved of CPU past the 5 s call deadline (64 daemons on two cores) sends its
   // nodes to node 0 instead, as it should: so at least half, not all.
   const uint64_t level2 = std::min<uint64_t>(kNodes, 21) - 5, level3 = kNodes > 21 ? kNodes - 21 : 0;
   CHECK(relayed >= (level2 + 2 * level3) / 2);
+  // The restore's two gathers (the step to restore, then every rank's outcome) went the same
+  // way: each node below the first level sent its rank's arrival to its parent, and the
+  // relays merged what came within their linger.
+  INFO("relayed gathers " << relayed_gathers << " in " << gather_merges << " merges");
+  CHECK(relayed_gathers >= level2 + level3);
+  CHECK(gather_merges >= 1);
+  CHECK(gather_merges <= relayed_gathers);
   // One prepare per node reached the coordinator, and every node applied the decision.
   const std::string scrape = c.Metrics(0);
   CHECK(Contains(scrape, "\nckptd_group_members{state=\"alive\"} " + std::to_string(kNodes) + "\n"));

@@ -129,6 +129,27 @@ void GatherDistinctAmongThree(std::vector<GroupClientPtr>& clients, const std::s
   }
 }
 
+// Every node's two ranks gather distinct payloads at once (participant 2n and 2n + 1 on node
+// n; participant 5 brings another list), each rank on its own thread as trainers do.
+void GatherTwoRanksPerNode(std::vector<GroupClientPtr>& clients, const std::string& key) {
+  const auto participants = static_cast<uint32_t>(2 * clients.size());
+  std::vector<absl::StatusOr<GatherTable::Distinct>> results(participants);
+  std::vector<std::thread> threads;
+  for (uint32_t p = 0; p < participants; ++p) {
+    threads.emplace_back([&, p] {
+      results[p] = clients[p / 2]->GatherDistinct(key, p, participants, p == 5 ? "steps 1" : "steps 1 2", 10s);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (uint32_t p = 0; p < participants; ++p) {
+    INFO("participant " << p);
+    REQUIRE(results[p].ok());
+    CHECK(results[p]->payloads == std::vector<std::string>{"steps 1 2", "steps 1"});
+    CHECK(results[p]->senders == std::vector<uint32_t>{0, 5});
+    CHECK(results[p]->counts == std::vector<uint32_t>{participants - 1, 1});
+  }
+}
+
 // Three participants gather through three clients at once.
 void GatherAmongThree(std::vector<GroupClientPtr>& clients, const std::string& key) {
   std::vector<absl::StatusOr<std::vector<std::string>>> results(3);
@@ -874,12 +895,76 @@ TEST_CASE("rpc: a relay tree of fan-out 2 carries prepares and polls; a relay th
     CHECK(relays[2]->relayed().heartbeats == 3);
   }
 
+  // A restore's gather: each node merges its own ranks, each relay its subtree's, and
+  // node 0 hears both relays' merges and the calls of nodes 0-2.
+  GatherTwoRanksPerNode(clients, "restore/job");
+  for (uint32_t n : {1u, 2u}) {
+    INFO("relay " << n);
+    Relay::Counters relayed = relays[n]->relayed();
+    CHECK(relayed.gathers >= 2);  // each of its two children's, merged or not
+    CHECK(relayed.gather_merges >= 1);
+    CHECK(relayed.gather_merges <= relayed.gathers);
+  }
+
   // Node 1 stops relaying (its server is gone): nodes 3 and 4 call node 0 themselves, and
   // the next step commits as the one before.
   relays[1]->Shutdown();
   save(20);
   CHECK(relays[2]->relayed().prepares == 4);
   for (uint32_t n : {3u, 4u}) CHECK(clients[n]->Heartbeat().ok());
+  // The gather too: nodes 3 and 4 send their ranks' merges to node 0 themselves.
+  const uint64_t relayed_by_2 = relays[2]->relayed().gathers;
+  GatherTwoRanksPerNode(clients, "restore/again");
+  CHECK(relays[2]->relayed().gathers >= relayed_by_2 + 2);
+}
+
+TEST_CASE("rpc: merged gather arrivals are checked: one form per call, participants in range and named once") {
+  Group g(2);
+  auto merged = [](std::vector<std::pair<std::string, std::vector<uint32_t>>> by_payload) {
+    pb::GatherRequest r;
+    r.set_key("restore/raw");
+    r.set_participants(4);
+    r.set_participant(4);  // = participants: the merged form
+    r.set_distinct(true);
+    r.set_timeout_ms(200);
+    for (auto& [payload, participants] : by_payload) {
+      pb::GatherArrivals* a = r.add_merged();
+      a->set_payload(payload);
+      a->mutable_participants()->Add(participants.begin(), participants.end());
+    }
+    return r;
+  };
+  auto gather = [&](const pb::GatherRequest& r) {
+    RawCall c(g.server->address());
+    pb::GatherReply reply;
+    return c.stub->Gather(&c.ctx, r, &reply);
+  };
+  pb::GatherRequest both = merged({{"x", {0, 1}}});
+  both.set_payload("mine");
+  grpc::Status s = gather(both);
+  CHECK(s.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  CHECK_THAT(s.error_message(), Catch::Contains("merged arrivals (with participant = participants) or"));
+  pb::GatherRequest as_zero = merged({{"x", {0, 1}}});
+  as_zero.set_participant(0);
+  CHECK(gather(as_zero).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+  pb::GatherRequest not_distinct = merged({{"x", {0}}});
+  not_distinct.set_distinct(false);
+  s = gather(not_distinct);
+  CHECK_THAT(s.error_message(), Catch::Contains("distinct gathers only"));
+  s = gather(merged({{"x", {0, 1}}, {"y", {1}}}));
+  CHECK_THAT(s.error_message(), Catch::Contains("participant 1 is named twice"));
+  s = gather(merged({{"x", {0, 9}}}));
+  CHECK_THAT(s.error_message(), Catch::Contains("participant 9 is not in 0..3"));
+  s = gather(merged({{"x", {0, 1, 2}}, {"y", {3}}, {"z", {2}}}));
+  CHECK_THAT(s.error_message(), Catch::Contains("name 5 participants, the gather has 4"));
+  // A well-formed merge of all four completes the round at once.
+  pb::GatherRequest all = merged({{"x", {0, 1, 3}}, {"y", {2}}});
+  RawCall c(g.server->address());
+  pb::GatherReply reply;
+  REQUIRE(c.stub->Gather(&c.ctx, all, &reply).ok());
+  CHECK(reply.payloads_size() == 2);
+  CHECK(reply.counts(0) == 3);
+  CHECK(reply.senders(1) == 2);
 }
 
 TEST_CASE("rpc: a batch of prepares is answered prepare by prepare; only relays and node 0 take batches") {

@@ -68,6 +68,23 @@ class ScriptedUpstream final : public RelayUpstream {
     return reply;
   }
 
+  // Answers each merge with its payloads and participants as the round's distinct payloads.
+  absl::StatusOr<GatherTable::Distinct> ForwardGather(const std::string& key, uint32_t participants,
+                                                      const std::vector<GatherTable::Sent>& sent,
+                                                      Clock::time_point) override {
+    Hold();
+    std::lock_guard lock(mu_);
+    gathers.push_back({key, participants, sent});
+    if (!gather_error.ok()) return gather_error;
+    GatherTable::Distinct d;
+    for (const GatherTable::Sent& s : sent) {
+      d.payloads.push_back(s.payload);
+      d.senders.push_back(s.participants.front());
+      d.counts.push_back(static_cast<uint32_t>(s.participants.size()));
+    }
+    return d;
+  }
+
   absl::StatusOr<pb::OutcomeReply> ForwardOutcome(const pb::OutcomeRequest& request) override {
     Hold();
     std::lock_guard lock(mu_);
@@ -111,7 +128,13 @@ class ScriptedUpstream final : public RelayUpstream {
   std::condition_variable cv_;
   bool held = false, cancelled = false;
   size_t waiting = 0;
-  absl::Status prepare_error, outcome_error;
+  absl::Status prepare_error, outcome_error, gather_error;
+  struct ForwardedGather {
+    std::string key;
+    uint32_t participants;
+    std::vector<GatherTable::Sent> sent;
+  };
+  std::vector<ForwardedGather> gathers;
   pb::Outcome outcome = pb::OUTCOME_COMMITTED;
   uint32_t drop_share = UINT32_MAX;  // a node 0 that leaves this node's share out
   std::vector<int> batch_sizes;
@@ -421,4 +444,56 @@ TEST_CASE("relay: Stop answers what waits, ends its calls upstream and refuses w
   CHECK(absl::IsUnavailable(Send(*relay, Batch({6})).get().status()));
   CHECK(absl::IsUnavailable(Ask(*relay, Poll(7)).get().status()));
   relay.reset();
+}
+
+namespace {
+
+using GatherResult = absl::StatusOr<GatherTable::Distinct>;
+
+std::future<GatherResult> Gather(Relay& relay, uint32_t participants, std::vector<GatherTable::Sent> sent) {
+  auto promise = std::make_shared<std::promise<GatherResult>>();
+  auto future = promise->get_future();
+  absl::Status added = relay.Gather("restore/j", participants, std::move(sent), Clock::now() + 10s,
+                                    [promise](GatherResult r) { promise->set_value(std::move(r)); });
+  if (!added.ok()) promise->set_value(added);
+  return future;
+}
+
+}  // namespace
+
+TEST_CASE("relay: restore-gather arrivals from the nodes below go up merged, each payload once; all hear the answer") {
+  ScriptedUpstream up;
+  Relay relay(1, up);
+  // Node 2 sends its own ranks 0-1 merged; node 3's relay its subtree's ranks 2-5.
+  auto from2 = Gather(relay, 8, {{"steps 4 5", {0, 1}}});
+  auto from3 = Gather(relay, 8, {{"steps 4 5", {2, 3, 4}}, {"steps 4", {5}}});
+  for (auto* f : {&from2, &from3}) {
+    REQUIRE(f->wait_for(5s) == std::future_status::ready);
+    GatherResult r = f->get();
+    REQUIRE(r.ok());
+    REQUIRE(r->payloads.size() == 2);
+    CHECK(r->counts[0] + r->counts[1] == 6);
+  }
+  std::lock_guard lock(up.mu_);
+  REQUIRE(up.gathers.size() == 1);
+  CHECK(up.gathers[0].key == "restore/j");
+  CHECK(up.gathers[0].participants == 8);
+  REQUIRE(up.gathers[0].sent.size() == 2);  // by payload
+  CHECK(up.gathers[0].sent[0].payload == "steps 4");
+  CHECK(up.gathers[0].sent[0].participants == std::vector<uint32_t>{5});
+  CHECK(up.gathers[0].sent[1].payload == "steps 4 5");
+  CHECK(up.gathers[0].sent[1].participants == std::vector<uint32_t>{0, 1, 2, 3, 4});
+  CHECK(relay.counters().gathers == 2);
+  CHECK(relay.counters().gather_merges == 1);
+}
+
+TEST_CASE("relay: a gather upstream that fails reaches every merged arrival; after Stop gathers are refused") {
+  ScriptedUpstream up;
+  up.gather_error = absl::UnavailableError("node 0 is restarting");
+  auto relay = std::make_unique<Relay>(1, up);
+  auto a = Gather(*relay, 4, {{"x", {0}}});
+  auto b = Gather(*relay, 4, {{"x", {1}}});
+  for (auto* f : {&a, &b}) CHECK(absl::IsUnavailable(f->get().status()));
+  relay->Stop();
+  CHECK(absl::IsUnavailable(Gather(*relay, 4, {{"x", {2}}}).get().status()));
 }

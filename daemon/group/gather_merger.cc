@@ -1,0 +1,111 @@
+#include "daemon/group/gather_merger.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <thread>
+
+namespace ckpt::group {
+
+GatherMerger::GatherMerger(std::string what, Send send, Limits limits)
+    : what_(std::move(what)), send_(std::move(send)), limits_(limits) {}
+
+GatherMerger::~GatherMerger() { Stop("stopping"); }
+
+absl::Status GatherMerger::Arrive(const std::string& key, uint32_t participants, std::vector<Sent> sent,
+                                  Clock::time_point deadline, Done done) {
+  size_t bytes = 0;
+  std::vector<uint32_t> mine;
+  for (const Sent& s : sent) {
+    bytes += s.payload.size();
+    mine.insert(mine.end(), s.participants.begin(), s.participants.end());
+  }
+  std::sort(mine.begin(), mine.end());
+  std::lock_guard lock(mu_);
+  if (!stopped_.empty()) return absl::UnavailableError(fmt::format("{}: {}", what_, stopped_));
+  if (held_bytes_ + bytes > limits_.held_bytes) {
+    return absl::ResourceExhaustedError(fmt::format("{}: {} bytes of gathers held already", what_, held_bytes_));
+  }
+  const MergeKey merge_key{key, participants};
+  auto it = open_.find(merge_key);
+  if (it != open_.end()) {
+    // A participant already in the open merge (a retry), or a merge full: it goes up as it is.
+    const std::vector<uint32_t>& seen = it->second->seen;
+    auto in_seen = [&](uint32_t p) { return std::binary_search(seen.begin(), seen.end(), p); };
+    if (std::any_of(mine.begin(), mine.end(), in_seen) || it->second->bytes + bytes > limits_.merge_bytes) {
+      it->second->open = false;
+      open_.erase(it);
+      it = open_.end();
+    }
+  }
+  if (it == open_.end()) {
+    if (merges_ >= limits_.merges) {
+      return absl::ResourceExhaustedError(fmt::format("{}: {} merges in flight already", what_, merges_));
+    }
+    auto merge = std::make_shared<Merge>();
+    merge->participants = participants;
+    it = open_.emplace(merge_key, merge).first;
+    ++merges_;
+    std::thread([this, merge_key, merge] { Run(merge_key, merge); }).detach();
+  }
+  Merge& m = *it->second;
+  for (Sent& s : sent) {
+    std::vector<uint32_t>& by = m.by_payload[std::move(s.payload)];
+    by.insert(by.end(), s.participants.begin(), s.participants.end());
+  }
+  std::vector<uint32_t> seen;
+  std::merge(m.seen.begin(), m.seen.end(), mine.begin(), mine.end(), std::back_inserter(seen));
+  m.seen = std::move(seen);
+  m.deadline = std::min(m.deadline, deadline);
+  m.waiting.push_back(std::move(done));
+  m.bytes += bytes;
+  held_bytes_ += bytes;
+  ++counters_.arrivals;
+  return absl::OkStatus();
+}
+
+void GatherMerger::Run(MergeKey key, std::shared_ptr<Merge> merge) {
+  std::vector<Sent> sent;
+  std::vector<Done> waiting;
+  Clock::time_point deadline;
+  std::string stopped;
+  {
+    std::unique_lock lock(mu_);
+    cv_.wait_until(lock, Clock::now() + limits_.linger, [&] { return !stopped_.empty() || !merge->open; });
+    if (merge->open) {
+      merge->open = false;
+      open_.erase(key);
+    }
+    waiting = std::move(merge->waiting);
+    deadline = merge->deadline;
+    for (auto& [payload, participants] : merge->by_payload) sent.push_back({payload, std::move(participants)});
+    merge->by_payload.clear();
+    stopped = stopped_;
+    if (stopped.empty()) ++counters_.merges;
+  }
+  const absl::StatusOr<GatherTable::Distinct> answer =
+      stopped.empty() ? send_(key.first, key.second, sent, deadline)
+                      : absl::UnavailableError(fmt::format("{}: {}", what_, stopped));
+  for (Done& done : waiting) done(answer);
+  std::lock_guard lock(mu_);
+  held_bytes_ -= merge->bytes;
+  --merges_;
+  cv_.notify_all();
+}
+
+void GatherMerger::Stop(const std::string& why) {
+  std::unique_lock lock(mu_);
+  if (stopped_.empty()) stopped_ = why.empty() ? "stopped" : why;
+  for (auto& [key, merge] : open_) merge->open = false;
+  open_.clear();
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return merges_ == 0; });
+}
+
+GatherMerger::Counters GatherMerger::counters() const {
+  std::lock_guard lock(mu_);
+  return counters_;
+}
+
+}  // namespace ckpt::group
