@@ -44,7 +44,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -210,6 +212,7 @@ class Coordinator {
 struct Config {
   uint32_t nodes, ranks_per_node, tensors, steps, fanout, channels, threads;
   bool json = false;
+  bool gather_per_rank = false;  // also measure the restore gather with a call per rank
   // Whether the tree has relays at all, and node n's level (1: a child of node 0).
   bool tree() const { return fanout > 0 && nodes > fanout + 1; }
   uint32_t Level(uint32_t n) const {
@@ -245,6 +248,12 @@ class FirstLevelRelays {
   }
   // Relay n's address (n in 1..F).
   const std::string& address(uint32_t n) const { return addresses_.at(n - 1); }
+  // The merged gather calls the relays sent up, in all.
+  uint64_t GatherMerges() const {
+    uint64_t merges = 0;
+    for (const auto& s : servers_) merges += s->relayed().gather_merges;
+    return merges;
+  }
 
  private:
   std::vector<std::string> addresses_;
@@ -311,8 +320,17 @@ struct StepFigures {
   uint64_t relay_sent_max = 0, relay_received_max = 0;  // a relay's, for its subtree
 };
 
+// A restore's gather of every rank: the coordinator's CPU, first call to the last answer,
+// and the calls node 0 received for it.
+struct GatherFigures {
+  double cpu_ms = 0;
+  double ms = 0;
+  uint64_t calls_to_node0 = 0;
+};
+
 struct ScaleResult {
   Config config;
+  GatherFigures gather, gather_per_rank;
   uint64_t join_received_per_node = 0;
   double join_cpu_ms = 0;              // the coordinator's, for every node's join
   double first_heartbeats_cpu_ms = 0;  // and for the first heartbeats, which bring the members
@@ -324,7 +342,7 @@ struct ScaleResult {
 
 class Simulation {
  public:
-  Simulation(const Config& c, const std::string& address, const FirstLevelRelays& relays) : c_(c) {
+  Simulation(const Config& c, const std::string& address, const FirstLevelRelays& relays) : c_(c), address_(address) {
     for (uint32_t i = 0; i < c.channels; ++i) {
       stubs_.push_back(pb::Group::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), Args(i))));
     }
@@ -518,6 +536,104 @@ class Simulation {
     return f;
   }
 
+  // A restore's gather of every rank's step list (the same list on every rank, as after a
+  // clean stop): each node's ranks merged into one arrival, as ckptd's group client merges
+  // them; with the tree, a level-1 node calls node 0 itself, and each level-2 node sends
+  // its own arrival and one merged for its subtree (as its relay would at best) to its
+  // level-1 relay, which merges what it is sent. `per_rank`: every rank calls node 0 on its
+  // own (ckptd before merged gathers). All calls are in flight at once (a gather completes
+  // only when every participant arrived).
+  GatherFigures RestoreGather(const Coordinator& coordinator, bool per_rank) {
+    const uint32_t world = c_.nodes * c_.ranks_per_node;
+    const std::string key = per_rank ? "restore/per-rank" : "restore/merged";
+    const std::string steps = "2 3 4";
+    struct Pending {
+      pb::GatherRequest request;
+      pb::GatherReply reply;
+      grpc::ClientContext ctx;
+      pb::Group::Stub* stub = nullptr;
+    };
+    std::vector<std::unique_ptr<Pending>> calls;
+    auto add = [&](pb::Group::Stub* stub, std::vector<uint32_t> participants) {
+      auto p = std::make_unique<Pending>();
+      p->stub = stub;
+      p->request.set_key(key);
+      p->request.set_participants(world);
+      p->request.set_distinct(true);
+      p->request.set_timeout_ms(600'000);
+      if (participants.size() == 1) {
+        p->request.set_participant(participants[0]);
+        p->request.set_payload(steps);
+      } else {
+        p->request.set_participant(world);  // the merged form
+        pb::GatherArrivals* a = p->request.add_merged();
+        a->set_payload(steps);
+        a->mutable_participants()->Add(participants.begin(), participants.end());
+      }
+      calls.push_back(std::move(p));
+    };
+    auto ranks_of = [&](const std::vector<uint32_t>& nodes) {
+      std::vector<uint32_t> ranks;
+      for (uint32_t n : nodes) {
+        for (uint32_t r = n * c_.ranks_per_node; r < (n + 1) * c_.ranks_per_node; ++r) ranks.push_back(r);
+      }
+      return ranks;
+    };
+    // Every call waits until the last arrives, and a connection carries at most 256 calls
+    // at once (the group server's limit): at most 128 per connection, as nodes have
+    // connections of their own.
+    const uint32_t direct = per_rank ? world : c_.tree() ? c_.fanout + 1 : c_.nodes;
+    std::vector<std::unique_ptr<pb::Group::Stub>> to_node0;
+    for (uint32_t i = 0; i < (direct + 127) / 128; ++i) {
+      to_node0.push_back(pb::Group::NewStub(
+          grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), Args(1000 + i))));
+    }
+    auto stub_for = [&](uint32_t i) { return to_node0[i / 128].get(); };
+    GatherFigures f;
+    if (per_rank) {
+      for (uint32_t r = 0; r < world; ++r) add(stub_for(r), {r});
+      f.calls_to_node0 = world;
+    } else if (!c_.tree()) {
+      for (uint32_t n = 0; n < c_.nodes; ++n) add(stub_for(n), ranks_of({n}));
+      f.calls_to_node0 = c_.nodes;
+    } else {
+      for (uint32_t n = 0; n <= c_.fanout; ++n) add(stub_for(n), ranks_of({n}));
+      for (uint32_t q : Level2()) {
+        pb::Group::Stub* relay = relay_stubs_[(q - 1) / c_.fanout - 1].get();
+        add(relay, ranks_of({q}));
+        if (std::vector<uint32_t> below = Below(q); !below.empty()) add(relay, ranks_of(below));
+      }
+    }
+    std::mutex mu;
+    std::condition_variable cv;
+    size_t left = calls.size();
+    std::string failed;
+    const uint64_t cpu_before = coordinator.CpuNs();
+    const auto start = Clock::now();
+    for (auto& p : calls) {
+      p->ctx.AddMetadata("x-ckptd-group-token", kToken);
+      p->ctx.set_deadline(std::chrono::system_clock::now() + 600s);
+      Pending* call = p.get();
+      call->stub->async()->Gather(&call->ctx, &call->request, &call->reply, [&, call](grpc::Status status) {
+        std::lock_guard lock(mu);
+        if (!status.ok() && failed.empty()) failed = status.error_message();
+        if (status.ok() && (call->reply.counts_size() != 1 || call->reply.counts(0) != world) && failed.empty()) {
+          failed = "a gather answered without every participant";
+        }
+        if (--left == 0) cv.notify_all();
+      });
+    }
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return left == 0; });
+    }
+    f.ms = std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+    f.cpu_ms = static_cast<double>(coordinator.CpuNs() - cpu_before) / 1e6;
+    if (!failed.empty()) Die("restore gather: " + failed);
+    if (c_.tree() && !per_rank) f.calls_to_node0 = 0;  // counted by the relays: see Measure
+    return f;
+  }
+
  private:
   static grpc::ChannelArguments Args(uint32_t channel) {
     grpc::ChannelArguments args;
@@ -689,6 +805,7 @@ class Simulation {
   }
 
   const Config c_;
+  const std::string address_;  // the coordinator's
   std::vector<std::unique_ptr<pb::Group::Stub>> stubs_;
   std::vector<std::unique_ptr<pb::Group::Stub>> relay_stubs_;  // the first level's, by node - 1
   std::vector<uint64_t> known_version_;
@@ -740,6 +857,16 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
     result.steps.push_back(sim.Step(step, coordinator));
     progress(fmt::format("step {} done", step));
   }
+  // A restore: every rank's step list gathered, merged as ckptd merges it, and (with
+  // --gather-per-rank) once more with a call per rank, as before merged gathers.
+  const uint64_t merges_before = relays.GatherMerges();
+  result.gather = sim.RestoreGather(coordinator, /*per_rank=*/false);
+  if (c.tree()) result.gather.calls_to_node0 = c.fanout + 1 + (relays.GatherMerges() - merges_before);
+  progress(fmt::format("restore gather: {:.0f} ms of CPU", result.gather.cpu_ms));
+  if (c.gather_per_rank) {
+    result.gather_per_rank = sim.RestoreGather(coordinator, /*per_rank=*/true);
+    progress(fmt::format("restore gather, a call per rank: {:.0f} ms of CPU", result.gather_per_rank.cpu_ms));
+  }
   if (!c.json) std::cerr << "\n";
   result.coordinator_peak_rss = coordinator.PeakRss();
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -774,6 +901,8 @@ int ScaleMain(int argc, char** argv) {
   app.add_option("--threads", c.threads, "threads sending the simulated nodes' calls")->capture_default_str();
   app.add_option("--dir", dir, "where the decision log lives (default: a new dir in /tmp)");
   app.add_flag("--json", json, "print one JSON object");
+  app.add_flag("--gather-per-rank", c.gather_per_rank,
+               "also measure the restore gather with a call per rank to node 0 (as before merged gathers)");
   app.add_flag("--serve", serve)->group("");  // internal: the coordinator's process
   app.add_option("--num-nodes", serve_nodes)->group("");
   app.add_option("--address-file", address_file)->group("");
@@ -813,7 +942,15 @@ int ScaleMain(int argc, char** argv) {
                                   {"join_cpu_ms", r.join_cpu_ms},
                                   {"first_heartbeats_cpu_ms", r.first_heartbeats_cpu_ms},
                                   {"settle_after_first_step_cpu_ms", r.settle_cpu_ms},
-                                  {"coordinator_peak_rss_bytes", r.coordinator_peak_rss}};
+                                  {"coordinator_peak_rss_bytes", r.coordinator_peak_rss},
+                                  {"restore_gather", {{"coordinator_cpu_ms", r.gather.cpu_ms},
+                                                      {"ms", r.gather.ms},
+                                                      {"calls_to_node0", r.gather.calls_to_node0}}}};
+      if (r.config.gather_per_rank) {
+        j["restore_gather_per_rank"] = {{"coordinator_cpu_ms", r.gather_per_rank.cpu_ms},
+                                        {"ms", r.gather_per_rank.ms},
+                                        {"calls_to_node0", r.gather_per_rank.calls_to_node0}};
+      }
       for (const StepFigures& f : r.steps) {
         j["steps"].push_back({{"coordinator_heartbeat_cpu_ms", f.heartbeat_cpu_ms},
                               {"coordinator_prepare_cpu_ms", f.prepare_cpu_ms},
@@ -865,6 +1002,15 @@ int ScaleMain(int argc, char** argv) {
                "heartbeats (the membership) {:.0f} ms; after the first step, until idle again, {:.0f} ms\n",
                r.config.nodes, Size(r.join_received_per_node), r.join_cpu_ms, r.first_heartbeats_cpu_ms,
                r.settle_cpu_ms);
+  }
+  for (const ScaleResult& r : results) {
+    fmt::print("restore gather: {} ranks: the coordinator's CPU {:.0f} ms, {:.0f} ms to every answer, {} calls to node 0",
+               r.config.nodes * r.config.ranks_per_node, r.gather.cpu_ms, r.gather.ms, r.gather.calls_to_node0);
+    if (r.config.gather_per_rank) {
+      fmt::print("; a call per rank: {:.0f} ms of CPU, {:.0f} ms, {} calls", r.gather_per_rank.cpu_ms,
+                 r.gather_per_rank.ms, r.gather_per_rank.calls_to_node0);
+    }
+    fmt::print("\n");
   }
   return 0;
 }
