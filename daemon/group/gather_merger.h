@@ -7,7 +7,9 @@
 // A merge stays open for a short linger after its first arrival, then goes up on a thread
 // of its own and is answered as a whole. Several merges of one key may be in flight at once:
 // a gather completes only once every participant arrived, so a merge that waited for the one
-// before it to be answered would wait for itself.
+// before it to be answered would wait for itself. The linger doubles with each merge of the
+// key already in flight (up to `max_linger`): ranks that restart over tens of seconds make
+// a few dozen merges, not one per rank.
 #pragma once
 
 #include <chrono>
@@ -38,7 +40,8 @@ class GatherMerger {
 
   struct Limits {
     std::chrono::milliseconds linger{20};   // a merge stays open this long after its first arrival
-    size_t merges = 64;                     // open or in flight (a thread each); beyond: refused
+    std::chrono::milliseconds max_linger{1000};
+    size_t merges = 256;                    // open or in flight (a thread each); beyond: refused
     size_t held_bytes = size_t{64} << 20;   // of the payloads they carry
     size_t merge_bytes = size_t{8} << 20;   // per merge: a fuller one goes up as it is
   };
@@ -49,9 +52,11 @@ class GatherMerger {
   GatherMerger& operator=(const GatherMerger&) = delete;
 
   // Adds an arrival to the open merge of (key, participants), opening one if there is none.
-  // A participant already in the open merge (a retry) closes it and opens the next. `done`
-  // runs once, with the round's answer or the merge's error; nothing is kept when the
-  // arrival is refused (stopped, or over the limits: the caller sends it itself).
+  // A participant already in the open merge (a retry), a deadline more than a second from
+  // the merge's or a full merge closes it and opens the next (one arrival with a short
+  // deadline must not cut the others' short). `done` runs once, with the round's answer or
+  // the merge's error; nothing is kept when the arrival is refused (invalid, stopped, or
+  // over the limits: the caller sends it itself).
   absl::Status Arrive(const std::string& key, uint32_t participants, std::vector<Sent> sent,
                       Clock::time_point deadline, Done done);
 
@@ -77,7 +82,7 @@ class GatherMerger {
   };
   using MergeKey = std::pair<std::string, uint32_t>;
   // Lingers, closes the merge, sends it and answers its arrivals.
-  void Run(MergeKey key, std::shared_ptr<Merge> merge);
+  void Run(MergeKey key, std::shared_ptr<Merge> merge, std::chrono::milliseconds linger);
 
   const std::string what_;
   const Send send_;
@@ -86,6 +91,7 @@ class GatherMerger {
   std::condition_variable cv_;
   std::string stopped_;  // why, once stopped
   std::map<MergeKey, std::shared_ptr<Merge>> open_;
+  std::map<MergeKey, size_t> in_flight_;  // merges of each key open or upstream
   size_t merges_ = 0;   // threads running
   size_t held_bytes_ = 0;
   Counters counters_;

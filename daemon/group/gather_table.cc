@@ -69,16 +69,16 @@ namespace {
 // the last release for a race).
 absl::Status OwnCopy(const absl::Status& status) { return absl::Status(status.code(), status.message()); }
 
-// Why `sent` cannot arrive in a round of `participants`; empty when it can.
-std::string Invalid(const std::string& key, uint32_t participants, const std::vector<GatherTable::Sent>& sent) {
+}  // namespace
+
+std::string GatherTable::Invalid(const std::string& key, uint32_t participants, const std::vector<Sent>& sent) {
   if (sent.empty()) return fmt::format("gather {}: an arrival with no participant", key);
   std::vector<uint32_t> all;
-  for (const GatherTable::Sent& s : sent) {
+  for (const Sent& s : sent) {
     if (s.participants.empty()) return fmt::format("gather {}: a payload sent by no participant", key);
     for (uint32_t p : s.participants) {
       if (participants == 0 || p >= participants) {
-        return fmt::format("gather {}: participant {} is not in 0..{}", key, p,
-                           participants == 0 ? 0 : participants - 1);
+        return fmt::format("gather {}: participant {} is not in 0..{}", key, p, participants == 0 ? 0 : participants - 1);
       }
       all.push_back(p);
     }
@@ -89,8 +89,6 @@ std::string Invalid(const std::string& key, uint32_t participants, const std::ve
   }
   return {};
 }
-
-}  // namespace
 
 void GatherTable::Arrive(const std::string& key, uint32_t participant, uint32_t participants,
                          std::string payload, Clock::time_point deadline, Done done) {
@@ -119,11 +117,6 @@ void GatherTable::ArriveMerged(const std::string& key, uint32_t participants, st
              });
 }
 
-void GatherTable::DropLocked(Round& round, const Arrival* arrival) {
-  held_bytes_ -= arrival->bytes;
-  std::erase_if(round.arrivals, [&](const std::shared_ptr<Arrival>& a) { return a.get() == arrival; });
-}
-
 void GatherTable::ArriveWith(const std::string& key, uint32_t participants, std::vector<Sent> sent,
                              Clock::time_point deadline, Finish done) {
   if (std::string invalid = Invalid(key, participants, sent); !invalid.empty()) {
@@ -131,7 +124,7 @@ void GatherTable::ArriveWith(const std::string& key, uint32_t participants, std:
     return;
   }
   auto arrival = std::make_shared<Arrival>();
-  for (const Sent& s : sent) arrival->bytes += s.payload.size();
+  for (const Sent& s : sent) arrival->bytes += s.payload.size() + kBytesPerParticipant * s.participants.size();
   std::vector<std::pair<Finish, uint32_t>> replaced;  // with one of their participants
   std::vector<Finish> finish;
   auto completed = std::make_shared<Completed>();
@@ -175,15 +168,18 @@ void GatherTable::ArriveWith(const std::string& key, uint32_t participants, std:
           ++arrival->live;
           if (fresh) continue;
           // A retry: the participant's newest arrival holds it. The one before is told so
-          // once none of its participants is left.
+          // once none of its participants is left (and leaves the round below, at once).
           Arrival& before = *slot->second.arrival;
           if (--before.live == 0) {
             replaced.emplace_back(std::move(before.done), p);
-            DropLocked(round, &before);
+            held_bytes_ -= before.bytes;
           }
           slot->second = Slot{arrival, index};
         }
         arrival->payloads.push_back(std::move(s.payload));
+      }
+      if (!replaced.empty()) {
+        std::erase_if(round.arrivals, [](const std::shared_ptr<Arrival>& a) { return a->live == 0; });
       }
       if (round.arrived.size() == round.participants) {
         completed->by_participant.reserve(round.participants);
@@ -233,6 +229,7 @@ void GatherTable::Expire(Clock::time_point now) {
       for (const std::shared_ptr<Arrival>& a : late) {
         expired.emplace_back(std::move(a->done), why);
         held_bytes_ -= a->bytes;
+        a->live = 0;
       }
       std::erase_if(round.arrivals, [&](const std::shared_ptr<Arrival>& a) { return a->deadline <= now; });
       it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);

@@ -60,6 +60,15 @@ class GatherTable {
   void ArriveMerged(const std::string& key, uint32_t participants, std::vector<Sent> sent,
                     Clock::time_point deadline, DistinctDone done);
 
+  // Why `sent` cannot arrive in a gather of `participants` (a participant out of range or
+  // named twice, none at all); empty when it can. Relays check before they merge, so that
+  // one bad arrival does not make node 0 refuse a merge of good ones.
+  static std::string Invalid(const std::string& key, uint32_t participants, const std::vector<Sent>& sent);
+
+  // What an arrival holds in a table: its payloads, and about this much per participant
+  // (a map node). Counted against the table's bound with the payloads.
+  static constexpr size_t kBytesPerParticipant = 64;
+
   // Fails every arrival whose deadline is before `now`, naming the missing participants.
   void Expire(Clock::time_point now);
 
@@ -118,8 +127,6 @@ class GatherTable {
     std::map<uint32_t, Slot> arrived;
     std::vector<std::shared_ptr<Arrival>> arrivals;  // those with a participant still here
   };
-  // Removes `arrival` from `round` (its participants still there, its bytes).
-  void DropLocked(Round& round, const Arrival* arrival);
 
   void FailAll(const std::string& why, bool close);
 

@@ -35,7 +35,8 @@ constexpr uint32_t kMaxWorldSize = 1u << 20;
 constexpr uint32_t kMaxParticipants = 1u << 20;
 constexpr size_t kMaxKeyBytes = 512;
 constexpr size_t kMaxPayloadBytes = 1u << 20;
-// Of a gather's merged arrivals, in all (GatherMerger sends at most half of it per call).
+// Of a gather's merged arrivals, in all (GatherMerger's merges are at most 8 MiB, but for
+// a single arrival larger than that).
 constexpr size_t kMaxMergedBytes = size_t{16} << 20;
 constexpr size_t kMaxAddressBytes = 256;
 constexpr size_t kMaxReasonBytes = 4096;
@@ -731,8 +732,15 @@ grpc::ServerUnaryReactor* GroupService::Gather(grpc::CallbackServerContext* ctx,
       };
       if (relay != nullptr) {
         // A relay: merged with the other arrivals of the key that come within its linger.
-        return relay->Gather(request->key(), request->participants(), std::move(sent), Clock::now() + timeout,
-                             std::move(answer));
+        // Its answer is marked node 0's, a refusal its own (grpc_util.h).
+        absl::Status merged = relay->Gather(
+            request->key(), request->participants(), std::move(sent), Clock::now() + timeout,
+            [ctx, answer = std::move(answer)](absl::StatusOr<GatherTable::Distinct> distinct) {
+              ctx->AddTrailingMetadata(kRelayedAnswerMetadata, "1");
+              answer(std::move(distinct));
+            });
+        if (!merged.ok()) ctx->AddTrailingMetadata(kRelayRefusedMetadata, "1");
+        return merged;
       }
       coordinator_->gathers.ArriveMerged(request->key(), request->participants(), std::move(sent),
                                          Clock::now() + timeout, std::move(answer));

@@ -332,8 +332,13 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
                             CallGather(key, participant, participants, std::move(payload), timeout, true));
       return DistinctOf(key, reply);
     }
+    // The merge answers by the gather's deadline and the call's; the margin is for a merger
+    // that could not (it is stopping, or its thread was starved).
     std::unique_lock lock(waiting->mu);
-    waiting->cv.wait(lock, [&] { return waiting->answer.has_value(); });
+    const auto bound = Clock::now() + timeout + 2 * options_.rpc_timeout + std::chrono::seconds(5);
+    if (!waiting->cv.wait_until(lock, bound, [&] { return waiting->answer.has_value(); })) {
+      return absl::DeadlineExceededError(fmt::format("group gather {}: no answer from this node's merge", key));
+    }
     return std::move(*waiting->answer);
   }
 
@@ -519,12 +524,13 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   }
 
   // Merged arrivals of a distinct gather (this node's ranks, or a relay's subtree) up to the
-  // parent relay, and to the coordinator when there is none or it failed the call itself
-  // (it is down, stopping or full). An answer the relay passes on from the coordinator (a
-  // timeout naming who is missing) is final: asking the coordinator again would only wait
-  // as long once more. A gather waits for every participant, so no try has a shorter
-  // deadline than the gather's: a relay that stalls rather than fails makes its subtree's
-  // ranks wait for the gather's timeout (docs/architecture.md).
+  // parent relay, and to the coordinator when there is none, it refused the arrival itself
+  // (full, stopping) or it failed the call (then it is passed over for kParentRetryAfter, as
+  // for prepares). An answer the relay passes on from the coordinator (a timeout naming who
+  // is missing) is final: asking the coordinator again would only wait as long once more.
+  // A gather waits for every participant, so no try has a shorter deadline than the
+  // gather's: a relay that stalls rather than fails makes its subtree's ranks wait for the
+  // gather's timeout (docs/architecture.md).
   absl::StatusOr<GatherTable::Distinct> SendGather(CallSet& calls, const std::string& key, uint32_t participants,
                                                    const std::vector<GatherTable::Sent>& sent,
                                                    Clock::time_point deadline) {
@@ -551,14 +557,12 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       StartCall(ctx, deadline + options_.rpc_timeout);
       grpc::Status status = Tracked(calls, ctx, [&] { return parent->Gather(&ctx, request, &reply); });
       if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
-      const auto code = status.error_code();
-      const bool relay_failed = code == grpc::StatusCode::UNAVAILABLE || code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
-                                code == grpc::StatusCode::FAILED_PRECONDITION || code == grpc::StatusCode::UNIMPLEMENTED;
-      if (!relay_failed) {
-        CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
-        return DistinctOf(key, reply);
-      }
-      ParentFailed(status);
+      if (status.ok()) return DistinctOf(key, reply);
+      const auto& trailing = ctx.GetServerTrailingMetadata();
+      if (trailing.count(kRelayedAnswerMetadata)) return Describe("gather " + key, status);  // node 0's: final
+      // The relay refused the arrival itself (full, stopping): node 0 takes it, and the relay
+      // stays in use for the rest. Otherwise the relay failed the call.
+      if (!trailing.count(kRelayRefusedMetadata)) ParentFailed(status);
       reply.Clear();
     }
     grpc::ClientContext ctx;

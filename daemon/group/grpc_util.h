@@ -15,6 +15,13 @@ namespace ckpt::group {
 // The metadata key under which every group call carries the shared token.
 inline constexpr char kTokenMetadata[] = "x-ckptd-group-token";
 
+// Trailing metadata of a relay's answer to a gather (gathers are the one relayed call that
+// passes node 0's status on as its own): the relay refused the arrival itself (stopping,
+// full, invalid: the node may send it to node 0), or the answer is node 0's (final: asking
+// node 0 again would only wait as long once more). Neither: the relay failed the call.
+inline constexpr char kRelayRefusedMetadata[] = "x-ckptd-relay-refused";
+inline constexpr char kRelayedAnswerMetadata[] = "x-ckptd-relayed-answer";
+
 grpc::Status ToGrpc(const absl::Status& status);
 absl::Status FromGrpc(const grpc::Status& status);
 

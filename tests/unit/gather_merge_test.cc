@@ -196,9 +196,9 @@ TEST_CASE("gather merger: arrivals within the linger go up as one call, each pay
   GatherMerger merger("test", up.send(), {.linger = 200ms});
   const auto soonest = Clock::now() + 5s;
   std::vector<std::future<Result>> answers;
-  answers.push_back(Arrive(merger, "restore/j", 8, 0, "a", soonest + 1s));
+  answers.push_back(Arrive(merger, "restore/j", 8, 0, "a", soonest + 500ms));
   answers.push_back(Arrive(merger, "restore/j", 8, 1, "a", soonest));
-  answers.push_back(Arrive(merger, "restore/j", 8, 2, "b", soonest + 2s));
+  answers.push_back(Arrive(merger, "restore/j", 8, 2, "b", soonest + 900ms));
   answers.push_back(Arrive(merger, "other", 8, 0, "a"));  // another key: a merge of its own
   for (auto& f : answers) REQUIRE(f.wait_for(5s) == std::future_status::ready);
   for (auto& f : answers) REQUIRE(f.get().ok());
@@ -275,4 +275,50 @@ TEST_CASE("gather merger: Stop fails the open merge and refuses what comes later
   auto later = Arrive(merger, "k", 2, 1, "x");
   CHECK(later.get().status().code() == absl::StatusCode::kUnavailable);
   CHECK(up.count() == 0);
+}
+
+TEST_CASE("gather merger: an invalid arrival is refused before it is merged; a far deadline starts a merge of its own") {
+  Upstream up;
+  GatherMerger merger("test", up.send(), {.linger = 100ms});
+  std::vector<GatherTable::Sent> twice{{"x", {1, 1}}};
+  absl::Status refused = merger.Arrive("k", 4, twice, Clock::now() + 10s, [](Result) { FAIL("kept"); });
+  CHECK(refused.code() == absl::StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("participant 1 is named twice") != std::string_view::npos);
+  // One arrival with a short deadline does not cut its neighbours' short.
+  auto patient = Arrive(merger, "k", 4, 0, "x", Clock::now() + 60s);
+  auto hasty = Arrive(merger, "k", 4, 1, "x", Clock::now() + 2s);
+  auto patient_too = Arrive(merger, "k", 4, 2, "x", Clock::now() + 60s);
+  for (auto* f : {&patient, &hasty, &patient_too}) REQUIRE(f->wait_for(5s) == std::future_status::ready);
+  std::lock_guard lock(up.mu);
+  REQUIRE(up.merges.size() == 3);
+  for (const auto& deadline : up.deadlines) CHECK(deadline - Clock::now() > -1s);  // none took the hasty one's
+  size_t hasty_merges = 0;
+  for (size_t i = 0; i < up.merges.size(); ++i) {
+    if (up.deadlines[i] < Clock::now() + 10s) {
+      ++hasty_merges;
+      CHECK(up.merges[i].at(0).participants == std::vector<uint32_t>{1});
+    }
+  }
+  CHECK(hasty_merges == 1);
+}
+
+TEST_CASE("gather merger: while merges of a key are upstream the next one lingers longer (ranks trickling in)") {
+  Upstream up;
+  up.hold = true;  // merges stay upstream, as a gather waiting for its last ranks
+  GatherMerger merger("test", up.send(), {.linger = 20ms, .max_linger = 160ms});
+  std::vector<std::future<Result>> answers;
+  // One rank every 50 ms for a second: with a fixed 20 ms linger, 20 merges.
+  const auto start = Clock::now();
+  for (uint32_t p = 0; p < 20; ++p) {
+    answers.push_back(Arrive(merger, "k", 20, p, "x"));
+    std::this_thread::sleep_until(start + (p + 1) * 50ms);
+  }
+  up.hold = false;
+  for (auto& f : answers) {
+    REQUIRE(f.wait_for(5s) == std::future_status::ready);
+    REQUIRE(f.get().ok());
+  }
+  // Lingers of 20, 40, 80 and then 160 ms: about 9 merges for the 20 arrivals.
+  CHECK(up.count() <= 12);
+  CHECK(up.count() >= 5);
 }

@@ -905,6 +905,18 @@ TEST_CASE("rpc: a relay tree of fan-out 2 carries prepares and polls; a relay th
     CHECK(relayed.gather_merges >= 1);
     CHECK(relayed.gather_merges <= relayed.gathers);
   }
+  {
+    // A gather that times out at node 0 (participant 1 never comes): node 3 hears node 0's
+    // answer through its relay once, and keeps its relay for everything else.
+    const auto start = Clock::now();
+    auto alone = clients[3]->GatherDistinct("restore/short", 0, 2, "x", 700ms);
+    CHECK(absl::IsDeadlineExceeded(alone.status()));
+    CHECK_THAT(Message(alone.status()), Catch::Contains("missing: 1"));
+    CHECK(Clock::now() - start < 1400ms);  // not asked again of node 0 directly
+    const uint64_t heartbeats = relays[1]->relayed().heartbeats;
+    REQUIRE(clients[3]->Heartbeat().ok());
+    CHECK(relays[1]->relayed().heartbeats == heartbeats + 1);
+  }
 
   // Node 1 stops relaying (its server is gone): nodes 3 and 4 call node 0 themselves, and
   // the next step commits as the one before.
