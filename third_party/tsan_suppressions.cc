@@ -1,0 +1,38 @@
+// What ThreadSanitizer must not report (--config=tsan): races it sees inside Debian's
+// uninstrumented gRPC, protobuf, Abseil and OpenSSL (gRPC's TLS), whose own
+// synchronization (atomics and spinlocks in code TSan never saw) it cannot see. Every test
+// that starts a group server was reported: gRPC's poller (epoll_create1 on one thread,
+// epoll_wait on another), Abseil's mutex lock graph, StrCat (memcpy under gRPC's locks) and
+// Status payloads (freed when the last reference, counted atomically inside Abseil, goes),
+// and gRPC's callback tags, whose inline header code is compiled into ckptd's instrumented
+// objects but handed between threads by the uninstrumented core. Reports with a frame in
+// those libraries or in gRPC's own namespaces, and reports from interceptors called inside
+// them, are suppressed; a race between frames of ckptd's own code still is one.
+//
+// Built into every test binary (third_party:catch2_main) and ckptd, so that a TSan run needs
+// no file: `bazel test --config=tsan //tests/unit/...` (tools/test.sh runs it in CI).
+#ifdef CKPTD_TSAN
+extern "C" const char* __tsan_default_suppressions() {
+  return "race:libgrpc.so\n"
+         "race:libgrpc++.so\n"
+         "race:libgpr.so\n"
+         "race:libprotobuf.so\n"
+         "race:libabsl_*\n"
+         "race:libcrypto.so\n"
+         "race:libssl.so\n"
+         "race:grpc::internal::\n"
+         "race:grpc_core::\n"
+         "race:grpc_event_engine::\n"
+         // called_from_lib: one library per line (a pattern matching two is an error).
+         "called_from_lib:libgrpc.so\n"
+         "called_from_lib:libgrpc++.so\n"
+         "called_from_lib:libgpr.so\n"
+         "called_from_lib:libcrypto.so\n"
+         "called_from_lib:libssl.so\n"
+         "called_from_lib:libabsl_graphcycles_internal.so\n"
+         "called_from_lib:libabsl_status.so\n"
+         "called_from_lib:libabsl_cord.so\n"
+         "called_from_lib:libabsl_strings.so\n"
+         "called_from_lib:libabsl_synchronization.so\n";
+}
+#endif
