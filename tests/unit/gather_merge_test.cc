@@ -13,6 +13,7 @@
 
 #include "daemon/group/gather_merger.h"
 #include "daemon/group/gather_table.h"
+#include "tests/fakes/gather_future.h"
 
 using namespace ckpt::group;
 using namespace std::chrono_literals;
@@ -163,13 +164,7 @@ struct Upstream {
       merges.push_back(sent);
       deadlines.push_back(deadline);
       if (!error.ok()) return error;
-      GatherTable::Distinct d;
-      for (const GatherTable::Sent& s : sent) {
-        d.payloads.push_back(s.payload);
-        d.senders.push_back(s.participants.front());
-        d.counts.push_back(static_cast<uint32_t>(s.participants.size()));
-      }
-      return d;
+      return ckpt::testing::AsDistinct(sent);
     };
   }
   size_t count() {
@@ -180,13 +175,9 @@ struct Upstream {
 
 std::future<Result> Arrive(GatherMerger& merger, const std::string& key, uint32_t participants, uint32_t p,
                            const std::string& payload, Clock::time_point deadline = Clock::now() + 10s) {
-  auto promise = std::make_shared<std::promise<Result>>();
-  auto future = promise->get_future();
-  std::vector<GatherTable::Sent> sent{{payload, {p}}};
-  absl::Status added = merger.Arrive(key, participants, std::move(sent), deadline,
-                                     [promise](Result r) { promise->set_value(std::move(r)); });
-  if (!added.ok()) promise->set_value(added);
-  return future;
+  return ckpt::testing::GatherFuture([&](GatherTable::DistinctDone done) {
+    return merger.Arrive(key, participants, {{payload, {p}}}, deadline, std::move(done));
+  });
 }
 
 }  // namespace

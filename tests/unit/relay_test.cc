@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/fakes/gather_future.h"
 #include "tests/fakes/wait_until.h"
 
 using namespace ckpt::group;
@@ -76,13 +77,7 @@ class ScriptedUpstream final : public RelayUpstream {
     std::lock_guard lock(mu_);
     gathers.push_back({key, participants, sent});
     if (!gather_error.ok()) return gather_error;
-    GatherTable::Distinct d;
-    for (const GatherTable::Sent& s : sent) {
-      d.payloads.push_back(s.payload);
-      d.senders.push_back(s.participants.front());
-      d.counts.push_back(static_cast<uint32_t>(s.participants.size()));
-    }
-    return d;
+    return ckpt::testing::AsDistinct(sent);
   }
 
   absl::StatusOr<pb::OutcomeReply> ForwardOutcome(const pb::OutcomeRequest& request) override {
@@ -448,15 +443,12 @@ TEST_CASE("relay: Stop answers what waits, ends its calls upstream and refuses w
 
 namespace {
 
-using GatherResult = absl::StatusOr<GatherTable::Distinct>;
+using ckpt::testing::GatherResult;
 
 std::future<GatherResult> Gather(Relay& relay, uint32_t participants, std::vector<GatherTable::Sent> sent) {
-  auto promise = std::make_shared<std::promise<GatherResult>>();
-  auto future = promise->get_future();
-  absl::Status added = relay.Gather("restore/j", participants, std::move(sent), Clock::now() + 10s,
-                                    [promise](GatherResult r) { promise->set_value(std::move(r)); });
-  if (!added.ok()) promise->set_value(added);
-  return future;
+  return ckpt::testing::GatherFuture([&](GatherTable::DistinctDone done) {
+    return relay.Gather("restore/j", participants, std::move(sent), Clock::now() + 10s, std::move(done));
+  });
 }
 
 }  // namespace
