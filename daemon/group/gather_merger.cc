@@ -51,7 +51,6 @@ absl::Status GatherMerger::Arrive(const std::string& key, uint32_t participants,
       return absl::ResourceExhaustedError(fmt::format("{}: {} merges in flight already", what_, merges_));
     }
     auto merge = std::make_shared<Merge>();
-    merge->participants = participants;
     merge->deadline = deadline;
     // Merges of this key already in flight: arrivals trickle in, so this one waits longer.
     const size_t before = in_flight_[merge_key];

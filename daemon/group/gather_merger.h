@@ -72,7 +72,6 @@ class GatherMerger {
 
  private:
   struct Merge {
-    uint32_t participants = 0;
     std::map<std::string, std::vector<uint32_t>> by_payload;
     std::vector<uint32_t> seen;  // sorted: a participant arriving again closes the merge
     Clock::time_point deadline = Clock::time_point::max();

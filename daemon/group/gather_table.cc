@@ -229,7 +229,6 @@ void GatherTable::Expire(Clock::time_point now) {
       for (const std::shared_ptr<Arrival>& a : late) {
         expired.emplace_back(std::move(a->done), why);
         held_bytes_ -= a->bytes;
-        a->live = 0;
       }
       std::erase_if(round.arrivals, [&](const std::shared_ptr<Arrival>& a) { return a->deadline <= now; });
       it = round.arrived.empty() ? rounds_.erase(it) : std::next(it);

@@ -546,16 +546,18 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       a->set_payload(s.payload);
       a->mutable_participants()->Add(s.participants.begin(), s.participants.end());
     }
-    auto timeout_ms = [&] {
-      auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
-      return static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX));
-    };
     pb::GatherReply reply;
+    // One try on `stub`, within what is left of the gather's deadline.
+    auto call = [&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
+      reply.Clear();  // nothing of a failed try
+      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
+      request.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX)));
+      StartCall(ctx, deadline + options_.rpc_timeout);
+      return Tracked(calls, ctx, [&] { return stub.Gather(&ctx, request, &reply); });
+    };
     if (auto parent = Parent()) {
       grpc::ClientContext ctx;
-      request.set_timeout_ms(timeout_ms());
-      StartCall(ctx, deadline + options_.rpc_timeout);
-      grpc::Status status = Tracked(calls, ctx, [&] { return parent->Gather(&ctx, request, &reply); });
+      grpc::Status status = call(*parent, ctx);
       if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
       if (status.ok()) return DistinctOf(key, reply);
       const auto& trailing = ctx.GetServerTrailingMetadata();
@@ -563,12 +565,9 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       // The relay refused the arrival itself (full, stopping): node 0 takes it, and the relay
       // stays in use for the rest. Otherwise the relay failed the call.
       if (!trailing.count(kRelayRefusedMetadata)) ParentFailed(status);
-      reply.Clear();
     }
     grpc::ClientContext ctx;
-    request.set_timeout_ms(timeout_ms());
-    StartCall(ctx, deadline + options_.rpc_timeout);
-    grpc::Status status = Tracked(calls, ctx, [&] { return stub_->Gather(&ctx, request, &reply); });
+    grpc::Status status = call(*stub_, ctx);
     if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
     CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
     return DistinctOf(key, reply);
