@@ -1,13 +1,23 @@
 #include "cuda/chunk_plan.h"
 
 #include <algorithm>
+#include <functional>
 
 namespace ckpt::cuda {
 
 std::vector<CopyRegion> CoalesceRegions(std::span<const CopyRegion> regions) {
+  // In order of allocation, then of destination: a restore lists tensors by name ("b10"
+  // before "b2"), which scatters neighbours apart. Regions of no allocation keep their order
+  // (they are never merged); the order of a job's regions never matters to its result.
+  std::vector<CopyRegion> sorted(regions.begin(), regions.end());
+  std::stable_sort(sorted.begin(), sorted.end(), [](const CopyRegion& a, const CopyRegion& b) {
+    if (a.allocation == nullptr || b.allocation == nullptr) return a.allocation == nullptr && b.allocation != nullptr;
+    return std::less<>()(a.allocation, b.allocation) ||
+           (a.allocation == b.allocation && std::less<>()(a.dst, b.dst));
+  });
   std::vector<CopyRegion> out;
-  out.reserve(regions.size());
-  for (const CopyRegion& r : regions) {
+  out.reserve(sorted.size());
+  for (const CopyRegion& r : sorted) {
     if (r.bytes == 0) continue;
     if (!out.empty()) {
       CopyRegion& last = out.back();

@@ -21,10 +21,10 @@ step() {  # name, seconds, command...
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max \
   --format=csv >"$out/nvidia-smi.txt" 2>&1; cat "$out/nvidia-smi.txt"
-step cuda_copy_engine_test 120 tests/gpu/cuda_copy_engine_test --durations yes
-step gpu_integration_test 180 tests/gpu/gpu_integration_test --durations yes
+step cuda_copy_engine_test 90 tests/gpu/cuda_copy_engine_test --durations yes
+step gpu_integration_test 150 tests/gpu/gpu_integration_test --durations yes
 # The GPU benchmark alone; the host benchmark (tests/bench/ckpt_bench without --gpu-only)
 # is the same as on any machine.
-step ckpt_bench 240 tests/bench/ckpt_bench --ckptd daemon/ckptd --gpu-only --gpu-bytes "${GPU_BENCH_BYTES:-4G}"
+step ckpt_bench 200 tests/bench/ckpt_bench --ckptd daemon/ckptd --gpu-only --gpu-bytes "${GPU_BENCH_BYTES:-4G}"
 tail -n 40 "$out/ckpt_bench.log"
 exit $failed

@@ -49,6 +49,9 @@ TEST_CASE("GPU buffers: the checkpoint holds exactly the pre-snapshot state; res
   Process dying(trainer({"--mode", "save", "--job", "k", "--die-after-staged"}), dir.path(), "die");
   CHECK(dying.Wait() == 128 + SIGKILL);
   CHECK(Contains(dying.Stdout(), "staged"));
+  // Its staged step is still written and committed; a restore takes committed steps only,
+  // and the run-ahead job's writes may still be queued ahead of it.
+  CHECK(d.Ctl({"--job", "k", "wait", "1", "--timeout", "60", "--quiet"}).exit_code == 0);
   auto after = Run(trainer({"--mode", "check", "--job", "k"}), dir.path());
   INFO(after.out << d.Log());
   CHECK(Contains(after.out, "match"));

@@ -78,3 +78,18 @@ TEST_CASE("regions of different allocations, or of none, are never merged, adjac
                                      {dst.data() + 300, src.data() + 300, 100, nullptr}};
   CHECK(CoalesceRegions(regions).size() == 4);
 }
+
+TEST_CASE("neighbours listed out of order (a restore lists tensors by name) are still merged") {
+  std::vector<char> src(1000), dst(1000);
+  const void* one = src.data();
+  std::vector<CopyRegion> regions;
+  // b0, b1, b10, b2, ..., b9 of 100 bytes each: by name, not by address.
+  for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8}) {
+    regions.push_back({dst.data() + 100 * i, src.data() + 100 * i, 100, one});
+  }
+  auto merged = CoalesceRegions(regions);
+  REQUIRE(merged.size() == 1);
+  CHECK(merged[0].dst == dst.data());
+  CHECK(merged[0].src == src.data());
+  CHECK(merged[0].bytes == 1000);
+}
