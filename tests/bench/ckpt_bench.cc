@@ -75,6 +75,7 @@ struct Flags {
   bool gpu_only = false;
   std::string gpu_bytes = "8G";
   int gpu_step_ms = 100;
+  int gpu_snapshot_every = 4;
 };
 
 [[noreturn]] void Die(const std::string& why) {
@@ -352,6 +353,8 @@ int main(int argc, char** argv) {
   app.add_flag("--gpu-only", f.gpu_only, "run only the GPU benchmark (and the memcpy limit)");
   app.add_option("--gpu-bytes", f.gpu_bytes, "GPU state for the GPU benchmark")->capture_default_str();
   app.add_option("--gpu-step-ms", f.gpu_step_ms, "busy GPU time per synthetic step")->capture_default_str();
+  app.add_option("--gpu-snapshot-every", f.gpu_snapshot_every, "steps between snapshots in the GPU training loop")
+      ->check(CLI::PositiveNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   // The same size syntax as ckptd's flags (K, M, G, T).
   auto parse_bytes = [](const std::string& flag, const std::string& text) {
@@ -401,6 +404,7 @@ int main(int argc, char** argv) {
     g.socket = daemon.socket();
     g.bytes = gpu_bytes;
     g.step_ms = f.gpu_step_ms;
+    g.snapshot_every = f.gpu_snapshot_every;
     g.note = note;
     bool ran = ckpt::bench::RunGpuBench(g, out);
     note(ran ? "GPU benchmark done\n" : "GPU benchmark not run: " + out["gpu_error"].get<std::string>() + "\n");
