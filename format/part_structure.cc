@@ -1,8 +1,12 @@
 #include "format/part_structure.h"
 
+#include "format/tiling.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
+#include <unordered_map>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -61,7 +65,91 @@ void PackChecksums(PartValues& v) {
   v.checksums.clear();
 }
 
+// Moves `tensors` into `out`, each piece's placement into the coordinates, leaving the
+// checksums behind (their number is the structure's).
+void Pack(std::map<std::string, ManifestTensor>&& tensors, PackedTensors& out) {
+  std::map<std::pair<uint32_t, std::string>, uint32_t> holders;  // a few: one per rank
+  size_t pieces = 0;
+  for (const auto& [name, tensor] : tensors) pieces += tensor.shards.size();
+  out.tensors.reserve(tensors.size());
+  out.pieces.reserve(pieces);
+  auto add = [&](const std::vector<int64_t>& values) {
+    out.coords.insert(out.coords.end(), values.begin(), values.end());
+  };
+  for (auto& [name, tensor] : tensors) {
+    PackedTensors::Tensor& t = out.tensors.emplace_back();
+    t.name = name;
+    t.dtype = std::move(tensor.dtype);
+    t.global_at = static_cast<uint32_t>(out.coords.size());
+    t.dims = static_cast<uint32_t>(tensor.global_shape.size());
+    add(tensor.global_shape);
+    t.first = static_cast<uint32_t>(out.pieces.size());
+    t.count = static_cast<uint32_t>(tensor.shards.size());
+    for (TensorShard& s : tensor.shards) {
+      auto [it, added] = holders.try_emplace({s.rank, std::move(s.file)}, static_cast<uint32_t>(out.holders.size()));
+      if (added) out.holders.push_back({s.rank, it->first.second});
+      PackedTensors::Piece& p = out.pieces.emplace_back();
+      p.begin = s.begin;
+      p.end = s.end;
+      p.holder = it->second;
+      p.at = static_cast<uint32_t>(out.coords.size());
+      p.chunks = static_cast<uint32_t>(s.chunk_checksums.size());
+      p.flat = static_cast<uint32_t>(s.flat.size());
+      p.offset_dims = static_cast<uint32_t>(s.offset.size());
+      p.shape_dims = static_cast<uint32_t>(s.shape.size());
+      add(s.offset);
+      add(s.shape);
+      for (const ElementRange& r : s.flat) {
+        out.coords.push_back(r.begin);
+        out.coords.push_back(r.end);
+      }
+    }
+    tensor.shards = {};  // freed as it goes: the part is not held twice
+  }
+  out.coords.shrink_to_fit();
+}
+
 }  // namespace
+
+size_t PackedTensors::bytes() const {
+  size_t names = 0;
+  for (const Tensor& t : tensors) {
+    names += (t.name.size() > 15 ? t.name.capacity() + 1 : 0) + (t.dtype.size() > 15 ? t.dtype.capacity() + 1 : 0);
+  }
+  return sizeof(Tensor) * tensors.capacity() + names + sizeof(Piece) * pieces.capacity() +
+         sizeof(int64_t) * coords.capacity() + (sizeof(Holder) + 32) * holders.size();
+}
+
+ManifestTensor PackedTensors::Unpack(size_t i) const {
+  const Tensor& t = tensors.at(i);
+  ManifestTensor out;
+  out.dtype = t.dtype;
+  out.global_shape.assign(coords.begin() + t.global_at, coords.begin() + t.global_at + t.dims);
+  out.shards.reserve(t.count);
+  for (uint32_t k = t.first; k < t.first + t.count; ++k) {
+    const Piece& p = pieces[k];
+    TensorShard& s = out.shards.emplace_back();
+    s.rank = holders[p.holder].rank;
+    s.file = holders[p.holder].file;
+    s.begin = p.begin;
+    s.end = p.end;
+    auto at = coords.begin() + p.at;
+    s.offset.assign(at, at + p.offset_dims);
+    at += p.offset_dims;
+    s.shape.assign(at, at + p.shape_dims);
+    at += p.shape_dims;
+    s.flat.reserve(p.flat);
+    for (uint32_t r = 0; r < p.flat; ++r, at += 2) s.flat.push_back({at[0], at[1]});
+    s.chunk_checksums.resize(p.chunks);
+  }
+  return out;
+}
+
+size_t PartStructure::bytes() const {
+  size_t shards = 0;
+  for (const ManifestShard& s : structure.shards) shards += 128 + 96 * s.train_state.size();
+  return sizeof(PartStructure) + tensors.bytes() + shards + 16 * ranks.size();
+}
 
 SplitResult SplitPart(const Manifest& part) {
   SplitResult out;
@@ -100,6 +188,7 @@ SplitResult SplitPart(const Manifest& part) {
   structure->digest = ManifestDigest(json);
   structure->json_bytes = json.size();
   structure->checksums = v.checksum_count();
+  Pack(std::exchange(s.tensors, {}), structure->tensors);
   out.structure = std::move(structure);
   return out;
 }
@@ -172,6 +261,9 @@ absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValu
                     structure.digest));
   }
   Manifest m = structure.structure;
+  for (size_t i = 0; i < structure.tensors.tensors.size(); ++i) {
+    m.tensors.emplace_hint(m.tensors.end(), structure.tensors.tensors[i].name, structure.tensors.Unpack(i));
+  }
   m.step = values.step;
   m.run = values.run;
   m.unix_time = values.unix_time;
@@ -188,6 +280,52 @@ absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValu
     ForEachChecksum(m, [&](std::string& checksum) { checksum = fmt::format("xxh3:{:016x}", values.xxh3[next++]); });
   }
   return m;
+}
+
+}  // namespace ckpt::format
+
+namespace ckpt::format {
+
+absl::StatusOr<uint32_t> CheckStructuresTile(const std::vector<std::pair<uint32_t, const PartStructure*>>& parts) {
+  std::vector<std::pair<uint32_t, const Manifest*>> manifests;  // all but their tensors
+  manifests.reserve(parts.size());
+  for (const auto& [node, part] : parts) {
+    if (part->summary) {
+      return absl::FailedPreconditionError(
+          fmt::format("node {}'s structure {} is held as a summary only", node, part->digest));
+    }
+    manifests.emplace_back(node, &part->structure);
+  }
+  if (absl::Status covered = CheckPartsCoverWorld(manifests); !covered.ok()) return covered;
+  // Each tensor's entry in every part that has it: (part, tensor index), by name.
+  std::unordered_map<std::string_view, std::vector<std::pair<uint32_t, uint32_t>>> by_name;
+  for (uint32_t p = 0; p < parts.size(); ++p) {
+    const PackedTensors& packed = parts[p].second->tensors;
+    for (uint32_t i = 0; i < packed.tensors.size(); ++i) by_name[packed.tensors[i].name].emplace_back(p, i);
+  }
+  std::vector<std::string_view> names;
+  names.reserve(by_name.size());
+  for (const auto& [name, entries] : by_name) names.push_back(name);
+  std::sort(names.begin(), names.end());  // the same first error whatever the hash order
+  for (std::string_view name : names) {
+    const std::vector<std::pair<uint32_t, uint32_t>>& entries = by_name.at(name);
+    const std::string text(name);
+    ManifestTensor merged;
+    for (const auto& [p, i] : entries) {
+      ManifestTensor t = parts[p].second->tensors.Unpack(i);
+      if (merged.shards.empty() && merged.dtype.empty()) {
+        merged.dtype = t.dtype;
+        merged.global_shape = t.global_shape;
+      } else if (absl::Status same = CheckSameTensor(text, parts[p].first, t, merged); !same.ok()) {
+        return same;
+      }
+      std::move(t.shards.begin(), t.shards.end(), std::back_inserter(merged.shards));
+    }
+    std::stable_sort(merged.shards.begin(), merged.shards.end(),
+                     [](const TensorShard& a, const TensorShard& b) { return a.rank < b.rank; });
+    if (absl::Status tiled = CheckTensorTiling(text, merged); !tiled.ok()) return tiled;
+  }
+  return static_cast<uint32_t>(names.size());
 }
 
 }  // namespace ckpt::format

@@ -16,6 +16,44 @@
 
 namespace ckpt::format {
 
+// A part's tensor pieces without their checksums, packed into a few arrays: about 60 bytes
+// a piece, where the parsed manifest took about 310 (a coordinator's first step at 10,000
+// nodes x 8 ranks x 200 tensors held 5 GiB of them). Unpacked again only to join a part
+// (JoinPart) or to check one tensor's tiling at a time (CheckStructuresTile).
+struct PackedTensors {
+  struct Tensor {
+    std::string name;
+    std::string dtype;
+    uint32_t global_at = 0;  // the global shape: coords[global_at, global_at + dims)
+    uint32_t dims = 0;
+    uint32_t first = 0;      // its pieces: pieces[first, first + count), in the part's order
+    uint32_t count = 0;
+  };
+  struct Piece {
+    uint64_t begin = 0;
+    uint64_t end = 0;
+    uint32_t holder = 0;     // the piece's rank and file: holders[holder]
+    uint32_t at = 0;         // coords[at...]: offset, then shape, then flat (begin, end) pairs
+    uint32_t chunks = 0;     // chunk checksums the piece has
+    uint32_t flat = 0;       // flat ranges
+    uint32_t offset_dims = 0;
+    uint32_t shape_dims = 0;
+  };
+  struct Holder {
+    uint32_t rank = 0;
+    std::string file;
+  };
+  std::vector<Tensor> tensors;  // by name, as Manifest::tensors
+  std::vector<Piece> pieces;
+  std::vector<int64_t> coords;
+  std::vector<Holder> holders;  // a few: one per rank of the part
+
+  // What it takes in memory, roughly.
+  size_t bytes() const;
+  // Tensor `i` as the manifest had it, its checksums empty (placeholders for each chunk).
+  ManifestTensor Unpack(size_t i) const;
+};
+
 // A part with every per-step field cleared, and the digest of its JSON text: equal digests,
 // equal structures (XXH3-64 of the canonical text; a group's structures are few).
 struct PartStructure {
@@ -31,10 +69,15 @@ struct PartStructure {
   // checks and places 10,000 nodes' ranks a step, a cache line per part instead of one per
   // shard.
   std::vector<uint32_t> ranks;
-  // Only a summary (Summarize): `structure` has no tensors. Enough to check a step's
-  // values and describe its ranks, not to check tiling or to join a part again.
+  // Only a summary (Summarize): no tensors, packed or not. Enough to check a step's values
+  // and describe its ranks, not to check tiling or to join a part again.
   bool summary = false;
+  // Everything but the tensors, which are in `tensors`.
   Manifest structure;
+  PackedTensors tensors;
+
+  // What it takes in memory, roughly: what a cache of structures counts.
+  size_t bytes() const;
 };
 
 // What one step of a part says beyond its structure.
@@ -84,5 +127,11 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure);
 
 // Whether `values` fits `structure`, in O(ranks): what a coordinator checks per step.
 absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& values);
+
+// What format::CheckPartsTile says of the parts these structures (each node's, whole) are
+// of: they agree on job and world size, every rank is in exactly one part, each tensor has
+// one dtype and global shape, and its pieces tile it. One tensor is unpacked at a time. The
+// number of tensors when OK; FailedPrecondition when a structure is only a summary.
+absl::StatusOr<uint32_t> CheckStructuresTile(const std::vector<std::pair<uint32_t, const PartStructure*>>& parts);
 
 }  // namespace ckpt::format

@@ -290,6 +290,10 @@ absl::Status CheckTensor(const std::string& name, const ManifestTensor& t) {
 
 }  // namespace
 
+absl::Status CheckTensorTiling(const std::string& name, const ManifestTensor& tensor) {
+  return CheckTensor(name, tensor);
+}
+
 absl::Status CheckTiling(const Manifest& manifest) {
   for (const auto& [name, tensor] : manifest.tensors) {
     if (absl::Status ok = CheckTensor(name, tensor); !ok.ok()) return ok;

@@ -76,6 +76,8 @@ std::optional<Box> FindGap(const Box& whole, const std::vector<Box>& covered);
 // data-parallel rank holds the whole tensor); otherwise FailedPrecondition naming the
 // tensor, and the ranks that overlap or the range nobody holds.
 absl::Status CheckTiling(const Manifest& manifest);
+// The same for one tensor, its pieces gathered from wherever they are held.
+absl::Status CheckTensorTiling(const std::string& name, const ManifestTensor& tensor);
 
 // What MergeManifestParts and CheckTiling together say of these parts (each node's), without
 // building the merged manifest: the parts agree on job, step and world size, every rank is

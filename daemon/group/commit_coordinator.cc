@@ -375,11 +375,11 @@ CommitCoordinator::StructureCheck CommitCoordinator::CheckStructures(const Prepa
   }
   // Checked in place, tensor by tensor: a merged copy of every structure would double the
   // coordinator's memory for a large job's first step.
-  std::vector<std::pair<uint32_t, const format::Manifest*>> shapes;
-  shapes.reserve(parts.size());
-  for (const auto& [node, part] : parts) shapes.emplace_back(node, &part.shape());
+  std::vector<std::pair<uint32_t, const format::PartStructure*>> structures;
+  structures.reserve(parts.size());
+  for (const auto& [node, part] : parts) structures.emplace_back(node, part.structure.get());
   StructureCheck check;
-  absl::StatusOr<uint32_t> tensors = format::CheckPartsTile(shapes);
+  absl::StatusOr<uint32_t> tensors = format::CheckStructuresTile(structures);
   if (tensors.ok()) {
     check.tensors = *tensors;
   } else {

@@ -40,10 +40,9 @@ class StructureCache {
   size_t summaries() const;  // of them, summarized
 
  private:
-  // What a structure costs in memory: its parsed form holds about twice its text, and each
-  // (empty) checksum slot a string of its own; a summary, its ranks.
+  // What a structure costs in memory: its packed tensors and shards; a summary, its ranks.
   static size_t Cost(const format::PartStructure& s) {
-    return s.summary ? 256 + 96 * s.structure.shards.size() : 2 * s.json_bytes + 32 * s.checksums + 256;
+    return s.summary ? 256 + 96 * s.structure.shards.size() : s.bytes();
   }
   using Lru = std::list<std::shared_ptr<const format::PartStructure>>;
   // Over the bound: the least recently used whole structures become summaries (a few bytes

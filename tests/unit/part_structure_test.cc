@@ -51,6 +51,27 @@ TEST_CASE("a part joins back from its structure and values") {
   CHECK(ManifestToJson(*joined) == ManifestToJson(part));
 }
 
+TEST_CASE("packed tensors join back exactly: boxes, flat ranges, several tensors and ranks") {
+  Manifest part = Part(100, "xxh3:00000000000000ab");
+  // A flat piece (FSDP) on each rank, a 0-d tensor, and a piece with no offset (zeros).
+  for (uint32_t r = 2; r < 4; ++r) {
+    TensorShard flat{r, ShardFileName(r), 16, 48, {}, {8}, "xxh3:00000000000000cd", {}, {{4 * r, 4 * r + 4}, {32 + 4 * r, 36 + 4 * r}}};
+    part.tensors["f"].dtype = "BF16";
+    part.tensors["f"].global_shape = {8, 8};
+    part.tensors["f"].shards.push_back(flat);
+    part.tensors["scalar"].dtype = "I64";
+    part.tensors["scalar"].shards.push_back({r, ShardFileName(r), 48, 56, {}, {}, "xxh3:00000000000000ef", {}, {}});
+  }
+  SplitResult split = SplitPart(part);
+  CHECK(split.structure->structure.tensors.empty());  // packed instead
+  REQUIRE(split.structure->tensors.tensors.size() == 3);
+  CHECK(split.structure->tensors.holders.size() == 2);
+  CHECK(split.structure->bytes() < ManifestToJson(part).size());
+  auto joined = JoinPart(*split.structure, split.values);
+  REQUIRE(joined.ok());
+  CHECK(ManifestToJson(*joined) == ManifestToJson(part));
+}
+
 TEST_CASE("steps of the same structure share its digest; a changed structure does not") {
   SplitResult a = SplitPart(Part(100, "xxh3:00000000000000ab"));
   SplitResult b = SplitPart(Part(200, "xxh3:00000000000000cd"));

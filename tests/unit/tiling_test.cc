@@ -3,10 +3,14 @@
 
 #include <string>
 
+#include "format/part_structure.h"
 #include "format/tiling.h"
 #include "tests/fakes/manifest_part.h"
 
 using ckpt::format::CheckPartsTile;
+using ckpt::format::CheckStructuresTile;
+using ckpt::format::PartStructure;
+using ckpt::format::SplitPart;
 using ckpt::format::CheckTiling;
 using ckpt::format::MergeManifestParts;
 using ckpt::format::ElementRange;
@@ -118,11 +122,26 @@ bool SameAsMerged(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
   absl::Status expected = merged.ok() ? CheckTiling(*merged) : merged.status();
   INFO(expected.message());
   REQUIRE(streamed.ok() == expected.ok());
+  // And the same of the parts' packed structures, as a coordinator holds them.
+  std::vector<std::shared_ptr<const PartStructure>> held;
+  std::vector<std::pair<uint32_t, const PartStructure*>> structures;
+  for (const auto& [node, part] : parts) {
+    held.push_back(SplitPart(part).structure);
+    structures.emplace_back(node, held.back().get());
+  }
+  absl::StatusOr<uint32_t> packed = CheckStructuresTile(structures);
+  REQUIRE(packed.ok() == expected.ok());
   if (expected.ok()) {
     CHECK(*streamed == merged->tensors.size());
+    CHECK(*packed == merged->tensors.size());
   } else {
     CHECK(streamed.status().code() == expected.code());
     CHECK(streamed.status().message() == expected.message());
+    CHECK(packed.status().code() == expected.code());
+    // Structures hold no step: what names the step names step 0.
+    if (expected.message().find("step ") == std::string::npos) {
+      CHECK(packed.status().message() == expected.message());
+    }
   }
   return expected.ok();
 }
@@ -155,6 +174,20 @@ TEST_CASE("tiling: parts checked in place say what their merged manifest says") 
     Manifest shape = ManifestPart("job", 1, 2, {1});
     shape.tensors["w"].global_shape = {64};
     CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, shape}}));
+  }
+  SECTION("flat pieces across nodes, tiling and not") {
+    auto flat = [](uint32_t rank, std::vector<ElementRange> ranges) {
+      Manifest m = ckpt::testing::ManifestPart("job", 1, 2, {rank});
+      int64_t n = 0;
+      for (const ElementRange& r : ranges) n += r.end - r.begin;
+      m.tensors["w"].shards[0].offset.clear();
+      m.tensors["w"].shards[0].shape = {n};
+      m.tensors["w"].shards[0].end = m.tensors["w"].shards[0].begin + 4 * static_cast<uint64_t>(n);
+      m.tensors["w"].shards[0].flat = std::move(ranges);
+      return m;
+    };
+    CHECK(SameAsMerged({{0, flat(0, {{0, 8}, {16, 24}})}, {1, flat(1, {{8, 16}, {24, 32}})}}));
+    CHECK_FALSE(SameAsMerged({{0, flat(0, {{0, 9}, {16, 24}})}, {1, flat(1, {{8, 16}, {24, 32}})}}));
   }
   SECTION("parts of another job or world size") {
     CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, ManifestPart("other", 1, 2, {1})}}));
