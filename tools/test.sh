@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command that runs every test: installs what is missing, builds, runs
-# `bazel test //...`, the integration suite again under ASan + UBSan and the unit suite under
-# TSan, and ends with the line "N passed, N failed, N skipped" counting test
+# `bazel test //...`, the integration suite again under ASan + UBSan and the unit and integration
+# suites under TSan, and ends with the line "N passed, N failed, N skipped" counting test
 # cases (GPU tests are skipped, and say so, on machines without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,18 +42,20 @@ if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
   stage_done "integration suite under ASan + UBSan"
 fi
 
-# The unit suite again under ThreadSanitizer (.bazelrc --config=tsan; what it must not report
-# of Debian's uninstrumented gRPC, Abseil and OpenSSL: third_party/tsan_suppressions.cc), in
-# an output base of its own. The integration suite under TSan is a local run (its daemons
-# under TSan take longer than CI's budget): see docs/security.md. CKPTD_SKIP_TSAN=1 leaves
-# it out.
+# The unit and integration suites again under ThreadSanitizer (.bazelrc --config=tsan; what
+# it must not report of Debian's uninstrumented gRPC, Abseil and OpenSSL:
+# third_party/tsan_suppressions.cc, linked into ckptd and every test and helper binary), in
+# an output base of its own. Integration tests stretch their time bounds and shrink their
+# largest states under TSan (kSanitizerSlowdown, tests/integration/harness.h).
+# CKPTD_SKIP_TSAN=1 leaves it out.
 tsan_base="${CKPTD_TSAN_OUTPUT_BASE:-$HOME/.cache/bazel_tsan}"
 tsan_rc=0
 if [ "${CKPTD_SKIP_TSAN:-0}" != 1 ]; then
-  bazel --output_base="$tsan_base" test --config=tsan --symlink_prefix=/ //tests/unit/... -k
+  bazel --output_base="$tsan_base" test --config=tsan --symlink_prefix=/ //tests/unit/... //tests/integration/... -k \
+    --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python"
   tsan_rc=$?
   tsan_logs="$(bazel --output_base="$tsan_base" info --config=tsan bazel-testlogs 2>/dev/null)"
-  stage_done "unit suite under TSan"
+  stage_done "unit and integration suites under TSan"
 fi
 
 # The libFuzzer targets, each for a bounded time (CKPTD_FUZZ_SECONDS, 30 by default) over
@@ -150,7 +152,7 @@ if [ "${CKPTD_SKIP_TSAN:-0}" != 1 ]; then
   while IFS= read -r target; do
     path=${target#//}
     report "$target" "$tsan_logs/${path/://}/test.log" " (tsan)"
-  done < <(bazel query 'tests(//tests/unit/...)' 2>/dev/null | sort)
+  done < <(bazel query 'tests(//tests/unit/...) + tests(//tests/integration/...)' 2>/dev/null | sort)
 fi
 
 while IFS= read -r line; do

@@ -1,16 +1,19 @@
-// Polls `condition` every `interval` until it holds or `timeout` passes; returns whether it
-// held. For tests that wait on another thread or process.
+// Polls `condition` every `interval` until it holds or `timeout` passes (stretched under
+// TSan: sanitizer_slowdown.h); returns whether it held. For tests that wait on another
+// thread or process.
 #pragma once
 
 #include <chrono>
 #include <thread>
+
+#include "tests/fakes/sanitizer_slowdown.h"
 
 namespace ckpt::testing {
 
 template <typename Condition>
 bool WaitUntil(Condition condition, std::chrono::milliseconds timeout,
                std::chrono::milliseconds interval = std::chrono::milliseconds(5)) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = std::chrono::steady_clock::now() + timeout * kSanitizerSlowdown;
   while (!condition()) {
     if (std::chrono::steady_clock::now() >= deadline) return condition();
     std::this_thread::sleep_for(interval);

@@ -80,7 +80,7 @@ TEST_CASE("bad registrations are refused with a message naming the problem") {
                       "tensor w is on GPU GPU-00000000-0000-0000-0000-000000000000, but this "
                       "ckptd has no usable CUDA device"}}) {
     auto r = Run(Helper(d, {"--job", c.job, "register-bad", "--case", c.name}), dir.path());
-    INFO(c.name << ": " << r.out << r.err);
+    INFO(c.name << ": " << r.out << r.err << "\nckptd:\n" << d.Log());
     CHECK(r.exit_code == 0);
     CHECK(Contains(r.out, c.expect));
   }

@@ -37,10 +37,13 @@ namespace fs = std::filesystem;
 namespace {
 
 // Short timeouts keep every case bounded (and the whole file well under a few minutes).
-constexpr auto kGroupTimeout = 1s;   // --group-timeout
-constexpr auto kStepTimeout = 3s;    // --step-timeout
+constexpr auto kGroupTimeout = 1s * kSanitizerSlowdown;   // --group-timeout
+constexpr auto kStepTimeout = 3s * kSanitizerSlowdown;    // --step-timeout
+// Bounds (WaitUntil and Process::Wait stretch them under TSan themselves); the timeouts
+// above are the daemons' own, stretched here.
 constexpr auto kJoinBound = 20s;     // daemons start, join and report every member alive
 constexpr auto kProcessBound = 40s;  // any trainer process
+const std::string kRestoreTimeout = std::to_string(10 * kSanitizerSlowdown) + "s";  // --restore-timeout
 constexpr uint64_t kBytes = 1'000'000;  // per rank
 
 const std::string kToken = "integration-test-group-token-0123456789abcdef";
@@ -166,8 +169,9 @@ class Cluster {
     WriteFile(token_file_, kToken + "\n");
   }
 
-  std::string step_timeout = "3s";   // --step-timeout of daemons not started yet
-  std::string group_timeout = "1s";  // --group-timeout of daemons not started yet
+  // --step-timeout and --group-timeout of daemons not started yet.
+  std::string step_timeout = std::to_string(std::chrono::seconds(kStepTimeout).count()) + "s";
+  std::string group_timeout = std::to_string(std::chrono::seconds(kGroupTimeout).count()) + "s";
   bool metrics_everywhere = true;    // else only node 0 serves /metrics (fewer ports to pick)
   std::string relay_fanout = "32";   // --group-relay-fanout
   // One root for every node (--shared-root) of daemons not started yet; empty: each its own.
@@ -192,7 +196,7 @@ class Cluster {
   std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
                                   "--coordinator", coordinator, "--group-token-file", token_file_,
-                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", "10s",
+                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", kRestoreTimeout,
                                   "--group-relay-fanout", relay_fanout};
     if (metrics_everywhere || n == 0) f.insert(f.end(), {"--metrics-addr", std::to_string(metrics_ports_[n])});
     if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});

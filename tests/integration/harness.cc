@@ -83,7 +83,7 @@ bool Process::Running() {
 }
 
 int Process::Wait(std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto deadline = std::chrono::steady_clock::now() + timeout * kSanitizerSlowdown;  // longer under TSan
   while (Running()) {
     if (std::chrono::steady_clock::now() > deadline) {
       Signal(SIGKILL);
@@ -148,9 +148,20 @@ void Daemon::Start() {
   }
 }
 
+namespace {
+
+// The last `n` bytes of `text`.
+std::string Tail(const std::string& text, size_t n) { return text.size() > n ? text.substr(text.size() - n) : text; }
+
+}  // namespace
+
 int Daemon::Stop() {
   process_->Signal(SIGTERM);
-  return process_->Wait(std::chrono::seconds(60));
+  const int rc = process_->Wait(std::chrono::seconds(60));
+  // What it said last (a sanitizer's report is written as it exits) goes with the check of
+  // its exit code.
+  if (rc != 0) UNSCOPED_INFO("ckptd exited with " << rc << "; the end of its log:\n" << Tail(Log(), 12000));
+  return rc;
 }
 
 void Daemon::Kill() {

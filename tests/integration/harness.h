@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/fakes/sanitizer_slowdown.h"
 #include "tests/fakes/temp_dir.h"
 
 namespace ckpt::testing {
@@ -24,7 +25,8 @@ class Process {
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  // Exit code, or 128+signal; kills the process and fails the wait after `timeout`.
+  // Exit code, or 128+signal; kills the process and fails the wait after `timeout` (times
+  // kSanitizerSlowdown).
   int Wait(std::chrono::milliseconds timeout = std::chrono::seconds(60));
   void Signal(int sig);
   bool Running();

@@ -96,7 +96,7 @@ void SaveRanks(const Daemon& d, const TempDir& dir, uint32_t world, uint64_t ste
   for (const RunResult& r : ReshardRanks(d, dir, world, {"--rows", "3001", "--layout", "rows", "save",
                                                          "--step", std::to_string(step),
                                                          "--wait-committed"})) {
-    INFO(r.out << r.err);
+    INFO(r.out << r.err << d.Log());
     REQUIRE(r.exit_code == 0);
     REQUIRE(Contains(r.out, "saved committed"));
   }
