@@ -116,8 +116,10 @@ size_t PackedTensors::bytes() const {
   for (const Tensor& t : tensors) {
     names += (t.name.size() > 15 ? t.name.capacity() + 1 : 0) + (t.dtype.size() > 15 ? t.dtype.capacity() + 1 : 0);
   }
+  size_t files = 0;
+  for (const Holder& h : holders) files += sizeof(Holder) + h.file.capacity();
   return sizeof(Tensor) * tensors.capacity() + names + sizeof(Piece) * pieces.capacity() +
-         sizeof(int64_t) * coords.capacity() + (sizeof(Holder) + 32) * holders.size();
+         sizeof(int64_t) * coords.capacity() + files;
 }
 
 ManifestTensor PackedTensors::Unpack(size_t i) const {
@@ -147,7 +149,10 @@ ManifestTensor PackedTensors::Unpack(size_t i) const {
 
 size_t PartStructure::bytes() const {
   size_t shards = 0;
-  for (const ManifestShard& s : structure.shards) shards += 128 + 96 * s.train_state.size();
+  for (const ManifestShard& s : structure.shards) {
+    shards += sizeof(ManifestShard) + s.file.capacity();
+    for (const auto& [name, entry] : s.train_state) shards += 96 + name.capacity() + entry.checksum.capacity();
+  }
   return sizeof(PartStructure) + tensors.bytes() + shards + 16 * ranks.size();
 }
 
@@ -311,11 +316,13 @@ absl::StatusOr<uint32_t> CheckStructuresTile(const std::vector<std::pair<uint32_
     const std::vector<std::pair<uint32_t, uint32_t>>& entries = by_name.at(name);
     const std::string text(name);
     ManifestTensor merged;
+    bool seeded = false;  // by the first entry, whatever it holds (a dtype may be empty)
     for (const auto& [p, i] : entries) {
       ManifestTensor t = parts[p].second->tensors.Unpack(i);
-      if (merged.shards.empty() && merged.dtype.empty()) {
+      if (!seeded) {
         merged.dtype = t.dtype;
         merged.global_shape = t.global_shape;
+        seeded = true;
       } else if (absl::Status same = CheckSameTensor(text, parts[p].first, t, merged); !same.ok()) {
         return same;
       }

@@ -32,7 +32,8 @@ struct CodingGroups {
   std::string warning;
 };
 
-// Groups of k + m nodes, the N mod (k + m) left over spread one each over the first groups.
+// Groups of k + m nodes or more: the N mod (k + m) left over are dealt with the others, so
+// that groups differ in size by one at most.
 // InvalidArgument when there are fewer nodes than k + m, or a node is listed twice.
 absl::StatusOr<CodingGroups> FormCodingGroups(std::vector<NodePlace> nodes, int k, int m);
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 namespace ckpt::replicate {
@@ -50,16 +51,31 @@ void ErasureCode::Run(size_t len, int k, int rows, const std::vector<uint8_t>& t
       ec_encode_data(static_cast<int>(n), k, rows, const_cast<uint8_t*>(tables.data()), src.data(), dst.data());
     }
   };
-  const size_t want = std::clamp<size_t>(len / kMinColumnsPerThread, 1, static_cast<size_t>(std::max(threads, 1)));
-  if (want == 1) return columns(0, len);
-  // Whole 64-byte columns per thread, the last thread taking the rest.
-  const size_t share = (len / want + kAlign - 1) / kAlign * kAlign;
+  const std::vector<std::pair<size_t, size_t>> ranges = ColumnRanges(len, threads);
   std::vector<std::thread> workers;
-  for (size_t t = 1; t < want && t * share < len; ++t) {
-    workers.emplace_back(columns, t * share, std::min(len, (t + 1) * share));
+  for (size_t t = 1; t < ranges.size(); ++t) {
+    try {
+      workers.emplace_back(columns, ranges[t].first, ranges[t].second);
+    } catch (const std::system_error&) {  // no thread to be had: this one does it
+      columns(ranges[t].first, ranges[t].second);
+    }
   }
-  columns(0, std::min(len, share));
+  columns(ranges.front().first, ranges.front().second);
   for (std::thread& w : workers) w.join();
+}
+
+std::vector<std::pair<size_t, size_t>> ErasureCode::ColumnRanges(size_t len, int threads) {
+  const size_t want = std::clamp<size_t>(len / kMinColumnsPerThread, 1, static_cast<size_t>(std::max(threads, 1)));
+  // Rounded up twice (to the share, then to 64 bytes), so that `want` shares reach `len`;
+  // the last range ends at `len` whatever the rounding.
+  const size_t share = ((len + want - 1) / want + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t begin = 0; begin < len || out.empty(); begin += share) {
+    out.emplace_back(begin, std::min(len, begin + share));
+    if (out.back().second == len) break;
+  }
+  out.back().second = len;
+  return out;
 }
 
 absl::Status ErasureCode::Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments,

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -44,6 +45,10 @@ class ErasureCode {
   // for fewer than k, repeated or out-of-range indices, or fragments of the wrong size.
   // Corruption is not detected here: fragments carry checksums of their own.
   absl::Status Decode(std::span<const FragmentView> fragments, std::span<uint8_t> out, int threads = 1) const;
+
+  // How Encode and Decode split `len` columns over up to `threads` threads: whole 64-byte
+  // runs, at least 1 MiB each, that cover [0, len) exactly, in order.
+  static std::vector<std::pair<size_t, size_t>> ColumnRanges(size_t len, int threads);
 
  private:
   ErasureCode(int k, int m);

@@ -151,12 +151,16 @@ bool RunGpuBench(const GpuBenchOptions& o, nlohmann::ordered_json& out) {
   // plain cudaMemcpyAsync on a side stream into pinned memory, the same event order.
   enum class Mode { kNone, kOverlapped, kBlocking, kPlainCopy };
   char* pinned = nullptr;
-  cudaMallocHost(reinterpret_cast<void**>(&pinned), state_bytes);
   cudaStream_t side;
-  cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking);
   cudaEvent_t point, copied;
-  cudaEventCreateWithFlags(&point, cudaEventDisableTiming);
-  cudaEventCreateWithFlags(&copied, cudaEventDisableTiming);
+  // Unchecked, a failed allocation would time copies that fail at once: a limit too fast.
+  if (cudaMallocHost(reinterpret_cast<void**>(&pinned), state_bytes) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreateWithFlags(&point, cudaEventDisableTiming) != cudaSuccess ||
+      cudaEventCreateWithFlags(&copied, cudaEventDisableTiming) != cudaSuccess) {
+    out["gpu_error"] = "the training loop's pinned buffer, side stream or events could not be made";
+    return false;
+  }
   uint64_t next_step = 1;
   struct Loop {
     double step_s;

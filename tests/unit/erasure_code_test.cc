@@ -86,6 +86,25 @@ TEST_CASE("threads split the columns and give the same fragments and data") {
   CHECK(DecodeWithout(*code, four, 0b100010, data.size(), 2) == data);  // one data, one parity
 }
 
+TEST_CASE("the threads' column ranges cover every column once, in whole 64-byte runs") {
+  for (size_t len : {size_t{0}, size_t{64}, size_t{1} << 20, (size_t{9} << 20) + 64 * 7,
+                     size_t{64} * (128 * 20000 + 1), size_t{3} << 30}) {
+    for (int threads : {1, 2, 3, 64, 65, 128, 1000}) {
+      auto ranges = ErasureCode::ColumnRanges(len, threads);
+      INFO(len << " columns on " << threads << " threads");
+      REQUIRE_FALSE(ranges.empty());
+      CHECK(ranges.size() <= static_cast<size_t>(threads));
+      CHECK(ranges.front().first == 0);
+      CHECK(ranges.back().second == len);
+      for (size_t i = 0; i < ranges.size(); ++i) {
+        CHECK(ranges[i].first % 64 == 0);
+        CHECK(ranges[i].first <= ranges[i].second);
+        if (i > 0) CHECK(ranges[i].first == ranges[i - 1].second);
+      }
+    }
+  }
+}
+
 TEST_CASE("bad codes and bad fragments are refused, naming the problem") {
   CHECK_THAT(ckpt::Message(ErasureCode::Make(0, 1).status()), Catch::Contains("at least 1 data fragment"));
   CHECK_THAT(ckpt::Message(ErasureCode::Make(2, -1).status()), Catch::Contains("2+-1"));

@@ -189,6 +189,13 @@ TEST_CASE("tiling: parts checked in place say what their merged manifest says") 
     CHECK(SameAsMerged({{0, flat(0, {{0, 8}, {16, 24}})}, {1, flat(1, {{8, 16}, {24, 32}})}}));
     CHECK_FALSE(SameAsMerged({{0, flat(0, {{0, 9}, {16, 24}})}, {1, flat(1, {{8, 16}, {24, 32}})}}));
   }
+  SECTION("a tensor with no dtype and no pieces on one node, the real one on another") {
+    Manifest empty = ckpt::testing::ManifestPart("job", 1, 2, {0});
+    empty.tensors["b"] = {"", {}, {}};
+    Manifest real = ckpt::testing::ManifestPart("job", 1, 2, {1});
+    real.tensors["b"] = {"F32", {16}, {{1, real.shards[0].file, 64, 128, {0}, {16}, "", {}, {}}}};
+    CHECK_FALSE(SameAsMerged({{0, empty}, {1, real}}));
+  }
   SECTION("parts of another job or world size") {
     CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, ManifestPart("other", 1, 2, {1})}}));
     CHECK_FALSE(SameAsMerged({{0, ManifestPart("job", 1, 2, {0})}, {1, ManifestPart("job", 1, 3, {1})}}));
