@@ -443,6 +443,29 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   StructureCheck check = CheckStructures(*parts);
   absl::Status recorded = check.status;
   std::shared_ptr<CommittedStep> committed;
+  // On a shared root the coordinator publishes the whole manifest itself, and a step is
+  // only readable once it has: built before the decision, so that a manifest no reader
+  // accepts aborts the step, naming why, instead of a "committed" step left unreadable in
+  // its .tmp directory (and published again, in vain, at every restart).
+  std::optional<format::Manifest> whole;
+  std::string whole_json;
+  if (recorded.ok() && options_.publish.commit) {
+    absl::StatusOr<format::Manifest> assembled = AssembleWhole(*parts);
+    if (!assembled.ok()) {
+      recorded = assembled.status();
+    } else {
+      whole_json = format::ManifestToJson(*assembled);
+      if (whole_json.size() > options_.max_whole_manifest_bytes) {
+        recorded = absl::FailedPreconditionError(fmt::format(
+            "its whole manifest is {} bytes, more than the {} a reader accepts, and on a shared root the "
+            "coordinator must publish it whole: give each node a root of its own (each then writes its own "
+            "ranks' manifest), or save fewer tensor pieces per step",
+            whole_json.size(), options_.max_whole_manifest_bytes));
+      } else {
+        whole = std::move(*assembled);
+      }
+    }
+  }
   if (recorded.ok()) {
     committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors));
     const std::string record = DecisionRecordJson(key.first, key.second, *committed, *parts);
@@ -455,13 +478,9 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
     // One shared filesystem: the coordinator writes the one manifest before announcing.
     // The decision stands either way; a coordinator restart publishes it again (the step
     // stays in .tmp and is resolved from the log).
-    absl::StatusOr<format::Manifest> whole = AssembleWhole(*parts);
-    absl::Status published = whole.status();
-    if (whole.ok()) {
-      committed->manifest_json = format::ManifestToJson(*whole);
-      (void)log_.RecordManifest(key.first, key.second, committed->manifest_json);
-      published = options_.publish.commit(*whole);
-    }
+    committed->manifest_json = std::move(whole_json);
+    (void)log_.RecordManifest(key.first, key.second, committed->manifest_json);
+    absl::Status published = options_.publish.commit(*whole);
     if (!published.ok()) {
       Log().error("{} committed but not published on the shared root: {}", Prefix(key.first, key.second),
                   Message(published));
@@ -482,8 +501,9 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   if (!recorded.ok()) {
     round->second.nodes = std::move(complete.nodes);  // the aborted attempts are remembered
     AbortLocked(key,
-                check.status.ok() ? fmt::format("the coordinator could not record the decision: {}", Message(recorded))
-                                  : Message(check.status),
+                !check.status.ok()              ? Message(check.status)
+                : absl::IsFailedPrecondition(recorded) ? Message(recorded)  // the whole manifest, above
+                                                : fmt::format("the coordinator could not record the decision: {}", Message(recorded)),
                 out);
     return recent_[key].decision;
   }

@@ -710,6 +710,29 @@ TEST_CASE("commit: a coordinator that publishes on a shared root refuses a part 
   CHECK(published == std::vector<uint64_t>{1});
 }
 
+TEST_CASE("commit: on a shared root, a whole manifest no reader accepts aborts the step, naming why") {
+  MemoryDecisionLog log;
+  CommitCoordinator::Options options;
+  options.max_whole_manifest_bytes = 100;  // far under this job's manifest
+  std::vector<uint64_t> published;
+  options.publish.commit = [&](const format::Manifest& whole) {
+    published.push_back(whole.step);
+    return absl::OkStatus();
+  };
+  CommitCoordinator c(log, options);
+  c.Prepare(0, 1, Part("job", 3, 2, {0}));
+  Decision d = c.Prepare(1, 1, Part("job", 3, 2, {1}));
+  REQUIRE(d.outcome == Outcome::kAborted);
+  CHECK_THAT(d.reason, Catch::Contains("more than the 100 a reader accepts") &&
+                           Catch::Contains("give each node a root of its own"));
+  CHECK(published.empty());
+  CHECK_FALSE(log.HasManifest("job", 3));
+  // Never recorded as committed: a restarted coordinator does not publish it either.
+  CommitCoordinator restarted(log, options);
+  CHECK(restarted.Lookup("job", 3, /*whole_manifest=*/false).outcome != Outcome::kCommitted);
+  CHECK(published.empty());
+}
+
 TEST_CASE("commit: steps waiting for their whole manifest are bounded; the oldest is given up, the newest built") {
   // A log that holds the assembler inside its first manifest record until released.
   struct SlowManifestLog : MemoryDecisionLog {
