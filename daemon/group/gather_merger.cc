@@ -106,7 +106,9 @@ void GatherMerger::Run(MergeKey key, std::shared_ptr<Merge> merge, std::chrono::
   const absl::StatusOr<GatherTable::Distinct> answer =
       stopped.empty() ? send_(key.first, key.second, sent, deadline)
                       : absl::UnavailableError(fmt::format("{}: {}", what_, stopped));
-  for (Done& done : waiting) done(answer);
+  for (Done& done : waiting) {
+    done(answer.ok() ? answer : absl::StatusOr<GatherTable::Distinct>(GatherTable::OwnCopy(answer.status())));
+  }
   std::lock_guard lock(mu_);
   held_bytes_ -= merge->bytes;
   if (auto it = in_flight_.find(key); it != in_flight_.end() && --it->second == 0) in_flight_.erase(it);

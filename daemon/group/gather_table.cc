@@ -62,14 +62,7 @@ const GatherTable::Distinct& GatherTable::Completed::GetDistinct() {
   return distinct;
 }
 
-namespace {
-
-// A status of its own for a waiter on another thread: a copy would share the failing
-// thread's, whose reference count lives in Debian's Abseil, out of TSan's sight (it took
-// the last release for a race).
-absl::Status OwnCopy(const absl::Status& status) { return absl::Status(status.code(), status.message()); }
-
-}  // namespace
+absl::Status GatherTable::OwnCopy(const absl::Status& status) { return absl::Status(status.code(), status.message()); }
 
 std::string GatherTable::Invalid(const std::string& key, uint32_t participants, const std::vector<Sent>& sent) {
   if (sent.empty()) return fmt::format("gather {}: an arrival with no participant", key);

@@ -63,6 +63,10 @@ class GatherTable {
   // Why `sent` cannot arrive in a gather of `participants` (a participant out of range or
   // named twice, none at all); empty when it can. Relays check before they merge, so that
   // one bad arrival does not make node 0 refuse a merge of good ones.
+  // A status of its own for a waiter on another thread: a copy would share the failing
+  // thread's, whose reference count lives in Debian's Abseil, out of TSan's sight (it took
+  // the last release, on the thread that failed, for a race with the waiter's read).
+  static absl::Status OwnCopy(const absl::Status& status);
   static std::string Invalid(const std::string& key, uint32_t participants, const std::vector<Sent>& sent);
 
   // What an arrival holds in a table: its payloads, and about this much per participant
