@@ -166,8 +166,8 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& json, const std::strin
 // appears twice or is missing.
 absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t, Manifest>>& parts);
 
-// What merging parts checks first (MergeManifestParts, and format::CheckPartsTile, which
-// checks without merging): they agree on job, step and world size, and every rank of the
+// What merging parts checks first (MergeManifestParts, and format::CheckStructuresTile,
+// which checks without merging): they agree on job, step and world size, and every rank of the
 // world is in exactly one of them. FailedPrecondition naming the first disagreement.
 absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Manifest*>>& parts);
 // That tensor `name` of `node`'s part has the dtype and global shape of `other`'s.

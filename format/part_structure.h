@@ -128,10 +128,12 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure);
 // Whether `values` fits `structure`, in O(ranks): what a coordinator checks per step.
 absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& values);
 
-// What format::CheckPartsTile says of the parts these structures (each node's, whole) are
-// of: they agree on job and world size, every rank is in exactly one part, each tensor has
-// one dtype and global shape, and its pieces tile it. One tensor is unpacked at a time. The
-// number of tensors when OK; FailedPrecondition when a structure is only a summary.
+// What MergeManifestParts and CheckTiling together say of the parts these structures (each
+// node's, whole) are of, without building the merged manifest: they agree on job and world
+// size, every rank is in exactly one part, each tensor has one dtype and global shape, and
+// its pieces tile it. One tensor is unpacked at a time, so that checking a 10,000-node step
+// costs a tensor's worth of memory. The number of tensors when OK; FailedPrecondition when a
+// structure is only a summary.
 absl::StatusOr<uint32_t> CheckStructuresTile(const std::vector<std::pair<uint32_t, const PartStructure*>>& parts);
 
 }  // namespace ckpt::format

@@ -4,7 +4,6 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
-#include <map>
 #include <numeric>
 #include <set>
 #include <unordered_set>
@@ -299,27 +298,6 @@ absl::Status CheckTiling(const Manifest& manifest) {
     if (absl::Status ok = CheckTensor(name, tensor); !ok.ok()) return ok;
   }
   return absl::OkStatus();
-}
-
-absl::StatusOr<uint32_t> CheckPartsTile(const std::vector<std::pair<uint32_t, const Manifest*>>& parts) {
-  if (absl::Status covered = CheckPartsCoverWorld(parts); !covered.ok()) return covered;
-  // Each tensor's entry in every part that has it, by name (pointers: no piece is copied).
-  std::map<std::string, std::vector<std::pair<uint32_t, const ManifestTensor*>>> tensors;
-  for (const auto& [node, part] : parts) {
-    for (const auto& [name, t] : part->tensors) tensors[name].emplace_back(node, &t);
-  }
-  for (const auto& [name, entries] : tensors) {
-    const ManifestTensor& model = *entries.front().second;
-    ManifestTensor merged{model.dtype, model.global_shape, {}};
-    for (const auto& [node, t] : entries) {
-      if (absl::Status same = CheckSameTensor(name, node, *t, model); !same.ok()) return same;
-      merged.shards.insert(merged.shards.end(), t->shards.begin(), t->shards.end());
-    }
-    std::sort(merged.shards.begin(), merged.shards.end(),
-              [](const TensorShard& a, const TensorShard& b) { return a.rank < b.rank; });
-    if (absl::Status tiled = CheckTensor(name, merged); !tiled.ok()) return tiled;
-  }
-  return static_cast<uint32_t>(tensors.size());
 }
 
 }  // namespace ckpt::format

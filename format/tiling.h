@@ -79,11 +79,4 @@ absl::Status CheckTiling(const Manifest& manifest);
 // The same for one tensor, its pieces gathered from wherever they are held.
 absl::Status CheckTensorTiling(const std::string& name, const ManifestTensor& tensor);
 
-// What MergeManifestParts and CheckTiling together say of these parts (each node's), without
-// building the merged manifest: the parts agree on job, step and world size, every rank is
-// in exactly one part, each tensor has one dtype and global shape, and its pieces tile it.
-// One tensor's pieces are gathered at a time, so that checking a 10,000-node step costs a
-// tensor's worth of memory, not a second copy of every part. The number of tensors when OK.
-absl::StatusOr<uint32_t> CheckPartsTile(const std::vector<std::pair<uint32_t, const Manifest*>>& parts);
-
 }  // namespace ckpt::format

@@ -7,7 +7,6 @@
 #include "format/tiling.h"
 #include "tests/fakes/manifest_part.h"
 
-using ckpt::format::CheckPartsTile;
 using ckpt::format::CheckStructuresTile;
 using ckpt::format::PartStructure;
 using ckpt::format::SplitPart;
@@ -112,17 +111,13 @@ TEST_CASE("flat overlaps, gaps and bad ranges are named with their elements") {
 
 namespace {
 
-// Checks that CheckPartsTile says of `parts` what merging them and checking the merge
-// says; whether they tile.
+// Checks that the parts' packed structures, as a coordinator holds them
+// (CheckStructuresTile), say what merging the parts and checking the merge says; whether
+// they tile.
 bool SameAsMerged(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
-  std::vector<std::pair<uint32_t, const Manifest*>> refs;
-  for (const auto& [node, part] : parts) refs.emplace_back(node, &part);
-  absl::StatusOr<uint32_t> streamed = CheckPartsTile(refs);
   absl::StatusOr<Manifest> merged = MergeManifestParts(parts);
   absl::Status expected = merged.ok() ? CheckTiling(*merged) : merged.status();
   INFO(expected.message());
-  REQUIRE(streamed.ok() == expected.ok());
-  // And the same of the parts' packed structures, as a coordinator holds them.
   std::vector<std::shared_ptr<const PartStructure>> held;
   std::vector<std::pair<uint32_t, const PartStructure*>> structures;
   for (const auto& [node, part] : parts) {
@@ -132,11 +127,8 @@ bool SameAsMerged(const std::vector<std::pair<uint32_t, Manifest>>& parts) {
   absl::StatusOr<uint32_t> packed = CheckStructuresTile(structures);
   REQUIRE(packed.ok() == expected.ok());
   if (expected.ok()) {
-    CHECK(*streamed == merged->tensors.size());
     CHECK(*packed == merged->tensors.size());
   } else {
-    CHECK(streamed.status().code() == expected.code());
-    CHECK(streamed.status().message() == expected.message());
     CHECK(packed.status().code() == expected.code());
     // Structures hold no step: what names the step names step 0.
     if (expected.message().find("step ") == std::string::npos) {
