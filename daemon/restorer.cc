@@ -56,11 +56,9 @@ bool DtypesDiffer(const SessionView& session, const format::Manifest& manifest) 
 // and placement (and dtype, when the restore would cast). Then the manifest need not be read:
 // parsing one of 10,000 tensors took 121 ms, three times the copy of 4 GiB on an H200.
 // Anything else, even a placement written another way, takes the manifest's path.
-bool FitsAsSaved(const SessionView& session, const StagedSnapshot& snap, const RestoreSpec& spec) {
+bool FitsAsSaved(const SessionView& session, const StagedSnapshot& snap,
+                 const std::unordered_map<std::string_view, size_t>& index, const RestoreSpec& spec) {
   if (snap.world_size != session.world_size) return false;
-  std::unordered_map<std::string_view, size_t> index;
-  index.reserve(snap.tensor_count);
-  for (size_t i = 0; i < snap.tensor_count; ++i) index.emplace(snap.shard.entries[i].name, i);
   const bool cast = spec.cast;
   for (const RegisteredTensor& t : *session.tensors) {
     if (!spec.selection.Selects(t.name)) continue;
@@ -76,6 +74,14 @@ bool FitsAsSaved(const SessionView& session, const StagedSnapshot& snap, const R
     }
   }
   return true;
+}
+
+// The snapshot's tensor entries by name (views into the snapshot's own names).
+std::unordered_map<std::string_view, size_t> IndexTensorEntries(const StagedSnapshot& snap) {
+  std::unordered_map<std::string_view, size_t> index;
+  index.reserve(snap.tensor_count);
+  for (size_t i = 0; i < snap.tensor_count; ++i) index.emplace(snap.shard.entries[i].name, i);
+  return index;
 }
 
 }  // namespace
@@ -225,13 +231,14 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   result.found = true;
   result.step = step;
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
+  const EntryIndex entries = hot ? IndexTensorEntries(*hot) : EntryIndex{};
   // Still committed: retention drops a hot copy only after deleting its step, and the pin
   // above came too late for a deletion already under way.
-  if (hot && FitsAsSaved(session, *hot, spec) && store_.Committed(session.job, step)) {
+  if (hot && FitsAsSaved(session, *hot, entries, spec) && store_.Committed(session.job, step)) {
     // The fast path of a crashed trainer: its own snapshot, straight into its buffers.
     result.source = RestoreResult::Source::kMemory;
     result.saved_world_size = hot->world_size;
-    CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
+    CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
   } else {
     // This node's copy of the manifest when it has the step; the remote tier's otherwise.
     absl::StatusOr<format::Manifest> manifest = store_.LoadManifest(session.job, step);
@@ -243,7 +250,7 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
     if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest) &&
         !(spec.cast && DtypesDiffer(session, *manifest))) {
       result.source = RestoreResult::Source::kMemory;
-      CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, result));
+      CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
     } else {
       CKPT_RETURN_IF_ERROR(FromPlan(session, spec, *manifest, result));
     }
@@ -319,21 +326,17 @@ bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set
   return true;
 }
 
-absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec& spec,
-                                  const StagedSnapshot& snap, RestoreResult& result) {
-  std::map<std::string, const format::TensorEntry*> entries;
+absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec& spec, const StagedSnapshot& snap,
+                                  const EntryIndex& entries, RestoreResult& result) {
   std::vector<std::string> stored;
-  for (size_t i = 0; i < snap.tensor_count; ++i) {
-    entries[snap.shard.entries[i].name] = &snap.shard.entries[i];
-    stored.push_back(snap.shard.entries[i].name);
-  }
+  for (size_t i = 0; i < snap.tensor_count; ++i) stored.push_back(snap.shard.entries[i].name);
   CKPT_ASSIGN_OR_RETURN(std::vector<const RegisteredTensor*> matched,
                         MatchTensors(*session.tensors, stored, spec, snap.step, result));
   SplitCopy job;
   std::vector<std::string> problems;
   for (const RegisteredTensor* tensor : matched) {
     const RegisteredTensor& t = *tensor;
-    const format::TensorEntry& e = *entries.at(t.name);
+    const format::TensorEntry& e = snap.shard.entries[entries.at(t.name)];
     if (std::optional<std::string> problem =
             format::LayoutProblem(t.name, e.dtype, e.shape, t.dtype, t.shape, "shape")) {
       problems.push_back(std::move(*problem));

@@ -15,6 +15,8 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -102,8 +104,10 @@ class Restorer {
                                               std::vector<uint64_t> steps);
   absl::StatusOr<RestoreResult> RestoreStep(const SessionView& session, const RestoreSpec& spec,
                                             uint64_t step);
-  absl::Status FromMemory(const SessionView& session, const RestoreSpec& spec,
-                          const StagedSnapshot& snap, RestoreResult& result);
+  // A snapshot's tensor entries by name: their indices in its shard.
+  using EntryIndex = std::unordered_map<std::string_view, size_t>;
+  absl::Status FromMemory(const SessionView& session, const RestoreSpec& spec, const StagedSnapshot& snap,
+                          const EntryIndex& entries, RestoreResult& result);
   // Through the read planner: any placement, from memory or disk, checked before use.
   absl::Status FromPlan(const SessionView& session, const RestoreSpec& spec,
                         const format::Manifest& manifest, RestoreResult& result);
