@@ -449,14 +449,15 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   // its .tmp directory (and published again, in vain, at every restart).
   std::optional<format::Manifest> whole;
   std::string whole_json;
+  absl::Status unpublishable;  // why the step cannot be published whole, before any decision
   if (recorded.ok() && options_.publish.commit) {
     absl::StatusOr<format::Manifest> assembled = AssembleWhole(*parts);
     if (!assembled.ok()) {
-      recorded = assembled.status();
+      unpublishable = assembled.status();
     } else {
       whole_json = format::ManifestToJson(*assembled);
       if (whole_json.size() > options_.max_whole_manifest_bytes) {
-        recorded = absl::FailedPreconditionError(fmt::format(
+        unpublishable = absl::FailedPreconditionError(fmt::format(
             "its whole manifest is {} bytes, more than the {} a reader accepts, and on a shared root the "
             "coordinator must publish it whole: give each node a root of its own (each then writes its own "
             "ranks' manifest), or save fewer tensor pieces per step",
@@ -465,6 +466,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
         whole = std::move(*assembled);
       }
     }
+    recorded = unpublishable;
   }
   if (recorded.ok()) {
     committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors));
@@ -501,9 +503,9 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   if (!recorded.ok()) {
     round->second.nodes = std::move(complete.nodes);  // the aborted attempts are remembered
     AbortLocked(key,
-                !check.status.ok()              ? Message(check.status)
-                : absl::IsFailedPrecondition(recorded) ? Message(recorded)  // the whole manifest, above
-                                                : fmt::format("the coordinator could not record the decision: {}", Message(recorded)),
+                !check.status.ok()   ? Message(check.status)
+                : !unpublishable.ok() ? Message(unpublishable)
+                                      : fmt::format("the coordinator could not record the decision: {}", Message(recorded)),
                 out);
     return recent_[key].decision;
   }
