@@ -59,10 +59,6 @@ void WriteFile(const std::string& path, const std::string& text) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
 }
 
-std::string Tail(const std::string& text, size_t n = 6000) {
-  return text.size() <= n ? text : "..." + text.substr(text.size() - n);
-}
-
 
 int ConnectTcp(int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);

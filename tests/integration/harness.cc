@@ -148,12 +148,9 @@ void Daemon::Start() {
   }
 }
 
-namespace {
-
-// The last `n` bytes of `text`.
-std::string Tail(const std::string& text, size_t n) { return text.size() > n ? text.substr(text.size() - n) : text; }
-
-}  // namespace
+std::string Tail(const std::string& text, size_t n) {
+  return text.size() <= n ? text : "..." + text.substr(text.size() - n);
+}
 
 int Daemon::Stop() {
   process_->Signal(SIGTERM);

@@ -17,6 +17,10 @@ namespace ckpt::testing {
 // Absolute path of a runfile, e.g. Runfile("daemon/ckptd").
 std::string Runfile(const std::string& workspace_relative);
 
+// The last `n` bytes of a log, "..." before them when something was cut: what a failure
+// shows of a daemon's log.
+std::string Tail(const std::string& text, size_t n = 6000);
+
 class Process {
  public:
   // Starts argv[0] with stdout and stderr sent to files under `dir`.
