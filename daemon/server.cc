@@ -199,6 +199,10 @@ absl::Status StartGroup(Server::Parts& p) {
                                         : "0.0.0.0:0";
   o.group_timeout = std::chrono::milliseconds(c.group_timeout_ms);
   o.step_timeout = std::chrono::milliseconds(c.step_timeout_ms);
+  // Tests only: small steps published as an index and parts, as large ones are.
+  if (const char* most = std::getenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES"); most != nullptr) {
+    o.max_whole_manifest_bytes = std::strtoull(most, nullptr, 10);
+  }
   o.relay_fanout = c.group_relay_fanout;
   CKPT_ASSIGN_OR_RETURN(o.token,
                         ReadToken(c.group_token_file, "--group-token-file"));
@@ -223,6 +227,9 @@ absl::Status StartGroup(Server::Parts& p) {
   group::CommitCoordinator::Publisher publish;
   if (p.shared_store) {
     publish.commit = [store = p.store.get()](const format::Manifest& m) { return store->Commit(m); };
+    publish.write_part = [store = p.store.get()](const format::Manifest& part, format::Manifest& index) {
+      return store->WriteManifestPart(part, index);
+    };
     publish.discard = [store = p.store.get()](const std::string& job, uint64_t step) {
       (void)store->AbortStep(job, step);
     };

@@ -2,6 +2,7 @@
 
 #include "storage/local_store.h"
 
+#include "format/indexed_manifest.h"
 #include "format/tiling.h"
 
 #include <fmt/format.h>
@@ -99,6 +100,22 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
   return absl::OkStatus();
 }
 
+absl::Status CheckpointStore::WriteManifestPart(const Manifest& part, Manifest& index) {
+  if (!part.scope || !index.index) {
+    return absl::InvalidArgumentError("a part of an indexed step is a node-scoped manifest added to an index");
+  }
+  const std::string json = ManifestToJson(part);
+  if (json.size() > kMaxManifestBytes) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "node {}'s manifest of step {} of job {} is {} bytes, more than the {} a reader accepts", part.scope->node,
+        part.step, part.job, json.size(), kMaxManifestBytes));
+  }
+  CKPT_RETURN_IF_ERROR(
+      objects_->Put(TempStepKey(part.job, part.step) + "/" + ManifestPartFileName(part.scope->node), json));
+  AddToIndex(index, part, json);
+  return absl::OkStatus();
+}
+
 absl::Status CheckpointStore::RecordPrepared(const Manifest& part) {
   return objects_->Put(TempStepKey(part.job, part.step) + "/" + kPreparedName, ManifestToJson(part));
 }
@@ -156,7 +173,7 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> CheckpointStore::List
       if (auto it = runs_.find({job, step}); it != runs_.end()) run = it->second;
     }
     if (!run) {
-      auto manifest = LoadManifest(job, step);
+      auto manifest = LoadManifest(job, step, Depth::kIndexOnly);
       if (!manifest.ok()) continue;  // deleted meanwhile, or unreadable: not a candidate
       run = manifest->run;
       std::lock_guard lock(mu_);
@@ -177,7 +194,7 @@ absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {
   return jobs;  // List is sorted
 }
 
-absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, uint64_t step) {
+absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, uint64_t step, Depth depth) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   const std::string key = StepKey(job, step) + "/" + kManifestName;
   const std::string path = objects_->Describe(key);
@@ -198,6 +215,16 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   if (manifest.job != job || manifest.step != step) {
     return absl::DataLossError(fmt::format("{} describes job {} step {}", path, manifest.job,
                                            manifest.step));
+  }
+  if (manifest.index) {
+    if (depth == Depth::kIndexOnly) return manifest;
+    const std::string step_key = StepKey(job, step);
+    CKPT_ASSIGN_OR_RETURN(manifest, JoinIndexedManifest(
+                                        manifest,
+                                        [&](const std::string& file, size_t max_bytes) {
+                                          return objects_->Get(step_key + "/" + file, max_bytes);
+                                        },
+                                        kMaxManifestBytes, path));
   }
   // ckptd commits only steps whose shards tile every tensor; one that does not was edited
   // or damaged, and a reader that trusted it could leave part of a tensor unread. A
@@ -225,7 +252,8 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
       CheckpointSummary c;
       c.job = j;
       c.step = step;
-      absl::StatusOr<Manifest> manifest = store.LoadManifest(j, step);
+      // An indexed step's figures are in its index: listing never reads a part per node.
+      absl::StatusOr<Manifest> manifest = store.LoadManifest(j, step, CheckpointStore::Depth::kIndexOnly);
       if (manifest.ok()) {
         c.world_size = manifest->world_size;
         // The whole step's figures, which every node shows alike, though a node-scoped

@@ -53,8 +53,13 @@ class CheckpointStore {
   // --shared-root: this root is one filesystem for every node of the group.
   void set_shared(bool shared) { shared_ = shared; }
   bool shared() const { return shared_; }
-  // Writes the manifest and publishes the step directory.
+  // Writes the manifest and publishes the step directory. An index (Manifest::index) is
+  // written only after each of its parts (WriteManifestPart).
   absl::Status Commit(const Manifest& manifest);
+  // Writes node-scoped `part` into the step's staging as its node's part of an indexed step
+  // (format/indexed_manifest.h) and adds it to `index`. Parts are written before the index
+  // that names them, so a step is never published with one missing.
+  absl::Status WriteManifestPart(const Manifest& part, Manifest& index);
   // Removes an unfinished step directory.
   absl::Status AbortStep(const std::string& job, uint64_t step);
   // Called with the job after AbortStep or Delete removed some of its files (ckptd's disk
@@ -78,7 +83,11 @@ class CheckpointStore {
   absl::StatusOr<std::vector<std::string>> ListJobs();
   // The step's manifest as this store holds it: on a node of a group with node-local disks
   // other than node 0, node-scoped (Manifest::scope: only the node's own ranks).
-  absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step);
+  // An indexed step's parts are read and joined into the whole step's manifest; with
+  // kIndexOnly its index is returned as it is (header and figures, nodes, no tensors): what
+  // listing a step needs, without reading a part per node.
+  enum class Depth { kWhole, kIndexOnly };
+  absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step, Depth depth = Depth::kWhole);
   // Whether the step is committed here (its marker, the manifest, is there); false when it
   // cannot be told.
   bool Committed(const std::string& job, uint64_t step);

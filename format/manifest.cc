@@ -24,6 +24,8 @@ using nlohmann::json;
 
 std::string ShardFileName(uint32_t rank) { return fmt::format("rank-{:05d}.safetensors", rank); }
 
+std::string ManifestPartFileName(uint32_t node) { return fmt::format("manifest-node-{:05d}.json", node); }
+
 uint64_t Manifest::total_bytes() const {
   uint64_t total = 0;
   for (const ManifestShard& s : shards) total += s.bytes;
@@ -39,10 +41,12 @@ const ManifestShard* Manifest::Shard(uint32_t rank) const {
   return it != shards.end() && it->rank == rank ? &*it : nullptr;
 }
 
-uint64_t Manifest::StepBytes() const { return scope ? scope->step_bytes : total_bytes(); }
+uint64_t Manifest::StepBytes() const {
+  return scope ? scope->step_bytes : index ? index->step_bytes : total_bytes();
+}
 
 uint32_t Manifest::StepTensors() const {
-  return scope ? scope->step_tensors : static_cast<uint32_t>(tensors.size());
+  return scope ? scope->step_tensors : index ? index->step_tensors : static_cast<uint32_t>(tensors.size());
 }
 
 std::string ManifestDigest(const std::string& manifest_json) {
@@ -69,6 +73,7 @@ void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& r
 namespace {
 
 int FormatVersionOf(const Manifest& m) {
+  if (m.index) return kManifestIndexFormatVersion;
   if (m.scope) return kManifestScopedFormatVersion;
   for (const auto& [name, t] : m.tensors) {
     for (const TensorShard& s : t.shards) {
@@ -144,6 +149,25 @@ std::string ManifestToJson(const Manifest& m) {
   w.Field("ckptd_version", m.ckptd_version);
   w.Field("format", "ckptd-manifest");
   w.Field("format_version", FormatVersionOf(m));
+  if (m.index) {
+    w.Key("index");
+    w.BeginObject();
+    w.Field("digest", m.index->digest);
+    w.Key("parts");
+    w.BeginArray();
+    for (const ManifestPart& p : m.index->parts) {
+      w.BeginObject();
+      w.Field("bytes", p.bytes);
+      w.Field("checksum", p.checksum);
+      w.Field("file", p.file);
+      w.Field("node", p.node);
+      w.EndObject();
+    }
+    w.EndArray();
+    w.Field("step_bytes", m.index->step_bytes);
+    w.Field("step_tensors", m.index->step_tensors);
+    w.EndObject();
+  }
   w.Field("job", m.job);
   // The checksum is of the text with this field empty (Digest): filled in at the end.
   w.Key(kChecksumKey);
@@ -301,6 +325,76 @@ StepScope ParseStepScope(const json& j) {
   return scope;
 }
 
+// The "index" object (format version 4), each field required and of its type.
+StepIndex ParseStepIndex(const json& j) {
+  if (!j.is_object()) throw BadField("\"index\" is not an object");
+  auto field = [&](const json& o, const char* where, const char* name) -> const json& {
+    auto it = o.find(name);
+    if (it == o.end()) throw BadField(fmt::format("\"{}\" has no \"{}\"", where, name));
+    return *it;
+  };
+  StepIndex index;
+  index.step_bytes = Int<uint64_t>(field(j, "index", "step_bytes"), "index.step_bytes");
+  index.step_tensors = Int<uint32_t>(field(j, "index", "step_tensors"), "index.step_tensors");
+  if (!field(j, "index", "digest").is_string()) throw BadField("\"index.digest\" is not a string");
+  index.digest = j.at("digest").get<std::string>();
+  const json& parts = field(j, "index", "parts");
+  if (!parts.is_array()) throw BadField("\"index.parts\" is not an array");
+  for (const json& p : parts) {
+    if (!p.is_object()) throw BadField("an entry of \"index.parts\" is not an object");
+    ManifestPart part;
+    part.node = Int<uint32_t>(field(p, "index.parts", "node"), "index.parts.node");
+    part.bytes = Int<uint64_t>(field(p, "index.parts", "bytes"), "index.parts.bytes");
+    if (!field(p, "index.parts", "file").is_string() || !field(p, "index.parts", "checksum").is_string()) {
+      throw BadField("\"file\" or \"checksum\" of an entry of \"index.parts\" is not a string");
+    }
+    part.file = p.at("file").get<std::string>();
+    part.checksum = p.at("checksum").get<std::string>();
+    index.parts.push_back(std::move(part));
+  }
+  return index;
+}
+
+// What an index lists against itself: every rank of the world on exactly one node, and one
+// part per node, named for it. Empty when it holds together, else why not.
+std::string IndexProblem(const Manifest& m) {
+  const StepIndex& index = *m.index;
+  if (!m.shards.empty() || !m.tensors.empty()) {
+    return "an index (format version 4) lists shards or tensors; they belong in its parts";
+  }
+  if (!IsDigest(index.digest)) {
+    return fmt::format("index's digest \"{}\" is not \"xxh3:\" and 16 lowercase hex digits", index.digest);
+  }
+  if (m.nodes.empty()) return "an index lists no \"nodes\"";
+  if (index.parts.size() != m.nodes.size()) {
+    return fmt::format("an index lists {} nodes but {} parts", m.nodes.size(), index.parts.size());
+  }
+  std::vector<bool> held(m.world_size, false);
+  uint32_t ranks = 0;
+  for (size_t i = 0; i < m.nodes.size(); ++i) {
+    const ManifestNode& n = m.nodes[i];
+    const ManifestPart& p = index.parts[i];
+    if (i > 0 && n.node <= m.nodes[i - 1].node) return "an index's \"nodes\" are not in strictly ascending order";
+    if (n.ranks.empty()) return fmt::format("node {} of the index holds no ranks", n.node);
+    for (uint32_t r : n.ranks) {
+      if (held[r]) return fmt::format("rank {} is on two nodes of the index", r);  // r < world_size: checked
+      held[r] = true;
+      ++ranks;
+    }
+    if (p.node != n.node || p.file != ManifestPartFileName(n.node)) {
+      return fmt::format("the index's part {} is not node {}'s, {}", i, n.node, ManifestPartFileName(n.node));
+    }
+    if (!IsDigest(p.checksum)) {
+      return fmt::format("node {}'s part checksum \"{}\" is not \"xxh3:\" and 16 lowercase hex digits", n.node,
+                         p.checksum);
+    }
+  }
+  if (ranks != m.world_size) {
+    return fmt::format("the index's nodes hold {} of the {} ranks of the world", ranks, m.world_size);
+  }
+  return {};
+}
+
 // What a node-scoped manifest lists against what its scope says of the whole step; the
 // shards are already known to ascend within the world. Empty when they agree, else why not.
 std::string ScopeProblem(const Manifest& m) {
@@ -370,6 +464,18 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
       return bad(fmt::format("format version {} is a node-scoped manifest, but it has no \"scope\"",
                              m.format_version));
     }
+    // Version 4 is exactly the index: a reader that took one for a whole manifest would
+    // find a step without tensors.
+    if (auto found = j.find("index"); found != j.end()) {
+      if (m.format_version != kManifestIndexFormatVersion) {
+        return bad(fmt::format("it has an \"index\", which needs format version {}, not {}",
+                               kManifestIndexFormatVersion, m.format_version));
+      }
+      m.index = ParseStepIndex(*found);
+    } else if (m.format_version == kManifestIndexFormatVersion) {
+      return bad(fmt::format("format version {} is an index, but it has no \"index\"", m.format_version));
+    }
+    if (m.index && scope != ManifestScope::kWhole) return bad("an index is not a node's part");
     m.job = j.at("job").get<std::string>();
     if (absl::Status valid = ValidateJobName(m.job); !valid.ok()) return bad(std::string(valid.message()));
     m.step = Int<uint64_t>(j.at("step"), "step");
@@ -426,7 +532,7 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
       }
       m.shards.push_back(std::move(shard));
     }
-    if (scope == ManifestScope::kWhole && !m.scope && m.shards.size() != m.world_size) {
+    if (scope == ManifestScope::kWhole && !m.scope && !m.index && m.shards.size() != m.world_size) {
       return bad("shard count differs from world_size");
     }
     if (auto nodes = j.find("nodes"); nodes != j.end()) {
@@ -501,6 +607,9 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     }
     if (m.scope) {
       if (std::string problem = ScopeProblem(m); !problem.empty()) return bad(problem);
+    }
+    if (m.index) {
+      if (std::string problem = IndexProblem(m); !problem.empty()) return bad(problem);
     }
     // Last, so that a manifest that is wrong in a named way says how.
     if (auto sum = j.find(kChecksumKey); sum != j.end()) {

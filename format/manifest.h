@@ -18,11 +18,14 @@ namespace ckpt::format {
 //   2: some shard is a flat shard ("flat" instead of "offset").
 //   3: node-scoped: only the ranks one node holds, and a `scope` (StepScope) saying what the
 //      whole step holds. A reader of version 2 would take it for a step it can read whole.
+//   4: an index (StepIndex): the whole step's header and `nodes`, its shards and tensors in
+//      one node-scoped manifest per node beside it (a step too large for one manifest).
 inline constexpr int kManifestBoxFormatVersion = 1;
 inline constexpr int kManifestFlatFormatVersion = 2;
 inline constexpr int kManifestScopedFormatVersion = 3;
+inline constexpr int kManifestIndexFormatVersion = 4;
 // The newest version this ckptd reads and writes.
-inline constexpr int kManifestFormatVersion = kManifestScopedFormatVersion;
+inline constexpr int kManifestFormatVersion = kManifestIndexFormatVersion;
 // Entries longer than this also get a checksum per chunk of this many bytes (the last one
 // shorter), so that a read of part of an entry (a resharding restore) is verified without
 // reading the whole entry. Recorded in each manifest (Manifest::checksum_chunk_bytes).
@@ -81,6 +84,7 @@ struct ManifestShard {
 struct ManifestNode {
   uint32_t node = 0;
   std::vector<uint32_t> ranks;
+  bool operator==(const ManifestNode&) const = default;
 };
 
 // What the whole step holds, in a manifest that lists only some of its ranks: a node's own
@@ -91,6 +95,26 @@ struct StepScope {
   uint64_t step_bytes = 0;    // shard bytes of the whole step, every node's
   uint32_t step_tensors = 0;  // tensors of the whole step
   std::string digest;         // "xxh3:<16 hex>" of the whole step's manifest.json text
+};
+
+// One node's part of an indexed step: a node-scoped manifest (version 3) in the step
+// directory, named ManifestPartFileName(node), exactly `bytes` long, with this checksum of its
+// text (so that the index binds the very parts it was written with).
+struct ManifestPart {
+  uint32_t node = 0;
+  std::string file;
+  uint64_t bytes = 0;
+  std::string checksum;  // "xxh3:<16 hex>" of the part's text
+};
+
+// A step whose manifest is published as an index and one part per node (format version 4;
+// docs/format.md, "Indexed manifests"): where the whole step's manifest would be larger than
+// a manifest may be.
+struct StepIndex {
+  uint64_t step_bytes = 0;    // shard bytes of the whole step
+  uint32_t step_tensors = 0;  // tensors of the whole step
+  std::string digest;         // the parts' StepScope::digest, every one the same
+  std::vector<ManifestPart> parts;  // one per entry of Manifest::nodes, in its order
 };
 
 struct Manifest {
@@ -116,6 +140,9 @@ struct Manifest {
   // Set when this manifest lists only the ranks of one node (format version 3): `tensors`,
   // `shards` and `nodes` are then that node's alone, and the whole step's figures are here.
   std::optional<StepScope> scope;
+  // Set in an index (format version 4): `tensors` and `shards` are then empty, `nodes` lists
+  // every rank, and each node's part is a manifest of its own (JoinIndexedManifest).
+  std::optional<StepIndex> index;
 
   // Shard bytes of the ranks this manifest lists (the whole step's unless scoped).
   uint64_t total_bytes() const;
@@ -129,7 +156,8 @@ struct Manifest {
   std::optional<uint32_t> NodeOf(uint32_t rank) const;
 };
 
-// Written as format version 3 when `scope` is set; otherwise 2 when some shard is flat, else 1.
+// Written as format version 4 when `index` is set, 3 when `scope` is; otherwise 2 when some
+// shard is flat, else 1.
 std::string ManifestToJson(const Manifest& manifest);
 
 // "xxh3:<16 hex>" of a manifest's JSON text as written: what StepScope::digest records of the
@@ -144,6 +172,8 @@ inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
 
 // "rank-00003.safetensors": the one name a rank's shard file may have.
 std::string ShardFileName(uint32_t rank);
+// "manifest-node-00003.json": the one name node 3's part of an indexed step may have.
+std::string ManifestPartFileName(uint32_t node);
 
 enum class ManifestScope {
   // A committed step: shards are exactly ranks 0..world_size-1, or, in a node-scoped

@@ -326,7 +326,15 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
                           format::ParseManifest(committed.manifest_json, "the coordinator's decision"));
     if (whole.scope) return absl::DataLossError("the coordinator's whole manifest is one node's part");
     CKPT_RETURN_IF_ERROR(CheckWhole(key, whole));
-    if (node_rank_ == 0 || store_.shared()) return whole;
+    if (node_rank_ == 0 || store_.shared()) {
+      // An index names parts the coordinator wrote into the shared step directory: only
+      // there can it be published.
+      if (whole.index && !store_.shared()) {
+        return absl::DataLossError("the coordinator sent an index of parts, which only a shared root holds");
+      }
+      return whole;
+    }
+    if (whole.index) return absl::DataLossError("the coordinator sent an index for a node's own ranks");
     format::Manifest mine =
         group::NodeManifestFromWhole(whole, committed.header.digest, node_rank_);
     if (mine.shards.empty()) {
@@ -424,8 +432,10 @@ absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& 
   for (const auto& [rank, entry] : step->second.durable) {
     std::optional<uint32_t> holder = manifest.NodeOf(rank);
     const persist::WrittenShard& written = entry.second;
+    // An index lists no shards (its parts do, each checked where it is read): the rank's
+    // node is what it says of it.
     const format::ManifestShard* listed = manifest.Shard(rank);
-    if (holder != node_rank_ || listed == nullptr || listed->bytes != written.bytes) {
+    if (holder != node_rank_ || (!manifest.index && (listed == nullptr || listed->bytes != written.bytes))) {
       return absl::DataLossError(fmt::format(
           "the coordinator's manifest does not list rank {} as this node's (node {}) shard of "
           "{} bytes",

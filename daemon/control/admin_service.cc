@@ -179,7 +179,9 @@ grpc::Status AdminService::Show(grpc::ServerContext* ctx, const CheckpointRef* r
   return Guarded("Show", [&]() -> absl::Status {
     // A manifest tells a job's metadata, tensor names and checksums: its owner's to read.
     CKPT_RETURN_IF_ERROR(MayAct(ctx, "show", request->job()));
-    CKPT_ASSIGN_OR_RETURN(format::Manifest m, store_.LoadManifest(request->job(), request->step()));
+    // An indexed step shows its index: its parts together are larger than a reply may be.
+    CKPT_ASSIGN_OR_RETURN(format::Manifest m, store_.LoadManifest(request->job(), request->step(),
+                                                                  format::CheckpointStore::Depth::kIndexOnly));
     reply->set_manifest_json(format::ManifestToJson(m));
     return absl::OkStatus();
   });

@@ -15,9 +15,23 @@
 #include "common/log.h"
 #include "common/names.h"
 #include "common/status.h"
+#include "format/indexed_manifest.h"
 #include "format/tiling.h"
 
 namespace ckpt::group {
+namespace {
+
+// What a reader loads of a step's manifest at most (format::CheckpointStore::kMaxManifestBytes).
+constexpr size_t kMaxRecordedManifestBytes = size_t{64} << 20;
+
+// Whether a recorded manifest is an index (format version 4) rather than a whole manifest.
+bool IsIndex(const std::string& text) {
+  absl::StatusOr<format::Manifest> parsed = format::ParseManifest(text, "the decision log's manifest");
+  return parsed.ok() && parsed->index.has_value();
+}
+
+}  // namespace
+
 namespace {
 
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
@@ -443,46 +457,67 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   StructureCheck check = CheckStructures(*parts);
   absl::Status recorded = check.status;
   std::shared_ptr<CommittedStep> committed;
-  // On a shared root the coordinator publishes the whole manifest itself, and a step is
+  // On a shared root the coordinator publishes the step's manifest itself, and a step is
   // only readable once it has: built before the decision, so that a manifest no reader
   // accepts aborts the step, naming why, instead of a "committed" step left unreadable in
-  // its .tmp directory (and published again, in vain, at every restart).
-  std::optional<format::Manifest> whole;
-  std::string whole_json;
-  absl::Status unpublishable;  // why the step cannot be published whole, before any decision
+  // its .tmp directory (and published again, in vain, at every restart). A step whose whole
+  // manifest would be larger than a manifest may be is published as an index and one part
+  // per node (format/indexed_manifest.h), each part written before the decision is recorded.
+  std::optional<format::Manifest> published_manifest;  // whole, or the index
+  std::string published_json;
+  bool indexed = false;
+  absl::Status unpublishable;  // why the step cannot be published, before any decision
   if (recorded.ok() && options_.publish.commit) {
-    absl::StatusOr<format::Manifest> assembled = AssembleWhole(*parts);
-    if (!assembled.ok()) {
-      unpublishable = assembled.status();
-    } else {
-      whole_json = format::ManifestToJson(*assembled);
-      if (whole_json.size() > options_.max_whole_manifest_bytes) {
-        unpublishable = absl::FailedPreconditionError(fmt::format(
-            "its whole manifest is {} bytes, more than the {} a reader accepts, and on a shared root the "
-            "coordinator must publish it whole: give each node a root of its own (each then writes its own "
-            "ranks' manifest), or save fewer tensor pieces per step",
-            whole_json.size(), options_.max_whole_manifest_bytes));
+    // Far over the limit, the whole manifest is not even built (gigabytes at 10,000 nodes).
+    indexed = WholeManifestEstimate(*parts) > 2 * options_.max_whole_manifest_bytes;
+    if (!indexed) {
+      absl::StatusOr<format::Manifest> assembled = AssembleWhole(*parts);
+      if (!assembled.ok()) {
+        unpublishable = assembled.status();
       } else {
-        whole = std::move(*assembled);
+        published_json = format::ManifestToJson(*assembled);
+        indexed = published_json.size() > options_.max_whole_manifest_bytes;
+        if (indexed) {
+          published_json.clear();
+        } else {
+          published_manifest = std::move(*assembled);
+        }
       }
     }
     recorded = unpublishable;
   }
+  std::string record;
   if (recorded.ok()) {
     committed = std::make_shared<CommittedStep>(DescribeParts(*parts, check.tensors));
-    const std::string record = DecisionRecordJson(key.first, key.second, *committed, *parts);
+    record = DecisionRecordJson(key.first, key.second, *committed, *parts);
     committed->header.digest = format::ManifestDigest(record);
+    if (indexed) {
+      // The parts name the decision's digest, known now, before it is recorded.
+      absl::StatusOr<format::Manifest> index = WriteIndexedParts(*parts, committed->header);
+      if (index.ok()) {
+        published_json = format::ManifestToJson(*index);
+        published_manifest = std::move(*index);
+        Log().info("{} its whole manifest is larger than a manifest may be ({} bytes): published as an index and "
+                   "{} node parts",
+                   Prefix(key.first, key.second), options_.max_whole_manifest_bytes, parts->size());
+      } else {
+        unpublishable = index.status();
+      }
+      recorded = unpublishable;
+    }
+  }
+  if (recorded.ok()) {
     // Durable before anyone hears "committed": a node that renames on this answer must
     // find the same answer after a coordinator crash.
     recorded = log_.RecordCommit(key.first, key.second, record);
   }
   if (recorded.ok() && options_.publish.commit) {
-    // One shared filesystem: the coordinator writes the one manifest before announcing.
-    // The decision stands either way; a coordinator restart publishes it again (the step
-    // stays in .tmp and is resolved from the log).
-    committed->manifest_json = std::move(whole_json);
+    // One shared filesystem: the coordinator writes the one manifest (or the index) before
+    // announcing. The decision stands either way; a coordinator restart publishes it again
+    // (the step stays in .tmp, with its parts, and is resolved from the log).
+    committed->manifest_json = std::move(published_json);
     (void)log_.RecordManifest(key.first, key.second, committed->manifest_json);
-    absl::Status published = options_.publish.commit(*whole);
+    absl::Status published = options_.publish.commit(*published_manifest);
     if (!published.ok()) {
       Log().error("{} committed but not published on the shared root: {}", Prefix(key.first, key.second),
                   Message(published));
@@ -504,7 +539,8 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
     round->second.nodes = std::move(complete.nodes);  // the aborted attempts are remembered
     AbortLocked(key,
                 !check.status.ok()   ? Message(check.status)
-                : !unpublishable.ok() ? Message(unpublishable)
+                : !unpublishable.ok() ? fmt::format("it cannot be published on the shared root: {}",
+                                                    Message(unpublishable))
                                       : fmt::format("the coordinator could not record the decision: {}", Message(recorded)),
                 out);
     return recent_[key].decision;
@@ -723,6 +759,22 @@ std::optional<CommitCoordinator::NotAssembled> CommitCoordinator::WhyNotAssemble
   return std::nullopt;
 }
 
+absl::StatusOr<format::Manifest> CommitCoordinator::WriteIndexedParts(const PreparedParts& parts,
+                                                                     const StepHeader& header) {
+  if (!options_.publish.write_part) {
+    return absl::UnimplementedError("this coordinator cannot publish a manifest in parts");
+  }
+  std::optional<format::Manifest> index;
+  for (const auto& [node, part] : parts) {  // by node, as the index lists them
+    CKPT_ASSIGN_OR_RETURN(format::Manifest joined, format::JoinPart(*part.structure, part.values));
+    format::Manifest mine = NodeManifest(std::move(joined), header, node);
+    if (!index) index = format::IndexHeader(mine);
+    CKPT_RETURN_IF_ERROR(options_.publish.write_part(mine, *index));
+  }
+  if (!index) return absl::InvalidArgumentError("a step without parts");
+  return std::move(*index);
+}
+
 Decision CommitCoordinator::WithoutWholeManifest(const Decision& decision) {
   auto header_only = std::make_shared<CommittedStep>(*decision.committed);
   header_only->parts.reset();
@@ -799,7 +851,14 @@ Decision CommitCoordinator::FromLog(const Key& key, bool whole) {
   }
   if (!decided.ok()) return {Outcome::kPending, Message(decided.status()), nullptr};
   if (whole) {
-    auto manifest = log_.FindManifest(key.first, key.second, options_.max_whole_manifest_bytes);
+    // Read up to what any reader accepts: an index (a shared root's step too large for one
+    // manifest) may be larger than the limit for whole manifests, where a test lowered it.
+    auto manifest = log_.FindManifest(key.first, key.second,
+                                      std::max(options_.max_whole_manifest_bytes, kMaxRecordedManifestBytes));
+    if (manifest.ok() && manifest->has_value() && (*manifest)->size() > options_.max_whole_manifest_bytes &&
+        !IsIndex(**manifest)) {
+      manifest = absl::ResourceExhaustedError("larger than a step's manifest may be");
+    }
     if (absl::IsResourceExhausted(manifest.status())) {
       decided->whole_unavailable = true;  // larger than a step's manifest may be
     } else if (!manifest.ok()) {

@@ -61,6 +61,9 @@ class CommitCoordinator {
   // publishes its own part (node-local disks).
   struct Publisher {
     std::function<absl::Status(const format::Manifest&)> commit;
+    // Writes a node's part of an indexed step into its staging and adds it to the index
+    // (CheckpointStore::WriteManifestPart): a step whose whole manifest is too large.
+    std::function<absl::Status(const format::Manifest& part, format::Manifest& index)> write_part;
     std::function<void(const std::string& job, uint64_t step)> discard;
   };
 
@@ -224,6 +227,9 @@ class CommitCoordinator {
     bool checksums_unused;  // the reason lasts beyond this step: nodes may withhold checksums
   };
   std::optional<NotAssembled> WhyNotAssembled(const PreparedParts& parts) const;
+  // On a shared root, a step too large for one manifest: each node's part, scoped to the
+  // commit `header` (its digest set), written with publish.write_part; returns their index.
+  absl::StatusOr<format::Manifest> WriteIndexedParts(const PreparedParts& parts, const StepHeader& header);
   // The assembler thread: builds and records each committed step's whole manifest after
   // its decision was announced, then answers the waiters that asked for it.
   void AssembleLoop();

@@ -26,6 +26,10 @@ struct GroupOptions {
   // relay's batches at 16 MiB). Settings for tests; operators have no flag for them.
   size_t inline_part_bytes = size_t{8} << 20;
   size_t structure_chunk_bytes = size_t{4} << 20;
+  // On a shared root, a step whose whole manifest is larger than this is published as an
+  // index and a part per node (format/indexed_manifest.h): what a reader loads at most.
+  // Lowered by tests (CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES) to publish small steps so.
+  size_t max_whole_manifest_bytes = size_t{64} << 20;
 
   bool enabled() const { return num_nodes > 1; }
   bool coordinator_role() const { return enabled() && node_rank == 0; }

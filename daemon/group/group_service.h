@@ -59,6 +59,7 @@ struct CoordinatorState {
   CommitCoordinator::Options CommitOptions(const GroupOptions& options, CommitCoordinator::Publisher publish) {
     CommitCoordinator::Options o;
     o.step_timeout = options.step_timeout;
+    o.max_whole_manifest_bytes = options.max_whole_manifest_bytes;
     o.publish = std::move(publish);
     o.forget_structure = [this](const std::string& digest) { structures.Forget(digest); };
     return o;

@@ -107,7 +107,8 @@ std::vector<uint64_t> RetentionKeeper::EphemeralSteps(const std::string& job,
   for (size_t i = 0; i + 1 < steps.size(); ++i) {  // the latest is kept whatever it is
     auto it = known.find(steps[i]);
     if (it == known.end()) {
-      absl::StatusOr<format::Manifest> manifest = store_.LoadManifest(job, steps[i]);
+      absl::StatusOr<format::Manifest> manifest =
+          store_.LoadManifest(job, steps[i], format::CheckpointStore::Depth::kIndexOnly);  // metadata only
       if (!manifest.ok()) continue;  // unreadable: not ours to judge here, ask again later
       auto flag = manifest->metadata.find(kEphemeralKey);
       it = known.emplace(steps[i], flag != manifest->metadata.end() && flag->second == "1").first;

@@ -311,9 +311,26 @@ absl::Status Uploader::Upload(Pending& p) {
                                  std::to_string(m.run));
   }
   CKPT_RETURN_IF_ERROR(WaitForParts(m, Clock::now() - start));
-  CKPT_RETURN_IF_ERROR(remote_.Commit(m));  // the manifest, last
+  CKPT_RETURN_IF_ERROR(PublishManifest(m));  // the manifest, last
   (void)remote_.objects().RemovePrefix(ReportPrefix(m.job, m.step));  // leftovers: RemoveOrphans
   return absl::OkStatus();
+}
+
+absl::Status Uploader::PublishManifest(const format::Manifest& m) {
+  // A step too large for one manifest was published here as an index and a part per node
+  // (format/indexed_manifest.h): the remote tier gets the same files, the index last, so that
+  // its readers join the parts the index names by their checksums.
+  absl::StatusOr<format::Manifest> index =
+      local_.LoadManifest(m.job, m.step, format::CheckpointStore::Depth::kIndexOnly);
+  if (!index.ok() || !index->index) return remote_.Commit(m);
+  const std::string from = format::CheckpointStore::StepKey(m.job, m.step) + "/";
+  const std::string to = remote_.TempStepKey(m.job, m.step) + "/";
+  for (const format::ManifestPart& part : index->index->parts) {
+    CKPT_ASSIGN_OR_RETURN(std::string text,
+                          local_.objects().Get(from + part.file, format::CheckpointStore::kMaxManifestBytes));
+    CKPT_RETURN_IF_ERROR(remote_.objects().Put(to + part.file, text));
+  }
+  return remote_.Commit(*index);
 }
 
 void Uploader::RemoveOrphans(const std::string& job, uint64_t published) {

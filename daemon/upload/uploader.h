@@ -128,6 +128,9 @@ class Uploader {
   absl::StatusOr<Pending> FollowedFromDisk(const std::string& job, uint64_t step);
   // One attempt at `p`; Cancelled when stopping or when a newer step replaced it while
   // the publisher waits for other nodes' files.
+  // Writes the step's manifest on the remote tier once every file it lists is there: the
+  // whole one, or the index and parts of a step published as one (a shared root).
+  absl::Status PublishManifest(const format::Manifest& m);
   absl::Status Upload(Pending& p);
   absl::Status CopyFile(const Pending& p, const format::ManifestShard& shard);
   absl::Status WaitForParts(const format::Manifest& manifest,

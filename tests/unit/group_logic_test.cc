@@ -20,6 +20,7 @@
 #include "daemon/group/decision_log.h"
 #include "daemon/group/gather_table.h"
 #include "daemon/group/membership.h"
+#include "format/indexed_manifest.h"
 #include "format/manifest.h"
 #include "tests/fakes/temp_dir.h"
 #include "tests/fakes/wait_until.h"
@@ -710,27 +711,62 @@ TEST_CASE("commit: a coordinator that publishes on a shared root refuses a part 
   CHECK(published == std::vector<uint64_t>{1});
 }
 
-TEST_CASE("commit: on a shared root, a whole manifest no reader accepts aborts the step, naming why") {
+TEST_CASE("commit: on a shared root, a step too large for one manifest is published as an index and a part per node") {
+  // Just over the limit (assembled, then found too large) and far over it (never assembled).
+  const bool far_over = GENERATE(false, true);
   MemoryDecisionLog log;
   CommitCoordinator::Options options;
-  options.max_whole_manifest_bytes = 100;  // far under this job's manifest
-  std::vector<uint64_t> published;
-  options.publish.commit = [&](const format::Manifest& whole) {
-    published.push_back(whole.step);
+  options.max_whole_manifest_bytes = far_over ? 100 : WholeManifestBytes() - 1;
+  std::vector<format::Manifest> published, parts;
+  bool fail_parts = false;
+  options.publish.commit = [&](const format::Manifest& m) {
+    published.push_back(m);
+    return absl::OkStatus();
+  };
+  options.publish.write_part = [&](const format::Manifest& part, format::Manifest& index) {
+    if (fail_parts) return absl::ResourceExhaustedError("no space left on the shared root");
+    parts.push_back(part);
+    format::AddToIndex(index, part, format::ManifestToJson(part));
     return absl::OkStatus();
   };
   CommitCoordinator c(log, options);
-  c.Prepare(0, 1, Part("job", 3, 2, {0}));
-  Decision d = c.Prepare(1, 1, Part("job", 3, 2, {1}));
-  REQUIRE(d.outcome == Outcome::kAborted);
-  CHECK_THAT(d.reason, Catch::Contains("more than the 100 a reader accepts") &&
-                           Catch::Contains("give each node a root of its own"));
-  CHECK(published.empty());
-  CHECK_FALSE(log.HasManifest("job", 3));
-  // Never recorded as committed: a restarted coordinator does not publish it either.
+  c.Prepare(0, 1, Part("job", 4, 2, {0}));
+  Decision d = c.Prepare(1, 1, Part("job", 4, 2, {1}));
+  REQUIRE(d.outcome == Outcome::kCommitted);
+  REQUIRE(published.size() == 1);
+  const format::Manifest& index = published[0];
+  REQUIRE(index.index.has_value());
+  // Each part is its node's ranks, scoped to this very decision.
+  REQUIRE(parts.size() == 2);
+  for (uint32_t node : {0u, 1u}) {
+    REQUIRE(parts[node].scope.has_value());
+    CHECK(parts[node].scope->node == node);
+    CHECK(parts[node].scope->digest == format::ManifestDigest(log.Record("job", 4)));
+    CHECK(parts[node].shards.size() == 1);
+    CHECK(parts[node].shards[0].rank == node);
+  }
+  CHECK(index.index->digest == d.committed->header.digest);
+  CHECK(index.nodes == std::vector<format::ManifestNode>{{0, {0}}, {1, {1}}});
+  // What node 0 hears, and the log keeps, is the index: small, whatever the step's size.
+  auto heard = format::ParseManifest(d.committed->manifest_json, "answer");
+  REQUIRE(heard.ok());
+  CHECK(heard->index.has_value());
+  CHECK(log.HasManifest("job", 4));
   CommitCoordinator restarted(log, options);
-  CHECK(restarted.Lookup("job", 3, /*whole_manifest=*/false).outcome != Outcome::kCommitted);
-  CHECK(published.empty());
+  Decision again = restarted.Lookup("job", 4, /*whole_manifest=*/true);
+  REQUIRE(again.outcome == Outcome::kCommitted);
+  CHECK(again.committed->manifest_json == d.committed->manifest_json);
+
+  // A part that cannot be written aborts the step before any decision, naming why.
+  fail_parts = true;
+  c.Prepare(0, 1, Part("job", 5, 2, {0}));
+  Decision five = c.Prepare(1, 1, Part("job", 5, 2, {1}));
+  REQUIRE(five.outcome == Outcome::kAborted);
+  CHECK_THAT(five.reason, Catch::Contains("cannot be published on the shared root") &&
+                              Catch::Contains("no space left on the shared root"));
+  CHECK(published.size() == 1);
+  CommitCoordinator after(log, options);
+  CHECK(after.Lookup("job", 5, /*whole_manifest=*/false).outcome != Outcome::kCommitted);
 }
 
 TEST_CASE("commit: steps waiting for their whole manifest are bounded; the oldest is given up, the newest built") {

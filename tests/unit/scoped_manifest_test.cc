@@ -142,9 +142,12 @@ TEST_CASE("version 3 without a scope, and a scope in an older version, are refus
   auto whole = nlohmann::json::parse(ManifestToJson(Whole()));
   whole["scope"] = j["scope"];
   RefusedFor(whole, "needs format version 3");
+  auto indexed = j;
+  indexed["format_version"] = 4;
+  RefusedFor(indexed, "needs format version 3, not 4");
   auto newer = j;
-  newer["format_version"] = 4;
-  RefusedFor(newer, "newer than this ckptd understands (3)");
+  newer["format_version"] = 5;
+  RefusedFor(newer, "newer than this ckptd understands (4)");
 }
 
 TEST_CASE("a manifest describes at most 1M ranks, so that no reader walks billions of other nodes' ranks") {

@@ -1,0 +1,37 @@
+// Indexed steps (format version 4; docs/format.md, "Indexed manifests"). A step whose whole
+// manifest would be larger than a manifest may be (CheckpointStore::kMaxManifestBytes: about
+// 290,000 tensor pieces, e.g. 64 nodes x 8 ranks x 600 tensors) is published as one
+// node-scoped manifest per node (version 3, each its node's ranks only) and, last, an index
+// in manifest.json naming each part by its size and checksum. No file is ever larger than a
+// node's share, and a reader that needs the whole step joins the parts.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "format/manifest.h"
+
+namespace ckpt::format {
+
+// The index of a step, its header taken from `part` (a node-scoped manifest of the step:
+// every part of one commit has the same header and scope figures), with no parts yet.
+Manifest IndexHeader(const Manifest& part);
+
+// Adds node-scoped `part`, whose text as written is `text`, to `index`. Parts are added in
+// ascending node order.
+void AddToIndex(Manifest& index, const Manifest& part, const std::string& text);
+
+// Reads the text of a part of the step by its file name (ManifestPartFileName), at most
+// `max_bytes` of it.
+using PartReader = std::function<absl::StatusOr<std::string>(const std::string& file, size_t max_bytes)>;
+
+// The whole step's manifest from `index` and its parts, read by `read`. Each part must be
+// the very one the index names (its size and checksum), a node-scoped manifest of the same
+// step and commit (header and digest) listing exactly the ranks the index gives its node;
+// DataLoss naming `where` and the part otherwise. The whole step's tiling is the caller's
+// to check, as for any whole manifest.
+absl::StatusOr<Manifest> JoinIndexedManifest(const Manifest& index, const PartReader& read, size_t max_part_bytes,
+                                             const std::string& where);
+
+}  // namespace ckpt::format
