@@ -62,6 +62,17 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
 
+void AppendRanks(Manifest& manifest, Manifest more) {
+  auto by_rank = [](const auto& a, const auto& b) { return a.rank < b.rank; };
+  for (ManifestShard& s : more.shards) manifest.shards.push_back(std::move(s));
+  std::sort(manifest.shards.begin(), manifest.shards.end(), by_rank);
+  for (auto& [name, t] : more.tensors) {
+    auto [it, first] = manifest.tensors.try_emplace(name, ManifestTensor{t.dtype, t.global_shape, {}});
+    for (TensorShard& s : t.shards) it->second.shards.push_back(std::move(s));
+    std::sort(it->second.shards.begin(), it->second.shards.end(), by_rank);
+  }
+}
+
 void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& remove) {
   std::erase_if(manifest.shards, [&](const ManifestShard& s) { return remove(s.rank); });
   for (auto& [name, tensor] : manifest.tensors) {

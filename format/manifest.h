@@ -204,6 +204,10 @@ absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Ma
 absl::Status CheckSameTensor(const std::string& name, uint32_t node, const ManifestTensor& t,
                              const ManifestTensor& other);
 
+// Adds the shards and tensor pieces of `more` (other ranks of the same step) to `manifest`,
+// keeping both in rank order: the parts one node prepared at different times, as one.
+void AppendRanks(Manifest& manifest, Manifest more);
+
 // Removes the shards and tensor pieces of every rank `remove` names, and the tensors left
 // without pieces: a node's ranks cut from a whole manifest, or ranks said again cut from
 // an older part. `nodes` and `scope` are left as they are.

@@ -141,6 +141,10 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
   const std::string dir_name = store.StepDir(job, step);             // what messages call it
   std::set<std::string> known = {"manifest.json"};
   for (const format::ManifestShard& shard : manifest.shards) known.insert(shard.file);
+  // An indexed step's parts are its files too (each checked against the index when joined).
+  if (auto index = store.LoadManifest(job, step, format::CheckpointStore::Depth::kIndexOnly); index.ok() && index->index) {
+    for (const format::ManifestPart& part : index->index->parts) known.insert(part.file);
+  }
   if (absl::StatusOr<std::vector<storage::ListEntry>> files = store.objects().List(dir); files.ok()) {
     for (const storage::ListEntry& file : *files) {
       if (!known.count(file.name)) {

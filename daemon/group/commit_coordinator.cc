@@ -506,6 +506,14 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
       recorded = unpublishable;
     }
   }
+  if (recorded.ok() && options_.publish.commit) {
+    // What a coordinator that restarts after the decision publishes the step from: recorded
+    // first (a manifest with no decision beside it is a step presumed aborted).
+    if (absl::Status kept = log_.RecordManifest(key.first, key.second, published_json); !kept.ok()) {
+      unpublishable = Annotate(kept, "recording its manifest beside the decision");
+      recorded = unpublishable;
+    }
+  }
   if (recorded.ok()) {
     // Durable before anyone hears "committed": a node that renames on this answer must
     // find the same answer after a coordinator crash.
@@ -516,7 +524,6 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
     // announcing. The decision stands either way; a coordinator restart publishes it again
     // (the step stays in .tmp, with its parts, and is resolved from the log).
     committed->manifest_json = std::move(published_json);
-    (void)log_.RecordManifest(key.first, key.second, committed->manifest_json);
     absl::Status published = options_.publish.commit(*published_manifest);
     if (!published.ok()) {
       Log().error("{} committed but not published on the shared root: {}", Prefix(key.first, key.second),
@@ -764,9 +771,17 @@ absl::StatusOr<format::Manifest> CommitCoordinator::WriteIndexedParts(const Prep
   if (!options_.publish.write_part) {
     return absl::UnimplementedError("this coordinator cannot publish a manifest in parts");
   }
-  std::optional<format::Manifest> index;
-  for (const auto& [node, part] : parts) {  // by node, as the index lists them
+  // One manifest per node, in the order of the nodes as the index lists them: parts are in
+  // arrival order, and a node whose ranks became durable at different times prepared them in
+  // several parts.
+  std::map<uint32_t, format::Manifest> by_node;
+  for (const auto& [node, part] : parts) {
     CKPT_ASSIGN_OR_RETURN(format::Manifest joined, format::JoinPart(*part.structure, part.values));
+    auto [it, first] = by_node.try_emplace(node, std::move(joined));
+    if (!first) format::AppendRanks(it->second, std::move(joined));
+  }
+  std::optional<format::Manifest> index;
+  for (auto& [node, joined] : by_node) {
     format::Manifest mine = NodeManifest(std::move(joined), header, node);
     if (!index) index = format::IndexHeader(mine);
     CKPT_RETURN_IF_ERROR(options_.publish.write_part(mine, *index));

@@ -25,7 +25,9 @@ class DecisionLog {
   virtual absl::StatusOr<std::optional<std::string>> FindCommit(const std::string& job,
                                                                 uint64_t step) = 0;
   // The whole step's manifest, written once it is assembled, after the decision was
-  // announced: for node 0, and for a node that asks for it after a coordinator restart.
+  // announced: for node 0, and for a node that asks for it after a coordinator restart. On a
+  // shared root, the manifest (or index) the coordinator publishes, written before the
+  // decision: what a restarted coordinator publishes the step from.
   virtual absl::Status RecordManifest(const std::string& job, uint64_t step,
                                       const std::string& manifest_json) = 0;
   // nullopt when it was never recorded (the coordinator stopped in between) or pruned;

@@ -23,14 +23,8 @@ class FileDecisionLog : public DecisionLog {
                             const std::string& manifest_json) override {
     CKPT_RETURN_IF_ERROR(ValidateJobName(job));
     std::lock_guard lock(mu_);
-    std::string job_dir = dir_ + "/" + job;
-    if (!fs_->Exists(job_dir)) {
-      // Decisions and manifests of every job: the log is ckptd's alone (0700), as a job's
-      // own files are its owner's (docs/security.md).
-      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(dir_));
-      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(job_dir));
-      CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
-    }
+    std::string job_dir;
+    CKPT_ASSIGN_OR_RETURN(job_dir, JobDirLocked(job));
     CKPT_RETURN_IF_ERROR(WriteFileAtomically(*fs_, Path(job, step), manifest_json));
     Prune(job, job_dir, step);
     return absl::OkStatus();
@@ -45,7 +39,12 @@ class FileDecisionLog : public DecisionLog {
   absl::Status RecordManifest(const std::string& job, uint64_t step,
                               const std::string& manifest_json) override {
     CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-    // Written after the record, into the job's directory the record made.
+    // After the record, or before it (a shared root's, which must be there to publish from
+    // after a restart): the job's directory may not be there yet.
+    {
+      std::lock_guard lock(mu_);
+      CKPT_RETURN_IF_ERROR(JobDirLocked(job).status());
+    }
     return WriteFileAtomically(*fs_, ManifestPath(job, step), manifest_json);
   }
 
@@ -70,6 +69,19 @@ class FileDecisionLog : public DecisionLog {
     return fmt::format("{}/{}/step-{:08d}.manifest.json", dir_, job, step);
   }
 
+  // The job's directory of the log, made on first use.
+  absl::StatusOr<std::string> JobDirLocked(const std::string& job) {
+    std::string job_dir = dir_ + "/" + job;
+    if (!fs_->Exists(job_dir)) {
+      // Decisions and manifests of every job: the log is ckptd's alone (0700), as a job's
+      // own files are its owner's (docs/security.md).
+      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(dir_));
+      CKPT_RETURN_IF_ERROR(fs_->MakePrivateDir(job_dir));
+      CKPT_RETURN_IF_ERROR(fs_->SyncDir(dir_));  // the new job directory itself is durable
+    }
+    return job_dir;
+  }
+
   absl::StatusOr<std::optional<std::string>> Read(const std::string& path) {
     if (!fs_->Exists(path)) return std::optional<std::string>();
     CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(*fs_, path));
@@ -92,13 +104,18 @@ class FileDecisionLog : public DecisionLog {
       }
       std::vector<uint64_t> found;
       for (const std::string& name : *names) {
-        uint64_t step;
-        if (name.size() > 5 && name.compare(name.size() - 5, 5, ".json") == 0 &&
-            format::ParseStepDirName(name.substr(0, name.size() - 5), &step) && step != recorded) {
-          found.push_back(step);
+        // Records, and manifests without one (recorded before a decision that never was).
+        for (std::string_view suffix : {std::string_view(".manifest.json"), std::string_view(".json")}) {
+          uint64_t step;
+          if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+              format::ParseStepDirName(name.substr(0, name.size() - suffix.size()), &step)) {
+            if (step != recorded) found.push_back(step);
+            break;
+          }
         }
       }
       std::sort(found.begin(), found.end());
+      found.erase(std::unique(found.begin(), found.end()), found.end());
       order.assign(found.begin(), found.end());
     }
     std::erase(order, recorded);  // recorded again (a retried commit): now the newest

@@ -523,6 +523,72 @@ TEST_CASE("two daemons on one --shared-root register the same new jobs at once: 
   }
 }
 
+TEST_CASE("a shared root: a step too large for one manifest is published as an index and a part per node, and reads back whole") {
+  // The coordinator is told that a whole manifest may be 1,000 bytes at most (the reader's
+  // limit is 64 MiB: about 290,000 tensor pieces), so that this small step takes the path
+  // of a large one.
+  Cluster c({{0, 1}, {2, 3}, {4}});
+  TempDir shared_disk;
+  c.shared_root = shared_disk / "root";
+  REQUIRE(fs::create_directories(c.shared_root));
+  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);
+  c.Start(0);
+  ::unsetenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES");
+  c.Start(1);
+  c.Start(2);
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+
+  const std::string step = c.StepDir(0, 10);
+  std::set<std::string> want = {"manifest.json", "manifest-node-00000.json", "manifest-node-00001.json",
+                                "manifest-node-00002.json"};
+  for (uint32_t r = 0; r < c.world_size(); ++r) want.insert(ShardName(r));
+  CHECK(Entries(step) == want);
+  json index = json::parse(ReadFile(step + "/manifest.json"), nullptr, false);
+  REQUIRE_FALSE(index.is_discarded());
+  CHECK(index["format_version"] == 4);
+  CHECK(index["tensors"].empty());
+  REQUIRE(index["index"]["parts"].size() == 3);
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n << "'s part");
+    json part = json::parse(ReadFile(step + "/manifest-node-0000" + std::to_string(n) + ".json"), nullptr, false);
+    REQUIRE_FALSE(part.is_discarded());
+    CHECK(part["format_version"] == 3);
+    CHECK(part["scope"]["node"] == n);
+    CHECK(part["scope"]["digest"] == index["index"]["digest"]);
+    CHECK(part["shards"].size() == c.ranks(n).size());
+  }
+  // Every node lists the whole step's figures from the index alone, and verifies every
+  // rank's shard through the joined parts.
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    INFO("node " << n);
+    json l = json::parse(c.node(n).Ctl({"--json", "list"}).out, nullptr, false);
+    REQUIRE_FALSE(l.is_discarded());
+    REQUIRE(l["checkpoints"].size() == 1);
+    CHECK(U64(l["checkpoints"][0]["bytes"]) == U64(index["index"]["step_bytes"]));
+    CHECK(l["checkpoints"][0].value("error", "") == "");
+  }
+  RunResult verify = c.node(1).Ctl({"--job", "g", "verify", "10"});
+  INFO("ckptctl verify 10: " << verify.out << verify.err);
+  CHECK(verify.exit_code == 0);
+  CHECK_FALSE(Contains(verify.out, "held by other nodes"));
+
+  // From disk after a restart of every daemon: each rank's bytes come through the parts.
+  for (int n = c.num_nodes() - 1; n >= 0; --n) CHECK(c.node(n).Stop() == 0);
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node rejoined after the restart", c.AllAlive());
+  c.RestoreAll(10, {"disk", "disk", "disk"});
+  // A part edited behind ckptd's back: the step no longer reads, and the reason names it.
+  const std::string part_path = step + "/manifest-node-00001.json";
+  std::string part = ReadFile(part_path);
+  part.replace(part.find("\"metadata\""), 10, "\"metadatb\"");
+  WriteFile(part_path, part);
+  RunResult broken = c.node(2).Ctl({"--job", "g", "verify", "10"});
+  INFO(broken.out << broken.err);
+  CHECK(broken.exit_code != 0);
+  CHECK(Contains(broken.out + broken.err, "manifest-node-00001.json"));
+}
+
 TEST_CASE("64 daemons commit a step together and every rank restores it") {
 #if defined(__SANITIZE_ADDRESS__)
   constexpr uint32_t kNodes = 16;  // under ASan each daemon costs several times the memory and CPU
@@ -794,6 +860,48 @@ TEST_CASE("the coordinator dies between recording a commit and announcing it: af
   c.RestoreAll(10, {"disk", "memory", "memory"});
   c.SaveAllCommitted(20);
   CheckScopedManifests(c, 20);  // the next step is whole on node 0 again
+}
+
+TEST_CASE("a shared root: the coordinator dies after recording an indexed step's commit; after restart it publishes the step") {
+  Cluster c({{0}, {1, 2}, {3}});
+  TempDir shared_disk;
+  c.shared_root = shared_disk / "root";
+  REQUIRE(fs::create_directories(c.shared_root));
+  ::setenv("CKPTD_FAULT", "exit-after-commit-record", 1);
+  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);
+  c.Start(0);
+  ::unsetenv("CKPTD_FAULT");
+  c.Start(1);
+  c.Start(2);
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  auto savers = c.SaveRanks(c.AllRanks(), 10);
+  REQUIRE_WITHIN(c, 30s, "the coordinator records the decision and exits",
+                 Contains(c.node(0).Log(), "CKPTD_FAULT=exit-after-commit-record: exiting"));
+  CHECK(c.node(0).Stop() == 99);
+  // Decided, not published: the parts are in the step's staging, the index is not.
+  const std::string step = c.StepDir(0, 10);
+  CHECK_FALSE(fs::exists(step));
+  CHECK(fs::exists(step + ".tmp/manifest-node-00001.json"));
+  CHECK(savers[0]->Wait(kProcessBound) != 0);  // its daemon died under it
+
+  c.Start(0);  // without the fault, still publishing large steps as an index
+  ::unsetenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES");
+  REQUIRE_WITHIN(c, 30s, "step 10 is published from the decision log and no .tmp is left",
+                 fs::exists(step + "/manifest.json") && !fs::exists(step + ".tmp"));
+  for (size_t i = 1; i < savers.size(); ++i) {
+    int rc = savers[i]->Wait(kProcessBound);
+    INFO("rank " << i << ": " << savers[i]->Stdout() << c.Logs());
+    CHECK(rc == 0);
+    CHECK(Contains(savers[i]->Stdout(), "committed"));
+  }
+  json index = json::parse(ReadFile(step + "/manifest.json"), nullptr, false);
+  REQUIRE_FALSE(index.is_discarded());
+  CHECK(index["format_version"] == 4);
+  REQUIRE_WITHIN(c, kJoinBound, "every member alive after the coordinator restart", c.AllAlive());
+  RunResult verify = c.node(2).Ctl({"--job", "g", "verify", "10"});
+  INFO(verify.out << verify.err);
+  CHECK(verify.exit_code == 0);
+  c.RestoreAll(10, {"disk", "memory", "memory"});
 }
 
 TEST_CASE("a rank that never snapshots: the step aborts after --step-timeout, staging is freed, the next step commits") {

@@ -757,6 +757,19 @@ TEST_CASE("commit: on a shared root, a step too large for one manifest is publis
   REQUIRE(again.outcome == Outcome::kCommitted);
   CHECK(again.committed->manifest_json == d.committed->manifest_json);
 
+  // A node that prepared its ranks at different times (rank 2, then rank 0) has one part.
+  parts.clear();
+  c.Prepare(0, 1, Part("job", 6, 3, {2}));
+  c.Prepare(1, 1, Part("job", 6, 3, {1}));
+  REQUIRE(c.Prepare(0, 1, Part("job", 6, 3, {0})).outcome == Outcome::kCommitted);
+  REQUIRE(parts.size() == 2);
+  CHECK(parts[0].scope->node == 0);
+  REQUIRE(parts[0].shards.size() == 2);
+  CHECK(parts[0].shards[0].rank == 0);
+  CHECK(parts[0].shards[1].rank == 2);
+  CHECK(published.back().nodes == std::vector<format::ManifestNode>{{0, {0, 2}}, {1, {1}}});
+  CHECK(format::ParseManifest(format::ManifestToJson(published.back()), "index").ok());
+
   // A part that cannot be written aborts the step before any decision, naming why.
   fail_parts = true;
   c.Prepare(0, 1, Part("job", 5, 2, {0}));
@@ -764,7 +777,7 @@ TEST_CASE("commit: on a shared root, a step too large for one manifest is publis
   REQUIRE(five.outcome == Outcome::kAborted);
   CHECK_THAT(five.reason, Catch::Contains("cannot be published on the shared root") &&
                               Catch::Contains("no space left on the shared root"));
-  CHECK(published.size() == 1);
+  CHECK(published.size() == 2);
   CommitCoordinator after(log, options);
   CHECK(after.Lookup("job", 5, /*whole_manifest=*/false).outcome != Outcome::kCommitted);
 }
