@@ -201,9 +201,15 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
   bool announced = false;
   while (true) {
     CKPT_ASSIGN_OR_RETURN(const auto sizes, RemoteSizes(prefix));
-    // The other nodes' reports, by the run that saved this step.
+    // The other nodes' reports, by the run that saved this step: only where each node
+    // uploads its own ranks' files (node-local disks). An uploader without a node of its own
+    // (one daemon, or a shared root's coordinator) uploaded every file itself.
     std::set<uint32_t> reported;
     for (const format::ManifestNode& n : manifest.nodes) {
+      if (!options_.node) {
+        reported.insert(n.node);
+        continue;
+      }
       if (options_.node && n.node == *options_.node) {
         reported.insert(n.node);
         continue;
@@ -249,6 +255,11 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
 }
 
 absl::Status Uploader::Upload(Pending& p) {
+  if (p.manifest.index) {
+    // An indexed step (a shared root's, too large for one manifest) was announced by its
+    // index: its files are listed in its parts, joined here, off the commit path.
+    CKPT_ASSIGN_OR_RETURN(p.manifest, local_.LoadManifest(p.manifest.job, p.manifest.step));
+  }
   const format::Manifest& m = p.manifest;
   if (options_.before_upload) CKPT_RETURN_IF_ERROR(options_.before_upload(m.job));
   if (remote_.Committed(m.job, m.step)) {

@@ -408,6 +408,63 @@ TEST_CASE("--shared-root on CephFS (ceph-fuse, the same cluster): two nodes save
   }
 }
 
+TEST_CASE("a shared root with --remote: the coordinator uploads every file, an indexed step as its parts and index") {
+  // The coordinator publishes steps whose manifest is over 1,000 bytes as an index and a part
+  // per node (what a step of more than about 290,000 tensor pieces takes), so this small one
+  // takes that path; the bucket then holds the same files, and a group whose shared root is
+  // gone restores from it in another number of ranks.
+  const Bucket bucket = FreshBucket();
+  TempDir shared;
+  const TwoNodes group(shared);
+  std::string root = shared.path() + "/root";
+  REQUIRE(std::filesystem::create_directories(root));
+  auto flags = [&](int n) { return group.Flags(n, {"--shared-root", "--remote", bucket.url}); };
+  TempDir dir0, dir1;
+  auto node0 = std::make_unique<Daemon>(dir0, flags(0));
+  auto node1 = std::make_unique<Daemon>(dir1, flags(1));
+  node0->set_root(root);
+  node1->set_root(root);
+  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);
+  node0->Start();
+  ::unsetenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES");
+  node1->Start();
+  for (const RunResult& r : RanksOnNodes({node0.get(), node1.get()}, {{0, 1}, {2, 3}}, 4, shared,
+                                         {"--rows", "3001", "--layout", "rows", "save", "--step", "8",
+                                          "--wait-committed"})) {
+    INFO(r.out << r.err << node0->Log() << node1->Log());
+    REQUIRE(r.exit_code == 0);
+  }
+  INFO(node0->Log() << node1->Log());
+  CHECK(Contains(node0->Log(), "published as an index and 2 node parts"));
+  REQUIRE(WaitUntil([&] { return RemoteLists(shared, bucket, "reshard", 8); }, 30s, 100ms));
+  RunResult verified = Offline(shared, bucket, {"--job", "reshard", "verify", "8"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(Contains(verified.out, "OK ("));
+
+  // The shared root is lost with both daemons; a new group restores from the bucket.
+  REQUIRE(node1->Stop() == 0);
+  REQUIRE(node0->Stop() == 0);
+  node0.reset();
+  node1.reset();
+  root = shared.path() + "/root2";
+  REQUIRE(std::filesystem::create_directories(root));
+  TempDir fresh0, fresh1;
+  node0 = std::make_unique<Daemon>(fresh0, flags(0));
+  node1 = std::make_unique<Daemon>(fresh1, flags(1));
+  node0->set_root(root);
+  node1->set_root(root);
+  node0->Start();
+  node1->Start();
+  for (const RunResult& r : RanksOnNodes({node0.get(), node1.get()}, {{0}, {1}}, 2, shared,
+                                         {"--layout", "cols", "check", "--saved-world-size", "4"})) {
+    INFO(r.out << r.err << node0->Log());
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, "restored step=8 source=remote"));
+    CHECK(Contains(r.out, "match"));
+  }
+}
+
 TEST_CASE("a replacement node knows whose job it is: another uid cannot take the job from the bucket") {
   REQUIRE(::geteuid() == 0);  // the suite runs as root so that it can be other users
   const Bucket bucket = FreshBucket();

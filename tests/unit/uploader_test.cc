@@ -13,6 +13,7 @@
 #include "daemon/upload/upload_policy.h"
 #include "daemon/upload/uploader.h"
 #include "format/checkpoint_store.h"
+#include "format/indexed_manifest.h"
 #include "format/safetensors.h"
 #include "storage/filesystem.h"
 #include "tests/fakes/faulty_filesystem.h"
@@ -32,8 +33,10 @@ namespace {
 
 
 // Commits `step` of job "j" on `store` as two ranks on two nodes; `with_ranks` are written.
+// `indexed`: published as a shared root publishes a step too large for one manifest, an
+// index and a part per node (returned: the index).
 ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t step,
-                                  std::vector<uint32_t> with_ranks) {
+                                  std::vector<uint32_t> with_ranks, bool indexed = false) {
   ckpt::format::Manifest m;
   m.job = "j";
   m.step = step;
@@ -54,6 +57,19 @@ ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t
     std::string bytes(s.bytes, static_cast<char>('a' + step % 26));
     REQUIRE((*out)->Append(bytes.data(), bytes.size()).ok());
     REQUIRE((*out)->Finish().ok());
+  }
+  if (indexed) {
+    std::optional<ckpt::format::Manifest> index;
+    for (uint32_t node : {0u, 1u}) {
+      ckpt::format::Manifest part = m;
+      ckpt::format::RemoveRanks(part, [&](uint32_t r) { return r != node; });
+      part.nodes = {m.nodes[node]};
+      part.scope = ckpt::format::StepScope{node, 2, m.total_bytes(), 0, "xxh3:00000000000000aa"};
+      if (!index) index = ckpt::format::IndexHeader(part);
+      REQUIRE(store.WriteManifestPart(part, *index).ok());
+    }
+    REQUIRE(store.Commit(*index).ok());
+    return *index;
   }
   REQUIRE(store.Commit(m).ok());
   return m;
@@ -179,6 +195,33 @@ TEST_CASE("an upload sends the data regions from staging memory, and from disk o
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 2); }, 10s, 10ms));
   CHECK(disk->bytes_read() - before >= (5u << 20));
   CHECK(ReadAll(remote, "j/step-00000002" + shard) == ReadAll(local, "j/step-00000002" + shard));
+  uploader.Stop();
+}
+
+TEST_CASE("an indexed step (a shared root's, too large for one manifest) goes up as its files, parts and index") {
+  TempDir dir;
+  ckpt::format::CheckpointStore local(ckpt::MakePosixFilesystem(), dir.path() + "/local");
+  ckpt::format::CheckpointStore remote(ckpt::MakePosixFilesystem(), dir.path() + "/remote");
+  ckpt::persist::RetentionKeeper retention(local, {2, 0}, [](const std::string&, uint64_t) {},
+                                           [](const std::string&) {});
+  Uploader::Options o;
+  o.poll = 10ms;
+  Uploader uploader(local, remote, retention, o, [](const std::string&) {}, [](const std::string&) {});
+  // What the committer announces of such a step is its index. This uploader has no node of
+  // its own, as a shared root's coordinator: it uploads every file and waits for no report.
+  const ckpt::format::Manifest index = CommitStep(local, 3, {0, 1}, /*indexed=*/true);
+  REQUIRE(index.index.has_value());
+  uploader.Committed(index, {});
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 3); }, 10s, 10ms));
+  for (const std::string file : {"rank-00000.safetensors", "rank-00001.safetensors", "manifest-node-00000.json",
+                                 "manifest-node-00001.json", "manifest.json"}) {
+    INFO(file);
+    CHECK(ReadAll(remote, "j/step-00000003/" + file) == ReadAll(local, "j/step-00000003/" + file));
+  }
+  auto there = remote.LoadManifest("j", 3);
+  REQUIRE(there.ok());
+  CHECK(there->shards.size() == 2);
+  CHECK(ckpt::format::ManifestToJson(*there) == ckpt::format::ManifestToJson(*local.LoadManifest("j", 3)));
   uploader.Stop();
 }
 
