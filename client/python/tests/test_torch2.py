@@ -268,6 +268,40 @@ def test_dcp_loads_a_ckptd_checkpoint_without_a_daemon(daemon):
         CkptdStorageReader(step_dir).read_metadata()
 
 
+def publish_as_index(step_dir):
+    """Rewrites a committed step's whole manifest as an index and one node-scoped part per
+    rank, as a shared root's coordinator writes a step too large for one manifest
+    (docs/format.md, "Indexed manifests")."""
+    from ckptd._native import xxh3_64
+
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        whole = json.load(f)
+    digest = "xxh3:00000000000000aa"
+    header = {k: v for k, v in whole.items() if k not in ("shards", "tensors", "nodes", "manifest_checksum")}
+    index = dict(header, format_version=4, shards=[], tensors={}, nodes=[],
+                 index={"digest": digest, "parts": [], "step_tensors": len(whole["tensors"]),
+                        "step_bytes": sum(s["bytes"] for s in whole["shards"])})
+    for shard in whole["shards"]:
+        rank = shard["rank"]
+        tensors = {}
+        for name, t in whole["tensors"].items():
+            mine = [p for p in t["shards"] if p["rank"] == rank]
+            if mine:
+                tensors[name] = dict(t, shards=mine)
+        part = dict(header, format_version=3, shards=[shard], tensors=tensors, nodes=[{"node": rank, "ranks": [rank]}],
+                    scope={"node": rank, "nodes": len(whole["shards"]), "digest": digest,
+                           "step_bytes": index["index"]["step_bytes"], "step_tensors": len(whole["tensors"])})
+        text = json.dumps(part, indent=1, sort_keys=True).encode()
+        name = f"manifest-node-{rank:05d}.json"
+        with open(os.path.join(step_dir, name), "wb") as f:
+            f.write(text)
+        index["nodes"].append({"node": rank, "ranks": [rank]})
+        index["index"]["parts"].append({"node": rank, "file": name, "bytes": len(text),
+                                        "checksum": f"xxh3:{xxh3_64(text):016x}"})
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(index, f, indent=1, sort_keys=True)
+
+
 def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, workdir):
     """Saved by 2 ranks as shards; DCP reshards it onto one process's plain tensors."""
     import torch.distributed.checkpoint as dcp
@@ -284,9 +318,27 @@ def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, w
             assert equal_bits(state[k[len("model."):]], v), k
     assert equal_bits(state["optimizer"]["state"]["0.weight"]["exp_avg"], saved["optim.0.weight.exp_avg"])
 
+    # The same step published as a shared root publishes a step too large for one manifest:
+    # an index and one part per node (here a node per rank). DCP reads it alike; a part that
+    # is not the one its index names is refused.
+    step_dir = os.path.join(daemon.root, "tp-for-dcp", "step-00000003")
+    shutil.copy(os.path.join(step_dir, "manifest.json"), os.path.join(workdir, "whole.json"))
+    publish_as_index(step_dir)
+    state = {k[len("model."):]: torch.zeros_like(v) for k, v in saved.items() if k.startswith("model.")}
+    dcp.load(state, storage_reader=CkptdStorageReader(step_dir))
+    for k, v in saved.items():
+        if k.startswith("model."):
+            assert equal_bits(state[k[len("model."):]], v), k
+    with open(os.path.join(step_dir, "manifest-node-00001.json"), "r+") as f:
+        text = f.read().replace('"metadata"', '"metadatb"', 1)
+        f.seek(0)
+        f.write(text)
+    with pytest.raises(ValueError, match=r"manifest-node-00001\.json: not the part the index names"):
+        CkptdStorageReader(step_dir).read_metadata()
+    shutil.copy(os.path.join(workdir, "whole.json"), os.path.join(step_dir, "manifest.json"))
+
     # A manifest that leaves part of a tensor uncovered is refused (DCP would load the
     # covered part and leave the rest as it was, without a word).
-    step_dir = os.path.join(daemon.root, "tp-for-dcp", "step-00000003")
     with open(os.path.join(step_dir, "manifest.json")) as f:
         crafted = json.load(f)
     crafted["tensors"]["0.weight"]["shards"].pop()

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import pickle
+import re
 
 import torch
 
@@ -88,16 +89,68 @@ class _StepFiles:
     def name(self, file_name):
         return self.path.rstrip("/") + "/" + file_name if self._store else os.path.join(self.path, file_name)
 
+    def read_text(self, file_name):
+        """A manifest file's bytes, at most _MAX_MANIFEST_BYTES of them."""
+        if self._store is not None:
+            return self._store.get(file_name, _MAX_MANIFEST_BYTES)
+        with open(self.name(file_name), "rb") as f:
+            data = f.read(_MAX_MANIFEST_BYTES + 1)
+        if len(data) > _MAX_MANIFEST_BYTES:
+            raise ValueError(f"{self.name(file_name)} is larger than a manifest may be ({_MAX_MANIFEST_BYTES} bytes)")
+        return data
+
     def read_manifest(self):
-        if self._store is None:
-            with open(self.name("manifest.json")) as f:
-                return json.load(f)
-        return json.loads(self._store.get("manifest.json", _MAX_MANIFEST_BYTES))
+        manifest = json.loads(self.read_text("manifest.json"))
+        if isinstance(manifest, dict) and manifest.get("format_version") == _INDEX_FORMAT_VERSION:
+            manifest = _join_index(manifest, self.read_text)
+        return manifest
 
     def open(self, file_name):
         if self._store is None:
             return open(self.name(file_name), "rb")
         return _ObjectFile(self._store.open(file_name))
+
+
+# An index (docs/format.md, "Indexed manifests"): a step too large for one manifest, its
+# tensors in one node-scoped manifest (version 3) per node, each named by its checksum.
+_INDEX_FORMAT_VERSION = 4
+_PART_FILE = re.compile(r"manifest-node-[0-9]{5,10}\.json")
+
+
+def _join_index(index, read_text):
+    """The whole step's manifest from an index and its nodes' parts. Each part must be the
+    one the index names (size and XXH3-64 checksum), of the same step and commit."""
+    spec = index.get("index")
+    if not isinstance(spec, dict) or not isinstance(spec.get("parts"), list):
+        raise ValueError("an index (format version 4) without its \"index\" of parts")
+    joined = {k: v for k, v in index.items() if k != "index"}
+    joined["shards"], joined["tensors"] = [], {}
+    for entry in spec["parts"]:
+        file = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(file, str) or not _PART_FILE.fullmatch(file):
+            raise ValueError(f"the index names a part {file!r}, which is not manifest-node-NNNNN.json")
+        data = read_text(file)
+        if isinstance(data, str):
+            data = data.encode()
+        if len(data) != entry.get("bytes") or f"xxh3:{xxh3_64(data):016x}" != entry.get("checksum"):
+            raise ValueError(f"{file}: not the part the index names (edited or damaged)")
+        part = json.loads(data)
+        scope = part.get("scope") or {}
+        if (part.get("format_version") != 3 or scope.get("node") != entry.get("node")
+                or scope.get("digest") != spec.get("digest") or part.get("job") != index.get("job")
+                or part.get("step") != index.get("step")):
+            raise ValueError(f"{file}: not node {entry.get('node')}'s part of this step")
+        joined["shards"].extend(part["shards"])
+        for name, tensor in part["tensors"].items():
+            mine = joined["tensors"].setdefault(
+                name, {"dtype": tensor["dtype"], "global_shape": tensor["global_shape"], "shards": []})
+            if mine["dtype"] != tensor["dtype"] or mine["global_shape"] != tensor["global_shape"]:
+                raise ValueError(f"tensor {name}: the nodes' parts disagree on its dtype or shape")
+            mine["shards"].extend(tensor["shards"])
+    joined["shards"].sort(key=lambda shard: shard["rank"])
+    flat = any("flat" in piece for t in joined["tensors"].values() for piece in t["shards"])
+    joined["format_version"] = 2 if flat else 1  # what the joined pieces need, as ckptd writes it
+    return joined
 
 
 def dcp_key(name):
