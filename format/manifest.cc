@@ -693,9 +693,17 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
   m.ckptd_version = first.ckptd_version;
   m.unix_time = first.unix_time;
   m.wall_time = first.wall_time;
+  // The chunk size of every piece's chunk_checksums: without it a whole manifest whose
+  // pieces list chunk checksums would not parse back (each piece over 8 MiB has some).
+  m.checksum_chunk_bytes = first.checksum_chunk_bytes;
   std::map<uint32_t, const ManifestShard*> by_rank;
   std::map<uint32_t, std::vector<uint32_t>> by_node;
   for (const auto& [node, part] : parts) {
+    if (part.checksum_chunk_bytes != m.checksum_chunk_bytes) {
+      return absl::FailedPreconditionError(fmt::format(
+          "node {} checksums chunks of {} bytes, another node chunks of {}", node, part.checksum_chunk_bytes,
+          m.checksum_chunk_bytes));
+    }
     // The latest clock among the nodes: the moment the last part became durable.
     m.run = std::max(m.run, part.run);
     if (part.unix_time > m.unix_time) {

@@ -173,6 +173,7 @@ class Cluster {
   // One root for every node (--shared-root) of daemons not started yet; empty: each its own.
   std::string shared_root;
   std::string job = "g";             // the trainers' job
+  uint64_t bytes = kBytes;           // each rank's tensors, in all
 
   int num_nodes() const { return static_cast<int>(layout_.size()); }
   uint32_t world_size() const { return world_size_; }
@@ -246,7 +247,7 @@ class Cluster {
 
   std::vector<std::string> RankArgs(uint32_t rank, uint64_t seed_step) {
     return {"--job", job, "--rank", std::to_string(rank), "--world-size", std::to_string(world_size_),
-            "--seed", std::to_string(Seed(seed_step, rank)), "--bytes", std::to_string(kBytes)};
+            "--seed", std::to_string(Seed(seed_step, rank)), "--bytes", std::to_string(bytes)};
   }
 
   // A trainer process of `rank` on its node, saving `step` (and waiting for the global
@@ -501,6 +502,24 @@ TEST_CASE("three daemons commit one step globally and restore it bit-exactly, ho
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node rejoined after the restart", c.AllAlive());
   c.RestoreAll(10, {"disk", "disk", "disk"});
+}
+
+TEST_CASE("pieces larger than a checksum chunk: node 0's whole manifest keeps their chunk checksums and reads back") {
+  // A rank's largest tensor is half its bytes: 10 MB, more than one 8 MiB checksum chunk.
+  // The whole manifest merged from the nodes' parts once lost the chunk size, and with it
+  // every step of such tensors failed on node 0 ("committed globally, but not published").
+  Cluster c({{0}, {1}});
+  c.bytes = 20'000'000;
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+  json whole = json::parse(ReadFile(c.StepDir(0, 10) + "/manifest.json"), nullptr, false);
+  REQUIRE_FALSE(whole.is_discarded());
+  CHECK(whole.value("checksum_chunk_bytes", 0u) == 8u << 20);
+  CHECK(Contains(whole.dump(), "chunk_checksums"));
+  RunResult verify = c.node(0).Ctl({"--job", "g", "verify", "10"});
+  INFO(verify.out << verify.err);
+  CHECK(verify.exit_code == 0);
 }
 
 TEST_CASE("two daemons on one --shared-root register the same new jobs at once: every first save commits") {

@@ -160,6 +160,37 @@ TEST_CASE("nodes' manifest parts merge into the whole step, with who holds what"
   CHECK(ckpt::format::ParseManifest(part, "p", ckpt::format::ManifestScope::kPart).ok());
 }
 
+TEST_CASE("parts whose pieces have chunk checksums merge into a whole manifest that reads back") {
+  // Each rank's piece is 3 chunks long (more than checksum_chunk_bytes): the merged
+  // manifest must say the chunk size, or its chunk checksums would not parse.
+  auto chunked = [](std::vector<uint32_t> ranks) {
+    ckpt::format::Manifest m = Part(2, ranks);
+    m.checksum_chunk_bytes = 32;
+    for (auto& s : m.shards) s.bytes = 96;
+    for (auto& piece : m.tensors.at("w").shards) {
+      piece.end = 96;
+      piece.shape = {24};
+      piece.offset = {24 * static_cast<int64_t>(piece.rank)};
+      piece.chunk_checksums = {"a", "b", "c"};
+    }
+    m.tensors.at("w").global_shape = {48};
+    return m;
+  };
+  auto merged = ckpt::format::MergeManifestParts({{0, chunked({0})}, {1, chunked({1})}});
+  REQUIRE(merged.ok());
+  CHECK(merged->checksum_chunk_bytes == 32);
+  auto parsed = ckpt::format::ParseManifest(ckpt::format::ManifestToJson(*merged), "merged");
+  INFO(parsed.status());
+  REQUIRE(parsed.ok());
+  CHECK(parsed->tensors.at("w").shards[1].chunk_checksums.size() == 3);
+  // Nodes that chunk differently do not make one manifest.
+  auto other = chunked({1});
+  other.checksum_chunk_bytes = 48;
+  auto refused = ckpt::format::MergeManifestParts({{0, chunked({0})}, {1, other}});
+  REQUIRE_FALSE(refused.ok());
+  CHECK_THAT(ckpt::Message(refused.status()), Catch::Contains("chunks of 48 bytes"));
+}
+
 TEST_CASE("parts that disagree or leave a gap are refused, naming the problem") {
   using ckpt::format::MergeManifestParts;
   auto missing = MergeManifestParts({{0, Part(3, {0})}, {1, Part(3, {2})}});
