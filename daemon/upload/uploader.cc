@@ -11,7 +11,9 @@
 #include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/group/committed_step.h"
 #include "format/checksum.h"
+#include "format/indexed_manifest.h"
 
 namespace ckpt::daemon::upload {
 namespace {
@@ -95,12 +97,6 @@ void Uploader::Committed(const format::Manifest& manifest, std::map<uint32_t, In
   JobState& job = jobs_[manifest.job];
   const UploadPolicy policy = options_.policies->For(manifest.job);
   if (!OnStepGrid(policy, manifest.step)) return;
-  if (options_.publishes && manifest.scope) {
-    // Node 0 holds only its own ranks' manifest of this step (the coordinator stopped before
-    // assembling the whole one): the remote tier gets the next step instead.
-    Log().warn("[{} s{}] not uploaded: this node holds no whole manifest of it", manifest.job, manifest.step);
-    return;
-  }
   const bool due = ShouldUpload(policy, manifest.step, manifest.unix_time, job.previous);
   job.previous = manifest.unix_time;
   if (!due) return;
@@ -128,7 +124,7 @@ void Uploader::CatchUp() {
       // policy would have picked anyway.
       if (remote_.Committed(job, *it)) break;
       absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, *it);
-      if (!manifest.ok() || (options_.publishes && manifest->scope)) break;
+      if (!manifest.ok()) break;
       std::lock_guard lock(mu_);
       JobState& state = jobs_[job];
       if (!state.queued) {
@@ -195,40 +191,68 @@ absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& s
   }, ShardVersion(m, shard)).status();
 }
 
-absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::duration own_upload_took) {
+absl::Status Uploader::CheckUploaded(const format::Manifest& manifest) {
+  CKPT_ASSIGN_OR_RETURN(const auto sizes, RemoteSizes(remote_.TempStepKey(manifest.job, manifest.step)));
+  for (const format::ManifestShard& s : manifest.shards) {
+    auto it = sizes.find(s.file);
+    if (it == sizes.end() || it->second != s.bytes) {
+      return absl::DataLossError(fmt::format("rank {}'s file {} is not in the remote tier as uploaded ({} bytes)",
+                                             s.rank, s.file, s.bytes));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<PartReport>> Uploader::WaitForReports(const format::Manifest& manifest,
+                                                                  Clock::duration own_upload_took) {
   const std::string prefix = remote_.TempStepKey(manifest.job, manifest.step);
+  const uint32_t me = *options_.node;
+  std::vector<bool> mine(manifest.world_size, false);
+  for (const format::ManifestShard& s : manifest.shards) {
+    if (s.rank < manifest.world_size && (manifest.scope || manifest.NodeOf(s.rank) == me)) mine[s.rank] = true;
+  }
   const Clock::time_point start = Clock::now();
   bool announced = false;
   while (true) {
     CKPT_ASSIGN_OR_RETURN(const auto sizes, RemoteSizes(prefix));
-    // The other nodes' reports, by the run that saved this step: only where each node
-    // uploads its own ranks' files (node-local disks). An uploader without a node of its own
-    // (one daemon, or a shared root's coordinator) uploaded every file itself.
-    std::set<uint32_t> reported;
-    for (const format::ManifestNode& n : manifest.nodes) {
-      if (!options_.node) {
-        reported.insert(n.node);
-        continue;
+    // The other nodes' reports of this run's step whose files are all there, as reported.
+    std::vector<bool> held = mine;
+    std::vector<PartReport> reports;
+    std::optional<std::string> digest;
+    if (manifest.scope) digest = manifest.scope->digest;
+    if (auto listed = remote_.objects().List(ReportPrefix(manifest.job, manifest.step)); listed.ok()) {
+      for (const storage::ListEntry& e : *listed) {
+        if (e.is_prefix) continue;
+        const std::string key = ReportPrefix(manifest.job, manifest.step) + "/" + e.name;
+        absl::StatusOr<std::string> text = remote_.objects().Get(key, kMaxPartReportBytes);
+        if (!text.ok()) continue;
+        absl::StatusOr<PartReport> r = ParsePartReport(*text, remote_.objects().Describe(key));
+        if (!r.ok() || r->run != manifest.run || r->node == me || (digest && r->digest != *digest)) continue;
+        auto there = [&](const std::string& file, uint64_t bytes) {
+          auto it = sizes.find(file);
+          return it != sizes.end() && it->second == bytes;
+        };
+        bool whole = there(format::ManifestPartFileName(r->node), r->part_bytes);
+        for (size_t i = 0; i < r->ranks.size() && whole; ++i) {
+          whole = r->ranks[i] < held.size() && !held[r->ranks[i]] && there(format::ShardFileName(r->ranks[i]), r->shard_bytes[i]);
+        }
+        if (!whole) continue;
+        for (uint32_t rank : r->ranks) held[rank] = true;
+        digest = r->digest;
+        reports.push_back(std::move(*r));
       }
-      if (options_.node && n.node == *options_.node) {
-        reported.insert(n.node);
-        continue;
-      }
-      absl::StatusOr<std::string> run = remote_.objects().Get(ReportKey(manifest.job, manifest.step, n.node), 64);
-      if (run.ok() && *run == std::to_string(manifest.run)) reported.insert(n.node);
     }
     std::vector<uint32_t> missing;  // ranks
-    for (const format::ManifestShard& s : manifest.shards) {
-      auto it = sizes.find(s.file);
-      const std::optional<uint32_t> node = manifest.NodeOf(s.rank);
-      if (it == sizes.end() || it->second != s.bytes || (node && !reported.count(*node))) {
-        missing.push_back(s.rank);
-      }
+    for (uint32_t rank = 0; rank < held.size(); ++rank) {
+      if (!held[rank]) missing.push_back(rank);
     }
-    if (missing.empty()) return absl::OkStatus();
+    if (missing.empty()) return reports;
+    // Where this node holds the whole step's manifest it can name the nodes.
     std::set<uint32_t> nodes;
-    for (uint32_t r : missing) nodes.insert(manifest.NodeOf(r).value_or(0));
-    const std::string who = fmt::format("node(s) {} (ranks {}{})", fmt::join(nodes, ", "),
+    for (uint32_t r : missing) {
+      if (std::optional<uint32_t> n = manifest.NodeOf(r); n && !manifest.scope) nodes.insert(*n);
+    }
+    const std::string who = fmt::format("{}ranks {}{}", nodes.empty() ? "" : fmt::format("node(s) {}: ", fmt::join(nodes, ", ")),
                                         fmt::join(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 8), ", "),
                                         missing.size() > 8 ? ", ..." : "");
     if (!announced) {
@@ -238,15 +262,15 @@ absl::Status Uploader::WaitForParts(const format::Manifest& manifest, Clock::dur
     const Clock::duration waited = Clock::now() - start;
     if (waited > options_.wait_for_parts) {
       return absl::DeadlineExceededError(fmt::format(
-          "{} did not upload their part within {} s", who,
+          "the nodes of {} did not upload their part within {} s", who,
           std::chrono::duration_cast<std::chrono::seconds>(options_.wait_for_parts).count()));
     }
     // Nodes pick the newest committed step when they are behind, and may have picked a
     // newer one than this: once a newer step is queued here, wait only as long as the
     // others could plausibly still be uploading this one.
     if (waited > 2 * own_upload_took + std::chrono::seconds(30) && StoppingOrReplaced(manifest.job)) {
-      return absl::CancelledError(fmt::format("a newer step is queued and {} has not uploaded "
-                                              "its part of this one", who));
+      return absl::CancelledError(fmt::format("a newer step is queued and the nodes of {} have not uploaded "
+                                              "their part of this one", who));
     }
     std::unique_lock lock(mu_);
     cv_.wait_for(lock, options_.poll, [this] { return stopping_; });
@@ -265,7 +289,8 @@ absl::Status Uploader::Upload(Pending& p) {
   if (remote_.Committed(m.job, m.step)) {
     // Uploaded before a restart; or a step of the same number from another run, which is
     // not this one and is never replaced behind a reader's back.
-    CKPT_ASSIGN_OR_RETURN(format::Manifest there, remote_.LoadManifest(m.job, m.step));
+    CKPT_ASSIGN_OR_RETURN(format::Manifest there,
+                          remote_.LoadManifest(m.job, m.step, format::CheckpointStore::Depth::kIndexOnly));
     if (there.run == m.run) return absl::OkStatus();
     return absl::AlreadyExistsError(fmt::format(
         "the remote tier already holds a step {} of job {} saved by another run; this run's step "
@@ -316,15 +341,73 @@ absl::Status Uploader::Upload(Pending& p) {
   work();
   for (std::thread& t : workers) t.join();
   CKPT_RETURN_IF_ERROR(first_error);
-  if (!options_.publishes) {
-    // This node's part is there: tell the publisher, for this run.
-    return remote_.objects().Put(ReportKey(m.job, m.step, options_.node.value_or(0)),
-                                 std::to_string(m.run));
+  if (!options_.node) {
+    // One daemon, or a shared root's coordinator: every file is this node's to upload.
+    CKPT_RETURN_IF_ERROR(CheckUploaded(m));
+    return PublishManifest(m);  // the manifest, last
   }
-  CKPT_RETURN_IF_ERROR(WaitForParts(m, Clock::now() - start));
-  CKPT_RETURN_IF_ERROR(PublishManifest(m));  // the manifest, last
+  // A group with node-local disks: the step goes up as an index and each node's own
+  // manifest (format/indexed_manifest.h), which no node but its own holds.
+  if (!options_.publishes) {
+    // This node's part is there: its manifest, then the report that tells the publisher.
+    if (!m.scope) return absl::FailedPreconditionError("this node's manifest of the step is not node-scoped");
+    CKPT_ASSIGN_OR_RETURN(std::string text, LocalManifestText(m));
+    CKPT_RETURN_IF_ERROR(
+        remote_.objects().Put(remote_.TempStepKey(m.job, m.step) + "/" + format::ManifestPartFileName(*options_.node), text));
+    return remote_.objects().Put(ReportKey(m.job, m.step, *options_.node), PartReportJson(ReportOf(m, m.scope->digest, text)));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<PartReport> reports, WaitForReports(m, Clock::now() - start));
+  if (reports.empty()) return PublishManifest(m);  // every rank of the step is this node's
+  CKPT_RETURN_IF_ERROR(PublishIndex(m, reports));
   (void)remote_.objects().RemovePrefix(ReportPrefix(m.job, m.step));  // leftovers: RemoveOrphans
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> Uploader::LocalManifestText(const format::Manifest& m) {
+  return local_.objects().Get(format::CheckpointStore::StepKey(m.job, m.step) + "/manifest.json",
+                              format::CheckpointStore::kMaxManifestBytes);
+}
+
+PartReport Uploader::ReportOf(const format::Manifest& part, const std::string& digest, const std::string& text) const {
+  PartReport r;
+  r.run = part.run;
+  r.node = options_.node.value_or(0);
+  r.digest = digest;
+  for (const format::ManifestShard& s : part.shards) {
+    r.ranks.push_back(s.rank);
+    r.shard_bytes.push_back(s.bytes);
+  }
+  r.part_bytes = text.size();
+  r.part_checksum = format::ManifestDigest(text);
+  return r;
+}
+
+absl::Status Uploader::PublishIndex(const format::Manifest& m, const std::vector<PartReport>& reports) {
+  const uint32_t node = *options_.node;
+  // This node's part: its own manifest as committed here, or, where it holds the whole
+  // step's (node 0, when the coordinator assembled it), its ranks cut from it, scoped to the
+  // commit the other nodes' parts name.
+  const std::string& digest = m.scope ? m.scope->digest : reports.front().digest;
+  format::Manifest mine = m.scope ? m : group::NodeManifestFromWhole(m, digest, node);
+  std::string text;
+  if (m.scope) {
+    CKPT_ASSIGN_OR_RETURN(text, LocalManifestText(m));
+  } else {
+    text = format::ManifestToJson(mine);
+  }
+  const std::string to = remote_.TempStepKey(m.job, m.step) + "/";
+  format::Manifest index = format::IndexHeader(mine);
+  std::vector<PartReport> parts = reports;
+  if (!mine.shards.empty()) {
+    CKPT_RETURN_IF_ERROR(remote_.objects().Put(to + format::ManifestPartFileName(node), text));
+    parts.push_back(ReportOf(mine, digest, text));
+  }
+  std::sort(parts.begin(), parts.end(), [](const PartReport& a, const PartReport& b) { return a.node < b.node; });
+  for (const PartReport& r : parts) {
+    index.nodes.push_back({r.node, r.ranks});
+    index.index->parts.push_back({r.node, format::ManifestPartFileName(r.node), r.part_bytes, r.part_checksum});
+  }
+  return remote_.Commit(index);  // the index, last
 }
 
 absl::Status Uploader::PublishManifest(const format::Manifest& m) {

@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/upload/memory_first_reader.h"
+#include "daemon/upload/part_report.h"
 #include "daemon/upload/upload_policy.h"
 #include "format/checkpoint_store.h"
 
@@ -128,13 +129,26 @@ class Uploader {
   absl::StatusOr<Pending> FollowedFromDisk(const std::string& job, uint64_t step);
   // One attempt at `p`; Cancelled when stopping or when a newer step replaced it while
   // the publisher waits for other nodes' files.
+  absl::Status Upload(Pending& p);
+  absl::Status CopyFile(const Pending& p, const format::ManifestShard& shard);
+  // Where this node uploads every file of the step (one daemon, a shared root): each is
+  // there with the size it has here.
+  absl::Status CheckUploaded(const format::Manifest& manifest);
   // Writes the step's manifest on the remote tier once every file it lists is there: the
   // whole one, or the index and parts of a step published as one (a shared root).
   absl::Status PublishManifest(const format::Manifest& m);
-  absl::Status Upload(Pending& p);
-  absl::Status CopyFile(const Pending& p, const format::ManifestShard& shard);
-  absl::Status WaitForParts(const format::Manifest& manifest,
-                            std::chrono::steady_clock::duration own_upload_took);
+  // A group with node-local disks: every other node's report of its part of this run's
+  // step, once they and the files they report cover every rank not in `manifest` (this
+  // node's, or the whole step's); none when this node holds every rank.
+  absl::StatusOr<std::vector<PartReport>> WaitForReports(const format::Manifest& manifest,
+                                                         std::chrono::steady_clock::duration own_upload_took);
+  // The text of this node's committed manifest of the step.
+  absl::StatusOr<std::string> LocalManifestText(const format::Manifest& m);
+  // This node's report of `part` (its node-scoped manifest, written as `text`).
+  PartReport ReportOf(const format::Manifest& part, const std::string& digest, const std::string& text) const;
+  // The publisher of a group with node-local disks: this node's part, then the step's index
+  // of every node's part (its own and `reports`).
+  absl::Status PublishIndex(const format::Manifest& m, const std::vector<PartReport>& reports);
   void RemoveOrphans(const std::string& job, uint64_t published);
   // The shards of `manifest` this node uploads (Options::node).
   std::vector<const format::ManifestShard*> ShardsToUpload(const format::Manifest& manifest) const;

@@ -4,9 +4,12 @@
 // writing the manifest only once they are all there.
 #include <catch2/catch.hpp>
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <thread>
 
+#include "daemon/group/committed_step.h"
 #include "daemon/group/upload_targets.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/upload/memory_first_reader.h"
@@ -35,8 +38,13 @@ namespace {
 // Commits `step` of job "j" on `store` as two ranks on two nodes; `with_ranks` are written.
 // `indexed`: published as a shared root publishes a step too large for one manifest, an
 // index and a part per node (returned: the index).
+// `scoped_to`: committed as that node of a group with node-local disks commits it, a
+// node-scoped manifest of its ranks (returned: that manifest).
+constexpr char kDigest[] = "xxh3:00000000000000aa";  // the commit's, in scoped manifests
+
 ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t step,
-                                  std::vector<uint32_t> with_ranks, bool indexed = false) {
+                                  std::vector<uint32_t> with_ranks, bool indexed = false,
+                                  std::optional<uint32_t> scoped_to = std::nullopt) {
   ckpt::format::Manifest m;
   m.job = "j";
   m.step = step;
@@ -71,8 +79,23 @@ ckpt::format::Manifest CommitStep(ckpt::format::CheckpointStore& store, uint64_t
     REQUIRE(store.Commit(*index).ok());
     return *index;
   }
+  if (scoped_to) {
+    ckpt::format::Manifest mine = ckpt::group::NodeManifestFromWhole(m, kDigest, *scoped_to);
+    REQUIRE(store.Commit(mine).ok());
+    return mine;
+  }
   REQUIRE(store.Commit(m).ok());
   return m;
+}
+
+// What node 1 of a two-node group does once its part of `whole`'s step is uploaded: its
+// node-scoped manifest as the step's part, then its report for `run`.
+void ReportNodeOne(ckpt::format::CheckpointStore& remote, const ckpt::format::Manifest& whole, uint64_t run) {
+  const std::string text = ckpt::format::ManifestToJson(ckpt::group::NodeManifestFromWhole(whole, kDigest, 1));
+  REQUIRE(remote.objects().Put(remote.TempStepKey(whole.job, whole.step) + "/manifest-node-00001.json", text).ok());
+  ckpt::daemon::upload::PartReport r{run, 1, kDigest, {1}, {5001}, text.size(), ckpt::format::ManifestDigest(text)};
+  REQUIRE(remote.objects().Put(fmt::format("{}/.uploads/step-{:08d}/node-1", whole.job, whole.step),
+                               ckpt::daemon::upload::PartReportJson(r)).ok());
 }
 
 // Bytes that never repeat at a small period (a misplaced offset shows).
@@ -281,12 +304,19 @@ TEST_CASE("the publisher waits for every node's files; retention never deletes a
   std::string bytes(5001, 'z');
   REQUIRE((*out)->Append(bytes.data(), bytes.size()).ok());
   REQUIRE((*out)->Finish().ok());
-  REQUIRE(remote.objects().Put("j/.uploads/step-00000001/node-1", "12345").ok());
+  ReportNodeOne(remote, first, 12345);
   std::this_thread::sleep_for(200ms);
   CHECK_FALSE(remote.Committed("j", 1));
-  // Node 1 reports its part for this run: the manifest is written, step 3 is next.
-  REQUIRE(remote.objects().Put("j/.uploads/step-00000001/node-1", std::to_string(first.run)).ok());
+  // Node 1 reports its part for this run: the index is written, step 3 is next.
+  ReportNodeOne(remote, first, first.run);
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 1); }, 5s, 10ms));
+  // The step went up as an index of each node's manifest: node 0's cut from its whole one,
+  // scoped to the commit node 1's part names.
+  auto index = remote.LoadManifest("j", 1, ckpt::format::CheckpointStore::Depth::kIndexOnly);
+  REQUIRE(index.ok());
+  REQUIRE(index->index.has_value());
+  CHECK(index->index->digest == kDigest);
+  CHECK(index->nodes == std::vector<ckpt::format::ManifestNode>{{0, {0}}, {1, {1}}});
   // What was uploaded is what was committed here.
   auto uploaded = remote.objects().Open("j/step-00000001/" + ckpt::format::ShardFileName(0));
   REQUIRE(uploaded.ok());
@@ -333,7 +363,7 @@ TEST_CASE("in a group every node uploads its part of the step node 0 uploads, wh
   // upload: it sends nothing of its own accord.
   std::vector<ckpt::format::Manifest> steps;
   for (uint64_t step = 1; step <= 3; ++step) {
-    steps.push_back(CommitStep(node1, step, {1}));
+    steps.push_back(CommitStep(node1, step, {1}, false, 1));
     node1_uploader.Committed(steps.back());
   }
   std::this_thread::sleep_for(300ms);
@@ -359,7 +389,7 @@ TEST_CASE("in a group every node uploads its part of the step node 0 uploads, wh
   REQUIRE(WaitUntil([&] { return targets.Get("j") == 4u; }, 5s, 10ms));
   std::this_thread::sleep_for(100ms);
   CHECK_FALSE(remote.Committed("j", 4));
-  node1_uploader.Committed(CommitStep(node1, 4, {1}));
+  node1_uploader.Committed(CommitStep(node1, 4, {1}, false, 1));
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 4); }, 10s, 10ms));
   CHECK_FALSE(remote.Committed("j", 3));
   node0_uploader.Stop();
