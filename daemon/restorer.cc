@@ -240,10 +240,15 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
     result.saved_world_size = hot->world_size;
     CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
   } else {
-    // This node's copy of the manifest when it has the step; the remote tier's otherwise.
-    absl::StatusOr<format::Manifest> manifest = store_.LoadManifest(session.job, step);
+    // This node's copy of the manifest when it has the step; the remote tier's otherwise. Of
+    // an indexed step, the part holding this rank: a restore in the saved layout needs no
+    // other node's (at 1,000 nodes x 8 ranks x 200 tensors the parts are 370 MB together).
+    format::CheckpointStore* tier = &store_;
+    bool from_index = false;
+    absl::StatusOr<format::Manifest> manifest = store_.LoadManifestForRank(session.job, step, session.rank, &from_index);
     if (!manifest.ok() && absl::IsNotFound(manifest.status()) && remote_ != nullptr) {
-      manifest = remote_->LoadManifest(session.job, step);
+      tier = remote_;
+      manifest = remote_->LoadManifestForRank(session.job, step, session.rank, &from_index);
     }
     CKPT_RETURN_IF_ERROR(manifest.status());
     result.saved_world_size = manifest->world_size;
@@ -252,7 +257,15 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
       result.source = RestoreResult::Source::kMemory;
       CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
     } else {
-      CKPT_RETURN_IF_ERROR(FromPlan(session, spec, *manifest, result));
+      const RestoreResult before = result;
+      absl::Status read = FromPlan(session, spec, *manifest, result);
+      if (!read.ok() && from_index) {
+        // Another layout, which needs other nodes' ranks: the whole step, its parts joined.
+        CKPT_ASSIGN_OR_RETURN(format::Manifest whole, tier->LoadManifest(session.job, step));
+        result = before;
+        read = FromPlan(session, spec, whole, result);
+      }
+      CKPT_RETURN_IF_ERROR(read);
     }
   }
   const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"

@@ -236,6 +236,30 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   return manifest;
 }
 
+absl::StatusOr<Manifest> CheckpointStore::LoadManifestForRank(const std::string& job, uint64_t step, uint32_t rank,
+                                                              bool* from_index) {
+  *from_index = false;
+  CKPT_ASSIGN_OR_RETURN(Manifest index, LoadManifest(job, step, Depth::kIndexOnly));
+  if (!index.index) return index;  // the manifest itself
+  const std::string step_key = StepKey(job, step);
+  const PartReader read = [&](const std::string& file, size_t max_bytes) {
+    return objects_->Get(step_key + "/" + file, max_bytes);
+  };
+  const std::string where = objects_->Describe(step_key + "/" + kManifestName);
+  for (size_t i = 0; i < index.nodes.size(); ++i) {
+    const std::vector<uint32_t>& ranks = index.nodes[i].ranks;
+    if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) continue;
+    *from_index = true;
+    return ReadIndexedPart(index, i, read, kMaxManifestBytes, where);
+  }
+  // A rank the step was not saved with: the whole step, checked like any whole manifest.
+  CKPT_ASSIGN_OR_RETURN(Manifest whole, JoinIndexedManifest(index, read, kMaxManifestBytes, where));
+  if (absl::Status tiled = CheckTiling(whole); !tiled.ok()) {
+    return absl::DataLossError(fmt::format("{}: {}", where, Message(tiled)));
+  }
+  return whole;
+}
+
 absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& store,
                                                                const std::string& job) {
   std::vector<std::string> jobs;

@@ -88,6 +88,12 @@ class CheckpointStore {
   // listing a step needs, without reading a part per node.
   enum class Depth { kWhole, kIndexOnly };
   absl::StatusOr<Manifest> LoadManifest(const std::string& job, uint64_t step, Depth depth = Depth::kWhole);
+  // For a reader of `rank`'s own pieces: where the step is indexed, the part of the node
+  // that holds `rank` (a node-scoped manifest, as a node of a group with node-local disks
+  // holds; checked against the index), without reading any other node's, and
+  // `*from_index` set; otherwise what LoadManifest gives.
+  absl::StatusOr<Manifest> LoadManifestForRank(const std::string& job, uint64_t step, uint32_t rank,
+                                               bool* from_index);
   // Whether the step is committed here (its marker, the manifest, is there); false when it
   // cannot be told.
   bool Committed(const std::string& job, uint64_t step);

@@ -68,32 +68,41 @@ std::string NotAPartOf(const Manifest& index, const Manifest& part, const Manife
 
 }  // namespace
 
+absl::StatusOr<Manifest> ReadIndexedPart(const Manifest& index, size_t i, const PartReader& read,
+                                         size_t max_part_bytes, const std::string& where) {
+  if (!index.index || i >= index.nodes.size()) {
+    return absl::InvalidArgumentError(fmt::format("{} is not an index of {} parts", where, i + 1));
+  }
+  const ManifestNode& node = index.nodes[i];
+  const ManifestPart& entry = index.index->parts[i];  // ParseManifest: one per node, in order
+  const std::string source = fmt::format("{} (node {}'s part, {})", where, node.node, entry.file);
+  auto lost = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", source, why)); };
+  if (entry.bytes > max_part_bytes) {
+    return lost(fmt::format("the index gives it {} bytes, more than the {} a manifest may be", entry.bytes,
+                            max_part_bytes));
+  }
+  absl::StatusOr<std::string> text = read(entry.file, max_part_bytes);
+  if (absl::IsNotFound(text.status())) return lost("missing");
+  if (!text.ok()) return Annotate(text.status(), source);
+  if (text->size() != entry.bytes || ManifestDigest(*text) != entry.checksum) {
+    return lost(fmt::format("it is not the part the index names ({} bytes, {}; the index: {} bytes, {})",
+                            text->size(), ManifestDigest(*text), entry.bytes, entry.checksum));
+  }
+  CKPT_ASSIGN_OR_RETURN(Manifest part, ParseManifest(*text, source));
+  if (std::string why = NotAPartOf(index, part, node); !why.empty()) return lost(why);
+  return part;
+}
+
 absl::StatusOr<Manifest> JoinIndexedManifest(const Manifest& index, const PartReader& read, size_t max_part_bytes,
                                              const std::string& where) {
   if (!index.index) return absl::InvalidArgumentError(fmt::format("{} is not an index", where));
   std::vector<std::pair<uint32_t, Manifest>> parts;
   parts.reserve(index.nodes.size());
   for (size_t i = 0; i < index.nodes.size(); ++i) {
-    const ManifestNode& node = index.nodes[i];
-    const ManifestPart& entry = index.index->parts[i];  // ParseManifest: one per node, in order
-    const std::string source = fmt::format("{} (node {}'s part, {})", where, node.node, entry.file);
-    auto lost = [&](const std::string& why) { return absl::DataLossError(fmt::format("{}: {}", source, why)); };
-    if (entry.bytes > max_part_bytes) {
-      return lost(fmt::format("the index gives it {} bytes, more than the {} a manifest may be", entry.bytes,
-                              max_part_bytes));
-    }
-    absl::StatusOr<std::string> text = read(entry.file, max_part_bytes);
-    if (absl::IsNotFound(text.status())) return lost("missing");
-    if (!text.ok()) return Annotate(text.status(), source);
-    if (text->size() != entry.bytes || ManifestDigest(*text) != entry.checksum) {
-      return lost(fmt::format("it is not the part the index names ({} bytes, {}; the index: {} bytes, {})",
-                              text->size(), ManifestDigest(*text), entry.bytes, entry.checksum));
-    }
-    CKPT_ASSIGN_OR_RETURN(Manifest part, ParseManifest(*text, source));
-    if (std::string why = NotAPartOf(index, part, node); !why.empty()) return lost(why);
+    CKPT_ASSIGN_OR_RETURN(Manifest part, ReadIndexedPart(index, i, read, max_part_bytes, where));
     part.scope.reset();
     part.nodes.clear();
-    parts.emplace_back(node.node, std::move(part));
+    parts.emplace_back(index.nodes[i].node, std::move(part));
   }
   absl::StatusOr<Manifest> whole = MergeManifestParts(parts);
   if (!whole.ok()) return absl::DataLossError(fmt::format("{}: its parts do not join: {}", where, Message(whole.status())));

@@ -26,6 +26,13 @@ void AddToIndex(Manifest& index, const Manifest& part, const std::string& text);
 // `max_bytes` of it.
 using PartReader = std::function<absl::StatusOr<std::string>(const std::string& file, size_t max_bytes)>;
 
+// Part `i` of `index` (node `index.nodes[i]`'s), read by `read`: the very one the index
+// names (its size and checksum), a node-scoped manifest of the same step and commit (header
+// and digest) listing exactly the ranks the index gives its node; DataLoss naming `where`
+// and the part otherwise. A reader of one node's ranks needs no other part.
+absl::StatusOr<Manifest> ReadIndexedPart(const Manifest& index, size_t i, const PartReader& read,
+                                         size_t max_part_bytes, const std::string& where);
+
 // The whole step's manifest from `index` and its parts, read by `read`. Each part must be
 // the very one the index names (its size and checksum), a node-scoped manifest of the same
 // step and commit (header and digest) listing exactly the ranks the index gives its node;

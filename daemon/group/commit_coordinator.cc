@@ -496,10 +496,10 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
       absl::StatusOr<format::Manifest> index = WriteIndexedParts(*parts, committed->header);
       if (index.ok()) {
         published_json = format::ManifestToJson(*index);
-        published_manifest = std::move(*index);
         Log().info("{} its whole manifest is larger than a manifest may be ({} bytes): published as an index and "
                    "{} node parts",
-                   Prefix(key.first, key.second), options_.max_whole_manifest_bytes, parts->size());
+                   Prefix(key.first, key.second), options_.max_whole_manifest_bytes, index->index->parts.size());
+        published_manifest = std::move(*index);
       } else {
         unpublishable = index.status();
       }

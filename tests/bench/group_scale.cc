@@ -61,6 +61,7 @@
 #include "daemon/group/group_client.h"
 #include "daemon/group/group_server.h"
 #include "daemon/group/part_values_proto.h"
+#include "format/checkpoint_store.h"
 #include "format/manifest.h"
 #include "format/part_structure.h"
 #include "proto/group.grpc.pb.h"
@@ -113,7 +114,28 @@ group::GroupOptions CoordinatorOptions(uint32_t nodes, uint32_t fanout) {
 
 // The coordinator knows the tree's fan-out as every node does: it checks that a relay asks
 // for the shares of its own subtree only.
-int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, const std::string& address_file) {
+// With `shared_root`, it publishes each step on a shared root under `dir`/root, as ckptd's
+// --shared-root coordinator does: the whole manifest, or an index and a part per node (a step
+// too large for one manifest), before announcing it. The previous step is deleted then, so
+// that the disk holds one step.
+group::CommitCoordinator::Publisher SharedRootPublisher(format::CheckpointStore& store) {
+  group::CommitCoordinator::Publisher publish;
+  publish.commit = [&store](const format::Manifest& m) {
+    CKPT_RETURN_IF_ERROR(store.BeginStep(m.job, m.step));  // the nodes' shards would have made it
+    CKPT_RETURN_IF_ERROR(store.Commit(m));
+    if (m.step > 0) (void)store.Delete(m.job, m.step - 1);
+    return absl::OkStatus();
+  };
+  publish.write_part = [&store](const format::Manifest& part, format::Manifest& index) {
+    CKPT_RETURN_IF_ERROR(store.BeginStep(part.job, part.step));
+    return store.WriteManifestPart(part, index);
+  };
+  publish.discard = [&store](const std::string& job, uint64_t step) { (void)store.AbortStep(job, step); };
+  return publish;
+}
+
+int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, const std::string& address_file,
+                     bool shared_root) {
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
@@ -122,7 +144,10 @@ int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, co
   ::prctl(PR_SET_PDEATHSIG, SIGTERM);
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as ckptd's main does
   group::DecisionLogPtr log = group::MakeFileDecisionLog(MakePosixFilesystem(), dir + "/decisions");
-  auto server = group::StartGroupServer(CoordinatorOptions(nodes, fanout), 1, log.get());
+  format::CheckpointStore store(MakePosixFilesystem(), dir + "/root");
+  store.set_shared(true);
+  auto server = group::StartGroupServer(CoordinatorOptions(nodes, fanout), 1, log.get(),
+                                        shared_root ? SharedRootPublisher(store) : group::CommitCoordinator::Publisher{});
   if (!server.ok()) Die(Message(server.status()));
   {
     std::ofstream(address_file + ".tmp") << (*server)->address();
@@ -136,11 +161,12 @@ int ServeCoordinator(uint32_t nodes, uint32_t fanout, const std::string& dir, co
 
 class Coordinator {
  public:
-  Coordinator(const std::string& self, uint32_t nodes, uint32_t fanout, const std::string& dir) {
+  Coordinator(const std::string& self, uint32_t nodes, uint32_t fanout, const std::string& dir, bool shared_root) {
     const std::string address_file = dir + "/coordinator.address";
     std::filesystem::remove(address_file);
     std::vector<std::string> args = {self,    "scale",  "--serve", "--num-nodes", std::to_string(nodes),
                                      "--fanout", std::to_string(fanout), "--dir", dir, "--address-file", address_file};
+    if (shared_root) args.push_back("--shared-root");
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -213,6 +239,7 @@ struct Config {
   uint32_t nodes, ranks_per_node, tensors, steps, fanout, channels, threads;
   bool json = false;
   bool gather_per_rank = false;  // also measure the restore gather with a call per rank
+  bool shared_root = false;      // the coordinator publishes each step (--shared-root)
   // Whether the tree has relays at all, and node n's level (1: a child of node 0).
   bool tree() const { return fanout > 0 && nodes > fanout + 1; }
   uint32_t Level(uint32_t n) const {
@@ -823,7 +850,7 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
   const auto start = Clock::now();
   const std::string run_dir = fmt::format("{}/n{}-t{}", dir, c.nodes, c.tensors);
   std::filesystem::create_directories(run_dir);
-  Coordinator coordinator(self, c.nodes, c.fanout, run_dir);
+  Coordinator coordinator(self, c.nodes, c.fanout, run_dir, c.shared_root);
   FirstLevelRelays relays(c, coordinator.address());
   Simulation sim(c, coordinator.address(), relays);
   ScaleResult result{c};
@@ -908,12 +935,14 @@ int ScaleMain(int argc, char** argv) {
   app.add_flag("--json", json, "print one JSON object");
   app.add_flag("--gather-per-rank", c.gather_per_rank,
                "also measure the restore gather with a call per rank to node 0 (as before merged gathers)");
+  app.add_flag("--shared-root", c.shared_root,
+               "the coordinator publishes each step's manifest (or index and parts) on a shared root under --dir");
   app.add_flag("--serve", serve)->group("");  // internal: the coordinator's process
   app.add_option("--num-nodes", serve_nodes)->group("");
   app.add_option("--address-file", address_file)->group("");
   CLI11_PARSE(app, argc, argv);
   log::SetLevel("warn");
-  if (serve) return ServeCoordinator(serve_nodes, c.fanout, dir, address_file);
+  if (serve) return ServeCoordinator(serve_nodes, c.fanout, dir, address_file, c.shared_root);
 
   bool own_dir = dir.empty();
   if (own_dir) {

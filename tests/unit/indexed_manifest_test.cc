@@ -210,3 +210,38 @@ TEST_CASE("an index that does not hold together is refused, naming why") {
   both["scope"] = nlohmann::json::parse(ManifestToJson(PartOf(Whole(), 1)))["scope"];
   refused(both, "needs format version 3, not 4");
 }
+
+TEST_CASE("a reader of one rank reads the part of the node that holds it, and no other") {
+  Fixture f;
+  f.Publish();
+  bool from_index = false;
+  auto part = f.store.LoadManifestForRank("llm", 1200, 2, &from_index);
+  REQUIRE(part.ok());
+  CHECK(from_index);
+  REQUIRE(part->scope.has_value());
+  CHECK(part->scope->node == 1);
+  CHECK(part->shards.size() == 2);
+  CHECK(part->Shard(2) != nullptr);
+  CHECK(part->StepTensors() == 2);
+  // Node 0's part is not read: it may be gone, and rank 2's reader does not notice.
+  std::filesystem::remove(f.step_dir + "/manifest-node-00000.json");
+  CHECK(f.store.LoadManifestForRank("llm", 1200, 1, &from_index).ok());
+  // But rank 0's reader does, naming the part.
+  auto lost = f.store.LoadManifestForRank("llm", 1200, 0, &from_index);
+  REQUIRE_FALSE(lost.ok());
+  CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("manifest-node-00000.json") && Catch::Contains("missing"));
+}
+
+TEST_CASE("a reader of one rank of a step that is not indexed gets its manifest") {
+  ckpt::testing::TempDir dir;
+  CheckpointStore store{ckpt::MakePosixFilesystem(), dir.path()};
+  Manifest whole = Whole();
+  whole.nodes.clear();
+  REQUIRE(store.BeginStep("llm", 1200).ok());
+  REQUIRE(store.Commit(whole).ok());
+  bool from_index = true;
+  auto loaded = store.LoadManifestForRank("llm", 1200, 3, &from_index);
+  REQUIRE(loaded.ok());
+  CHECK_FALSE(from_index);
+  CHECK(loaded->shards.size() == 4);
+}
