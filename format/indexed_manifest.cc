@@ -12,15 +12,7 @@ namespace ckpt::format {
 
 Manifest IndexHeader(const Manifest& part) {
   Manifest index;
-  index.job = part.job;
-  index.step = part.step;
-  index.unix_time = part.unix_time;
-  index.wall_time = part.wall_time;
-  index.world_size = part.world_size;
-  index.ckptd_version = part.ckptd_version;
-  index.run = part.run;
-  index.checksum_chunk_bytes = part.checksum_chunk_bytes;
-  index.metadata = part.metadata;
+  CopyStepHeader(part, index);
   StepIndex& i = index.index.emplace();
   if (part.scope) {
     i.step_bytes = part.scope->step_bytes;
@@ -107,12 +99,7 @@ absl::StatusOr<Manifest> JoinIndexedManifest(const Manifest& index, const PartRe
   absl::StatusOr<Manifest> whole = MergeManifestParts(parts);
   if (!whole.ok()) return absl::DataLossError(fmt::format("{}: its parts do not join: {}", where, Message(whole.status())));
   // The header is the index's (the parts carry the same; merging takes it from the nodes).
-  whole->unix_time = index.unix_time;
-  whole->wall_time = index.wall_time;
-  whole->ckptd_version = index.ckptd_version;
-  whole->run = index.run;
-  whole->checksum_chunk_bytes = index.checksum_chunk_bytes;
-  whole->metadata = index.metadata;
+  CopyStepHeader(index, *whole);
   if (whole->StepBytes() != index.index->step_bytes || whole->StepTensors() != index.index->step_tensors) {
     return absl::DataLossError(fmt::format(
         "{}: its parts hold {} bytes in {} tensors, the index says {} bytes in {} tensors", where,

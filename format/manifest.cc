@@ -62,6 +62,18 @@ std::optional<uint32_t> Manifest::NodeOf(uint32_t rank) const {
 
 std::string TrainStateKey(const std::string& name) { return "__train_state__." + name; }
 
+void CopyStepHeader(const Manifest& from, Manifest& to) {
+  to.job = from.job;
+  to.step = from.step;
+  to.unix_time = from.unix_time;
+  to.wall_time = from.wall_time;
+  to.world_size = from.world_size;
+  to.ckptd_version = from.ckptd_version;
+  to.run = from.run;
+  to.checksum_chunk_bytes = from.checksum_chunk_bytes;
+  to.metadata = from.metadata;
+}
+
 void AppendRanks(Manifest& manifest, Manifest more) {
   auto by_rank = [](const auto& a, const auto& b) { return a.rank < b.rank; };
   for (ManifestShard& s : more.shards) manifest.shards.push_back(std::move(s));
@@ -652,6 +664,12 @@ absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Ma
           "with world size {}",
           node, part->job, part->step, part->world_size, first.job, first.step, first.world_size));
     }
+    // One manifest records one chunk size for every piece's chunk checksums.
+    if (part->checksum_chunk_bytes != first.checksum_chunk_bytes) {
+      return absl::FailedPreconditionError(fmt::format(
+          "node {} checksums chunks of {} bytes, another node chunks of {}", node, part->checksum_chunk_bytes,
+          first.checksum_chunk_bytes));
+    }
     for (const ManifestShard& s : part->shards) {
       if (s.rank >= held.size() || held[s.rank]) {
         return absl::FailedPreconditionError(
@@ -687,23 +705,14 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
   if (absl::Status covered = CheckPartsCoverWorld(refs); !covered.ok()) return covered;
   const Manifest& first = parts.front().second;
   Manifest m;
-  m.job = first.job;
-  m.step = first.step;
-  m.world_size = first.world_size;
-  m.ckptd_version = first.ckptd_version;
-  m.unix_time = first.unix_time;
-  m.wall_time = first.wall_time;
-  // The chunk size of every piece's chunk_checksums: without it a whole manifest whose
+  // With the chunk size of every piece's chunk_checksums: without it a whole manifest whose
   // pieces list chunk checksums would not parse back (each piece over 8 MiB has some).
-  m.checksum_chunk_bytes = first.checksum_chunk_bytes;
+  CopyStepHeader(first, m);
+  m.run = 0;         // the nodes' latest, below
+  m.metadata = {};   // rank 0's, below
   std::map<uint32_t, const ManifestShard*> by_rank;
   std::map<uint32_t, std::vector<uint32_t>> by_node;
   for (const auto& [node, part] : parts) {
-    if (part.checksum_chunk_bytes != m.checksum_chunk_bytes) {
-      return absl::FailedPreconditionError(fmt::format(
-          "node {} checksums chunks of {} bytes, another node chunks of {}", node, part.checksum_chunk_bytes,
-          m.checksum_chunk_bytes));
-    }
     // The latest clock among the nodes: the moment the last part became durable.
     m.run = std::max(m.run, part.run);
     if (part.unix_time > m.unix_time) {

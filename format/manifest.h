@@ -204,6 +204,10 @@ absl::Status CheckPartsCoverWorld(const std::vector<std::pair<uint32_t, const Ma
 absl::Status CheckSameTensor(const std::string& name, uint32_t node, const ManifestTensor& t,
                              const ManifestTensor& other);
 
+// Sets `to`'s step header (job, step, times, world size, version, run, checksum chunk size,
+// metadata) to `from`'s, leaving what it lists alone.
+void CopyStepHeader(const Manifest& from, Manifest& to);
+
 // Adds the shards and tensor pieces of `more` (other ranks of the same step) to `manifest`,
 // keeping both in rank order: the parts one node prepared at different times, as one.
 void AppendRanks(Manifest& manifest, Manifest more);

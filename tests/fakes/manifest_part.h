@@ -20,6 +20,7 @@ inline format::Manifest ManifestPart(const std::string& job, uint64_t step, uint
   m.world_size = world_size;
   m.ckptd_version = "test";
   m.wall_time = "2024-01-01T00:00:00Z";
+  m.checksum_chunk_bytes = format::kChecksumChunkBytes;  // as every ckptd's parts say
   for (uint32_t r : ranks) {
     format::ManifestShard s;
     s.rank = r;

@@ -826,18 +826,24 @@ TEST_CASE("a daemon stopped past --group-timeout: its job's steps abort at once,
   c.SaveAllCommitted(30);
 }
 
-TEST_CASE("the coordinator dies between recording a commit and announcing it: after restart all nodes agree") {
-  Cluster c({{0}, {1, 2}, {3}});
+// Starts every node, the coordinator with CKPTD_FAULT=exit-after-commit-record, and saves
+// `step` on every rank: the coordinator records its decision and exits before announcing it.
+// Returns the savers, still running.
+std::vector<std::unique_ptr<Process>> SaveUntilTheCoordinatorExits(Cluster& c, uint64_t step) {
   ::setenv("CKPTD_FAULT", "exit-after-commit-record", 1);
   c.Start(0);
   ::unsetenv("CKPTD_FAULT");
-  c.Start(1);
-  c.Start(2);
+  for (int n = 1; n < c.num_nodes(); ++n) c.Start(n);
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
-
-  auto savers = c.SaveRanks(c.AllRanks(), 10);
+  auto savers = c.SaveRanks(c.AllRanks(), step);
   REQUIRE_WITHIN(c, 30s, "the coordinator records the decision and exits",
                  Contains(c.node(0).Log(), "CKPTD_FAULT=exit-after-commit-record: exiting"));
+  return savers;
+}
+
+TEST_CASE("the coordinator dies between recording a commit and announcing it: after restart all nodes agree") {
+  Cluster c({{0}, {1, 2}, {3}});
+  auto savers = SaveUntilTheCoordinatorExits(c, 10);
   std::string coordinator_log = c.node(0).Log();
   {
     INFO(coordinator_log);
@@ -886,16 +892,8 @@ TEST_CASE("a shared root: the coordinator dies after recording an indexed step's
   TempDir shared_disk;
   c.shared_root = shared_disk / "root";
   REQUIRE(fs::create_directories(c.shared_root));
-  ::setenv("CKPTD_FAULT", "exit-after-commit-record", 1);
-  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);
-  c.Start(0);
-  ::unsetenv("CKPTD_FAULT");
-  c.Start(1);
-  c.Start(2);
-  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
-  auto savers = c.SaveRanks(c.AllRanks(), 10);
-  REQUIRE_WITHIN(c, 30s, "the coordinator records the decision and exits",
-                 Contains(c.node(0).Log(), "CKPTD_FAULT=exit-after-commit-record: exiting"));
+  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);  // node 0's, and after its restart
+  auto savers = SaveUntilTheCoordinatorExits(c, 10);
   CHECK(c.node(0).Stop() == 99);
   // Decided, not published: the parts are in the step's staging, the index is not.
   const std::string step = c.StepDir(0, 10);
