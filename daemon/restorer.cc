@@ -41,6 +41,23 @@ bool SamePlacement(const SessionView& session, const format::Manifest& manifest)
   return true;
 }
 
+// Whether the part of an indexed step that holds the session's rank (its node's manifest)
+// is all a restore needs: the saved world and placement, every registered tensor with a
+// piece of this rank in it, and no tensor allowed to be missing (which only the whole step
+// can tell from one held by another node).
+bool PartServes(const SessionView& session, const RestoreSpec& spec, const format::Manifest& part) {
+  if (spec.allow_missing || part.world_size != session.world_size || !SamePlacement(session, part)) return false;
+  for (const RegisteredTensor& t : *session.tensors) {
+    auto it = part.tensors.find(t.name);
+    if (it == part.tensors.end() ||
+        std::none_of(it->second.shards.begin(), it->second.shards.end(),
+                     [&](const format::TensorShard& s) { return s.rank == session.rank; })) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Whether some registered tensor was saved in another dtype (a restore that casts reads it
 // through the planner, which reads memory as well, and casts on the way).
 bool DtypesDiffer(const SessionView& session, const format::Manifest& manifest) {
@@ -251,21 +268,19 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
       manifest = remote_->LoadManifestForRank(session.job, step, session.rank, &from_index);
     }
     CKPT_RETURN_IF_ERROR(manifest.status());
+    if (from_index && !PartServes(session, spec, *manifest)) {
+      // Another layout, or tensors this node's ranks did not save: the whole step, its parts
+      // joined (never a guess from one node's part at what the step lacks).
+      manifest = tier->LoadManifest(session.job, step);
+      CKPT_RETURN_IF_ERROR(manifest.status());
+    }
     result.saved_world_size = manifest->world_size;
     if (hot && manifest->world_size == session.world_size && SamePlacement(session, *manifest) &&
         !(spec.cast && DtypesDiffer(session, *manifest))) {
       result.source = RestoreResult::Source::kMemory;
       CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
     } else {
-      const RestoreResult before = result;
-      absl::Status read = FromPlan(session, spec, *manifest, result);
-      if (!read.ok() && from_index) {
-        // Another layout, which needs other nodes' ranks: the whole step, its parts joined.
-        CKPT_ASSIGN_OR_RETURN(format::Manifest whole, tier->LoadManifest(session.job, step));
-        result = before;
-        read = FromPlan(session, spec, whole, result);
-      }
-      CKPT_RETURN_IF_ERROR(read);
+      CKPT_RETURN_IF_ERROR(FromPlan(session, spec, *manifest, result));
     }
   }
   const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"
@@ -297,11 +312,13 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     }
     // A rank the step was not saved with (the job grew): it can restore from the step
     // where this node holds every shard, in memory or on disk.
-    auto manifest = store_.LoadManifest(session.job, step);
+    // (Of an indexed step its index alone: the world and which ranks there are.)
+    auto manifest = store_.LoadManifest(session.job, step, format::CheckpointStore::Depth::kIndexOnly);
     // A node's part of a step saved across nodes never holds every shard.
     if (!manifest.ok() || session.rank < manifest->world_size || manifest->scope) continue;
     std::set<uint32_t> all;
     for (const format::ManifestShard& s : manifest->shards) all.insert(s.rank);
+    for (const format::ManifestNode& n : manifest->nodes) all.insert(n.ranks.begin(), n.ranks.end());
     if (LocalHasAll(session.job, step, all, *manifest)) available.emplace_back(run, step);
   }
   if (remote_ != nullptr) {
@@ -332,8 +349,13 @@ bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set
                            const format::Manifest& manifest) {
   for (uint32_t rank : ranks) {
     if (hot_.Find(job, rank, step)) continue;
-    // Not listed: outside the world, or another node's in a node-scoped manifest.
+    // Not listed: outside the world, or another node's in a node-scoped manifest. An index
+    // lists no shards: each rank's file has its one name.
     const format::ManifestShard* shard = manifest.Shard(rank);
+    if (manifest.index && rank < manifest.world_size) {
+      if (!store_.HasFile(job, step, format::ShardFileName(rank))) return false;
+      continue;
+    }
     if (shard == nullptr || !store_.HasFile(job, step, shard->file)) return false;
   }
   return true;

@@ -116,6 +116,18 @@ absl::Status CheckpointStore::WriteManifestPart(const Manifest& part, Manifest& 
   return absl::OkStatus();
 }
 
+absl::Status CheckpointStore::CheckStagedParts(const Manifest& index) {
+  if (!index.index) return absl::OkStatus();
+  const std::string staging = TempStepKey(index.job, index.step);
+  const PartReader read = [&](const std::string& file, size_t max_bytes) {
+    return objects_->Get(staging + "/" + file, max_bytes);
+  };
+  for (size_t i = 0; i < index.nodes.size(); ++i) {
+    CKPT_RETURN_IF_ERROR(ReadIndexedPart(index, i, read, kMaxManifestBytes, objects_->Describe(staging)).status());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckpointStore::RecordPrepared(const Manifest& part) {
   return objects_->Put(TempStepKey(part.job, part.step) + "/" + kPreparedName, ManifestToJson(part));
 }

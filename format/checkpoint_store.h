@@ -56,6 +56,10 @@ class CheckpointStore {
   // Writes the manifest and publishes the step directory. An index (Manifest::index) is
   // written only after each of its parts (WriteManifestPart).
   absl::Status Commit(const Manifest& manifest);
+  // Reads back every part `index` names from the step's staging, one at a time, checking
+  // each as a reader will (ReadIndexedPart): before an index written earlier (a decision
+  // log's, after a restart) is published over parts that may have changed since.
+  absl::Status CheckStagedParts(const Manifest& index);
   // Writes node-scoped `part` into the step's staging as its node's part of an indexed step
   // (format/indexed_manifest.h) and adds it to `index`. Parts are written before the index
   // that names them, so a step is never published with one missing.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -88,6 +89,14 @@ absl::StatusOr<Manifest> ReadIndexedPart(const Manifest& index, size_t i, const 
 absl::StatusOr<Manifest> JoinIndexedManifest(const Manifest& index, const PartReader& read, size_t max_part_bytes,
                                              const std::string& where) {
   if (!index.index) return absl::InvalidArgumentError(fmt::format("{} is not an index", where));
+  uint64_t total = 0;
+  for (const ManifestPart& p : index.index->parts) total += std::min<uint64_t>(p.bytes, kMaxJoinedPartsBytes);
+  if (total > kMaxJoinedPartsBytes) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "{}: its {} parts are {} bytes together, more than the {} a reader joins; each node's ranks "
+        "still restore in the saved layout from their own node's part",
+        where, index.index->parts.size(), total, kMaxJoinedPartsBytes));
+  }
   std::vector<std::pair<uint32_t, Manifest>> parts;
   parts.reserve(index.nodes.size());
   for (size_t i = 0; i < index.nodes.size(); ++i) {

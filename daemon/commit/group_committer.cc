@@ -294,9 +294,14 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
   if (published.ok() && !store_.Committed(key.first, key.second)) {
     // On a shared root the coordinator publishes the step before announcing it, and
     // again (here, on node 0) when it restarted in between.
-    published = store_.shared() && node_rank_ != 0
-                    ? absl::DataLossError("the coordinator did not publish it on the shared root")
-                    : store_.Commit(*manifest);
+    if (store_.shared() && node_rank_ != 0) {
+      published = absl::DataLossError("the coordinator did not publish it on the shared root");
+    } else {
+      // An index from the decision log names parts written before a restart: each is read
+      // back and checked before the step is published over them.
+      published = store_.CheckStagedParts(*manifest);
+      if (published.ok()) published = store_.Commit(*manifest);
+    }
   }
   if (absl::IsNotFound(published) && !ours) {
     Log().warn("[{} s{}] {}: removing the files this node kept in doubt", key.first, key.second, Message(published));

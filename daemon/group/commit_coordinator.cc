@@ -773,15 +773,22 @@ absl::StatusOr<format::Manifest> CommitCoordinator::WriteIndexedParts(const Prep
   }
   // One manifest per node, in the order of the nodes as the index lists them: parts are in
   // arrival order, and a node whose ranks became durable at different times prepared them in
-  // several parts.
-  std::map<uint32_t, format::Manifest> by_node;
-  for (const auto& [node, part] : parts) {
-    CKPT_ASSIGN_OR_RETURN(format::Manifest joined, format::JoinPart(*part.structure, part.values));
-    auto [it, first] = by_node.try_emplace(node, std::move(joined));
-    if (!first) format::AppendRanks(it->second, std::move(joined));
-  }
+  // several parts. Each node's is written as soon as it is joined: one node's in memory at a
+  // time, never the whole step's.
+  std::vector<const std::pair<uint32_t, PreparedPart>*> by_node;
+  by_node.reserve(parts.size());
+  for (const auto& p : parts) by_node.push_back(&p);
+  std::stable_sort(by_node.begin(), by_node.end(), [](const auto* a, const auto* b) { return a->first < b->first; });
   std::optional<format::Manifest> index;
-  for (auto& [node, joined] : by_node) {
+  for (size_t i = 0; i < by_node.size();) {
+    const uint32_t node = by_node[i]->first;
+    CKPT_ASSIGN_OR_RETURN(format::Manifest joined,
+                          format::JoinPart(*by_node[i]->second.structure, by_node[i]->second.values));
+    for (++i; i < by_node.size() && by_node[i]->first == node; ++i) {
+      CKPT_ASSIGN_OR_RETURN(format::Manifest more,
+                            format::JoinPart(*by_node[i]->second.structure, by_node[i]->second.values));
+      format::AppendRanks(joined, std::move(more));
+    }
     format::Manifest mine = NodeManifest(std::move(joined), header, node);
     if (!index) index = format::IndexHeader(mine);
     CKPT_RETURN_IF_ERROR(options_.publish.write_part(mine, *index));

@@ -2,11 +2,48 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+#include <stdexcept>
+
 #include <nlohmann/json.hpp>
 
 namespace ckpt::daemon::upload {
+namespace {
 
 using nlohmann::json;
+
+// A field missing, of the wrong type or out of range: a report is data from the bucket,
+// which every node of the group can write, and is checked as a manifest is.
+struct BadReport : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+const json& Field(const json& j, const char* name) {
+  auto it = j.find(name);
+  if (it == j.end()) throw BadReport(fmt::format("no \"{}\"", name));
+  return *it;
+}
+
+uint64_t Unsigned(const json& v, const char* name, uint64_t most) {
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > most) {
+    throw BadReport(fmt::format("\"{}\" is not an integer in [0, {}]", name, most));
+  }
+  return v.get<uint64_t>();
+}
+
+std::string Digest(const json& v, const char* name) {
+  constexpr std::string_view kPrefix = "xxh3:";
+  if (v.is_string()) {
+    const std::string s = v.get<std::string>();
+    if (s.size() == kPrefix.size() + 16 && s.compare(0, kPrefix.size(), kPrefix) == 0 &&
+        s.find_first_not_of("0123456789abcdef", kPrefix.size()) == std::string::npos) {
+      return s;
+    }
+  }
+  throw BadReport(fmt::format("\"{}\" is not \"xxh3:\" and 16 lowercase hex digits", name));
+}
+
+}  // namespace
 
 std::string PartReportJson(const PartReport& r) {
   return json{{"format", "ckptd-upload-report"},
@@ -21,26 +58,34 @@ std::string PartReportJson(const PartReport& r) {
 }
 
 absl::StatusOr<PartReport> ParsePartReport(const std::string& text, const std::string& source) {
-  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   auto bad = [&](const std::string& why) {
     return absl::DataLossError(fmt::format("{}: not an upload report: {}", source, why));
   };
-  if (!j.is_object() || j.value("format", "") != "ckptd-upload-report") return bad("no \"format\": ckptd-upload-report");
+  json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return bad("not a JSON object");
   try {
+    const json& format = Field(j, "format");
+    if (!format.is_string() || format.get<std::string>() != "ckptd-upload-report") {
+      return bad("\"format\" is not ckptd-upload-report");
+    }
     PartReport r;
-    r.run = j.at("run").get<uint64_t>();
-    r.node = j.at("node").get<uint32_t>();
-    r.digest = j.at("digest").get<std::string>();
-    r.ranks = j.at("ranks").get<std::vector<uint32_t>>();
-    r.shard_bytes = j.at("shard_bytes").get<std::vector<uint64_t>>();
-    r.part_bytes = j.at("part_bytes").get<uint64_t>();
-    r.part_checksum = j.at("part_checksum").get<std::string>();
-    if (r.ranks.empty() || r.ranks.size() != r.shard_bytes.size()) return bad("ranks and shard_bytes do not pair up");
-    for (size_t i = 1; i < r.ranks.size(); ++i) {
-      if (r.ranks[i] <= r.ranks[i - 1]) return bad("ranks are not ascending");
+    r.run = Unsigned(Field(j, "run"), "run", std::numeric_limits<uint64_t>::max());
+    r.node = static_cast<uint32_t>(Unsigned(Field(j, "node"), "node", std::numeric_limits<uint32_t>::max()));
+    r.digest = Digest(Field(j, "digest"), "digest");
+    r.part_bytes = Unsigned(Field(j, "part_bytes"), "part_bytes", std::numeric_limits<uint64_t>::max());
+    r.part_checksum = Digest(Field(j, "part_checksum"), "part_checksum");
+    const json& ranks = Field(j, "ranks");
+    const json& bytes = Field(j, "shard_bytes");
+    if (!ranks.is_array() || !bytes.is_array() || ranks.empty() || ranks.size() != bytes.size()) {
+      return bad("\"ranks\" and \"shard_bytes\" are not arrays of one entry per rank");
+    }
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      r.ranks.push_back(static_cast<uint32_t>(Unsigned(ranks[i], "ranks", std::numeric_limits<uint32_t>::max())));
+      r.shard_bytes.push_back(Unsigned(bytes[i], "shard_bytes", std::numeric_limits<uint64_t>::max()));
+      if (i > 0 && r.ranks[i] <= r.ranks[i - 1]) return bad("\"ranks\" are not strictly ascending");
     }
     return r;
-  } catch (const json::exception& e) {
+  } catch (const std::exception& e) {  // BadReport, or nlohmann's type and key errors
     return bad(e.what());
   }
 }

@@ -203,6 +203,26 @@ absl::Status Uploader::CheckUploaded(const format::Manifest& manifest) {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Where this node holds the whole step's manifest (node 0, when the coordinator assembled
+// it): whether `r` reports exactly the ranks and shard sizes it gives the reporting node.
+bool AgreesWithWhole(const format::Manifest& manifest, const PartReport& r) {
+  if (manifest.scope) return true;  // this node's own ranks only: nothing to compare
+  std::vector<uint32_t> ranks;
+  for (const format::ManifestNode& n : manifest.nodes) {
+    if (n.node == r.node) ranks = n.ranks;
+  }
+  if (ranks != r.ranks) return false;
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    const format::ManifestShard* shard = manifest.Shard(r.ranks[i]);
+    if (shard == nullptr || shard->bytes != r.shard_bytes[i]) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 absl::StatusOr<std::vector<PartReport>> Uploader::WaitForReports(const format::Manifest& manifest,
                                                                   Clock::duration own_upload_took) {
   const std::string prefix = remote_.TempStepKey(manifest.job, manifest.step);
@@ -227,7 +247,12 @@ absl::StatusOr<std::vector<PartReport>> Uploader::WaitForReports(const format::M
         absl::StatusOr<std::string> text = remote_.objects().Get(key, kMaxPartReportBytes);
         if (!text.ok()) continue;
         absl::StatusOr<PartReport> r = ParsePartReport(*text, remote_.objects().Describe(key));
-        if (!r.ok() || r->run != manifest.run || r->node == me || (digest && r->digest != *digest)) continue;
+        // Each node reports under its own name, once; of this run, and of the commit the
+        // others' (or this node's own manifest) name.
+        if (!r.ok() || e.name != fmt::format("node-{}", r->node) || r->run != manifest.run || r->node == me ||
+            (digest && r->digest != *digest) || !AgreesWithWhole(manifest, *r)) {
+          continue;
+        }
         auto there = [&](const std::string& file, uint64_t bytes) {
           auto it = sizes.find(file);
           return it != sizes.end() && it->second == bytes;
@@ -407,6 +432,9 @@ absl::Status Uploader::PublishIndex(const format::Manifest& m, const std::vector
     index.nodes.push_back({r.node, r.ranks});
     index.index->parts.push_back({r.node, format::ManifestPartFileName(r.node), r.part_bytes, r.part_checksum});
   }
+  // What readers will check of it, before it is the step's commit marker: an index no reader
+  // accepts would be a step that neither restores nor is ever cleaned up.
+  CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(index), "the step's index").status());
   return remote_.Commit(index);  // the index, last
 }
 

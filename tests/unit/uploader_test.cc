@@ -8,7 +8,11 @@
 
 #include <chrono>
 #include <thread>
+#include <tuple>
 
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
 #include "daemon/group/committed_step.h"
 #include "daemon/group/upload_targets.h"
 #include "daemon/persist/retention_keeper.h"
@@ -394,4 +398,39 @@ TEST_CASE("in a group every node uploads its part of the step node 0 uploads, wh
   CHECK_FALSE(remote.Committed("j", 3));
   node0_uploader.Stop();
   node1_uploader.Stop();
+}
+
+TEST_CASE("an upload report is data from the bucket: a crafted one is refused, naming why, never thrown") {
+  using ckpt::daemon::upload::ParsePartReport;
+  using ckpt::daemon::upload::PartReport;
+  using ckpt::daemon::upload::PartReportJson;
+  const PartReport good{7, 3, kDigest, {6, 7}, {100, 200}, 900, "xxh3:0123456789abcdef"};
+  auto parsed = ParsePartReport(PartReportJson(good), "node-3");
+  REQUIRE(parsed.ok());
+  CHECK(parsed->node == 3);
+  CHECK(parsed->ranks == std::vector<uint32_t>{6, 7});
+  CHECK(parsed->shard_bytes == std::vector<uint64_t>{100, 200});
+  auto doc = nlohmann::json::parse(PartReportJson(good));
+  for (auto [field, value, why] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"format", 1, "\"format\" is not"},
+           {"run", 1e300, "\"run\" is not an integer"},
+           {"run", -1, "\"run\" is not an integer"},
+           {"node", 4294967299ull, "\"node\" is not an integer"},
+           {"digest", "md5:0", "\"digest\" is not"},
+           {"part_checksum", 5, "\"part_checksum\" is not"},
+           {"ranks", nlohmann::json::array({7, 6}), "not strictly ascending"},
+           {"shard_bytes", nlohmann::json::array({1}), "one entry per rank"},
+           {"ranks", "6", "one entry per rank"}}) {
+    auto crafted = doc;
+    crafted[field] = value;
+    auto refused = ParsePartReport(crafted.dump(), "node-3");
+    INFO(field << " = " << value.dump());
+    REQUIRE_FALSE(refused.ok());
+    CHECK_THAT(ckpt::Message(refused.status()), Catch::Contains(why) && Catch::Contains("node-3"));
+  }
+  auto missing = doc;
+  missing.erase("part_bytes");
+  CHECK_THAT(ckpt::Message(ParsePartReport(missing.dump(), "r").status()), Catch::Contains("no \"part_bytes\""));
+  CHECK_FALSE(ParsePartReport("[1, 2]", "r").ok());
+  CHECK_FALSE(ParsePartReport("{\"format\": ", "r").ok());
 }

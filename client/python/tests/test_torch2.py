@@ -335,6 +335,15 @@ def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, w
         f.write(text)
     with pytest.raises(ValueError, match=r"manifest-node-00001\.json: not the part the index names"):
         CkptdStorageReader(step_dir).read_metadata()
+    # An index that leaves a node out is refused, not read as a step without its tensors.
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        index = json.load(f)
+    index["nodes"].pop()
+    index["index"]["parts"].pop()
+    with open(os.path.join(step_dir, "manifest.json"), "w") as f:
+        json.dump(index, f)
+    with pytest.raises(ValueError, match=r"hold 1 of the 2 ranks"):
+        CkptdStorageReader(step_dir).read_metadata()
     shutil.copy(os.path.join(workdir, "whole.json"), os.path.join(step_dir, "manifest.json"))
 
     # A manifest that leaves part of a tensor uncovered is refused (DCP would load the

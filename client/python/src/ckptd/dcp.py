@@ -114,32 +114,59 @@ class _StepFiles:
 # An index (docs/format.md, "Indexed manifests"): a step too large for one manifest, its
 # tensors in one node-scoped manifest (version 3) per node, each named by its checksum.
 _INDEX_FORMAT_VERSION = 4
-_PART_FILE = re.compile(r"manifest-node-[0-9]{5,10}\.json")
+_DIGEST = re.compile(r"xxh3:[0-9a-f]{16}")
+# What the part of a node must say as the index does (ckptd's NotAPartOf).
+_PART_HEADER = ("job", "step", "world_size", "run", "checksum_chunk_bytes")
 
 
 def _join_index(index, read_text):
-    """The whole step's manifest from an index and its nodes' parts. Each part must be the
-    one the index names (size and XXH3-64 checksum), of the same step and commit."""
-    spec = index.get("index")
-    if not isinstance(spec, dict) or not isinstance(spec.get("parts"), list):
-        raise ValueError("an index (format version 4) without its \"index\" of parts")
+    """The whole step's manifest from an index and its nodes' parts, checked as ckptd checks
+    them: the index gives every rank of the world to one node, in order; each part is the one
+    the index names (size and XXH3-64 checksum), of the same step and commit, listing exactly
+    the ranks the index gives its node."""
+    try:
+        return _join_checked(index, read_text)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"an index or part that is not well formed: {e!r}") from e
+
+
+def _join_checked(index, read_text):
+    spec, nodes, world = index.get("index"), index.get("nodes"), index.get("world_size")
+    if (not isinstance(spec, dict) or not isinstance(spec.get("parts"), list) or not isinstance(nodes, list)
+            or not nodes or len(nodes) != len(spec["parts"]) or not isinstance(world, int)):
+        raise ValueError('an index (format version 4) whose "nodes" and "index.parts" do not pair up')
+    digest = spec.get("digest")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError(f"the index's digest {digest!r} is not xxh3: and 16 hex digits")
+    held, last = set(), -1
+    for holder, entry in zip(nodes, spec["parts"]):
+        node, ranks = holder["node"], holder["ranks"]
+        if not isinstance(node, int) or node <= last or not isinstance(ranks, list) or not ranks:
+            raise ValueError('the index\'s "nodes" are not in strictly ascending order, each with ranks')
+        last = node
+        for r in ranks:
+            if not isinstance(r, int) or not 0 <= r < world or r in held:
+                raise ValueError(f"rank {r!r} is outside the world of {world} or on two nodes of the index")
+            held.add(r)
+        if entry["node"] != node or entry["file"] != f"manifest-node-{node:05d}.json":
+            raise ValueError(f"the index's part for node {node} is not manifest-node-{node:05d}.json")
+    if len(held) != world:
+        raise ValueError(f"the index's nodes hold {len(held)} of the {world} ranks of the world")
     joined = {k: v for k, v in index.items() if k != "index"}
     joined["shards"], joined["tensors"] = [], {}
-    for entry in spec["parts"]:
-        file = entry.get("file") if isinstance(entry, dict) else None
-        if not isinstance(file, str) or not _PART_FILE.fullmatch(file):
-            raise ValueError(f"the index names a part {file!r}, which is not manifest-node-NNNNN.json")
+    for holder, entry in zip(nodes, spec["parts"]):
+        file = entry["file"]
         data = read_text(file)
         if isinstance(data, str):
             data = data.encode()
-        if len(data) != entry.get("bytes") or f"xxh3:{xxh3_64(data):016x}" != entry.get("checksum"):
+        if len(data) != entry["bytes"] or f"xxh3:{xxh3_64(data):016x}" != entry["checksum"]:
             raise ValueError(f"{file}: not the part the index names (edited or damaged)")
         part = json.loads(data)
-        scope = part.get("scope") or {}
-        if (part.get("format_version") != 3 or scope.get("node") != entry.get("node")
-                or scope.get("digest") != spec.get("digest") or part.get("job") != index.get("job")
-                or part.get("step") != index.get("step")):
-            raise ValueError(f"{file}: not node {entry.get('node')}'s part of this step")
+        scope = part["scope"]
+        if (part["format_version"] != 3 or scope["node"] != holder["node"] or scope["digest"] != digest
+                or any(part.get(k) != index.get(k) for k in _PART_HEADER)
+                or [shard["rank"] for shard in part["shards"]] != holder["ranks"]):
+            raise ValueError(f"{file}: not node {holder['node']}'s part of this step")
         joined["shards"].extend(part["shards"])
         for name, tensor in part["tensors"].items():
             mine = joined["tensors"].setdefault(
