@@ -75,6 +75,7 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
                "group_bench:bazel-bin/tests/bench/group_bench --nodes 2,4 --rounds 5" \
                "group_scale:bazel-bin/tests/bench/group_bench scale --nodes 16 --tensors 2 --steps 1" \
                "group_scale_tree:bazel-bin/tests/bench/group_bench scale --nodes 40 --tensors 2 --steps 1 --fanout 4" \
+               "group_scale_shared_root:bazel-bin/tests/bench/group_bench scale --nodes 16 --tensors 2 --steps 1 --shared-root" \
                "cow_bench:bazel-bin/tests/bench/cow_bench --mib 64" \
                "erasure_bench:bazel-bin/tests/bench/erasure_bench --mib 8 --rounds 1" \
                "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick"; do

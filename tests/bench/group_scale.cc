@@ -889,6 +889,15 @@ ScaleResult Measure(const Config& c, const std::string& self, const std::string&
     result.steps.push_back(sim.Step(step, coordinator));
     progress(fmt::format("step {} done", step));
   }
+  if (c.shared_root) {
+    // The last step was published on the shared root, readable whole (a benchmark whose
+    // publisher failed would time nothing worth reporting).
+    format::CheckpointStore root(MakePosixFilesystem(), run_dir + "/root");
+    absl::StatusOr<std::vector<std::string>> jobs = root.ListJobs();
+    if (!jobs.ok() || jobs->size() != 1) Die("the shared root holds no job");
+    absl::StatusOr<format::Manifest> last = root.LoadManifest(jobs->front(), c.steps + 1);
+    if (!last.ok()) Die("the last step is not published on the shared root: " + Message(last.status()));
+  }
   // A restore: every rank's step list gathered, merged as ckptd merges it, and (with
   // --gather-per-rank) once more with a call per rank, as before merged gathers.
   const uint64_t merges_before = relays.GatherMerges();
