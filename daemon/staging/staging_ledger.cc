@@ -25,14 +25,14 @@ absl::StatusOr<StagingLedger::HoldPtr> StagingLedger::Admit(uid_t uid, const std
   if (users > 1 && user > 0 && user + bytes > user_share) {
     return absl::ResourceExhaustedError(fmt::format(
         "uid {} already has {} bytes of snapshots in flight (job {}: {}); a user's fair share "
-        "of the staging memory is {} bytes ({} users share --staging-bytes {})",
-        uid, user, job, mine, user_share, users, capacity_));
+        "of {} is {} bytes ({} users share {} {})",
+        uid, user, job, mine, memory_, user_share, users, flag_, capacity_));
   }
   if (jobs_of_user > 1 && mine > 0 && mine + bytes > job_share) {
     return absl::ResourceExhaustedError(fmt::format(
-        "job {} already has {} bytes of snapshots in flight; its fair share of the staging "
-        "memory is {} bytes ({} jobs of uid {} share {} bytes of --staging-bytes {})",
-        job, mine, job_share, jobs_of_user, uid, user_share, capacity_));
+        "job {} already has {} bytes of snapshots in flight; its fair share of {} is {} bytes "
+        "({} jobs of uid {} share {} bytes of {} {})",
+        job, mine, memory_, job_share, jobs_of_user, uid, user_share, flag_, capacity_));
   }
   user += bytes;
   mine += bytes;

@@ -28,8 +28,11 @@ class StagingLedger {
   // Who has live sessions now: each uid with the jobs it has sessions in.
   using ActiveUsers = std::map<uid_t, std::set<std::string>>;
 
-  StagingLedger(size_t capacity, std::function<ActiveUsers()> active)
-      : capacity_(capacity), active_(std::move(active)) {}
+  // `memory` and `flag` name what is shared in messages: the staging memory and
+  // --staging-bytes, or another budget kept the same way (peers' replicas, --replica-bytes).
+  StagingLedger(size_t capacity, std::function<ActiveUsers()> active, std::string memory = "the staging memory",
+                std::string flag = "--staging-bytes")
+      : capacity_(capacity), active_(std::move(active)), memory_(std::move(memory)), flag_(std::move(flag)) {}
 
   // Bytes counted against a job and its user while the hold lives.
   class Hold {
@@ -62,6 +65,8 @@ class StagingLedger {
 
   const size_t capacity_;
   const std::function<ActiveUsers()> active_;
+  const std::string memory_;
+  const std::string flag_;
   mutable std::mutex mu_;
   std::map<std::string, size_t> of_job_;
   std::map<uid_t, size_t> of_user_;

@@ -1,0 +1,123 @@
+#include "daemon/replicate/fragment_store.h"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "daemon/replicate/erasure_code.h"
+#include "format/checksum.h"
+
+namespace ckpt::replicate {
+
+FragmentStore::FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active)
+    : budget_(budget),
+      active_(std::move(active)),
+      ledger_(budget, [this] { return ActiveWithHolders(); }, "the replica memory", "--replica-bytes") {}
+
+daemon::StagingLedger::ActiveUsers FragmentStore::ActiveWithHolders() const {
+  daemon::StagingLedger::ActiveUsers users = active_ ? active_() : daemon::StagingLedger::ActiveUsers{};
+  std::lock_guard lock(mu_);
+  for (const auto& [key, step] : steps_) users[step.uid].insert(std::get<0>(key));
+  return users;
+}
+
+absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes) {
+  const std::string what = fmt::format("fragment {} of job {} step {} rank {} from node {}", id.index, id.job, id.step,
+                                       id.rank, id.owner);
+  if (meta.k < 1 || meta.k + meta.m > static_cast<uint32_t>(kMaxFragments) || id.index >= meta.k + meta.m) {
+    return absl::InvalidArgumentError(
+        fmt::format("{}: a {}+{} code has no fragment {}", what, meta.k, meta.m, id.index));
+  }
+  if (bytes.size() != ErasureCode::FragmentBytes(meta.data_bytes, static_cast<int>(meta.k))) {
+    return absl::DataLossError(fmt::format("{}: {} bytes, where {} bytes coded {}+{} make fragments of {}", what,
+                                           bytes.size(), meta.data_bytes, meta.k, meta.m,
+                                           ErasureCode::FragmentBytes(meta.data_bytes, static_cast<int>(meta.k))));
+  }
+  if (const std::string sum = format::ChecksumOf(bytes.data(), bytes.size()); sum != meta.checksum) {
+    return absl::DataLossError(
+        fmt::format("{}: its bytes hash to {}, not {} (damaged on the way)", what, sum, meta.checksum));
+  }
+  const StepKey key{id.job, id.owner, id.step};
+  const size_t size = bytes.size();
+  {
+    // Reserved before the share is asked, so that two fragments arriving at once never
+    // both fit a budget that holds one.
+    std::lock_guard lock(mu_);
+    if (auto it = steps_.find(key); it != steps_.end() && it->second.sealed) {
+      return absl::FailedPreconditionError(fmt::format("{}: the step is sealed here already", what));
+    }
+    if (used_ + size > budget_) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "{}: {} bytes do not fit --replica-bytes {} ({} in use by other nodes' fragments)", what, size, budget_,
+          used_));
+    }
+    used_ += size;
+  }
+  absl::StatusOr<daemon::StagingLedger::HoldPtr> hold = ledger_.Admit(uid, id.job, size);
+  std::lock_guard lock(mu_);
+  Step& step = steps_[key];
+  if (!hold.ok() || step.sealed) {
+    used_ -= size;
+    if (step.fragments.empty() && !step.sealed) steps_.erase(key);
+    return hold.ok() ? absl::FailedPreconditionError(fmt::format("{}: the step was sealed meanwhile", what))
+                     : hold.status();
+  }
+  step.uid = uid;
+  auto fragment = std::make_shared<HeldFragment>(HeldFragment{id, meta, std::move(bytes)});
+  Entry& entry = step.fragments[id];
+  if (entry.fragment) used_ -= entry.fragment->bytes.size();  // sent again: the newer replaces it
+  entry = Entry{std::move(fragment), std::move(*hold)};
+  return absl::OkStatus();
+}
+
+absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count) {
+  std::lock_guard lock(mu_);
+  auto it = steps_.find({job, owner, step});
+  const size_t held = it == steps_.end() ? 0 : it->second.fragments.size();
+  if (held != count) {
+    return absl::FailedPreconditionError(fmt::format(
+        "job {} step {} of node {}: {} of the {} fragments sent here arrived", job, step, owner, held, count));
+  }
+  it->second.sealed = true;
+  // The owner's older steps of the job: the sealed one replaces them.
+  for (auto older = steps_.lower_bound({job, owner, 0}); older != it;) EraseLocked(older++);
+  return absl::OkStatus();
+}
+
+void FragmentStore::EraseLocked(std::map<StepKey, Step>::iterator it) {
+  for (const auto& [id, entry] : it->second.fragments) used_ -= entry.fragment->bytes.size();
+  steps_.erase(it);  // the holds give the job's share back
+}
+
+std::shared_ptr<const HeldFragment> FragmentStore::Find(const FragmentId& id) const {
+  std::lock_guard lock(mu_);
+  auto step = steps_.find({id.job, id.owner, id.step});
+  if (step == steps_.end()) return nullptr;
+  auto it = step->second.fragments.find(id);
+  return it == step->second.fragments.end() ? nullptr : it->second.fragment;
+}
+
+std::vector<HeldStep> FragmentStore::Held() const {
+  std::lock_guard lock(mu_);
+  std::vector<HeldStep> out;
+  for (const auto& [key, step] : steps_) {
+    HeldStep h{std::get<0>(key), std::get<1>(key), std::get<2>(key), step.fragments.size(), 0, step.sealed};
+    for (const auto& [id, entry] : step.fragments) h.bytes += entry.fragment->bytes.size();
+    out.push_back(std::move(h));
+  }
+  return out;
+}
+
+void FragmentStore::DropJob(const std::string& job) {
+  std::lock_guard lock(mu_);
+  for (auto it = steps_.lower_bound({job, 0, 0}); it != steps_.end() && std::get<0>(it->first) == job;) {
+    EraseLocked(it++);
+  }
+}
+
+size_t FragmentStore::used() const {
+  std::lock_guard lock(mu_);
+  return used_;
+}
+
+}  // namespace ckpt::replicate

@@ -1,0 +1,113 @@
+// What a node holds of its peers' staged snapshots: erasure-coded fragments (erasure_code.h)
+// of other nodes' ranks, in a memory budget of their own (--replica-bytes), apart from
+// staging, shared per user and then per job as staging is (StagingLedger). A fragment is
+// kept only once its bytes match its checksum. A step's fragments from one node replace that
+// node's older steps of the job only once the sender seals the step (every fragment it sent
+// here arrived): until then the older step's replicas stay usable, so a node lost while its
+// newest step is being replicated is rebuilt from the step before (docs/architecture.md,
+// "Peer replicas").
+#pragma once
+
+#include <sys/types.h>
+
+#include <compare>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/staging/staging_ledger.h"
+
+namespace ckpt::replicate {
+
+// One fragment: of `rank`'s staged shard of `step` of `job`, which node `owner` holds, the
+// `index`-th of its k + m.
+struct FragmentId {
+  std::string job;
+  uint64_t step = 0;
+  uint32_t owner = 0;
+  uint32_t rank = 0;
+  uint32_t index = 0;
+  auto operator<=>(const FragmentId&) const = default;
+};
+
+// How the fragment was coded, and what its bytes must hash to.
+struct FragmentMeta {
+  uint32_t k = 0;
+  uint32_t m = 0;
+  uint64_t data_bytes = 0;  // of the rank's shard, before coding (ErasureCode::FragmentBytes of it each)
+  uint64_t run = 0;         // the run that saved the step (format::Manifest::run)
+  std::string checksum;     // "xxh3:<16 hex>" of the fragment's bytes
+};
+
+struct HeldFragment {
+  FragmentId id;
+  FragmentMeta meta;
+  std::string bytes;
+};
+
+// A step of one owner's job, as this node holds it: for `ckptctl status` and the restore.
+struct HeldStep {
+  std::string job;
+  uint32_t owner = 0;
+  uint64_t step = 0;
+  size_t fragments = 0;
+  uint64_t bytes = 0;
+  bool sealed = false;  // every fragment the owner sent here arrived
+};
+
+class FragmentStore {
+ public:
+  // `budget`: --replica-bytes. `active`: who has live sessions on this node; the owners of
+  // the jobs whose fragments are held here count as active too.
+  FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active);
+
+  // Keeps a fragment sent by its owner, on behalf of `uid` (the job's owner). DataLoss when
+  // its bytes do not match its checksum or its size does not fit its coding;
+  // ResourceExhausted, naming the budget or the share, when it does not fit. A fragment of
+  // the same id is replaced. A step already sealed here takes no more fragments.
+  absl::Status Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes);
+
+  // The owner's word that it sent `count` fragments of `step` here: once they are all held,
+  // the step is sealed and the owner's older steps of the job are dropped. FailedPrecondition
+  // naming how many are missing otherwise (the owner reports the step not replicated).
+  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count);
+
+  // nullptr when not held.
+  std::shared_ptr<const HeldFragment> Find(const FragmentId& id) const;
+  // Every step held, by job, owner and step.
+  std::vector<HeldStep> Held() const;
+  // Drops every fragment of `job` (its owner deleted it, or the job is gone).
+  void DropJob(const std::string& job);
+  size_t used() const;
+  size_t budget() const { return budget_; }
+
+ private:
+  struct Entry {
+    std::shared_ptr<const HeldFragment> fragment;
+    daemon::StagingLedger::HoldPtr hold;  // the bytes counted against the job's share
+  };
+  struct Step {
+    uid_t uid = 0;
+    std::map<FragmentId, Entry> fragments;
+    bool sealed = false;
+  };
+  using StepKey = std::tuple<std::string, uint32_t, uint64_t>;  // job, owner, step
+
+  // Held jobs' owners, with the live sessions' users: who shares the budget.
+  daemon::StagingLedger::ActiveUsers ActiveWithHolders() const;
+  void EraseLocked(std::map<StepKey, Step>::iterator it);
+
+  const size_t budget_;
+  const std::function<daemon::StagingLedger::ActiveUsers()> active_;
+  daemon::StagingLedger ledger_;
+  mutable std::mutex mu_;
+  std::map<StepKey, Step> steps_;  // guarded by mu_
+  size_t used_ = 0;                // guarded by mu_
+};
+
+}  // namespace ckpt::replicate

@@ -1,0 +1,138 @@
+// Peers' fragments in their own budget (issue 25): checked before they are kept, shared per
+// user and job, a sealed step replacing its owner's older ones and never before.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fragment_store.h"
+#include "format/checksum.h"
+
+using ckpt::replicate::ErasureCode;
+using ckpt::replicate::FragmentId;
+using ckpt::replicate::FragmentMeta;
+using ckpt::replicate::FragmentStore;
+
+namespace {
+
+constexpr uint64_t kData = 10'000;  // a rank's shard, coded 2+1: fragments of 5,056 bytes
+
+// Fragment `index` of a 2+1 code of kData bytes of `fill`, as its owner sends it.
+std::pair<FragmentMeta, std::string> Fragment(char fill) {
+  std::string bytes(ErasureCode::FragmentBytes(kData, 2), fill);
+  return {FragmentMeta{2, 1, kData, 7, ckpt::format::ChecksumOf(bytes.data(), bytes.size())}, bytes};
+}
+
+FragmentId Id(const std::string& job, uint64_t step, uint32_t owner, uint32_t index, uint32_t rank = 0) {
+  return FragmentId{job, step, owner, rank, index};
+}
+
+absl::Status Put(FragmentStore& store, const FragmentId& id, uid_t uid = 1000, char fill = 'a') {
+  auto [meta, bytes] = Fragment(fill);
+  return store.Put(uid, id, meta, bytes);
+}
+
+}  // namespace
+
+TEST_CASE("a fragment is kept only when its bytes are what its owner coded") {
+  FragmentStore store(1 << 20, {});
+  auto [meta, bytes] = Fragment('x');
+  REQUIRE(store.Put(1000, Id("j", 5, 2, 1), meta, bytes).ok());
+  auto held = store.Find(Id("j", 5, 2, 1));
+  REQUIRE(held != nullptr);
+  CHECK(held->bytes == bytes);
+  CHECK(store.used() == bytes.size());
+
+  std::string flipped = bytes;
+  flipped[100] ^= 1;
+  auto damaged = store.Put(1000, Id("j", 5, 2, 0), meta, flipped);
+  CHECK(absl::IsDataLoss(damaged));
+  CHECK_THAT(ckpt::Message(damaged), Catch::Contains("fragment 0 of job j step 5 rank 0 from node 2") &&
+                                         Catch::Contains("damaged on the way"));
+  auto short_one = store.Put(1000, Id("j", 5, 2, 0), meta, bytes.substr(1));
+  CHECK(absl::IsDataLoss(short_one));
+  FragmentMeta no_such = meta;
+  CHECK(absl::IsInvalidArgument(store.Put(1000, Id("j", 5, 2, 3), no_such, bytes)));  // a 2+1 code has 0..2
+  CHECK(store.Find(Id("j", 5, 2, 0)) == nullptr);
+  CHECK(store.used() == bytes.size());
+}
+
+TEST_CASE("a sealed step replaces its owner's older steps, and not before it is whole") {
+  FragmentStore store(1 << 20, {});
+  REQUIRE(Put(store, Id("j", 5, 2, 0)).ok());
+  REQUIRE(Put(store, Id("j", 5, 2, 1)).ok());
+  REQUIRE(store.Seal("j", 5, 2, 2).ok());
+  // Step 6 arrives in part: step 5 stays, whole, for a restore meanwhile.
+  REQUIRE(Put(store, Id("j", 6, 2, 0)).ok());
+  auto early = store.Seal("j", 6, 2, 2);
+  CHECK(absl::IsFailedPrecondition(early));
+  CHECK_THAT(ckpt::Message(early), Catch::Contains("1 of the 2 fragments sent here arrived"));
+  CHECK(store.Find(Id("j", 5, 2, 1)) != nullptr);
+  // Another owner's steps and another job's are not touched by node 2's seal.
+  REQUIRE(Put(store, Id("j", 4, 3, 0)).ok());
+  REQUIRE(Put(store, Id("k", 1, 2, 0)).ok());
+  REQUIRE(Put(store, Id("j", 6, 2, 1)).ok());
+  REQUIRE(store.Seal("j", 6, 2, 2).ok());
+  CHECK(store.Find(Id("j", 5, 2, 0)) == nullptr);
+  CHECK(store.Find(Id("j", 4, 3, 0)) != nullptr);
+  CHECK(store.Find(Id("k", 1, 2, 0)) != nullptr);
+  const size_t fragment = ErasureCode::FragmentBytes(kData, 2);
+  CHECK(store.used() == 4 * fragment);
+  auto held = store.Held();
+  REQUIRE(held.size() == 3);  // by job, owner, step
+  CHECK(held[0].job == "j");
+  CHECK(held[0].owner == 2);
+  CHECK(held[0].step == 6);
+  CHECK(held[0].sealed);
+  CHECK(held[0].bytes == 2 * fragment);
+  CHECK(held[1].owner == 3);
+  CHECK_FALSE(held[1].sealed);
+  // A sealed step takes no more fragments (a late retry of the sender's).
+  CHECK(absl::IsFailedPrecondition(Put(store, Id("j", 6, 2, 2))));
+  store.DropJob("j");
+  CHECK(store.used() == fragment);
+  CHECK(store.Held().size() == 1);
+}
+
+TEST_CASE("the budget is --replica-bytes, shared per user and then per job") {
+  const size_t fragment = ErasureCode::FragmentBytes(kData, 2);
+  SECTION("a fragment that does not fit is refused, naming the budget; the older replicas stay") {
+    FragmentStore store(3 * fragment, {});
+    REQUIRE(Put(store, Id("j", 5, 2, 0)).ok());
+    REQUIRE(Put(store, Id("j", 5, 2, 1)).ok());
+    REQUIRE(store.Seal("j", 5, 2, 2).ok());
+    REQUIRE(Put(store, Id("j", 6, 2, 0)).ok());
+    auto full = Put(store, Id("j", 6, 2, 1));
+    CHECK(absl::IsResourceExhausted(full));
+    CHECK_THAT(ckpt::Message(full), Catch::Contains("--replica-bytes"));
+    CHECK(store.Find(Id("j", 5, 2, 1)) != nullptr);
+    CHECK(store.used() == 3 * fragment);
+  }
+  SECTION("two users: each gets half, whoever asked first") {
+    FragmentStore store(4 * fragment, {});
+    REQUIRE(Put(store, Id("a", 1, 2, 0), 1000).ok());
+    REQUIRE(Put(store, Id("b", 1, 2, 0), 2000).ok());
+    REQUIRE(Put(store, Id("a", 1, 2, 1), 1000).ok());
+    auto over = Put(store, Id("a", 1, 3, 0), 1000);
+    CHECK(absl::IsResourceExhausted(over));
+    CHECK_THAT(ckpt::Message(over), Catch::Contains("fair share of the replica memory"));
+    CHECK(Put(store, Id("b", 1, 2, 1), 2000).ok());
+  }
+  SECTION("fragments arriving at once never overfill it") {
+    FragmentStore store(5 * fragment, {});
+    std::vector<std::thread> senders;
+    std::atomic<int> kept{0};
+    for (uint32_t i = 0; i < 8; ++i) {
+      senders.emplace_back([&, i] {
+        if (Put(store, Id("j", 1, i, 0)).ok()) ++kept;
+      });
+    }
+    for (auto& t : senders) t.join();
+    CHECK(kept == 5);
+    CHECK(store.used() == 5 * fragment);
+  }
+}
