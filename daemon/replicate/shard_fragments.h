@@ -1,0 +1,41 @@
+// A rank's staged shard as the k + m fragments its node's coding group holds, and the shard
+// rebuilt from any k of them: the data path of peer replicas between the staging memory and
+// the network (docs/architecture.md, "Peer replicas"). Pure: no daemon state, no I/O.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "daemon/replicate/coding_groups.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fragment_store.h"
+
+namespace ckpt::replicate {
+
+// The k + m fragments of `data`, `rank`'s shard of `step` of `job` held by node `owner`,
+// saved by `run`: each with its id, its coding and the checksum of its bytes.
+absl::StatusOr<std::vector<HeldFragment>> CodeShard(const ErasureCode& code, const std::string& job, uint64_t step,
+                                                    uint32_t owner, uint32_t rank, uint64_t run,
+                                                    std::span<const uint8_t> data, int threads = 1);
+
+// The shard back from the fragments at hand, all of one shard and one coding: each is
+// checked against its checksum first, and one that fails it is left out (another is used
+// where there is one). DataLoss naming how many fragments were usable when fewer than k are;
+// InvalidArgument when the fragments are of different shards or codings.
+absl::StatusOr<std::string> RebuildShard(std::span<const std::shared_ptr<const HeldFragment>> fragments,
+                                         int threads = 1);
+
+// Which node holds each fragment of `owner`'s shards that it sends (by fragment index,
+// 0..k+m-2): the next k + m - 1 members of its coding group after `owner`, one each. The
+// owner holds the whole shard itself, which counts for the last fragment: when the owner is
+// among any m nodes lost, at most m - 1 peers went with it, each with one fragment, and k
+// remain. So a 1+1 code is a plain mirror, and 4+2 sends 1.25 times the data where two
+// copies send 2. InvalidArgument when `owner` is not in `group` or the group is smaller
+// than k + m.
+absl::StatusOr<std::vector<uint32_t>> FragmentHolders(const CodingGroup& group, uint32_t owner, int k, int m);
+
+}  // namespace ckpt::replicate
