@@ -12,37 +12,26 @@
 #include "format/checkpoint_store.h"
 #include "format/indexed_manifest.h"
 #include "format/manifest.h"
+#include "tests/fakes/four_rank_step.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt::format;
 
 namespace {
 
-// A step of 4 ranks on two nodes (node 0: ranks 0 and 3; node 1: ranks 1 and 2), each rank
-// holding one row of "w" [4, 2] and its half of "b" [4] as a flat shard.
+// FourRankStep(), each rank also holding its quarter of "b" [4] as a flat shard, with
+// metadata of its own and chunk checksums recorded.
 Manifest Whole() {
-  Manifest m;
-  m.job = "llm";
-  m.step = 1200;
-  m.unix_time = 1.5e9;
-  m.wall_time = "2026-11-22T06:00:00Z";
-  m.world_size = 4;
-  m.ckptd_version = "0.1.0";
-  m.run = 7;
+  Manifest m = ckpt::testing::FourRankStep();
   m.checksum_chunk_bytes = kChecksumChunkBytes;
-  m.metadata = {{"loss", "1.5"}};
   for (uint32_t r = 0; r < 4; ++r) {
-    m.shards.push_back({r, ShardFileName(r), 100 + r, {{"rank", std::to_string(r)}}, {}});
-    m.tensors["w"].dtype = "F32";
-    m.tensors["w"].global_shape = {4, 2};
-    m.tensors["w"].shards.push_back(
-        {r, ShardFileName(r), 0, 8, {int64_t{r}, 0}, {1, 2}, "xxh3:0000000000000001", {}, {}});
+    m.shards[r].bytes = 100 + r;
+    m.shards[r].metadata = {{"rank", std::to_string(r)}};
     m.tensors["b"].dtype = "F32";
     m.tensors["b"].global_shape = {4};
     m.tensors["b"].shards.push_back({r, ShardFileName(r), 8, 12, {}, {1}, "xxh3:0000000000000002", {},
                                      {{int64_t{r}, int64_t{r} + 1}}});
   }
-  m.nodes = {{0, {0, 3}}, {1, {1, 2}}};
   return m;
 }
 

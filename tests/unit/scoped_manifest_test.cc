@@ -7,32 +7,13 @@
 #include "common/status.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "tests/fakes/four_rank_step.h"
 
 using namespace ckpt::format;
 
 namespace {
 
-// A step of 4 ranks, each holding one row of "w" [4, 2].
-Manifest Whole() {
-  Manifest m;
-  m.job = "llm";
-  m.step = 1200;
-  m.unix_time = 1.5e9;
-  m.wall_time = "2026-11-22T06:00:00Z";
-  m.world_size = 4;
-  m.ckptd_version = "0.1.0";
-  m.run = 7;
-  m.metadata = {{"loss", "1.5"}};
-  for (uint32_t r = 0; r < 4; ++r) {
-    m.shards.push_back({r, ShardFileName(r), 100 + r, {}, {}});
-    m.tensors["w"].dtype = "F32";
-    m.tensors["w"].global_shape = {4, 2};
-    m.tensors["w"].shards.push_back(
-        {r, ShardFileName(r), 0, 8, {int64_t{r}, 0}, {1, 2}, "xxh3:0000000000000001", {}, {}});
-  }
-  m.nodes = {{0, {0, 3}}, {1, {1, 2}}};
-  return m;
-}
+Manifest Whole() { return ckpt::testing::FourRankStep(); }
 
 // Node 1's manifest of Whole(): ranks 1 and 2.
 Manifest NodeOne() {

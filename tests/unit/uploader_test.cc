@@ -192,16 +192,27 @@ TEST_CASE("a shard's data region is read from staging memory while it lasts, the
   CHECK(from_memory == (1 << 20) - 100);
 }
 
-TEST_CASE("an upload sends the data regions from staging memory, and from disk once they are gone") {
+// One daemon's uploader over two local stores, the local one on a disk that counts reads.
+struct OneNode {
   TempDir dir;
-  auto disk = std::make_shared<ckpt::testing::FaultyFilesystem>(ckpt::MakePosixFilesystem());
-  ckpt::format::CheckpointStore local(disk, dir.path() + "/local");
-  ckpt::format::CheckpointStore remote(ckpt::MakePosixFilesystem(), dir.path() + "/remote");
-  ckpt::persist::RetentionKeeper retention(local, {2, 0}, [](const std::string&, uint64_t) {},
-                                           [](const std::string&) {});
-  Uploader::Options o;
-  o.poll = 10ms;
-  Uploader uploader(local, remote, retention, o, [](const std::string&) {}, [](const std::string&) {});
+  std::shared_ptr<ckpt::testing::FaultyFilesystem> disk =
+      std::make_shared<ckpt::testing::FaultyFilesystem>(ckpt::MakePosixFilesystem());
+  ckpt::format::CheckpointStore local{disk, dir.path() + "/local"};
+  ckpt::format::CheckpointStore remote{ckpt::MakePosixFilesystem(), dir.path() + "/remote"};
+  ckpt::persist::RetentionKeeper retention{local, {2, 0}, [](const std::string&, uint64_t) {},
+                                           [](const std::string&) {}};
+  Uploader uploader{local, remote, retention, Options(), [](const std::string&) {}, [](const std::string&) {}};
+
+  static Uploader::Options Options() {
+    Uploader::Options o;
+    o.poll = 10ms;
+    return o;
+  }
+};
+
+TEST_CASE("an upload sends the data regions from staging memory, and from disk once they are gone") {
+  OneNode node;
+  auto& [dir, disk, local, remote, retention, uploader] = node;
   const std::string shard = "/" + ckpt::format::ShardFileName(0);
 
   auto hot = DataRegion(5 << 20, 2);
@@ -226,14 +237,8 @@ TEST_CASE("an upload sends the data regions from staging memory, and from disk o
 }
 
 TEST_CASE("an indexed step (a shared root's, too large for one manifest) goes up as its files, parts and index") {
-  TempDir dir;
-  ckpt::format::CheckpointStore local(ckpt::MakePosixFilesystem(), dir.path() + "/local");
-  ckpt::format::CheckpointStore remote(ckpt::MakePosixFilesystem(), dir.path() + "/remote");
-  ckpt::persist::RetentionKeeper retention(local, {2, 0}, [](const std::string&, uint64_t) {},
-                                           [](const std::string&) {});
-  Uploader::Options o;
-  o.poll = 10ms;
-  Uploader uploader(local, remote, retention, o, [](const std::string&) {}, [](const std::string&) {});
+  OneNode node;
+  auto& [dir, disk, local, remote, retention, uploader] = node;
   // What the committer announces of such a step is its index. This uploader has no node of
   // its own, as a shared root's coordinator: it uploads every file and waits for no report.
   const ckpt::format::Manifest index = CommitStep(local, 3, {0, 1}, /*indexed=*/true);
