@@ -1,0 +1,120 @@
+#include "daemon/replicate/replica_client.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "common/status.h"
+#include "daemon/group/grpc_util.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/replica_service.h"
+#include "format/checksum.h"
+
+namespace ckpt::replicate {
+namespace {
+
+namespace pb = ckptd::replicas::v1;
+
+}  // namespace
+
+ReplicaClient::ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string token,
+                             std::chrono::milliseconds timeout)
+    : stub_(pb::Replicas::NewStub(std::move(channel))), token_(std::move(token)), timeout_(timeout) {}
+
+std::unique_ptr<grpc::ClientContext> ReplicaClient::Context() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->AddMetadata(group::kTokenMetadata, token_);
+  ctx->set_deadline(std::chrono::system_clock::now() + timeout_);
+  return ctx;
+}
+
+absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
+  auto ctx = Context();
+  pb::PutFragmentReply reply;
+  std::unique_ptr<grpc::ClientWriter<pb::FragmentChunk>> writer = stub_->PutFragment(ctx.get(), &reply);
+  pb::FragmentChunk chunk;
+  pb::FragmentHeader* h = chunk.mutable_header();
+  h->set_job(f.id.job);
+  h->set_step(f.id.step);
+  h->set_owner(f.id.owner);
+  h->set_rank(f.id.rank);
+  h->set_index(f.id.index);
+  h->set_k(f.meta.k);
+  h->set_m(f.meta.m);
+  h->set_data_bytes(f.meta.data_bytes);
+  h->set_run(f.meta.run);
+  h->set_checksum(f.meta.checksum);
+  h->set_uid(static_cast<uint32_t>(uid));
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(kFragmentChunkBytes, f.bytes.size() - offset);
+    chunk.set_data(f.bytes.data() + offset, n);
+    offset += n;
+    // A write that fails means the peer ended the call: its status says why.
+    if (!writer->Write(chunk)) break;
+    chunk.clear_header();
+  } while (offset < f.bytes.size());
+  writer->WritesDone();
+  return group::FromGrpc(writer->Finish());
+}
+
+absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count) {
+  auto ctx = Context();
+  pb::SealRequest request;
+  request.set_job(job);
+  request.set_step(step);
+  request.set_owner(owner);
+  request.set_count(static_cast<uint32_t>(count));
+  pb::SealReply reply;
+  return group::FromGrpc(stub_->Seal(ctx.get(), request, &reply));
+}
+
+absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id) {
+  auto ctx = Context();
+  pb::FragmentRequest request;
+  request.set_job(id.job);
+  request.set_step(id.step);
+  request.set_owner(id.owner);
+  request.set_rank(id.rank);
+  request.set_index(id.index);
+  std::unique_ptr<grpc::ClientReader<pb::FragmentChunk>> reader = stub_->GetFragment(ctx.get(), request);
+  pb::FragmentChunk chunk;
+  HeldFragment f;
+  bool started = false;
+  size_t expected = 0;
+  absl::Status wrong;
+  while (wrong.ok() && reader->Read(&chunk)) {
+    if (!started) {
+      const pb::FragmentHeader& h = chunk.header();
+      f.id = FragmentId{h.job(), h.step(), h.owner(), h.rank(), h.index()};
+      f.meta = FragmentMeta{h.k(), h.m(), h.data_bytes(), h.run(), h.checksum()};
+      if (!chunk.has_header() || f.id != id || f.meta.k < 1 ||
+          f.meta.k + f.meta.m > static_cast<uint32_t>(kMaxFragments)) {
+        wrong = absl::DataLossError("the peer answered with another fragment than the one asked for");
+        break;
+      }
+      expected = ErasureCode::FragmentBytes(f.meta.data_bytes, static_cast<int>(f.meta.k));
+      started = true;
+    }
+    if (f.bytes.size() + chunk.data().size() > expected) {
+      wrong = absl::DataLossError(fmt::format("the peer sent more than the fragment's {} bytes", expected));
+      break;
+    }
+    f.bytes.append(chunk.data());
+  }
+  if (!wrong.ok()) {
+    ctx->TryCancel();
+    (void)reader->Finish();
+    return wrong;
+  }
+  CKPT_RETURN_IF_ERROR(group::FromGrpc(reader->Finish()));
+  if (!started || f.bytes.size() != expected || format::ChecksumOf(f.bytes.data(), f.bytes.size()) != f.meta.checksum) {
+    return absl::DataLossError(fmt::format("fragment {} of job {} step {} rank {} from the peer is not whole or not "
+                                           "what its checksum says",
+                                           id.index, id.job, id.step, id.rank));
+  }
+  return f;
+}
+
+}  // namespace ckpt::replicate

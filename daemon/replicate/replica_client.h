@@ -1,0 +1,38 @@
+// A node's calls to one peer's Replicas service (replica_service.h): send a fragment in
+// chunks, seal a step, fetch a fragment back. Blocking; each call bounded by `timeout`.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/statusor.h"
+#include "daemon/replicate/fragment_store.h"
+#include "proto/replicas.grpc.pb.h"
+
+namespace ckpt::replicate {
+
+class ReplicaClient {
+ public:
+  ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string token, std::chrono::milliseconds timeout);
+
+  // Sends `fragment` for the peer to hold, counted in the share of `uid` (the job's owner).
+  absl::Status Put(uid_t uid, const HeldFragment& fragment);
+  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count);
+  // The fragment as the peer holds it: DataLoss when what arrives is not the fragment asked
+  // for, or its bytes do not match its checksum (the rebuild would leave it out anyway).
+  absl::StatusOr<HeldFragment> Get(const FragmentId& id);
+
+ private:
+  std::unique_ptr<grpc::ClientContext> Context() const;
+
+  std::unique_ptr<ckptd::replicas::v1::Replicas::Stub> stub_;
+  const std::string token_;
+  const std::chrono::milliseconds timeout_;
+};
+
+}  // namespace ckpt::replicate

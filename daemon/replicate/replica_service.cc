@@ -1,0 +1,209 @@
+#include "daemon/replicate/replica_service.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <utility>
+
+#include "daemon/group/grpc_util.h"
+#include "daemon/replicate/erasure_code.h"
+#include "storage/secret.h"
+
+namespace ckpt::replicate {
+namespace {
+
+namespace pb = ckptd::replicas::v1;
+
+FragmentId IdOf(const pb::FragmentHeader& h) { return {h.job(), h.step(), h.owner(), h.rank(), h.index()}; }
+
+// Receives one fragment's chunks and hands the whole fragment to the store.
+class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
+ public:
+  PutReactor(ReplicaService& service, grpc::CallbackServerContext* ctx) : service_(service) {
+    if (absl::Status admitted = service_.Admit(ctx); !admitted.ok()) {
+      Finish(group::ToGrpc(admitted));
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the sender has sent it all
+      End(Complete());
+      return;
+    }
+    if (absl::Status taken = Take(); !taken.ok()) {
+      End(taken);
+      return;
+    }
+    StartRead(&chunk_);
+  }
+
+  void OnDone() override {
+    service_.receiving() -= counted_;  // a call cancelled mid-fragment
+    delete this;
+  }
+
+ private:
+  absl::Status Take() {
+    if (!started_) {
+      if (!chunk_.has_header()) return absl::InvalidArgumentError("a fragment's first chunk has no header");
+      header_ = chunk_.header();
+      if (header_.k() < 1 || header_.k() + header_.m() > static_cast<uint32_t>(kMaxFragments)) {
+        return absl::InvalidArgumentError(fmt::format("no {}+{} code is kept here", header_.k(), header_.m()));
+      }
+      expected_ = ErasureCode::FragmentBytes(header_.data_bytes(), static_cast<int>(header_.k()));
+      if (expected_ > service_.store().budget()) {
+        return absl::ResourceExhaustedError(fmt::format("a fragment of {} bytes is larger than --replica-bytes {}",
+                                                        expected_, service_.store().budget()));
+      }
+      started_ = true;
+    } else if (chunk_.has_header()) {
+      return absl::InvalidArgumentError("a fragment's header came again after its first chunk");
+    }
+    const std::string& data = chunk_.data();
+    if (bytes_.size() + data.size() > expected_) {
+      return absl::InvalidArgumentError(
+          fmt::format("the fragment's chunks hold more than the {} bytes its header gives it", expected_));
+    }
+    // Every fragment being received counts against the budget too, until the store has it.
+    counted_ += data.size();
+    if (service_.receiving() += data.size(); service_.receiving() > service_.store().budget()) {
+      return absl::ResourceExhaustedError(fmt::format(
+          "fragments being received hold more than --replica-bytes {}: try again", service_.store().budget()));
+    }
+    bytes_.append(data);
+    return absl::OkStatus();
+  }
+
+  // What was received stops counting as being received (it is in the store, or refused)
+  // before the sender hears the answer.
+  void End(const absl::Status& status) {
+    service_.receiving() -= counted_;
+    counted_ = 0;
+    std::string().swap(bytes_);
+    Finish(group::ToGrpc(status));
+  }
+
+  absl::Status Complete() {
+    if (!started_) return absl::InvalidArgumentError("no fragment was sent");
+    if (bytes_.size() != expected_) {
+      return absl::DataLossError(fmt::format("the fragment ended after {} of its {} bytes", bytes_.size(), expected_));
+    }
+    FragmentMeta meta{header_.k(), header_.m(), header_.data_bytes(), header_.run(), header_.checksum()};
+    return service_.store().Put(static_cast<uid_t>(header_.uid()), IdOf(header_), meta, std::move(bytes_));
+  }
+
+  ReplicaService& service_;
+  pb::FragmentChunk chunk_;
+  pb::FragmentHeader header_;
+  bool started_ = false;
+  size_t expected_ = 0;
+  size_t counted_ = 0;
+  std::string bytes_;
+};
+
+// Serves one held fragment in chunks, the header with the first.
+class GetReactor final : public grpc::ServerWriteReactor<pb::FragmentChunk> {
+ public:
+  explicit GetReactor(std::shared_ptr<const HeldFragment> fragment) : fragment_(std::move(fragment)) { Next(); }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the fragment's reader went away"));
+      return;
+    }
+    Next();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void Next() {
+    const std::string& bytes = fragment_->bytes;
+    if (sent_header_ && offset_ >= bytes.size()) {
+      Finish(grpc::Status::OK);
+      return;
+    }
+    chunk_.Clear();
+    if (!sent_header_) {
+      const FragmentId& id = fragment_->id;
+      const FragmentMeta& meta = fragment_->meta;
+      pb::FragmentHeader* h = chunk_.mutable_header();
+      h->set_job(id.job);
+      h->set_step(id.step);
+      h->set_owner(id.owner);
+      h->set_rank(id.rank);
+      h->set_index(id.index);
+      h->set_k(meta.k);
+      h->set_m(meta.m);
+      h->set_data_bytes(meta.data_bytes);
+      h->set_run(meta.run);
+      h->set_checksum(meta.checksum);
+      sent_header_ = true;
+    }
+    const size_t n = std::min(kFragmentChunkBytes, bytes.size() - offset_);
+    chunk_.set_data(bytes.data() + offset_, n);
+    offset_ += n;
+    StartWrite(&chunk_);
+  }
+
+  std::shared_ptr<const HeldFragment> fragment_;
+  pb::FragmentChunk chunk_;
+  bool sent_header_ = false;
+  size_t offset_ = 0;
+};
+
+}  // namespace
+
+ReplicaService::ReplicaService(FragmentStore& store, std::string token) : store_(store), token_(std::move(token)) {}
+
+absl::Status ReplicaService::Admit(grpc::CallbackServerContext* ctx) const {
+  const auto& metadata = ctx->client_metadata();
+  auto it = metadata.find(group::kTokenMetadata);
+  std::string_view given;
+  if (it != metadata.end()) given = std::string_view(it->second.data(), it->second.size());
+  if (!SecretEquals(given, token_)) return absl::UnauthenticatedError("the group token is missing or wrong");
+  return absl::OkStatus();
+}
+
+grpc::ServerReadReactor<pb::FragmentChunk>* ReplicaService::PutFragment(grpc::CallbackServerContext* ctx,
+                                                                        pb::PutFragmentReply*) {
+  return new PutReactor(*this, ctx);
+}
+
+grpc::ServerUnaryReactor* ReplicaService::Seal(grpc::CallbackServerContext* ctx, const pb::SealRequest* request,
+                                               pb::SealReply*) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status sealed = Admit(ctx);
+  if (sealed.ok()) sealed = store_.Seal(request->job(), request->step(), request->owner(), request->count());
+  reactor->Finish(group::ToGrpc(sealed));
+  return reactor;
+}
+
+grpc::ServerWriteReactor<pb::FragmentChunk>* ReplicaService::GetFragment(grpc::CallbackServerContext* ctx,
+                                                                         const pb::FragmentRequest* request) {
+  absl::Status admitted = Admit(ctx);
+  std::shared_ptr<const HeldFragment> fragment;
+  if (admitted.ok()) {
+    fragment = store_.Find({request->job(), request->step(), request->owner(), request->rank(), request->index()});
+    if (!fragment) {
+      admitted = absl::NotFoundError(fmt::format("fragment {} of job {} step {} rank {} (node {}'s) is not held here",
+                                                 request->index(), request->job(), request->step(), request->rank(),
+                                                 request->owner()));
+    }
+  }
+  if (!admitted.ok()) {
+    // A reactor that only finishes: no fragment to send.
+    class Refused final : public grpc::ServerWriteReactor<pb::FragmentChunk> {
+     public:
+      explicit Refused(const absl::Status& why) { Finish(group::ToGrpc(why)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(admitted);
+  }
+  return new GetReactor(std::move(fragment));
+}
+
+}  // namespace ckpt::replicate

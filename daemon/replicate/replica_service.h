@@ -1,0 +1,44 @@
+// The Replicas service (proto/replicas.proto) over this node's FragmentStore: the fragments
+// its peers send it, their seals, and the fragments a replacement node asks back. Every call
+// must carry the group token; a fragment is kept only when it is whole, its bytes match its
+// checksum and it fits --replica-bytes (FragmentStore::Put).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+
+#include "daemon/replicate/fragment_store.h"
+#include "proto/replicas.grpc.pb.h"
+
+namespace ckpt::replicate {
+
+// What a fragment is sent and served in: with its header, under gRPC's default 4 MiB
+// message limit, so that any server built with defaults takes it.
+inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
+
+class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackService {
+ public:
+  ReplicaService(FragmentStore& store, std::string token);
+
+  grpc::ServerReadReactor<ckptd::replicas::v1::FragmentChunk>* PutFragment(
+      grpc::CallbackServerContext* ctx, ckptd::replicas::v1::PutFragmentReply* reply) override;
+  grpc::ServerUnaryReactor* Seal(grpc::CallbackServerContext* ctx, const ckptd::replicas::v1::SealRequest* request,
+                                 ckptd::replicas::v1::SealReply* reply) override;
+  grpc::ServerWriteReactor<ckptd::replicas::v1::FragmentChunk>* GetFragment(
+      grpc::CallbackServerContext* ctx, const ckptd::replicas::v1::FragmentRequest* request) override;
+
+  FragmentStore& store() { return store_; }
+  // Bytes of fragments being received now, not yet in the store: bounded by the budget
+  // together, so that peers sending at once cannot hold more memory than it.
+  std::atomic<size_t>& receiving() { return receiving_; }
+  // OK when the call carries the group token.
+  absl::Status Admit(grpc::CallbackServerContext* ctx) const;
+
+ private:
+  FragmentStore& store_;
+  const std::string token_;
+  std::atomic<size_t> receiving_{0};
+};
+
+}  // namespace ckpt::replicate

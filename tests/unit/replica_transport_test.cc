@@ -1,0 +1,137 @@
+// Fragments between daemons over real gRPC on loopback (issue 25): a peer's Replicas service
+// keeps what arrives whole and unchanged, refuses what does not, answers only to the group
+// token, and serves fragments back.
+#include <catch2/catch.hpp>
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "common/status.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/replica_client.h"
+#include "daemon/replicate/replica_service.h"
+#include "daemon/replicate/shard_fragments.h"
+#include "format/checksum.h"
+#include "proto/replicas.grpc.pb.h"
+
+using namespace ckpt::replicate;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr char kToken[] = "replica-test-token-0123456789abcdef";
+
+// A peer: its store and its Replicas service on a loopback port.
+struct Peer {
+  explicit Peer(size_t budget) : store(budget, {}), service(store, kToken) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~Peer() { server->Shutdown(std::chrono::system_clock::now() + 5s); }
+  ReplicaClient Client(const std::string& token = kToken) const {
+    return ReplicaClient(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()),
+                         token, 10s);
+  }
+
+  FragmentStore store;
+  ReplicaService service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+// The 4+2 fragments of a shard of `bytes`: of 10 MB, 2.5 MB each (two chunks).
+std::vector<HeldFragment> Fragments(size_t bytes, uint64_t step = 5) {
+  std::vector<uint8_t> data(bytes);
+  for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>(i * 131 + (i >> 12));
+  auto code = ErasureCode::Make(4, 2);
+  REQUIRE(code.ok());
+  auto fragments = CodeShard(*code, "llm", step, 3, 25, 77, data);
+  REQUIRE(fragments.ok());
+  return *std::move(fragments);
+}
+
+}  // namespace
+
+TEST_CASE("a fragment sent in chunks is held whole by the peer, sealed, and served back") {
+  Peer peer(size_t{256} << 20);
+  REQUIRE(peer.server != nullptr);
+  ReplicaClient client = peer.Client();
+  auto fragments = Fragments(40'000'000);  // 10 MB fragments: five chunks each
+  for (int i = 0; i < 3; ++i) {
+    absl::Status sent = client.Put(1000, fragments[static_cast<size_t>(i)]);
+    INFO(sent);
+    REQUIRE(sent.ok());
+  }
+  auto held = peer.store.Find(fragments[1].id);
+  REQUIRE(held != nullptr);
+  CHECK(held->bytes == fragments[1].bytes);
+  CHECK(held->meta.checksum == fragments[1].meta.checksum);
+  REQUIRE(client.Seal("llm", 5, 3, 3).ok());
+  CHECK(absl::IsFailedPrecondition(client.Seal("llm", 5, 3, 4)));
+  auto back = client.Get(fragments[2].id);
+  REQUIRE(back.ok());
+  CHECK(back->bytes == fragments[2].bytes);
+  CHECK(back->meta.data_bytes == 40'000'000);
+  // Three of the six and one fragment kept elsewhere rebuild the shard.
+  std::vector<std::shared_ptr<const HeldFragment>> four;
+  for (int i = 0; i < 3; ++i) {
+    auto got = client.Get(fragments[static_cast<size_t>(i)].id);
+    REQUIRE(got.ok());
+    four.push_back(std::make_shared<const HeldFragment>(*std::move(got)));
+  }
+  four.push_back(std::make_shared<const HeldFragment>(fragments[5]));
+  auto rebuilt = RebuildShard(four);
+  REQUIRE(rebuilt.ok());
+  CHECK(rebuilt->size() == 40'000'000);
+  CHECK(static_cast<uint8_t>((*rebuilt)[12345]) == static_cast<uint8_t>(12345 * 131 + (12345 >> 12)));
+  auto missing = client.Get({"llm", 5, 3, 25, 4});
+  CHECK(absl::IsNotFound(missing.status()));
+}
+
+TEST_CASE("a peer refuses a fragment damaged on the way, one that does not fit, and a caller without the token") {
+  auto fragments = Fragments(10'000'000);
+  SECTION("damaged") {
+    Peer peer(size_t{64} << 20);
+    HeldFragment damaged = fragments[0];
+    damaged.bytes[1000] ^= 1;
+    auto refused = peer.Client().Put(1000, damaged);
+    CHECK(absl::IsDataLoss(refused));
+    CHECK_THAT(ckpt::Message(refused), Catch::Contains("damaged on the way"));
+    CHECK(peer.store.used() == 0);
+    CHECK(peer.service.receiving() == 0);
+  }
+  SECTION("larger than the budget, and more than fits beside what is held") {
+    Peer peer(4'000'000);  // one 2.5 MB fragment fits, two do not
+    ReplicaClient client = peer.Client();
+    REQUIRE(client.Put(1000, fragments[0]).ok());
+    auto full = client.Put(1000, fragments[1]);
+    CHECK(absl::IsResourceExhausted(full));
+    CHECK_THAT(ckpt::Message(full), Catch::Contains("--replica-bytes"));
+    Peer small(1'000'000);
+    CHECK(absl::IsResourceExhausted(small.Client().Put(1000, fragments[0])));
+    CHECK(small.service.receiving() == 0);
+  }
+  SECTION("the wrong token") {
+    Peer peer(size_t{64} << 20);
+    ReplicaClient stranger = peer.Client("not-the-group-token-000000000000000");
+    CHECK(absl::IsUnauthenticated(stranger.Put(1000, fragments[0])));
+    CHECK(absl::IsUnauthenticated(stranger.Seal("llm", 5, 3, 1)));
+    REQUIRE(peer.Client().Put(1000, fragments[0]).ok());
+    CHECK(absl::IsUnauthenticated(stranger.Get(fragments[0].id).status()));
+    CHECK(peer.store.Held().size() == 1);
+  }
+  SECTION("a header that claims fewer bytes than are sent") {
+    Peer peer(size_t{64} << 20);
+    HeldFragment lying = fragments[0];
+    lying.meta.data_bytes = 1000;  // fragments of 256 bytes, and 2.5 MB sent
+    auto refused = peer.Client().Put(1000, lying);
+    CHECK(absl::IsInvalidArgument(refused));
+    CHECK_THAT(ckpt::Message(refused), Catch::Contains("more than the 256 bytes its header gives it"));
+    CHECK(peer.service.receiving() == 0);
+  }
+}
