@@ -19,8 +19,11 @@ namespace pb = ckptd::replicas::v1;
 }  // namespace
 
 ReplicaClient::ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string token,
-                             std::chrono::milliseconds timeout)
-    : stub_(pb::Replicas::NewStub(std::move(channel))), token_(std::move(token)), timeout_(timeout) {}
+                             std::chrono::milliseconds timeout, size_t chunk_bytes)
+    : stub_(pb::Replicas::NewStub(std::move(channel))),
+      token_(std::move(token)),
+      timeout_(timeout),
+      chunk_bytes_(std::clamp<size_t>(chunk_bytes, 1, kFragmentChunkBytes)) {}
 
 std::unique_ptr<grpc::ClientContext> ReplicaClient::Context() const {
   auto ctx = std::make_unique<grpc::ClientContext>();
@@ -48,7 +51,7 @@ absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
   h->set_uid(static_cast<uint32_t>(uid));
   size_t offset = 0;
   do {
-    const size_t n = std::min(kFragmentChunkBytes, f.bytes.size() - offset);
+    const size_t n = std::min(chunk_bytes_, f.bytes.size() - offset);
     chunk.set_data(f.bytes.data() + offset, n);
     offset += n;
     // A write that fails means the peer ended the call: its status says why.

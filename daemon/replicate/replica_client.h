@@ -12,13 +12,16 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/replicate/fragment_store.h"
+#include "daemon/replicate/replica_service.h"
 #include "proto/replicas.grpc.pb.h"
 
 namespace ckpt::replicate {
 
 class ReplicaClient {
  public:
-  ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string token, std::chrono::milliseconds timeout);
+  // `chunk_bytes`: what a fragment is sent in (tests send small fragments in several).
+  ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string token, std::chrono::milliseconds timeout,
+                size_t chunk_bytes = kFragmentChunkBytes);
 
   // Sends `fragment` for the peer to hold, counted in the share of `uid` (the job's owner).
   absl::Status Put(uid_t uid, const HeldFragment& fragment);
@@ -33,6 +36,7 @@ class ReplicaClient {
   std::unique_ptr<ckptd::replicas::v1::Replicas::Stub> stub_;
   const std::string token_;
   const std::chrono::milliseconds timeout_;
+  const size_t chunk_bytes_;
 };
 
 }  // namespace ckpt::replicate

@@ -16,6 +16,7 @@
 #include "daemon/replicate/shard_fragments.h"
 #include "format/checksum.h"
 #include "proto/replicas.grpc.pb.h"
+#include "tests/fakes/sanitizer_slowdown.h"
 
 using namespace ckpt::replicate;
 using namespace std::chrono_literals;
@@ -34,8 +35,10 @@ struct Peer {
   }
   ~Peer() { server->Shutdown(std::chrono::system_clock::now() + 5s); }
   ReplicaClient Client(const std::string& token = kToken) const {
+    // Fragments of a few hundred KB in 64 KiB chunks: several chunks each, and few bytes
+    // for the sanitizers' builds to watch cross gRPC's own (uninstrumented) threads.
     return ReplicaClient(grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()),
-                         token, 10s);
+                         token, 10s * ckpt::testing::kSanitizerSlowdown, 64 << 10);
   }
 
   FragmentStore store;
@@ -44,7 +47,8 @@ struct Peer {
   std::unique_ptr<grpc::Server> server;
 };
 
-// The 4+2 fragments of a shard of `bytes`: of 10 MB, 2.5 MB each (two chunks).
+// The 4+2 fragments of a shard of `bytes`: of 400 KB, 100 KB each (two chunks); of 1.2 MB,
+// 300 KB each (five chunks).
 std::vector<HeldFragment> Fragments(size_t bytes, uint64_t step = 5) {
   std::vector<uint8_t> data(bytes);
   for (size_t i = 0; i < bytes; ++i) data[i] = static_cast<uint8_t>(i * 131 + (i >> 12));
@@ -61,7 +65,7 @@ TEST_CASE("a fragment sent in chunks is held whole by the peer, sealed, and serv
   Peer peer(size_t{256} << 20);
   REQUIRE(peer.server != nullptr);
   ReplicaClient client = peer.Client();
-  auto fragments = Fragments(40'000'000);  // 10 MB fragments: five chunks each
+  auto fragments = Fragments(1'200'000);  // 300 KB fragments: five chunks each
   for (int i = 0; i < 3; ++i) {
     absl::Status sent = client.Put(1000, fragments[static_cast<size_t>(i)]);
     INFO(sent);
@@ -76,7 +80,7 @@ TEST_CASE("a fragment sent in chunks is held whole by the peer, sealed, and serv
   auto back = client.Get(fragments[2].id);
   REQUIRE(back.ok());
   CHECK(back->bytes == fragments[2].bytes);
-  CHECK(back->meta.data_bytes == 40'000'000);
+  CHECK(back->meta.data_bytes == 1'200'000);
   // Three of the six and one fragment kept elsewhere rebuild the shard.
   std::vector<std::shared_ptr<const HeldFragment>> four;
   for (int i = 0; i < 3; ++i) {
@@ -87,14 +91,14 @@ TEST_CASE("a fragment sent in chunks is held whole by the peer, sealed, and serv
   four.push_back(std::make_shared<const HeldFragment>(fragments[5]));
   auto rebuilt = RebuildShard(four);
   REQUIRE(rebuilt.ok());
-  CHECK(rebuilt->size() == 40'000'000);
+  CHECK(rebuilt->size() == 1'200'000);
   CHECK(static_cast<uint8_t>((*rebuilt)[12345]) == static_cast<uint8_t>(12345 * 131 + (12345 >> 12)));
   auto missing = client.Get({"llm", 5, 3, 25, 4});
   CHECK(absl::IsNotFound(missing.status()));
 }
 
 TEST_CASE("a peer refuses a fragment damaged on the way, one that does not fit, and a caller without the token") {
-  auto fragments = Fragments(10'000'000);
+  auto fragments = Fragments(400'000);
   SECTION("damaged") {
     Peer peer(size_t{64} << 20);
     HeldFragment damaged = fragments[0];
@@ -106,13 +110,16 @@ TEST_CASE("a peer refuses a fragment damaged on the way, one that does not fit, 
     CHECK(peer.service.receiving() == 0);
   }
   SECTION("larger than the budget, and more than fits beside what is held") {
-    Peer peer(4'000'000);  // one 2.5 MB fragment fits, two do not
+    Peer peer(150'000);  // one 100 KB fragment fits, two do not
     ReplicaClient client = peer.Client();
-    REQUIRE(client.Put(1000, fragments[0]).ok());
+    absl::Status first = client.Put(1000, fragments[0]);
+    INFO(first);
+    REQUIRE(first.ok());
     auto full = client.Put(1000, fragments[1]);
+    INFO(full);
     CHECK(absl::IsResourceExhausted(full));
     CHECK_THAT(ckpt::Message(full), Catch::Contains("--replica-bytes"));
-    Peer small(1'000'000);
+    Peer small(50'000);
     CHECK(absl::IsResourceExhausted(small.Client().Put(1000, fragments[0])));
     CHECK(small.service.receiving() == 0);
   }
@@ -128,7 +135,7 @@ TEST_CASE("a peer refuses a fragment damaged on the way, one that does not fit, 
   SECTION("a header that claims fewer bytes than are sent") {
     Peer peer(size_t{64} << 20);
     HeldFragment lying = fragments[0];
-    lying.meta.data_bytes = 1000;  // fragments of 256 bytes, and 2.5 MB sent
+    lying.meta.data_bytes = 1000;  // fragments of 256 bytes, and 100 KB sent
     auto refused = peer.Client().Put(1000, lying);
     CHECK(absl::IsInvalidArgument(refused));
     CHECK_THAT(ckpt::Message(refused), Catch::Contains("more than the 256 bytes its header gives it"));
