@@ -37,18 +37,8 @@ absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
   pb::PutFragmentReply reply;
   std::unique_ptr<grpc::ClientWriter<pb::FragmentChunk>> writer = stub_->PutFragment(ctx.get(), &reply);
   pb::FragmentChunk chunk;
-  pb::FragmentHeader* h = chunk.mutable_header();
-  h->set_job(f.id.job);
-  h->set_step(f.id.step);
-  h->set_owner(f.id.owner);
-  h->set_rank(f.id.rank);
-  h->set_index(f.id.index);
-  h->set_k(f.meta.k);
-  h->set_m(f.meta.m);
-  h->set_data_bytes(f.meta.data_bytes);
-  h->set_run(f.meta.run);
-  h->set_checksum(f.meta.checksum);
-  h->set_uid(static_cast<uint32_t>(uid));
+  ToHeader(f.id, f.meta, chunk.mutable_header());
+  chunk.mutable_header()->set_uid(static_cast<uint32_t>(uid));
   size_t offset = 0;
   do {
     const size_t n = std::min(chunk_bytes_, f.bytes.size() - offset);

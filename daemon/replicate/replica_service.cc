@@ -128,19 +128,7 @@ class GetReactor final : public grpc::ServerWriteReactor<pb::FragmentChunk> {
     }
     chunk_.Clear();
     if (!sent_header_) {
-      const FragmentId& id = fragment_->id;
-      const FragmentMeta& meta = fragment_->meta;
-      pb::FragmentHeader* h = chunk_.mutable_header();
-      h->set_job(id.job);
-      h->set_step(id.step);
-      h->set_owner(id.owner);
-      h->set_rank(id.rank);
-      h->set_index(id.index);
-      h->set_k(meta.k);
-      h->set_m(meta.m);
-      h->set_data_bytes(meta.data_bytes);
-      h->set_run(meta.run);
-      h->set_checksum(meta.checksum);
+      ToHeader(fragment_->id, fragment_->meta, chunk_.mutable_header());
       sent_header_ = true;
     }
     const size_t n = std::min(kFragmentChunkBytes, bytes.size() - offset_);
@@ -156,6 +144,19 @@ class GetReactor final : public grpc::ServerWriteReactor<pb::FragmentChunk> {
 };
 
 }  // namespace
+
+void ToHeader(const FragmentId& id, const FragmentMeta& meta, pb::FragmentHeader* h) {
+  h->set_job(id.job);
+  h->set_step(id.step);
+  h->set_owner(id.owner);
+  h->set_rank(id.rank);
+  h->set_index(id.index);
+  h->set_k(meta.k);
+  h->set_m(meta.m);
+  h->set_data_bytes(meta.data_bytes);
+  h->set_run(meta.run);
+  h->set_checksum(meta.checksum);
+}
 
 ReplicaService::ReplicaService(FragmentStore& store, std::string token) : store_(store), token_(std::move(token)) {}
 

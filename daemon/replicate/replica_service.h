@@ -17,6 +17,9 @@ namespace ckpt::replicate {
 // message limit, so that any server built with defaults takes it.
 inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
 
+// A fragment's id and coding as they go on the wire (the uid is the sender's to add).
+void ToHeader(const FragmentId& id, const FragmentMeta& meta, ckptd::replicas::v1::FragmentHeader* header);
+
 class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackService {
  public:
   ReplicaService(FragmentStore& store, std::string token);
