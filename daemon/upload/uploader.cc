@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
@@ -104,7 +105,7 @@ void Uploader::Committed(const format::Manifest& manifest, std::map<uint32_t, In
   job.queued = Pending{manifest,
                        std::make_unique<persist::RetentionKeeper::Pin>(retention_, manifest.job,
                                                                        manifest.step),
-                       Clock::now(), std::move(in_memory)};
+                       Clock::now(), std::move(in_memory), /*index=*/{}};
   job.retry_at = {};
   cv_.notify_all();
 }
@@ -123,7 +124,9 @@ void Uploader::CatchUp() {
       // Only the newest step on the grid: what a restart interrupted, or what a newer
       // policy would have picked anyway.
       if (remote_.Committed(job, *it)) break;
-      absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, *it);
+      // As committed here: an indexed step's index, joined when its upload begins.
+      absl::StatusOr<format::Manifest> manifest =
+          local_.LoadManifest(job, *it, format::CheckpointStore::Depth::kIndexOnly);
       if (!manifest.ok()) break;
       std::lock_guard lock(mu_);
       JobState& state = jobs_[job];
@@ -131,7 +134,7 @@ void Uploader::CatchUp() {
         Log().info("[{} s{}] not in the remote tier yet: uploading it", job, *it);
         state.queued = Pending{*manifest,
                                std::make_unique<persist::RetentionKeeper::Pin>(retention_, job, *it),
-                               Clock::now(), /*in_memory=*/{}};
+                               Clock::now(), /*in_memory=*/{}, /*index=*/{}};
       }
       break;
     }
@@ -307,7 +310,8 @@ absl::Status Uploader::Upload(Pending& p) {
   if (p.manifest.index) {
     // An indexed step (a shared root's, too large for one manifest) was announced by its
     // index: its files are listed in its parts, joined here, off the commit path.
-    CKPT_ASSIGN_OR_RETURN(p.manifest, local_.LoadManifest(p.manifest.job, p.manifest.step));
+    CKPT_ASSIGN_OR_RETURN(format::Manifest whole, local_.LoadManifest(p.manifest.job, p.manifest.step));
+    p.index = std::exchange(p.manifest, std::move(whole));
   }
   const format::Manifest& m = p.manifest;
   if (options_.before_upload) CKPT_RETURN_IF_ERROR(options_.before_upload(m.job));
@@ -369,7 +373,7 @@ absl::Status Uploader::Upload(Pending& p) {
   if (!options_.node) {
     // One daemon, or a shared root's coordinator: every file is this node's to upload.
     CKPT_RETURN_IF_ERROR(CheckUploaded(m));
-    return PublishManifest(m);  // the manifest, last
+    return PublishManifest(m, p.index);  // the manifest, last
   }
   // A group with node-local disks: the step goes up as an index and each node's own
   // manifest (format/indexed_manifest.h), which no node but its own holds.
@@ -382,7 +386,7 @@ absl::Status Uploader::Upload(Pending& p) {
     return remote_.objects().Put(ReportKey(m.job, m.step, *options_.node), PartReportJson(ReportOf(m, m.scope->digest, text)));
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<PartReport> reports, WaitForReports(m, Clock::now() - start));
-  if (reports.empty()) return PublishManifest(m);  // every rank of the step is this node's
+  if (reports.empty()) return PublishManifest(m, p.index);  // every rank of the step is this node's
   CKPT_RETURN_IF_ERROR(PublishIndex(m, reports));
   (void)remote_.objects().RemovePrefix(ReportPrefix(m.job, m.step));  // leftovers: RemoveOrphans
   return absl::OkStatus();
@@ -438,13 +442,11 @@ absl::Status Uploader::PublishIndex(const format::Manifest& m, const std::vector
   return remote_.Commit(index);  // the index, last
 }
 
-absl::Status Uploader::PublishManifest(const format::Manifest& m) {
+absl::Status Uploader::PublishManifest(const format::Manifest& m, const std::optional<format::Manifest>& index) {
   // A step too large for one manifest was published here as an index and a part per node
   // (format/indexed_manifest.h): the remote tier gets the same files, the index last, so that
   // its readers join the parts the index names by their checksums.
-  absl::StatusOr<format::Manifest> index =
-      local_.LoadManifest(m.job, m.step, format::CheckpointStore::Depth::kIndexOnly);
-  if (!index.ok() || !index->index) return remote_.Commit(m);
+  if (!index) return remote_.Commit(m);
   const std::string from = format::CheckpointStore::StepKey(m.job, m.step) + "/";
   const std::string to = remote_.TempStepKey(m.job, m.step) + "/";
   for (const format::ManifestPart& part : index->index->parts) {
@@ -489,7 +491,7 @@ absl::StatusOr<Uploader::Pending> Uploader::FollowedFromDisk(const std::string& 
   // Pinned before it is looked at: retention cannot delete it in between.
   auto pin = std::make_unique<persist::RetentionKeeper::Pin>(retention_, job, step);
   absl::StatusOr<format::Manifest> manifest = local_.LoadManifest(job, step);
-  if (manifest.ok()) return Pending{*std::move(manifest), std::move(pin), Clock::now(), /*in_memory=*/{}};
+  if (manifest.ok()) return Pending{*std::move(manifest), std::move(pin), Clock::now(), /*in_memory=*/{}, /*index=*/{}};
   absl::StatusOr<std::vector<uint64_t>> steps = local_.ListSteps(job);
   if (steps.ok() && (steps->empty() || steps->back() < step)) {
     return absl::UnavailableError(fmt::format("[{} s{}] not committed on this node yet", job, step));

@@ -113,6 +113,9 @@ class Uploader {
     std::unique_ptr<persist::RetentionKeeper::Pin> pin;
     std::chrono::steady_clock::time_point queued;
     std::map<uint32_t, InMemoryShard> in_memory;
+    // An indexed step's index, as committed here (`manifest` is then its parts joined, once
+    // an attempt has begun): what goes up last instead of a whole manifest.
+    std::optional<format::Manifest> index;
   };
   struct JobState {
     std::optional<Pending> queued;   // waits for the one in progress
@@ -135,8 +138,8 @@ class Uploader {
   // there with the size it has here.
   absl::Status CheckUploaded(const format::Manifest& manifest);
   // Writes the step's manifest on the remote tier once every file it lists is there: the
-  // whole one, or the index and parts of a step published as one (a shared root).
-  absl::Status PublishManifest(const format::Manifest& m);
+  // whole one, or, with `index` (a shared root's step published as one), its parts, then it.
+  absl::Status PublishManifest(const format::Manifest& m, const std::optional<format::Manifest>& index);
   // A group with node-local disks: every other node's report of its part of this run's
   // step, once they and the files they report cover every rank not in `manifest` (this
   // node's, or the whole step's); none when this node holds every rank.
