@@ -119,9 +119,7 @@ absl::Status CheckpointStore::WriteManifestPart(const Manifest& part, Manifest& 
 absl::Status CheckpointStore::CheckStagedParts(const Manifest& index) {
   if (!index.index) return absl::OkStatus();
   const std::string staging = TempStepKey(index.job, index.step);
-  const PartReader read = [&](const std::string& file, size_t max_bytes) {
-    return objects_->Get(staging + "/" + file, max_bytes);
-  };
+  const PartReader read = PartsUnder(staging);
   for (size_t i = 0; i < index.nodes.size(); ++i) {
     CKPT_RETURN_IF_ERROR(ReadIndexedPart(index, i, read, kMaxManifestBytes, objects_->Describe(staging)).status());
   }
@@ -230,13 +228,7 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   }
   if (manifest.index) {
     if (depth == Depth::kIndexOnly) return manifest;
-    const std::string step_key = StepKey(job, step);
-    CKPT_ASSIGN_OR_RETURN(manifest, JoinIndexedManifest(
-                                        manifest,
-                                        [&](const std::string& file, size_t max_bytes) {
-                                          return objects_->Get(step_key + "/" + file, max_bytes);
-                                        },
-                                        kMaxManifestBytes, path));
+    return Joined(manifest, path);
   }
   // ckptd commits only steps whose shards tile every tensor; one that does not was edited
   // or damaged, and a reader that trusted it could leave part of a tensor unread. A
@@ -248,28 +240,33 @@ absl::StatusOr<Manifest> CheckpointStore::LoadManifest(const std::string& job, u
   return manifest;
 }
 
+PartReader CheckpointStore::PartsUnder(const std::string& prefix) {
+  return [this, prefix](const std::string& file, size_t max_bytes) { return objects_->Get(prefix + "/" + file, max_bytes); };
+}
+
+absl::StatusOr<Manifest> CheckpointStore::Joined(const Manifest& index, const std::string& where) {
+  CKPT_ASSIGN_OR_RETURN(Manifest whole, JoinIndexedManifest(index, PartsUnder(StepKey(index.job, index.step)),
+                                                            kMaxManifestBytes, where));
+  // Checked as any whole manifest is (LoadManifest).
+  if (absl::Status tiled = CheckTiling(whole); !tiled.ok()) {
+    return absl::DataLossError(fmt::format("{}: {}", where, Message(tiled)));
+  }
+  return whole;
+}
+
 absl::StatusOr<Manifest> CheckpointStore::LoadManifestForRank(const std::string& job, uint64_t step, uint32_t rank,
                                                               bool* from_index) {
   *from_index = false;
   CKPT_ASSIGN_OR_RETURN(Manifest index, LoadManifest(job, step, Depth::kIndexOnly));
   if (!index.index) return index;  // the manifest itself
-  const std::string step_key = StepKey(job, step);
-  const PartReader read = [&](const std::string& file, size_t max_bytes) {
-    return objects_->Get(step_key + "/" + file, max_bytes);
-  };
-  const std::string where = objects_->Describe(step_key + "/" + kManifestName);
+  const std::string where = objects_->Describe(StepKey(job, step) + "/" + kManifestName);
   for (size_t i = 0; i < index.nodes.size(); ++i) {
     const std::vector<uint32_t>& ranks = index.nodes[i].ranks;
     if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) continue;
     *from_index = true;
-    return ReadIndexedPart(index, i, read, kMaxManifestBytes, where);
+    return ReadIndexedPart(index, i, PartsUnder(StepKey(job, step)), kMaxManifestBytes, where);
   }
-  // A rank the step was not saved with: the whole step, checked like any whole manifest.
-  CKPT_ASSIGN_OR_RETURN(Manifest whole, JoinIndexedManifest(index, read, kMaxManifestBytes, where));
-  if (absl::Status tiled = CheckTiling(whole); !tiled.ok()) {
-    return absl::DataLossError(fmt::format("{}: {}", where, Message(tiled)));
-  }
-  return whole;
+  return Joined(index, where);  // a rank the step was not saved with: the whole step
 }
 
 absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& store,

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "storage/filesystem.h"
 #include "storage/store.h"
+#include "format/indexed_manifest.h"
 #include "format/manifest.h"
 
 namespace ckpt::format {
@@ -120,6 +121,10 @@ class CheckpointStore {
   absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
 
  private:
+  // Reads the parts of an indexed step under `prefix` (its step's key, or its staging).
+  PartReader PartsUnder(const std::string& prefix);
+  // The whole step from `index` and its parts, checked for tiling as a whole manifest is.
+  absl::StatusOr<Manifest> Joined(const Manifest& index, const std::string& where);
   // Whether the store writes a step's objects where they are published (S3: no rename), so
   // that only the manifest tells a committed step from an unfinished one.
   bool WritesInPlace() const;
