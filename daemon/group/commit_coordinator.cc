@@ -30,10 +30,6 @@ bool IsIndex(const std::string& text) {
   return parsed.ok() && parsed->index.has_value();
 }
 
-}  // namespace
-
-namespace {
-
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr size_t kRecentDecisions = 4096;
