@@ -46,7 +46,7 @@ class CheckpointStore {
   std::string TempStepKey(const std::string& job, uint64_t step) const;
   // Manifests are read whole, and no larger than this is written (or read: a manifest that
   // could be committed but never loaded would make restores fall back silently).
-  static constexpr size_t kMaxManifestBytes = size_t{64} << 20;
+  static constexpr size_t kMaxManifestBytes = format::kMaxManifestBytes;
 
   // Creates an empty <step>.tmp directory, replacing a leftover one. On a root that
   // several nodes share it only makes sure the directory exists: the others write there too.

@@ -1,6 +1,7 @@
 // manifest.json: the record that makes a step directory a checkpoint (docs/format.md).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -163,6 +164,10 @@ std::string ManifestToJson(const Manifest& manifest);
 // "xxh3:<16 hex>" of a manifest's JSON text as written: what StepScope::digest records of the
 // whole step's manifest, so that a node-scoped manifest names the one it was cut from.
 std::string ManifestDigest(const std::string& manifest_json);
+
+// What a reader loads of one manifest at most (whole, node-scoped, an index or a part): no
+// larger is written, so that nothing is committed that no reader could load.
+inline constexpr size_t kMaxManifestBytes = size_t{64} << 20;
 
 // The largest world a manifest may describe (the group's own limit, 1M ranks).
 inline constexpr uint32_t kMaxManifestWorldSize = 1u << 20;

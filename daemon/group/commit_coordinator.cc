@@ -21,9 +21,6 @@
 namespace ckpt::group {
 namespace {
 
-// What a reader loads of a step's manifest at most (format::CheckpointStore::kMaxManifestBytes).
-constexpr size_t kMaxRecordedManifestBytes = size_t{64} << 20;
-
 // Whether a recorded manifest is an index (format version 4) rather than a whole manifest.
 bool IsIndex(const std::string& text) {
   absl::StatusOr<format::Manifest> parsed = format::ParseManifest(text, "the decision log's manifest");
@@ -872,7 +869,7 @@ Decision CommitCoordinator::FromLog(const Key& key, bool whole) {
     // Read up to what any reader accepts: an index (a shared root's step too large for one
     // manifest) may be larger than the limit for whole manifests, where a test lowered it.
     auto manifest = log_.FindManifest(key.first, key.second,
-                                      std::max(options_.max_whole_manifest_bytes, kMaxRecordedManifestBytes));
+                                      std::max(options_.max_whole_manifest_bytes, format::kMaxManifestBytes));
     if (manifest.ok() && manifest->has_value() && (*manifest)->size() > options_.max_whole_manifest_bytes &&
         !IsIndex(**manifest)) {
       manifest = absl::ResourceExhaustedError("larger than a step's manifest may be");
