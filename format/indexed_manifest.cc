@@ -24,11 +24,15 @@ Manifest IndexHeader(const Manifest& part) {
 }
 
 void AddToIndex(Manifest& index, const Manifest& part, const std::string& text) {
-  const uint32_t node = part.scope ? part.scope->node : 0;
-  ManifestNode holds{node, {}};
+  ManifestNode holds{part.scope ? part.scope->node : 0, {}};
   for (const ManifestShard& s : part.shards) holds.ranks.push_back(s.rank);
+  AddToIndex(index, std::move(holds), text.size(), ManifestDigest(text));
+}
+
+void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum) {
+  const uint32_t node = holds.node;
   index.nodes.push_back(std::move(holds));
-  index.index->parts.push_back({node, ManifestPartFileName(node), text.size(), ManifestDigest(text)});
+  index.index->parts.push_back({node, ManifestPartFileName(node), bytes, std::move(checksum)});
 }
 
 namespace {

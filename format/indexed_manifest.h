@@ -21,6 +21,9 @@ Manifest IndexHeader(const Manifest& part);
 // Adds node-scoped `part`, whose text as written is `text`, to `index`. Parts are added in
 // ascending node order.
 void AddToIndex(Manifest& index, const Manifest& part, const std::string& text);
+// The same from what is known of the part without it: the node, its ranks, and its text's
+// size and checksum (a remote publisher's reports).
+void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum);
 
 // Reads the text of a part of the step by its file name (ManifestPartFileName), at most
 // `max_bytes` of it.

@@ -432,10 +432,7 @@ absl::Status Uploader::PublishIndex(const format::Manifest& m, const std::vector
     parts.push_back(ReportOf(mine, digest, text));
   }
   std::sort(parts.begin(), parts.end(), [](const PartReport& a, const PartReport& b) { return a.node < b.node; });
-  for (const PartReport& r : parts) {
-    index.nodes.push_back({r.node, r.ranks});
-    index.index->parts.push_back({r.node, format::ManifestPartFileName(r.node), r.part_bytes, r.part_checksum});
-  }
+  for (const PartReport& r : parts) format::AddToIndex(index, {r.node, r.ranks}, r.part_bytes, r.part_checksum);
   // What readers will check of it, before it is the step's commit marker: an index no reader
   // accepts would be a step that neither restores nor is ever cleaned up.
   CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(index), "the step's index").status());
