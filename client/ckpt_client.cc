@@ -735,6 +735,7 @@ absl::StatusOr<RestoreInfo> Client::Restore(const RestoreOptions& options) {
   info.bytes = reply.bytes();
   info.source = reply.source() == ::ckptd::v1::RESTORE_SOURCE_MEMORY   ? RestoreInfo::Source::kMemory
                 : reply.source() == ::ckptd::v1::RESTORE_SOURCE_REMOTE ? RestoreInfo::Source::kRemote
+                : reply.source() == ::ckptd::v1::RESTORE_SOURCE_PEER   ? RestoreInfo::Source::kPeer
                                                                         : RestoreInfo::Source::kDisk;
   info.metadata.insert(reply.metadata().begin(), reply.metadata().end());
   for (const auto& b : reply.train_state()) info.train_state[b.name()] = b.data();
@@ -795,6 +796,7 @@ const char* RestoreSourceName(RestoreInfo::Source source) {
   switch (source) {
     case RestoreInfo::Source::kMemory: return "memory";
     case RestoreInfo::Source::kRemote: return "remote";
+    case RestoreInfo::Source::kPeer: return "peer";
     case RestoreInfo::Source::kDisk: break;
   }
   return "disk";

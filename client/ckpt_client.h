@@ -89,8 +89,9 @@ using Metadata = std::map<std::string, std::string>;
 using TrainState = std::map<std::string, std::string>;
 
 struct RestoreInfo {
-  // Where the bytes came from: ckptd's memory, this node's disk, the remote tier.
-  enum class Source { kMemory, kDisk, kRemote };
+  // Where the bytes came from: ckptd's memory, this node's disk, the remote tier, or the
+  // node's peers (rebuilt from the fragments they hold, --replication).
+  enum class Source { kMemory, kDisk, kRemote, kPeer };
 
   bool found = false;  // false: no committed checkpoint yet (a fresh start)
   uint64_t step = 0;

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cctype>
+#include <sstream>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
@@ -105,6 +106,9 @@ std::string Config::ToJson() const {
                       {"step_timeout_ms", step_timeout_ms},
                       {"restore_timeout_ms", restore_timeout_ms},
                       {"group_relay_fanout", group_relay_fanout},
+                      {"replication", replication_k == 0 ? "" : fmt::format("{}+{}", replication_k, replication_m)},
+                      {"replica_bytes", replica_bytes},
+                      {"failure_domain", failure_domain},
                       {"remote", remote},
                       {"remote_mode", remote_mode == RemoteMode::kDirect ? "direct" : "tiered"},
                       {"s3_endpoint", s3_endpoint},
@@ -227,6 +231,19 @@ ParseResult ParseFlags(int argc, char** argv) {
                  "nodes have no relays)")
       ->envname("CKPTD_GROUP_RELAY_FANOUT")
       ->capture_default_str();
+  std::string replication, replica_bytes = "0";
+  app.add_option("--replication", replication,
+                 "K+M: keep each node's staged shards in its peers' memory as K data and M parity "
+                 "fragments, so that any M nodes of a coding group of K+M may be lost (1+1: a mirror)")
+      ->envname("CKPTD_REPLICATION");
+  app.add_option("--replica-bytes", replica_bytes,
+                 "memory for the fragments this node holds of its peers' shards (0: --staging-bytes)")
+      ->envname("CKPTD_REPLICA_BYTES")
+      ->capture_default_str();
+  app.add_option("--failure-domain", c.failure_domain,
+                 "this node's rack or topology zone: a coding group keeps one node's fragments in "
+                 "different domains where it can")
+      ->envname("CKPTD_FAILURE_DOMAIN");
   app.add_option("--restore-timeout", restore_timeout,
                  "how long restoring ranks wait for every rank of their job")
       ->envname("CKPTD_RESTORE_TIMEOUT")
@@ -291,6 +308,7 @@ ParseResult ParseFlags(int argc, char** argv) {
   for (auto [flag, text, out] : {std::tuple{"--staging-bytes", &staging, &c.staging_bytes},
                                  std::tuple{"--staging-chunk", &staging_chunk, &c.staging_chunk_bytes},
                                  std::tuple{"--user-quota-bytes", &user_quota, &c.user_quota_bytes},
+                                 std::tuple{"--replica-bytes", &replica_bytes, &c.replica_bytes},
                                  std::tuple{"--job-quota-bytes", &job_quota, &c.job_quota_bytes}}) {
     auto bytes = ParseBytes(*text);
     if (!bytes.ok()) {
@@ -325,9 +343,34 @@ ParseResult ParseFlags(int argc, char** argv) {
   if (!c.metrics_addr.empty() && c.metrics_addr.find(':') == std::string::npos) c.metrics_addr = ":" + c.metrics_addr;
   if (c.metrics_addr.rfind(':', 0) == 0) c.metrics_addr = "127.0.0.1" + c.metrics_addr;
   if (c.metrics_addr.rfind("localhost:", 0) == 0) c.metrics_addr = "127.0.0.1" + c.metrics_addr.substr(9);
+  if (!replication.empty()) {
+    absl::StatusOr<std::pair<uint32_t, uint32_t>> code = ParseReplication(replication);
+    if (!code.ok()) {
+      result.exit = true;
+      result.exit_code = 2;
+      result.message = fmt::format("--replication: {}\n", std::string(code.status().message()));
+      return result;
+    }
+    std::tie(c.replication_k, c.replication_m) = *code;
+  }
   c.when_busy = when_busy == "wait" ? WhenBusy::kWait : WhenBusy::kSkip;
   c.remote_mode = remote_mode == "direct" ? RemoteMode::kDirect : RemoteMode::kTiered;
   return result;
+}
+
+absl::StatusOr<std::pair<uint32_t, uint32_t>> ParseReplication(const std::string& text) {
+  uint32_t k = 0, m = 0;
+  char plus = 0;
+  std::istringstream in(text);
+  in >> k >> plus >> m;
+  if (!in || plus != '+' || !in.eof() || text.find_first_not_of("0123456789+") != std::string::npos) {
+    return absl::InvalidArgumentError(fmt::format("\"{}\" is not K+M (e.g. 2+1, 4+2; 1+1 is a mirror)", text));
+  }
+  if (k < 1 || m < 1 || k + m > 32) {
+    return absl::InvalidArgumentError(fmt::format(
+        "\"{}\": K and M must be at least 1 each and K+M at most 32 (a coding group is a few nodes)", text));
+  }
+  return std::pair{k, m};
 }
 
 absl::Status Validate(const Config& c) {
@@ -405,6 +448,18 @@ absl::Status Validate(const Config& c) {
                "is then the one place every node writes");
   }
   if (c.upload_every_steps == 0) return bad("--upload-every-steps must be at least 1");
+  if (c.replication_k != 0) {
+    const uint32_t members = c.replication_k + c.replication_m;
+    if (c.num_nodes < members) {
+      return bad(fmt::format("--replication {}+{} needs coding groups of {} nodes; --num-nodes is {}",
+                             c.replication_k, c.replication_m, members, c.num_nodes));
+    }
+    if (c.shared_root) {
+      return bad("--replication keeps copies of node-local checkpoints; with --shared-root every node "
+                 "already reads every shard from the shared filesystem");
+    }
+  }
+  if (c.failure_domain.size() > 256) return bad("--failure-domain is longer than 256 bytes");
   spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);
   if (level == spdlog::level::off && c.log_level != "off") {
     return bad(fmt::format("--log-level \"{}\" is not one of trace, debug, info, warn, error",

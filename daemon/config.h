@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -64,6 +65,12 @@ struct Config {
   uint32_t restore_timeout_ms = 300'000;  // ranks wait this long for each other at restore
   // Heartbeats, prepares and outcome polls go up a tree of this fan-out (0: to node 0).
   uint32_t group_relay_fanout = 32;
+  // Peer replicas (docs/operators.md, "Peer replicas"): each node's staged shards go to the
+  // other members of its coding group as k data and m parity fragments. 0: off.
+  uint32_t replication_k = 0;
+  uint32_t replication_m = 0;
+  uint64_t replica_bytes = 0;  // what this node holds of its peers' fragments; 0: --staging-bytes
+  std::string failure_domain;  // a rack or topology zone: no two fragments of a node in one
   // The remote tier (docs/operators.md, "Off the node"): an s3://bucket/prefix URL.
   // Tiered: the local root commits as always and committed steps are uploaded behind it.
   // Direct: the checkpoints themselves are written to the remote store; --root keeps only
@@ -97,6 +104,9 @@ absl::Status Validate(const Config& config);
 
 // "500ms", "3s", "2m", "1h"; a bare number is seconds. InvalidArgument otherwise.
 absl::StatusOr<uint32_t> ParseDurationMs(const std::string& text);
+
+// "2+1", "4+2": --replication's K data and M parity fragments. InvalidArgument otherwise.
+absl::StatusOr<std::pair<uint32_t, uint32_t>> ParseReplication(const std::string& text);
 
 // "4G" -> 4 GiB, "512M", "1048576"; InvalidArgument otherwise.
 absl::StatusOr<uint64_t> ParseBytes(const std::string& text);

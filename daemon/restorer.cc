@@ -15,6 +15,7 @@
 #include "daemon/metrics/daemon_metrics.h"
 #include "common/parallel.h"
 #include "common/status.h"
+#include "daemon/restore/rebuilt_snapshot.h"
 #include "format/tiling.h"
 #include "format/plan_reader.h"
 #include "format/read_plan.h"
@@ -248,10 +249,28 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   result.found = true;
   result.step = step;
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
+  std::optional<format::Manifest> peer_manifest;
+  if (!hot && peers_ != nullptr && !store_.HasFile(session.job, step, format::ShardFileName(session.rank))) {
+    // This node lost its copy (a replacement machine, a root deleted): its coding group's
+    // memory before the remote tier.
+    absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> rebuilt = FromPeers(session, spec, step);
+    if (rebuilt.ok()) {
+      hot = std::move(rebuilt->first);
+      peer_manifest = std::move(rebuilt->second);
+    } else {
+      log::Get(log::Component::kControl)
+          .warn("[{}/r{} s{}] not from peers: {}{}", session.job, session.rank, step, Message(rebuilt.status()),
+                remote_ != nullptr ? "; trying the remote tier" : "");
+    }
+  }
   const EntryIndex entries = hot ? IndexTensorEntries(*hot) : EntryIndex{};
-  // Still committed: retention drops a hot copy only after deleting its step, and the pin
-  // above came too late for a deletion already under way.
-  if (hot && FitsAsSaved(session, *hot, entries, spec) && store_.Committed(session.job, step)) {
+  if (peer_manifest) {
+    result.source = RestoreResult::Source::kPeer;
+    result.saved_world_size = peer_manifest->world_size;
+    CKPT_RETURN_IF_ERROR(FromMemory(session, spec, *hot, entries, result));
+  } else if (hot && FitsAsSaved(session, *hot, entries, spec) && store_.Committed(session.job, step)) {
+    // Still committed: retention drops a hot copy only after deleting its step, and the pin
+    // above came too late for a deletion already under way.
     // The fast path of a crashed trainer: its own snapshot, straight into its buffers.
     result.source = RestoreResult::Source::kMemory;
     result.saved_world_size = hot->world_size;
@@ -285,9 +304,11 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   }
   const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"
                        : result.source == RestoreResult::Source::kRemote ? "the remote tier"
+                       : result.source == RestoreResult::Source::kPeer   ? "peers' memory"
                                                                          : "disk";
   const char* tier = result.source == RestoreResult::Source::kMemory   ? "memory"
                      : result.source == RestoreResult::Source::kRemote ? "remote"
+                     : result.source == RestoreResult::Source::kPeer   ? "peer"
                                                                        : "disk";
   metrics::Metrics().restore_seconds.With({tier}).Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
@@ -321,6 +342,11 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     for (const format::ManifestNode& n : manifest->nodes) all.insert(n.ranks.begin(), n.ranks.end());
     if (LocalHasAll(session.job, step, all, *manifest)) available.emplace_back(run, step);
   }
+  if (peers_ != nullptr && available.empty()) {
+    // Nothing here for this rank (a node restarted empty): what its coding group holds.
+    std::vector<std::pair<uint64_t, uint64_t>> held = peers_->Steps(session.job, session.rank);
+    available.insert(available.end(), held.begin(), held.end());
+  }
   if (remote_ != nullptr) {
     // Every step of the remote tier is whole: any rank of any node can read it (a node
     // that lost its disk, or a job restarted on other nodes or another world size).
@@ -343,6 +369,25 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
     if (steps.empty() || steps.back() != step) steps.push_back(step);
   }
   return steps;
+}
+
+absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> Restorer::FromPeers(const SessionView& session,
+                                                                                    const RestoreSpec& spec,
+                                                                                    uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(std::string text, peers_->Manifest(session.job, step));
+  CKPT_ASSIGN_OR_RETURN(format::Manifest manifest, format::ParseManifest(text, "a peer's copy of this node's manifest"));
+  if (manifest.job != session.job || manifest.step != step || manifest.index) {
+    return absl::DataLossError(fmt::format("a peer's manifest of step {} is of job {} step {}{}", step, manifest.job,
+                                           manifest.step, manifest.index ? ", an index" : ""));
+  }
+  if (!PartServes(session, spec, manifest) || (spec.cast && DtypesDiffer(session, manifest))) {
+    return absl::FailedPreconditionError(
+        "the restore asks for another world size, placement or dtype than saved, which needs the whole step");
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string shard, peers_->Shard(session.job, step, session.rank));
+  CKPT_ASSIGN_OR_RETURN(StagedSnapshotPtr snap,
+                        RebuiltSnapshot(manifest, session.rank, std::make_shared<const std::string>(std::move(shard))));
+  return std::pair{std::move(snap), std::move(manifest)};
 }
 
 bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set<uint32_t>& ranks,

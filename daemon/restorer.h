@@ -17,6 +17,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -24,6 +25,7 @@
 #include "cuda/copy_priority.h"
 #include "format/checkpoint_store.h"
 #include "daemon/persist/retention_keeper.h"
+#include "daemon/restore/peer_source.h"
 #include "daemon/restore/step_agreement.h"
 #include "format/tensor_selection.h"
 #include "daemon/staging/hot_cache.h"
@@ -34,7 +36,7 @@
 namespace ckpt::daemon {
 
 struct RestoreResult {
-  enum class Source { kMemory, kDisk, kRemote };
+  enum class Source { kMemory, kDisk, kRemote, kPeer };
   bool found = false;  // false: the job has no committed checkpoint yet
   uint64_t step = 0;
   Source source = Source::kDisk;
@@ -78,14 +80,17 @@ class Restorer {
   // Ranks wait up to `agree_timeout` for each other when restoring the latest step.
   // `remote` (may be null): the remote tier, whose steps every rank of every node can
   // read; a step is read from it only where memory and this node's disk cannot serve it.
+  // `peers` (may be null, --replication): this node's ranks rebuilt from the fragments its
+  // coding group holds, where this node lost its own copy (before the remote tier).
   Restorer(format::CheckpointStore& store, format::CheckpointStore* remote, HotCache& hot,
            persist::RetentionKeeper& retention, StepAgreement& agreement,
            std::chrono::milliseconds agree_timeout, cuda::CopyEngine& engine,
            cuda::CopyPriority* priority = nullptr,
-           std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr)
+           std::vector<cuda::CopyEngine*> device_engines = {}, cuda::StagingPool* pool = nullptr,
+           PeerSource* peers = nullptr)
       : store_(store), remote_(remote), hot_(hot), retention_(retention), agreement_(agreement),
         agree_timeout_(agree_timeout), engine_(engine), priority_(priority),
-        device_engines_(std::move(device_engines)), pool_(pool) {}
+        device_engines_(std::move(device_engines)), pool_(pool), peers_(peers) {}
 
   absl::StatusOr<RestoreResult> Restore(const SessionView& session, const RestoreSpec& spec);
   // The job's committed steps on this node's disk, in the job's order (by run, then step).
@@ -115,6 +120,10 @@ class Restorer {
   // Committed steps this rank can restore here, in the job's order: hot, its shard file on
   // this node's disk, or in the remote tier.
   absl::StatusOr<std::vector<uint64_t>> Available(const SessionView& session);
+  // The rank's shard of `step` rebuilt from peers, when it serves the session as saved (the
+  // saved world and placement): the snapshot and this node's manifest of the step.
+  absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> FromPeers(const SessionView& session,
+                                                                           const RestoreSpec& spec, uint64_t step);
   // Whether this node can serve every shard `ranks` of the step from memory or its disk.
   bool LocalHasAll(const std::string& job, uint64_t step, const std::set<uint32_t>& ranks,
                    const format::Manifest& manifest);
@@ -129,6 +138,7 @@ class Restorer {
   cuda::CopyPriority* priority_;  // may be null; outlives the restorer
   std::vector<cuda::CopyEngine*> device_engines_;  // by device ordinal
   cuda::StagingPool* pool_;          // may be null
+  PeerSource* peers_;                // may be null
 };
 
 // Which registered tensors a restore fills: those selected that the checkpoint holds for

@@ -43,6 +43,13 @@
 #include "daemon/restore/step_agreement.h"
 #include "daemon/schedule/save_clock.h"
 #include "daemon/control/control_fd_server.h"
+#include "daemon/replicate/fragment_store.h"
+#include "daemon/replicate/peer_directory.h"
+#include "daemon/replicate/peer_shards.h"
+#include "daemon/replicate/replica_service.h"
+#include "daemon/replicate/replicator.h"
+#include "daemon/group/committed_step.h"
+#include "format/checksum.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
 #include "daemon/session/arena_budget.h"
@@ -122,10 +129,20 @@ struct Server::Parts {
   std::unique_ptr<upload::Uploader> uploader;
   group::GroupOptions group_options;
   group::DecisionLogPtr decision_log;
+  // --replication: what this node holds of its peers' shards, and the service on the group
+  // server that fills and serves it (so declared before the group server, gone after it).
+  std::unique_ptr<replicate::FragmentStore> fragments;
+  std::unique_ptr<replicate::ReplicaService> replica_service;
   // The client before the server: the server's relay forwards through the client, so the
   // client must be destroyed after it, whatever path (a failed start too) destroys them.
   group::GroupClientPtr group_client;
   group::GroupServerPtr group_server;
+  // --replication: the coding group as the group's view has it, this node's shards sent to
+  // it (told by the committer's hooks, so destroyed after the committer), and the restore's
+  // way back.
+  std::unique_ptr<replicate::PeerDirectory> peer_directory;
+  std::unique_ptr<replicate::Replicator> replicator;
+  std::unique_ptr<replicate::PeerShards> peer_shards;
   std::unique_ptr<commit::Committer> committer;
   std::unique_ptr<persist::WriteQueue> writes;
   std::unique_ptr<group::GroupMember> group_member;
@@ -204,6 +221,7 @@ absl::Status StartGroup(Server::Parts& p) {
     o.max_whole_manifest_bytes = std::strtoull(most, nullptr, 10);
   }
   o.relay_fanout = c.group_relay_fanout;
+  o.failure_domain = c.failure_domain;
   CKPT_ASSIGN_OR_RETURN(o.token,
                         ReadToken(c.group_token_file, "--group-token-file"));
   if (!c.group_tls_cert.empty()) {
@@ -234,8 +252,24 @@ absl::Status StartGroup(Server::Parts& p) {
       (void)store->AbortStep(job, step);
     };
   }
-  CKPT_ASSIGN_OR_RETURN(p.group_server, group::StartGroupServer(o, incarnation, p.decision_log.get(),
-                                                                std::move(publish), &p.announced_uploads));
+  if (c.replication_k != 0) {
+    p.fragments = std::make_unique<replicate::FragmentStore>(
+        c.replica_bytes != 0 ? c.replica_bytes : c.staging_bytes, [parts = &p] {
+          StagingLedger::ActiveUsers active;
+          for (const SessionPtr& s : parts->sessions.All()) active[s->uid()].insert(s->job());
+          return active;
+        });
+    // Test-only faults: fragments served damaged; fragments sent here never answered while
+    // a file exists.
+    replicate::ReplicaFaults faults;
+    const std::string fault = std::getenv("CKPTD_FAULT") != nullptr ? std::getenv("CKPTD_FAULT") : "";
+    faults.corrupt_served = fault == "corrupt-served-fragments";
+    if (fault.rfind("stall-replicas-while:", 0) == 0) faults.stall_while = fault.substr(21);
+    p.replica_service = std::make_unique<replicate::ReplicaService>(*p.fragments, o.token, std::move(faults));
+  }
+  CKPT_ASSIGN_OR_RETURN(p.group_server,
+                        group::StartGroupServer(o, incarnation, p.decision_log.get(), std::move(publish),
+                                                &p.announced_uploads, p.replica_service.get()));
   // Node 0 talks to its own coordinator like every other node (one code path), at the
   // address it really bound (the port may have been 0).
   if (o.coordinator_role()) o.coordinator = p.group_server->address();
@@ -244,6 +278,58 @@ absl::Status StartGroup(Server::Parts& p) {
   // Every node but the coordinator relays for the nodes below it in the tree (if any call).
   if (group::RelayUpstream* upstream = p.group_client->relay_upstream()) p.group_server->StartRelay(*upstream);
   return absl::OkStatus();
+}
+
+// --replication: the coding group of this node, the replicator that sends its shards there
+// once staged, and the restore's way back. The group's view tells who is where.
+absl::Status StartReplication(Server::Parts& p) {
+  const Config& c = p.config;
+  CKPT_ASSIGN_OR_RETURN(replicate::ErasureCode code, replicate::ErasureCode::Make(static_cast<int>(c.replication_k),
+                                                                                  static_cast<int>(c.replication_m)));
+  replicate::PeerDirectory::Options o;
+  o.self = c.node_rank;
+  o.num_nodes = c.num_nodes;
+  o.k = static_cast<int>(c.replication_k);
+  o.m = static_cast<int>(c.replication_m);
+  o.token = p.group_options.token;
+  o.timeout = std::chrono::milliseconds(c.step_timeout_ms);
+  p.peer_directory = std::make_unique<replicate::PeerDirectory>(
+      o,
+      [parts = &p] {
+        std::vector<replicate::PeerNode> nodes;
+        if (!parts->group_member) return nodes;  // shutting down
+        for (const group::MemberView& m : parts->group_member->state().view.members) {
+          nodes.push_back({m.node, m.address, m.domain, m.state == group::MemberState::kAlive});
+        }
+        return nodes;
+      },
+      [options = p.group_options](const std::string& address) { return group::MakePeerChannel(options, address); });
+  p.replicator = std::make_unique<replicate::Replicator>(*p.peer_directory, code);
+  p.peer_shards = std::make_unique<replicate::PeerShards>(*p.peer_directory, o.k);
+  p.board.on_staged = [replicator = p.replicator.get()](const StagedSnapshotPtr& snap, uid_t uid) {
+    replicator->Staged(snap->job, snap->step, snap->rank, snap->session_started_unix_ns, uid,
+                       std::shared_ptr<const char>(snap, snap->shard.data), snap->shard.data_bytes);
+  };
+  log::Get(log::Component::kGroup)
+      .info("peer replicas {}+{}: this node's shards go to {} peers of its coding group; {} bytes held for peers",
+            o.k, o.m, o.k + o.m - 1, p.fragments->budget());
+  return absl::OkStatus();
+}
+
+// This node's manifest of a committed step (node 0 holds the whole step's: its part is cut
+// from it), sealed with the step's fragments at the holders.
+void ReplicateCommitted(Server::Parts& p, const format::Manifest& manifest, const std::vector<StagedSnapshotPtr>& local) {
+  std::vector<uint32_t> ranks;
+  for (const StagedSnapshotPtr& snap : local) ranks.push_back(snap->rank);
+  std::string json;
+  if (manifest.scope || manifest.nodes.empty()) {
+    json = format::ManifestToJson(manifest);
+  } else {
+    const std::string whole = format::ManifestToJson(manifest);
+    json = format::ManifestToJson(
+        group::NodeManifestFromWhole(manifest, format::ChecksumOf(whole.data(), whole.size()), p.config.node_rank));
+  }
+  p.replicator->Committed(manifest.job, manifest.step, std::move(ranks), std::move(json));
 }
 
 const char* MemberState(group::MemberState s) { return group::MemberStateName(s); }
@@ -266,6 +352,42 @@ std::string NotReadyReason(const Server::Parts& p) {
     }
   }
   return "";
+}
+
+// --replication: how this node's steps stand with its coding group, and what it holds of
+// its peers'.
+void FillReplicationStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
+  if (!p.replicator) return;
+  ::ckptd::v1::GroupStatus* g = reply->mutable_group();
+  g->set_replication(fmt::format("{}+{}", p.config.replication_k, p.config.replication_m));
+  g->set_failure_domain(p.config.failure_domain);
+  if (auto holders = p.peer_directory->Holders(p.config.node_rank); holders.ok()) {
+    for (const replicate::Holder& h : *holders) g->add_replica_holders(h.node);
+  }
+  g->set_placement_warning(p.peer_directory->PlacementWarning());
+  g->set_replica_bytes_total(p.fragments->budget());
+  g->set_replica_bytes_used(p.fragments->used());
+  for (const replicate::HeldStep& h : p.fragments->Held()) {
+    ::ckptd::v1::HeldReplica* out = g->add_held_replicas();
+    out->set_job(h.job);
+    out->set_owner(h.owner);
+    out->set_step(h.step);
+    out->set_fragments(static_cast<uint32_t>(h.fragments));
+    out->set_bytes(h.bytes);
+    out->set_sealed(h.sealed);
+  }
+  const std::vector<replicate::StepReplication> steps = p.replicator->Steps();
+  for (auto& job : *reply->mutable_jobs()) {
+    for (const replicate::StepReplication& s : steps) {
+      if (s.job != job.job()) continue;
+      ::ckptd::v1::StepReplication* out = job.add_replication();
+      out->set_step(s.step);
+      out->set_state(replicate::StateName(s.state));
+      out->set_why(s.why);
+      out->set_bytes_sent(s.bytes_sent);
+      out->set_seconds(s.seconds);
+    }
+  }
 }
 
 void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
@@ -302,7 +424,9 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
     out->set_address(m.address);
     out->set_state(MemberState(m.state));
     out->set_last_heartbeat_age_s(m.last_heartbeat_age_s);
+    out->set_failure_domain(m.domain);
   }
+  FillReplicationStatus(p, reply);
   for (auto& job : *reply->mutable_jobs()) {
     if (auto it = state.view.committed.find(job.job()); it != state.view.committed.end()) {
       job.set_has_global(true);
@@ -523,6 +647,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     metrics::Metrics().checkpoints.With({"committed"}).Add();
     parts->last_commits.Record(manifest.job, manifest.step, std::chrono::system_clock::now());
     parts->hot->Insert(local);
+    if (parts->replicator) ReplicateCommitted(*parts, manifest, local);
     // On a shared store retention and uploads are the coordinator's (every node would
     // delete, or upload, the same).
     if (own_steps) {
@@ -539,7 +664,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       parts->retention->Schedule(manifest.job);
     }
   };
-  hooks.failed = [board = &p->board](const std::string& job, uint64_t step, const std::string& m) {
+  hooks.failed = [parts = p.get(), board = &p->board](const std::string& job, uint64_t step, const std::string& m) {
+    if (parts->replicator) parts->replicator->Failed(job, step);
     board->checkpoints_failed++;
     metrics::Metrics().checkpoints.With({"failed"}).Add();
     board->RecordError(fmt::format("[{} s{}] {}", job, step, m));
@@ -554,6 +680,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     p->committer = std::move(committer);
     p->agreement = MakeGroupStepAgreement(*p->group_client);
     p->save_clock = MakeGroupSaveClock(*p->group_client);
+    if (config.replication_k != 0) CKPT_RETURN_IF_ERROR(StartReplication(*p));
   } else {
     p->committer = std::make_unique<commit::SingleNodeCommitter>(*p->store, hooks, commit_options);
     p->agreement = MakeLocalStepAgreement();
@@ -586,7 +713,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   p->restorer = std::make_unique<Restorer>(
       *p->store, p->remote.get(), *p->hot, *p->retention, *p->agreement,
       std::chrono::milliseconds(config.restore_timeout_ms), *p->engine, &p->copy_priority,
-      device_engines, p->pool.get());
+      device_engines, p->pool.get(), p->peer_shards.get());
 
   Session::Limits limits;
   limits.staging_bytes = p->pool->capacity();
@@ -607,6 +734,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};
   if (grouped) sources.group_status = [parts = p.get()](auto* reply) { FillGroupStatus(*parts, reply); };
+  if (p->replicator) {
+    sources.replicated = [replicator = p->replicator.get()](const std::string& job, uint64_t step) {
+      return replicator->Replicated(job, step);
+    };
+  }
   sources.remote = p->remote.get();
   if (p->uploader) sources.upload_status = [parts = p.get()](auto* reply) { FillUploadStatus(*parts, reply); };
 

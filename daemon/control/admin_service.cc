@@ -153,6 +153,7 @@ grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* req
           it != hot.end() && std::find(it->second.begin(), it->second.end(), c.step) != it->second.end()) {
         info.add_tiers("memory");
       }
+      if (src_.replicated && src_.replicated(c.job, c.step)) info.add_tiers("replicated");
       info.add_tiers(src_.remote == nullptr && storage::IsS3Url(store_.root()) ? "remote" : "local");
     }
     if (src_.remote != nullptr) {

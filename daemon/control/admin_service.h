@@ -39,6 +39,9 @@ struct AdminSources {
   format::CheckpointStore* remote = nullptr;
   // Fills each job's uploads and newest remote step; empty without a remote tier.
   std::function<void(::ckptd::v1::StatusReply*)> upload_status;
+  // Whether this node's step of a job is replicated in its peers' memory (--replication);
+  // empty without replication.
+  std::function<bool(const std::string& job, uint64_t step)> replicated;
 };
 
 // Where an AdminService answers. On the Unix socket peers were checked when they

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -26,8 +27,14 @@ class StatusBoard final : public SessionEvents {
   void RecordError(std::string message);
   std::vector<std::string> RecentErrors() const;
 
+  // Told of every snapshot staged (the replicator's start; set before sessions start).
+  std::function<void(const StagedSnapshotPtr&, uid_t)> on_staged;
+
   // SessionEvents: counted, and rejections and errors kept among the recent errors.
-  void SnapshotStaged() override { snapshots_staged++; }
+  void SnapshotStaged(const StagedSnapshotPtr& snap, uid_t uid) override {
+    snapshots_staged++;
+    if (on_staged) on_staged(snap, uid);
+  }
   void SnapshotRejected(std::string why) override {
     snapshots_rejected++;
     RecordError(std::move(why));

@@ -203,6 +203,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     }
     reply->set_source(result.source == RestoreResult::Source::kMemory   ? RESTORE_SOURCE_MEMORY
                       : result.source == RestoreResult::Source::kRemote ? RESTORE_SOURCE_REMOTE
+                      : result.source == RestoreResult::Source::kPeer   ? RESTORE_SOURCE_PEER
                                                                         : RESTORE_SOURCE_DISK);
     reply->mutable_metadata()->insert(result.metadata.begin(), result.metadata.end());
     uint64_t state_bytes = 0;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include <grpcpp/channel.h>
 
 #include "absl/status/statusor.h"
 #include "daemon/group/commit_coordinator.h"
@@ -81,6 +82,10 @@ absl::Status Barrier(GroupClient& client, const std::string& key, uint32_t parti
 absl::StatusOr<std::string> Broadcast(GroupClient& client, const std::string& key,
                                       uint32_t participant, uint32_t participants, uint32_t root,
                                       std::string payload, std::chrono::milliseconds timeout);
+
+// A channel to another node's group server at `address` (its Replicas service, say), with
+// the group's credentials and keepalive: what the group client uses for node 0.
+std::shared_ptr<grpc::Channel> MakePeerChannel(const GroupOptions& options, const std::string& address);
 
 // Connects (lazily) to options.coordinator.
 absl::StatusOr<GroupClientPtr> MakeGrpcGroupClient(const GroupOptions& options,

@@ -21,6 +21,7 @@ struct GroupOptions {
   // Heartbeats, prepares and outcome polls go through a tree of this fan-out
   // (relay_tree.h); 0: every node calls the coordinator.
   uint32_t relay_fanout = 32;
+  std::string failure_domain;  // --failure-domain, sent when joining
   // A part whose manifest text is larger than this goes to the coordinator in chunks of
   // `structure_chunk_bytes` before its prepare (gRPC messages are capped at 64 MiB, and a
   // relay's batches at 16 MiB). Settings for tests; operators have no flag for them.

@@ -58,8 +58,9 @@ std::string BoundAddress(const std::string& listen_addr, int port) {
 class GrpcGroupServer final : public GroupServer {
  public:
   GrpcGroupServer(const GroupOptions& options, uint64_t incarnation, DecisionLog* log,
-                  CommitCoordinator::Publisher publish, const UploadTargets* uploading)
+                  CommitCoordinator::Publisher publish, const UploadTargets* uploading, grpc::Service* also)
       : options_(options),
+        also_(also),
         state_(options.coordinator_role()
                    ? std::make_unique<CoordinatorState>(options, *log, std::move(publish), uploading)
                    : nullptr),
@@ -74,6 +75,7 @@ class GrpcGroupServer final : public GroupServer {
     int port = 0;
     builder.AddListeningPort(options_.listen_addr, credentials, &port);
     builder.RegisterService(&service_);
+    if (also_ != nullptr) builder.RegisterService(also_);
     builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
     int keepalive_ms = static_cast<int>(std::max<milliseconds>(options_.group_timeout,
                                                                milliseconds(1'000)).count());
@@ -194,6 +196,7 @@ class GrpcGroupServer final : public GroupServer {
   }
 
   const GroupOptions options_;
+  grpc::Service* const also_;  // may be null
   // Declared before the service and the server, so destroyed after both.
   const std::unique_ptr<CoordinatorState> state_;
   GroupService service_;
@@ -215,7 +218,7 @@ class GrpcGroupServer final : public GroupServer {
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
                                                 DecisionLog* log,
                                                 CommitCoordinator::Publisher publish,
-                                                const UploadTargets* uploading) {
+                                                const UploadTargets* uploading, grpc::Service* also) {
   if (options.token.empty()) {
     return absl::InvalidArgumentError("the group server needs a group token (--group-token-file)");
   }
@@ -227,7 +230,7 @@ absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uin
     return absl::InvalidArgumentError("the coordinator needs a decision log");
   }
   auto server = std::make_unique<GrpcGroupServer>(options, incarnation, log, std::move(publish),
-                                                  uploading);
+                                                  uploading, also);
   CKPT_RETURN_IF_ERROR(server->Start());
   return GroupServerPtr(std::move(server));
 }

@@ -8,6 +8,8 @@
 #include <memory>
 #include <string>
 
+#include <grpcpp/impl/service_type.h>
+
 #include "absl/status/statusor.h"
 #include "daemon/group/commit_coordinator.h"
 #include "daemon/group/decision_log.h"
@@ -40,10 +42,12 @@ using GroupServerPtr = std::unique_ptr<GroupServer>;
 
 // Binds options.listen_addr (port 0: an ephemeral port). `log`, `publish` and `uploading`
 // (what node 0 uploads, handed out with heartbeats) are used by the coordinator role only;
-// `log` and `uploading` must outlive the server.
+// `log` and `uploading` must outlive the server. `also` (may be null): another service on the
+// same port and credentials (the peer replicas' Replicas service), which must outlive it.
 absl::StatusOr<GroupServerPtr> StartGroupServer(const GroupOptions& options, uint64_t incarnation,
                                                 DecisionLog* log,
                                                 CommitCoordinator::Publisher publish = {},
-                                                const UploadTargets* uploading = nullptr);
+                                                const UploadTargets* uploading = nullptr,
+                                                grpc::Service* also = nullptr);
 
 }  // namespace ckpt::group

@@ -279,6 +279,7 @@ void AddMember(const MemberView& m, pb::GroupView* view) {
   member->set_state(ToProto(m.state));
   member->set_last_heartbeat_age_s(m.last_heartbeat_age_s);
   member->set_incarnation(m.incarnation);
+  member->set_failure_domain(m.domain);
 }
 
 }  // namespace
@@ -352,11 +353,15 @@ grpc::ServerUnaryReactor* GroupService::Join(grpc::CallbackServerContext* ctx,
       return absl::InvalidArgumentError(
           fmt::format("address is longer than {} bytes", kMaxAddressBytes));
     }
+    if (request->failure_domain().size() > kMaxAddressBytes) {
+      return absl::InvalidArgumentError(
+          fmt::format("failure_domain is longer than {} bytes", kMaxAddressBytes));
+    }
     bool restarted = false;
     std::string address = AdvertisedAddress(request->address(), ctx->peer());
     CKPT_RETURN_IF_ERROR(coordinator_->membership.Join(request->node_rank(), request->num_nodes(),
                                                        address, request->incarnation(),
-                                                       &restarted));
+                                                       &restarted, request->failure_domain()));
     Log().info("node {} joined from {} (incarnation {:x}{}{})", request->node_rank(),
                address, request->incarnation(),
                request->version().empty() ? "" : ", ckptd ",

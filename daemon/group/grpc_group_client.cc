@@ -62,7 +62,7 @@ class KnownMembers {
     for (auto& [node, m] : members_) m.last_heartbeat_age_s = -1;
     for (const pb::Member& m : view.members()) {
       members_[m.node_rank()] = {m.node_rank(), m.address(), FromProto(m.state()), m.last_heartbeat_age_s(),
-                                 m.incarnation()};
+                                 m.incarnation(), m.failure_domain()};
     }
     version_ = view.members_version();
     std::vector<MemberView> out;
@@ -131,6 +131,14 @@ grpc::ChannelArguments ChannelArgs(const GroupOptions& options) {
   return args;
 }
 
+}  // namespace
+
+std::shared_ptr<grpc::Channel> MakePeerChannel(const GroupOptions& options, const std::string& address) {
+  return grpc::CreateCustomChannel(address, Credentials(options), ChannelArgs(options));
+}
+
+namespace {
+
 // Calls in flight that shutdown must be able to end (long polls, gathers, forwards).
 class CallSet {
  public:
@@ -188,6 +196,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     request.set_num_nodes(options_.num_nodes);
     request.set_address(address_);
     request.set_incarnation(incarnation_);
+    request.set_failure_domain(options_.failure_domain);
     milliseconds backoff = kFirstBackoff;
     while (true) {
       grpc::ClientContext ctx;

@@ -31,7 +31,7 @@ Membership::Membership(uint32_t num_nodes, std::chrono::milliseconds timeout)
     : timeout_(timeout), members_(num_nodes) {}
 
 absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::string& address,
-                              uint64_t incarnation, bool* restarted) {
+                              uint64_t incarnation, bool* restarted, std::string_view domain) {
   *restarted = false;
   if (num_nodes != members_.size()) {
     return absl::FailedPreconditionError(fmt::format(
@@ -57,9 +57,11 @@ absl::Status Membership::Join(uint32_t node, uint32_t num_nodes, const std::stri
   }
   *restarted = m.incarnation != 0 && m.incarnation != incarnation;
   const std::string advertised = address.substr(0, 256);
-  if (m.state != MemberState::kAlive || m.address != advertised || m.incarnation != incarnation) {
+  if (m.state != MemberState::kAlive || m.address != advertised || m.incarnation != incarnation ||
+      m.domain != domain) {
     ChangedLocked(node);
   }
+  m.domain = std::string(domain);
   m.address = advertised;
   m.incarnation = incarnation;
   m.state = MemberState::kAlive;
@@ -128,7 +130,7 @@ MemberView Membership::ViewOf(uint32_t node, Clock::time_point now) const {
   double age = m.state == MemberState::kWaiting
                    ? -1
                    : std::chrono::duration<double>(now - m.last_heard).count();
-  return {node, m.address, m.state, age, m.incarnation};
+  return {node, m.address, m.state, age, m.incarnation, m.domain};
 }
 
 std::optional<MemberView> Membership::MemberOf(uint32_t node) const {

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,6 +23,7 @@ struct MemberView {
   MemberState state = MemberState::kWaiting;
   double last_heartbeat_age_s = -1;
   uint64_t incarnation = 0;
+  std::string domain;  // --failure-domain; empty: none declared
 };
 
 // A member Expire marked lost.
@@ -38,9 +40,10 @@ class Membership {
 
   Membership(uint32_t num_nodes, std::chrono::milliseconds timeout);
 
-  // `restarted` is set when the node was known under another incarnation.
+  // `restarted` is set when the node was known under another incarnation. `domain`: the
+  // node's --failure-domain.
   absl::Status Join(uint32_t node, uint32_t num_nodes, const std::string& address,
-                    uint64_t incarnation, bool* restarted);
+                    uint64_t incarnation, bool* restarted, std::string_view domain = {});
   // FailedPrecondition when the node must join (again) first.
   absl::Status Heartbeat(uint32_t node, uint64_t incarnation);
   // Marks members silent for longer than the timeout as lost; returns them with why.
@@ -60,6 +63,7 @@ class Membership {
     std::string address;
     MemberState state = MemberState::kWaiting;
     uint64_t incarnation = 0;
+    std::string domain;
     Clock::time_point last_heard{};
     uint64_t changed_in = 0;  // the version of its last change
   };

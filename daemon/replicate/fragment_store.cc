@@ -70,14 +70,28 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
   return absl::OkStatus();
 }
 
-absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count) {
+absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
+                                 std::string manifest) {
   std::lock_guard lock(mu_);
   auto it = steps_.find({job, owner, step});
+  if (count == 0) {
+    // The owner gives the step up (it did not commit, or not every fragment went out).
+    if (it != steps_.end() && !it->second.sealed) EraseLocked(it);
+    return absl::OkStatus();
+  }
   const size_t held = it == steps_.end() ? 0 : it->second.fragments.size();
   if (held != count) {
     return absl::FailedPreconditionError(fmt::format(
         "job {} step {} of node {}: {} of the {} fragments sent here arrived", job, step, owner, held, count));
   }
+  if (it->second.sealed) return absl::OkStatus();  // sealed again: the owner retried
+  if (used_ + manifest.size() > budget_) {
+    return absl::ResourceExhaustedError(fmt::format(
+        "job {} step {} of node {}: its manifest of {} bytes does not fit --replica-bytes {} ({} in use)", job, step,
+        owner, manifest.size(), budget_, used_));
+  }
+  used_ += manifest.size();
+  it->second.manifest = std::make_shared<const std::string>(std::move(manifest));
   it->second.sealed = true;
   // The owner's older steps of the job: the sealed one replaces them.
   for (auto older = steps_.lower_bound({job, owner, 0}); older != it;) EraseLocked(older++);
@@ -86,6 +100,7 @@ absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t
 
 void FragmentStore::EraseLocked(std::map<StepKey, Step>::iterator it) {
   for (const auto& [id, entry] : it->second.fragments) used_ -= entry.fragment->bytes.size();
+  if (it->second.manifest) used_ -= it->second.manifest->size();
   steps_.erase(it);  // the holds give the job's share back
 }
 
@@ -97,12 +112,34 @@ std::shared_ptr<const HeldFragment> FragmentStore::Find(const FragmentId& id) co
   return it == step->second.fragments.end() ? nullptr : it->second.fragment;
 }
 
-std::vector<HeldStep> FragmentStore::Held() const {
+std::shared_ptr<const std::string> FragmentStore::Manifest(const std::string& job, uint32_t owner,
+                                                           uint64_t step) const {
+  std::lock_guard lock(mu_);
+  auto it = steps_.find({job, owner, step});
+  return it == steps_.end() ? nullptr : it->second.manifest;
+}
+
+std::vector<HeldStep> FragmentStore::Held(const std::string& job, std::optional<uint32_t> owner) const {
   std::lock_guard lock(mu_);
   std::vector<HeldStep> out;
-  for (const auto& [key, step] : steps_) {
-    HeldStep h{std::get<0>(key), std::get<1>(key), std::get<2>(key), step.fragments.size(), 0, step.sealed};
-    for (const auto& [id, entry] : step.fragments) h.bytes += entry.fragment->bytes.size();
+  auto it = job.empty() ? steps_.begin() : steps_.lower_bound({job, owner.value_or(0), 0});
+  for (; it != steps_.end(); ++it) {
+    const auto& [key, step] = *it;
+    // Started at the first key of (job, owner): the first of another is past them all.
+    if (!job.empty() && (std::get<0>(key) != job || (owner && std::get<1>(key) != *owner))) break;
+    HeldStep h;
+    h.job = std::get<0>(key);
+    h.owner = std::get<1>(key);
+    h.step = std::get<2>(key);
+    h.fragments = step.fragments.size();
+    h.sealed = step.sealed;
+    for (const auto& [id, entry] : step.fragments) {
+      h.bytes += entry.fragment->bytes.size();
+      h.run = entry.fragment->meta.run;
+      h.k = entry.fragment->meta.k;
+      h.m = entry.fragment->meta.m;
+      h.pieces.emplace_back(id.rank, id.index);
+    }
     out.push_back(std::move(h));
   }
   return out;

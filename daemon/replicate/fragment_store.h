@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,9 @@ struct HeldStep {
   size_t fragments = 0;
   uint64_t bytes = 0;
   bool sealed = false;  // every fragment the owner sent here arrived
+  uint64_t run = 0;     // FragmentMeta::run of its fragments
+  uint32_t k = 0, m = 0;
+  std::vector<std::pair<uint32_t, uint32_t>> pieces;  // (rank, index) of each fragment held
 };
 
 class FragmentStore {
@@ -72,15 +76,20 @@ class FragmentStore {
   // the same id is replaced. A step already sealed here takes no more fragments.
   absl::Status Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes);
 
-  // The owner's word that it sent `count` fragments of `step` here: once they are all held,
-  // the step is sealed and the owner's older steps of the job are dropped. FailedPrecondition
-  // naming how many are missing otherwise (the owner reports the step not replicated).
-  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count);
+  // The owner's word that it sent `count` fragments of `step` here, once the step committed,
+  // with its manifest of the step: once they are all held, the step is sealed and the
+  // owner's older steps of the job are dropped. FailedPrecondition naming how many are
+  // missing otherwise (the owner reports the step not replicated); ResourceExhausted when
+  // the manifest does not fit the budget. A count of 0: the owner gives the step up, and
+  // what arrived of it is dropped (a sealed step stays).
+  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count, std::string manifest = {});
+  // The manifest a sealed step came with; nullptr when none is held.
+  std::shared_ptr<const std::string> Manifest(const std::string& job, uint32_t owner, uint64_t step) const;
 
   // nullptr when not held.
   std::shared_ptr<const HeldFragment> Find(const FragmentId& id) const;
-  // Every step held, by job, owner and step.
-  std::vector<HeldStep> Held() const;
+  // Every step held, by job, owner and step; of one job and owner only when `job` is named.
+  std::vector<HeldStep> Held(const std::string& job = {}, std::optional<uint32_t> owner = std::nullopt) const;
   // Drops every fragment of `job` (its owner deleted it, or the job is gone).
   void DropJob(const std::string& job);
   size_t used() const;
@@ -95,6 +104,7 @@ class FragmentStore {
     uid_t uid = 0;
     std::map<FragmentId, Entry> fragments;
     bool sealed = false;
+    std::shared_ptr<const std::string> manifest;  // once sealed
   };
   using StepKey = std::tuple<std::string, uint32_t, uint64_t>;  // job, owner, step
 

@@ -52,15 +52,44 @@ absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
   return group::FromGrpc(writer->Finish());
 }
 
-absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count) {
+absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
+                                 const std::string& manifest_json) {
   auto ctx = Context();
   pb::SealRequest request;
   request.set_job(job);
   request.set_step(step);
   request.set_owner(owner);
   request.set_count(static_cast<uint32_t>(count));
+  request.set_manifest_json(manifest_json);
   pb::SealReply reply;
   return group::FromGrpc(stub_->Seal(ctx.get(), request, &reply));
+}
+
+absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job, uint32_t owner) {
+  auto ctx = Context();
+  pb::ListHeldRequest request;
+  request.set_job(job);
+  request.set_owner(owner);
+  pb::ListHeldReply reply;
+  CKPT_RETURN_IF_ERROR(group::FromGrpc(stub_->ListHeld(ctx.get(), request, &reply)));
+  std::vector<HeldStep> steps;
+  for (const pb::HeldStepInfo& s : reply.steps()) {
+    HeldStep held{job, owner, s.step(), static_cast<size_t>(s.pieces_size()), 0, s.sealed(), s.run(), s.k(), s.m(), {}};
+    for (const pb::HeldPiece& piece : s.pieces()) held.pieces.emplace_back(piece.rank(), piece.index());
+    steps.push_back(std::move(held));
+  }
+  return steps;
+}
+
+absl::StatusOr<std::string> ReplicaClient::GetManifest(const std::string& job, uint64_t step, uint32_t owner) {
+  auto ctx = Context();
+  pb::ManifestRequest request;
+  request.set_job(job);
+  request.set_step(step);
+  request.set_owner(owner);
+  pb::ManifestReply reply;
+  CKPT_RETURN_IF_ERROR(group::FromGrpc(stub_->GetManifest(ctx.get(), request, &reply)));
+  return std::move(*reply.mutable_manifest_json());
 }
 
 absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id) {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -25,7 +26,12 @@ class ReplicaClient {
 
   // Sends `fragment` for the peer to hold, counted in the share of `uid` (the job's owner).
   absl::Status Put(uid_t uid, const HeldFragment& fragment);
-  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count);
+  absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
+                    const std::string& manifest_json = {});
+  // What the peer holds of `owner`'s steps of `job`, ascending.
+  absl::StatusOr<std::vector<HeldStep>> List(const std::string& job, uint32_t owner);
+  // The manifest a sealed step came with (untrusted: the caller parses it with care).
+  absl::StatusOr<std::string> GetManifest(const std::string& job, uint64_t step, uint32_t owner);
   // The fragment as the peer holds it: DataLoss when what arrives is not the fragment asked
   // for, or its bytes do not match its checksum (the rebuild would leave it out anyway).
   absl::StatusOr<HeldFragment> Get(const FragmentId& id);

@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <utility>
 
 #include "daemon/group/grpc_util.h"
 #include "daemon/replicate/erasure_code.h"
+#include "format/manifest.h"
 #include "storage/secret.h"
 
 namespace ckpt::replicate {
@@ -25,7 +27,15 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
       Finish(group::ToGrpc(admitted));
       return;
     }
+    if (service_.Stalled()) {
+      stalled_ = true;  // never read, never answered: the sender's deadline ends the call
+      return;
+    }
     StartRead(&chunk_);
+  }
+
+  void OnCancel() override {
+    if (stalled_) Finish(grpc::Status::CANCELLED);
   }
 
   void OnReadDone(bool ok) override {
@@ -101,6 +111,7 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
   bool started_ = false;
   size_t expected_ = 0;
   size_t counted_ = 0;
+  bool stalled_ = false;
   std::string bytes_;
 };
 
@@ -158,7 +169,13 @@ void ToHeader(const FragmentId& id, const FragmentMeta& meta, pb::FragmentHeader
   h->set_checksum(meta.checksum);
 }
 
-ReplicaService::ReplicaService(FragmentStore& store, std::string token) : store_(store), token_(std::move(token)) {}
+ReplicaService::ReplicaService(FragmentStore& store, std::string token, ReplicaFaults faults)
+    : store_(store), token_(std::move(token)), faults_(std::move(faults)) {}
+
+bool ReplicaService::Stalled() const {
+  std::error_code ignored;
+  return !faults_.stall_while.empty() && std::filesystem::exists(faults_.stall_while, ignored);
+}
 
 absl::Status ReplicaService::Admit(grpc::CallbackServerContext* ctx) const {
   const auto& metadata = ctx->client_metadata();
@@ -178,7 +195,14 @@ grpc::ServerUnaryReactor* ReplicaService::Seal(grpc::CallbackServerContext* ctx,
                                                pb::SealReply*) {
   auto* reactor = ctx->DefaultReactor();
   absl::Status sealed = Admit(ctx);
-  if (sealed.ok()) sealed = store_.Seal(request->job(), request->step(), request->owner(), request->count());
+  if (sealed.ok() && request->manifest_json().size() > format::kMaxManifestBytes) {
+    sealed = absl::InvalidArgumentError(fmt::format("a manifest of {} bytes is over the {} a reader accepts",
+                                                    request->manifest_json().size(), format::kMaxManifestBytes));
+  }
+  if (sealed.ok()) {
+    sealed = store_.Seal(request->job(), request->step(), request->owner(), request->count(),
+                         request->manifest_json());
+  }
   reactor->Finish(group::ToGrpc(sealed));
   return reactor;
 }
@@ -204,7 +228,55 @@ grpc::ServerWriteReactor<pb::FragmentChunk>* ReplicaService::GetFragment(grpc::C
     };
     return new Refused(admitted);
   }
+  if (faults_.corrupt_served) {
+    // Test-only fault (CKPTD_FAULT=corrupt-served-fragments): a byte flipped on the way out,
+    // as a bad link or memory would, for the restoring node to catch.
+    auto damaged = std::make_shared<HeldFragment>(*fragment);
+    if (!damaged->bytes.empty()) damaged->bytes[damaged->bytes.size() / 2] ^= 0x5a;
+    fragment = std::move(damaged);
+  }
   return new GetReactor(std::move(fragment));
+}
+
+grpc::ServerUnaryReactor* ReplicaService::ListHeld(grpc::CallbackServerContext* ctx,
+                                                   const pb::ListHeldRequest* request, pb::ListHeldReply* reply) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status admitted = Admit(ctx);
+  if (admitted.ok() && request->job().empty()) admitted = absl::InvalidArgumentError("no job named");
+  if (admitted.ok()) {
+    for (const HeldStep& held : store_.Held(request->job(), request->owner())) {
+      pb::HeldStepInfo* step = reply->add_steps();
+      step->set_step(held.step);
+      step->set_run(held.run);
+      step->set_sealed(held.sealed);
+      step->set_k(held.k);
+      step->set_m(held.m);
+      for (const auto& [rank, index] : held.pieces) {
+        pb::HeldPiece* piece = step->add_pieces();
+        piece->set_rank(rank);
+        piece->set_index(index);
+      }
+    }
+  }
+  reactor->Finish(group::ToGrpc(admitted));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* ReplicaService::GetManifest(grpc::CallbackServerContext* ctx,
+                                                      const pb::ManifestRequest* request, pb::ManifestReply* reply) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status admitted = Admit(ctx);
+  if (admitted.ok()) {
+    std::shared_ptr<const std::string> manifest = store_.Manifest(request->job(), request->owner(), request->step());
+    if (manifest == nullptr) {
+      admitted = absl::NotFoundError(fmt::format("no sealed step {} of job {} from node {} is held here",
+                                                 request->step(), request->job(), request->owner()));
+    } else {
+      reply->set_manifest_json(*manifest);
+    }
+  }
+  reactor->Finish(group::ToGrpc(admitted));
+  return reactor;
 }
 
 }  // namespace ckpt::replicate

@@ -20,9 +20,15 @@ inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
 // A fragment's id and coding as they go on the wire (the uid is the sender's to add).
 void ToHeader(const FragmentId& id, const FragmentMeta& meta, ckptd::replicas::v1::FragmentHeader* header);
 
+// Test-only faults (CKPTD_FAULT; tests/integration/replication_test.cc).
+struct ReplicaFaults {
+  bool corrupt_served = false;  // every fragment served with a byte flipped
+  std::string stall_while;      // while this file exists, fragments sent here are never answered
+};
+
 class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackService {
  public:
-  ReplicaService(FragmentStore& store, std::string token);
+  ReplicaService(FragmentStore& store, std::string token, ReplicaFaults faults = {});
 
   grpc::ServerReadReactor<ckptd::replicas::v1::FragmentChunk>* PutFragment(
       grpc::CallbackServerContext* ctx, ckptd::replicas::v1::PutFragmentReply* reply) override;
@@ -30,6 +36,11 @@ class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackServi
                                  ckptd::replicas::v1::SealReply* reply) override;
   grpc::ServerWriteReactor<ckptd::replicas::v1::FragmentChunk>* GetFragment(
       grpc::CallbackServerContext* ctx, const ckptd::replicas::v1::FragmentRequest* request) override;
+  grpc::ServerUnaryReactor* ListHeld(grpc::CallbackServerContext* ctx, const ckptd::replicas::v1::ListHeldRequest* request,
+                                     ckptd::replicas::v1::ListHeldReply* reply) override;
+  grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* ctx,
+                                        const ckptd::replicas::v1::ManifestRequest* request,
+                                        ckptd::replicas::v1::ManifestReply* reply) override;
 
   FragmentStore& store() { return store_; }
   // Bytes of fragments being received now, not yet in the store: bounded by the budget
@@ -37,10 +48,13 @@ class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackServi
   std::atomic<size_t>& receiving() { return receiving_; }
   // OK when the call carries the group token.
   absl::Status Admit(grpc::CallbackServerContext* ctx) const;
+  // Whether the stall fault is on now.
+  bool Stalled() const;
 
  private:
   FragmentStore& store_;
   const std::string token_;
+  const ReplicaFaults faults_;
   std::atomic<size_t> receiving_{0};
 };
 

@@ -645,7 +645,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()),
                   busy ? metrics::Cause::kBudget : metrics::Cause::kTrainer);
   }
-  events.SnapshotStaged();
+  events.SnapshotStaged(*staged, uid_);
   metrics.snapshots.With({"staged"}).Add();
   metrics.staging_seconds.With({}).Observe((*staged)->copy_seconds);
   metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes));

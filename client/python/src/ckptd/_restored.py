@@ -3,7 +3,7 @@
 
 class Restored(int):
     """The step load() restored (an int: `(manager.load() or 0) + 1` is the next step), with
-    where it came from: `source` ("memory", "disk" or "remote"), `bytes` restored, and
+    where it came from: `source` ("memory", "disk", "remote" or "peer"), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
     job's now (None otherwise)."""
 

@@ -315,8 +315,8 @@ class CheckpointManager:
         dtype that differs is an error naming the tensors.
 
         Returns a `Restored`: the step, an int (so `(manager.load() or 0) + 1` is the next
-        step), that also says where it came from: `.source` ("memory", "disk", or "remote":
-        ckptd's --remote tier), `.bytes`, and `.resharded_from` (the world size it was saved
+        step), that also says where it came from: `.source` ("memory", "disk", "remote":
+        ckptd's --remote tier, or "peer": rebuilt from its peers' memory), `.bytes`, and `.resharded_from` (the world size it was saved
         with, when that differs from this job's; None otherwise). The same is logged at INFO
         and kept as `manager.restored`.
 

@@ -1,0 +1,306 @@
+#include "daemon/replicate/replicator.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "common/log.h"
+#include "common/status.h"
+#include "daemon/replicate/shard_fragments.h"
+
+namespace ckpt::replicate {
+namespace {
+
+// Steps remembered per job for `ckptctl status`: the one being sent, and those before.
+constexpr size_t kStepsKeptPerJob = 4;
+// How long a step's first send waits for the group's view to show every holder alive.
+constexpr auto kViewSettle = std::chrono::seconds(5);
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
+
+}  // namespace
+
+const char* StateName(StepReplication::State state) {
+  switch (state) {
+    case StepReplication::State::kSending: return "sending";
+    case StepReplication::State::kReplicated: return "replicated";
+    case StepReplication::State::kIncomplete: return "incomplete";
+  }
+  return "?";
+}
+
+Replicator::Replicator(PeerDirectory& peers, ErasureCode code, int threads)
+    : peers_(peers), code_(std::move(code)), threads_(std::max(threads, 1)), worker_([this] { Loop(); }) {}
+
+Replicator::~Replicator() { Stop(); }
+
+void Replicator::Stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, uint64_t run, uid_t uid,
+                        std::shared_ptr<const char> data, uint64_t bytes) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    // A newer step makes the queued shards of older ones moot (and their staging memory is
+    // better given back): the newer step replaces them in the peers anyway.
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      if (it->job == job && it->step < step) {
+        MarkIncompleteLocked(records_[{it->job, it->step}],
+                             fmt::format("step {} was staged before this one's shards were sent", step));
+        it = queue_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    Record& r = records_[{job, step}];
+    if (r.status.job.empty()) {
+      r.status.job = job;
+      r.status.step = step;
+      r.started = std::chrono::steady_clock::now();
+    }
+    queue_.push_back(Shard{job, step, rank, run, uid, std::move(data), bytes});
+    PruneLocked();
+  }
+  wake_.notify_all();
+}
+
+void Replicator::Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks,
+                           std::string manifest_json) {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    Record& r = records_[{job, step}];
+    if (r.status.job.empty()) {
+      r.status.job = job;
+      r.status.step = step;
+      r.started = std::chrono::steady_clock::now();
+    }
+    r.committed_ranks = std::move(ranks);
+    r.manifest_json = std::move(manifest_json);
+    if (!ReadyLocked(r)) return;
+    to_finish_.push_back({job, step});
+  }
+  wake_.notify_all();
+}
+
+void Replicator::Failed(const std::string& job, uint64_t step) {
+  {
+    std::lock_guard lock(mu_);
+    auto it = records_.find({job, step});
+    if (it == records_.end()) return;  // nothing of it was staged here
+    Record& r = it->second;
+    r.failed = true;
+    MarkIncompleteLocked(r, "the step did not commit");
+    queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                [&](const Shard& s) { return s.job == job && s.step == step; }),
+                 queue_.end());
+    if (!r.holders) return;  // nothing sent: nothing for the peers to drop
+    to_finish_.push_back({job, step});
+  }
+  wake_.notify_all();
+}
+
+bool Replicator::ReadyLocked(const Record& r) const {
+  if (r.sealing) return false;
+  if (r.failed) return true;
+  if (!r.committed_ranks) return false;
+  for (uint32_t rank : *r.committed_ranks) {
+    if (!r.sent.count(rank)) {
+      // Not sent yet, and not about to be: given up (superseded) without a result.
+      const bool queued = std::any_of(queue_.begin(), queue_.end(), [&](const Shard& s) {
+        return s.job == r.status.job && s.step == r.status.step && s.rank == rank;
+      });
+      if (queued || r.status.state != StepReplication::State::kIncomplete) return false;
+    }
+  }
+  return true;
+}
+
+void Replicator::MarkIncompleteLocked(Record& r, std::string why) {
+  if (r.status.state == StepReplication::State::kIncomplete) return;
+  r.status.state = StepReplication::State::kIncomplete;
+  r.status.why = std::move(why);
+  Log().warn("[{} s{}] not replicated: {}", r.status.job, r.status.step, r.status.why);
+}
+
+void Replicator::PruneLocked() {
+  std::map<std::string, size_t> kept;
+  for (auto it = records_.rbegin(); it != records_.rend();) {
+    const bool old = ++kept[it->first.first] > kStepsKeptPerJob;
+    // A step still being sent or sealed stays: the worker comes back to its record.
+    const bool busy = it->second.sealing || it->second.status.state == StepReplication::State::kSending;
+    if (old && !busy) {
+      it = std::make_reverse_iterator(records_.erase(std::next(it).base()));
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::vector<StepReplication> Replicator::Steps() const {
+  std::lock_guard lock(mu_);
+  std::vector<StepReplication> out;
+  for (const auto& [key, r] : records_) out.push_back(r.status);
+  return out;
+}
+
+bool Replicator::Replicated(const std::string& job, uint64_t step) const {
+  std::lock_guard lock(mu_);
+  for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
+    if (it->first.first != job || it->second.status.state != StepReplication::State::kReplicated) continue;
+    return it->first.second == step;  // the newest replicated step of the job
+  }
+  return false;
+}
+
+void Replicator::Loop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    wake_.wait(lock, [&] { return stopping_ || !queue_.empty() || !to_finish_.empty(); });
+    if (stopping_) return;
+    if (!to_finish_.empty()) {
+      Key key = to_finish_.front();
+      to_finish_.pop_front();
+      auto it = records_.find(key);
+      if (it == records_.end() || it->second.sealing) continue;
+      it->second.sealing = true;
+      lock.unlock();
+      Finish(key);
+      lock.lock();
+      if (auto done = records_.find(key); done != records_.end()) done->second.sealing = false;
+      continue;
+    }
+    Shard shard = std::move(queue_.front());
+    queue_.pop_front();
+    const Key key{shard.job, shard.step};
+    Record& r = records_[key];
+    std::optional<std::vector<Holder>> holders = r.holders;
+    if (!holders) {
+      lock.unlock();
+      absl::StatusOr<std::vector<Holder>> found = WaitForHolders();
+      lock.lock();
+      if (!found.ok()) {
+        MarkIncompleteLocked(records_[key], Message(found.status()));
+        continue;
+      }
+      holders = *found;
+      records_[key].holders = holders;
+    }
+    absl::Status sent;
+    uint64_t bytes = 0;
+    if (records_[key].status.state == StepReplication::State::kIncomplete) {
+      sent = absl::AbortedError(records_[key].status.why);
+    } else {
+      lock.unlock();
+      sent = Send(shard, *holders, bytes);
+      shard.data.reset();  // the staging memory may go back before the lock is taken
+      lock.lock();
+    }
+    Record& done = records_[key];
+    done.status.bytes_sent += bytes;
+    if (!sent.ok()) MarkIncompleteLocked(done, fmt::format("rank {}: {}", shard.rank, Message(sent)));
+    done.sent[shard.rank] = sent;
+    if (ReadyLocked(done)) to_finish_.push_back(key);
+  }
+}
+
+absl::StatusOr<std::vector<Holder>> Replicator::WaitForHolders() {
+  // A member this node has not heard join yet (the view comes with heartbeats) may well be
+  // in the step: it committed with every rank. Wait a little for the view to say so.
+  const auto deadline = std::chrono::steady_clock::now() + kViewSettle;
+  while (true) {
+    absl::StatusOr<std::vector<Holder>> found = peers_.Holders(peers_.options().self);
+    if (!found.ok() || std::chrono::steady_clock::now() >= deadline ||
+        std::all_of(found->begin(), found->end(), [](const Holder& h) { return h.alive; })) {
+      return found;
+    }
+    std::unique_lock lock(mu_);
+    if (wake_.wait_for(lock, std::chrono::milliseconds(50), [&] { return stopping_; })) return found;
+  }
+}
+
+absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& holders, uint64_t& bytes_sent) {
+  for (const Holder& h : holders) {
+    if (!h.alive) return absl::UnavailableError(fmt::format("peer node {} is not in the group now", h.node));
+  }
+  CKPT_ASSIGN_OR_RETURN(
+      std::vector<HeldFragment> fragments,
+      CodeShard(code_, shard.job, shard.step, peers_.options().self, shard.rank, shard.run,
+                {reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes}, threads_));
+  // One thread per holder: each peer's link runs at its own speed, and a stalled peer
+  // costs the call's timeout once, not once per holder.
+  std::vector<absl::Status> results(holders.size());
+  std::vector<std::thread> sends;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    sends.emplace_back([&, i] {
+      results[i] = peers_.Client(holders[i].address).Put(shard.uid, fragments[i]);
+    });
+  }
+  for (std::thread& t : sends) t.join();
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!results[i].ok()) {
+      return Annotate(results[i], fmt::format("sending fragment {} to node {} ({})", i, holders[i].node,
+                                              holders[i].address));
+    }
+    bytes_sent += fragments[i].bytes.size();
+  }
+  return absl::OkStatus();
+}
+
+void Replicator::Finish(const Key& key) {
+  std::vector<Holder> holders;
+  size_t count = 0;
+  bool seal = false;
+  std::string manifest;
+  {
+    std::lock_guard lock(mu_);
+    Record& r = records_[key];
+    if (!r.holders) return;
+    holders = *r.holders;
+    seal = !r.failed && r.status.state != StepReplication::State::kIncomplete;
+    count = r.committed_ranks ? r.committed_ranks->size() : 0;
+    if (seal) manifest = r.manifest_json;
+  }
+  // Sealing a step gives it to the holders; a count of 0 takes back what they got of it.
+  std::vector<absl::Status> results(holders.size());
+  std::vector<std::thread> calls;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!holders[i].alive) {
+      results[i] = absl::UnavailableError(fmt::format("peer node {} is not in the group now", holders[i].node));
+      continue;
+    }
+    calls.emplace_back([&, i] {
+      results[i] = peers_.Client(holders[i].address).Seal(key.first, key.second, peers_.options().self,
+                                                          seal ? count : 0, manifest);
+    });
+  }
+  for (std::thread& t : calls) t.join();
+  std::lock_guard lock(mu_);
+  Record& r = records_[key];
+  if (!seal) return;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!results[i].ok()) {
+      MarkIncompleteLocked(r, fmt::format("sealing with node {}: {}", holders[i].node, Message(results[i])));
+      return;
+    }
+  }
+  r.status.state = StepReplication::State::kReplicated;
+  r.status.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+  r.manifest_json.clear();
+  std::vector<uint32_t> nodes;
+  for (const Holder& h : holders) nodes.push_back(h.node);
+  Log().info("[{} s{}] replicated: {} bytes of fragments to nodes {} in {:.1f} ms", key.first, key.second,
+             r.status.bytes_sent, fmt::join(nodes, ","), r.status.seconds * 1e3);
+}
+
+}  // namespace ckpt::replicate

@@ -1,0 +1,116 @@
+// Sends this node's staged shards to its coding group (docs/architecture.md, "Peer
+// replicas"): each rank's shard, once it has landed in staging memory, is coded into k + m
+// fragments and k + m - 1 of them go to the peers that hold them (FragmentHolders), on a
+// thread of its own, beside the write to disk: the local commit never waits for it. Once
+// the step commits and every fragment is acknowledged, the replicator seals the step with
+// each holder, handing it this node's manifest of the step: only then is the step
+// "replicated", and only then does it replace the step before in the peers' memory.
+// A step whose fragments could not all be sent (a peer lost or slow, memory refused) is
+// reported incomplete with why, never claimed; the peers drop what they got of it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/peer_directory.h"
+
+namespace ckpt::replicate {
+
+// How a step of a job stands with the peers, as this node sent it.
+struct StepReplication {
+  enum class State { kSending, kReplicated, kIncomplete };
+  std::string job;
+  uint64_t step = 0;
+  State state = State::kSending;
+  std::string why;          // kIncomplete: what stopped it
+  uint64_t bytes_sent = 0;  // fragments' bytes, every holder's
+  double seconds = 0;       // from the first shard staged to the seal (kReplicated)
+};
+
+const char* StateName(StepReplication::State state);
+
+class Replicator {
+ public:
+  // `threads`: for coding each shard, and as many sends as there are holders at once.
+  Replicator(PeerDirectory& peers, ErasureCode code, int threads = 2);
+  ~Replicator();
+
+  // A rank's shard of `step` has landed in staging memory (`data` keeps it there while it
+  // is coded). `uid`: the job's owner, in whose share of the peers' memory it counts.
+  // Queued shards of the job's older steps not yet sent are given up for it.
+  void Staged(const std::string& job, uint64_t step, uint32_t rank, uint64_t run, uid_t uid,
+              std::shared_ptr<const char> data, uint64_t bytes);
+  // The step committed with these ranks on this node; `manifest_json` is this node's
+  // manifest of it. Sealed with the holders once every rank's fragments are acknowledged.
+  void Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks, std::string manifest_json);
+  // The step did not commit: nothing of it is sealed, and the peers drop what they got.
+  void Failed(const std::string& job, uint64_t step);
+
+  // The newest steps of each job (a few), ascending by job then step.
+  std::vector<StepReplication> Steps() const;
+  // Whether the step was replicated (every fragment acknowledged, sealed) and is still the
+  // newest so: a newer step replicated replaces it in the peers' memory.
+  bool Replicated(const std::string& job, uint64_t step) const;
+  // Stops the worker; a step still being sent is left incomplete.
+  void Stop();
+
+ private:
+  using Key = std::pair<std::string, uint64_t>;
+  struct Shard {
+    std::string job;
+    uint64_t step = 0;
+    uint32_t rank = 0;
+    uint64_t run = 0;
+    uid_t uid = 0;
+    std::shared_ptr<const char> data;
+    uint64_t bytes = 0;
+  };
+  struct Record {
+    StepReplication status;
+    std::chrono::steady_clock::time_point started;
+    std::optional<std::vector<Holder>> holders;  // fixed at the step's first send
+    std::map<uint32_t, absl::Status> sent;       // by rank
+    std::optional<std::vector<uint32_t>> committed_ranks;
+    std::string manifest_json;
+    bool sealing = false;
+    bool failed = false;  // did not commit
+  };
+
+  void Loop();
+  // This node's holders, once the group's view has them all alive (or a few seconds on).
+  absl::StatusOr<std::vector<Holder>> WaitForHolders();
+  // Codes and sends one shard; the status names the holder that failed.
+  absl::Status Send(const Shard& shard, const std::vector<Holder>& holders, uint64_t& bytes_sent);
+  // With mu_ held: the step is ready to seal (committed, every rank sent) or has failed.
+  bool ReadyLocked(const Record& r) const;
+  // Seals (or, when it cannot be replicated, abandons) the step with every holder.
+  void Finish(const Key& key);
+  void MarkIncompleteLocked(Record& r, std::string why);
+  void PruneLocked();
+
+  PeerDirectory& peers_;
+  const ErasureCode code_;
+  const int threads_;
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<Shard> queue_;         // guarded by mu_
+  std::deque<Key> to_finish_;       // guarded by mu_
+  std::map<Key, Record> records_;   // guarded by mu_
+  bool stopping_ = false;           // guarded by mu_
+  std::thread worker_;              // last: started once the rest is there
+};
+
+}  // namespace ckpt::replicate

@@ -1,0 +1,21 @@
+// A rank's shard rebuilt from its peers' fragments, as the snapshot that hot restore reads:
+// its entries where this node's manifest of the step puts them, every tensor and train-state
+// blob checked against the manifest's checksum before anything is served from it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "daemon/staging/staged_snapshot.h"
+#include "format/manifest.h"
+
+namespace ckpt::daemon {
+
+// DataLoss naming the entry when a byte differs from what the manifest says was saved;
+// FailedPrecondition when the manifest does not describe the rank's shard as one region.
+absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank,
+                                                  std::shared_ptr<const std::string> data);
+
+}  // namespace ckpt::daemon

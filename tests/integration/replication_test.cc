@@ -1,0 +1,201 @@
+// Peer replicas (issue 25): real ckptd daemons on loopback, each with its own root and its
+// own trainer processes, with --replication. A node lost for good (SIGKILL, its root
+// deleted) restarts empty and its ranks restore bit-exactly from the fragments its coding
+// group holds in memory, with no disk and no remote tier to read: "source=peer". With 4+2,
+// the same after losing two nodes at once; a peer that serves damaged fragments is caught
+// and another fragment used; a peer that stops answering leaves a step "incomplete" (the
+// local commit never waits), the older replicas stay usable and the next step replicates
+// once it answers again. Every wait is bounded.
+#include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "tests/integration/cluster.h"
+
+using namespace ckpt::testing;
+using namespace ckpt::testing::cluster;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+namespace {
+
+// How node n's own step of job "g" stands with its coding group: "sending", "replicated",
+// "incomplete", or "" when it is not listed.
+std::string Replication(Daemon& d, uint64_t step, std::string* why = nullptr) {
+  json s = Status(d);
+  if (!s.contains("jobs")) return "";
+  for (const json& j : s["jobs"]) {
+    if (j.value("job", "") != "g" || !j.contains("replication")) continue;
+    for (const json& r : j["replication"]) {
+      if (U64(r["step"]) != step) continue;
+      if (why != nullptr) *why = r.value("why", "");
+      return r.value("state", "");
+    }
+  }
+  return "";
+}
+
+bool AllReplicated(Cluster& c, uint64_t step) {
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    if (Replication(c.node(n), step) != "replicated") return false;
+  }
+  return true;
+}
+
+// Every node's state of the step, and why where it is not replicated: for failures.
+std::string Replications(Cluster& c, uint64_t step) {
+  std::string out;
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    std::string why;
+    const std::string state = Replication(c.node(n), step, &why);
+    out += "node " + std::to_string(n) + ": " + (state.empty() ? "(not listed)" : state) + (why.empty() ? "" : " (" + why + ")") + "\n";
+    std::istringstream log(c.node(n).Log());
+    for (std::string line; std::getline(log, line);) {
+      if (Contains(line, "replicat") || Contains(line, "fragment")) out += "  " + line + "\n";
+    }
+  }
+  return out;
+}
+
+// The steps of node `owner` that daemon d holds sealed fragments of.
+std::vector<uint64_t> SealedHeld(Daemon& d, uint32_t owner) {
+  std::vector<uint64_t> steps;
+  json s = Status(d);
+  if (!s.contains("group") || !s["group"].contains("held_replicas")) return steps;
+  for (const json& h : s["group"]["held_replicas"]) {
+    if (h.value("owner", 0u) == owner && h.value("sealed", false)) steps.push_back(U64(h["step"]));
+  }
+  return steps;
+}
+
+// Loses `nodes` (SIGKILL, roots deleted), starts each again empty and waits for the group.
+void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
+  for (int n : nodes) c.Lose(n);
+  for (int n : nodes) {
+    CHECK_FALSE(fs::exists(c.dir(n).path() + "/root"));
+    c.Start(n);
+  }
+  REQUIRE_WITHIN(c, kJoinBound, "the replacements joined and every member is alive", c.AllAlive());
+}
+
+}  // namespace
+
+TEST_CASE("2+1 on four daemons: a node lost for good restores its ranks bit-exactly from its peers' memory") {
+  Cluster c({{0, 1}, {2, 3}, {4, 5}, {6, 7}});
+  c.extra_flags = {"--replication", "2+1"};
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  {
+    json g = Status(c.node(2))["group"];
+    CHECK(g.value("replication", "") == "2+1");
+    CHECK(g["replica_holders"].size() == 2);  // k + m - 1 peers hold a fragment each
+    CHECK(g.value("placement_warning", "x").empty());
+  }
+  c.SaveAllCommitted(10);
+  REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
+  c.SaveAllCommitted(20);
+  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node", AllReplicated(c, 20));
+  // The newer step replaced the older in the peers' memory; `list` names the tier.
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    for (int owner = 0; owner < c.num_nodes(); ++owner) {
+      std::vector<uint64_t> held = SealedHeld(c.node(n), owner);
+      CHECK((held.empty() || held == std::vector<uint64_t>{20}));
+    }
+  }
+  {
+    json l = json::parse(c.node(2).Ctl({"--json", "list"}).out, nullptr, false);
+    REQUIRE_FALSE(l.is_discarded());
+    std::map<uint64_t, std::vector<std::string>> tiers;
+    for (const json& e : l["checkpoints"]) tiers[U64(e["step"])] = e["tiers"].get<std::vector<std::string>>();
+    CHECK(tiers[20] == std::vector<std::string>{"memory", "replicated", "local"});
+    CHECK(tiers[10] == std::vector<std::string>{"local"});
+  }
+
+  LoseAndReplace(c, {2});
+  CHECK(SealedHeld(c.node(2), 0).empty());  // what it held for its peers went with it
+  c.RestoreAll(20, {"memory", "memory", "peer", "memory"});
+  // Served from the peers' memory: nothing on node 2's disk could have.
+  CHECK_FALSE(fs::exists(c.StepDir(2, 20)));
+  CHECK(Contains(c.node(2).Log(), "rebuilt"));
+  CHECK(Contains(c.Metrics(2), "ckptd_restore_seconds_count{tier=\"peer\"} 2\n"));
+
+  // The group healed: the next step commits and replicates everywhere, the replacement's
+  // fragments included.
+  c.SaveAllCommitted(30);
+  REQUIRE_WITHIN(c, 20s, "step 30 replicated by every node after the replacement", AllReplicated(c, 30));
+}
+
+TEST_CASE("4+2 on six daemons: two nodes lost at once restore from the four left; a damaged fragment is passed over") {
+  Cluster c({{0}, {1}, {2}, {3}, {4}, {5}});
+  c.extra_flags = {"--replication", "4+2"};
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+  REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
+  // Each lost node's 5 holders lost one with the other node: exactly k = 4 are left.
+  LoseAndReplace(c, {1, 3});
+  c.RestoreAll(10, {"memory", "peer", "memory", "peer", "memory", "memory"});
+
+  // Node 5 comes back serving every fragment with a byte flipped (what it held went with
+  // the restart: step 20 replicates to it afresh).
+  REQUIRE(c.node(5).Stop() == 0);
+  ::setenv("CKPTD_FAULT", "corrupt-served-fragments", 1);
+  c.Start(5);
+  ::unsetenv("CKPTD_FAULT");
+  REQUIRE_WITHIN(c, kJoinBound, "node 5 rejoined", c.AllAlive());
+  c.SaveAllCommitted(20);
+  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node", AllReplicated(c, 20));
+  // Node 2's holders are 3, 4, 5, 0 and 1, asked k at a time in that order: node 5's
+  // fragment fails its checksum, and node 1's is fetched instead.
+  LoseAndReplace(c, {2});
+  c.RestoreAll(20, {"memory", "memory", "peer", "memory", "memory", "memory"});
+  CHECK(Contains(c.node(2).Log(), "fragment from node 5 not usable"));
+}
+
+TEST_CASE("a peer that stops answering: the step commits anyway, is reported incomplete, the older replicas serve") {
+  Cluster c({{0}, {1}, {2}, {3}});
+  c.extra_flags = {"--replication", "2+1"};
+  const std::string stall = c.shared().path() + "/stall";
+  ::setenv("CKPTD_FAULT", ("stall-replicas-while:" + stall).c_str(), 1);
+  c.Start(3);
+  ::unsetenv("CKPTD_FAULT");
+  for (int n = 0; n < 3; ++n) c.Start(n);
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  c.SaveAllCommitted(10);
+  REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
+
+  // Node 3's Replicas service goes silent (its group service still answers). Nodes 1 and 2
+  // send a fragment each to it (holders are the next two nodes of the group of four).
+  WriteFile(stall, "");
+  const auto started = std::chrono::steady_clock::now();
+  c.SaveAllCommitted(20);  // every rank hears "committed": the commit does not wait
+  CHECK(std::chrono::steady_clock::now() - started < kStepTimeout);
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    REQUIRE_WITHIN(c, 30s, "node " << n << " settles step 20",
+                   Replication(c.node(n), 20) == "replicated" || Replication(c.node(n), 20) == "incomplete");
+    std::string why;
+    const std::string state = Replication(c.node(n), 20, &why);
+    INFO("node " << n << ": " << state << " " << why);
+    CHECK(state == (n == 1 || n == 2 ? "incomplete" : "replicated"));
+    if (state == "incomplete") CHECK(Contains(why, "node 3"));
+  }
+  // Node 1's holders kept its step 10 and dropped what they got of 20.
+  CHECK(SealedHeld(c.node(2), 1) == std::vector<uint64_t>{10});
+  CHECK(SealedHeld(c.node(3), 1) == std::vector<uint64_t>{10});
+
+  // Node 1 lost now: every rank agrees on step 10, the newest that node 1's ranks can reach.
+  LoseAndReplace(c, {1});
+  c.RestoreAll(10, {"disk", "peer", "disk", "disk"});
+
+  // Node 3 answers again: the next step replicates everywhere.
+  fs::remove(stall);
+  c.SaveAllCommitted(30);
+  REQUIRE_WITHIN(c, 30s, "step 30 replicated by every node once node 3 answers", AllReplicated(c, 30));
+}
