@@ -56,14 +56,28 @@ void PrintGroup(const GroupStatus& g) {
                            g.num_nodes(), g.address(), g.coordinator(), g.joined() ? "joined" : "NOT JOINED",
                            g.tls() ? "  (TLS)" : "");
   if (!g.last_error().empty()) std::cout << "          last error: " << g.last_error() << "\n";
-  ckpt::Table members({"NODE", "ADDRESS", "STATE", "LAST HEARTBEAT"});
+  ckpt::Table members({"NODE", "ADDRESS", "STATE", "LAST HEARTBEAT", "DOMAIN"});
   for (const auto& m : g.members()) {
     members.Add({std::to_string(m.node_rank()), m.address().empty() ? "-" : m.address(), m.state(),
                  m.last_heartbeat_age_s() >= 0 ? fmt::format("{:.1f} s ago", m.last_heartbeat_age_s())
                  : m.state() == "waiting"      ? "never"
-                                               : "-"});  // only the coordinator's status has ages
+                                               : "-",  // only the coordinator's status has ages
+                 m.failure_domain().empty() ? "-" : m.failure_domain()});
   }
   std::cout << "MEMBERS\n" << (g.members().empty() ? "(not heard from the coordinator)\n" : members.Render()) << "\n";
+  if (g.replication().empty()) return;
+  std::cout << fmt::format("replicas  {}  this node's fragments to nodes {}  holding {} of {} for peers{}\n",
+                           g.replication(), fmt::join(g.replica_holders(), ","), Bytes(g.replica_bytes_used()),
+                           Bytes(g.replica_bytes_total()),
+                           g.failure_domain().empty() ? "" : "  domain " + g.failure_domain());
+  if (!g.placement_warning().empty()) std::cout << "          WARNING: " << g.placement_warning() << "\n";
+  ckpt::Table held({"JOB", "OF NODE", "STEP", "FRAGMENTS", "BYTES", "SEALED"});
+  for (const auto& h : g.held_replicas()) {
+    held.Add({h.job(), std::to_string(h.owner()), std::to_string(h.step()), std::to_string(h.fragments()),
+              Bytes(h.bytes()), h.sealed() ? "yes" : "no (arriving, or given up)"});
+  }
+  if (!held.empty()) std::cout << "HELD FOR PEERS\n" << held.Render();
+  std::cout << "\n";
 }
 
 // A job's line of a status reply, or null.
@@ -208,6 +222,15 @@ int Commands::Status() {
     }
   }
   if (!uploads.empty()) std::cout << "\nUPLOADS\n" << uploads.Render();
+  ckpt::Table replication({"JOB", "STEP", "REPLICATION", "SENT", "TIME", "WHY"});
+  for (const auto& j : r.jobs()) {
+    for (const auto& s : j.replication()) {
+      replication.Add({j.job(), std::to_string(s.step()), s.state(), Bytes(s.bytes_sent()),
+                       s.state() == "replicated" ? fmt::format("{:.2f} s", s.seconds()) : "-",
+                       s.why().empty() ? "-" : s.why()});
+    }
+  }
+  if (!replication.empty()) std::cout << "\nPEER REPLICAS (this node's steps)\n" << replication.Render();
   if (!r.recent_errors().empty()) {
     std::cout << "\nRECENT ERRORS\n";
     for (const auto& e : r.recent_errors()) std::cout << "  " << e << "\n";

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -198,4 +199,43 @@ TEST_CASE("a peer that stops answering: the step commits anyway, is reported inc
   fs::remove(stall);
   c.SaveAllCommitted(30);
   REQUIRE_WITHIN(c, 30s, "step 30 replicated by every node once node 3 answers", AllReplicated(c, 30));
+}
+
+TEST_CASE("failure domains: coding groups span racks, so a whole rack lost restores from peers; status warns when they cannot") {
+  SECTION("three racks of two nodes, 2+1: every group has one node per rack") {
+    Cluster c({{0}, {1}, {2}, {3}, {4}, {5}});
+    c.extra_flags = {"--replication", "2+1"};
+    const std::vector<std::string> rack = {"rack-a", "rack-a", "rack-b", "rack-b", "rack-c", "rack-c"};
+    for (int n = 0; n < 6; ++n) c.node_flags[n] = {"--failure-domain", rack[n]};
+    c.StartAll();
+    REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+    for (int n = 0; n < 6; ++n) {
+      json g = Status(c.node(n))["group"];
+      INFO("node " << n << ": " << g.dump());
+      CHECK(g.value("placement_warning", "x").empty());
+      CHECK(g.value("failure_domain", "") == rack[n]);
+      REQUIRE(g["replica_holders"].size() == 2);
+      std::set<std::string> racks = {rack[n]};
+      for (const json& h : g["replica_holders"]) racks.insert(rack[h.get<int>()]);
+      CHECK(racks.size() == 3);  // the owner and its two holders: three racks
+    }
+    c.SaveAllCommitted(10);
+    REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
+    // Rack b goes: nodes 2 and 3, one member of each coding group.
+    LoseAndReplace(c, {2, 3});
+    c.RestoreAll(10, {"memory", "memory", "peer", "peer", "memory", "memory"});
+  }
+  SECTION("two racks for a group of four: status names the rack that holds two members") {
+    Cluster c({{0}, {1}, {2}, {3}});
+    c.extra_flags = {"--replication", "2+1"};
+    for (int n = 0; n < 4; ++n) c.node_flags[n] = {"--failure-domain", n < 2 ? "rack-a" : "rack-b"};
+    c.StartAll();
+    REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+    REQUIRE_WITHIN(c, 10s, "node 3 heard every member's domain",
+                   !Status(c.node(3))["group"].value("placement_warning", "").empty());
+    const std::string warning = Status(c.node(3))["group"].value("placement_warning", "");
+    CHECK(Contains(warning, "failure domain"));
+    CHECK(Contains(warning, "rack-"));
+    CHECK(Contains(c.node(3).Ctl({"status"}).out, "WARNING: " + warning));
+  }
 }
