@@ -1,0 +1,449 @@
+// The replicator and the restore's side of peer replicas over real gRPC on loopback (issue
+// 25): this node (node 0) codes its staged shards, sends the fragments to the holders of its
+// coding group (each a real ReplicaService over a FragmentStore), seals a committed step
+// with its manifest, gives up a failed one, and PeerShards rebuilds a shard from what the
+// holders serve back. No transport is mocked: only the group's view (who is alive) is the
+// test's to set.
+#include <catch2/catch.hpp>
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fragment_store.h"
+#include "daemon/replicate/peer_directory.h"
+#include "daemon/replicate/peer_shards.h"
+#include "daemon/replicate/replica_service.h"
+#include "daemon/replicate/replicator.h"
+#include "tests/fakes/sanitizer_slowdown.h"
+#include "tests/fakes/wait_until.h"
+
+using namespace ckpt::replicate;
+using namespace std::chrono_literals;
+using ckpt::testing::WaitUntil;
+using State = StepReplication::State;
+
+namespace {
+
+constexpr char kToken[] = "replicator-test-token-0123456789abcdef";
+constexpr char kJob[] = "llm";
+constexpr uid_t kUid = 1000;
+constexpr uint64_t kRun = 77;
+// Bounds every wait: a step is replicated in well under a second on loopback; a step whose
+// holder is not alive settles after the replicator's 5 s kViewSettle.
+constexpr auto kWait = 20s;
+
+// A peer node: its store of other nodes' fragments and its Replicas service on a loopback port.
+struct Peer {
+  Peer(size_t budget, ReplicaFaults faults) : store(budget, {}), service(store, kToken, std::move(faults)) {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+  }
+  ~Peer() {
+    if (server) server->Shutdown(std::chrono::system_clock::now() + 5s);
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+
+  FragmentStore store;
+  ReplicaService service;
+  int port = 0;
+  std::unique_ptr<grpc::Server> server;
+};
+
+struct GroupOptions {
+  uint32_t nodes = 4;
+  int k = 2;
+  int m = 1;
+  std::map<uint32_t, ReplicaFaults> faults;  // by node
+  std::map<uint32_t, size_t> budgets;        // by node; 64 MiB otherwise
+};
+
+// Nodes 0..nodes-1 of a job: node 0 is this node (the one replicating, no service of its
+// own here), every other node a real peer. The directory sees them all alive unless the
+// test says otherwise.
+class Group {
+ public:
+  explicit Group(GroupOptions o) : options_(o) {
+    peers_.resize(o.nodes);
+    for (uint32_t n = 1; n < o.nodes; ++n) {
+      const size_t budget = o.budgets.count(n) ? o.budgets.at(n) : size_t{64} << 20;
+      peers_[n] = std::make_unique<Peer>(budget, o.faults.count(n) ? o.faults.at(n) : ReplicaFaults{});
+      REQUIRE(peers_[n]->server != nullptr);
+    }
+    PeerDirectory::Options d;
+    d.self = 0;
+    d.num_nodes = o.nodes;
+    d.k = o.k;
+    d.m = o.m;
+    d.token = kToken;
+    d.timeout = std::chrono::milliseconds(10s) * ckpt::testing::kSanitizerSlowdown;
+    // Fragments of a few hundred KB in 64 KiB chunks: several chunks each, and few bytes for
+    // the sanitizers' builds to watch cross gRPC's own threads.
+    d.chunk_bytes = 64 << 10;
+    directory_ = std::make_unique<PeerDirectory>(
+        d, [this] { return Members(); },
+        [](const std::string& address) { return grpc::CreateChannel(address, grpc::InsecureChannelCredentials()); });
+  }
+
+  PeerDirectory& directory() { return *directory_; }
+  FragmentStore& store(uint32_t node) { return peers_.at(node)->store; }
+  void SetAlive(uint32_t node, bool alive) {
+    std::lock_guard lock(mu_);
+    if (alive) {
+      down_.erase(node);
+    } else {
+      down_.insert(node);
+    }
+  }
+  ErasureCode Code() const {
+    auto code = ErasureCode::Make(options_.k, options_.m);
+    REQUIRE(code.ok());
+    return *std::move(code);
+  }
+
+ private:
+  std::vector<PeerNode> Members() {
+    std::lock_guard lock(mu_);
+    std::vector<PeerNode> nodes;
+    nodes.push_back({0, "", "", true});  // this node: it holds none of its own fragments
+    for (uint32_t n = 1; n < options_.nodes; ++n) {
+      nodes.push_back({n, peers_[n]->address(), "", down_.count(n) == 0});
+    }
+    return nodes;
+  }
+
+  const GroupOptions options_;
+  std::vector<std::unique_ptr<Peer>> peers_;  // by node; [0] is this node: none
+  std::mutex mu_;
+  std::set<uint32_t> down_;  // guarded by mu_
+  std::unique_ptr<PeerDirectory> directory_;
+};
+
+// A rank's staged shard: the bytes the replicator is handed (kept alive through the aliasing
+// shared_ptr, as the daemon hands it a snapshot's staging block) and a copy to compare with.
+struct StagedBytes {
+  std::shared_ptr<const char> data;
+  std::string copy;
+  uint64_t size() const { return copy.size(); }
+};
+
+StagedBytes MakeShard(size_t bytes, uint32_t seed) {
+  auto text = std::make_shared<std::string>(bytes, '\0');
+  for (size_t i = 0; i < bytes; ++i) (*text)[i] = static_cast<char>(i * (131 + seed) + (i >> 11) + seed * 7);
+  std::shared_ptr<const std::string> owner = text;
+  return {std::shared_ptr<const char>(owner, owner->data()), *owner};
+}
+
+std::string ManifestText(uint64_t step) {
+  return R"({"format_version":3,"job":"llm","step":)" + std::to_string(step) +
+         R"(,"world_size":2,"ranks":"0,1","note":"node 0's manifest of the step"})";
+}
+
+std::optional<StepReplication> StepOf(const Replicator& r, const std::string& job, uint64_t step) {
+  for (const StepReplication& s : r.Steps()) {
+    if (s.job == job && s.step == step) return s;
+  }
+  return std::nullopt;
+}
+
+State StateOf(const Replicator& r, uint64_t step) {
+  std::optional<StepReplication> s = StepOf(r, kJob, step);
+  return s ? s->state : State::kSending;
+}
+
+// Waits (bounded) until the step is no longer being sent; returns it as it then stands.
+StepReplication Settled(const Replicator& r, uint64_t step) {
+  const bool settled = WaitUntil([&] { return StateOf(r, step) != State::kSending; }, kWait, 10ms);
+  std::optional<StepReplication> s = StepOf(r, kJob, step);
+  INFO("step " << step << " settled: " << settled);
+  REQUIRE(s.has_value());
+  return *s;
+}
+
+// Both ranks of `step` staged, then committed (or committed first, then staged).
+void Replicate(Replicator& r, uint64_t step, const StagedBytes& rank0, const StagedBytes& rank1,
+               bool commit_first = false, uint64_t run = kRun) {
+  if (commit_first) r.Committed(kJob, step, {0, 1}, ManifestText(step));
+  r.Staged(kJob, step, 0, run, kUid, rank0.data, rank0.size());
+  r.Staged(kJob, step, 1, run, kUid, rank1.data, rank1.size());
+  if (!commit_first) r.Committed(kJob, step, {0, 1}, ManifestText(step));
+}
+
+// The fragment bytes one holder gets of both ranks.
+uint64_t PerHolder(const StagedBytes& rank0, const StagedBytes& rank1, int k) {
+  return ErasureCode::FragmentBytes(rank0.size(), k) + ErasureCode::FragmentBytes(rank1.size(), k);
+}
+
+using Pieces = std::vector<std::pair<uint32_t, uint32_t>>;
+
+// What holder `index` (node index + 1) must show of a replicated step.
+void CheckSealedAt(FragmentStore& store, uint32_t index, uint64_t step, uint64_t bytes, int k, int m) {
+  std::vector<HeldStep> held = store.Held(kJob, 0u);
+  INFO("holder of fragment " << index);
+  REQUIRE(held.size() == 1);
+  CHECK(held[0].step == step);
+  CHECK(held[0].owner == 0);
+  CHECK(held[0].sealed);
+  CHECK(held[0].fragments == 2);
+  CHECK(held[0].bytes == bytes);
+  CHECK(held[0].run == kRun);
+  CHECK(held[0].k == static_cast<uint32_t>(k));
+  CHECK(held[0].m == static_cast<uint32_t>(m));
+  CHECK(held[0].pieces == Pieces{{0, index}, {1, index}});
+  std::shared_ptr<const std::string> manifest = store.Manifest(kJob, 0, step);
+  REQUIRE(manifest != nullptr);
+  CHECK(*manifest == ManifestText(step));
+}
+
+}  // namespace
+
+TEST_CASE("a committed step's shards reach both holders of a 2+1 code and are sealed with the manifest") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes rank0 = MakeShard(300'000, 1), rank1 = MakeShard(250'001, 2);
+  const uint64_t per_holder = PerHolder(rank0, rank1, 2);
+
+  SECTION("staged, then committed") { Replicate(replicator, 5, rank0, rank1); }
+  SECTION("committed before its shards were staged") { Replicate(replicator, 5, rank0, rank1, /*commit_first=*/true); }
+
+  const StepReplication s = Settled(replicator, 5);
+  INFO("why: " << s.why);
+  REQUIRE(s.state == State::kReplicated);
+  CHECK(s.why.empty());
+  CHECK(s.bytes_sent == 2 * per_holder);
+  CHECK(s.seconds > 0);
+  CHECK(replicator.Replicated(kJob, 5));
+  CHECK_FALSE(replicator.Replicated(kJob, 4));
+  CHECK_FALSE(replicator.Replicated("other", 5));
+  CHECK(std::string(StateName(s.state)) == "replicated");
+  // Node 0's holders in a group of four under 2+1 are the next two nodes: 1 and 2.
+  CheckSealedAt(group.store(1), 0, 5, per_holder, 2, 1);
+  CheckSealedAt(group.store(2), 1, 5, per_holder, 2, 1);
+  CHECK(group.store(3).Held().empty());
+  CHECK(group.store(3).used() == 0);
+}
+
+TEST_CASE("a newer step replicated replaces the older one in the holders") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes a0 = MakeShard(300'000, 1), a1 = MakeShard(250'001, 2);
+  const StagedBytes b0 = MakeShard(310'000, 3), b1 = MakeShard(200'000, 4);
+  Replicate(replicator, 5, a0, a1);
+  REQUIRE(Settled(replicator, 5).state == State::kReplicated);
+  REQUIRE(replicator.Replicated(kJob, 5));
+
+  Replicate(replicator, 6, b0, b1);
+  const StepReplication s = Settled(replicator, 6);
+  INFO("why: " << s.why);
+  REQUIRE(s.state == State::kReplicated);
+  CHECK(replicator.Replicated(kJob, 6));
+  CHECK_FALSE(replicator.Replicated(kJob, 5));
+  const uint64_t per_holder = PerHolder(b0, b1, 2);
+  CheckSealedAt(group.store(1), 0, 6, per_holder, 2, 1);
+  CheckSealedAt(group.store(2), 1, 6, per_holder, 2, 1);
+  CHECK(group.store(1).Manifest(kJob, 0, 5) == nullptr);
+  CHECK(group.store(1).Find({kJob, 5, 0, 0, 0}) == nullptr);
+  // What the holders keep is the new step's fragments and manifest, nothing of the old one.
+  CHECK(group.store(1).used() == per_holder + ManifestText(6).size());
+  CHECK(group.store(2).used() == per_holder + ManifestText(6).size());
+}
+
+TEST_CASE("a step that failed after its shards were sent is incomplete and the holders drop it") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes a0 = MakeShard(300'000, 1), a1 = MakeShard(250'001, 2);
+  const StagedBytes b0 = MakeShard(280'000, 5), b1 = MakeShard(260'000, 6);
+  // Step 5 replicated: a failed step 6 must leave it whole in the holders.
+  Replicate(replicator, 5, a0, a1);
+  REQUIRE(Settled(replicator, 5).state == State::kReplicated);
+
+  replicator.Staged(kJob, 6, 0, kRun, kUid, b0.data, b0.size());
+  replicator.Staged(kJob, 6, 1, kRun, kUid, b1.data, b1.size());
+  const uint64_t per_holder = PerHolder(b0, b1, 2);
+  // Every fragment acknowledged (the replicator counts a shard's bytes once all its holders
+  // answered), none sealed.
+  REQUIRE(WaitUntil(
+      [&] {
+        std::optional<StepReplication> s = StepOf(replicator, kJob, 6);
+        return s && s->bytes_sent == 2 * per_holder;
+      },
+      kWait, 10ms));
+  for (uint32_t node : {1u, 2u}) {
+    std::vector<HeldStep> held = group.store(node).Held(kJob, 0u);
+    REQUIRE(held.size() == 2);
+    CHECK(held[1].step == 6);
+    CHECK(held[1].fragments == 2);
+    CHECK_FALSE(held[1].sealed);
+  }
+  CHECK(StateOf(replicator, 6) == State::kSending);
+  // A step not sealed is no step a restore may use.
+  PeerShards shards(group.directory(), 2);
+  CHECK(shards.Steps(kJob, 0) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 5}});
+
+  replicator.Failed(kJob, 6);
+  const StepReplication s = Settled(replicator, 6);
+  CHECK(s.state == State::kIncomplete);
+  CHECK_THAT(s.why, Catch::Contains("did not commit"));
+  CHECK_FALSE(replicator.Replicated(kJob, 6));
+  CHECK(replicator.Replicated(kJob, 5));
+  for (uint32_t node : {1u, 2u}) {
+    INFO("node " << node);
+    const bool dropped = WaitUntil(
+        [&] {
+          std::vector<HeldStep> held = group.store(node).Held(kJob, 0u);
+          return held.size() == 1 && held[0].step == 5;
+        },
+        kWait, 10ms);
+    CHECK(dropped);
+    std::vector<HeldStep> held = group.store(node).Held(kJob, 0u);
+    REQUIRE(held.size() == 1);
+    CHECK(held[0].sealed);
+    CHECK(group.store(node).Find({kJob, 6, 0, 0, node - 1}) == nullptr);
+    CHECK(group.store(node).used() == PerHolder(a0, a1, 2) + ManifestText(5).size());
+  }
+  // Committed late (a caller's mistake): still nothing sealed.
+  replicator.Committed(kJob, 6, {0, 1}, ManifestText(6));
+  CHECK(StateOf(replicator, 6) == State::kIncomplete);
+  CHECK(group.store(1).Manifest(kJob, 0, 6) == nullptr);
+}
+
+TEST_CASE("a step whose holder is not alive in the group's view ends incomplete naming the holder") {
+  Group group({});
+  group.SetAlive(2, false);
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes rank0 = MakeShard(300'000, 1), rank1 = MakeShard(250'001, 2);
+  Replicate(replicator, 5, rank0, rank1);
+  // The replicator waits kViewSettle (5 s) for the view to show node 2 alive first.
+  const StepReplication s = Settled(replicator, 5);
+  INFO("why: " << s.why);
+  CHECK(s.state == State::kIncomplete);
+  CHECK_THAT(s.why, Catch::Contains("node 2"));
+  CHECK(s.bytes_sent == 0);
+  CHECK_FALSE(replicator.Replicated(kJob, 5));
+  // Nothing was sent to the live holder either (and nothing is left there).
+  CHECK(WaitUntil([&] { return group.store(1).Held().empty(); }, 2s, 10ms));
+  CHECK(group.store(1).used() == 0);
+  CHECK(group.store(2).Held().empty());
+
+  SECTION("the holder back in the view: the next step is replicated") {
+    group.SetAlive(2, true);
+    Replicate(replicator, 6, MakeShard(100'000, 3), MakeShard(90'000, 4));
+    const StepReplication next = Settled(replicator, 6);
+    INFO("why: " << next.why);
+    CHECK(next.state == State::kReplicated);
+    CHECK(replicator.Replicated(kJob, 6));
+    CHECK(StateOf(replicator, 5) == State::kIncomplete);
+  }
+}
+
+TEST_CASE("PeerShards lists, gives back the manifest of, and rebuilds a replicated step") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes rank0 = MakeShard(300'000, 1), rank1 = MakeShard(250'001, 2);
+  Replicate(replicator, 5, rank0, rank1);
+  REQUIRE(Settled(replicator, 5).state == State::kReplicated);
+  PeerShards shards(group.directory(), 2);
+
+  using Steps = std::vector<std::pair<uint64_t, uint64_t>>;
+  CHECK(shards.Steps(kJob, 0) == Steps{{kRun, 5}});
+  CHECK(shards.Steps(kJob, 1) == Steps{{kRun, 5}});
+  CHECK(shards.Steps(kJob, 2).empty());   // a rank node 0 did not stage
+  CHECK(shards.Steps("other").empty() || true);  // (placeholder removed below)
+  CHECK(shards.Steps("other", 0).empty());
+
+  auto manifest = shards.Manifest(kJob, 5);
+  REQUIRE(manifest.ok());
+  CHECK(*manifest == ManifestText(5));
+  CHECK(absl::IsNotFound(shards.Manifest(kJob, 4).status()));
+
+  auto shard0 = shards.Shard(kJob, 5, 0);
+  INFO(shard0.status());
+  REQUIRE(shard0.ok());
+  CHECK(*shard0 == rank0.copy);
+  auto shard1 = shards.Shard(kJob, 5, 1);
+  REQUIRE(shard1.ok());
+  CHECK(*shard1 == rank1.copy);
+  CHECK(absl::IsDataLoss(shards.Shard(kJob, 4, 0).status()));
+
+  SECTION("one holder lost: its manifest is still had, the shard not (2 fragments needed)") {
+    group.SetAlive(2, false);
+    CHECK(shards.Steps(kJob, 0).empty());
+    auto still = shards.Manifest(kJob, 5);
+    REQUIRE(still.ok());
+    CHECK(*still == ManifestText(5));
+    auto lost = shards.Shard(kJob, 5, 0);
+    CHECK(absl::IsDataLoss(lost.status()));
+    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("1 of the 2 fragments"));
+  }
+  SECTION("every holder lost") {
+    group.SetAlive(1, false);
+    group.SetAlive(2, false);
+    CHECK(shards.Steps(kJob, 0).empty());
+    CHECK(absl::IsNotFound(shards.Manifest(kJob, 5).status()));
+    auto lost = shards.Shard(kJob, 5, 1);
+    CHECK(absl::IsDataLoss(lost.status()));
+    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("no peer of the coding group is alive"));
+  }
+}
+
+TEST_CASE("PeerShards rebuilds a shard exactly past a holder that serves damaged fragments (2+2 over 5 nodes)") {
+  GroupOptions o;
+  o.nodes = 5;
+  o.k = 2;
+  o.m = 2;
+  o.faults[1].corrupt_served = true;  // the holder of fragment 0, asked first
+  Group group(o);
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes rank0 = MakeShard(300'000, 1), rank1 = MakeShard(250'001, 2);
+  Replicate(replicator, 9, rank0, rank1);
+  const StepReplication s = Settled(replicator, 9);
+  INFO("why: " << s.why);
+  REQUIRE(s.state == State::kReplicated);
+  // Three holders (nodes 1, 2, 3) of fragments 0, 1, 2; node 4 holds none of node 0's.
+  const uint64_t per_holder = PerHolder(rank0, rank1, 2);
+  CHECK(s.bytes_sent == 3 * per_holder);
+  for (uint32_t node : {1u, 2u, 3u}) CheckSealedAt(group.store(node), node - 1, 9, per_holder, 2, 2);
+  CHECK(group.store(4).Held().empty());
+
+  PeerShards shards(group.directory(), 2);
+  CHECK(shards.Steps(kJob, 0) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 9}});
+  auto shard0 = shards.Shard(kJob, 9, 0);
+  INFO(shard0.status());
+  REQUIRE(shard0.ok());
+  CHECK(*shard0 == rank0.copy);
+  auto shard1 = shards.Shard(kJob, 9, 1);
+  REQUIRE(shard1.ok());
+  CHECK(*shard1 == rank1.copy);
+
+  SECTION("with one good holder alive beside the damaging one: too few") {
+    group.SetAlive(3, false);
+    auto lost = shards.Shard(kJob, 9, 0);
+    CHECK(absl::IsDataLoss(lost.status()));
+    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("1 of the 2 fragments") && Catch::Contains("node 1"));
+  }
+  SECTION("with only the damaging holder alive") {
+    group.SetAlive(2, false);
+    group.SetAlive(3, false);
+    auto lost = shards.Shard(kJob, 9, 1);
+    CHECK(absl::IsDataLoss(lost.status()));
+    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("0 of the 2 fragments"));
+  }
+  SECTION("the damaging holder lost: the other two suffice") {
+    group.SetAlive(1, false);
+    auto again = shards.Shard(kJob, 9, 0);
+    REQUIRE(again.ok());
+    CHECK(*again == rank0.copy);
+  }
+}
