@@ -344,7 +344,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
   }
   if (peers_ != nullptr && available.empty()) {
     // Nothing here for this rank (a node restarted empty): what its coding group holds.
-    std::vector<std::pair<uint64_t, uint64_t>> held = peers_->Steps(session.job, session.rank);
+    std::vector<std::pair<uint64_t, uint64_t>> held = peers_->Steps(session.job, session.rank, session.uid);
     available.insert(available.end(), held.begin(), held.end());
   }
   if (remote_ != nullptr) {
@@ -374,7 +374,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
 absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> Restorer::FromPeers(const SessionView& session,
                                                                                     const RestoreSpec& spec,
                                                                                     uint64_t step) {
-  CKPT_ASSIGN_OR_RETURN(std::string text, peers_->Manifest(session.job, step));
+  CKPT_ASSIGN_OR_RETURN(std::string text, peers_->Manifest(session.job, step, session.uid));
   CKPT_ASSIGN_OR_RETURN(format::Manifest manifest, format::ParseManifest(text, "a peer's copy of this node's manifest"));
   if (manifest.job != session.job || manifest.step != step || manifest.index) {
     return absl::DataLossError(fmt::format("a peer's manifest of step {} is of job {} step {}{}", step, manifest.job,
@@ -384,7 +384,12 @@ absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> Restorer::FromPee
     return absl::FailedPreconditionError(
         "the restore asks for another world size, placement or dtype than saved, which needs the whole step");
   }
-  CKPT_ASSIGN_OR_RETURN(std::string shard, peers_->Shard(session.job, step, session.rank));
+  const format::ManifestShard* saved = manifest.Shard(session.rank);
+  if (saved == nullptr) {
+    return absl::DataLossError(fmt::format("a peer's manifest of step {} has no shard of rank {}", step, session.rank));
+  }
+  // Its file (header and data) bounds its data region: no peer makes this node hold more.
+  CKPT_ASSIGN_OR_RETURN(std::string shard, peers_->Shard(session.job, step, session.rank, session.uid, saved->bytes));
   CKPT_ASSIGN_OR_RETURN(StagedSnapshotPtr snap,
                         RebuiltSnapshot(manifest, session.rank, std::make_shared<const std::string>(std::move(shard))));
   return std::pair{std::move(snap), std::move(manifest)};

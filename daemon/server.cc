@@ -167,6 +167,15 @@ struct Server::Parts {
   // --metrics-addr: reads every part above at each scrape, so it goes first.
   std::unique_ptr<metrics::HttpExporter> metrics_http;
   bool shut_down = false;
+
+  // A start that failed half way has no Shutdown: what runs threads that read other parts
+  // (peers' calls into the fragment store read `sessions`; the replicator reads the group's
+  // view) stops before any part is destroyed.
+  ~Parts() {
+    metrics_http.reset();
+    if (replicator) replicator->Stop();
+    if (group_server) group_server->Shutdown();
+  }
 };
 
 namespace {
@@ -313,6 +322,11 @@ absl::Status StartReplication(Server::Parts& p) {
   log::Get(log::Component::kGroup)
       .info("peer replicas {}+{}: this node's shards go to {} peers of its coding group; {} bytes held for peers",
             o.k, o.m, o.k + o.m - 1, p.fragments->budget());
+  if (!p.group_options.tls()) {
+    log::Get(log::Component::kGroup)
+        .warn("--replication without --group-tls-*: fragments of every job's checkpoints cross the network in "
+              "plaintext; acceptable only on a private, trusted network");
+  }
   return absl::OkStatus();
 }
 
@@ -850,6 +864,8 @@ void Server::Shutdown() {
   p.grpc_server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   p.writes->Shutdown(std::chrono::milliseconds(p.config.shutdown_timeout_ms));
   p.committer->Shutdown();
+  // Before the group's view goes: the replicator asks it who its holders are.
+  if (p.replicator) p.replicator->Stop();
   p.group_member.reset();
   if (p.group_server) p.group_server->Shutdown();
   // Direct mode: writes to the bucket that outlived their shutdown timeout above end now

@@ -34,6 +34,9 @@ void KeepVisible(StatusReply& reply, const std::function<bool(const std::string&
   auto* jobs = reply.mutable_jobs();
   jobs->erase(std::remove_if(jobs->begin(), jobs->end(), [&](const JobStatus& j) { return !visible(j.job()); }),
               jobs->end());
+  auto* held = reply.mutable_group()->mutable_held_replicas();
+  held->erase(std::remove_if(held->begin(), held->end(), [&](const HeldReplica& h) { return !visible(h.job()); }),
+              held->end());
   auto* errors = reply.mutable_recent_errors();
   errors->erase(std::remove_if(errors->begin(), errors->end(),
                                [&](const std::string& e) {

@@ -24,7 +24,8 @@ daemon::StagingLedger::ActiveUsers FragmentStore::ActiveWithHolders() const {
 absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes) {
   const std::string what = fmt::format("fragment {} of job {} step {} rank {} from node {}", id.index, id.job, id.step,
                                        id.rank, id.owner);
-  if (meta.k < 1 || meta.k + meta.m > static_cast<uint32_t>(kMaxFragments) || id.index >= meta.k + meta.m) {
+  if (meta.k < 1 || uint64_t{meta.k} + meta.m > static_cast<uint64_t>(kMaxFragments) ||
+      uint64_t{id.index} >= uint64_t{meta.k} + meta.m) {
     return absl::InvalidArgumentError(
         fmt::format("{}: a {}+{} code has no fragment {}", what, meta.k, meta.m, id.index));
   }
@@ -62,7 +63,12 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
     return hold.ok() ? absl::FailedPreconditionError(fmt::format("{}: the step was sealed meanwhile", what))
                      : hold.status();
   }
-  step.uid = uid;
+  if (step.fragments.empty()) step.uid = uid;  // the first fragment's word; later ones must agree
+  if (step.uid != uid) {
+    used_ -= size;
+    return absl::InvalidArgumentError(
+        fmt::format("{}: sent for uid {}, where the step's other fragments are uid {}'s", what, uid, step.uid));
+  }
   auto fragment = std::make_shared<HeldFragment>(HeldFragment{id, meta, std::move(bytes)});
   Entry& entry = step.fragments[id];
   if (entry.fragment) used_ -= entry.fragment->bytes.size();  // sent again: the newer replaces it
@@ -93,7 +99,17 @@ absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t
   used_ += manifest.size();
   it->second.manifest = std::make_shared<const std::string>(std::move(manifest));
   it->second.sealed = true;
-  // The owner's older steps of the job: the sealed one replaces them.
+  return absl::OkStatus();
+}
+
+absl::Status FragmentStore::Release(const std::string& job, uint64_t step, uint32_t owner) {
+  std::lock_guard lock(mu_);
+  auto it = steps_.find({job, owner, step});
+  if (it == steps_.end() || !it->second.sealed) {
+    return absl::FailedPreconditionError(
+        fmt::format("job {} step {} of node {} is not sealed here: its older steps stay", job, step, owner));
+  }
+  // The owner's older steps of the job, sealed or not: every holder has the newer one.
   for (auto older = steps_.lower_bound({job, owner, 0}); older != it;) EraseLocked(older++);
   return absl::OkStatus();
 }
@@ -133,6 +149,7 @@ std::vector<HeldStep> FragmentStore::Held(const std::string& job, std::optional<
     h.step = std::get<2>(key);
     h.fragments = step.fragments.size();
     h.sealed = step.sealed;
+    h.uid = step.uid;
     for (const auto& [id, entry] : step.fragments) {
       h.bytes += entry.fragment->bytes.size();
       h.run = entry.fragment->meta.run;

@@ -60,6 +60,7 @@ struct HeldStep {
   uint64_t bytes = 0;
   bool sealed = false;  // every fragment the owner sent here arrived
   uint64_t run = 0;     // FragmentMeta::run of its fragments
+  uid_t uid = 0;        // the job's owner, as the owner node said when it sent them
   uint32_t k = 0, m = 0;
   std::vector<std::pair<uint32_t, uint32_t>> pieces;  // (rank, index) of each fragment held
 };
@@ -77,12 +78,16 @@ class FragmentStore {
   absl::Status Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes);
 
   // The owner's word that it sent `count` fragments of `step` here, once the step committed,
-  // with its manifest of the step: once they are all held, the step is sealed and the
-  // owner's older steps of the job are dropped. FailedPrecondition naming how many are
-  // missing otherwise (the owner reports the step not replicated); ResourceExhausted when
-  // the manifest does not fit the budget. A count of 0: the owner gives the step up, and
-  // what arrived of it is dropped (a sealed step stays).
+  // with its manifest of the step: once they are all held, the step is sealed (restorable).
+  // FailedPrecondition naming how many are missing otherwise (the owner reports the step
+  // not replicated); ResourceExhausted when the manifest does not fit the budget. A count
+  // of 0: the owner gives the step up, and what arrived of it is dropped (a sealed step
+  // stays). The owner's older steps stay until it releases them.
   absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count, std::string manifest = {});
+  // The owner's word that every holder sealed `step`: its older steps of the job are dropped
+  // here. A seal alone never drops them, so a step sealed at some holders and not others
+  // leaves the step before whole everywhere. FailedPrecondition unless `step` is sealed here.
+  absl::Status Release(const std::string& job, uint64_t step, uint32_t owner);
   // The manifest a sealed step came with; nullptr when none is held.
   std::shared_ptr<const std::string> Manifest(const std::string& job, uint32_t owner, uint64_t step) const;
 

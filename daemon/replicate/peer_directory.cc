@@ -42,6 +42,14 @@ absl::StatusOr<std::vector<Holder>> PeerDirectory::Holders(uint32_t owner) const
                                                 options_.num_nodes));
 }
 
+std::vector<Holder> PeerDirectory::LiveMembers() const {
+  std::vector<Holder> live;
+  for (const PeerNode& p : members_()) {
+    if (p.alive && !p.address.empty() && p.node != options_.self) live.push_back({p.node, p.address, true});
+  }
+  return live;
+}
+
 std::string PeerDirectory::PlacementWarning() const {
   absl::StatusOr<CodingGroups> groups = Groups();
   return groups.ok() ? groups->warning : std::string(groups.status().message());

@@ -56,6 +56,8 @@ class PeerDirectory {
   // not, so that the groups do not change as members come and go: a node that has not
   // joined is a domain of its own, not alive, without an address.
   absl::StatusOr<std::vector<Holder>> Holders(uint32_t owner) const;
+  // Every live member but this node, with its address.
+  std::vector<Holder> LiveMembers() const;
   // Why some coding group shares a failure domain; empty when none does.
   std::string PlacementWarning() const;
   // A client of the peer at `address` (its channel made once, then shared).

@@ -1,10 +1,13 @@
-// The restore's side of peer replicas: which steps of this node's ranks its coding group
-// can give back, the manifest it sealed them with, and each rank's shard rebuilt from any
-// k fragments fetched from the live holders (a fragment that fails its checksum, or a
-// holder that does not answer, is passed over for the next).
+// The restore's side of peer replicas: which steps of this node's ranks its peers can give
+// back, the manifest this node sealed them with, and each rank's shard rebuilt from any k
+// fragments fetched from the live peers that reported holding them (a fragment that fails
+// its checksum, or a peer that does not answer, is passed over for the next). The holders
+// of this node's coding group are asked first; when they report nothing (the groups were
+// formed from another view of the failure domains, say), every live member is.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,13 +22,27 @@ class PeerShards final : public daemon::PeerSource {
   // `threads`: for decoding.
   PeerShards(PeerDirectory& peers, int k, int threads = 2) : peers_(peers), k_(k), threads_(threads) {}
 
-  std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank) override;
-  absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step) override;
-  absl::StatusOr<std::string> Shard(const std::string& job, uint64_t step, uint32_t rank) override;
+  std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank, uid_t uid) override;
+  absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step, uid_t uid) override;
+  absl::StatusOr<std::string> Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
+                                    uint64_t max_bytes) override;
 
  private:
-  // The live holders of this node's fragments, each with its fragment's index.
-  std::vector<std::pair<Holder, uint32_t>> LiveHolders() const;
+  // A fragment a live peer reported holding.
+  struct Source {
+    Holder peer;
+    uint32_t index = 0;
+  };
+  // What the live peers hold of this node's sealed steps of `job` for `uid`, with this
+  // node's code: by (run, step), then by rank.
+  struct Survey {
+    std::map<std::pair<uint64_t, uint64_t>, std::map<uint32_t, std::vector<Source>>> steps;
+    std::vector<std::string> problems;  // peers that could not be asked
+  };
+  Survey Take(const std::string& job, uid_t uid);
+  void Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey);
+  // The newest run's entry of `step`, or null.
+  static const std::map<uint32_t, std::vector<Source>>* Newest(const Survey& survey, uint64_t step);
 
   PeerDirectory& peers_;
   const int k_;

@@ -65,6 +65,17 @@ absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t
   return group::FromGrpc(stub_->Seal(ctx.get(), request, &reply));
 }
 
+absl::Status ReplicaClient::Release(const std::string& job, uint64_t step, uint32_t owner) {
+  auto ctx = Context();
+  pb::SealRequest request;
+  request.set_job(job);
+  request.set_step(step);
+  request.set_owner(owner);
+  request.set_release_older(true);
+  pb::SealReply reply;
+  return group::FromGrpc(stub_->Seal(ctx.get(), request, &reply));
+}
+
 absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job, uint32_t owner) {
   auto ctx = Context();
   pb::ListHeldRequest request;
@@ -74,7 +85,16 @@ absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job
   CKPT_RETURN_IF_ERROR(group::FromGrpc(stub_->ListHeld(ctx.get(), request, &reply)));
   std::vector<HeldStep> steps;
   for (const pb::HeldStepInfo& s : reply.steps()) {
-    HeldStep held{job, owner, s.step(), static_cast<size_t>(s.pieces_size()), 0, s.sealed(), s.run(), s.k(), s.m(), {}};
+    HeldStep held;
+    held.job = job;
+    held.owner = owner;
+    held.step = s.step();
+    held.fragments = static_cast<size_t>(s.pieces_size());
+    held.sealed = s.sealed();
+    held.run = s.run();
+    held.k = s.k();
+    held.m = s.m();
+    held.uid = s.uid();
     for (const pb::HeldPiece& piece : s.pieces()) held.pieces.emplace_back(piece.rank(), piece.index());
     steps.push_back(std::move(held));
   }
@@ -92,7 +112,7 @@ absl::StatusOr<std::string> ReplicaClient::GetManifest(const std::string& job, u
   return std::move(*reply.mutable_manifest_json());
 }
 
-absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id) {
+absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id, uint32_t k, uint64_t max_data_bytes) {
   auto ctx = Context();
   pb::FragmentRequest request;
   request.set_job(id.job);
@@ -112,8 +132,14 @@ absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id) {
       f.id = FragmentId{h.job(), h.step(), h.owner(), h.rank(), h.index()};
       f.meta = FragmentMeta{h.k(), h.m(), h.data_bytes(), h.run(), h.checksum()};
       if (!chunk.has_header() || f.id != id || f.meta.k < 1 ||
-          f.meta.k + f.meta.m > static_cast<uint32_t>(kMaxFragments)) {
+          uint64_t{f.meta.k} + f.meta.m > static_cast<uint64_t>(kMaxFragments) || (k != 0 && f.meta.k != k)) {
         wrong = absl::DataLossError("the peer answered with another fragment than the one asked for");
+        break;
+      }
+      // Refused before a byte more is read: what the restore can use is known.
+      if (f.meta.data_bytes > max_data_bytes) {
+        wrong = absl::DataLossError(fmt::format("the peer's fragment codes {} bytes, more than the {} its shard holds",
+                                                f.meta.data_bytes, max_data_bytes));
         break;
       }
       expected = ErasureCode::FragmentBytes(f.meta.data_bytes, static_cast<int>(f.meta.k));

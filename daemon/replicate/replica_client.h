@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,13 +29,18 @@ class ReplicaClient {
   absl::Status Put(uid_t uid, const HeldFragment& fragment);
   absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
                     const std::string& manifest_json = {});
+  // Every holder sealed `step`: the peer drops the owner's older steps of the job.
+  absl::Status Release(const std::string& job, uint64_t step, uint32_t owner);
   // What the peer holds of `owner`'s steps of `job`, ascending.
   absl::StatusOr<std::vector<HeldStep>> List(const std::string& job, uint32_t owner);
   // The manifest a sealed step came with (untrusted: the caller parses it with care).
   absl::StatusOr<std::string> GetManifest(const std::string& job, uint64_t step, uint32_t owner);
   // The fragment as the peer holds it: DataLoss when what arrives is not the fragment asked
   // for, or its bytes do not match its checksum (the rebuild would leave it out anyway).
-  absl::StatusOr<HeldFragment> Get(const FragmentId& id);
+  // `k` (0: any) and `max_data_bytes`: what the caller knows the fragment must be; anything
+  // else is refused on its first chunk.
+  absl::StatusOr<HeldFragment> Get(const FragmentId& id, uint32_t k = 0,
+                                   uint64_t max_data_bytes = UINT64_MAX);
 
  private:
   std::unique_ptr<grpc::ClientContext> Context() const;

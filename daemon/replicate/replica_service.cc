@@ -60,7 +60,7 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
     if (!started_) {
       if (!chunk_.has_header()) return absl::InvalidArgumentError("a fragment's first chunk has no header");
       header_ = chunk_.header();
-      if (header_.k() < 1 || header_.k() + header_.m() > static_cast<uint32_t>(kMaxFragments)) {
+      if (header_.k() < 1 || uint64_t{header_.k()} + header_.m() > static_cast<uint64_t>(kMaxFragments)) {
         return absl::InvalidArgumentError(fmt::format("no {}+{} code is kept here", header_.k(), header_.m()));
       }
       expected_ = ErasureCode::FragmentBytes(header_.data_bytes(), static_cast<int>(header_.k()));
@@ -79,7 +79,8 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
     }
     // Every fragment being received counts against the budget too, until the store has it.
     counted_ += data.size();
-    if (service_.receiving() += data.size(); service_.receiving() > service_.store().budget()) {
+    // With what the store holds: the two together never pass the budget.
+    if (service_.receiving() += data.size(); service_.receiving() + service_.store().used() > service_.store().budget()) {
       return absl::ResourceExhaustedError(fmt::format(
           "fragments being received hold more than --replica-bytes {}: try again", service_.store().budget()));
     }
@@ -200,8 +201,10 @@ grpc::ServerUnaryReactor* ReplicaService::Seal(grpc::CallbackServerContext* ctx,
                                                     request->manifest_json().size(), format::kMaxManifestBytes));
   }
   if (sealed.ok()) {
-    sealed = store_.Seal(request->job(), request->step(), request->owner(), request->count(),
-                         request->manifest_json());
+    sealed = request->release_older()
+                 ? store_.Release(request->job(), request->step(), request->owner())
+                 : store_.Seal(request->job(), request->step(), request->owner(), request->count(),
+                               request->manifest_json());
   }
   reactor->Finish(group::ToGrpc(sealed));
   return reactor;
@@ -249,6 +252,7 @@ grpc::ServerUnaryReactor* ReplicaService::ListHeld(grpc::CallbackServerContext* 
       step->set_step(held.step);
       step->set_run(held.run);
       step->set_sealed(held.sealed);
+      step->set_uid(held.uid);
       step->set_k(held.k);
       step->set_m(held.m);
       for (const auto& [rank, index] : held.pieces) {

@@ -51,10 +51,15 @@ void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, ui
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
-    // A newer step makes the queued shards of older ones moot (and their staging memory is
-    // better given back): the newer step replaces them in the peers anyway.
+    // A newer step makes the queued shards of older steps not begun moot (and their staging
+    // memory is better given back): the newer step replaces them in the peers anyway. A step
+    // already being sent is finished, so that a group slower than the checkpoint interval
+    // still replicates every other step or so rather than none.
     for (auto it = queue_.begin(); it != queue_.end();) {
-      if (it->job == job && it->step < step) {
+      const Key older{it->job, it->step};
+      auto record = records_.find(older);
+      const bool begun = older == sending_ || (record != records_.end() && !record->second.sent.empty());
+      if (it->job == job && it->step < step && !begun) {
         MarkIncompleteLocked(records_[{it->job, it->step}],
                              fmt::format("step {} was staged before this one's shards were sent", step));
         it = queue_.erase(it);
@@ -183,30 +188,49 @@ void Replicator::Loop() {
     Shard shard = std::move(queue_.front());
     queue_.pop_front();
     const Key key{shard.job, shard.step};
+    sending_ = key;
     Record& r = records_[key];
+    if (r.status.job.empty()) {  // pruned while its shard waited
+      r.status.job = key.first;
+      r.status.step = key.second;
+      r.started = std::chrono::steady_clock::now();
+    }
     std::optional<std::vector<Holder>> holders = r.holders;
     if (!holders) {
       lock.unlock();
       absl::StatusOr<std::vector<Holder>> found = WaitForHolders();
       lock.lock();
-      if (!found.ok()) {
-        MarkIncompleteLocked(records_[key], Message(found.status()));
+      auto again = records_.find(key);  // the lock was let go: look it up again
+      if (again == records_.end()) {
+        sending_.reset();
         continue;
       }
-      holders = *found;
-      records_[key].holders = holders;
+      if (found.ok()) {
+        holders = *found;
+        again->second.holders = holders;
+      } else {
+        MarkIncompleteLocked(again->second, Message(found.status()));
+        holders = std::vector<Holder>{};  // nothing is sent: the step is incomplete
+      }
     }
     absl::Status sent;
     uint64_t bytes = 0;
-    if (records_[key].status.state == StepReplication::State::kIncomplete) {
-      sent = absl::AbortedError(records_[key].status.why);
+    if (auto it = records_.find(key); it != records_.end() && it->second.status.state == StepReplication::State::kIncomplete) {
+      sent = absl::AbortedError(it->second.status.why);
     } else {
       lock.unlock();
-      sent = Send(shard, *holders, bytes);
+      try {
+        sent = Send(shard, *holders, bytes);
+      } catch (const std::exception& e) {  // coding's buffers out of memory: this step only
+        sent = absl::ResourceExhaustedError(fmt::format("coding the shard: {}", e.what()));
+      }
       shard.data.reset();  // the staging memory may go back before the lock is taken
       lock.lock();
     }
-    Record& done = records_[key];
+    sending_.reset();
+    auto found_again = records_.find(key);
+    if (found_again == records_.end()) continue;
+    Record& done = found_again->second;
     done.status.bytes_sent += bytes;
     if (!sent.ok()) MarkIncompleteLocked(done, fmt::format("rank {}: {}", shard.rank, Message(sent)));
     done.sent[shard.rank] = sent;
@@ -264,14 +288,62 @@ void Replicator::Finish(const Key& key) {
   std::string manifest;
   {
     std::lock_guard lock(mu_);
-    Record& r = records_[key];
-    if (!r.holders) return;
+    auto it = records_.find(key);
+    if (it == records_.end() || !it->second.holders) return;
+    Record& r = it->second;
     holders = *r.holders;
     seal = !r.failed && r.status.state != StepReplication::State::kIncomplete;
     count = r.committed_ranks ? r.committed_ranks->size() : 0;
     if (seal) manifest = r.manifest_json;
   }
-  // Sealing a step gives it to the holders; a count of 0 takes back what they got of it.
+  const uint32_t self = peers_.options().self;
+  // Phase 1: every holder seals the step (restorable there), or, when it cannot be
+  // replicated, drops what it got of it (a count of 0; a step sealed there stays).
+  std::vector<absl::Status> results = OnEachHolder(holders, [&](ReplicaClient& peer) {
+    return peer.Seal(key.first, key.second, self, seal ? count : 0, manifest);
+  });
+  if (seal) {
+    for (size_t i = 0; i < holders.size(); ++i) {
+      if (results[i].ok()) continue;
+      {
+        std::lock_guard lock(mu_);
+        if (auto it = records_.find(key); it != records_.end()) {
+          MarkIncompleteLocked(it->second, fmt::format("sealing with node {}: {}", holders[i].node, Message(results[i])));
+        }
+      }
+      // Sealed at some holders only: none drops the step before (no release), and those
+      // that did not seal drop what they got.
+      OnEachHolder(holders, [&](ReplicaClient& peer) { return peer.Seal(key.first, key.second, self, 0, {}); });
+      return;
+    }
+  }
+  if (!seal) return;
+  std::vector<uint32_t> nodes;
+  for (const Holder& h : holders) nodes.push_back(h.node);
+  {
+    std::lock_guard lock(mu_);
+    auto it = records_.find(key);
+    if (it == records_.end()) return;
+    Record& r = it->second;
+    r.status.state = StepReplication::State::kReplicated;
+    r.status.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
+    r.manifest_json.clear();
+    Log().info("[{} s{}] replicated: {} bytes of fragments to nodes {} in {:.1f} ms", key.first, key.second,
+               r.status.bytes_sent, fmt::join(nodes, ","), r.status.seconds * 1e3);
+  }
+  // Phase 2: every holder has the step, so each may drop the ones before. A holder that
+  // misses this keeps an older step until the next release.
+  results = OnEachHolder(holders, [&](ReplicaClient& peer) { return peer.Release(key.first, key.second, self); });
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (!results[i].ok()) {
+      Log().warn("[{} s{}] node {} keeps this node's older steps: {}", key.first, key.second, holders[i].node,
+                 Message(results[i]));
+    }
+  }
+}
+
+std::vector<absl::Status> Replicator::OnEachHolder(const std::vector<Holder>& holders,
+                                                   const std::function<absl::Status(ReplicaClient&)>& call) {
   std::vector<absl::Status> results(holders.size());
   std::vector<std::thread> calls;
   for (size_t i = 0; i < holders.size(); ++i) {
@@ -280,27 +352,12 @@ void Replicator::Finish(const Key& key) {
       continue;
     }
     calls.emplace_back([&, i] {
-      results[i] = peers_.Client(holders[i].address).Seal(key.first, key.second, peers_.options().self,
-                                                          seal ? count : 0, manifest);
+      ReplicaClient peer = peers_.Client(holders[i].address);
+      results[i] = call(peer);
     });
   }
   for (std::thread& t : calls) t.join();
-  std::lock_guard lock(mu_);
-  Record& r = records_[key];
-  if (!seal) return;
-  for (size_t i = 0; i < holders.size(); ++i) {
-    if (!results[i].ok()) {
-      MarkIncompleteLocked(r, fmt::format("sealing with node {}: {}", holders[i].node, Message(results[i])));
-      return;
-    }
-  }
-  r.status.state = StepReplication::State::kReplicated;
-  r.status.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
-  r.manifest_json.clear();
-  std::vector<uint32_t> nodes;
-  for (const Holder& h : holders) nodes.push_back(h.node);
-  Log().info("[{} s{}] replicated: {} bytes of fragments to nodes {} in {:.1f} ms", key.first, key.second,
-             r.status.bytes_sent, fmt::join(nodes, ","), r.status.seconds * 1e3);
+  return results;
 }
 
 }  // namespace ckpt::replicate

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -96,8 +97,12 @@ class Replicator {
   absl::Status Send(const Shard& shard, const std::vector<Holder>& holders, uint64_t& bytes_sent);
   // With mu_ held: the step is ready to seal (committed, every rank sent) or has failed.
   bool ReadyLocked(const Record& r) const;
-  // Seals (or, when it cannot be replicated, abandons) the step with every holder.
+  // Seals the step with every holder, then releases its older steps there; or, when it
+  // cannot be replicated, has every holder drop what it got of it.
   void Finish(const Key& key);
+  // `call` on every live holder at once (a thread each); a holder not alive is Unavailable.
+  std::vector<absl::Status> OnEachHolder(const std::vector<Holder>& holders,
+                                         const std::function<absl::Status(ReplicaClient&)>& call);
   void MarkIncompleteLocked(Record& r, std::string why);
   void PruneLocked();
 
@@ -110,6 +115,7 @@ class Replicator {
   std::deque<Key> to_finish_;       // guarded by mu_
   std::map<Key, Record> records_;   // guarded by mu_
   bool stopping_ = false;           // guarded by mu_
+  std::optional<Key> sending_;      // the step a shard of which is being sent; guarded by mu_
   std::thread worker_;              // last: started once the rest is there
 };
 

@@ -1,7 +1,11 @@
 // Where a node that lost its own copy of a step (a replacement machine, a root deleted)
 // finds its ranks' shards: rebuilt from the fragments its coding group holds in memory
 // (--replication; daemon/replicate/peer_shards.h). The restorer's one view of peer replicas.
+// Only steps whose fragments were sent for the restoring trainer's own uid are offered: a
+// job name alone does not make another user's weights theirs.
 #pragma once
+
+#include <sys/types.h>
 
 #include <cstdint>
 #include <string>
@@ -15,14 +19,15 @@ namespace ckpt::daemon {
 class PeerSource {
  public:
   virtual ~PeerSource() = default;
-  // (run, step) of the committed steps of `job` whose shard of `rank` (a rank this node
-  // held) the live peers can rebuild, ascending.
-  virtual std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank) = 0;
+  // (run, step) of the committed steps of `job`, saved by `uid`, whose shard of `rank` (a
+  // rank this node held) the live peers can rebuild, ascending.
+  virtual std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank, uid_t uid) = 0;
   // This node's manifest of the step as the peers hold it: JSON, to be parsed as untrusted.
-  virtual absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step) = 0;
-  // The rank's shard (its data region), rebuilt from any k fragments that pass their
-  // checksums. DataLoss when fewer than k can be had.
-  virtual absl::StatusOr<std::string> Shard(const std::string& job, uint64_t step, uint32_t rank) = 0;
+  virtual absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step, uid_t uid) = 0;
+  // The rank's shard (its data region, at most `max_bytes`), rebuilt from any k fragments
+  // that pass their checksums. DataLoss when fewer than k can be had.
+  virtual absl::StatusOr<std::string> Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
+                                            uint64_t max_bytes) = 0;
 };
 
 }  // namespace ckpt::daemon

@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <set>
 #include <utility>
 
+#include "common/dtype.h"
 #include "format/checksum.h"
 
 namespace ckpt::daemon {
@@ -52,6 +54,19 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
       if (absl::Status s = CheckEntry(*data, "tensor " + name, piece.begin, piece.end, piece.checksum, manifest.step);
           !s.ok()) {
         return s;
+      }
+      // The bytes its dtype and shape make: a restore copies that many from `begin`.
+      absl::StatusOr<size_t> item = DTypeSize(tensor.dtype);
+      uint64_t elements = 1;
+      bool overflow = false;
+      for (int64_t d : piece.shape) {
+        overflow |= d < 0 || (d > 0 && elements > UINT64_MAX / static_cast<uint64_t>(d));
+        if (!overflow) elements *= static_cast<uint64_t>(d);
+      }
+      if (!item.ok() || overflow || elements > UINT64_MAX / *item || elements * *item != piece.end - piece.begin) {
+        return absl::DataLossError(fmt::format("step {}: tensor {} of rank {} spans {} bytes, which its dtype {} and "
+                                               "shape do not make",
+                                               manifest.step, name, rank, piece.end - piece.begin, tensor.dtype));
       }
       snap->shard.entries.push_back({name, tensor.dtype, piece.shape, piece.begin, piece.end});
       snap->placements.push_back({tensor.global_shape, piece.offset, piece.flat});

@@ -61,7 +61,7 @@ TEST_CASE("a fragment is kept only when its bytes are what its owner coded") {
   CHECK(store.used() == bytes.size());
 }
 
-TEST_CASE("a sealed step replaces its owner's older steps, and not before it is whole") {
+TEST_CASE("a step sealed and released replaces its owner's older steps, and not before it is whole") {
   FragmentStore store(1 << 20, {});
   REQUIRE(Put(store, Id("j", 5, 2, 0)).ok());
   REQUIRE(Put(store, Id("j", 5, 2, 1)).ok());
@@ -76,7 +76,13 @@ TEST_CASE("a sealed step replaces its owner's older steps, and not before it is 
   REQUIRE(Put(store, Id("j", 4, 3, 0)).ok());
   REQUIRE(Put(store, Id("k", 1, 2, 0)).ok());
   REQUIRE(Put(store, Id("j", 6, 2, 1)).ok());
+  // A release before the seal is refused: the older steps stay.
+  CHECK(absl::IsFailedPrecondition(store.Release("j", 6, 2)));
   REQUIRE(store.Seal("j", 6, 2, 2).ok());
+  // Sealed, step 6 is restorable here, and step 5 stays until the owner says every holder
+  // sealed 6 (a step sealed at some holders only must leave the one before whole).
+  CHECK(store.Find(Id("j", 5, 2, 0)) != nullptr);
+  REQUIRE(store.Release("j", 6, 2).ok());
   CHECK(store.Find(Id("j", 5, 2, 0)) == nullptr);
   CHECK(store.Find(Id("j", 4, 3, 0)) != nullptr);
   CHECK(store.Find(Id("k", 1, 2, 0)) != nullptr);
@@ -135,4 +141,31 @@ TEST_CASE("the budget is --replica-bytes, shared per user and then per job") {
     CHECK(kept == 5);
     CHECK(store.used() == 5 * fragment);
   }
+}
+
+TEST_CASE("the owner gives a step up: what arrived of it goes, a sealed step stays; a step is one user's") {
+  FragmentStore store(1 << 20, {});
+  REQUIRE(Put(store, Id("j", 5, 2, 0)).ok());
+  REQUIRE(Put(store, Id("j", 5, 2, 1)).ok());
+  REQUIRE(store.Seal("j", 5, 2, 2, "{\"manifest\": 5}").ok());
+  REQUIRE(store.Manifest("j", 2, 5) != nullptr);
+  CHECK(*store.Manifest("j", 2, 5) == "{\"manifest\": 5}");
+  REQUIRE(Put(store, Id("j", 6, 2, 0)).ok());
+  REQUIRE(store.Seal("j", 6, 2, 0).ok());  // given up
+  CHECK(store.Find(Id("j", 6, 2, 0)) == nullptr);
+  REQUIRE(store.Seal("j", 5, 2, 0).ok());  // too late for a sealed step
+  CHECK(store.Find(Id("j", 5, 2, 0)) != nullptr);
+  CHECK(store.Manifest("j", 2, 6) == nullptr);
+  // Fragments of one step sent for two users: the second is refused.
+  REQUIRE(Put(store, Id("j", 7, 2, 0)).ok());
+  const std::string bytes(ErasureCode::FragmentBytes(kData, 2), 'x');
+  FragmentMeta meta{2, 1, kData, 1, ckpt::format::ChecksumOf(bytes.data(), bytes.size())};
+  auto other = store.Put(2000, Id("j", 7, 2, 1), meta, bytes);
+  CHECK(absl::IsInvalidArgument(other));
+  CHECK_THAT(ckpt::Message(other), Catch::Contains("uid 2000"));
+  auto held = store.Held("j", 2);
+  REQUIRE(held.size() == 2);
+  CHECK(held[0].step == 5);
+  CHECK(held[0].uid == 1000);
+  CHECK(held[1].step == 7);
 }

@@ -39,6 +39,8 @@ constexpr char kToken[] = "replicator-test-token-0123456789abcdef";
 constexpr char kJob[] = "llm";
 constexpr uid_t kUid = 1000;
 constexpr uint64_t kRun = 77;
+// What a restore allows a rebuilt shard (its file's size in the manifest): more than any here.
+constexpr uint64_t kMaxShard = 1 << 20;
 // Bounds every wait: a step is replicated in well under a second on loopback; a step whose
 // holder is not alive settles after the replicator's 5 s kViewSettle.
 constexpr auto kWait = 20s;
@@ -191,7 +193,9 @@ using Pieces = std::vector<std::pair<uint32_t, uint32_t>>;
 // What holder `index` (node index + 1) must show of a replicated step.
 void CheckSealedAt(FragmentStore& store, uint32_t index, uint64_t step, uint64_t bytes, int k, int m) {
   std::vector<HeldStep> held = store.Held(kJob, 0u);
-  INFO("holder of fragment " << index);
+  std::string listed;
+  for (const HeldStep& h : held) listed += " s" + std::to_string(h.step) + (h.sealed ? "(sealed)" : "(unsealed)");
+  INFO("holder of fragment " << index << " holds of node 0:" << listed);
   REQUIRE(held.size() == 1);
   CHECK(held[0].step == step);
   CHECK(held[0].owner == 0);
@@ -199,6 +203,7 @@ void CheckSealedAt(FragmentStore& store, uint32_t index, uint64_t step, uint64_t
   CHECK(held[0].fragments == 2);
   CHECK(held[0].bytes == bytes);
   CHECK(held[0].run == kRun);
+  CHECK(held[0].uid == kUid);
   CHECK(held[0].k == static_cast<uint32_t>(k));
   CHECK(held[0].m == static_cast<uint32_t>(m));
   CHECK(held[0].pieces == Pieces{{0, index}, {1, index}});
@@ -290,7 +295,7 @@ TEST_CASE("a step that failed after its shards were sent is incomplete and the h
   CHECK(StateOf(replicator, 6) == State::kSending);
   // A step not sealed is no step a restore may use.
   PeerShards shards(group.directory(), 2);
-  CHECK(shards.Steps(kJob, 0) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 5}});
+  CHECK(shards.Steps(kJob, 0, kUid) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 5}});
 
   replicator.Failed(kJob, 6);
   const StepReplication s = Settled(replicator, 6);
@@ -357,44 +362,54 @@ TEST_CASE("PeerShards lists, gives back the manifest of, and rebuilds a replicat
   PeerShards shards(group.directory(), 2);
 
   using Steps = std::vector<std::pair<uint64_t, uint64_t>>;
-  CHECK(shards.Steps(kJob, 0) == Steps{{kRun, 5}});
-  CHECK(shards.Steps(kJob, 1) == Steps{{kRun, 5}});
-  CHECK(shards.Steps(kJob, 2).empty());   // a rank node 0 did not stage
-  CHECK(shards.Steps("other").empty() || true);  // (placeholder removed below)
-  CHECK(shards.Steps("other", 0).empty());
+  CHECK(shards.Steps(kJob, 0, kUid) == Steps{{kRun, 5}});
+  CHECK(shards.Steps(kJob, 1, kUid) == Steps{{kRun, 5}});
+  CHECK(shards.Steps(kJob, 2, kUid).empty());   // a rank node 0 did not stage
+  CHECK(shards.Steps("other", 0, kUid).empty());
 
-  auto manifest = shards.Manifest(kJob, 5);
+  auto manifest = shards.Manifest(kJob, 5, kUid);
   REQUIRE(manifest.ok());
   CHECK(*manifest == ManifestText(5));
-  CHECK(absl::IsNotFound(shards.Manifest(kJob, 4).status()));
+  CHECK(absl::IsNotFound(shards.Manifest(kJob, 4, kUid).status()));
 
-  auto shard0 = shards.Shard(kJob, 5, 0);
+  auto shard0 = shards.Shard(kJob, 5, 0, kUid, kMaxShard);
   INFO(shard0.status());
   REQUIRE(shard0.ok());
   CHECK(*shard0 == rank0.copy);
-  auto shard1 = shards.Shard(kJob, 5, 1);
+  auto shard1 = shards.Shard(kJob, 5, 1, kUid, kMaxShard);
   REQUIRE(shard1.ok());
   CHECK(*shard1 == rank1.copy);
-  CHECK(absl::IsDataLoss(shards.Shard(kJob, 4, 0).status()));
+  CHECK(absl::IsDataLoss(shards.Shard(kJob, 4, 0, kUid, kMaxShard).status()));
+  // Only the user the fragments were sent for is offered them.
+  CHECK(shards.Steps(kJob, 0, kUid + 1).empty());
+  CHECK(absl::IsNotFound(shards.Manifest(kJob, 5, kUid + 1).status()));
+  CHECK(absl::IsDataLoss(shards.Shard(kJob, 5, 0, kUid + 1, kMaxShard).status()));
+  // A shard larger than the restore allows it (its file in the manifest) is refused.
+  auto too_large = shards.Shard(kJob, 5, 0, kUid, rank0.size() - 1);
+  CHECK(absl::IsDataLoss(too_large.status()));
+  CHECK_THAT(ckpt::Message(too_large.status()), Catch::Contains("more than the 299999"));
+  auto exact = shards.Shard(kJob, 5, 0, kUid, rank0.size());
+  REQUIRE(exact.ok());
+  CHECK(*exact == rank0.copy);
 
   SECTION("one holder lost: its manifest is still had, the shard not (2 fragments needed)") {
     group.SetAlive(2, false);
-    CHECK(shards.Steps(kJob, 0).empty());
-    auto still = shards.Manifest(kJob, 5);
+    CHECK(shards.Steps(kJob, 0, kUid).empty());
+    auto still = shards.Manifest(kJob, 5, kUid);
     REQUIRE(still.ok());
     CHECK(*still == ManifestText(5));
-    auto lost = shards.Shard(kJob, 5, 0);
+    auto lost = shards.Shard(kJob, 5, 0, kUid, kMaxShard);
     CHECK(absl::IsDataLoss(lost.status()));
     CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("1 of the 2 fragments"));
   }
   SECTION("every holder lost") {
     group.SetAlive(1, false);
     group.SetAlive(2, false);
-    CHECK(shards.Steps(kJob, 0).empty());
-    CHECK(absl::IsNotFound(shards.Manifest(kJob, 5).status()));
-    auto lost = shards.Shard(kJob, 5, 1);
+    CHECK(shards.Steps(kJob, 0, kUid).empty());
+    CHECK(absl::IsNotFound(shards.Manifest(kJob, 5, kUid).status()));
+    auto lost = shards.Shard(kJob, 5, 1, kUid, kMaxShard);
     CHECK(absl::IsDataLoss(lost.status()));
-    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("no peer of the coding group is alive"));
+    CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("0 of the 2 fragments"));
   }
 }
 
@@ -418,32 +433,96 @@ TEST_CASE("PeerShards rebuilds a shard exactly past a holder that serves damaged
   CHECK(group.store(4).Held().empty());
 
   PeerShards shards(group.directory(), 2);
-  CHECK(shards.Steps(kJob, 0) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 9}});
-  auto shard0 = shards.Shard(kJob, 9, 0);
+  CHECK(shards.Steps(kJob, 0, kUid) == std::vector<std::pair<uint64_t, uint64_t>>{{kRun, 9}});
+  auto shard0 = shards.Shard(kJob, 9, 0, kUid, kMaxShard);
   INFO(shard0.status());
   REQUIRE(shard0.ok());
   CHECK(*shard0 == rank0.copy);
-  auto shard1 = shards.Shard(kJob, 9, 1);
+  auto shard1 = shards.Shard(kJob, 9, 1, kUid, kMaxShard);
   REQUIRE(shard1.ok());
   CHECK(*shard1 == rank1.copy);
 
   SECTION("with one good holder alive beside the damaging one: too few") {
     group.SetAlive(3, false);
-    auto lost = shards.Shard(kJob, 9, 0);
+    auto lost = shards.Shard(kJob, 9, 0, kUid, kMaxShard);
     CHECK(absl::IsDataLoss(lost.status()));
     CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("1 of the 2 fragments") && Catch::Contains("node 1"));
   }
   SECTION("with only the damaging holder alive") {
     group.SetAlive(2, false);
     group.SetAlive(3, false);
-    auto lost = shards.Shard(kJob, 9, 1);
+    auto lost = shards.Shard(kJob, 9, 1, kUid, kMaxShard);
     CHECK(absl::IsDataLoss(lost.status()));
     CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("0 of the 2 fragments"));
   }
   SECTION("the damaging holder lost: the other two suffice") {
     group.SetAlive(1, false);
-    auto again = shards.Shard(kJob, 9, 0);
+    auto again = shards.Shard(kJob, 9, 0, kUid, kMaxShard);
     REQUIRE(again.ok());
     CHECK(*again == rank0.copy);
   }
+}
+
+// The header's promise (replicator.h): only a replicated step replaces the step before in
+// the peers' memory, so that while Replicated(job, step) holds the peers can rebuild it.
+// Here one holder cannot take step 6's manifest (its --replica-bytes is full), the other
+// seals step 6 and drops step 5 for it: step 6 is reported incomplete, and step 5 must then
+// either be rebuildable or no longer be claimed replicated.
+TEST_CASE("a step that only some holders sealed leaves no step claimed replicated that cannot be rebuilt") {
+  const StagedBytes a0 = MakeShard(300'000, 1), a1 = MakeShard(250'001, 2);
+  const StagedBytes b0 = MakeShard(300'000, 3), b1 = MakeShard(250'001, 4);
+  const uint64_t per_holder = PerHolder(a0, a1, 2);
+  REQUIRE(per_holder == PerHolder(b0, b1, 2));
+  const std::string big_manifest = ManifestText(6) + std::string(8192, ' ');
+  GroupOptions o;
+  // Node 2 fits two steps' fragments and step 5's manifest, not step 6's manifest too.
+  o.budgets[2] = 2 * per_holder + ManifestText(5).size() + 1024;
+  Group group(o);
+  Replicator replicator(group.directory(), group.Code());
+  Replicate(replicator, 5, a0, a1);
+  REQUIRE(Settled(replicator, 5).state == State::kReplicated);
+  REQUIRE(replicator.Replicated(kJob, 5));
+
+  replicator.Staged(kJob, 6, 0, kRun, kUid, b0.data, b0.size());
+  replicator.Staged(kJob, 6, 1, kRun, kUid, b1.data, b1.size());
+  replicator.Committed(kJob, 6, {0, 1}, big_manifest);
+  const StepReplication s = Settled(replicator, 6);
+  INFO("step 6: " << StateName(s.state) << ": " << s.why);
+  REQUIRE(s.state == State::kIncomplete);
+  CHECK_THAT(s.why, Catch::Contains("sealing with node 2") && Catch::Contains("--replica-bytes"));
+  CHECK_FALSE(replicator.Replicated(kJob, 6));
+
+  PeerShards shards(group.directory(), 2);
+  const bool claimed = replicator.Replicated(kJob, 5);
+  auto rebuilt = shards.Shard(kJob, 5, 0, kUid, kMaxShard);
+  INFO("Replicated(step 5): " << claimed << "; step 5 from the peers: " << rebuilt.status()
+                              << "; node 1 holds step 5: " << (group.store(1).Manifest(kJob, 0, 5) != nullptr)
+                              << "; peers can rebuild steps: " << shards.Steps(kJob, 0, kUid).size());
+  CHECK((!claimed || rebuilt.ok()));
+}
+
+// A job that goes back to an older step and trains on saves its new steps under a later
+// run (format::Manifest::run): (run, step) orders them, and the restore (PeerShards::Steps)
+// takes step 8 of the later run as the newest. The replicator must then report the step it
+// replicated last as replicated.
+TEST_CASE("a step replicated under a later run after the job went back is reported replicated") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes a0 = MakeShard(120'000, 1), a1 = MakeShard(110'000, 2);
+  const StagedBytes b0 = MakeShard(130'000, 3), b1 = MakeShard(100'000, 4);
+  Replicate(replicator, 10, a0, a1, false, /*run=*/100);
+  REQUIRE(Settled(replicator, 10).state == State::kReplicated);
+  Replicate(replicator, 8, b0, b1, false, /*run=*/200);
+  const StepReplication s = Settled(replicator, 8);
+  INFO("why: " << s.why);
+  REQUIRE(s.state == State::kReplicated);
+
+  PeerShards shards(group.directory(), 2);
+  const auto steps = shards.Steps(kJob, 0, kUid);
+  REQUIRE_FALSE(steps.empty());
+  CHECK(steps.back() == std::pair<uint64_t, uint64_t>{200, 8});  // the restore's newest
+  auto shard = shards.Shard(kJob, 8, 0, kUid, kMaxShard);
+  REQUIRE(shard.ok());
+  CHECK(*shard == b0.copy);
+  CHECK(replicator.Replicated(kJob, 8));
 }
