@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <sstream>
+#include <string_view>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
@@ -359,14 +360,18 @@ ParseResult ParseFlags(int argc, char** argv) {
 }
 
 absl::StatusOr<std::pair<uint32_t, uint32_t>> ParseReplication(const std::string& text) {
-  uint32_t k = 0, m = 0;
-  char plus = 0;
-  std::istringstream in(text);
-  in >> k >> plus >> m;
-  if (!in || plus != '+' || !in.eof() || text.find_first_not_of("0123456789+") != std::string::npos) {
+  // Digits, one '+', digits: nothing a stream would also take ("+2+1", "2++1", " 2+1").
+  const size_t plus = text.find('+');
+  const auto digits = [](std::string_view d) {
+    return !d.empty() && d.size() <= 3 && d.find_first_not_of("0123456789") == std::string_view::npos;
+  };
+  if (plus == std::string::npos || !digits(std::string_view(text).substr(0, plus)) ||
+      !digits(std::string_view(text).substr(plus + 1))) {
     return absl::InvalidArgumentError(fmt::format("\"{}\" is not K+M (e.g. 2+1, 4+2; 1+1 is a mirror)", text));
   }
-  if (k < 1 || m < 1 || k + m > 32) {
+  const uint32_t k = static_cast<uint32_t>(std::stoul(text.substr(0, plus)));
+  const uint32_t m = static_cast<uint32_t>(std::stoul(text.substr(plus + 1)));
+  if (k < 1 || m < 1 || k + m > 32) {  // three digits each: no overflow
     return absl::InvalidArgumentError(fmt::format(
         "\"{}\": K and M must be at least 1 each and K+M at most 32 (a coding group is a few nodes)", text));
   }
