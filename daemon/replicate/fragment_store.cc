@@ -109,9 +109,23 @@ absl::Status FragmentStore::Release(const std::string& job, uint64_t step, uint3
     return absl::FailedPreconditionError(
         fmt::format("job {} step {} of node {} is not sealed here: its older steps stay", job, step, owner));
   }
-  // The owner's older steps of the job, sealed or not: every holder has the newer one.
-  for (auto older = steps_.lower_bound({job, owner, 0}); older != it;) EraseLocked(older++);
+  // The owner's older steps of the job, sealed or not: every holder has the newer one. Older
+  // by run, then step: a job restarted from an earlier step (a new run) replaces the steps
+  // of its old run whatever their numbers.
+  const auto released = std::pair{RunOf(it->second), step};
+  for (auto other = steps_.lower_bound({job, owner, 0});
+       other != steps_.end() && std::get<0>(other->first) == job && std::get<1>(other->first) == owner;) {
+    if (other != it && std::pair{RunOf(other->second), std::get<2>(other->first)} < released) {
+      EraseLocked(other++);
+    } else {
+      ++other;
+    }
+  }
   return absl::OkStatus();
+}
+
+uint64_t FragmentStore::RunOf(const Step& step) {
+  return step.fragments.empty() ? 0 : step.fragments.begin()->second.fragment->meta.run;
 }
 
 void FragmentStore::EraseLocked(std::map<StepKey, Step>::iterator it) {

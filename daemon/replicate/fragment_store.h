@@ -84,8 +84,8 @@ class FragmentStore {
   // of 0: the owner gives the step up, and what arrived of it is dropped (a sealed step
   // stays). The owner's older steps stay until it releases them.
   absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count, std::string manifest = {});
-  // The owner's word that every holder sealed `step`: its older steps of the job are dropped
-  // here. A seal alone never drops them, so a step sealed at some holders and not others
+  // The owner's word that every holder sealed `step`: its older steps of the job (by run,
+  // then step) are dropped here. A seal alone never drops them, so a step sealed at some holders and not others
   // leaves the step before whole everywhere. FailedPrecondition unless `step` is sealed here.
   absl::Status Release(const std::string& job, uint64_t step, uint32_t owner);
   // The manifest a sealed step came with; nullptr when none is held.
@@ -116,6 +116,8 @@ class FragmentStore {
   // Held jobs' owners, with the live sessions' users: who shares the budget.
   daemon::StagingLedger::ActiveUsers ActiveWithHolders() const;
   void EraseLocked(std::map<StepKey, Step>::iterator it);
+  // The run its fragments were saved by (FragmentMeta::run); 0 for none.
+  static uint64_t RunOf(const Step& step);
 
   const size_t budget_;
   const std::function<daemon::StagingLedger::ActiveUsers()> active_;

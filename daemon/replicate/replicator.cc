@@ -59,7 +59,8 @@ void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, ui
       const Key older{it->job, it->step};
       auto record = records_.find(older);
       const bool begun = older == sending_ || (record != records_.end() && !record->second.sent.empty());
-      if (it->job == job && it->step < step && !begun) {
+      const bool superseded = std::pair{it->run, it->step} < std::pair{run, step};
+      if (it->job == job && it->step != step && superseded && !begun) {
         MarkIncompleteLocked(records_[{it->job, it->step}],
                              fmt::format("step {} was staged before this one's shards were sent", step));
         it = queue_.erase(it);
@@ -68,11 +69,15 @@ void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, ui
       }
     }
     Record& r = records_[{job, step}];
+    if (!r.status.job.empty() && r.run != run && r.status.state != StepReplication::State::kSending) {
+      r = Record{};  // the same step number saved again by a newer run: a step of its own
+    }
     if (r.status.job.empty()) {
       r.status.job = job;
       r.status.step = step;
       r.started = std::chrono::steady_clock::now();
     }
+    r.run = run;
     queue_.push_back(Shard{job, step, rank, run, uid, std::move(data), bytes});
     PruneLocked();
   }
@@ -161,11 +166,14 @@ std::vector<StepReplication> Replicator::Steps() const {
 
 bool Replicator::Replicated(const std::string& job, uint64_t step) const {
   std::lock_guard lock(mu_);
-  for (auto it = records_.rbegin(); it != records_.rend(); ++it) {
-    if (it->first.first != job || it->second.status.state != StepReplication::State::kReplicated) continue;
-    return it->first.second == step;  // the newest replicated step of the job
+  // The newest replicated step of the job, by run and then step.
+  const Record* newest = nullptr;
+  for (auto it = records_.lower_bound({job, 0}); it != records_.end() && it->first.first == job; ++it) {
+    const Record& r = it->second;
+    if (r.status.state != StepReplication::State::kReplicated) continue;
+    if (newest == nullptr || std::pair{r.run, r.status.step} > std::pair{newest->run, newest->status.step}) newest = &r;
   }
-  return false;
+  return newest != nullptr && newest->status.step == step;
 }
 
 void Replicator::Loop() {

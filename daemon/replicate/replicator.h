@@ -63,7 +63,7 @@ class Replicator {
   // The newest steps of each job (a few), ascending by job then step.
   std::vector<StepReplication> Steps() const;
   // Whether the step was replicated (every fragment acknowledged, sealed) and is still the
-  // newest so: a newer step replicated replaces it in the peers' memory.
+  // newest so (by run, then step): a newer step replicated replaces it in the peers' memory.
   bool Replicated(const std::string& job, uint64_t step) const;
   // Stops the worker; a step still being sent is left incomplete.
   void Stop();
@@ -81,6 +81,7 @@ class Replicator {
   };
   struct Record {
     StepReplication status;
+    uint64_t run = 0;  // of its shards: a step of a newer run is newer whatever its number
     std::chrono::steady_clock::time_point started;
     std::optional<std::vector<Holder>> holders;  // fixed at the step's first send
     std::map<uint32_t, absl::Status> sent;       // by rank

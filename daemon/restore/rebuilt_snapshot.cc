@@ -91,7 +91,8 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
         !s.ok()) {
       return s;
     }
-    snap->shard.entries.push_back({name, "U8", {static_cast<int64_t>(blob.end - blob.begin)}, blob.begin, blob.end});
+    snap->shard.entries.push_back(
+        {format::TrainStateKey(name), "U8", {static_cast<int64_t>(blob.end - blob.begin)}, blob.begin, blob.end});
     snap->train_state_names.push_back(name);
   }
   snap->shard.data = data->data();
