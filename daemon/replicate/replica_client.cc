@@ -143,6 +143,7 @@ absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id, uint32_t k
         break;
       }
       expected = ErasureCode::FragmentBytes(f.meta.data_bytes, static_cast<int>(f.meta.k));
+      f.bytes.reserve(expected);  // bounded above: the caller's max_data_bytes
       started = true;
     }
     if (f.bytes.size() + chunk.data().size() > expected) {

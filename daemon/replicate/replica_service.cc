@@ -69,6 +69,15 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
                                                         expected_, service_.store().budget()));
       }
       started_ = true;
+      // The whole fragment is held from here (one allocation, no regrowth): it counts against
+      // the budget until the store has it, with what the store holds already.
+      counted_ = expected_;
+      if (service_.receiving() += expected_;
+          service_.receiving() + service_.store().used() > service_.store().budget()) {
+        return absl::ResourceExhaustedError(fmt::format(
+            "fragments being received hold more than --replica-bytes {}: try again", service_.store().budget()));
+      }
+      bytes_.reserve(expected_);
     } else if (chunk_.has_header()) {
       return absl::InvalidArgumentError("a fragment's header came again after its first chunk");
     }
@@ -76,13 +85,6 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
     if (bytes_.size() + data.size() > expected_) {
       return absl::InvalidArgumentError(
           fmt::format("the fragment's chunks hold more than the {} bytes its header gives it", expected_));
-    }
-    // Every fragment being received counts against the budget too, until the store has it.
-    counted_ += data.size();
-    // With what the store holds: the two together never pass the budget.
-    if (service_.receiving() += data.size(); service_.receiving() + service_.store().used() > service_.store().budget()) {
-      return absl::ResourceExhaustedError(fmt::format(
-          "fragments being received hold more than --replica-bytes {}: try again", service_.store().budget()));
     }
     bytes_.append(data);
     return absl::OkStatus();

@@ -212,6 +212,7 @@ def main():
     ap.add_argument("--remote", action="store_true", help="also restore from the remote tier (Ceph RGW here)")
     ap.add_argument("--quick", action="store_true", help="CI: 4 nodes, 2+1, 8 MiB, 2 steps")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", action="store_true", help="keep the daemons' roots and logs (printed at the end)")
     a = ap.parse_args()
     if a.quick:
         a.nodes, a.codes, a.bytes, a.steps = 4, "2+1", "8M", 2
@@ -261,7 +262,10 @@ def main():
     finally:
         if g is not None:
             g.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if a.keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def remote_restore(a, work, step):
