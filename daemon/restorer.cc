@@ -389,9 +389,18 @@ absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> Restorer::FromPee
     return absl::DataLossError(fmt::format("a peer's manifest of step {} has no shard of rank {}", step, session.rank));
   }
   // Its file (header and data) bounds its data region: no peer makes this node hold more.
-  CKPT_ASSIGN_OR_RETURN(std::string shard, peers_->Shard(session.job, step, session.rank, session.uid, saved->bytes));
-  CKPT_ASSIGN_OR_RETURN(StagedSnapshotPtr snap,
-                        RebuiltSnapshot(manifest, session.rank, std::make_shared<const std::string>(std::move(shard))));
+  // Into staging memory where it has room (pinned, and touched already when prefaulted: no
+  // page faults as the fragments land), else the heap.
+  auto allocate = [this](size_t bytes) -> std::shared_ptr<char> {
+    if (pool_ == nullptr) return nullptr;
+    absl::StatusOr<cuda::StagingBlockPtr> block = pool_->Allocate(bytes);
+    if (!block.ok()) return nullptr;
+    char* data = (*block)->data();
+    return std::shared_ptr<char>(std::shared_ptr<cuda::StagingBlock>(std::move(*block)), data);
+  };
+  CKPT_ASSIGN_OR_RETURN(ShardBytes shard,
+                        peers_->Shard(session.job, step, session.rank, session.uid, saved->bytes, allocate));
+  CKPT_ASSIGN_OR_RETURN(StagedSnapshotPtr snap, RebuiltSnapshot(manifest, session.rank, std::move(shard)));
   return std::pair{std::move(snap), std::move(manifest)};
 }
 

@@ -78,6 +78,7 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
                "group_scale_shared_root:bazel-bin/tests/bench/group_bench scale --nodes 16 --tensors 2 --steps 1 --shared-root" \
                "cow_bench:bazel-bin/tests/bench/cow_bench --mib 64" \
                "erasure_bench:bazel-bin/tests/bench/erasure_bench --mib 8 --rounds 1" \
+               "replica_transport_bench:bazel-bin/tests/bench/replica_transport_bench --mib 4 --streams 2 --rounds 1" \
                "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick" \
                "replica_bench:.venv/bin/python tests/bench/replica_bench.py --quick"; do
     name=${bench%%:*}

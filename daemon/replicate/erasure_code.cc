@@ -134,7 +134,7 @@ absl::Status ErasureCode::Decode(std::span<const FragmentView> fragments, std::s
     const size_t n = std::min(len, out.size() - begin);
     if (f == nullptr) {
       missing.push_back(i);
-    } else if (n > 0) {
+    } else if (n > 0 && f->bytes.data() != out.data() + begin) {  // not received in place already
       std::memcpy(out.data() + begin, f->bytes.data(), n);
     }
   }

@@ -41,7 +41,8 @@ class ErasureCode {
   absl::Status Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments, int threads = 1) const;
 
   // Rebuilds the `out.size()` bytes of data from any k distinct fragments (more are
-  // ignored), each FragmentBytes(out.size()) long. InvalidArgument, naming what is wrong,
+  // ignored), each FragmentBytes(out.size()) long. A data fragment that already lies where
+  // it belongs in `out` (fetched straight there) is not copied. InvalidArgument, naming what is wrong,
   // for fewer than k, repeated or out-of-range indices, or fragments of the wrong size.
   // Corruption is not detected here: fragments carry checksums of their own.
   absl::Status Decode(std::span<const FragmentView> fragments, std::span<uint8_t> out, int threads = 1) const;

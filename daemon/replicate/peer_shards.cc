@@ -4,7 +4,11 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstring>
+#include <mutex>
+#include <new>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -13,7 +17,10 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fetch_channel.h"
 #include "daemon/replicate/shard_fragments.h"
+#include "format/checksum.h"
 
 namespace ckpt::replicate {
 namespace {
@@ -46,9 +53,10 @@ void RunEach(size_t count, size_t at_once, const std::function<void(size_t)>& ca
 
 void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey) {
   std::vector<absl::StatusOr<std::vector<HeldStep>>> lists(peers.size(), absl::UnknownError("not asked"));
+  std::vector<FetchGrant> grants(peers.size());
   RunEach(
       peers.size(), kAskedAtOnce,
-      [&](size_t i) { lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self); },
+      [&](size_t i) { lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self, &grants[i]); },
       [&](size_t i, const std::string& what) { lists[i] = absl::InternalError(what); });
   for (size_t i = 0; i < peers.size(); ++i) {
     if (!lists[i].ok()) {
@@ -59,7 +67,8 @@ void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, u
       // Only what this node sealed, with its code, for the very user who asks.
       if (!s.sealed || s.k != static_cast<uint32_t>(k_) || s.uid != uid) continue;
       auto& ranks = survey.steps[{s.run, s.step}];
-      for (const auto& [rank, index] : s.pieces) ranks[rank].push_back({peers[i], index});
+      survey.m[{s.run, s.step}] = s.m;
+      for (const auto& [rank, index] : s.pieces) ranks[rank].push_back({peers[i], index, grants[i]});
     }
   }
 }
@@ -87,10 +96,13 @@ PeerShards::Survey PeerShards::Take(const std::string& job, uid_t uid) {
   return survey;
 }
 
-const std::map<uint32_t, std::vector<PeerShards::Source>>* PeerShards::Newest(const Survey& survey, uint64_t step) {
+const std::map<uint32_t, std::vector<PeerShards::Source>>* PeerShards::Newest(const Survey& survey, uint64_t step,
+                                                                             uint32_t* m) {
   const std::map<uint32_t, std::vector<Source>>* newest = nullptr;
   for (const auto& [key, ranks] : survey.steps) {
-    if (key.second == step) newest = &ranks;  // ascending by run: the last is the newest
+    if (key.second != step) continue;
+    newest = &ranks;  // ascending by run: the last is the newest
+    if (m != nullptr) *m = survey.m.at(key);
   }
   return newest;
 }
@@ -127,20 +139,55 @@ absl::StatusOr<std::string> PeerShards::Manifest(const std::string& job, uint64_
                                                      : fmt::format("{}", fmt::join(why, "; "))));
 }
 
-absl::StatusOr<std::string> PeerShards::Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
-                                              uint64_t max_bytes) {
+absl::StatusOr<daemon::ShardBytes> PeerShards::Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
+                                                     uint64_t max_bytes, const Allocate& allocate) {
   const auto started = std::chrono::steady_clock::now();
   const Survey survey = Take(job, uid);
   std::vector<Source> sources;
-  if (const auto* ranks = Newest(survey, step)) {
+  uint32_t m = 0;
+  if (const auto* ranks = Newest(survey, step, &m)) {
     if (auto it = ranks->find(rank); it != ranks->end()) sources = it->second;
   }
-  std::vector<std::shared_ptr<const HeldFragment>> good;
+  // Data fragments first: k of them are the shard itself, received in place, no decoding.
+  std::stable_sort(sources.begin(), sources.end(), [](const Source& a, const Source& b) { return a.index < b.index; });
+  absl::StatusOr<ErasureCode> code = ErasureCode::Make(k_, static_cast<int>(std::max<uint32_t>(m, 1)));
+  if (!code.ok()) return code.status();
+  const uint32_t self = peers_.options().self;
+
+  // Where fragments land: data fragment i at i * FragmentBytes in the shard (k of them make
+  // it, padding included), parity in buffers of their own. Sized by the first header.
+  std::mutex mu;
+  std::shared_ptr<char> out;
+  uint64_t data_bytes = 0;
+  size_t fragment_bytes = 0;
+  std::vector<std::unique_ptr<char[]>> parity;
+  auto into = [&](const FragmentMeta& meta, uint32_t index) -> char* {
+    std::lock_guard lock(mu);
+    if (!out) {
+      data_bytes = meta.data_bytes;
+      fragment_bytes = ErasureCode::FragmentBytes(data_bytes, k_);
+      const size_t bytes = std::max<size_t>(fragment_bytes * static_cast<size_t>(k_), 1);
+      if (allocate) out = allocate(bytes);
+      if (!out) out = std::shared_ptr<char>(new (std::nothrow) char[bytes], std::default_delete<char[]>());
+      if (!out) return nullptr;
+    }
+    if (meta.data_bytes != data_bytes) return nullptr;  // not a fragment of the same shard
+    if (index < static_cast<uint32_t>(k_)) return out.get() + static_cast<size_t>(index) * fragment_bytes;
+    parity.emplace_back(new (std::nothrow) char[std::max<size_t>(fragment_bytes, 1)]);
+    return parity.back().get();
+  };
+
+  struct Got {
+    uint32_t index = 0;
+    const char* bytes = nullptr;
+    uint32_t node = 0;
+  };
+  std::vector<Got> good;
   std::set<uint32_t> have;  // indices
   std::vector<std::string> why;
-  std::vector<uint32_t> from;
-  // k at a time from the sources not yet asked (one per index), until k are good or none is left.
   size_t next = 0;
+  std::atomic<uint64_t> tcp{0};  // fragments that came over the fetch channel
+  // k at a time from the sources not yet asked (one per index), until k are good or none is left.
   while (good.size() < static_cast<size_t>(k_) && next < sources.size()) {
     std::vector<Source> wave;
     for (; next < sources.size() && wave.size() + good.size() < static_cast<size_t>(k_); ++next) {
@@ -148,24 +195,59 @@ absl::StatusOr<std::string> PeerShards::Shard(const std::string& job, uint64_t s
                          std::any_of(wave.begin(), wave.end(), [&](const Source& w) { return w.index == sources[next].index; });
       if (!twice) wave.push_back(sources[next]);
     }
-    std::vector<absl::StatusOr<HeldFragment>> got(wave.size(), absl::UnknownError("not asked"));
+    std::vector<absl::Status> status(wave.size());
+    std::vector<const char*> landed(wave.size(), nullptr);
+    std::vector<std::string> checksum(wave.size());
     RunEach(
         wave.size(), wave.size(),
         [&](size_t i) {
-          got[i] = peers_.Client(wave[i].peer.address)
-                       .Get({job, step, peers_.options().self, rank, wave[i].index}, static_cast<uint32_t>(k_),
-                            max_bytes);
+          const Source& s = wave[i];
+          const FragmentId id{job, step, self, rank, s.index};
+          auto land = [&](const FragmentMeta& meta) {
+            landed[i] = into(meta, s.index);
+            checksum[i] = meta.checksum;
+            return const_cast<char*>(landed[i]);
+          };
+          if (s.grant.port != 0) {
+            // The fetch channel: straight from the peer's store into the shard.
+            const std::string host = s.peer.address.substr(0, s.peer.address.rfind(':'));
+            absl::StatusOr<FragmentMeta> meta = FetchFragment(host, s.grant.port, s.grant.ticket, id,
+                                                              static_cast<uint32_t>(k_), max_bytes, land,
+                                                              peers_.options().timeout);
+            status[i] = meta.status();
+            if (meta.ok() || !absl::IsUnavailable(meta.status())) {
+              if (meta.ok()) ++tcp;
+              return;
+            }
+          }
+          // gRPC, where the channel is off (TLS) or did not answer.
+          absl::StatusOr<HeldFragment> f =
+              peers_.Client(s.peer.address).Get(id, static_cast<uint32_t>(k_), max_bytes);
+          if (!f.ok()) {
+            status[i] = f.status();
+            return;
+          }
+          char* dst = land(f->meta);
+          if (dst == nullptr || f->bytes.size() != ErasureCode::FragmentBytes(f->meta.data_bytes, k_)) {
+            status[i] = absl::DataLossError("the fragment does not fit the shard");
+            return;
+          }
+          std::memcpy(dst, f->bytes.data(), f->bytes.size());
+          status[i] = absl::OkStatus();
         },
-        [&](size_t i, const std::string& what) { got[i] = absl::ResourceExhaustedError(what); });
+        [&](size_t i, const std::string& what) { status[i] = absl::ResourceExhaustedError(what); });
     for (size_t i = 0; i < wave.size(); ++i) {
-      if (got[i].ok()) {
+      // Every fragment checked where it landed: a damaged one is passed over for the next.
+      if (status[i].ok() && format::ChecksumOf(landed[i], fragment_bytes) != checksum[i]) {
+        status[i] = absl::DataLossError("its bytes do not match its checksum");
+      }
+      if (status[i].ok()) {
         have.insert(wave[i].index);
-        good.push_back(std::make_shared<const HeldFragment>(*std::move(got[i])));
-        from.push_back(wave[i].peer.node);
+        good.push_back({wave[i].index, landed[i], wave[i].peer.node});
       } else {
-        why.push_back(fmt::format("node {}: {}", wave[i].peer.node, Message(got[i].status())));
+        why.push_back(fmt::format("node {}: {}", wave[i].peer.node, Message(status[i])));
         Log().warn("[{}/r{} s{}] fragment from node {} not usable: {}", job, rank, step, wave[i].peer.node,
-                   Message(got[i].status()));
+                   Message(status[i]));
       }
     }
   }
@@ -176,15 +258,20 @@ absl::StatusOr<std::string> PeerShards::Shard(const std::string& job, uint64_t s
         why.empty() ? "no live peer holds them" : fmt::format("{}", fmt::join(why, "; "))));
   }
   const auto fetched = std::chrono::steady_clock::now();
-  absl::StatusOr<std::string> shard = RebuildShard(good, threads_);
-  if (shard.ok()) {
-    const auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
-    Log().info("[{}/r{} s{}] rebuilt {} bytes from fragments of nodes {} in {:.1f} ms ({:.1f} ms fetching, {:.1f} ms "
-               "decoding)",
-               job, rank, step, shard->size(), fmt::join(from, ","), ms(std::chrono::steady_clock::now() - started),
-               ms(fetched - started), ms(std::chrono::steady_clock::now() - fetched));
+  std::vector<FragmentView> views;
+  std::vector<uint32_t> from;
+  for (const Got& g : good) {
+    views.push_back({static_cast<int>(g.index), {reinterpret_cast<const uint8_t*>(g.bytes), fragment_bytes}});
+    from.push_back(g.node);
   }
-  return shard;
+  // Only parity among them needs arithmetic: data fragments already lie in place.
+  CKPT_RETURN_IF_ERROR(code->Decode(views, {reinterpret_cast<uint8_t*>(out.get()), data_bytes}, threads_));
+  const auto ms = [](auto d) { return std::chrono::duration<double, std::milli>(d).count(); };
+  Log().info("[{}/r{} s{}] rebuilt {} bytes from fragments of nodes {} ({} over the fetch channel) in {:.1f} ms "
+             "({:.1f} ms fetching, {:.1f} ms decoding)",
+             job, rank, step, data_bytes, fmt::join(from, ","), tcp.load(), ms(std::chrono::steady_clock::now() - started),
+             ms(fetched - started), ms(std::chrono::steady_clock::now() - fetched));
+  return daemon::ShardBytes{std::move(out), data_bytes};
 }
 
 }  // namespace ckpt::replicate

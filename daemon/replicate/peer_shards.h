@@ -24,25 +24,28 @@ class PeerShards final : public daemon::PeerSource {
 
   std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank, uid_t uid) override;
   absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step, uid_t uid) override;
-  absl::StatusOr<std::string> Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
-                                    uint64_t max_bytes) override;
+  absl::StatusOr<daemon::ShardBytes> Shard(const std::string& job, uint64_t step, uint32_t rank, uid_t uid,
+                                           uint64_t max_bytes, const Allocate& allocate = {}) override;
 
  private:
-  // A fragment a live peer reported holding.
+  // A fragment a live peer reported holding, and that peer's fetch channel.
   struct Source {
     Holder peer;
     uint32_t index = 0;
+    FetchGrant grant;
   };
   // What the live peers hold of this node's sealed steps of `job` for `uid`, with this
   // node's code: by (run, step), then by rank.
   struct Survey {
     std::map<std::pair<uint64_t, uint64_t>, std::map<uint32_t, std::vector<Source>>> steps;
+    std::map<std::pair<uint64_t, uint64_t>, uint32_t> m;  // each step's parity count
     std::vector<std::string> problems;  // peers that could not be asked
   };
   Survey Take(const std::string& job, uid_t uid);
   void Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey);
-  // The newest run's entry of `step`, or null.
-  static const std::map<uint32_t, std::vector<Source>>* Newest(const Survey& survey, uint64_t step);
+  // The newest run's entry of `step`, or null; its m in `m`.
+  static const std::map<uint32_t, std::vector<Source>>* Newest(const Survey& survey, uint64_t step,
+                                                               uint32_t* m = nullptr);
 
   PeerDirectory& peers_;
   const int k_;

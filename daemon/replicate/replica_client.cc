@@ -76,13 +76,18 @@ absl::Status ReplicaClient::Release(const std::string& job, uint64_t step, uint3
   return group::FromGrpc(stub_->Seal(ctx.get(), request, &reply));
 }
 
-absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job, uint32_t owner) {
+absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job, uint32_t owner,
+                                                          FetchGrant* grant) {
   auto ctx = Context();
   pb::ListHeldRequest request;
   request.set_job(job);
   request.set_owner(owner);
   pb::ListHeldReply reply;
   CKPT_RETURN_IF_ERROR(group::FromGrpc(stub_->ListHeld(ctx.get(), request, &reply)));
+  if (grant != nullptr) {
+    grant->port = static_cast<int>(reply.fetch_port() <= 65535 ? reply.fetch_port() : 0);
+    grant->ticket = reply.fetch_ticket();
+  }
   std::vector<HeldStep> steps;
   for (const pb::HeldStepInfo& s : reply.steps()) {
     HeldStep held;

@@ -19,6 +19,12 @@
 
 namespace ckpt::replicate {
 
+// A peer's fetch channel and ticket (fetch_channel.h), handed out with ListHeld.
+struct FetchGrant {
+  int port = 0;
+  std::string ticket;
+};
+
 class ReplicaClient {
  public:
   // `chunk_bytes`: what a fragment is sent in (tests send small fragments in several).
@@ -31,8 +37,9 @@ class ReplicaClient {
                     const std::string& manifest_json = {});
   // Every holder sealed `step`: the peer drops the owner's older steps of the job.
   absl::Status Release(const std::string& job, uint64_t step, uint32_t owner);
-  // What the peer holds of `owner`'s steps of `job`, ascending.
-  absl::StatusOr<std::vector<HeldStep>> List(const std::string& job, uint32_t owner);
+  // What the peer holds of `owner`'s steps of `job`, ascending; in `grant` (may be null)
+  // where and how to fetch them over the plain TCP channel (port 0: none).
+  absl::StatusOr<std::vector<HeldStep>> List(const std::string& job, uint32_t owner, FetchGrant* grant = nullptr);
   // The manifest a sealed step came with (untrusted: the caller parses it with care).
   absl::StatusOr<std::string> GetManifest(const std::string& job, uint64_t step, uint32_t owner);
   // The fragment as the peer holds it: DataLoss when what arrives is not the fragment asked

@@ -9,6 +9,7 @@
 
 #include "daemon/group/grpc_util.h"
 #include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fetch_channel.h"
 #include "format/manifest.h"
 #include "storage/secret.h"
 
@@ -249,6 +250,10 @@ grpc::ServerUnaryReactor* ReplicaService::ListHeld(grpc::CallbackServerContext* 
   absl::Status admitted = Admit(ctx);
   if (admitted.ok() && request->job().empty()) admitted = absl::InvalidArgumentError("no job named");
   if (admitted.ok()) {
+    if (fetch_ != nullptr) {
+      reply->set_fetch_port(static_cast<uint32_t>(fetch_->port()));
+      reply->set_fetch_ticket(fetch_->Issue(request->job(), request->owner()));
+    }
     for (const HeldStep& held : store_.Held(request->job(), request->owner())) {
       pb::HeldStepInfo* step = reply->add_steps();
       step->set_step(held.step);

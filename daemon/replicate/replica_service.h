@@ -13,6 +13,8 @@
 
 namespace ckpt::replicate {
 
+class FetchServer;
+
 // What a fragment is sent and served in: with its header, under gRPC's default 4 MiB
 // message limit, so that any server built with defaults takes it.
 inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
@@ -50,11 +52,15 @@ class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackServi
   absl::Status Admit(grpc::CallbackServerContext* ctx) const;
   // Whether the stall fault is on now.
   bool Stalled() const;
+  // The plain TCP channel for restores (fetch_channel.h), whose tickets ListHeld hands out;
+  // null: none (fragments are fetched with GetFragment). Set before the server serves.
+  void set_fetch(FetchServer* fetch) { fetch_ = fetch; }
 
  private:
   FragmentStore& store_;
   const std::string token_;
   const ReplicaFaults faults_;
+  FetchServer* fetch_ = nullptr;
   std::atomic<size_t> receiving_{0};
 };
 

@@ -31,8 +31,12 @@ const char* StateName(StepReplication::State state) {
   return "?";
 }
 
-Replicator::Replicator(PeerDirectory& peers, ErasureCode code, int threads)
-    : peers_(peers), code_(std::move(code)), threads_(std::max(threads, 1)), worker_([this] { Loop(); }) {}
+Replicator::Replicator(PeerDirectory& peers, ErasureCode code, int threads, std::function<void()> yield)
+    : peers_(peers),
+      code_(std::move(code)),
+      threads_(std::max(threads, 1)),
+      yield_(std::move(yield)),
+      worker_([this] { Loop(); }) {}
 
 Replicator::~Replicator() { Stop(); }
 
@@ -265,12 +269,14 @@ absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& hol
   for (const Holder& h : holders) {
     if (!h.alive) return absl::UnavailableError(fmt::format("peer node {} is not in the group now", h.node));
   }
+  if (yield_) yield_();
   CKPT_ASSIGN_OR_RETURN(
       std::vector<HeldFragment> fragments,
       CodeShard(code_, shard.job, shard.step, peers_.options().self, shard.rank, shard.run,
                 {reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes}, threads_));
   // One thread per holder: each peer's link runs at its own speed, and a stalled peer
   // costs the call's timeout once, not once per holder.
+  if (yield_) yield_();
   std::vector<absl::Status> results(holders.size());
   std::vector<std::thread> sends;
   for (size_t i = 0; i < holders.size(); ++i) {

@@ -46,7 +46,10 @@ const char* StateName(StepReplication::State state);
 class Replicator {
  public:
   // `threads`: for coding each shard, and as many sends as there are holders at once.
-  Replicator(PeerDirectory& peers, ErasureCode code, int threads = 2);
+  // `yield` (may be empty): called before each shard is coded and sent, so that copies a
+  // trainer waits for (staging, restores) have the node's memory bandwidth first, as the
+  // writer does (cuda::CopyPriority::YieldToCopies).
+  Replicator(PeerDirectory& peers, ErasureCode code, int threads = 2, std::function<void()> yield = {});
   ~Replicator();
 
   // A rank's shard of `step` has landed in staging memory (`data` keeps it there while it
@@ -110,6 +113,7 @@ class Replicator {
   PeerDirectory& peers_;
   const ErasureCode code_;
   const int threads_;
+  const std::function<void()> yield_;
   mutable std::mutex mu_;
   std::condition_variable wake_;
   std::deque<Shard> queue_;         // guarded by mu_

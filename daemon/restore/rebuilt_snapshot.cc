@@ -14,7 +14,7 @@ namespace ckpt::daemon {
 namespace {
 
 // The bytes [begin, end) of `data`, checked: within it, and hashing to `checksum`.
-absl::Status CheckEntry(const std::string& data, const std::string& what, uint64_t begin, uint64_t end,
+absl::Status CheckEntry(std::string_view data, const std::string& what, uint64_t begin, uint64_t end,
                         const std::string& checksum, uint64_t step) {
   if (begin > end || end > data.size()) {
     return absl::DataLossError(fmt::format("step {}: {} at [{}, {}) is outside the rebuilt shard of {} bytes", step,
@@ -29,8 +29,8 @@ absl::Status CheckEntry(const std::string& data, const std::string& what, uint64
 
 }  // namespace
 
-absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank,
-                                                  std::shared_ptr<const std::string> data) {
+absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank, ShardBytes shard) {
+  const std::string_view data(shard.data.get(), shard.size);
   const format::ManifestShard* saved = manifest.Shard(rank);
   if (saved == nullptr) {
     return absl::FailedPreconditionError(fmt::format("this node's manifest of step {} has no shard of rank {}",
@@ -51,7 +51,7 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
         return absl::FailedPreconditionError(
             fmt::format("step {}: rank {} saved two pieces of tensor {}", manifest.step, rank, name));
       }
-      if (absl::Status s = CheckEntry(*data, "tensor " + name, piece.begin, piece.end, piece.checksum, manifest.step);
+      if (absl::Status s = CheckEntry(data, "tensor " + name, piece.begin, piece.end, piece.checksum, manifest.step);
           !s.ok()) {
         return s;
       }
@@ -87,7 +87,7 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
   snap->placements = std::move(placements);
   snap->tensor_count = snap->shard.entries.size();
   for (const auto& [name, blob] : saved->train_state) {
-    if (absl::Status s = CheckEntry(*data, "train state " + name, blob.begin, blob.end, blob.checksum, manifest.step);
+    if (absl::Status s = CheckEntry(data, "train state " + name, blob.begin, blob.end, blob.checksum, manifest.step);
         !s.ok()) {
       return s;
     }
@@ -95,9 +95,9 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
         {format::TrainStateKey(name), "U8", {static_cast<int64_t>(blob.end - blob.begin)}, blob.begin, blob.end});
     snap->train_state_names.push_back(name);
   }
-  snap->shard.data = data->data();
-  snap->shard.data_bytes = data->size();
-  snap->rebuilt = std::move(data);
+  snap->shard.data = shard.data.get();
+  snap->shard.data_bytes = shard.size;
+  snap->rebuilt = std::move(shard.data);
   return snap;
 }
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "daemon/restore/peer_source.h"
 #include "daemon/staging/staged_snapshot.h"
 #include "format/manifest.h"
 
@@ -15,7 +16,6 @@ namespace ckpt::daemon {
 
 // DataLoss naming the entry when a byte differs from what the manifest says was saved;
 // FailedPrecondition when the manifest does not describe the rank's shard as one region.
-absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank,
-                                                  std::shared_ptr<const std::string> data);
+absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank, ShardBytes data);
 
 }  // namespace ckpt::daemon

@@ -42,7 +42,7 @@ struct StagedSnapshot {
   cuda::StagingBlockPtr block;
   // A shard rebuilt from peers' fragments (restore/rebuilt_snapshot.h) owns its bytes here
   // instead of in a staging block.
-  std::shared_ptr<const std::string> rebuilt;
+  std::shared_ptr<const void> rebuilt;
   StagingWatermark landed;  // how much of `block` the stager has filled
   StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors

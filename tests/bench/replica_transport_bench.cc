@@ -5,6 +5,8 @@
 // the same run: plain TCP on loopback, the same bytes in the same 2 MiB writes, one
 // connection per stream. Each figure is the best of --rounds after one untimed pass.
 //
+// And the restore's plain TCP fetch channel (fetch_channel.h) on the same fragments.
+//
 //   bazel run -c opt //tests/bench:replica_transport_bench -- [--mib 64] [--streams 4] [--rounds 3] [--json]
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -29,6 +31,7 @@
 
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fetch_channel.h"
 #include "daemon/replicate/fragment_store.h"
 #include "daemon/replicate/replica_client.h"
 #include "daemon/replicate/replica_service.h"
@@ -180,13 +183,39 @@ int main(int argc, char** argv) {
     }
     for (auto& t : threads) t.join();
   });
+  // The restore's fetch channel: the same fragments over plain TCP, straight from the store
+  // into buffers of the reader's (touched once, as a prefaulted staging block is).
+  absl::StatusOr<std::unique_ptr<FetchServer>> fetch = FetchServer::Start(store, "127.0.0.1");
+  if (!fetch.ok()) Fail("fetch channel", fetch.status());
+  const std::string ticket = (*fetch)->Issue("bench", 7);
+  std::vector<std::unique_ptr<char[]>> sinks;
+  for (int i = 0; i < streams; ++i) {
+    sinks.emplace_back(new char[bytes]);
+    std::memset(sinks.back().get(), 0, bytes);
+  }
+  const double fetched = Best(rounds, [&] {
+    std::vector<std::thread> threads;
+    for (int i = 0; i < streams; ++i) {
+      threads.emplace_back([&, i] {
+        FragmentId id = fragments[i].id;
+        id.step = step;
+        absl::StatusOr<FragmentMeta> meta = FetchFragment(
+            "127.0.0.1", (*fetch)->port(), ticket, id, 1, bytes, [&](const FragmentMeta&) { return sinks[i].get(); },
+            std::chrono::seconds(60));
+        if (!meta.ok()) Fail("fetch", meta.status());
+      });
+    }
+    for (auto& t : threads) t.join();
+  });
+  (*fetch)->Stop();
   server->Shutdown();
   const auto gbps = [&](double s) { return total / s / 1e9; };
   if (json) {
     std::cout << nlohmann::json{{"fragment_bytes", bytes},   {"streams", streams},
                                 {"tcp_gbps", gbps(tcp)},      {"put_gbps", gbps(put)},
                                 {"get_gbps", gbps(get)},      {"put_of_tcp", tcp / put},
-                                {"get_of_tcp", tcp / get}}
+                                {"get_of_tcp", tcp / get},    {"fetch_channel_gbps", gbps(fetched)},
+                                {"fetch_channel_of_tcp", tcp / fetched}}
                      .dump()
               << "\n";
   } else {
@@ -196,6 +225,8 @@ int main(int argc, char** argv) {
                              100 * tcp / put);
     std::cout << fmt::format("  Replicas GetFragment         {:6.2f} GB/s  ({:.0f}% of the limit)\n", gbps(get),
                              100 * tcp / get);
+    std::cout << fmt::format("  the restore's fetch channel  {:6.2f} GB/s  ({:.0f}% of the limit)\n", gbps(fetched),
+                             100 * tcp / fetched);
   }
   return 0;
 }

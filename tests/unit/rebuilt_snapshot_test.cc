@@ -97,12 +97,18 @@ Manifest Make(const std::string& data) {
   return m;
 }
 
+// Bytes as the peers' restore hands them over: a buffer of their own.
+ckpt::daemon::ShardBytes Held(const std::string& bytes) {
+  auto copy = std::make_shared<std::string>(bytes);
+  return {std::shared_ptr<const char>(copy, copy->data()), copy->size()};
+}
+
 }  // namespace
 
 TEST_CASE("a rebuilt shard becomes a snapshot of the rank's entries in data order, placed as saved") {
   const std::string data = Data();
   const Manifest manifest = Make(data);
-  auto bytes = std::make_shared<const std::string>(data);
+  ckpt::daemon::ShardBytes bytes = Held(data);
   absl::StatusOr<StagedSnapshotPtr> made = RebuiltSnapshot(manifest, 1, bytes);
   INFO(made.status());
   REQUIRE(made.ok());
@@ -113,9 +119,9 @@ TEST_CASE("a rebuilt shard becomes a snapshot of the rank's entries in data orde
   CHECK(snap.world_size == 2);
   CHECK(snap.shard.rank == 1);
   CHECK(snap.shard.metadata == std::map<std::string, std::string>{{"rank", "1"}});
-  CHECK(snap.shard.data == bytes->data());
+  CHECK(snap.shard.data == bytes.data.get());
   CHECK(snap.shard.data_bytes == kDataBytes);
-  CHECK(snap.rebuilt == bytes);
+  CHECK(snap.rebuilt == bytes.data);
   CHECK(snap.block == nullptr);
 
   // Tensors first, in the order of their bytes ("w" before "b"), then the train state.
@@ -158,21 +164,21 @@ TEST_CASE("a rebuilt shard whose bytes differ from the manifest's checksums is r
   SECTION("a byte of a tensor") {
     std::string damaged = data;
     damaged[70] ^= 0x01;  // inside "b"
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(damaged));
+    auto made = RebuiltSnapshot(manifest, 1, Held(damaged));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("tensor b") && Catch::Contains("step 42"));
   }
   SECTION("a byte of the train state") {
     std::string damaged = data;
     damaged[159] ^= 0x40;
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(damaged));
+    auto made = RebuiltSnapshot(manifest, 1, Held(damaged));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("train state optimizer"));
   }
   SECTION("a byte outside every entry is no entry's") {
     std::string changed = data;
     changed[165] ^= 0xff;
-    CHECK(RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(changed)).ok());
+    CHECK(RebuiltSnapshot(manifest, 1, Held(changed)).ok());
   }
 }
 
@@ -181,13 +187,13 @@ TEST_CASE("a rebuilt shard shorter than the manifest's pieces, or of a rank it d
   SECTION("a tensor piece past the end of the data") {
     Manifest manifest = Make(data);
     manifest.tensors["w"].shards[1].end = kDataBytes + 8;
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(data));
+    auto made = RebuiltSnapshot(manifest, 1, Held(data));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("tensor w") && Catch::Contains("outside the rebuilt shard"));
   }
   SECTION("the data shorter than the train state") {
     const Manifest manifest = Make(data);
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(data.substr(0, 150)));
+    auto made = RebuiltSnapshot(manifest, 1, Held(data.substr(0, 150)));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("train state optimizer") &&
                                                  Catch::Contains("outside the rebuilt shard of 150 bytes"));
@@ -196,20 +202,20 @@ TEST_CASE("a rebuilt shard shorter than the manifest's pieces, or of a rank it d
     Manifest manifest = Make(data);
     manifest.tensors["b"].shards[1].begin = 96;
     manifest.tensors["b"].shards[1].end = 64;
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(data));
+    auto made = RebuiltSnapshot(manifest, 1, Held(data));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("tensor b"));
   }
   SECTION("a piece whose bytes are not what its dtype and shape make") {
     Manifest manifest = Make(data);
     manifest.tensors["w"].shards[1].shape = {2, 4};  // 32 bytes of F32, where the piece spans 64
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(data));
+    auto made = RebuiltSnapshot(manifest, 1, Held(data));
     CHECK(absl::IsDataLoss(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("tensor w of rank 1 spans 64 bytes"));
   }
   SECTION("a rank the manifest does not list") {
     const Manifest manifest = Make(data);
-    auto made = RebuiltSnapshot(manifest, 2, std::make_shared<const std::string>(data));
+    auto made = RebuiltSnapshot(manifest, 2, Held(data));
     CHECK(absl::IsFailedPrecondition(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("no shard of rank 2"));
   }
@@ -218,7 +224,7 @@ TEST_CASE("a rebuilt shard shorter than the manifest's pieces, or of a rank it d
     TensorShard again = manifest.tensors["w"].shards[1];
     again.offset = {0, 0};
     manifest.tensors["w"].shards.push_back(again);
-    auto made = RebuiltSnapshot(manifest, 1, std::make_shared<const std::string>(data));
+    auto made = RebuiltSnapshot(manifest, 1, Held(data));
     CHECK(absl::IsFailedPrecondition(made.status()));
     CHECK_THAT(ckpt::Message(made.status()), Catch::Contains("two pieces of tensor w"));
   }

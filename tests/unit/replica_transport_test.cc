@@ -4,6 +4,10 @@
 #include <catch2/catch.hpp>
 
 #include <grpcpp/grpcpp.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <memory>
@@ -11,6 +15,7 @@
 
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
+#include "daemon/replicate/fetch_channel.h"
 #include "daemon/replicate/replica_client.h"
 #include "daemon/replicate/replica_service.h"
 #include "daemon/replicate/shard_fragments.h"
@@ -141,4 +146,84 @@ TEST_CASE("a peer refuses a fragment damaged on the way, one that does not fit, 
     CHECK_THAT(ckpt::Message(refused), Catch::Contains("more than the 256 bytes its header gives it"));
     CHECK(peer.service.receiving() == 0);
   }
+}
+
+namespace {
+
+// Fetches fragment `index` of rank 25's shard of step 5 through `fetch` with `ticket`,
+// into `into` (sized for it), for a 4+2 code of data up to `max`.
+absl::StatusOr<FragmentMeta> Fetch(const FetchServer& fetch, const std::string& ticket, uint32_t index,
+                                   std::string& into, uint64_t max = 1 << 30) {
+  return FetchFragment("127.0.0.1", fetch.port(), ticket, {"llm", 5, 3, 25, index}, 4, max,
+                       [&](const FragmentMeta& meta) {
+                         into.assign(ErasureCode::FragmentBytes(meta.data_bytes, 4), '\0');
+                         return into.data();
+                       },
+                       5s * ckpt::testing::kSanitizerSlowdown);
+}
+
+}  // namespace
+
+TEST_CASE("the fetch channel serves a held fragment for a ticket of its job and owner, and nothing without one") {
+  Peer peer(size_t{64} << 20);
+  auto fragments = Fragments(400'000);
+  for (int i = 0; i < 2; ++i) REQUIRE(peer.Client().Put(1000, fragments[static_cast<size_t>(i)]).ok());
+  auto fetch = FetchServer::Start(peer.store, "127.0.0.1");
+  REQUIRE(fetch.ok());
+  const std::string ticket = (*fetch)->Issue("llm", 3);
+  CHECK(ticket.size() == kFetchTicketBytes);
+  std::string got;
+  auto meta = Fetch(**fetch, ticket, 1, got);
+  INFO(meta.status());
+  REQUIRE(meta.ok());
+  CHECK(got == fragments[1].bytes);
+  CHECK(meta->checksum == fragments[1].meta.checksum);
+  CHECK(meta->data_bytes == 400'000);
+  // Nothing for a guessed ticket, a ticket of another owner or job, or a fragment not held.
+  std::string none;
+  std::string guessed = ticket;
+  guessed[0] ^= 1;
+  CHECK(absl::IsNotFound(Fetch(**fetch, guessed, 1, none).status()));
+  CHECK(absl::IsNotFound(Fetch(**fetch, (*fetch)->Issue("llm", 4), 1, none).status()));
+  CHECK(absl::IsNotFound(Fetch(**fetch, (*fetch)->Issue("other", 3), 1, none).status()));
+  CHECK(absl::IsNotFound(Fetch(**fetch, ticket, 5, none).status()));
+  CHECK(none.empty());
+  // A fragment coding more than the reader's shard holds is refused before its bytes are read.
+  auto large = Fetch(**fetch, ticket, 0, none, 399'999);
+  CHECK(absl::IsDataLoss(large.status()));
+  CHECK(none.empty());
+  // A client that connects and says nothing holds a connection for the server's timeout at
+  // most; the server still answers others meanwhile.
+  int idle = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(static_cast<uint16_t>((*fetch)->port()));
+  REQUIRE(::connect(idle, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  std::string again;
+  CHECK(Fetch(**fetch, ticket, 0, again).ok());
+  ::close(idle);
+  (*fetch)->Stop();
+}
+
+TEST_CASE("the Replicas service hands out the fetch channel's port and a ticket with what it holds") {
+  Peer peer(size_t{64} << 20);
+  auto fragments = Fragments(400'000);
+  REQUIRE(peer.Client().Put(1000, fragments[0]).ok());
+  auto fetch = FetchServer::Start(peer.store, "127.0.0.1");
+  REQUIRE(fetch.ok());
+  peer.service.set_fetch(fetch->get());
+  FetchGrant grant;
+  auto held = peer.Client().List("llm", 3, &grant);
+  REQUIRE(held.ok());
+  CHECK(grant.port == (*fetch)->port());
+  CHECK(grant.ticket.size() == kFetchTicketBytes);
+  std::string got;
+  REQUIRE(Fetch(**fetch, grant.ticket, 0, got).ok());
+  CHECK(got == fragments[0].bytes);
+  // Without the group token, no ticket.
+  FetchGrant none;
+  CHECK(absl::IsUnauthenticated(peer.Client("not-the-group-token-000000000000000").List("llm", 3, &none).status()));
+  CHECK(none.ticket.empty());
+  (*fetch)->Stop();
 }

@@ -1,0 +1,302 @@
+#include "daemon/replicate/fetch_channel.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+#include <utility>
+
+#include "common/log.h"
+#include "daemon/replicate/erasure_code.h"
+#include "proto/replicas.pb.h"
+#include "storage/secret.h"
+
+namespace ckpt::replicate {
+namespace {
+
+namespace pb = ckptd::replicas::v1;
+
+constexpr size_t kRequestBytes = kFetchTicketBytes + 4 + 4 + 8;
+constexpr uint32_t kMaxHeaderBytes = 4096;
+// A client that sends its request this slowly, or a reader this slow, is dropped.
+constexpr auto kServerIoTimeout = std::chrono::seconds(10);
+
+spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
+
+void SetTimeouts(int fd, std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+bool WriteAll(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::send(fd, data, n, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, char* data, size_t n) {
+  while (n > 0) {
+    ssize_t r = ::recv(fd, data, n, 0);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    data += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+template <typename T>
+void PutLe(std::string& out, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+template <typename T>
+T GetLe(const char* p) {
+  T v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+// "host" of "host:port", brackets of an IPv6 literal taken off.
+std::string HostPart(std::string host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  return host;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FetchServer>> FetchServer::Start(FragmentStore& store, const std::string& host,
+                                                                ReplicaFaults faults) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string bind_host = HostPart(host);
+  if (int rc = ::getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(), "0", &hints, &found); rc != 0) {
+    return absl::InvalidArgumentError(fmt::format("fragment fetch channel: {}: {}", host, ::gai_strerror(rc)));
+  }
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, kMaxConnections) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) return absl::UnavailableError(fmt::format("fragment fetch channel: cannot listen on {}", host));
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  const int port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                               : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return std::unique_ptr<FetchServer>(new FetchServer(store, fd, port, std::move(faults)));
+}
+
+FetchServer::FetchServer(FragmentStore& store, int listener, int port, ReplicaFaults faults)
+    : store_(store), listener_(listener), port_(port), faults_(std::move(faults)), acceptor_([this] { AcceptLoop(); }) {}
+
+FetchServer::~FetchServer() { Stop(); }
+
+void FetchServer::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (acceptor_.joinable()) acceptor_.join();
+  ::close(listener_);
+  std::vector<Worker> workers;
+  {
+    std::lock_guard lock(mu_);
+    workers.swap(workers_);
+  }
+  for (Worker& w : workers) w.thread.join();  // each bounded by kServerIoTimeout
+}
+
+std::string FetchServer::Issue(const std::string& job, uint32_t owner) {
+  std::random_device random;  // /dev/urandom: a ticket must not be guessable
+  std::string ticket;
+  while (ticket.size() < kFetchTicketBytes) PutLe<uint32_t>(ticket, random());
+  ticket.resize(kFetchTicketBytes);
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard lock(mu_);
+  for (auto it = tickets_.begin(); it != tickets_.end();) {
+    it = it->second.expires < now ? tickets_.erase(it) : std::next(it);
+  }
+  if (tickets_.size() >= kMaxTickets) tickets_.erase(tickets_.begin());  // a random one: keys are random
+  tickets_[ticket] = Grant{job, owner, now + kTicketLifetime};
+  return ticket;
+}
+
+bool FetchServer::Redeem(const std::string& ticket, std::string& job, uint32_t& owner) {
+  const auto now = std::chrono::steady_clock::now();
+  std::lock_guard lock(mu_);
+  bool found = false;
+  // Every ticket compared in constant time: no timing tells how much of a guess was right.
+  for (const auto& [key, grant] : tickets_) {
+    if (SecretEquals(ticket, key) && grant.expires >= now) {
+      job = grant.job;
+      owner = grant.owner;
+      found = true;
+    }
+  }
+  return found;
+}
+
+void FetchServer::AcceptLoop() {
+  while (!stopping_) {
+    pollfd p{listener_, POLLIN, 0};
+    if (::poll(&p, 1, 200) <= 0) continue;
+    int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    if (connections_.load() >= kMaxConnections) {
+      ::close(fd);  // the client falls back to gRPC
+      continue;
+    }
+    ++connections_;
+    std::lock_guard lock(mu_);
+    // Finished workers are joined as new ones start: the list is as long as the connections.
+    for (auto it = workers_.begin(); it != workers_.end();) {
+      if (it->done->load()) {
+        it->thread.join();
+        it = workers_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    workers_.push_back({std::thread([this, fd, done] {
+                          Serve(fd);
+                          ::close(fd);
+                          --connections_;
+                          *done = true;
+                        }),
+                        done});
+  }
+}
+
+void FetchServer::Serve(int fd) {
+  SetTimeouts(fd, kServerIoTimeout);
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  char request[kRequestBytes];
+  if (!ReadAll(fd, request, sizeof request)) return;
+  std::string job;
+  uint32_t owner = 0;
+  const std::string ticket(request, kFetchTicketBytes);
+  const uint32_t rank = GetLe<uint32_t>(request + kFetchTicketBytes);
+  const uint32_t index = GetLe<uint32_t>(request + kFetchTicketBytes + 4);
+  const uint64_t step = GetLe<uint64_t>(request + kFetchTicketBytes + 8);
+  std::shared_ptr<const HeldFragment> fragment;
+  if (Redeem(ticket, job, owner)) fragment = store_.Find({job, step, owner, rank, index});
+  if (!fragment) {
+    std::string refused;
+    PutLe<uint32_t>(refused, 0);
+    (void)WriteAll(fd, refused.data(), refused.size());
+    return;
+  }
+  pb::FragmentHeader header;
+  ToHeader(fragment->id, fragment->meta, &header);
+  std::string out;
+  PutLe<uint32_t>(out, static_cast<uint32_t>(header.ByteSizeLong()));
+  header.AppendToString(&out);
+  if (!WriteAll(fd, out.data(), out.size())) return;
+  if (faults_.corrupt_served) {
+    std::string damaged = fragment->bytes;
+    if (!damaged.empty()) damaged[damaged.size() / 2] ^= 0x5a;
+    (void)WriteAll(fd, damaged.data(), damaged.size());
+    return;
+  }
+  // Straight from the store: `fragment` keeps the bytes alive while they go.
+  (void)WriteAll(fd, fragment->bytes.data(), fragment->bytes.size());
+}
+
+absl::StatusOr<FragmentMeta> FetchFragment(const std::string& host, int port, const std::string& ticket,
+                                           const FragmentId& id, uint32_t k, uint64_t max_data_bytes,
+                                           const std::function<char*(const FragmentMeta&)>& into,
+                                           std::chrono::milliseconds timeout) {
+  const std::string where = fmt::format("{}:{}", host, port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string h = HostPart(host);
+  if (int rc = ::getaddrinfo(h.c_str(), std::to_string(port).c_str(), &hints, &found); rc != 0) {
+    return absl::UnavailableError(fmt::format("{}: {}", where, ::gai_strerror(rc)));
+  }
+  int fd = -1;
+  for (addrinfo* a = found; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    SetTimeouts(fd, timeout);  // connect honours the send timeout
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(found);
+  if (fd < 0) return absl::UnavailableError(fmt::format("cannot connect to {}: {}", where, std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  std::string request = ticket;
+  request.resize(kFetchTicketBytes);
+  PutLe<uint32_t>(request, id.rank);
+  PutLe<uint32_t>(request, id.index);
+  PutLe<uint64_t>(request, id.step);
+  if (!WriteAll(fd, request.data(), request.size())) {
+    return absl::UnavailableError(fmt::format("{}: sending the request: {}", where, std::strerror(errno)));
+  }
+  char length[4];
+  if (!ReadAll(fd, length, sizeof length)) {
+    return absl::UnavailableError(fmt::format("{}: no answer: {}", where, std::strerror(errno)));
+  }
+  const uint32_t header_bytes = GetLe<uint32_t>(length);
+  if (header_bytes == 0) {
+    return absl::NotFoundError(fmt::format("{} refused the fragment (not held there, or the ticket expired)", where));
+  }
+  if (header_bytes > kMaxHeaderBytes) return absl::DataLossError(fmt::format("{}: a header of {} bytes", where, header_bytes));
+  std::string text(header_bytes, '\0');
+  pb::FragmentHeader h2;
+  if (!ReadAll(fd, text.data(), text.size()) || !h2.ParseFromString(text)) {
+    return absl::DataLossError(fmt::format("{}: the fragment's header did not arrive whole", where));
+  }
+  const FragmentId got{h2.job(), h2.step(), h2.owner(), h2.rank(), h2.index()};
+  const FragmentMeta meta{h2.k(), h2.m(), h2.data_bytes(), h2.run(), h2.checksum()};
+  if (got != id || meta.k != k || meta.k < 1 || uint64_t{meta.k} + meta.m > static_cast<uint64_t>(kMaxFragments)) {
+    return absl::DataLossError(fmt::format("{} answered with another fragment than the one asked for", where));
+  }
+  if (meta.data_bytes > max_data_bytes) {
+    return absl::DataLossError(
+        fmt::format("{}: the fragment codes {} bytes, more than the {} its shard holds", where, meta.data_bytes,
+                    max_data_bytes));
+  }
+  char* dst = into(meta);
+  if (dst == nullptr) return absl::DataLossError(fmt::format("{}: the fragment does not fit the shard", where));
+  const size_t bytes = ErasureCode::FragmentBytes(meta.data_bytes, static_cast<int>(meta.k));
+  if (!ReadAll(fd, dst, bytes)) {
+    return absl::UnavailableError(fmt::format("{}: the fragment's bytes stopped: {}", where, std::strerror(errno)));
+  }
+  return meta;
+}
+
+}  // namespace ckpt::replicate
