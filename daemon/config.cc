@@ -110,6 +110,7 @@ std::string Config::ToJson() const {
                       {"replication", replication_k == 0 ? "" : fmt::format("{}+{}", replication_k, replication_m)},
                       {"replica_bytes", replica_bytes},
                       {"failure_domain", failure_domain},
+                      {"replica_fetch_port", replica_fetch_port},
                       {"remote", remote},
                       {"remote_mode", remote_mode == RemoteMode::kDirect ? "direct" : "tiered"},
                       {"s3_endpoint", s3_endpoint},
@@ -240,6 +241,11 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--replica-bytes", replica_bytes,
                  "memory for the fragments this node holds of its peers' shards (0: --staging-bytes)")
       ->envname("CKPTD_REPLICA_BYTES")
+      ->capture_default_str();
+  app.add_option("--replica-fetch-port", c.replica_fetch_port,
+                 "port of the TCP channel that restores fetch peers' fragments on, on the group address's host "
+                 "(0: any free port; -1: none, fetch over gRPC; never used with --group-tls-*)")
+      ->envname("CKPTD_REPLICA_FETCH_PORT")
       ->capture_default_str();
   app.add_option("--failure-domain", c.failure_domain,
                  "this node's rack or topology zone: a coding group keeps one node's fragments in "
@@ -465,6 +471,9 @@ absl::Status Validate(const Config& c) {
     }
   }
   if (c.failure_domain.size() > 256) return bad("--failure-domain is longer than 256 bytes");
+  if (c.replica_fetch_port < -1 || c.replica_fetch_port > 65535) {
+    return bad(fmt::format("--replica-fetch-port {} is not -1, 0 or a port", c.replica_fetch_port));
+  }
   spdlog::level::level_enum level = spdlog::level::from_str(c.log_level);
   if (level == spdlog::level::off && c.log_level != "off") {
     return bad(fmt::format("--log-level \"{}\" is not one of trace, debug, info, warn, error",

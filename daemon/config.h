@@ -71,6 +71,9 @@ struct Config {
   uint32_t replication_m = 0;
   uint64_t replica_bytes = 0;  // what this node holds of its peers' fragments; 0: --staging-bytes
   std::string failure_domain;  // a rack or topology zone: no two fragments of a node in one
+  // The restores' TCP fetch channel: its port on the group address's host (0: any free
+  // one, -1: none, fragments fetched over gRPC).
+  int32_t replica_fetch_port = 0;
   // The remote tier (docs/operators.md, "Off the node"): an s3://bucket/prefix URL.
   // Tiered: the local root commits as always and committed steps are uploaded behind it.
   // Direct: the checkpoints themselves are written to the remote store; --root keeps only

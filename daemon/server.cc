@@ -277,11 +277,12 @@ absl::Status StartGroup(Server::Parts& p) {
     faults.corrupt_served = fault == "corrupt-served-fragments";
     if (fault.rfind("stall-replicas-while:", 0) == 0) faults.stall_while = fault.substr(21);
     p.replica_service = std::make_unique<replicate::ReplicaService>(*p.fragments, o.token, faults);
-    if (!o.tls()) {
+    if (!o.tls() && c.replica_fetch_port >= 0) {
       // Restores fetch fragments over plain TCP, five times gRPC's speed (benchmarks.md,
       // "Peer replicas"); with TLS every fragment stays on the encrypted gRPC channel.
-      CKPT_ASSIGN_OR_RETURN(p.fetch_server, replicate::FetchServer::Start(
-                                                *p.fragments, o.listen_addr.substr(0, o.listen_addr.rfind(':')), faults));
+      CKPT_ASSIGN_OR_RETURN(p.fetch_server,
+                            replicate::FetchServer::Start(*p.fragments, o.listen_addr.substr(0, o.listen_addr.rfind(':')),
+                                                          faults, c.replica_fetch_port));
       p.replica_service->set_fetch(p.fetch_server.get());
     }
   }
@@ -331,8 +332,10 @@ absl::Status StartReplication(Server::Parts& p) {
                        std::shared_ptr<const char>(snap, snap->shard.data), snap->shard.data_bytes);
   };
   log::Get(log::Component::kGroup)
-      .info("peer replicas {}+{}: this node's shards go to {} peers of its coding group; {} bytes held for peers",
-            o.k, o.m, o.k + o.m - 1, p.fragments->budget());
+      .info("peer replicas {}+{}: this node's shards go to {} peers of its coding group; {} bytes held for peers; "
+            "restores fetch {}",
+            o.k, o.m, o.k + o.m - 1, p.fragments->budget(),
+            p.fetch_server ? fmt::format("over TCP port {}", p.fetch_server->port()) : std::string("over gRPC"));
   if (!p.group_options.tls()) {
     log::Get(log::Component::kGroup)
         .warn("--replication without --group-tls-*: fragments of every job's checkpoints cross the network in "

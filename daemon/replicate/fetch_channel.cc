@@ -82,14 +82,16 @@ std::string HostPart(std::string host) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<FetchServer>> FetchServer::Start(FragmentStore& store, const std::string& host,
-                                                                ReplicaFaults faults) {
+                                                                ReplicaFaults faults, int listen_port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
   const std::string bind_host = HostPart(host);
-  if (int rc = ::getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(), "0", &hints, &found); rc != 0) {
+  if (int rc = ::getaddrinfo(bind_host.empty() ? nullptr : bind_host.c_str(), std::to_string(listen_port).c_str(),
+                             &hints, &found);
+      rc != 0) {
     return absl::InvalidArgumentError(fmt::format("fragment fetch channel: {}: {}", host, ::gai_strerror(rc)));
   }
   int fd = -1;
@@ -104,7 +106,10 @@ absl::StatusOr<std::unique_ptr<FetchServer>> FetchServer::Start(FragmentStore& s
     }
   }
   ::freeaddrinfo(found);
-  if (fd < 0) return absl::UnavailableError(fmt::format("fragment fetch channel: cannot listen on {}", host));
+  if (fd < 0) {
+    return absl::UnavailableError(fmt::format("fragment fetch channel: cannot listen on {} port {} (--replica-fetch-port)",
+                                              host, listen_port));
+  }
   sockaddr_storage bound{};
   socklen_t len = sizeof bound;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);

@@ -33,9 +33,10 @@ inline constexpr size_t kFetchTicketBytes = 32;
 
 class FetchServer {
  public:
-  // Listens on `host` (the group server's), an ephemeral port. `faults`: test-only.
+  // Listens on `host` (the group server's) at `port` (0: an ephemeral one). `faults`:
+  // test-only.
   static absl::StatusOr<std::unique_ptr<FetchServer>> Start(FragmentStore& store, const std::string& host,
-                                                            ReplicaFaults faults = {});
+                                                            ReplicaFaults faults = {}, int port = 0);
   ~FetchServer();
 
   int port() const { return port_; }
