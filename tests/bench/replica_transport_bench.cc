@@ -2,8 +2,7 @@
 // (daemon/replicate/replica_service.h) on loopback, putting and getting fragments of
 // --mib MiB on --streams connections at once (as a node sends to its holders, or a
 // replacement fetches k fragments), against the machine's limit measured the same way in
-// the same run: plain TCP on loopback, the same bytes in the same 2 MiB writes, one
-// connection per stream. Each figure is the best of --rounds after one untimed pass.
+// the same run: plain TCP on loopback, the same bytes, one connection per stream. Each figure is the best of --rounds after one untimed pass.
 //
 // And the restore's plain TCP fetch channel (fetch_channel.h) on the same fragments.
 //
@@ -61,8 +60,9 @@ double Best(int rounds, F&& f) {
   return best;
 }
 
-// `streams` TCP connections on loopback, each sending `bytes` in kFragmentChunkBytes writes
-// to a reader that keeps them in one buffer: the limit of any transport on this machine.
+// `streams` TCP connections on loopback, each sending `bytes` in as few writes as the kernel
+// takes to a reader that keeps them in one buffer: the limit of any transport on this
+// machine (the fetch channel writes a fragment in one call too).
 double TcpSeconds(size_t bytes, int streams, int rounds) {
   int listener = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -85,7 +85,7 @@ double TcpSeconds(size_t bytes, int streams, int rounds) {
         int fd = ::socket(AF_INET, SOCK_STREAM, 0);
         ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
         for (size_t off = 0; off < bytes;) {
-          ssize_t n = ::write(fd, sources[i].data() + off, std::min(kFragmentChunkBytes, bytes - off));
+          ssize_t n = ::write(fd, sources[i].data() + off, bytes - off);
           if (n <= 0) break;
           off += static_cast<size_t>(n);
         }
@@ -123,7 +123,7 @@ int main(int argc, char** argv) {
   const size_t bytes = mib << 20;
   const double total = static_cast<double>(bytes) * streams;
 
-  const double tcp = TcpSeconds(bytes, streams, rounds);
+  double tcp = TcpSeconds(bytes, streams, rounds);
 
   // A peer: its store and its Replicas service on a loopback port; each stream its own
   // channel, as each holder is its own daemon.
@@ -209,6 +209,9 @@ int main(int argc, char** argv) {
   });
   (*fetch)->Stop();
   server->Shutdown();
+  // Loopback TCP varies by a third from one second to the next here: the limit is the best
+  // it did in this run, measured before and after the rest.
+  tcp = std::min(tcp, TcpSeconds(bytes, streams, rounds));
   const auto gbps = [&](double s) { return total / s / 1e9; };
   if (json) {
     std::cout << nlohmann::json{{"fragment_bytes", bytes},   {"streams", streams},
