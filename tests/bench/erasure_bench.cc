@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "daemon/replicate/erasure_code.h"
+#include "tests/bench/best_of.h"
 
 namespace {
 
@@ -47,17 +48,7 @@ struct Buffer {
   uint8_t* data;
 };
 
-template <typename F>
-double Best(int rounds, F&& f) {
-  f();
-  double best = 1e30;
-  for (int i = 0; i < rounds; ++i) {
-    auto start = Clock::now();
-    f();
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  return best;
-}
+using ckpt::bench::Best;
 
 }  // namespace
 

@@ -30,6 +30,7 @@
 
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
+#include "tests/bench/best_of.h"
 #include "daemon/replicate/fetch_channel.h"
 #include "daemon/replicate/fragment_store.h"
 #include "daemon/replicate/replica_client.h"
@@ -48,17 +49,7 @@ constexpr char kToken[] = "replica-transport-bench-token-0123456789";
   std::exit(1);
 }
 
-template <typename F>
-double Best(int rounds, F&& f) {
-  f();
-  double best = 1e30;
-  for (int i = 0; i < rounds; ++i) {
-    auto start = Clock::now();
-    f();
-    best = std::min(best, std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  return best;
-}
+using ckpt::bench::Best;
 
 // `streams` TCP connections on loopback, each sending `bytes` in as few writes as the kernel
 // takes to a reader that keeps them in one buffer: the limit of any transport on this
