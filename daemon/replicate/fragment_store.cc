@@ -9,10 +9,29 @@
 
 namespace ckpt::replicate {
 
-FragmentStore::FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active)
+FragmentStore::FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active,
+                             std::function<Clock::time_point()> now)
     : budget_(budget),
       active_(std::move(active)),
+      now_(std::move(now)),
       ledger_(budget, [this] { return ActiveWithHolders(); }, "the replica memory", "--replica-bytes") {}
+
+void FragmentStore::ExpireLocked() {
+  // The newest touch of each (job, owner): one step may be idle while the next arrives.
+  std::map<std::pair<std::string, uint32_t>, Clock::time_point> last;
+  for (const auto& [key, step] : steps_) {
+    auto& t = last[{std::get<0>(key), std::get<1>(key)}];
+    t = std::max(t, step.touched);
+  }
+  const Clock::time_point now = now_();
+  for (auto it = steps_.begin(); it != steps_.end();) {
+    if (now - last[{std::get<0>(it->first), std::get<1>(it->first)}] > kIdleLifetime) {
+      EraseLocked(it++);
+    } else {
+      ++it;
+    }
+  }
+}
 
 daemon::StagingLedger::ActiveUsers FragmentStore::ActiveWithHolders() const {
   daemon::StagingLedger::ActiveUsers users = active_ ? active_() : daemon::StagingLedger::ActiveUsers{};
@@ -44,6 +63,7 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
     // Reserved before the share is asked, so that two fragments arriving at once never
     // both fit a budget that holds one.
     std::lock_guard lock(mu_);
+    ExpireLocked();  // the jobs that stopped make room first
     if (auto it = steps_.find(key); it != steps_.end() && it->second.sealed) {
       return absl::FailedPreconditionError(fmt::format("{}: the step is sealed here already", what));
     }
@@ -69,6 +89,7 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
     return absl::InvalidArgumentError(
         fmt::format("{}: sent for uid {}, where the step's other fragments are uid {}'s", what, uid, step.uid));
   }
+  step.touched = now_();
   auto fragment = std::make_shared<HeldFragment>(HeldFragment{id, meta, std::move(bytes)});
   Entry& entry = step.fragments[id];
   if (entry.fragment) used_ -= entry.fragment->bytes.size();  // sent again: the newer replaces it
@@ -99,6 +120,7 @@ absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t
   used_ += manifest.size();
   it->second.manifest = std::make_shared<const std::string>(std::move(manifest));
   it->second.sealed = true;
+  it->second.touched = now_();
   return absl::OkStatus();
 }
 
@@ -112,6 +134,7 @@ absl::Status FragmentStore::Release(const std::string& job, uint64_t step, uint3
   // The owner's older steps of the job, sealed or not: every holder has the newer one. Older
   // by run, then step: a job restarted from an earlier step (a new run) replaces the steps
   // of its old run whatever their numbers.
+  it->second.touched = now_();
   const auto released = std::pair{RunOf(it->second), step};
   for (auto other = steps_.lower_bound({job, owner, 0});
        other != steps_.end() && std::get<0>(other->first) == job && std::get<1>(other->first) == owner;) {

@@ -10,6 +10,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <compare>
 #include <cstdint>
 #include <functional>
@@ -69,7 +70,15 @@ class FragmentStore {
  public:
   // `budget`: --replica-bytes. `active`: who has live sessions on this node; the owners of
   // the jobs whose fragments are held here count as active too.
-  FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active);
+  using Clock = std::chrono::steady_clock;
+  // A job's owner that neither sent nor sealed a step of it for this long stopped (the job
+  // ended, or moved): its fragments go, and its share of the budget with them. A job that
+  // checkpoints even hourly keeps its replicas.
+  static constexpr auto kIdleLifetime = std::chrono::hours(2);
+
+  // `now`: the clock the idle lifetime is measured by (tests move it).
+  FragmentStore(size_t budget, std::function<daemon::StagingLedger::ActiveUsers()> active,
+                std::function<Clock::time_point()> now = Clock::now);
 
   // Keeps a fragment sent by its owner, on behalf of `uid` (the job's owner). DataLoss when
   // its bytes do not match its checksum or its size does not fit its coding;
@@ -110,9 +119,12 @@ class FragmentStore {
     std::map<FragmentId, Entry> fragments;
     bool sealed = false;
     std::shared_ptr<const std::string> manifest;  // once sealed
+    Clock::time_point touched{};  // the last fragment, seal or release
   };
   using StepKey = std::tuple<std::string, uint32_t, uint64_t>;  // job, owner, step
 
+  // Drops every step of an owner's job that has been idle for kIdleLifetime.
+  void ExpireLocked();
   // Held jobs' owners, with the live sessions' users: who shares the budget.
   daemon::StagingLedger::ActiveUsers ActiveWithHolders() const;
   void EraseLocked(std::map<StepKey, Step>::iterator it);
@@ -121,6 +133,7 @@ class FragmentStore {
 
   const size_t budget_;
   const std::function<daemon::StagingLedger::ActiveUsers()> active_;
+  const std::function<Clock::time_point()> now_;
   daemon::StagingLedger ledger_;
   mutable std::mutex mu_;
   std::map<StepKey, Step> steps_;  // guarded by mu_

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
@@ -168,4 +169,20 @@ TEST_CASE("the owner gives a step up: what arrived of it goes, a sealed step sta
   CHECK(held[0].step == 5);
   CHECK(held[0].uid == 1000);
   CHECK(held[1].step == 7);
+}
+
+TEST_CASE("a job whose owner sent nothing for the idle lifetime is dropped, and its share with it") {
+  auto now = std::chrono::steady_clock::now();
+  FragmentStore store(1 << 20, {}, [&] { return now; });
+  REQUIRE(Put(store, Id("old", 5, 2, 0)).ok());
+  REQUIRE(Put(store, Id("old", 5, 2, 1)).ok());
+  REQUIRE(store.Seal("old", 5, 2, 2).ok());
+  now += FragmentStore::kIdleLifetime - std::chrono::minutes(1);
+  REQUIRE(Put(store, Id("live", 1, 3, 0)).ok());
+  CHECK(store.Find(Id("old", 5, 2, 0)) != nullptr);  // not idle long enough yet
+  now += std::chrono::minutes(2);
+  REQUIRE(Put(store, Id("live", 2, 3, 0)).ok());  // the next fragment from anyone expires it
+  CHECK(store.Find(Id("old", 5, 2, 0)) == nullptr);
+  CHECK(store.Find(Id("live", 1, 3, 0)) != nullptr);  // its owner was heard from within it
+  CHECK(store.Held().size() == 2);
 }
