@@ -303,8 +303,14 @@ void Replicator::Finish(const Key& key) {
   {
     std::lock_guard lock(mu_);
     auto it = records_.find(key);
-    if (it == records_.end() || !it->second.holders) return;
+    if (it == records_.end()) return;
     Record& r = it->second;
+    if (!r.holders) {
+      // Committed here with no shard staged by this daemon (a step in doubt across its
+      // restart): nothing was sent, and nothing is claimed.
+      MarkIncompleteLocked(r, "none of its shards was staged by this daemon");
+      return;
+    }
     holders = *r.holders;
     seal = !r.failed && r.status.state != StepReplication::State::kIncomplete;
     count = r.committed_ranks ? r.committed_ranks->size() : 0;
