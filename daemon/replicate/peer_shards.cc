@@ -27,6 +27,9 @@ namespace {
 
 // Peers asked at once when every live member is (a thread each).
 constexpr size_t kAskedAtOnce = 32;
+// A peer that did not answer is asked this many times in all, the waits growing from this.
+constexpr int kListAttempts = 4;
+constexpr auto kListRetryDelay = std::chrono::milliseconds(200);
 
 spdlog::logger& Log() { return log::Get(log::Component::kControl); }
 
@@ -56,7 +59,18 @@ void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, u
   std::vector<FetchGrant> grants(peers.size());
   RunEach(
       peers.size(), kAskedAtOnce,
-      [&](size_t i) { lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self, &grants[i]); },
+      [&](size_t i) {
+        // A channel's first connection may fail once (a handshake cut short on a busy
+        // machine): a peer is asked again before it counts as not answering.
+        for (int attempt = 0;; ++attempt) {
+          lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self, &grants[i]);
+          if (lists[i].ok() || attempt + 1 >= kListAttempts ||
+              !(absl::IsUnavailable(lists[i].status()) || absl::IsUnknown(lists[i].status()))) {
+            break;
+          }
+          std::this_thread::sleep_for(kListRetryDelay * (attempt + 1));
+        }
+      },
       [&](size_t i, const std::string& what) { lists[i] = absl::InternalError(what); });
   for (size_t i = 0; i < peers.size(); ++i) {
     if (!lists[i].ok()) {

@@ -25,15 +25,19 @@ ReplicaClient::ReplicaClient(std::shared_ptr<grpc::Channel> channel, std::string
       timeout_(timeout),
       chunk_bytes_(std::clamp<size_t>(chunk_bytes, 1, kFragmentChunkBytes)) {}
 
-std::unique_ptr<grpc::ClientContext> ReplicaClient::Context() const {
+std::unique_ptr<grpc::ClientContext> ReplicaClient::Context(bool wait_for_ready) const {
   auto ctx = std::make_unique<grpc::ClientContext>();
   ctx->AddMetadata(group::kTokenMetadata, token_);
   ctx->set_deadline(std::chrono::system_clock::now() + timeout_);
+  // The replicator's calls go to holders the group's view says are alive: a connection that
+  // is still being made (or was cut short once) is waited for, up to the deadline, rather
+  // than failing the step at once.
+  ctx->set_wait_for_ready(wait_for_ready);
   return ctx;
 }
 
 absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
-  auto ctx = Context();
+  auto ctx = Context(/*wait_for_ready=*/true);
   pb::PutFragmentReply reply;
   std::unique_ptr<grpc::ClientWriter<pb::FragmentChunk>> writer = stub_->PutFragment(ctx.get(), &reply);
   pb::FragmentChunk chunk;
@@ -54,7 +58,7 @@ absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
 
 absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
                                  const std::string& manifest_json) {
-  auto ctx = Context();
+  auto ctx = Context(/*wait_for_ready=*/true);
   pb::SealRequest request;
   request.set_job(job);
   request.set_step(step);
@@ -66,7 +70,7 @@ absl::Status ReplicaClient::Seal(const std::string& job, uint64_t step, uint32_t
 }
 
 absl::Status ReplicaClient::Release(const std::string& job, uint64_t step, uint32_t owner) {
-  auto ctx = Context();
+  auto ctx = Context(/*wait_for_ready=*/true);
   pb::SealRequest request;
   request.set_job(job);
   request.set_step(step);

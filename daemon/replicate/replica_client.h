@@ -50,7 +50,7 @@ class ReplicaClient {
                                    uint64_t max_data_bytes = UINT64_MAX);
 
  private:
-  std::unique_ptr<grpc::ClientContext> Context() const;
+  std::unique_ptr<grpc::ClientContext> Context(bool wait_for_ready = false) const;
 
   std::unique_ptr<ckptd::replicas::v1::Replicas::Stub> stub_;
   const std::string token_;
