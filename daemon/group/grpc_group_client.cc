@@ -32,6 +32,7 @@ spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr int kMaxMessageBytes = 64 << 20;
 constexpr milliseconds kFirstBackoff{100};
+constexpr milliseconds kPeerConnectTimeout{5'000};
 constexpr milliseconds kMaxBackoff{2'000};
 
 Outcome FromProto(pb::Outcome outcome) {
@@ -134,7 +135,12 @@ grpc::ChannelArguments ChannelArgs(const GroupOptions& options) {
 }  // namespace
 
 std::shared_ptr<grpc::Channel> MakePeerChannel(const GroupOptions& options, const std::string& address) {
-  return grpc::CreateCustomChannel(address, Credentials(options), ChannelArgs(options));
+  grpc::ChannelArguments args = ChannelArgs(options);
+  // gRPC's minimum reconnect backoff is also how long one connection attempt may take: the
+  // group's 100 ms cut first handshakes short on a loaded machine (seen under TSan). A peer
+  // is called rarely and for long; give its handshake time.
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, static_cast<int>(kPeerConnectTimeout.count()));
+  return grpc::CreateCustomChannel(address, Credentials(options), args);
 }
 
 namespace {
