@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
 #include "daemon/replicate/fetch_channel.h"
+#include "daemon/replicate/run_each.h"
 #include "daemon/replicate/shard_fragments.h"
 #include "format/checksum.h"
 
@@ -33,45 +34,26 @@ constexpr auto kListRetryDelay = std::chrono::milliseconds(200);
 
 spdlog::logger& Log() { return log::Get(log::Component::kControl); }
 
-// Runs `calls[i]()` for every i on threads of their own, at most `at_once` at a time. A call
-// that throws (out of memory) fails alone, as a status, never the daemon.
-void RunEach(size_t count, size_t at_once, const std::function<void(size_t)>& call,
-             const std::function<void(size_t, const std::string&)>& failed) {
-  for (size_t first = 0; first < count; first += at_once) {
-    std::vector<std::thread> threads;
-    for (size_t i = first; i < std::min(count, first + at_once); ++i) {
-      threads.emplace_back([&, i] {
-        try {
-          call(i);
-        } catch (const std::exception& e) {
-          failed(i, e.what());
-        }
-      });
-    }
-    for (std::thread& t : threads) t.join();
-  }
-}
-
 }  // namespace
 
 void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey) {
   std::vector<absl::StatusOr<std::vector<HeldStep>>> lists(peers.size(), absl::UnknownError("not asked"));
   std::vector<FetchGrant> grants(peers.size());
-  RunEach(
-      peers.size(), kAskedAtOnce,
-      [&](size_t i) {
-        // A channel's first connection may fail once (a handshake cut short on a busy
-        // machine): a peer is asked again before it counts as not answering.
-        for (int attempt = 0;; ++attempt) {
-          lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self, &grants[i]);
-          if (lists[i].ok() || attempt + 1 >= kListAttempts ||
-              !(absl::IsUnavailable(lists[i].status()) || absl::IsUnknown(lists[i].status()))) {
-            break;
-          }
-          std::this_thread::sleep_for(kListRetryDelay * (attempt + 1));
-        }
-      },
-      [&](size_t i, const std::string& what) { lists[i] = absl::InternalError(what); });
+  const std::vector<absl::Status> asked = RunEach(peers.size(), kAskedAtOnce, [&](size_t i) {
+    // A channel's first connection may fail once (a handshake cut short on a busy machine):
+    // a peer is asked again before it counts as not answering.
+    for (int attempt = 0;; ++attempt) {
+      lists[i] = peers_.Client(peers[i].address).List(job, peers_.options().self, &grants[i]);
+      if (lists[i].ok() || attempt + 1 >= kListAttempts ||
+          !(absl::IsUnavailable(lists[i].status()) || absl::IsUnknown(lists[i].status()))) {
+        return lists[i].status();
+      }
+      std::this_thread::sleep_for(kListRetryDelay * (attempt + 1));
+    }
+  });
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (!asked[i].ok()) lists[i] = asked[i];  // threw before its list came
+  }
   for (size_t i = 0; i < peers.size(); ++i) {
     if (!lists[i].ok()) {
       survey.problems.push_back(fmt::format("node {}: {}", peers[i].node, Message(lists[i].status())));
@@ -209,47 +191,34 @@ absl::StatusOr<daemon::ShardBytes> PeerShards::Shard(const std::string& job, uin
                          std::any_of(wave.begin(), wave.end(), [&](const Source& w) { return w.index == sources[next].index; });
       if (!twice) wave.push_back(sources[next]);
     }
-    std::vector<absl::Status> status(wave.size());
     std::vector<const char*> landed(wave.size(), nullptr);
     std::vector<std::string> checksum(wave.size());
-    RunEach(
-        wave.size(), wave.size(),
-        [&](size_t i) {
-          const Source& s = wave[i];
-          const FragmentId id{job, step, self, rank, s.index};
-          auto land = [&](const FragmentMeta& meta) {
-            landed[i] = into(meta, s.index);
-            checksum[i] = meta.checksum;
-            return const_cast<char*>(landed[i]);
-          };
-          if (s.grant.port != 0) {
-            // The fetch channel: straight from the peer's store into the shard.
-            const std::string host = s.peer.address.substr(0, s.peer.address.rfind(':'));
-            absl::StatusOr<FragmentMeta> meta = FetchFragment(host, s.grant.port, s.grant.ticket, id,
-                                                              static_cast<uint32_t>(k_), max_bytes, land,
-                                                              peers_.options().timeout);
-            status[i] = meta.status();
-            if (meta.ok() || !absl::IsUnavailable(meta.status())) {
-              if (meta.ok()) ++tcp;
-              return;
-            }
-          }
-          // gRPC, where the channel is off (TLS) or did not answer.
-          absl::StatusOr<HeldFragment> f =
-              peers_.Client(s.peer.address).Get(id, static_cast<uint32_t>(k_), max_bytes);
-          if (!f.ok()) {
-            status[i] = f.status();
-            return;
-          }
-          char* dst = land(f->meta);
-          if (dst == nullptr || f->bytes.size() != ErasureCode::FragmentBytes(f->meta.data_bytes, k_)) {
-            status[i] = absl::DataLossError("the fragment does not fit the shard");
-            return;
-          }
-          std::memcpy(dst, f->bytes.data(), f->bytes.size());
-          status[i] = absl::OkStatus();
-        },
-        [&](size_t i, const std::string& what) { status[i] = absl::ResourceExhaustedError(what); });
+    std::vector<absl::Status> status = RunEach(wave.size(), wave.size(), [&](size_t i) -> absl::Status {
+      const Source& s = wave[i];
+      const FragmentId id{job, step, self, rank, s.index};
+      auto land = [&](const FragmentMeta& meta) {
+        landed[i] = into(meta, s.index);
+        checksum[i] = meta.checksum;
+        return const_cast<char*>(landed[i]);
+      };
+      if (s.grant.port != 0) {
+        // The fetch channel: straight from the peer's store into the shard.
+        const std::string host = s.peer.address.substr(0, s.peer.address.rfind(':'));
+        absl::StatusOr<FragmentMeta> meta = FetchFragment(host, s.grant.port, s.grant.ticket, id,
+                                                          static_cast<uint32_t>(k_), max_bytes, land,
+                                                          peers_.options().timeout);
+        if (meta.ok()) ++tcp;
+        if (meta.ok() || !absl::IsUnavailable(meta.status())) return meta.status();
+      }
+      // gRPC, where the channel is off (TLS) or did not answer.
+      CKPT_ASSIGN_OR_RETURN(HeldFragment f, peers_.Client(s.peer.address).Get(id, static_cast<uint32_t>(k_), max_bytes));
+      char* dst = land(f.meta);
+      if (dst == nullptr || f.bytes.size() != ErasureCode::FragmentBytes(f.meta.data_bytes, k_)) {
+        return absl::DataLossError("the fragment does not fit the shard");
+      }
+      std::memcpy(dst, f.bytes.data(), f.bytes.size());
+      return absl::OkStatus();
+    });
     for (size_t i = 0; i < wave.size(); ++i) {
       // Every fragment checked where it landed: a damaged one is passed over for the next.
       if (status[i].ok() && format::ChecksumOf(landed[i], fragment_bytes) != checksum[i]) {

@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/replicate/run_each.h"
 #include "daemon/replicate/shard_fragments.h"
 
 namespace ckpt::replicate {
@@ -274,17 +275,11 @@ absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& hol
       std::vector<HeldFragment> fragments,
       CodeShard(code_, shard.job, shard.step, peers_.options().self, shard.rank, shard.run,
                 {reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes}, threads_));
-  // One thread per holder: each peer's link runs at its own speed, and a stalled peer
-  // costs the call's timeout once, not once per holder.
+  // One thread per holder (OnEachHolder): each peer's link runs at its own speed, and a
+  // stalled peer costs the call's timeout once, not once per holder.
   if (yield_) yield_();
-  std::vector<absl::Status> results(holders.size());
-  std::vector<std::thread> sends;
-  for (size_t i = 0; i < holders.size(); ++i) {
-    sends.emplace_back([&, i] {
-      results[i] = peers_.Client(holders[i].address).Put(shard.uid, fragments[i]);
-    });
-  }
-  for (std::thread& t : sends) t.join();
+  const std::vector<absl::Status> results =
+      OnEachHolder(holders, [&](size_t i, ReplicaClient& peer) { return peer.Put(shard.uid, fragments[i]); });
   for (size_t i = 0; i < holders.size(); ++i) {
     if (!results[i].ok()) {
       return Annotate(results[i], fmt::format("sending fragment {} to node {} ({})", i, holders[i].node,
@@ -319,7 +314,7 @@ void Replicator::Finish(const Key& key) {
   const uint32_t self = peers_.options().self;
   // Phase 1: every holder seals the step (restorable there), or, when it cannot be
   // replicated, drops what it got of it (a count of 0; a step sealed there stays).
-  std::vector<absl::Status> results = OnEachHolder(holders, [&](ReplicaClient& peer) {
+  std::vector<absl::Status> results = OnEachHolder(holders, [&](size_t, ReplicaClient& peer) {
     return peer.Seal(key.first, key.second, self, seal ? count : 0, manifest);
   });
   if (seal) {
@@ -333,7 +328,7 @@ void Replicator::Finish(const Key& key) {
       }
       // Sealed at some holders only: none drops the step before (no release), and those
       // that did not seal drop what they got.
-      OnEachHolder(holders, [&](ReplicaClient& peer) { return peer.Seal(key.first, key.second, self, 0, {}); });
+      OnEachHolder(holders, [&](size_t, ReplicaClient& peer) { return peer.Seal(key.first, key.second, self, 0, {}); });
       return;
     }
   }
@@ -353,7 +348,7 @@ void Replicator::Finish(const Key& key) {
   }
   // Phase 2: every holder has the step, so each may drop the ones before. A holder that
   // misses this keeps an older step until the next release.
-  results = OnEachHolder(holders, [&](ReplicaClient& peer) { return peer.Release(key.first, key.second, self); });
+  results = OnEachHolder(holders, [&](size_t, ReplicaClient& peer) { return peer.Release(key.first, key.second, self); });
   for (size_t i = 0; i < holders.size(); ++i) {
     if (!results[i].ok()) {
       Log().warn("[{} s{}] node {} keeps this node's older steps: {}", key.first, key.second, holders[i].node,
@@ -363,21 +358,14 @@ void Replicator::Finish(const Key& key) {
 }
 
 std::vector<absl::Status> Replicator::OnEachHolder(const std::vector<Holder>& holders,
-                                                   const std::function<absl::Status(ReplicaClient&)>& call) {
-  std::vector<absl::Status> results(holders.size());
-  std::vector<std::thread> calls;
-  for (size_t i = 0; i < holders.size(); ++i) {
+                                                   const std::function<absl::Status(size_t, ReplicaClient&)>& call) {
+  return RunEach(holders.size(), holders.size(), [&](size_t i) {
     if (!holders[i].alive) {
-      results[i] = absl::UnavailableError(fmt::format("peer node {} is not in the group now", holders[i].node));
-      continue;
+      return absl::UnavailableError(fmt::format("peer node {} is not in the group now", holders[i].node));
     }
-    calls.emplace_back([&, i] {
-      ReplicaClient peer = peers_.Client(holders[i].address);
-      results[i] = call(peer);
-    });
-  }
-  for (std::thread& t : calls) t.join();
-  return results;
+    ReplicaClient peer = peers_.Client(holders[i].address);
+    return call(i, peer);
+  });
 }
 
 }  // namespace ckpt::replicate

@@ -104,9 +104,10 @@ class Replicator {
   // Seals the step with every holder, then releases its older steps there; or, when it
   // cannot be replicated, has every holder drop what it got of it.
   void Finish(const Key& key);
-  // `call` on every live holder at once (a thread each); a holder not alive is Unavailable.
+  // `call(i, holder i)` on every live holder at once (a thread each, RunEach); a holder not
+  // alive is Unavailable.
   std::vector<absl::Status> OnEachHolder(const std::vector<Holder>& holders,
-                                         const std::function<absl::Status(ReplicaClient&)>& call);
+                                         const std::function<absl::Status(size_t, ReplicaClient&)>& call);
   void MarkIncompleteLocked(Record& r, std::string why);
   void PruneLocked();
 
