@@ -94,6 +94,17 @@ bool FitsAsSaved(const SessionView& session, const StagedSnapshot& snap,
   return true;
 }
 
+// A restore's source as the metrics' tier label names it, and as the log says it.
+std::pair<const char*, const char*> SourceNames(RestoreResult::Source source) {
+  switch (source) {
+    case RestoreResult::Source::kMemory: return {"memory", "memory"};
+    case RestoreResult::Source::kRemote: return {"remote", "the remote tier"};
+    case RestoreResult::Source::kPeer: return {"peer", "peers' memory"};
+    case RestoreResult::Source::kDisk: break;
+  }
+  return {"disk", "disk"};
+}
+
 // The snapshot's tensor entries by name (views into the snapshot's own names).
 std::unordered_map<std::string_view, size_t> IndexTensorEntries(const StagedSnapshot& snap) {
   std::unordered_map<std::string_view, size_t> index;
@@ -302,14 +313,7 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
       CKPT_RETURN_IF_ERROR(FromPlan(session, spec, *manifest, result));
     }
   }
-  const char* source = result.source == RestoreResult::Source::kMemory   ? "memory"
-                       : result.source == RestoreResult::Source::kRemote ? "the remote tier"
-                       : result.source == RestoreResult::Source::kPeer   ? "peers' memory"
-                                                                         : "disk";
-  const char* tier = result.source == RestoreResult::Source::kMemory   ? "memory"
-                     : result.source == RestoreResult::Source::kRemote ? "remote"
-                     : result.source == RestoreResult::Source::kPeer   ? "peer"
-                                                                       : "disk";
+  const auto [tier, source] = SourceNames(result.source);
   metrics::Metrics().restore_seconds.With({tier}).Observe(
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   metrics::Metrics().restored_bytes.With({tier}).Add(static_cast<double>(result.bytes));

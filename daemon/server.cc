@@ -214,6 +214,13 @@ class ExitAfterRecord : public group::DecisionLog {
   group::DecisionLogPtr inner_;
 };
 
+// Who has live sessions, by user and job: who shares staging memory and the replica memory.
+StagingLedger::ActiveUsers ActiveUsers(const SessionRegistry& sessions) {
+  StagingLedger::ActiveUsers active;
+  for (const SessionPtr& s : sessions.All()) active[s->uid()].insert(s->job());
+  return active;
+}
+
 // The group's server (every node), coordinator role on node 0, and the client to it.
 absl::Status StartGroup(Server::Parts& p) {
   const Config& c = p.config;
@@ -264,12 +271,8 @@ absl::Status StartGroup(Server::Parts& p) {
     };
   }
   if (c.replication_k != 0) {
-    p.fragments = std::make_unique<replicate::FragmentStore>(
-        c.replica_bytes != 0 ? c.replica_bytes : c.staging_bytes, [parts = &p] {
-          StagingLedger::ActiveUsers active;
-          for (const SessionPtr& s : parts->sessions.All()) active[s->uid()].insert(s->job());
-          return active;
-        });
+    p.fragments = std::make_unique<replicate::FragmentStore>(c.replica_bytes != 0 ? c.replica_bytes : c.staging_bytes,
+                                                             [parts = &p] { return ActiveUsers(parts->sessions); });
     // Test-only faults: fragments served damaged; fragments sent here never answered while
     // a file exists.
     replicate::ReplicaFaults faults;
@@ -730,11 +733,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   staging.when_busy = config.when_busy;
   staging.busy_wait = std::chrono::milliseconds(config.busy_wait_ms);
   staging.chunk_bytes = config.staging_chunk_bytes;
-  p->ledger = std::make_unique<StagingLedger>(p->pool->capacity(), [parts = p.get()] {
-    StagingLedger::ActiveUsers active;
-    for (const SessionPtr& s : parts->sessions.All()) active[s->uid()].insert(s->job());
-    return active;
-  });
+  p->ledger = std::make_unique<StagingLedger>(p->pool->capacity(),
+                                              [parts = p.get()] { return ActiveUsers(parts->sessions); });
   staging.ledger = p->ledger.get();
   p->stager = std::make_unique<Stager>(*p->pool, *p->engine, *p->hot, p->progress, staging,
                                        &p->copy_priority, device_engines);
