@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
 #include "proto/replicas.pb.h"
 #include "storage/secret.h"
@@ -285,15 +286,9 @@ absl::StatusOr<FragmentMeta> FetchFragment(const std::string& host, int port, co
   if (!ReadAll(fd, text.data(), text.size()) || !h2.ParseFromString(text)) {
     return absl::DataLossError(fmt::format("{}: the fragment's header did not arrive whole", where));
   }
-  const FragmentId got{h2.job(), h2.step(), h2.owner(), h2.rank(), h2.index()};
-  const FragmentMeta meta{h2.k(), h2.m(), h2.data_bytes(), h2.run(), h2.checksum()};
-  if (got != id || meta.k != k || meta.k < 1 || uint64_t{meta.k} + meta.m > static_cast<uint64_t>(kMaxFragments)) {
-    return absl::DataLossError(fmt::format("{} answered with another fragment than the one asked for", where));
-  }
-  if (meta.data_bytes > max_data_bytes) {
-    return absl::DataLossError(
-        fmt::format("{}: the fragment codes {} bytes, more than the {} its shard holds", where, meta.data_bytes,
-                    max_data_bytes));
+  const auto [got, meta] = FromHeader(h2);
+  if (absl::Status served = CheckServed(id, got, meta, k, max_data_bytes); !served.ok()) {
+    return Annotate(served, where);
   }
   char* dst = into(meta);
   if (dst == nullptr) return absl::DataLossError(fmt::format("{}: the fragment does not fit the shard", where));

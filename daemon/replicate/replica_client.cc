@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <tuple>
 #include <utility>
 
 #include "common/status.h"
@@ -137,20 +138,11 @@ absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id, uint32_t k
   absl::Status wrong;
   while (wrong.ok() && reader->Read(&chunk)) {
     if (!started) {
-      const pb::FragmentHeader& h = chunk.header();
-      f.id = FragmentId{h.job(), h.step(), h.owner(), h.rank(), h.index()};
-      f.meta = FragmentMeta{h.k(), h.m(), h.data_bytes(), h.run(), h.checksum()};
-      if (!chunk.has_header() || f.id != id || f.meta.k < 1 ||
-          uint64_t{f.meta.k} + f.meta.m > static_cast<uint64_t>(kMaxFragments) || (k != 0 && f.meta.k != k)) {
-        wrong = absl::DataLossError("the peer answered with another fragment than the one asked for");
-        break;
-      }
+      std::tie(f.id, f.meta) = FromHeader(chunk.header());
       // Refused before a byte more is read: what the restore can use is known.
-      if (f.meta.data_bytes > max_data_bytes) {
-        wrong = absl::DataLossError(fmt::format("the peer's fragment codes {} bytes, more than the {} its shard holds",
-                                                f.meta.data_bytes, max_data_bytes));
-        break;
-      }
+      wrong = chunk.has_header() ? CheckServed(id, f.id, f.meta, k, max_data_bytes)
+                                 : absl::DataLossError("the peer's first chunk has no header");
+      if (!wrong.ok()) break;
       expected = ErasureCode::FragmentBytes(f.meta.data_bytes, static_cast<int>(f.meta.k));
       f.bytes.reserve(expected);  // bounded above: the caller's max_data_bytes
       started = true;

@@ -18,7 +18,6 @@ namespace {
 
 namespace pb = ckptd::replicas::v1;
 
-FragmentId IdOf(const pb::FragmentHeader& h) { return {h.job(), h.step(), h.owner(), h.rank(), h.index()}; }
 
 // Receives one fragment's chunks and hands the whole fragment to the store.
 class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
@@ -105,8 +104,8 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
     if (bytes_.size() != expected_) {
       return absl::DataLossError(fmt::format("the fragment ended after {} of its {} bytes", bytes_.size(), expected_));
     }
-    FragmentMeta meta{header_.k(), header_.m(), header_.data_bytes(), header_.run(), header_.checksum()};
-    return service_.store().Put(static_cast<uid_t>(header_.uid()), IdOf(header_), meta, std::move(bytes_));
+    auto [id, meta] = FromHeader(header_);
+    return service_.store().Put(static_cast<uid_t>(header_.uid()), id, meta, std::move(bytes_));
   }
 
   ReplicaService& service_;
@@ -171,6 +170,24 @@ void ToHeader(const FragmentId& id, const FragmentMeta& meta, pb::FragmentHeader
   h->set_data_bytes(meta.data_bytes);
   h->set_run(meta.run);
   h->set_checksum(meta.checksum);
+}
+
+std::pair<FragmentId, FragmentMeta> FromHeader(const pb::FragmentHeader& h) {
+  return {FragmentId{h.job(), h.step(), h.owner(), h.rank(), h.index()},
+          FragmentMeta{h.k(), h.m(), h.data_bytes(), h.run(), h.checksum()}};
+}
+
+absl::Status CheckServed(const FragmentId& asked, const FragmentId& got, const FragmentMeta& meta, uint32_t k,
+                         uint64_t max_data_bytes) {
+  if (got != asked || meta.k < 1 || uint64_t{meta.k} + meta.m > static_cast<uint64_t>(kMaxFragments) ||
+      (k != 0 && meta.k != k)) {
+    return absl::DataLossError("the peer answered with another fragment than the one asked for");
+  }
+  if (meta.data_bytes > max_data_bytes) {
+    return absl::DataLossError(fmt::format("the peer's fragment codes {} bytes, more than the {} its shard holds",
+                                           meta.data_bytes, max_data_bytes));
+  }
+  return absl::OkStatus();
 }
 
 ReplicaService::ReplicaService(FragmentStore& store, std::string token, ReplicaFaults faults)

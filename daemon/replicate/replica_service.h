@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <string>
+#include <utility>
 
 #include "daemon/replicate/fragment_store.h"
 #include "proto/replicas.grpc.pb.h"
@@ -19,8 +20,16 @@ class FetchServer;
 // message limit, so that any server built with defaults takes it.
 inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
 
-// A fragment's id and coding as they go on the wire (the uid is the sender's to add).
+// A fragment's id and coding as they go on the wire (the uid is the sender's to add), and
+// back.
 void ToHeader(const FragmentId& id, const FragmentMeta& meta, ckptd::replicas::v1::FragmentHeader* header);
+std::pair<FragmentId, FragmentMeta> FromHeader(const ckptd::replicas::v1::FragmentHeader& header);
+
+// Whether the fragment a peer serves (`got`, `meta`: its header) is the one asked for, of
+// the caller's code (`k`; 0: any) and coding at most `max_data_bytes`: checked before any
+// of its bytes is read. DataLoss naming what is wrong.
+absl::Status CheckServed(const FragmentId& asked, const FragmentId& got, const FragmentMeta& meta, uint32_t k,
+                         uint64_t max_data_bytes);
 
 // Test-only faults (CKPTD_FAULT; tests/integration/replication_test.cc).
 struct ReplicaFaults {
