@@ -78,6 +78,16 @@ std::vector<uint64_t> SealedHeld(Daemon& d, uint32_t owner) {
   return steps;
 }
 
+// Whether every node's view has `node` at the address the coordinator has: a restarted node
+// listens on a new port, which the others hear with their next heartbeat.
+bool EveryNodeHeard(Cluster& c, int node) {
+  const std::string address = MemberAddress(Status(c.node(0)), node);
+  for (int n = 1; n < c.num_nodes(); ++n) {
+    if (MemberAddress(Status(c.node(n)), node) != address) return false;
+  }
+  return !address.empty();
+}
+
 // Loses `nodes` (SIGKILL, roots deleted), starts each again empty and waits for the group.
 void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
   for (int n : nodes) c.Lose(n);
@@ -86,6 +96,7 @@ void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
     c.Start(n);
   }
   REQUIRE_WITHIN(c, kJoinBound, "the replacements joined and every member is alive", c.AllAlive());
+  for (int n : nodes) REQUIRE_WITHIN(c, kJoinBound, "every node heard node " << n << "'s new address", EveryNodeHeard(c, n));
 }
 
 }  // namespace
@@ -104,7 +115,7 @@ TEST_CASE("2+1 on four daemons: a node lost for good restores its ranks bit-exac
   c.SaveAllCommitted(10);
   REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
   c.SaveAllCommitted(20);
-  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node", AllReplicated(c, 20));
+  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node\n" << Replications(c, 20), AllReplicated(c, 20));
   // The newer step replaced the older in the peers' memory once every holder sealed it (the
   // owner's release follows "replicated"); `list` names the tier.
   REQUIRE_WITHIN(c, 10s, "every holder keeps step 20 alone", [&] {
@@ -157,8 +168,10 @@ TEST_CASE("4+2 on six daemons: two nodes lost at once restore from the four left
   c.Start(5);
   ::unsetenv("CKPTD_FAULT");
   REQUIRE_WITHIN(c, kJoinBound, "node 5 rejoined", c.AllAlive());
+  // A send to its old address would leave step 20 incomplete, rightly (the next replicates).
+  REQUIRE_WITHIN(c, kJoinBound, "every node heard node 5's new address", EveryNodeHeard(c, 5));
   c.SaveAllCommitted(20);
-  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node", AllReplicated(c, 20));
+  REQUIRE_WITHIN(c, 20s, "step 20 replicated by every node\n" << Replications(c, 20), AllReplicated(c, 20));
   // Node 2's holders are 3, 4, 5, 0 and 1, asked k at a time in that order: node 5's
   // fragment fails its checksum, and node 1's is fetched instead.
   LoseAndReplace(c, {2});
