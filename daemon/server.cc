@@ -209,6 +209,9 @@ class ExitAfterRecord : public group::DecisionLog {
                                                           size_t max_bytes) override {
     return inner_->FindManifest(job, step, max_bytes);
   }
+  absl::Status ForgetManifest(const std::string& job, uint64_t step) override {
+    return inner_->ForgetManifest(job, step);
+  }
 
  private:
   group::DecisionLogPtr inner_;
@@ -430,6 +433,7 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   g->set_address(p.group_server ? p.group_server->address() : "");
   g->set_tls(p.group_options.tls());
   g->set_relay_parent(group::RelayParent(p.config.node_rank, p.group_options.relay_fanout).value_or(0));
+  if (p.group_client) g->set_relay_bypasses(p.group_client->relay_bypasses());
   if (p.group_server) {
     group::Relay::Counters relayed = p.group_server->relayed();
     g->set_relayed_prepares(relayed.prepares);

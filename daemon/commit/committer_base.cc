@@ -87,13 +87,19 @@ absl::StatusOr<std::string> CommitterBase::StepDirectory(const StagedSnapshotPtr
   }
   if (first) {
     absl::Status s = CheckStepAllowed(key);
-    if (s.ok() && store_.Committed(key.first, key.second)) {
-      s = absl::AlreadyExistsError(
-          fmt::format("step {} of job {} is already committed", key.second, key.first));
+    const bool committed = s.ok() && store_.Committed(key.first, key.second);
+    if (committed) {
+      s = absl::AlreadyExistsError(fmt::format(
+          "step {} of job {} is already committed (its checkpoint, of an earlier run, is still on this node's disk): "
+          "a step number is saved again only once its checkpoint is gone (ckptctl --job {} delete {})",
+          key.second, key.first, key.first, key.second));
     }
     if (!s.ok()) {
       std::lock_guard lock(mu_);
-      if (Step* step = CurrentStepLocked(snapshot)) step->foreign_dir = true;
+      if (Step* step = CurrentStepLocked(snapshot)) {
+        step->foreign_dir = true;
+        step->committed_dir = committed;
+      }
     } else {
       s = store_.BeginStep(key.first, key.second);
     }

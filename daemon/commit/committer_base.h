@@ -46,6 +46,7 @@ class CommitterBase : public Committer {
     // The .tmp directory was refused to this attempt (it belongs to a step in doubt, or
     // the step is already committed): ending the attempt must leave it alone.
     bool foreign_dir = false;
+    bool committed_dir = false;  // the step is committed on this node (foreign_dir too)
   };
 
   // Ends `key` as committed: the hot cache gets this node's snapshots, then the tickets

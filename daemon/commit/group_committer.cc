@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "daemon/group/committed_step.h"
 #include "daemon/metrics/daemon_metrics.h"
 #include "common/log.h"
@@ -182,7 +184,7 @@ void GroupCommitter::WatchLoop(Key key) {
     } else {
       // A step in doubt has no snapshots left to build its manifest from: it asks for
       // the whole one and cuts its own ranks from it.
-      auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll, adopted || released);
+      auto decision = client_.GetOutcome(key.first, key.second, kOutcomePoll, adopted || released, attempt);
       if (decision.ok()) {
         // Only once the coordinator has seen this attempt (or this node no longer holds
         // it) is an answer about it: before its first prepare, "aborted" is about an
@@ -290,6 +292,19 @@ void GroupCommitter::Apply(const Key& key, uint64_t attempt, const group::Decisi
     return;
   }
   absl::StatusOr<format::Manifest> manifest = Publishable(key, *decision.committed);
+  if (absl::IsNotFound(manifest.status())) {
+    // The commit is of other bytes than these (a new run saved the step number again) or
+    // gives this node no ranks: these files are not part of any commit, and are removed.
+    Log().warn("[{} s{}] {}: removing this node's files of the step", key.first, key.second,
+               Message(manifest.status()));
+    if (ours) {
+      metrics::Metrics().Fail(metrics::Cause::kGroup);
+      FinishAborted(key, fmt::format("aborted: {}", Message(manifest.status())));
+    } else {
+      DiscardUnfinished(key);
+    }
+    return;
+  }
   absl::Status published = manifest.status();
   if (published.ok() && !store_.Committed(key.first, key.second)) {
     // On a shared root the coordinator publishes the step before announcing it, and
@@ -330,7 +345,8 @@ absl::StatusOr<format::Manifest> GroupCommitter::Publishable(const Key& key, con
     CKPT_ASSIGN_OR_RETURN(format::Manifest whole,
                           format::ParseManifest(committed.manifest_json, "the coordinator's decision"));
     if (whole.scope) return absl::DataLossError("the coordinator's whole manifest is one node's part");
-    CKPT_RETURN_IF_ERROR(CheckWhole(key, whole));
+    CKPT_RETURN_IF_ERROR(CheckWhole(key, committed, whole));
+    if (!store_.shared() && !HoldsAttempt(key, 0)) CKPT_RETURN_IF_ERROR(CheckRecordedBytes(key, committed, whole));
     if (node_rank_ == 0 || store_.shared()) {
       // An index names parts the coordinator wrote into the shared step directory: only
       // there can it be published.
@@ -373,31 +389,112 @@ absl::StatusOr<format::Manifest> GroupCommitter::ScopedToCommit(const group::Com
     return absl::DataLossError(fmt::format("the coordinator committed world size {}, {} has world size {}",
                                            header.world_size, source, part.world_size));
   }
-  group::NodeShare written{0, 0, attempt};
+  CKPT_RETURN_IF_ERROR(CheckBoundTo({part.job, part.step}, committed, part.run, attempt, source));
+  group::NodeShare written{0, 0, attempt, part.run};
   for (const format::ManifestShard& s : part.shards) {
     ++written.ranks;
     written.bytes += s.bytes;
   }
   auto share = committed.shares.find(node_rank_);
   group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
-  // Not known on one side: a decision read back from the log, or a record read from disk.
-  if (given.attempt == 0 || written.attempt == 0) given.attempt = written.attempt;
+  // Not known on one side: a decision read back from the log, or a record read from disk
+  // (CheckBoundTo compared what both sides know).
+  given.attempt = written.attempt;
+  given.run = written.run;
   if (given != written) {
     return absl::DataLossError(fmt::format(
-        "the coordinator committed {} ranks ({} bytes) of this node (node {}) from its attempt {}; {} holds {} ranks "
-        "({} bytes)",
-        given.ranks, given.bytes, node_rank_, given.attempt, source, written.ranks, written.bytes));
-  }
-  if (part.run > header.run) {
-    // The commit's run is the newest of its parts: these ranks registered after it (the
-    // trainers restarted and saved the step again).
-    return absl::DataLossError(
-        fmt::format("the commit is of an earlier run than {} ({} < {})", source, header.run, part.run));
+        "the coordinator committed {} ranks ({} bytes) of this node (node {}); {} holds {} ranks ({} bytes)",
+        given.ranks, given.bytes, node_rank_, source, written.ranks, written.bytes));
   }
   format::Manifest mine = group::NodeManifest(std::move(part), header, node_rank_);
   // Whatever the wire said, what is renamed into place must read back.
   CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(mine), "this node's manifest").status());
   return mine;
+}
+
+absl::Status GroupCommitter::CheckBoundTo(const Key& key, const group::CommittedStep& committed, uint64_t run,
+                                          uint64_t attempt, const std::string& source) const {
+  auto share = committed.shares.find(node_rank_);
+  const group::NodeShare given = share == committed.shares.end() ? group::NodeShare{} : share->second;
+  // A record of an older coordinator knows only the step's run, the newest of its parts':
+  // these ranks cannot be of a later run than that.
+  const bool other_run = given.run != 0 ? given.run != run : run > committed.header.run;
+  const bool other_attempt = given.attempt != 0 && attempt != 0 && given.attempt != attempt;
+  if (!other_run && !other_attempt) return absl::OkStatus();
+  return absl::NotFoundError(fmt::format(
+      "the coordinator's commit of step {} of job {} is of other bytes than {}: it holds this node's (node {}) "
+      "ranks of run {}, attempt {}; {} is of run {}, attempt {} (a new run saved the step number again)",
+      key.second, key.first, source, node_rank_, given.run != 0 ? given.run : committed.header.run,
+      given.attempt != 0 ? fmt::format("{}", given.attempt) : "not recorded", source, run,
+      attempt != 0 ? fmt::format("{}", attempt) : "not recorded"));
+}
+
+namespace {
+
+// The first difference between the bytes `commit` and `recorded` describe of the same
+// ranks (files, sizes, and every tensor entry's and train-state entry's checksums), as a
+// sentence; empty when they describe the same bytes.
+std::string FirstDifference(const format::Manifest& commit, const format::Manifest& recorded) {
+  if (commit.shards.size() != recorded.shards.size()) {
+    return fmt::format("the commit lists {} of this node's ranks, the record {}", commit.shards.size(),
+                       recorded.shards.size());
+  }
+  for (const format::ManifestShard& r : recorded.shards) {
+    const format::ManifestShard* c = commit.Shard(r.rank);
+    if (c == nullptr) return fmt::format("the commit does not list rank {}", r.rank);
+    if (c->file != r.file || c->bytes != r.bytes) {
+      return fmt::format("rank {}'s shard is {} ({} bytes) in the commit, {} ({} bytes) in the record", r.rank,
+                         c->file, c->bytes, r.file, r.bytes);
+    }
+    for (const auto& [name, entry] : r.train_state) {
+      auto other = c->train_state.find(name);
+      if (other == c->train_state.end() || other->second.checksum != entry.checksum) {
+        return fmt::format("rank {}'s train state '{}' differs", r.rank, name);
+      }
+    }
+    if (c->train_state.size() != r.train_state.size()) return fmt::format("rank {}'s train state differs", r.rank);
+  }
+  if (commit.tensors.size() != recorded.tensors.size()) {
+    return fmt::format("the commit lists {} tensors of this node's ranks, the record {}", commit.tensors.size(),
+                       recorded.tensors.size());
+  }
+  for (const auto& [name, tensor] : recorded.tensors) {
+    auto other = commit.tensors.find(name);
+    if (other == commit.tensors.end() || other->second.shards.size() != tensor.shards.size()) {
+      return fmt::format("tensor '{}' is not the same in the commit", name);
+    }
+    for (size_t i = 0; i < tensor.shards.size(); ++i) {
+      const format::TensorShard& r = tensor.shards[i];
+      const format::TensorShard& c = other->second.shards[i];
+      if (c.rank != r.rank || c.begin != r.begin || c.end != r.end || c.checksum != r.checksum ||
+          c.chunk_checksums != r.chunk_checksums) {
+        return fmt::format("rank {}'s piece of tensor '{}' has checksum {} in the commit, {} in the record", r.rank,
+                           name, c.checksum, r.checksum);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+absl::Status GroupCommitter::CheckRecordedBytes(const Key& key, const group::CommittedStep& committed,
+                                                const format::Manifest& whole) {
+  const std::string source = "this node's record of what it prepared";
+  CKPT_ASSIGN_OR_RETURN(std::optional<format::Manifest> recorded, store_.LoadPrepared(key.first, key.second));
+  if (!recorded) {
+    // Recorded before every prepare: a node that holds no record never prepared these
+    // files, and no commit can be of them.
+    return absl::NotFoundError(
+        fmt::format("this node holds no record of having prepared step {}: the commit is not of its files", key.second));
+  }
+  CKPT_RETURN_IF_ERROR(CheckBoundTo(key, committed, recorded->run, /*attempt=*/0, source));
+  const format::Manifest mine = group::NodeManifestFromWhole(whole, committed.header.digest, node_rank_);
+  if (std::string difference = FirstDifference(mine, *recorded); !difference.empty()) {
+    return absl::NotFoundError(fmt::format("the coordinator's commit of step {} is of other bytes than {}: {}",
+                                           key.second, source, difference));
+  }
+  return absl::OkStatus();
 }
 
 bool GroupCommitter::HoldsAttempt(const Key& key, uint64_t attempt) {
@@ -418,7 +515,8 @@ absl::StatusOr<format::Manifest> GroupCommitter::FromPreparedRecord(const Key& k
   return ScopedToCommit(committed, std::move(*prepared), /*attempt=*/0, "this node's record of what it prepared");
 }
 
-absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& manifest) {
+absl::Status GroupCommitter::CheckWhole(const Key& key, const group::CommittedStep& committed,
+                                        const format::Manifest& manifest) {
   if (manifest.job != key.first || manifest.step != key.second) {
     return absl::DataLossError(fmt::format(
         "the coordinator answered for job {} step {} with the manifest of job {} step {}",
@@ -427,6 +525,12 @@ absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& 
   std::lock_guard lock(mu_);
   auto step = steps_.find(key);
   if (step == steps_.end()) return absl::OkStatus();  // in doubt: nothing here to compare
+  if (auto share = committed.shares.find(node_rank_); share != committed.shares.end() && share->second.attempt != 0 &&
+                                                      share->second.attempt != step->second.attempt) {
+    return absl::NotFoundError(fmt::format("the coordinator's commit of step {} is of this node's attempt {}, not of "
+                                           "its attempt {} (the step number was saved again)",
+                                           key.second, share->second.attempt, step->second.attempt));
+  }
   if (manifest.world_size != step->second.world_size) {
     return absl::DataLossError(fmt::format("the coordinator committed world size {}, this node's "
                                            "ranks have world size {}",
@@ -451,14 +555,26 @@ absl::Status GroupCommitter::CheckWhole(const Key& key, const format::Manifest& 
 }
 
 void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) {
-  bool foreign_dir = false;
-  uint64_t attempt = 0;
+  bool foreign_dir = false, committed_dir = false;
+  uint64_t attempt = 0, run = 0;
   {
     std::lock_guard lock(mu_);
     auto step = steps_.find(key);
     if (step == steps_.end()) return;  // already ended
     foreign_dir = step->second.foreign_dir;
+    committed_dir = step->second.committed_dir;
     attempt = step->second.attempt;
+    for (const StagedSnapshotPtr& s : step->second.waiting) run = std::max(run, s->session_started_unix_ns);
+  }
+  if (committed_dir) {
+    // A new run saves a step number whose earlier checkpoint this node still holds: the
+    // other nodes may have none left and would commit the new step without this node's
+    // ranks, or wait for them until the step timeout. The coordinator ends the step for
+    // every rank, with this reason (the abort carries the run, newer than the commit's).
+    if (absl::Status told = client_.Abort(key.first, key.second, attempt, run, message); !told.ok()) {
+      Log().warn("[{} s{}] could not tell the coordinator about the refusal: {}", key.first, key.second,
+                 Message(told));
+    }
   }
   if (foreign_dir) {
     // Refused a directory that a step in doubt (or a committed step) owns: only this
@@ -467,7 +583,7 @@ void GroupCommitter::OnLocalFailure(const Key& key, const std::string& message) 
     return;
   }
   // The coordinator names this node in the reason it announces.
-  if (absl::Status told = client_.Abort(key.first, key.second, attempt, message); !told.ok()) {
+  if (absl::Status told = client_.Abort(key.first, key.second, attempt, /*run=*/0, message); !told.ok()) {
     Log().warn("[{} s{}] could not tell the coordinator about the failure: {}", key.first,
                key.second, Message(told));
   }
@@ -524,7 +640,7 @@ void GroupCommitter::OnRefusedBeforeArrival(const Key& key, const std::string& m
     std::lock_guard lock(mu_);
     attempt = ++attempts_;
   }
-  if (absl::Status told = client_.Abort(key.first, key.second, attempt, message); !told.ok()) {
+  if (absl::Status told = client_.Abort(key.first, key.second, attempt, /*run=*/0, message); !told.ok()) {
     Log().warn("[{} s{}] could not tell the coordinator about the refusal: {}", key.first, key.second,
                Message(told));
   }

@@ -72,17 +72,29 @@ class GroupCommitter : public CommitterBase {
   // A commit that does not give this node exactly the ranks and bytes it wrote is refused
   // rather than renamed into place.
   absl::StatusOr<format::Manifest> Publishable(const Key& key, const group::CommittedStep& committed);
-  // A whole manifest must be about `key` and list this node's durable ranks as the files it
-  // wrote.
-  absl::Status CheckWhole(const Key& key, const format::Manifest& manifest);
+  // A whole manifest must be about `key`, of this node's attempt, and list this node's
+  // durable ranks as the files it wrote.
+  absl::Status CheckWhole(const Key& key, const group::CommittedStep& committed, const format::Manifest& manifest);
   // Whether this node holds the step's snapshots, of `attempt` (0: of any attempt).
   bool HoldsAttempt(const Key& key, uint64_t attempt);
   // This node's manifest of a committed step whose snapshots it no longer holds, from the
   // record of what it prepared (CheckpointStore::RecordPrepared) and the commit's header.
   absl::StatusOr<format::Manifest> FromPreparedRecord(const Key& key, const group::CommittedStep& committed);
+  // A commit is bound to the bytes it was made of: NotFound, naming both, when the run
+  // (and, where both sides know it, the attempt) the commit records for this node is not
+  // that of `run` / `attempt` from `source` (a new run saved the step number again; an
+  // attempt after a delete). Such a decision is about other bytes and is never applied to
+  // these.
+  absl::Status CheckBoundTo(const Key& key, const group::CommittedStep& committed, uint64_t run, uint64_t attempt,
+                            const std::string& source) const;
+  // A step kept in doubt, published from a whole manifest: this node's ranks in it must be
+  // the very bytes it recorded preparing (run, files, sizes, every checksum); NotFound
+  // naming the first difference otherwise.
+  absl::Status CheckRecordedBytes(const Key& key, const group::CommittedStep& committed,
+                                  const format::Manifest& whole);
   // `part` (the ranks this node holds, known from `source`, of `attempt`; 0: not known)
   // scoped to the commit: refused unless the commit gives this node exactly these ranks and
-  // bytes, of that attempt, from a run no older than theirs.
+  // bytes, of that attempt and run (CheckBoundTo).
   absl::StatusOr<format::Manifest> ScopedToCommit(const group::CommittedStep& committed, format::Manifest part,
                                                   uint64_t attempt, const std::string& source);
 

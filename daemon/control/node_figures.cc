@@ -96,6 +96,11 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
                  {{"gathers"}, static_cast<double>(g.relayed_gathers())},
                  {{"gather_merges"}, static_cast<double>(g.relayed_gather_merges())}},
                 /*counter=*/true);
+    out.Samples({"ckptd_group_relay_bypasses_total",
+                 "Calls this node sent to node 0 itself although it has a parent relay (the relay not yet known "
+                 "alive, passed over after a failed call, or refusing).",
+                 {}},
+                {{{}, static_cast<double>(g.relay_bypasses())}}, /*counter=*/true);
   }
   metrics::CollectProcess(out);
 }

@@ -154,21 +154,33 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
         if (before.outcome == Outcome::kPending) return before;
       }
       if (before.outcome == Outcome::kCommitted) {
-        // A prepare whose reply was lost: the same answer again, if the commit gives this
-        // node these ranks. (Once memory is short only the count is known; a new run saving
-        // a committed step number is refused on its own node, whose disk holds the step.)
-        const CommittedStep& c = *before.committed;
-        bool retry;
-        if (!c.node_of_rank.empty()) {
-          retry = std::all_of(ranks.begin(), ranks.end(), [&](uint32_t rank) {
-            return rank < c.node_of_rank.size() && c.node_of_rank[rank] == node;
-          });
-        } else {
-          auto share = c.shares.find(node);
-          retry = share != c.shares.end() && share->second.ranks >= ranks.size();
+        // A commit is bound to the attempt and run that made it. A prepare of that attempt
+        // whose reply was lost hears the same answer again; a newer attempt or run at the
+        // same step number (a new run saving it again once retention removed it, or after
+        // `ckptctl delete`) is a new round, which replaces the commit if it commits; an
+        // older one is refused. Never does a prepare hear a commit of other bytes.
+        switch (CompareToCommit(*before.committed, node, attempt, run, ranks)) {
+          case CommitMatch::kRetry:
+            return before;
+          case CommitMatch::kOlder:
+            return refuse(fmt::format(
+                "step {} of job {} is already committed by a newer attempt (run {}); this prepare is of attempt {} "
+                "(run {})",
+                key.second, key.first, before.committed->header.run, attempt, run));
+          case CommitMatch::kNewer:
+            Log().info("{} prepared again by node {} (attempt {}, run {}) after a commit of run {}: a new round, "
+                       "whose commit replaces the earlier one",
+                       Prefix(key.first, key.second), node, attempt, run, before.committed->header.run);
+            // The earlier commit's whole manifest must never be sent for the new one.
+            if (absl::Status forgot = log_.ForgetManifest(key.first, key.second); !forgot.ok()) {
+              return refuse(fmt::format("step {} of job {} was committed by an earlier run, whose recorded manifest "
+                                        "the coordinator could not remove: {}",
+                                        key.second, key.first, Message(forgot)));
+            }
+            if (decided != recent_.end()) ForgetLocked(decided);
+            decided = recent_.end();
+            break;
         }
-        if (retry) return before;
-        return refuse(fmt::format("step {} of job {} is already committed", key.second, key.first));
       }
       if (before.outcome == Outcome::kAborted) {
         // A prepare of the attempt that was aborted, late: the same answer again, and no
@@ -181,7 +193,7 @@ Decision CommitCoordinator::Prepare(uint32_t node, uint64_t attempt, PreparedPar
       }
       // An abort is forgotten here: this is a new attempt at the step (trainers that
       // restarted and saved it again).
-      if (decided != recent_.end()) recent_.erase(decided);
+      if (decided != recent_.end()) ForgetLocked(decided);
     }
     // (After the retry of a committed step above, which is answered whatever it carries.)
     if (prepared.values.withheld && options_.publish.commit) {
@@ -424,6 +436,7 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
     const format::PartValues& v = part.values;
     // The latest clock among the nodes: the moment the last part became durable.
     h.run = std::max(h.run, v.run);
+    share.run = std::max(share.run, v.run);
     if (v.unix_time > h.unix_time) {
       h.unix_time = v.unix_time;
       h.wall_time = v.wall_time;
@@ -580,6 +593,7 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
   }
   JobCommits& job = jobs_[key.first];
   job.latest_step = std::max(job.latest_step, key.second);
+  job.latest_run = std::max(job.latest_run, decision.committed->header.run);
   job.world_size = decision.committed->header.world_size;
   job.nodes.clear();
   for (const auto& [node, share] : decision.committed->shares) job.nodes.push_back(node);
@@ -627,6 +641,46 @@ size_t ShareBytes(const Decision& d) { return d.committed ? 64 * d.committed->sh
 
 }  // namespace
 
+void CommitCoordinator::ForgetLocked(std::map<Key, Remembered>::iterator it) {
+  recent_manifest_bytes_ -= ManifestBytes(it->second.decision);
+  recent_share_bytes_ -= ShareBytes(it->second.decision);
+  if (auto in_order = std::find(recent_order_.begin(), recent_order_.end(), it->first);
+      in_order != recent_order_.end()) {
+    recent_order_.erase(in_order);
+  }
+  recent_.erase(it);
+}
+
+CommitCoordinator::CommitMatch CommitCoordinator::CompareToCommit(const CommittedStep& c, uint32_t node,
+                                                                  uint64_t attempt, uint64_t run,
+                                                                  const std::vector<uint32_t>& ranks) {
+  auto share = c.shares.find(node);
+  // The commit gives this node these ranks. (Once memory is short only their count is known.)
+  bool holds;
+  if (!c.node_of_rank.empty()) {
+    holds = std::all_of(ranks.begin(), ranks.end(), [&](uint32_t rank) {
+      return rank < c.node_of_rank.size() && c.node_of_rank[rank] == node;
+    });
+  } else {
+    holds = share != c.shares.end() && share->second.ranks >= ranks.size();
+  }
+  if (share == c.shares.end()) {
+    // The node had no ranks in the commit: only a later run may save the step again.
+    return run > c.header.run ? CommitMatch::kNewer : CommitMatch::kOlder;
+  }
+  const uint64_t committed_attempt = share->second.attempt;  // 0: a record of an older ckptd
+  const uint64_t committed_run = share->second.run != 0 ? share->second.run : c.header.run;
+  if (committed_attempt != 0) {
+    if (attempt == committed_attempt) return holds ? CommitMatch::kRetry : CommitMatch::kOlder;
+    if (run > committed_run) return CommitMatch::kNewer;
+    if (run < committed_run) return CommitMatch::kOlder;
+    return attempt > committed_attempt ? CommitMatch::kNewer : CommitMatch::kOlder;
+  }
+  // Attempts not recorded: runs tell a later run's save apart, and nothing finer can.
+  if (run > committed_run) return CommitMatch::kNewer;
+  return holds ? CommitMatch::kRetry : CommitMatch::kOlder;
+}
+
 void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
                                        std::map<uint32_t, uint64_t> attempts) {
   const uint64_t aborted_unix_ns =
@@ -668,7 +722,7 @@ void CommitCoordinator::RememberLocked(const Key& key, Decision decision,
 }
 
 void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t node,
-                              uint64_t attempt, const std::string& reason) {
+                              uint64_t attempt, const std::string& reason, uint64_t run) {
   Notifications notify;
   {
     std::lock_guard lock(mu_);
@@ -679,13 +733,20 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
       // No node has prepared yet (a node refused a rank's snapshot before any arrived):
       // remembered as aborted, so that prepares of this attempt hear it at once (by their
       // run, as after any abort) instead of opening a round that could only time out.
-      // Not for a step at or below the job's newest commit (an old step's abort, late).
-      if (recent_.count(key)) return;
-      if (auto job_commits = jobs_.find(job); job_commits != jobs_.end() && step <= job_commits->second.latest_step) {
+      // Not for a step at or below the job's newest commit (an old step's abort, late),
+      // unless the abort is of a newer run than that commit: a new run saving the step
+      // number again, which a node refused (it still holds the earlier run's step).
+      auto newer_run = [&](const Decision& d) {
+        return run != 0 && d.outcome == Outcome::kCommitted && run > d.committed->header.run;
+      };
+      if (auto known = recent_.find(key); known != recent_.end() && !newer_run(known->second.decision)) return;
+      if (auto job_commits = jobs_.find(job); job_commits != jobs_.end() && step <= job_commits->second.latest_step &&
+                                              (run == 0 || run <= job_commits->second.latest_run)) {
         return;
       }
       Decision logged = FromLog(key, /*whole=*/false);
-      if (logged.outcome == Outcome::kCommitted || logged.outcome == Outcome::kPending) return;
+      if (logged.outcome == Outcome::kPending) return;
+      if (logged.outcome == Outcome::kCommitted && !newer_run(logged)) return;
       AbortLocked(key, reason, notify);
       recent_[key].attempts[node] = attempt;
     } else if (round->second.deciding) {

@@ -106,9 +106,12 @@ class CommitCoordinator {
 
   // `node` cannot finish its attempt `attempt` at the step (a rank failed to write). An
   // abort from an attempt older than the one the node prepared in this round is late and
-  // ignored.
+  // ignored. Before any prepare, an abort of a step already committed (or at or below the
+  // job's newest commit) is late and ignored too, unless `run` (the aborting attempt's run,
+  // 0: not known) is newer than that commit: a new run saving the step number again, which
+  // this node refused (it still holds the earlier run's step).
   void Abort(const std::string& job, uint64_t step, uint32_t node, uint64_t attempt,
-             const std::string& reason);
+             const std::string& reason, uint64_t run = 0);
 
   // Calls `waiter` once the step is decided, or with what is known at `deadline`
   // (pending while undecided; unknown when there is no record). A waiter for the whole
@@ -236,6 +239,14 @@ class CommitCoordinator {
   // With mu_ held; the waiters to notify go to `out`, called after unlocking.
   void AbortLocked(const Key& key, const std::string& reason, Notifications& out);
   void RememberLocked(const Key& key, Decision decision, std::map<uint32_t, uint64_t> attempts = {});
+  // Drops a remembered decision (a new attempt at its step replaces it).
+  void ForgetLocked(std::map<Key, Remembered>::iterator it);
+  // How a prepare by `node` of `ranks` in `attempt` of run `run` relates to the commit of
+  // its step: the very attempt the commit was made of (a retry), a newer attempt or run
+  // (a new round), or an older one (refused).
+  enum class CommitMatch { kRetry, kNewer, kOlder };
+  static CommitMatch CompareToCommit(const CommittedStep& c, uint32_t node, uint64_t attempt, uint64_t run,
+                                     const std::vector<uint32_t>& ranks);
   // The committed step `key` as remembered now (with or without its whole manifest), if it
   // is still remembered.
   void ReplaceRememberedLocked(const Key& key, const Decision& decision);
@@ -271,6 +282,7 @@ class CommitCoordinator {
   // Per job: its newest committed step, and the world and nodes of its last commit.
   struct JobCommits {
     uint64_t latest_step = 0;
+    uint64_t latest_run = 0;  // the newest run of its commits
     uint32_t world_size = 0;
     std::vector<uint32_t> nodes;
   };

@@ -89,12 +89,14 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
   auto part = parts.begin();  // both by node: walked together
   for (const auto& [node, share] : c.shares) {
     w.BeginObject();
+    w.Field("attempt", share.attempt);
     w.Field("bytes", share.bytes);
     w.Field("node", node);
     w.Key("ranks");
     w.BeginArray();
     for (uint32_t i = first[node]; i < first[node + 1]; ++i) w.Number(ranks[i]);
     w.EndArray();
+    w.Field("run", share.run);
     w.Key("structures");
     w.BeginArray();
     while (part != parts.end() && part->first < node) ++part;
@@ -161,6 +163,9 @@ absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
       const uint32_t node = static_cast<uint32_t>(Unsigned(n, "node", kU32 - 1));
       NodeShare& share = c.shares[node];
       share.bytes = Unsigned(n, "bytes", UINT64_MAX);
+      // What binds the commit to the bytes each node wrote (absent from older records).
+      if (n.contains("attempt")) share.attempt = Unsigned(n, "attempt", UINT64_MAX);
+      if (n.contains("run")) share.run = Unsigned(n, "run", UINT64_MAX);
       for (const json& r : n.at("ranks")) {
         if (!r.is_number_unsigned() || r.get<uint64_t>() >= h.world_size ||
             c.node_of_rank[r.get<uint64_t>()] != ~uint32_t{0}) {

@@ -30,12 +30,16 @@ struct StepHeader {
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
 };
 
-// The ranks, and their shard bytes in all, that a commit gives one node, and the node's
-// attempt they were prepared in (0: not known, a decision read back from the log).
+// The ranks, and their shard bytes in all, that a commit gives one node, the node's attempt
+// they were prepared in and the run that wrote them (the registration of the newest of the
+// node's ranks, Manifest::run): a commit is bound to those bytes, and a node applies it to
+// no others (a new run that saves the step number again, an attempt after a delete).
+// attempt and run are 0 where not known (a record written by an older ckptd).
 struct NodeShare {
   uint32_t ranks = 0;
   uint64_t bytes = 0;
   uint64_t attempt = 0;
+  uint64_t run = 0;
   bool operator==(const NodeShare&) const = default;
 };
 

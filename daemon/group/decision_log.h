@@ -34,6 +34,10 @@ class DecisionLog {
   // ResourceExhausted when it is larger than `max_bytes`.
   virtual absl::StatusOr<std::optional<std::string>> FindManifest(const std::string& job, uint64_t step,
                                                                   size_t max_bytes) = 0;
+  // Removes the step's recorded manifest (none: OK): a new run saves the step number again,
+  // and the earlier commit's manifest must never be taken for the new one's. The earlier
+  // decision record stays until the new one replaces it.
+  virtual absl::Status ForgetManifest(const std::string& job, uint64_t step) = 0;
 };
 
 using DecisionLogPtr = std::unique_ptr<DecisionLog>;

@@ -61,6 +61,14 @@ class FileDecisionLog : public DecisionLog {
     return Read(path);
   }
 
+  absl::Status ForgetManifest(const std::string& job, uint64_t step) override {
+    CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+    const std::string path = ManifestPath(job, step);
+    if (!fs_->Exists(path)) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(fs_->RemoveTree(path));
+    return fs_->SyncDir(dir_ + "/" + job);
+  }
+
  private:
   std::string Path(const std::string& job, uint64_t step) const {
     return fmt::format("{}/{}/step-{:08d}.json", dir_, job, step);

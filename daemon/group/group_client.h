@@ -43,14 +43,18 @@ class GroupClient {
   virtual absl::StatusOr<GroupViewData> Heartbeat() = 0;
   // `attempt`: see CommitCoordinator::Prepare.
   virtual absl::StatusOr<Decision> Prepare(const format::Manifest& part, uint64_t attempt) = 0;
-  virtual absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+  // `run`: the run of the aborting attempt (Manifest::run; 0: not known). An abort of a
+  // newer run than a step's commit ends the new round even before it opens.
+  virtual absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt, uint64_t run,
                              const std::string& reason) = 0;
   // Long-poll: returns when decided or after `wait` (then kPending). A commit comes with
   // the step's header and this node's share; with the whole manifest only on node 0 or
   // when `whole_manifest` (a node that kept the step in doubt and lost what it wrote).
+  // `attempt`: the attempt this node waits to hear about (0: any), so that a relay's cached
+  // commit of an earlier attempt at the step number is not taken for this one's.
   virtual absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step,
                                               std::chrono::milliseconds wait,
-                                              bool whole_manifest = false) = 0;
+                                              bool whole_manifest = false, uint64_t attempt = 0) = 0;
   // All-gather among `participants` (any node may host any participant); the payloads by
   // participant, or DeadlineExceeded naming who is missing.
   virtual absl::StatusOr<std::vector<std::string>> Gather(const std::string& key,
@@ -71,6 +75,9 @@ class GroupClient {
   // Where this node's relay forwards what it relays (this client's parent, else the
   // coordinator); null when the client cannot relay.
   virtual RelayUpstream* relay_upstream() { return nullptr; }
+  // Calls this node sent to the coordinator itself although it has a parent relay (the
+  // relay not yet known alive, passed over after a failed call, or refusing), since start.
+  virtual uint64_t relay_bypasses() const { return 0; }
 };
 
 using GroupClientPtr = std::unique_ptr<GroupClient>;

@@ -174,6 +174,7 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
     out->set_node_ranks(share->second.ranks);
     out->set_node_bytes(share->second.bytes);
     out->set_node_attempt(share->second.attempt);
+    out->set_node_run(share->second.run);
   }
 }
 
@@ -189,6 +190,7 @@ void FillShares(const Decision& decision, const std::vector<uint32_t>& nodes, pb
     out->set_ranks(share->second.ranks);
     out->set_bytes(share->second.bytes);
     out->set_attempt(share->second.attempt);
+    out->set_run(share->second.run);
   }
 }
 
@@ -640,7 +642,7 @@ grpc::ServerUnaryReactor* GroupService::Abort(grpc::CallbackServerContext* ctx,
     std::string reason = request->reason().empty() ? "no reason given" : request->reason();
     coordinator_->commits.Abort(
         request->job(), request->step(), request->node_rank(), request->attempt(),
-        fmt::format("node {}: {}", request->node_rank(), Truncated(reason, kMaxReasonBytes)));
+        fmt::format("node {}: {}", request->node_rank(), Truncated(reason, kMaxReasonBytes)), request->run());
     return absl::OkStatus();
   }));
   return reactor;

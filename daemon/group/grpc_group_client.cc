@@ -3,6 +3,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -284,12 +285,13 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     }
   }
 
-  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt, uint64_t run,
                      const std::string& reason) override {
     pb::AbortRequest request;
     request.set_node_rank(options_.node_rank);
     request.set_incarnation(incarnation_);
     request.set_attempt(attempt);
+    request.set_run(run);
     request.set_job(job);
     request.set_step(step);
     request.set_reason(reason);
@@ -300,10 +302,11 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   }
 
   absl::StatusOr<Decision> GetOutcome(const std::string& job, uint64_t step, milliseconds wait,
-                                      bool whole_manifest) override {
+                                      bool whole_manifest, uint64_t attempt) override {
     pb::OutcomeRequest request;
     request.set_job(job);
     request.set_step(step);
+    request.set_attempt(attempt);
     request.set_wait_ms(static_cast<uint32_t>(std::clamp<int64_t>(wait.count(), 0, UINT32_MAX)));
     request.set_node_rank(options_.node_rank);
     request.set_whole_manifest(whole_manifest);
@@ -404,6 +407,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
 
   void CancelForwards(const std::string& why) override { forwards_.CancelAll(why); }
   RelayUpstream* relay_upstream() override { return this; }
+  uint64_t relay_bypasses() const override { return relay_bypasses_.load(std::memory_order_relaxed); }
 
  private:
   // Every call: a deadline and the token.
@@ -436,7 +440,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     step->manifest_json = manifest_json;
     step->header = {c.world_size(), c.nodes(), c.step_bytes(), c.step_tensors(), c.digest(), c.run(),
                     c.unix_time(), c.wall_time(), {c.metadata().begin(), c.metadata().end()}};
-    step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes(), c.node_attempt()};
+    step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes(), c.node_attempt(), c.node_run()};
     d.committed = std::move(step);
     return d;
   }
@@ -581,6 +585,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       // stays in use for the rest. Otherwise the relay failed the call.
       if (!trailing.count(kRelayRefusedMetadata)) ParentFailed(status);
     }
+    CountBypass();
     grpc::ClientContext ctx;
     grpc::Status status = call(*stub_, ctx);
     if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
@@ -605,6 +610,13 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     return parent_stub_;
   }
 
+  // A call that went to the coordinator although this node has a parent relay (not known
+  // alive yet, passed over after a failure, or refusing): what status reports as the calls
+  // the tree did not carry.
+  void CountBypass() {
+    if (parent_ != 0) relay_bypasses_.fetch_add(1, std::memory_order_relaxed);
+  }
+
   void ParentFailed(const grpc::Status& status) {
     std::string address;
     {
@@ -626,6 +638,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       if (status.ok() || !forwards_.cancelled().empty()) return status;
       ParentFailed(status);
     }
+    CountBypass();
     grpc::ClientContext ctx;
     return Tracked(forwards_, ctx, [&] { return call(*stub_, ctx); });
   }
@@ -700,6 +713,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
                                             })) {
       return *relayed;
     }
+    CountBypass();
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     return stub_->Prepare(&ctx, request, reply);
@@ -718,6 +732,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
             })) {
       return *relayed;
     }
+    CountBypass();
     grpc::ClientContext ctx;
     StartCall(ctx, Clock::now() + options_.rpc_timeout);
     return stub_->Heartbeat(&ctx, request, reply);
@@ -735,6 +750,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       ParentFailed(status);
       reply->Clear();
     }
+    if (!request.whole_manifest()) CountBypass();
     grpc::ClientContext ctx;
     StartCall(ctx, deadline);
     return stub_->GetOutcome(&ctx, request, reply);
@@ -744,6 +760,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
   const uint64_t incarnation_;
   const std::string address_;
   const uint32_t parent_;  // 0: the coordinator itself
+  std::atomic<uint64_t> relay_bypasses_{0};
   const std::unique_ptr<pb::Group::Stub> stub_;
   KnownMembers members_;
   CallSet gathers_;   // in flight, for CancelGathers

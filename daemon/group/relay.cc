@@ -64,6 +64,12 @@ absl::Status Relay::Gather(const std::string& key, uint32_t participants, std::v
 void Relay::Prepare(pb::PrepareBatchRequest batch, PrepareDone done) {
   std::vector<pb::PrepareRequest> items;
   items.reserve(static_cast<size_t>(batch.prepares_size()));
+  {
+    // A prepare of a step this relay holds a commit of is a new attempt at the step number
+    // (a new run saves it again): that commit is not its answer.
+    std::lock_guard lock(mu_);
+    for (const pb::PrepareRequest& p : batch.prepares()) ForgetDecidedLocked({p.job(), p.step()});
+  }
   for (pb::PrepareRequest& p : *batch.mutable_prepares()) items.push_back(std::move(p));
   auto answer = std::make_shared<PrepareDone>(std::move(done));
   absl::Status queued = prepares_.Add(std::move(items), [answer](absl::StatusOr<std::vector<pb::PrepareResult>> results) {
@@ -175,6 +181,14 @@ void Relay::GetOutcome(const pb::OutcomeRequest& request, Clock::time_point dead
               fmt::format("node {} polls {} steps already: ask the coordinator", n, max)));
         });
       } else {
+        if (found != steps_.end() && found->second.decided && request.attempt() != 0) {
+          // A commit of another attempt of this node's at the step number: an earlier run's.
+          auto share = found->second.shares.find(request.node_rank());
+          if (share != found->second.shares.end() && share->second.attempt() != 0 &&
+              share->second.attempt() != request.attempt()) {
+            ForgetDecidedLocked(key);
+          }
+        }
         Step& s = steps_[key];
         s.waiters.push_back(std::move(waiter));
         ++waiters_;
@@ -202,6 +216,16 @@ void Relay::GetOutcome(const pb::OutcomeRequest& request, Clock::time_point dead
   for (auto& answer : later) answer();
 }
 
+void Relay::ForgetDecidedLocked(const StepKey& key) {
+  auto it = steps_.find(key);
+  if (it == steps_.end() || !it->second.decided) return;
+  Step& s = it->second;
+  s.decided.reset();
+  s.shares.clear();
+  s.asked.clear();
+  if (s.waiters.empty() && !s.polling) steps_.erase(it);
+}
+
 // Every waiter whose node and subtree the decision covers gets its answer: the header, its
 // own share and the shares it asked for.
 void Relay::AnswerCoveredLocked(Step& s, std::vector<std::function<void()>>& later) {
@@ -221,10 +245,12 @@ void Relay::AnswerCoveredLocked(Step& s, std::vector<std::function<void()>>& lat
       c->clear_node_ranks();
       c->clear_node_bytes();
       c->clear_node_attempt();
+      c->clear_node_run();
       if (auto share = s.shares.find(it->node); share != s.shares.end()) {
         c->set_node_ranks(share->second.ranks());
         c->set_node_bytes(share->second.bytes());
         c->set_node_attempt(share->second.attempt());
+        c->set_node_run(share->second.run());
       }
       for (uint32_t n : it->shares_for) {
         if (auto share = s.shares.find(n); share != s.shares.end()) *reply.add_shares() = share->second;

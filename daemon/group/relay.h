@@ -141,6 +141,9 @@ class Relay {
   // Answers (into `later`, run after unlocking) every waiter of `s` whose node and
   // asked-for shares the decision covers.
   void AnswerCoveredLocked(Step& s, std::vector<std::function<void()>>& later);
+  // Drops the commit of `key` this relay holds, if any: it is of an earlier attempt at the
+  // step number than the one being prepared or polled for.
+  void ForgetDecidedLocked(const StepKey& key);
   void ForgetOldDecisionsLocked();
 
   const uint32_t node_;

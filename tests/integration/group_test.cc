@@ -330,9 +330,22 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
   c.relay_fanout = "4";
   c.StartAll();
   REQUIRE_WITHIN(c, 120s, "every node joined and alive", c.AllAlive());
+  // Bypasses while the group formed (a node's first heartbeats before its relay joined) are
+  // not the step's: counted from here.
+  std::vector<uint64_t> bypasses(kNodes, 0);
+  for (uint32_t n = 5; n < kNodes; ++n) {
+    bypasses[n] = U64(Status(c.node(static_cast<int>(n)))["group"].value("relay_bypasses", json(0)));
+  }
   c.SaveAllCommitted(10);
   c.RestoreAll(10, std::vector<std::string>(kNodes, "memory"));
-  // Every node below the first level sent its prepare and its polls through its parent.
+  // What the relays carried, against what the design guarantees whatever the machine's
+  // speed: a node sends through its parent unless that relay is not yet known alive, failed
+  // a call (then it is passed over for 30 s: a relay starved of CPU past the 5 s call
+  // deadline, 64 daemons on two cores) or refused; each such call is a counted bypass.
+  // So every node that never bypassed had its prepare relayed by its parent, and by its
+  // grandparent too when the parent never bypassed either (levels 2 and 3 below node 0);
+  // and each such node's restore gathers arrived at its parent. On a machine with time to
+  // spare no node bypasses, and the bounds are the whole tree's: 16 + 2 * 43 prepares.
   uint64_t relayed = 0, relayed_gathers = 0, gather_merges = 0;
   for (uint32_t n = 1; n < kNodes; ++n) {
     json group = Status(c.node(static_cast<int>(n)))["group"];
@@ -341,18 +354,25 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
     relayed += U64(group.value("relayed_prepares", json(0)));
     relayed_gathers += U64(group.value("relayed_gathers", json(0)));
     gather_merges += U64(group.value("relayed_gather_merges", json(0)));
+    bypasses[n] = U64(group.value("relay_bypasses", json(0))) - bypasses[n];
+    if (n <= 4) CHECK(bypasses[n] == 0);  // node 0's children have no relay to pass over
   }
-  // A prepare from level 3 is relayed twice (levels 2 and 1), one from level 2 once. A
-  // relay starved of CPU past the 5 s call deadline (64 daemons on two cores) sends its
-  // nodes to node 0 instead, as it should: so at least half, not all.
-  const uint64_t level2 = std::min<uint64_t>(kNodes, 21) - 5, level3 = kNodes > 21 ? kNodes - 21 : 0;
-  CHECK(relayed >= (level2 + 2 * level3) / 2);
-  // The restore's two gathers (the step to restore, then every rank's outcome) went the same
-  // way: each node below the first level sent its rank's arrival to its parent, and the
-  // relays merged what came within their linger.
-  INFO("relayed gathers " << relayed_gathers << " in " << gather_merges << " merges");
-  CHECK(relayed_gathers >= level2 + level3);
-  CHECK(gather_merges >= 1);
+  uint64_t prepares_owed = 0, gathers_owed = 0, bypassing = 0;
+  for (uint32_t n = 5; n < kNodes; ++n) {
+    if (bypasses[n] > 0) {
+      ++bypassing;
+      continue;
+    }
+    const uint32_t parent = (n - 1) / 4;
+    prepares_owed += 1 + (parent >= 5 && bypasses[parent] == 0 ? 1 : 0);
+    ++gathers_owed;
+  }
+  INFO(bypassing << " of " << kNodes - 5 << " nodes below the first level called node 0 themselves during the step; "
+                 << "relayed prepares " << relayed << " (owed " << prepares_owed << "), relayed gathers "
+                 << relayed_gathers << " in " << gather_merges << " merges (owed " << gathers_owed << ")");
+  CHECK(relayed >= prepares_owed);
+  CHECK(relayed_gathers >= gathers_owed);
+  CHECK(gather_merges >= (gathers_owed > 0 ? 1u : 0u));
   CHECK(gather_merges <= relayed_gathers);
   // One prepare per node reached the coordinator, and every node applied the decision.
   const std::string scrape = c.Metrics(0);
@@ -390,7 +410,10 @@ TEST_CASE("a relay that stops answering (SIGSTOP): the nodes below it call node 
     CHECK(rc == 0);
     CHECK(Contains(savers[r]->Stdout(), "committed"));
   }
-  for (int n : {3, 4}) CHECK(Contains(c.node(n).Log(), "its relay, node 1"));
+  for (int n : {3, 4}) {
+    CHECK(Contains(c.node(n).Log(), "its relay, node 1"));
+    CHECK(U64(Status(c.node(n))["group"].value("relay_bypasses", json(0))) > 0);
+  }
   c.node(1).Signal(SIGCONT);
   // Node 1 answers again; the whole group's next step commits.
   c.SaveAllCommitted(30);

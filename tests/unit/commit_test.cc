@@ -165,13 +165,14 @@ class CountingGroupClient : public group::GroupClient {
     ranks_prepared.fetch_add(part.shards.size());
     return Tampered(real_->Prepare(part, attempt));
   }
-  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt,
+  absl::Status Abort(const std::string& job, uint64_t step, uint64_t attempt, uint64_t run,
                      const std::string& reason) override {
-    return real_->Abort(job, step, attempt, reason);
+    return real_->Abort(job, step, attempt, run, reason);
   }
   absl::StatusOr<group::Decision> GetOutcome(const std::string& job, uint64_t step,
-                                             std::chrono::milliseconds wait, bool whole_manifest) override {
-    return Tampered(real_->GetOutcome(job, step, wait, whole_manifest));
+                                             std::chrono::milliseconds wait, bool whole_manifest,
+                                             uint64_t attempt) override {
+    return Tampered(real_->GetOutcome(job, step, wait, whole_manifest, attempt));
   }
   absl::StatusOr<std::vector<std::string>> Gather(const std::string& key, uint32_t participant,
                                                   uint32_t participants, std::string payload,
@@ -415,7 +416,7 @@ TEST_CASE("a node prepares all its ranks of a step in one call", "[commit]") {
   CHECK(f.kind.client->prepares == 3);
 }
 
-TEST_CASE("a node refuses a commit that gives it another attempt's ranks, and keeps its files in doubt") {
+TEST_CASE("a node refuses a commit of another attempt's ranks: its own files are no part of it and go") {
   Fixture<Group> f;
   // Node 0 is the one node that hears the whole manifest: this test plays node 0 of a
   // group whose answer comes without it, as every other node hears it.
@@ -426,9 +427,10 @@ TEST_CASE("a node refuses a commit that gives it another attempt's ranks, and ke
   f.writer.Open();
   uint64_t t = f.Submit(10, 0, 1);
   CHECK(f.sink->WaitFinal(t) == shm::kTicketFailed);
-  CHECK_THAT(f.sink->error(t), Catch::Contains("from its attempt"));
+  CHECK_THAT(f.sink->error(t), Catch::Contains("is of other bytes than this node's attempt"));
   CHECK(f.store.ListSteps("job")->empty());
-  CHECK(f.fs->Exists(f.store.TempStepDir("job", 10)));  // the coordinator says committed: kept
+  // The commit is of an attempt whose files this one replaced: nothing here is part of it.
+  CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 10)));
 }
 
 TEMPLATE_TEST_CASE("ranks that disagree on the world size are refused", "[commit]", SingleNode, Group) {

@@ -71,14 +71,15 @@ class MemoryDecisionLog : public DecisionLog {
     if (it->second.size() > max_bytes) return absl::ResourceExhaustedError("too large");
     return std::optional<std::string>(it->second);
   }
+  // Also: as if the coordinator had stopped before its assembler recorded this manifest.
+  absl::Status ForgetManifest(const std::string& job, uint64_t step) override {
+    std::lock_guard lock(mu_);
+    manifests_.erase({job, step});
+    return absl::OkStatus();
+  }
   std::string Record(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
     return records_[{job, step}];
-  }
-  // As if the coordinator had stopped before its assembler recorded this manifest.
-  void ForgetManifest(const std::string& job, uint64_t step) {
-    std::lock_guard lock(mu_);
-    manifests_.erase({job, step});
   }
   bool HasManifest(const std::string& job, uint64_t step) {
     std::lock_guard lock(mu_);
@@ -573,14 +574,16 @@ TEST_CASE("commit: the decision record holds ranks and bytes, not tensors; a res
     CHECK(parsed->header.digest == format::ManifestDigest(record));
     CHECK(parsed->header.step_bytes == 1000 + 1001 + 1002 + 1003);
     CHECK(parsed->header.step_tensors == 1);
-    CHECK(parsed->shares.at(1) == NodeShare{2, 2005, 0});
+    // Each node's share keeps the attempt and run it was prepared in: what binds the commit
+    // to those bytes after a restart too.
+    CHECK(parsed->shares.at(1) == NodeShare{2, 2005, 1, Part("job", 7, 4, {2, 3}).run});
     CHECK(parsed->node_of_rank == std::vector<uint32_t>{0, 0, 1, 1});
     // Step 8 commits, but the coordinator stops before its whole manifest is recorded.
     c.Prepare(0, 1, Part("job", 8, 4, {0, 1}));
     REQUIRE(c.Prepare(1, 1, Part("job", 8, 4, {2, 3})).outcome == Outcome::kCommitted);
     c.Lookup("job", 7, /*whole_manifest=*/true);
   }
-  log.ForgetManifest("job", 8);
+  REQUIRE(log.ForgetManifest("job", 8).ok());
   CommitCoordinator restarted(log, {});
   Decision seven = restarted.Lookup("job", 7, /*whole_manifest=*/true);
   REQUIRE(seven.outcome == Outcome::kCommitted);
@@ -1096,6 +1099,70 @@ TEST_CASE("commit: a late prepare from the run the abort ended hears the abort; 
   const uint64_t restarted = NowNanos(1s);
   CHECK(c.Prepare(1, 8, RunPart("job", 11, 2, {1}, restarted)).outcome == Outcome::kPending);
   CHECK(c.Prepare(0, 2, RunPart("job", 11, 2, {0}, restarted)).outcome == Outcome::kCommitted);
+}
+
+TEST_CASE("commit: a new run that saves a committed step number again gets a round of its own, never the old "
+          "commit") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  const uint64_t first = NowNanos(-60s);
+  c.Prepare(0, 1, RunPart("job", 10, 2, {0}, first));
+  REQUIRE(c.Prepare(1, 1, RunPart("job", 10, 2, {1}, first)).outcome == Outcome::kCommitted);
+  REQUIRE(c.Lookup("job", 10, /*whole_manifest=*/true).committed->manifest_json.find(std::to_string(first)) !=
+          std::string::npos);
+  REQUIRE(log.HasManifest("job", 10));
+  // Run 2 (the same bytes, as a deterministic trainer writes them) saves step 10 again,
+  // each node in a newer attempt: a prepare of it is no retry of the commit.
+  const uint64_t second = NowNanos();
+  Decision pending = c.Prepare(1, 5, RunPart("job", 10, 2, {1}, second));
+  CHECK(pending.outcome == Outcome::kPending);
+  CHECK_FALSE(log.HasManifest("job", 10));  // the earlier commit's manifest is never sent for the new one
+  CHECK(c.Lookup("job", 10).outcome == Outcome::kPending);
+  Decision done = c.Prepare(0, 5, RunPart("job", 10, 2, {0}, second));
+  REQUIRE(done.outcome == Outcome::kCommitted);
+  CHECK(done.committed->header.run == second);
+  CHECK(done.committed->shares.at(0) == NodeShare{1, 1000, 5, second});
+  // A late prepare of the earlier run is refused, naming why.
+  Decision older = c.Prepare(0, 1, RunPart("job", 10, 2, {0}, first));
+  CHECK(older.outcome == Outcome::kAborted);
+  CHECK_THAT(older.reason, Catch::Contains("already committed by a newer attempt"));
+  // What the log says after a coordinator restart is the new commit, attempts and runs too.
+  CommitCoordinator restarted(log, {});
+  Decision recorded = restarted.Lookup("job", 10);
+  REQUIRE(recorded.outcome == Outcome::kCommitted);
+  CHECK(recorded.committed->header.run == second);
+  CHECK(recorded.committed->shares.at(1) == NodeShare{1, 1001, 5, second});
+  // A retry of run 2's prepare hears its commit again; one of another attempt of the same run
+  // and node, older, is refused.
+  CHECK(restarted.Prepare(1, 5, RunPart("job", 10, 2, {1}, second)).outcome == Outcome::kCommitted);
+  CHECK(restarted.Prepare(1, 4, RunPart("job", 10, 2, {1}, second)).outcome == Outcome::kAborted);
+}
+
+TEST_CASE("commit: a node that still holds a step an earlier run committed aborts a new run's save of it at once") {
+  MemoryDecisionLog log;
+  CommitCoordinator c(log, {});
+  const uint64_t first = NowNanos(-60s);
+  c.Prepare(0, 1, RunPart("job", 10, 2, {0}, first));
+  REQUIRE(c.Prepare(1, 1, RunPart("job", 10, 2, {1}, first)).outcome == Outcome::kCommitted);
+  c.Prepare(0, 2, RunPart("job", 20, 2, {0}, first));
+  REQUIRE(c.Prepare(1, 2, RunPart("job", 20, 2, {1}, first)).outcome == Outcome::kCommitted);
+  // An abort of step 10 from the earlier run, late, changes nothing.
+  c.Abort("job", 10, 1, 1, "late", first);
+  CHECK(c.Lookup("job", 10).outcome == Outcome::kCommitted);
+  // Run 2's node 1 refused step 10 before any prepare (its disk holds run 1's): the abort
+  // carries run 2, and every rank hears it, node 0's when it prepares.
+  const uint64_t second = NowNanos(-1s);
+  c.Abort("job", 10, 1, 7, "node 1: step 10 of job job is already committed", second);
+  Decision refused = c.Prepare(0, 7, RunPart("job", 10, 2, {0}, second));
+  CHECK(refused.outcome == Outcome::kAborted);
+  CHECK_THAT(refused.reason, Catch::Contains("node 1: step 10 of job job is already committed"));
+  CHECK(c.InFlight().empty());
+  // The same for a step number the earlier run never committed, below its newest.
+  c.Abort("job", 15, 1, 8, "node 1: refused", second);
+  CHECK(c.Prepare(0, 8, RunPart("job", 15, 2, {0}, second)).outcome == Outcome::kAborted);
+  // Without a run, such an abort is taken for a late one, as before.
+  c.Abort("job", 5, 1, 9, "late");
+  CHECK(c.Lookup("job", 5).outcome == Outcome::kUnknown);
 }
 
 TEST_CASE("commit: while a node of the job is lost, its run's steps abort at their first prepare") {

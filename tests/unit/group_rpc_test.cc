@@ -478,7 +478,7 @@ TEST_CASE("rpc: three nodes join, prepare, long-poll the outcome and gather") {
   auto pending = clients[1]->GetOutcome("job", 101, 100ms);
   REQUIRE(pending.ok());
   CHECK(pending->outcome == Outcome::kPending);
-  REQUIRE(clients[1]->Abort("job", 101, 1, "rank 1 failed to write").ok());
+  REQUIRE(clients[1]->Abort("job", 101, 1, 0, "rank 1 failed to write").ok());
   auto aborted = clients[0]->GetOutcome("job", 101, 0ms);
   REQUIRE(aborted.ok());
   CHECK(aborted->outcome == Outcome::kAborted);
@@ -657,7 +657,7 @@ TEST_CASE("rpc: a wrong token is refused on every call") {
   CHECK_THAT(Message(join.status()), Catch::Contains("refused this node's group token"));
   CHECK(absl::IsUnauthenticated(intruder->Heartbeat().status()));
   CHECK(absl::IsUnauthenticated(intruder->Prepare(Part("job", 1, 2, {1}), 1).status()));
-  CHECK(absl::IsUnauthenticated(intruder->Abort("job", 1, 1, "x")));
+  CHECK(absl::IsUnauthenticated(intruder->Abort("job", 1, 1, 0, "x")));
   CHECK(absl::IsUnauthenticated(intruder->GetOutcome("job", 1, 1s).status()));
   CHECK(absl::IsUnauthenticated(intruder->Gather("k", 0, 2, "", 1s).status()));
   auto prefix = g.Client(1, std::string(kToken).substr(0, 10));

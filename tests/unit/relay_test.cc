@@ -397,6 +397,29 @@ TEST_CASE("relay: an abort is passed on, never kept: the step may be saved again
   CHECK(up.polls.size() == 2);
 }
 
+TEST_CASE("relay: a commit it holds is never the answer for a new attempt at the step number (a new run's save)") {
+  ScriptedUpstream up;  // commits give every node attempt 7
+  Relay relay(1, up);
+  auto first = Ask(relay, Poll(3)).get();
+  REQUIRE(first.ok());
+  CHECK(first->committed().node_attempt() == 7);
+  CHECK(up.polls.size() == 1);
+  // The same attempt, or one not named, hears the commit held here.
+  pb::OutcomeRequest same = Poll(3);
+  same.set_attempt(7);
+  CHECK(Ask(relay, same).get().ok());
+  CHECK(up.polls.size() == 1);
+  // A poll for another attempt of node 3's: the commit held is an earlier run's; node 0 is asked.
+  pb::OutcomeRequest newer = Poll(3);
+  newer.set_attempt(9);
+  CHECK(Ask(relay, newer).get().ok());
+  CHECK(up.polls.size() == 2);
+  // A prepare of the step passing through is a new attempt too: the next poll goes up.
+  REQUIRE(Send(relay, Batch({3})).get().ok());
+  CHECK(Ask(relay, Poll(3)).get().ok());
+  CHECK(up.polls.size() == 3);
+}
+
 TEST_CASE("relay: pending is passed on and nothing is kept; an error reaches every waiting poll") {
   ScriptedUpstream up;
   up.outcome = pb::OUTCOME_PENDING;
