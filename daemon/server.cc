@@ -332,7 +332,11 @@ absl::Status StartReplication(Server::Parts& p) {
   p.replicator = std::make_unique<replicate::Replicator>(*p.peer_directory, code, 2, [priority = &p.copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));
   });
-  p.peer_shards = std::make_unique<replicate::PeerShards>(*p.peer_directory, o.k);
+  // A replacement's survey of its holders waits for the silent ones within a third of the
+  // restore's deadline (at most a minute), leaving the rest to fetch and to the ranks' barrier.
+  const auto survey_wait = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(c.restore_timeout_ms) / 3,
+                                                               std::chrono::minutes(1));
+  p.peer_shards = std::make_unique<replicate::PeerShards>(*p.peer_directory, o.k, survey_wait);
   p.board.on_staged = [replicator = p.replicator.get()](const StagedSnapshotPtr& snap, uid_t uid) {
     replicator->Staged(snap->job, snap->step, snap->rank, snap->session_started_unix_ns, uid,
                        std::shared_ptr<const char>(snap, snap->shard.data), snap->shard.data_bytes);

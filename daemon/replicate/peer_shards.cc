@@ -31,12 +31,15 @@ constexpr size_t kAskedAtOnce = 32;
 // A peer that did not answer is asked this many times in all, the waits growing from this.
 constexpr int kListAttempts = 4;
 constexpr auto kListRetryDelay = std::chrono::milliseconds(200);
+// A survey asks the holders that have not answered again this often, within its wait.
+constexpr auto kSurveyRetry = std::chrono::milliseconds(250);
 
 spdlog::logger& Log() { return log::Get(log::Component::kControl); }
 
 }  // namespace
 
-void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey) {
+std::vector<bool> PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid,
+                                  Survey& survey, std::vector<std::string>& problems) {
   std::vector<absl::StatusOr<std::vector<HeldStep>>> lists(peers.size(), absl::UnknownError("not asked"));
   std::vector<FetchGrant> grants(peers.size());
   const std::vector<absl::Status> asked = RunEach(peers.size(), kAskedAtOnce, [&](size_t i) {
@@ -54,11 +57,13 @@ void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, u
   for (size_t i = 0; i < peers.size(); ++i) {
     if (!asked[i].ok()) lists[i] = asked[i];  // threw before its list came
   }
+  std::vector<bool> answered(peers.size(), false);
   for (size_t i = 0; i < peers.size(); ++i) {
     if (!lists[i].ok()) {
-      survey.problems.push_back(fmt::format("node {}: {}", peers[i].node, Message(lists[i].status())));
+      problems.push_back(fmt::format("node {}: {}", peers[i].node, Message(lists[i].status())));
       continue;
     }
+    answered[i] = true;
     for (const HeldStep& s : *lists[i]) {
       // Only what this node sealed, with its code, for the very user who asks.
       if (!s.sealed || s.k != static_cast<uint32_t>(k_) || s.uid != uid) continue;
@@ -67,17 +72,47 @@ void PeerShards::Ask(const std::vector<Holder>& peers, const std::string& job, u
       for (const auto& [rank, index] : s.pieces) ranks[rank].push_back({peers[i], index, grants[i]});
     }
   }
+  return answered;
 }
 
 PeerShards::Survey PeerShards::Take(const std::string& job, uid_t uid) {
+  const auto deadline = std::chrono::steady_clock::now() + survey_wait_;
   Survey survey;
-  std::vector<Holder> holders;
-  if (absl::StatusOr<std::vector<Holder>> found = peers_.Holders(peers_.options().self); found.ok()) {
-    for (const Holder& h : *found) {
-      if (h.alive) holders.push_back(h);
+  std::vector<Holder> holders;   // that answered
+  std::set<uint32_t> answered;
+  std::vector<std::string> problems;  // of the last round
+  // Until every holder of this node's coding group answered, or the wait is over: a holder
+  // this node's view does not know yet (a replacement that has just joined) or whose call
+  // failed (a busy machine) is asked again; one the view knows to be lost is not waited for.
+  for (bool first = true;; first = false) {
+    if (!first) std::this_thread::sleep_for(kSurveyRetry);
+    problems.clear();
+    std::vector<Holder> ask;
+    size_t waited_for = 0;
+    if (absl::StatusOr<std::vector<Holder>> found = peers_.Holders(peers_.options().self); found.ok()) {
+      for (const Holder& h : *found) {
+        if (answered.count(h.node)) continue;
+        if (h.alive) {
+          ask.push_back(h);
+        } else if (h.address.empty()) {
+          ++waited_for;  // not known to this node yet
+          problems.push_back(fmt::format("node {}: not yet known to this node's view of the group", h.node));
+        }
+      }
+    } else {
+      problems.push_back(Message(found.status()));
+      ++waited_for;
     }
+    const std::vector<bool> ok = Ask(ask, job, uid, survey, problems);
+    for (size_t i = 0; i < ask.size(); ++i) {
+      if (!ok[i]) continue;
+      answered.insert(ask[i].node);
+      holders.push_back(ask[i]);
+    }
+    const bool silent = waited_for > 0 || std::count(ok.begin(), ok.end(), false) > 0;
+    if (!silent || std::chrono::steady_clock::now() + kSurveyRetry >= deadline) break;
   }
-  Ask(holders, job, uid, survey);
+  survey.problems = std::move(problems);
   if (survey.steps.empty()) {
     // The groups as this node computes them now may not be the ones its fragments went to.
     std::vector<Holder> others;
@@ -86,7 +121,7 @@ PeerShards::Survey PeerShards::Take(const std::string& job, uid_t uid) {
         others.push_back(h);
       }
     }
-    Ask(others, job, uid, survey);
+    Ask(others, job, uid, survey, survey.problems);
   }
   for (const std::string& p : survey.problems) Log().warn("[{}] peer replicas: {}", job, p);
   return survey;

@@ -20,7 +20,13 @@ namespace ckpt::replicate {
 class PeerShards final : public daemon::PeerSource {
  public:
   // `threads`: for decoding.
-  PeerShards(PeerDirectory& peers, int k, int threads = 2) : peers_(peers), k_(k), threads_(threads) {}
+  // `survey_wait`: how long a survey of the holders waits for those that have not answered
+  // yet (not yet known to this node's view, as on a replacement that has just joined, or
+  // failing their calls), within the restore's deadline: silence is never taken for "none".
+  // A holder the group's view knows to be lost is not waited for.
+  PeerShards(PeerDirectory& peers, int k, std::chrono::milliseconds survey_wait = std::chrono::seconds(0),
+             int threads = 2)
+      : peers_(peers), k_(k), threads_(threads), survey_wait_(survey_wait) {}
 
   std::vector<std::pair<uint64_t, uint64_t>> Steps(const std::string& job, uint32_t rank, uid_t uid) override;
   absl::StatusOr<std::string> Manifest(const std::string& job, uint64_t step, uid_t uid) override;
@@ -42,7 +48,9 @@ class PeerShards final : public daemon::PeerSource {
     std::vector<std::string> problems;  // peers that could not be asked
   };
   Survey Take(const std::string& job, uid_t uid);
-  void Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey);
+  // Asks `peers` what they hold; whether each answered (its problem in `problems` if not).
+  std::vector<bool> Ask(const std::vector<Holder>& peers, const std::string& job, uid_t uid, Survey& survey,
+                        std::vector<std::string>& problems);
   // The newest run's entry of `step`, or null; its m in `m`.
   static const std::map<uint32_t, std::vector<Source>>* Newest(const Survey& survey, uint64_t step,
                                                                uint32_t* m = nullptr);
@@ -50,6 +58,7 @@ class PeerShards final : public daemon::PeerSource {
   PeerDirectory& peers_;
   const int k_;
   const int threads_;
+  const std::chrono::milliseconds survey_wait_;
 };
 
 }  // namespace ckpt::replicate

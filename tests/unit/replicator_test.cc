@@ -15,6 +15,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -104,6 +105,16 @@ class Group {
 
   PeerDirectory& directory() { return *directory_; }
   FragmentStore& store(uint32_t node) { return peers_.at(node)->store; }
+  // Whether this node's view knows `node` at all (a replacement that has just joined may
+  // not know its peers yet).
+  void SetKnown(uint32_t node, bool known) {
+    std::lock_guard lock(mu_);
+    if (known) {
+      unknown_.erase(node);
+    } else {
+      unknown_.insert(node);
+    }
+  }
   void SetAlive(uint32_t node, bool alive) {
     std::lock_guard lock(mu_);
     if (alive) {
@@ -124,6 +135,7 @@ class Group {
     std::vector<PeerNode> nodes;
     nodes.push_back({0, "", "", true});  // this node: it holds none of its own fragments
     for (uint32_t n = 1; n < options_.nodes; ++n) {
+      if (unknown_.count(n)) continue;
       nodes.push_back({n, peers_[n]->address(), "", down_.count(n) == 0});
     }
     return nodes;
@@ -133,6 +145,7 @@ class Group {
   std::vector<std::unique_ptr<Peer>> peers_;  // by node; [0] is this node: none
   std::mutex mu_;
   std::set<uint32_t> down_;  // guarded by mu_
+  std::set<uint32_t> unknown_;  // guarded by mu_
   std::unique_ptr<PeerDirectory> directory_;
 };
 
@@ -420,6 +433,42 @@ TEST_CASE("PeerShards lists, gives back the manifest of, and rebuilds a replicat
     CHECK(absl::IsDataLoss(lost.status()));
     CHECK_THAT(ckpt::Message(lost.status()), Catch::Contains("0 of the 2 fragments"));
   }
+}
+
+TEST_CASE("PeerShards waits, within its bound, for a holder its view does not know yet rather than taking silence "
+          "for none") {
+  Group group({});
+  Replicator replicator(group.directory(), group.Code());
+  const StagedBytes rank0 = MakeShard(300'000, 1), rank1 = MakeShard(250'001, 2);
+  Replicate(replicator, 5, rank0, rank1);
+  REQUIRE(Settled(replicator, 5).state == State::kReplicated);
+  using Steps = std::vector<std::pair<uint64_t, uint64_t>>;
+
+  // This node has just joined: its view does not name node 2 yet, and learns it 1 s later.
+  group.SetKnown(2, false);
+  PeerShards waiting(group.directory(), 2, 30s);
+  std::thread heard([&] {
+    std::this_thread::sleep_for(1s);
+    group.SetKnown(2, true);
+  });
+  const auto started = std::chrono::steady_clock::now();
+  CHECK(waiting.Steps(kJob, 0, kUid) == Steps{{kRun, 5}});
+  heard.join();
+  CHECK(std::chrono::steady_clock::now() - started >= 1s);
+
+  // Never known within the bound: the survey ends at its bound with what it has.
+  group.SetKnown(2, false);
+  PeerShards bounded(group.directory(), 2, 1s);
+  const auto again = std::chrono::steady_clock::now();
+  CHECK(bounded.Steps(kJob, 0, kUid).empty());
+  CHECK(std::chrono::steady_clock::now() - again < 20s);
+  // A holder the view knows to be lost is not waited for.
+  group.SetKnown(2, true);
+  group.SetAlive(2, false);
+  PeerShards lost(group.directory(), 2, 60s);
+  const auto at_once = std::chrono::steady_clock::now();
+  CHECK(lost.Steps(kJob, 0, kUid).empty());
+  CHECK(std::chrono::steady_clock::now() - at_once < 30s);
 }
 
 TEST_CASE("PeerShards rebuilds a shard exactly past a holder that serves damaged fragments (2+2 over 5 nodes)") {
