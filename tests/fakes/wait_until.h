@@ -1,5 +1,5 @@
 // Polls `condition` every `interval` until it holds or `timeout` passes (stretched under
-// TSan: sanitizer_slowdown.h); returns whether it held. For tests that wait on another
+// TSan and on a loaded machine: sanitizer_slowdown.h); returns whether it held. For tests that wait on another
 // thread or process.
 #pragma once
 
@@ -13,7 +13,7 @@ namespace ckpt::testing {
 template <typename Condition>
 bool WaitUntil(Condition condition, std::chrono::milliseconds timeout,
                std::chrono::milliseconds interval = std::chrono::milliseconds(5)) {
-  auto deadline = std::chrono::steady_clock::now() + timeout * kSanitizerSlowdown;
+  auto deadline = std::chrono::steady_clock::now() + Stretched(timeout);
   while (!condition()) {
     if (std::chrono::steady_clock::now() >= deadline) return condition();
     std::this_thread::sleep_for(interval);

@@ -83,7 +83,7 @@ bool Process::Running() {
 }
 
 int Process::Wait(std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout * kSanitizerSlowdown;  // longer under TSan
+  auto deadline = std::chrono::steady_clock::now() + Stretched(timeout);  // longer under TSan, or loaded
   while (Running()) {
     if (std::chrono::steady_clock::now() > deadline) {
       Signal(SIGKILL);
@@ -106,7 +106,7 @@ std::string Process::Stdout() const { return ReadFile(out_path_); }
 std::string Process::Stderr() const { return ReadFile(err_path_); }
 
 bool Process::WaitForStdout(const std::string& needle, std::chrono::milliseconds timeout) {
-  auto deadline = std::chrono::steady_clock::now() + timeout * kSanitizerSlowdown;
+  auto deadline = std::chrono::steady_clock::now() + Stretched(timeout);
   while (std::chrono::steady_clock::now() < deadline) {
     if (Stdout().find(needle) != std::string::npos) return true;
     if (!Running()) return Stdout().find(needle) != std::string::npos;
@@ -140,7 +140,7 @@ void Daemon::Start() {
   argv.insert(argv.end(), flags_.begin(), flags_.end());
   argv.insert(argv.begin(), wrapper_.begin(), wrapper_.end());
   process_ = std::make_unique<Process>(argv, dir_.path(), "ckptd" + std::to_string(starts_++));
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20) * kSanitizerSlowdown;
+  auto deadline = std::chrono::steady_clock::now() + Stretched(std::chrono::seconds(20));
   while (!SocketAnswers(socket_)) {
     if (!process_->Running()) FAIL("ckptd exited at start:\n" << process_->Stderr());
     if (std::chrono::steady_clock::now() > deadline) FAIL("ckptd did not start:\n" << process_->Stderr());

@@ -29,8 +29,8 @@ class Process {
   Process(const Process&) = delete;
   Process& operator=(const Process&) = delete;
 
-  // Exit code, or 128+signal; kills the process and fails the wait after `timeout` (times
-  // kSanitizerSlowdown).
+  // Exit code, or 128+signal; kills the process and fails the wait after `timeout` (stretched:
+  // Stretched, sanitizer_slowdown.h).
   int Wait(std::chrono::milliseconds timeout = std::chrono::seconds(60));
   void Signal(int sig);
   bool Running();
