@@ -176,7 +176,10 @@ struct Server::Parts {
   // view) stops before any part is destroyed.
   ~Parts() {
     metrics_http.reset();
-    if (owners) owners->Stop();  // its questions use the stores and the peers' directory
+    // Their questions use the stores and the peers' directory (the remote tier cancelled first).
+    if (owners) owners->Stop();
+    if (admin_service) admin_service->Stop();
+    if (tcp_admin_service) tcp_admin_service->Stop();
     if (replicator) replicator->Stop();
     if (group_server) group_server->Shutdown();
   }
@@ -903,8 +906,11 @@ void Server::Shutdown() {
   // rather than wait out a gateway that stopped answering.
   p.store->objects().Cancel();
   if (p.uploader) p.uploader->Stop();  // an upload in progress resumes at the next start
-  // Questions about owners still waiting on a store or the peers end (before either goes).
+  // Questions about owners and listings still waiting on a store or the peers end (the
+  // remote tier is cancelled first), before either goes.
   p.owners->Stop();
+  p.admin_service->Stop();
+  if (p.tcp_admin_service) p.tcp_admin_service->Stop();
   p.retention->Stop();
   if (p.remote_retention) p.remote_retention->Stop();
   p.hot->Clear();
