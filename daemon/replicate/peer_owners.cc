@@ -20,8 +20,9 @@ absl::StatusOr<std::optional<daemon::KnownOwner>> PeerOwners::Find(const std::st
   const auto joined_by = std::chrono::steady_clock::now() + options_.join_wait;
   while (!joined_()) {
     if (std::chrono::steady_clock::now() >= joined_by) {
-      return absl::UnavailableError(fmt::format("this node has not joined its group within {} ms",
-                                                options_.join_wait.count()));
+      return absl::UnavailableError(fmt::format("this node has not joined its group within {} s, so it cannot "
+                                                "ask its peers yet",
+                                                std::chrono::duration_cast<std::chrono::seconds>(options_.join_wait).count()));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

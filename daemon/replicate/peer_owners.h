@@ -19,7 +19,9 @@ namespace ckpt::replicate {
 class PeerOwners final : public daemon::OwnerSource {
  public:
   struct Options {
-    std::chrono::milliseconds join_wait{std::chrono::seconds(2)};
+    // Most of a registration's wait (JobOwners::Options::ask_wait): daemons of a group that
+    // start together join within it.
+    std::chrono::milliseconds join_wait{std::chrono::seconds(4)};
     std::chrono::milliseconds call_timeout{std::chrono::seconds(3)};
   };
   // `joined`: whether this node has joined its group (its view of the live members is

@@ -337,7 +337,7 @@ absl::Status JobOwners::MayClaimOutside(const std::string& job, const PeerIdenti
   if (!outside.peers_unknown.empty() && !Privileged(caller)) {
     return absl::PermissionDeniedError(fmt::format(
         "job {}: this node has no record of it, and its group's peers could not say who owns it ({}); only "
-        "root or ckptd's own user may register it until they answer",
+        "root or ckptd's own user may register it until they answer (try again)",
         job, outside.peers_unknown));
   }
   if (!outside.remote_unknown.empty() && options_.remote_only && !Privileged(caller)) {
