@@ -176,24 +176,31 @@ grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* req
       const auto wait = std::clamp<std::chrono::system_clock::duration>(
           left - std::max<std::chrono::system_clock::duration>(std::chrono::seconds(1), left / 10),
           std::chrono::system_clock::duration::zero(), std::chrono::seconds(60));
-      RemoteListings::Outcome asked = remote_listings_->Ask(
-          request->job() + "\n" + asker,
-          [remote = src_.remote, job = request->job(), visible]() -> absl::StatusOr<std::vector<format::CheckpointSummary>> {
-            if (!visible) return format::ListCheckpoints(*remote, job);
-            if (!job.empty()) {
-              if (!(*visible)(job)) return std::vector<format::CheckpointSummary>{};
-              return format::ListCheckpoints(*remote, job);
-            }
-            CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, remote->ListJobs());
-            std::vector<format::CheckpointSummary> all;
-            for (const std::string& j : jobs) {
-              if (!(*visible)(j)) continue;
-              CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> mine, format::ListCheckpoints(*remote, j));
-              all.insert(all.end(), mine.begin(), mine.end());
-            }
-            return all;
-          },
-          std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait));
+      auto question = [remote = src_.remote, job = request->job(),
+                       visible]() -> absl::StatusOr<std::vector<format::CheckpointSummary>> {
+        if (!visible) return format::ListCheckpoints(*remote, job);
+        if (!job.empty()) {
+          if (!(*visible)(job)) return std::vector<format::CheckpointSummary>{};
+          return format::ListCheckpoints(*remote, job);
+        }
+        CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, remote->ListJobs());
+        std::vector<format::CheckpointSummary> all;
+        for (const std::string& j : jobs) {
+          if (!(*visible)(j)) continue;
+          CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> mine, format::ListCheckpoints(*remote, j));
+          all.insert(all.end(), mine.begin(), mine.end());
+        }
+        return all;
+      };
+      // Waited for in short slices: a caller that goes away (or a server shutting down)
+      // ends the wait; the listing goes on for the next caller.
+      const auto until =
+          std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait);
+      RemoteListings::Outcome asked;
+      do {
+        asked = remote_listings_->Ask(request->job() + "\n" + asker, question,
+                                      std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(250)));
+      } while (!asked.answer && std::chrono::steady_clock::now() < until && !ctx->IsCancelled());
       absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded =
           asked.answer ? *std::move(asked.answer)
                        : absl::DeadlineExceededError(fmt::format(
