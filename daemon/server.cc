@@ -46,6 +46,7 @@
 #include "daemon/replicate/fetch_channel.h"
 #include "daemon/replicate/fragment_store.h"
 #include "daemon/replicate/peer_directory.h"
+#include "daemon/replicate/peer_owners.h"
 #include "daemon/replicate/peer_shards.h"
 #include "daemon/replicate/replica_service.h"
 #include "daemon/replicate/replicator.h"
@@ -175,6 +176,10 @@ struct Server::Parts {
   // view) stops before any part is destroyed.
   ~Parts() {
     metrics_http.reset();
+    // Their questions use the stores and the peers' directory (the remote tier cancelled first).
+    if (owners) owners->Stop();
+    if (admin_service) admin_service->Stop();
+    if (tcp_admin_service) tcp_admin_service->Stop();
     if (replicator) replicator->Stop();
     if (group_server) group_server->Shutdown();
   }
@@ -283,6 +288,13 @@ absl::Status StartGroup(Server::Parts& p) {
     faults.corrupt_served = fault == "corrupt-served-fragments";
     if (fault.rfind("stall-replicas-while:", 0) == 0) faults.stall_while = fault.substr(21);
     p.replica_service = std::make_unique<replicate::ReplicaService>(*p.fragments, o.token, faults);
+    // A replacement node asks its peers whose a job is before anyone may claim its name.
+    p.replica_service->set_owner_records(
+        [owners = p.owners.get()](const std::string& job) -> std::optional<replicate::ReplicaService::RecordedOwner> {
+          std::optional<KnownOwner> known = owners->Recorded(job);
+          if (!known) return std::nullopt;
+          return replicate::ReplicaService::RecordedOwner{known->uid, known->gid};
+        });
     if (!o.tls() && c.replica_fetch_port >= 0) {
       // Restores fetch fragments over plain TCP, five times gRPC's speed (benchmarks.md,
       // "Peer replicas"); with TLS every fragment stays on the encrypted gRPC channel.
@@ -337,6 +349,11 @@ absl::Status StartReplication(Server::Parts& p) {
   const auto survey_wait = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(c.restore_timeout_ms) / 3,
                                                                std::chrono::minutes(1));
   p.peer_shards = std::make_unique<replicate::PeerShards>(*p.peer_directory, o.k, survey_wait);
+  // A job this node's root does not know (a replacement's empty disk) is the peers' to name.
+  p.owners->AskPeers(std::make_unique<replicate::PeerOwners>(
+      *p.peer_directory,
+      [parts = &p] { return parts->group_member && parts->group_member->state().joined; },
+      replicate::PeerOwners::Options{}));
   p.board.on_staged = [replicator = p.replicator.get()](const StagedSnapshotPtr& snap, uid_t uid) {
     replicator->Staged(snap->job, snap->step, snap->rank, snap->session_started_unix_ns, uid,
                        std::shared_ptr<const char>(snap, snap->shard.data), snap->shard.data_bytes);
@@ -574,8 +591,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   // Before any stage that could write a job's files (the uploader's thread starts below).
   p->owners = std::make_unique<JobOwners>(
       *p->fs, config.root,
-      JobOwners::Options{::geteuid(), config.job_gids,
-                         p->remote ? &p->remote->objects() : direct ? &p->store->objects() : nullptr});
+      JobOwners::Options{.daemon_uid = ::geteuid(),
+                         .job_gids = config.job_gids,
+                         .remote = p->remote ? p->remote->objects_ptr() : direct ? p->store->objects_ptr() : nullptr,
+                         .remote_only = direct});
   if (!direct && (config.user_quota_bytes != 0 || config.job_quota_bytes != 0)) {
     // Before any other thread uses the store: what retention, deletes and aborts remove is
     // measured again before the job's next write.
@@ -895,6 +914,11 @@ void Server::Shutdown() {
   // rather than wait out a gateway that stopped answering.
   p.store->objects().Cancel();
   if (p.uploader) p.uploader->Stop();  // an upload in progress resumes at the next start
+  // Questions about owners and listings still waiting on a store or the peers end (the
+  // remote tier is cancelled first), before either goes.
+  p.owners->Stop();
+  p.admin_service->Stop();
+  if (p.tcp_admin_service) p.tcp_admin_service->Stop();
   p.retention->Stop();
   if (p.remote_retention) p.remote_retention->Stop();
   p.hot->Clear();

@@ -161,8 +161,51 @@ grpc::Status AdminService::List(grpc::ServerContext* ctx, const ListRequest* req
     }
     if (src_.remote != nullptr) {
       // The remote tier lists only whole steps; a store that cannot be listed is named
-      // in the reply's errors rather than failing the local listing.
-      absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded = list(*src_.remote);
+      // in the reply's errors rather than failing the local listing. It is listed on a
+      // thread of its own, waited for until shortly before the caller's deadline: a store
+      // that stopped answering (each request waits out its stall timeout, and is retried)
+      // never costs the local listing. Listings of the same jobs for the same caller share
+      // one request.
+      std::string asker = "*";
+      if (visible && exposure_.peers != nullptr) {
+        if (absl::StatusOr<PeerIdentity> caller = exposure_.peers->Of(ctx->peer()); caller.ok()) {
+          asker = std::to_string(caller->uid);
+        }
+      }
+      const auto left = ctx->deadline() - std::chrono::system_clock::now();
+      const auto wait = std::clamp<std::chrono::system_clock::duration>(
+          left - std::max<std::chrono::system_clock::duration>(std::chrono::seconds(1), left / 10),
+          std::chrono::system_clock::duration::zero(), std::chrono::seconds(60));
+      auto question = [remote = src_.remote, job = request->job(),
+                       visible]() -> absl::StatusOr<std::vector<format::CheckpointSummary>> {
+        if (!visible) return format::ListCheckpoints(*remote, job);
+        if (!job.empty()) {
+          if (!(*visible)(job)) return std::vector<format::CheckpointSummary>{};
+          return format::ListCheckpoints(*remote, job);
+        }
+        CKPT_ASSIGN_OR_RETURN(std::vector<std::string> jobs, remote->ListJobs());
+        std::vector<format::CheckpointSummary> all;
+        for (const std::string& j : jobs) {
+          if (!(*visible)(j)) continue;
+          CKPT_ASSIGN_OR_RETURN(std::vector<format::CheckpointSummary> mine, format::ListCheckpoints(*remote, j));
+          all.insert(all.end(), mine.begin(), mine.end());
+        }
+        return all;
+      };
+      // Waited for in short slices: a caller that goes away (or a server shutting down)
+      // ends the wait; the listing goes on for the next caller.
+      const auto until =
+          std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait);
+      RemoteListings::Outcome asked;
+      do {
+        asked = remote_listings_->Ask(request->job() + "\n" + asker, question,
+                                      std::min(until, std::chrono::steady_clock::now() + std::chrono::milliseconds(250)));
+      } while (!asked.answer && std::chrono::steady_clock::now() < until && !ctx->IsCancelled());
+      absl::StatusOr<std::vector<format::CheckpointSummary>> uploaded =
+          asked.answer ? *std::move(asked.answer)
+                       : absl::DeadlineExceededError(fmt::format(
+                             "no answer in {} s (still asked: a later list shows it once it answers)",
+                             std::chrono::duration_cast<std::chrono::seconds>(asked.waited).count()));
       if (!uploaded.ok()) {
         reply->add_errors(fmt::format("the remote tier {} cannot be listed: {}", src_.remote->root(),
                                       Message(uploaded.status())));

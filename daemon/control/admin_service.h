@@ -3,10 +3,12 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 
+#include "common/slow_questions.h"
 #include "cuda/staging_pool.h"
 #include "daemon/commit/committer.h"
 #include "daemon/config.h"
@@ -63,7 +65,14 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   AdminService(const Config& config, AdminSources sources, AdminExposure exposure = {})
       : config_(config), src_(std::move(sources)), exposure_(std::move(exposure)),
         store_(src_.store), sessions_(src_.sessions), pool_(src_.pool), board_(src_.board),
-        started_(std::chrono::steady_clock::now()) {}
+        started_(std::chrono::steady_clock::now()) {
+    if (src_.remote != nullptr) remote_listings_ = std::make_unique<RemoteListings>(16);
+  }
+  // Ends the remote tier's listings still waiting on it (after the store was cancelled):
+  // before the remote tier goes.
+  void Stop() {
+    if (remote_listings_) remote_listings_->Stop();
+  }
 
   grpc::Status Status(grpc::ServerContext*, const ::ckptd::v1::StatusRequest*,
                       ::ckptd::v1::StatusReply* reply) override;
@@ -107,6 +116,10 @@ class AdminService final : public ::ckptd::v1::Admin::Service {
   cuda::StagingPool& pool_;
   StatusBoard& board_;
   const std::chrono::steady_clock::time_point started_;
+  // The remote tier's listings, on a thread of their own: a store that stopped answering
+  // costs `list` the caller's deadline at most, and the local tier is listed all the same.
+  using RemoteListings = SlowQuestions<absl::StatusOr<std::vector<format::CheckpointSummary>>>;
+  std::unique_ptr<RemoteListings> remote_listings_;  // with a remote tier
 };
 
 }  // namespace ckpt::daemon

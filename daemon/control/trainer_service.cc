@@ -163,6 +163,12 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     CKPT_ASSIGN_OR_RETURN(PeerIdentity caller, peers_.Of(ctx->peer()));
     CKPT_ASSIGN_OR_RETURN(SessionPtr s, sessions_.FindFor(request->session_id(), caller));
     CKPT_ASSIGN_OR_RETURN(CallLimiter::Slot slot, long_calls_.Enter(caller.uid, "Restore"));
+    // A job whose name was taken here while the remote tier could not say whose it is: the
+    // remote tier's steps are read only once its record names this node's owner.
+    if (absl::Status mine = owners_.CheckRemote(s->job(), caller); !mine.ok()) {
+      log::Get(log::Component::kControl).warn("[{}/r{}] restore refused: {}", s->job(), s->rank(), Message(mine));
+      return mine;
+    }
     RestoreSpec spec;
     if (request->has_step()) spec.step = request->step();
     CKPT_ASSIGN_OR_RETURN(spec.selection,

@@ -111,6 +111,21 @@ absl::StatusOr<std::vector<HeldStep>> ReplicaClient::List(const std::string& job
   return steps;
 }
 
+absl::StatusOr<std::optional<ReplicaClient::JobOwnerAnswer>> ReplicaClient::JobOwner(
+    const std::string& job, std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  ctx.AddMetadata(group::kTokenMetadata, token_);
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  pb::JobOwnerRequest request;
+  request.set_job(job);
+  pb::JobOwnerReply reply;
+  CKPT_RETURN_IF_ERROR(group::FromGrpc(stub_->JobOwner(&ctx, request, &reply)));
+  if (!reply.known()) return std::optional<JobOwnerAnswer>();
+  JobOwnerAnswer answer{reply.uid(), std::nullopt, reply.source().substr(0, 64)};
+  if (reply.has_gid()) answer.gid = reply.gid();
+  return std::optional<JobOwnerAnswer>(std::move(answer));
+}
+
 absl::StatusOr<std::string> ReplicaClient::GetManifest(const std::string& job, uint64_t step, uint32_t owner) {
   auto ctx = Context();
   pb::ManifestRequest request;

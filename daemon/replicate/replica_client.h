@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,14 @@ class ReplicaClient {
   // What the peer holds of `owner`'s steps of `job`, ascending; in `grant` (may be null)
   // where and how to fetch them over the plain TCP channel (port 0: none).
   absl::StatusOr<std::vector<HeldStep>> List(const std::string& job, uint32_t owner, FetchGrant* grant = nullptr);
+  // Whose `job` is as the peer knows it (JobOwner); nullopt when it knows no owner. Bounded
+  // by `timeout`, not the client's.
+  struct JobOwnerAnswer {
+    uint32_t uid = 0;
+    std::optional<uint32_t> gid;
+    std::string source;  // "owner record", "fragments held"
+  };
+  absl::StatusOr<std::optional<JobOwnerAnswer>> JobOwner(const std::string& job, std::chrono::milliseconds timeout);
   // The manifest a sealed step came with (untrusted: the caller parses it with care).
   absl::StatusOr<std::string> GetManifest(const std::string& job, uint64_t step, uint32_t owner);
   // The fragment as the peer holds it: DataLoss when what arrives is not the fragment asked

@@ -290,6 +290,32 @@ grpc::ServerUnaryReactor* ReplicaService::ListHeld(grpc::CallbackServerContext* 
   return reactor;
 }
 
+grpc::ServerUnaryReactor* ReplicaService::JobOwner(grpc::CallbackServerContext* ctx,
+                                                   const pb::JobOwnerRequest* request, pb::JobOwnerReply* reply) {
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status admitted = Admit(ctx);
+  if (admitted.ok() && (request->job().empty() || request->job().size() > 4096)) {
+    admitted = absl::InvalidArgumentError("no job named");
+  }
+  if (admitted.ok()) {
+    // This node's own record first (it has the job's group too); else the owner the sending
+    // nodes named with the fragments held here.
+    if (std::optional<RecordedOwner> recorded = owner_records_ ? owner_records_(request->job()) : std::nullopt) {
+      reply->set_known(true);
+      reply->set_uid(recorded->uid);
+      reply->set_has_gid(recorded->gid.has_value());
+      reply->set_gid(recorded->gid.value_or(0));
+      reply->set_source("owner record");
+    } else if (std::vector<HeldStep> held = store_.Held(request->job()); !held.empty()) {
+      reply->set_known(true);
+      reply->set_uid(held.back().uid);
+      reply->set_source("fragments held");
+    }
+  }
+  reactor->Finish(group::ToGrpc(admitted));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* ReplicaService::GetManifest(grpc::CallbackServerContext* ctx,
                                                       const pb::ManifestRequest* request, pb::ManifestReply* reply) {
   auto* reactor = ctx->DefaultReactor();

@@ -6,6 +6,9 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -39,6 +42,14 @@ struct ReplicaFaults {
 
 class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackService {
  public:
+  // A job's owner as this node's own record has it (uid, and the --job-group that shares the
+  // job); nullopt when it has none. Answers JobOwner before the fragments held are looked at.
+  struct RecordedOwner {
+    uint32_t uid = 0;
+    std::optional<uint32_t> gid;
+  };
+  using OwnerRecords = std::function<std::optional<RecordedOwner>(const std::string& job)>;
+
   ReplicaService(FragmentStore& store, std::string token, ReplicaFaults faults = {});
 
   grpc::ServerReadReactor<ckptd::replicas::v1::FragmentChunk>* PutFragment(
@@ -52,6 +63,8 @@ class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackServi
   grpc::ServerUnaryReactor* GetManifest(grpc::CallbackServerContext* ctx,
                                         const ckptd::replicas::v1::ManifestRequest* request,
                                         ckptd::replicas::v1::ManifestReply* reply) override;
+  grpc::ServerUnaryReactor* JobOwner(grpc::CallbackServerContext* ctx, const ckptd::replicas::v1::JobOwnerRequest* request,
+                                     ckptd::replicas::v1::JobOwnerReply* reply) override;
 
   FragmentStore& store() { return store_; }
   // Bytes of fragments being received now, not yet in the store: bounded by the budget
@@ -64,12 +77,16 @@ class ReplicaService final : public ckptd::replicas::v1::Replicas::CallbackServi
   // The plain TCP channel for restores (fetch_channel.h), whose tickets ListHeld hands out;
   // null: none (fragments are fetched with GetFragment). Set before the server serves.
   void set_fetch(FetchServer* fetch) { fetch_ = fetch; }
+  // This node's owner records (JobOwners); none: JobOwner answers from the fragments held
+  // alone. Set before the server serves.
+  void set_owner_records(OwnerRecords records) { owner_records_ = std::move(records); }
 
  private:
   FragmentStore& store_;
   const std::string token_;
   const ReplicaFaults faults_;
   FetchServer* fetch_ = nullptr;
+  OwnerRecords owner_records_;
   std::atomic<size_t> receiving_{0};
 };
 

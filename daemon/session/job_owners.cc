@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstdint>
 #include <vector>
 
@@ -16,6 +17,8 @@ namespace ckpt::daemon {
 namespace {
 
 constexpr char kOwnerFile[] = ".owner";
+// How long a MayClaim's look outside stands for the Claim that follows it.
+constexpr auto kClearedFor = std::chrono::seconds(30);
 
 // {"uid": U, "gid": G}; nullopt when it is not one.
 std::optional<std::pair<uid_t, std::optional<gid_t>>> ParseOwner(const std::string& text) {
@@ -41,48 +44,126 @@ std::string OwnerRecord(uid_t uid, std::optional<gid_t> gid) {
 }  // namespace
 
 JobOwners::JobOwners(Filesystem& fs, std::string root, Options options)
-    : fs_(fs), root_(std::move(root)), options_(std::move(options)) {}
+    : fs_(fs), root_(std::move(root)), options_(std::move(options)) {
+  if (options_.remote != nullptr) remote_queries_ = std::make_unique<OwnerQueries>();
+}
+
+JobOwners::~JobOwners() { Stop(); }
+
+void JobOwners::AskPeers(std::unique_ptr<OwnerSource> peers) {
+  std::lock_guard lock(mu_);
+  peers_ = std::move(peers);
+  peer_queries_ = std::make_unique<OwnerQueries>();
+}
+
+void JobOwners::Stop() {
+  // A question in flight ends once its calls do: cancelled first, then joined.
+  if (options_.remote != nullptr) options_.remote->Cancel();
+  OwnerSource* peers = nullptr;
+  OwnerQueries* peer_queries = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    peers = peers_.get();
+    peer_queries = peer_queries_.get();
+  }
+  if (peers != nullptr) peers->Cancel();
+  if (peer_queries != nullptr) peer_queries->Stop();
+  if (remote_queries_) remote_queries_->Stop();
+}
 
 bool JobOwners::Allowed(const Owner& owner, const PeerIdentity& caller) const {
   return caller.uid == 0 || caller.uid == options_.daemon_uid || caller.uid == owner.uid ||
          (owner.gid && caller.InGroup(*owner.gid));
 }
 
-absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadRemote(const std::string& job) {
-  absl::StatusOr<std::string> text = options_.remote->Get(job + "/" + kOwnerFile, 4096);
-  if (absl::IsNotFound(text.status())) return std::optional<Owner>();
+bool JobOwners::Privileged(const PeerIdentity& caller) const {
+  return caller.uid == 0 || caller.uid == options_.daemon_uid;
+}
+
+OwnerQueries::Answer JobOwners::FindRemote(const std::string& job) const {
+  const std::string key = job + "/" + kOwnerFile;
+  absl::StatusOr<std::string> text = options_.remote->Get(key, 4096);
+  if (absl::IsNotFound(text.status())) return std::optional<KnownOwner>();
   if (!text.ok()) {
-    // Unavailable: Privileged callers go on (see OwnerOf); everyone else is refused.
-    return absl::UnavailableError(fmt::format(
-        "job {}: cannot ask the remote tier who owns it ({}); only root or ckptd's own user may "
-        "use it until the remote tier answers",
-        job, Message(text.status())));
+    return absl::UnavailableError(fmt::format("cannot ask the remote tier who owns job {}: {}", job,
+                                              Message(text.status())));
   }
   auto parsed = ParseOwner(*text);
   if (!parsed) {
     return absl::PermissionDeniedError(fmt::format(
         "job {}: its owner record {} is damaged; only root or ckptd's own user may use the job "
         "until an operator fixes it",
-        job, options_.remote->Describe(job + "/" + kOwnerFile)));
+        job, options_.remote->Describe(key)));
   }
-  return std::optional<Owner>(Owner{parsed->first, parsed->second});
+  return std::optional<KnownOwner>(KnownOwner{parsed->first, parsed->second,
+                                              "the remote tier's owner record " + options_.remote->Describe(key)});
+}
+
+OwnerQueries::Answer JobOwners::PublishTo(const std::string& job, const Owner& here) const {
+  OwnerQueries::Answer there = FindRemote(job);
+  if (!there.ok() || there->has_value()) return there;
+  const std::string key = job + "/" + kOwnerFile;
+  if (absl::Status put = options_.remote->Put(key, OwnerRecord(here.uid, here.gid)); !put.ok()) {
+    return absl::UnavailableError(fmt::format("cannot write job {}'s owner record to the remote tier: {}", job,
+                                              Message(put)));
+  }
+  return std::optional<KnownOwner>(KnownOwner{here.uid, here.gid, "this node's record, now in the remote tier"});
+}
+
+JobOwners::Outside JobOwners::AskOutside(const std::string& job, std::chrono::steady_clock::time_point deadline) {
+  Outside out;
+  OwnerSource* peers = nullptr;
+  OwnerQueries* peer_queries = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    peers = peers_.get();
+    peer_queries = peer_queries_.get();
+  }
+  auto wait_s = [](std::chrono::steady_clock::duration d) {
+    return std::chrono::duration_cast<std::chrono::seconds>(d).count();
+  };
+  // Both asked at once: the slower one costs its own time only.
+  auto find_remote = [this, job] { return FindRemote(job); };
+  if (remote_queries_) remote_queries_->Start("find/" + job, find_remote);
+  if (peer_queries != nullptr) {
+    OwnerQueries::Outcome asked = peer_queries->Ask(job, [peers, job] { return peers->Find(job); }, deadline);
+    if (!asked.answer) {
+      out.peers_unknown = fmt::format("{} have not answered in {} s", peers->Describe(), wait_s(asked.waited));
+    } else if (absl::IsCancelled(asked.answer->status())) {
+      out.refused = asked.answer->status();
+      return out;
+    } else if (!asked.answer->ok()) {
+      out.peers_unknown = Message(asked.answer->status());
+    } else if (asked.answer->value()) {
+      const KnownOwner& known = ***asked.answer;
+      out.owner = Owner{known.uid, known.gid};
+      out.where = known.where;
+      return out;
+    }
+  }
+  if (remote_queries_) {
+    OwnerQueries::Outcome asked = remote_queries_->Ask("find/" + job, find_remote, deadline);
+    if (!asked.answer) {
+      out.remote_unknown = fmt::format("GET {} has had no answer for {} s",
+                                       options_.remote->Describe(job + "/" + kOwnerFile), wait_s(asked.waited));
+    } else if (absl::IsPermissionDenied(asked.answer->status()) || absl::IsCancelled(asked.answer->status())) {
+      out.refused = asked.answer->status();
+    } else if (!asked.answer->ok()) {
+      out.remote_unknown = Message(asked.answer->status());
+    } else if (asked.answer->value()) {
+      const KnownOwner& known = ***asked.answer;
+      out.owner = Owner{known.uid, known.gid};
+      out.where = known.where;
+      out.from_remote = true;
+    }
+  }
+  return out;
 }
 
 absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::LoadLocked(const std::string& job) {
   if (auto it = owners_.find(job); it != owners_.end()) return std::optional<Owner>(it->second);
   std::string path = root_ + "/" + job + "/" + kOwnerFile;
-  if (!fs_.Exists(path)) {
-    if (options_.remote == nullptr) return std::optional<Owner>();
-    // A node with an empty disk (a replacement, direct mode): the remote tier may hold the
-    // job's steps, and then says whose they are.
-    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> remote, LoadRemote(job));
-    if (remote) {
-      owners_[job] = *remote;
-      only_remote_.insert(job);
-      published_.insert(job);  // the remote tier's record is this job's owner here
-    }
-    return remote;
-  }
+  if (!fs_.Exists(path)) return std::optional<Owner>();
   auto refuse = [&](std::string_view why) {
     return absl::PermissionDeniedError(fmt::format(
         "job {}: its owner record {} {}; only root or ckptd's own user may use the job until an "
@@ -107,28 +188,69 @@ absl::Status JobOwners::WriteRecord(const std::string& job, const Owner& owner) 
 
 absl::Status JobOwners::PublishRemote(const std::string& job) {
   if (options_.remote == nullptr) return absl::OkStatus();
-  std::lock_guard lock(mu_);
-  if (published_.count(job)) return absl::OkStatus();
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
-  if (!here) {
-    return absl::PermissionDeniedError(fmt::format(
-        "job {} has no owner on record here: its steps are not uploaded (an operator writes its "
-        "{} first)", job, kOwnerFile));
-  }
-  // LoadLocked asked the remote tier already when this node had no record of its own.
-  if (published_.count(job)) return absl::OkStatus();
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> there, LoadRemote(job));
-  if (there) {
-    if (there->uid != here->uid || there->gid != here->gid) {
+  Owner here;
+  {
+    std::lock_guard lock(mu_);
+    if (published_.count(job)) return absl::OkStatus();
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> recorded, LoadLocked(job));
+    if (!recorded) {
       return absl::PermissionDeniedError(fmt::format(
-          "job {} in the remote tier belongs to uid {}, here to uid {}: nothing of it is uploaded "
-          "over another user's job (rename the job, or an operator resolves it)",
-          job, there->uid, here->uid));
+          "job {} has no owner on record here: its steps are not uploaded (an operator writes its "
+          "{} first)", job, kOwnerFile));
     }
-    published_.insert(job);
+    here = *recorded;
+  }
+  // The request runs on the remote queries' thread: an upload that waits on a remote tier
+  // that stopped answering says so after publish_wait, and asks again later.
+  OwnerQueries::Outcome asked = remote_queries_->Ask(
+      "publish/" + job, [this, job, here] { return PublishTo(job, here); },
+      std::chrono::steady_clock::now() + options_.publish_wait);
+  if (!asked.answer) {
+    return absl::DeadlineExceededError(fmt::format(
+        "waiting for the remote tier to say who owns job {}: GET {} has had no answer for {} s (the "
+        "job's steps go up once it answers)",
+        job, options_.remote->Describe(job + "/" + kOwnerFile),
+        std::chrono::duration_cast<std::chrono::seconds>(asked.waited).count()));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::optional<KnownOwner> there, *std::move(asked.answer));
+  if (!there || there->uid != here.uid || there->gid != here.gid) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {} in the remote tier belongs to uid {}, here to uid {}: nothing of it is uploaded "
+        "over another user's job (rename the job, or an operator resolves it)",
+        job, there ? there->uid : 0, here.uid));
+  }
+  std::lock_guard lock(mu_);
+  published_.insert(job);
+  return absl::OkStatus();
+}
+
+absl::Status JobOwners::CheckRemote(const std::string& job, const PeerIdentity& caller) {
+  if (options_.remote == nullptr || Privileged(caller)) return absl::OkStatus();
+  Owner here;
+  {
+    std::lock_guard lock(mu_);
+    if (published_.count(job)) return absl::OkStatus();
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> recorded, LoadLocked(job));
+    if (!recorded) return absl::OkStatus();  // no session of a job without a record
+    here = *recorded;
+  }
+  OwnerQueries::Outcome asked = remote_queries_->Ask(
+      "find/" + job, [this, job] { return FindRemote(job); },
+      std::chrono::steady_clock::now() + options_.ask_wait);
+  if (!asked.answer || absl::IsUnavailable(asked.answer->status()) || absl::IsCancelled(asked.answer->status())) {
+    // A remote tier that cannot say whose the job is cannot serve its steps either.
     return absl::OkStatus();
   }
-  CKPT_RETURN_IF_ERROR(options_.remote->Put(job + "/" + kOwnerFile, OwnerRecord(here->uid, here->gid)));
+  CKPT_ASSIGN_OR_RETURN(std::optional<KnownOwner> there, *std::move(asked.answer));
+  if (!there) return absl::OkStatus();
+  if (there->uid != here.uid || there->gid != here.gid) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {} belongs to uid {} in the remote tier ({}), here to uid {}: {} may not restore it here "
+        "(the name was taken on this node while the remote tier could not be asked; rename the job, or an "
+        "operator resolves it)",
+        job, there->uid, there->where, here.uid, caller.Describe()));
+  }
+  std::lock_guard lock(mu_);
   published_.insert(job);
   return absl::OkStatus();
 }
@@ -157,26 +279,19 @@ absl::Status JobOwners::Refuse(const std::string& job, const Owner& owner,
       owner.gid ? fmt::format(" (and group {})", *owner.gid) : "", caller.Describe(), what));
 }
 
-absl::StatusOr<std::optional<JobOwners::Owner>> JobOwners::OwnerOf(const std::string& job,
-                                                                    const PeerIdentity& caller) {
-  absl::StatusOr<std::optional<Owner>> owner = LoadLocked(job);
-  if (absl::IsUnavailable(owner.status())) {
-    // The remote tier cannot say whose the job is: root and ckptd's user go on as with a
-    // job nobody owns on record; anyone else is refused (never a trainer's "unavailable").
-    if (caller.uid == 0 || caller.uid == options_.daemon_uid) return std::optional<Owner>();
-    return absl::PermissionDeniedError(Message(owner.status()));
-  }
-  return owner;
+absl::Status JobOwners::RefuseLocked(const std::string& job, const Owner& owner, const PeerIdentity& caller,
+                                     std::string_view what) const {
+  absl::Status refused = Refuse(job, owner, caller, what);
+  auto learned = learned_.find(job);
+  if (learned == learned_.end()) return refused;
+  return absl::PermissionDeniedError(fmt::format(
+      "{} ({} says so: this node has no record of the job, and its checkpoints elsewhere are its owner's to "
+      "recover)",
+      Message(refused), learned->second));
 }
 
-absl::Status JobOwners::MayClaimLocked(const std::string& job, const PeerIdentity& caller) {
-  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, OwnerOf(job, caller));
-  if (owner) {
-    if (!Allowed(*owner, caller)) return Refuse(job, *owner, caller, "register ranks into");
-    return absl::OkStatus();
-  }
-  if (caller.uid == 0 || caller.uid == options_.daemon_uid) return absl::OkStatus();
+absl::Status JobOwners::MayCreateLocked(const std::string& job, const PeerIdentity& caller) {
+  if (Privileged(caller)) return absl::OkStatus();
   // No record: a new job is anyone's to create, but one that already holds checkpoints
   // (from a ckptd that kept no owners) is not the first comer's to take.
   std::string dir = root_ + "/" + job;
@@ -196,21 +311,87 @@ absl::Status JobOwners::MayClaimLocked(const std::string& job, const PeerIdentit
   return absl::OkStatus();
 }
 
-absl::Status JobOwners::MayClaim(const std::string& job, const PeerIdentity& caller) {
+bool JobOwners::ClearedLocked(const std::string& job, const PeerIdentity& caller) const {
+  auto it = cleared_.find(job);
+  return it != cleared_.end() && it->second.first == caller.uid &&
+         std::chrono::steady_clock::now() - it->second.second < kClearedFor;
+}
+
+absl::Status JobOwners::MayClaimOutside(const std::string& job, const PeerIdentity& caller) {
+  Outside outside = AskOutside(job, std::chrono::steady_clock::now() + options_.ask_wait);
   std::lock_guard lock(mu_);
-  return MayClaimLocked(job, caller);
+  // A record made meanwhile (another registration of the job) decides.
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
+  if (here) return Allowed(*here, caller) ? absl::OkStatus() : RefuseLocked(job, *here, caller, "register ranks into");
+  CKPT_RETURN_IF_ERROR(outside.refused);
+  auto& log = log::Get(log::Component::kSession);
+  if (outside.owner) {
+    owners_[job] = *outside.owner;
+    learned_[job] = outside.where;
+    if (outside.from_remote) published_.insert(job);  // the remote tier's record is this job's owner here
+    log.info("job {}: this node has no record of it; {} says it belongs to uid {}", job, outside.where,
+             outside.owner->uid);
+    if (Allowed(*outside.owner, caller)) return absl::OkStatus();
+    return RefuseLocked(job, *outside.owner, caller, "register ranks into");
+  }
+  if (!outside.peers_unknown.empty() && !Privileged(caller)) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: this node has no record of it, and its group's peers could not say who owns it ({}); only "
+        "root or ckptd's own user may register it until they answer (try again)",
+        job, outside.peers_unknown));
+  }
+  if (!outside.remote_unknown.empty() && options_.remote_only && !Privileged(caller)) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: cannot ask the remote tier who owns it ({}); only root or ckptd's own user may use it until "
+        "the remote tier answers",
+        job, outside.remote_unknown));
+  }
+  CKPT_RETURN_IF_ERROR(MayCreateLocked(job, caller));
+  if (!outside.remote_unknown.empty() && told_unknown_.insert(job).second) {
+    log.warn("job {}: registered by {} although the remote tier cannot say who owns it ({}): its steps "
+             "commit locally, and its uploads wait for the remote tier's answer",
+             job, caller.Describe(), outside.remote_unknown);
+  }
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = cleared_.begin(); it != cleared_.end();) {
+    it = now - it->second.second >= kClearedFor ? cleared_.erase(it) : std::next(it);
+  }
+  cleared_[job] = {caller.uid, now};
+  return absl::OkStatus();
+}
+
+absl::Status JobOwners::MayClaim(const std::string& job, const PeerIdentity& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  {
+    std::lock_guard lock(mu_);
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
+    if (here) return Allowed(*here, caller) ? absl::OkStatus() : RefuseLocked(job, *here, caller, "register ranks into");
+    if (!AsksOutsideLocked()) return MayCreateLocked(job, caller);
+  }
+  return MayClaimOutside(job, caller);
 }
 
 absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  bool ask = false;
+  {
+    std::lock_guard lock(mu_);
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
+    ask = !here && AsksOutsideLocked() && !ClearedLocked(job, caller);
+  }
+  // Not asked by a MayClaim a moment ago: asked now, off the lock.
+  if (ask) CKPT_RETURN_IF_ERROR(MayClaimOutside(job, caller));
   std::lock_guard lock(mu_);
-  CKPT_RETURN_IF_ERROR(MayClaimLocked(job, caller));
+  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
   Owner owner{caller.uid, std::nullopt};
-  if (auto it = owners_.find(job); it != owners_.end()) {
-    // Known here; or only to the remote tier (a node with an empty disk), and then the
-    // local record is written now, for that owner.
-    if (!only_remote_.count(job)) return absl::OkStatus();
-    owner = it->second;
+  if (here) {
+    if (!Allowed(*here, caller)) return RefuseLocked(job, *here, caller, "register ranks into");
+    // Known here; or only to the peers or the remote tier (a node with an empty disk), and
+    // then the local record is written now, for that owner.
+    if (!learned_.count(job)) return absl::OkStatus();
+    owner = *here;
   } else {
+    CKPT_RETURN_IF_ERROR(MayCreateLocked(job, caller));
     for (uint32_t gid : options_.job_gids) {
       if (caller.InGroup(gid)) {
         owner.gid = gid;
@@ -222,7 +403,8 @@ absl::Status JobOwners::Claim(const std::string& job, const PeerIdentity& caller
   CKPT_RETURN_IF_ERROR(ProtectLocked(job, owner));
   CKPT_RETURN_IF_ERROR(WriteRecord(job, owner));
   owners_[job] = owner;
-  only_remote_.erase(job);
+  learned_.erase(job);
+  cleared_.erase(job);
   return absl::OkStatus();
 }
 
@@ -294,15 +476,40 @@ std::optional<uid_t> JobOwners::LocalOwner(const std::string& job) {
 absl::Status JobOwners::Check(const std::string& job, const PeerIdentity& caller,
                               std::string_view what) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  std::lock_guard lock(mu_);
-  CKPT_ASSIGN_OR_RETURN(std::optional<Owner> owner, OwnerOf(job, caller));
-  if (!owner) {
-    if (caller.uid == 0 || caller.uid == options_.daemon_uid) return absl::OkStatus();
-    return absl::PermissionDeniedError(fmt::format(
-        "job {} has no owner on record: only root or ckptd's own user may {} it", job, what));
+  {
+    std::lock_guard lock(mu_);
+    CKPT_ASSIGN_OR_RETURN(std::optional<Owner> here, LoadLocked(job));
+    if (here) return Allowed(*here, caller) ? absl::OkStatus() : Refuse(job, *here, caller, what);
+    // Root and ckptd's uid may whoever owns it: nobody is asked.
+    if (Privileged(caller)) return absl::OkStatus();
+    if (!AsksOutsideLocked()) {
+      return absl::PermissionDeniedError(fmt::format(
+          "job {} has no owner on record: only root or ckptd's own user may {} it", job, what));
+    }
   }
-  if (!Allowed(*owner, caller)) return Refuse(job, *owner, caller, what);
-  return absl::OkStatus();
+  Outside outside = AskOutside(job, std::chrono::steady_clock::now() + options_.ask_wait);
+  CKPT_RETURN_IF_ERROR(outside.refused);
+  if (outside.owner) {
+    if (!Allowed(*outside.owner, caller)) return Refuse(job, *outside.owner, caller, what);
+    return absl::OkStatus();
+  }
+  const std::string& unknown = !outside.peers_unknown.empty() ? outside.peers_unknown : outside.remote_unknown;
+  if (!unknown.empty()) {
+    return absl::PermissionDeniedError(fmt::format(
+        "job {}: this node has no record of it, and who owns it cannot be asked ({}): only root or ckptd's "
+        "own user may {} it until that answers",
+        job, unknown, what));
+  }
+  return absl::PermissionDeniedError(fmt::format(
+      "job {} has no owner on record: only root or ckptd's own user may {} it", job, what));
+}
+
+std::optional<KnownOwner> JobOwners::Recorded(const std::string& job) {
+  if (!ValidateJobName(job).ok()) return std::nullopt;
+  std::lock_guard lock(mu_);
+  std::optional<Owner> owner = LocalOwnerLocked(job);
+  if (!owner) return std::nullopt;
+  return KnownOwner{owner->uid, owner->gid, "owner record"};
 }
 
 }  // namespace ckpt::daemon

@@ -314,7 +314,11 @@ absl::Status Uploader::Upload(Pending& p) {
     p.index = std::exchange(p.manifest, std::move(whole));
   }
   const format::Manifest& m = p.manifest;
-  if (options_.before_upload) CKPT_RETURN_IF_ERROR(options_.before_upload(m.job));
+  if (options_.before_upload) {
+    absl::Status ready = options_.before_upload(m.job);
+    before_upload_waiting_ = absl::IsDeadlineExceeded(ready);
+    CKPT_RETURN_IF_ERROR(ready);
+  }
   if (remote_.Committed(m.job, m.step)) {
     // Uploaded before a restart; or a step of the same number from another run, which is
     // not this one and is never replaced behind a reader's back.
@@ -564,9 +568,11 @@ void Uploader::Loop() {
     const uint64_t step = current_->manifest.step;
     const Clock::time_point started = Clock::now();
     from_memory_ = 0;
+    before_upload_waiting_ = false;
     absl::Status s = Upload(*current_);
     std::unique_lock lock(mu_);
     JobState& state = jobs_[job];
+    const bool was_waiting = std::exchange(state.waiting, false);
     if (s.ok()) {
       metrics::Metrics().upload_seconds.With({}).Observe(SecondsSince(started));
       metrics::Metrics().uploaded_bytes.With({}).Add(static_cast<double>(progress_.bytes_total));
@@ -596,9 +602,23 @@ void Uploader::Loop() {
       current_.reset();
       return;
     }
-    metrics::Metrics().Fail(metrics::Cause::kStorage);
     const std::string message = fmt::format("[{} s{}] upload: {}", job, step, Message(s));
     state.last_error = Message(s);
+    if (before_upload_waiting_) {
+      // Nothing failed yet: the answer the step waits for has not come. Asked again soon,
+      // with no back-off (the question itself goes on meanwhile), and said once.
+      state.waiting = true;
+      state.retry_at = Clock::now() + options_.waiting_retry;
+      if (!state.queued) state.queued = std::move(current_);  // else the newer step waits instead
+      current_.reset();
+      if (!was_waiting) {
+        Log().warn("{}", message);
+        lock.unlock();
+        on_error_(message);
+      }
+      continue;
+    }
+    metrics::Metrics().Fail(metrics::Cause::kStorage);
     if (absl::IsAlreadyExists(s)) {
       // Retrying cannot help: said once, on the log and status.
       Log().error("{}", message);
@@ -642,7 +662,7 @@ std::vector<UploadProgress> Uploader::InProgress() const {
     UploadProgress p;
     p.job = job;
     p.step = state.queued->manifest.step;
-    p.state = state.failures > 0 ? "retrying" : "queued";
+    p.state = state.waiting ? "waiting" : state.failures > 0 ? "retrying" : "queued";
     p.last_error = state.last_error;
     p.age_s = SecondsSince(state.queued->queued);
     out.push_back(std::move(p));

@@ -41,7 +41,9 @@ namespace ckpt::daemon::upload {
 struct UploadProgress {
   std::string job;
   uint64_t step = 0;
-  std::string state;  // "queued", "uploading", "waiting for nodes", "retrying"
+  // "queued", "uploading", "waiting for nodes", "retrying", "waiting" (before_upload has no
+  // answer yet: last_error says what for)
+  std::string state;
   uint64_t bytes_done = 0;
   uint64_t bytes_total = 0;
   std::string last_error;
@@ -67,8 +69,11 @@ class Uploader {
     std::chrono::milliseconds max_backoff{std::chrono::seconds(60)};
     int parallel_files = 4;                  // files of a step uploaded at once
     // Runs before each attempt at a job's step (the job's owner record goes first); an
-    // error fails the attempt.
+    // error fails the attempt. DeadlineExceeded: nothing failed, the answer it waits for
+    // has not come yet (a remote tier that stopped answering): the job's step shows as
+    // "waiting" with that message and is tried again after `waiting_retry`, with no back-off.
     std::function<absl::Status(const std::string& job)> before_upload;
+    std::chrono::milliseconds waiting_retry{std::chrono::seconds(2)};
     // The group's publisher: told which step of a job it starts uploading (the group hands
     // it to the other nodes with heartbeats).
     std::function<void(const std::string& job, uint64_t step)> announce;
@@ -123,6 +128,7 @@ class Uploader {
     std::chrono::steady_clock::time_point retry_at{};  // after a failed attempt
     int failures = 0;                                  // in a row
     std::string last_error;
+    bool waiting = false;  // before_upload has not answered yet (last_error says what for)
     std::optional<uint64_t> followed;  // Options::follow: the publisher's step last handled
   };
   void Loop();
@@ -177,6 +183,8 @@ class Uploader {
   std::map<std::string, uint64_t> last_uploaded_;
   // (job, step, run) this process has made an attempt at (the uploader's thread only).
   std::set<std::tuple<std::string, uint64_t, uint64_t>> attempted_;
+  // The last attempt stopped at before_upload, which has no answer yet (the thread's).
+  bool before_upload_waiting_ = false;
   std::thread thread_;
 };
 

@@ -176,6 +176,7 @@ class Cluster {
   std::vector<std::string> extra_flags;               // every daemon's, when first started
   std::map<int, std::vector<std::string>> node_flags;  // node n's own, when first started
   uint64_t bytes = kBytes;           // each rank's tensors, in all
+  int trainer_uid = -1;              // the trainers run as this uid (-1: the test's own)
 
   int num_nodes() const { return static_cast<int>(layout_.size()); }
   uint32_t world_size() const { return world_size_; }
@@ -256,8 +257,20 @@ class Cluster {
   }
 
   std::vector<std::string> RankArgs(uint32_t rank, uint64_t seed_step) {
-    return {"--job", job, "--rank", std::to_string(rank), "--world-size", std::to_string(world_size_),
-            "--seed", std::to_string(Seed(seed_step, rank)), "--bytes", std::to_string(bytes)};
+    std::vector<std::string> args = {"--job", job, "--rank", std::to_string(rank), "--world-size",
+                                     std::to_string(world_size_), "--seed", std::to_string(Seed(seed_step, rank)),
+                                     "--bytes", std::to_string(bytes)};
+    if (trainer_uid >= 0) args.insert(args.begin(), {"--as-uid", std::to_string(trainer_uid)});
+    return args;
+  }
+
+  // Lets every local user reach node n's socket and write its trainers' files (mode 0660 and
+  // a group in production; here simply all): only ckptd's own checks stand in the way.
+  void OpenToUsers(int n) {
+    fs::permissions(fs::path(node(n).socket()).parent_path(), fs::perms(0755));
+    fs::permissions(node(n).socket(), fs::perms(0666));
+    fs::permissions(node(n).socket() + ".ctl", fs::perms(0666));
+    fs::permissions(dir(n).path(), fs::perms(0755));
   }
 
   // A trainer process of `rank` on its node, saving `step` (and waiting for the global

@@ -266,42 +266,45 @@ TEST_CASE("failure domains: coding groups span racks, so a whole rack lost resto
   }
 }
 
-TEST_CASE("another user who takes a lost node's job name gets nothing of its peers' fragments") {
+TEST_CASE("a user who takes a lost node's job name first is refused: the owner's ranks restore from their peers") {
+  REQUIRE(::geteuid() == 0);  // the suite runs as root so that it can be other users
   Cluster c({{0, 1}, {2, 3}, {4, 5}, {6, 7}});
-  c.extra_flags = {"--replication", "2+1", "--allow-uid", "1000"};
+  c.extra_flags = {"--replication", "2+1", "--allow-uid", "1001", "--allow-uid", "1002"};
+  c.trainer_uid = 1001;  // job "g" is uid 1001's
   c.StartAll();
+  for (int n = 0; n < c.num_nodes(); ++n) c.OpenToUsers(n);
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
-  c.SaveAllCommitted(10);  // root's job "g"
+  c.SaveAllCommitted(10);
   REQUIRE_WITHIN(c, 20s, "step 10 replicated by every node\n" << Replications(c, 10), AllReplicated(c, 10));
   LoseAndReplace(c, {2});
-  // On the empty replacement "g" is a new name, which uid 1000 may claim; the fragments of
-  // root's "g" are not offered to it.
-  auto check = [&](std::vector<std::string> prefix) {
+  c.OpenToUsers(2);
+  // On the empty replacement another user registers "g" first: the node asks its peers whose
+  // the job is before it lets anyone claim the name, and refuses, naming the owner and why.
+  auto squat = [&](std::vector<std::string> command) {
     std::vector<std::string> args = c.RankArgs(4, 10);
-    args.insert(args.end(), {"check", "--step", "10"});
-    args.insert(args.begin(), prefix.begin(), prefix.end());
-    Process p(Helper(c.node(2), args), c.dir(2).path(), "check4");
+    args[1] = "1002";  // --as-uid
+    args.insert(args.end(), command.begin(), command.end());
+    Process p(Helper(c.node(2), args), c.dir(2).path(), "squat");
     const int rc = p.Wait(kProcessBound);
     return std::pair{rc, p.Stdout() + p.Stderr()};
   };
-  // The socket as a shared node's operator opens it to other users (mode 0660 and a group
-  // in production; here simply to all).
-  ::chmod(fs::path(c.node(2).socket()).parent_path().c_str(), 0755);
-  ::chmod(c.node(2).socket().c_str(), 0666);
-  ::chmod((c.node(2).socket() + ".ctl").c_str(), 0666);
-  ::chmod(c.dir(2).path().c_str(), 0755);
-  auto [rc, out] = check({"--as-uid", "1000"});
-  INFO(out << c.Logs());
-  CHECK(rc != 0);
-  CHECK_FALSE(Contains(out, "source=peer"));
-  CHECK(Contains(out, "no committed checkpoint at step 10"));
+  for (const auto& command : {std::vector<std::string>{"save", "--step", "11", "--wait-committed"},
+                              std::vector<std::string>{"check", "--step", "10"}}) {
+    auto [rc, out] = squat(command);
+    INFO(out << c.Logs());
+    CHECK(rc != 0);
+    CHECK(Contains(out, "job g belongs to uid 1001"));
+    CHECK(Contains(out, "uid 1002"));
+    CHECK(Contains(out, "owner record of the job says so"));
+    CHECK_FALSE(Contains(out, "source=peer"));
+  }
+  CHECK_FALSE(fs::exists(c.dir(2).path() + "/root/g/.owner"));  // the squatter claimed nothing
   CHECK_FALSE(Contains(c.node(2).Log(), "rebuilt"));
-  // The job's own user (root here) restores the same rank from the peers.
-  auto [own_rc, own] = check({});
-  INFO(own);
-  CHECK(own_rc == 0);
-  CHECK(Contains(own, "restored step=10 source=peer"));
-  CHECK(Contains(own, "match"));
+  // The owner's ranks all restore step 10, node 2's from its peers' memory, and the job's
+  // record on the replacement names its owner.
+  c.RestoreAll(10, {"memory", "memory", "peer", "memory"});
+  CHECK(Contains(ReadFile(c.dir(2).path() + "/root/g/.owner"), "\"uid\":1001"));
+  c.SaveAllCommitted(20);
 }
 
 TEST_CASE("2+1 on three one-rank nodes: a node lost just after its trainers finished restores their newest step from "

@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <tuple>
@@ -233,6 +234,38 @@ TEST_CASE("an upload sends the data regions from staging memory, and from disk o
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 2); }, 10s, 10ms));
   CHECK(disk->bytes_read() - before >= (5u << 20));
   CHECK(ReadAll(remote, "j/step-00000002" + shard) == ReadAll(local, "j/step-00000002" + shard));
+  uploader.Stop();
+}
+
+TEST_CASE("an upload whose owner record has no answer yet shows as waiting, says on what, and goes once answered") {
+  TempDir dir;
+  ckpt::format::CheckpointStore local{ckpt::MakePosixFilesystem(), dir.path() + "/local"};
+  ckpt::format::CheckpointStore remote{ckpt::MakePosixFilesystem(), dir.path() + "/remote"};
+  ckpt::persist::RetentionKeeper retention{local, {2, 0}, [](const std::string&, uint64_t) {},
+                                           [](const std::string&) {}};
+  std::atomic<bool> answered{false};
+  std::atomic<int> asked{0};
+  std::atomic<int> errors{0};
+  Uploader::Options o;
+  o.poll = 10ms;
+  o.waiting_retry = 20ms;
+  o.before_upload = [&](const std::string& job) -> absl::Status {
+    ++asked;
+    if (answered) return absl::OkStatus();
+    return absl::DeadlineExceededError("waiting for the remote tier to say who owns job " + job);
+  };
+  Uploader uploader{local, remote, retention, o, [](const std::string&) {}, [&](const std::string&) { ++errors; }};
+  auto data = DataRegion(1 << 20, 4);
+  uploader.Committed(CommitShard(local, 1, *data));
+  REQUIRE(WaitUntil([&] { return asked >= 5; }, 10s, 5ms));
+  std::vector<ckpt::daemon::upload::UploadProgress> shown = uploader.InProgress();
+  REQUIRE(shown.size() == 1);
+  CHECK((shown[0].state == "waiting" || shown[0].state == "uploading"));
+  CHECK(shown[0].last_error == "waiting for the remote tier to say who owns job j");
+  CHECK(errors == 1);  // said once, however often it is asked again
+  CHECK_FALSE(remote.Committed("j", 1));
+  answered = true;
+  REQUIRE(WaitUntil([&] { return remote.Committed("j", 1); }, 10s, 10ms));
   uploader.Stop();
 }
 
