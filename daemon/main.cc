@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  // SIGHUP (a terminal closed, `systemctl reload`, logrotate's habit) must never kill a
+  // daemon mid-save: ckptd logs to stderr (the journal reopens nothing), so it is logged
+  // and ignored.
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
 
@@ -51,16 +55,26 @@ int main(int argc, char** argv) {
   }
   // Ready for the service manager once trainers can be served: the socket answers, and in a
   // group the group is joined (a unit ordered after ckptd then starts into a working daemon).
+  // A signal that stops the daemon, SIGHUP logged and passed over.
+  auto stops = [](int sig) {
+    if (sig != SIGHUP) return sig > 0;
+    log::Get(log::Component::kMain)
+        .info("received SIGHUP: ignored (ckptd logs to stderr and has no log file to reopen; SIGTERM stops it)");
+    return false;
+  };
   int sig = 0;
   const timespec tick{0, 200'000'000};
   std::string waiting_for;
-  while (!(*server)->WaitReady(std::chrono::milliseconds(0), &waiting_for)) {
+  bool ready = false;
+  while (!(ready = (*server)->WaitReady(std::chrono::milliseconds(0), &waiting_for))) {
     daemon::NotifyStatus(waiting_for);
-    if ((sig = sigtimedwait(&signals, nullptr, &tick)) > 0) break;
+    if (stops(sig = sigtimedwait(&signals, nullptr, &tick))) break;
   }
-  if (sig <= 0) {
+  if (ready) {
     daemon::NotifyReady(fmt::format("serving on {}", config.socket));
-    sigwait(&signals, &sig);
+    do {
+      sigwait(&signals, &sig);
+    } while (!stops(sig));
   }
   log::Get(log::Component::kMain).info("received {}", sig == SIGTERM ? "SIGTERM" : "SIGINT");
   daemon::NotifyStopping();

@@ -52,6 +52,7 @@
 #include "daemon/replicate/replicator.h"
 #include "daemon/group/committed_step.h"
 #include "format/checksum.h"
+#include "daemon/read_fault_filesystem.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
 #include "daemon/session/arena_budget.h"
@@ -541,6 +542,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   log.info("ckptd {} starting: {}", kVersion, config.ToJson());
 
   p->fs = MakePosixFilesystem();
+  if (const char* fault = std::getenv("CKPTD_FAULT"); fault != nullptr && std::string(fault).rfind("eio-reading:", 0) == 0) {
+    log.warn("CKPTD_FAULT={}: reads of that file fail with EIO past its first 4 KiB (a test's fault)", fault);
+    p->fs = MakeReadFaultFilesystem(std::move(p->fs), std::string(fault).substr(12));
+  }
   CKPT_RETURN_IF_ERROR(Annotate(p->fs->MakeDir(config.root), "--root"));
   // Before anything on the root is touched. On a shared root every node has a lock of its
   // own: one daemon per node rank.

@@ -1,6 +1,7 @@
 #include "format/plan_reader.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
@@ -24,7 +25,32 @@ void Scatter(const std::vector<ByteRun>& runs, size_t& next, uint64_t offset, co
   }
 }
 
+// What the file's header says of an entry against what the manifest says: nothing when
+// they agree (dtype, shape and data offsets), else the DataLoss naming both.
+absl::Status CheckHeaderEntry(const std::string& what, const std::string& path, const TensorEntry* entry,
+                              const std::string& dtype, const std::vector<int64_t>& shape, uint64_t begin,
+                              uint64_t end) {
+  if (entry == nullptr) return absl::DataLossError(fmt::format("{} is missing from {}", what, path));
+  if (entry->dtype == dtype && entry->shape == shape && entry->begin == begin && entry->end == end) {
+    return absl::OkStatus();
+  }
+  return absl::DataLossError(fmt::format(
+      "{} in {}: the file's header disagrees with the manifest (header says {} [{}] at [{}, {}), manifest says {} "
+      "[{}] at [{}, {}))",
+      what, path, entry->dtype, fmt::join(entry->shape, ","), entry->begin, entry->end, dtype, fmt::join(shape, ","),
+      begin, end));
+}
+
 }  // namespace
+
+absl::Status Unreadable(const absl::Status& status) {
+  if (status.ok() || absl::IsDataLoss(status) || absl::IsNotFound(status) || absl::IsResourceExhausted(status) ||
+      absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status) || absl::IsCancelled(status) ||
+      absl::IsAborted(status)) {
+    return status;
+  }
+  return absl::DataLossError(fmt::format("cannot be read: {}", Message(status)));
+}
 
 const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
   // After Open() every rank read is here: a lookup alone, safe on several threads.
@@ -81,6 +107,11 @@ absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   // Opened without asking first whether it is there: over a store far away each question
   // is a round trip.
   absl::StatusOr<format::ShardReaderPtr> reader = format::ShardReader::Open(store_, path, shard.bytes);
+  // Another file's in its place (a symlink, a directory, a FIFO), or one the disk fails
+  // to read: damage, like bytes that fail their checksums.
+  if (!reader.ok() && !absl::IsNotFound(reader.status())) {
+    return Annotate(Unreadable(reader.status()), fmt::format("rank {}'s shard of step {}", rank, manifest_.step));
+  }
   if (absl::IsNotFound(reader.status())) {
     return absl::NotFoundError(fmt::format(
         "{}: rank {}'s shard of step {} is neither in memory nor on this node's disk (a "
@@ -105,14 +136,13 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
     }
     CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(read.rank));
     const format::TensorEntry* entry = reader->Find(tensor.name);
-    if (entry == nullptr || entry->begin != read.entry_begin || entry->end != read.entry_end) {
-      return absl::DataLossError(fmt::format(
-          "tensor {} in {}: the file's header disagrees with the manifest", tensor.name,
-          reader->path()));
-    }
+    // Checked before a byte is used: bytes that match their checksums but that the header
+    // calls another dtype or shape are not the tensor the manifest describes.
+    CKPT_RETURN_IF_ERROR(CheckHeaderEntry("tensor " + tensor.name, reader->path(), entry, read.dtype, read.shape,
+                                          read.entry_begin, read.entry_end));
     if (tensor.whole_entry()) {
       // The saved placement: one pread straight into place, no window to copy out of.
-      CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, dst, read.checksum));
+      CKPT_RETURN_IF_ERROR(Unreadable(reader->ReadEntry(*entry, dst, read.checksum)));
       from_disk_ += tensor.bytes;
       continue;
     }
@@ -127,7 +157,7 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
         },
         &fetched);
     from_disk_ += fetched;
-    CKPT_RETURN_IF_ERROR(s);
+    CKPT_RETURN_IF_ERROR(Unreadable(s));
   }
   return absl::OkStatus();
 }
@@ -150,13 +180,10 @@ absl::StatusOr<std::vector<NamedBytes>> PlanReader::TrainState(uint32_t rank) {
   CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(rank));
   for (const auto& [name, e] : saved) {
     const format::TensorEntry* entry = reader->Find(format::TrainStateKey(name));
-    if (entry == nullptr || entry->begin != e.begin || entry->end != e.end) {
-      return absl::DataLossError(fmt::format(
-          "train state {} in {}: the file's header disagrees with the manifest", name,
-          reader->path()));
-    }
+    CKPT_RETURN_IF_ERROR(CheckHeaderEntry("train state " + name, reader->path(), entry, "U8",
+                                          {static_cast<int64_t>(e.end - e.begin)}, e.begin, e.end));
     std::string data(entry->end - entry->begin, '\0');
-    CKPT_RETURN_IF_ERROR(reader->ReadEntry(*entry, data.data(), e.checksum));
+    CKPT_RETURN_IF_ERROR(Unreadable(reader->ReadEntry(*entry, data.data(), e.checksum)));
     from_disk_ += data.size();
     state.push_back({name, std::move(data)});
   }

@@ -38,6 +38,12 @@ struct NamedBytes {
   std::string data;
 };
 
+// A shard's read error as the restore takes it: DataLoss (the step is damaged, and an older
+// one is restored instead) for a file that cannot be read (EIO, another kind of file or a
+// symlink in its place); as it is for what says nothing of the file: NotFound (not held
+// here), no memory, a store unreachable or timed out, a stop.
+absl::Status Unreadable(const absl::Status& status);
+
 class PlanReader {
  public:
   // The shard of a saved rank of this step held in memory, or nullopt.
@@ -54,7 +60,9 @@ class PlanReader {
   absl::Status Open(const std::vector<TensorReadPlan>& tensors);
 
   // Fills dst[0, tensor.bytes) with the wanted piece. DataLoss when what was read does not
-  // match its checksums or the file disagrees with the manifest; NotFound when a shard it
+  // match its checksums, the file's header disagrees with the manifest (an entry's dtype,
+  // shape or offsets: checked before its bytes are read) or the file cannot be read
+  // (Unreadable); NotFound when a shard it
   // needs is neither in memory nor on this node's disk, or is held by another node (a
   // node-scoped manifest: Manifest::scope).
   absl::Status Read(const TensorReadPlan& tensor, char* dst);

@@ -230,7 +230,8 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     // that rank's whole entry, found without looking at the other ranks' shards.
     if (auto exact = (*index)->by_key.find(want.Key()); exact != (*index)->by_key.end() && volume > 0) {
       const format::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
-      t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}});
+      t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}, saved.dtype,
+                         s.shape});
       if (++total_runs > options.max_runs) return TooFine(w.name, options.max_runs);
       plan.tensors.push_back(std::move(t));
       continue;
@@ -238,7 +239,7 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     for (const SavedPlacement& saved_placement : (*index)->placements) {
       const format::Placement& placement = saved_placement.placement;
       const format::TensorShard& s = *saved_placement.Holder(prefer);
-      ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}};
+      ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}, saved.dtype, s.shape};
       if (!placement.is_flat() && !want.is_flat()) {
         std::optional<Box> overlap = Intersect(placement.box, want.box);
         if (!overlap || overlap->Volume() == 0) continue;

@@ -55,6 +55,10 @@ struct ShardRead {
   std::string checksum;      // of the whole saved entry
   std::vector<std::string> chunk_checksums;  // of its chunks (TensorShard::chunk_checksums)
   std::vector<ByteRun> runs;  // by source, adjacent ones merged
+  // What the file's header must say of the entry: the tensor's dtype and the saved piece's
+  // local shape (a reader refuses a header that disagrees before using a byte).
+  std::string dtype;
+  std::vector<int64_t> shape;
 };
 
 struct TensorReadPlan {

@@ -710,13 +710,28 @@ class S3Store final : public Store {
       CKPT_RETURN_IF_ERROR(deletes.Run([this, key = full + name] { return DeleteKey(key); }));
     }
     for (auto& [key, id] : unfinished) {
-      CKPT_RETURN_IF_ERROR(deletes.Run([this, key = key, id = id] {
-        Request r{.method = "DELETE", .key = key, .query = {{"uploadId", id}}};
-        absl::StatusOr<Response> aborted = client_->SendOk(r, "abort upload " + client_->Url(key));
-        return absl::IsNotFound(aborted.status()) ? absl::OkStatus() : aborted.status();
-      }));
+      CKPT_RETURN_IF_ERROR(deletes.Run([this, key = key, id = id] { return AbortBucketUpload(key, id); }));
     }
     return deletes.Wait();
+  }
+
+  absl::StatusOr<std::vector<UnfinishedUpload>> ListUnfinishedUploads(const std::string& prefix) override {
+    const std::string base = client_->Key(prefix);
+    std::vector<std::pair<std::string, std::string>> unfinished;  // (bucket key, upload id)
+    CKPT_RETURN_IF_ERROR(ListUnfinished(base.empty() ? "" : base + "/", unfinished));
+    // Keys as the store names them: without the store's own prefix in the bucket.
+    const std::string root = client_->Key("");
+    const std::string strip = root.empty() ? "" : root + "/";
+    std::vector<UnfinishedUpload> out;
+    for (auto& [key, id] : unfinished) {
+      if (key.compare(0, strip.size(), strip) != 0) continue;  // the listing's prefix holds it
+      out.push_back({key.substr(strip.size()), std::move(id)});
+    }
+    return out;
+  }
+
+  absl::Status AbortUpload(const UnfinishedUpload& upload) override {
+    return AbortBucketUpload(client_->Key(upload.key), upload.id);
   }
 
  private:
@@ -881,6 +896,14 @@ class S3Store final : public Store {
       return absl::DataLossError(fmt::format("S3 HEAD {}: no Content-Length", client_->Url(key)));
     }
     return std::stoull(length->second);
+  }
+
+  // Aborts the multipart upload `id` of `bucket_key`; Ok when it is gone already.
+  absl::Status AbortBucketUpload(const std::string& bucket_key, const std::string& id) {
+    Request r{.method = "DELETE", .key = bucket_key, .query = {{"uploadId", id}}};
+    absl::StatusOr<Response> aborted =
+        client_->SendOk(r, fmt::format("abort upload s3://{}/{}", client_->options().bucket, bucket_key));
+    return absl::IsNotFound(aborted.status()) ? absl::OkStatus() : aborted.status();
   }
 
   absl::Status DeleteKey(const std::string& bucket_key) {

@@ -52,6 +52,13 @@ struct ListEntry {
   uint64_t bytes = 0;      // objects only
 };
 
+// A multipart upload begun and neither completed nor aborted (S3): invisible to List, but
+// stored and billed until aborted.
+struct UnfinishedUpload {
+  std::string key;  // relative to the store's root, like every key
+  std::string id;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -102,6 +109,17 @@ class Store {
   // also the multipart uploads begun under it and never completed, which a kill leaves
   // invisible but stored). Ok when nothing is there.
   virtual absl::Status RemovePrefix(const std::string& prefix) = 0;
+  // The unfinished multipart uploads under `prefix` (what a writer killed mid-upload, or
+  // stopped while the store did not answer its abort, leaves), and aborting one of them
+  // (Ok when it is gone already). A store without such uploads lists none.
+  virtual absl::StatusOr<std::vector<UnfinishedUpload>> ListUnfinishedUploads(const std::string& prefix) {
+    (void)prefix;
+    return std::vector<UnfinishedUpload>{};
+  }
+  virtual absl::Status AbortUpload(const UnfinishedUpload& upload) {
+    (void)upload;
+    return absl::OkStatus();
+  }
 
   // Ends every transfer in flight (within a second) and fails every later call with
   // Cancelled: a daemon stopping does not wait on a store that stopped answering (a request

@@ -9,6 +9,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -27,7 +28,7 @@ namespace pb = ckptd::replicas::v1;
 
 constexpr size_t kRequestBytes = kFetchTicketBytes + 4 + 4 + 8;
 constexpr uint32_t kMaxHeaderBytes = 4096;
-// A client that sends its request this slowly, or a reader this slow, is dropped.
+// A reader this slow (no byte of the fragment taken for this long) is dropped.
 constexpr auto kServerIoTimeout = std::chrono::seconds(10);
 
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
@@ -47,6 +48,27 @@ bool WriteAll(int fd, const char* data, size_t n) {
     if (w <= 0) return false;
     data += w;
     n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// Reads exactly `n` bytes by `deadline`, however the sender spaces them: false on EOF, an
+// error, or the deadline passing.
+bool ReadAllBy(int fd, char* data, size_t n, std::chrono::steady_clock::time_point deadline) {
+  while (n > 0) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) return false;
+    if (ready == 0) continue;
+    ssize_t r = ::recv(fd, data, n, MSG_DONTWAIT);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (r <= 0) return false;
+    data += r;
+    n -= static_cast<size_t>(r);
   }
   return true;
 }
@@ -129,11 +151,18 @@ void FetchServer::Stop() {
   if (acceptor_.joinable()) acceptor_.join();
   ::close(listener_);
   std::vector<Worker> workers;
+  size_t closed = 0;
   {
     std::lock_guard lock(mu_);
     workers.swap(workers_);
+    // Every connection still open ends now: its worker's read or write returns at once, so
+    // no client, however slowly it sends or reads, holds the stop. (A worker takes its
+    // descriptor out of open_ under mu_ before closing it: none here is another file's.)
+    for (int fd : open_) ::shutdown(fd, SHUT_RDWR);
+    closed = open_.size();
   }
-  for (Worker& w : workers) w.thread.join();  // each bounded by kServerIoTimeout
+  if (closed > 0) Log().info("fragment fetch channel: stopping, {} open connection(s) closed", closed);
+  for (Worker& w : workers) w.thread.join();
 }
 
 std::string FetchServer::Issue(const std::string& job, uint32_t owner) {
@@ -172,12 +201,16 @@ void FetchServer::AcceptLoop() {
     if (::poll(&p, 1, 200) <= 0) continue;
     int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) continue;
-    if (connections_.load() >= kMaxConnections) {
+    // Connections that have not yet shown a ticket take at most half the channel: clients
+    // that connect and send slowly (or nothing) never lock restores out of it.
+    if (connections_.load() >= kMaxConnections || unauthenticated_.load() >= kMaxUnauthenticated) {
       ::close(fd);  // the client falls back to gRPC
       continue;
     }
     ++connections_;
+    ++unauthenticated_;
     std::lock_guard lock(mu_);
+    open_.insert(fd);
     // Finished workers are joined as new ones start: the list is as long as the connections.
     for (auto it = workers_.begin(); it != workers_.end();) {
       if (it->done->load()) {
@@ -188,8 +221,15 @@ void FetchServer::AcceptLoop() {
       }
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
-    workers_.push_back({std::thread([this, fd, done] {
-                          Serve(fd);
+    const auto accepted = std::chrono::steady_clock::now();
+    workers_.push_back({std::thread([this, fd, done, accepted] {
+                          bool authenticated = false;
+                          Serve(fd, accepted, authenticated);
+                          if (!authenticated) --unauthenticated_;
+                          {
+                            std::lock_guard lock(mu_);
+                            open_.erase(fd);
+                          }
                           ::close(fd);
                           --connections_;
                           *done = true;
@@ -198,12 +238,14 @@ void FetchServer::AcceptLoop() {
   }
 }
 
-void FetchServer::Serve(int fd) {
+void FetchServer::Serve(int fd, std::chrono::steady_clock::time_point accepted, bool& authenticated) {
   SetTimeouts(fd, kServerIoTimeout);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   char request[kRequestBytes];
-  if (!ReadAll(fd, request, sizeof request)) return;
+  // The whole request by kRequestDeadline from the accept, not a timeout per read: a client
+  // sending a byte every few seconds is dropped as surely as a silent one.
+  if (!ReadAllBy(fd, request, sizeof request, accepted + kRequestDeadline)) return;
   std::string job;
   uint32_t owner = 0;
   const std::string ticket(request, kFetchTicketBytes);
@@ -211,7 +253,11 @@ void FetchServer::Serve(int fd) {
   const uint32_t index = GetLe<uint32_t>(request + kFetchTicketBytes + 4);
   const uint64_t step = GetLe<uint64_t>(request + kFetchTicketBytes + 8);
   std::shared_ptr<const HeldFragment> fragment;
-  if (Redeem(ticket, job, owner)) fragment = store_.Find({job, step, owner, rank, index});
+  if (Redeem(ticket, job, owner)) {
+    authenticated = true;
+    --unauthenticated_;
+    fragment = store_.Find({job, step, owner, rank, index});
+  }
   if (!fragment) {
     std::string refused;
     PutLe<uint32_t>(refused, 0);

@@ -9,7 +9,9 @@
 // On the wire, little-endian: the client sends the 32-byte ticket, the rank (u32), the
 // fragment index (u32) and the step (u64); the server answers a u32 length and that many
 // bytes of a FragmentHeader (proto/replicas.proto; length 0: refused), then the fragment's
-// bytes. One fragment per connection.
+// bytes. One fragment per connection. The request must arrive whole within
+// kRequestDeadline of the accept; connections without a ticket yet are bounded apart.
+// (docs/security.md, "Other daemons".)
 #pragma once
 
 #include <atomic>
@@ -19,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,16 +45,24 @@ class FetchServer {
   int port() const { return port_; }
   // A ticket for `owner`'s fragments of `job`, valid for kTicketLifetime.
   std::string Issue(const std::string& job, uint32_t owner);
+  // Stops accepting and closes every open connection (shutdown: a worker blocked on a
+  // slow client returns at once), then joins the workers.
   void Stop();
 
   static constexpr auto kTicketLifetime = std::chrono::seconds(60);
   static constexpr size_t kMaxTickets = 4096;
   static constexpr int kMaxConnections = 16;
+  // Connections that have not shown a valid ticket yet: at most this many at once, and
+  // each must send its whole request within kRequestDeadline of being accepted.
+  static constexpr int kMaxUnauthenticated = kMaxConnections / 2;
+  static constexpr auto kRequestDeadline = std::chrono::seconds(10);
 
  private:
   FetchServer(FragmentStore& store, int listener, int port, ReplicaFaults faults);
   void AcceptLoop();
-  void Serve(int fd);
+  // Serves one connection accepted at `accepted`; `authenticated` set once its ticket was
+  // redeemed (and unauthenticated_ counted down).
+  void Serve(int fd, std::chrono::steady_clock::time_point accepted, bool& authenticated);
   // The (job, owner) the ticket was issued for, if it is valid now.
   bool Redeem(const std::string& ticket, std::string& job, uint32_t& owner);
 
@@ -67,6 +78,7 @@ class FetchServer {
   const ReplicaFaults faults_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> connections_{0};
+  std::atomic<int> unauthenticated_{0};  // of connections_: no ticket redeemed yet
   std::mutex mu_;
   struct Worker {
     std::thread thread;
@@ -74,6 +86,7 @@ class FetchServer {
   };
   std::map<std::string, Grant> tickets_;  // guarded by mu_
   std::vector<Worker> workers_;           // guarded by mu_; the finished joined at each accept
+  std::set<int> open_;                    // guarded by mu_: descriptors of open connections
   std::thread acceptor_;                  // last: started once the rest is there
 };
 

@@ -117,6 +117,7 @@ void Uploader::CatchUp() {
     return;
   }
   for (const std::string& job : *jobs) {
+    AbortLeftUploads(job);
     absl::StatusOr<std::vector<uint64_t>> steps = local_.ListStepsInRunOrder(job);
     if (!steps.ok()) continue;
     for (auto it = steps->rbegin(); it != steps->rend(); ++it) {
@@ -138,6 +139,46 @@ void Uploader::CatchUp() {
       }
       break;
     }
+  }
+}
+
+void Uploader::AbortLeftUploads(const std::string& job) {
+  absl::StatusOr<std::vector<storage::UnfinishedUpload>> left = remote_.objects().ListUnfinishedUploads(job);
+  if (!left.ok()) {
+    Log().warn("[{}] cannot list the multipart uploads an earlier ckptd left unfinished: {}", job,
+               Message(left.status()));
+    return;
+  }
+  // This node's own files only ("<job>/step-N/<file>", of a step it holds, a file it
+  // uploads): in a group the other nodes upload theirs beside them, perhaps right now.
+  // Nothing of this process is in flight yet, so every one of those is an earlier one's.
+  std::map<uint64_t, std::set<std::string>> mine;  // by step, read once each
+  int aborted = 0;
+  for (const storage::UnfinishedUpload& u : *left) {
+    const std::string rest = u.key.substr(std::min(u.key.size(), job.size() + 1));
+    const size_t slash = rest.find('/');
+    uint64_t step = 0;
+    if (u.key.compare(0, job.size() + 1, job + "/") != 0 || slash == std::string::npos ||
+        !format::ParseStepDirName(rest.substr(0, slash), &step)) {
+      continue;
+    }
+    if (!mine.count(step)) {
+      std::set<std::string>& files = mine[step];
+      if (absl::StatusOr<format::Manifest> m = local_.LoadManifest(job, step); m.ok()) {
+        for (const format::ManifestShard* shard : ShardsToUpload(*m)) files.insert(shard->file);
+      }
+    }
+    if (!mine[step].count(rest.substr(slash + 1))) continue;
+    if (absl::Status s = remote_.objects().AbortUpload(u); !s.ok()) {
+      Log().warn("[{} s{}] cannot abort the unfinished upload of {}: {}", job, step,
+                 remote_.objects().Describe(u.key), Message(s));
+      continue;
+    }
+    ++aborted;
+  }
+  if (aborted > 0) {
+    Log().info("[{}] aborted {} multipart upload(s) of this node's files that an earlier ckptd left unfinished", job,
+               aborted);
   }
 }
 

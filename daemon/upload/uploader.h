@@ -101,8 +101,9 @@ class Uploader {
   // (memory_first_reader.h), the rest from the local files.
   void Committed(const format::Manifest& manifest,
                  std::map<uint32_t, InMemoryShard> in_memory = {});
-  // At start: queues each job's newest committed local step that the remote tier lacks
-  // (an upload a restart interrupted), and removes unfinished remote steps.
+  // At start: aborts the multipart uploads of this node's files that an earlier ckptd left
+  // unfinished, and queues each job's newest committed local step that the remote tier
+  // lacks (an upload a restart interrupted).
   void CatchUp();
 
   std::vector<UploadProgress> InProgress() const;
@@ -159,6 +160,9 @@ class Uploader {
   // of every node's part (its own and `reports`).
   absl::Status PublishIndex(const format::Manifest& m, const std::vector<PartReport>& reports);
   void RemoveOrphans(const std::string& job, uint64_t published);
+  // Aborts the unfinished multipart uploads under `job` of files this node uploads (of the
+  // steps it holds): what a kill, or a stop the store did not answer, left stored and billed.
+  void AbortLeftUploads(const std::string& job);
   // The shards of `manifest` this node uploads (Options::node).
   std::vector<const format::ManifestShard*> ShardsToUpload(const format::Manifest& manifest) const;
   // Name -> size of the objects directly under `prefix` of the remote store.

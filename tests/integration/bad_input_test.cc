@@ -179,6 +179,74 @@ TEST_CASE("a truncated shard: verify names file and tensor, restore refuses, not
   CHECK(Contains(d.Ctl({"status"}).out, "verify"));
 }
 
+namespace {
+
+// The same bytes in the header's place: `from` replaced by `to` (as long) where it first
+// occurs in the shard's JSON header.
+void EditHeader(const std::string& path, const std::string& from, const std::string& to) {
+  REQUIRE(from.size() == to.size());
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t length = 0;
+  f.read(reinterpret_cast<char*>(&length), sizeof length);
+  std::string text(length, '\0');
+  f.read(text.data(), static_cast<std::streamsize>(length));
+  const size_t at = text.find(from);
+  REQUIRE(at != std::string::npos);
+  f.seekp(static_cast<std::streamoff>(8 + at));
+  f.write(to.data(), static_cast<std::streamsize>(to.size()));
+}
+
+// Step 20 of `job` is damaged (by `damage`, after the daemon stopped): the latest restore
+// gives it up, saying why, and restores step 10 bit for bit.
+void FallsBackToStep10(Daemon& d, const TempDir& dir, const std::string& job, const std::string& why) {
+  auto latest = Run(Helper(d, {"--job", job, "--seed", "1", "--bytes", "1000000", "check"}), dir.path());
+  INFO(job << ": " << latest.out << latest.err << d.Log());
+  CHECK(latest.exit_code == 0);
+  CHECK(Contains(latest.out, "restored step=10"));
+  CHECK(Contains(latest.out, "warning: step 20 is damaged (rank 0: "));
+  CHECK(Contains(latest.out, why));
+  CHECK(Contains(latest.out, "restored step 10 instead"));
+}
+
+}  // namespace
+
+TEST_CASE("a shard as a symlink, unreadable (EIO) or with another dtype: restores fall back") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  for (const char* job : {"sl", "dt", "eio"}) {
+    SaveOk(d, dir, job, 1, 10);
+    SaveOk(d, dir, job, 2, 20);
+  }
+  REQUIRE(d.Stop() == 0);  // restarted: nothing restores from memory
+  auto shard = [&](const std::string& job, const char* step) {
+    return d.root() + "/" + job + "/step-000000" + step + "/rank-00000.safetensors";
+  };
+  // A symlink in the shard's place (here to step 10's own shard): never followed.
+  std::filesystem::remove(shard("sl", "20"));
+  std::filesystem::create_symlink(shard("sl", "10"), shard("sl", "20"));
+  // The header says I32 where the manifest says F32: the same size, the same bytes, and
+  // checksums that match, but not the tensor the manifest describes.
+  EditHeader(shard("dt", "20"), R"("model.a":{"dtype":"F32")", R"("model.a":{"dtype":"I32")");
+  // The disk fails to read step 20's data region (its header reads).
+  ::setenv("CKPTD_FAULT", "eio-reading:/eio/step-00000020/rank-00000.safetensors", 1);
+  d.Start();
+  ::unsetenv("CKPTD_FAULT");
+  auto v = d.Ctl({"--job", "dt", "verify", "20"});
+  INFO(v.out << v.err);
+  CHECK(v.exit_code == 3);
+  CHECK(Contains(v.out, "header says I32"));
+  FallsBackToStep10(d, dir, "sl", "Too many levels of symbolic links");
+  FallsBackToStep10(d, dir, "dt", "header says I32 [");
+  FallsBackToStep10(d, dir, "eio", "Input/output error");
+  // Step 20 asked for by name is refused, naming the damage, the buffers untouched.
+  auto named = Run(Helper(d, {"--job", "dt", "--seed", "2", "--bytes", "1000000", "check", "--step", "20"}),
+                   dir.path());
+  CHECK(named.exit_code == 2);
+  CHECK(Contains(named.out, "header says I32"));
+  CHECK(Contains(named.out, "buffers untouched"));
+}
+
 TEST_CASE("session updates: refused ones change nothing; a real one registers only what changed") {
   TempDir dir;
   Daemon d(dir);

@@ -168,6 +168,28 @@ TEST_CASE("SIGTERM lets an in-flight write finish, then ckptd exits cleanly") {
   CHECK(Contains(d.Log(), "shut down cleanly"));
 }
 
+TEST_CASE("SIGHUP mid-save is logged and ignored: ckptd keeps running and the step commits") {
+  TempDir dir;
+  Daemon d(dir);
+  d.Start();
+  Process p(Helper(d, {"--job", "hup", "--seed", "9", "--bytes", "200000000", "save", "--step", "4",
+                       "--wait-committed"}),
+            dir.path(), "hup");
+  REQUIRE(p.WaitForStdout("staged ticket="));
+  d.Signal(SIGHUP);  // the default action would end ckptd at once (exit 129), leaving a .tmp
+  REQUIRE(WaitUntil([&] { return Contains(d.Log(), "received SIGHUP: ignored"); }, 20s, 20ms));
+  d.Signal(SIGHUP);  // and again: every one is passed over
+  CHECK(p.Wait() == 0);
+  INFO(p.Stdout() << p.Stderr() << d.Log());
+  CHECK(Contains(p.Stdout(), "committed"));
+  CHECK(std::filesystem::exists(d.root() + "/hup/step-00000004/manifest.json"));
+  CHECK_FALSE(std::filesystem::exists(d.root() + "/hup/step-00000004.tmp"));
+  CHECK(d.Ctl({"status"}).exit_code == 0);  // still serving
+  CHECK(Run(Helper(d, {"--job", "hup", "--seed", "9", "--bytes", "200000000", "check"}), dir.path()).exit_code == 0);
+  CHECK(d.Stop() == 0);  // and SIGTERM still stops it, cleanly
+  CHECK(Contains(d.Log(), "shut down cleanly"));
+}
+
 TEST_CASE("retention keeps the last K and every N-th, never blocking saves") {
   TempDir dir;
   Daemon d(dir, {"--keep-last", "2", "--keep-every", "20"});

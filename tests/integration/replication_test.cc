@@ -11,7 +11,11 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
 #include <chrono>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -106,7 +110,108 @@ void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
   for (int n : nodes) REQUIRE_WITHIN(c, kJoinBound, "every node heard node " << n << "'s new address", EveryNodeHeard(c, n));
 }
 
+// Clients of a daemon's fragment fetch port that never show a ticket: each connects and
+// sends a byte every `every`, on a thread of the test's, and notes when the daemon closed it.
+class SlowClients {
+ public:
+  SlowClients(int port, int count, std::chrono::milliseconds every) : every_(every) {
+    for (int i = 0; i < count; ++i) clients_.push_back({ConnectTcp(port), {}});
+    started_ = std::chrono::steady_clock::now();
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~SlowClients() {
+    stop_ = true;
+    thread_.join();
+    for (Client& c : clients_) ::close(c.fd);
+  }
+  // How many the daemon has closed so far.
+  int Closed() {
+    std::lock_guard lock(mu_);
+    return static_cast<int>(std::count_if(clients_.begin(), clients_.end(), [](const Client& c) { return c.closed.has_value(); }));
+  }
+  // The longest any was kept open (from when they connected), of those closed.
+  std::chrono::milliseconds LongestOpen() {
+    std::lock_guard lock(mu_);
+    std::chrono::milliseconds longest{0};
+    for (const Client& c : clients_) {
+      if (c.closed) longest = std::max(longest, std::chrono::duration_cast<std::chrono::milliseconds>(*c.closed - started_));
+    }
+    return longest;
+  }
+  int size() const { return static_cast<int>(clients_.size()); }
+
+ private:
+  struct Client {
+    int fd;
+    std::optional<std::chrono::steady_clock::time_point> closed;
+  };
+  void Run() {
+    auto next_byte = std::chrono::steady_clock::now();
+    while (!stop_) {
+      const bool send_now = std::chrono::steady_clock::now() >= next_byte;
+      if (send_now) next_byte += every_;
+      std::lock_guard lock(mu_);
+      for (Client& c : clients_) {
+        if (c.closed) continue;
+        char buf[64];
+        const ssize_t got = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+        bool gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+        if (!gone && send_now) {
+          const char byte = 'x';
+          gone = ::send(c.fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno != EAGAIN && errno != EWOULDBLOCK;
+        }
+        if (gone) c.closed = std::chrono::steady_clock::now();
+      }
+      std::this_thread::sleep_for(20ms);  // (mu_ is released each round)
+    }
+  }
+
+  const std::chrono::milliseconds every_;
+  std::mutex mu_;
+  std::vector<Client> clients_;  // guarded by mu_ (the descriptors themselves are fixed)
+  std::chrono::steady_clock::time_point started_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
 }  // namespace
+
+TEST_CASE("slow clients of the fetch port: bounded, dropped by the request's deadline, closed by a stop") {
+  const int fetch_port = PickFreePort();
+  Cluster c({{0}, {1}});
+  c.extra_flags = {"--replication", "1+1"};
+  c.node_flags[0] = {"--replica-fetch-port", std::to_string(fetch_port)};
+  c.StartAll();
+  REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
+  {
+    // 16 connections, each sending a byte every 2 s: a request (48 bytes) would take 94 s,
+    // and a timeout per read never fires. Half of them are over the bound on connections
+    // without a ticket and closed at once; the rest when the request's 10 s are up.
+    SlowClients slow(fetch_port, 16, 2s);
+    REQUIRE_WITHIN(c, 5s, "the connections over the bound closed at once (" << slow.Closed() << " of 16 closed)",
+                   slow.Closed() >= 8);
+    REQUIRE_WITHIN(c, 30s, "every slow connection dropped (" << slow.Closed() << " of 16 closed)",
+                   slow.Closed() == slow.size());
+    CHECK(slow.LongestOpen() < 20s);
+    CHECK(slow.LongestOpen() >= 9s);  // the others were kept to the deadline, not cut early
+  }
+  // The channel still serves: replication and a restore from peers need nothing else, but
+  // the port accepts again.
+  {
+    SlowClients again(fetch_port, 8, 2s);
+    std::this_thread::sleep_for(1s);  // accepted, their workers reading
+    CHECK(again.Closed() == 0);
+    // A stop closes them at once: it waits neither for their deadline nor their bytes.
+    const auto stop_began = std::chrono::steady_clock::now();
+    CHECK(c.node(0).Stop() == 0);
+    const auto stop_took = std::chrono::steady_clock::now() - stop_began;
+    INFO("the stop took " << std::chrono::duration_cast<std::chrono::milliseconds>(stop_took).count() << " ms\n"
+                          << c.node(0).Log());
+    CHECK(stop_took < 5s);
+    CHECK(Contains(c.node(0).Log(), "open connection(s) closed"));
+    REQUIRE_WITHIN(c, 5s, "every slow connection closed by the stop", again.Closed() == again.size());
+  }
+}
 
 TEST_CASE("2+1 on four daemons: a node lost for good restores its ranks bit-exactly from its peers' memory") {
   Cluster c({{0, 1}, {2, 3}, {4, 5}, {6, 7}});
