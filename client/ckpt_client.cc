@@ -184,9 +184,14 @@ struct Client::Impl {
   std::thread watchdog;            // releases GPU waiters if ckptd dies
   std::atomic<bool> stop_watchdog{false};
 
-  ~Impl() {
+  ~Impl() { StopWatchdog(); }
+  // Stops the watchdog and waits for it, if one runs: a std::thread destroyed or assigned to
+  // while it runs ends the process (std::terminate). It never takes the GIL (nor anything a
+  // caller holds), so joining it on a Python thread that holds the GIL is safe.
+  void StopWatchdog() {
     stop_watchdog = true;
     if (watchdog.joinable()) watchdog.join();
+    stop_watchdog = false;
   }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
@@ -222,9 +227,7 @@ struct Client::Impl {
   // block and its producer stay mapped for the life of the client: another thread may still
   // be waiting on a ticket there, and a GPU stream may still point at its staged word.
   void DropSession() {
-    stop_watchdog = true;
-    if (watchdog.joinable()) watchdog.join();
-    stop_watchdog = false;
+    StopWatchdog();
     if (producer) {
       producer->AbandonPending();
       if (control) {
@@ -550,6 +553,7 @@ absl::Status Client::Register() {
   if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
         reinterpret_cast<uint64_t*>(&block->staged_ticket)));
+    impl_->StopWatchdog();  // a session's own: never one still running from before
     impl_->watchdog = std::thread([impl = impl_.get(), block] {
       while (!impl->stop_watchdog) {
         // The GPU goes on past its waits, so the snapshots ckptd has not copied are torn from
