@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a cluster's users install, into dist/ (or the directory given):
-#   ckptd_VERSION_amd64.deb              ckptd and ckptctl, the systemd unit, the config, the docs,
-#                                        and a private copy of the CUDA runtime (Debian 12 has
-#                                        none of this version) in /usr/lib/x86_64-linux-gnu/ckptd
+#   ckptd_VERSION_amd64.deb              ckptd and ckptctl, the systemd unit, the config, the docs
+#                                        (nothing of CUDA: the node's driver is loaded at run time)
 #   libckpt-client-dev_VERSION_amd64.deb the C++ client: header, shared library, pkg-config file
 #   python3-ckptd_VERSION_amd64.deb      the Python package for Debian 12's python3
 #   ckptd-VERSION-cp311-...whl           the same for pip (a torch extra; built on Debian 12)
@@ -50,7 +49,6 @@ CONTROL
 P=$stage/ckptd
 install -D -m 0755 "$B/daemon/ckptd" "$P/usr/bin/ckptd"
 install -D -m 0755 "$B/client/ckptctl" "$P/usr/bin/ckptctl"
-install -D -m 0644 "$(readlink -f /usr/local/cuda/lib64/libcudart.so.13)" "$P/$LIB/ckptd/libcudart.so.13"
 install -D -m 0644 deploy/systemd/ckptd.service "$P/lib/systemd/system/ckptd.service"
 install -D -m 0644 deploy/ckptd.toml "$P/etc/ckptd/ckptd.toml"
 install -D -m 0644 -t "$P/usr/share/doc/ckptd" README.md docs/*.md
