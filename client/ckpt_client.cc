@@ -35,12 +35,16 @@ namespace {
 // socket to the process that registered the session, and to nobody else.
 // The session's control block, and the read end of ckptd's liveness pipe (hangs up when
 // ckptd exits; daemon/control/control_fd_server.h).
+// It is fetched from "<socket>.ctl" beside the socket this client was given, as the arenas
+// were handed over, never from the path in the reply: that is where ckptd sees it, which a
+// trainer in another mount namespace (ckptd in a container, its socket directory a volume
+// mounted elsewhere) may not reach.
 absl::StatusOr<std::pair<shm::SealedSegmentPtr, UniqueFd>> FetchControlBlock(
-    const ::ckptd::v1::RegisterReply& reply) {
-  const std::string& path = reply.control_socket();
-  if (path.empty()) {
+    const std::string& socket, const ::ckptd::v1::RegisterReply& reply) {
+  if (reply.control_socket().empty()) {
     return absl::FailedPreconditionError("ckptd gave no control socket: is it an older version?");
   }
+  const std::string path = DescriptorSocketPath(socket);
   CKPT_ASSIGN_OR_RETURN(ReceivedFds got,
                         RequestFds(path, std::string(kFetchControlBlock) + reply.session_id(), 2));
   if (got.fds.size() != 2) {
@@ -537,7 +541,7 @@ absl::Status Client::Register() {
     for (auto& a : impl_->arenas) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
     impl_->mirrors_pinned = true;
   }
-  CKPT_ASSIGN_OR_RETURN(auto control, FetchControlBlock(reply));
+  CKPT_ASSIGN_OR_RETURN(auto control, FetchControlBlock(impl_->options.socket, reply));
   impl_->control = std::move(control.first);
   impl_->daemon_liveness = std::move(control.second);
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,

@@ -3,8 +3,8 @@
 # builds them, a clean Debian 12 (mmdebstrap, minbase) installs them with apt, which fetches
 # their Depends from Debian's archive, a trainer is built against the installed client with
 # pkg-config alone, and it saves and restores through the installed ckptd, started in that
-# system. That system is what deploy/container/Containerfile's runtime stage installs (the
-# ckptd package on Debian 12), so this also proves the image's runtime another way.
+# system. tests/packaging/image_test.sh does the same with the image tools/image.sh builds
+# from the same package.
 # Root (a chroot), and Debian's archive reachable. Prints "packages: passed" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,7 +17,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-tools/packages.sh "$work/dist"
+# CKPTD_DIST: the packages tools/packages.sh built already (tools/test.sh builds them once
+# for this test and image_test.sh).
+if [ -n "${CKPTD_DIST:-}" ]; then
+  cp -r "$CKPTD_DIST" "$work/dist"
+else
+  tools/packages.sh "$work/dist"
+fi
 
 # A clean Debian 12, kept between runs (it is the archive's, not ours).
 base=${CKPTD_DEBIAN_TARBALL:-$HOME/.cache/ckptd/bookworm-minbase.tar}
