@@ -9,15 +9,21 @@
 
 namespace ckpt::testing {
 
-inline size_t FreeHugePages() {
+// A HugePages_* figure of /proc/meminfo ("Free", "Total"); 0 when absent.
+inline size_t HugePagesFigure(const std::string& name) {
   std::ifstream meminfo("/proc/meminfo");
   std::string key;
   size_t value = 0;
   while (meminfo >> key) {
-    if (key == "HugePages_Free:" && (meminfo >> value)) return value;
+    if (key == "HugePages_" + name + ":" && (meminfo >> value)) return value;
     meminfo.ignore(1 << 10, '\n');
   }
   return 0;
 }
+
+inline size_t FreeHugePages() { return HugePagesFigure("Free"); }
+// The whole pool: what no arena can exceed and still get huge pages, whatever the tests
+// beside this one take and give back meanwhile.
+inline size_t TotalHugePages() { return HugePagesFigure("Total"); }
 
 }  // namespace ckpt::testing

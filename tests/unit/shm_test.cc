@@ -106,8 +106,10 @@ TEST_CASE("a large arena lives in huge pages while the pool has room, in base pa
   auto plain = Arena::Create(Arena::kMinHugeArena, /*huge_pages=*/false);
   REQUIRE(plain.ok());
   CHECK_FALSE((*plain)->huge());
-  // More than the pool holds falls back to base pages, never fails.
-  const size_t beyond = (ckpt::testing::FreeHugePages() + 1) * page + Arena::kMinHugeArena;
+  // More than the pool holds falls back to base pages, never fails. More than the whole
+  // pool, not its free pages: tests beside this one take and return pages meanwhile (a TSan
+  // run met a pool that had grown back between the count and the arena).
+  const size_t beyond = (ckpt::testing::TotalHugePages() + 1) * page + Arena::kMinHugeArena;
   auto fallback = Arena::Create(beyond, /*huge_pages=*/true);
   REQUIRE(fallback.ok());
   CHECK_FALSE((*fallback)->huge());
