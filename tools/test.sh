@@ -201,7 +201,7 @@ fi
 
 if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
   # A case each: the wheels' tag as documented, and each install's save, kill and resume.
-  p=$(grep -cE '^wheels: (tag .*docs/python.md says so|.*resumed bit-exact)' <<< "$wheels_out" || true)
+  p=$(grep -cE '^wheels: (tag .*docs/python.md says so|.*resumed bit-exact|wheel-torch: .*resumed from step 30)' <<< "$wheels_out" || true)
   printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:wheels_test.sh" "$p" "$wheels_rc" 0
   passed=$((passed + p))
   failed=$((failed + wheels_rc))

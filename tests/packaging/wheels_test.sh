@@ -4,7 +4,9 @@
 # each is installed into a fresh virtual environment of its own Python (pyenv's), with no
 # PYTHONPATH or LD_LIBRARY_PATH, where tests/packaging/wheel_trainer.py (the bindings alone,
 # no PyTorch) saves three steps through a running ckptd, is killed with SIGKILL, and a new
-# process resumes the last step bit for bit. Then the 3.11 wheel does the same in a bare
+# process resumes the last step bit for bit. The 3.11 wheel also trains and resumes the
+# example PyTorch trainer beside the project's PyTorch 2 (.venv), and does the same as the
+# others in a bare
 # Debian 12 (mmdebstrap minbase with python3-pip, none of the libraries the build links:
 # checked), installed with that system's pip. ckptd is the build's, on the host; its socket's
 # folder is mounted into the Debian 12 root at the same path (ckptd tells trainers the paths of
@@ -79,6 +81,22 @@ for minor in 10 11 12 13; do
   save_kill_resume "$venv/lib/python3.$minor/site-packages/ckptd/" "wheel-3$minor" "$socket" \
     env -i -C "$work" PATH=/usr/bin:/bin HOME="$work" "$venv/bin/python" "$PWD/tests/packaging/wheel_trainer.py"
 done
+
+# The 3.11 wheel beside the PyTorch a user has: the project's PyTorch 2 (.venv, a CUDA build),
+# whose own libraries load in the same process as the wheel's; pip installs it into a
+# folder of its own on PYTHONPATH, ahead of the build's. The example trainer saves every 10
+# steps and a second run resumes from the last.
+torch_python=${CKPTD_PYTHON:-$PWD/.venv/bin/python}
+"$torch_python" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$work/torch-site" \
+  "$work"/dist/ckptd-*-cp311-cp311-$plat.whl
+torch_run=(env -i -C "$work" PATH=/usr/bin:/bin HOME="$work" PYTHONPATH="$work/torch-site" "$torch_python"
+           "$PWD/client/python/examples/train_mlp.py" --socket "$socket" --job wheel-torch --steps 30 --save-every 10)
+"${torch_run[@]}" > "$work/torch.save" 2>&1 || { cat "$work/torch.save"; fail "wheel-torch: training failed"; }
+"${torch_run[@]}" --resume --steps 40 > "$work/torch.resume" 2>&1 || { cat "$work/torch.resume"; fail "wheel-torch: resume failed"; }
+grep -q "^resumed from step 30" "$work/torch.resume" || { cat "$work/torch.resume"; fail "wheel-torch: did not resume from step 30"; }
+version=$(env -i -C "$work" PYTHONPATH="$work/torch-site" "$torch_python" -c \
+  'import torch, ckptd.torch; assert ckptd._native.__file__.startswith("'"$work/torch-site/"'"); print(torch.__version__)')
+echo "wheels: wheel-torch: PyTorch $version saved, resumed from step 30 (ckptd from $work/torch-site)"
 
 # The 3.11 wheel in a bare Debian 12: python3 and pip, kept between runs (the archive's).
 base=${CKPTD_DEBIAN_PYTHON_TARBALL:-$HOME/.cache/ckptd/bookworm-minbase-python3-pip.tar}
