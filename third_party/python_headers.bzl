@@ -44,9 +44,11 @@ cc_library(
 )
 """.format(version = version, include = include))
     else:
-        message = "no headers of Python %s (Python.h) in any of: %s. Install that Python (e.g. pyenv install %s) or set %s to its include directory." % (
+        message = "no headers of Python %s (Python.h) in any of: %s, nor in a pyenv version %s.* under %s/versions. Install that Python (e.g. pyenv install %s) or set %s to its include directory." % (
             version,
             ", ".join(candidates),
+            version,
+            pyenv,
             version,
             env_name,
         )
