@@ -35,12 +35,16 @@ namespace {
 // socket to the process that registered the session, and to nobody else.
 // The session's control block, and the read end of ckptd's liveness pipe (hangs up when
 // ckptd exits; daemon/control/control_fd_server.h).
+// It is fetched from "<socket>.ctl" beside the socket this client was given, as the arenas
+// were handed over, never from the path in the reply: that is where ckptd sees it, which a
+// trainer in another mount namespace (ckptd in a container, its socket directory a volume
+// mounted elsewhere) may not reach.
 absl::StatusOr<std::pair<shm::SealedSegmentPtr, UniqueFd>> FetchControlBlock(
-    const ::ckptd::v1::RegisterReply& reply) {
-  const std::string& path = reply.control_socket();
-  if (path.empty()) {
+    const std::string& socket, const ::ckptd::v1::RegisterReply& reply) {
+  if (reply.control_socket().empty()) {
     return absl::FailedPreconditionError("ckptd gave no control socket: is it an older version?");
   }
+  const std::string path = DescriptorSocketPath(socket);
   CKPT_ASSIGN_OR_RETURN(ReceivedFds got,
                         RequestFds(path, std::string(kFetchControlBlock) + reply.session_id(), 2));
   if (got.fds.size() != 2) {
@@ -184,9 +188,14 @@ struct Client::Impl {
   std::thread watchdog;            // releases GPU waiters if ckptd dies
   std::atomic<bool> stop_watchdog{false};
 
-  ~Impl() {
+  ~Impl() { StopWatchdog(); }
+  // Stops the watchdog and waits for it, if one runs: a std::thread destroyed or assigned to
+  // while it runs ends the process (std::terminate). It never takes the GIL (nor anything a
+  // caller holds), so joining it on a Python thread that holds the GIL is safe.
+  void StopWatchdog() {
     stop_watchdog = true;
     if (watchdog.joinable()) watchdog.join();
+    stop_watchdog = false;
   }
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<::ckptd::v1::Trainer::Stub> stub;
@@ -222,9 +231,7 @@ struct Client::Impl {
   // block and its producer stay mapped for the life of the client: another thread may still
   // be waiting on a ticket there, and a GPU stream may still point at its staged word.
   void DropSession() {
-    stop_watchdog = true;
-    if (watchdog.joinable()) watchdog.join();
-    stop_watchdog = false;
+    StopWatchdog();
     if (producer) {
       producer->AbandonPending();
       if (control) {
@@ -534,7 +541,7 @@ absl::Status Client::Register() {
     for (auto& a : impl_->arenas) CKPT_RETURN_IF_ERROR(impl_->mirror->PinHost(a->at(0), a->capacity()));
     impl_->mirrors_pinned = true;
   }
-  CKPT_ASSIGN_OR_RETURN(auto control, FetchControlBlock(reply));
+  CKPT_ASSIGN_OR_RETURN(auto control, FetchControlBlock(impl_->options.socket, reply));
   impl_->control = std::move(control.first);
   impl_->daemon_liveness = std::move(control.second);
   CKPT_ASSIGN_OR_RETURN(shm::ControlBlock * block,
@@ -550,6 +557,7 @@ absl::Status Client::Register() {
   if (!impl_->gpu.empty()) {
     CKPT_RETURN_IF_ERROR(impl_->gpu_sync->MapStagedWord(
         reinterpret_cast<uint64_t*>(&block->staged_ticket)));
+    impl_->StopWatchdog();  // a session's own: never one still running from before
     impl_->watchdog = std::thread([impl = impl_.get(), block] {
       while (!impl->stop_watchdog) {
         // The GPU goes on past its waits, so the snapshots ckptd has not copied are torn from

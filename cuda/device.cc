@@ -1,18 +1,22 @@
 #include "cuda/device.h"
 
-#include <cuda_runtime_api.h>
 #include <fmt/format.h>
+
+#include "cuda/driver_api.h"
 
 namespace ckpt::cuda {
 
 const DeviceInfo& DetectDevices() {
   static const DeviceInfo info = [] {
     DeviceInfo d;
+    const DriverApi* driver = Driver();
+    if (driver == nullptr) {
+      d.reason = DriverProblem();
+      return d;
+    }
     int count = 0;
-    cudaError_t err = cudaGetDeviceCount(&count);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      d.reason = fmt::format("{}: {}", cudaGetErrorName(err), cudaGetErrorString(err));
+    if (CUresult r = driver->cuDeviceGetCount(&count); r != CUDA_SUCCESS) {
+      d.reason = CudaErrorText(r);
     } else if (count == 0) {
       d.reason = "no CUDA device";
     } else {

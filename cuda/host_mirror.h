@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cuda/driver_api.h"
 
 namespace ckpt::cuda {
 
@@ -42,8 +43,9 @@ class HostMirror {
     size_t bytes;
   };
   int device_ = 0;
-  void* stream_ = nullptr;  // cudaStream_t
-  void* copied_ = nullptr;  // cudaEvent_t
+  const DriverApi* driver_ = nullptr;
+  void* stream_ = nullptr;  // CUstream
+  void* copied_ = nullptr;  // CUevent
   std::vector<Pair> pairs_;
   std::vector<void*> pinned_;
 };

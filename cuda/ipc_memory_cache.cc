@@ -1,6 +1,6 @@
 #include "cuda/ipc_memory_cache.h"
 
-#include <cuda_runtime_api.h>
+#include <cuda.h>
 #include <fmt/format.h>
 
 #include <cstring>
@@ -12,7 +12,7 @@ namespace ckpt::cuda {
 
 IpcMapping::~IpcMapping() {
   DeviceGuard guard(device_);
-  (void)cudaIpcCloseMemHandle(base_);
+  if (const DriverApi* d = Driver()) (void)d->cuIpcCloseMemHandle(reinterpret_cast<CUdeviceptr>(base_));
 }
 
 absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
@@ -34,19 +34,21 @@ absl::StatusOr<std::shared_ptr<IpcMapping>> IpcMemoryCache::Acquire(
     return absl::Status(device.status().code(),
                         fmt::format("tensor {}: {}", tensor, std::string(device.status().message())));
   }
+  CKPT_CUDA_DRIVER_OR_RETURN(driver, fmt::format("tensor {}", tensor));
   DeviceGuard guard(*device);
   CKPT_CUDA_RETURN_IF_ERROR(guard.status(), fmt::format("tensor {}", tensor));
-  cudaIpcMemHandle_t handle;
+  CUipcMemHandle handle;
+  static_assert(sizeof handle == kIpcHandleBytes);
   std::memcpy(&handle, d.ipc_handle.data(), sizeof handle);
-  void* base = nullptr;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-                            fmt::format("tensor {} (cudaIpcOpenMemHandle on {})", tensor,
-                                        d.device_uuid));
+  CUdeviceptr opened = 0;
+  CKPT_CUDA_RETURN_IF_ERROR(driver->cuIpcOpenMemHandle(&opened, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
+                            fmt::format("tensor {} (cuIpcOpenMemHandle on {})", tensor, d.device_uuid));
+  void* base = reinterpret_cast<void*>(opened);
   // The size the trainer claims is checked against the allocation itself: copies are sized
   // by the claim, and a claim larger than the allocation would read or write past it.
   absl::StatusOr<size_t> real = AllocationBytes(tensor, base);
   if (!real.ok() || *real < d.allocation_bytes) {
-    (void)cudaIpcCloseMemHandle(base);
+    (void)driver->cuIpcCloseMemHandle(opened);
     if (!real.ok()) return real.status();
     return absl::InvalidArgumentError(fmt::format(
         "tensor {}: the trainer says its CUDA allocation has {} bytes, but it has {}", tensor,

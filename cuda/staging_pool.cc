@@ -8,6 +8,7 @@
 
 #include "common/status.h"
 #include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "shm/prefault.h"
 
 namespace ckpt::cuda {
@@ -53,13 +54,20 @@ StagingPool::StagingPool(char* base, size_t capacity) : base_(base), capacity_(c
 StagingPool::~StagingPool() {
   stop_prefault_ = true;
   if (prefault_thread_.joinable()) prefault_thread_.join();
-  if (pinned_) (void)cudaHostUnregister(base_);
+  if (pinned_) {
+    DeviceGuard guard(0);
+    (void)Driver()->cuMemHostUnregister(base_);
+  }
   ::munmap(base_, capacity_);
 }
 
 absl::Status StagingPool::PinForCuda() {
   if (pinned_) return absl::OkStatus();
-  CKPT_CUDA_RETURN_IF_ERROR(cudaHostRegister(base_, capacity_, cudaHostRegisterPortable),
+  CKPT_CUDA_DRIVER_OR_RETURN(driver, "pinning the staging pool");
+  // Portable: pinned for every device's context, from device 0's (a context must be current).
+  DeviceGuard guard(0);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "staging pool");
+  CKPT_CUDA_RETURN_IF_ERROR(driver->cuMemHostRegister(base_, capacity_, CU_MEMHOSTREGISTER_PORTABLE),
                             fmt::format("staging pool ({} bytes)", capacity_));
   pinned_ = true;
   return absl::OkStatus();

@@ -1,7 +1,6 @@
 #include "cuda/trainer_sync.h"
 
 #include <cuda.h>
-#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
 #include <cstring>
@@ -9,24 +8,14 @@
 #include "common/status.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_guard.h"
-#include "cuda/driver_entry.h"
 
 namespace ckpt::cuda {
-namespace {
-
-using StreamWaitValue64 = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-
-absl::StatusOr<StreamWaitValue64> GetStreamWaitValue64() {
-  static auto fn = reinterpret_cast<StreamWaitValue64>(DriverEntryPoint("cuStreamWaitValue64"));
-  if (fn == nullptr) return absl::FailedPreconditionError("cuStreamWaitValue64 is not available");
-  return fn;
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<TrainerSync>> TrainerSync::Create(int device) {
+  CKPT_CUDA_DRIVER_OR_RETURN(driver, "snapshot events");
   std::unique_ptr<TrainerSync> s(new TrainerSync());
   s->device_ = device;
+  s->driver_ = driver;
   CKPT_RETURN_IF_ERROR(s->CreateEvents());
   return s;
 }
@@ -35,13 +24,13 @@ absl::Status TrainerSync::CreateEvents() {
   DeviceGuard guard(device_);
   CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "snapshot event");
   for (uint32_t i = 0; i < kSnapshotEvents; ++i) {
-    cudaEvent_t event;
-    CKPT_CUDA_RETURN_IF_ERROR(
-        cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
-        "snapshot event");
+    CUevent event;
+    CKPT_CUDA_RETURN_IF_ERROR(driver_->cuEventCreate(&event, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING),
+                              "snapshot event");
     events_.push_back(event);
-    cudaIpcEventHandle_t handle;
-    CKPT_CUDA_RETURN_IF_ERROR(cudaIpcGetEventHandle(&handle, event), "snapshot event");
+    // The same 64 bytes as the runtime's cudaIpcEventHandle_t.
+    CUipcEventHandle handle;
+    CKPT_CUDA_RETURN_IF_ERROR(driver_->cuIpcGetEventHandle(&handle, event), "snapshot event");
     event_handles_.emplace_back(reinterpret_cast<const char*>(&handle), sizeof handle);
   }
   return absl::OkStatus();
@@ -49,7 +38,8 @@ absl::Status TrainerSync::CreateEvents() {
 
 void TrainerSync::DestroyEvents() {
   // An event still pending on a stream is released once the device completes it.
-  for (void* event : events_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  DeviceGuard guard(device_);
+  for (void* event : events_) (void)driver_->cuEventDestroy(static_cast<CUevent>(event));
   events_.clear();
   event_handles_.clear();
 }
@@ -60,57 +50,65 @@ absl::Status TrainerSync::RenewEvents() {
 }
 
 TrainerSync::~TrainerSync() {
-  if (word_ != nullptr) (void)cudaHostUnregister(word_);
+  if (word_ != nullptr) {
+    DeviceGuard guard(device_);
+    (void)driver_->cuMemHostUnregister(word_);
+  }
   DestroyEvents();
 }
 
 absl::Status TrainerSync::RecordSnapshotPoint(void* stream, uint64_t ticket) {
+  DeviceGuard guard(device_);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "snapshot event");
   CKPT_CUDA_RETURN_IF_ERROR(
-      cudaEventRecord(static_cast<cudaEvent_t>(event(ticket)), static_cast<cudaStream_t>(stream)),
-      "snapshot event");
+      driver_->cuEventRecord(static_cast<CUevent>(event(ticket)), static_cast<CUstream>(stream)), "snapshot event");
   return absl::OkStatus();
 }
 
 absl::Status TrainerSync::MapStagedWord(uint64_t* word) {
-  CKPT_CUDA_RETURN_IF_ERROR(cudaHostRegister(word, 4096, cudaHostRegisterMapped), "staged word");
-  void* device_ptr = nullptr;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&device_ptr, word, 0), "staged word");
+  DeviceGuard guard(device_);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "staged word");
+  CKPT_CUDA_RETURN_IF_ERROR(driver_->cuMemHostRegister(word, 4096, CU_MEMHOSTREGISTER_DEVICEMAP), "staged word");
+  CUdeviceptr device_ptr = 0;
+  CKPT_CUDA_RETURN_IF_ERROR(driver_->cuMemHostGetDevicePointer(&device_ptr, word, 0), "staged word");
   word_ = word;
-  word_device_ = reinterpret_cast<uint64_t>(device_ptr);
+  word_device_ = static_cast<uint64_t>(device_ptr);
   return absl::OkStatus();
 }
 
 absl::Status TrainerSync::StreamWaitStaged(void* stream, uint64_t ticket) {
   if (word_ == nullptr) return absl::FailedPreconditionError("no GPU tensors registered");
-  CKPT_ASSIGN_OR_RETURN(StreamWaitValue64 wait, GetStreamWaitValue64());
-  CUresult r = wait(static_cast<CUstream>(stream), static_cast<CUdeviceptr>(word_device_), ticket,
-                    CU_STREAM_WAIT_VALUE_GEQ);
-  if (r != CUDA_SUCCESS) {
-    return absl::InternalError(fmt::format("cuStreamWaitValue64 for ticket {} failed (CUresult {})",
-                                           ticket, static_cast<int>(r)));
-  }
+  DeviceGuard guard(device_);
+  CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "staged word");
+  CKPT_CUDA_RETURN_IF_ERROR(driver_->cuStreamWaitValue64(static_cast<CUstream>(stream),
+                                                         static_cast<CUdeviceptr>(word_device_), ticket,
+                                                         CU_STREAM_WAIT_VALUE_GEQ),
+                            fmt::format("the staged word for ticket {}", ticket));
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<IpcEvent>> IpcEvent::Open(const std::string& handle, int device) {
-  if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+  if (handle.size() != sizeof(CUipcEventHandle)) {
     return absl::InvalidArgumentError(fmt::format("CUDA event handle of {} bytes, expected {}",
-                                                  handle.size(), sizeof(cudaIpcEventHandle_t)));
+                                                  handle.size(), sizeof(CUipcEventHandle)));
   }
+  CKPT_CUDA_DRIVER_OR_RETURN(driver, "trainer snapshot event");
   std::unique_ptr<IpcEvent> e(new IpcEvent());
   e->device_ = device;
-  cudaIpcEventHandle_t h;
+  CUipcEventHandle h;
   std::memcpy(&h, handle.data(), sizeof h);
   DeviceGuard guard(device);
   CKPT_CUDA_RETURN_IF_ERROR(guard.status(), "trainer snapshot event");
-  cudaEvent_t event;
-  CKPT_CUDA_RETURN_IF_ERROR(cudaIpcOpenEventHandle(&event, h), "trainer snapshot event");
+  CUevent event;
+  CKPT_CUDA_RETURN_IF_ERROR(driver->cuIpcOpenEventHandle(&event, h), "trainer snapshot event");
   e->event_ = event;
   return e;
 }
 
 IpcEvent::~IpcEvent() {
-  if (event_ != nullptr) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+  if (event_ == nullptr) return;
+  DeviceGuard guard(device_);
+  if (const DriverApi* d = Driver()) (void)d->cuEventDestroy(static_cast<CUevent>(event_));
 }
 
 }  // namespace ckpt::cuda

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "cuda/driver_api.h"
 
 namespace ckpt::cuda {
 
@@ -33,9 +34,11 @@ class TrainerSync {
   TrainerSync(const TrainerSync&) = delete;
   TrainerSync& operator=(const TrainerSync&) = delete;
 
-  // Ticket `ticket`'s snapshot event itself (cudaEvent_t), for the host-copy transport.
+  // Ticket `ticket`'s snapshot event itself (a CUevent, which is a cudaEvent_t), for the
+  // host-copy transport.
   void* event(uint64_t ticket) const { return events_[ticket % events_.size()]; }
-  // cudaIpcEventHandle_t bytes for the daemon, in ticket order: ticket t's is t % size().
+  // CUipcEventHandle bytes (those of a cudaIpcEventHandle_t) for the daemon, in ticket
+  // order: ticket t's is t % size().
   const std::vector<std::string>& event_handles() const { return event_handles_; }
   // Replaces the events with new ones (a new session: its tickets start again at 1).
   absl::Status RenewEvents();
@@ -52,7 +55,8 @@ class TrainerSync {
   absl::Status CreateEvents();
   void DestroyEvents();
   int device_ = 0;
-  std::vector<void*> events_;  // cudaEvent_t
+  const DriverApi* driver_ = nullptr;
+  std::vector<void*> events_;  // CUevent (a cudaEvent_t to the trainer's runtime)
   std::vector<std::string> event_handles_;
   uint64_t* word_ = nullptr;  // host address, registered with CUDA while set
   uint64_t word_device_ = 0;  // its device address
@@ -63,7 +67,7 @@ class IpcEvent {
  public:
   static absl::StatusOr<std::unique_ptr<IpcEvent>> Open(const std::string& handle, int device);
   ~IpcEvent();
-  void* get() const { return event_; }  // cudaEvent_t
+  void* get() const { return event_; }  // CUevent
 
  private:
   IpcEvent() = default;

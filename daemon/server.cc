@@ -15,6 +15,7 @@
 #include "cuda/cuda_copy_engine.h"
 #include "cuda/ipc_memory_cache.h"
 #include "cuda/device.h"
+#include "cuda/driver_api.h"
 #include "cuda/staging_pool.h"
 #include "daemon/commit/group_committer.h"
 #include "daemon/commit/single_node_committer.h"
@@ -643,15 +644,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     }
     if (usable.ok()) {
       p->gpu_memory = std::make_unique<cuda::IpcMemoryCache>();
-      log.info("CUDA: {} device(s); staging memory pinned; a copy engine of 4 streams per device",
-               device.device_count);
+      log.info("CUDA: the driver supports CUDA {} (ckptd needs {} or newer); {} device(s); staging memory pinned; "
+               "a copy engine of 4 streams per device",
+               cuda::CudaVersionName(cuda::Driver()->version), cuda::kMinDriverName, device.device_count);
     } else {
       p->device_engines.clear();
       no_gpu_reason = Message(usable);
       log.error("CUDA: device present but unusable ({}); host copy engine only", no_gpu_reason);
     }
   } else {
-    log.info("CUDA: no usable device ({}); host copy engine only", device.reason);
+    log.info("CUDA: no usable device ({}); host copy engine only, GPU tensors refused", device.reason);
   }
   p->writer = persist::MakeShardWriter(p->store->objects_ptr(), [priority = &p->copy_priority] {
     priority->YieldToCopies(std::chrono::milliseconds(500));

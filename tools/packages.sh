@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a cluster's users install, into dist/ (or the directory given):
-#   ckptd_VERSION_amd64.deb              ckptd and ckptctl, the systemd unit, the config, the docs,
-#                                        and a private copy of the CUDA runtime (Debian 12 has
-#                                        none of this version) in /usr/lib/x86_64-linux-gnu/ckptd
+#   ckptd_VERSION_amd64.deb              ckptd and ckptctl, the systemd unit, the config, the docs
+#                                        (nothing of CUDA: the node's driver is loaded at run time)
 #   libckpt-client-dev_VERSION_amd64.deb the C++ client: header, shared library, pkg-config
 #                                        file and CMake package; nothing of the ckptd package
 #   python3-ckptd_VERSION_amd64.deb      the Python package for Debian 12's python3
@@ -51,7 +50,6 @@ CONTROL
 P=$stage/ckptd
 install -D -m 0755 "$B/daemon/ckptd" "$P/usr/bin/ckptd"
 install -D -m 0755 "$B/client/ckptctl" "$P/usr/bin/ckptctl"
-install -D -m 0644 "$(readlink -f /usr/local/cuda/lib64/libcudart.so.13)" "$P/$LIB/ckptd/libcudart.so.13"
 install -D -m 0644 deploy/systemd/ckptd.service "$P/lib/systemd/system/ckptd.service"
 install -D -m 0644 deploy/ckptd.toml "$P/etc/ckptd/ckptd.toml"
 install -D -m 0644 -t "$P/usr/share/doc/ckptd" README.md docs/*.md
@@ -94,12 +92,8 @@ sed "s/@VERSION@/$VERSION/" packaging/ckpt_client.pc.in > "$P/$LIB/pkgconfig/ckp
 install -m 0644 packaging/ckpt_clientConfig.cmake "$P/$LIB/cmake/ckpt_client/"
 sed "s/@VERSION@/$VERSION/" packaging/ckpt_clientConfigVersion.cmake.in > "$P/$LIB/cmake/ckpt_client/ckpt_clientConfigVersion.cmake"
 # The client needs nothing of the ckptd package: the daemon may run in a container or on
-# another install. Until it loads CUDA at run time (issue 45 item 1) a library that still
-# links the CUDA runtime gets it from the ckptd package's private copy, and says so.
+# another install, and CUDA is the node's driver, loaded at run time.
 client_deps=$(depends "$P" -e"$P/$LIB/libckpt_client.so.0")
-if readelf -d "$P/$LIB/libckpt_client.so.0" | grep -q 'NEEDED.*libcudart'; then
-  client_deps+=", ckptd (= $VERSION)"
-fi
 package "$P" libckpt-client-dev "$client_deps, libabsl-dev, pkg-config" \
   "C++ client of ckptd (header, shared library, pkg-config file, CMake package)
  Trainers register their buffers with the ckptd on their node and checkpoint in

@@ -10,7 +10,7 @@ PACKAGES=(
   libboost-dev libspdlog-dev libfmt-dev catch2 nlohmann-json3-dev libcli11-dev
   libxxhash-dev libacl1-dev liburing-dev libssl-dev libfp16-dev clang libclang-rt-14-dev
   python3-dev pybind11-dev python3-venv python3-numpy python3-torch python3-pytest
-  libcurl4-openssl-dev libisal-dev libsystemd-dev libseccomp-dev libjemalloc-dev mmdebstrap ceph-mon ceph-mgr ceph-osd radosgw ceph-common ceph-mds ceph-fuse
+  libcurl4-openssl-dev libisal-dev libsystemd-dev libseccomp-dev libjemalloc-dev mmdebstrap umoci skopeo podman runc ceph-mon ceph-mgr ceph-osd radosgw ceph-common ceph-mds ceph-fuse
 )
 
 missing=()

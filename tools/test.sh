@@ -94,17 +94,28 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
   stage_done "benchmarks (quick)"
 fi
 
-# The packages, installed into a clean Debian 12 with a trainer built against them
-# (tests/packaging/packages_test.sh); CKPTD_SKIP_PACKAGES=1 leaves it out.
-packages_line=""
+# The packages, built once (tools/packages.sh), installed into a clean Debian 12 with a
+# trainer built against them (tests/packaging/packages_test.sh), and the image built from
+# them with Debian's archive alone, ckptd run from it by podman and a trainer outside it
+# (tests/packaging/image_test.sh); CKPTD_SKIP_PACKAGES=1 leaves both out.
+package_lines=()
 if [ "${CKPTD_SKIP_PACKAGES:-0}" != 1 ]; then
-  if out=$(timeout 1200 tests/packaging/packages_test.sh 2>&1); then
-    packages_line="packages: passed"
+  dist=$(mktemp -d /tmp/ckptd-dist.XXXXXX)
+  if out=$(tools/packages.sh "$dist" 2>&1); then
+    for t in packages image; do
+      if out=$(CKPTD_DIST=$dist timeout 1200 tests/packaging/${t}_test.sh 2>&1); then
+        package_lines+=("$t: passed")
+      else
+        package_lines+=("$t: FAILED")
+      fi
+      echo "$out" | tail -n 30
+      stage_done "$t test$([ "$t" = packages ] && echo ' (with tools/packages.sh)')"
+    done
   else
-    packages_line="packages: FAILED"
+    echo "$out" | tail -n 30
+    package_lines=("packages: FAILED" "image: FAILED")
   fi
-  echo "$out" | tail -n 30
-  stage_done "packages"
+  rm -rf "$dist"
 fi
 
 # The manylinux wheels, each installed into a fresh virtual environment of its Python and the
@@ -189,15 +200,15 @@ for line in "${bench_lines[@]}"; do
   fi
 done
 
-if [ -n "$packages_line" ]; then
-  if [ "$packages_line" = "packages: passed" ]; then
-    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:packages_test.sh" 1 0 0
+for line in "${package_lines[@]}"; do
+  if [[ $line == *": passed" ]]; then
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:${line%%:*}_test.sh" 1 0 0
     passed=$((passed + 1))
   else
-    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:packages_test.sh" 0 1 0
+    printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:${line%%:*}_test.sh" 0 1 0
     failed=$((failed + 1))
   fi
-fi
+done
 
 if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
   # A case each: the wheels' tag as documented, and each install's save, kill and resume.

@@ -2,11 +2,15 @@
 // everything the client does stays in C++.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "client/checkpoint_list.h"
 #include "client/ckpt_client.h"
@@ -67,6 +71,61 @@ std::chrono::milliseconds Millis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
+// ---- calls without the GIL ----
+//
+// Every call that may block (on ckptd, on storage) runs without the GIL, through
+// WithoutGil. Taking the GIL back is where a Python thread dies at exit: once the
+// interpreter finalizes, CPython (3.8 to 3.13) ends any other thread that asks for the GIL
+// with pthread_exit, and the unwinding that follows aborts the whole process ("terminate
+// called without an active exception") when it meets a C++ frame that may not throw, as
+// pybind11's gil_scoped_release destructor is. The threads that come back then are daemon
+// threads left running at exit: the manager's connection attempt after a load that gave up
+// on a stalled ckptd, a thread waiting for a ticket. So a thread other than the main one
+// that comes back while the interpreter finalizes never asks: it waits here until the
+// process ends (what Python 3.14 does with such threads itself), holding no lock and
+// nothing that anyone waits for. A thread that was already waiting for the GIL when
+// finalization began is still ended by CPython, but its unwinding meets no such frame.
+
+// Python's main thread (threading.main_thread(), set when the module loads): with the
+// process's first thread, the one that finalizes the interpreter. Taking another thread
+// for it only sends that thread the way CPython ends it (see below), never to an abort.
+unsigned long g_main_thread = 0;
+
+bool OnMainThread() {
+  return PyThread_get_thread_ident() == g_main_thread || ::syscall(SYS_gettid) == ::getpid();
+}
+
+bool Finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+void TakeGilBack(PyThreadState* saved) {
+  if (Finalizing() && !OnMainThread()) {
+    while (true) std::this_thread::sleep_for(std::chrono::hours(24));
+  }
+  PyEval_RestoreThread(saved);
+}
+
+// `f()` without the GIL: its result, or what it threw, once the GIL is back.
+template <typename F>
+auto WithoutGil(F&& f) -> decltype(f()) {
+  std::optional<decltype(f())> result;
+  std::exception_ptr thrown;
+  PyThreadState* saved = PyEval_SaveThread();
+  try {
+    result.emplace(f());
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  TakeGilBack(saved);
+  if (thrown) std::rethrow_exception(thrown);
+  return *std::move(result);
+}
+
 class PyClient {
  public:
   explicit PyClient(std::shared_ptr<ckpt::Client> client) : client_(std::move(client)) {}
@@ -105,44 +164,22 @@ class PyClient {
   }
 
   // Exceptions need the GIL: every call that releases it raises after taking it back.
-  void Register() {
-    absl::Status status;
-    {
-      py::gil_scoped_release unlocked;
-      status = client_->Register();
-    }
-    Check(status);
-  }
+  void Register() { Check(WithoutGil([&] { return client_->Register(); })); }
 
   uint64_t Snapshot(uint64_t step, const ckpt::Metadata& metadata, const std::map<std::string, py::bytes>& state) {
     ckpt::TrainState train_state;
     for (const auto& [k, v] : state) train_state[k] = std::string(v);
-    absl::StatusOr<uint64_t> ticket;
-    {
-      py::gil_scoped_release unlocked;
-      ticket = client_->Snapshot(step, metadata, train_state);
-    }
-    return ValueOr(std::move(ticket));
+    return ValueOr(WithoutGil([&] { return client_->Snapshot(step, metadata, train_state); }));
   }
 
   py::dict Poll(uint64_t ticket) { return TicketDict(client_->Poll(ticket)); }
 
   py::dict WaitStaged(uint64_t ticket, double timeout_s) {
-    absl::StatusOr<ckpt::TicketStatus> status;
-    {
-      py::gil_scoped_release unlocked;
-      status = client_->WaitStaged(ticket, Millis(timeout_s));
-    }
-    return TicketDict(ValueOr(std::move(status)));
+    return TicketDict(ValueOr(WithoutGil([&] { return client_->WaitStaged(ticket, Millis(timeout_s)); })));
   }
 
   py::dict WaitCommitted(uint64_t ticket, double timeout_s) {
-    absl::StatusOr<ckpt::TicketStatus> status;
-    {
-      py::gil_scoped_release unlocked;
-      status = client_->WaitCommitted(ticket, Millis(timeout_s));
-    }
-    return TicketDict(ValueOr(std::move(status)));
+    return TicketDict(ValueOr(WithoutGil([&] { return client_->WaitCommitted(ticket, Millis(timeout_s)); })));
   }
 
   void SetCudaStream(uintptr_t stream) { client_->SetCudaStream(reinterpret_cast<void*>(stream)); }
@@ -153,13 +190,9 @@ class PyClient {
 
   py::dict Restore(std::optional<uint64_t> step, std::vector<std::string> include,
                    std::vector<std::string> exclude, bool allow_missing, bool cast) {
-    absl::StatusOr<ckpt::RestoreInfo> info;
-    {
-      py::gil_scoped_release unlocked;
-      info = client_->Restore(ckpt::RestoreOptions{step, std::move(include), std::move(exclude),
-                                                   allow_missing, cast});
-    }
-    ckpt::RestoreInfo r = ValueOr(std::move(info));
+    ckpt::RestoreInfo r = ValueOr(WithoutGil([&] {
+      return client_->Restore(ckpt::RestoreOptions{step, std::move(include), std::move(exclude), allow_missing, cast});
+    }));
     py::dict d;
     d["found"] = r.found;
     d["step"] = r.step;
@@ -180,37 +213,19 @@ class PyClient {
   }
 
   bool ShouldSave(uint64_t step, double interval_s, uint64_t run) {
-    absl::StatusOr<bool> save;
-    {
-      py::gil_scoped_release unlocked;
-      save = client_->ShouldSave(
-          step, std::chrono::milliseconds(static_cast<int64_t>(interval_s * 1000.0)), run);
-    }
-    return ValueOr(std::move(save));
+    return ValueOr(WithoutGil([&] {
+      return client_->ShouldSave(step, std::chrono::milliseconds(static_cast<int64_t>(interval_s * 1000.0)), run);
+    }));
   }
 
-  void Update() {
-    absl::Status status;
-    {
-      py::gil_scoped_release unlocked;
-      status = client_->Update();
-    }
-    Check(status);
-  }
+  void Update() { Check(WithoutGil([&] { return client_->Update(); })); }
 
   void RemoveTensor(const std::string& name) { Check(client_->RemoveTensor(name)); }
 
   std::vector<uint64_t> CommittedSteps() const { return client_->committed_steps(); }
   uint64_t CommittedCount() const { return client_->committed_count(); }
 
-  void Unregister() {
-    absl::Status status;
-    {
-      py::gil_scoped_release unlocked;
-      status = client_->Unregister();
-    }
-    Check(status);
-  }
+  void Unregister() { Check(WithoutGil([&] { return client_->Unregister(); })); }
 
   std::string session_id() const { return client_->session_id(); }
   int AbandonPending() { return client_->AbandonPending(); }
@@ -220,12 +235,7 @@ class PyClient {
 };
 
 py::tuple ListCheckpoints(const std::string& socket, const std::string& job) {
-  absl::StatusOr<ckpt::CheckpointList> listed;
-  {
-    py::gil_scoped_release unlocked;
-    listed = ckpt::ListCheckpoints(socket, job);
-  }
-  ckpt::CheckpointList list = ValueOr(std::move(listed));
+  ckpt::CheckpointList list = ValueOr(WithoutGil([&] { return ckpt::ListCheckpoints(socket, job); }));
   py::list out;
   for (const ckpt::CheckpointListing& c : list.checkpoints) {
     py::dict d;
@@ -267,12 +277,7 @@ PyClient Connect(const std::string& socket, const std::string& job, uint32_t ran
     Raise(absl::InvalidArgumentError("cuda_transport must be \"ipc\" or \"host-copy\", not \"" +
                                      cuda_transport + "\""));
   }
-  absl::StatusOr<std::unique_ptr<ckpt::Client>> client;
-  {
-    py::gil_scoped_release unlocked;
-    client = ckpt::Client::Connect(options);
-  }
-  return PyClient(std::shared_ptr<ckpt::Client>(ValueOr(std::move(client))));
+  return PyClient(std::shared_ptr<ckpt::Client>(ValueOr(WithoutGil([&] { return ckpt::Client::Connect(options); }))));
 }
 
 // Read access to where checkpoints are stored, a local directory or an s3:// URL (the
@@ -288,12 +293,7 @@ class PyObjectReader {
     const uint64_t size = reader_->size();
     n = offset >= size ? 0 : std::min(n, size - offset);
     std::string data(n, '\0');
-    absl::Status read;
-    {
-      py::gil_scoped_release unlocked;
-      if (n > 0) read = reader_->ReadAt(data.data(), n, offset);
-    }
-    Check(read);
+    if (n > 0) Check(WithoutGil([&] { return reader_->ReadAt(data.data(), n, offset); }));
     return py::bytes(data);
   }
 
@@ -301,24 +301,18 @@ class PyObjectReader {
   std::unique_ptr<ckpt::storage::ObjectReader> reader_;
 };
 
-template <typename F>
-auto Unlocked(F&& f) {
-  py::gil_scoped_release unlocked;
-  return f();
-}
-
 class PyStore {
  public:
   explicit PyStore(ckpt::storage::StorePtr store) : store_(std::move(store)) {}
   // Each call runs without the GIL and raises ckptd.Error (with it) when it fails.
   PyObjectReader Open(const std::string& key) {
-    return PyObjectReader(ValueOr(Unlocked([&] { return store_->Open(key); })));
+    return PyObjectReader(ValueOr(WithoutGil([&] { return store_->Open(key); })));
   }
   py::bytes Get(const std::string& key, size_t max_bytes) {
-    return py::bytes(ValueOr(Unlocked([&] { return store_->Get(key, max_bytes); })));
+    return py::bytes(ValueOr(WithoutGil([&] { return store_->Get(key, max_bytes); })));
   }
   bool Exists(const std::string& key) {
-    return ValueOr(Unlocked([&] { return store_->Exists(key); }));
+    return ValueOr(WithoutGil([&] { return store_->Exists(key); }));
   }
   std::string Describe(const std::string& key) const { return store_->Describe(key); }
 
@@ -335,6 +329,7 @@ PyStore OpenStore(const std::string& where, const std::string& s3_endpoint) {
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "ckptd's C++ trainer client (see ckptd.Client and ckptd.torch)";
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   g_error = PyErr_NewException("ckptd.Error", PyExc_RuntimeError, nullptr);
   g_unavailable = PyErr_NewException("ckptd.Unavailable", g_error, nullptr);
   m.attr("Error") = py::handle(g_error);
@@ -419,8 +414,7 @@ PYBIND11_MODULE(_native, m) {
   // files that run without the daemon (ckptd.dcp).
   m.def("xxh3_64", [](py::buffer data) {
     py::buffer_info info = data.request();
-    py::gil_scoped_release unlocked;
-    return XXH3_64bits(info.ptr, static_cast<size_t>(info.size * info.itemsize));
+    return WithoutGil([&] { return XXH3_64bits(info.ptr, static_cast<size_t>(info.size * info.itemsize)); });
   }, py::arg("data"), "XXH3-64 of a buffer's bytes");
   m.def("list_checkpoints", &ListCheckpoints, py::arg("socket"), py::arg("job") = "",
         "The committed checkpoints of `job` (every job when empty) that the ckptd at `socket` "

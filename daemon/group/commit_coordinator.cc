@@ -30,6 +30,9 @@ bool IsIndex(const std::string& text) {
 spdlog::logger& Log() { return log::Get(log::Component::kGroup); }
 
 constexpr size_t kRecentDecisions = 4096;
+// How far apart the registrations of one run's ranks on different nodes may be, as far as an
+// abort of a newer run's save of a committed step is concerned (Abort).
+constexpr std::chrono::seconds kSameRunWindow{60};
 // Node shares of the decisions kept, in all: at 10,000 nodes about 640 KB a decision.
 constexpr size_t kRecentShareBytes = size_t{256} << 20;
 // Steps undecided at once, over all jobs: far beyond what jobs keep in flight (one or two
@@ -748,7 +751,17 @@ void CommitCoordinator::Abort(const std::string& job, uint64_t step, uint32_t no
       if (logged.outcome == Outcome::kPending) return;
       if (logged.outcome == Outcome::kCommitted && !newer_run(logged)) return;
       AbortLocked(key, reason, notify);
-      recent_[key].attempts[node] = attempt;
+      Remembered& aborted = recent_[key];
+      aborted.attempts[node] = attempt;
+      if (run != 0) {
+        // A node refused a run's save of the step (it holds an earlier run's commit of it):
+        // the other nodes' ranks of that run may have registered a little after this one and
+        // after the abort arrived, and must hear it too rather than open a round that can
+        // only time out. Ranks of one run register within kSameRunWindow of each other.
+        aborted.aborted_unix_ns =
+            std::max(aborted.aborted_unix_ns,
+                     run + static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(kSameRunWindow).count()));
+      }
     } else if (round->second.deciding) {
       return;
     } else {

@@ -56,7 +56,9 @@ class GroupClient {
                                               std::chrono::milliseconds wait,
                                               bool whole_manifest = false, uint64_t attempt = 0) = 0;
   // All-gather among `participants` (any node may host any participant); the payloads by
-  // participant, or DeadlineExceeded naming who is missing.
+  // participant, or DeadlineExceeded naming who is missing. A coordinator that is away
+  // (unreachable, restarting) is tried again until `timeout`; then Unavailable, one message
+  // on every node (docs/architecture.md, "The restore barrier").
   virtual absl::StatusOr<std::vector<std::string>> Gather(const std::string& key,
                                                           uint32_t participant,
                                                           uint32_t participants,

@@ -170,10 +170,17 @@ class CallSet {
     std::lock_guard lock(mu_);
     cancelled_ = why.empty() ? "cancelled" : why;
     for (grpc::ClientContext* ctx : calls_) ctx->TryCancel();
+    cancel_cv_.notify_all();
+  }
+  // Waits `pause` between two tries of a call; false (at once) once cancelled.
+  bool Pause(Clock::duration pause) {
+    std::unique_lock lock(mu_);
+    return !cancel_cv_.wait_for(lock, pause, [&] { return !cancelled_.empty(); });
   }
 
  private:
   mutable std::mutex mu_;
+  std::condition_variable cancel_cv_;
   std::set<grpc::ClientContext*> calls_;
   std::string cancelled_;
 };
@@ -518,18 +525,61 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     request.set_participant(participant);
     request.set_participants(participants);
     request.set_payload(std::move(payload));
-    request.set_timeout_ms(
-        static_cast<uint32_t>(std::clamp<int64_t>(timeout.count(), 1, UINT32_MAX)));
     request.set_distinct(distinct);
-    grpc::ClientContext ctx;
-    // The coordinator expires the round first and names who is missing; our deadline is
-    // only for a coordinator that does not answer at all.
-    StartCall(ctx, Clock::now() + timeout + options_.rpc_timeout);
     pb::GatherReply reply;
-    grpc::Status status = Tracked(gathers_, ctx, [&] { return stub_->Gather(&ctx, request, &reply); });
-    if (std::string why = gathers_.cancelled(); !why.empty()) return absl::UnavailableError(why);
-    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+    const auto deadline = Clock::now() + timeout;
+    CKPT_RETURN_IF_ERROR(ToCoordinator(gathers_, key, deadline, [&](grpc::ClientContext& ctx) {
+      reply.Clear();  // nothing of a failed try
+      request.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(Left(deadline).count(), 1, UINT32_MAX)));
+      // The coordinator expires the round first and names who is missing; our deadline is
+      // only for a coordinator that does not answer at all.
+      StartCall(ctx, deadline + options_.rpc_timeout);
+      return Tracked(gathers_, ctx, [&] { return stub_->Gather(&ctx, request, &reply); });
+    }));
     return reply;
+  }
+
+  static milliseconds Left(Clock::time_point deadline) {
+    return std::chrono::duration_cast<milliseconds>(deadline - Clock::now());
+  }
+
+  // Whether a call failed because the coordinator is not there: no connection, one lost
+  // mid-call (it was killed), or a coordinator shutting down (it fails the gathers it holds
+  // with UNAVAILABLE, its server cancels the calls left).
+  static bool CoordinatorAway(const grpc::Status& status) {
+    return status.error_code() == grpc::StatusCode::UNAVAILABLE || status.error_code() == grpc::StatusCode::CANCELLED;
+  }
+
+  // A gather's call to the coordinator, `attempt(ctx)` being one try, tried again while the
+  // coordinator is away (CoordinatorAway) until the gather's `deadline`: a coordinator that
+  // restarts has forgotten the arrivals it held, so each try arrives anew, and the round
+  // completes once every participant reached the coordinator that is up. At the deadline it
+  // fails with one message, the same on every rank and node, so that the ranks of a job
+  // (a restore's) fail together and alike rather than one at once and the others after
+  // waiting out the gather. Ends early, with the reason, when `calls` are cancelled.
+  template <typename Attempt>
+  absl::Status ToCoordinator(CallSet& calls, const std::string& key, Clock::time_point deadline, Attempt attempt) {
+    milliseconds backoff = kFirstBackoff;
+    for (int tries = 1;; ++tries) {
+      grpc::ClientContext ctx;
+      grpc::Status status = attempt(ctx);
+      if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
+      if (status.ok() || !CoordinatorAway(status)) return Describe("gather " + key, status);
+      const milliseconds left = Left(deadline);
+      if (left.count() <= 0) {
+        Log().warn("node {}: gather {}: the coordinator at {} was still away at the gather's deadline, after {} tries "
+                   "(last: {})", options_.node_rank, key, options_.coordinator, tries, status.error_message());
+        return absl::UnavailableError(fmt::format(
+            "group gather {}: the coordinator at {} could not be reached before the gather's deadline (it is down "
+            "or restarting)", key, options_.coordinator));
+      }
+      if (tries == 1) {
+        Log().warn("node {}: gather {}: the coordinator at {} is away ({}); trying again for up to {} ms",
+                   options_.node_rank, key, options_.coordinator, status.error_message(), left.count());
+      }
+      if (!calls.Pause(std::min(backoff, left))) return absl::UnavailableError(calls.cancelled());
+      backoff = std::min(backoff * 2, kMaxBackoff);
+    }
   }
 
   static absl::StatusOr<GatherTable::Distinct> DistinctOf(const std::string& key, const pb::GatherReply& reply) {
@@ -569,8 +619,7 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     // One try on `stub`, within what is left of the gather's deadline.
     auto call = [&](pb::Group::Stub& stub, grpc::ClientContext& ctx) {
       reply.Clear();  // nothing of a failed try
-      const auto left = std::chrono::duration_cast<milliseconds>(deadline - Clock::now()).count();
-      request.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(left, 1, UINT32_MAX)));
+      request.set_timeout_ms(static_cast<uint32_t>(std::clamp<int64_t>(Left(deadline).count(), 1, UINT32_MAX)));
       StartCall(ctx, deadline + options_.rpc_timeout);
       return Tracked(calls, ctx, [&] { return stub.Gather(&ctx, request, &reply); });
     };
@@ -580,16 +629,17 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
       if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
       if (status.ok()) return DistinctOf(key, reply);
       const auto& trailing = ctx.GetServerTrailingMetadata();
-      if (trailing.count(kRelayedAnswerMetadata)) return Describe("gather " + key, status);  // node 0's: final
+      if (trailing.count(kRelayedAnswerMetadata)) {
+        // Final: node 0's answer, or the relay's own verdict that node 0 stayed away until the
+        // deadline (ToCoordinator's, worded alike on every node: passed on as it is).
+        return CoordinatorAway(status) ? FromGrpc(status) : Describe("gather " + key, status);
+      }
       // The relay refused the arrival itself (full, stopping): node 0 takes it, and the relay
       // stays in use for the rest. Otherwise the relay failed the call.
       if (!trailing.count(kRelayRefusedMetadata)) ParentFailed(status);
     }
     CountBypass();
-    grpc::ClientContext ctx;
-    grpc::Status status = call(*stub_, ctx);
-    if (std::string why = calls.cancelled(); !why.empty()) return absl::UnavailableError(why);
-    CKPT_RETURN_IF_ERROR(Describe("gather " + key, status));
+    CKPT_RETURN_IF_ERROR(ToCoordinator(calls, key, deadline, [&](grpc::ClientContext& ctx) { return call(*stub_, ctx); }));
     return DistinctOf(key, reply);
   }
 

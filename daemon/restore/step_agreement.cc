@@ -39,11 +39,12 @@ absl::StatusOr<std::optional<uint64_t>> Decide(const std::string& job,
                                                absl::StatusOr<group::GatherTable::Distinct> gathered) {
   if (!gathered.ok()) {
     // Not DeadlineExceeded or Unavailable: clients read those as "ckptd unreachable" and
-    // may start from scratch, while the other ranks of the job resume.
+    // may start from scratch, while the other ranks of the job resume. Unavailable here is
+    // the group's coordinator, away until the deadline (or ckptd stopping): the ranks did
+    // ask, so the hint is only the timeout.
     return absl::FailedPreconditionError(fmt::format(
-        "restore barrier of job {}: {} (every rank of the job must ask to restore; "
-        "--restore-timeout)",
-        job, Message(gathered.status())));
+        "restore barrier of job {}: {} ({}--restore-timeout)", job, Message(gathered.status()),
+        absl::IsUnavailable(gathered.status()) ? "" : "every rank of the job must ask to restore; "));
   }
   std::vector<std::pair<uint32_t, std::vector<uint64_t>>> lists;
   for (size_t i = 0; i < gathered->payloads.size(); ++i) {

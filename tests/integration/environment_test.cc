@@ -5,6 +5,9 @@
 
 #include <fmt/format.h>
 
+#include <fstream>
+#include <sstream>
+
 #include "tests/integration/common.h"
 
 using namespace ckpt::testing;
@@ -59,5 +62,37 @@ kill -TERM $daemon; wait $daemon; echo "daemon=$?"
   CHECK(Contains(r.out, "small"));
   CHECK(Contains(r.out, "big"));
   CHECK(Contains(r.out, "in-dev-shm=0"));  // nothing of ckptd's or the trainers' is there
+  CHECK(Contains(r.out, "daemon=0"));
+}
+
+TEST_CASE("a trainer that reaches ckptd's socket directory under another path registers, saves and restores") {
+  // A container's volume: ckptd serves /inside/ckptd.sock in its own mount namespace, where
+  // /inside is the trainer's /outside (a bind mount, like a volume mounted at another path,
+  // or a trainer on the host beside ckptd in a container). The trainer must reach everything
+  // through the socket it was given, never through the paths ckptd sees.
+  TempDir dir;
+  TempDir outside("/tmp");
+  TempDir inside("/tmp");
+  std::string helper = Runfile("tests/integration/trainer_helper");
+  std::string script = fmt::format(R"sh(
+/usr/bin/unshare -m /bin/sh -c 'mount --bind {outside} {inside} && exec {ckptd} --root {root} --socket {inside}/ckptd.sock --staging-bytes 64M' > {log} 2>&1 &
+daemon=$!
+for i in $(seq 300); do [ -S {outside}/ckptd.sock ] && break; sleep 0.1; done
+echo "inside-empty=$(ls {inside} | wc -l)"
+{helper} --socket {outside}/ckptd.sock --job moved --bytes 4000000 save --step 3 --wait-committed; echo "save=$?"
+{helper} --socket {outside}/ckptd.sock --job moved --bytes 4000000 check --step 3; echo "check=$?"
+kill -TERM $daemon; wait $daemon; echo "daemon=$?"
+)sh",
+                                   fmt::arg("ckptd", Runfile("daemon/ckptd")), fmt::arg("root", dir / "root"),
+                                   fmt::arg("outside", outside.path()), fmt::arg("inside", inside.path()),
+                                   fmt::arg("log", dir / "ckptd.log"), fmt::arg("helper", helper));
+  auto r = Run({"/bin/sh", "-c", script}, dir.path(), std::chrono::seconds(120));
+  std::stringstream log;
+  log << std::ifstream(dir / "ckptd.log").rdbuf();
+  INFO(r.out << r.err << log.str());
+  REQUIRE(r.exit_code == 0);
+  CHECK(Contains(r.out, "inside-empty=0"));  // the trainer's view of ckptd's path holds nothing
+  CHECK(Contains(r.out, "save=0"));
+  CHECK(Contains(r.out, "check=0"));
   CHECK(Contains(r.out, "daemon=0"));
 }

@@ -96,8 +96,8 @@ void RestartAll(Cluster& c) {
 
 }  // namespace
 
-TEST_CASE("a new run saves step numbers whose earlier steps retention removed: each commits as the new run's on "
-          "every rank, and stays intact across restarts") {
+// Each commits as the new run's on every rank, and stays intact across restarts.
+TEST_CASE("a new run saves step numbers that retention removed") {
   Cluster c({{0}, {1}});
   c.extra_flags = {"--keep-last", "2"};
   c.StartAll();
@@ -105,8 +105,9 @@ TEST_CASE("a new run saves step numbers whose earlier steps retention removed: e
   for (uint64_t step = 5; step <= 30; step += 5) SaveAllCommitted(c, step, 1);
   for (int n = 0; n < c.num_nodes(); ++n) {
     INFO("node " << n);
-    CHECK_FALSE(fs::exists(c.StepDir(n, 5)));  // retention kept 25 and 30
-    CHECK_FALSE(fs::exists(c.StepDir(n, 10)));
+    // Retention keeps 25 and 30 (it runs behind the commit).
+    REQUIRE_WITHIN(c, 10s, "retention removed steps 5 and 10",
+                   !fs::exists(c.StepDir(n, 5)) && !fs::exists(c.StepDir(n, 10)));
   }
 
   SECTION("other data") {
@@ -131,7 +132,7 @@ TEST_CASE("a new run saves step numbers whose earlier steps retention removed: e
   }
 }
 
-TEST_CASE("a step deleted with ckptctl and saved again by a new run commits as the new run's") {
+TEST_CASE("a step deleted with ckptctl and saved again by a new run") {
   Cluster c({{0}, {1}});
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
@@ -151,14 +152,14 @@ TEST_CASE("a step deleted with ckptctl and saved again by a new run commits as t
   RestoreAll(c, 10, 2);
 }
 
-TEST_CASE("a node that still holds the earlier run's step refuses the new run's save of it: every rank fails at "
-          "once with one reason, and the earlier step is untouched") {
+// Every rank fails at once with one reason, and the earlier step is untouched.
+TEST_CASE("a node still holding the earlier run's step refuses the new run's") {
   Cluster c({{0}, {1}});
   c.node_flags[0] = {"--keep-last", "2"};  // node 1 keeps every step
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
   for (uint64_t step = 5; step <= 15; step += 5) SaveAllCommitted(c, step, 1);
-  REQUIRE_FALSE(fs::exists(c.StepDir(0, 5)));
+  REQUIRE_WITHIN(c, 10s, "node 0's retention removed step 5", !fs::exists(c.StepDir(0, 5)));
   REQUIRE(fs::exists(c.StepDir(1, 5)));
 
   const auto started = std::chrono::steady_clock::now();
@@ -182,13 +183,14 @@ TEST_CASE("a node that still holds the earlier run's step refuses the new run's 
   SaveAllCommitted(c, 20, 2);
 }
 
-TEST_CASE("a node restarted with a new run's step in doubt never publishes it under the earlier run's commit") {
+// It never publishes the new run's files under the earlier run's commit.
+TEST_CASE("a node restarted with a new run's step in doubt") {
   Cluster c({{0}, {1}});
   c.extra_flags = {"--keep-last", "2"};
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
   for (uint64_t step = 10; step <= 30; step += 10) SaveAllCommitted(c, step, 1);
-  REQUIRE_FALSE(fs::exists(c.StepDir(1, 10)));
+  REQUIRE_WITHIN(c, 10s, "retention removed step 10 on node 1", !fs::exists(c.StepDir(1, 10)));
 
   // Run 2's rank 1 saves step 10: durable on node 1, with the record of what it prepares;
   // rank 0 never saves, so the step cannot commit.

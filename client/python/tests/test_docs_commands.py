@@ -25,6 +25,8 @@ NOT_RUN = {
         "reserves the host's huge-page pool (root, the whole machine); tools/test.sh reserves one for the suite",
     ("docs/operators.md", "sudo useradd"):
         "installs a system service: systemd_unit_test runs ckptd under the unit's restrictions",
+    ("docs/operators.md", "tools/packages.sh && tools/image.sh"):
+        "builds the image as root and pushes it to a registry: tests/packaging/image_test.sh builds, loads and runs it",
 }
 
 

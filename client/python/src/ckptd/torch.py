@@ -13,6 +13,7 @@ ckptd has copied a snapshot, the manager holds back the next optimizer step and 
 forward pass (which may update buffers such as BatchNorm statistics), so every checkpoint
 holds the values of the moment `save()` was called.
 """
+import atexit
 import functools
 import itertools
 import json
@@ -23,6 +24,7 @@ import random
 import re
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -51,6 +53,28 @@ _RECONNECT_SECONDS = 30.0
 # How long a save waits for a listening ckptd to accept the connection before training goes
 # on without that save (the attempt continues in the background; a later save adopts it).
 _CONNECT_PATIENCE_SECONDS = 1.0
+
+# Managers not closed yet, closed when the interpreter exits (_close_open_managers). Weak:
+# a manager nobody uses any more is collected as before (its client leaves ckptd then).
+_open_managers = weakref.WeakSet()
+
+
+def _close_open_managers():
+    """At interpreter exit, before it finalizes (an atexit hook): closes every manager still
+    open, whatever state it was left in (after a failed load, mid-save, with ckptd gone), as
+    close() does, so that the latest snapshot is staged and the session left while every
+    thread may still take the GIL. A stop asked for by SIGTERM is not carried out again: the
+    process is ending already. Never raises: the exit goes on whatever one manager does."""
+    for manager in list(_open_managers):
+        try:
+            manager._close(at_exit=True)
+        except BaseException as e:  # noqa: BLE001 - see above
+            log.warning("ckptd: closing the CheckpointManager of job %r at exit: %s", manager.job, e)
+
+
+atexit.register(_close_open_managers)
+# A forked child (a data loader worker) must never close its parent's sessions.
+os.register_at_fork(after_in_child=_open_managers.clear)
 
 
 class CheckpointManager:
@@ -138,6 +162,7 @@ class CheckpointManager:
         self._install_hooks()
         # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
         self._preemption = PreemptionSaver() if save_on_sigterm else None
+        _open_managers.add(self)
 
     # --- public API ---------------------------------------------------------------------
 
@@ -583,12 +608,20 @@ class CheckpointManager:
 
     def close(self):
         """Waits until the latest snapshot is staged and leaves ckptd (which still commits
-        it). The tensors stay usable."""
+        it). The tensors stay usable. A manager still open when the interpreter exits is
+        closed then (docs/python.md, "At exit")."""
+        self._close(at_exit=False)
+
+    def _close(self, at_exit):
+        _open_managers.discard(self)
         if self._closed:
             return
         self._staged()
         if self._preemption is not None:
-            self._preemption.close()
+            if at_exit:
+                self._preemption.uninstall()
+            else:
+                self._preemption.close()
         if self._client is not None:
             try:
                 self._client.unregister()
