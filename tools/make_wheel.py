@@ -1,15 +1,17 @@
 """Packs the ckptd Python package (the files Bazel built) into a wheel for pip.
 
-usage: make_wheel.py OUT.whl FILE... (each FILE ends in ckptd/<name>)
+usage: make_wheel.py --python 3.X OUT.whl FILE... (each FILE ends in ckptd/<name>)
+
+The wheel is tagged cp3X-cp3X-linux_x86_64: its _native.so links Debian 12's libraries.
+tools/wheels.sh vendors them into it with auditwheel, which retags it manylinux.
 """
+import argparse
 import base64
 import hashlib
 import os
-import sys
 import zipfile
 
 VERSION = "0.1.0"
-TAG = "cp311-cp311-linux_x86_64"
 
 
 def record_line(name, data):
@@ -17,7 +19,9 @@ def record_line(name, data):
     return f"{name},sha256={digest},{len(data)}"
 
 
-def main(out, files):
+def main(out, files, python):
+    abi = "cp" + python.replace(".", "")
+    tag = f"{abi}-{abi}-linux_x86_64"
     dist_info = f"ckptd-{VERSION}.dist-info"
     entries = []
     for path in files:
@@ -28,19 +32,18 @@ def main(out, files):
     entries.append((f"{dist_info}/METADATA", (
         "Metadata-Version: 2.1\nName: ckptd\nVersion: " + VERSION + "\n"
         "Summary: Python client and PyTorch checkpoint manager for the ckptd daemon\n"
-        "Requires-Python: ==3.11.*\n"
+        "Requires-Python: >=3.10\n"
         # ckptd.torch, .dcp, .lightning, .transformers need PyTorch; the bindings do not.
+        # A range, not a build: any PyTorch 2.1 or newer, CPU or CUDA, that the user has.
         "Provides-Extra: torch\n"
-        "Requires-Dist: torch>=1.13; extra == \"torch\"\n"
-        # _native.so links Debian 12's gRPC, protobuf and Abseil: a wheel for Debian 12
-        # (and its python3.11), where the python3-ckptd package says so in its Depends.
+        "Requires-Dist: torch>=2.1; extra == \"torch\"\n"
         "Description-Content-Type: text/plain\n\n"
-        "Built on Debian 12 against its gRPC 1.51, protobuf 3.21 and Abseil 20220623\n"
-        "(libgrpc++1.51, libprotobuf32, libabsl20220623): install those, or use the\n"
-        "python3-ckptd package, which depends on them.\n").encode()))
+        "The Python client of ckptd, the per-node checkpoint daemon for GPU training, and\n"
+        "its PyTorch checkpoint manager (ckptd.torch.CheckpointManager). Its manylinux wheels\n"
+        "carry the libraries it links; the ckptd daemon runs on the node.\n").encode()))
     entries.append((f"{dist_info}/WHEEL", (
         "Wheel-Version: 1.0\nGenerator: ckptd make_wheel.py\nRoot-Is-Purelib: false\n"
-        f"Tag: {TAG}\n").encode()))
+        f"Tag: {tag}\n").encode()))
     record = [record_line(n, d) for n, d in entries] + [f"{dist_info}/RECORD,,"]
     entries.append((f"{dist_info}/RECORD", ("\n".join(record) + "\n").encode()))
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as whl:
@@ -52,4 +55,9 @@ def main(out, files):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--python", required=True, help="the CPython version, e.g. 3.11")
+    parser.add_argument("out")
+    parser.add_argument("files", nargs="+")
+    args = parser.parse_args()
+    main(args.out, args.files, args.python)

