@@ -26,8 +26,8 @@ if ((${#missing[@]})); then
 fi
 
 if [ ! -f /usr/local/cuda/include/cuda_runtime_api.h ] || [ ! -e /usr/local/cuda/lib64/libcudart.so ]; then
-  echo "setup: the CUDA toolkit is required at /usr/local/cuda (headers and libcudart.so)." >&2
-  echo "setup: ckptd compiles and links against it everywhere and detects 'no GPU' at run time." >&2
+  echo "setup: the CUDA toolkit is required at /usr/local/cuda (headers; libcudart.so for the GPU test programs)." >&2
+  echo "setup: ckptd compiles against its headers and loads the driver at run time; nothing it ships links CUDA." >&2
   exit 1
 fi
 
