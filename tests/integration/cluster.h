@@ -274,19 +274,20 @@ class Cluster {
   }
 
   // A trainer process of `rank` on its node, saving `step` (and waiting for the global
-  // decision unless told otherwise).
-  std::unique_ptr<Process> Save(uint32_t rank, uint64_t step, bool wait_committed = true) {
+  // decision unless told otherwise) with the bytes of `seed_step` (0: the step's own; another
+  // run's data is another seed).
+  std::unique_ptr<Process> Save(uint32_t rank, uint64_t step, bool wait_committed = true, uint64_t seed_step = 0) {
     int n = NodeOf(rank);
-    auto args = RankArgs(rank, step);
+    auto args = RankArgs(rank, seed_step != 0 ? seed_step : step);
     args.insert(args.end(), {"save", "--step", std::to_string(step)});
     if (wait_committed) args.push_back("--wait-committed");
     return std::make_unique<Process>(Helper(node(n), args), dir(n).path(),
                                      "save" + std::to_string(step) + "r" + std::to_string(rank));
   }
   std::vector<std::unique_ptr<Process>> SaveRanks(const std::vector<uint32_t>& ranks, uint64_t step,
-                                                  bool wait_committed = true) {
+                                                  bool wait_committed = true, uint64_t seed_step = 0) {
     std::vector<std::unique_ptr<Process>> out;
-    for (uint32_t r : ranks) out.push_back(Save(r, step, wait_committed));
+    for (uint32_t r : ranks) out.push_back(Save(r, step, wait_committed, seed_step));
     return out;
   }
   std::vector<uint32_t> AllRanks() const {
@@ -301,8 +302,8 @@ class Cluster {
   }
 
   // Saves `step` on every rank at once and requires every one to report "committed".
-  void SaveAllCommitted(uint64_t step) {
-    auto procs = SaveRanks(AllRanks(), step);
+  void SaveAllCommitted(uint64_t step, uint64_t seed_step = 0) {
+    auto procs = SaveRanks(AllRanks(), step, true, seed_step);
     for (size_t i = 0; i < procs.size(); ++i) {
       int rc = procs[i]->Wait(kProcessBound);
       INFO("rank " << i << " saving step " << step << ": " << procs[i]->Stdout() << procs[i]->Stderr() << Logs());
@@ -317,12 +318,12 @@ class Cluster {
   }
 
   // Every rank restores at once (they meet at the restore barrier) and checks its bytes
-  // against the seed of `step`; `source[n]` is what node n's ranks must report.
-  void RestoreAll(uint64_t step, const std::vector<std::string>& source) {
+  // against the seed of `seed_step` (0: `step`); `source[n]` is what node n's ranks must report.
+  void RestoreAll(uint64_t step, const std::vector<std::string>& source, uint64_t seed_step = 0) {
     std::vector<std::unique_ptr<Process>> procs;
     for (uint32_t r = 0; r < world_size_; ++r) {
       int n = NodeOf(r);
-      auto args = RankArgs(r, step);
+      auto args = RankArgs(r, seed_step != 0 ? seed_step : step);
       args.push_back("check");
       procs.push_back(std::make_unique<Process>(Helper(node(n), args), dir(n).path(), "check" + std::to_string(r)));
     }

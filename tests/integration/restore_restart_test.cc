@@ -29,6 +29,26 @@ std::unique_ptr<Process> Restoring(Cluster& c, uint32_t rank, uint64_t step, con
   return std::make_unique<Process>(Helper(c.node(n), args), c.dir(n).path(), tag + std::to_string(rank));
 }
 
+// Ranks 1 and 2 (`early`) still wait, not failed while node 0 was away; node 0 comes back,
+// rank 0 restores, and every rank restores step 10 (rank 0 from disk, the others from memory).
+void ResumeWithCoordinatorBack(Cluster& c, std::vector<std::unique_ptr<Process>>& early) {
+  for (auto& p : early) {
+    INFO(p->Stdout() << p->Stderr() << c.Logs());
+    REQUIRE(p->Running());  // not failed at once
+  }
+  c.Start(0);
+  auto rank0 = Restoring(c, 0, 10, "late");
+  std::vector<Process*> all = {rank0.get(), early[0].get(), early[1].get()};
+  const std::vector<std::string> source = {"disk", "memory", "memory"};
+  for (uint32_t r = 0; r < all.size(); ++r) {
+    const int rc = all[r]->Wait(kProcessBound);
+    INFO("rank " << r << ": " << all[r]->Stdout() << all[r]->Stderr() << c.Logs());
+    CHECK(rc == 0);
+    CHECK(Contains(all[r]->Stdout(), "restored step=10 source=" + source[r]));
+    CHECK(Contains(all[r]->Stdout(), "match"));
+  }
+}
+
 // The restore's error line ("error: ..."), without the rank's own prefix.
 std::string ErrorLine(const std::string& out) {
   const auto at = out.find("error: ");
@@ -60,21 +80,7 @@ TEST_CASE("a restore started while the coordinator is down waits for it: after i
   // Long enough for their first calls to the coordinator to fail (at once, "failed to
   // connect to all addresses") and be retried, well inside --restore-timeout.
   std::this_thread::sleep_for(3s);
-  for (auto& p : early) {
-    INFO(p->Stdout() << p->Stderr() << c.Logs());
-    REQUIRE(p->Running());  // not failed at once
-  }
-  c.Start(0);
-  auto rank0 = Restoring(c, 0, 10, "late");
-  std::vector<Process*> all = {rank0.get(), early[0].get(), early[1].get()};
-  const std::vector<std::string> source = {"disk", "memory", "memory"};
-  for (uint32_t r = 0; r < all.size(); ++r) {
-    const int rc = all[r]->Wait(kProcessBound);
-    INFO("rank " << r << ": " << all[r]->Stdout() << all[r]->Stderr() << c.Logs());
-    CHECK(rc == 0);
-    CHECK(Contains(all[r]->Stdout(), "restored step=10 source=" + source[r]));
-    CHECK(Contains(all[r]->Stdout(), "match"));
-  }
+  ResumeWithCoordinatorBack(c, early);
   // The group is whole again: the next step commits everywhere.
   REQUIRE_WITHIN(c, kJoinBound, "every member alive after the coordinator restart", c.AllAlive());
   c.SaveAllCommitted(20);
@@ -97,21 +103,7 @@ TEST_CASE("the coordinator killed while ranks wait at the restore barrier: they 
   std::this_thread::sleep_for(1s);
   c.node(0).Kill();
   std::this_thread::sleep_for(2s);
-  for (auto& p : early) {
-    INFO(p->Stdout() << p->Stderr() << c.Logs());
-    REQUIRE(p->Running());
-  }
-  c.Start(0);
-  auto rank0 = Restoring(c, 0, 10, "late");
-  std::vector<Process*> all = {rank0.get(), early[0].get(), early[1].get()};
-  const std::vector<std::string> source = {"disk", "memory", "memory"};
-  for (uint32_t r = 0; r < all.size(); ++r) {
-    const int rc = all[r]->Wait(kProcessBound);
-    INFO("rank " << r << ": " << all[r]->Stdout() << all[r]->Stderr() << c.Logs());
-    CHECK(rc == 0);
-    CHECK(Contains(all[r]->Stdout(), "restored step=10 source=" + source[r]));
-    CHECK(Contains(all[r]->Stdout(), "match"));
-  }
+  ResumeWithCoordinatorBack(c, early);
 }
 
 TEST_CASE("a restore while the coordinator stays down: every rank fails with one message once --restore-timeout passes") {

@@ -31,31 +31,9 @@ namespace {
 // of Seed(step + 1000, rank) (other data), the same pattern again for a deterministic run.
 uint64_t SeedStep(uint64_t step, int data) { return data == 1 ? step : step + 1000; }
 
-// Every rank saves `step` at once, as one trainer process each (a new registration: a new
-// run), and waits for the global decision; their outputs.
-std::vector<std::unique_ptr<Process>> SaveAll(Cluster& c, uint64_t step, int data) {
-  std::vector<std::unique_ptr<Process>> procs;
-  for (uint32_t r : c.AllRanks()) {
-    const int n = c.NodeOf(r);
-    auto args = c.RankArgs(r, SeedStep(step, data));
-    args.insert(args.end(), {"save", "--step", std::to_string(step), "--wait-committed"});
-    procs.push_back(std::make_unique<Process>(Helper(c.node(n), args), c.dir(n).path(),
-                                              "save" + std::to_string(step) + "d" + std::to_string(data) + "r" +
-                                                  std::to_string(r)));
-  }
-  return procs;
-}
-
-void SaveAllCommitted(Cluster& c, uint64_t step, int data) {
-  auto procs = SaveAll(c, step, data);
-  for (size_t r = 0; r < procs.size(); ++r) {
-    int rc = procs[r]->Wait(kProcessBound);
-    INFO("rank " << r << " saving step " << step << " (data " << data << "): " << procs[r]->Stdout()
-                 << procs[r]->Stderr() << c.Logs());
-    REQUIRE(rc == 0);
-    REQUIRE(Contains(procs[r]->Stdout(), "committed"));
-  }
-}
+// Every rank saves `step` with the bytes of `data`, as one trainer process each (a new
+// registration: a new run), and hears it committed.
+void SaveAllCommitted(Cluster& c, uint64_t step, int data) { c.SaveAllCommitted(step, SeedStep(step, data)); }
 
 // Every node's copy of `step` verifies (each shard against the manifest, every checksum)
 // and no .tmp of it is left.
@@ -69,23 +47,11 @@ void CheckIntact(Cluster& c, uint64_t step) {
   }
 }
 
-// Every rank restores the newest step and finds `step` with the bytes of `data`.
-void RestoreAll(Cluster& c, uint64_t step, int data) {
-  std::vector<std::unique_ptr<Process>> procs;
-  for (uint32_t r : c.AllRanks()) {
-    const int n = c.NodeOf(r);
-    auto args = c.RankArgs(r, SeedStep(step, data));
-    args.push_back("check");
-    procs.push_back(std::make_unique<Process>(Helper(c.node(n), args), c.dir(n).path(), "check" + std::to_string(r)));
-  }
-  for (size_t r = 0; r < procs.size(); ++r) {
-    int rc = procs[r]->Wait(kProcessBound);
-    INFO("rank " << r << " restoring (expect step " << step << "): " << procs[r]->Stdout() << procs[r]->Stderr()
-                 << c.Logs());
-    CHECK(rc == 0);
-    CHECK(Contains(procs[r]->Stdout(), "restored step=" + std::to_string(step)));
-    CHECK(Contains(procs[r]->Stdout(), "match"));
-  }
+// Every rank restores the newest step and finds `step` with the bytes of `data`, from
+// `source` on every node ("": any; the hot cache may hold the earlier run's higher steps
+// rather than the new run's).
+void RestoreAll(Cluster& c, uint64_t step, int data, const std::string& source) {
+  c.RestoreAll(step, std::vector<std::string>(c.num_nodes(), source), SeedStep(step, data));
 }
 
 void RestartAll(Cluster& c) {
@@ -115,11 +81,11 @@ TEST_CASE("a new run saves step numbers that retention removed") {
     for (uint64_t step : {5, 10}) SaveAllCommitted(c, step, 2);
     CheckIntact(c, 5);
     CheckIntact(c, 10);
-    RestoreAll(c, 10, 2);
+    RestoreAll(c, 10, 2, "");
     RestartAll(c);
     CheckIntact(c, 5);
     CheckIntact(c, 10);
-    RestoreAll(c, 10, 2);
+    RestoreAll(c, 10, 2, "disk");
   }
   SECTION("deterministic: the same bytes again") {
     for (uint64_t step = 5; step <= 25; step += 5) {
@@ -128,7 +94,7 @@ TEST_CASE("a new run saves step numbers that retention removed") {
     }
     RestartAll(c);
     CheckIntact(c, 25);
-    RestoreAll(c, 25, 1);
+    RestoreAll(c, 25, 1, "disk");
   }
 }
 
@@ -145,11 +111,11 @@ TEST_CASE("a step deleted with ckptctl and saved again by a new run") {
   }
   SaveAllCommitted(c, 10, 2);
   CheckIntact(c, 10);
-  RestoreAll(c, 10, 2);
+  RestoreAll(c, 10, 2, "");
   RestartAll(c);
   CheckIntact(c, 10);
   CheckIntact(c, 20);
-  RestoreAll(c, 10, 2);
+  RestoreAll(c, 10, 2, "disk");
 }
 
 // Every rank fails at once with one reason, and the earlier step is untouched.
@@ -163,7 +129,7 @@ TEST_CASE("a node still holding the earlier run's step refuses the new run's") {
   REQUIRE(fs::exists(c.StepDir(1, 5)));
 
   const auto started = std::chrono::steady_clock::now();
-  auto procs = SaveAll(c, 5, 2);
+  auto procs = c.SaveRanks(c.AllRanks(), 5, /*wait_committed=*/true, SeedStep(5, 2));
   for (size_t r = 0; r < procs.size(); ++r) {
     int rc = procs[r]->Wait(kProcessBound);
     INFO("rank " << r << ": " << procs[r]->Stdout() << procs[r]->Stderr() << c.Logs());
@@ -194,13 +160,11 @@ TEST_CASE("a node restarted with a new run's step in doubt") {
 
   // Run 2's rank 1 saves step 10: durable on node 1, with the record of what it prepares;
   // rank 0 never saves, so the step cannot commit.
-  auto args = c.RankArgs(1, SeedStep(10, 2));
-  args.insert(args.end(), {"save", "--step", "10"});
   std::unique_ptr<Process> saver;
   // The coordinator heard the prepare and opened a round for the new run, or was stopped
   // and never heard it (its log then holds run 1's commit and its whole manifest).
   SECTION("heard") {
-    saver = std::make_unique<Process>(Helper(c.node(1), args), c.dir(1).path(), "save10r1");
+    saver = c.Save(1, 10, /*wait_committed=*/false, SeedStep(10, 2));
     REQUIRE_WITHIN(c, 60s, "the coordinator's round of run 2's step 10 waits for rank 0 only", [&] {
       std::vector<json> in_flight = InFlight(Status(c.node(0)), "g", 10);
       return in_flight.size() == 1 && MissingRanks(in_flight[0]) == std::vector<uint32_t>{0};
@@ -208,7 +172,7 @@ TEST_CASE("a node restarted with a new run's step in doubt") {
   }
   SECTION("unheard") {
     c.node(0).Signal(SIGSTOP);
-    saver = std::make_unique<Process>(Helper(c.node(1), args), c.dir(1).path(), "save10r1");
+    saver = c.Save(1, 10, /*wait_committed=*/false, SeedStep(10, 2));
     REQUIRE_WITHIN(c, 60s, "node 1 recorded what it prepares", fs::exists(c.StepDir(1, 10) + ".tmp/.prepared.json"));
   }
   REQUIRE(fs::exists(c.StepDir(1, 10) + ".tmp"));
@@ -229,5 +193,5 @@ TEST_CASE("a node restarted with a new run's step in doubt") {
   // Run 2 saves step 10 whole now: it commits as its own.
   SaveAllCommitted(c, 10, 2);
   CheckIntact(c, 10);
-  RestoreAll(c, 10, 2);
+  RestoreAll(c, 10, 2, "");
 }
