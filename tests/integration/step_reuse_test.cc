@@ -133,7 +133,9 @@ TEST_CASE("a node still holding the earlier run's step refuses the new run's") {
   for (size_t r = 0; r < procs.size(); ++r) {
     int rc = procs[r]->Wait(kProcessBound);
     INFO("rank " << r << ": " << procs[r]->Stdout() << procs[r]->Stderr() << c.Logs());
-    CHECK(rc == 5);  // trainer_helper: the ticket ended, not committed
+    // trainer_helper: 5 when the ticket ends after "staged", 3 when it ends before. Either
+    // is the refusal: the shard writer may meet it while the rank is still being staged.
+    CHECK((rc == 3 || rc == 5));
     CHECK(Contains(procs[r]->Stdout(), "step 5 of job g is already committed"));
     CHECK(Contains(procs[r]->Stdout(), "ckptctl --job g delete 5"));
   }
