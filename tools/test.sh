@@ -129,6 +129,19 @@ if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
   stage_done "wheels"
 fi
 
+# The GPU bundle as it travels to a GPU machine (tools/gpu_bundle.sh), its PyTorch check run
+# here on CPU tensors (tests/gpu/torch_bundle_test.sh); CKPTD_SKIP_BUNDLE=1 leaves it out.
+bundle_line=""
+if [ "${CKPTD_SKIP_BUNDLE:-0}" != 1 ]; then
+  if out=$(timeout 1200 tests/gpu/torch_bundle_test.sh 2>&1); then
+    bundle_line="passed"
+  else
+    bundle_line="FAILED"
+  fi
+  echo "$out" | tail -n 30
+  stage_done "gpu bundle (cpu)"
+fi
+
 passed=0
 failed=0
 skipped=0
@@ -216,6 +229,13 @@ if [ "${CKPTD_SKIP_WHEELS:-0}" != 1 ]; then
   printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/packaging:wheels_test.sh" "$p" "$wheels_rc" 0
   passed=$((passed + p))
   failed=$((failed + wheels_rc))
+fi
+
+if [ -n "$bundle_line" ]; then
+  if [ "$bundle_line" = passed ]; then p=1; f=0; else p=0; f=1; fi
+  printf '%-60s %4d passed %4d failed %4d skipped\n' "//tests/gpu:torch_bundle_test.sh (cpu)" "$p" "$f" 0
+  passed=$((passed + p))
+  failed=$((failed + f))
 fi
 
 # Why each failed target failed, where only the end of this output may be kept (a CI log):

