@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -32,6 +34,13 @@ constexpr char kVersion[] = "0.1.0";
 // daemon's admin service answers, computed here, printed the same way.
 int Offline(const Options& o, bool list) {
   const std::string command = list ? "list" : "verify";
+  // A root that is not there holds no checkpoints; saying "no checkpoints" would hide a typo.
+  std::error_code ec;
+  if (!ckpt::storage::IsS3Url(o.root) && !std::filesystem::is_directory(o.root, ec)) {
+    return Report(o, command, kError,
+                  fmt::format("--root {}: {}", o.root,
+                              std::filesystem::exists(o.root, ec) ? "not a directory" : "no such directory"));
+  }
   auto objects = ckpt::storage::OpenStore(o.root, ckpt::MakePosixFilesystem(),
                                           {o.s3_endpoint, o.s3_credentials_file});
   if (!objects.ok()) return Report(o, command, ExitFor(objects.status()), ckpt::Message(objects.status()));
@@ -83,6 +92,21 @@ const CLI::Validator kStepNumber(
     },
     "STEP");
 
+// A number of seconds, named in the message (CLI11's ranges print the largest double).
+CLI::Validator Seconds(bool zero_allowed) {
+  return CLI::Validator(
+      [zero_allowed](std::string& text) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (text.empty() || *end != '\0' || !std::isfinite(v) || v < 0 || (v == 0 && !zero_allowed)) {
+          return fmt::format("seconds, a number {} 0, not \"{}\"", zero_allowed ? "of at least" : "greater than",
+                             text);
+        }
+        return "";
+      },
+      zero_allowed ? "SECONDS>=0" : "SECONDS>0");
+}
+
 // The options every command takes, on the command line before or after the command, so
 // that each command's --help lists them too.
 void AddCommonOptions(CLI::App* app, Options& o) {
@@ -94,11 +118,36 @@ void AddCommonOptions(CLI::App* app, Options& o) {
   app->add_option("--job", o.job, "job name (optional when only one job exists)");
   app->add_flag("--json", o.json, "machine-readable output; errors as {\"error\": ...} on stdout");
   app->add_option("--dial-timeout", o.dial_timeout_s, "seconds to wait for a connection to ckptd")
-      ->check(CLI::PositiveNumber)
+      ->check(Seconds(/*zero_allowed=*/false))
       ->capture_default_str();
   app->add_option("--timeout", o.timeout_s,
                   "seconds a call may take (default: 30; verify 3600; wait: no limit)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(Seconds(/*zero_allowed=*/true));
+}
+
+// Where list, verify and export read files without a daemon; also before the command
+// (`ckptctl --root R list`), as every other option may be.
+void AddRootOptions(CLI::App* app, Options& o) {
+  app->add_option("--root", o.root, "read a checkpoint root, or s3://bucket/prefix, directly "
+                  "(no daemon)");
+  app->add_option("--s3-endpoint", o.s3_endpoint,
+                  "S3 endpoint URL (default AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)");
+  app->add_option("--s3-credentials-file", o.s3_credentials_file,
+                  "S3 keys in the AWS credentials-file format, mode 0600");
+}
+
+// A usage error as the rest of the output is: {"error": ...} on stdout under --json (looked
+// for in argv: the parse that failed may not have reached it), else CLI11's text.
+int UsageError(CLI::App& app, const CLI::ParseError& e, int argc, char** argv) {
+  bool json = false;
+  for (int i = 1; i < argc; ++i) json = json || std::string(argv[i]) == "--json";
+  if (!json || e.get_exit_code() == 0) {
+    const int code = app.exit(e);  // --help and --version succeed
+    return code == 0 ? kOk : kUsage;
+  }
+  Options o;
+  o.json = true;
+  return Report(o, "ckptctl", kUsage, std::string(e.what()) + " (ckptctl --help lists the options)");
 }
 
 }  // namespace
@@ -134,14 +183,8 @@ int main(int argc, char** argv) {
   for (auto* sub : {show, verify, del}) {
     sub->add_option("STEP", o.step, "step number")->required()->check(kStepNumber);
   }
-  for (auto* sub : {list, verify}) {
-    sub->add_option("--root", o.root, "read a checkpoint root, or s3://bucket/prefix, directly "
-                    "(no daemon)");
-    sub->add_option("--s3-endpoint", o.s3_endpoint,
-                    "S3 endpoint URL (default AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS)");
-    sub->add_option("--s3-credentials-file", o.s3_credentials_file,
-                    "S3 keys in the AWS credentials-file format, mode 0600");
-  }
+  AddRootOptions(&app, o);
+  for (auto* sub : {list, verify}) AddRootOptions(sub, o);
   ckpt::ctl::ExportArgs e;
   if (const char* env = std::getenv("CKPTD_ROOT")) e.root = env;
   auto* exp = app.add_subcommand("export", "write a step as Hugging Face / safetensors files, from its files alone");
@@ -177,13 +220,15 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help and --version succeed; anything else is the command line's fault (EX_USAGE).
-    const int code = app.exit(e);
-    return code == 0 ? kOk : kUsage;
+    return UsageError(app, e, argc, argv);  // the command line's fault (EX_USAGE)
   }
   if (exp->parsed()) {
+    // --root and the S3 options before the command are export's too.
+    if (export_root->count() == 0 && !o.root.empty()) e.root = o.root;
+    if (e.s3_endpoint.empty()) e.s3_endpoint = o.s3_endpoint;
+    if (e.s3_credentials_file.empty()) e.s3_credentials_file = o.s3_credentials_file;
     // The root of the daemon the command line names (--socket), unless one was given.
-    if (export_root->count() == 0 && std::getenv("CKPTD_ROOT") == nullptr) {
+    if (export_root->count() == 0 && o.root.empty() && std::getenv("CKPTD_ROOT") == nullptr) {
       o.dial_timeout_s = std::min(o.dial_timeout_s, 1.0);
       if (std::optional<std::string> root = Commands(o).Root()) e.root = *root;
     }
@@ -204,7 +249,8 @@ int main(int argc, char** argv) {
   o.progress = !quiet && !no_verify_progress;
   if (!o.root.empty() && (list->parsed() || verify->parsed())) return Offline(o, list->parsed());
   if (!o.root.empty()) {
-    return Report(o, "ckptctl", kUsage, "--root reads files without ckptd: only list, verify and export take it");
+    return Report(o, app.get_subcommands().front()->get_name(), kUsage,
+                  "--root reads files without ckptd: only list, verify and export take it");
   }
   Commands ctl(o);
   if (wait->parsed()) return ctl.Wait();

@@ -122,6 +122,18 @@ TEST_CASE("ckptctl's exit codes, sentences and JSON follow one convention") {
   auto negative = d.Ctl({"verify", "-5"});
   CHECK(negative.exit_code == 64);
   CHECK(Contains(negative.err, "a step is a number 0 or more, not \"-5\""));
+  // A bad number of seconds is named in a sentence, not a 300-digit range.
+  auto timeout = d.Ctl({"--timeout", "-1", "status"});
+  CHECK(timeout.exit_code == 64);
+  CHECK(Contains(timeout.err, "--timeout: seconds, a number of at least 0, not \"-1\""));
+  CHECK(timeout.err.size() < 200);
+  CHECK(Contains(d.Ctl({"status", "--dial-timeout", "0"}).err, "a number greater than 0, not \"0\""));
+  // A usage error under --json is JSON on stdout, with the usage exit code.
+  auto usage = d.Ctl({"--json", "list", "--no-such-flag"});
+  CHECK(usage.exit_code == 64);
+  auto usage_json = nlohmann::json::parse(usage.out);
+  CHECK(usage_json["error"]["exit_code"] == 64);
+  CHECK(Contains(usage_json["error"]["message"].get<std::string>(), "--no-such-flag"));
   // Every command's help names the options it takes, the shared ones included.
   auto help = d.Ctl({"verify", "--help"});
   for (const char* option : {"--job", "--json", "--socket", "--timeout", "--dial-timeout"}) {
@@ -343,6 +355,19 @@ TEST_CASE("ckptctl lists, verifies and exports from the files alone: a root, or 
   auto offline = ctl({"--job", "offline", "verify", "2", "--root", d.root(), "--progress"});
   CHECK(offline.exit_code == 0);
   CHECK(Contains(offline.err, "verify: 100% ("));
+  // Options before the command, as docs/operators.md says every option may be.
+  auto before = ctl({"--root", d.root(), "--job", "offline", "list"});
+  INFO(before.out << before.err);
+  CHECK(before.exit_code == 0);
+  CHECK(Contains(before.out, "offline  2"));
+  // A root that is not there is an error naming it, not "no checkpoints".
+  auto nowhere = ctl({"list", "--root", dir / "no-such-root"});
+  CHECK(nowhere.exit_code == 1);
+  CHECK(Contains(nowhere.err, "--root " + (dir / "no-such-root") + ": no such directory"));
+  auto before_export = ctl({"--root", d.root(), "--job", "offline", "export", "2", dir / "exported", "--format", "full"});
+  INFO(before_export.out << before_export.err);
+  CHECK(before_export.exit_code == 0);
+  CHECK(std::filesystem::exists(dir / "exported/checkpoint.json"));
 
   // The same steps on a bucket of a real Ceph RGW, read with the AWS environment.
   auto& ceph = CephCluster::Get();
