@@ -177,6 +177,9 @@ int main(int argc, char** argv) {
   wait->add_option("STEP", o.step, "step number")->check(kStepNumber);
   bool quiet = false;
   wait->add_flag("--quiet", quiet, "no progress lines");
+  wait->add_flag("--ready", o.ready,
+                 "wait instead until ckptd is there and ready (joined to its group): 0 ready, 2 not within "
+                 "--timeout (scripts that start daemons and trainers together)");
   bool no_verify_progress = false;
   verify->add_flag("--no-progress", no_verify_progress, "no progress bar on a terminal");
   verify->add_flag("--progress", o.progress_lines, "progress lines on stderr even when it is not a terminal");
@@ -253,6 +256,10 @@ int main(int argc, char** argv) {
                   "--root reads files without ckptd: only list, verify and export take it");
   }
   Commands ctl(o);
+  if (wait->parsed() && o.ready) {
+    if (o.step) return Report(o, "wait", kUsage, "wait --ready takes no STEP");
+    return ctl.WaitReady();
+  }
   if (wait->parsed()) return ctl.Wait();
   if (health->parsed()) return ctl.Health();
   if (status->parsed()) return ctl.Status();

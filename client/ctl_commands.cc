@@ -31,6 +31,8 @@ using Clock = std::chrono::steady_clock;
 constexpr double kCallSeconds = 30;      // status, list, show, delete, health
 constexpr double kVerifySeconds = 3600;  // verify re-reads every byte
 
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
 std::string Bytes(uint64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(n);
@@ -365,6 +367,52 @@ int Commands::Health() {
               << "\n";
   }
   return serving ? kOk : kError;
+}
+
+int Commands::WaitReady() {
+  const auto started = Clock::now();
+  const std::optional<Clock::time_point> deadline =
+      o_.timeout_s > 0 ? std::optional(started + std::chrono::milliseconds(static_cast<int64_t>(o_.timeout_s * 1000)))
+                       : std::nullopt;
+  std::string last;
+  while (true) {
+    // A fresh channel each time: gRPC backs off reconnecting a failed one for up to minutes,
+    // and a daemon that is starting should be seen within a fraction of a second.
+    channel_ = grpc::CreateChannel(o_.addr.empty() ? "unix:" + o_.socket : o_.addr,
+                                   grpc::InsecureChannelCredentials());
+    stub_ = Admin::NewStub(channel_);
+    std::string now;
+    struct stat st {};
+    if (o_.addr.empty() && ::stat(o_.socket.c_str(), &st) != 0 && errno == ENOENT) {
+      // Not there yet: no need to spend --dial-timeout finding out.
+      now = fmt::format("no ckptd listens at {} yet (the socket does not exist)", o_.socket);
+    } else if (auto why = Connect()) {
+      now = *why;
+    } else {
+      auto health = grpc::health::v1::Health::NewStub(channel_);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      grpc::health::v1::HealthCheckResponse response;
+      grpc::Status s = health->Check(&ctx, grpc::health::v1::HealthCheckRequest(), &response);
+      if (s.ok() && response.status() == grpc::health::v1::HealthCheckResponse::SERVING) {
+        if (o_.json) {
+          PrintJson({{"ready", true}, {"waited_seconds", Seconds(Clock::now() - started)}});
+        } else {
+          std::cout << fmt::format("ckptd at {}: ready\n", o_.Where());
+        }
+        return kOk;
+      }
+      now = s.ok() ? fmt::format("ckptd at {} is not ready yet (not joined to its group: ckptctl status says why)",
+                                 o_.Where())
+                   : fmt::format("ckptd at {} did not answer: {}", o_.Where(), s.error_message());
+    }
+    if (now != last && o_.progress) std::cerr << fmt::format("[{:.1f} s] {}\n", Seconds(Clock::now() - started), now);
+    last = now;
+    if (deadline && Clock::now() >= *deadline) {
+      return Report(o_, "wait", kUnreachable, fmt::format("not ready within {} s: {}", o_.timeout_s, now));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
 }
 
 std::optional<std::string> Commands::Root() {

@@ -32,6 +32,7 @@ struct Options {
   double timeout_s = 0;       // each call (and all of wait); 0: the command's own default
   bool progress = true;       // wait: a line per change on stderr; verify: a bar on a terminal
   bool progress_lines = false;  // verify: progress lines on stderr even when not a terminal
+  bool ready = false;           // wait: for the daemon to be ready, not for a step
 
   std::string Where() const { return addr.empty() ? socket : addr; }
 };
@@ -53,6 +54,9 @@ class Commands {
   // Blocks until STEP (or, without it, a step newer than the latest now) of the job is
   // committed: 0; 1 when it failed; 2 after --timeout. A line per change on stderr.
   int Wait();
+  // Blocks until the ckptd at --socket (or --addr) is there and ready (joined to its group):
+  // 0; 2 after --timeout, naming what it last saw. A line per change on stderr.
+  int WaitReady();
   // The checkpoint root of the ckptd at --socket, if one answers (export reads its files).
   std::optional<std::string> Root();
 

@@ -70,6 +70,32 @@ std::string Checksum(const State& s) {
 
 std::string RngBytes(uint64_t rng) { return std::string(reinterpret_cast<const char*>(&rng), sizeof rng); }
 
+// How long a trainer without ckptd waits before asking again (the Python client's pace):
+// a ckptd that starts, restarts or joins its group after the trainer gets its checkpoints.
+constexpr auto kRetryEvery = std::chrono::seconds(2);
+
+// Connects to ckptd, moves the state into tensors it shares (the values, if any, come
+// along) and registers them. An error when ckptd is not there or refuses (e.g. not joined
+// to its group yet); the state is then untouched.
+absl::StatusOr<std::unique_ptr<ckpt::Client>> Attach(const Flags& f, State& state) {
+  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ckpt::Client> client,
+                        ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
+                                               .world_size = f.world_size}));
+  const std::vector<int64_t> shape = {static_cast<int64_t>(state.n)};
+  CKPT_ASSIGN_OR_RETURN(auto params, client->AllocateTensor("model.params", "F32", shape));
+  CKPT_ASSIGN_OR_RETURN(auto momentum, client->AllocateTensor("optim.momentum", "F32", shape));
+  auto* p = static_cast<float*>(params->data);
+  auto* m = static_cast<float*>(momentum->data);
+  if (state.params != nullptr) {
+    std::memcpy(p, state.params, state.n * sizeof(float));
+    std::memcpy(m, state.momentum, state.n * sizeof(float));
+  }
+  CKPT_RETURN_IF_ERROR(client->Register());
+  state.params = p;
+  state.momentum = m;
+  return client;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,32 +115,21 @@ int main(int argc, char** argv) {
 
   State state;
   state.n = std::max<uint64_t>(f.state_bytes / 8, 1);
-  std::vector<float> local;  // used only when ckptd is unavailable
+  std::vector<float> local;  // the state while ckptd is unavailable
   std::unique_ptr<ckpt::Client> client;
-  auto connected = ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
-                                          .world_size = f.world_size});
-  absl::Status ready = connected.status();
-  if (connected.ok()) {
-    client = std::move(*connected);
-    auto params = client->AllocateTensor("model.params", "F32", {static_cast<int64_t>(state.n)});
-    auto momentum = client->AllocateTensor("optim.momentum", "F32", {static_cast<int64_t>(state.n)});
-    ready = !params.ok() ? params.status() : !momentum.ok() ? momentum.status() : absl::OkStatus();
-    if (ready.ok()) {
-      state.params = static_cast<float*>((*params)->data);
-      state.momentum = static_cast<float*>((*momentum)->data);
-      ready = client->Register();
-    }
-  }
-  if (!ready.ok() && f.resume) {
+  auto attached = Attach(f, state);
+  if (!attached.ok() && f.resume) {
     // Never start over silently: a checkpoint may exist that this run cannot see.
-    std::cerr << "error: cannot resume: ckptd refused or is unavailable (" << ckpt::Message(ready)
+    std::cerr << "error: cannot resume: ckptd refused or is unavailable (" << ckpt::Message(attached.status())
               << "); not starting from step 0 while a checkpoint may exist\n";
     return 1;
   }
-  if (!ready.ok()) {
-    std::cerr << "warning: ckptd unavailable (" << ckpt::Message(ready)
-              << "); training without checkpoints\n";
-    client.reset();
+  auto retry_at = std::chrono::steady_clock::now() + kRetryEvery;
+  if (attached.ok()) {
+    client = std::move(*attached);
+  } else {
+    std::cerr << "warning: ckptd unavailable (" << ckpt::Message(attached.status())
+              << "); training without checkpoints until it answers (asked again every 2 s)\n";
     local.assign(2 * state.n, 0.0f);
     state.params = local.data();
     state.momentum = local.data() + state.n;
@@ -177,7 +192,17 @@ int main(int argc, char** argv) {
       last_ticket = 0;
     }
     TrainStep(state);
-    if (client && f.save_every != 0 && step % f.save_every == 0) {
+    const bool save = f.save_every != 0 && step % f.save_every == 0;
+    if (!client && save && std::chrono::steady_clock::now() >= retry_at) {
+      retry_at = std::chrono::steady_clock::now() + kRetryEvery;
+      if (auto again = Attach(f, state); again.ok()) {
+        client = std::move(*again);
+        session = client->session_id();
+        local.clear();
+        std::cout << fmt::format("registered with ckptd at step {} (session {})\n", step, session) << std::flush;
+      }
+    }
+    if (client && save) {
       auto ticket = client->Snapshot(step, {{"trainer", "example_trainer"}},
                                      {{"rng", RngBytes(state.rng)}});
       if (client->session_id() != session) {

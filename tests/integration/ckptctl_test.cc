@@ -106,6 +106,25 @@ TEST_CASE("ckptctl says clearly when the daemon is not there") {
   CHECK(Contains(r.err, "no ckptd listens at " + d.socket() + " (the socket does not exist): is ckptd running?"));
 }
 
+// Scripts that start daemons and trainers together wait for each daemon to be ready.
+TEST_CASE("ckptctl wait --ready returns once ckptd is up, or after --timeout") {
+  TempDir dir;
+  Daemon d(dir);
+  const auto started = std::chrono::steady_clock::now();
+  auto absent = d.Ctl({"wait", "--ready", "--timeout", "1"});
+  CHECK(absent.exit_code == 2);
+  CHECK(Contains(absent.err, "not ready within 1 s: no ckptd listens at " + d.socket()));
+  CHECK(std::chrono::steady_clock::now() - started < std::chrono::seconds(10));
+  CHECK(d.Ctl({"wait", "--ready", "5"}).exit_code == 64);  // no STEP with --ready
+  Process waiter({Runfile("client/ckptctl"), "--socket", d.socket(), "wait", "--ready", "--timeout", "120"},
+                 dir.path(), "waiter");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  CHECK(waiter.Running());
+  d.Start();
+  CHECK(waiter.Wait(std::chrono::seconds(60)) == 0);
+  CHECK(Contains(waiter.Stdout(), "ckptd at " + d.socket() + ": ready"));
+}
+
 // What scripts rely on (client/ctl_exit.h): 0 ok, 1 error, 2 unreachable or timed out,
 // 3 damaged data, 64 usage; a sentence for each error, and JSON under --json.
 TEST_CASE("ckptctl's exit codes, sentences and JSON follow one convention") {

@@ -20,7 +20,7 @@ case $flavour in
   # collected on 1.13.
   # Nor what needs `transformers`, `accelerate`, `lightning`, `torchtitan`,
   # `prometheus_client` or `kubernetes-validate` (the virtual environment's).
-  debian) python=/usr/bin/python3; extra=(--ignore=client/python/tests/test_torch2.py
+  debian) python=/usr/bin/python3; export CKPTD_WALKTHROUGH_RUNS=1; extra=(--ignore=client/python/tests/test_torch2.py
                                           --ignore=client/python/tests/test_fsdp1.py
                                           --ignore=client/python/tests/test_user_view.py
                                           --ignore=client/python/tests/test_lightning.py
