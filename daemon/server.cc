@@ -386,7 +386,7 @@ void ReplicateCommitted(Server::Parts& p, const format::Manifest& manifest, cons
     json = format::ManifestToJson(
         group::NodeManifestFromWhole(manifest, format::ChecksumOf(whole.data(), whole.size()), p.config.node_rank));
   }
-  p.replicator->Committed(manifest.job, manifest.step, std::move(ranks), std::move(json));
+  p.replicator->Committed(manifest.job, manifest.step, std::move(ranks), std::move(json), manifest.unix_time);
 }
 
 const char* MemberState(group::MemberState s) { return group::MemberStateName(s); }
@@ -443,6 +443,7 @@ void FillReplicationStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
       out->set_why(s.why);
       out->set_bytes_sent(s.bytes_sent);
       out->set_seconds(s.seconds);
+      out->set_unix_time(s.unix_time);
     }
   }
 }
@@ -505,7 +506,7 @@ void FillGroupStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
 
 void FillUploadStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
   const std::vector<upload::UploadProgress> uploads = p.uploader->InProgress();
-  const std::map<std::string, uint64_t> uploaded = p.uploader->LastUploaded();
+  const std::map<std::string, upload::Uploader::Published> uploaded = p.uploader->LastPublished();
   auto job_status = [reply](const std::string& job) {
     for (auto& j : *reply->mutable_jobs()) {
       if (j.job() == job) return &j;
@@ -523,11 +524,66 @@ void FillUploadStatus(Server::Parts& p, ::ckptd::v1::StatusReply* reply) {
     out->set_last_error(u.last_error);
     out->set_age_s(u.age_s);
   }
-  for (const auto& [job, step] : uploaded) {
+  for (const auto& [job, published] : uploaded) {
     ::ckptd::v1::JobStatus* j = job_status(job);
     j->set_has_remote(true);
-    j->set_latest_remote_step(step);
+    j->set_latest_remote_step(published.step);
+    j->set_latest_remote_unix_time(published.unix_time);
   }
+}
+
+// What a scrape reads of status (durability_figures.h): the jobs of `commits` first, then
+// those with steps in flight, each with its steps written or committing, and the group's and
+// the uploads' sections as `ckptctl status` has them.
+void FillScrapeStatus(Server::Parts& p, const std::vector<metrics::LastCommits::Commit>& commits,
+                      ::ckptd::v1::StatusReply* reply) {
+  reply->set_remote(p.config.remote);
+  std::map<std::string, std::set<uint64_t>> in_flight;
+  for (const auto& [job, steps] : p.writes->Pending()) in_flight[job].insert(steps.begin(), steps.end());
+  for (const commit::StepInFlight& f : p.committer->InFlight()) in_flight[f.job].insert(f.step);
+  std::map<std::string, ::ckptd::v1::JobStatus*> jobs;
+  auto job_status = [&](const std::string& job) {
+    auto [it, added] = jobs.emplace(job, nullptr);
+    if (added) {
+      it->second = reply->add_jobs();
+      it->second->set_job(job);
+    }
+    return it->second;
+  };
+  for (const metrics::LastCommits::Commit& c : commits) job_status(c.job);
+  for (const auto& [job, steps] : in_flight) {
+    ::ckptd::v1::JobStatus* j = job_status(job);
+    for (uint64_t step : steps) j->add_pending_steps(step);
+  }
+  if (p.group_member) FillGroupStatus(p, reply);
+  if (p.uploader) FillUploadStatus(p, reply);
+}
+
+// Each job's newest committed step on the local tier and its time (its manifest's), so that
+// the per-job gauges show a job that stopped committing before this start too.
+void SeedLastCommits(format::CheckpointStore& store, metrics::LastCommits& commits) {
+  auto& log = log::Get(log::Component::kMain);
+  absl::StatusOr<std::vector<std::string>> jobs = store.ListJobs();
+  if (!jobs.ok()) {
+    log.warn("the jobs' last commits for /metrics: {}", Message(jobs.status()));
+    return;
+  }
+  int found = 0;
+  for (const std::string& job : *jobs) {
+    absl::StatusOr<std::vector<uint64_t>> steps = store.ListStepsInRunOrder(job);
+    if (!steps.ok() || steps->empty()) continue;
+    absl::StatusOr<format::Manifest> m =
+        store.LoadManifest(job, steps->back(), format::CheckpointStore::Depth::kIndexOnly);
+    if (!m.ok()) {
+      log.warn("[{} s{}] its time for /metrics: {}", job, steps->back(), Message(m.status()));
+      continue;
+    }
+    const auto at = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        std::chrono::duration<double>(m->unix_time)));
+    commits.Record(job, steps->back(), at);
+    ++found;
+  }
+  if (found > 0) log.info("{} jobs have committed steps on {}", found, store.root());
 }
 
 }  // namespace
@@ -623,6 +679,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
   CKPT_ASSIGN_OR_RETURN(int stale, p->store->RemoveStaleTemp(/*keep_step_tmp=*/grouped));
   if (stale > 0) log.info("removed {} unfinished directories left by an earlier run", stale);
+  // Not in direct mode: a remote tier that does not answer would hold the start.
+  if (!direct) SeedLastCommits(*p->store, p->last_commits);
 
   CKPT_ASSIGN_OR_RETURN(p->pool, cuda::StagingPool::Create(config.staging_bytes,
                                                            config.prefault_staging));
@@ -860,7 +918,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   CKPT_ASSIGN_OR_RETURN(p->control_fds, ControlFdServer::Start(DescriptorSocketPath(config.socket),
                                                                p->sessions, p->arenas, policy));
   if (!config.metrics_addr.empty()) {
-    NodeFigureSources figures{*p->pool, *p->ledger, p->sessions, p->last_commits, sources.group_status};
+    NodeFigureSources figures{*p->pool, *p->ledger, p->sessions, p->last_commits,
+                              [parts = p.get()](const auto& commits, auto* reply) {
+                                FillScrapeStatus(*parts, commits, reply);
+                              },
+                              p->quota.get()};
     CKPT_ASSIGN_OR_RETURN(p->metrics_http,
                           metrics::HttpExporter::Start(config.metrics_addr, [figures] {
                             metrics::Exposition out;

@@ -11,6 +11,7 @@ PACKAGES=(
   libxxhash-dev libacl1-dev liburing-dev libssl-dev libfp16-dev clang libclang-rt-14-dev
   python3-dev pybind11-dev python3-venv python3-numpy python3-torch python3-pytest
   libcurl4-openssl-dev libisal-dev libsystemd-dev libseccomp-dev libjemalloc-dev mmdebstrap umoci skopeo podman runc ceph-mon ceph-mgr ceph-osd radosgw ceph-common ceph-mds ceph-fuse
+  prometheus  # promtool: deploy/prometheus:rules_test checks and tests the shipped alerting rules
 )
 
 missing=()

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "daemon/config.h"
+#include "daemon/control/durability_figures.h"
 #include "daemon/metrics/process_metrics.h"
 
 namespace ckpt::daemon {
@@ -55,23 +56,35 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
 
   size_t jobs = 0;
   const auto now = std::chrono::system_clock::now();
-  Rows steps, ages;
-  for (const metrics::LastCommits::Commit& c : src.commits.Newest(kMaxLabelled, &jobs)) {
+  Rows steps, ages, times;
+  const std::vector<metrics::LastCommits::Commit> newest = src.commits.Newest(kMaxLabelled, &jobs);
+  for (const metrics::LastCommits::Commit& c : newest) {
     steps.push_back({{c.job}, static_cast<double>(c.step)});
     ages.push_back({{c.job}, std::chrono::duration<double>(now - c.at).count()});
+    times.push_back({{c.job}, std::chrono::duration<double>(c.at.time_since_epoch()).count()});
   }
   out.Samples({"ckptd_job_last_committed_step",
-               "Each job's last step committed since ckptd started (the 64 most recent jobs).", {"ckpt_job"}},
+               "Each job's newest step committed on this node (found on disk at start, then each commit; the 64 most "
+               "recent jobs).",
+               {"ckpt_job"}},
               steps);
-  out.Samples({"ckptd_job_last_commit_age_seconds", "Seconds since each job's last commit (the 64 most recent jobs).",
+  out.Samples({"ckptd_job_last_commit_timestamp_seconds",
+               "Unix time of each job's newest commit on this node (a step found on disk at start: its manifest's "
+               "time), for rules on time() - x.",
+               {"ckpt_job"}},
+              times);
+  out.Samples({"ckptd_job_last_commit_age_seconds", "Seconds since each job's newest commit (the 64 most recent jobs).",
                {"ckpt_job"}},
               ages);
-  out.Samples({"ckptd_jobs_committed", "Jobs that committed a step since ckptd started (at most 1024 remembered).", {}},
+  out.Samples({"ckptd_jobs_committed",
+               "Jobs with a committed step on this node (found at start or committed since; at most 1024 remembered).",
+               {}},
               {{{}, static_cast<double>(jobs)}});
 
-  if (src.group_status) {
-    ::ckptd::v1::StatusReply reply;
-    src.group_status(&reply);
+  ::ckptd::v1::StatusReply reply;
+  if (src.status) src.status(newest, &reply);
+  CollectDurabilityFigures({reply, newest, src.quota}, out);
+  if (reply.group().enabled()) {
     std::map<std::string, double> by_state = {{"waiting", 0}, {"alive", 0}, {"lost", 0}};
     for (const auto& m : reply.group().members()) by_state[m.state()] += 1;
     Rows members;

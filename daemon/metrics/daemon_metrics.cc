@@ -49,7 +49,18 @@ DaemonMetrics::DaemonMetrics()
       failures(registry.AddCounter(
           {"ckptd_failures_total",
            "Snapshots and checkpoints not taken or not committed, by cause: budget (staging memory), "
-           "storage, group, timeout, trainer.",
+           "storage, group, timeout, trainer, quota.",
+           {"cause"}})),
+      upload_errors(registry.AddCounter(
+          {"ckptd_upload_errors_total",
+           "Failed attempts to upload a step to the remote tier, by cause: unavailable (no connection), timeout, "
+           "refused (credentials, permissions), no_space, not_found, corrupt, other.",
+           {"cause"}})),
+      replication_errors(registry.AddCounter(
+          {"ckptd_replication_errors_total",
+           "Steps of this node not replicated to its coding group, by cause: unavailable (a holder not in the "
+           "group or not answering), timeout, refused, no_space (a holder's replica memory), superseded (a newer "
+           "step was staged before its shards were sent), not_found, corrupt, other.",
            {"cause"}})) {
   // Every label value of the fixed sets is exported from the start at 0: an alert on a
   // rate sees the series before the first failure, a dashboard its panels before the first
@@ -66,6 +77,11 @@ DaemonMetrics::DaemonMetrics()
   for (Cause c : {Cause::kBudget, Cause::kStorage, Cause::kGroup, Cause::kTimeout, Cause::kTrainer, Cause::kQuota}) {
     failures.With({CauseName(c)});
   }
+  for (std::string_view cause : ErrorCauses()) {
+    upload_errors.With({std::string(cause)});
+    replication_errors.With({std::string(cause)});
+  }
+  replication_errors.With({"superseded"});
   for (const char* outcome : {"staged", "rejected", "failed"}) snapshots.With({outcome});
   for (const char* outcome : {"committed", "failed"}) checkpoints.With({outcome});
 }

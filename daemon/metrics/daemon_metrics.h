@@ -8,6 +8,8 @@
 
 #include <string>
 
+#include "absl/status/status.h"
+#include "daemon/metrics/error_cause.h"
 #include "daemon/metrics/registry.h"
 
 namespace ckpt::metrics {
@@ -35,8 +37,13 @@ struct DaemonMetrics {
   Family<Counter>& snapshots;          // {outcome}: staged, rejected, failed
   Family<Counter>& checkpoints;        // {outcome}: committed, failed
   Family<Counter>& failures;           // {cause}
+  Family<Counter>& upload_errors;      // {cause}: error_cause.h
+  Family<Counter>& replication_errors; // {cause}: error_cause.h, and superseded
 
   void Fail(Cause cause) { failures.With({CauseName(cause)}).Add(); }
+  // A failed upload attempt, or a step not replicated, by what its status says.
+  void UploadError(const absl::Status& status) { upload_errors.With({std::string(ErrorCause(status))}).Add(); }
+  void ReplicationError(std::string_view cause) { replication_errors.With({std::string(cause)}).Add(); }
 };
 
 DaemonMetrics& Metrics();

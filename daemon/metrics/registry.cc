@@ -146,7 +146,7 @@ void Exposition::Histogram(const FamilySpec& spec,
 }
 
 std::vector<std::pair<LabelValues, double>> FoldRows(std::vector<std::pair<LabelValues, double>> rows,
-                                                     size_t max_rows, size_t fold_label) {
+                                                     size_t max_rows, size_t fold_label, bool keep_max) {
   std::set<std::string> kept;
   std::vector<std::pair<LabelValues, double>> out;
   std::map<LabelValues, double> folded;
@@ -158,7 +158,8 @@ std::vector<std::pair<LabelValues, double>> FoldRows(std::vector<std::pair<Label
       continue;
     }
     values[fold_label] = kOther;
-    folded[values] += value;
+    auto [it, added] = folded.emplace(values, value);
+    if (!added) it->second = keep_max ? std::max(it->second, value) : it->second + value;
   }
   for (auto& [values, value] : folded) out.emplace_back(values, value);
   return out;

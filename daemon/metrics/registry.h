@@ -116,10 +116,11 @@ class Exposition {
   std::string out_;
 };
 
-// Rows whose `fold_label` goes past `max_rows` distinct values summed into kOther: what a
-// scrape-time collector of per-job or per-user figures does with a hostile number of them.
+// Rows whose `fold_label` goes past `max_rows` distinct values summed into kOther (or, with
+// `keep_max`, the largest of them: ages): what a scrape-time collector of per-job or
+// per-user figures does with a hostile number of them.
 std::vector<std::pair<LabelValues, double>> FoldRows(std::vector<std::pair<LabelValues, double>> rows,
-                                                     size_t max_rows, size_t fold_label);
+                                                     size_t max_rows, size_t fold_label, bool keep_max = false);
 
 class Registry {
  public:

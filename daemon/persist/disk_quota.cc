@@ -143,6 +143,15 @@ DiskQuota::Usage DiskQuota::UsageOf(const std::string& job) {
   return UsageLocked(job);
 }
 
+std::map<uint32_t, uint64_t> DiskQuota::UsageByUser() const {
+  std::lock_guard lock(mu_);
+  std::map<uint32_t, uint64_t> out;
+  for (const auto& [name, j] : jobs_) {
+    if (j.owner) out[*j.owner] += j.on_root + j.reserved;
+  }
+  return out;
+}
+
 std::string DiskQuota::OverLocked(const std::string& job, uint64_t step, uint32_t rank, uint64_t bytes) const {
   const Usage usage = UsageLocked(job);
   auto what = [&] { return fmt::format("writing rank {} of step {} ({})", rank, step, Size(bytes)); };

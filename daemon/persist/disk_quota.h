@@ -71,6 +71,11 @@ class DiskQuota {
     std::optional<uint32_t> owner;
   };
   Usage UsageOf(const std::string& job);
+  // Every owner's bytes on the root as last measured plus what was written and is being
+  // written since (no walk: what a scrape reads), by uid; jobs with no owner on record are
+  // left out.
+  std::map<uint32_t, uint64_t> UsageByUser() const;
+  const Limits& limits() const { return limits_; }
 
  private:
   struct Job {

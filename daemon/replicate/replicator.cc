@@ -8,6 +8,7 @@
 
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/metrics/daemon_metrics.h"
 #include "daemon/replicate/run_each.h"
 #include "daemon/replicate/shard_fragments.h"
 
@@ -67,7 +68,7 @@ void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, ui
       const bool superseded = std::pair{it->run, it->step} < std::pair{run, step};
       if (it->job == job && it->step != step && superseded && !begun) {
         MarkIncompleteLocked(records_[{it->job, it->step}],
-                             fmt::format("step {} was staged before this one's shards were sent", step));
+                             fmt::format("step {} was staged before this one's shards were sent", step), "superseded");
         it = queue_.erase(it);
       } else {
         ++it;
@@ -90,7 +91,7 @@ void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, ui
 }
 
 void Replicator::Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks,
-                           std::string manifest_json) {
+                           std::string manifest_json, double unix_time) {
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
@@ -102,6 +103,7 @@ void Replicator::Committed(const std::string& job, uint64_t step, std::vector<ui
     }
     r.committed_ranks = std::move(ranks);
     r.manifest_json = std::move(manifest_json);
+    r.status.unix_time = unix_time;
     if (!ReadyLocked(r)) return;
     to_finish_.push_back({job, step});
   }
@@ -115,7 +117,7 @@ void Replicator::Failed(const std::string& job, uint64_t step) {
     if (it == records_.end()) return;  // nothing of it was staged here
     Record& r = it->second;
     r.failed = true;
-    MarkIncompleteLocked(r, "the step did not commit");
+    MarkIncompleteLocked(r, "the step did not commit", {});  // counted as the step's failure
     queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
                                 [&](const Shard& s) { return s.job == job && s.step == step; }),
                  queue_.end());
@@ -141,10 +143,11 @@ bool Replicator::ReadyLocked(const Record& r) const {
   return true;
 }
 
-void Replicator::MarkIncompleteLocked(Record& r, std::string why) {
+void Replicator::MarkIncompleteLocked(Record& r, std::string why, std::string_view cause) {
   if (r.status.state == StepReplication::State::kIncomplete) return;
   r.status.state = StepReplication::State::kIncomplete;
   r.status.why = std::move(why);
+  if (!cause.empty()) metrics::Metrics().ReplicationError(cause);
   Log().warn("[{} s{}] not replicated: {}", r.status.job, r.status.step, r.status.why);
 }
 
@@ -222,7 +225,7 @@ void Replicator::Loop() {
         holders = *found;
         again->second.holders = holders;
       } else {
-        MarkIncompleteLocked(again->second, Message(found.status()));
+        MarkIncompleteLocked(again->second, Message(found.status()), metrics::ErrorCause(found.status()));
         holders = std::vector<Holder>{};  // nothing is sent: the step is incomplete
       }
     }
@@ -245,7 +248,9 @@ void Replicator::Loop() {
     if (found_again == records_.end()) continue;
     Record& done = found_again->second;
     done.status.bytes_sent += bytes;
-    if (!sent.ok()) MarkIncompleteLocked(done, fmt::format("rank {}: {}", shard.rank, Message(sent)));
+    if (!sent.ok()) {
+      MarkIncompleteLocked(done, fmt::format("rank {}: {}", shard.rank, Message(sent)), metrics::ErrorCause(sent));
+    }
     done.sent[shard.rank] = sent;
     if (ReadyLocked(done)) to_finish_.push_back(key);
   }
@@ -303,7 +308,7 @@ void Replicator::Finish(const Key& key) {
     if (!r.holders) {
       // Committed here with no shard staged by this daemon (a step in doubt across its
       // restart): nothing was sent, and nothing is claimed.
-      MarkIncompleteLocked(r, "none of its shards was staged by this daemon");
+      MarkIncompleteLocked(r, "none of its shards was staged by this daemon", "other");
       return;
     }
     holders = *r.holders;
@@ -323,7 +328,8 @@ void Replicator::Finish(const Key& key) {
       {
         std::lock_guard lock(mu_);
         if (auto it = records_.find(key); it != records_.end()) {
-          MarkIncompleteLocked(it->second, fmt::format("sealing with node {}: {}", holders[i].node, Message(results[i])));
+          MarkIncompleteLocked(it->second, fmt::format("sealing with node {}: {}", holders[i].node, Message(results[i])),
+                               metrics::ErrorCause(results[i]));
         }
       }
       // Sealed at some holders only: none drops the step before (no release), and those

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -39,6 +40,7 @@ struct StepReplication {
   std::string why;          // kIncomplete: what stopped it
   uint64_t bytes_sent = 0;  // fragments' bytes, every holder's
   double seconds = 0;       // from the first shard staged to the seal (kReplicated)
+  double unix_time = 0;     // the step's commit time (its manifest's), once committed
 };
 
 const char* StateName(StepReplication::State state);
@@ -59,7 +61,8 @@ class Replicator {
               std::shared_ptr<const char> data, uint64_t bytes);
   // The step committed with these ranks on this node; `manifest_json` is this node's
   // manifest of it. Sealed with the holders once every rank's fragments are acknowledged.
-  void Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks, std::string manifest_json);
+  void Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks, std::string manifest_json,
+                 double unix_time = 0);
   // The step did not commit: nothing of it is sealed, and the peers drop what they got.
   void Failed(const std::string& job, uint64_t step);
 
@@ -108,7 +111,8 @@ class Replicator {
   // alive is Unavailable.
   std::vector<absl::Status> OnEachHolder(const std::vector<Holder>& holders,
                                          const std::function<absl::Status(size_t, ReplicaClient&)>& call);
-  void MarkIncompleteLocked(Record& r, std::string why);
+  // `cause`: the ckptd_replication_errors_total label it counts under (empty: not counted).
+  void MarkIncompleteLocked(Record& r, std::string why, std::string_view cause);
   void PruneLocked();
 
   PeerDirectory& peers_;

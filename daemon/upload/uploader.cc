@@ -634,7 +634,8 @@ void Uploader::Loop() {
         RemoveOrphans(job, step);
         uploaded_(job);
         lock.lock();
-        last_uploaded_[job] = std::max(last_uploaded_[job], step);
+        Published& published = last_uploaded_[job];
+        if (step >= published.step) published = {step, current_->manifest.unix_time};
       }
       current_.reset();
       continue;
@@ -653,6 +654,7 @@ void Uploader::Loop() {
       if (!state.queued) state.queued = std::move(current_);  // else the newer step waits instead
       current_.reset();
       if (!was_waiting) {
+        metrics::Metrics().UploadError(s);
         Log().warn("{}", message);
         lock.unlock();
         on_error_(message);
@@ -660,6 +662,7 @@ void Uploader::Loop() {
       continue;
     }
     metrics::Metrics().Fail(metrics::Cause::kStorage);
+    metrics::Metrics().UploadError(s);
     if (absl::IsAlreadyExists(s)) {
       // Retrying cannot help: said once, on the log and status.
       Log().error("{}", message);
@@ -706,12 +709,20 @@ std::vector<UploadProgress> Uploader::InProgress() const {
     p.state = state.waiting ? "waiting" : state.failures > 0 ? "retrying" : "queued";
     p.last_error = state.last_error;
     p.age_s = SecondsSince(state.queued->queued);
+    for (const format::ManifestShard* s : ShardsToUpload(state.queued->manifest)) p.bytes_total += s->bytes;
     out.push_back(std::move(p));
   }
   return out;
 }
 
 std::map<std::string, uint64_t> Uploader::LastUploaded() const {
+  std::lock_guard lock(mu_);
+  std::map<std::string, uint64_t> out;
+  for (const auto& [job, published] : last_uploaded_) out[job] = published.step;
+  return out;
+}
+
+std::map<std::string, Uploader::Published> Uploader::LastPublished() const {
   std::lock_guard lock(mu_);
   return last_uploaded_;
 }

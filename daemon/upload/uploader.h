@@ -45,7 +45,7 @@ struct UploadProgress {
   // answer yet: last_error says what for)
   std::string state;
   uint64_t bytes_done = 0;
-  uint64_t bytes_total = 0;
+  uint64_t bytes_total = 0;  // this node's files of the step (a queued step's too)
   std::string last_error;
   double age_s = 0;  // since the step was queued
 };
@@ -109,6 +109,12 @@ class Uploader {
   std::vector<UploadProgress> InProgress() const;
   // The newest step of each job this node saw published remotely since it started.
   std::map<std::string, uint64_t> LastUploaded() const;
+  // The same with each step's time (its manifest's unix_time: when it was committed).
+  struct Published {
+    uint64_t step = 0;
+    double unix_time = 0;
+  };
+  std::map<std::string, Published> LastPublished() const;
 
   // Ends the thread; an upload in progress stops between writes (the next start resumes it).
   void Stop();
@@ -184,7 +190,7 @@ class Uploader {
   std::optional<Pending> current_;   // being uploaded (the thread's; progress under mu_)
   UploadProgress progress_;          // of current_
   std::atomic<uint64_t> from_memory_{0};  // bytes of current_ read from staging memory
-  std::map<std::string, uint64_t> last_uploaded_;
+  std::map<std::string, Published> last_uploaded_;
   // (job, step, run) this process has made an attempt at (the uploader's thread only).
   std::set<std::tuple<std::string, uint64_t, uint64_t>> attempted_;
   // The last attempt stopped at before_upload, which has no answer yet (the thread's).

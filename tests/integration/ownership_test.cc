@@ -505,5 +505,18 @@ TEST_CASE("one user's jobs cannot fill the root: a user's quota refuses that use
   // Room made (the owner deletes a step) is seen at the next write.
   REQUIRE(Run(Helper(d, As(1000, {"--job", "a1", "admin-delete", "--step", "1"})), dir.path()).exit_code == 0);
   CHECK(SaveAs(d, dir, 1000, "a2", 2).exit_code == 0);
-  CHECK(Contains(HttpGet(metrics_port, "/metrics"), "ckptd_failures_total{cause=\"quota\"} 2"));
+  const std::string scrape = HttpGet(metrics_port, "/metrics");
+  INFO(scrape);
+  CHECK(Contains(scrape, "ckptd_failures_total{cause=\"quota\"} 2"));
+  // Each user's bytes on the root against the bound, as the quota counts them.
+  auto sample = [&](const std::string& series) {
+    const size_t at = scrape.find("\n" + series + " ");
+    return at == std::string::npos ? -1.0 : std::stod(scrape.substr(at + series.size() + 2));
+  };
+  const double bound = sample("ckptd_quota_bytes{scope=\"user\"}");
+  CHECK(bound >= 350000);
+  CHECK(sample("ckptd_quota_bytes{scope=\"job\"}") >= 250000);
+  CHECK(sample("ckptd_user_disk_bytes{uid=\"1000\"}") >= 200000);  // a1 step 2, a2 steps 1 and 2
+  CHECK(sample("ckptd_user_disk_bytes{uid=\"1000\"}") <= bound);
+  CHECK(sample("ckptd_user_disk_bytes{uid=\"1001\"}") >= 200000);
 }

@@ -79,6 +79,9 @@ TEST_CASE("a user's jobs count together; another user's never do") {
   CHECK(absl::IsResourceExhausted(quota->Reserve("b1", 2, 0, 1)));
   // A job nobody owns on record yet counts for no user.
   CHECK(quota->Reserve("new", 1, 0, 900).ok());
+  // What a scrape reads (ckptd_user_disk_bytes): each owner's bytes, being written included,
+  // without a walk; the job with no owner left out.
+  CHECK(quota->UsageByUser() == std::map<uint32_t, uint64_t>{{1000, 1000}, {1001, 5000}});
 }
 
 TEST_CASE("written bytes count at once; what ckptd removes is measured again before the job's next write") {

@@ -3,10 +3,12 @@
 // chooses. The full endpoint is parsed with the stock parser in client/python/tests/test_metrics.py.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
+#include "daemon/metrics/error_cause.h"
 #include "daemon/metrics/registry.h"
 
 using namespace ckpt::metrics;
@@ -66,4 +68,26 @@ TEST_CASE("label values a trainer chooses are bounded: past max_series they fold
   REQUIRE(folded.size() == 65);
   CHECK(folded.back().first == LabelValues{"_other"});
   CHECK(folded.back().second == 36);
+  // Ages fold to the oldest of them, not their sum.
+  rows.push_back({{"u100"}, 7});
+  auto oldest = FoldRows(rows, 64, 0, /*keep_max=*/true);
+  REQUIRE(oldest.size() == 65);
+  CHECK(oldest.back().first == LabelValues{"_other"});
+  CHECK(oldest.back().second == 7);
+}
+
+TEST_CASE("errors count under a few causes read from their status code, each exported from the start") {
+  CHECK(ErrorCause(absl::UnavailableError("S3 PUT: Couldn't connect to server (after 6 attempts)")) == "unavailable");
+  CHECK(ErrorCause(absl::DeadlineExceededError("no answer")) == "timeout");
+  CHECK(ErrorCause(absl::PermissionDeniedError("403 SignatureDoesNotMatch")) == "refused");
+  CHECK(ErrorCause(absl::UnauthenticatedError("bad token")) == "refused");
+  CHECK(ErrorCause(absl::ResourceExhaustedError("replica memory")) == "no_space");
+  CHECK(ErrorCause(absl::NotFoundError("bucket")) == "not_found");
+  CHECK(ErrorCause(absl::DataLossError("checksum")) == "corrupt");
+  CHECK(ErrorCause(absl::InternalError("?")) == "other");
+  const auto& all = ErrorCauses();
+  for (auto code : {absl::StatusCode::kCancelled, absl::StatusCode::kUnknown, absl::StatusCode::kInvalidArgument,
+                    absl::StatusCode::kAborted, absl::StatusCode::kUnimplemented, absl::StatusCode::kFailedPrecondition}) {
+    CHECK(std::find(all.begin(), all.end(), ErrorCause(absl::Status(code, "x"))) != all.end());
+  }
 }

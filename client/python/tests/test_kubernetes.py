@@ -5,7 +5,8 @@ sidecar (an init container that restarts: it starts before the trainer and stops
 it), the trainer starts only once ckptd's startup probe passes, the liveness probe asks a
 service that a busy daemon still answers. The flags and probes are run for real: ckptd
 --check-config takes each manifest's arguments and environment, and each probe's command
-answers as it should against a running ckptd.
+answers as it should against a running ckptd. The Prometheus operator's resources
+(ckptd-monitoring.yaml) scrape every manifest's ckptd and carry the shipped alerting rules.
 """
 import glob
 import json
@@ -19,7 +20,9 @@ import yaml
 
 from conftest import CKPTCTL, CKPTD, Daemon
 
-MANIFESTS = sorted(glob.glob("deploy/kubernetes/*.yaml"))
+MONITORING = "deploy/kubernetes/ckptd-monitoring.yaml"  # the Prometheus operator's resources: no pods
+MANIFESTS = sorted(p for p in glob.glob("deploy/kubernetes/*.yaml") if p != MONITORING)
+RULES = "deploy/prometheus/ckptd-rules.yml"
 VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
 
 
@@ -60,6 +63,51 @@ def test_the_manifests_are_the_ones_documented():
     assert [os.path.basename(p) for p in MANIFESTS] == [
         "ckptd-indexed-job.yaml", "ckptd-pytorchjob.yaml", "ckptd-sidecar.yaml"]
     assert all(pod_specs(p) for p in MANIFESTS)
+    assert [d["kind"] for d in documents(MONITORING)] == ["PodMonitor", "PrometheusRule"]
+
+
+def pod_labels(path):
+    """(where, labels) of every pod a manifest makes."""
+    out = []
+    for d in documents(path):
+        if d["kind"] == "Pod":
+            out.append((d["metadata"]["name"], d["metadata"].get("labels", {})))
+        elif d["kind"] == "Job":
+            out.append((d["metadata"]["name"], d["spec"]["template"].get("metadata", {}).get("labels", {})))
+        elif d["kind"] == "PyTorchJob":
+            for role, replica in d["spec"]["pytorchReplicaSpecs"].items():
+                out.append((role, replica["template"].get("metadata", {}).get("labels", {})))
+    return out
+
+
+def test_the_prometheus_rule_carries_the_shipped_rules_word_for_word():
+    """The PrometheusRule is deploy/prometheus/ckptd-rules.yml (which promtool tests:
+    //deploy/prometheus:rules_test), not a copy that drifts."""
+    rule, = [d for d in documents(MONITORING) if d["kind"] == "PrometheusRule"]
+    with open(RULES) as f:
+        shipped = yaml.safe_load(f)
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["name"]
+    assert rule["spec"]["groups"] == shipped["groups"]
+
+
+def test_the_pod_monitor_scrapes_every_manifests_ckptd_as_the_rules_expect():
+    monitor, = [d for d in documents(MONITORING) if d["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["name"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    endpoint, = monitor["spec"]["podMetricsEndpoints"]
+    # The rules select job="ckptd" (as a static scrape job named ckptd gives).
+    with open(RULES) as f:
+        assert 'job="ckptd"' in f.read()
+    assert {"action": "replace", "targetLabel": "job", "replacement": "ckptd"} in endpoint["relabelings"]
+    assert endpoint["path"] == "/metrics"
+    for path in MANIFESTS:
+        for where, labels in pod_labels(path):
+            assert selector.items() <= labels.items(), (path, where, labels)
+        for where, spec in pod_specs(path):
+            ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+            port, = [p for p in ckptd["ports"] if p["name"] == endpoint["port"]]
+            # ckptd listens there on every address of the pod, not only its loopback.
+            assert flag(ckptd, "metrics-addr") == f"0.0.0.0:{port['containerPort']}", (path, where)
 
 
 @pytest.mark.parametrize("path", MANIFESTS)

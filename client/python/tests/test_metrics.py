@@ -16,7 +16,9 @@ import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
 from conftest import Daemon
 
-# Every family docs/operators.md lists (the process_* ones are client_golang's).
+# Every family docs/operators.md lists that a single node without a remote tier, a quota or
+# a group exports (the process_* ones are client_golang's); the others are scraped in
+# tests/integration/metrics_test.cc, from daemons that have them.
 FAMILIES = {
     "ckptd_snapshot_seconds", "ckptd_staging_seconds", "ckptd_write_seconds", "ckptd_commit_seconds",
     "ckptd_restore_seconds", "ckptd_upload_seconds", "ckptd_staged_bytes", "ckptd_written_bytes",
@@ -24,6 +26,8 @@ FAMILIES = {
     "ckptd_failures", "ckptd_build_info", "ckptd_staging_bytes", "ckptd_staging_user_bytes",
     "ckptd_staging_job_bytes", "ckptd_sessions", "ckptd_registered_bytes", "ckptd_job_sessions",
     "ckptd_job_last_committed_step", "ckptd_job_last_commit_age_seconds", "ckptd_jobs_committed",
+    "ckptd_job_last_commit_timestamp_seconds", "ckptd_job_tier_step", "ckptd_job_tier_timestamp_seconds",
+    "ckptd_job_steps_in_flight", "ckptd_upload_errors", "ckptd_replication_errors",
     "process_cpu_seconds", "process_open_fds", "process_max_fds", "process_virtual_memory_bytes",
     "process_resident_memory_bytes", "process_start_time_seconds",
 }
@@ -85,6 +89,10 @@ def test_a_scrape_during_a_run_shows_every_figure(workdir):
     assert value(after, "ckptd_restored_bytes", "ckptd_restored_bytes_total", tier="memory") >= 256 * 256 * 4
     assert value(after, "ckptd_job_last_committed_step", ckpt_job="run") == 3
     assert 0 <= value(after, "ckptd_job_last_commit_age_seconds", ckpt_job="run") < 60
+    assert abs(value(after, "ckptd_job_last_commit_timestamp_seconds", ckpt_job="run") - time.time()) < 60
+    assert value(after, "ckptd_job_tier_step", ckpt_job="run", tier="local") == 3
+    assert value(after, "ckptd_job_steps_in_flight", ckpt_job="run") == 0
+    assert value(after, "ckptd_upload_errors", "ckptd_upload_errors_total", cause="unavailable") == 0
     ((_, labels), one), = after["ckptd_build_info"].items()
     assert one == 1 and re.fullmatch(r"\d+\.\d+\.\d+", dict(labels)["version"])
     assert value(after, "ckptd_staging_bytes", state="capacity") == 512 << 20

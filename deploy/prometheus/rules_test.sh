@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The shipped alerting rules are valid (promtool check rules) and each alert fires on the
+# recorded series of ckptd-rules.test.yml and clears (promtool test rules). promtool comes
+# with Debian's prometheus package (tools/setup.sh installs it).
+set -euo pipefail
+dir="$(dirname "$0")"  # the rules and their tests beside it (Bazel's runfiles, or the source tree)
+if ! command -v promtool >/dev/null; then
+  echo "rules_test: promtool not found: install Debian's prometheus package (tools/setup.sh does)" >&2
+  exit 1
+fi
+# promtool resolves rule_files beside the test file: run in a copy of both.
+work="${TEST_TMPDIR:-$(mktemp -d)}/rules"
+mkdir -p "$work"
+cp "$dir/ckptd-rules.yml" "$dir/ckptd-rules.test.yml" "$work/"
+promtool check rules "$work/ckptd-rules.yml"
+cd "$work"
+promtool test rules ckptd-rules.test.yml
