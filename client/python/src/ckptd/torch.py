@@ -1055,9 +1055,9 @@ class CheckpointManager:
     def _create_optimizer_state(self):
         """Optimizers create their state at the first step; a checkpoint can only be restored
         into state that exists. Runs one step with zero gradients and a learning rate of 0
-        (parameters are overwritten by the restore anyway): sparse and empty where the
-        parameter gets sparse gradients (an nn.Embedding(sparse=True), every parameter of a
-        SparseAdam, which refuses dense ones). Returns the parameters whose state was
+        (parameters are overwritten by the restore anyway): sparse ones (a row of zeros)
+        where the parameter gets sparse gradients (an nn.Embedding(sparse=True), every
+        parameter of a SparseAdam, which refuses dense ones). Returns the parameters whose state was
         created, to drop again if there is nothing to restore."""
         if self.optimizer is None:
             return []
