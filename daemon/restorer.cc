@@ -119,6 +119,10 @@ absl::StatusOr<std::vector<const RegisteredTensor*>> MatchTensors(
     const std::vector<RegisteredTensor>& registered, const std::vector<std::string>& stored,
     const RestoreSpec& spec, uint64_t step, RestoreResult& result, bool report_unregistered) {
   const format::TensorSelection& selection = spec.selection;
+  if (selection.train_state_only()) {  // exclude "*": asked for on purpose, never an error
+    result.skipped = report_unregistered ? stored.size() : 0;
+    return std::vector<const RegisteredTensor*>{};
+  }
   std::set<std::string> have;
   for (const std::string& name : stored) {
     if (selection.Selects(name)) have.insert(name);

@@ -60,6 +60,10 @@ bool TensorSelection::Selects(std::string_view name) const {
   return !AnyMatches(exclude_, name);
 }
 
+bool TensorSelection::train_state_only() const {
+  return std::find(exclude_.begin(), exclude_.end(), "*") != exclude_.end();
+}
+
 std::string TensorSelection::Describe() const {
   if (everything()) return "every tensor";
   std::string out;

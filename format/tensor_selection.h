@@ -3,6 +3,9 @@
 // selected when no include pattern is given or one matches, and no exclude pattern
 // matches. Fine-tuning from a full checkpoint restores the weights without the optimizer
 // state (exclude "optim.*"); a debugging session restores one layer (include "layers.3.*").
+// An exclude pattern of exactly "*" selects nothing on purpose: such a restore brings back the
+// train state alone (ckptd.torch's load(on_shapes=) reads the saved shapes so, before it
+// resizes the model and restores the tensors).
 #pragma once
 
 #include <string>
@@ -28,6 +31,8 @@ class TensorSelection {
 
   bool Selects(std::string_view name) const;
   bool everything() const { return include_.empty() && exclude_.empty(); }
+  // Excludes "*": no tensor, the train state only (not a typo that happens to match none).
+  bool train_state_only() const;
   // "include [a, b], exclude [c]": for messages.
   std::string Describe() const;
 

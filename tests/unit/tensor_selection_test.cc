@@ -109,6 +109,20 @@ TEST_CASE("match: a selection that picks nothing is an error, not an empty resto
   CHECK_THAT(Message(none.status()), Catch::Contains("include [layer.*] selects none of the 4"));
 }
 
+TEST_CASE("match: excluding \"*\" restores the train state alone, whatever is registered") {
+  RestoreResult result;
+  RestoreSpec state_only{.selection = Select({}, {"*"})};
+  auto none = MatchTensors(Registered({"layers.0.w", "not.saved"}), kStored, state_only, 7, result);
+  REQUIRE(none.ok());
+  CHECK(none->empty());
+  CHECK(result.tensors == 0);
+  CHECK(result.skipped == 4);
+  CHECK(result.not_in_checkpoint.empty());
+  // A pattern that merely matches everything is still a selection, not this.
+  RestoreSpec star_star{.selection = Select({}, {"**"})};
+  CHECK(absl::IsInvalidArgument(MatchTensors(Registered({"layers.0.w"}), kStored, star_star, 7, result).status()));
+}
+
 TEST_CASE("match: allow_missing with no name in common is an error, not a silent fresh start") {
   RestoreResult result;
   RestoreSpec lenient{.allow_missing = true};

@@ -26,6 +26,7 @@ case $flavour in
                                           --ignore=client/python/tests/test_lightning.py
                                           --ignore=client/python/tests/test_torchtitan.py
                                           --ignore=client/python/tests/test_hf_trainer.py
+                                          --ignore=client/python/tests/test_accelerate.py
                                           --ignore=client/python/tests/test_dcp_real_models.py
                                           --ignore=client/python/tests/test_docs_python.py
                                           --ignore=client/python/tests/test_metrics.py

@@ -99,8 +99,7 @@ def test_plain_values_in_extra_state_come_back_in_place(daemon):
         assert manager.load() == 1
     assert torch.equal(id_map, torch.arange(1 << 20, dtype=torch.int64))
     assert history == {"loss": [3.0, 2.5, 2.1]} and seen == [1, 2, 3]
-    with pytest.raises(TypeError, match=r"extra_state\['epoch'\] is a int: .* wrap it in a dict"):
-        CheckpointManager("plain", model, extra_state={"epoch": 3}, socket=daemon.socket)
+    # A number or string cannot come back in place: load() gives it back (test_tables.py).
 
 
 class Loader:

@@ -128,11 +128,43 @@ def model_of(model):
 
 
 def optimizer_of(optimizer):
-    return OptimizerParts(optimizer) if isinstance(optimizer, (list, tuple, dict)) else optimizer
+    if isinstance(optimizer, (list, tuple, dict)):
+        inner = {k: unwrapped(o) for k, o in optimizer.items()} if isinstance(optimizer, dict) else \
+            [unwrapped(o) for o in optimizer]
+        return OptimizerParts(inner)
+    return unwrapped(optimizer)
 
 
 def scheduler_of(scheduler):
-    return SchedulerParts(scheduler) if isinstance(scheduler, (list, tuple, dict)) else scheduler
+    if isinstance(scheduler, (list, tuple, dict)):
+        return SchedulerParts({k: unwrapped(s) for k, s in scheduler.items()} if isinstance(scheduler, dict)
+                              else [unwrapped(s) for s in scheduler])
+    return unwrapped(scheduler)
+
+
+# Wrappers that frameworks put around an optimizer or LR scheduler, and where each keeps the
+# real one: Accelerate's `accelerator.prepare` (AcceleratedOptimizer, AcceleratedScheduler),
+# Lightning's LightningOptimizer. They hold no state of their own (their state_dict() is the
+# inner one's), and AcceleratedOptimizer, an Optimizer that never ran Optimizer.__init__, has
+# no step hooks. Only these: an optimizer that wraps another and keeps state of its own
+# (Lookahead's slow weights) is checkpointed as it is.
+_WRAPPERS = {
+    ("accelerate.optimizer", "AcceleratedOptimizer"): "optimizer",
+    ("accelerate.scheduler", "AcceleratedScheduler"): "scheduler",
+    ("lightning.pytorch.core.optimizer", "LightningOptimizer"): "_optimizer",
+    ("pytorch_lightning.core.optimizer", "LightningOptimizer"): "_optimizer",
+}
+
+
+def unwrapped(obj):
+    """The optimizer or scheduler inside a framework's wrapper (_WRAPPERS), else `obj`."""
+    while obj is not None:
+        attr = _WRAPPERS.get((type(obj).__module__, type(obj).__name__))
+        inner = getattr(obj, attr, None) if attr else None
+        if inner is None or inner is obj:
+            return obj
+        obj = inner
+    return obj
 
 
 def modules(model):

@@ -1,11 +1,15 @@
 """What load() restored: the step, as an int, that also says where it came from."""
+import types
 
 
 class Restored(int):
     """The step load() restored (an int: `(manager.load() or 0) + 1` is the next step), with
     where it came from: `source` ("memory", "disk", "remote" or "peer"), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
-    job's now (None otherwise)."""
+    job's now (None otherwise). `extra`: the plain values of extra_state (numbers, strings),
+    which load() cannot restore in place, as saved."""
+
+    extra = types.MappingProxyType({})  # none (a load set its own)
 
     def __new__(cls, step, source, nbytes, resharded_from=None):
         restored = super().__new__(cls, step)

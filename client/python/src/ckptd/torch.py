@@ -29,14 +29,14 @@ import weakref
 import torch
 
 import ckptd
-from ckptd import _advice, _fsdp1, _parts, _placement
+from ckptd import _advice, _fsdp1, _parts, _placement, _shapes
 from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
 from ckptd._restored import Restored
 from ckptd._state_dict import (_aliases, _Entry, _dtype_name, _move_to_arena, _named_parameters, _param_names,
                                _persistent_buffers, _set_buffer, _set_data, _set_item)
-from ckptd._train_state import _from_bytes, _plain_loads, _to_bytes
+from ckptd._train_state import _bytesio_in, _bytesio_out, _from_bytes, _plain_loads, _to_bytes
 
 __all__ = ["CheckpointManager", "CheckpointError", "Restored"]
 
@@ -157,6 +157,7 @@ class CheckpointManager:
         self._registered_where = {}  # see _where
         self._aliases = {}          # tied parameters' other names (_state_dict._aliases)
         self._extra_checked = set()  # extra_state entries seen to read back (_extra_bytes)
+        self._shapes_record = None  # the model tensors' global shapes, as a save records them
         self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
         self._install_hooks()
@@ -319,7 +320,7 @@ class CheckpointManager:
             self._lost(e)
 
     def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True,
-             from_hf=None, rename=None, cast=False):
+             from_hf=None, rename=None, cast=False, on_shapes=None, resize=False):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -339,6 +340,13 @@ class CheckpointManager:
         torch.bfloat16)` step into an FP32 model), rounding as `Tensor.to` does; without it a
         dtype that differs is an error naming the tensors.
 
+        `on_shapes(shapes)` is called before any tensor is restored with {name: torch.Size}, the
+        saved global shape of every model tensor (parameter, persistent buffer, extra_state
+        tensor), and may resize the model's tensors in place (`param.data = torch.empty(...)`)
+        to fit them; the optimizer state of a resized parameter follows, then the step is
+        restored into the new shapes. `resize=True` does that for the first dimension
+        (embedding tables that grew or shrank: rows). Both need a step saved by this version.
+
         Returns a `Restored`: the step, an int (so `(manager.load() or 0) + 1` is the next
         step), that also says where it came from: `.source` ("memory", "disk", "remote":
         ckptd's --remote tier, or "peer": rebuilt from its peers' memory), `.bytes`, and `.resharded_from` (the world size it was saved
@@ -348,6 +356,14 @@ class CheckpointManager:
         A load that raises leaves nothing registered with ckptd (the next save or load, or
         another CheckpointManager of the same job, registers afresh)."""
         self._check_open()
+        if on_shapes is not None and resize:
+            raise ValueError("pass on_shapes= or resize=True, not both (resize=True is an on_shapes of its own)")
+        if resize:
+            on_shapes = lambda shapes: _shapes.resize_first_dimension(self.model, self._extra_tensors(), shapes)
+        if on_shapes is not None and not callable(on_shapes):
+            raise TypeError(f"on_shapes is called with the saved shapes: a {type(on_shapes).__name__} is not callable")
+        if on_shapes is not None and (from_dcp is not None or from_hf is not None):
+            raise ValueError("on_shapes= and resize=True apply to ckptd's steps, not to from_dcp= or from_hf=")
         if from_dcp is not None:
             return self._load_from_dcp(os.fspath(from_dcp), step)
         if from_hf is not None:
@@ -356,7 +372,7 @@ class CheckpointManager:
         include, patterns, skip_state = self._selection(exclude)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         try:
-            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast)
+            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast, on_shapes)
         except BaseException:
             # A notebook re-runs the cell with a new manager: no session of this one may stand
             # in its way. (What was restored before the failure stays in the tensors: a failed
@@ -366,10 +382,13 @@ class CheckpointManager:
         self._loaded = True
         return restored
 
-    def _load(self, step, exclude, include, patterns, skip_state, strict, cast=False):
+    def _load(self, step, exclude, include, patterns, skip_state, strict, cast=False, on_shapes=None):
         created = [] if "optimizer" in exclude else self._create_optimizer_state()
+        early_warnings = []
         try:
             self._register_current_tensors()
+            if on_shapes is not None:
+                step, early_warnings = self._resize_to_saved(step, on_shapes)
             info = self._client.restore(step, include=include, exclude=patterns,
                                         allow_missing=not strict, cast=bool(cast))
         except ckptd.Error as e:
@@ -388,7 +407,7 @@ class CheckpointManager:
                               f"{' ...' if len(info['other_jobs']) > len(near) else ''} "
                               "(a misspelt job name?)", stacklevel=_user_stacklevel())
             return None
-        for warning in info["warnings"]:  # a newer step was damaged: never a silent fallback
+        for warning in early_warnings + list(info["warnings"]):  # a newer step was damaged: never silent
             warnings.warn(f"ckptd: {warning}", stacklevel=_user_stacklevel())
         for side, names in (("not in the checkpoint", info["not_in_checkpoint"]),
                             ("in the checkpoint but not in the model", info["not_registered"])):
@@ -403,17 +422,40 @@ class CheckpointManager:
                          "from_rank": self.rank if self.rank < saved_world else 0}
             self._warn_resharded_state(info["step"], saved_world, skip_state)
         try:
-            self._apply_train_state(info["train_state"], skip_state, resharded)
+            plain = self._apply_train_state(info["train_state"], skip_state, resharded)
         except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
             raise CheckpointError(f"cannot load job {self.job!r} rank {self.rank}: step "
                                   f"{info['step']}'s train state is not usable: {e}") from e
         restored = Restored(info["step"], info["source"], info["bytes"],
                             saved_world if saved_world and saved_world != self.world_size else None)
+        restored.extra = plain  # extra_state's plain values, as saved
         log.info("ckptd: job %r rank %d: %s", self.job, self.rank, restored.describe())
         self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
-                         "resharded_from": restored.resharded_from}
+                         "resharded_from": restored.resharded_from, "extra": plain}
         self._run = info["step"]
         return restored
+
+    def _resize_to_saved(self, step, on_shapes):
+        """load(on_shapes=): restores the train state alone (the selection excludes "*") to
+        read the saved shapes, lets `on_shapes` resize the model, makes the optimizer state
+        follow and registers the new tensors. Returns the step to restore (the one found,
+        so that every tensor comes from it) and the warnings of that first restore."""
+        try:
+            first = self._client.restore(step, include=[], exclude=["*"], allow_missing=False, cast=False)
+        except ckptd.Error as e:
+            if "selects none" not in str(e):
+                raise
+            raise CheckpointError(f"cannot load job {self.job!r} with on_shapes= or resize=True: the ckptd at "
+                                  f"{self.socket} is older than this client and cannot restore a step's train "
+                                  f"state alone ({e}); upgrade ckptd") from e
+        if not first["found"]:
+            return step, []  # the restore that follows says so
+        shapes = _shapes.saved(first["train_state"], first["step"])
+        follows = _shapes.OptimizerFollows(self.model, self.optimizer)
+        on_shapes(shapes)
+        follows.apply()
+        self._register_current_tensors()
+        return first["step"], list(first["warnings"])
 
     def _warn_resharded_state(self, step, saved_world, skip_state):
         """On another world size, ranks the save did not have get rank 0's train state: a
@@ -441,6 +483,8 @@ class CheckpointManager:
         exclude patterns, train-state prefixes to leave alone)."""
         include, patterns, skip_state = [], [], []
         for key in exclude:
+            if key == "*":  # to ckptd, a restore of the train state alone (load(on_shapes=) asks so)
+                raise ValueError("exclude: '*' leaves out every tensor: there is nothing to load")
             if key == "model":
                 include.append("optim.*")  # model tensors are every name outside optim.
             elif key == "optimizer":
@@ -887,7 +931,9 @@ class CheckpointManager:
         self._aliases = _aliases(self.model)
         self._registered = True
         self._registered_fingerprint = self._fingerprint()
-        self._registered_where = self._where(self._parts(self._collect()))  # after the moves
+        parts = self._parts(self._collect())
+        self._registered_where = self._where(parts)  # after the moves
+        self._shapes_record = _shapes.record(parts)
 
     # --- train state ----------------------------------------------------------------------
 
@@ -924,31 +970,37 @@ class CheckpointManager:
             state["optim.other_state"] = _to_bytes({k: v for k, v in other.items() if v})
         if self.lr_scheduler is not None:
             state["lr_scheduler"] = _to_bytes(self.lr_scheduler.state_dict())
+        if self._shapes_record is not None:  # for load(on_shapes=, resize=True)
+            state[_shapes.KEY] = self._shapes_record
         for name, obj in self.extra_state.items():
             if not torch.is_tensor(obj):
-                state[f"extra.{name}"] = self._extra_bytes(name, obj)
+                state[f"extra.{name}"], paths = self._extra_bytes(name, obj)
+                if paths:  # where its io.BytesIO were (_train_state._bytesio_out)
+                    state[_BYTESIO_KEY + name] = _to_bytes(paths)
         return state
 
     def _extra_bytes(self, name, obj):
         """An extra_state entry as train state. The first save of each checks that it reads
         back (as load() will read it: data only): a value that saves but can never be loaded
         is refused now, naming it, not found out at the restart."""
-        value = obj.state_dict() if hasattr(obj, "state_dict") else obj
+        value, paths = _bytesio_out(obj.state_dict() if hasattr(obj, "state_dict") else obj)
         if name in self._extra_checked:
-            return _to_bytes(value)
+            return _to_bytes(value), paths
         try:
             data = _to_bytes(value)
             _from_bytes(data)
         except Exception as e:  # what torch.save cannot write, or its weights-only reader refuses
             raise CheckpointError(f"extra_state[{name!r}] holds something a checkpoint cannot load "
                                   f"back as plain data ({type(e).__name__}: {str(e).splitlines()[0]}): "
-                                  "keep to tensors, numbers, strings, lists and dicts") from e
+                                  "keep to tensors, numbers, strings, bytes, io.BytesIO, lists and dicts") from e
         self._extra_checked.add(name)
-        return data
+        return data, paths
 
     def _apply_train_state(self, state, skip=(), resharded=None):
         """Applies the saved train state, except the entries under a prefix in `skip`
-        ("optim", "lr_scheduler", "rng", "extra.<name>": what load(exclude=) leaves alone)."""
+        ("optim", "lr_scheduler", "rng", "extra.<name>": what load(exclude=) leaves alone).
+        Returns the plain values of extra_state (numbers, strings...), which cannot be
+        restored in place: {name: value}."""
         state = {k: v for k, v in state.items() if not any(k == p or k.startswith(p + ".") for p in skip)}
         skipped = set(skip)
         if "rng.torch" in state:
@@ -971,16 +1023,23 @@ class CheckpointManager:
             if "lr_scheduler" not in state:
                 raise CheckpointError("the checkpoint has no LR scheduler state")
             self.lr_scheduler.load_state_dict(_from_bytes(state["lr_scheduler"]))
-        for name, obj in self.extra_state.items():
+        plain = {}
+        for name, obj in list(self.extra_state.items()):
             key = f"extra.{name}"
             if key in skipped or torch.is_tensor(obj):  # a tensor came back with the tensors
                 continue
             if key not in state:
                 raise CheckpointError(f"the checkpoint has no extra_state[{name!r}]")
             value = _from_bytes(state[key])
+            if _BYTESIO_KEY + name in state:
+                value = _bytesio_in(value, _from_bytes(state[_BYTESIO_KEY + name]))
             if resharded is not None and hasattr(obj, "reshard_state_dict"):
                 value = obj.reshard_state_dict(value, **resharded)
-            _load_extra(name, obj, value)
+            if isinstance(obj, _PLAIN):  # given back (Restored.extra), and saved from now on
+                plain[name] = self.extra_state[name] = value
+            else:
+                _load_extra(name, obj, value)
+        return plain
 
     def _optimizer_params(self, names=None):
         """(name, parameter) for every optimizer parameter: its name in the model, else
@@ -996,8 +1055,10 @@ class CheckpointManager:
     def _create_optimizer_state(self):
         """Optimizers create their state at the first step; a checkpoint can only be restored
         into state that exists. Runs one step with zero gradients and a learning rate of 0
-        (parameters are overwritten by the restore anyway). Returns the parameters whose
-        state was created, to drop again if there is nothing to restore."""
+        (parameters are overwritten by the restore anyway): sparse ones (a row of zeros)
+        where the parameter gets sparse gradients (an nn.Embedding(sparse=True), every
+        parameter of a SparseAdam, which refuses dense ones). Returns the parameters whose state was
+        created, to drop again if there is nothing to restore."""
         if self.optimizer is None:
             return []
         # Frozen parameters get no state from a real step: none is created for them either.
@@ -1007,9 +1068,10 @@ class CheckpointManager:
             return []
         saved_grads = {id(p): p.grad for p in params}
         saved_lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        sparse = _sparse_gradient_params(self.model, _parts.optimizers(self.optimizer))
         with torch.no_grad():
             for p in params:
-                p.grad = torch.zeros_like(p)
+                p.grad = _empty_sparse_like(p) if id(p) in sparse else torch.zeros_like(p)
             for g in self.optimizer.param_groups:
                 if "lr" in g:
                     g["lr"] = 0.0
@@ -1040,7 +1102,9 @@ class CheckpointManager:
     def _hook_step(self, optimizer):
         """Makes `optimizer.step` wait for the latest snapshot's copy; returns its own step."""
         step = optimizer.step
-        if hasattr(optimizer, "register_step_pre_hook"):  # PyTorch >= 2.0
+        # PyTorch >= 2.0; an Optimizer subclass that skipped Optimizer.__init__ (a wrapper
+        # _parts.unwrapped does not know) has the method but no hooks: its step is wrapped.
+        if hasattr(optimizer, "register_step_pre_hook") and hasattr(optimizer, "_optimizer_step_pre_hooks"):
             optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: self.wait_staged())
             return step
 
@@ -1053,15 +1117,47 @@ class CheckpointManager:
         return step
 
 
+def _sparse_gradient_params(model, optimizers):
+    """id() of every parameter that backward() gives sparse gradients: the weights of sparse
+    embeddings, and whatever a SparseAdam holds (it takes nothing else)."""
+    sparse = {id(m.weight) for m in model.modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse}
+    for o in optimizers:
+        if isinstance(o, torch.optim.SparseAdam):
+            sparse.update(id(p) for g in o.param_groups for p in g["params"])
+    return sparse
+
+
+def _empty_sparse_like(p):
+    """A sparse COO gradient for `p` that is zero: one row (0) of zeros (PyTorch 1.13's
+    SparseAdam cannot take a gradient with no entries at all)."""
+    rows = min(1, p.shape[0]) if p.dim() > 0 else 0
+    indices = torch.zeros((1, rows), dtype=torch.int64, device=p.device)
+    values = torch.zeros((rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    # Checked (it is tiny), which also keeps PyTorch 2 from warning that checks are off.
+    checked = {"check_invariants": True} if int(torch.__version__.split(".")[0]) >= 2 else {}
+    return torch.sparse_coo_tensor(indices, values, p.shape, **checked)
+
+
+# Plain values in extra_state: saved as they are; load() cannot restore them in place, so it
+# gives them back (Restored.extra) and the manager saves the restored value until it is set
+# anew (manager.extra_state[name] = value).
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+
+# Train-state entries of the manager's own: where an extra_state entry's io.BytesIO were.
+_BYTESIO_KEY = "ckptd.bytesio."
+
+
 def _check_extra(name, obj):
     """What extra_state may hold: an object with state_dict()/load_state_dict(), a tensor
-    (registered like a parameter), or a dict or list (its contents restored in place)."""
-    if torch.is_tensor(obj) or isinstance(obj, (dict, list)):
+    (registered like a parameter), a dict or list (its contents restored in place), or a
+    plain value (a number, a string: given back by load())."""
+    if torch.is_tensor(obj) or isinstance(obj, (dict, list) + _PLAIN):
         return
     if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
         raise TypeError(f"extra_state[{name!r}] is a {type(obj).__name__}: pass an object with "
-                        "state_dict()/load_state_dict(), a tensor, or a dict or list (restored in "
-                        "place); a number or string cannot be restored in place: wrap it in a dict")
+                        "state_dict()/load_state_dict(), a tensor, a dict or list (restored in "
+                        "place), or a number, string or bytes (given back as load().extra)")
 
 
 def _load_extra(name, obj, value):
