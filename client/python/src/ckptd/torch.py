@@ -508,52 +508,20 @@ class CheckpointManager:
 
     def _load_from_hf(self, path, rename, strict):
         """A warm start: the model's weights from a Hugging Face folder (what `ckptctl export`
-        writes, or a hub download), each cast to its parameter's dtype; the optimizer and the
-        rest of the train state are left as they are (there are none in such a folder)."""
+        writes, or a hub download), each cast to its parameter's dtype, into a whole or an
+        already sharded model (each rank reading its shards alone: _from_hf.load_into); the
+        optimizer and the rest of the train state are left as they are (there are none in
+        such a folder)."""
         from ckptd import _from_hf
         rules = dict(rename or {})
         _from_hf.check_rules(rules)
         self.wait_staged()
-        tensors = _from_hf.read_folder(path)
-        wanted = dict(_named_parameters(self.model))
-        for name, module, leaf in _persistent_buffers(self.model):
-            wanted.setdefault(name, module._buffers[leaf])
-        aliases = _aliases(self.model)  # a tied name fills the one tensor behind both
-        loaded, unexpected, nbytes = set(), [], 0
-        for name, tensor in sorted(tensors.items()):
-            key = _from_hf.rename(name, rules)
-            if key is None:
-                continue
-            key = aliases.get(key, key)
-            if key not in wanted:
-                unexpected.append(name)
-                continue
-            target = wanted[key]
-            if _placement.is_dtensor(target):
-                raise CheckpointError(f"load(from_hf={path!r}): {key} is sharded (DTensor, FSDP): "
-                                      "load the weights before sharding the model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"load(from_hf={path!r}): {name} is {list(tensor.shape)} in the "
-                                      f"folder, {key} is {list(target.shape)} in the model")
-            with torch.no_grad():
-                target.copy_(tensor)  # cast to the parameter's dtype
-            loaded.add(key)
-            nbytes += target.numel() * target.element_size()
-        missing = sorted(set(wanted) - loaded)
-        if missing or unexpected:
-            what = "; ".join(part for part in (
-                f"{len(missing)} of the model's tensors are not in it ({', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''})" if missing else "",
-                f"{len(unexpected)} of its tensors are not in the model ({', '.join(unexpected[:5])}"
-                f"{', ...' if len(unexpected) > 5 else ''})" if unexpected else "") if part)
-            if strict:
-                raise CheckpointError(f"load(from_hf={path!r}): {what}. What to do: rename=... maps "
-                                      "the folder's names onto the model's (as ckptctl export "
-                                      "--rename), or strict=False loads what matches")
-            warnings.warn(f"ckptd: load(from_hf={path!r}) (strict=False): {what}", stacklevel=_user_stacklevel())
+        # A sharded model (FSDP2, tensor parallelism): each rank reads its own shards only.
+        loaded, nbytes = _from_hf.load_into(path, self.model, rules, strict,
+                                            lambda what: warnings.warn(what, stacklevel=_user_stacklevel()))
         restored = Restored(0, "hf", nbytes)
         log.info("ckptd: job %r rank %d: loaded %d tensors (%d bytes) from the Hugging Face folder %s",
-                 self.job, self.rank, len(loaded), nbytes, path)
+                 self.job, self.rank, loaded, nbytes, path)
         self.restored = {"step": 0, "source": "hf", "bytes": nbytes, "resharded_from": None}
         return restored
 
