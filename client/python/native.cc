@@ -249,6 +249,7 @@ py::tuple ListCheckpoints(const std::string& socket, const std::string& job) {
     d["tiers"] = c.tiers;
     d["flags"] = c.flags;
     d["error"] = c.error;
+    d["files"] = c.files;
     out.append(d);
   }
   return py::make_tuple(out, list.errors);
