@@ -28,7 +28,7 @@ absl::StatusOr<CheckpointList> ListCheckpoints(const std::string& socket, const 
   for (const auto& c : reply.checkpoints()) {
     list.checkpoints.push_back({c.job(), c.step(), c.world_size(), c.tensors(), c.bytes(), c.unix_time(),
                                 {c.tiers().begin(), c.tiers().end()}, {c.flags().begin(), c.flags().end()},
-                                c.error()});
+                                c.error(), {c.files().begin(), c.files().end()}});
   }
   list.errors.assign(reply.errors().begin(), reply.errors().end());
   return list;

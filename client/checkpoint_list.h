@@ -20,6 +20,7 @@ struct CheckpointListing {
   std::vector<std::string> tiers;  // "memory", "local", "remote"
   std::vector<std::string> flags;  // "ephemeral", "weights-only"; none: a full checkpoint
   std::string error;               // its manifest cannot be read: why
+  std::vector<std::string> files;  // stored with the step (format/user_files.h), by name
 };
 
 struct CheckpointList {

@@ -44,6 +44,16 @@ std::string Bytes(uint64_t n) {
   return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
 }
 
+// The files stored with a step, by name: the first few and how many more (--json lists all);
+// no spaces, so that scripts that split a row into words still find the columns after it.
+std::string FileNames(const google::protobuf::RepeatedPtrField<std::string>& files) {
+  if (files.empty()) return "-";
+  constexpr int kShown = 3;
+  std::vector<std::string> shown(files.begin(), files.begin() + std::min(files.size(), kShown));
+  return fmt::format("{}{}", fmt::join(shown, ","),
+                     files.size() > kShown ? fmt::format(",+{}", files.size() - kShown) : "");
+}
+
 std::string Steps(const google::protobuf::RepeatedField<uint64_t>& steps) {
   if (steps.empty()) return "-";
   return fmt::format("{}", fmt::join(steps, ","));
@@ -258,11 +268,11 @@ int Commands::PrintList(const ListReply& r, const Options& o) {
     PrintJson(ProtoToJson(r));
     return code;
   }
-  ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "WHERE", "KIND"});
+  ckpt::Table t({"JOB", "STEP", "RANKS", "TENSORS", "SIZE", "WRITTEN (UTC)", "FILES", "WHERE", "KIND"});
   std::vector<std::string> errors;
   for (const auto& c : r.checkpoints()) {
     if (!c.error().empty()) {
-      t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)",
+      t.Add({c.job(), std::to_string(c.step()), "?", "?", "?", "UNREADABLE (below)", "?",
              fmt::format("{}", fmt::join(c.tiers(), ",")), "?"});
       errors.push_back(fmt::format("step {} of job {}: {}", c.step(), c.job(), c.error()));
       continue;
@@ -270,7 +280,7 @@ int Commands::PrintList(const ListReply& r, const Options& o) {
     t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()), std::to_string(c.tensors()),
            Bytes(c.bytes()),
            fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time()))),
-           fmt::format("{}", fmt::join(c.tiers(), ",")),
+           FileNames(c.files()), fmt::format("{}", fmt::join(c.tiers(), ",")),
            c.flags().empty() ? "full" : fmt::format("{}", fmt::join(c.flags(), ","))});
   }
   std::cout << (r.checkpoints().empty() ? "no checkpoints\n" : t.Render());

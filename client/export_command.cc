@@ -107,7 +107,8 @@ int RunExport(const ExportArgs& args) {
                           {"bytes_read", report->bytes_read},
                           {"optimizer_tensors_left_out", report->optimizer_tensors_left_out},
                           {"seconds", seconds},
-                          {"files", report->files}};
+                          {"files", report->files},
+                          {"notes", report->notes}};
     std::cout << out.dump() << "\n";
     return 0;
   }
@@ -119,6 +120,7 @@ int RunExport(const ExportArgs& args) {
     std::cout << fmt::format("  left out {} optimizer tensors (optim.*): --format full keeps them\n",
                              report->optimizer_tensors_left_out);
   }
+  for (const std::string& note : report->notes) std::cout << "  " << note << "\n";
   return 0;
 }
 

@@ -4,6 +4,7 @@
 
 #include "format/indexed_manifest.h"
 #include "format/tiling.h"
+#include "format/user_files.h"
 
 #include <fmt/format.h>
 
@@ -300,6 +301,7 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
         };
         if (says("ckptd.ephemeral")) c.flags.push_back("ephemeral");
         if (says("weights_only")) c.flags.push_back("weights-only");
+        for (const UserFile& f : UserFiles(*manifest)) c.files.push_back(f.name);
       } else {
         c.error = Message(manifest.status());
       }

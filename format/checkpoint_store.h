@@ -151,6 +151,9 @@ struct CheckpointSummary {
   // What kind of step it is, from its metadata: "ephemeral" (kept only until a newer step
   // commits), "weights-only" (model weights, no optimizer or train state).
   std::vector<std::string> flags;
+  // The files stored with it (format/user_files.h), by name: of every rank its manifest
+  // lists (on a node of a group with node-local disks, the node's; of an indexed step, none).
+  std::vector<std::string> files;
   std::string error;  // its manifest cannot be read: why (the other fields are then unknown)
 };
 

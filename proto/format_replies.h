@@ -17,6 +17,7 @@ inline void ToProto(const format::CheckpointSummary& c, ::ckptd::v1::CheckpointI
   info->set_unix_time(c.unix_time);
   info->set_tensors(c.tensors);
   for (const std::string& flag : c.flags) info->add_flags(flag);
+  for (const std::string& file : c.files) info->add_files(file);
   info->set_error(c.error);
 }
 

@@ -23,6 +23,7 @@
 #include "format/safetensors.h"
 #include "format/plan_reader.h"
 #include "format/read_plan.h"
+#include "format/user_files.h"
 
 namespace ckpt::exporter {
 namespace {
@@ -142,6 +143,9 @@ class Writer {
     }
     return fs_.SyncFile(fd.get());
   }
+
+  // Rank `rank`'s train-state blobs, checked against the manifest's checksums.
+  absl::StatusOr<std::vector<format::NamedBytes>> TrainState(uint32_t rank) { return reader_.TrainState(rank); }
 
   uint64_t bytes_read() const { return reader_.bytes_from_disk(); }
 
@@ -265,6 +269,42 @@ std::vector<OutFile> PlanFiles(const std::vector<Item>& items, const ExportOptio
   return files;
 }
 
+// The files stored with the step (format/user_files.h) into `folder`, each the lowest rank's
+// that stores it, its bytes checked; their names into `written`.
+absl::Status WriteUserFiles(Filesystem& fs, Writer& writer, const format::Manifest& manifest,
+                            const std::string& folder, ExportReport& report, std::set<std::string>& written) {
+  std::map<uint32_t, std::vector<format::UserFile>> by_rank;
+  for (format::UserFile& f : format::UserFiles(manifest)) by_rank[f.rank].push_back(std::move(f));
+  for (const auto& [rank, files] : by_rank) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<format::NamedBytes> state, writer.TrainState(rank));
+    for (const format::UserFile& f : files) {
+      auto blob = std::find_if(state.begin(), state.end(), [&](const format::NamedBytes& b) {
+        return format::UserFileName(b.name) == std::string_view(f.name);
+      });
+      if (absl::Status valid = format::ValidateUserFileName(f.name); !valid.ok()) {
+        // A manifest is data: a name that is not a plain file name never becomes a path.
+        return absl::DataLossError(fmt::format("rank {}'s file of step {}: {}", rank, manifest.step, Message(valid)));
+      }
+      if (blob == state.end()) {
+        return absl::DataLossError(fmt::format("rank {}'s file {} of step {} cannot be read", rank, f.name, manifest.step));
+      }
+      if (fs.Exists(folder + "/" + f.name)) {
+        return absl::InvalidArgumentError(fmt::format(
+            "step {} stores a file named {}, which this export writes itself: export with another --format",
+            manifest.step, f.name));
+      }
+      CKPT_RETURN_IF_ERROR(WriteFileAtomically(fs, folder + "/" + f.name, blob->data));
+      report.files.push_back(f.name);
+      written.insert(f.name);
+      if (!f.same_everywhere) {
+        report.notes.push_back(fmt::format("ranks {} store different files named {}: rank {}'s is written",
+                                           fmt::join(f.ranks, ","), f.name, rank));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 std::string CheckpointJson(const format::Manifest& m) {
   nlohmann::json ranks = nlohmann::json::array();
   for (const format::ManifestShard& s : m.shards) ranks.push_back({{"rank", s.rank}, {"metadata", s.metadata}});
@@ -372,6 +412,12 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, storage::Store& source,
     report.files.push_back("train_state.safetensors");
     report.files.push_back("checkpoint.json");
   }
+  std::set<std::string> step_files;
+  if (folder) {
+    if (absl::Status s = WriteUserFiles(fs, writer, manifest, staging, report, step_files); !s.ok()) return fail(s);
+  } else if (const size_t n = format::UserFiles(manifest).size(); n > 0) {
+    report.notes.push_back(fmt::format("left out the {} file(s) stored with the step: --format hf or full writes them", n));
+  }
   for (const std::string& extra : options.extra_files) {
     const std::string base = extra.substr(extra.rfind('/') + 1);
     if (base.empty() || base == "." || base == "..") {
@@ -382,7 +428,10 @@ absl::StatusOr<ExportReport> ExportStep(Filesystem& fs, storage::Store& source,
     std::ifstream in(extra, std::ios::binary);
     if (!in) return fail(absl::NotFoundError(fmt::format("--with {}: cannot open it", extra)));
     const std::string contents((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (fs.Exists(staging + "/" + base)) {
+    if (step_files.erase(base) > 0) {  // asked for by name: it wins over the step's own
+      report.files.erase(std::find(report.files.begin(), report.files.end(), base));
+      report.notes.push_back(fmt::format("--with {} replaced the file {} stored with the step", extra, base));
+    } else if (fs.Exists(staging + "/" + base)) {
       return fail(absl::InvalidArgumentError(fmt::format("--with {}: the export already has a file {}", extra, base)));
     }
     if (absl::Status s = WriteFileAtomically(fs, staging + "/" + base, contents); !s.ok()) return fail(s);

@@ -13,6 +13,8 @@
 //   full         Everything, optimizer state and train state included: OUT/model.safetensors,
 //                OUT/optimizer.safetensors, OUT/train_state.safetensors (each rank's blobs
 //                as U8 tensors "rank-00000.<name>") and OUT/checkpoint.json.
+// hf and full also hold the files stored with the step (format/user_files.h) under their own
+// names, each the lowest rank's that stores it.
 // "Model weights" are the tensors not named optim.* (the optimizer-state convention of
 // ckptd.torch and of docs/users.md).
 #pragma once
@@ -51,7 +53,7 @@ struct ExportOptions {
   format::TensorSelection selection;
   uint64_t slice_bytes = uint64_t{64} << 20;  // read, converted and written at a time
   // hf, full: files copied into the folder as they are (a model's config.json, its
-  // tokenizer), under their own base names.
+  // tokenizer), under their own base names; one the step stores too is replaced.
   std::vector<std::string> extra_files;
   // After each slice: bytes of tensor data written so far, of `total`.
   std::function<void(uint64_t done, uint64_t total)> progress;
@@ -63,6 +65,9 @@ struct ExportReport {
   uint64_t bytes_written = 0;  // tensor data, as exported
   uint64_t bytes_read = 0;     // from the shard files, checked
   uint64_t optimizer_tensors_left_out = 0;  // hf, safetensors: optim.* tensors
+  // What the user should know of what was written: a file of the step that ranks stored
+  // with different bytes, one that --with replaced, files a single-file export leaves out.
+  std::vector<std::string> notes;
 };
 
 // Exports the step `manifest` describes, whose files are in `step_dir`. Writes into a

@@ -14,6 +14,7 @@
 
 #include "client/checkpoint_list.h"
 #include "client/ckpt_client.h"
+#include "client/python/native_plan.h"
 #include "storage/filesystem.h"
 #include "storage/open_store.h"
 #include "common/dtype.h"
@@ -248,6 +249,7 @@ py::tuple ListCheckpoints(const std::string& socket, const std::string& job) {
     d["tiers"] = c.tiers;
     d["flags"] = c.flags;
     d["error"] = c.error;
+    d["files"] = c.files;
     out.append(d);
   }
   return py::make_tuple(out, list.errors);
@@ -425,4 +427,5 @@ PYBIND11_MODULE(_native, m) {
         py::arg("huge_pages") = true, py::arg("copy_on_write") = false,
         py::arg("upload_every_steps") = std::nullopt, py::arg("upload_interval_seconds") = std::nullopt,
         "Connects to ckptd; raises ckptd.Unavailable when it is not there");
+  ckpt::python::DefinePlanRead(m);
 }

@@ -11,6 +11,7 @@
 #include "common/names.h"
 #include "common/status.h"
 #include "format/manifest.h"
+#include "format/user_files.h"
 #include "daemon/staging/cow_copy.h"
 #include "shm/sealed_segment.h"
 
@@ -103,6 +104,11 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     }
     total += blob.data.size();
   }
+  // Files the trainer stores with the step ("file/<name>"): names an export can write, and
+  // small (format/user_files.h).
+  std::vector<std::pair<std::string_view, uint64_t>> blobs;
+  for (const shm::NamedBlob& blob : payload.train_state) blobs.emplace_back(blob.name, blob.data.size());
+  CKPT_RETURN_IF_ERROR(format::CheckUserFiles(blobs));
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);
   CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session, total, context));
   cuda::StagingBlockPtr block = std::move(reserved.first);

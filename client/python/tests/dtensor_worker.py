@@ -15,6 +15,9 @@ tensors of the model and optimizer to DIR/saved.pt; then trains 2 more steps and
 the losses to DIR/losses-save.pt.
 load: builds the same model with other weights, loads, has rank 0 write the gathered
 tensors to DIR/loaded.pt, trains the same 2 steps and writes DIR/losses-load.pt.
+from_hf: builds the sharded model with other weights, warm-starts it from the Hugging Face
+folder DIR/hf (load(from_hf=)), has rank 0 write the gathered model tensors to
+DIR/loaded.pt, and each rank the bytes it loaded to DIR/hf-bytes-<rank>.
 """
 import argparse
 import os
@@ -36,20 +39,24 @@ def gpt2_input():
 
 
 def build(layout, mesh, seed):
+    """The layout's model and optimizer, sharded over `mesh` (None: whole)."""
     torch.manual_seed(seed)
     if layout == "gpt2":
         from torch.distributed.fsdp import fully_shard
         from transformers import GPT2Config, GPT2LMHeadModel
         model = GPT2LMHeadModel(GPT2Config(**GPT2_CONFIG))
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if mesh is not None:
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         return model, torch.optim.Adam(model.parameters(), lr=1e-2)
     # Tensor parallelism needs even shards (DTensor.from_local assumes them); FSDP2 pads
     # uneven ones, which the 9 rows over 2 ranks here exercise.
     hidden = 8 if layout == "tp" else 9
     model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 5))
-    if layout == "fsdp2":
+    if mesh is None:
+        pass
+    elif layout == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -96,7 +103,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
     parser.add_argument("--job", required=True)
-    parser.add_argument("--mode", choices=["save", "load"], required=True)
+    parser.add_argument("--mode", choices=["save", "load", "from_hf"], required=True)
     parser.add_argument("--layout", choices=["tp", "fsdp2", "gpt2"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -105,6 +112,18 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     model, optimizer = build(args.layout, mesh, seed=0 if args.mode == "save" else 1)
     manager = CheckpointManager(args.job, model, optimizer, socket=args.socket)
+    if args.mode == "from_hf":
+        restored = manager.load(from_hf=os.path.join(args.out, "hf"))
+        assert restored == 0 and restored.source == "hf"
+        with open(os.path.join(args.out, f"hf-bytes-{rank}"), "w") as f:
+            f.write(str(restored.bytes))
+        state = gathered(model, optimizer)
+        if rank == 0:
+            torch.save(state, os.path.join(args.out, "loaded.pt"))
+        manager.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if args.mode == "save":
         train(model, optimizer, 3, seed=10)
         manager.save(3, blocking=True)

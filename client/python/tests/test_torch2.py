@@ -166,6 +166,59 @@ def test_dtensor_models_restore_on_another_mesh_size(daemon, workdir, layout, wo
         assert equal_bits(saved[k], loaded[k]), k
 
 
+# --- Warm start of a sharded model from a Hugging Face folder ------------------------------
+
+def write_hf_folder(model, folder):
+    """The model's weights as a Hugging Face folder of two files and their index, the second
+    layer's weight in BF16 (loaded into the FP32 model by a cast)."""
+    from safetensors.torch import save_file
+    os.makedirs(folder)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state["2.weight"] = state["2.weight"].to(torch.bfloat16)
+    files = {"model-00001-of-00002.safetensors": ["0.weight", "0.bias"],
+             "model-00002-of-00002.safetensors": ["2.weight", "2.bias"]}
+    for file, names in files.items():
+        save_file({n: state[n] for n in names}, os.path.join(folder, file))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: file for file, names in files.items() for n in names}}, f)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp", "gpt2"])
+def test_a_sharded_model_warm_starts_from_a_hugging_face_folder_each_rank_reading_its_shards(
+        daemon, workdir, layout):
+    # FSDP2 (uneven row shards), tensor parallelism (row and column shards, a replicated
+    # bias) and a GPT-2 wrapped with fully_shard loading a save_pretrained folder of several
+    # files (BF16, tied lm_head): each of 2 ranks loads its shards of the folder into the
+    # already sharded model; gathered, the model is what the same folder loads into the
+    # model unsharded, bit for bit, and the ranks between them loaded each byte once.
+    from dtensor_worker import build
+    source, _ = build(layout, None, seed=0)
+    folder = os.path.join(workdir, "hf")
+    if layout == "gpt2":
+        source.to(torch.bfloat16).save_pretrained(folder, max_shard_size="20KB")
+        assert os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+    else:
+        write_hf_folder(source, folder)
+    whole, _ = build(layout, None, seed=2)
+    with CheckpointManager(f"hf-whole-{layout}", whole, socket=daemon.socket) as manager:
+        assert manager.load(from_hf=folder).source == "hf"
+    run_ranks(daemon, f"hf-{layout}", "from_hf", layout, workdir)
+    loaded = torch.load(os.path.join(workdir, "loaded.pt"))
+    expected = {f"model.{n}": p.detach() for n, p in whole.named_parameters()}
+    assert loaded.keys() == expected.keys()
+    for k in expected:
+        assert equal_bits(loaded[k], expected[k]), k
+    # What the ranks started from differs (every matrix; biases and norms may be
+    # initialized alike by every seed, as GPT-2's are).
+    before = dict(build(layout, None, seed=1)[0].named_parameters())
+    assert all(not torch.equal(before[k[len("model."):]], v) for k, v in expected.items() if v.dim() == 2)
+    per_rank = [int(open(os.path.join(workdir, f"hf-bytes-{r}")).read()) for r in range(2)]
+    total = sum(p.numel() * p.element_size() for p in whole.parameters())
+    # Each rank filled its shards alone; only tensor parallelism's replicated bias is on both.
+    replicated = whole[2].bias.numel() * 4 if layout == "tp" else 0
+    assert sum(per_rank) == total + replicated and all(0 < b < total for b in per_rank), (per_rank, total)
+
+
 # --- Export to Hugging Face -----------------------------------------------------------------
 
 def export(daemon, job, step, out, *args):

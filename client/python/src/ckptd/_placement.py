@@ -70,22 +70,7 @@ def local_part(name, t, replace, fsdp_params, error):
     tensor's storage; `error(message)` makes the exception to raise."""
     if not is_dtensor(t):
         return Local(t, relocate=lambda flat: replace(flat[:t.numel()].view(t.shape)))
-    for placement in t.placements:
-        if placement.is_partial():
-            raise error(f"tensor {name}: a DTensor with a Partial placement holds partial sums, "
-                        "not values: reduce it (redistribute to Shard or Replicate) before saving")
-        if type(placement).__name__ == "_StridedShard":
-            # FSDP + TP on one dimension: the local rows are strided, not one block; an offset
-            # and a shape cannot describe them.
-            raise error(f"tensor {name}: strided sharding ({placement}, FSDP and tensor "
-                        "parallelism on the same dimension) is not supported yet")
-    local = t._local_tensor
-    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if tuple(local.shape) != tuple(local_shape):
-        raise error(f"tensor {name}: local shard {tuple(local.shape)} is not the "
-                    f"{tuple(local_shape)} its placements {t.placements} give")
-    whole = tuple(local_shape) == tuple(t.shape)
-    global_shape, global_offset = ((), ()) if whole else (t.shape, offset)
+    local, global_shape, global_offset = box(name, t, error, "saving")
     fsdp_param = fsdp_params.get(id(t))
     if fsdp_param is None:
         if local.untyped_storage().nbytes() > local.numel() * local.element_size():
@@ -99,6 +84,29 @@ def local_part(name, t, replace, fsdp_params, error):
             local.data = flat[:local.numel()].view(local.shape)
         return Local(local, global_shape, global_offset, 0, relocate)
     return _fsdp2_local(name, t, local, fsdp_param, global_shape, global_offset, error)
+
+
+def box(name, t, error, doing="loading"):
+    """(local tensor, global shape, offset) of DTensor `t`'s local shard: a box of the global
+    tensor (global shape and offset empty when the shard is the whole tensor). What this
+    rank saves of `t`, and what it reads into it in place (`doing` names which, in errors)."""
+    for placement in t.placements:
+        if placement.is_partial():
+            raise error(f"tensor {name}: a DTensor with a Partial placement holds partial sums, "
+                        f"not values: reduce it (redistribute to Shard or Replicate) before {doing}")
+        if type(placement).__name__ == "_StridedShard":
+            # FSDP + TP on one dimension: the local rows are strided, not one block; an offset
+            # and a shape cannot describe them.
+            raise error(f"tensor {name}: strided sharding ({placement}, FSDP and tensor "
+                        "parallelism on the same dimension) is not supported yet")
+    local = t._local_tensor
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise error(f"tensor {name}: local shard {tuple(local.shape)} is not the "
+                    f"{tuple(local_shape)} its placements {t.placements} give")
+    if tuple(local_shape) == tuple(t.shape):
+        return local, [], []
+    return local, list(t.shape), list(offset)
 
 
 def _fsdp2_local(name, t, local, fsdp_param, global_shape, global_offset, error):

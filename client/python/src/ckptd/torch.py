@@ -29,7 +29,7 @@ import weakref
 import torch
 
 import ckptd
-from ckptd import _advice, _fsdp1, _parts, _placement, _shapes
+from ckptd import _advice, _files, _fsdp1, _parts, _placement, _shapes
 from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
@@ -158,6 +158,7 @@ class CheckpointManager:
         self._aliases = {}          # tied parameters' other names (_state_dict._aliases)
         self._extra_checked = set()  # extra_state entries seen to read back (_extra_bytes)
         self._shapes_record = None  # the model tensors' global shapes, as a save records them
+        self.restored_files = {}    # the files the last load() gave back (read_file)
         self.updates = 0            # partial re-registrations (_update_changed), for tests
         self._closed = False
         self._install_hooks()
@@ -167,18 +168,18 @@ class CheckpointManager:
 
     # --- public API ---------------------------------------------------------------------
 
-    def maybe_save(self, step):
+    def maybe_save(self, step, files=None):
         """Saves when `interval_steps` or `interval_seconds` says so; returns at once.
 
-        Returns True when a snapshot was queued.
+        Returns True when a snapshot was queued. `files` go with it as with save().
         """
         if self._preemption is not None and self._preemption.requested:
-            self._preemption.stop(lambda: self.save(step) and self._staged())
+            self._preemption.stop(lambda: self.save(step, files=files) and self._staged())
             return True
         due = self.interval_steps is not None and step % self.interval_steps == 0
         if not due and self.interval_seconds is not None:
             due = self._due_by_time(step)
-        return self.save(step) if due else False
+        return self.save(step, files=files) if due else False
 
     def _due_by_time(self, step):
         """Whether the job saves at `step` by `interval_seconds`. Not this rank's clock:
@@ -204,7 +205,7 @@ class CheckpointManager:
             log.warning("ckptd: no save decision for step %d: %s", step, e)
             return False
 
-    def save(self, step, blocking=False, ephemeral=False):
+    def save(self, step, blocking=False, ephemeral=False, files=None):
         """Queues a checkpoint of the current state as `step`.
 
         Returns at once (True) unless `blocking`, which waits until the checkpoint is
@@ -212,8 +213,14 @@ class CheckpointManager:
         ckptd is unreachable (training goes on; a warning says so). An `ephemeral`
         checkpoint is kept only until a newer step of the job commits: frequent restart
         points that retention (keep_last, keep_every) never counts or keeps.
+
+        `files` ({"config.yaml": bytes, str or a pathlib.Path}) are stored with this rank's
+        part of the step, checksummed like its tensors; `ckptctl list` names them,
+        `ckptctl export` writes them out, and load() gives them back (read_file). At most
+        16 MiB per rank and step (docs/python.md, "Files with a checkpoint").
         """
         self._check_open()
+        stored_files = _files.encode(files)
         self.wait_staged()
         if not self._connected():
             if blocking:
@@ -226,6 +233,7 @@ class CheckpointManager:
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
             train_state = self._train_state(step)
+            train_state.update(stored_files)
             ticket = self._client.snapshot(int(step), metadata, train_state)
         except CheckpointError:
             raise  # this process's own mistake (a tensor that cannot be checkpointed)
@@ -432,6 +440,7 @@ class CheckpointManager:
         log.info("ckptd: job %r rank %d: %s", self.job, self.rank, restored.describe())
         self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
                          "resharded_from": restored.resharded_from, "extra": plain}
+        self.restored_files = _files.decode(info["train_state"])
         self._run = info["step"]
         return restored
 
@@ -536,6 +545,16 @@ class CheckpointManager:
         self._loaded = True
         return step
 
+    def read_file(self, name):
+        """The bytes of the file `name` that the step load() restored holds for this rank (as
+        save(files=) stored it; rank 0's for a rank the step was not saved with). All of them
+        are in `restored_files`. CheckpointError when there is no such file, naming those there are."""
+        if name not in self.restored_files:
+            held = ", ".join(map(repr, sorted(self.restored_files))) or "none"
+            raise CheckpointError(f"no file {name!r} was restored for rank {self.rank} (files: {held}); "
+                                  "files come back from the step load() restored, as save(files=) stored them")
+        return self.restored_files[name]
+
     def list_checkpoints(self, job=None):
         """This job's committed checkpoints (or `job`'s, e.g. "<job>-weights") that the node's
         ckptd holds, oldest first: dicts with "step", "tiers" (of "memory", "local",
@@ -552,56 +571,24 @@ class CheckpointManager:
 
     def _load_from_hf(self, path, rename, strict):
         """A warm start: the model's weights from a Hugging Face folder (what `ckptctl export`
-        writes, or a hub download), each cast to its parameter's dtype; the optimizer and the
-        rest of the train state are left as they are (there are none in such a folder)."""
+        writes, or a hub download), each cast to its parameter's dtype, into a whole or an
+        already sharded model (each rank reading its shards alone: _from_hf.load_into); the
+        optimizer and the rest of the train state are left as they are (there are none in
+        such a folder)."""
         from ckptd import _from_hf
         rules = dict(rename or {})
         _from_hf.check_rules(rules)
         self.wait_staged()
-        tensors = _from_hf.read_folder(path)
-        wanted = dict(_named_parameters(self.model))
-        for name, module, leaf in _persistent_buffers(self.model):
-            wanted.setdefault(name, module._buffers[leaf])
-        aliases = _aliases(self.model)  # a tied name fills the one tensor behind both
-        loaded, unexpected, nbytes = set(), [], 0
-        for name, tensor in sorted(tensors.items()):
-            key = _from_hf.rename(name, rules)
-            if key is None:
-                continue
-            key = aliases.get(key, key)
-            if key not in wanted:
-                unexpected.append(name)
-                continue
-            target = wanted[key]
-            if _placement.is_dtensor(target):
-                raise CheckpointError(f"load(from_hf={path!r}): {key} is sharded (DTensor, FSDP): "
-                                      "load the weights before sharding the model")
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"load(from_hf={path!r}): {name} is {list(tensor.shape)} in the "
-                                      f"folder, {key} is {list(target.shape)} in the model")
-            with torch.no_grad():
-                target.copy_(tensor)  # cast to the parameter's dtype
-            loaded.add(key)
-            nbytes += target.numel() * target.element_size()
-        missing = sorted(set(wanted) - loaded)
-        if missing or unexpected:
-            what = "; ".join(part for part in (
-                f"{len(missing)} of the model's tensors are not in it ({', '.join(missing[:5])}"
-                f"{', ...' if len(missing) > 5 else ''})" if missing else "",
-                f"{len(unexpected)} of its tensors are not in the model ({', '.join(unexpected[:5])}"
-                f"{', ...' if len(unexpected) > 5 else ''})" if unexpected else "") if part)
-            if strict:
-                raise CheckpointError(f"load(from_hf={path!r}): {what}. What to do: rename=... maps "
-                                      "the folder's names onto the model's (as ckptctl export "
-                                      "--rename), or strict=False loads what matches")
-            warnings.warn(f"ckptd: load(from_hf={path!r}) (strict=False): {what}", stacklevel=_user_stacklevel())
+        # A sharded model (FSDP2, tensor parallelism): each rank reads its own shards only.
+        loaded, nbytes = _from_hf.load_into(path, self.model, rules, strict,
+                                            lambda what: warnings.warn(what, stacklevel=_user_stacklevel()))
         restored = Restored(0, "hf", nbytes)
         log.info("ckptd: job %r rank %d: loaded %d tensors (%d bytes) from the Hugging Face folder %s",
-                 self.job, self.rank, len(loaded), nbytes, path)
+                 self.job, self.rank, loaded, nbytes, path)
         self.restored = {"step": 0, "source": "hf", "bytes": nbytes, "resharded_from": None}
         return restored
 
-    def save_weights(self, step, dtype=None, job=None):
+    def save_weights(self, step, dtype=None, job=None, files=None):
         """A weights-only checkpoint: the model's parameters and persistent buffers (no
         optimizer, no train state), every floating-point tensor converted to `dtype` (for
         example torch.bfloat16; None keeps each dtype), as the job `job` (default
@@ -609,8 +596,11 @@ class CheckpointManager:
         alone. What a final save for inference or fine-tuning wants (torchtitan's
         model_weights_only with export_dtype). Every rank calls it, like save(); returns
         once the checkpoint is committed on every rank, raising CheckpointError otherwise.
-        Sharded parameters (DTensor, FSDP2) keep their placement."""
+        Sharded parameters (DTensor, FSDP2) keep their placement. `files` go with it as with
+        save() (a model's config.json, which `ckptctl export --format hf` then writes beside
+        the weights)."""
         self._check_open()
+        stored_files = _files.encode(files)
         self.wait_staged()
         name = job or f"{self.job}-weights"
         try:
@@ -637,7 +627,7 @@ class CheckpointManager:
                 with torch.no_grad():
                     target.copy_(source)
             client.register()
-            ticket = client.snapshot(int(step), {**self._metadata(), "weights_only": "1"}, {})
+            ticket = client.snapshot(int(step), {**self._metadata(), "weights_only": "1"}, stored_files)
             status = client.wait_committed(ticket)
         except ckptd.Error as e:
             raise CheckpointError(f"weights of step {step} not saved: {e}") from e
