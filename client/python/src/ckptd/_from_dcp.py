@@ -151,7 +151,7 @@ class Plan:
         if not said:
             return ""
         fresh_part = next((p for p, k in self.found.items() if k is None and _describe(p) in self.fresh), None)
-        unread = self.unread_labels[0] if self.unread_labels else None
+        unread = _likeliest(fresh_part, self.unread_labels) if self.unread_labels else None
         if fresh_part and unread:
             hint = (f"from_dcp_keys={{{fresh_part!r}: {unread!r}}} maps a part of this manager onto the "
                     f"checkpoint key that holds it, {{{unread!r}: None}} leaves a key unread")
@@ -215,6 +215,22 @@ class Plan:
             step = values[self.train_state].get("step") if isinstance(values[self.train_state], dict) else None
             return int(step.item() if torch.is_tensor(step) else step) if step is not None else None
         return None
+
+
+# Words that a checkpoint key holding a part tends to contain, for the warning's example.
+_HINTS = {"optimizer": ("optim", "opt"), "lr_scheduler": ("sched", "lr", "warmup", "decay"),
+          "rng": ("rng", "random", "seed")}
+
+
+def _likeliest(part, labels):
+    """The unread checkpoint key that most likely holds `part` (the warning's example)."""
+    words = _HINTS.get(part, (part or "",)) if part else ()
+    loaders = _LOADER_NAMES if part in _LOADER_NAMES else ()
+    for label in labels:
+        last = label.split(".")[-1].lower()
+        if any(w and w in last for w in words) or last in loaders:
+            return label
+    return labels[0]
 
 
 def _describe(part):

@@ -222,6 +222,8 @@ def copy_parts(step_dir, parts, include, exclude, strict, cast):
             + (f" {len(missing)} of its tensors are not in the step ({_some(missing)});" if missing else "")
             + (f" {len(unexpected)} tensors of the step are not in the model ({_some(unexpected)});"
                if unexpected else "")
+            + (" exclude=['optimizer'] loads the model alone;" if unexpected and not missing
+               and all(n.startswith("optim.") for n in unexpected) else "")
             + " strict=False skips them (with a warning), exclude= leaves parts out")
     mismatched = []
     for e, part in wanted:
