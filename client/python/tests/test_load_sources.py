@@ -3,6 +3,7 @@ copied elsewhere (`load(from_path=)`), another job of the same user through ckpt
 (`load(from_job=)`), and a step that holds the model only (a seed checkpoint) loaded into a
 manager with an optimizer. Real ckptd, both PyTorch lines.
 """
+import json
 import os
 import shutil
 import time
@@ -121,6 +122,19 @@ def test_from_path_says_what_it_did_not_find(daemon, workdir, saved):
             with pytest.raises(CheckpointError, match=r"tensor 2.weight is \[2, 8\] in step 5, \[3, 8\] here"):
                 big.load(from_path=step_dir(daemon, "path-src", 5), exclude=["optim.*"])
         assert equal_state(bigger.state_dict(), before)
+    # A manifest edited by hand (a piece without its byte range): named, not a KeyError.
+    edited = os.path.join(workdir, "edited", "step-00000005")
+    shutil.copytree(step_dir(daemon, "path-src", 5), edited)
+    with open(os.path.join(edited, "manifest.json")) as f:
+        manifest = json.load(f)
+    del manifest["tensors"]["0.weight"]["shards"][0]["data_offsets"]
+    with open(os.path.join(edited, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    model, optimizer, scheduler, loader = make(9)
+    with CheckpointManager("path-bad", model, optimizer, scheduler, extra_state={"loader": loader},
+                           socket=daemon.socket) as manager:
+        with pytest.raises(CheckpointError, match=r"its manifest is not well formed \(KeyError: 'data_offsets'\)"):
+            manager.load(from_path=edited)
     # A damaged copy: the checksum names it, nothing of that tensor is copied.
     damaged = os.path.join(workdir, "damaged", "step-00000005")
     shutil.copytree(step_dir(daemon, "path-src", 5), damaged)

@@ -99,7 +99,7 @@ class StepDirectory:
             seen.add(key)
             numel = sum(e - b for b, e in flat) if flat else _numel(local)
             lo, hi = piece["data_offsets"]
-            if hi - lo != numel * itemsize:
+            if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != numel * itemsize:
                 raise CheckpointError(f"{self.path}: tensor {name}: a piece of {hi - lo} bytes for {numel} elements")
             data = self._piece_bytes(name, piece)
             src = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if numel else torch.empty(0, dtype=dtype)

@@ -593,6 +593,9 @@ class CheckpointManager:
             except BaseException:
                 self._drop_optimizer_state(created)
                 raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a manifest is data from a file
+            raise CheckpointError(f"load(from_path={path!r}): its manifest is not well formed "
+                                  f"({type(e).__name__}: {e})") from e
         finally:
             source.close()
         info = {"step": source.step, "train_state": state, "model_only": model_only, "source": "path",
