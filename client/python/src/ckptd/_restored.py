@@ -3,7 +3,8 @@
 
 class Restored(int):
     """The step load() restored (an int: `(manager.load() or 0) + 1` is the next step), with
-    where it came from: `source` ("memory", "disk", "remote" or "peer"), `bytes` restored, and
+    where it came from: `source` ("memory", "disk", "remote", "peer", or "path":
+    load(from_path=)), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
     job's now (None otherwise)."""
 
