@@ -584,3 +584,17 @@ def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
     # CheckpointException, a BaseException).
     with pytest.raises(BaseException, match="step-00000099/manifest.json: not a ckptd manifest.*404"):
         dcp.load(other.state_dict(), storage_reader=CkptdStorageReader(f"{bucket}/remote/step-00000099"))
+
+    # And a manager of another job loads it by its URL (load(from_path=)), in its own process:
+    # model, optimizer, train state; a step that is not there is named.
+    torch.manual_seed(3)
+    again = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    again_optimizer = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    with CheckpointManager("from-bucket", again, again_optimizer, socket=os.path.join(workdir, "none.sock")) as manager:
+        restored = manager.load(from_path=f"{bucket}/remote/step-00000003")
+        assert restored == 3 and restored.source == "path"
+        with pytest.raises(CheckpointError, match=r"step-00000099'\): no manifest.json there: no committed ckptd step"):
+            manager.load(from_path=f"{bucket}/remote/step-00000099")
+    for k, v in again.state_dict().items():
+        assert equal_bits(v, saved[k]), k
+    assert all(again_optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in again.parameters())

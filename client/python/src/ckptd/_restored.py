@@ -4,7 +4,8 @@ import types
 
 class Restored(int):
     """The step load() restored (an int: `(manager.load() or 0) + 1` is the next step), with
-    where it came from: `source` ("memory", "disk", "remote" or "peer"), `bytes` restored, and
+    where it came from: `source` ("memory", "disk", "remote", "peer", or "path":
+    load(from_path=)), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
     job's now (None otherwise). `extra`: the plain values of extra_state (numbers, strings),
     which load() cannot restore in place, as saved."""

@@ -29,7 +29,7 @@ import weakref
 import torch
 
 import ckptd
-from ckptd import _advice, _files, _fsdp1, _parts, _placement, _shapes
+from ckptd import _advice, _files, _fsdp1, _model_only, _parts, _placement, _shapes
 from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
@@ -327,8 +327,9 @@ class CheckpointManager:
         except ckptd.Error as e:
             self._lost(e)
 
-    def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=True,
-             from_hf=None, rename=None, cast=False, on_shapes=None, resize=False):
+    def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=None,
+             from_hf=None, rename=None, cast=False, on_shapes=None, resize=False, from_path=None, from_job=None,
+             from_dcp_keys=None):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -337,13 +338,27 @@ class CheckpointManager:
 
         `from_dcp=PATH` loads a torch.distributed.checkpoint directory instead (switching a
         job to ckptd: its next save goes to ckptd); returns `step`, or the step in the
-        directory's name (`step-1200`, as torchtitan names them).
+        directory's name (`step-1200`, as torchtitan names them), or in its train_state.
+        The model, optimizer, LR scheduler, RNG states and extra_state objects are found in
+        the common layouts (DCP's tutorial, torchtitan, get_state_dict's); `from_dcp_keys=
+        {"lr_scheduler": "app.sched", "dataloader": "app.loader", "app.ema": None}` maps the
+        rest (None: leave that checkpoint key unread). What is not imported is named in one
+        warning (`strict=True`: a CheckpointError, before anything is loaded).
+
+        `from_path=DIR` loads a committed step directory (`<root>/<job>/step-NNNNNNNN`, a
+        copy of one anywhere, or `s3://bucket/prefix/<job>/step-NNNNNNNN`) from its files,
+        in this process; `from_job=NAME` loads the latest step (or `step`) of another job of
+        this user through ckptd (a model bank, a warm start). Either way the next save goes to
+        this manager's own job.
 
         `exclude` (default: the manager's `exclude_from_loading`) leaves parts as they are:
         "model", "optimizer" (its tensors and hyper-parameters), "lr_scheduler", "rng", the
         name of an `extra_state` entry, or a shell pattern on tensor names ("layers.0.*",
         "optim.*.exp_avg_sq"). `strict=False` skips tensors that the model has and the
-        checkpoint lacks, or the reverse, with a warning naming them. `cast=True` loads
+        checkpoint lacks, or the reverse, with a warning naming them (default: strict). A step
+        that holds the model only (a seed checkpoint) loads into a manager with an optimizer:
+        the optimizer, and any LR scheduler or extra_state the step has nothing for, start
+        fresh, with a warning naming them. `cast=True` loads
         floating-point tensors saved in another dtype into the model's (a `save_weights(dtype=
         torch.bfloat16)` step into an FP32 model), rounding as `Tensor.to` does; without it a
         dtype that differs is an error naming the tensors.
@@ -370,14 +385,27 @@ class CheckpointManager:
             on_shapes = lambda shapes: _shapes.resize_first_dimension(self.model, self._extra_tensors(), shapes)
         if on_shapes is not None and not callable(on_shapes):
             raise TypeError(f"on_shapes is called with the saved shapes: a {type(on_shapes).__name__} is not callable")
-        if on_shapes is not None and (from_dcp is not None or from_hf is not None):
-            raise ValueError("on_shapes= and resize=True apply to ckptd's steps, not to from_dcp= or from_hf=")
+        if on_shapes is not None and any(x is not None for x in (from_dcp, from_hf, from_path, from_job)):
+            raise ValueError("on_shapes= and resize=True apply to this job's own steps, not to from_dcp=, "
+                             "from_hf=, from_path= or from_job=")
+        if sum(x is not None for x in (from_dcp, from_hf, from_path, from_job)) > 1:
+            raise ValueError("load(): from_dcp, from_hf, from_path and from_job name one source; pass one")
+        if from_dcp_keys is not None and from_dcp is None:
+            raise ValueError("load(): from_dcp_keys maps the keys of a from_dcp= checkpoint; pass from_dcp=")
         if from_dcp is not None:
-            return self._load_from_dcp(os.fspath(from_dcp), step)
+            exclude = self.exclude_from_loading if exclude is None else list(exclude)
+            return self._load_from_dcp(os.fspath(from_dcp), step, from_dcp_keys, exclude, strict)
+        strict = True if strict is None else strict
         if from_hf is not None:
             return self._load_from_hf(os.fspath(from_hf), rename, strict)
         exclude = self.exclude_from_loading if exclude is None else list(exclude)
         include, patterns, skip_state = self._selection(exclude)
+        if from_path is not None:
+            return self._load_from_path(os.fspath(from_path), step, exclude, include, patterns, skip_state,
+                                        strict, cast)
+        if from_job is not None:
+            return self._load_from_job(from_job, step, daemon_timeout, exclude, include, patterns,
+                                       skip_state, strict, cast)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         try:
             restored = self._load(step, exclude, include, patterns, skip_state, strict, cast, on_shapes)
@@ -397,8 +425,7 @@ class CheckpointManager:
             self._register_current_tensors()
             if on_shapes is not None:
                 step, early_warnings = self._resize_to_saved(step, on_shapes)
-            info = self._client.restore(step, include=include, exclude=patterns,
-                                        allow_missing=not strict, cast=bool(cast))
+            info = self._restore(step, include, patterns, strict, cast, with_optimizer="optimizer" not in exclude)
         except ckptd.Error as e:
             self._drop_optimizer_state(created)
             if isinstance(e, ckptd.Unavailable):
@@ -417,6 +444,7 @@ class CheckpointManager:
             return None
         for warning in early_warnings + list(info["warnings"]):  # a newer step was damaged: never silent
             warnings.warn(f"ckptd: {warning}", stacklevel=_user_stacklevel())
+        skip_state = self._model_only(info, created, skip_state, "optimizer" not in exclude)
         for side, names in (("not in the checkpoint", info["not_in_checkpoint"]),
                             ("in the checkpoint but not in the model", info["not_registered"])):
             if names:
@@ -516,31 +544,42 @@ class CheckpointManager:
             raise ValueError("exclude: with both model and optimizer excluded there is no tensor to load")
         return include, patterns, skip_state
 
-    def _load_from_dcp(self, path, step):
-        if step is None:
-            match = re.search(r"step[-_]?(\d+)$", os.path.basename(os.path.normpath(path)))
-            if match is None:
-                raise CheckpointError(f"{path}: no step in the directory's name; pass step=")
-            step = int(match.group(1))
+    def _load_from_dcp(self, path, step, keys_map, exclude, strict):
+        named = None
+        match = re.search(r"step[-_]?(\d+)$", os.path.basename(os.path.normpath(path)))
+        if step is None and match is not None:
+            named = int(match.group(1))
         if isinstance(self.model, _parts.ModelParts):
             raise CheckpointError("load(from_dcp=) takes one model: with several model parts, "
                                   "load the DCP checkpoint with a manager per part")
         try:
             import ckptd.dcp  # noqa: F401 - first: says when this PyTorch cannot read DCP
             from torch.distributed.checkpoint.api import CheckpointException
-            from ckptd._from_dcp import load_into
+            from ckptd._from_dcp import Plan
         except ImportError as e:
             raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
         self.wait_staged()
         try:
-            load_into(path, self.model, self.optimizer, self.lr_scheduler, self.extra_state)
+            plan = Plan(path, self.model, self.optimizer, self.lr_scheduler, self.extra_state, keys_map, exclude)
+            if step is None and named is None and plan.needs_step():
+                raise CheckpointError("no step in the directory's name, nor a train_state step in it; pass step=")
+            problems = plan.problems()
+            if problems and strict:
+                raise CheckpointError(f"strict=True: {problems}")
+            saved_step = plan.load_all(self.rank)
+        except CheckpointError as e:
+            raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
         except CheckpointException as e:  # a BaseException: each rank's failure inside
             # Each rank's failure is (exception, its traceback summary).
             why = "; ".join(str(f[0] if isinstance(f, tuple) else f) for f in e.failures.values())
             raise CheckpointError(f"cannot load DCP checkpoint {path}: {why}") from e
         except Exception as e:
             raise CheckpointError(f"cannot load DCP checkpoint {path}: {e}") from e
-        log.info("ckptd: loaded step %d from the DCP checkpoint %s", step, path)
+        step = step if step is not None else named if named is not None else saved_step
+        if problems and self.rank == 0:
+            warnings.warn(f"ckptd: load(from_dcp={path!r}): {problems}", stacklevel=_user_stacklevel())
+        log.info("ckptd: loaded step %d from the DCP checkpoint %s (%s)", step, path,
+                 ", ".join(f"{part} from {key or 'the top'!r}" for part, key in sorted(plan.load.items())))
         self._run = step
         self._loaded = True
         return step
@@ -554,6 +593,128 @@ class CheckpointManager:
             raise CheckpointError(f"no file {name!r} was restored for rank {self.rank} (files: {held}); "
                                   "files come back from the step load() restored, as save(files=) stored them")
         return self.restored_files[name]
+
+    # --- loading from elsewhere (_sources.py) and model-only steps (_model_only.py) -------
+
+    def _restore(self, step, include, patterns, strict, cast, with_optimizer):
+        """ckptd's restore; a step refused for not matching the registered tensors is asked
+        for again without the optimizer's, and taken when it holds no optimizer state at all
+        (a model-only step: _model_only decides what starts fresh). Otherwise the refusal
+        stands."""
+        try:
+            return self._client.restore(step, include=include, exclude=patterns, allow_missing=not strict,
+                                        cast=bool(cast))
+        except ckptd.Error as e:
+            if e.code != "FAILED_PRECONDITION" or not with_optimizer or self.optimizer is None:
+                raise
+            refused = e
+        try:
+            info = self._client.restore(step, include=include, exclude=patterns + [_model_only.OPTIMIZER_TENSORS],
+                                        allow_missing=not strict, cast=bool(cast))
+        except ckptd.Error:
+            raise refused from None
+        if not info["found"] or not _model_only.holds_no_optimizer(info["train_state"], info["skipped"]):
+            raise refused  # the optimizer's state is there and does not fit: the first answer stands
+        info["model_only"] = True
+        return info
+
+    def _model_only(self, info, created, skip_state, with_optimizer):
+        """After a restore: when the step holds no optimizer state (a seed checkpoint), the
+        optimizer state load() created is dropped (the optimizer starts fresh), and what the
+        step has nothing for is left alone and named in one warning. Returns the train-state
+        prefixes to leave alone."""
+        state = info["train_state"]
+        not_in = [n for n in info.get("not_in_checkpoint", []) if n.startswith("optim.")]
+        if not with_optimizer or self.optimizer is None or not (
+                info.get("model_only") or (not_in and _model_only.holds_no_optimizer(state, 0))):
+            return skip_state
+        self._drop_optimizer_state(created)
+        info["not_in_checkpoint"] = [n for n in info.get("not_in_checkpoint", []) if not n.startswith("optim.")]
+        absent = _model_only.absent_parts(self, state, skip_state)
+        where = f" of job {self.job!r}" if info.get("source") != "path" else ""
+        if absent and self.rank == 0:
+            warnings.warn(_model_only.warning(info["step"], where, absent), stacklevel=_user_stacklevel())
+        return list(skip_state) + [prefix for prefix, _ in absent]
+
+    def _load_from_path(self, path, step, exclude, include, patterns, skip_state, strict, cast):
+        """A committed step directory read from its files in this process (_sources.py)."""
+        from ckptd import _sources
+        self.wait_staged()
+        source = _sources.StepDirectory(path)
+        try:
+            if step is not None and int(step) != source.step:
+                raise CheckpointError(f"load(from_path={path!r}, step={step}): the directory holds step "
+                                      f"{source.step}, not {step}")
+            from_rank = self.rank if self.rank < source.world_size else 0
+            state = source.train_state(from_rank)
+            with_optimizer = "optimizer" not in exclude and self.optimizer is not None
+            model_only = with_optimizer and _model_only.holds_no_optimizer(
+                state, sum(n.startswith("optim.") for n in source.tensors))
+            created = [] if not with_optimizer or model_only else self._create_optimizer_state()
+            try:
+                nbytes, missing, unexpected = _sources.copy_parts(
+                    source, self._parts(self._collect()), include,
+                    patterns + ([_model_only.OPTIMIZER_TENSORS] if model_only else []), strict, cast)
+            except BaseException:
+                self._drop_optimizer_state(created)
+                raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a manifest is data from a file
+            raise CheckpointError(f"load(from_path={path!r}): its manifest is not well formed "
+                                  f"({type(e).__name__}: {e})") from e
+        finally:
+            source.close()
+        info = {"step": source.step, "train_state": state, "model_only": model_only, "source": "path",
+                "not_in_checkpoint": missing}
+        skip_state = self._model_only(info, [], skip_state, with_optimizer)
+        for side, names in (("not in the step", info["not_in_checkpoint"]),
+                            ("in the step but not in the model", unexpected)):
+            if names:
+                warnings.warn(f"ckptd: load(from_path={path!r}): {len(names)} tensors {side} were skipped "
+                              f"(strict=False): {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}",
+                              stacklevel=_user_stacklevel())
+        resharded = None
+        if source.world_size != self.world_size:
+            resharded = {"saved_world_size": source.world_size, "world_size": self.world_size, "rank": self.rank,
+                         "from_rank": from_rank}
+            self._warn_resharded_state(source.step, source.world_size, skip_state)
+        try:
+            plain = self._apply_train_state(state, skip_state, resharded)
+        except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError) as e:
+            raise CheckpointError(f"load(from_path={path!r}): step {source.step}'s train state is not usable: "
+                                  f"{e}") from e
+        restored = Restored(source.step, "path", nbytes, source.world_size if resharded else None)
+        restored.extra = plain  # extra_state's plain values, as saved
+        self.restored_files = _files.decode(state)
+        log.info("ckptd: job %r rank %d: %s (%s, saved by job %r)", self.job, self.rank, restored.describe(),
+                 path, source.job)
+        self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
+                         "resharded_from": restored.resharded_from, "extra": plain}
+        self._run = source.step
+        self._loaded = True
+        return restored
+
+    def _load_from_job(self, job, step, daemon_timeout, exclude, include, patterns, skip_state, strict, cast):
+        """Another job's step through ckptd: a session of that job for the restore only,
+        registered with none of this manager's retention or upload settings (they are this
+        job's, not the source's), then left; the next save registers under this job."""
+        from ckptd import _sources
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"load(from_job={job!r}): a job name")
+        _sources.source_steps(self.socket, job, step, ckptd.list_checkpoints)
+        own = (self.job, self.keep_last, self.upload_every_steps, self.upload_interval_seconds)
+        self._release()
+        self.job, self.keep_last, self.upload_every_steps, self.upload_interval_seconds = job, None, None, None
+        try:
+            self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
+            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast)
+        finally:
+            self._release()
+            self.job, self.keep_last, self.upload_every_steps, self.upload_interval_seconds = own
+        if restored is None:
+            raise CheckpointError(f"load(from_job={job!r}): ckptd found no step of job {job!r} that rank "
+                                  f"{self.rank} can restore")
+        self._loaded = True
+        return restored
 
     def list_checkpoints(self, job=None):
         """This job's committed checkpoints (or `job`'s, e.g. "<job>-weights") that the node's
