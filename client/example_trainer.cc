@@ -2,6 +2,7 @@
 // parameters and optimizer state are float32 tensors in shared memory; every step
 // mutates them from an RNG whose state is saved as train state. A run that is killed
 // and resumed prints the same final checksum as one that never stopped.
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -10,6 +11,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <iostream>
 #include <map>
 #include <thread>
@@ -74,27 +76,57 @@ std::string RngBytes(uint64_t rng) { return std::string(reinterpret_cast<const c
 // a ckptd that starts, restarts or joins its group after the trainer gets its checkpoints.
 constexpr auto kRetryEvery = std::chrono::seconds(2);
 
-// Connects to ckptd, moves the state into tensors it shares (the values, if any, come
-// along) and registers them. An error when ckptd is not there or refuses (e.g. not joined
-// to its group yet); the state is then untouched.
-absl::StatusOr<std::unique_ptr<ckpt::Client>> Attach(const Flags& f, State& state) {
-  CKPT_ASSIGN_OR_RETURN(std::unique_ptr<ckpt::Client> client,
-                        ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank,
-                                               .world_size = f.world_size}));
+absl::StatusOr<std::unique_ptr<ckpt::Client>> Connect(const Flags& f) {
+  return ckpt::Client::Connect({.socket = f.socket, .job = f.job, .rank = f.rank, .world_size = f.world_size});
+}
+
+// Moves the state into tensors `client` shares with ckptd (the values, if any, come along)
+// and registers them. An error when ckptd refuses (e.g. not joined to its group yet); the
+// state is then untouched.
+absl::Status Adopt(ckpt::Client& client, State& state) {
   const std::vector<int64_t> shape = {static_cast<int64_t>(state.n)};
-  CKPT_ASSIGN_OR_RETURN(auto params, client->AllocateTensor("model.params", "F32", shape));
-  CKPT_ASSIGN_OR_RETURN(auto momentum, client->AllocateTensor("optim.momentum", "F32", shape));
+  CKPT_ASSIGN_OR_RETURN(auto params, client.AllocateTensor("model.params", "F32", shape));
+  CKPT_ASSIGN_OR_RETURN(auto momentum, client.AllocateTensor("optim.momentum", "F32", shape));
   auto* p = static_cast<float*>(params->data);
   auto* m = static_cast<float*>(momentum->data);
   if (state.params != nullptr) {
     std::memcpy(p, state.params, state.n * sizeof(float));
     std::memcpy(m, state.momentum, state.n * sizeof(float));
   }
-  CKPT_RETURN_IF_ERROR(client->Register());
+  CKPT_RETURN_IF_ERROR(client.Register());
   state.params = p;
   state.momentum = m;
-  return client;
+  return absl::OkStatus();
 }
+
+// A trainer without ckptd asks again in the background (connecting may take seconds) and
+// adopts the connection at its next save point: training is never held up by the asking.
+class Reconnector {
+ public:
+  explicit Reconnector(const Flags& f) : f_(f) {}
+  // A client registered with `state`, once ckptd answers; nullptr until then.
+  std::unique_ptr<ckpt::Client> Poll(State& state) {
+    const auto now = std::chrono::steady_clock::now();
+    if (pending_.valid() && pending_.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+      auto connected = pending_.get();
+      if (connected.ok() && Adopt(**connected, state).ok()) return std::move(*connected);
+      next_ = now + kRetryEvery;
+    } else if (!pending_.valid() && now >= next_) {
+      struct stat st {};
+      if (::stat(f_.socket.c_str(), &st) == 0) {  // no socket: nothing to ask yet
+        pending_ = std::async(std::launch::async, [f = f_] { return Connect(f); });
+      } else {
+        next_ = now + kRetryEvery;
+      }
+    }
+    return nullptr;
+  }
+
+ private:
+  Flags f_;
+  std::future<absl::StatusOr<std::unique_ptr<ckpt::Client>>> pending_;
+  std::chrono::steady_clock::time_point next_ = std::chrono::steady_clock::now() + kRetryEvery;
+};
 
 }  // namespace
 
@@ -117,18 +149,21 @@ int main(int argc, char** argv) {
   state.n = std::max<uint64_t>(f.state_bytes / 8, 1);
   std::vector<float> local;  // the state while ckptd is unavailable
   std::unique_ptr<ckpt::Client> client;
-  auto attached = Attach(f, state);
+  absl::Status attached = absl::OkStatus();
+  if (auto connected = Connect(f); !connected.ok()) {
+    attached = connected.status();
+  } else if (attached = Adopt(**connected, state); attached.ok()) {
+    client = std::move(*connected);
+  }
   if (!attached.ok() && f.resume) {
     // Never start over silently: a checkpoint may exist that this run cannot see.
-    std::cerr << "error: cannot resume: ckptd refused or is unavailable (" << ckpt::Message(attached.status())
+    std::cerr << "error: cannot resume: ckptd refused or is unavailable (" << ckpt::Message(attached)
               << "); not starting from step 0 while a checkpoint may exist\n";
     return 1;
   }
-  auto retry_at = std::chrono::steady_clock::now() + kRetryEvery;
-  if (attached.ok()) {
-    client = std::move(*attached);
-  } else {
-    std::cerr << "warning: ckptd unavailable (" << ckpt::Message(attached.status())
+  Reconnector reconnector(f);
+  if (!client) {
+    std::cerr << "warning: ckptd unavailable (" << ckpt::Message(attached)
               << "); training without checkpoints until it answers (asked again every 2 s)\n";
     local.assign(2 * state.n, 0.0f);
     state.params = local.data();
@@ -193,10 +228,8 @@ int main(int argc, char** argv) {
     }
     TrainStep(state);
     const bool save = f.save_every != 0 && step % f.save_every == 0;
-    if (!client && save && std::chrono::steady_clock::now() >= retry_at) {
-      retry_at = std::chrono::steady_clock::now() + kRetryEvery;
-      if (auto again = Attach(f, state); again.ok()) {
-        client = std::move(*again);
+    if (!client && save) {
+      if ((client = reconnector.Poll(state))) {
         session = client->session_id();
         local.clear();
         std::cout << fmt::format("registered with ckptd at step {} (session {})\n", step, session) << std::flush;
