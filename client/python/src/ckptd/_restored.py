@@ -5,7 +5,8 @@ class Restored(int):
     """The step load() restored (an int: `(manager.load() or 0) + 1` is the next step), with
     where it came from: `source` ("memory", "disk", "remote" or "peer"), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
-    job's now (None otherwise)."""
+    job's now (None otherwise). `manager.restored` is the same object (None when nothing
+    was restored); `restored["source"]` reads as `restored.source`."""
 
     def __new__(cls, step, source, nbytes, resharded_from=None):
         restored = super().__new__(cls, step)
@@ -30,6 +31,14 @@ class Restored(int):
     def __repr__(self):
         return (f"Restored(step={int(self)}, source={self.source!r}, bytes={self.bytes}, "
                 f"resharded_from={self.resharded_from})")
+
+    # manager.restored was once a dict of these: code that reads it so keeps working.
+    _KEYS = ("step", "source", "bytes", "resharded_from")
+
+    def __getitem__(self, key):
+        if key not in self._KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
 
     def __reduce__(self):  # pickles (and copies) as what it is
         return (Restored, (int(self), self.source, self.bytes, self.resharded_from))
