@@ -977,6 +977,8 @@ class CheckpointManager:
         for name, obj in self.extra_state.items():
             if not torch.is_tensor(obj):
                 state[f"extra.{name}"] = self._extra_bytes(name, obj)
+                if _is_stateful_loader(obj) and obj.generator is not None:  # see _resume_loader
+                    state[f"extra.{name}.generator"] = obj.generator.get_state().numpy().tobytes()
         return state
 
     def _extra_bytes(self, name, obj):
@@ -1031,6 +1033,8 @@ class CheckpointManager:
             if resharded is not None and hasattr(obj, "reshard_state_dict"):
                 value = obj.reshard_state_dict(value, **resharded)
             _load_extra(name, obj, value)
+            if _is_stateful_loader(obj):
+                _resume_loader(obj, state.get(f"{key}.generator"))
 
     def _optimizer_params(self, names=None):
         """(name, parameter) for every optimizer parameter: its name in the model, else
@@ -1112,6 +1116,34 @@ def _check_extra(name, obj):
         raise TypeError(f"extra_state[{name!r}] is a {type(obj).__name__}: pass an object with "
                         "state_dict()/load_state_dict(), a tensor, or a dict or list (restored in "
                         "place); a number or string cannot be restored in place: wrap it in a dict")
+
+
+def _is_stateful_loader(obj):
+    """torchdata's StatefulDataLoader (or one like it): a DataLoader whose load_state_dict
+    keeps the state for the iterator its next iter() makes."""
+    loader = getattr(getattr(torch.utils, "data", None), "DataLoader", None)
+    return loader is not None and isinstance(obj, loader) and hasattr(obj, "next_iter_state")
+
+
+def _resume_loader(loader, generator_state):
+    """Makes the iterator that continues the saved epoch now, so that the run draws from its
+    RNGs what the run it continues drew. A DataLoader's iterator draws its base seed when it
+    is made (from `generator`, else torch's global RNG): made by the user's iter() after
+    load(), it would draw once more than the saved run did, from the global RNG that load()
+    restored (dropout differs from then on) or from the generator, whose state the sampler
+    then sets back to the epoch's start (the next epoch is shuffled differently). Made here,
+    before load() restores the global RNG, with the generator set to its state at the save
+    afterwards, nothing is drawn twice; iter() then returns it (torchdata keeps the iterator
+    that state_dict() made for the next iter())."""
+    if loader.next_iter_state is None:
+        return  # saved before its first iter(): nothing to continue
+    rng = torch.get_rng_state()
+    try:
+        loader.state_dict()
+    finally:
+        torch.set_rng_state(rng)
+    if generator_state is not None and loader.generator is not None:
+        loader.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
 
 
 def _load_extra(name, obj, value):
