@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "client/ctl_exit.h"
+#include "client/progress_bar.h"
 #include "client/proto_json.h"
 #include "client/table.h"
 #include "proto/health.grpc.pb.h"
@@ -32,17 +33,6 @@ constexpr double kCallSeconds = 30;      // status, list, show, delete, health
 constexpr double kVerifySeconds = 3600;  // verify re-reads every byte
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-std::string Bytes(uint64_t n) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(n);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
-}
 
 // The files stored with a step, by name: the first few and how many more (--json lists all);
 // no spaces, so that scripts that split a row into words still find the columns after it.
@@ -79,14 +69,14 @@ void PrintGroup(const GroupStatus& g) {
   std::cout << "MEMBERS\n" << (g.members().empty() ? "(not heard from the coordinator)\n" : members.Render()) << "\n";
   if (g.replication().empty()) return;
   std::cout << fmt::format("replicas  {}  this node's fragments to nodes {}  holding {} of {} for peers{}\n",
-                           g.replication(), fmt::join(g.replica_holders(), ","), Bytes(g.replica_bytes_used()),
-                           Bytes(g.replica_bytes_total()),
+                           g.replication(), fmt::join(g.replica_holders(), ","), HumanBytes(g.replica_bytes_used()),
+                           HumanBytes(g.replica_bytes_total()),
                            g.failure_domain().empty() ? "" : "  domain " + g.failure_domain());
   if (!g.placement_warning().empty()) std::cout << "          WARNING: " << g.placement_warning() << "\n";
   ckpt::Table held({"JOB", "OF NODE", "STEP", "FRAGMENTS", "BYTES", "SEALED"});
   for (const auto& h : g.held_replicas()) {
     held.Add({h.job(), std::to_string(h.owner()), std::to_string(h.step()), std::to_string(h.fragments()),
-              Bytes(h.bytes()), h.sealed() ? "yes" : "no (arriving, or given up)"});
+              HumanBytes(h.bytes()), h.sealed() ? "yes" : "no (arriving, or given up)"});
   }
   if (!held.empty()) std::cout << "HELD FOR PEERS\n" << held.Render();
   std::cout << "\n";
@@ -195,15 +185,15 @@ int Commands::Status() {
   }
   std::cout << fmt::format("ckptd {}  up {:.1f} s  root {}\n", r.version(), r.uptime_s(), r.root());
   if (!r.remote().empty()) std::cout << fmt::format("remote    {}\n", r.remote());
-  std::cout << fmt::format("staging   {} of {} in use{}\n", Bytes(r.staging_bytes_used()),
-                           Bytes(r.staging_bytes_total()), r.staging_prefaulted() ? "" : " (still being pre-faulted)");
+  std::cout << fmt::format("staging   {} of {} in use{}\n", HumanBytes(r.staging_bytes_used()),
+                           HumanBytes(r.staging_bytes_total()), r.staging_prefaulted() ? "" : " (still being pre-faulted)");
   std::cout << fmt::format("counters  staged {}  rejected {}  committed {}  failed {}  persisted {}\n\n",
                            r.snapshots_staged(), r.snapshots_rejected(), r.checkpoints_committed(),
-                           r.checkpoints_failed(), Bytes(r.bytes_persisted()));
+                           r.checkpoints_failed(), HumanBytes(r.bytes_persisted()));
   ckpt::Table sessions({"JOB", "RANK", "PID", "TENSORS", "BYTES", "STAGED", "COMMITTED", "ALIVE"});
   for (const auto& x : r.sessions()) {
     sessions.Add({x.job(), fmt::format("{}/{}", x.rank(), x.world_size()), std::to_string(x.pid()),
-                  std::to_string(x.tensors()), Bytes(x.bytes()), std::to_string(x.last_staged_step()),
+                  std::to_string(x.tensors()), HumanBytes(x.bytes()), std::to_string(x.last_staged_step()),
                   std::to_string(x.last_committed_step()), x.trainer_alive() ? "yes" : "no"});
   }
   std::cout << "SESSIONS\n" << (r.sessions().empty() ? "(none)\n" : sessions.Render()) << "\n";
@@ -229,7 +219,7 @@ int Commands::Status() {
   for (const auto& j : r.jobs()) {
     for (const auto& u : j.uploads()) {
       uploads.Add({j.job(), std::to_string(u.step()), u.state(),
-                   fmt::format("{} of {}", Bytes(u.bytes_done()), Bytes(u.bytes_total())),
+                   fmt::format("{} of {}", HumanBytes(u.bytes_done()), HumanBytes(u.bytes_total())),
                    fmt::format("{:.1f} s", u.age_s()), u.last_error().empty() ? "-" : u.last_error()});
     }
   }
@@ -237,7 +227,7 @@ int Commands::Status() {
   ckpt::Table replication({"JOB", "STEP", "REPLICATION", "SENT", "TIME", "WHY"});
   for (const auto& j : r.jobs()) {
     for (const auto& s : j.replication()) {
-      replication.Add({j.job(), std::to_string(s.step()), s.state(), Bytes(s.bytes_sent()),
+      replication.Add({j.job(), std::to_string(s.step()), s.state(), HumanBytes(s.bytes_sent()),
                        s.state() == "replicated" ? fmt::format("{:.2f} s", s.seconds()) : "-",
                        s.why().empty() ? "-" : s.why()});
     }
@@ -278,7 +268,7 @@ int Commands::PrintList(const ListReply& r, const Options& o) {
       continue;
     }
     t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()), std::to_string(c.tensors()),
-           Bytes(c.bytes()),
+           HumanBytes(c.bytes()),
            fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time()))),
            FileNames(c.files()), fmt::format("{}", fmt::join(c.tiers(), ",")),
            c.flags().empty() ? "full" : fmt::format("{}", fmt::join(c.flags(), ","))});
@@ -331,7 +321,7 @@ int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t
     j.update(ProtoToJson(r));
     PrintJson(j);
   } else if (r.ok()) {
-    std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", step, job, Bytes(r.bytes_checked()));
+    std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", step, job, HumanBytes(r.bytes_checked()));
     if (!r.skipped_ranks().empty()) {
       std::vector<uint32_t> skipped(r.skipped_ranks().begin(), r.skipped_ranks().end());
       std::cout << fmt::format("  ranks {} are held by other nodes: verify them there\n", fmt::join(skipped, ","));

@@ -21,8 +21,6 @@
 namespace ckpt::ctl {
 namespace {
 
-std::string GiB(uint64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
-
 int Fail(const std::string& message, int code) {
   std::cerr << "ckptctl export: " << message << "\n";
   return code;
@@ -113,7 +111,7 @@ int RunExport(const ExportArgs& args) {
     return 0;
   }
   std::cout << fmt::format("exported step {} of job {} to {}: {} tensors, {} in {} files, {:.1f} s ({:.0f} MB/s)\n",
-                           args.step, job, args.out, report->tensors, GiB(report->bytes_written),
+                           args.step, job, args.out, report->tensors, HumanBytes(report->bytes_written),
                            report->files.size(), seconds,
                            seconds > 0 ? static_cast<double>(report->bytes_written) / seconds / 1e6 : 0.0);
   if (report->optimizer_tensors_left_out > 0) {

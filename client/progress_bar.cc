@@ -5,11 +5,17 @@
 #include <iostream>
 
 namespace ckpt::ctl {
-namespace {
 
-std::string GiB(uint64_t bytes) { return fmt::format("{:.2f} GiB", static_cast<double>(bytes) / (1 << 30)); }
-
-}  // namespace
+std::string HumanBytes(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.1f} {}", v, units[u]);
+}
 
 void ProgressBar::Update(uint64_t done, uint64_t total) {
   if (finished_) return;
@@ -23,7 +29,7 @@ void ProgressBar::Update(uint64_t done, uint64_t total) {
   const double seconds = std::chrono::duration<double>(now - start_).count();
   const double fraction = total == 0 ? 1.0 : static_cast<double>(done) / static_cast<double>(total);
   const std::string figures =
-      fmt::format("{} of {}, {:.0f} MB/s", GiB(done), GiB(total),
+      fmt::format("{} of {}, {:.0f} MB/s", HumanBytes(done), HumanBytes(total),
                   seconds > 0 ? static_cast<double>(done) / seconds / 1e6 : 0.0);
   if (style_ == Style::kLines) {
     std::cerr << fmt::format("{}: {:3.0f}% ({})\n", what_, fraction * 100, figures) << std::flush;

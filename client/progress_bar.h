@@ -1,5 +1,5 @@
 // Progress of a long ckptctl command (export, verify) on stderr: a bar redrawn in place on a
-// terminal, or, for logs, a plain line every few seconds.
+// terminal, or, for logs, a plain line every few seconds; and how sizes are written.
 #pragma once
 
 #include <chrono>
@@ -7,6 +7,9 @@
 #include <string>
 
 namespace ckpt::ctl {
+
+// A size as people read it: "512 B", "96.0 KiB", "1.5 GiB" (what ckptctl prints everywhere).
+std::string HumanBytes(uint64_t bytes);
 
 class ProgressBar {
  public:

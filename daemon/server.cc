@@ -611,6 +611,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       RootLock::Acquire(config.root, config.shared_root
                                          ? fmt::format(".ckptd.node-{}.lock", config.node_rank)
                                          : std::string(".ckptd.lock")));
+  // The socket is bound (at its path + ".new", accepting nothing until it serves) before the
+  // slow parts of the start (a remote tier's first answer, pinning the staging memory): a
+  // trainer's load() that finds it waits for this daemon instead of taking the node for one
+  // without a ckptd (client/python/src/ckptd/_connection.py).
+  CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   const bool grouped = config.num_nodes > 1;
   const bool direct = !config.remote.empty() && config.remote_mode == RemoteMode::kDirect;
   storage::StorePtr remote;
@@ -867,7 +872,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   on_socket.owners = p->owners.get();
   p->admin_service = std::make_unique<AdminService>(p->config, sources, on_socket);
 
-  CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   // The Unix socket's server has no port of its own: the listener hands it each connection

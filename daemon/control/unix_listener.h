@@ -37,7 +37,9 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path);
 class UnixListener {
  public:
   // Creates the socket's directory if needed, removes a stale socket file (refusing if a
-  // live daemon answers on it), binds and listens under a temporary name beside `path`.
+  // live daemon answers on it), binds and listens under a temporary name beside `path`
+  // (`path` + ".new"): the daemon binds it early in its start, and clients that find it
+  // listening wait for a daemon that is starting (client/python/src/ckptd/_connection.py).
   static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
   ~UnixListener();
 

@@ -86,6 +86,7 @@ def main():
     if resume is not None:
         print(f"resumed from step {int(callback.restored)} ({callback.restored.source})", flush=True)
     trainer.train(resume_from_checkpoint=resume)
+    print(f"after train {callback.restored!r}", flush=True)  # what it resumed from, still
     print(f"weights {digest(model, trainer.optimizer)}", flush=True)
     print(f"resume folder {'left' if resume and os.path.exists(resume) else 'gone'}", flush=True)
 

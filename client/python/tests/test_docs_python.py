@@ -3,7 +3,7 @@ guide shows a user is what works (issue 21 item 9).
 
 The snippets share one namespace, as a user's script would, holding what they take as given:
 `model` (a small GPT-2 from `transformers`, whose lm_head is tied), `optimizer`,
-`lr_scheduler`, `train_step()`, `num_steps`. The paths they name are this test's: "/ckpt" is
+`lr_scheduler`, `train_step()`, `num_steps`, `dataset`. The paths they name are this test's: "/ckpt" is
 the daemon's root, "/old-ckpt/step-1200" a DCP checkpoint made here; the framework snippets
 get a LightningModule and data module, or a GPT-2 and a dataset, and a few steps for their
 100,000. PyTorch 2 with `transformers` and `lightning` (run_pytest.sh leaves this file out on
@@ -55,7 +55,7 @@ def test_every_python_snippet_in_the_guide_runs(daemon, workdir, monkeypatch):
     monkeypatch.setenv("CKPTD_SOCKET", daemon.socket)  # the snippets use the default socket
     model, optimizer, lr_scheduler = gpt2()
 
-    def train_step():
+    def train_step(batch=None):  # the data-loader snippet passes its batch
         tokens = torch.randint(0, 64, (2, 8))
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
@@ -79,7 +79,8 @@ def test_every_python_snippet_in_the_guide_runs(daemon, workdir, monkeypatch):
                   "save_steps=500": "save_steps=2"})
 
     namespace = {"model": model, "optimizer": optimizer, "lr_scheduler": lr_scheduler,
-                 "train_step": train_step, "num_steps": 3, "CheckpointManager": CheckpointManager}
+                 "train_step": train_step, "num_steps": 3, "CheckpointManager": CheckpointManager,
+                 "dataset": list(range(10))}
     found = snippets()
     assert len(found) >= 6
     for line, code in found:

@@ -67,6 +67,8 @@ def test_resume_mid_epoch_from_disk(daemon):
     daemon.restart()
     out = finish(start(daemon, "first", *common, "--resume", "--resume-step", "5"))
     assert last_line(out, "resumed") == "from step 5 (disk)"
+    # callback.restored outlives train() (it was None again).
+    assert last_line(out, "after").startswith("train Restored(step=5, source='disk', bytes=")
     expected, after = losses(reference), losses(out)
     assert sorted(after) == list(range(6, 13))
     assert all(after[s] == expected[s] for s in after)

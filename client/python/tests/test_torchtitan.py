@@ -28,6 +28,7 @@ pytest.importorskip("torchtitan")
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import ckptd  # noqa: E402
+from ckptd.torch import CheckpointManager  # noqa: E402
 from ckptd.dcp import CkptdStorageReader  # noqa: E402
 
 from conftest import PYTHONPATH, Daemon, losses  # noqa: E402
@@ -91,15 +92,22 @@ def start(assets, dump, *checkpoint, job=None, socket_path=None, ranks=1, delay=
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", WORKER]
     # stderr (warnings, torchrun's log) into a file: a pipe nobody reads while the test
     # follows stdout could fill and stop the run.
-    return subprocess.Popen([*command, "--delay", str(delay), *titan], stdout=subprocess.PIPE,
-                            stderr=tempfile.TemporaryFile(mode="w+"), text=True, env=env)
+    log = tempfile.TemporaryFile(mode="w+")
+    process = subprocess.Popen([*command, "--delay", str(delay), *titan], stdout=subprocess.PIPE,
+                               stderr=log, text=True, env=env)
+    process.log = log  # its stderr (Popen keeps no handle on a file it was given)
+    return process
+
+
+def stderr_of(process):
+    process.log.seek(0)
+    return process.log.read()
 
 
 def finish(process):
     out, _ = process.communicate(timeout=150)
     if process.returncode != 0:
-        process.stderr.seek(0)
-        raise AssertionError(f"exit status {process.returncode}:\n{process.stderr.read()[-4000:]}")
+        raise AssertionError(f"exit status {process.returncode}:\n{stderr_of(process)[-4000:]}")
     return out
 
 
@@ -266,7 +274,12 @@ def test_a_job_switches_from_torchtitans_dcp_checkpoints(workdir, assets, refere
         dcp_run = start(assets, tmp_path / "dump", *options, delay=0.25)
         folder = tmp_path / "dump" / "checkpoint"
         kill_after(dcp_run, 7, lambda: (folder / "step-5" / ".metadata").exists())
-        out = finish(start(assets, tmp_path / "dump", *options, job="switch", socket_path=daemon.socket))
+        # A job of a close name: not a misspelling to warn about while DCP's step loads.
+        with CheckpointManager("swtich", torch.nn.Linear(2, 2), socket=daemon.socket) as other:
+            other.save(1, blocking=True)
+        switched = start(assets, tmp_path / "dump", *options, job="switch", socket_path=daemon.socket)
+        out = finish(switched)
+        assert "misspelt" not in stderr_of(switched)
         assert "resumed from step" not in out  # not from ckptd: from DCP's step 5
         assert losses(out) == {s: reference["losses"][s] for s in range(6, STEPS + 1)}
         assert line(out, "weights") == reference["weights"]

@@ -41,10 +41,38 @@ def restore_advice(message):
     return None
 
 
-def closest(name, candidates, n=3):
-    """The names in `candidates` that look most like `name` (a misspelt job name)."""
-    close = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
-    return close or sorted(candidates)[:n]
+_DIGITS = re.compile(r"\d+")
+
+
+def _edits(a, b):
+    """The edit distance of a and b: insertions, deletions, substitutions and swaps of two
+    neighbours (a typo's slips) each count one."""
+    before, row = None, list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        here = [i]
+        for j, y in enumerate(b, 1):
+            d = min(row[j] + 1, here[j - 1] + 1, row[j - 1] + (x != y))
+            if before is not None and i > 1 and j > 1 and x == b[j - 2] and a[i - 2] == y:
+                d = min(d, before[j - 2] + 1)
+            here.append(d)
+        before, row = row, here
+    return row[-1]
+
+
+def close_jobs(name, jobs, n=3):
+    """The jobs in `jobs` whose names `name` may be a misspelling of, closest first: one slip
+    in a short name, two in a longer one, or another case. Names that differ only in their
+    numbers ("run-7" beside "run-6", "exp2" beside "exp", "llama3-70b" beside "llama3-8b")
+    are other jobs of a series, not slips."""
+    def slips(job):
+        if job.lower() == name.lower():
+            return 0
+        if _DIGITS.sub("", job) == _DIGITS.sub("", name):
+            return None
+        d = _edits(name, job)
+        return d if d <= (1 if len(name) <= 5 else 2) else None
+    near = [(slips(job), job) for job in jobs if job != name]
+    return [job for d, job in sorted((d, job) for d, job in near if d is not None)][:n]
 
 
 def other_run(job, steps, count, step, resume):

@@ -8,7 +8,8 @@ class Restored(int):
     load(from_path=)), `bytes` restored, and
     `resharded_from`, the world size the step was saved with when that differs from the
     job's now (None otherwise). `extra`: the plain values of extra_state (numbers, strings),
-    which load() cannot restore in place, as saved."""
+    which load() cannot restore in place, as saved. `manager.restored` is the same object
+    (None when nothing was restored); `restored["source"]` reads as `restored.source`."""
 
     extra = types.MappingProxyType({})  # none (a load set its own)
 
@@ -35,6 +36,14 @@ class Restored(int):
     def __repr__(self):
         return (f"Restored(step={int(self)}, source={self.source!r}, bytes={self.bytes}, "
                 f"resharded_from={self.resharded_from})")
+
+    # manager.restored was once a dict of these: code that reads it so keeps working.
+    _KEYS = ("step", "source", "bytes", "resharded_from", "extra")
+
+    def __getitem__(self, key):
+        if key not in self._KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
 
     def __reduce__(self):  # pickles (and copies) as what it is
         return (Restored, (int(self), self.source, self.bytes, self.resharded_from))

@@ -30,7 +30,7 @@ import torch
 
 import ckptd
 from ckptd import _advice
-from ckptd._connection import _listening, _user_stacklevel
+from ckptd._connection import _DaemonWait, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._state_dict import _DTYPES, _TORCH_DTYPES
 from ckptd._train_state import _from_bytes, _to_bytes
@@ -240,12 +240,15 @@ class CkptdCheckpointIO(*_bases()):
 
     def _connect(self, wait):
         """Whether there is a session, connecting if ckptd listens. `wait` 0: a save, which
-        warns and returns False at once when nothing listens; otherwise waits that long, then
-        raises CheckpointError (a load never starts from scratch silently)."""
+        warns and returns False at once when nothing listens; otherwise (a load) waits up to
+        that long for a ckptd that is starting or slow to answer, saying so, then raises
+        CheckpointError; at once when no ckptd is there or starting (never a silent fresh
+        start, never a silent wait)."""
         if self._client is not None:
             return True
-        deadline = time.monotonic() + wait
+        waiting = _DaemonWait(self.socket, f"job {self.job!r}", wait) if wait else None
         while True:
+            error = None
             if _listening(self.socket):
                 try:
                     self._client = ckptd.connect(
@@ -253,23 +256,22 @@ class CkptdCheckpointIO(*_bases()):
                         upload_every_steps=self.upload_every_steps,
                         upload_interval_seconds=self.upload_interval_seconds)
                     self._buffers, self._layout = {}, None
+                    if waiting is not None:
+                        waiting.answered()
                     return True
-                except ckptd.Unavailable:
-                    pass
+                except ckptd.Unavailable as e:
+                    error = e
                 except ckptd.Error as e:
                     if not wait:
                         self._lost(e, "checkpoint not saved")
                         return False
                     raise CheckpointError(f"cannot load job {self.job!r}: {e}") from e
-            if time.monotonic() >= deadline:
-                if not wait:
-                    warnings.warn(f"ckptd unavailable at {self.socket}: checkpoint not saved, "
-                                  "training continues", RuntimeWarning, stacklevel=_user_stacklevel())
-                    return False
-                raise CheckpointError(
-                    f"cannot load job {self.job!r}: ckptd is not reachable at {self.socket} "
-                    f"(waited {wait:g} s): start ckptd, or raise daemon_timeout")
-            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            if waiting is None:
+                warnings.warn(f"ckptd unavailable at {self.socket}: checkpoint not saved, "
+                              "training continues", RuntimeWarning, stacklevel=_user_stacklevel())
+                return False
+            # Raises at once when no ckptd is there or starting, else when `wait` is up.
+            time.sleep(waiting.failed(error))
 
     def _register(self, layout):
         """Makes the registered tensors `layout` [(name, dtype, shape)]: a new session

@@ -30,7 +30,7 @@ import torch
 
 import ckptd
 from ckptd import _advice, _files, _fsdp1, _model_only, _parts, _placement, _shapes
-from ckptd._connection import _Connector, _env_int, _listening, _user_stacklevel
+from ckptd._connection import _Connector, _DaemonWait, _env_int, _listening, _user_stacklevel
 from ckptd._errors import CheckpointError
 from ckptd._preemption import PreemptionSaver
 from ckptd._restored import Restored
@@ -149,9 +149,16 @@ class CheckpointManager:
         self._outage = False        # ckptd unreachable since the last save that went through
         self._connector = None      # a connection attempt still under way (see _connected)
         self._quiet = False         # load() is waiting for ckptd: a lost daemon raises, not warns
+        self._lost_error = None     # why the latest connection was lost (_lost)
         self._unstaged = None       # a ticket whose tensors must not be mutated yet
         self._last_ticket = None
         self._run = 0               # the step this run resumed from: names its save clock
+        self.restored = None        # what the latest load() restored (a Restored), None if nothing
+        # Another source loads when ckptd holds nothing of the job (the torchtitan integration,
+        # which then says what _warn_near_jobs says itself if that finds nothing either).
+        self._fallback = False
+        self._near_jobs = []        # this user's jobs of a close name, when a load found nothing
+        self._warned_near = False
         self._loaded = False        # load() restored (or found nothing): this run continues the job
         self._checked_run = False   # the first save looked at what the job already holds
         self._registered_where = {}  # see _where
@@ -329,7 +336,7 @@ class CheckpointManager:
 
     def load(self, step=None, daemon_timeout=None, from_dcp=None, exclude=None, strict=None,
              from_hf=None, rename=None, cast=False, on_shapes=None, resize=False, from_path=None, from_job=None,
-             from_dcp_keys=None):
+             from_dcp_keys=None, require=False):
         """Restores the latest checkpoint (or `step`) in place; returns its step, or None when
         the job has none. Never starts over silently: when ckptd cannot be reached, waits
         for it up to `daemon_timeout` seconds (the manager's, 120 by default) and then
@@ -374,7 +381,13 @@ class CheckpointManager:
         step), that also says where it came from: `.source` ("memory", "disk", "remote":
         ckptd's --remote tier, or "peer": rebuilt from its peers' memory), `.bytes`, and `.resharded_from` (the world size it was saved
         with, when that differs from this job's; None otherwise). The same is logged at INFO
-        and kept as `manager.restored`.
+        and kept as `manager.restored` (None until a load restored something, and after one
+        that found nothing).
+
+        A job without a checkpoint returns None, warning (rank 0, once) only when this user
+        has a job of a close name on the node (a misspelt job name?). `require=True` raises
+        CheckpointError instead, naming the job, those jobs and where ckptd looked: for a run
+        that must resume, never start over.
 
         A load that raises leaves nothing registered with ckptd (the next save or load, or
         another CheckpointManager of the same job, registers afresh)."""
@@ -408,7 +421,7 @@ class CheckpointManager:
                                        skip_state, strict, cast)
         self._wait_for_daemon(self.daemon_timeout if daemon_timeout is None else daemon_timeout)
         try:
-            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast, on_shapes)
+            restored = self._load(step, exclude, include, patterns, skip_state, strict, cast, on_shapes, require)
         except BaseException:
             # A notebook re-runs the cell with a new manager: no session of this one may stand
             # in its way. (What was restored before the failure stays in the tensors: a failed
@@ -418,7 +431,37 @@ class CheckpointManager:
         self._loaded = True
         return restored
 
-    def _load(self, step, exclude, include, patterns, skip_state, strict, cast=False, on_shapes=None):
+    def _nothing_found(self, step, other_jobs, require):
+        """What load() does when the job has no checkpoint (at `step`): None, with a warning
+        (rank 0, once) when this user has jobs of a close name (a misspelt job?) unless another
+        source loads next (the torchtitan integration says so then); with `require`, raises."""
+        self.restored = None
+        self._near_jobs = _advice.close_jobs(self.job, other_jobs)
+        near = (f"; this user's jobs with a similar name that do: {', '.join(map(repr, self._near_jobs))} "
+                "(a misspelt job name?)" if self._near_jobs else "")
+        if require:
+            what = f"step {step}" if step is not None else "checkpoint"
+            raise CheckpointError(
+                f"cannot load job {self.job!r}: it has no {what} in the ckptd at {self.socket} (its memory, "
+                f"its disk and its remote tier, if it has one; `ckptctl list` shows every job there){near}. "
+                "load(require=True) is for a run that must resume; a new job's first run has "
+                "nothing to load")
+        if step is None and not self._fallback:
+            self._warn_near_jobs()
+        return None
+
+    def _warn_near_jobs(self):
+        """The misspelt-job warning of the latest load() that found nothing: said once, by rank
+        0, and only when this user has a job of a close name."""
+        if self._near_jobs and self.rank == 0 and not self._warned_near:
+            self._warned_near = True
+            warnings.warn(f"ckptd: job {self.job!r} has no checkpoint on this node; this user has "
+                          f"checkpoints of {', '.join(map(repr, self._near_jobs))} (a misspelt job "
+                          "name?). load() returned None; load(require=True) raises instead, for a "
+                          "run that must resume", stacklevel=_user_stacklevel())
+
+    def _load(self, step, exclude, include, patterns, skip_state, strict, cast=False, on_shapes=None,
+              require=False):
         created = [] if "optimizer" in exclude else self._create_optimizer_state()
         early_warnings = []
         try:
@@ -435,13 +478,7 @@ class CheckpointManager:
                                   + (f"\n  what to do: {advice}" if advice else "")) from e
         if not info["found"]:
             self._drop_optimizer_state(created)
-            if info["other_jobs"] and step is None:
-                near = _advice.closest(self.job, info["other_jobs"])
-                warnings.warn(f"ckptd: job {self.job!r} has no checkpoint on this node; starting "
-                              f"from scratch. Jobs that do: {', '.join(map(repr, near))}"
-                              f"{' ...' if len(info['other_jobs']) > len(near) else ''} "
-                              "(a misspelt job name?)", stacklevel=_user_stacklevel())
-            return None
+            return self._nothing_found(step, info["other_jobs"], require)
         for warning in early_warnings + list(info["warnings"]):  # a newer step was damaged: never silent
             warnings.warn(f"ckptd: {warning}", stacklevel=_user_stacklevel())
         skip_state = self._model_only(info, created, skip_state, "optimizer" not in exclude)
@@ -466,8 +503,7 @@ class CheckpointManager:
                             saved_world if saved_world and saved_world != self.world_size else None)
         restored.extra = plain  # extra_state's plain values, as saved
         log.info("ckptd: job %r rank %d: %s", self.job, self.rank, restored.describe())
-        self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
-                         "resharded_from": restored.resharded_from, "extra": plain}
+        self.restored = restored
         self.restored_files = _files.decode(info["train_state"])
         self._run = info["step"]
         return restored
@@ -503,14 +539,17 @@ class CheckpointManager:
                  and f"extra.{name}" not in skip_state]
         if self.rank != 0 or not blind:
             return
+        objects = f"extra_state {', '.join(map(repr, blind))}"
         if self.world_size > saved_world:
-            who = (f"ranks {saved_world}-{self.world_size - 1} get rank 0's" if self.world_size - saved_world > 1
-                   else f"rank {saved_world} gets rank 0's")
+            who = (f"ranks {saved_world}-{self.world_size - 1} get rank 0's {objects}"
+                   if self.world_size - saved_world > 1 else f"rank {saved_world} gets rank 0's {objects}")
         else:
-            who = f"the state of ranks {self.world_size}-{saved_world - 1} is not loaded by any rank"
+            ranks = (f"ranks {self.world_size}-{saved_world - 1}" if saved_world - self.world_size > 1
+                     else f"rank {self.world_size}")
+            who = f"no rank loads the {objects} that {ranks} saved"
         warnings.warn(
             f"ckptd: step {step} was saved by {saved_world} ranks and is loaded by {self.world_size}: "
-            f"{who} extra_state {', '.join(map(repr, blind))}. Give such an object a "
+            f"{who}. Give such an object a "
             "reshard_state_dict(state, saved_world_size, world_size, rank, from_rank) method that "
             "returns the state to load, or leave it out with exclude_from_loading.",
             stacklevel=_user_stacklevel())
@@ -687,8 +726,7 @@ class CheckpointManager:
         self.restored_files = _files.decode(state)
         log.info("ckptd: job %r rank %d: %s (%s, saved by job %r)", self.job, self.rank, restored.describe(),
                  path, source.job)
-        self.restored = {"step": restored.step, "source": restored.source, "bytes": restored.bytes,
-                         "resharded_from": restored.resharded_from, "extra": plain}
+        self.restored = restored
         self._run = source.step
         self._loaded = True
         return restored
@@ -746,7 +784,7 @@ class CheckpointManager:
         restored = Restored(0, "hf", nbytes)
         log.info("ckptd: job %r rank %d: loaded %d tensors (%d bytes) from the Hugging Face folder %s",
                  self.job, self.rank, loaded, nbytes, path)
-        self.restored = {"step": 0, "source": "hf", "bytes": nbytes, "resharded_from": None}
+        self.restored = restored
         return restored
 
     def save_weights(self, step, dtype=None, job=None, files=None):
@@ -869,30 +907,36 @@ class CheckpointManager:
         return True
 
     def _wait_for_daemon(self, timeout):
-        deadline = time.monotonic() + timeout
+        """Connects for load(): waits up to `timeout` for a ckptd that is starting or slow to
+        answer, saying so at once and every 10 s; raises at once when none is there or
+        starting (see _connection._DaemonWait)."""
+        local_rank = _env_int("LOCAL_RANK")
+        wait = _DaemonWait(self.socket, f"job {self.job!r}", timeout,
+                           speaks=(local_rank if local_rank is not None else self.rank) == 0)
         while True:
             self._retry_after = 0.0  # load() asks now, whatever the save path last saw
             # load() raises instead of warning. Not warnings.catch_warnings: it swaps
             # process-wide state, and with trainer threads (one per rank) interleaving their
             # enter and exit it can leave warnings switched off for the whole process.
             self._quiet = True
+            self._lost_error = None
             try:
                 if self._connected():
+                    wait.answered()
                     return
-                if self._connector is not None:  # slow to answer: give it what time is left
-                    self._connector.done(timeout=max(0.0, deadline - time.monotonic()))
+                if self._connector is not None:  # slow to answer: give it up to a second more
+                    self._connector.done(timeout=max(0.0, min(1.0, wait.started + timeout - time.monotonic())))
                     if self._connected():
+                        wait.answered()
                         return
             finally:
                 self._quiet = False
-            if time.monotonic() >= deadline:
+            try:
+                pause = wait.failed(self._lost_error)
+            except CheckpointError:
                 self._retry_after = 0.0  # the next save tries (and warns) again
-                raise CheckpointError(
-                    f"cannot load job {self.job!r}: ckptd is not reachable at {self.socket} "
-                    f"(waited {timeout:g} s). Not starting from scratch while a checkpoint may "
-                    "exist: start ckptd, or raise daemon_timeout; to train without ckptd, "
-                    "catch this error")
-            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+                raise
+            time.sleep(pause)
 
     def _connect(self):
         return ckptd.connect(self.socket, self.job, self.rank, self.world_size, self.arena_bytes,
@@ -937,6 +981,7 @@ class CheckpointManager:
         self._last_ticket = None
 
     def _lost(self, error):
+        self._lost_error = error  # what a waiting load() says it waits for
         self._abandon()
         if not self._quiet:
             warnings.warn(f"ckptd unavailable, training continues without checkpoints: {error}",
@@ -1025,6 +1070,11 @@ class CheckpointManager:
             elif t.numel() > 0:
                 _move_to_arena(self._client, e.name, dtype, part)
                 uses_host = True
+                # Its old storage goes now, not after the loop: moving a whole state at once
+                # would hold both copies (the first load of a model with Adam, whose state
+                # the load has just created, grew by the optimizer state for a moment).
+                e.tensor = part.tensor = part.relocate = None
+            t = None
         self._client.register()
         self._uses_cuda, self._uses_host = uses_cuda, uses_host
         if uses_cuda:
@@ -1128,6 +1178,8 @@ class CheckpointManager:
                 state[f"extra.{name}"], paths = self._extra_bytes(name, obj)
                 if paths:  # where its io.BytesIO were (_train_state._bytesio_out)
                     state[_BYTESIO_KEY + name] = _to_bytes(paths)
+                if _is_stateful_loader(obj) and obj.generator is not None:  # see _resume_loader
+                    state[f"extra.{name}.generator"] = obj.generator.get_state().numpy().tobytes()
         return state
 
     def _extra_bytes(self, name, obj):
@@ -1190,6 +1242,8 @@ class CheckpointManager:
                 plain[name] = self.extra_state[name] = value
             else:
                 _load_extra(name, obj, value)
+                if _is_stateful_loader(obj):
+                    _resume_loader(obj, state.get(f"{key}.generator"))
         return plain
 
     def _optimizer_params(self, names=None):
@@ -1309,6 +1363,34 @@ def _check_extra(name, obj):
         raise TypeError(f"extra_state[{name!r}] is a {type(obj).__name__}: pass an object with "
                         "state_dict()/load_state_dict(), a tensor, a dict or list (restored in "
                         "place), or a number, string or bytes (given back as load().extra)")
+
+
+def _is_stateful_loader(obj):
+    """torchdata's StatefulDataLoader (or one like it): a DataLoader whose load_state_dict
+    keeps the state for the iterator its next iter() makes."""
+    loader = getattr(getattr(torch.utils, "data", None), "DataLoader", None)
+    return loader is not None and isinstance(obj, loader) and hasattr(obj, "next_iter_state")
+
+
+def _resume_loader(loader, generator_state):
+    """Makes the iterator that continues the saved epoch now, so that the run draws from its
+    RNGs what the run it continues drew. A DataLoader's iterator draws its base seed when it
+    is made (from `generator`, else torch's global RNG): made by the user's iter() after
+    load(), it would draw once more than the saved run did, from the global RNG that load()
+    restored (dropout differs from then on) or from the generator, whose state the sampler
+    then sets back to the epoch's start (the next epoch is shuffled differently). Made here,
+    before load() restores the global RNG, with the generator set to its state at the save
+    afterwards, nothing is drawn twice; iter() then returns it (torchdata keeps the iterator
+    that state_dict() made for the next iter())."""
+    if loader.next_iter_state is None:
+        return  # saved before its first iter(): nothing to continue
+    rng = torch.get_rng_state()
+    try:
+        loader.state_dict()
+    finally:
+        torch.set_rng_state(rng)
+    if generator_state is not None and loader.generator is not None:
+        loader.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
 
 
 def _load_extra(name, obj, value):

@@ -138,6 +138,9 @@ class CkptdCheckpointManager(_DcpCheckpointManager):
             interval_seconds=config.interval_seconds or None,
             keep_latest_k=config.keep_latest_k or _KEEP_ALL, daemon_timeout=config.daemon_timeout,
             save_on_sigterm=config.save_on_sigterm, exclude_from_loading=exclude)
+        # A job ckptd holds nothing of loads torchtitan's way (_load): the manager's load()
+        # leaves the misspelt-job warning to _load, which gives it only for a fresh start.
+        self.manager._fallback = True
         self.restored = None  # what _load restored from ckptd (a ckptd.torch Restored)
         log.info("ckptd: torchtitan checkpoints of job %r go to ckptd at %s (every %d steps, "
                  "async_mode %s, keep_latest_k %d)", job, self.manager.socket, self.interval,
@@ -222,7 +225,10 @@ class CkptdCheckpointManager(_DcpCheckpointManager):
         if restored is not None:
             self.restored = restored
             return True
-        return _DcpCheckpointManager._load(self, step)
+        loaded = _DcpCheckpointManager._load(self, step)
+        if not loaded:
+            self.manager._warn_near_jobs()  # a fresh start: a misspelt job name would be one
+        return loaded
 
     def _maybe_wait_for_staging(self):
         # Before the optimizer step (torchtitan calls it): the manager's own step hook

@@ -85,6 +85,7 @@ class CkptdCallback(TrainerCallback):
         self._trainer = None     # from resume_from: the callbacks' and the scaler's state
         self._folder = None      # the folder resume_from wrote, and whether it made it
         self._made_folder = False
+        self._resuming = False   # resume_from restored a step the next train() continues
 
     # --- resuming -------------------------------------------------------------------------
 
@@ -104,9 +105,9 @@ class CkptdCallback(TrainerCallback):
             restored = probe.load(step)
         finally:
             probe.close()
+        self.restored, self._resuming = restored, restored is not None
         if restored is None:
             return None
-        self.restored = restored
         folder = self.resume_dir or tempfile.mkdtemp(prefix=f"ckptd-{self.job}-")
         self._made_folder = self.resume_dir is None
         os.makedirs(folder, exist_ok=True)
@@ -135,7 +136,8 @@ class CkptdCallback(TrainerCallback):
             socket=self.socket, interval_steps=self.save_steps, interval_seconds=self.interval_seconds,
             keep_last=self.keep_last, daemon_timeout=self.daemon_timeout,
             upload_every_steps=self.upload_every_steps, upload_interval_seconds=self.upload_interval_seconds)
-        if self.restored is not None:
+        if self._resuming:
+            self._resuming = False  # a later train() without resume_from starts as it is told
             # The model came from the folder; the Trainer restores the RNG, the TrainerState
             # and the scaler from it too. The optimizer and scheduler come from ckptd, in place.
             self.manager.load(step=int(self.restored), exclude=["model", "rng"] + _FROM_FOLDER)
@@ -166,7 +168,8 @@ class CkptdCallback(TrainerCallback):
         self.manager = None
         if self._made_folder and self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
-        self._folder, self._made_folder, self.restored = None, False, None
+        # `restored` stays: what the run resumed from, to read after train().
+        self._folder, self._made_folder = None, False
 
 
 # --- what goes in as train state -------------------------------------------------------------
