@@ -280,11 +280,11 @@ def source_steps(socket, job, step, list_checkpoints):
         except Exception:  # noqa: BLE001 - only the hint is lost
             jobs = []
         from ckptd import _advice
-        near = _advice.closest(job, jobs) if jobs else []
+        near = _advice.close_jobs(job, jobs) if jobs else []
         raise CheckpointError(f"load(from_job={job!r}): job {job!r} has no committed checkpoint on this "
                               f"node's ckptd (memory, disk or its remote tier)"
-                              + (f"; jobs that do: {', '.join(map(repr, near))}"
-                                 f"{' ...' if len(jobs) > len(near) else ''}" if near else ""))
+                              + (f"; jobs that do: {', '.join(map(repr, near))} (a misspelt job name?)"
+                                 if near else f"; it holds {len(jobs)} other jobs (ckptctl list)" if jobs else ""))
     if step is not None and int(step) not in steps:
         raise CheckpointError(f"load(from_job={job!r}, step={step}): job {job!r} has no step {step}; "
                               f"its committed steps: {_some([str(s) for s in steps[::-1]], 8)}")
