@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/control/socket_access.h"
 #include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {
@@ -31,14 +32,17 @@ struct PeerPolicy {
   bool Allows(const PeerIdentity& peer) const;
 };
 
-// A listening Unix socket at `path`, mode 0660 from the instant it exists.
-absl::StatusOr<UniqueFd> ListenUnix(const std::string& path);
+// A listening Unix socket at `path`, mode 0660 from the instant it exists, with ACL
+// entries for `access` (a filesystem without ACLs: logged, the socket still serves).
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, const SocketAccess& access = {});
 
 class UnixListener {
  public:
   // Creates the socket's directory if needed, removes a stale socket file (refusing if a
   // live daemon answers on it), binds and listens under a temporary name beside `path`.
-  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
+  // `access` reaches the socket and its directory through their ACLs (socket_access.h).
+  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path,
+                                                            const SocketAccess& access = {});
   ~UnixListener();
 
   // Accepts on a thread until Stop(); allowed peers are remembered in `peers` and added to
