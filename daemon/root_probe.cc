@@ -44,8 +44,16 @@ absl::Status CheckRootWritable(const std::string& root) {
   std::error_code ec;
   std::filesystem::create_directories(root, ec);
   if (ec) return Unwritable(root, "create the directory", ec.value());
-  const std::string probe = fmt::format("{}/.ckptd-write-probe.{}", root, ::getpid());
-  UniqueFd fd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  // An unnamed file first (O_TMPFILE): a crash leaves nothing behind. File systems without
+  // it get a named file, this process's own, removed at once.
+  std::string probe = fmt::format("an unnamed file in {}", root);
+  bool named = false;
+  UniqueFd fd(::open(root.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600));
+  if (!fd.valid() && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL || errno == ENOTSUP)) {
+    probe = fmt::format("{}/.ckptd-write-probe.{}", root, ::getpid());
+    named = true;
+    fd = UniqueFd(::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600));
+  }
   if (!fd.valid()) return Unwritable(root, fmt::format("create {}", probe), errno);
   const char byte = 'x';
   int err = 0;
@@ -55,7 +63,7 @@ absl::Status CheckRootWritable(const std::string& root) {
     err = errno;
   }
   fd = UniqueFd();
-  if (::unlink(probe.c_str()) != 0 && err == 0) err = errno;
+  if (named && ::unlink(probe.c_str()) != 0 && errno != ENOENT && err == 0) err = errno;
   if (err != 0) return Unwritable(root, fmt::format("write and fsync {}", probe), err);
   return absl::OkStatus();
 }

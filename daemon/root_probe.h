@@ -1,5 +1,6 @@
 // ckptd's first question about its --root at start: can it write there? It creates the
-// directory if needed, then creates, writes, fsyncs and removes a probe file. A root it
+// directory if needed, then creates, writes, fsyncs and removes a probe file (unnamed where
+// the file system allows, so a crash leaves nothing). A root it
 // cannot write fails the start with a message that says why and what to change; in
 // particular systemd's ProtectSystem=strict (the shipped unit) leaves every path but
 // ReadWritePaths= read-only, so a root on /mnt/nvme fails with EROFS, and the message names
