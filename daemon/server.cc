@@ -95,7 +95,7 @@ class RemoteCheck {
 };
 
 // Test-only fault (CKPTD_FAULT=wedge-sessions-while:FILE; tests/integration/
-// service_manager_test.cc): while FILE exists the session registry's lock is held, as by a
+// systemd_unit_test.cc): while FILE exists the session registry's lock is held, as by a
 // thread deadlocked while holding it, so that a test sees the watchdog withhold its pings
 // from a daemon whose process lives but whose data path is wedged.
 class WedgeFault {
