@@ -145,7 +145,9 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->envname("CKPTD_ADMIN_TOKEN_FILE");
   app.add_option("--metrics-addr", c.metrics_addr,
                  "serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: 127.0.0.1)");
-  app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")->capture_default_str();
+  app.add_option("--staging-bytes", staging, "staging memory budget, e.g. 8G")
+      ->capture_default_str()
+      ->envname("CKPTD_STAGING_BYTES");
   app.add_option("--staging-chunk", staging_chunk,
                  "bytes per staging copy call; the shard writer starts on each chunk once it "
                  "has landed")

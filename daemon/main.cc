@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "absl/synchronization/mutex.h"
 #include "common/log.h"
@@ -52,6 +53,9 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     log::Get(log::Component::kMain).critical("cannot start: {}", Message(server.status()));
     return 1;
+  }
+  if (std::optional<std::chrono::microseconds> interval = daemon::WatchdogInterval()) {
+    (*server)->StartWatchdog(*interval, [](const std::string& message) { daemon::Notify(message); });
   }
   // Ready for the service manager once trainers can be served: the socket answers, and in a
   // group the group is joined (a unit ordered after ckptd then starts into a working daemon).

@@ -56,9 +56,11 @@
 #include "daemon/read_fault_filesystem.h"
 #include "daemon/restorer.h"
 #include "daemon/root_lock.h"
+#include "daemon/root_probe.h"
 #include "daemon/session/arena_budget.h"
 #include "daemon/session/arena_deposits.h"
 #include "daemon/session/session_registry.h"
+#include "proto/health.grpc.pb.h"
 #include "daemon/staging/hot_cache.h"
 #include "daemon/staging/progress_signal.h"
 #include "daemon/staging/stager.h"
@@ -90,6 +92,34 @@ class RemoteCheck {
  private:
   storage::StorePtr store_;
   std::thread thread_;  // last: started once store_ is there
+};
+
+// Test-only fault (CKPTD_FAULT=wedge-sessions-while:FILE; tests/integration/
+// systemd_unit_test.cc): while FILE exists the session registry's lock is held, as by a
+// thread deadlocked while holding it, so that a test sees the watchdog withhold its pings
+// from a daemon whose process lives but whose data path is wedged.
+class WedgeFault {
+ public:
+  WedgeFault(SessionRegistry& sessions, std::string file)
+      : file_(std::move(file)), thread_([this, &sessions] {
+          auto wedged = [this] { return !stop_ && ::access(file_.c_str(), F_OK) == 0; };
+          while (!stop_) {
+            if (wedged()) {
+              log::Get(log::Component::kMain).warn("CKPTD_FAULT: {} exists: the sessions are wedged until it goes", file_);
+              sessions.HoldLockWhile(wedged);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
+        }) {}
+  ~WedgeFault() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  const std::string file_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: started once the members above exist
 };
 
 constexpr int kUnixServerThreads = 2 * TrainerService::kMaxLongCalls;
@@ -171,12 +201,18 @@ struct Server::Parts {
   metrics::LastCommits last_commits;  // each job's last commit, for the per-job gauges
   // --metrics-addr: reads every part above at each scrape, so it goes first.
   std::unique_ptr<metrics::HttpExporter> metrics_http;
+  // Test-only fault (CKPTD_FAULT=wedge-sessions-while:FILE): holds `sessions` wedged.
+  std::unique_ptr<WedgeFault> wedge;
+  // systemd's WatchdogSec=: its probes ask the parts above.
+  std::unique_ptr<Watchdog> watchdog;
   bool shut_down = false;
 
   // A start that failed half way has no Shutdown: what runs threads that read other parts
   // (peers' calls into the fragment store read `sessions`; the replicator reads the group's
   // view) stops before any part is destroyed.
   ~Parts() {
+    watchdog.reset();
+    wedge.reset();
     metrics_http.reset();
     // Their questions use the stores and the peers' directory (the remote tier cancelled first).
     if (owners) owners->Stop();
@@ -603,6 +639,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     log.warn("CKPTD_FAULT={}: reads of that file fail with EIO past its first 4 KiB (a test's fault)", fault);
     p->fs = MakeReadFaultFilesystem(std::move(p->fs), std::string(fault).substr(12));
   }
+  // A root ckptd cannot write fails here, saying why and what to change (a systemd unit's
+  // ProtectSystem=strict, a directory that is not ckptd's), not at the first checkpoint.
+  if (!storage::IsS3Url(config.root)) CKPT_RETURN_IF_ERROR(CheckRootWritable(config.root));
   CKPT_RETURN_IF_ERROR(Annotate(p->fs->MakeDir(config.root), "--root"));
   // Before anything on the root is touched. On a shared root every node has a lock of its
   // own: one daemon per node rank.
@@ -615,7 +654,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   // slow parts of the start (a remote tier's first answer, pinning the staging memory): a
   // trainer's load() that finds it waits for this daemon instead of taking the node for one
   // without a ckptd (client/python/src/ckptd/_connection.py).
-  CKPT_ASSIGN_OR_RETURN(p->listener, UnixListener::Bind(config.socket));
+  CKPT_ASSIGN_OR_RETURN(p->listener,
+                        UnixListener::Bind(config.socket, SocketAccess{config.allow_uids, config.allow_gids}));
   const bool grouped = config.num_nodes > 1;
   const bool direct = !config.remote.empty() && config.remote_mode == RemoteMode::kDirect;
   storage::StorePtr remote;
@@ -938,6 +978,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
              p->metrics_http->port());
   }
   CKPT_RETURN_IF_ERROR(p->listener->Serve(p->grpc_server.get(), policy, p->peers));
+  if (const char* fault = std::getenv("CKPTD_FAULT");
+      fault != nullptr && std::string(fault).rfind("wedge-sessions-while:", 0) == 0) {
+    log.warn("CKPTD_FAULT={}: the sessions are wedged while that file exists (a test's fault)", fault);
+    p->wedge = std::make_unique<WedgeFault>(p->sessions, std::string(fault).substr(21));
+  }
   log.info("listening on {} (mode 0660); checkpoints under {}", config.socket, config.root);
   return std::unique_ptr<Server>(new Server(std::move(p)));
 }
@@ -955,10 +1000,61 @@ bool Server::WaitReady(std::chrono::milliseconds timeout, std::string* waiting_f
   return false;
 }
 
+void Server::StartWatchdog(std::chrono::microseconds interval, Watchdog::Notify notify) {
+  Parts& p = *parts_;
+  // A sessions' ticker that has not beaten this long is stalled (it beats every 100 ms).
+  const auto ticker_bound = std::max<std::chrono::nanoseconds>(interval, std::chrono::seconds(2));
+  std::vector<LivenessProbe> probes;
+  probes.push_back({"sessions", [&p, ticker_bound]() -> absl::Status {
+                      (void)p.sessions.All();  // the lock registrations and snapshots take
+                      const auto since = p.sessions.SinceLastTick();
+                      if (since > ticker_bound) {
+                        return absl::UnavailableError(fmt::format(
+                            "the sessions' heartbeat ticker has not run for {} ms",
+                            std::chrono::duration_cast<std::chrono::milliseconds>(since).count()));
+                      }
+                      return absl::OkStatus();
+                    }});
+  probes.push_back({"staging", [&p] {
+                      (void)p.hot->Steps();  // the hot copies' lock, which staging and restores take
+                      return absl::OkStatus();
+                    }});
+  probes.push_back({"persist", [&p] {
+                      (void)p.writes->Pending();  // the write queue's lock
+                      return absl::OkStatus();
+                    }});
+  probes.push_back({"commit", [&p] {
+                      (void)p.committer->InFlight();  // the committer's lock
+                      return absl::OkStatus();
+                    }});
+  // The trainers' socket as a trainer reaches it: accepted, its peer checked, a gRPC thread
+  // to answer. Any answer counts (a node waiting for its group says NOT_SERVING).
+  auto channel = grpc::CreateChannel("unix:" + p.config.socket, grpc::InsecureChannelCredentials());
+  auto health = std::shared_ptr<grpc::health::v1::Health::Stub>(grpc::health::v1::Health::NewStub(channel));
+  probes.push_back({"control", [health, interval]() -> absl::Status {
+                      grpc::ClientContext context;
+                      context.set_deadline(std::chrono::system_clock::now() + interval);
+                      grpc::health::v1::HealthCheckResponse response;
+                      grpc::Status s = health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response);
+                      if (!s.ok()) {
+                        return absl::UnavailableError(
+                            fmt::format("the trainers' socket did not answer a health check: {}", s.error_message()));
+                      }
+                      return absl::OkStatus();
+                    }});
+  log::Get(log::Component::kMain)
+      .info("systemd watchdog: WATCHDOG=1 every {} ms while the sessions, staging, persist, commit and the "
+            "trainers' socket answer",
+            std::chrono::duration_cast<std::chrono::milliseconds>(interval).count());
+  p.watchdog = std::make_unique<Watchdog>(interval, std::move(probes), std::move(notify));
+}
+
 void Server::Shutdown() {
   Parts& p = *parts_;
   if (p.shut_down) return;
   p.shut_down = true;
+  // The stages are going: the watchdog stops asking them, and pings until the end.
+  if (p.watchdog) p.watchdog->StopProbing();
   // What reads the other parts from threads of its own (scrapes, the health thread) stops
   // before any of them goes.
   p.metrics_http.reset();
@@ -996,6 +1092,7 @@ void Server::Shutdown() {
   if (p.remote_retention) p.remote_retention->Stop();
   p.hot->Clear();
   p.sessions.Clear();
+  p.watchdog.reset();
   log.info("shut down cleanly");
 }
 

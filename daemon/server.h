@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "daemon/config.h"
+#include "daemon/watchdog.h"
 
 namespace ckpt::daemon {
 
@@ -21,6 +22,10 @@ class Server {
   // Whether the daemon is ready for its trainers: always on one node; in a group, once this
   // node has joined (waits up to `timeout` for that). What it waits for, in `waiting_for`.
   bool WaitReady(std::chrono::milliseconds timeout, std::string* waiting_for) const;
+
+  // systemd's watchdog (watchdog.h): WATCHDOG=1 through `notify` every `interval` while
+  // the sessions, staged copies, write queue, committer and the trainers' socket answer.
+  void StartWatchdog(std::chrono::microseconds interval, Watchdog::Notify notify);
 
   // Stops accepting, lets in-flight writes finish (up to --shutdown-timeout-ms), aborts the
   // rest and ends every session. Idempotent.

@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<ControlFdServer>> ControlFdServer::Start(const st
                                                                         ArenaDeposits& arenas,
                                                                         PeerPolicy policy) {
   ::unlink(path.c_str());  // the main socket's check (a live daemon answers there) came first
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(path));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(path, SocketAccess{policy.allow_uids, policy.allow_gids}));
   std::unique_ptr<ControlFdServer> server(
       new ControlFdServer(path, std::move(fd), sessions, arenas, std::move(policy)));
   int pipe_fds[2];

@@ -44,7 +44,8 @@ bool PeerPolicy::Allows(const PeerIdentity& peer) const {
                      [&](uint32_t gid) { return peer.InGroup(gid); });
 }
 
-absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path) {
+absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::string& path,
+                                                                  const SocketAccess& access) {
   const std::string bound = path + ".new";
   if (bound.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
@@ -69,11 +70,16 @@ absl::StatusOr<std::unique_ptr<UnixListener>> UnixListener::Bind(const std::stri
     ::unlink(path.c_str());  // stale: its daemon is gone
   }
   ::unlink(bound.c_str());  // left by a daemon that died while starting
-  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(bound));
+  CKPT_ASSIGN_OR_RETURN(UniqueFd fd, ListenUnix(bound, access));
+  // systemd's RuntimeDirectory= is 0750 ckptd:ckptd: allowed users who are not in ckptd's
+  // group may enter it (not list it) to reach the sockets.
+  if (absl::Status entered = GrantDirectoryEntry(dir.empty() ? "." : dir.string(), access); !entered.ok()) {
+    Log().warn("--allow-uid/--allow-gid: the socket's directory: {}", Message(entered));
+  }
   return std::unique_ptr<UnixListener>(new UnixListener(path, bound, std::move(fd)));
 }
 
-absl::StatusOr<UniqueFd> ListenUnix(const std::string& path) {
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, const SocketAccess& access) {
   if (path.size() >= sizeof(sockaddr_un::sun_path)) {
     return absl::InvalidArgumentError(fmt::format("socket path {} is too long", path));
   }
@@ -87,6 +93,9 @@ absl::StatusOr<UniqueFd> ListenUnix(const std::string& path) {
   ::umask(old_mask);
   if (rc != 0) return ErrnoStatus(bind_errno, fmt::format("bind {}", path));
   ::chmod(path.c_str(), 0660);
+  if (absl::Status granted = GrantSocketAccess(path, access); !granted.ok()) {
+    Log().warn("--allow-uid/--allow-gid: {}", Message(granted));
+  }
   if (::listen(fd.get(), 128) != 0) return ErrnoStatus(errno, fmt::format("listen {}", path));
   return fd;
 }

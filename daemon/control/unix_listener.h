@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/unique_fd.h"
+#include "daemon/control/socket_access.h"
 #include "daemon/session/peer_identity.h"
 
 namespace ckpt::daemon {
@@ -31,8 +32,9 @@ struct PeerPolicy {
   bool Allows(const PeerIdentity& peer) const;
 };
 
-// A listening Unix socket at `path`, mode 0660 from the instant it exists.
-absl::StatusOr<UniqueFd> ListenUnix(const std::string& path);
+// A listening Unix socket at `path`, mode 0660 from the instant it exists, with ACL
+// entries for `access` (a filesystem without ACLs: logged, the socket still serves).
+absl::StatusOr<UniqueFd> ListenUnix(const std::string& path, const SocketAccess& access = {});
 
 class UnixListener {
  public:
@@ -40,7 +42,9 @@ class UnixListener {
   // live daemon answers on it), binds and listens under a temporary name beside `path`
   // (`path` + ".new"): the daemon binds it early in its start, and clients that find it
   // listening wait for a daemon that is starting (client/python/src/ckptd/_connection.py).
-  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path);
+  // `access` reaches the socket and its directory through their ACLs (socket_access.h).
+  static absl::StatusOr<std::unique_ptr<UnixListener>> Bind(const std::string& path,
+                                                            const SocketAccess& access = {});
   ~UnixListener();
 
   // Accepts on a thread until Stop(); allowed peers are remembered in `peers` and added to

@@ -22,6 +22,9 @@ void SessionRegistry::TickLoop() {
   std::unique_lock lock(mu_);
   while (!stopping_) {
     for (const auto& [id, s] : sessions_) s->Heartbeat();
+    last_tick_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::steady_clock::now().time_since_epoch()).count(),
+                        std::memory_order_relaxed);
     std::vector<SessionPtr> reaped = ReapLocked();
     if (!reaped.empty()) {
       lock.unlock();
@@ -31,6 +34,17 @@ void SessionRegistry::TickLoop() {
     }
     wake_.wait_for(lock, kTick);
   }
+}
+
+std::chrono::nanoseconds SessionRegistry::SinceLastTick() const {
+  const auto now = std::chrono::steady_clock::now().time_since_epoch();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(now) -
+         std::chrono::nanoseconds(last_tick_ns_.load(std::memory_order_relaxed));
+}
+
+void SessionRegistry::HoldLockWhile(const std::function<bool()>& stalled) {
+  std::lock_guard lock(mu_);
+  while (stalled()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
 }
 
 std::vector<SessionPtr> SessionRegistry::ReapLocked() {

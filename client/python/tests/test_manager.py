@@ -151,6 +151,26 @@ def test_sigterm_saves_the_current_step_and_resume_continues_the_trajectory(daem
         assert loss == expected[step], f"step {step}: {loss} != {expected[step]}"
 
 
+def test_the_environment_turns_on_the_sigterm_save_as_the_kubernetes_manifests_do(daemon):
+    """CKPTD_SAVE_ON_SIGTERM=1 (deploy/kubernetes sets it on every trainer) takes the SIGTERM
+    save without the trainer's code asking for it; a value that is no yes or no is an error."""
+    common = ["--socket", daemon.socket, "--steps", "60", "--save-every", "1000"]
+    seen = signal_at(run_example(*common, "--job", "by-env", env={"CKPTD_SAVE_ON_SIGTERM": "1"}), 10,
+                     signal.SIGTERM)
+    last = max(losses(seen))
+    deadline = time.monotonic() + 30
+    while daemon.steps("by-env") != [last] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert daemon.steps("by-env") == [last]
+    # Without it (or with 0) a SIGTERM takes no checkpoint: this run never saves otherwise.
+    signal_at(run_example(*common, "--job", "no-env", env={"CKPTD_SAVE_ON_SIGTERM": "0"}), 10, signal.SIGTERM)
+    time.sleep(1)
+    assert daemon.steps("no-env") == []
+    bad = run_example(*common, "--job", "bad-env", env={"CKPTD_SAVE_ON_SIGTERM": "maybe"})
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode != 0 and "$CKPTD_SAVE_ON_SIGTERM is 'maybe'" in err
+
+
 @pytest.mark.parametrize("source", ["memory", "disk"])
 def test_load_into_a_freshly_built_model_and_optimizer(daemon, source):
     model, optimizer, scheduler = make_training(seed=1)

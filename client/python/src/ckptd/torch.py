@@ -77,6 +77,16 @@ atexit.register(_close_open_managers)
 os.register_at_fork(after_in_child=_open_managers.clear)
 
 
+def _environment_flag(name):
+    """A yes/no setting from the environment: 1/true/yes/on or 0/false/no/off (unset or empty: off)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${name} is {os.environ[name]!r}: use 1 or 0 (true/false, yes/no, on/off)")
+
+
 class CheckpointManager:
     """Checkpoints a model, its optimizer and the rest of the training state through ckptd.
 
@@ -96,7 +106,7 @@ class CheckpointManager:
     def __init__(self, job, model, optimizer=None, lr_scheduler=None, extra_state=None,
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
-                 daemon_timeout=120.0, save_on_sigterm=False, exclude_from_loading=(),
+                 daemon_timeout=120.0, save_on_sigterm=None, exclude_from_loading=(),
                  copy_on_write=False, upload_every_steps=None, upload_interval_seconds=None):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
@@ -170,6 +180,9 @@ class CheckpointManager:
         self._closed = False
         self._install_hooks()
         # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
+        # Not given: $CKPTD_SAVE_ON_SIGTERM decides (set by deploy/kubernetes' manifests).
+        if save_on_sigterm is None:
+            save_on_sigterm = _environment_flag("CKPTD_SAVE_ON_SIGTERM")
         self._preemption = PreemptionSaver() if save_on_sigterm else None
         _open_managers.add(self)
 

@@ -74,7 +74,7 @@ class CkptdCheckpointManager(_DcpCheckpointManager):
         """Also save by time, on ckptd's clock (the same steps on every rank); 0: by steps only."""
 
         save_on_sigterm: bool = False
-        """On SIGTERM, save the step in progress, wait until ckptd holds it, then stop."""
+        """On SIGTERM, save the step in progress, wait until ckptd holds it, then stop. Off: $CKPTD_SAVE_ON_SIGTERM decides."""
 
     def __init__(self, config, *, dataloader, model_parts, optimizers, lr_schedulers, states,
                  sd_adapter, base_folder=""):
@@ -137,7 +137,7 @@ class CkptdCheckpointManager(_DcpCheckpointManager):
             extra_state=extra, socket=config.socket or None,
             interval_seconds=config.interval_seconds or None,
             keep_latest_k=config.keep_latest_k or _KEEP_ALL, daemon_timeout=config.daemon_timeout,
-            save_on_sigterm=config.save_on_sigterm, exclude_from_loading=exclude)
+            save_on_sigterm=config.save_on_sigterm or None, exclude_from_loading=exclude)
         # A job ckptd holds nothing of loads torchtitan's way (_load): the manager's load()
         # leaves the misspelt-job warning to _load, which gives it only for a fresh start.
         self.manager._fallback = True
