@@ -115,6 +115,18 @@ bool Process::WaitForStdout(const std::string& needle, std::chrono::milliseconds
   return false;
 }
 
+std::vector<std::string> AsUser(int uid, const std::string& groups, std::vector<std::string> argv) {
+  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid", std::to_string(uid)};
+  if (groups.empty()) {
+    full.push_back("--clear-groups");
+  } else {
+    full.insert(full.end(), {"--groups", groups});
+  }
+  full.push_back("--");
+  full.insert(full.end(), argv.begin(), argv.end());
+  return full;
+}
+
 RunResult Run(std::vector<std::string> argv, const std::string& dir,
               std::chrono::milliseconds timeout) {
   Process p(std::move(argv), dir, "run");

@@ -254,16 +254,7 @@ namespace {
 // user logged in on the node would: setpriv(1) drops root before the program starts.
 RunResult RunAs(int uid, const std::string& groups, std::vector<std::string> argv,
                 const std::string& dir) {
-  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid",
-                                   std::to_string(uid)};
-  if (groups.empty()) {
-    full.push_back("--clear-groups");
-  } else {
-    full.insert(full.end(), {"--groups", groups});
-  }
-  full.push_back("--");
-  full.insert(full.end(), argv.begin(), argv.end());
-  return Run(full, dir);
+  return Run(AsUser(uid, groups, std::move(argv)), dir);
 }
 
 // What an older ckptd left: directories 0755 and files 0640, no ACLs.

@@ -118,20 +118,6 @@ std::string InstalledCkptd(const TempDir& dir) {
   return binary;
 }
 
-// Runs `argv` as `uid` (gid the same) with `groups` as its supplementary groups ("" for
-// none), as a user logged in on the node would.
-std::vector<std::string> As(int uid, const std::string& groups, std::vector<std::string> argv) {
-  std::vector<std::string> full = {"/usr/bin/setpriv", "--reuid", std::to_string(uid), "--regid", std::to_string(uid)};
-  if (groups.empty()) {
-    full.push_back("--clear-groups");
-  } else {
-    full.insert(full.end(), {"--groups", groups});
-  }
-  full.push_back("--");
-  full.insert(full.end(), argv.begin(), argv.end());
-  return full;
-}
-
 // The service manager's end of $NOTIFY_SOCKET: a datagram socket this test owns.
 class NotifySocket {
  public:
@@ -311,22 +297,22 @@ TEST_CASE("--allow-gid and --allow-uid users reach the socket in the unit's 0750
            {{"save", "--step", "3", "--wait-committed"}, "committed"}, {{"check"}, "restored step=3"}}) {
     std::vector<std::string> args = {"--job", "allowed", "--seed", "7", "--bytes", "100000"};
     args.insert(args.end(), what.begin(), what.end());
-    RunResult r = Run(As(4000, "4242", Helper(d, args)), dir.path());
+    RunResult r = Run(AsUser(4000, "4242", Helper(d, args)), dir.path());
     INFO(r.out << r.err << "\nckptd:\n" << Tail(d.Log()));
     CHECK(r.exit_code == 0);
     CHECK(Contains(r.out, expect));
   }
-  RunResult by_uid = Run(As(4100, "", {ckptctl, "--socket", d.socket(), "health"}), dir.path());
+  RunResult by_uid = Run(AsUser(4100, "", {ckptctl, "--socket", d.socket(), "health"}), dir.path());
   INFO(by_uid.out << by_uid.err);
   CHECK(by_uid.exit_code == 0);
 
   // Everyone else stops where they stopped before: at the directory, which allowed users
   // may enter but not list.
-  RunResult other = Run(As(4001, "", {ckptctl, "--socket", d.socket(), "health"}), dir.path());
+  RunResult other = Run(AsUser(4001, "", {ckptctl, "--socket", d.socket(), "health"}), dir.path());
   INFO(other.out << other.err);
   CHECK(other.exit_code != 0);
-  CHECK(Run(As(4001, "", {"/usr/bin/test", "-e", d.socket()}), dir.path()).exit_code != 0);
-  CHECK(Run(As(4000, "4242", {"/bin/ls", d.socket_dir()}), dir.path()).exit_code != 0);
+  CHECK(Run(AsUser(4001, "", {"/usr/bin/test", "-e", d.socket()}), dir.path()).exit_code != 0);
+  CHECK(Run(AsUser(4000, "4242", {"/bin/ls", d.socket_dir()}), dir.path()).exit_code != 0);
   struct stat st;
   REQUIRE(::stat(d.socket().c_str(), &st) == 0);
   CHECK((st.st_mode & 0007) == 0);

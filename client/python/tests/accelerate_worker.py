@@ -9,7 +9,6 @@ the data loader shuffles with its own generator and the scheduler changes the le
 every step, so a resume is exact only when all of them come back.
 """
 import argparse
-import hashlib
 import logging
 import time
 
@@ -17,19 +16,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from training_digest import digest
 from ckptd.torch import CheckpointManager
-
-
-def digest(model, optimizer):
-    h = hashlib.sha256()
-    tensors = [v for _, v in sorted(model.state_dict().items())]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            tensors += [v for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
-    for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(repr(optimizer.param_groups[0]["lr"]).encode())
-    return h.hexdigest()
 
 
 class Sampler(torch.utils.data.Sampler):

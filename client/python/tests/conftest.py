@@ -113,6 +113,13 @@ def last_line(out, word):
     return next(line.split(maxsplit=1)[1] for line in reversed(out.splitlines()) if line.startswith(word + " "))
 
 
+def finish(process, timeout=120):
+    """A worker's stdout once it exited 0 (its stderr's end in the failure otherwise)."""
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
 def kill_after_commit(daemon, job, process, step):
     """SIGKILLs the trainer once it prints `step` and ckptd has committed a step of `job`;
     returns what it printed."""

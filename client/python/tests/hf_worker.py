@@ -8,7 +8,6 @@ the global RNG and the Trainer shuffles the data, so a resume is exact only when
 optimizer, scheduler, RNG and the data position all come back.
 """
 import argparse
-import hashlib
 import logging
 import os
 import time
@@ -17,6 +16,7 @@ import warnings
 import torch
 import transformers
 
+from training_digest import digest
 from ckptd.transformers import CkptdCallback
 
 
@@ -43,18 +43,6 @@ def dataset(samples=40, length=12, vocab=64):
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, vocab, (samples, length), generator=generator)
     return [{"input_ids": t, "labels": t} for t in tokens]
-
-
-def digest(model, optimizer):
-    h = hashlib.sha256()
-    tensors = [v for _, v in sorted(model.state_dict().items())]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            tensors += [v for _, v in sorted(optimizer.state.get(p, {}).items()) if torch.is_tensor(v)]
-    for t in tensors:
-        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(repr(optimizer.param_groups[0]["lr"]).encode())
-    return h.hexdigest()
 
 
 def main():

@@ -15,7 +15,7 @@ import torch
 
 from ckptd.torch import CheckpointManager
 
-from conftest import PYTHONPATH, kill_after_commit, last_line, losses
+from conftest import PYTHONPATH, finish, kill_after_commit, last_line, losses
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -26,12 +26,6 @@ def start(daemon, job, *args):
     return subprocess.Popen([sys.executable, WORKER, "--socket", daemon.socket, "--job", job, *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=PYTHONPATH))
-
-
-def finish(process):
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-3000:]
-    return out
 
 
 def test_an_accelerate_loop_killed_and_resumed_gives_the_uninterrupted_run(daemon):

@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")  # what transformers.Trainer runs on
 from ckptd.torch import CheckpointError  # noqa: E402
 from ckptd.transformers import CkptdCallback  # noqa: E402
 
-from conftest import PYTHONPATH, kill_after_commit, last_line, losses  # noqa: E402
+from conftest import PYTHONPATH, finish, kill_after_commit, last_line, losses  # noqa: E402
 
 WORKER = "client/python/tests/hf_worker.py"
 
@@ -29,12 +29,6 @@ def start(daemon, job, *args):
          "--dir", os.path.join(daemon.workdir, job), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, PYTHONPATH=PYTHONPATH))
-
-
-def finish(process):
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-3000:]
-    return out
 
 
 def test_sigkill_and_resume_gives_the_uninterrupted_run(daemon):

@@ -16,11 +16,8 @@ import torch
 
 from ckptd._errors import CheckpointError
 from ckptd._state_dict import _TORCH_DTYPES
-from ckptd._step_files import _StepFiles, _check_file_name
+from ckptd._step_files import _StepFiles, _check_file_name, read_train_state
 from ckptd._native import xxh3_64
-
-# One train-state blob at most (what ckptd itself accepts: each under 4 GiB).
-_MAX_BLOB_BYTES = 4 << 30
 
 
 class StepDirectory:
@@ -66,18 +63,10 @@ class StepDirectory:
         if not entries:
             return {}
         f, start = self._file(shard["file"])
-        blobs = {}
-        for name, entry in entries.items():
-            lo, hi = entry["data_offsets"]
-            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= lo + _MAX_BLOB_BYTES):
-                raise CheckpointError(f"{self._files.name(shard['file'])}: train state {name}: bad data_offsets")
-            f.seek(start + lo)
-            data = f.read(hi - lo)
-            if len(data) != hi - lo or entry.get("checksum") != f"xxh3:{xxh3_64(data):016x}":
-                raise CheckpointError(f"{self._files.name(shard['file'])}: train state {name} is damaged "
-                                      "(truncated, or a checksum mismatch)")
-            blobs[name] = bytes(data)
-        return blobs
+        try:
+            return read_train_state(f, start, entries, self._files.name(shard["file"]))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
     def global_tensor(self, name):
         """The whole tensor `name`, joined from its pieces (replicas read once), each piece

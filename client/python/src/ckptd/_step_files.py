@@ -13,6 +13,27 @@ from ckptd._native import open_store, xxh3_64
 _MAX_MANIFEST_BYTES = 64 << 20
 
 
+# One train-state entry at most (what ckptd itself accepts: each under 4 GiB).
+MAX_TRAIN_STATE_BLOB_BYTES = 4 << 30
+
+
+def read_train_state(f, start, entries, label):
+    """The train-state entries {name: entry} of a shard file open as `f`, whose data begins
+    at `start`, each read and checked against its checksum; ValueError naming `label` (the
+    file) and the entry otherwise."""
+    blobs = {}
+    for name, entry in entries.items():
+        lo, hi = entry["data_offsets"]
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= lo + MAX_TRAIN_STATE_BLOB_BYTES):
+            raise ValueError(f"{label}: train state {name}: bad data_offsets {[lo, hi]}")
+        f.seek(start + lo)
+        data = f.read(hi - lo)
+        if len(data) != hi - lo or entry.get("checksum") != f"xxh3:{xxh3_64(data):016x}":
+            raise ValueError(f"{label}: train state {name} is damaged (truncated, or a checksum mismatch)")
+        blobs[name] = bytes(data)
+    return blobs
+
+
 class _ObjectFile:
     """An object of a store, read like a file opened "rb"."""
 

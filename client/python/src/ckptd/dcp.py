@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptd._native import xxh3_64
 from ckptd._state_dict import _TORCH_DTYPES
-from ckptd._step_files import _StepFiles, _check_file_name
+from ckptd._step_files import _StepFiles, _check_file_name, read_train_state
 from ckptd._train_state import _from_bytes, _plain_loads
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
@@ -229,20 +229,8 @@ class CkptdStorageReader(StorageReader):
         if not wanted:
             return {}
         _check_file_name(shard["file"])
-        blobs = {}
         with self._step().open(shard["file"]) as f:
-            start = self._data_region(f, shard["file"])
-            for name, entry in wanted.items():
-                lo, hi = entry["data_offsets"]
-                if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= lo + (64 << 20)):
-                    raise ValueError(f"{shard['file']}: train state {name}: bad data_offsets {[lo, hi]}")
-                f.seek(start + lo)
-                data = f.read(hi - lo)
-                if len(data) != hi - lo or entry.get("checksum") != f"xxh3:{xxh3_64(data):016x}":
-                    raise ValueError(f"{shard['file']}: train state {name} is damaged (truncated or "
-                                     "a checksum mismatch)")
-                blobs[name] = bytes(data)
-        return blobs
+            return read_train_state(f, self._data_region(f, shard["file"]), wanted, shard["file"])
 
     def _data_region(self, f, file_name):
         header = f.read(8)
