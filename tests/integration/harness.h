@@ -53,11 +53,11 @@ struct RunResult {
   std::string err;
 };
 
-// Runs to completion.
 // `argv` run as `uid` (gid the same) with `groups` as its supplementary groups ("" for none,
 // "4242,4243" for two), as a user logged in on the node would: through setpriv.
 std::vector<std::string> AsUser(int uid, const std::string& groups, std::vector<std::string> argv);
 
+// Runs to completion.
 RunResult Run(std::vector<std::string> argv, const std::string& dir,
               std::chrono::milliseconds timeout = std::chrono::seconds(120));
 
