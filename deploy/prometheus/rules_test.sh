@@ -17,6 +17,6 @@ cd "$work"
 promtool test rules ckptd-rules.test.yml
 # The summary line tools/test.sh counts (as Catch2 prints it): each test group of the file is
 # a case, with its alert checks.
-cases=$(grep -c '^  - interval:' ckptd-rules.test.yml)
+cases=$(grep -c '^  - name:' ckptd-rules.test.yml)
 checks=$(grep -c 'alertname:' ckptd-rules.test.yml)
 echo "All tests passed ($checks alert checks in $cases test cases)"
