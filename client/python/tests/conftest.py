@@ -8,6 +8,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 
 REPO = os.getcwd()  # the runfiles tree under `bazel test`, the repository root otherwise
 CKPTD = os.environ.get("CKPTD_BIN") or next(
@@ -111,6 +112,17 @@ def losses(stdout):
 def last_line(out, word):
     """What follows `word` on the last line of `out` that starts with it."""
     return next(line.split(maxsplit=1)[1] for line in reversed(out.splitlines()) if line.startswith(word + " "))
+
+
+def same(a, b):
+    """Bit-equal nested state (tensors, lists, dicts, numbers)."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def finish(process, timeout=120):

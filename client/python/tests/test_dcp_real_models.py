@@ -23,6 +23,8 @@ import transformers
 from ckptd.dcp import CkptdStorageReader
 from ckptd.torch import CheckpointError, CheckpointManager
 
+from conftest import same
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -45,17 +47,6 @@ def train(model, optimizer, steps, seed=1):
         model(tokens, labels=tokens).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-
-
-def same(a, b):
-    """Bit-equal nested state (tensors, lists, dicts, numbers)."""
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def ckptd_step_dir(daemon, job, step):

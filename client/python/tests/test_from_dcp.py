@@ -20,6 +20,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ckptd.torch import CheckpointError, CheckpointManager
 
+from conftest import same
+
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
@@ -55,16 +57,6 @@ def train(model, optimizer, scheduler, loader, steps):
         optimizer.zero_grad()
         scheduler.step()
         loader.batch += 1
-
-
-def same(a, b):
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 class AppState(Stateful):
