@@ -15,6 +15,10 @@ Manifest IndexHeader(const Manifest& part) {
   Manifest index;
   CopyStepHeader(part, index);
   StepIndex& i = index.index.emplace();
+  if (part.increment) {
+    // The whole step's figures; origins stay in the parts.
+    index.increment = Increment{part.increment->own_bytes, part.increment->referenced_bytes, {}, {}};
+  }
   if (part.scope) {
     i.step_bytes = part.scope->step_bytes;
     i.step_tensors = part.scope->step_tensors;
@@ -113,6 +117,15 @@ absl::StatusOr<Manifest> JoinIndexedManifest(const Manifest& index, const PartRe
   if (!whole.ok()) return absl::DataLossError(fmt::format("{}: its parts do not join: {}", where, Message(whole.status())));
   // The header is the index's (the parts carry the same; merging takes it from the nodes).
   CopyStepHeader(index, *whole);
+  if (index.increment.has_value() != whole->increment.has_value() ||
+      (index.increment && index.increment->origin_steps != whole->increment->origin_steps)) {
+    return absl::DataLossError(fmt::format("{}: its parts reference other steps than the index says", where));
+  }
+  if (index.increment) {
+    // Each part carries the whole step's figures, as the index does: merging summed them.
+    whole->increment->own_bytes = index.increment->own_bytes;
+    whole->increment->referenced_bytes = index.increment->referenced_bytes;
+  }
   if (whole->StepBytes() != index.index->step_bytes || whole->StepTensors() != index.index->step_tensors) {
     return absl::DataLossError(fmt::format(
         "{}: its parts hold {} bytes in {} tensors, the index says {} bytes in {} tensors", where,

@@ -16,6 +16,7 @@
 #include "common/dtype.h"
 #include "common/names.h"
 #include "format/checksum.h"
+#include "format/json_fields.h"
 #include "format/json_text.h"
 
 namespace ckpt::format {
@@ -76,6 +77,10 @@ void CopyStepHeader(const Manifest& from, Manifest& to) {
 
 void AppendRanks(Manifest& manifest, Manifest more) {
   auto by_rank = [](const auto& a, const auto& b) { return a.rank < b.rank; };
+  if (more.increment) {
+    if (!manifest.increment) manifest.increment.emplace();
+    AddIncrement(*manifest.increment, *more.increment);
+  }
   for (ManifestShard& s : more.shards) manifest.shards.push_back(std::move(s));
   std::sort(manifest.shards.begin(), manifest.shards.end(), by_rank);
   for (auto& [name, t] : more.tensors) {
@@ -87,6 +92,7 @@ void AppendRanks(Manifest& manifest, Manifest more) {
 
 void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& remove) {
   std::erase_if(manifest.shards, [&](const ManifestShard& s) { return remove(s.rank); });
+  if (manifest.increment) RemoveOrigins(*manifest.increment, remove);
   for (auto& [name, tensor] : manifest.tensors) {
     std::erase_if(tensor.shards, [&](const TensorShard& s) { return remove(s.rank); });
   }
@@ -96,6 +102,7 @@ void RemoveRanks(Manifest& manifest, const std::function<bool(uint32_t rank)>& r
 namespace {
 
 int FormatVersionOf(const Manifest& m) {
+  if (m.increment) return kManifestIncrementFormatVersion;
   if (m.index) return kManifestIndexFormatVersion;
   if (m.scope) return kManifestScopedFormatVersion;
   for (const auto& [name, t] : m.tensors) {
@@ -172,6 +179,10 @@ std::string ManifestToJson(const Manifest& m) {
   w.Field("ckptd_version", m.ckptd_version);
   w.Field("format", "ckptd-manifest");
   w.Field("format_version", FormatVersionOf(m));
+  if (m.increment) {
+    w.Key("increment");
+    WriteIncrement(w, *m.increment);
+  }
   if (m.index) {
     w.Key("index");
     w.BeginObject();
@@ -235,6 +246,7 @@ std::string ManifestToJson(const Manifest& m) {
       w.Field("checksum", e.checksum);
       w.Key("data_offsets");
       w.Pair(e.begin, e.end);
+      if (e.step) w.Field("step", *e.step);
       w.EndObject();
     }
     w.EndObject();
@@ -254,10 +266,16 @@ std::string ManifestToJson(const Manifest& m) {
     for (const TensorShard& s : t.shards) {
       w.BeginObject();
       w.Field("checksum", s.checksum);
+      if (s.chunk_bytes != 0) w.Field("chunk_bytes", s.chunk_bytes);
       if (!s.chunk_checksums.empty()) w.Field("chunk_checksums", s.chunk_checksums);
-      w.Key("data_offsets");
-      w.Pair(s.begin, s.end);
-      w.Field("file", s.file);
+      if (s.extents.empty()) {
+        w.Key("data_offsets");
+        w.Pair(s.begin, s.end);
+      } else {
+        w.Key("extents");
+        WriteExtents(w, s.extents);
+      }
+      if (s.extents.empty()) w.Field("file", s.file);
       if (s.flat.empty()) {
         w.Field("offset", s.offset);
       } else {
@@ -285,50 +303,11 @@ std::string ManifestToJson(const Manifest& m) {
 
 namespace {
 
-// A field of the wrong type or out of range for its C++ type. nlohmann's get<> would cast a
-// float such as 1e300 to an integer, which is undefined behaviour (found by the fuzzer).
-struct BadField : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-template <typename T>
-T Int(const json& v, const char* field) {
-  static_assert(std::is_integral_v<T>);
-  if (v.is_number_unsigned()) {
-    uint64_t x = v.get<uint64_t>();
-    if (x <= static_cast<uint64_t>(std::numeric_limits<T>::max())) return static_cast<T>(x);
-  } else if (v.is_number_integer()) {
-    int64_t x = v.get<int64_t>();
-    if constexpr (std::is_signed_v<T>) {
-      if (x >= std::numeric_limits<T>::min() && x <= std::numeric_limits<T>::max()) {
-        return static_cast<T>(x);
-      }
-    }
-  }
-  throw BadField(fmt::format("\"{}\" is not an integer in range", field));
-}
-
-template <typename T>
-std::vector<T> Ints(const json& v, const char* field) {
-  if (!v.is_array()) throw BadField(fmt::format("\"{}\" is not an array", field));
-  std::vector<T> out;
-  out.reserve(v.size());
-  for (const json& e : v) out.push_back(Int<T>(e, field));
-  return out;
-}
-
-double Real(const json& v, const char* field) {
-  if (!v.is_number()) throw BadField(fmt::format("\"{}\" is not a number", field));
-  return v.get<double>();
-}
-
-// "xxh3:" and 16 lowercase hex digits, as ChecksumOf writes them.
-bool IsDigest(const std::string& s) {
-  constexpr std::string_view kPrefix = "xxh3:";
-  return s.size() == kPrefix.size() + 16 && s.compare(0, kPrefix.size(), kPrefix) == 0 &&
-         std::all_of(s.begin() + kPrefix.size(), s.end(),
-                     [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-}
+using json_fields::BadField;
+using json_fields::Int;
+using json_fields::Ints;
+using json_fields::IsDigest;
+using json_fields::Real;
 
 // The "scope" object's fields, each required and of its type.
 StepScope ParseStepScope(const json& j) {
@@ -418,6 +397,24 @@ std::string IndexProblem(const Manifest& m) {
   return {};
 }
 
+// Why a version 5 piece's chunk size or extents are wrong for a piece of `bytes` of `dtype`
+// of step `step`; empty when they are right.
+std::string PieceChunkProblem(const TensorShard& shard, const std::string& dtype, uint64_t bytes,
+                              const Increment& increment, uint64_t step) {
+  absl::StatusOr<size_t> element = DTypeSize(dtype);
+  if (!element.ok()) return std::string(element.status().message());
+  if (shard.chunk_bytes == 0 || shard.chunk_bytes % *element != 0) {
+    return fmt::format("chunk_bytes {} is not a positive multiple of {}'s {} bytes", shard.chunk_bytes, dtype, *element);
+  }
+  const uint64_t chunks = PieceChunks(bytes, shard.chunk_bytes);
+  if (chunks > kMaxPieceChunks) {
+    return fmt::format("{} chunks of {} bytes, more than the {} a piece may have", chunks, shard.chunk_bytes,
+                       kMaxPieceChunks);
+  }
+  if (shard.extents.empty()) return {};
+  return ExtentsProblem(shard.extents, chunks, shard.rank, increment, step);
+}
+
 // What a node-scoped manifest lists against what its scope says of the whole step; the
 // shards are already known to ascend within the world. Empty when they agree, else why not.
 std::string ScopeProblem(const Manifest& m) {
@@ -474,13 +471,23 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
       return bad(fmt::format("format version {} is newer than this ckptd understands ({})",
                              m.format_version, kManifestFormatVersion));
     }
+    // Version 5 is the incremental step of any kind: a reader that knows 4 at most would
+    // read none of its references.
+    const bool incremental = m.format_version == kManifestIncrementFormatVersion;
+    if (incremental) {
+      m.increment = ParseIncrement(json_fields::Required(j, "manifest", "increment"));
+    } else if (j.contains("increment")) {
+      return bad(fmt::format("it has an \"increment\", which needs format version {}, not {}",
+                             kManifestIncrementFormatVersion, m.format_version));
+    }
+    if (j.contains("scope") && j.contains("index")) return bad("it has both a \"scope\" and an \"index\"");
     // Version 3 is exactly the node-scoped manifest: a reader that took one without its
     // scope for a whole step would miss every other node's ranks.
     if (auto found = j.find("scope"); found != j.end()) {
-      if (m.format_version != kManifestScopedFormatVersion) {
+      if (m.format_version != kManifestScopedFormatVersion && !incremental) {
         return bad(fmt::format("it has a \"scope\" (a node-scoped manifest), which needs format "
-                               "version {}, not {}",
-                               kManifestScopedFormatVersion, m.format_version));
+                               "version {}, not {} ({} in an incremental step)",
+                               kManifestScopedFormatVersion, m.format_version, kManifestIncrementFormatVersion));
       }
       m.scope = ParseStepScope(*found);
     } else if (m.format_version == kManifestScopedFormatVersion) {
@@ -490,15 +497,22 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
     // Version 4 is exactly the index: a reader that took one for a whole manifest would
     // find a step without tensors.
     if (auto found = j.find("index"); found != j.end()) {
-      if (m.format_version != kManifestIndexFormatVersion) {
-        return bad(fmt::format("it has an \"index\", which needs format version {}, not {}",
-                               kManifestIndexFormatVersion, m.format_version));
+      if (m.format_version != kManifestIndexFormatVersion && !incremental) {
+        return bad(fmt::format("it has an \"index\", which needs format version {}, not {} ({} in an "
+                               "incremental step)",
+                               kManifestIndexFormatVersion, m.format_version, kManifestIncrementFormatVersion));
       }
       m.index = ParseStepIndex(*found);
     } else if (m.format_version == kManifestIndexFormatVersion) {
       return bad(fmt::format("format version {} is an index, but it has no \"index\"", m.format_version));
     }
     if (m.index && scope != ManifestScope::kWhole) return bad("an index is not a node's part");
+    if (m.increment) {
+      if (std::string problem = IncrementProblem(*m.increment, Int<uint64_t>(j.at("step"), "step"), m.index.has_value());
+          !problem.empty()) {
+        return bad(problem);
+      }
+    }
     m.job = j.at("job").get<std::string>();
     if (absl::Status valid = ValidateJobName(m.job); !valid.ok()) return bad(std::string(valid.message()));
     m.step = Int<uint64_t>(j.at("step"), "step");
@@ -528,7 +542,18 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
         e.begin = Int<uint64_t>(it->at("data_offsets").at(0), "data_offsets");
         e.end = Int<uint64_t>(it->at("data_offsets").at(1), "data_offsets");
         e.checksum = it->at("checksum").get<std::string>();
-        if (e.begin > e.end || e.end > shard.bytes) {
+        uint64_t file_bytes = shard.bytes;
+        if (auto step = it->find("step"); step != it->end()) {
+          e.step = Int<uint64_t>(*step, "train_state.step");
+          const Origin* origin = m.increment ? m.increment->Find(*e.step, shard.rank) : nullptr;
+          if (origin == nullptr) {
+            return bad(fmt::format("train state {} of rank {} is in step {}, which the increment's origins do not "
+                                   "list for rank {}",
+                                   it.key(), shard.rank, *e.step, shard.rank));
+          }
+          file_bytes = origin->bytes;
+        }
+        if (e.begin > e.end || e.end > file_bytes) {
           return bad(fmt::format("train state {} of rank {}: byte range outside the file",
                                  it.key(), shard.rank));
         }
@@ -549,9 +574,10 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
                                                    (!m.shards.empty() && shard.rank <= m.shards.back().rank))) {
         return bad("shards are not ranks 0..world_size-1");
       }
-      if (shard.file != ShardFileName(shard.rank)) {
+      if (incremental ? !IsTaggedShardFileName(shard.file, shard.rank) : shard.file != ShardFileName(shard.rank)) {
         return bad(fmt::format("rank {}'s shard file is not named {}", shard.rank,
-                               ShardFileName(shard.rank)));
+                               incremental ? fmt::format("rank-{:05d}.<16 hex digits>.safetensors", shard.rank)
+                                           : ShardFileName(shard.rank)));
       }
       m.shards.push_back(std::move(shard));
     }
@@ -578,9 +604,19 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
       for (const auto& s : it->at("shards")) {
         TensorShard shard;
         shard.rank = Int<uint32_t>(s.at("rank"), "rank");
-        shard.file = s.at("file").get<std::string>();
-        shard.begin = Int<uint64_t>(s.at("data_offsets").at(0), "data_offsets");
-        shard.end = Int<uint64_t>(s.at("data_offsets").at(1), "data_offsets");
+        if (auto extents = s.find("extents"); extents != s.end()) {
+          if (!incremental || s.contains("file") || s.contains("data_offsets")) {
+            return bad(fmt::format("tensor {}: rank {}'s piece has \"extents\", which need format version {} and "
+                                   "no \"file\" or \"data_offsets\"",
+                                   it.key(), shard.rank, kManifestIncrementFormatVersion));
+          }
+          shard.extents = ParseExtents(*extents);
+        } else {
+          shard.file = s.at("file").get<std::string>();
+          shard.begin = Int<uint64_t>(s.at("data_offsets").at(0), "data_offsets");
+          shard.end = Int<uint64_t>(s.at("data_offsets").at(1), "data_offsets");
+        }
+        if (incremental) shard.chunk_bytes = Int<uint64_t>(json_fields::Required(s, "tensor piece", "chunk_bytes"), "chunk_bytes");
         shard.shape = Ints<int64_t>(s.at("shape"), "shape");
         if (auto flat = s.find("flat"); flat != s.end()) {
           for (const auto& r : *flat) {
@@ -596,7 +632,7 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
                                  "not list (held by another node, or by none)",
                                  it.key(), shard.rank, m.scope->node));
         }
-        if (owner == by_rank.end() || shard.file != owner->second->file) {
+        if (owner == by_rank.end() || (shard.extents.empty() && shard.file != owner->second->file)) {
           return bad(fmt::format("tensor {}: a piece names rank {} or file {} that the shards "
                                  "list does not",
                                  it.key(), shard.rank, shard.file));
@@ -605,20 +641,32 @@ absl::StatusOr<Manifest> ParseManifest(const std::string& text, const std::strin
           return bad(fmt::format("tensor {}: byte range [{}, {}) is not inside rank {}'s file",
                                  it.key(), shard.begin, shard.end, shard.rank));
         }
-        if (auto chunks = s.find("chunk_checksums"); chunks != s.end()) {
-          shard.chunk_checksums = chunks->get<std::vector<std::string>>();
-          uint64_t expected = ChecksumChunks(shard.end - shard.begin, m.checksum_chunk_bytes);
-          if (shard.chunk_checksums.size() != expected) {
-            return bad(fmt::format("tensor {}: rank {} lists {} chunk checksums for an entry of "
-                                   "{} chunks",
-                                   it.key(), shard.rank, shard.chunk_checksums.size(), expected));
-          }
-        }
         if (absl::Status placed = CheckPlacement(shard, t.global_shape); !placed.ok()) {
           return bad(fmt::format("tensor {}: rank {}'s piece {}", it.key(), shard.rank, std::string(placed.message())));
         }
         absl::StatusOr<uint64_t> bytes = TensorBytes(it.key(), t.dtype, shard.shape);
         if (!bytes.ok()) return bad(std::string(bytes.status().message()));
+        if (incremental) {
+          if (std::string problem = PieceChunkProblem(shard, t.dtype, *bytes, *m.increment, m.step); !problem.empty()) {
+            return bad(fmt::format("tensor {}: rank {}'s piece: {}", it.key(), shard.rank, problem));
+          }
+        }
+        const uint64_t chunk_bytes = incremental ? shard.chunk_bytes : m.checksum_chunk_bytes;
+        const uint64_t expected_chunks = ChecksumChunks(*bytes, chunk_bytes);
+        if (auto chunks = s.find("chunk_checksums"); chunks != s.end()) {
+          shard.chunk_checksums = chunks->get<std::vector<std::string>>();
+        }
+        // Optional only in manifests from before chunks were recorded.
+        if ((s.contains("chunk_checksums") || (incremental && expected_chunks != 0)) &&
+            shard.chunk_checksums.size() != expected_chunks) {
+          return bad(fmt::format("tensor {}: rank {} lists {} chunk checksums for an entry of "
+                                 "{} chunks",
+                                 it.key(), shard.rank, shard.chunk_checksums.size(), expected_chunks));
+        }
+        if (!shard.extents.empty()) {
+          t.shards.push_back(std::move(shard));
+          continue;
+        }
         if (*bytes != shard.end - shard.begin) {
           return bad(fmt::format("tensor {}: rank {}'s entry holds {} bytes; {} {} is {}",
                                  it.key(), shard.rank, shard.end - shard.begin, t.dtype,
@@ -718,6 +766,15 @@ absl::StatusOr<Manifest> MergeManifestParts(const std::vector<std::pair<uint32_t
     if (part.unix_time > m.unix_time) {
       m.unix_time = part.unix_time;
       m.wall_time = part.wall_time;
+    }
+    if (part.increment.has_value() != first.increment.has_value()) {
+      return absl::FailedPreconditionError(fmt::format(
+          "node {} prepared {} step, another node {}", node, part.increment ? "an incremental" : "a full-format",
+          first.increment ? "an incremental one" : "a full-format one"));
+    }
+    if (part.increment) {
+      if (!m.increment) m.increment.emplace();
+      AddIncrement(*m.increment, *part.increment);
     }
     for (const ManifestShard& s : part.shards) {
       by_rank.emplace(s.rank, &s);

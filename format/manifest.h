@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "format/increment.h"
 
 namespace ckpt::format {
 
@@ -21,12 +22,14 @@ namespace ckpt::format {
 //      whole step holds. A reader of version 2 would take it for a step it can read whole.
 //   4: an index (StepIndex): the whole step's header and `nodes`, its shards and tensors in
 //      one node-scoped manifest per node beside it (a step too large for one manifest).
+//   5: an incremental step (format/increment.h: Increment, extents, tagged file names), of
+//      any kind: whole, node-scoped (with `scope`) or an index (with `index`).
 inline constexpr int kManifestBoxFormatVersion = 1;
 inline constexpr int kManifestFlatFormatVersion = 2;
 inline constexpr int kManifestScopedFormatVersion = 3;
 inline constexpr int kManifestIndexFormatVersion = 4;
-// The newest version this ckptd reads and writes.
-inline constexpr int kManifestFormatVersion = kManifestIndexFormatVersion;
+// The newest version this ckptd reads.
+inline constexpr int kManifestFormatVersion = kManifestIncrementFormatVersion;
 // Entries longer than this also get a checksum per chunk of this many bytes (the last one
 // shorter), so that a read of part of an entry (a resharding restore) is verified without
 // reading the whole entry. Recorded in each manifest (Manifest::checksum_chunk_bytes).
@@ -49,8 +52,10 @@ struct ElementRange {
 // stored one after another in a 1-D entry of `shape` [their total].
 struct TensorShard {
   uint32_t rank = 0;
+  // Where the piece is written whole: its rank's file and the byte range within the file's
+  // data region. A version 5 piece with `extents` has neither (file empty, begin = end = 0).
   std::string file;
-  uint64_t begin = 0;  // byte range within the file's data region
+  uint64_t begin = 0;
   uint64_t end = 0;
   std::vector<int64_t> offset;  // placement: start index per dimension in the global tensor
   std::vector<int64_t> shape;   // placement: local shape
@@ -59,6 +64,10 @@ struct TensorShard {
   // (empty otherwise, and in manifests written before chunks were recorded).
   std::vector<std::string> chunk_checksums;
   std::vector<ElementRange> flat;  // placement of a flat shard; `offset` is then empty
+  // Version 5: the piece's own chunk size (its chunk_checksums' and its extents'), and, for
+  // a piece not written whole in this step's file, where each run of its chunks is.
+  uint64_t chunk_bytes = 0;
+  std::vector<Extent> extents;
 };
 
 struct ManifestTensor {
@@ -68,9 +77,10 @@ struct ManifestTensor {
 };
 
 struct TrainStateEntry {
-  uint64_t begin = 0;
+  uint64_t begin = 0;  // in the rank's own file, or in its origin file of `step`
   uint64_t end = 0;
   std::string checksum;
+  std::optional<uint64_t> step;  // version 5: a blob equal to an earlier step's, referenced
 };
 
 struct ManifestShard {
@@ -144,6 +154,8 @@ struct Manifest {
   // Set in an index (format version 4): `tensors` and `shards` are then empty, `nodes` lists
   // every rank, and each node's part is a manifest of its own (JoinIndexedManifest).
   std::optional<StepIndex> index;
+  // Set in every version 5 manifest (an incremental step, format/increment.h).
+  std::optional<Increment> increment;
 
   // Shard bytes of the ranks this manifest lists (the whole step's unless scoped).
   uint64_t total_bytes() const;
@@ -157,8 +169,8 @@ struct Manifest {
   std::optional<uint32_t> NodeOf(uint32_t rank) const;
 };
 
-// Written as format version 4 when `index` is set, 3 when `scope` is; otherwise 2 when some
-// shard is flat, else 1.
+// Written as format version 5 when `increment` is set, else 4 when `index` is set, 3 when
+// `scope` is; otherwise 2 when some shard is flat, else 1.
 std::string ManifestToJson(const Manifest& manifest);
 
 // "xxh3:<16 hex>" of a manifest's JSON text as written: what StepScope::digest records of the
@@ -175,7 +187,8 @@ inline constexpr uint32_t kMaxManifestWorldSize = 1u << 20;
 // The largest step a step directory's name can hold ("step-" and at most 19 digits).
 inline constexpr uint64_t kMaxStep = 9'999'999'999'999'999'999ull;
 
-// "rank-00003.safetensors": the one name a rank's shard file may have.
+// "rank-00003.safetensors": the one name a rank's shard file may have up to version 4
+// (version 5: TaggedShardFileName).
 std::string ShardFileName(uint32_t rank);
 // "manifest-node-00003.json": the one name node 3's part of an indexed step may have.
 std::string ManifestPartFileName(uint32_t node);

@@ -68,18 +68,20 @@ const PlanReader::HotShard& PlanReader::Hot(uint32_t rank) {
 const char* PlanReader::InMemory(const TensorReadPlan& tensor, const ShardRead& read) {
   const HotShard& hot = Hot(read.rank);
   auto e = hot.tensors.find(tensor.name);
-  if (e == hot.tensors.end() || e->second->begin != read.entry_begin ||
-      e->second->end != read.entry_end) {
-    return nullptr;
-  }
-  return hot.snapshot->data + read.entry_begin;
+  if (e == hot.tensors.end()) return nullptr;
+  // A version 5 file holds only the step's own bytes, laid out unlike the snapshot it was
+  // written from: the piece is the snapshot's entry of its name and size.
+  const bool same = manifest_.increment ? e->second->end - e->second->begin == read.entry_end - read.entry_begin
+                                        : e->second->begin == read.entry_begin && e->second->end == read.entry_end;
+  return same ? hot.snapshot->data + e->second->begin : nullptr;
 }
 
 absl::Status PlanReader::Open(const std::vector<TensorReadPlan>& tensors) {
   for (const TensorReadPlan& tensor : tensors) {
     for (const ShardRead& read : tensor.reads) {
       if (read.runs.empty() || InMemory(tensor, read) != nullptr) continue;
-      CKPT_RETURN_IF_ERROR(Reader(read.rank).status());
+      if (read.extents.empty()) CKPT_RETURN_IF_ERROR(Reader(read.rank).status());
+      for (const Extent& e : read.extents) CKPT_RETURN_IF_ERROR(ExtentReader(e.step, read.rank).status());
     }
   }
   return absl::OkStatus();
@@ -123,6 +125,90 @@ absl::StatusOr<const format::ShardReader*> PlanReader::Reader(uint32_t rank) {
   return readers_.emplace(rank, *std::move(reader)).first->second.get();
 }
 
+absl::StatusOr<ShardReaderPtr> OpenOriginFile(storage::Store& store, const std::string& step_dir,
+                                              const Manifest& manifest, uint64_t step, uint32_t rank) {
+  const Origin* origin = manifest.increment ? manifest.increment->Find(step, rank) : nullptr;
+  if (origin == nullptr) {  // ParseManifest checked every reference: only a caller's mistake
+    return absl::DataLossError(fmt::format("step {} references step {} of rank {}, which it lists no file of",
+                                           manifest.step, step, rank));
+  }
+  const size_t slash = step_dir.rfind('/');
+  const std::string job_dir = slash == std::string::npos ? "" : step_dir.substr(0, slash + 1);
+  std::vector<std::string> tried;
+  for (const std::string& key : OriginFileKeys(*origin)) {
+    absl::StatusOr<ShardReaderPtr> reader = ShardReader::Open(store, job_dir + key, origin->bytes);
+    if (reader.ok()) return reader;
+    if (!absl::IsNotFound(reader.status())) {
+      return Annotate(Unreadable(reader.status()), fmt::format("rank {}'s file of step {}, which step {} references",
+                                                               rank, step, manifest.step));
+    }
+    tried.push_back(store.Describe(job_dir + key));
+  }
+  // The bytes of a committed step are gone: damage, so a restore falls back to an older step.
+  return absl::DataLossError(fmt::format("rank {}'s file of step {} (run {:016x}), which step {} references, is "
+                                         "missing: not at {}",
+                                         rank, step, origin->run, manifest.step, fmt::join(tried, " nor at ")));
+}
+
+absl::StatusOr<ExtentSpan> LocateExtent(const ShardReader& reader, const std::string& tensor, const ShardRead& read,
+                                        const Extent& e) {
+  const auto [lo, hi] = ChunkSpan(read.entry_end - read.entry_begin, read.chunk_bytes, e.chunk_begin, e.chunk_end);
+  const std::string what =
+      e.step ? fmt::format("tensor {} (its chunks [{}, {}), referenced in step {})", tensor, e.chunk_begin,
+                           e.chunk_end, *e.step)
+             : fmt::format("tensor {} (its chunks [{}, {}))", tensor, e.chunk_begin, e.chunk_end);
+  const TensorEntry* holder = reader.EntryCovering(e.at, e.at + (hi - lo));
+  if (holder == nullptr || holder->dtype != read.dtype || !EntryHoldsTensor(holder->name, tensor)) {
+    return absl::DataLossError(fmt::format(
+        "{} in {}: bytes [{}, {}) of the data region are not inside one {} entry of the tensor ({})", what,
+        reader.path(), e.at, e.at + (hi - lo), read.dtype,
+        holder == nullptr ? "no entry holds them all" : fmt::format("entry {} holds them", holder->name)));
+  }
+  ExtentSpan span{lo, hi, TensorEntry{what, read.dtype, {}, e.at, e.at + (hi - lo)}, {}};
+  if (!read.chunk_checksums.empty()) {
+    span.chunks.assign(read.chunk_checksums.begin() + e.chunk_begin, read.chunk_checksums.begin() + e.chunk_end);
+  }
+  return span;
+}
+
+absl::StatusOr<const format::ShardReader*> PlanReader::OriginReader(uint64_t step, uint32_t rank) {
+  if (auto it = origin_readers_.find({step, rank}); it != origin_readers_.end()) return it->second.get();
+  CKPT_ASSIGN_OR_RETURN(ShardReaderPtr reader, OpenOriginFile(store_, step_dir_, manifest_, step, rank));
+  return origin_readers_.emplace(std::pair{step, rank}, std::move(reader)).first->second.get();
+}
+
+absl::StatusOr<const format::ShardReader*> PlanReader::ExtentReader(const std::optional<uint64_t>& step,
+                                                                    uint32_t rank) {
+  return step ? OriginReader(*step, rank) : Reader(rank);
+}
+
+absl::Status PlanReader::ReadExtents(const TensorReadPlan& tensor, const ShardRead& read, char* dst) {
+  const uint64_t piece = read.entry_end - read.entry_begin;
+  size_t next = 0;
+  for (const Extent& e : read.extents) {
+    const auto [lo, hi] = ChunkSpan(piece, read.chunk_bytes, e.chunk_begin, e.chunk_end);
+    // The part of the extent that the runs want, if any: read whole chunks around it.
+    uint64_t from = hi, to = lo;
+    for (const ByteRun& run : read.runs) {
+      const uint64_t a = std::max(run.source, lo), b = std::min(run.source + run.bytes, hi);
+      if (a < b) from = std::min(from, a), to = std::max(to, b);
+    }
+    if (from >= to) continue;
+    CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, ExtentReader(e.step, read.rank));
+    CKPT_ASSIGN_OR_RETURN(ExtentSpan span, LocateExtent(*reader, tensor.name, read, e));
+    uint64_t fetched = 0;
+    absl::Status s = reader->ReadRange(
+        span.entry, span.checksums(read), from - lo, to - lo,
+        [&](uint64_t offset, const char* data, uint64_t bytes) {
+          Scatter(read.runs, next, lo + offset, data, bytes, dst);
+        },
+        &fetched);
+    from_disk_ += fetched;
+    CKPT_RETURN_IF_ERROR(Unreadable(s));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
   for (const ShardRead& read : tensor.reads) {
     if (read.runs.empty()) continue;
@@ -132,6 +218,10 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
       const uint64_t size = read.entry_end - read.entry_begin;
       Scatter(read.runs, next, 0, saved, size, dst);
       for (const ByteRun& run : read.runs) from_memory_ += run.bytes;
+      continue;
+    }
+    if (!read.extents.empty()) {
+      CKPT_RETURN_IF_ERROR(ReadExtents(tensor, read, dst));
       continue;
     }
     CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(read.rank));
@@ -151,7 +241,7 @@ absl::Status PlanReader::Read(const TensorReadPlan& tensor, char* dst) {
     const uint64_t to = read.runs.back().source + read.runs.back().bytes;
     uint64_t fetched = 0;
     absl::Status s = reader->ReadRange(
-        *entry, {read.checksum, read.chunk_checksums, manifest_.checksum_chunk_bytes}, from, to,
+        *entry, {read.checksum, read.chunk_checksums, read.chunk_bytes}, from, to,
         [&](uint64_t offset, const char* data, uint64_t bytes) {
           Scatter(read.runs, next, offset, data, bytes, dst);
         },
@@ -177,8 +267,9 @@ absl::StatusOr<std::vector<NamedBytes>> PlanReader::TrainState(uint32_t rank) {
   if (listed == nullptr) return state;  // a rank the step was not saved with: no state
   const auto& saved = listed->train_state;
   if (saved.empty()) return state;
-  CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, Reader(rank));
   for (const auto& [name, e] : saved) {
+    // A blob equal to an earlier step's is that step's entry (version 5).
+    CKPT_ASSIGN_OR_RETURN(const format::ShardReader* reader, ExtentReader(e.step, rank));
     const format::TensorEntry* entry = reader->Find(format::TrainStateKey(name));
     CKPT_RETURN_IF_ERROR(CheckHeaderEntry("train state " + name, reader->path(), entry, "U8",
                                           {static_cast<int64_t>(e.end - e.begin)}, e.begin, e.end));

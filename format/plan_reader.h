@@ -44,12 +44,39 @@ struct NamedBytes {
 // here), no memory, a store unreachable or timed out, a stop.
 absl::Status Unreadable(const absl::Status& status);
 
+// Opens rank `rank`'s file of step `step` that `manifest` (of the step at `step_dir` in
+// `store`) references: in that step's directory, or, retired and held, in its held one
+// (format::OriginFileKeys), checked against the size the manifest records. DataLoss naming
+// both places when it is in neither (the bytes of a committed step are gone).
+absl::StatusOr<ShardReaderPtr> OpenOriginFile(storage::Store& store, const std::string& step_dir,
+                                              const Manifest& manifest, uint64_t step, uint32_t rank);
+
+// One extent of a version 5 piece as it is read from its file: the bytes [lo, hi) of the
+// piece, at `entry` (a span of the file named for messages), checked against `chunks` (the
+// piece's checksums of those chunks; none for a piece of one chunk, checked whole).
+struct ExtentSpan {
+  uint64_t lo = 0;
+  uint64_t hi = 0;
+  TensorEntry entry;
+  std::vector<std::string> chunks;
+  ShardReader::Checksums checksums(const ShardRead& read) const {
+    return {read.checksum, chunks, chunks.empty() ? 0 : read.chunk_bytes};
+  }
+};
+// Where extent `e` of `read` (a piece of tensor `tensor`) is in `reader`'s file: DataLoss
+// unless it lies inside one entry of the file that holds that tensor's bytes (its own name
+// or a delta of it) in its dtype, so that no extent makes a reader take another tensor's
+// bytes, or a header, for this one's.
+absl::StatusOr<ExtentSpan> LocateExtent(const ShardReader& reader, const std::string& tensor, const ShardRead& read,
+                                        const Extent& e);
+
 class PlanReader {
  public:
   // The shard of a saved rank of this step held in memory, or nullopt.
   using HotLookup = std::function<std::optional<MemoryShard>(uint32_t rank)>;
 
-  // `step` is the step's prefix in `store` (its directory, for a local store).
+  // `step` is the step's prefix in `store` (its directory, for a local store); a version 5
+  // step's origins are in its siblings (format::OriginFileKeys).
   PlanReader(storage::Store& store, std::string step, const format::Manifest& manifest,
              HotLookup hot)
       : store_(store), step_dir_(std::move(step)), manifest_(manifest), hot_(std::move(hot)) {}
@@ -86,6 +113,13 @@ class PlanReader {
   // The bytes of `read`'s saved entry in ckptd's memory copy of its rank, or null.
   const char* InMemory(const TensorReadPlan& tensor, const ShardRead& read);
   absl::StatusOr<const format::ShardReader*> Reader(uint32_t rank);
+  // Version 5: the file of step `step` that rank `rank` references (Increment::origins),
+  // in that step's directory or, retired and held, in its held one; opened once.
+  absl::StatusOr<const format::ShardReader*> OriginReader(uint64_t step, uint32_t rank);
+  // The reader of an extent's file: the rank's own in this step, or its origin's.
+  absl::StatusOr<const format::ShardReader*> ExtentReader(const std::optional<uint64_t>& step, uint32_t rank);
+  // Reads a version 5 piece's runs through its extents, each chunk checked as it comes.
+  absl::Status ReadExtents(const TensorReadPlan& tensor, const ShardRead& read, char* dst);
   // NotFound for a rank of the step that a node-scoped manifest leaves to another node.
   absl::Status HeldElsewhere(uint32_t rank) const;
 
@@ -95,6 +129,7 @@ class PlanReader {
   HotLookup hot_;
   std::map<uint32_t, HotShard> hot_shards_;
   std::map<uint32_t, format::ShardReaderPtr> readers_;      // opened once per file
+  std::map<std::pair<uint64_t, uint32_t>, format::ShardReaderPtr> origin_readers_;  // by (step, rank)
   std::atomic<uint64_t> from_memory_ = 0;
   std::atomic<uint64_t> from_disk_ = 0;
 };

@@ -15,6 +15,25 @@ namespace {
 // How many of a plan's problems an error names (each is a line's worth).
 constexpr size_t kProblemsShown = 5;
 
+uint64_t PieceBytes(const std::vector<int64_t>& shape, size_t itemsize) {
+  uint64_t bytes = itemsize;
+  for (int64_t d : shape) bytes *= static_cast<uint64_t>(d);  // ParseManifest checked the shape
+  return bytes;
+}
+
+// What reading saved piece `s` of `bytes` starts from (the runs are added after): its entry,
+// or its extents and chunks (version 5), which the reader follows.
+ShardRead ReadOf(const format::TensorShard& s, const std::string& dtype, uint64_t manifest_chunk_bytes,
+                 uint64_t bytes) {
+  ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}, dtype, s.shape,
+                 s.chunk_bytes != 0 ? s.chunk_bytes : manifest_chunk_bytes, s.extents};
+  if (!s.extents.empty()) {
+    read.entry_begin = 0;
+    read.entry_end = bytes;
+  }
+  return read;
+}
+
 using Index = std::vector<int64_t>;
 
 using format::Box;
@@ -230,8 +249,8 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     // that rank's whole entry, found without looking at the other ranks' shards.
     if (auto exact = (*index)->by_key.find(want.Key()); exact != (*index)->by_key.end() && volume > 0) {
       const format::TensorShard& s = *(*index)->placements[exact->second].Holder(prefer);
-      t.reads.push_back({s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {{0, 0, t.bytes}}, saved.dtype,
-                         s.shape});
+      t.reads.push_back(ReadOf(s, saved.dtype, manifest.checksum_chunk_bytes, t.bytes));
+      t.reads.back().runs = {{0, 0, t.bytes}};
       if (++total_runs > options.max_runs) return TooFine(w.name, options.max_runs);
       plan.tensors.push_back(std::move(t));
       continue;
@@ -239,7 +258,7 @@ absl::StatusOr<ReadPlan> PlanRead(const format::Manifest& manifest,
     for (const SavedPlacement& saved_placement : (*index)->placements) {
       const format::Placement& placement = saved_placement.placement;
       const format::TensorShard& s = *saved_placement.Holder(prefer);
-      ShardRead read{s.rank, s.file, s.begin, s.end, s.checksum, s.chunk_checksums, {}, saved.dtype, s.shape};
+      ShardRead read = ReadOf(s, saved.dtype, manifest.checksum_chunk_bytes, PieceBytes(s.shape, *itemsize));
       if (!placement.is_flat() && !want.is_flat()) {
         std::optional<Box> overlap = Intersect(placement.box, want.box);
         if (!overlap || overlap->Volume() == 0) continue;

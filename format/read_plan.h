@@ -50,7 +50,8 @@ struct ByteRun {
 struct ShardRead {
   uint32_t rank = 0;
   std::string file;
-  uint64_t entry_begin = 0;  // the saved entry in the file's data region
+  // The saved entry in the file's data region; for a piece with `extents`, [0, its bytes).
+  uint64_t entry_begin = 0;
   uint64_t entry_end = 0;
   std::string checksum;      // of the whole saved entry
   std::vector<std::string> chunk_checksums;  // of its chunks (TensorShard::chunk_checksums)
@@ -59,6 +60,10 @@ struct ShardRead {
   // local shape (a reader refuses a header that disagrees before using a byte).
   std::string dtype;
   std::vector<int64_t> shape;
+  uint64_t chunk_bytes = 0;  // of chunk_checksums: the piece's (version 5) or the manifest's
+  // Version 5: where runs of the piece's chunks are, in this step's file and its origins'
+  // (empty: the piece is the entry above, whole).
+  std::vector<Extent> extents;
 };
 
 struct TensorReadPlan {

@@ -36,6 +36,16 @@ const TensorEntry* ShardReader::Find(const std::string& name) const {
   return it == by_name_.end() ? nullptr : it->second;
 }
 
+const TensorEntry* ShardReader::EntryCovering(uint64_t begin, uint64_t end) const {
+  // The header's entries are in data order (ReadHeader checks they tile the data region).
+  const auto& entries = header_.tensors;
+  auto after = std::upper_bound(entries.begin(), entries.end(), begin,
+                                [](uint64_t at, const TensorEntry& e) { return at < e.begin; });
+  if (after == entries.begin()) return nullptr;
+  const TensorEntry& e = *std::prev(after);
+  return begin >= e.begin && end <= e.end && begin < end ? &e : nullptr;
+}
+
 absl::Status ShardReader::ReadEntry(const TensorEntry& entry, void* dst,
                                     const std::string& expected_checksum) const {
   CKPT_RETURN_IF_ERROR(Annotate(

@@ -25,6 +25,9 @@ class ShardReader {
   const SafetensorsHeader& header() const { return header_; }
   const std::string& path() const { return path_; }
   const TensorEntry* Find(const std::string& name) const;
+  // The entry whose bytes hold all of [begin, end) of the data region, or nullptr (a range
+  // across two entries, or outside every one): where a version 5 extent must lie.
+  const TensorEntry* EntryCovering(uint64_t begin, uint64_t end) const;
 
   // Reads `entry` into dst[0, entry size) and checks it against `expected_checksum`:
   // DataLoss naming the tensor and file on mismatch.

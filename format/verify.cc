@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "format/checksum.h"
+#include "format/plan_reader.h"
 #include "format/shard_reader.h"
 #include "format/read_plan.h"
 
@@ -25,19 +26,37 @@ struct Expected {
   std::vector<std::string> chunk_checksums;
   std::string dtype;
   std::vector<int64_t> shape;
+  uint64_t chunk_bytes = 0;  // of chunk_checksums
+  // A delta entry of a version 5 piece (its bytes are checked with the piece's extents):
+  // its header is compared, in size rather than shape, and it is not read here.
+  bool delta = false;
+};
+
+// A version 5 piece with extents: read through them, in order, from this step's file and
+// its origins', every chunk and the whole piece checked.
+struct ExtentPiece {
+  std::string name;
+  ShardRead read;
+};
+
+struct Expectations {
+  std::vector<std::vector<Expected>> entries;        // by rank: what its own file holds
+  std::vector<std::vector<ExtentPiece>> extent_pieces;  // by rank
 };
 
 // What the manifest says each rank's file holds, by rank: its pieces, as the planner reads
 // them in their saved placement (each one whole entry of the rank's own file), then its
 // train state. One plan for every rank: the planner indexes each tensor's shards once.
-absl::StatusOr<std::vector<std::vector<Expected>>> ExpectedEntries(const Manifest& manifest) {
+absl::StatusOr<Expectations> ExpectedEntries(const Manifest& manifest) {
   std::vector<std::vector<WantedTensor>> by_rank = SavedPieces(manifest);
   std::vector<WantedTensor> pieces;
   for (const auto& rank_pieces : by_rank) pieces.insert(pieces.end(), rank_pieces.begin(), rank_pieces.end());
   ReadPlanOptions options;
   options.max_runs = ~uint64_t{0};  // one run per piece here
   CKPT_ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(manifest, pieces, options));
-  std::vector<std::vector<Expected>> out(std::max<size_t>(by_rank.size(), manifest.shards.size()));
+  const size_t ranks = std::max<size_t>(by_rank.size(), manifest.shards.size());
+  Expectations expectations{std::vector<std::vector<Expected>>(ranks), std::vector<std::vector<ExtentPiece>>(ranks)};
+  std::vector<std::vector<Expected>>& out = expectations.entries;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const TensorReadPlan& t = plan.tensors[i];
     const uint32_t rank = *pieces[i].from_rank;
@@ -52,16 +71,27 @@ absl::StatusOr<std::vector<std::vector<Expected>>> ExpectedEntries(const Manifes
                                              t.name, rank));
     }
     const ShardRead& read = t.reads[0];
-    out[rank].push_back({t.name, read.entry_begin, read.entry_end, read.checksum, read.chunk_checksums,
-                         pieces[i].dtype, pieces[i].shape});
+    if (read.extents.empty()) {
+      out[rank].push_back({t.name, read.entry_begin, read.entry_end, read.checksum, read.chunk_checksums,
+                           pieces[i].dtype, pieces[i].shape, read.chunk_bytes});
+      continue;
+    }
+    for (const Extent& e : read.extents) {
+      if (e.step) continue;
+      const auto [lo, hi] = ChunkSpan(t.bytes, read.chunk_bytes, e.chunk_begin, e.chunk_end);
+      out[rank].push_back({DeltaEntryName(t.name, e.chunk_begin, e.chunk_end), e.at, e.at + (hi - lo), {}, {},
+                           pieces[i].dtype, {}, 0, /*delta=*/true});
+    }
+    expectations.extent_pieces[rank].push_back({t.name, read});
   }
   for (const format::ManifestShard& shard : manifest.shards) {
     for (const auto& [name, e] : shard.train_state) {
+      if (e.step) continue;  // in an origin's file: CheckReferencedState
       out[shard.rank].push_back({format::TrainStateKey(name), e.begin, e.end, e.checksum, {}, "U8",
                                  {static_cast<int64_t>(e.end - e.begin)}});
     }
   }
-  return out;
+  return expectations;
 }
 
 // A shard shorter than the manifest says: the data region ends the file, so the manifest's
@@ -131,6 +161,99 @@ void CheckEntry(const format::ShardReader& reader, const TensorEntry& entry, con
   report.bytes_checked += entry.end - entry.begin;
 }
 
+// The origins' files a version 5 step reads from, each opened once (and named in the report).
+class OriginFiles {
+ public:
+  OriginFiles(storage::Store& store, const std::string& dir, const Manifest& manifest, VerifyReport& report)
+      : store_(store), dir_(dir), manifest_(manifest), report_(report) {}
+
+  absl::StatusOr<const ShardReader*> Get(uint64_t step, uint32_t rank) {
+    auto [it, first] = readers_.try_emplace({step, rank});
+    if (first) {
+      absl::StatusOr<ShardReaderPtr> opened = OpenOriginFile(store_, dir_, manifest_, step, rank);
+      if (opened.ok()) {
+        report_.referenced_files.push_back((*opened)->path());
+        it->second = *std::move(opened);
+      } else {
+        it->second = opened.status();
+      }
+    }
+    if (!it->second.ok()) return it->second.status();
+    return it->second->get();
+  }
+
+ private:
+  storage::Store& store_;
+  const std::string& dir_;
+  const Manifest& manifest_;
+  VerifyReport& report_;
+  std::map<std::pair<uint64_t, uint32_t>, absl::StatusOr<ShardReaderPtr>> readers_;
+};
+
+// Reads a version 5 piece through its extents in order, from `own` (the rank's file) and the
+// origins' files, checking each chunk as it comes and the whole piece at the end.
+void CheckExtentPiece(const ShardReader& own, OriginFiles& origins, const ExtentPiece& piece,
+                      ProgressCounter& progress, VerifyReport& report) {
+  const ShardRead& read = piece.read;
+  format::Checksum whole;
+  for (const Extent& e : read.extents) {
+    absl::StatusOr<const ShardReader*> reader = e.step ? origins.Get(*e.step, read.rank) : &own;
+    if (!reader.ok()) {
+      report.problems.push_back(fmt::format("tensor {}: {}", piece.name, Message(reader.status())));
+      return;
+    }
+    absl::StatusOr<ExtentSpan> span = LocateExtent(**reader, piece.name, read, e);
+    if (!span.ok()) {
+      report.problems.push_back(Message(span.status()));
+      return;
+    }
+    absl::Status s = (*reader)->ReadRange(span->entry, span->checksums(read), 0, span->hi - span->lo,
+                                          [&](uint64_t, const char* data, uint64_t bytes) {
+                                            whole.Update(data, bytes);
+                                            progress.Add(bytes);
+                                          });
+    if (!s.ok()) {
+      report.problems.push_back(Message(s));
+      return;
+    }
+    if (e.step) report.bytes_referenced += span->hi - span->lo;
+  }
+  if (whole.Finish() != read.checksum) {
+    report.problems.push_back(fmt::format(
+        "tensor {} of rank {}: its chunks match their checksums but the whole piece does not match {} (the "
+        "manifest disagrees with itself)",
+        piece.name, read.rank, read.checksum));
+  }
+  report.bytes_checked += read.entry_end - read.entry_begin;
+}
+
+// The train-state blobs of `shard` that are entries of its origins' files.
+void CheckReferencedState(const format::ManifestShard& shard, OriginFiles& origins, ProgressCounter& progress,
+                          VerifyReport& report) {
+  for (const auto& [name, e] : shard.train_state) {
+    if (!e.step) continue;
+    absl::StatusOr<const ShardReader*> reader = origins.Get(*e.step, shard.rank);
+    if (!reader.ok()) {
+      report.problems.push_back(fmt::format("train state {}: {}", name, Message(reader.status())));
+      continue;
+    }
+    const TensorEntry* entry = (*reader)->Find(format::TrainStateKey(name));
+    if (entry == nullptr || entry->begin != e.begin || entry->end != e.end || entry->dtype != "U8") {
+      report.problems.push_back(fmt::format("train state {} of rank {}: not the U8 entry at [{}, {}) of {}", name,
+                                            shard.rank, e.begin, e.end, (*reader)->path()));
+      continue;
+    }
+    std::string data(e.end - e.begin, '\0');
+    if (absl::Status s = (*reader)->ReadEntry(*entry, data.data(), e.checksum); !s.ok()) {
+      report.problems.push_back(Message(s));
+      continue;
+    }
+    progress.Add(data.size());
+    report.bytes_checked += data.size();
+    report.bytes_referenced += data.size();
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, const std::string& job,
@@ -154,7 +277,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
   } else {
     report.problems.push_back(Message(files.status()));
   }
-  absl::StatusOr<std::vector<std::vector<Expected>>> by_rank = ExpectedEntries(manifest);
+  absl::StatusOr<Expectations> by_rank = ExpectedEntries(manifest);
   if (!by_rank.ok()) {
     // The manifest's placements cannot be read as they are (parsing checks them, so only a
     // manifest from a future format gets here): nothing can be compared with it.
@@ -168,8 +291,17 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
   uint64_t total = 0;
   for (const format::ManifestShard& shard : manifest.shards) {
     if (!here(shard.rank)) continue;
-    for (const Expected& want : by_rank->at(shard.rank)) total += want.end - want.begin;
+    for (const Expected& want : by_rank->entries.at(shard.rank)) {
+      if (!want.delta) total += want.end - want.begin;
+    }
+    for (const ExtentPiece& piece : by_rank->extent_pieces.at(shard.rank)) {
+      total += piece.read.entry_end - piece.read.entry_begin;
+    }
+    for (const auto& [name, e] : shard.train_state) {
+      if (e.step) total += e.end - e.begin;
+    }
   }
+  OriginFiles origins(store.objects(), dir, manifest, report);
   ProgressCounter progress(options, total);
   // A node-scoped manifest lists its node's ranks alone: every other one is another node's,
   // as with `options.node`.
@@ -186,7 +318,7 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
     }
     const std::string key = dir + "/" + shard.file;
     const std::string path = store.objects().Describe(key);
-    const std::vector<Expected>* expected = &by_rank->at(shard.rank);
+    const std::vector<Expected>* expected = &by_rank->entries.at(shard.rank);
     if (absl::StatusOr<bool> there = store.objects().Exists(key); !there.ok() || !*there) {
       report.problems.push_back(fmt::format("{}: missing (rank {}'s shard)", path, shard.rank));
       continue;
@@ -207,15 +339,20 @@ absl::StatusOr<VerifyReport> VerifyCheckpoint(format::CheckpointStore& store, co
         continue;
       }
       if (entry->begin != want.begin || entry->end != want.end || entry->dtype != want.dtype ||
-          entry->shape != want.shape) {
+          (!want.delta && entry->shape != want.shape)) {
         report.problems.push_back(fmt::format(
             "tensor {} in {}: header says {} [{}] at [{}, {}), manifest says {} [{}] at [{}, {})",
             want.name, path, entry->dtype, fmt::join(entry->shape, ","), entry->begin, entry->end,
             want.dtype, fmt::join(want.shape, ","), want.begin, want.end));
         continue;
       }
-      CheckEntry(**reader, *entry, want, manifest.checksum_chunk_bytes, progress, report);
+      if (!want.delta) CheckEntry(**reader, *entry, want, want.chunk_bytes, progress, report);
     }
+    for (const ExtentPiece& piece : by_rank->extent_pieces.at(shard.rank)) {
+      if (progress.stopped()) break;
+      CheckExtentPiece(**reader, origins, piece, progress, report);
+    }
+    CheckReferencedState(shard, origins, progress, report);
     if (progress.stopped()) continue;  // the entries not yet read are not "extra"
     for (const TensorEntry& entry : (*reader)->header().tensors) {
       if (!listed.count(entry.name)) {

@@ -19,6 +19,10 @@ struct VerifyReport {
   bool ok() const { return problems.empty(); }
   std::vector<std::string> problems;  // each names the file and, where known, the tensor
   uint64_t bytes_checked = 0;
+  // Version 5: of bytes_checked, those read from the files of the steps it references, and
+  // those files (as the store names them: a held step's are in its held directory).
+  uint64_t bytes_referenced = 0;
+  std::vector<std::string> referenced_files;
   // Held by other nodes (node-local disks): placed elsewhere by `nodes` with
   // VerifyOptions::node, or not listed by a node-scoped manifest. Ascending.
   std::vector<uint32_t> skipped_ranks;

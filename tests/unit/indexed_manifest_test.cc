@@ -197,7 +197,7 @@ TEST_CASE("an index that does not hold together is refused, naming why") {
   refused(bad_checksum, "part checksum \"md5:0\"");
   auto both = doc;
   both["scope"] = nlohmann::json::parse(ManifestToJson(PartOf(Whole(), 1)))["scope"];
-  refused(both, "needs format version 3, not 4");
+  refused(both, "both a \"scope\" and an \"index\"");
 }
 
 TEST_CASE("a reader of one rank reads the part of the node that holds it, and no other") {

@@ -126,9 +126,12 @@ TEST_CASE("version 3 without a scope, and a scope in an older version, are refus
   auto indexed = j;
   indexed["format_version"] = 4;
   RefusedFor(indexed, "needs format version 3, not 4");
+  auto incremental = j;
+  incremental["format_version"] = 5;  // a scoped incremental step, but without its increment
+  RefusedFor(incremental, "has no \"increment\"");
   auto newer = j;
-  newer["format_version"] = 5;
-  RefusedFor(newer, "newer than this ckptd understands (4)");
+  newer["format_version"] = 6;
+  RefusedFor(newer, "newer than this ckptd understands (5)");
 }
 
 TEST_CASE("a manifest describes at most 1M ranks, so that no reader walks billions of other nodes' ranks") {
