@@ -322,6 +322,11 @@ int Commands::PrintVerify(const VerifyReply& r, const std::string& job, uint64_t
     PrintJson(j);
   } else if (r.ok()) {
     std::cout << fmt::format("step {} of job {}: OK ({} checked)\n", step, job, HumanBytes(r.bytes_checked()));
+    if (r.bytes_referenced() != 0) {
+      std::cout << fmt::format("  of which {} referenced in {} files of earlier steps:\n",
+                               HumanBytes(r.bytes_referenced()), r.referenced_files_size());
+      for (const std::string& file : r.referenced_files()) std::cout << "    " << file << "\n";
+    }
     if (!r.skipped_ranks().empty()) {
       std::vector<uint32_t> skipped(r.skipped_ranks().begin(), r.skipped_ranks().end());
       std::cout << fmt::format("  ranks {} are held by other nodes: verify them there\n", fmt::join(skipped, ","));

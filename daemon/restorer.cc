@@ -265,7 +265,7 @@ absl::StatusOr<RestoreResult> Restorer::RestoreStep(const SessionView& session,
   result.step = step;
   StagedSnapshotPtr hot = hot_.Find(session.job, session.rank, step);
   std::optional<format::Manifest> peer_manifest;
-  if (!hot && peers_ != nullptr && !store_.HasFile(session.job, step, format::ShardFileName(session.rank))) {
+  if (!hot && peers_ != nullptr && !store_.HasRankFile(session.job, step, session.rank)) {
     // This node lost its copy (a replacement machine, a root deleted): its coding group's
     // memory before the remote tier.
     absl::StatusOr<std::pair<StagedSnapshotPtr, format::Manifest>> rebuilt = FromPeers(session, spec, step);
@@ -335,7 +335,7 @@ absl::StatusOr<std::vector<uint64_t>> Restorer::Available(const SessionView& ses
   for (const auto& [run, step] : committed) {
     // In a group each node holds only its own ranks' shards of a step.
     if (hot_.Find(session.job, session.rank, step) ||
-        store_.HasFile(session.job, step, format::ShardFileName(session.rank))) {
+        store_.HasRankFile(session.job, step, session.rank)) {
       available.emplace_back(run, step);
       continue;
     }
@@ -420,7 +420,7 @@ bool Restorer::LocalHasAll(const std::string& job, uint64_t step, const std::set
     // lists no shards: each rank's file has its one name.
     const format::ManifestShard* shard = manifest.Shard(rank);
     if (manifest.index && rank < manifest.world_size) {
-      if (!store_.HasFile(job, step, format::ShardFileName(rank))) return false;
+      if (!store_.HasRankFile(job, step, rank)) return false;
       continue;
     }
     if (shard == nullptr || !store_.HasFile(job, step, shard->file)) return false;

@@ -328,6 +328,14 @@ bool CheckpointStore::HasFile(const std::string& job, uint64_t step, const std::
   return objects_->Exists(StepKey(job, step) + "/" + file).value_or(false);
 }
 
+bool CheckpointStore::HasRankFile(const std::string& job, uint64_t step, uint32_t rank) {
+  if (HasFile(job, step, ShardFileName(rank))) return true;
+  absl::StatusOr<std::vector<storage::ListEntry>> files = objects_->List(StepKey(job, step));
+  if (!files.ok()) return false;
+  return std::any_of(files->begin(), files->end(),
+                     [&](const storage::ListEntry& e) { return !e.is_prefix && IsTaggedShardFileName(e.name, rank); });
+}
+
 absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
   absl::Status retracted = objects_->Retract(StepKey(job, step), kManifestName);

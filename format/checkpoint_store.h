@@ -105,6 +105,10 @@ class CheckpointStore {
   // Whether this store holds `file` of a committed step (a node of a group holds only its
   // own ranks' shards).
   bool HasFile(const std::string& job, uint64_t step, const std::string& file);
+  // Whether this store holds rank `rank`'s shard file of a committed step, by either of its
+  // names: rank-NNNNN.safetensors, or tagged (format version 5, TaggedShardFileName), which
+  // only a listing of the step finds.
+  bool HasRankFile(const std::string& job, uint64_t step, uint32_t rank);
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
   // directory that still looks committed.
   absl::Status Delete(const std::string& job, uint64_t step);

@@ -25,6 +25,8 @@ inline void ToProto(const format::VerifyReport& report, ::ckptd::v1::VerifyReply
   reply->set_ok(report.ok());
   reply->set_bytes_checked(report.bytes_checked);
   for (uint32_t rank : report.skipped_ranks) reply->add_skipped_ranks(rank);
+  reply->set_bytes_referenced(report.bytes_referenced);
+  for (const std::string& file : report.referenced_files) reply->add_referenced_files(file);
   for (const std::string& p : report.problems) reply->add_problems(p);
 }
 

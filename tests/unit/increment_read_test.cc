@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "client/export/exporter.h"
 #include "common/status.h"
 #include "format/checkpoint_store.h"
 #include "format/manifest.h"
@@ -150,6 +151,9 @@ TEST_CASE("a chain's manifests reference what did not change, one hop, and parse
   std::ifstream in(c.writer.StepDir(30) + "/manifest.json", std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK(ManifestToJson(m30) == text);
+  // A restore asks whether this node holds a rank's file of a step: the tagged name counts.
+  CHECK(c.store.HasRankFile(kJob, 30, 1));
+  CHECK_FALSE(c.store.HasRankFile(kJob, 30, 2));
 }
 
 TEST_CASE("every step of a chain reads back bit-exact in the saved placement, train state too") {
@@ -297,4 +301,25 @@ TEST_CASE("an extent that points across entries or at another tensor's bytes is 
   INFO(Message(read));
   CHECK(absl::IsDataLoss(read));
   CHECK_THAT(Message(read), Catch::Contains("are not inside one F32 entry of the tensor"));
+}
+
+TEST_CASE("an incremental step exports the same Hugging Face tensors as the full step of the same state") {
+  Chain c;
+  c.Write();
+  c.Save(40, /*full=*/true);  // step 30's state, written whole
+  auto exported = [&](uint64_t step) {
+    Manifest m = Load(c.store, step);
+    exporter::ExportOptions options;
+    options.format = exporter::ExportFormat::kSafetensors;
+    options.out = c.dir.path() + "/export-" + std::to_string(step) + ".safetensors";
+    auto fs = MakePosixFilesystem();
+    absl::StatusOr<exporter::ExportReport> report =
+        exporter::ExportStep(*fs, c.store.objects(), CheckpointStore::StepKey(kJob, step), m, options);
+    INFO((report.ok() ? "" : Message(report.status())));
+    REQUIRE(report.ok());
+    CHECK(report->tensors == 2);
+    std::ifstream in(options.out, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  CHECK(exported(30) == exported(40));
 }
