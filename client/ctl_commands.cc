@@ -347,9 +347,11 @@ int Commands::Delete() {
   grpc::Status s = stub_->Delete(Context(kCallSeconds).get(), *ref, &r);
   if (!s.ok()) return Failed("delete", s, kCallSeconds);
   if (o_.json) {
-    PrintJson({{"deleted", {{"job", job}, {"step", *o_.step}}}});
+    nlohmann::json deleted = {{"job", job}, {"step", *o_.step}};
+    if (!r.note().empty()) deleted["note"] = r.note();
+    PrintJson({{"deleted", deleted}});
   } else {
-    std::cout << fmt::format("deleted step {} of job {}\n", *o_.step, job);
+    std::cout << fmt::format("deleted step {} of job {}{}\n", *o_.step, job, r.note().empty() ? "" : "; " + r.note());
   }
   return kOk;
 }

@@ -97,7 +97,8 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
   // Best effort: a record left behind (a crash just now) is ignored by every reader.
   (void)objects_->RemovePrefix(StepKey(manifest.job, manifest.step) + "/" + kPreparedName);
   std::lock_guard lock(mu_);
-  runs_[{manifest.job, manifest.step}] = manifest.run;
+  runs_[{manifest.job, manifest.step}] =
+      StepRecord{manifest.run, manifest.increment ? manifest.increment->origin_steps : std::vector<StepRun>{}};
   return absl::OkStatus();
 }
 
@@ -178,22 +179,60 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> CheckpointStore::List
   std::vector<std::pair<uint64_t, uint64_t>> ordered;  // (run, step)
   ordered.reserve(steps.size());
   for (uint64_t step : steps) {
-    std::optional<uint64_t> run;
-    {
-      std::lock_guard lock(mu_);
-      if (auto it = runs_.find({job, step}); it != runs_.end()) run = it->second;
-    }
-    if (!run) {
-      auto manifest = LoadManifest(job, step, Depth::kIndexOnly);
-      if (!manifest.ok()) continue;  // deleted meanwhile, or unreadable: not a candidate
-      run = manifest->run;
-      std::lock_guard lock(mu_);
-      runs_[{job, step}] = *run;
-    }
-    ordered.emplace_back(*run, step);
+    absl::StatusOr<StepRecord> record = Record(job, step);
+    if (!record.ok()) continue;  // deleted meanwhile, or unreadable: not a candidate
+    ordered.emplace_back(record->run, step);
   }
   std::sort(ordered.begin(), ordered.end());
   return ordered;
+}
+
+absl::StatusOr<CheckpointStore::StepRecord> CheckpointStore::Record(const std::string& job, uint64_t step) {
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = runs_.find({job, step}); it != runs_.end()) return it->second;
+  }
+  CKPT_ASSIGN_OR_RETURN(Manifest manifest, LoadManifest(job, step, Depth::kIndexOnly));
+  StepRecord record{manifest.run, manifest.increment ? manifest.increment->origin_steps : std::vector<StepRun>{}};
+  std::lock_guard lock(mu_);
+  runs_[{job, step}] = record;
+  return record;
+}
+
+absl::StatusOr<std::vector<StepRun>> CheckpointStore::OriginSteps(const std::string& job, uint64_t step) {
+  CKPT_ASSIGN_OR_RETURN(StepRecord record, Record(job, step));
+  return record.origin_steps;
+}
+
+absl::Status CheckpointStore::Retire(const std::string& job, uint64_t step, uint64_t run) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  if (!Committed(job, step)) {
+    return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
+  }
+  CKPT_RETURN_IF_ERROR(objects_->Retire(StepKey(job, step), job + "/" + HeldStepDirName(step, run)));
+  std::lock_guard lock(mu_);
+  runs_.erase({job, step});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<StepRun>> CheckpointStore::ListHeld(const std::string& job) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> entries, objects_->List(job));
+  std::vector<StepRun> held;
+  for (const storage::ListEntry& e : entries) {
+    StepRun s;
+    if (e.is_prefix && ParseHeldStepDirName(e.name, &s)) held.push_back(s);
+  }
+  std::sort(held.begin(), held.end());
+  return held;
+}
+
+absl::Status CheckpointStore::RemoveHeld(const std::string& job, const StepRun& held) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  // Out of sight first (renamed .deleting, swept at start-up after a crash), then removed.
+  absl::Status s = objects_->Retract(job + "/" + HeldStepDirName(held.step, held.run), kManifestName);
+  if (removed_hook_) removed_hook_(job);
+  return absl::IsNotFound(s) ? absl::OkStatus() : s;
 }
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {

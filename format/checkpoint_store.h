@@ -112,6 +112,19 @@ class CheckpointStore {
   // Deletes a committed step: renamed aside first, so a crash never leaves a half-deleted
   // directory that still looks committed.
   absl::Status Delete(const std::string& job, uint64_t step);
+  // Retires committed step `step` (of run `run`) that later steps reference (format
+  // version 5): out of every listing at once, the step number free for a new run, its files
+  // kept readable in HeldStepDirName(step, run) (docs/format.md). Unimplemented where the
+  // store cannot (S3, for now): the step then stays published.
+  absl::Status Retire(const std::string& job, uint64_t step, uint64_t run);
+  // The retired steps of `job` whose files are still kept, ascending.
+  absl::StatusOr<std::vector<StepRun>> ListHeld(const std::string& job);
+  // Removes a retired step's files (nothing references them any more).
+  absl::Status RemoveHeld(const std::string& job, const StepRun& held);
+  // The steps whose files committed step `step` references (Increment::origin_steps; none
+  // before version 5), read once per step (a committed manifest never changes). NotFound
+  // when the step is not committed.
+  absl::StatusOr<std::vector<StepRun>> OriginSteps(const std::string& job, uint64_t step);
   // Start-up sweep: removes every *.deleting directory and, unless `keep_step_tmp`, every
   // step-N.tmp (a group keeps those: their outcome is asked of the coordinator). Returns
   // how many.
@@ -140,8 +153,15 @@ class CheckpointStore {
   bool shared_ = false;
   std::function<void(const std::string& job)> removed_hook_;
   std::mutex mu_;
-  // Manifest::run of committed steps (manifests never change once committed).
-  std::map<std::pair<std::string, uint64_t>, uint64_t> runs_;
+  // What a retention pass reads of committed steps' manifests, which never change once
+  // committed: their run, and the steps they reference.
+  struct StepRecord {
+    uint64_t run = 0;
+    std::vector<StepRun> origin_steps;
+  };
+  // The record of a committed step, from the cache or its manifest's header.
+  absl::StatusOr<StepRecord> Record(const std::string& job, uint64_t step);
+  std::map<std::pair<std::string, uint64_t>, StepRecord> runs_;
 };
 
 // What `ckptctl list` shows of a committed step.

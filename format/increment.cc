@@ -50,6 +50,29 @@ bool IsTaggedShardFileName(std::string_view name, uint32_t rank) {
 
 std::string HeldStepDirName(uint64_t step, uint64_t run) { return fmt::format("step-{:08d}.held-{:016x}", step, run); }
 
+bool ParseHeldStepDirName(std::string_view name, StepRun* held) {
+  constexpr std::string_view kHeld = ".held-";
+  const size_t at = name.find(kHeld);
+  if (at == std::string_view::npos || name.substr(0, 5) != "step-" || at < 6 || at > 5 + 19 ||
+      name.size() != at + kHeld.size() + 16) {
+    return false;
+  }
+  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
+  uint64_t step = 0, run = 0;
+  for (char c : name.substr(5, at - 5)) {
+    if (c < '0' || c > '9' || step > (~uint64_t{0} - 9) / 10) return false;
+    step = step * 10 + static_cast<uint64_t>(c - '0');
+  }
+  for (char c : name.substr(at + kHeld.size())) {
+    if (!hex(c)) return false;
+    run = run * 16 + static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+  }
+  // Exactly the name HeldStepDirName writes (no other spelling of the same numbers).
+  if (HeldStepDirName(step, run) != name) return false;
+  *held = {step, run};
+  return true;
+}
+
 std::vector<std::string> OriginFileKeys(const Origin& origin) {
   return {fmt::format("step-{:08d}/{}", origin.step, origin.file),
           fmt::format("{}/{}", HeldStepDirName(origin.step, origin.run), origin.file)};

@@ -81,6 +81,8 @@ bool IsTaggedShardFileName(std::string_view name, uint32_t rank);
 // "step-00001000.held-18f3a9c2d4e5b6a7": where a retired step that later steps still
 // reference keeps its files on a local disk (docs/format.md, "Retention of referenced steps").
 std::string HeldStepDirName(uint64_t step, uint64_t run);
+// The step and run of such a name; false for anything else.
+bool ParseHeldStepDirName(std::string_view name, StepRun* held);
 // Where a reader looks for an origin's file, in order, relative to the job's directory:
 // the step's own directory (as CheckpointStore::StepKey names it), then the held one.
 std::vector<std::string> OriginFileKeys(const Origin& origin);

@@ -234,6 +234,13 @@ class LocalStore final : public Store {
     return fs_->RemoveTree(Path(prefix));
   }
 
+  absl::Status Retire(const std::string& published, const std::string& held) override {
+    const std::string from = Path(published), to = Path(held);
+    if (fs_->Exists(to)) return absl::AlreadyExistsError(fmt::format("{} already exists", to));
+    CKPT_RETURN_IF_ERROR(fs_->Rename(from, to));
+    return fs_->SyncDir(ParentOf(from));
+  }
+
  private:
   // Makes the directories above `key` (the top-level one private when asked).
   absl::Status MakeParents(const std::string& key) {

@@ -105,6 +105,15 @@ class Store {
   // The reverse: what is under `published` stops being visible at once (a crash never
   // leaves it half deleted and still marked complete), then is removed.
   virtual absl::Status Retract(const std::string& published, const std::string& marker) = 0;
+  // Moves what is published at `published` (a step) to `held`, a name no listing of steps
+  // shows, where its objects stay readable: a step that later steps still reference
+  // (format version 5) retired by retention. Local: one rename, the parent fsynced.
+  // Unimplemented where objects cannot move (S3: a held step stays published there until
+  // the remote tier learns held records, docs/design/incremental.md).
+  virtual absl::Status Retire(const std::string& published, const std::string& held) {
+    return absl::UnimplementedError(Describe(published) +
+                                    " cannot retire a step and keep its files readable: kept published");
+  }
   // Removes everything under `prefix` (objects never published, a staging prefix; on S3
   // also the multipart uploads begun under it and never completed, which a kill leaves
   // invisible but stored). Ok when nothing is there.

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "daemon/group/committed_step.h"
 #include "daemon/metrics/daemon_metrics.h"
@@ -161,6 +162,12 @@ void GroupCommitter::EnsureWatcherLocked(const Key& key) {
 }
 
 void GroupCommitter::WatchLoop(Key key) {
+  // On a shared root a member publishes nothing: the coordinator does, before announcing a
+  // commit, but a coordinator that restarted answers from its decision log first and
+  // publishes when its own watcher applies the decision. A member that hears "committed"
+  // before the step is there waits for it (up to the step timeout) rather than fail a step
+  // that is about to be published.
+  std::optional<Clock::time_point> unpublished_since;
   while (true) {
     std::set<uint32_t> unsent;
     bool acknowledged = false, adopted = false, released = false;
@@ -195,6 +202,15 @@ void GroupCommitter::WatchLoop(Key key) {
         bool decided = seen && (decision->outcome == group::Outcome::kCommitted ||
                                 decision->outcome == group::Outcome::kAborted ||
                                 decision->outcome == group::Outcome::kUnknown);
+        if (decided && decision->outcome == group::Outcome::kCommitted && store_.shared() && node_rank_ != 0 &&
+            !store_.Committed(key.first, key.second)) {
+          if (!unpublished_since) unpublished_since = Clock::now();
+          if (Clock::now() - *unpublished_since < options_.step_timeout) {
+            std::unique_lock lock(mu_);
+            watch_cv_.wait_for(lock, kRetryPause, [&] { return stopping_; });
+            continue;
+          }
+        }
         if (decided) {
           Apply(key, attempt, *decision);
           continue;

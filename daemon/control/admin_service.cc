@@ -349,12 +349,13 @@ absl::Status AdminService::MayAct(grpc::ServerContext* ctx, const char* call,
 }
 
 grpc::Status AdminService::Delete(grpc::ServerContext* ctx, const CheckpointRef* request,
-                                  DeleteReply*) {
+                                  DeleteReply* reply) {
   return Guarded("Delete", [&]() -> absl::Status {
     CKPT_RETURN_IF_ERROR(MayAct(ctx, "delete", request->job()));
-    CKPT_RETURN_IF_ERROR(src_.retention.DeleteStep(request->job(), request->step()));
+    CKPT_ASSIGN_OR_RETURN(std::string note, src_.retention.DeleteStep(request->job(), request->step()));
     log::Get(log::Component::kControl)
-        .info("[{} s{}] deleted by an operator", request->job(), request->step());
+        .info("[{} s{}] deleted by an operator{}", request->job(), request->step(), note.empty() ? "" : "; " + note);
+    reply->set_note(note);
     return absl::OkStatus();
   });
 }

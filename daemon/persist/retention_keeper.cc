@@ -25,7 +25,7 @@ void LowerPriority() {
 
 }  // namespace
 
-absl::Status RetentionKeeper::DeleteStep(const std::string& job, uint64_t step) {
+absl::StatusOr<std::string> RetentionKeeper::DeleteStep(const std::string& job, uint64_t step) {
   {
     std::lock_guard lock(mu_);
     if (pins_.count({job, step})) {
@@ -34,9 +34,66 @@ absl::Status RetentionKeeper::DeleteStep(const std::string& job, uint64_t step) 
           "delete it once that is done", step, job));
     }
   }
-  CKPT_RETURN_IF_ERROR(store_.Delete(job, step));
+  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(job));
+  if (std::find(steps.begin(), steps.end(), step) == steps.end()) {
+    return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
+  }
+  const std::set<format::StepRun> referenced = Referenced(job, steps, {step});
+  CKPT_ASSIGN_OR_RETURN(std::string done, Remove(job, step, referenced));
+  Sweep(job, referenced);
+  return done;
+}
+
+std::set<format::StepRun> RetentionKeeper::Referenced(const std::string& job, const std::vector<uint64_t>& steps,
+                                                      const std::set<uint64_t>& leaving) {
+  std::set<format::StepRun> referenced;
+  for (uint64_t step : steps) {
+    if (leaving.count(step)) continue;
+    absl::StatusOr<std::vector<format::StepRun>> origins = store_.OriginSteps(job, step);
+    // Unreadable: what it references is unknown, so every held step stays (Sweep).
+    if (!origins.ok()) {
+      referenced.insert({~uint64_t{0}, ~uint64_t{0}});
+      continue;
+    }
+    referenced.insert(origins->begin(), origins->end());
+  }
+  return referenced;
+}
+
+absl::StatusOr<std::string> RetentionKeeper::Remove(const std::string& job, uint64_t step,
+                                                    const std::set<format::StepRun>& referenced) {
+  CKPT_ASSIGN_OR_RETURN(auto runs, store_.ListRunsAndSteps(job));  // (run, step), cached
+  std::optional<uint64_t> run;
+  for (const auto& [r, s] : runs) {
+    if (s == step) run = r;
+  }
+  const bool held = run && (referenced.count({step, *run}) || referenced.count({~uint64_t{0}, ~uint64_t{0}}));
+  if (!held) {
+    CKPT_RETURN_IF_ERROR(store_.Delete(job, step));
+    on_deleted_(job, step);
+    return std::string();
+  }
+  CKPT_RETURN_IF_ERROR(store_.Retire(job, step, *run));
   on_deleted_(job, step);
-  return absl::OkStatus();
+  return fmt::format("its files stay while later steps reference them (held as {})",
+                     format::HeldStepDirName(step, *run));
+}
+
+void RetentionKeeper::Sweep(const std::string& job, const std::set<format::StepRun>& referenced) {
+  if (referenced.count({~uint64_t{0}, ~uint64_t{0}})) return;  // a manifest could not be read
+  absl::StatusOr<std::vector<format::StepRun>> held = store_.ListHeld(job);
+  if (!held.ok()) return;
+  auto& log = log::Get(log::Component::kPersist);
+  for (const format::StepRun& h : *held) {
+    if (referenced.count(h)) continue;
+    if (absl::Status s = store_.RemoveHeld(job, h); s.ok()) {
+      log.info("[{} s{}] removed: no kept step references it any more (was {})", job, h.step,
+               format::HeldStepDirName(h.step, h.run));
+    } else {
+      log.warn("[{} s{}] could not remove the retired step: {}", job, h.step, Message(s));
+      on_error_(fmt::format("[{} s{}] retention: {}", job, h.step, Message(s)));
+    }
+  }
 }
 
 RetentionKeeper::Pin::Pin(RetentionKeeper& owner, std::string job, uint64_t step)
@@ -132,20 +189,26 @@ void RetentionKeeper::Apply(const std::string& job) {
   }
   auto& log = log::Get(log::Component::kPersist);
   std::vector<uint64_t> ephemeral = EphemeralSteps(job, *steps);
-  for (uint64_t step : StepsToDelete(*steps, policy, pinned, ephemeral)) {
-    absl::Status s = store_.Delete(job, step);
-    if (s.ok()) {
+  const std::vector<uint64_t> doomed = StepsToDelete(*steps, policy, pinned, ephemeral);
+  // What the steps that stay reference stays, retired rather than deleted when doomed.
+  const std::set<format::StepRun> referenced = Referenced(job, *steps, {doomed.begin(), doomed.end()});
+  for (uint64_t step : doomed) {
+    absl::StatusOr<std::string> done = Remove(job, step, referenced);
+    if (done.ok()) {
       ephemeral_[job].erase(step);
-      log.info("[{} s{}] deleted by retention{}", job, step,
+      log.info("[{} s{}] {} by retention{}{}", job, step, done->empty() ? "deleted" : "retired",
                std::find(ephemeral.begin(), ephemeral.end(), step) != ephemeral.end()
                    ? " (ephemeral, a newer step committed)"
-                   : "");
-      on_deleted_(job, step);
+                   : "",
+               done->empty() ? "" : ": " + *done);
+    } else if (absl::IsUnimplemented(done.status())) {
+      log.info("[{} s{}] kept: later steps reference it and {}", job, step, Message(done.status()));
     } else {
-      log.warn("[{} s{}] retention could not delete: {}", job, step, Message(s));
-      on_error_(fmt::format("[{} s{}] retention: {}", job, step, Message(s)));
+      log.warn("[{} s{}] retention could not delete: {}", job, step, Message(done.status()));
+      on_error_(fmt::format("[{} s{}] retention: {}", job, step, Message(done.status())));
     }
   }
+  Sweep(job, referenced);
 }
 
 }  // namespace ckpt::persist

@@ -36,8 +36,10 @@ class RetentionKeeper {
   void SetKeepLast(const std::string& job, uint32_t keep_last);
 
   // Deletes a committed step on an operator's word, unless it is pinned (being restored):
-  // FailedPrecondition then. Its in-memory copy goes too (the on_deleted callback).
-  absl::Status DeleteStep(const std::string& job, uint64_t step);
+  // FailedPrecondition then. Its in-memory copy goes too (the on_deleted callback). A step
+  // that kept steps reference (format version 5) is retired instead: out of the listing,
+  // its files kept while they are referenced; the answer then says so (else it is empty).
+  absl::StatusOr<std::string> DeleteStep(const std::string& job, uint64_t step);
 
   // Keeps `step` of `job` from being deleted while it lives.
   class Pin {
@@ -57,6 +59,16 @@ class RetentionKeeper {
  private:
   void Loop();
   void Apply(const std::string& job);
+  // The steps of `job` whose files the committed steps other than `leaving` reference
+  // (docs/format.md, "Retention of referenced steps"): nothing stored, computed each time
+  // from the manifests' origin_steps, so no count can drift or need repair after a crash.
+  std::set<format::StepRun> Referenced(const std::string& job, const std::vector<uint64_t>& steps,
+                                       const std::set<uint64_t>& leaving);
+  // Deletes `step`, or retires it when `referenced` holds it; what happened, for the log.
+  absl::StatusOr<std::string> Remove(const std::string& job, uint64_t step,
+                                     const std::set<format::StepRun>& referenced);
+  // Removes the retired steps of `job` that nothing in `referenced` holds any more.
+  void Sweep(const std::string& job, const std::set<format::StepRun>& referenced);
   // The steps of `job` (but the latest) saved ephemeral, from their manifests; each
   // manifest is read once (the answer is kept: a committed step does not change).
   std::vector<uint64_t> EphemeralSteps(const std::string& job, const std::vector<uint64_t>& steps);

@@ -168,6 +168,7 @@ class Cluster {
   // --step-timeout and --group-timeout of daemons not started yet.
   std::string step_timeout = std::to_string(std::chrono::seconds(kStepTimeout).count()) + "s";
   std::string group_timeout = std::to_string(std::chrono::seconds(kGroupTimeout).count()) + "s";
+  std::string restore_timeout = kRestoreTimeout;  // --restore-timeout
   bool metrics_everywhere = true;    // else only node 0 serves /metrics (fewer ports to pick)
   std::string relay_fanout = "32";   // --group-relay-fanout
   // One root for every node (--shared-root) of daemons not started yet; empty: each its own.
@@ -196,7 +197,7 @@ class Cluster {
   std::vector<std::string> GroupFlags(int n, const std::string& coordinator) const {
     std::vector<std::string> f = {"--node-rank", std::to_string(n), "--num-nodes", std::to_string(num_nodes()),
                                   "--coordinator", coordinator, "--group-token-file", token_file_,
-                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", kRestoreTimeout,
+                                  "--group-timeout", group_timeout, "--step-timeout", step_timeout, "--restore-timeout", restore_timeout,
                                   "--group-relay-fanout", relay_fanout};
     if (metrics_everywhere || n == 0) f.insert(f.end(), {"--metrics-addr", std::to_string(metrics_ports_[n])});
     if (n == 0) f.insert(f.end(), {"--group-addr", coordinator});

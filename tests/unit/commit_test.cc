@@ -474,7 +474,7 @@ TEMPLATE_TEST_CASE("retention runs after each commit and spares pinned steps", "
   CHECK(*f.store.ListSteps("job") == expected);
   CHECK(f.hot.Find("job", 0, 20) == nullptr);  // deleted steps leave memory too
   // An operator's delete spares a step being restored, and takes the in-memory copy along.
-  absl::Status pinned = f.retention.DeleteStep("job", 10);
+  absl::Status pinned = f.retention.DeleteStep("job", 10).status();
   CHECK(absl::IsFailedPrecondition(pinned));
   CHECK_THAT(Message(pinned), Catch::Contains("in use (being restored"));
   REQUIRE(f.hot.Find("job", 0, 40) != nullptr);
