@@ -268,7 +268,9 @@ int Commands::PrintList(const ListReply& r, const Options& o) {
       continue;
     }
     t.Add({c.job(), std::to_string(c.step()), std::to_string(c.world_size()), std::to_string(c.tensors()),
-           HumanBytes(c.bytes()),
+           c.referenced_bytes() == 0
+               ? HumanBytes(c.bytes())
+               : fmt::format("{} (+{} referenced)", HumanBytes(c.bytes()), HumanBytes(c.referenced_bytes())),
            fmt::format("{:%Y-%m-%d %H:%M:%S}", fmt::gmtime(static_cast<std::time_t>(c.unix_time()))),
            FileNames(c.files()), fmt::format("{}", fmt::join(c.tiers(), ",")),
            c.flags().empty() ? "full" : fmt::format("{}", fmt::join(c.flags(), ","))});

@@ -338,6 +338,10 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
           auto it = manifest->metadata.find(key);
           return it != manifest->metadata.end() && it->second == "1";
         };
+        if (manifest->increment && manifest->increment->referenced_bytes != 0) {
+          c.referenced_bytes = manifest->increment->referenced_bytes;
+          c.flags.push_back("increment");
+        }
         if (says("ckptd.ephemeral")) c.flags.push_back("ephemeral");
         if (says("weights_only")) c.flags.push_back("weights-only");
         for (const UserFile& f : UserFiles(*manifest)) c.files.push_back(f.name);

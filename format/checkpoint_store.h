@@ -171,6 +171,9 @@ struct CheckpointSummary {
   uint32_t world_size = 0;
   uint32_t tensors = 0;  // of the whole step, also where this node holds only its own ranks
   uint64_t bytes = 0;    // shard bytes of the whole step, likewise
+  // An incremental step's bytes in earlier steps' files (format version 5): what a restore
+  // reads besides `bytes`. It is then flagged "increment".
+  uint64_t referenced_bytes = 0;
   double unix_time = 0;
   // What kind of step it is, from its metadata: "ephemeral" (kept only until a newer step
   // commits), "weights-only" (model weights, no optimizer or train state).

@@ -14,6 +14,7 @@ inline void ToProto(const format::CheckpointSummary& c, ::ckptd::v1::CheckpointI
   info->set_step(c.step);
   info->set_world_size(c.world_size);
   info->set_bytes(c.bytes);
+  info->set_referenced_bytes(c.referenced_bytes);
   info->set_unix_time(c.unix_time);
   info->set_tensors(c.tensors);
   for (const std::string& flag : c.flags) info->add_flags(flag);

@@ -151,6 +151,15 @@ TEST_CASE("a chain's manifests reference what did not change, one hop, and parse
   std::ifstream in(c.writer.StepDir(30) + "/manifest.json", std::ios::binary);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   CHECK(ManifestToJson(m30) == text);
+  // ckptctl list: the own bytes, and what each step references besides.
+  absl::StatusOr<std::vector<CheckpointSummary>> listed = ListCheckpoints(c.store, kJob);
+  REQUIRE(listed.ok());
+  REQUIRE(listed->size() == 3);
+  CHECK((*listed)[0].referenced_bytes == 0);
+  CHECK((*listed)[0].flags.empty());
+  CHECK((*listed)[2].bytes == m30.increment->own_bytes);
+  CHECK((*listed)[2].referenced_bytes == m30.increment->referenced_bytes);
+  CHECK((*listed)[2].flags == std::vector<std::string>{"increment"});
   // A restore asks whether this node holds a rank's file of a step: the tagged name counts.
   CHECK(c.store.HasRankFile(kJob, 30, 1));
   CHECK_FALSE(c.store.HasRankFile(kJob, 30, 2));
