@@ -42,6 +42,10 @@ def check(manifest):
         _check_file_name(shard["file"], version, rank)
         files[rank] = {"own": shard["file"], "origins": {}}
     if version < INCREMENT_VERSION:
+        if any("extents" in p for t in manifest["tensors"].values() for p in t["shards"]) or any(
+                "step" in e for s in manifest["shards"] for e in (s.get("train_state") or {}).values()):
+            raise ValueError(f"references (extents, or train state in another step) in format version {version}: "
+                             f"only version {INCREMENT_VERSION} has them")
         return files
     for (step, rank), origin in _origins(manifest).items():
         if rank not in files:

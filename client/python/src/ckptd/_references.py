@@ -81,6 +81,13 @@ class PieceReader:
                 raise
         return self._open[key]
 
+    def check_origins(self, files):
+        """Opens every origin file of `files` (_increment.check's answer): each found, of its
+        size, a safetensors file; ValueError naming the first that is not."""
+        for rank, mine in sorted(files.items()):
+            for step in sorted(mine["origins"]):
+                self._file(mine, step=step, rank=rank)
+
     def piece(self, name, dtype, piece, rank_files):
         """The piece's bytes, whole and checked: ValueError naming the file, the tensor and
         what is wrong (a byte range for a chunk) otherwise."""

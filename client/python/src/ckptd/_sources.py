@@ -50,6 +50,11 @@ class StepDirectory:
         except (KeyError, TypeError, IndexError, ValueError) as e:
             raise CheckpointError(f"load(from_path={path!r}): {self._files.name('manifest.json')}: "
                                   f"{e if isinstance(e, ValueError) else f'not well formed ({e!r})'}") from e
+        try:
+            self._reader.check_origins(self._rank_files)  # before a byte is copied
+        except (OSError, ValueError, RuntimeError) as e:
+            self._reader.close()
+            raise CheckpointError(f"load(from_path={path!r}): {e}") from e
         self.manifest = manifest
         self.step = int(manifest.get("step", 0))
         self.job = manifest.get("job", "?")

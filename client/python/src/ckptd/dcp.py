@@ -119,6 +119,11 @@ class CkptdStorageReader(StorageReader):
             raise ValueError(f"{manifest_path}: a manifest that is not well formed: {e!r}") from e
         except ValueError as e:
             raise ValueError(f"{manifest_path}: {e}") from e
+        reader = PieceReader(self._step())
+        try:
+            reader.check_origins(rank_files)  # before DCP copies a byte of any piece
+        finally:
+            reader.close()
         state = {}
         self._pieces = {}
         aliases_of = _aliases_of(manifest, manifest_path)
