@@ -104,8 +104,11 @@ class _StepFiles:
         for folder in (step_dir, f"{step_dir}.held-{origin['run']:016x}"):
             key = folder + "/" + origin["file"]
             if self._store is None:
-                where = os.path.join(os.path.dirname(os.path.normpath(self.path)), folder, origin["file"])
-                f = open(where, "rb") if os.path.isfile(where) else None
+                where = os.path.join(os.path.dirname(os.path.abspath(self.path)), folder, origin["file"])
+                try:
+                    f = open(where, "rb")
+                except (FileNotFoundError, NotADirectoryError):
+                    f = None
             else:
                 parent = self.path.rstrip("/").rsplit("/", 1)[0]
                 if self._parent_store is None:
