@@ -123,7 +123,7 @@ class PieceReader:
                 if sums[c] != _digest(memoryview(data)[a:b]):
                     raise ValueError(f"{opened.label}: tensor {name}: chunk {c} of {chunks}, bytes "
                                      f"[{at + a}, {at + b}) of its data region, does not match its checksum "
-                                     "(a damaged file); nothing of the tensor was copied")
+                                     "(a damaged file); nothing of the piece was copied")
             whole[lo:hi] = data
         if piece["checksum"] != _digest(whole):
             raise ValueError(f"{self._files.name(rank_files['own'])}: tensor {name}: rank {rank}'s piece, "
