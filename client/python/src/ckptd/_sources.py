@@ -7,17 +7,20 @@ A step directory is read in this process, with its user's own permissions, never
 daemon: every piece is checked against its XXH3-64 checksum before it is copied, pieces of a
 sharded tensor are joined into the global tensor, and this rank's part of it (its DTensor
 shard, its FSDP flat ranges, or the whole) is copied into the registered tensor. The
-manifest's job name does not matter (a step copied to another job's folder loads).
+manifest's job name does not matter (a step copied to another job's folder loads). An
+incremental step (format version 5) is read through its references, in the earlier steps'
+files beside it (_references.py).
 """
 import fnmatch
 import os
 
 import torch
 
+from ckptd import _increment
 from ckptd._errors import CheckpointError
+from ckptd._references import PieceReader
 from ckptd._state_dict import _TORCH_DTYPES
-from ckptd._step_files import _StepFiles, _check_file_name, read_train_state
-from ckptd._native import xxh3_64
+from ckptd._step_files import _StepFiles, _check_file_name
 
 
 class StepDirectory:
@@ -27,8 +30,7 @@ class StepDirectory:
     def __init__(self, path):
         self.path = path
         self._files = _StepFiles(path)
-        self._open = {}
-        self._start = {}
+        self._reader = PieceReader(self._files)
         try:
             manifest = self._files.read_manifest()
         except FileNotFoundError:
@@ -43,6 +45,16 @@ class StepDirectory:
             raise CheckpointError(f"load(from_path={path!r}): {self._files.name('manifest.json')} is not a "
                                   "ckptd manifest (a DCP checkpoint loads with from_dcp=, a Hugging Face "
                                   "folder with from_hf=)")
+        try:
+            self._rank_files = _increment.check(manifest)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            raise CheckpointError(f"load(from_path={path!r}): {self._files.name('manifest.json')}: "
+                                  f"{e if isinstance(e, ValueError) else f'not well formed ({e!r})'}") from e
+        try:
+            self._reader.check_origins(self._rank_files)  # before a byte is copied
+        except (OSError, ValueError, RuntimeError) as e:
+            self._reader.close()
+            raise CheckpointError(f"load(from_path={path!r}): {e}") from e
         self.manifest = manifest
         self.step = int(manifest.get("step", 0))
         self.job = manifest.get("job", "?")
@@ -50,11 +62,7 @@ class StepDirectory:
         self.tensors = manifest["tensors"]
 
     def close(self):
-        for f in self._open.values():
-            close = getattr(f, "close", None)
-            if close is not None:
-                close()
-        self._open.clear()
+        self._reader.close()
 
     def train_state(self, rank):
         """Rank `rank`'s train-state blobs, each checked; {} when the step has none."""
@@ -62,9 +70,8 @@ class StepDirectory:
         entries = (shard or {}).get("train_state") or {}
         if not entries:
             return {}
-        f, start = self._file(shard["file"])
         try:
-            return read_train_state(f, start, entries, self._files.name(shard["file"]))
+            return self._reader.train_state(shard, self._rank_files[rank])
         except ValueError as e:
             raise CheckpointError(str(e)) from None
 
@@ -87,9 +94,11 @@ class StepDirectory:
                 continue  # a replica
             seen.add(key)
             numel = sum(e - b for b, e in flat) if flat else _numel(local)
-            lo, hi = piece["data_offsets"]
-            if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != numel * itemsize:
-                raise CheckpointError(f"{self.path}: tensor {name}: a piece of {hi - lo} bytes for {numel} elements")
+            if "extents" not in piece:  # else _increment checked its chunks against its elements
+                lo, hi = piece["data_offsets"]
+                if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != numel * itemsize:
+                    raise CheckpointError(f"{self.path}: tensor {name}: a piece of {hi - lo} bytes for {numel} "
+                                          "elements")
             data = self._piece_bytes(name, piece)
             src = torch.frombuffer(data, dtype=torch.uint8).view(dtype) if numel else torch.empty(0, dtype=dtype)
             if flat:
@@ -111,29 +120,13 @@ class StepDirectory:
         return whole
 
     def _piece_bytes(self, name, piece):
-        _check_file_name(piece["file"])
-        f, start = self._file(piece["file"])
-        lo, hi = piece["data_offsets"]
-        f.seek(start + lo)
-        data = bytearray(f.read(hi - lo))
-        if len(data) != hi - lo:
-            raise CheckpointError(f"{self._files.name(piece['file'])}: tensor {name}: the file ends "
-                                  f"{hi - lo - len(data)} bytes early (truncated)")
-        if not piece.get("checksum") or piece["checksum"] != f"xxh3:{xxh3_64(data):016x}":
-            raise CheckpointError(f"{self._files.name(piece['file'])}: tensor {name}: checksum mismatch "
-                                  "(a damaged file); nothing of it was copied")
-        return data
-
-    def _file(self, file_name):
-        _check_file_name(file_name)
-        if file_name not in self._open:
-            f = self._files.open(file_name)
-            header = f.read(8)
-            if len(header) != 8:
-                raise CheckpointError(f"{self._files.name(file_name)}: truncated safetensors header")
-            self._open[file_name] = f
-            self._start[file_name] = 8 + int.from_bytes(header, "little")
-        return self._open[file_name], self._start[file_name]
+        version = self.manifest["format_version"]
+        try:
+            if "extents" not in piece:
+                _check_file_name(piece["file"], version, piece["rank"])
+            return self._reader.piece(name, self.tensors[name]["dtype"], piece, self._rank_files[piece["rank"]])
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
 
 
 def _not_a_step(path):

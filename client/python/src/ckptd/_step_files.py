@@ -48,6 +48,12 @@ class _ObjectFile:
     def seek(self, at):
         self._at = at
 
+    def size(self):
+        return self._reader.size
+
+    def close(self):
+        pass
+
     def __enter__(self):
         return self
 
@@ -61,6 +67,7 @@ class _StepFiles:
     def __init__(self, path):
         self.path = path
         self._store = open_store(path) if path.startswith("s3://") else None
+        self._parent_store = None  # the job's prefix, opened for a version 5 step's origins
 
     def name(self, file_name):
         return self.path.rstrip("/") + "/" + file_name if self._store else os.path.join(self.path, file_name)
@@ -77,7 +84,8 @@ class _StepFiles:
 
     def read_manifest(self):
         manifest = json.loads(self.read_text("manifest.json"))
-        if isinstance(manifest, dict) and manifest.get("format_version") == _INDEX_FORMAT_VERSION:
+        if isinstance(manifest, dict) and (manifest.get("format_version") == _INDEX_FORMAT_VERSION or (
+                manifest.get("format_version") == _INCREMENT_FORMAT_VERSION and "index" in manifest)):
             manifest = _join_index(manifest, self.read_text)
         return manifest
 
@@ -86,10 +94,46 @@ class _StepFiles:
             return open(self.name(file_name), "rb")
         return _ObjectFile(self._store.open(file_name))
 
+    def open_origin(self, origin):
+        """An origin's file (a version 5 step's `increment.origins` entry: an earlier step's
+        file of one rank), beside this step: `step-M/<file>`, else `step-M.held-<run hex>/<file>`
+        (that step retired but held, on a local disk); its size checked against the origin's.
+        Returns (file open "rb", its path); ValueError naming both paths when it is in neither."""
+        step_dir = f"step-{origin['step']:08d}"
+        tried = []
+        for folder in (step_dir, f"{step_dir}.held-{origin['run']:016x}"):
+            key = folder + "/" + origin["file"]
+            if self._store is None:
+                where = os.path.join(os.path.dirname(os.path.abspath(self.path)), folder, origin["file"])
+                try:
+                    f = open(where, "rb")
+                except (FileNotFoundError, NotADirectoryError):
+                    f = None
+            else:
+                parent = self.path.rstrip("/").rsplit("/", 1)[0]
+                if self._parent_store is None:
+                    self._parent_store = open_store(parent)
+                where = parent + "/" + key
+                f = _ObjectFile(self._parent_store.open(key)) if self._parent_store.exists(key) else None
+            if f is None:
+                tried.append(where)
+                continue
+            size = f.size() if self._store is not None else os.fstat(f.fileno()).st_size
+            if size != origin["bytes"]:
+                f.close()
+                raise ValueError(f"{where}: step {origin['step']}'s file of rank {origin['rank']}, which this step "
+                                 f"references, is {size} bytes, not the {origin['bytes']} it was (damaged, or "
+                                 "replaced by another file)")
+            return f, where
+        raise ValueError(f"step {origin['step']}'s file of rank {origin['rank']}, which this step references, is "
+                         f"missing: neither {tried[0]} nor {tried[1]} exists")
+
 
 # An index (docs/format.md, "Indexed manifests"): a step too large for one manifest, its
-# tensors in one node-scoped manifest (version 3) per node, each named by its checksum.
+# tensors in one node-scoped manifest (version 3) per node, each named by its checksum. An
+# incremental step's index is version 5, its parts too (docs/design/incremental.md).
 _INDEX_FORMAT_VERSION = 4
+_INCREMENT_FORMAT_VERSION = 5
 _DIGEST = re.compile(r"xxh3:[0-9a-f]{16}")
 # What the part of a node must say as the index does (ckptd's NotAPartOf).
 _PART_HEADER = ("job", "step", "world_size", "run", "checksum_chunk_bytes")
@@ -108,9 +152,15 @@ def _join_index(index, read_text):
 
 def _join_checked(index, read_text):
     spec, nodes, world = index.get("index"), index.get("nodes"), index.get("world_size")
+    version = index.get("format_version")
+    part_version = 3 if version == _INDEX_FORMAT_VERSION else _INCREMENT_FORMAT_VERSION
     if (not isinstance(spec, dict) or not isinstance(spec.get("parts"), list) or not isinstance(nodes, list)
             or not nodes or len(nodes) != len(spec["parts"]) or not isinstance(world, int)):
-        raise ValueError('an index (format version 4) whose "nodes" and "index.parts" do not pair up')
+        raise ValueError(f'an index (format version {version}) whose "nodes" and "index.parts" do not pair up')
+    if "scope" in index:
+        raise ValueError("an index with a scope (an index is the whole step's)")
+    if version == _INCREMENT_FORMAT_VERSION and not isinstance(index.get("increment"), dict):
+        raise ValueError('an index of format version 5 without its "increment"')
     digest = spec.get("digest")
     if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         raise ValueError(f"the index's digest {digest!r} is not xxh3: and 16 hex digits")
@@ -130,6 +180,7 @@ def _join_checked(index, read_text):
         raise ValueError(f"the index's nodes hold {len(held)} of the {world} ranks of the world")
     joined = {k: v for k, v in index.items() if k != "index"}
     joined["shards"], joined["tensors"] = [], {}
+    origins = []
     for holder, entry in zip(nodes, spec["parts"]):
         file = entry["file"]
         data = read_text(file)
@@ -139,11 +190,17 @@ def _join_checked(index, read_text):
             raise ValueError(f"{file}: not the part the index names (edited or damaged)")
         part = json.loads(data)
         scope = part["scope"]
-        if (part["format_version"] != 3 or scope["node"] != holder["node"] or scope["digest"] != digest
-                or any(part.get(k) != index.get(k) for k in _PART_HEADER)
+        if (part["format_version"] != part_version or "index" in part or scope["node"] != holder["node"]
+                or scope["digest"] != digest or any(part.get(k) != index.get(k) for k in _PART_HEADER)
                 or [shard["rank"] for shard in part["shards"]] != holder["ranks"]):
             raise ValueError(f"{file}: not node {holder['node']}'s part of this step")
         joined["shards"].extend(part["shards"])
+        if part_version == _INCREMENT_FORMAT_VERSION:
+            # Ranks are disjoint across parts: so are their origins (one per step and rank).
+            mine = part["increment"]["origins"]
+            if not isinstance(mine, list) or any(o.get("rank") not in holder["ranks"] for o in mine):
+                raise ValueError(f"{file}: origins of ranks that node {holder['node']}'s part does not hold")
+            origins.extend(mine)
         for name, tensor in part["tensors"].items():
             mine = joined["tensors"].setdefault(
                 name, {"dtype": tensor["dtype"], "global_shape": tensor["global_shape"], "shards": []})
@@ -151,13 +208,28 @@ def _join_checked(index, read_text):
                 raise ValueError(f"tensor {name}: the nodes' parts disagree on its dtype or shape")
             mine["shards"].extend(tensor["shards"])
     joined["shards"].sort(key=lambda shard: shard["rank"])
+    if version == _INCREMENT_FORMAT_VERSION:
+        # The index's own_bytes, referenced_bytes and origin_steps; its parts' origins.
+        joined["increment"] = dict(index["increment"], origins=origins)
+        return joined
     flat = any("flat" in piece for t in joined["tensors"].values() for piece in t["shards"])
     joined["format_version"] = 2 if flat else 1  # what the joined pieces need, as ckptd writes it
     return joined
 
 
-def _check_file_name(name):
-    """Only the shard files ckptd writes are opened (never a path from the manifest)."""
-    if not (name.startswith("rank-") and name.endswith(".safetensors") and
-            name[5:-12].isdigit() and len(name) == 5 + 5 + 12):
-        raise ValueError(f"shard file {name!r} is not rank-NNNNN.safetensors")
+# The shard file names ckptd writes: rank-NNNNN.safetensors in format versions 1 to 4, and
+# rank-NNNNN.<tag>.safetensors in 5 (the tag: 16 hex digits of the writing session).
+_SHARD_FILE = re.compile(r"rank-([0-9]{5})\.safetensors")
+_TAGGED_SHARD_FILE = re.compile(r"rank-([0-9]{5})\.[0-9a-f]{16}\.safetensors")
+
+
+def _check_file_name(name, version=1, rank=None):
+    """Only the shard files ckptd writes are opened (never a path from the manifest): of the
+    form of the manifest's format `version`, and rank `rank`'s when it is given."""
+    tagged = version >= _INCREMENT_FORMAT_VERSION
+    match = isinstance(name, str) and (_TAGGED_SHARD_FILE if tagged else _SHARD_FILE).fullmatch(name)
+    form = "rank-NNNNN.<16 hex digits>.safetensors" if tagged else "rank-NNNNN.safetensors"
+    if not match:
+        raise ValueError(f"shard file {name!r} is not {form}")
+    if rank is not None and int(match.group(1)) != rank:
+        raise ValueError(f"shard file {name!r} is not rank {rank}'s ({form} with NNNNN the rank)")

@@ -21,7 +21,10 @@ both of `get_state_dict`'s forms (`optimizer.param_groups.<g>.<hyper>` with `.pa
 flattened, `optimizer.param_groups.<fqn>.<hyper>`). Sharded tensors
 (DTensor, FSDP2, any placement ckptd recorded) are offered as the global tensor with one
 chunk per saved shard, so DCP reshards them onto whatever the loading side uses. Every
-piece read is checked against its XXH3-64 checksum before it is copied. The rest of
+piece read is checked against its XXH3-64 checksum before it is copied. An incremental step
+(format version 5) is read through its references: a piece whose unchanged chunks are in an
+earlier step's file is assembled from there (`step-M/`, or `step-M.held-<run>/` beside the
+step) and checked chunk by chunk, so DCP sees it whole. The rest of
 ckptd.torch's train state (RNG, LR scheduler, extra state) is not offered: load it with
 CheckpointManager.
 
@@ -47,9 +50,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ckptd._native import xxh3_64
+from ckptd import _increment
+from ckptd._references import PieceReader
 from ckptd._state_dict import _TORCH_DTYPES
-from ckptd._step_files import _StepFiles, _check_file_name, read_train_state
+from ckptd._step_files import _StepFiles, _check_file_name
 from ckptd._train_state import _from_bytes, _plain_loads
 
 __all__ = ["CkptdStorageReader", "dcp_key"]
@@ -79,13 +83,14 @@ class CkptdStorageReader(StorageReader):
         super().__init__()
         self.path = os.fspath(path)
         self._files = None      # opened on first use: a URL is not fetched before DCP asks
-        self._pieces = {}       # MetadataIndex -> (file, data_offsets, dtype, shape, checksum)
-        self._data_start = {}   # file -> offset of its data region
+        # MetadataIndex -> (tensor name, piece, dtype name, dtype, shape, its rank's files),
+        # or the bytes of an object: what any rank needs to read it (DCP hands it round).
+        self._pieces = {}
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id is not None:
             self.path = os.fspath(checkpoint_id)
-        self._files, self._pieces, self._data_start = None, {}, {}
+        self._files, self._pieces = None, {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -103,8 +108,22 @@ class CkptdStorageReader(StorageReader):
             manifest = self._step().read_manifest()
         except (OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"{manifest_path}: not a ckptd manifest: {e}") from e
-        if manifest.get("format") != "ckptd-manifest" or manifest.get("format_version", 0) > 1:
-            raise ValueError(f"{manifest_path}: not a ckptd manifest of a version this reader knows")
+        version = manifest.get("format_version", 0) if isinstance(manifest, dict) else 0
+        if not isinstance(manifest, dict) or manifest.get("format") != "ckptd-manifest" \
+                or not isinstance(version, int) or version > _increment.NEWEST_VERSION:
+            raise ValueError(f"{manifest_path}: not a ckptd manifest of a version this reader knows "
+                             f"(format_version {version!r}; it reads 1 to {_increment.NEWEST_VERSION})")
+        try:
+            rank_files = _increment.check(manifest)
+        except (KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"{manifest_path}: a manifest that is not well formed: {e!r}") from e
+        except ValueError as e:
+            raise ValueError(f"{manifest_path}: {e}") from e
+        reader = PieceReader(self._step())
+        try:
+            reader.check_origins(rank_files)  # before DCP copies a byte of any piece
+        finally:
+            reader.close()
         state = {}
         self._pieces = {}
         aliases_of = _aliases_of(manifest, manifest_path)
@@ -122,7 +141,8 @@ class CkptdStorageReader(StorageReader):
                                      "with `ckptctl export --format safetensors` instead")
                 offsets = tuple(shard.get("offset") or [0] * len(size))
                 shape = tuple(shard["shape"])
-                _check_piece(name, dtype, size, offsets, shape, shard["data_offsets"])
+                whole = "extents" not in shard  # else its chunks' runs, checked by _increment
+                _check_piece(name, dtype, size, offsets, shape, shard["data_offsets"] if whole else None)
                 if not shard.get("checksum"):
                     raise ValueError(f"tensor {name}: a piece without a checksum")
                 if (offsets, shape) in seen:  # a replica: one copy serves, if they agree
@@ -132,15 +152,16 @@ class CkptdStorageReader(StorageReader):
                     continue
                 seen[(offsets, shape)] = shard["checksum"]
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape)))
-                _check_file_name(shard["file"])
+                if whole:
+                    _check_file_name(shard["file"], version, shard["rank"])
                 for key in keys:
                     self._pieces[MetadataIndex(key, torch.Size(offsets))] = (
-                        shard["file"], shard["data_offsets"], dtype, shape, shard.get("checksum"))
+                        name, shard, tensor["dtype"], dtype, shape, rank_files[shard["rank"]])
             _check_tiling(name, size, list(seen))
             for key in keys:
                 state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,
                                                    chunks=chunks)
-        for key, value in self._optimizer_objects(manifest).items():
+        for key, value in self._optimizer_objects(manifest, rank_files).items():
             state[key] = BytesStorageMetadata()
             self._pieces[MetadataIndex(key)] = value  # bytes: small, and DCP hands them round
         metadata = Metadata(state_dict_metadata=state)
@@ -158,7 +179,7 @@ class CkptdStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan, planner):
-        by_file = {}
+        tensors = []
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 value = self._pieces.get(MetadataIndex(item.storage_index.fqn))
@@ -168,29 +189,32 @@ class CkptdStorageReader(StorageReader):
                                      "ckptd.torch.CheckpointManager)")
                 planner.load_bytes(item, io.BytesIO(value))
                 continue
-            by_file.setdefault(self._pieces[item.storage_index][0], []).append(item)
-        for file_name, items in sorted(by_file.items()):
-            with self._step().open(file_name) as f:
-                start = self._data_region(f, file_name)
-                for item in sorted(items, key=lambda i: self._pieces[i.storage_index][1][0]):
-                    stored = self._read_piece(f, start, item.storage_index)
-                    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                        stored = stored.narrow(dim, offset, length)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != stored.size():
-                        raise ValueError(f"{item.dest_index.fqn}: DCP asked for {tuple(target.size())}, "
-                                         f"the checkpoint's piece gives {tuple(stored.size())}")
-                    target.copy_(stored)
-                    planner.commit_tensor(item, target)
+            tensors.append(item)
+        reader = PieceReader(self._step())
+        try:
+            # In file order: whole pieces by where they are, then those assembled from extents.
+            for item in sorted(tensors, key=lambda i: _file_order(self._pieces[i.storage_index][1])):
+                stored = self._read_piece(reader, item.storage_index)
+                for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    stored = stored.narrow(dim, offset, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != stored.size():
+                    raise ValueError(f"{item.dest_index.fqn}: DCP asked for {tuple(target.size())}, "
+                                     f"the checkpoint's piece gives {tuple(stored.size())}")
+                target.copy_(stored)
+                planner.commit_tensor(item, target)
+        finally:
+            reader.close()
         done = Future()
         done.set_result(None)
         return done
 
-    def _optimizer_objects(self, manifest):
+    def _optimizer_objects(self, manifest, rank_files):
         """The optimizer's parameter groups and non-tensor state, as DCP stores objects
         (torch.save bytes) under get_state_dict's keys in both its forms. From rank 0's train
         state (every rank's groups are the same); empty for a step saved without them."""
-        blobs = self._train_state(manifest, ("optim.param_groups", "optim.param_names", "optim.other_state"))
+        blobs = self._train_state(manifest, rank_files,
+                                  ("optim.param_groups", "optim.param_names", "optim.other_state"))
         if "optim.param_groups" not in blobs or "optim.param_names" not in blobs:
             return {}
         try:
@@ -221,34 +245,30 @@ class CkptdStorageReader(StorageReader):
             encoded[key] = buffer.getvalue()
         return encoded
 
-    def _train_state(self, manifest, names):
-        """Rank 0's train-state blobs of these names that the step has, each checked."""
+    def _train_state(self, manifest, rank_files, names):
+        """Rank 0's train-state blobs of these names that the step has, each checked (in an
+        earlier step's file where this one references it)."""
         shard = next((s for s in manifest.get("shards", []) if s.get("rank") == 0), None)
         entries = (shard or {}).get("train_state") or {}
         wanted = {n: entries[n] for n in names if n in entries}
         if not wanted:
             return {}
-        _check_file_name(shard["file"])
-        with self._step().open(shard["file"]) as f:
-            return read_train_state(f, self._data_region(f, shard["file"]), wanted, shard["file"])
+        reader = PieceReader(self._step())
+        try:
+            return reader.train_state(dict(shard, train_state=wanted), rank_files[0])
+        finally:
+            reader.close()
 
-    def _data_region(self, f, file_name):
-        header = f.read(8)
-        if len(header) != 8:
-            raise ValueError(f"{file_name}: truncated safetensors header")
-        return 8 + int.from_bytes(header, "little")
-
-    def _read_piece(self, f, start, index):
-        file_name, (lo, hi), dtype, shape, checksum = self._pieces[index]
-        f.seek(start + lo)
-        data = bytearray(f.read(hi - lo))
-        if len(data) != hi - lo:
-            raise ValueError(f"{index.fqn} in {file_name}: the file ends {hi - lo - len(data)} bytes "
-                             "early (truncated)")
-        if checksum is not None and checksum != f"xxh3:{xxh3_64(data):016x}":
-            raise ValueError(f"{index.fqn} in {file_name}: checksum mismatch (damaged file); "
-                             "nothing of it was copied")
+    def _read_piece(self, reader, index):
+        name, piece, dtype_name, dtype, shape, rank_files = self._pieces[index]
+        data = reader.piece(name, dtype_name, piece, rank_files)
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _file_order(piece):
+    if "extents" in piece:
+        return (1, piece["rank"], 0)
+    return (0, piece["file"], piece["data_offsets"][0])
 
 
 def _aliases_of(manifest, where):
@@ -285,6 +305,8 @@ def _check_piece(name, dtype, size, offsets, shape, data_offsets):
                 or offset + length > whole:
             raise ValueError(f"tensor {name}: piece [{offset}, +{length}) outside dimension {dim} "
                              f"of size {whole}")
+    if data_offsets is None:
+        return  # a version 5 piece of extents: _increment checked its chunks against its bytes
     lo, hi = data_offsets
     elements = math.prod(shape)
     if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 0 or hi - lo != elements * dtype.itemsize:
