@@ -111,7 +111,7 @@ void Decide(PieceWork& p, const std::vector<bool>& dropped) {
     p.why = fmt::format("{} extents, more than {}", runs.size(), limit);
   } else {
     p.whole = false;
-    p.why = fmt::format("{} extents", runs.size());
+    p.why = fmt::format("{} extent{}", runs.size(), runs.size() == 1 ? "" : "s");
     p.runs = std::move(runs);
   }
 }
