@@ -28,6 +28,7 @@ struct ChunkWhere {
   // since a reader wants each extent inside one entry.
   bool continues = false;
 };
+static_assert(sizeof(ChunkWhere) == 24, "a base costs 24 bytes a chunk (docs/design/incremental.md, section 1)");
 
 struct PieceBase {
   std::string dtype;

@@ -265,12 +265,9 @@ absl::StatusOr<RankWritePlan> PlanRankWrite(const RankBase* base, const RankWrit
       return absl::InvalidArgumentError(fmt::format("tensor {} is written twice by rank {}", p.in->name, write.rank));
     }
     p.chunks = p.in->chunk_checksums.size();
+    p.changed_bytes = p.in->bytes;  // unless compared with a base below
     if (base == nullptr) {
       p.why = "no base";
-      continue;
-    }
-    if (options.full) {
-      p.why = "asked for";
       continue;
     }
     auto it = base->pieces.find(p.in->name);
@@ -279,12 +276,18 @@ absl::StatusOr<RankWritePlan> PlanRankWrite(const RankBase* base, const RankWrit
       continue;
     }
     if (p.why = Unlike(*p.in, it->second); !p.why.empty()) continue;
-    p.base = &it->second;
+    // Compared even when written whole as asked: the changed fraction is for the writer.
     p.changed.resize(p.chunks);
+    p.changed_bytes = 0;
     for (uint64_t c = 0; c < p.chunks; ++c) {
-      p.changed[c] = p.in->chunk_checksums[c] != p.base->chunks[c].checksum;
+      p.changed[c] = p.in->chunk_checksums[c] != it->second.chunks[c].checksum;
       if (p.changed[c]) p.changed_bytes += SpanBytes(p, c, c + 1);
     }
+    if (options.full) {
+      p.why = "asked for";
+      continue;
+    }
+    p.base = &it->second;
   }
   // No file of this very step is referenced (a step saved again on top of its own base).
   std::vector<bool> dropped(base == nullptr ? 0 : base->files.size(), false);
@@ -302,6 +305,7 @@ absl::StatusOr<RankWritePlan> PlanRankWrite(const RankBase* base, const RankWrit
   for (size_t i = 0; i < dropped.size(); ++i) files_dropped += dropped[i] && base->files[i].step != write.step;
 
   RankWritePlan plan;
+  for (const PieceWork& p : work) plan.changed_bytes += p.changed_bytes;
   std::set<uint32_t> used;
   for (size_t i = 0; i < work.size(); ++i) {
     plan.pieces.push_back(Lay(work[i], i, base, write, plan, used));

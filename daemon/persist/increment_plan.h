@@ -99,6 +99,10 @@ struct RankWritePlan {
   std::vector<format::Origin> origins;  // every file referenced, ascending by step
   uint64_t data_bytes = 0;        // the own file's data region: every entry's bytes
   uint64_t referenced_bytes = 0;  // bytes of pieces and blobs referenced in origins
+  // Bytes of the pieces' chunks unlike the base's (a piece not comparable with the base
+  // counts whole), whatever was decided: what a writer that streams a full save learns of
+  // how much changed, to choose the mode of the rank's next save (design, section 5).
+  uint64_t changed_bytes = 0;
 };
 
 // Plans `write` against `base` (nullptr: none, or increments off: all whole). InvalidArgument

@@ -507,6 +507,7 @@ TEST_CASE("a piece written whole: more than half changed, too many extents, anot
     CHECK(plan.pieces[0].why == "56% changed");
     CHECK(plan.mode == WriteMode::kFull);
     CHECK(plan.reason == "full: 56% changed");
+    CHECK(plan.changed_bytes == 9 * kChunk);
   }
   SECTION("exactly half changed: extents still") {
     Job job(1, kChunk, Emb());
@@ -541,6 +542,7 @@ TEST_CASE("a piece written whole: more than half changed, too many extents, anot
     job.data["new"] = {Bytes(16, 99)};
     const RankWritePlan plan = job.Save(20)[0];
     CHECK(Whys(plan) == std::vector<std::string>{"shape [60, 16], its base's [64, 16]", "new", "1 extent"});
+    CHECK(plan.changed_bytes == 60 * 64 + 16);  // the pieces not compared count whole
     CHECK(plan.mode == WriteMode::kIncrement);
     for (const char* gone : {"w", "new"}) job.tensors.erase(gone), job.data.erase(gone);
     job.tensors["emb"].dtype = "I32";
@@ -555,6 +557,7 @@ TEST_CASE("a piece written whole: more than half changed, too many extents, anot
     const RankWritePlan plan = job.Save(20, {.full = true})[0];
     CHECK(plan.mode == WriteMode::kFull);
     CHECK(plan.reason == "full: asked for");
+    CHECK(plan.changed_bytes == 0);  // compared all the same
     CHECK(plan.origins.empty());
     CHECK(plan.pieces[0].whole);
     CHECK_FALSE(plan.train_state.at("tok").step);
