@@ -1,0 +1,65 @@
+#include "daemon/persist/increment_chunks.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+
+#include "format/increment.h"
+
+namespace ckpt::persist {
+namespace {
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return (a + b - 1) / b; }
+
+// Windows of `target` bytes rounded down to whole elements (one at least), grown to fit the
+// chunk limit.
+uint64_t Windows(uint64_t bytes, size_t itemsize, uint64_t target) {
+  uint64_t window = std::max<uint64_t>(itemsize, target / itemsize * itemsize);
+  if (CeilDiv(bytes, window) > format::kMaxPieceChunks) {
+    window = CeilDiv(CeilDiv(bytes, format::kMaxPieceChunks), itemsize) * itemsize;
+  }
+  return window;
+}
+
+}  // namespace
+
+absl::Status CheckIncrementChunkBytes(uint64_t bytes) {
+  if (bytes >= kMinIncrementChunkBytes && bytes <= kMaxIncrementChunkBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(fmt::format(
+      "--increment-chunk-bytes {} is outside the allowed range, {} (64 KiB) to {} (64 MiB); the default is {} (4 MiB)",
+      bytes, kMinIncrementChunkBytes, kMaxIncrementChunkBytes, kDefaultIncrementChunkBytes));
+}
+
+uint64_t PieceChunkBytes(const std::vector<int64_t>& shape, size_t itemsize, bool flat, uint64_t target,
+                         bool sparse) {
+  if (sparse) target = kSparseChunkBytes;
+  target = std::max<uint64_t>(target, itemsize);
+  uint64_t elements = 1;
+  for (int64_t d : shape) elements *= static_cast<uint64_t>(std::max<int64_t>(d, 0));
+  const uint64_t bytes = elements * itemsize;
+  if (bytes <= target) return std::max<uint64_t>(bytes, itemsize);
+  if (flat || shape.size() < 2) return Windows(bytes, itemsize, target);
+  // Row blocks. bytes > target > 0, so the first dimension and a row are not empty.
+  const uint64_t rows = static_cast<uint64_t>(shape[0]);
+  const uint64_t row_bytes = bytes / rows;
+  if (row_bytes > target && !sparse) return Windows(bytes, itemsize, target);
+  uint64_t block = std::max<uint64_t>(1, target / row_bytes);
+  if (CeilDiv(rows, block) > format::kMaxPieceChunks) block = CeilDiv(rows, format::kMaxPieceChunks);
+  return block * row_bytes;
+}
+
+std::string ChecksumText(uint64_t xxh3) { return fmt::format("xxh3:{:016x}", xxh3); }
+
+std::optional<uint64_t> ParseChecksumText(std::string_view text) {
+  constexpr std::string_view kPrefix = "xxh3:";
+  if (text.size() != kPrefix.size() + 16 || text.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  uint64_t value = 0;
+  const char* begin = text.data() + kPrefix.size();
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(begin, end, value, 16);
+  if (ec != std::errc() || ptr != end) return std::nullopt;
+  return value;
+}
+
+}  // namespace ckpt::persist

@@ -1,0 +1,49 @@
+// How an incremental step cuts each tensor piece into chunks, the unit that is compared with
+// the base and referenced or written again (docs/design/incremental.md, section 4). Pure.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace ckpt::persist {
+
+// --increment-chunk-bytes: the chunk a piece is cut into, about; allowed range.
+inline constexpr uint64_t kDefaultIncrementChunkBytes = uint64_t{4} << 20;
+inline constexpr uint64_t kMinIncrementChunkBytes = uint64_t{64} << 10;
+inline constexpr uint64_t kMaxIncrementChunkBytes = uint64_t{64} << 20;
+// The chunk of a tensor updated sparsely (an embedding with sparse gradients): small, so that
+// a few rows changed at random touch few chunks; at least one row.
+inline constexpr uint64_t kSparseChunkBytes = uint64_t{16} << 10;
+
+// OK when `bytes` is a valid --increment-chunk-bytes; InvalidArgument saying the range
+// otherwise.
+absl::Status CheckIncrementChunkBytes(uint64_t bytes);
+
+// The chunk size of a piece of local `shape` and `itemsize`-byte elements:
+//   - a piece of at most `target` bytes (16 KiB when `sparse`) is one chunk, of its own
+//     size (so that a later change of the target does not make an unchanged small piece
+//     incomparable with its base); an empty piece's chunk is one element;
+//   - a box piece of 2 or more dimensions (`flat` false): row blocks of its first
+//     dimension, max(1, target / row bytes) rows each; a row larger than the target is cut in
+//     windows of the target rounded down to whole elements (a sparse piece keeps whole rows);
+//   - a 1-D or flat piece: windows of the target rounded down to whole elements;
+//   - more than format::kMaxPieceChunks chunks: the chunk grows until they fit (in whole rows
+//     for row blocks).
+// Always a positive multiple of `itemsize` (which must be positive). `target` is any
+// positive size here (a per-tensor hint may be below the flag's range); it is rounded up to
+// one element.
+uint64_t PieceChunkBytes(const std::vector<int64_t>& shape, size_t itemsize, bool flat, uint64_t target,
+                         bool sparse);
+
+// XXH3-64 as an integer (a base keeps 8 bytes a chunk) and as the manifest writes it
+// ("xxh3:<16 hex>", format/checksum.h).
+std::string ChecksumText(uint64_t xxh3);
+std::optional<uint64_t> ParseChecksumText(std::string_view text);
+
+}  // namespace ckpt::persist
