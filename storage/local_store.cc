@@ -32,14 +32,24 @@ class LocalObjectWriter final : public ObjectWriter {
       : fs_(std::move(fs)), path_(std::move(path)), fd_(std::move(fd)), direct_(direct) {}
 
   absl::Status Append(const char* data, size_t size) override {
-    if (tail_) {
-      return absl::FailedPreconditionError(fmt::format(
-          "{}: append after a last, unaligned one (only Finish() may follow)", path_));
-    }
     if (!direct_) {
       CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, size, size_), path_));
       size_ += size;
       return absl::OkStatus();
+    }
+    // A block an earlier append left partial is completed first (an incremental shard's
+    // runs start anywhere in staging memory: docs/design/incremental.md, section 5).
+    if (pending_ > 0) {
+      const size_t n = std::min<size_t>(size, kBlock - pending_);
+      std::memcpy(bounce_.get() + pending_, data, n);
+      pending_ += n;
+      data += n;
+      size -= n;
+      if (pending_ < kBlock) return absl::OkStatus();
+      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), kBlock, size_), path_));
+      size_ += kBlock;
+      pending_ = 0;
+      if (size == 0) return absl::OkStatus();
     }
     if (reinterpret_cast<uintptr_t>(data) % kBlock == 0) {
       // Straight from the caller's memory, all but a last partial block.
@@ -50,25 +60,35 @@ class LocalObjectWriter final : public ObjectWriter {
       size -= whole;
       if (size == 0) return absl::OkStatus();
     }
-    // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer, the
-    // last block padded with zeros and cut off again by Finish().
+    // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer. A
+    // last partial block waits there for the next append, or for Finish(), which writes it
+    // padded with zeros and cuts the file back to its size.
     if (!bounce_) bounce_ = AllocateAligned(kBounceBytes);
     if (!bounce_) return absl::ResourceExhaustedError("no memory for an aligned write buffer");
     for (size_t done = 0; done < size;) {
       const size_t n = std::min<size_t>(kBounceBytes, size - done);
-      const size_t padded = (n + kBlock - 1) / kBlock * kBlock;
+      const size_t whole = n / kBlock * kBlock;
       std::memcpy(bounce_.get(), data + done, n);
-      std::memset(bounce_.get() + n, 0, padded - n);
-      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), padded, size_), path_));
-      size_ += n;
+      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), whole, size_), path_));
+      size_ += whole;
+      if (whole < n) {  // only the last piece of the loop (kBounceBytes is whole blocks)
+        pending_ = n - whole;
+        std::memmove(bounce_.get(), bounce_.get() + whole, pending_);
+      }
       done += n;
-      if (padded != n) tail_ = true;
     }
     return absl::OkStatus();
   }
 
   absl::StatusOr<uint64_t> Finish() override {
-    if (tail_) CKPT_RETURN_IF_ERROR(Annotate(fs_->Truncate(fd_.get(), size_), path_));
+    const bool padded = pending_ > 0;
+    if (padded) {
+      std::memset(bounce_.get() + pending_, 0, kBlock - pending_);
+      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), kBlock, size_), path_));
+      size_ += pending_;
+      pending_ = 0;
+    }
+    if (padded) CKPT_RETURN_IF_ERROR(Annotate(fs_->Truncate(fd_.get(), size_), path_));
     CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(fd_.get()), path_));
     if (!direct_) fs_->DropFromCache(fd_.get());  // durable; never read back from the cache
     return size_;
@@ -79,8 +99,8 @@ class LocalObjectWriter final : public ObjectWriter {
   const std::string path_;
   UniqueFd fd_;
   const bool direct_;
-  uint64_t size_ = 0;
-  bool tail_ = false;  // the last block was padded
+  uint64_t size_ = 0;   // written to the file; a multiple of kBlock until Finish()
+  size_t pending_ = 0;  // bytes of a partial block waiting at the start of bounce_
   AlignedBuffer bounce_;
 };
 
