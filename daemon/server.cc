@@ -34,6 +34,8 @@
 #include "daemon/group/group_server.h"
 #include "daemon/group/relay_tree.h"
 #include "format/checkpoint_store.h"
+#include "daemon/persist/increment_bases.h"
+#include "daemon/persist/increment_writer.h"
 #include "daemon/persist/retention_keeper.h"
 #include "daemon/persist/shard_writer.h"
 #include "storage/local_store.h"
@@ -153,6 +155,10 @@ struct Server::Parts {
   ProgressSignal progress;
   std::unique_ptr<HotCache> hot;
   std::unique_ptr<persist::RetentionKeeper> retention;
+  // --increments on: each rank's base (set by commits) and the writer of version 5 shards,
+  // which pins bases in `retention`.
+  std::unique_ptr<persist::IncrementBases> increment_bases;
+  std::unique_ptr<persist::IncrementWriter> increment_writer;
   std::unique_ptr<persist::RetentionKeeper> remote_retention;  // the publisher's
   // Each job's upload policy (its trainers' own, or the node's); set by the trainer service.
   std::shared_ptr<upload::UploadPolicies> upload_policies;
@@ -766,6 +772,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
       [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
       [board = &p->board](const std::string& message) { board->RecordError(message); });
+  if (config.increments) {
+    p->increment_bases = std::make_unique<persist::IncrementBases>();
+    p->increment_writer = std::make_unique<persist::IncrementWriter>(
+        *p->store, *p->increment_bases, *p->retention,
+        persist::IncrementOptions{config.increment_chunk_bytes, config.full_every},
+        [priority = &p->copy_priority] { priority->YieldToCopies(std::chrono::milliseconds(500)); });
+    log.info("increments on: each rank writes what changed since its previous step (chunks of about {} bytes; a "
+             "rebase every {} saves)",
+             config.increment_chunk_bytes, config.full_every);
+  }
   p->upload_policies = std::make_shared<upload::UploadPolicies>(upload::UploadPolicy{
       config.upload_every_steps, std::chrono::milliseconds(config.upload_interval_ms)});
   if (p->remote) {
@@ -814,6 +830,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     parts->board.checkpoints_committed++;
     metrics::Metrics().checkpoints.With({"committed"}).Add();
     parts->last_commits.Record(manifest.job, manifest.step, std::chrono::system_clock::now());
+    if (parts->increment_bases) {
+      // The next save of each of these ranks' sessions references this step.
+      std::vector<std::pair<uint32_t, uint64_t>> ranks;
+      for (const StagedSnapshotPtr& snap : local) ranks.emplace_back(snap->rank, snap->session_started_unix_ns);
+      parts->increment_bases->Committed(manifest, ranks);
+    }
     parts->hot->Insert(local);
     if (parts->replicator) ReplicateCommitted(*parts, manifest, local);
     // On a shared store retention and uploads are the coordinator's (every node would
@@ -856,6 +878,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
   persist::WriteQueue::Options write_options{config.io_threads, storage::IsS3Url(config.root) ? "remote" : "local"};
   write_options.quota = p->quota.get();
+  write_options.increments = p->increment_writer.get();
   p->writes = std::make_unique<persist::WriteQueue>(
       *p->writer, *p->committer, p->progress, write_options,
       [board = &p->board](uint64_t bytes) { board->bytes_persisted += bytes; });

@@ -7,9 +7,48 @@
 #include <algorithm>
 #include <chrono>
 
+#include "common/status.h"
 #include "daemon/config.h"
+#include "daemon/persist/increment_plan.h"
 
 namespace ckpt::daemon::commit {
+namespace {
+
+// A tensor of rank `rank` joins `m.tensors`, or must agree with the other ranks' pieces.
+absl::StatusOr<format::ManifestTensor*> TensorOf(format::Manifest& m, const std::string& name, uint32_t rank,
+                                                 const std::string& dtype, const std::vector<int64_t>& global) {
+  auto [it, inserted] = m.tensors.try_emplace(name);
+  format::ManifestTensor& t = it->second;
+  if (inserted) {
+    t.dtype = dtype;
+    t.global_shape = global;
+  } else if (t.dtype != dtype || t.global_shape != global) {
+    return absl::InvalidArgumentError(fmt::format("tensor {}: rank {} has {} [{}], another rank has {} [{}]", name,
+                                                  rank, dtype, fmt::join(global, ","), t.dtype,
+                                                  fmt::join(t.global_shape, ",")));
+  }
+  return &t;
+}
+
+// A rank written in format version 5 (--increments on): its pieces, train state and share of
+// the step's increment, as its write was planned.
+absl::Status AddPlannedRank(const StagedSnapshot& snap, const persist::WrittenShard& written, format::Manifest& m,
+                            format::ManifestShard& shard) {
+  const persist::RankWritePlan& plan = *written.plan;
+  for (size_t i = 0; i < plan.pieces.size(); ++i) {
+    const format::TensorEntry& e = snap.shard.entries[i];
+    const TensorPlacement& p = snap.placements[i];
+    CKPT_ASSIGN_OR_RETURN(format::ManifestTensor * t,
+                          TensorOf(m, e.name, snap.rank, e.dtype, p.global_shape.empty() ? e.shape : p.global_shape));
+    t->shards.push_back(plan.pieces[i].shard);
+  }
+  shard.train_state = plan.train_state;
+  if (!m.increment) m.increment.emplace();
+  format::AddIncrement(*m.increment, persist::PlanIncrement(plan, written.bytes));
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t step,
                                                 uint32_t world_size, const DurableShards& shards) {
@@ -32,6 +71,11 @@ absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t 
     shard.metadata = snap->shard.metadata;
     m.run = std::max(m.run, snap->session_started_unix_ns);
     if (rank == 0) m.metadata = snap->shard.metadata;
+    if (written.plan != nullptr) {
+      CKPT_RETURN_IF_ERROR(AddPlannedRank(*snap, written, m, shard));
+      m.shards.push_back(std::move(shard));
+      continue;
+    }
     for (size_t i = 0; i < snap->shard.entries.size(); ++i) {
       const format::TensorEntry& e = snap->shard.entries[i];
       const std::string& checksum = written.checksums.at(e.name);

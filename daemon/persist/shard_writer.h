@@ -17,6 +17,7 @@
 namespace ckpt::persist {
 
 using daemon::StagedShard;
+struct RankWritePlan;  // increment_plan.h
 
 struct WrittenShard {
   std::string file;  // name within the step directory
@@ -24,6 +25,11 @@ struct WrittenShard {
   std::map<std::string, std::string> checksums;  // entry name -> "xxh3:..."
   // Entry name -> the checksum of each kChecksumChunkBytes (entries longer than one chunk).
   std::map<std::string, std::vector<std::string>> chunk_checksums;
+  // Written in format version 5 (--increments on: increment_writer.h): the plan it was laid
+  // out by, which gives the manifest its pieces, train state and increment; and what keeps
+  // the step it references from retention until this one ends.
+  std::shared_ptr<const RankWritePlan> plan;
+  std::shared_ptr<void> base_pin;
 };
 
 class ShardWriter {

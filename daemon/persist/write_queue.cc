@@ -117,7 +117,8 @@ void WriteQueue::Write(const daemon::StagedSnapshotPtr& snapshot) {
     hold.quota = options_.quota;
   }
   const auto started = std::chrono::steady_clock::now();
-  auto written = writer_.Write(snapshot->shard, *dir);
+  auto written = options_.increments != nullptr ? options_.increments->Write(*snapshot, *dir)
+                                                : writer_.Write(snapshot->shard, *dir);
   if (!written.ok()) {
     // Aborted: the trainer abandoned the snapshot during its copy (torn tensors, never
     // written); anything else is the store's.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "daemon/persist/disk_quota.h"
+#include "daemon/persist/increment_writer.h"
 #include "daemon/persist/shard_writer.h"
 #include "daemon/persist/write_listener.h"
 #include "daemon/staging/progress_signal.h"
@@ -30,6 +31,9 @@ class WriteQueue : public daemon::SnapshotSink {
     // Bounds the bytes each user and job may hold on the store (null: none); each shard is
     // admitted by it before it is written.
     DiskQuota* quota = nullptr;
+    // --increments on: every shard is written in format version 5 by this writer (null:
+    // the ShardWriter's full shards, versions 1-4).
+    IncrementWriter* increments = nullptr;
   };
   // `on_written(bytes)` counts persisted bytes for status.
   WriteQueue(ShardWriter& writer, WriteListener& listener, daemon::ProgressSignal& progress,

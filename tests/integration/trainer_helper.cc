@@ -45,6 +45,10 @@ struct Flags {
   bool copy_on_write = false;
   int as_uid = -1;
   int extra_gid = -1;  // a supplementary group to keep after dropping to --as-uid
+  // save-steps: the steps one session saves; --changed-bytes: only the first N bytes of
+  // model.a change from step to step (they hold the step number), the rest is the seed's.
+  std::vector<uint64_t> steps_list;
+  uint64_t changed_bytes = 0;
 };
 
 struct Spec {
@@ -83,6 +87,18 @@ std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
     std::exit(2);
   }
   return std::move(*c);
+}
+
+// The pattern every tensor holds, for `step` when only the first --changed-bytes of model.a
+// change (their bytes: the step number).
+void Fill(const std::vector<ckpt::Tensor*>& tensors, const Flags& f, uint64_t step) {
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    auto* p = static_cast<uint8_t*>(tensors[t]->data);
+    for (size_t i = 0; i < tensors[t]->nbytes; ++i) p[i] = Pattern(f.seed, t, i);
+  }
+  if (f.changed_bytes != 0) {
+    std::memset(tensors[0]->data, static_cast<int>(step & 0xff), std::min<size_t>(f.changed_bytes, tensors[0]->nbytes));
+  }
 }
 
 // Allocates the standard tensors (plus a scalar and a tiny one) and registers them.
@@ -155,6 +171,30 @@ int Save(const Flags& f) {
     }
     std::cout << ckpt::ToString(done->state) << " " << done->error << std::endl;
     return done->state == ckpt::TicketState::kCommitted ? 0 : 5;
+  }
+  return 0;
+}
+
+// One session saves every step of --steps-list (as a training loop does, so that with
+// --increments on each save after the first has a base), waiting for each to commit; prints
+// "committed S" per step. Exit 5 on a step that fails.
+int SaveSteps(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  for (uint64_t step : f.steps_list) {
+    Fill(tensors, f, step);
+    auto ticket = c->Snapshot(step, {{"seed", std::to_string(f.seed)}},
+                              {{"note", fmt::format("seed={} rank={}", f.seed, f.rank)}});
+    if (!ticket.ok()) {
+      std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
+      return 2;
+    }
+    auto done = c->WaitCommitted(*ticket);
+    if (!done.ok() || done->state != ckpt::TicketState::kCommitted) {
+      std::cout << "step " << step << " failed: " << (done.ok() ? done->error : ckpt::Message(done.status())) << "\n";
+      return 5;
+    }
+    std::cout << "committed " << step << std::endl;
   }
   return 0;
 }
@@ -297,7 +337,8 @@ int Check(const Flags& f) {
   for (size_t t = 0; t < tensors.size(); ++t) {
     auto* p = static_cast<const uint8_t*>(tensors[t]->data);
     for (size_t i = 0; i < tensors[t]->nbytes; ++i) {
-      if (p[i] != Pattern(f.seed, t, i)) {
+      const uint8_t expected = t == 0 && i < f.changed_bytes ? static_cast<uint8_t>(r->step & 0xff) : Pattern(f.seed, t, i);
+      if (p[i] != expected) {
         std::cout << "mismatch tensor=" << tensors[t]->name << " byte=" << i << "\n";
         return 1;
       }
@@ -734,6 +775,10 @@ int main(int argc, char** argv) {
   save->add_option("--start-file", f.start_file, "register, then snapshot once this file exists");
   auto* check = app.add_subcommand("check");
   check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
+  check->add_option("--changed-bytes", f.changed_bytes, "model.a's first N bytes hold the restored step's number");
+  auto* save_steps = app.add_subcommand("save-steps");
+  save_steps->add_option("--steps-list", f.steps_list)->delimiter(',')->required();
+  save_steps->add_option("--changed-bytes", f.changed_bytes);
   auto* bad = app.add_subcommand("register-bad");
   bad->add_option("--case", f.bad_case)->required();
   auto* unknown = app.add_subcommand("unknown");
@@ -760,7 +805,7 @@ int main(int argc, char** argv) {
   flood->add_option("--count", f.count);
   flood->add_option("--hold-seconds", f.hold_seconds);
   for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
-                    admin_delete, flood, by_time, update}) {
+                    admin_delete, flood, by_time, update, save_steps}) {
     sub->fallthrough();
   }
   CLI11_PARSE(app, argc, argv);
@@ -783,6 +828,7 @@ int main(int argc, char** argv) {
   if (admin_delete->parsed()) return AdminDelete(f);
   if (flood->parsed()) return FloodWaits(f);
   if (by_time->parsed()) return TrainByTime(f);
+  if (save_steps->parsed()) return SaveSteps(f);
   if (update->parsed()) return UpdateSession(f);
   return Health(f);
 }

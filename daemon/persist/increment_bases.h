@@ -1,0 +1,50 @@
+// Each rank's base for its next incremental save (docs/design/incremental.md, section 1):
+// what the session's last committed step holds, set when a step commits, read by the writer.
+// In memory only: a restarted ckptd, and a new session (a restarted trainer), save in full
+// first. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "daemon/persist/increment_base.h"
+#include "daemon/persist/increment_plan.h"
+#include "format/manifest.h"
+
+namespace ckpt::persist {
+
+class IncrementBases {
+ public:
+  struct Base {
+    std::shared_ptr<const RankBase> base;
+    // Saves committed since the rank's last full save or rebase: when the next is a rebase
+    // (RebaseDue).
+    uint32_t saves_since_full = 0;
+  };
+  // The base of `rank` of `job` for a save of the session that registered at `session`
+  // (StagedSnapshot::session_started_unix_ns); nullopt when it has none.
+  std::optional<Base> Get(const std::string& job, uint32_t rank, uint64_t session) const;
+  // The mode a write of `step` was planned in: the commit starts a new cycle after a full
+  // save or a rebase.
+  void Planned(const std::string& job, uint32_t rank, uint64_t session, uint64_t step, WriteMode mode);
+  // `manifest` committed; `ranks` are its ranks written here, with their sessions.
+  void Committed(const format::Manifest& manifest, const std::vector<std::pair<uint32_t, uint64_t>>& ranks);
+
+ private:
+  struct Entry {
+    uint64_t session = 0;
+    std::shared_ptr<const RankBase> base;
+    uint32_t saves_since_full = 0;
+    std::map<uint64_t, WriteMode> planned;  // by step, until it commits or a newer one does
+  };
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, uint32_t>, Entry> entries_;
+};
+
+}  // namespace ckpt::persist
