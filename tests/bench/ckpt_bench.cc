@@ -38,6 +38,7 @@
 #include <memory>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <iostream>
 #include <thread>
@@ -76,6 +77,9 @@ struct Flags {
   std::string gpu_bytes = "8G";
   int gpu_step_ms = 100;
   int gpu_snapshot_every = 4;
+  // Incremental checkpoints (--increments on): the share of each rank's state that changes
+  // between two checkpoints (the first bytes of its first tensor); 0 skips the measure.
+  double changed = 0.01;
 };
 
 [[noreturn]] void Die(const std::string& why) {
@@ -170,7 +174,7 @@ bool DropPageCache() {
 
 class DaemonProcess {
  public:
-  DaemonProcess(const Flags& f, uint64_t staging) {
+  DaemonProcess(const Flags& f, uint64_t staging, std::vector<std::string> extra = {}) {
     socket_ = f.root + "/ckptd.sock";
     pid_ = ::fork();
     if (pid_ == 0) {
@@ -184,6 +188,7 @@ class DaemonProcess {
                                        "--copy-threads", std::to_string(f.copy_threads),
                                        "--io-threads", std::to_string(f.io_threads),
                                        "--log-level", level ? level : "warn"};
+      args.insert(args.end(), extra.begin(), extra.end());
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -306,6 +311,53 @@ void OnEveryRank(int ranks, Fn fn) {
   for (auto& t : threads) t.join();
 }
 
+// Incremental checkpoints against full ones of the same state, same changes, same run: a
+// daemon with --increments off, then one with it on, each taking `rounds` checkpoints after
+// the first (which both write whole), `changed` of every rank's state changed before each.
+// Per daemon: median snapshot -> committed, and the bytes written per checkpoint.
+void MeasureIncrements(const Flags& f, nlohmann::ordered_json& out, const std::function<void(const std::string&)>& note) {
+  const uint64_t total = f.bytes * f.ranks;
+  for (const bool on : {false, true}) {
+    const std::string mode = on ? "on" : "off";
+    std::filesystem::remove_all(f.root + "/ckpt/inc");
+    DaemonProcess daemon(f, total * 9 / 4 + (64 << 20), {"--increments", mode});
+    auto ranks = Connect(f, daemon, "inc", f.bytes);
+    std::vector<double> seconds;
+    std::vector<double> written;
+    for (int round = 0; round <= f.rounds; ++round) {
+      for (Rank& r : ranks) {  // the first bytes of the first tensor change: `changed` of the state
+        const size_t n = std::min(r.tensors[0]->nbytes, static_cast<size_t>(f.changed * f.bytes));
+        std::memset(r.tensors[0]->data, 100 + round, n);
+      }
+      const uint64_t step = 1000 + round;
+      auto t0 = Clock::now();
+      OnEveryRank(f.ranks, [&](int r) {
+        auto t = ranks[r].client->Snapshot(step);
+        if (!t.ok()) Die(Message(t.status()));
+        auto c = ranks[r].client->WaitCommitted(*t);
+        if (!c.ok() || c->state != ckpt::TicketState::kCommitted) Die("not committed: " + (c.ok() ? c->error : Message(c.status())));
+      });
+      const double took = Seconds(Clock::now() - t0);
+      uint64_t bytes = 0;
+      for (const auto& e : std::filesystem::directory_iterator(fmt::format("{}/ckpt/inc/step-{:08d}", f.root, step))) {
+        if (e.path().extension() == ".safetensors") bytes += e.file_size();
+      }
+      if (round == 0) continue;  // the first is whole either way
+      seconds.push_back(took);
+      written.push_back(static_cast<double>(bytes));
+    }
+    out["increments_" + mode + "_commit_s"] = Percentile(seconds, 0.5);
+    out["increments_" + mode + "_written_bytes"] = Percentile(written, 0.5);
+    note(fmt::format("increments {}: snapshot -> committed {:.3f} s, {:.1f} MB written per checkpoint\n", mode,
+                     Percentile(seconds, 0.5), Percentile(written, 0.5) / 1e6));
+  }
+  std::filesystem::remove_all(f.root + "/ckpt/inc");
+  out["increments_changed"] = f.changed;
+  out["increments_written_vs_full"] =
+      out["increments_on_written_bytes"].get<double>() / out["increments_off_written_bytes"].get<double>();
+  out["increments_sooner"] = out["increments_off_commit_s"].get<double>() / out["increments_on_commit_s"].get<double>();
+}
+
 double TorchSaveGbps(const Flags& f, uint64_t bytes_per_rank) {
   std::string script = fmt::format(R"(
 import os, time, torch
@@ -348,6 +400,9 @@ int main(int argc, char** argv) {
   app.add_option("--ckptd", f.ckptd, "ckptd binary (default: from runfiles)");
   app.add_option("--python", f.python)->capture_default_str();
   app.add_flag("--skip-torch", f.skip_torch);
+  app.add_option("--changed", f.changed,
+                 "incremental checkpoints: share of the state changed between two (0: not measured)")
+      ->capture_default_str();
   app.add_flag("--json", f.json, "print one JSON object");
   app.add_flag("--gpu", f.gpu, "also run the GPU benchmark (pinned limits, IPC staging, step overhead)");
   app.add_flag("--gpu-only", f.gpu_only, "run only the GPU benchmark (and the memcpy limit)");
@@ -581,6 +636,10 @@ int main(int argc, char** argv) {
     out["export_gbps"] = Gbps(step_bytes, Seconds(Clock::now() - t0));
     std::filesystem::remove(target);
   }
+  if (f.changed > 0) {
+    note(fmt::format("incremental checkpoints, {:.1f}% of the state changed each time:\n", 100 * f.changed));
+    MeasureIncrements(f, out, note);
+  }
   if (f.gpu) run_gpu();
   if (!f.skip_torch) {
     note("torch.save of the same state... ");
@@ -630,6 +689,16 @@ int main(int argc, char** argv) {
       "32 MiB preads, each written while the next is read, one buffered file + fdatasync, page cache dropped");
   row("ckptctl export --format safetensors", fmt::format("{:.2f} GB/s", out["export_gbps"].get<double>()),
       fmt::format("{:.0f}% of the copy limit", 100 * out["export_gbps"].get<double>() / out["copy_limit_gbps"].get<double>()));
+  if (out.contains("increments_on_commit_s")) {
+    row(fmt::format("full checkpoint, {:.0f}% changed", 100 * f.changed),
+        fmt::format("{:.3f} s", out["increments_off_commit_s"].get<double>()),
+        fmt::format("snapshot -> committed, {:.1f} MB written (--increments off)",
+                    out["increments_off_written_bytes"].get<double>() / 1e6));
+    row("incremental checkpoint", fmt::format("{:.3f} s", out["increments_on_commit_s"].get<double>()),
+        fmt::format("{:.1f} MB written: {:.1f}% of full, committed {:.1f}x sooner (--increments on)",
+                    out["increments_on_written_bytes"].get<double>() / 1e6,
+                    100 * out["increments_written_vs_full"].get<double>(), out["increments_sooner"].get<double>()));
+  }
   if (out.contains("torch_save_gbps")) {
     row("torch.save + fsync", fmt::format("{:.2f} GB/s", out["torch_save_gbps"].get<double>()), "");
   }
