@@ -36,11 +36,14 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
   piece.bytes = e.end - e.begin;
   piece.chunk_bytes = PieceChunkBytes(e.shape, itemsize, !p.flat.empty(), target, /*sparse=*/false);
   const char* data = snap.shard.data + e.begin;
+  // One pass over memory: each chunk hashed on its own and into the whole while it is in cache.
+  format::Checksum whole;
   for (uint64_t c = 0, n = format::PieceChunks(piece.bytes, piece.chunk_bytes); c < n; ++c) {
     const auto [lo, hi] = format::ChunkSpan(piece.bytes, piece.chunk_bytes, c, c + 1);
     piece.chunk_checksums.push_back(Xxh3(data + lo, hi - lo));
+    whole.Update(data + lo, hi - lo);
   }
-  piece.checksum = format::ChecksumOf(data, piece.bytes);
+  piece.checksum = whole.Finish();
   return piece;
 }
 
@@ -53,9 +56,6 @@ IncrementWriter::IncrementWriter(format::CheckpointStore& store, IncrementBases&
 
 absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot& snap, const std::string& dir) {
   const StagedShard& shard = snap.shard;
-  // Which chunks changed is known once they are hashed, and the header lists the file's
-  // entries: the write starts once the whole snapshot has landed.
-  if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
 
   // The base, pinned first, then checked to be still committed as it was: retention can
   // take neither it nor what it references (kept steps' origins) from here until this
@@ -73,11 +73,16 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   }
 
   RankWrite write{snap.step, snap.rank, format::TaggedShardFileName(snap.rank, snap.session_started_unix_ns), {}, {}};
+  // Which chunks changed is known once they are hashed, and the header lists the file's
+  // entries: each piece is hashed as soon as it has landed (overlapping the copy of the
+  // next), and the file is written once every one has.
   for (size_t i = 0; i < snap.tensor_count; ++i) {
+    if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.entries[i].end));
     CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceOf(snap, i, options_.chunk_bytes));
     write.pieces.push_back(std::move(piece));
     if (between_chunks_) between_chunks_();
   }
+  if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
   for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
     const format::TensorEntry& e = shard.entries[i];
     write.train_state.push_back(
