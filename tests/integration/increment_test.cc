@@ -136,7 +136,9 @@ TEST_CASE("ckptctl delete of a step that a kept step references retires it; the 
   CHECK(deleted.exit_code == 0);
   CHECK(Contains(deleted.out, "its files stay while later steps reference them"));
   RunResult list = d.Ctl({"--json", "--job", "inc", "list"});
-  for (const json& c : json::parse(list.out)["checkpoints"]) CHECK(c["step"] != 1);
+  const json listed = json::parse(list.out, nullptr, false);
+  REQUIRE(listed.contains("checkpoints"));
+  for (const json& c : listed["checkpoints"]) CHECK(c["step"] != 1);
   REQUIRE(d.Stop() == 0);
   d.Start();
   CheckRestores(d, dir, 3, "disk");
