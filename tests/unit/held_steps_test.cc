@@ -49,18 +49,25 @@ struct Job {
     writer.Write(step, run, s);
   }
 
-  // Runs one retention pass (or an operator's delete) the way ckptd does, to the end.
+  // Runs one retention pass (or an operator's delete) the way ckptd does, to the end. The
+  // keeper reports errors on its own thread: collected, and checked here.
   void Retain(uint32_t keep_last) {
+    std::vector<std::string> errors;
     persist::RetentionKeeper keeper(
         store, {keep_last, 0}, [&](const std::string& job, uint64_t step) { removed.emplace_back(job, step); },
-        [](const std::string& error) { FAIL(error); });
+        [&](const std::string& error) { errors.push_back(error); });
     keeper.Schedule(kJob);
-    keeper.Stop();
+    keeper.Stop();  // joins the keeper's thread: `errors` and `removed` are this thread's again
+    CHECK(errors.empty());
   }
   absl::StatusOr<std::string> Delete(uint64_t step) {
+    std::vector<std::string> errors;
     persist::RetentionKeeper keeper(store, {0, 0}, [](const std::string&, uint64_t) {},
-                                    [](const std::string& error) { FAIL(error); });
-    return keeper.DeleteStep(kJob, step);
+                                    [&](const std::string& error) { errors.push_back(error); });
+    absl::StatusOr<std::string> done = keeper.DeleteStep(kJob, step);
+    keeper.Stop();
+    CHECK(errors.empty());
+    return done;
   }
 
   std::vector<uint64_t> Steps() { return *store.ListSteps(kJob); }
