@@ -918,6 +918,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, *p->upload_policies,
       DescriptorSocketPath(config.socket));
+  if (p->increment_bases) {
+    p->trainer_service->set_restored_hook([parts = p.get()](const std::string& job, uint32_t rank, uint64_t session,
+                                                            uint64_t step) {
+      // Its rank's part of the step as this node holds it (what the writer may reference).
+      bool from_index = false;
+      absl::StatusOr<format::Manifest> manifest = parts->store->LoadManifestForRank(job, step, rank, &from_index);
+      if (manifest.ok()) parts->increment_bases->Restored(*manifest, rank, session);
+    });
+  }
   AdminSources sources{*p->store,    *p->hot,     *p->retention, *p->committer,
                        *p->writes,   p->sessions, *p->pool,      p->board,
                        {}};

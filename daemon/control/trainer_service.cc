@@ -185,6 +185,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
       return restored.status();
     }
     RestoreResult& result = *restored;
+    if (result.found && restored_hook_) restored_hook_(s->job(), s->rank(), s->started_unix_ns(), result.step);
     reply->set_found(result.found);
     reply->set_step(result.step);
     reply->set_bytes(result.bytes);

@@ -1,6 +1,8 @@
 // gRPC Trainer service: registration, the RPC snapshot path, waits, restore.
 #pragma once
 
+#include <functional>
+
 #include "daemon/control/call_limiter.h"
 #include "daemon/control/status_board.h"
 #include "daemon/persist/retention_keeper.h"
@@ -38,6 +40,11 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
                         ::ckptd::v1::SnapshotReply* reply) override;
   grpc::Status Wait(grpc::ServerContext*, const ::ckptd::v1::WaitRequest* request,
                     ::ckptd::v1::WaitReply* reply) override;
+  // Called after a session restored `step` of its job (--increments on: the step becomes the
+  // rank's base, so the session's first save references what it did not change).
+  using RestoredHook = std::function<void(const std::string& job, uint32_t rank, uint64_t session, uint64_t step)>;
+  void set_restored_hook(RestoredHook hook) { restored_hook_ = std::move(hook); }
+
   grpc::Status Restore(grpc::ServerContext*, const ::ckptd::v1::RestoreRequest* request,
                        ::ckptd::v1::RestoreReply* reply) override;
   grpc::Status Update(grpc::ServerContext*, const ::ckptd::v1::UpdateRequest* request,
@@ -67,6 +74,7 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
   // Wait and Restore may hold a server thread for minutes: bounded per user and in all.
   CallLimiter long_calls_{kMaxLongCallsPerUid, kMaxLongCalls};
   const std::string control_socket_;  // where trainers fetch their control blocks
+  RestoredHook restored_hook_;
 };
 
 }  // namespace ckpt::daemon

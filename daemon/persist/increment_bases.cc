@@ -18,6 +18,13 @@ void IncrementBases::Planned(const std::string& job, uint32_t rank, uint64_t ses
   e.planned[step] = mode;
 }
 
+void IncrementBases::Restored(const format::Manifest& manifest, uint32_t rank, uint64_t session) {
+  absl::StatusOr<RankBase> base = BaseFromManifest(manifest, rank);
+  if (!base.ok()) return;  // versions 1-4, or a rank the step was not saved with: no base
+  std::lock_guard lock(mu_);
+  entries_[{manifest.job, rank}] = Entry{session, std::make_shared<const RankBase>(*std::move(base)), 0, {}};
+}
+
 void IncrementBases::Committed(const format::Manifest& manifest,
                                const std::vector<std::pair<uint32_t, uint64_t>>& ranks) {
   for (const auto& [rank, session] : ranks) {

@@ -33,6 +33,10 @@ class IncrementBases {
   // The mode a write of `step` was planned in: the commit starts a new cycle after a full
   // save or a rebase.
   void Planned(const std::string& job, uint32_t rank, uint64_t session, uint64_t step, WriteMode mode);
+  // A session restored `manifest`'s step: it becomes the rank's base (what the planner
+  // finds unchanged since, by checksum, is referenced; placements or dtypes unlike the
+  // step's are written whole), and a new cycle starts.
+  void Restored(const format::Manifest& manifest, uint32_t rank, uint64_t session);
   // `manifest` committed; `ranks` are its ranks written here, with their sessions.
   void Committed(const format::Manifest& manifest, const std::vector<std::pair<uint32_t, uint64_t>>& ranks);
 

@@ -79,6 +79,8 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
 
   const std::string& id() const { return id_; }
   const std::string& job() const { return job_; }
+  // When it registered, on the wall clock (ns): its snapshots' session_started_unix_ns.
+  uint64_t started_unix_ns() const { return started_unix_ns_; }
   uint32_t rank() const { return rank_; }
   uint32_t world_size() const { return world_size_; }
   int32_t pid() const { return pid_; }

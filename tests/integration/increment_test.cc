@@ -107,8 +107,8 @@ TEST_CASE("with --increments on a step writes what changed and restores bit-exac
   REQUIRE(d.Stop() == 0);
   d.Start();
   CheckRestores(d, dir, 40, "disk");
-  // A new session after the restart has no base: its first save is full, and the held
-  // step goes once nothing kept references it.
+  // A new session after the restart that does not restore has no base: its first save is
+  // full, and the held step goes once nothing kept references it.
   REQUIRE(SaveSteps(d, dir, "50,60") == 0);
   CHECK(Manifest(d, 50)["increment"]["referenced_bytes"] == 0);
   CHECK(Manifest(d, 60)["increment"]["origin_steps"][0]["step"] == 50);
@@ -124,6 +124,29 @@ TEST_CASE("with --increments on a step writes what changed and restores bit-exac
       10s, 20ms));
   CheckVerifies(d, 60);
   CheckRestores(d, dir, 60, "memory");
+}
+
+// A trainer that restarts, restores and trains on: its first save references the step it
+// restored (from disk after a ckptd restart here), not a full one.
+TEST_CASE("a session's first save after a restore references the step it restored") {
+  TempDir dir;
+  Daemon d(dir, kDaemonFlags);
+  d.Start();
+  REQUIRE(SaveSteps(d, dir, "10,20") == 0);
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  std::string out;
+  Process p(Helper(d, With(kData, {"save-steps", "--restore-first", "--steps-list", "30", "--changed-bytes", "4096"})),
+            dir.path(), "restore-then-save");
+  REQUIRE(p.Wait() == 0);
+  INFO(p.Stdout() << d.Log());
+  CHECK(Contains(p.Stdout(), "restored step=20 source=disk"));
+  json m = Manifest(d, 30);
+  CHECK(m["increment"]["referenced_bytes"] > (uint64_t{8} << 20) * 9 / 10);
+  CheckVerifies(d, 30);
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  CheckRestores(d, dir, 30, "disk");
 }
 
 TEST_CASE("ckptctl delete of a step that a kept step references retires it; the later step still restores") {

@@ -49,6 +49,7 @@ struct Flags {
   // model.a change from step to step (they hold the step number), the rest is the seed's.
   std::vector<uint64_t> steps_list;
   uint64_t changed_bytes = 0;
+  bool restore_first = false;  // save-steps: restore the newest step first, as a resumed trainer
 };
 
 struct Spec {
@@ -181,6 +182,14 @@ int Save(const Flags& f) {
 int SaveSteps(const Flags& f) {
   auto c = Connect(f);
   auto tensors = Setup(*c, f);
+  if (f.restore_first) {
+    auto r = c->Restore();
+    if (!r.ok() || !r->found) {
+      std::cout << "restore: " << (r.ok() ? "nothing to restore" : ckpt::Message(r.status())) << "\n";
+      return 3;
+    }
+    std::cout << fmt::format("restored step={} source={}", r->step, ckpt::RestoreSourceName(r->source)) << std::endl;
+  }
   for (uint64_t step : f.steps_list) {
     Fill(tensors, f, step);
     auto ticket = c->Snapshot(step, {{"seed", std::to_string(f.seed)}},
@@ -779,6 +788,7 @@ int main(int argc, char** argv) {
   auto* save_steps = app.add_subcommand("save-steps");
   save_steps->add_option("--steps-list", f.steps_list)->delimiter(',')->required();
   save_steps->add_option("--changed-bytes", f.changed_bytes);
+  save_steps->add_flag("--restore-first", f.restore_first);
   auto* bad = app.add_subcommand("register-bad");
   bad->add_option("--case", f.bad_case)->required();
   auto* unknown = app.add_subcommand("unknown");
