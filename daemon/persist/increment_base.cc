@@ -4,6 +4,7 @@
 
 #include "common/dtype.h"
 #include "daemon/persist/increment_chunks.h"
+#include "format/checksum.h"
 
 namespace ckpt::persist {
 namespace {
@@ -23,7 +24,7 @@ absl::StatusOr<uint32_t> FileOf(RankBase& base, const format::Increment& increme
 }
 
 absl::StatusOr<uint64_t> Checksum(const std::string& text, const std::string& what) {
-  std::optional<uint64_t> value = ParseChecksumText(text);
+  std::optional<uint64_t> value = format::ParseChecksumText(text);
   if (!value) return absl::InvalidArgumentError(fmt::format("{}: checksum \"{}\" is not xxh3:<16 hex>", what, text));
   return *value;
 }

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <charconv>
 
 #include "format/increment.h"
 
@@ -47,19 +46,6 @@ uint64_t PieceChunkBytes(const std::vector<int64_t>& shape, size_t itemsize, boo
   uint64_t block = std::max<uint64_t>(1, target / row_bytes);
   if (CeilDiv(rows, block) > format::kMaxPieceChunks) block = CeilDiv(rows, format::kMaxPieceChunks);
   return block * row_bytes;
-}
-
-std::string ChecksumText(uint64_t xxh3) { return fmt::format("xxh3:{:016x}", xxh3); }
-
-std::optional<uint64_t> ParseChecksumText(std::string_view text) {
-  constexpr std::string_view kPrefix = "xxh3:";
-  if (text.size() != kPrefix.size() + 16 || text.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
-  uint64_t value = 0;
-  const char* begin = text.data() + kPrefix.size();
-  const char* end = text.data() + text.size();
-  auto [ptr, ec] = std::from_chars(begin, end, value, 16);
-  if (ec != std::errc() || ptr != end) return std::nullopt;
-  return value;
 }
 
 }  // namespace ckpt::persist

@@ -4,9 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -40,10 +38,5 @@ absl::Status CheckIncrementChunkBytes(uint64_t bytes);
 // one element.
 uint64_t PieceChunkBytes(const std::vector<int64_t>& shape, size_t itemsize, bool flat, uint64_t target,
                          bool sparse);
-
-// XXH3-64 as an integer (a base keeps 8 bytes a chunk) and as the manifest writes it
-// ("xxh3:<16 hex>", format/checksum.h).
-std::string ChecksumText(uint64_t xxh3);
-std::optional<uint64_t> ParseChecksumText(std::string_view text);
 
 }  // namespace ckpt::persist

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "common/dtype.h"
+#include "format/checksum.h"
 
 namespace ckpt::persist {
 namespace {
@@ -193,7 +194,7 @@ PlannedPiece Lay(const PieceWork& p, size_t index, const RankBase* base, const R
   s.checksum = in.checksum;
   s.chunk_bytes = in.chunk_bytes;
   if (p.chunks > 1) {
-    for (uint64_t sum : in.chunk_checksums) s.chunk_checksums.push_back(ChecksumText(sum));
+    for (uint64_t sum : in.chunk_checksums) s.chunk_checksums.push_back(format::ChecksumText(sum));
   }
   if (p.whole) {
     s.file = write.file;
@@ -313,7 +314,7 @@ absl::StatusOr<RankWritePlan> PlanRankWrite(const RankBase* base, const RankWrit
   for (size_t i = 0; i < write.train_state.size(); ++i) {
     const BlobToWrite& blob = write.train_state[i];
     format::TrainStateEntry& entry = plan.train_state[blob.name];
-    entry.checksum = ChecksumText(blob.checksum);
+    entry.checksum = format::ChecksumText(blob.checksum);
     if (auto it = blobs.find(i); it != blobs.end()) {
       entry.step = base->files[it->second->file].step;
       entry.begin = it->second->at;

@@ -18,10 +18,6 @@ namespace {
 constexpr uint64_t kBlock = 4096;          // the data region starts aligned, as a full shard's
 constexpr uint64_t kWriteChunk = 32u << 20;
 
-uint64_t Xxh3(const char* data, uint64_t bytes) {
-  return *ParseChecksumText(format::ChecksumOf(data, bytes));  // ChecksumOf writes what it parses
-}
-
 // The piece of tensor entry `i` as the planner takes it: placement, chunking, checksums.
 absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t i, uint64_t target) {
   const format::TensorEntry& e = snap.shard.entries[i];
@@ -40,7 +36,7 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
   format::Checksum whole;
   for (uint64_t c = 0, n = format::PieceChunks(piece.bytes, piece.chunk_bytes); c < n; ++c) {
     const auto [lo, hi] = format::ChunkSpan(piece.bytes, piece.chunk_bytes, c, c + 1);
-    piece.chunk_checksums.push_back(Xxh3(data + lo, hi - lo));
+    piece.chunk_checksums.push_back(format::Checksum64(data + lo, hi - lo));
     whole.Update(data + lo, hi - lo);
   }
   piece.checksum = whole.Finish();
@@ -85,8 +81,8 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
   for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
     const format::TensorEntry& e = shard.entries[i];
-    write.train_state.push_back(
-        {snap.train_state_names[i - snap.tensor_count], e.end - e.begin, Xxh3(shard.data + e.begin, e.end - e.begin)});
+    write.train_state.push_back({snap.train_state_names[i - snap.tensor_count], e.end - e.begin,
+                                 format::Checksum64(shard.data + e.begin, e.end - e.begin)});
   }
   PlanOptions plan_options;
   plan_options.rebase = base && RebaseDue(base->saves_since_full, options_.full_every);

@@ -39,7 +39,7 @@ const std::string kJob = "job";
 
 uint64_t Xxh(const std::string& bytes, uint64_t begin = 0, uint64_t end = std::string::npos) {
   end = std::min<uint64_t>(end, bytes.size());
-  return *ParseChecksumText(format::ChecksumOf(bytes.data() + begin, end - begin));
+  return format::Checksum64(bytes.data() + begin, end - begin);
 }
 
 // Deterministic bytes that differ everywhere, so that a byte read from the wrong place shows.
