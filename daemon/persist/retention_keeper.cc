@@ -34,58 +34,53 @@ absl::StatusOr<std::string> RetentionKeeper::DeleteStep(const std::string& job, 
           "delete it once that is done", step, job));
     }
   }
-  CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, store_.ListSteps(job));
-  if (std::find(steps.begin(), steps.end(), step) == steps.end()) {
+  CKPT_ASSIGN_OR_RETURN(auto runs, store_.ListRunsAndSteps(job));
+  auto it = std::find_if(runs.begin(), runs.end(), [&](const auto& run_step) { return run_step.second == step; });
+  if (it == runs.end()) {
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }
-  const std::set<format::StepRun> referenced = Referenced(job, steps, {step});
-  CKPT_ASSIGN_OR_RETURN(std::string done, Remove(job, step, referenced));
-  Sweep(job, referenced);
+  const References references = Referenced(job, runs, {step});
+  CKPT_ASSIGN_OR_RETURN(std::string done, Remove(job, {step, it->first}, references));
+  Sweep(job, references);
   return done;
 }
 
-std::set<format::StepRun> RetentionKeeper::Referenced(const std::string& job, const std::vector<uint64_t>& steps,
-                                                      const std::set<uint64_t>& leaving) {
-  std::set<format::StepRun> referenced;
-  for (uint64_t step : steps) {
+RetentionKeeper::References RetentionKeeper::Referenced(const std::string& job,
+                                                        const std::vector<std::pair<uint64_t, uint64_t>>& runs,
+                                                        const std::set<uint64_t>& leaving) {
+  References references;
+  for (const auto& [run, step] : runs) {
     if (leaving.count(step)) continue;
     absl::StatusOr<std::vector<format::StepRun>> origins = store_.OriginSteps(job, step);
-    // Unreadable: what it references is unknown, so every held step stays (Sweep).
     if (!origins.ok()) {
-      referenced.insert({~uint64_t{0}, ~uint64_t{0}});
+      references.complete = false;
       continue;
     }
-    referenced.insert(origins->begin(), origins->end());
+    references.steps.insert(origins->begin(), origins->end());
   }
-  return referenced;
+  return references;
 }
 
-absl::StatusOr<std::string> RetentionKeeper::Remove(const std::string& job, uint64_t step,
-                                                    const std::set<format::StepRun>& referenced) {
-  CKPT_ASSIGN_OR_RETURN(auto runs, store_.ListRunsAndSteps(job));  // (run, step), cached
-  std::optional<uint64_t> run;
-  for (const auto& [r, s] : runs) {
-    if (s == step) run = r;
-  }
-  const bool held = run && (referenced.count({step, *run}) || referenced.count({~uint64_t{0}, ~uint64_t{0}}));
-  if (!held) {
-    CKPT_RETURN_IF_ERROR(store_.Delete(job, step));
-    on_deleted_(job, step);
+absl::StatusOr<std::string> RetentionKeeper::Remove(const std::string& job, const format::StepRun& step,
+                                                    const References& references) {
+  if (!references.Hold(step)) {
+    CKPT_RETURN_IF_ERROR(store_.Delete(job, step.step));
+    on_deleted_(job, step.step);
     return std::string();
   }
-  CKPT_RETURN_IF_ERROR(store_.Retire(job, step, *run));
-  on_deleted_(job, step);
+  CKPT_RETURN_IF_ERROR(store_.Retire(job, step.step, step.run));
+  on_deleted_(job, step.step);
   return fmt::format("its files stay while later steps reference them (held as {})",
-                     format::HeldStepDirName(step, *run));
+                     format::HeldStepDirName(step.step, step.run));
 }
 
-void RetentionKeeper::Sweep(const std::string& job, const std::set<format::StepRun>& referenced) {
-  if (referenced.count({~uint64_t{0}, ~uint64_t{0}})) return;  // a manifest could not be read
+void RetentionKeeper::Sweep(const std::string& job, const References& references) {
+  if (!references.complete) return;  // a kept step's manifest could not be read
   absl::StatusOr<std::vector<format::StepRun>> held = store_.ListHeld(job);
   if (!held.ok()) return;
   auto& log = log::Get(log::Component::kPersist);
   for (const format::StepRun& h : *held) {
-    if (referenced.count(h)) continue;
+    if (references.Hold(h)) continue;
     if (absl::Status s = store_.RemoveHeld(job, h); s.ok()) {
       log.info("[{} s{}] removed: no kept step references it any more (was {})", job, h.step,
                format::HeldStepDirName(h.step, h.run));
@@ -176,8 +171,14 @@ std::vector<uint64_t> RetentionKeeper::EphemeralSteps(const std::string& job,
 }
 
 void RetentionKeeper::Apply(const std::string& job) {
-  auto steps = store_.ListStepsInRunOrder(job);
-  if (!steps.ok()) return;
+  auto runs = store_.ListRunsAndSteps(job);  // in run order
+  if (!runs.ok()) return;
+  std::vector<uint64_t> steps;
+  std::map<uint64_t, uint64_t> run_of;
+  for (const auto& [run, step] : *runs) {
+    steps.push_back(step);
+    run_of[step] = run;
+  }
   std::vector<uint64_t> pinned;
   RetentionPolicy policy = policy_;
   {
@@ -188,12 +189,12 @@ void RetentionKeeper::Apply(const std::string& job) {
     }
   }
   auto& log = log::Get(log::Component::kPersist);
-  std::vector<uint64_t> ephemeral = EphemeralSteps(job, *steps);
-  const std::vector<uint64_t> doomed = StepsToDelete(*steps, policy, pinned, ephemeral);
+  std::vector<uint64_t> ephemeral = EphemeralSteps(job, steps);
+  const std::vector<uint64_t> doomed = StepsToDelete(steps, policy, pinned, ephemeral);
   // What the steps that stay reference stays, retired rather than deleted when doomed.
-  const std::set<format::StepRun> referenced = Referenced(job, *steps, {doomed.begin(), doomed.end()});
+  const References references = Referenced(job, *runs, {doomed.begin(), doomed.end()});
   for (uint64_t step : doomed) {
-    absl::StatusOr<std::string> done = Remove(job, step, referenced);
+    absl::StatusOr<std::string> done = Remove(job, {step, run_of.at(step)}, references);
     if (done.ok()) {
       ephemeral_[job].erase(step);
       log.info("[{} s{}] {} by retention{}{}", job, step, done->empty() ? "deleted" : "retired",
@@ -208,7 +209,7 @@ void RetentionKeeper::Apply(const std::string& job) {
       on_error_(fmt::format("[{} s{}] retention: {}", job, step, Message(done.status())));
     }
   }
-  Sweep(job, referenced);
+  Sweep(job, references);
 }
 
 }  // namespace ckpt::persist

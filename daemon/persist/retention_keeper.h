@@ -59,16 +59,24 @@ class RetentionKeeper {
  private:
   void Loop();
   void Apply(const std::string& job);
-  // The steps of `job` whose files the committed steps other than `leaving` reference
-  // (docs/format.md, "Retention of referenced steps"): nothing stored, computed each time
-  // from the manifests' origin_steps, so no count can drift or need repair after a crash.
-  std::set<format::StepRun> Referenced(const std::string& job, const std::vector<uint64_t>& steps,
-                                       const std::set<uint64_t>& leaving);
-  // Deletes `step`, or retires it when `referenced` holds it; what happened, for the log.
-  absl::StatusOr<std::string> Remove(const std::string& job, uint64_t step,
-                                     const std::set<format::StepRun>& referenced);
-  // Removes the retired steps of `job` that nothing in `referenced` holds any more.
-  void Sweep(const std::string& job, const std::set<format::StepRun>& referenced);
+  // The steps whose files some kept steps reference (docs/format.md, "Retention of
+  // referenced steps"): nothing stored, computed each time from the manifests' origin_steps,
+  // so no count can drift or need repair after a crash. Incomplete when a kept step's
+  // manifest could not be read: then any step may be referenced, and every one is held.
+  struct References {
+    std::set<format::StepRun> steps;
+    bool complete = true;
+    bool Hold(const format::StepRun& step) const { return !complete || steps.count(step) != 0; }
+  };
+  // What the committed steps of `job` (`runs`: (run, step), as ListRunsAndSteps gives them)
+  // other than `leaving` reference.
+  References Referenced(const std::string& job, const std::vector<std::pair<uint64_t, uint64_t>>& runs,
+                        const std::set<uint64_t>& leaving);
+  // Deletes `step`, or retires it when `references` hold it; what happened, for the log.
+  absl::StatusOr<std::string> Remove(const std::string& job, const format::StepRun& step,
+                                     const References& references);
+  // Removes the retired steps of `job` that `references` no longer hold.
+  void Sweep(const std::string& job, const References& references);
   // The steps of `job` (but the latest) saved ephemeral, from their manifests; each
   // manifest is read once (the answer is kept: a committed step does not change).
   std::vector<uint64_t> EphemeralSteps(const std::string& job, const std::vector<uint64_t>& steps);
