@@ -97,8 +97,7 @@ absl::Status CheckpointStore::Commit(const Manifest& manifest) {
   // Best effort: a record left behind (a crash just now) is ignored by every reader.
   (void)objects_->RemovePrefix(StepKey(manifest.job, manifest.step) + "/" + kPreparedName);
   std::lock_guard lock(mu_);
-  runs_[{manifest.job, manifest.step}] =
-      StepRecord{manifest.run, manifest.increment ? manifest.increment->origin_steps : std::vector<StepRun>{}};
+  records_[{manifest.job, manifest.step}] = RecordOf(manifest);
   return absl::OkStatus();
 }
 
@@ -190,13 +189,17 @@ absl::StatusOr<std::vector<std::pair<uint64_t, uint64_t>>> CheckpointStore::List
 absl::StatusOr<CheckpointStore::StepRecord> CheckpointStore::Record(const std::string& job, uint64_t step) {
   {
     std::lock_guard lock(mu_);
-    if (auto it = runs_.find({job, step}); it != runs_.end()) return it->second;
+    if (auto it = records_.find({job, step}); it != records_.end()) return it->second;
   }
   CKPT_ASSIGN_OR_RETURN(Manifest manifest, LoadManifest(job, step, Depth::kIndexOnly));
-  StepRecord record{manifest.run, manifest.increment ? manifest.increment->origin_steps : std::vector<StepRun>{}};
+  StepRecord record = RecordOf(manifest);
   std::lock_guard lock(mu_);
-  runs_[{job, step}] = record;
+  records_[{job, step}] = record;
   return record;
+}
+
+CheckpointStore::StepRecord CheckpointStore::RecordOf(const Manifest& manifest) {
+  return {manifest.run, manifest.increment ? manifest.increment->origin_steps : std::vector<StepRun>{}};
 }
 
 absl::StatusOr<std::vector<StepRun>> CheckpointStore::OriginSteps(const std::string& job, uint64_t step) {
@@ -211,7 +214,7 @@ absl::Status CheckpointStore::Retire(const std::string& job, uint64_t step, uint
   }
   CKPT_RETURN_IF_ERROR(objects_->Retire(StepKey(job, step), job + "/" + HeldStepDirName(step, run)));
   std::lock_guard lock(mu_);
-  runs_.erase({job, step});
+  records_.erase({job, step});
   return absl::OkStatus();
 }
 
@@ -384,7 +387,7 @@ absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   absl::Status retracted = objects_->Retract(StepKey(job, step), kManifestName);
   {
     std::lock_guard lock(mu_);
-    runs_.erase({job, step});  // what is cached is what is there: bounded by the steps kept
+    records_.erase({job, step});  // what is cached is what is there: bounded by the steps kept
   }
   if (removed_hook_) removed_hook_(job);
   if (absl::IsNotFound(retracted)) {

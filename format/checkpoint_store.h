@@ -132,7 +132,7 @@ class CheckpointStore {
   // How many steps' runs are cached (tests: bounded by the steps there are).
   size_t cached_runs() {
     std::lock_guard lock(mu_);
-    return runs_.size();
+    return records_.size();
   }
   // Unfinished step-N.tmp directories, by job and step.
   absl::StatusOr<std::vector<std::pair<std::string, uint64_t>>> ListTempSteps();
@@ -161,7 +161,8 @@ class CheckpointStore {
   };
   // The record of a committed step, from the cache or its manifest's header.
   absl::StatusOr<StepRecord> Record(const std::string& job, uint64_t step);
-  std::map<std::pair<std::string, uint64_t>, StepRecord> runs_;
+  static StepRecord RecordOf(const Manifest& manifest);
+  std::map<std::pair<std::string, uint64_t>, StepRecord> records_;
 };
 
 // What `ckptctl list` shows of a committed step.
