@@ -764,9 +764,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   } else {
     log.info("CUDA: no usable device ({}); host copy engine only, GPU tensors refused", device.reason);
   }
-  p->writer = persist::MakeShardWriter(p->store->objects_ptr(), [priority = &p->copy_priority] {
-    priority->YieldToCopies(std::chrono::milliseconds(500));
-  });
+  // Between a writer's large writes: staging copies, which trainers wait for, go first.
+  auto yield_to_copies = [priority = &p->copy_priority] { priority->YieldToCopies(std::chrono::milliseconds(500)); };
+  p->writer = persist::MakeShardWriter(p->store->objects_ptr(), yield_to_copies);
   p->hot = std::make_unique<HotCache>(p->progress);
   p->retention = std::make_unique<persist::RetentionKeeper>(
       *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
@@ -776,8 +776,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     p->increment_bases = std::make_unique<persist::IncrementBases>();
     p->increment_writer = std::make_unique<persist::IncrementWriter>(
         *p->store, *p->increment_bases, *p->retention,
-        persist::IncrementOptions{config.increment_chunk_bytes, config.full_every},
-        [priority = &p->copy_priority] { priority->YieldToCopies(std::chrono::milliseconds(500)); });
+        persist::IncrementOptions{config.increment_chunk_bytes, config.full_every}, yield_to_copies);
     log.info("increments on: each rank writes what changed since its previous step (chunks of about {} bytes; a "
              "rebase every {} saves)",
              config.increment_chunk_bytes, config.full_every);

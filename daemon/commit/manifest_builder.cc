@@ -14,6 +14,11 @@
 namespace ckpt::daemon::commit {
 namespace {
 
+// The tensor's global shape: its placement's, or the piece's own when it is the whole tensor.
+std::vector<int64_t> GlobalShape(const format::TensorEntry& e, const TensorPlacement& p) {
+  return p.global_shape.empty() ? e.shape : p.global_shape;
+}
+
 // A tensor of rank `rank` joins `m.tensors`, or must agree with the other ranks' pieces.
 absl::StatusOr<format::ManifestTensor*> TensorOf(format::Manifest& m, const std::string& name, uint32_t rank,
                                                  const std::string& dtype, const std::vector<int64_t>& global) {
@@ -38,8 +43,7 @@ absl::Status AddPlannedRank(const StagedSnapshot& snap, const persist::WrittenSh
   for (size_t i = 0; i < plan.pieces.size(); ++i) {
     const format::TensorEntry& e = snap.shard.entries[i];
     const TensorPlacement& p = snap.placements[i];
-    CKPT_ASSIGN_OR_RETURN(format::ManifestTensor * t,
-                          TensorOf(m, e.name, snap.rank, e.dtype, p.global_shape.empty() ? e.shape : p.global_shape));
+    CKPT_ASSIGN_OR_RETURN(format::ManifestTensor * t, TensorOf(m, e.name, snap.rank, e.dtype, GlobalShape(e, p)));
     t->shards.push_back(plan.pieces[i].shard);
   }
   shard.train_state = plan.train_state;
@@ -85,19 +89,9 @@ absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t 
         continue;
       }
       const TensorPlacement& p = snap->placements[i];
-      std::vector<int64_t> global = p.global_shape.empty() ? e.shape : p.global_shape;
       std::vector<int64_t> offset =
           p.offset.empty() ? std::vector<int64_t>(e.shape.size(), 0) : p.offset;
-      auto [it, inserted] = m.tensors.try_emplace(e.name);
-      format::ManifestTensor& t = it->second;
-      if (inserted) {
-        t.dtype = e.dtype;
-        t.global_shape = global;
-      } else if (t.dtype != e.dtype || t.global_shape != global) {
-        return absl::InvalidArgumentError(fmt::format(
-            "tensor {}: rank {} has {} [{}], another rank has {} [{}]", e.name, rank, e.dtype,
-            fmt::join(global, ","), t.dtype, fmt::join(t.global_shape, ",")));
-      }
+      CKPT_ASSIGN_OR_RETURN(format::ManifestTensor * t, TensorOf(m, e.name, rank, e.dtype, GlobalShape(e, p)));
       format::TensorShard piece;
       piece.rank = rank;
       piece.file = written.file;
@@ -113,7 +107,7 @@ absl::StatusOr<format::Manifest> BuildManifest(const std::string& job, uint64_t 
       if (auto chunks = written.chunk_checksums.find(e.name); chunks != written.chunk_checksums.end()) {
         piece.chunk_checksums = chunks->second;
       }
-      t.shards.push_back(std::move(piece));
+      t->shards.push_back(std::move(piece));
     }
     m.shards.push_back(std::move(shard));
   }
