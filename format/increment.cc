@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <set>
 
 #include "format/json_fields.h"
@@ -51,23 +52,18 @@ bool IsTaggedShardFileName(std::string_view name, uint32_t rank) {
 std::string HeldStepDirName(uint64_t step, uint64_t run) { return fmt::format("step-{:08d}.held-{:016x}", step, run); }
 
 bool ParseHeldStepDirName(std::string_view name, StepRun* held) {
-  constexpr std::string_view kHeld = ".held-";
+  constexpr std::string_view kStep = "step-", kHeld = ".held-";
   const size_t at = name.find(kHeld);
-  if (at == std::string_view::npos || name.substr(0, 5) != "step-" || at < 6 || at > 5 + 19 ||
-      name.size() != at + kHeld.size() + 16) {
+  if (name.substr(0, kStep.size()) != kStep || at == std::string_view::npos) return false;
+  uint64_t step = 0, run = 0;
+  const char* step_end = name.data() + at;
+  const char* end = name.data() + name.size();
+  auto [after_step, step_error] = std::from_chars(name.data() + kStep.size(), step_end, step);
+  auto [after_run, run_error] = std::from_chars(step_end + kHeld.size(), end, run, 16);
+  if (step_error != std::errc() || after_step != step_end || run_error != std::errc() || after_run != end) {
     return false;
   }
-  auto hex = [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); };
-  uint64_t step = 0, run = 0;
-  for (char c : name.substr(5, at - 5)) {
-    if (c < '0' || c > '9' || step > (~uint64_t{0} - 9) / 10) return false;
-    step = step * 10 + static_cast<uint64_t>(c - '0');
-  }
-  for (char c : name.substr(at + kHeld.size())) {
-    if (!hex(c)) return false;
-    run = run * 16 + static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
-  }
-  // Exactly the name HeldStepDirName writes (no other spelling of the same numbers).
+  // Exactly the name HeldStepDirName writes: no other spelling of the same numbers.
   if (HeldStepDirName(step, run) != name) return false;
   *held = {step, run};
   return true;
