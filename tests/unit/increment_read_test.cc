@@ -22,6 +22,7 @@
 #include "storage/filesystem.h"
 #include "tests/fakes/flip_bit.h"
 #include "tests/fakes/increment_chain.h"
+#include "tests/fakes/read_saved.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt;
@@ -92,19 +93,11 @@ Manifest Load(CheckpointStore& store, uint64_t step) {
   return *m;
 }
 
-// Reads every piece of every rank in the saved placement, and the train state.
+// Every saved piece, by tensor then rank, into `out` (tests/fakes/read_saved.h).
 absl::Status ReadSaved(CheckpointStore& store, const Manifest& m, std::map<std::string, std::vector<std::string>>& out,
                        PlanReader::HotLookup hot = {}) {
-  std::vector<WantedTensor> wanted;
-  for (const auto& pieces : SavedPieces(m)) wanted.insert(wanted.end(), pieces.begin(), pieces.end());
-  CKPT_ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(m, wanted));
-  PlanReader reader(store.objects(), CheckpointStore::StepKey(kJob, m.step), m, std::move(hot));
-  CKPT_RETURN_IF_ERROR(reader.Open(plan.tensors));
-  for (const TensorReadPlan& t : plan.tensors) {
-    std::string bytes(t.bytes, '\0');
-    CKPT_RETURN_IF_ERROR(reader.Read(t, bytes.data()));
-    out[t.name].push_back(std::move(bytes));
-  }
+  CKPT_ASSIGN_OR_RETURN(out, testing::ReadSavedPieces(store.objects(), CheckpointStore::StepKey(kJob, m.step), m,
+                                                      std::move(hot)));
   return absl::OkStatus();
 }
 
