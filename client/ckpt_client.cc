@@ -206,6 +206,7 @@ struct Client::Impl {
   // After Register(): what the next Update() sends.
   std::vector<const Tensor*> added;
   std::vector<std::string> removed;
+  std::map<std::string, bool> frozen_changes;  // registered tensors frozen (true) or thawed since
   // Records replaced or removed after Register(): callers may still hold their pointers.
   std::vector<std::unique_ptr<Tensor>> retired;
   size_t arena_bytes_reserved = 0;     // by every arena so far
@@ -403,6 +404,39 @@ Tensor* Client::AddRecord(Tensor tensor) {
   return tensors_.back().get();
 }
 
+absl::Status Client::MarkSparse(const std::string& name) {
+  auto it = std::find_if(tensors_.begin(), tensors_.end(), [&](const auto& t) { return t->name == name; });
+  if (it == tensors_.end()) return absl::NotFoundError(fmt::format("tensor {} cannot be sparse: it is not allocated", name));
+  const bool registered = !session_id_.empty() &&
+                          std::find(impl_->added.begin(), impl_->added.end(), it->get()) == impl_->added.end();
+  if (registered) {
+    return absl::FailedPreconditionError(
+        fmt::format("tensor {} is registered already: mark it sparse before Register() (or before the Update() "
+                    "that adds it)",
+                    name));
+  }
+  (*it)->sparse = true;
+  return absl::OkStatus();
+}
+
+absl::Status Client::SetFrozen(const std::string& name, bool frozen) {
+  auto it = std::find_if(tensors_.begin(), tensors_.end(), [&](const auto& t) { return t->name == name; });
+  if (it == tensors_.end()) {
+    return absl::NotFoundError(fmt::format("tensor {} cannot be {}: it is not allocated", name,
+                                           frozen ? "frozen" : "thawed"));
+  }
+  if ((*it)->frozen == frozen) return absl::OkStatus();
+  (*it)->frozen = frozen;
+  // One not registered yet goes with its spec (Register, or Update's added tensors).
+  const bool registered = !session_id_.empty() &&
+                          std::find(impl_->added.begin(), impl_->added.end(), it->get()) == impl_->added.end();
+  if (!registered) return absl::OkStatus();
+  // The latest word is sent, never dropped: thawed and frozen again between two updates,
+  // the tensor may have changed meanwhile, and a freeze tells ckptd to copy it anew.
+  impl_->frozen_changes[name] = frozen;
+  return absl::OkStatus();
+}
+
 absl::Status Client::RemoveTensor(const std::string& name) {
   if (session_id_.empty()) return absl::FailedPreconditionError("RemoveTensor before Register()");
   auto it = std::find_if(tensors_.begin(), tensors_.end(), [&](const auto& t) { return t->name == name; });
@@ -423,6 +457,8 @@ void Client::FillSpec(const Tensor& t, ::ckptd::v1::TensorSpec* spec) const {
   spec->set_dtype(t.dtype);
   for (int64_t d : t.shape) spec->add_shape(d);
   spec->set_nbytes(t.nbytes);
+  spec->set_frozen(t.frozen);
+  spec->set_sparse(t.sparse);
   for (int64_t d : t.global_shape) spec->add_global_shape(d);
   for (int64_t d : t.global_offset) spec->add_global_offset(d);
   for (const ElementRange& r : t.flat_ranges) {
@@ -450,11 +486,15 @@ void Client::FillSpec(const Tensor& t, ::ckptd::v1::TensorSpec* spec) const {
 
 absl::Status Client::Update() {
   if (session_id_.empty()) return absl::FailedPreconditionError("Update before Register()");
-  if (impl_->added.empty() && impl_->removed.empty()) return absl::OkStatus();
+  if (impl_->added.empty() && impl_->removed.empty() && impl_->frozen_changes.empty()) return absl::OkStatus();
   ::ckptd::v1::UpdateRequest req;
   req.set_session_id(session_id_);
   for (const Tensor* t : impl_->added) FillSpec(*t, req.add_tensors());
   for (const std::string& name : impl_->removed) req.add_removed(name);
+  for (const auto& [name, frozen] : impl_->frozen_changes) {
+    if (std::find(impl_->removed.begin(), impl_->removed.end(), name) != impl_->removed.end()) continue;
+    *(frozen ? req.add_freeze() : req.add_thaw()) = name;
+  }
   CKPT_ASSIGN_OR_RETURN(std::vector<std::string> tokens,
                         HandOverArenas(impl_->options.socket, impl_->arenas, impl_->handed_arenas));
   for (std::string& token : tokens) req.add_arena_tokens(std::move(token));
@@ -467,6 +507,7 @@ absl::Status Client::Update() {
   impl_->handed_arenas = impl_->arenas.size();
   impl_->added.clear();
   impl_->removed.clear();
+  impl_->frozen_changes.clear();
   return absl::OkStatus();
 }
 
@@ -550,6 +591,7 @@ absl::Status Client::Register() {
   impl_->handed_arenas = impl_->arenas.size();
   impl_->added.clear();  // everything allocated so far went with this registration
   impl_->removed.clear();
+  impl_->frozen_changes.clear();  // so did every flag
   impl_->registered_once = true;
   session_id_ = reply.session_id();
   committed_steps_.assign(reply.committed_steps().begin(), reply.committed_steps().end());

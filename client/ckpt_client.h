@@ -64,6 +64,13 @@ struct Tensor {
   // A flat shard (FSDP style): these ranges of the flattened global tensor, one after another
   // in this 1-D tensor. Then `global_shape` is set and `global_offset` empty.
   std::vector<ElementRange> flat_ranges;
+  // The trainer no longer changes it (a frozen base model): ckptd copies it once and takes
+  // later snapshots' bytes from its own copy, checking it every --frozen-check-every
+  // snapshots. Set it before Register(), or with Freeze()/Thaw() after.
+  bool frozen = false;
+  // Updated a few rows at a time (an embedding with sparse gradients): with ckptd
+  // --increments on, compared in chunks of about 16 KiB. Set before Register().
+  bool sparse = false;
 };
 
 // A tensor's piece in an FSDP-style flat parameter shard: elements `range` of the tensor
@@ -222,6 +229,15 @@ class Client {
 
   // After Register(): stops checkpointing `name` at the next Update().
   absl::Status RemoveTensor(const std::string& name);
+  // Marks a tensor frozen (Tensor::frozen) or ordinary again; after Register() it takes
+  // effect at the next Update(), which maps nothing again. A thawed tensor is copied at every
+  // snapshot from the next one on; a tensor frozen (again) is copied at the next snapshot,
+  // then taken from ckptd's copy: Thaw() then Freeze() after changing a frozen tensor.
+  // Marks an allocated tensor sparse (Tensor::sparse) before it is registered: by
+  // Register(), or by Update() for one added since. FailedPrecondition once it is.
+  absl::Status MarkSparse(const std::string& name);
+  absl::Status Freeze(const std::string& name) { return SetFrozen(name, true); }
+  absl::Status Thaw(const std::string& name) { return SetFrozen(name, false); }
   // Sends what changed since Register() (or the last Update()): tensors allocated since,
   // including replacements (an embedding table that grew), and removals. Every other
   // tensor stays registered and mapped, so this costs only what changed. Call it between
@@ -284,6 +300,7 @@ class Client {
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
   Tensor* AddRecord(Tensor tensor);
+  absl::Status SetFrozen(const std::string& name, bool frozen);
   void FillSpec(const Tensor& tensor, ::ckptd::v1::TensorSpec* spec) const;
   absl::StatusOr<void*> AllocateInArena(size_t bytes);
 

@@ -114,6 +114,7 @@ std::string Config::ToJson() const {
                       {"increments", increments},
                       {"increment_chunk_bytes", increment_chunk_bytes},
                       {"full_every", full_every},
+                      {"frozen_check_every", frozen_check_every},
                       {"remote", remote},
                       {"remote_mode", remote_mode == RemoteMode::kDirect ? "direct" : "tiered"},
                       {"s3_endpoint", s3_endpoint},
@@ -164,7 +165,7 @@ ParseResult ParseFlags(int argc, char** argv) {
   std::string increments = "off", increment_chunk = "4M";
   app.add_option("--increments", increments,
                  "on: write only what changed since the rank's previous step, referencing the rest "
-                 "(format version 5; one node, local --root)")
+                 "(format version 5; peers of --replication hold each step whole; --remote only with one node yet)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   app.add_option("--increment-chunk-bytes", increment_chunk,
@@ -174,6 +175,11 @@ ParseResult ParseFlags(int argc, char** argv) {
   app.add_option("--full-every", c.full_every,
                  "with --increments on: every N-th save of a rank rewrites what it references in files "
                  "mostly dead (a rebase; 0: never)")
+      ->capture_default_str();
+  app.add_option("--frozen-check-every", c.frozen_check_every,
+                 "every N-th snapshot copies a trainer's frozen tensors (registered frozen; PyTorch: "
+                 "requires_grad=False) again and saves any that changed in place; the others take them from "
+                 "ckptd's last copy (0: never)")
       ->capture_default_str();
   app.add_option("--user-quota-bytes", user_quota,
                  "bytes of checkpoints the jobs of one uid may hold on --root, e.g. 500G (0: no bound); a shard "
@@ -483,11 +489,11 @@ absl::Status Validate(const Config& c) {
   if (c.increment_chunk_bytes < (uint64_t{64} << 10) || c.increment_chunk_bytes > (uint64_t{64} << 20)) {
     return bad(fmt::format("--increment-chunk-bytes {} is outside 64K to 64M", c.increment_chunk_bytes));
   }
-  // The other tiers learn incremental steps in later steps of docs/design/incremental.md: until
-  // then a node of a group, the remote tier and peers would not carry the steps referenced.
-  if (c.increments && (c.num_nodes > 1 || !c.remote.empty() || c.replication_k != 0)) {
-    return bad("--increments on is for one node with a local --root for now: not with --num-nodes above 1, "
-               "--remote or --replication (those tiers do not carry referenced steps yet)");
+  // A group's tiered uploads carry referenced steps (each node its own ranks'); a group
+  // writing straight into the bucket retains there as a shared root would, untested so far.
+  if (c.increments && c.remote_mode == RemoteMode::kDirect && c.num_nodes > 1) {
+    return bad("--increments on with --remote-mode direct is for one node for now (a group's direct "
+               "steps are not tested with increments yet); use --remote-mode tiered");
   }
   if (c.replication_k != 0) {
     const uint32_t members = c.replication_k + c.replication_m;

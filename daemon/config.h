@@ -38,6 +38,9 @@ struct Config {
   bool increments = false;
   uint64_t increment_chunk_bytes = uint64_t{4} << 20;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (saves; 0: never)
+  // Every N-th snapshot of a session copies its frozen tensors from the trainer again and
+  // compares them with ckptd's copy (0: never; docs/python.md, "Frozen parameters").
+  uint32_t frozen_check_every = 20;
   int io_threads = 2;
   int copy_threads = 2;
   WhenBusy when_busy = WhenBusy::kSkip;

@@ -561,9 +561,9 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
       });
   CKPT_RETURN_IF_ERROR(reader.Open(plan->tensors));
   // The remote tier answers each request after a round trip, and many at once: several
-  // tensors are fetched at a time there (each in parallel ranged GETs of its own).
-  // Memory and a local disk are read in place, one tensor after another.
-  Parallel reads(kRemoteTensorsAtOnce);
+  // tensors are fetched at a time there (each in parallel ranged GETs of its own). A local
+  // disk is kept busy by a few reads at once, each hashed on its own thread.
+  Parallel reads(remote_source ? kRemoteTensorsAtOnce : kLocalTensorsAtOnce);
   uint64_t offset = 0;
   SplitCopy copy;
   for (size_t i = 0; i < matched.size(); ++i) {
@@ -578,7 +578,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
       ConvertElements(saved_dtype, t.dtype, into, into, tensor.bytes / itemsize);
       return absl::OkStatus();
     };
-    if (remote_source) {
+    if (remote_source || plan->tensors[i].bytes >= kLocalReadAsideBytes) {
       CKPT_RETURN_IF_ERROR(reads.Run(read));
     } else {
       CKPT_RETURN_IF_ERROR(read());

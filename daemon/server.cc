@@ -43,6 +43,7 @@
 #include "daemon/upload/uploader.h"
 #include "daemon/persist/disk_quota.h"
 #include "daemon/persist/write_queue.h"
+#include "daemon/restore/snapshot_manifest.h"
 #include "daemon/restore/step_agreement.h"
 #include "daemon/schedule/save_clock.h"
 #include "daemon/control/control_fd_server.h"
@@ -191,9 +192,11 @@ struct Server::Parts {
   SaveClockPtr save_clock;  // which steps jobs that save by time save at
   std::unique_ptr<Stager> stager;
   std::unique_ptr<Restorer> restorer;
+  // Before `sessions`, so destroyed after them: a session that ends as the registry's ticker
+  // stops gives its arenas back (TSan saw the budget freed first, at shutdown).
+  std::unique_ptr<ArenaBudget> arena_budget;  // what mapped arenas may cost, per user
   SessionRegistry sessions;
   ArenaDeposits arenas;  // trainers' arenas handed over before they register
-  std::unique_ptr<ArenaBudget> arena_budget;  // what mapped arenas may cost, per user
   std::unique_ptr<TrainerService> trainer_service;
   PeerTable peers;  // who is at the other end of each accepted socket connection
   std::unique_ptr<AdminService> admin_service;
@@ -321,6 +324,9 @@ absl::Status StartGroup(Server::Parts& p) {
     publish.discard = [store = p.store.get()](const std::string& job, uint64_t step) {
       (void)store->AbortStep(job, step);
     };
+    publish.hold_origins = [retention = p.retention.get()](const format::Manifest& m) {
+      return retention->HoldSteps(m.job, m.increment->origin_steps);
+    };
   }
   if (c.replication_k != 0) {
     p.fragments = std::make_unique<replicate::FragmentStore>(c.replica_bytes != 0 ? c.replica_bytes : c.staging_bytes,
@@ -416,19 +422,28 @@ absl::Status StartReplication(Server::Parts& p) {
 }
 
 // This node's manifest of a committed step (node 0 holds the whole step's: its part is cut
-// from it), sealed with the step's fragments at the holders.
+// from it), sealed with the step's fragments at the holders: as the peers hold the step, each
+// rank's staged snapshot (SnapshotManifest: an incremental step's own manifest places pieces
+// in files, or in earlier steps' files). `manifest`: of the whole step, this node's scoped
+// one, or this node's part of an indexed step.
 void ReplicateCommitted(Server::Parts& p, const format::Manifest& manifest, const std::vector<StagedSnapshotPtr>& local) {
   std::vector<uint32_t> ranks;
   for (const StagedSnapshotPtr& snap : local) ranks.push_back(snap->rank);
-  std::string json;
-  if (manifest.scope || manifest.nodes.empty()) {
-    json = format::ManifestToJson(manifest);
-  } else {
+  std::optional<format::Manifest> cut;
+  if (!manifest.scope && !manifest.nodes.empty()) {
     const std::string whole = format::ManifestToJson(manifest);
-    json = format::ManifestToJson(
-        group::NodeManifestFromWhole(manifest, format::ChecksumOf(whole.data(), whole.size()), p.config.node_rank));
+    cut = group::NodeManifestFromWhole(manifest, format::ChecksumOf(whole.data(), whole.size()), p.config.node_rank);
   }
-  p.replicator->Committed(manifest.job, manifest.step, std::move(ranks), std::move(json), manifest.unix_time);
+  absl::StatusOr<format::Manifest> sealed = SnapshotManifest(cut ? *cut : manifest, local);
+  if (!sealed.ok()) {
+    // Never sealed with a manifest its fragments do not match: the step is not replicated.
+    log::Get(log::Component::kGroup)
+        .error("[{} s{}] not replicated: {}", manifest.job, manifest.step, Message(sealed.status()));
+    p.replicator->Failed(manifest.job, manifest.step);
+    return;
+  }
+  p.replicator->Committed(manifest.job, manifest.step, std::move(ranks), format::ManifestToJson(*sealed),
+                          manifest.unix_time);
 }
 
 const char* MemberState(group::MemberState s) { return group::MemberStateName(s); }
@@ -772,6 +787,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
       *p->store, persist::RetentionPolicy{config.keep_last, config.keep_every},
       [hot = p->hot.get()](const std::string& job, uint64_t step) { hot->Drop(job, step); },
       [board = &p->board](const std::string& message) { board->RecordError(message); });
+  // A held step whose last referrer went in a retention pass ckptd died in goes now, not at
+  // its job's next commit (a job that never commits again would keep it).
+  if (absl::StatusOr<std::vector<std::string>> jobs = p->store->ListJobs(); own_steps && jobs.ok()) {
+    for (const std::string& job : *jobs) {
+      absl::StatusOr<std::vector<format::StepRun>> held = p->store->ListHeld(job);
+      if (held.ok() && !held->empty()) p->retention->ScheduleSweep(job);
+    }
+  }
   if (config.increments) {
     p->increment_bases = std::make_unique<persist::IncrementBases>();
     p->increment_writer = std::make_unique<persist::IncrementWriter>(
@@ -807,6 +830,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         }
       }
       o.wait_for_parts = std::chrono::milliseconds(config.upload_wait_ms);
+      o.remote_retention = p->remote_retention.get();  // an incremental step's origins pinned there
       // A job's owner record goes to the bucket before its first step does.
       o.before_upload = [owners = p->owners.get()](const std::string& job) {
         return owners->PublishRemote(job);
@@ -829,14 +853,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
     parts->board.checkpoints_committed++;
     metrics::Metrics().checkpoints.With({"committed"}).Add();
     parts->last_commits.Record(manifest.job, manifest.step, std::chrono::system_clock::now());
+    // An index (a step too large for one manifest, on a shared root) lists no pieces: this
+    // node's ranks are in its part, read back once.
+    std::optional<format::Manifest> part;
+    if (manifest.index && !local.empty() && (parts->increment_bases || parts->replicator)) {
+      bool from_index = false;
+      auto mine = parts->store->LoadManifestForRank(manifest.job, manifest.step, local.front()->rank, &from_index);
+      if (mine.ok()) part = std::move(*mine);
+    }
     if (parts->increment_bases) {
       // The next save of each of these ranks' sessions references this step.
       std::vector<std::pair<uint32_t, uint64_t>> ranks;
       for (const StagedSnapshotPtr& snap : local) ranks.emplace_back(snap->rank, snap->session_started_unix_ns);
-      parts->increment_bases->Committed(manifest, ranks);
+      parts->increment_bases->Committed(part ? *part : manifest, ranks);
     }
     parts->hot->Insert(local);
-    if (parts->replicator) ReplicateCommitted(*parts, manifest, local);
+    if (parts->replicator) ReplicateCommitted(*parts, part ? *part : manifest, local);
     // On a shared store retention and uploads are the coordinator's (every node would
     // delete, or upload, the same).
     if (own_steps) {
@@ -913,13 +945,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.daemon_uid = ::geteuid();
   limits.allow_uids = config.allow_uids;
   limits.deposits = &p->arenas;
+  limits.frozen_check_every = config.frozen_check_every;
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, *p->upload_policies,
       DescriptorSocketPath(config.socket));
   if (p->increment_bases) {
     p->trainer_service->set_restored_hook([parts = p.get()](const std::string& job, uint32_t rank, uint64_t session,
-                                                            uint64_t step) {
+                                                            uint64_t step, RestoreResult::Source source) {
+      // Rebuilt from peers: this node lacks the rank's file of the step (a replacement, a
+      // disk that lost files), and maybe the files it references. Its manifest, if this root
+      // still has one, is no base: the next save is written whole.
+      if (source == RestoreResult::Source::kPeer) return;
       // Its rank's part of the step as this node holds it (what the writer may reference).
       bool from_index = false;
       absl::StatusOr<format::Manifest> manifest = parts->store->LoadManifestForRank(job, step, rank, &from_index);

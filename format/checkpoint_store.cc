@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <optional>
 #include <cctype>
+#include <set>
 
 #include "common/names.h"
 #include "common/status.h"
@@ -75,7 +76,7 @@ absl::Status CheckpointStore::BeginStep(const std::string& job, uint64_t step) {
   if (WritesInPlace() && Committed(job, step)) {
     return absl::AlreadyExistsError(fmt::format("step {} of job {} is already committed", step, job));
   }
-  return objects_->RemovePrefix(TempStepKey(job, step));  // a leftover of a crashed attempt
+  return RemoveUnheld(TempStepKey(job, step));  // a leftover of a crashed attempt
 }
 
 absl::Status CheckpointStore::Commit(const Manifest& manifest) {
@@ -144,8 +145,10 @@ absl::StatusOr<std::optional<Manifest>> CheckpointStore::LoadPrepared(const std:
   return std::optional<Manifest>(std::move(part));
 }
 
+bool CheckpointStore::IsPreparedRecord(std::string_view file) { return file == kPreparedName; }
+
 absl::Status CheckpointStore::AbortStep(const std::string& job, uint64_t step) {
-  absl::Status removed = objects_->RemovePrefix(TempStepKey(job, step));
+  absl::Status removed = RemoveUnheld(TempStepKey(job, step));
   if (removed_hook_) removed_hook_(job);
   return removed;
 }
@@ -212,6 +215,26 @@ absl::Status CheckpointStore::Retire(const std::string& job, uint64_t step, uint
   if (!Committed(job, step)) {
     return absl::NotFoundError(fmt::format("job {} has no committed checkpoint at step {}", job, step));
   }
+  if (WritesInPlace()) {
+    // Nothing moves on an object store: a record naming the step's files goes first, then the
+    // manifest (the step leaves every listing), then what no record keeps (an index's parts).
+    // A crash in between leaves the step published with its record, which the next pass
+    // retires again, or a held step.
+    CKPT_ASSIGN_OR_RETURN(Manifest manifest, LoadManifest(job, step));
+    if (manifest.run != run) {
+      return absl::AbortedError(fmt::format("step {} of job {} was saved again by another run", step, job));
+    }
+    HeldRecord record{job, step, run, {}, std::nullopt};
+    for (const ManifestShard& s : manifest.shards) record.files.push_back({s.file, s.bytes});
+    const std::string prefix = StepKey(job, step);
+    CKPT_RETURN_IF_ERROR(objects_->Put(prefix + "/" + RetiredRecordName(run), HeldRecordJson(record)));
+    CKPT_RETURN_IF_ERROR(objects_->Remove(prefix + "/" + kManifestName));
+    {
+      std::lock_guard lock(mu_);
+      records_.erase({job, step});
+    }
+    return RemoveUnheld(prefix);
+  }
   CKPT_RETURN_IF_ERROR(objects_->Retire(StepKey(job, step), job + "/" + HeldStepDirName(step, run)));
   std::lock_guard lock(mu_);
   records_.erase({job, step});
@@ -225,17 +248,134 @@ absl::StatusOr<std::vector<StepRun>> CheckpointStore::ListHeld(const std::string
   for (const storage::ListEntry& e : entries) {
     StepRun s;
     if (e.is_prefix && ParseHeldStepDirName(e.name, &s)) held.push_back(s);
+    uint64_t step = 0;
+    if (!WritesInPlace() || !e.is_prefix || !ParseStepDirName(e.name, &step)) continue;
+    // An object store's held steps are records beside the files (format/held_records.h).
+    CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> objects, objects_->List(job + "/" + e.name));
+    for (const storage::ListEntry& o : objects) {
+      uint64_t run = 0;
+      if (!o.is_prefix && ParseHeldRecordName(o.name, &run)) held.push_back({step, run});
+    }
   }
   std::sort(held.begin(), held.end());
+  held.erase(std::unique(held.begin(), held.end()), held.end());
   return held;
 }
 
 absl::Status CheckpointStore::RemoveHeld(const std::string& job, const StepRun& held) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  if (WritesInPlace()) {
+    const std::string prefix = StepKey(job, held.step);
+    CKPT_ASSIGN_OR_RETURN(auto records, HeldRecords(prefix));
+    std::vector<std::string> names;
+    std::set<std::string> files;
+    std::optional<uint64_t> carried_for;
+    for (const auto& [name, record] : records) {
+      if (record.run != held.run) continue;
+      names.push_back(name);
+      for (const HeldFile& f : record.files) files.insert(f.file);
+      if (record.carried_for) carried_for = std::max(carried_for.value_or(0), *record.carried_for);
+    }
+    // Published again by the same run (a crash between a retirement's record and the
+    // manifest's deletion): the step's files are its own again; only the records go.
+    absl::StatusOr<StepRecord> published = Record(job, held.step);
+    const bool own_again = published.ok() && published->run == held.run;
+    if (carried_for && !own_again) {
+      // Carried for a step that may still be published: kept until a newer one is.
+      CKPT_ASSIGN_OR_RETURN(std::vector<uint64_t> steps, ListSteps(job));
+      if (steps.empty() || *carried_for >= steps.back()) {
+        return absl::FailedPreconditionError(fmt::format(
+            "step {} of job {}: its files were carried for step {}, which may still be published", held.step, job,
+            *carried_for));
+      }
+    }
+    if (!own_again) {
+      for (const std::string& f : files) CKPT_RETURN_IF_ERROR(objects_->Remove(prefix + "/" + f));
+    }
+    for (const std::string& n : names) CKPT_RETURN_IF_ERROR(objects_->Remove(prefix + "/" + n));
+    if (removed_hook_) removed_hook_(job);
+    return absl::OkStatus();
+  }
   // Out of sight first (renamed .deleting, swept at start-up after a crash), then removed.
   absl::Status s = objects_->Retract(job + "/" + HeldStepDirName(held.step, held.run), kManifestName);
   if (removed_hook_) removed_hook_(job);
   return absl::IsNotFound(s) ? absl::OkStatus() : s;
+}
+
+std::string CheckpointStore::CarriedFileKey(const std::string& job, const StepRun& origin,
+                                            const std::string& file) const {
+  if (WritesInPlace()) return StepKey(job, origin.step) + "/" + file;
+  return job + "/" + HeldStepDirName(origin.step, origin.run) + "/" + file;
+}
+
+absl::Status CheckpointStore::RecordCarried(const std::string& job, const StepRun& origin, uint32_t node,
+                                            uint64_t carried_for, const std::vector<HeldFile>& files) {
+  CKPT_RETURN_IF_ERROR(ValidateJobName(job));
+  const std::string key = CarriedFileKey(job, origin, CarriedRecordName(origin.run, node));
+  HeldRecord record{job, origin.step, origin.run, {}, carried_for};
+  // What this node carried before for an older step stays named (only this node writes it).
+  CKPT_ASSIGN_OR_RETURN(bool there, objects_->Exists(key));
+  if (there) {
+    CKPT_ASSIGN_OR_RETURN(std::string text, objects_->Get(key, kMaxHeldRecordBytes));
+    absl::StatusOr<HeldRecord> before = ParseHeldRecord(text, objects_->Describe(key));
+    if (before.ok()) {
+      record.files = before->files;
+      if (before->carried_for) record.carried_for = std::max(carried_for, *before->carried_for);
+    }
+  }
+  for (const HeldFile& f : files) {
+    if (std::find(record.files.begin(), record.files.end(), f) == record.files.end()) record.files.push_back(f);
+  }
+  return objects_->Put(key, HeldRecordJson(record));
+}
+
+absl::StatusOr<std::map<std::string, HeldRecord>> CheckpointStore::HeldRecords(const std::string& prefix) {
+  std::map<std::string, HeldRecord> records;
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> objects, objects_->List(prefix));
+  uint64_t step = 0;
+  const size_t slash = prefix.rfind('/');
+  const bool named = slash != std::string::npos && ParseStepDirName(prefix.substr(slash + 1), &step);
+  for (const storage::ListEntry& o : objects) {
+    uint64_t run = 0;
+    if (o.is_prefix || !ParseHeldRecordName(o.name, &run)) continue;
+    const std::string key = prefix + "/" + o.name;
+    CKPT_ASSIGN_OR_RETURN(std::string text, objects_->Get(key, kMaxHeldRecordBytes));
+    // A record that cannot be read keeps everything: what it holds cannot be told.
+    CKPT_ASSIGN_OR_RETURN(HeldRecord record, ParseHeldRecord(text, objects_->Describe(key)));
+    if (record.run != run || !named || record.step != step) {
+      return absl::DataLossError(fmt::format("{} is a record of step {} of run {:016x}", objects_->Describe(key),
+                                             record.step, record.run));
+    }
+    records.emplace(o.name, std::move(record));
+  }
+  return records;
+}
+
+absl::Status CheckpointStore::RemoveUnheld(const std::string& prefix) {
+  if (!WritesInPlace()) return objects_->RemovePrefix(prefix);
+  CKPT_ASSIGN_OR_RETURN(auto records, HeldRecords(prefix));
+  if (records.empty()) return objects_->RemovePrefix(prefix);  // and its unfinished uploads
+  std::set<std::string> kept;
+  for (const auto& [name, record] : records) {
+    kept.insert(name);
+    for (const HeldFile& f : record.files) kept.insert(f.file);
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::ListEntry> objects, objects_->List(prefix));
+  for (const storage::ListEntry& o : objects) {
+    if (o.is_prefix) {
+      CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(prefix + "/" + o.name));
+    } else if (!kept.count(o.name)) {
+      CKPT_RETURN_IF_ERROR(objects_->Remove(prefix + "/" + o.name));
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(std::vector<storage::UnfinishedUpload> unfinished, objects_->ListUnfinishedUploads(prefix));
+  for (const storage::UnfinishedUpload& u : unfinished) {
+    const std::string name = u.key.substr(u.key.rfind('/') + 1);
+    if (u.key.compare(0, prefix.size() + 1, prefix + "/") == 0 && !kept.count(name)) {
+      CKPT_RETURN_IF_ERROR(objects_->AbortUpload(u));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<std::string>> CheckpointStore::ListJobs() {
@@ -348,6 +488,8 @@ absl::StatusOr<std::vector<CheckpointSummary>> ListCheckpoints(CheckpointStore& 
         if (says("ckptd.ephemeral")) c.flags.push_back("ephemeral");
         if (says("weights_only")) c.flags.push_back("weights-only");
         for (const UserFile& f : UserFiles(*manifest)) c.files.push_back(f.name);
+      } else if (absl::IsNotFound(manifest.status()) && !store.Committed(j, step)) {
+        continue;  // removed since it was listed (retention, a delete): no longer a step
       } else {
         c.error = Message(manifest.status());
       }
@@ -384,7 +526,23 @@ bool CheckpointStore::HasRankFile(const std::string& job, uint64_t step, uint32_
 
 absl::Status CheckpointStore::Delete(const std::string& job, uint64_t step) {
   CKPT_RETURN_IF_ERROR(ValidateJobName(job));
-  absl::Status retracted = objects_->Retract(StepKey(job, step), kManifestName);
+  absl::Status retracted;
+  if (WritesInPlace()) {
+    // The marker first, then the step's objects, but what held records keep beside them (an
+    // earlier run's step of this number that later steps reference).
+    const std::string prefix = StepKey(job, step);
+    absl::StatusOr<bool> there = objects_->Exists(prefix + "/" + kManifestName);
+    if (!there.ok()) {
+      retracted = there.status();
+    } else if (!*there) {
+      retracted = absl::NotFoundError(fmt::format("{} holds no {}", objects_->Describe(prefix), kManifestName));
+    } else {
+      retracted = objects_->Remove(prefix + "/" + kManifestName);
+      if (retracted.ok()) retracted = RemoveUnheld(prefix);
+    }
+  } else {
+    retracted = objects_->Retract(StepKey(job, step), kManifestName);
+  }
   {
     std::lock_guard lock(mu_);
     records_.erase({job, step});  // what is cached is what is there: bounded by the steps kept
@@ -423,8 +581,13 @@ absl::StatusOr<int> CheckpointStore::RemoveStaleTemp(bool keep_step_tmp) {
       if (e.name.compare(0, 5, "step-") == 0 &&
           (((EndsWith(e.name, ".tmp") || UnfinishedInPlace(job, e, &step)) && !keep_step_tmp) ||
            e.name.find(".deleting") != std::string::npos)) {
-        CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(job + "/" + e.name));
+        CKPT_RETURN_IF_ERROR(RemoveUnheld(job + "/" + e.name));
         ++removed;
+      } else if (keep_step_tmp && e.is_prefix && ParseStepDirName(e.name, &step)) {
+        // Only a group writes these records, and only a crash just after a commit leaves one.
+        const std::string record = job + "/" + e.name + "/" + kPreparedName;
+        CKPT_ASSIGN_OR_RETURN(bool left, objects_->Exists(record));
+        if (left) CKPT_RETURN_IF_ERROR(objects_->RemovePrefix(record));
       }
     }
   }

@@ -12,12 +12,14 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "storage/filesystem.h"
 #include "storage/store.h"
+#include "format/held_records.h"
 #include "format/indexed_manifest.h"
 #include "format/manifest.h"
 
@@ -76,6 +78,10 @@ class CheckpointStore {
   absl::Status RecordPrepared(const Manifest& part);
   // nullopt when the step's staging holds none.
   absl::StatusOr<std::optional<Manifest>> LoadPrepared(const std::string& job, uint64_t step);
+  // Whether `file` (a name in a step's directory) is such a record: one a crash between a
+  // commit and its removal left in a committed step, which no reader uses and the next
+  // start of ckptd removes (RemoveStaleTemp).
+  static bool IsPreparedRecord(std::string_view file);
 
   // Committed steps (directories with a manifest), ascending.
   absl::StatusOr<std::vector<uint64_t>> ListSteps(const std::string& job);
@@ -114,20 +120,32 @@ class CheckpointStore {
   absl::Status Delete(const std::string& job, uint64_t step);
   // Retires committed step `step` (of run `run`) that later steps reference (format
   // version 5): out of every listing at once, the step number free for a new run, its files
-  // kept readable in HeldStepDirName(step, run) (docs/format.md). Unimplemented where the
-  // store cannot (S3, for now): the step then stays published.
+  // kept readable (docs/format.md): on a local disk in HeldStepDirName(step, run); on an
+  // object store where they are, kept by a record (format/held_records.h) written before
+  // the manifest is deleted.
   absl::Status Retire(const std::string& job, uint64_t step, uint64_t run);
-  // The retired steps of `job` whose files are still kept, ascending.
+  // The retired steps of `job` whose files are still kept, ascending; on an object store also
+  // the steps whose files an uploader carried (RecordCarried).
   absl::StatusOr<std::vector<StepRun>> ListHeld(const std::string& job);
-  // Removes a retired step's files (nothing references them any more).
+  // Removes a retired step's files (nothing references them any more). On an object store,
+  // FailedPrecondition while a carried record of it names a step not older than the newest
+  // published one (that step may still be published, and read them).
   absl::Status RemoveHeld(const std::string& job, const StepRun& held);
+  // Where a carried file of `origin`'s step goes (an upload of a later step that references
+  // a step the store lacks): beside the step's own files on an object store, in its held
+  // directory elsewhere; and where `node`'s record of what it carried for step `carried_for`
+  // goes, written (merged with what that record named already) before the files are.
+  std::string CarriedFileKey(const std::string& job, const StepRun& origin, const std::string& file) const;
+  absl::Status RecordCarried(const std::string& job, const StepRun& origin, uint32_t node, uint64_t carried_for,
+                             const std::vector<HeldFile>& files);
   // The steps whose files committed step `step` references (Increment::origin_steps; none
   // before version 5), read once per step (a committed manifest never changes). NotFound
   // when the step is not committed.
   absl::StatusOr<std::vector<StepRun>> OriginSteps(const std::string& job, uint64_t step);
   // Start-up sweep: removes every *.deleting directory and, unless `keep_step_tmp`, every
-  // step-N.tmp (a group keeps those: their outcome is asked of the coordinator). Returns
-  // how many.
+  // step-N.tmp (a group keeps those: their outcome is asked of the coordinator); and a
+  // group's records of what it prepared left in committed steps (IsPreparedRecord).
+  // Returns how many directories it removed.
   absl::StatusOr<int> RemoveStaleTemp(bool keep_step_tmp = false);
   // How many steps' runs are cached (tests: bounded by the steps there are).
   size_t cached_runs() {
@@ -147,6 +165,11 @@ class CheckpointStore {
   bool WritesInPlace() const;
   // `e` is a step written in place and never committed (its number in `step`).
   bool UnfinishedInPlace(const std::string& job, const storage::ListEntry& e, uint64_t* step);
+  // Object stores: the held records under `prefix` (a step's key), by object name.
+  absl::StatusOr<std::map<std::string, HeldRecord>> HeldRecords(const std::string& prefix);
+  // Removes what is under `prefix` (a step's key, or its staging) but what a held record
+  // keeps there (the records, and the files they name): on a local disk, everything.
+  absl::Status RemoveUnheld(const std::string& prefix);
 
   storage::StorePtr objects_;
   std::string root_;

@@ -30,10 +30,16 @@ Manifest IndexHeader(const Manifest& part) {
 void AddToIndex(Manifest& index, const Manifest& part, const std::string& text) {
   ManifestNode holds{part.scope ? part.scope->node : 0, {}};
   for (const ManifestShard& s : part.shards) holds.ranks.push_back(s.rank);
-  AddToIndex(index, std::move(holds), text.size(), ManifestDigest(text));
+  AddToIndex(index, std::move(holds), text.size(), ManifestDigest(text),
+             part.increment ? part.increment->origin_steps : std::vector<StepRun>{});
 }
 
-void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum) {
+void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum,
+                const std::vector<StepRun>& origin_steps) {
+  if (index.increment) {
+    // The index's origin steps are the union of its parts' (what retention reads of it).
+    AddIncrement(*index.increment, Increment{0, 0, origin_steps, {}});
+  }
   const uint32_t node = holds.node;
   index.nodes.push_back(std::move(holds));
   index.index->parts.push_back({node, ManifestPartFileName(node), bytes, std::move(checksum)});

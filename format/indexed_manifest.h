@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "format/manifest.h"
@@ -18,12 +19,13 @@ namespace ckpt::format {
 // every part of one commit has the same header and scope figures), with no parts yet.
 Manifest IndexHeader(const Manifest& part);
 
-// Adds node-scoped `part`, whose text as written is `text`, to `index`. Parts are added in
-// ascending node order.
+// Adds node-scoped `part`, whose text as written is `text`, to `index` (and, in version 5, its
+// origin steps to the index's). Parts are added in ascending node order.
 void AddToIndex(Manifest& index, const Manifest& part, const std::string& text);
-// The same from what is known of the part without it: the node, its ranks, and its text's
-// size and checksum (a remote publisher's reports).
-void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum);
+// The same from what is known of the part without it: the node, its ranks, its text's size
+// and checksum, and in version 5 its origin steps (a remote publisher's reports).
+void AddToIndex(Manifest& index, ManifestNode holds, uint64_t bytes, std::string checksum,
+                const std::vector<StepRun>& origin_steps = {});
 
 // Reads the text of a part of the step by its file name (ManifestPartFileName), at most
 // `max_bytes` of it.

@@ -2,6 +2,8 @@
 
 #include "format/tiling.h"
 
+#include "common/status.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 namespace ckpt::format {
@@ -97,6 +100,7 @@ void Pack(std::map<std::string, ManifestTensor>&& tensors, PackedTensors& out) {
       p.flat = static_cast<uint32_t>(s.flat.size());
       p.offset_dims = static_cast<uint32_t>(s.offset.size());
       p.shape_dims = static_cast<uint32_t>(s.shape.size());
+      p.chunk_bytes = s.chunk_bytes;
       add(s.offset);
       add(s.shape);
       for (const ElementRange& r : s.flat) {
@@ -107,6 +111,107 @@ void Pack(std::map<std::string, ManifestTensor>&& tensors, PackedTensors& out) {
     tensor.shards = {};  // freed as it goes: the part is not held twice
   }
   out.coords.shrink_to_fit();
+}
+
+// A version 5 part's places (PartValues::places) moved out of `m`, whose pieces and train
+// state are left without them; returns how many pieces and train-state entries it had.
+std::pair<size_t, size_t> TakePlaces(Manifest& m, std::vector<uint64_t>& places) {
+  size_t pieces = 0, blobs = 0;
+  for (auto& [name, tensor] : m.tensors) {
+    for (TensorShard& piece : tensor.shards) {
+      ++pieces;
+      places.push_back(piece.extents.size());
+      if (piece.extents.empty()) {
+        places.push_back(piece.begin);
+        places.push_back(piece.end);
+      }
+      for (const Extent& e : piece.extents) {
+        places.insert(places.end(), {e.chunk_begin, e.chunk_end, e.step ? *e.step + 1 : 0, e.at});
+      }
+      piece.file.clear();  // a piece's file is its rank's, when it has one
+      piece.begin = piece.end = 0;
+      piece.extents = {};
+    }
+  }
+  for (ManifestShard& shard : m.shards) {
+    for (auto& [name, entry] : shard.train_state) {
+      ++blobs;
+      places.insert(places.end(), {entry.begin, entry.end, entry.step ? *entry.step + 1 : 0});
+      entry.begin = entry.end = 0;
+      entry.step.reset();
+    }
+  }
+  return {pieces, blobs};
+}
+
+// Walks `places` as `pieces` pieces and `blobs` train-state entries, calling `piece(n, at)`
+// with each piece's extent count and where its words begin, and `blob(at)` per entry.
+// InvalidArgument when they are not that many, exactly.
+template <typename Piece, typename Blob>
+absl::Status WalkPlaces(const std::vector<uint64_t>& places, size_t pieces, size_t blobs, Piece&& piece, Blob&& blob) {
+  size_t at = 0;
+  auto bad = [&] {
+    return absl::InvalidArgumentError(fmt::format("{} place values do not describe {} pieces and {} train-state entries",
+                                                  places.size(), pieces, blobs));
+  };
+  for (size_t i = 0; i < pieces; ++i) {
+    if (at >= places.size() || places[at] > kMaxPieceChunks) return bad();
+    const uint64_t n = places[at++];
+    const uint64_t words = n == 0 ? 2 : 4 * n;
+    if (places.size() - at < words) return bad();
+    piece(n, at);
+    at += words;
+  }
+  for (size_t i = 0; i < blobs; ++i) {
+    if (places.size() - at < 3) return bad();
+    blob(at);
+    at += 3;
+  }
+  return at == places.size() ? absl::OkStatus() : bad();
+}
+
+std::optional<uint64_t> StepOf(uint64_t word) {
+  return word == 0 ? std::nullopt : std::optional<uint64_t>(word - 1);
+}
+
+// Puts `places` back into `m`, a version 5 part joined from its structure.
+absl::Status PutPlaces(Manifest& m, const std::vector<uint64_t>& places, size_t pieces, size_t blobs) {
+  std::vector<TensorShard*> all_pieces;
+  all_pieces.reserve(pieces);
+  for (auto& [name, tensor] : m.tensors) {
+    for (TensorShard& piece : tensor.shards) all_pieces.push_back(&piece);
+  }
+  std::vector<TrainStateEntry*> all_blobs;
+  all_blobs.reserve(blobs);
+  for (ManifestShard& shard : m.shards) {
+    for (auto& [name, entry] : shard.train_state) all_blobs.push_back(&entry);
+  }
+  if (all_pieces.size() != pieces || all_blobs.size() != blobs) {
+    return absl::InvalidArgumentError("the structure does not have the pieces it counts");
+  }
+  size_t next_piece = 0, next_blob = 0;
+  return WalkPlaces(
+      places, pieces, blobs,
+      [&](uint64_t n, size_t at) {
+        TensorShard& piece = *all_pieces[next_piece++];
+        if (n == 0) {
+          const ManifestShard* shard = m.Shard(piece.rank);
+          piece.file = shard ? shard->file : std::string();
+          piece.begin = places[at];
+          piece.end = places[at + 1];
+          return;
+        }
+        for (uint64_t e = 0; e < n; ++e, at += 4) {
+          piece.extents.push_back({static_cast<uint32_t>(places[at]), static_cast<uint32_t>(places[at + 1]),
+                                   StepOf(places[at + 2]), places[at + 3]});
+        }
+      },
+      [&](size_t at) {
+        TrainStateEntry& entry = *all_blobs[next_blob++];
+        entry.begin = places[at];
+        entry.end = places[at + 1];
+        entry.step = StepOf(places[at + 2]);
+      });
 }
 
 }  // namespace
@@ -143,6 +248,7 @@ ManifestTensor PackedTensors::Unpack(size_t i) const {
     s.flat.reserve(p.flat);
     for (uint32_t r = 0; r < p.flat; ++r, at += 2) s.flat.push_back({at[0], at[1]});
     s.chunk_checksums.resize(p.chunks);
+    s.chunk_bytes = p.chunk_bytes;
   }
   return out;
 }
@@ -179,6 +285,13 @@ SplitResult SplitPart(const Manifest& part) {
   }
   ForEachChecksum(s, [&](std::string& checksum) { v.checksums.push_back(std::exchange(checksum, {})); });
   PackChecksums(v);
+  if (s.increment) {
+    // Version 5: byte ranges and extents change every step, and so does the increment; the
+    // structure keeps only that it is incremental (its text says version 5).
+    v.increment = std::exchange(*s.increment, {});
+    std::tie(structure->located_pieces, structure->located_blobs) = TakePlaces(s, v.places);
+    structure->incremental = true;
+  }
   std::map<uint32_t, uint64_t> ends;  // by rank
   for (const auto& [name, tensor] : s.tensors) {
     for (const TensorShard& piece : tensor.shards) ends[piece.rank] = std::max(ends[piece.rank], piece.end);
@@ -222,6 +335,17 @@ absl::Status CheckValuesFit(const PartStructure& structure, const PartValues& va
                                                   values.checksum_count(), structure.digest,
                                                   structure.checksums));
   }
+  if (values.increment.has_value() != structure.incremental) {
+    return absl::InvalidArgumentError(fmt::format("values {} an increment, but structure {} is {}incremental",
+                                                  values.increment ? "carry" : "lack", structure.digest,
+                                                  structure.incremental ? "" : "not "));
+  }
+  if (!structure.incremental) {
+    if (!values.places.empty()) return absl::InvalidArgumentError("values place pieces of a part not incremental");
+  } else if (!values.withheld || !values.places.empty()) {
+    CKPT_RETURN_IF_ERROR(WalkPlaces(values.places, structure.located_pieces, structure.located_blobs,
+                                    [](uint64_t, size_t) {}, [](size_t) {}));
+  }
   return absl::OkStatus();
 }
 
@@ -239,6 +363,9 @@ std::shared_ptr<const PartStructure> Summarize(const PartStructure& structure) {
   summary->checksums = structure.checksums;
   summary->min_bytes = structure.min_bytes;
   summary->ranks = structure.ranks;
+  summary->incremental = structure.incremental;
+  summary->located_pieces = structure.located_pieces;
+  summary->located_blobs = structure.located_blobs;
   summary->summary = true;
   return summary;
 }
@@ -252,6 +379,7 @@ PartValues PartValues::WithChecksumsWithheld() const {
   v.metadata = metadata;
   v.ranks = ranks;
   v.withheld = checksum_count();
+  v.increment = increment;
   return v;
 }
 
@@ -283,6 +411,10 @@ absl::StatusOr<Manifest> JoinPart(const PartStructure& structure, const PartValu
     ForEachChecksum(m, [&](std::string& checksum) { checksum = values.checksums[next++]; });
   } else {
     ForEachChecksum(m, [&](std::string& checksum) { checksum = fmt::format("xxh3:{:016x}", values.xxh3[next++]); });
+  }
+  if (structure.incremental) {
+    m.increment = values.increment;
+    CKPT_RETURN_IF_ERROR(PutPlaces(m, values.places, structure.located_pieces, structure.located_blobs));
   }
   return m;
 }

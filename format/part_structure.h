@@ -1,6 +1,7 @@
 // A node's manifest part, split into what stays the same from step to step (its structure:
 // tensor names, dtypes, shapes, placements, files and byte ranges) and what each step
-// changes (checksums, shard sizes, metadata, times). A group agrees on a structure once, by
+// changes (checksums, shard sizes, metadata, times; in format version 5 also where each
+// piece's bytes are, and the increment). A group agrees on a structure once, by
 // its digest, and then sends only the values each step (docs/architecture.md, "The group
 // at scale"): a node with 8 ranks of 200 tensors prepares ~40 KiB a step instead of ~390.
 #pragma once
@@ -8,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +40,7 @@ struct PackedTensors {
     uint32_t flat = 0;       // flat ranges
     uint32_t offset_dims = 0;
     uint32_t shape_dims = 0;
+    uint64_t chunk_bytes = 0;  // version 5: the piece's own chunk size
   };
   struct Holder {
     uint32_t rank = 0;
@@ -69,6 +72,12 @@ struct PartStructure {
   // checks and places 10,000 nodes' ranks a step, a cache line per part instead of one per
   // shard.
   std::vector<uint32_t> ranks;
+  // Of format version 5 (an incremental part): where each piece's and train-state entry's
+  // bytes are is a value (PartValues::places), as are the part's increment and its shards'
+  // byte ranges, and these count the places a part of this structure has.
+  bool incremental = false;
+  size_t located_pieces = 0;
+  size_t located_blobs = 0;  // train-state entries
   // Only a summary (Summarize): no tensors, packed or not. Enough to check a step's values
   // and describe its ranks, not to check tiling or to join a part again.
   bool summary = false;
@@ -105,6 +114,17 @@ struct PartValues {
   // nodes x 8 ranks x 200 tensors they were 128 MB a step that node 0 parsed to discard.
   size_t withheld = 0;
   size_t checksum_count() const { return withheld ? withheld : xxh3.empty() ? checksums.size() : xxh3.size(); }
+  // Version 5 (an incremental part): where its bytes are this step, which changes every step
+  // (docs/design/incremental.md, section 10). Packed in the structure's order: per tensor (by
+  // name), per piece, a count n of extents, then for n = 0 the piece's byte range in its
+  // rank's own file (begin, end), else n extents as (chunk begin, chunk end, the origin's
+  // step + 1 or 0 for the rank's own file, at); then per rank, per train-state entry,
+  // (begin, end, the origin's step + 1 or 0). Left out with withheld checksums: nothing is
+  // assembled from them.
+  std::vector<uint64_t> places;
+  // Version 5: the part's increment (its ranks' own and referenced bytes, origin steps and
+  // origins); set exactly when the structure is incremental.
+  std::optional<Increment> increment;
   // The same values with only the count of their checksums.
   PartValues WithChecksumsWithheld() const;
 };

@@ -695,6 +695,8 @@ class S3Store final : public Store {
 
   void Cancel() override { client_->Cancel(); }
 
+  absl::Status Remove(const std::string& key) override { return DeleteKey(client_->Key(key)); }
+
   absl::Status RemovePrefix(const std::string& prefix) override {
     std::vector<std::string> keys;
     const std::string base = client_->Key(prefix);

@@ -114,6 +114,9 @@ class Store {
     return absl::UnimplementedError(Describe(published) +
                                     " cannot retire a step and keep its files readable: kept published");
   }
+  // Removes the one object at `key`; Ok when none is there. This default removes `key` as a
+  // prefix, which on a local disk is the file itself.
+  virtual absl::Status Remove(const std::string& key) { return RemovePrefix(key); }
   // Removes everything under `prefix` (objects never published, a staging prefix; on S3
   // also the multipart uploads begun under it and never completed, which a kill leaves
   // invisible but stored). Ok when nothing is there.

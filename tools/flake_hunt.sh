@@ -17,7 +17,7 @@ builds=${CKPTD_FLAKE_BUILDS:-plain asan tsan}
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
   targets=(//tests/integration:group_test //tests/integration:replication_test //tests/integration:remote_test
-           //tests/integration:kill_loop_test //tests/integration:lifecycle_test //tests/integration:step_reuse_test
+           //tests/integration:kill_loop_test //tests/integration:kill_loop_increments_test //tests/integration:lifecycle_test //tests/integration:step_reuse_test
            //tests/integration:ownership_test)
 fi
 

@@ -81,7 +81,8 @@ if [ "${CKPTD_SKIP_BENCH:-0}" != 1 ]; then
                "erasure_bench:bazel-bin/tests/bench/erasure_bench --mib 8 --rounds 1" \
                "replica_transport_bench:bazel-bin/tests/bench/replica_transport_bench --mib 4 --streams 2 --rounds 1" \
                "remote_bench:.venv/bin/python tests/bench/remote_bench.py --quick" \
-               "replica_bench:.venv/bin/python tests/bench/replica_bench.py --quick"; do
+               "replica_bench:.venv/bin/python tests/bench/replica_bench.py --quick" \
+               "increment_bench:.venv/bin/python tests/bench/increment_bench.py --quick --bucket"; do
     name=${bench%%:*}
     if out=$(timeout 600 ${bench#*:} 2>&1); then
       echo "$out"

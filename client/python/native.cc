@@ -222,6 +222,14 @@ class PyClient {
   void Update() { Check(WithoutGil([&] { return client_->Update(); })); }
 
   void RemoveTensor(const std::string& name) { Check(client_->RemoveTensor(name)); }
+  // Updated a few rows at a time: small chunks with increments; before register().
+  void MarkSparse(const std::vector<std::string>& names) {
+    for (const std::string& name : names) Check(client_->MarkSparse(name));
+  }
+  // Frozen (true) or ordinary again, at the next update() once registered.
+  void SetFrozen(const std::vector<std::string>& names, bool frozen) {
+    for (const std::string& name : names) Check(frozen ? client_->Freeze(name) : client_->Thaw(name));
+  }
 
   std::vector<uint64_t> CommittedSteps() const { return client_->committed_steps(); }
   uint64_t CommittedCount() const { return client_->committed_count(); }
@@ -392,6 +400,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("run") = 0)
       .def("update", &PyClient::Update)
       .def("remove", &PyClient::RemoveTensor, py::arg("name"))
+      .def("set_frozen", &PyClient::SetFrozen, py::arg("names"), py::arg("frozen"))
+      .def("mark_sparse", &PyClient::MarkSparse, py::arg("names"))
       .def("unregister", &PyClient::Unregister)
       .def_property_readonly("committed_steps", &PyClient::CommittedSteps)
       .def_property_readonly("committed_count", &PyClient::CommittedCount)

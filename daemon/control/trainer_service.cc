@@ -178,6 +178,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
     spec.cast = request->cast();
     std::lock_guard lock(s->data_mutex());
     absl::StatusOr<RestoreResult> restored = restorer_.Restore(s->view(), spec);
+    s->TensorsRestored();  // whatever it wrote, frozen tensors are the trainer's to copy again
     if (!restored.ok()) {
       // The trainer sees a message cut to what fits in a gRPC status; the log has all of it.
       log::Get(log::Component::kControl)
@@ -185,7 +186,7 @@ grpc::Status TrainerService::Restore(grpc::ServerContext* ctx, const RestoreRequ
       return restored.status();
     }
     RestoreResult& result = *restored;
-    if (result.found && restored_hook_) restored_hook_(s->job(), s->rank(), s->started_unix_ns(), result.step);
+    if (result.found && restored_hook_) restored_hook_(s->job(), s->rank(), s->started_unix_ns(), result.step, result.source);
     reply->set_found(result.found);
     reply->set_step(result.step);
     reply->set_bytes(result.bytes);

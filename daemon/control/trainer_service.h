@@ -40,9 +40,11 @@ class TrainerService final : public ::ckptd::v1::Trainer::Service {
                         ::ckptd::v1::SnapshotReply* reply) override;
   grpc::Status Wait(grpc::ServerContext*, const ::ckptd::v1::WaitRequest* request,
                     ::ckptd::v1::WaitReply* reply) override;
-  // Called after a session restored `step` of its job (--increments on: the step becomes the
-  // rank's base, so the session's first save references what it did not change).
-  using RestoredHook = std::function<void(const std::string& job, uint32_t rank, uint64_t session, uint64_t step)>;
+  // Called after a session restored `step` of its job from `source` (--increments on: the
+  // step becomes the rank's base, so the session's first save references what it did not
+  // change, when this node holds the step's files).
+  using RestoredHook = std::function<void(const std::string& job, uint32_t rank, uint64_t session, uint64_t step,
+                                          RestoreResult::Source source)>;
   void set_restored_hook(RestoredHook hook) { restored_hook_ = std::move(hook); }
 
   grpc::Status Restore(grpc::ServerContext*, const ::ckptd::v1::RestoreRequest* request,

@@ -452,6 +452,12 @@ CommittedStep DescribeParts(const PreparedParts& parts, uint32_t tensors) {
     share.ranks += static_cast<uint32_t>(ranks.size());
     share.bytes += part.brief.bytes;
     h.step_bytes += part.brief.bytes;
+    if (v.increment) {
+      // Summed into the header, which node-scoped manifests and an index record.
+      h.incremental = true;
+      h.own_bytes += v.increment->own_bytes;
+      h.referenced_bytes += v.increment->referenced_bytes;
+    }
   }
   h.nodes = static_cast<uint32_t>(c.shares.size());
   return c;
@@ -512,6 +518,17 @@ Decision CommitCoordinator::Decide(const Key& key, CompleteRound complete, Notif
       } else {
         unpublishable = index.status();
       }
+      recorded = unpublishable;
+    }
+  }
+  std::shared_ptr<void> origins_held;  // until the step is published, below
+  if (recorded.ok() && options_.publish.hold_origins && published_manifest && published_manifest->increment &&
+      !published_manifest->increment->origin_steps.empty()) {
+    absl::StatusOr<std::shared_ptr<void>> held = options_.publish.hold_origins(*published_manifest);
+    if (held.ok()) {
+      origins_held = std::move(*held);
+    } else {
+      unpublishable = held.status();
       recorded = unpublishable;
     }
   }

@@ -65,6 +65,12 @@ class CommitCoordinator {
     // (CheckpointStore::WriteManifestPart): a step whose whole manifest is too large.
     std::function<absl::Status(const format::Manifest& part, format::Manifest& index)> write_part;
     std::function<void(const std::string& job, uint64_t step)> discard;
+    // An incremental step (format version 5) references earlier steps' files, which the
+    // coordinator's retention manages on the shared root: before the decision is recorded,
+    // pins the steps `manifest` (whole, or the index) references and checks that each is
+    // still there, committed or held; the pin lives until the step is published. An error
+    // aborts the step (a node's base went while it wrote: its next save is full).
+    std::function<absl::StatusOr<std::shared_ptr<void>>(const format::Manifest& manifest)> hold_origins;
   };
 
   struct Options {

@@ -18,15 +18,21 @@ namespace {
 
 // What a node-scoped manifest says of the whole step `whole`, whose text hashes to `digest`.
 StepHeader HeaderOf(const format::Manifest& whole, std::string digest) {
-  return {whole.world_size,
-          static_cast<uint32_t>(whole.nodes.size()),
-          whole.total_bytes(),
-          static_cast<uint32_t>(whole.tensors.size()),
-          std::move(digest),
-          whole.run,
-          whole.unix_time,
-          whole.wall_time,
-          whole.metadata};
+  StepHeader h{whole.world_size,
+               static_cast<uint32_t>(whole.nodes.size()),
+               whole.total_bytes(),
+               static_cast<uint32_t>(whole.tensors.size()),
+               std::move(digest),
+               whole.run,
+               whole.unix_time,
+               whole.wall_time,
+               whole.metadata};
+  if (whole.increment) {
+    h.incremental = true;
+    h.own_bytes = whole.increment->own_bytes;
+    h.referenced_bytes = whole.increment->referenced_bytes;
+  }
+  return h;
 }
 
 }  // namespace
@@ -106,6 +112,8 @@ std::string DecisionRecordJson(const std::string& job, uint64_t step, const Comm
   }
   w.EndArray();
   w.Field("outcome", "committed");
+  if (h.incremental) w.Field("own_bytes", h.own_bytes);
+  if (h.incremental) w.Field("referenced_bytes", h.referenced_bytes);
   w.Field("run", h.run);
   w.Field("step", step);
   w.Field("step_bytes", h.step_bytes);
@@ -158,6 +166,12 @@ absl::StatusOr<CommittedStep> ParseDecisionRecord(const std::string& text) {
     h.wall_time = j.at("wall_time").get<std::string>();
     h.metadata = j.at("metadata").get<std::map<std::string, std::string>>();
     h.digest = format::ManifestDigest(text);
+    // An incremental step's (absent from other records).
+    if (j.contains("own_bytes")) {
+      h.incremental = true;
+      h.own_bytes = Unsigned(j, "own_bytes", UINT64_MAX);
+      h.referenced_bytes = Unsigned(j, "referenced_bytes", UINT64_MAX);
+    }
     c.node_of_rank.assign(h.world_size, ~uint32_t{0});
     for (const json& n : j.at("nodes")) {
       const uint32_t node = static_cast<uint32_t>(Unsigned(n, "node", kU32 - 1));
@@ -210,6 +224,11 @@ format::Manifest NodeManifest(format::Manifest part, const StepHeader& header, u
   for (const format::ManifestShard& s : part.shards) mine.ranks.push_back(s.rank);
   part.nodes.push_back(std::move(mine));
   part.scope = format::StepScope{node, header.nodes, header.step_bytes, header.step_tensors, header.digest};
+  if (part.increment && header.incremental) {
+    // The whole step's figures, as in every kind of manifest; the origins stay this node's.
+    part.increment->own_bytes = header.own_bytes;
+    part.increment->referenced_bytes = header.referenced_bytes;
+  }
   return part;
 }
 

@@ -28,6 +28,11 @@ struct StepHeader {
   double unix_time = 0;
   std::string wall_time;
   std::map<std::string, std::string> metadata;  // rank 0's user metadata
+  // An incremental step (format version 5): the whole step's own and referenced bytes,
+  // which each node-scoped manifest records (docs/format.md, "Incremental steps").
+  bool incremental = false;
+  uint64_t own_bytes = 0;
+  uint64_t referenced_bytes = 0;
 };
 
 // The ranks, and their shard bytes in all, that a commit gives one node, the node's attempt

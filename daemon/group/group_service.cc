@@ -170,6 +170,9 @@ void FillCommitted(const Decision& decision, uint32_t node, bool whole, std::str
   out->set_wall_time(c.header.wall_time);
   out->mutable_metadata()->insert(c.header.metadata.begin(), c.header.metadata.end());
   out->set_checksums_unused(c.checksums_unused);
+  out->set_incremental(c.header.incremental);
+  out->set_own_bytes(c.header.own_bytes);
+  out->set_referenced_bytes(c.header.referenced_bytes);
   if (auto share = c.shares.find(node); share != c.shares.end()) {
     out->set_node_ranks(share->second.ranks);
     out->set_node_bytes(share->second.bytes);

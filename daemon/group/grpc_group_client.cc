@@ -446,7 +446,8 @@ class GrpcGroupClient final : public GroupClient, public RelayUpstream {
     auto step = std::make_shared<CommittedStep>();
     step->manifest_json = manifest_json;
     step->header = {c.world_size(), c.nodes(), c.step_bytes(), c.step_tensors(), c.digest(), c.run(),
-                    c.unix_time(), c.wall_time(), {c.metadata().begin(), c.metadata().end()}};
+                    c.unix_time(), c.wall_time(), {c.metadata().begin(), c.metadata().end()},
+                    c.incremental(), c.own_bytes(), c.referenced_bytes()};
     step->shares[options_.node_rank] = {c.node_ranks(), c.node_bytes(), c.node_attempt(), c.node_run()};
     d.committed = std::move(step);
     return d;

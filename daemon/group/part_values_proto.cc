@@ -23,6 +23,25 @@ void ToProto(const format::PartValues& values, ckptd::group::v1::PartValues* out
   out->mutable_xxh3()->Add(values.xxh3.begin(), values.xxh3.end());
   for (const std::string& checksum : values.checksums) out->add_checksums(checksum);
   out->set_checksums_withheld(values.withheld);
+  out->mutable_places()->Add(values.places.begin(), values.places.end());
+  if (values.increment) {
+    auto* inc = out->mutable_increment();
+    inc->set_own_bytes(values.increment->own_bytes);
+    inc->set_referenced_bytes(values.increment->referenced_bytes);
+    for (const format::StepRun& s : values.increment->origin_steps) {
+      auto* step = inc->add_origin_steps();
+      step->set_step(s.step);
+      step->set_run(s.run);
+    }
+    for (const format::Origin& o : values.increment->origins) {
+      auto* origin = inc->add_origins();
+      origin->set_step(o.step);
+      origin->set_run(o.run);
+      origin->set_rank(o.rank);
+      origin->set_file(o.file);
+      origin->set_bytes(o.bytes);
+    }
+  }
 }
 
 absl::StatusOr<format::PartValues> FromProto(const ckptd::group::v1::PartValues& values, uint64_t step) {
@@ -59,6 +78,19 @@ absl::StatusOr<format::PartValues> FromProto(const ckptd::group::v1::PartValues&
   out.xxh3.assign(values.xxh3().begin(), values.xxh3().end());
   out.checksums.assign(values.checksums().begin(), values.checksums().end());
   out.withheld = values.checksums_withheld();
+  out.places.assign(values.places().begin(), values.places().end());
+  if (values.has_increment()) {
+    const auto& inc = values.increment();
+    format::Increment& increment = out.increment.emplace();
+    increment.own_bytes = inc.own_bytes();
+    increment.referenced_bytes = inc.referenced_bytes();
+    for (const auto& s : inc.origin_steps()) increment.origin_steps.push_back({s.step(), s.run()});
+    for (const auto& o : inc.origins()) increment.origins.push_back({o.step(), o.run(), o.rank(), o.file(), o.bytes()});
+    // What every manifest's reader checks of an increment, here at the boundary.
+    if (std::string problem = format::IncrementProblem(increment, step, /*is_index=*/false); !problem.empty()) {
+      return absl::InvalidArgumentError(fmt::format("the part's increment: {}", problem));
+    }
+  }
   return out;
 }
 

@@ -34,7 +34,16 @@ DaemonMetrics::DaemonMetrics()
       upload_seconds(registry.AddHistogram(
           {"ckptd_upload_seconds", "Seconds uploading one step's files of this node to the remote tier.", {}})),
       staged_bytes(registry.AddCounter(
-          {"ckptd_staged_bytes_total", "Bytes copied into staging memory (registered buffers and train state).", {}})),
+          {"ckptd_staged_bytes_total",
+           "Bytes copied from trainers into staging memory (registered buffers and train state; not frozen "
+           "tensors taken from the previous snapshot).",
+           {}})),
+      frozen_filled_bytes(registry.AddCounter(
+          {"ckptd_frozen_skipped_bytes_total",
+           "Bytes of frozen tensors not copied from trainers: taken from the session's previous snapshot.", {}})),
+      frozen_changes(registry.AddCounter(
+          {"ckptd_frozen_changes_total",
+           "Frozen tensors that a periodic check (--frozen-check-every) found changed in place, and saved.", {}})),
       written_bytes(registry.AddCounter(
           {"ckptd_written_bytes_total", "Bytes of shards written to this node's store.", {"tier"}})),
       restored_bytes(registry.AddCounter(
@@ -61,7 +70,17 @@ DaemonMetrics::DaemonMetrics()
            "Steps of this node not replicated to its coding group, by cause: unavailable (a holder not in the "
            "group or not answering), timeout, refused, no_space (a holder's replica memory), superseded (a newer "
            "step was staged before its shards were sent), not_found, corrupt, other.",
-           {"cause"}})) {
+           {"cause"}})),
+      replication_sent_bytes(registry.AddCounter(
+          {"ckptd_replication_sent_bytes_total",
+           "Bytes of fragments this node sent to its coding group: whole fragments, and the changed chunks of those "
+           "sent as patches of the step its holders hold.",
+           {}})),
+      replication_unchanged_bytes(registry.AddCounter(
+          {"ckptd_replication_unchanged_bytes_total",
+           "Bytes of fragments this node did not send because they had not changed since the step its holders "
+           "hold (sent as patches of it).",
+           {}})) {
   // Every label value of the fixed sets is exported from the start at 0: an alert on a
   // rate sees the series before the first failure, a dashboard its panels before the first
   // checkpoint.
@@ -72,7 +91,10 @@ DaemonMetrics::DaemonMetrics()
     restore_seconds.With({tier});
     restored_bytes.With({tier});
   }
-  for (auto* c : {&staged_bytes, &uploaded_bytes}) c->With({});
+  for (auto* c : {&staged_bytes, &uploaded_bytes, &frozen_filled_bytes, &frozen_changes, &replication_sent_bytes,
+                  &replication_unchanged_bytes}) {
+    c->With({});
+  }
   written_bytes.With({"local"});
   for (Cause c : {Cause::kBudget, Cause::kStorage, Cause::kGroup, Cause::kTimeout, Cause::kTrainer, Cause::kQuota}) {
     failures.With({CauseName(c)});

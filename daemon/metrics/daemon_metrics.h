@@ -31,6 +31,8 @@ struct DaemonMetrics {
   Family<Histogram>& restore_seconds;  // {tier}: memory, disk, remote
   Family<Histogram>& upload_seconds;   // one step's files of this node to the remote tier
   Family<Counter>& staged_bytes;
+  Family<Counter>& frozen_filled_bytes;  // frozen tensors taken from the previous snapshot
+  Family<Counter>& frozen_changes;       // frozen tensors a check found changed in place
   Family<Counter>& written_bytes;      // {tier}
   Family<Counter>& restored_bytes;     // {tier}
   Family<Counter>& uploaded_bytes;
@@ -39,6 +41,8 @@ struct DaemonMetrics {
   Family<Counter>& failures;           // {cause}
   Family<Counter>& upload_errors;      // {cause}: error_cause.h
   Family<Counter>& replication_errors; // {cause}: error_cause.h, and superseded
+  Family<Counter>& replication_sent_bytes;       // fragments' bytes sent to holders (whole, or patches' chunks)
+  Family<Counter>& replication_unchanged_bytes;  // fragments' bytes not sent: unchanged, patched at the holders
 
   void Fail(Cause cause) { failures.With({CauseName(cause)}).Add(); }
   // A failed upload attempt, or a step not replicated, by what its status says.

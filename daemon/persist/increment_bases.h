@@ -26,13 +26,18 @@ class IncrementBases {
     // Saves committed since the rank's last full save or rebase: when the next is a rebase
     // (RebaseDue).
     uint32_t saves_since_full = 0;
+    // The rank's last write found more than half its bytes changed (a full fine-tune): the
+    // next is streamed whole as it lands instead of hashed and planned first.
+    bool mostly_changed = false;
   };
   // The base of `rank` of `job` for a save of the session that registered at `session`
   // (StagedSnapshot::session_started_unix_ns); nullopt when it has none.
   std::optional<Base> Get(const std::string& job, uint32_t rank, uint64_t session) const;
   // The mode a write of `step` was planned in: the commit starts a new cycle after a full
   // save or a rebase.
-  void Planned(const std::string& job, uint32_t rank, uint64_t session, uint64_t step, WriteMode mode);
+  // `mostly_changed`: more than half its bytes changed since the base (Base::mostly_changed).
+  void Planned(const std::string& job, uint32_t rank, uint64_t session, uint64_t step, WriteMode mode,
+               bool mostly_changed);
   // A session restored `manifest`'s step: it becomes the rank's base (what the planner
   // finds unchanged since, by checksum, is referenced; placements or dtypes unlike the
   // step's are written whole), and a new cycle starts.
@@ -45,6 +50,7 @@ class IncrementBases {
     uint64_t session = 0;
     std::shared_ptr<const RankBase> base;
     uint32_t saves_since_full = 0;
+    bool mostly_changed = false;  // by the latest write planned
     std::map<uint64_t, WriteMode> planned;  // by step, until it commits or a newer one does
   };
   mutable std::mutex mu_;

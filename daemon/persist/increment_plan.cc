@@ -97,24 +97,73 @@ std::vector<Run> RunsOf(const PieceWork& p, const std::vector<bool>& dropped) {
   return runs;
 }
 
+// `runs` with every referenced run of at most `t` chunks written again (own), merged with the
+// own runs beside it.
+std::vector<Run> Rewritten(const std::vector<Run>& runs, uint32_t t) {
+  std::vector<Run> out;
+  for (const Run& r : runs) {
+    const bool own = r.own || r.c1 - r.c0 <= t;
+    if (own && !out.empty() && out.back().own) {
+      out.back().c1 = r.c1;
+    } else {
+      out.push_back(own ? Run{r.c0, r.c1, true, 0, 0} : r);
+    }
+  }
+  return out;
+}
+
+// A piece updated sparsely (rows of an embedding changed at random) splits into more extents
+// from step to step, as its chunks come to live in more files. Past `limit`, the shortest
+// referenced runs are written again, the fewest that bring it within: the least length t such
+// that rewriting the referenced runs of at most t chunks leaves `limit` runs or fewer (the run
+// count only falls as t grows).
+std::vector<Run> WithinLimit(const std::vector<Run>& runs, uint64_t limit) {
+  uint32_t lo = 0, hi = 0;
+  for (const Run& r : runs) {
+    if (!r.own) hi = std::max(hi, r.c1 - r.c0);
+  }
+  while (lo < hi) {  // Rewritten(runs, hi) is one own run: it fits
+    const uint32_t mid = lo + (hi - lo) / 2;
+    if (Rewritten(runs, mid).size() <= limit) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return Rewritten(runs, lo);
+}
+
 void Decide(PieceWork& p, const std::vector<bool>& dropped) {
   p.runs.clear();
   p.whole = true;
   if (p.base == nullptr) return;
   std::vector<Run> runs = RunsOf(p, dropped);
-  uint64_t own = 0;
-  for (const Run& r : runs) own += r.own ? SpanBytes(p, r.c0, r.c1) : 0;
-  const uint64_t limit = std::max<uint64_t>(kMinExtentLimit, p.chunks / 8);
+  auto own_bytes = [&] {
+    uint64_t own = 0;
+    for (const Run& r : runs) own += r.own ? SpanBytes(p, r.c0, r.c1) : 0;
+    return own;
+  };
+  uint64_t own = own_bytes();
+  const uint64_t limit = std::max<uint64_t>(kMinExtentLimit, p.chunks / 2);
   if (own * 2 > p.in->bytes) {
     p.why = own == p.changed_bytes ? fmt::format("{}% changed", Percent(own, p.in->bytes))
                                    : fmt::format("{}% changed or in files the rebase drops", Percent(own, p.in->bytes));
-  } else if (runs.size() > limit) {
-    p.why = fmt::format("{} extents, more than {}", runs.size(), limit);
-  } else {
-    p.whole = false;
-    p.why = fmt::format("{} extent{}", runs.size(), runs.size() == 1 ? "" : "s");
-    p.runs = std::move(runs);
+    return;
   }
+  std::string rewritten;
+  if (runs.size() > limit) {
+    const size_t needed = runs.size();
+    runs = WithinLimit(runs, limit);
+    own = own_bytes();
+    if (own * 2 > p.in->bytes) {
+      p.why = fmt::format("{} extents, more than {}", needed, limit);
+      return;
+    }
+    rewritten = fmt::format(" ({} needed, more than {}: the shortest references written again)", needed, limit);
+  }
+  p.whole = false;
+  p.why = fmt::format("{} extent{}{}", runs.size(), runs.size() == 1 ? "" : "s", rewritten);
+  p.runs = std::move(runs);
 }
 
 // The blobs referenced this round: index into write.train_state -> base blob.

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <functional>
+#include <optional>
 #include <vector>
 
 #include "common/dtype.h"
@@ -18,8 +20,10 @@ namespace {
 constexpr uint64_t kBlock = 4096;          // the data region starts aligned, as a full shard's
 constexpr uint64_t kWriteChunk = 32u << 20;
 
-// The piece of tensor entry `i` as the planner takes it: placement, chunking, checksums.
-absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t i, uint64_t target) {
+using KnownSums = std::function<std::optional<daemon::FrozenChecksums>(uint64_t chunk_bytes)>;
+
+// The piece of tensor entry `i` without its checksums: placement and chunking.
+absl::StatusOr<PieceToWrite> PieceShape(const daemon::StagedSnapshot& snap, size_t i, uint64_t target) {
   const format::TensorEntry& e = snap.shard.entries[i];
   const daemon::TensorPlacement& p = snap.placements[i];
   CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(e.dtype));
@@ -30,7 +34,24 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
   piece.flat = p.flat;
   if (p.flat.empty()) piece.offset = p.offset.empty() ? std::vector<int64_t>(e.shape.size(), 0) : p.offset;
   piece.bytes = e.end - e.begin;
-  piece.chunk_bytes = PieceChunkBytes(e.shape, itemsize, !p.flat.empty(), target, /*sparse=*/false);
+  const bool sparse = i < snap.sparse.size() && snap.sparse[i];
+  piece.chunk_bytes = PieceChunkBytes(e.shape, itemsize, !p.flat.empty(), target, sparse);
+  return piece;
+}
+
+// The piece of tensor entry `i` as the planner takes it: placement, chunking, checksums.
+// `known`: the checksums of a frozen piece's bytes in chunks of that size, when an earlier
+// snapshot's writer computed them: its bytes are then neither waited for (`wait`) nor read.
+absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t i, uint64_t target,
+                                     const KnownSums& known, const std::function<absl::Status()>& wait) {
+  CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, target));
+  const format::TensorEntry& e = snap.shard.entries[i];
+  if (std::optional<daemon::FrozenChecksums> sums = known(piece.chunk_bytes)) {
+    piece.chunk_checksums = std::move(sums->chunks);
+    piece.checksum = std::move(sums->whole);
+    return piece;
+  }
+  CKPT_RETURN_IF_ERROR(wait());
   const char* data = snap.shard.data + e.begin;
   // One pass over memory: each chunk hashed on its own and into the whole while it is in cache.
   format::Checksum whole;
@@ -41,6 +62,34 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
   }
   piece.checksum = whole.Finish();
   return piece;
+}
+
+// Waits until tensor entry `i`'s bytes are in staging memory. A frozen entry the daemon fills
+// from the previous snapshot lands last; the trainer's entries after the first such one, with
+// the train state, once `own_landed` says so.
+// The safetensors header of the own file `plan` lays out.
+std::string HeaderOf(const RankWritePlan& plan, const std::map<std::string, std::string>& metadata) {
+  std::vector<format::TensorEntry> entries;
+  entries.reserve(plan.entries.size());
+  for (const PlannedEntry& pe : plan.entries) {
+    entries.push_back({pe.name, pe.dtype, pe.shape, pe.at, pe.at + (pe.end - pe.begin)});
+  }
+  return format::EncodeHeader(entries, metadata, kBlock);
+}
+
+// The trainer asked for a full save (kFullSaveKey in the snapshot metadata).
+bool AskedFull(const daemon::StagedSnapshot& snap) {
+  auto it = snap.shard.metadata.find(kFullSaveKey);
+  return it != snap.shard.metadata.end() && it->second == "1";
+}
+
+absl::Status WaitForEntry(const daemon::StagedSnapshot& snap, size_t i) {
+  const daemon::StagedShard& shard = snap.shard;
+  if (shard.landed == nullptr) return absl::OkStatus();
+  const format::TensorEntry& e = shard.entries[i];
+  const bool filled = !snap.frozen.empty() && snap.frozen[i].filled;
+  if (!filled && e.end > snap.filled_from) return snap.own_landed.WaitFor(1);
+  return shard.landed->WaitFor(e.end);
 }
 
 }  // namespace
@@ -69,16 +118,41 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   }
 
   RankWrite write{snap.step, snap.rank, format::TaggedShardFileName(snap.rank, snap.session_started_unix_ns), {}, {}};
+  // Asked for (CheckpointManager.save(full=True): the snapshot's metadata says so): every
+  // piece whole, as with no base, and a new cycle of --full-every starts.
+  if (!base || base->mostly_changed || AskedFull(snap)) {
+    CKPT_ASSIGN_OR_RETURN(WrittenShard out, Stream(snap, dir, base ? base->base.get() : nullptr, std::move(write)));
+    out.base_pin = std::move(pin);
+    return out;
+  }
   // Which chunks changed is known once they are hashed, and the header lists the file's
   // entries: each piece is hashed as soon as it has landed (overlapping the copy of the
   // next), and the file is written once every one has.
+  // A frozen piece's checksums are computed once per generation of its bytes (frozen_sums.h):
+  // a piece whose are known is neither waited for nor read.
+  const bool has_frozen = !snap.frozen.empty() && snap.frozen_sums != nullptr;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
-    if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.entries[i].end));
-    CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceOf(snap, i, options_.chunk_bytes));
+    // Generations are set once the trainer's bytes are all in.
+    if (has_frozen && snap.frozen[i].frozen && shard.landed != nullptr) {
+      CKPT_RETURN_IF_ERROR(snap.own_landed.WaitFor(1));
+    }
+    const bool frozen = has_frozen && snap.frozen[i].frozen && snap.frozen[i].generation != 0;
+    KnownSums known = [&](uint64_t chunk_bytes) -> std::optional<daemon::FrozenChecksums> {
+      if (!frozen) return std::nullopt;
+      return snap.frozen_sums->Find(snap.frozen[i].generation, chunk_bytes);
+    };
+    CKPT_ASSIGN_OR_RETURN(PieceToWrite piece,
+                          PieceOf(snap, i, options_.chunk_bytes, known, [&] { return WaitForEntry(snap, i); }));
+    if (frozen) {
+      snap.frozen_sums->Put(snap.frozen[i].generation, piece.chunk_bytes, {piece.chunk_checksums, piece.checksum});
+    }
     write.pieces.push_back(std::move(piece));
     if (between_chunks_) between_chunks_();
   }
-  if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
+  if (shard.landed != nullptr) {
+    CKPT_RETURN_IF_ERROR(snap.filled_from < shard.data_bytes ? snap.own_landed.WaitFor(1)
+                                                            : shard.landed->WaitFor(shard.data_bytes));
+  }
   for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
     const format::TensorEntry& e = shard.entries[i];
     write.train_state.push_back({snap.train_state_names[i - snap.tensor_count], e.end - e.begin,
@@ -87,40 +161,140 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   PlanOptions plan_options;
   plan_options.rebase = base && RebaseDue(base->saves_since_full, options_.full_every);
   CKPT_ASSIGN_OR_RETURN(RankWritePlan plan, PlanRankWrite(base ? base->base.get() : nullptr, write, plan_options));
-  bases_.Planned(snap.job, snap.rank, snap.session_started_unix_ns, snap.step, plan.mode);
+  bases_.Planned(snap.job, snap.rank, snap.session_started_unix_ns, snap.step, plan.mode,
+                 MostlyChanged(plan, write));
   log::Get(log::Component::kPersist)
       .debug("[{} s{}] r{} {}", snap.job, snap.step, snap.rank, plan.reason);
 
   // The file as planned: its entries in order, each from where its source is in staging.
-  std::vector<format::TensorEntry> entries;
-  entries.reserve(plan.entries.size());
-  for (const PlannedEntry& pe : plan.entries) {
-    entries.push_back({pe.name, pe.dtype, pe.shape, pe.at, pe.at + (pe.end - pe.begin)});
-  }
-  const std::string header = format::EncodeHeader(entries, shard.metadata, kBlock);
+  const std::string header = HeaderOf(plan, shard.metadata);
   WrittenShard out;
   out.file = write.file;
   const std::string key = dir + "/" + out.file;
-  absl::Status written = [&]() -> absl::Status {
-    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> object, store_.objects().Create(key));
-    CKPT_RETURN_IF_ERROR(object->Append(header.data(), header.size()));
+  // Filled frozen entries land last: waited for only when the plan writes one (the first
+  // save of a session, a rebase, a base that went).
+  if (shard.landed != nullptr && snap.filled_from < shard.data_bytes &&
+      std::any_of(plan.entries.begin(), plan.entries.end(),
+                  [&](const PlannedEntry& pe) { return !pe.train_state && snap.frozen[pe.index].filled; })) {
+    CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
+  }
+  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(key, header, [&](storage::ObjectWriter& object) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       const size_t source = pe.train_state ? snap.tensor_count + pe.index : pe.index;
-      const char* from = shard.data + shard.entries[source].begin + pe.begin;
-      for (uint64_t off = 0; off < pe.end - pe.begin; off += kWriteChunk) {
-        if (between_chunks_) between_chunks_();
-        CKPT_RETURN_IF_ERROR(object->Append(from + off, std::min(kWriteChunk, pe.end - pe.begin - off)));
-      }
+      CKPT_RETURN_IF_ERROR(Append(object, shard.data + shard.entries[source].begin + pe.begin, pe.end - pe.begin));
     }
-    CKPT_ASSIGN_OR_RETURN(out.bytes, object->Finish());
     return absl::OkStatus();
-  }();
-  if (!written.ok()) {
-    const std::string where = store_.objects().Describe(key);
-    return Message(written).find(where) == std::string::npos ? Annotate(written, where) : written;
-  }
+  }));
   out.plan = std::make_shared<const RankWritePlan>(std::move(plan));
   out.base_pin = std::move(pin);
+  return out;
+}
+
+absl::Status IncrementWriter::Append(storage::ObjectWriter& object, const char* from, uint64_t bytes) {
+  for (uint64_t off = 0; off < bytes; off += kWriteChunk) {
+    if (between_chunks_) between_chunks_();
+    CKPT_RETURN_IF_ERROR(object.Append(from + off, std::min(kWriteChunk, bytes - off)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> IncrementWriter::WriteFile(const std::string& key, const std::string& header,
+                                                    const std::function<absl::Status(storage::ObjectWriter&)>& body) {
+  absl::StatusOr<uint64_t> written = [&]() -> absl::StatusOr<uint64_t> {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> object, store_.objects().Create(key));
+    CKPT_RETURN_IF_ERROR(object->Append(header.data(), header.size()));
+    CKPT_RETURN_IF_ERROR(body(*object));
+    return object->Finish();
+  }();
+  if (written.ok()) return written;
+  const std::string where = store_.objects().Describe(key);
+  return Message(written.status()).find(where) == std::string::npos ? Annotate(written.status(), where)
+                                                                      : written.status();
+}
+
+bool IncrementWriter::MostlyChanged(const RankWritePlan& plan, const RankWrite& write) {
+  uint64_t total = 0;
+  for (const PieceToWrite& p : write.pieces) total += p.bytes;
+  return plan.changed_bytes * 2 > total;
+}
+
+absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapshot& snap, const std::string& dir,
+                                                     const RankBase* base, RankWrite write) {
+  const StagedShard& shard = snap.shard;
+  // Laid out before a byte is hashed: every piece whole, in staging order, then the train
+  // state (the planner with no base), with checksums filled in as the bytes go out.
+  for (size_t i = 0; i < snap.tensor_count; ++i) {
+    CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, options_.chunk_bytes));
+    piece.chunk_checksums.assign(format::PieceChunks(piece.bytes, piece.chunk_bytes), 0);
+    write.pieces.push_back(std::move(piece));
+  }
+  for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
+    const format::TensorEntry& e = shard.entries[i];
+    write.train_state.push_back({snap.train_state_names[i - snap.tensor_count], e.end - e.begin, 0});
+  }
+  CKPT_ASSIGN_OR_RETURN(RankWritePlan plan, PlanRankWrite(nullptr, write, {}));
+  const std::string header = HeaderOf(plan, shard.metadata);
+  WrittenShard out;
+  out.file = write.file;
+  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(dir + "/" + out.file, header, [&](storage::ObjectWriter& object) -> absl::Status {
+    for (const PlannedEntry& pe : plan.entries) {
+      if (pe.train_state) {
+        if (shard.landed != nullptr) {
+          CKPT_RETURN_IF_ERROR(snap.filled_from < shard.data_bytes ? snap.own_landed.WaitFor(1)
+                                                                  : shard.landed->WaitFor(shard.data_bytes));
+        }
+        const format::TensorEntry& e = shard.entries[snap.tensor_count + pe.index];
+        BlobToWrite& blob = write.train_state[pe.index];
+        blob.checksum = format::Checksum64(shard.data + e.begin, blob.bytes);
+        plan.train_state[blob.name].checksum = format::ChecksumText(blob.checksum);
+        CKPT_RETURN_IF_ERROR(Append(object, shard.data + e.begin, blob.bytes));
+        continue;
+      }
+      // Each chunk hashed and appended while it is in cache, as a full shard's.
+      CKPT_RETURN_IF_ERROR(WaitForEntry(snap, pe.index));
+      PieceToWrite& piece = write.pieces[pe.index];
+      const char* data = shard.data + shard.entries[pe.index].begin;
+      format::Checksum whole;
+      for (uint64_t c = 0; c < piece.chunk_checksums.size(); ++c) {
+        const auto [lo, hi] = format::ChunkSpan(piece.bytes, piece.chunk_bytes, c, c + 1);
+        piece.chunk_checksums[c] = format::Checksum64(data + lo, hi - lo);
+        whole.Update(data + lo, hi - lo);
+        CKPT_RETURN_IF_ERROR(Append(object, data + lo, hi - lo));
+      }
+      piece.checksum = whole.Finish();
+      format::TensorShard& saved = plan.pieces[pe.index].shard;
+      // As the planner lays a piece out: a piece of one chunk lists none (its checksum is it).
+      saved.chunk_checksums.clear();
+      if (piece.chunk_checksums.size() > 1) {
+        for (uint64_t sum : piece.chunk_checksums) saved.chunk_checksums.push_back(format::ChecksumText(sum));
+      }
+      saved.checksum = piece.checksum;
+      // Generations are set once the trainer's bytes are all in (own_landed).
+      const bool frozen = !snap.frozen.empty() && snap.frozen[pe.index].frozen;
+      if (frozen && shard.landed != nullptr) CKPT_RETURN_IF_ERROR(snap.own_landed.WaitFor(1));
+      if (frozen && snap.frozen[pe.index].generation != 0) {
+        snap.frozen_sums->Put(snap.frozen[pe.index].generation, piece.chunk_bytes,
+                              {piece.chunk_checksums, piece.checksum});
+      }
+    }
+    return absl::OkStatus();
+  }));
+  // How much changed since the base tells the rank's next save whether to plan or stream.
+  bool mostly_changed = false;
+  if (base != nullptr) {
+    absl::StatusOr<RankWritePlan> compared = PlanRankWrite(base, write, {});
+    if (compared.ok()) {
+      plan.changed_bytes = compared->changed_bytes;
+      mostly_changed = MostlyChanged(plan, write);
+    }
+  }
+  plan.reason = AskedFull(snap)   ? "full, streamed: asked for"
+                : base == nullptr ? "full, streamed: no base"
+                                  : fmt::format("full, streamed ({} of {} piece bytes changed since the base)",
+                                              plan.changed_bytes, plan.data_bytes);
+  bases_.Planned(snap.job, snap.rank, snap.session_started_unix_ns, snap.step, plan.mode, mostly_changed);
+  log::Get(log::Component::kPersist).debug("[{} s{}] r{} {}", snap.job, snap.step, snap.rank, plan.reason);
+  out.plan = std::make_shared<const RankWritePlan>(std::move(plan));
   return out;
 }
 

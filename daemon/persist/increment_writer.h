@@ -21,6 +21,10 @@
 
 namespace ckpt::persist {
 
+// Snapshot metadata asking for a full save: every piece written whole, nothing referenced
+// (CheckpointManager.save(full=True)).
+inline constexpr char kFullSaveKey[] = "ckptd.full";
+
 struct IncrementOptions {
   uint64_t chunk_bytes = kDefaultIncrementChunkBytes;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (0: never a rebase)
@@ -38,6 +42,17 @@ class IncrementWriter {
   absl::StatusOr<WrittenShard> Write(const daemon::StagedSnapshot& snapshot, const std::string& dir);
 
  private:
+  // Every piece whole, each chunk hashed as it is appended, in one pass as a full shard is:
+  // for a rank with no base, or whose last write found most of its bytes changed (a full
+  // fine-tune), where planning first would only delay the write.
+  absl::StatusOr<WrittenShard> Stream(const daemon::StagedSnapshot& snap, const std::string& dir,
+                                      const RankBase* base, RankWrite write);
+  // The header, then `body`; the file's bytes. Errors name the file.
+  absl::StatusOr<uint64_t> WriteFile(const std::string& key, const std::string& header,
+                                     const std::function<absl::Status(storage::ObjectWriter&)>& body);
+  absl::Status Append(storage::ObjectWriter& object, const char* from, uint64_t bytes);
+  static bool MostlyChanged(const RankWritePlan& plan, const RankWrite& write);
+
   format::CheckpointStore& store_;
   IncrementBases& bases_;
   RetentionKeeper& retention_;

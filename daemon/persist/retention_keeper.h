@@ -8,11 +8,13 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "format/checkpoint_store.h"
 #include "daemon/persist/retention.h"
@@ -32,6 +34,9 @@ class RetentionKeeper {
 
   // A step of `job` was committed: retention is due.
   void Schedule(const std::string& job);
+  // Removes the retired steps of `job` that no committed step references any more, and
+  // nothing else (a start: a crash may have left one whose last referrer went).
+  void ScheduleSweep(const std::string& job);
   // Overrides --keep-last for `job`; 0 restores the daemon's setting.
   void SetKeepLast(const std::string& job, uint32_t keep_last);
 
@@ -41,18 +46,29 @@ class RetentionKeeper {
   // its files kept while they are referenced; the answer then says so (else it is empty).
   absl::StatusOr<std::string> DeleteStep(const std::string& job, uint64_t step);
 
-  // Keeps `step` of `job` from being deleted while it lives.
+  // Keeps `step` of `job` from being deleted or retired while it lives, and a held step of
+  // that number from being swept.
   class Pin {
    public:
     Pin(RetentionKeeper& owner, std::string job, uint64_t step);
+    // The same, once no removal of that step is under way: what the pin holder then finds on
+    // the store stays there (an upload's origins: found there, or carried).
+    static std::unique_ptr<Pin> AfterRemoval(RetentionKeeper& owner, std::string job, uint64_t step);
     ~Pin();
     Pin(const Pin&) = delete;
     Pin& operator=(const Pin&) = delete;
 
    private:
+    Pin(RetentionKeeper& owner, std::pair<std::string, uint64_t> pinned);  // pins_ holds it already
     RetentionKeeper& owner_;
     std::pair<std::string, uint64_t> key_;
   };
+
+  // Pins each of `steps` of `job` and checks that it is still on the store, committed or
+  // held (retired): what a step about to be published references (a group's coordinator on
+  // a shared root, docs/design/incremental.md section 6). The pins live as long as the
+  // result; FailedPrecondition naming the first step gone.
+  absl::StatusOr<std::shared_ptr<void>> HoldSteps(const std::string& job, const std::vector<format::StepRun>& steps);
 
   void Stop();
 
@@ -89,8 +105,15 @@ class RetentionKeeper {
   std::condition_variable cv_;
   bool stopping_ = false;
   std::deque<std::string> due_;
+  std::deque<std::string> sweeps_due_;  // ScheduleSweep's
   std::map<std::string, uint32_t> keep_last_;
   std::multiset<std::pair<std::string, uint64_t>> pins_;
+  // Steps being deleted, retired or swept now (their pins checked first): Pin::AfterRemoval
+  // waits for them.
+  std::set<std::pair<std::string, uint64_t>> removing_;
+  // Marks `step` as being removed; false when it is pinned (then it is not).
+  bool BeginRemoval(const std::string& job, uint64_t step);
+  void EndRemoval(const std::string& job, uint64_t step);
   // job -> step -> saved ephemeral; used by the keeper's thread only
   std::map<std::string, std::map<uint64_t, bool>> ephemeral_;
   std::thread thread_;

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <system_error>
-#include <thread>
+
+#include "daemon/replicate/run_on_ranges.h"
 
 namespace ckpt::replicate {
 namespace {
@@ -51,17 +51,7 @@ void ErasureCode::Run(size_t len, int k, int rows, const std::vector<uint8_t>& t
       ec_encode_data(static_cast<int>(n), k, rows, const_cast<uint8_t*>(tables.data()), src.data(), dst.data());
     }
   };
-  const std::vector<std::pair<size_t, size_t>> ranges = ColumnRanges(len, threads);
-  std::vector<std::thread> workers;
-  for (size_t t = 1; t < ranges.size(); ++t) {
-    try {
-      workers.emplace_back(columns, ranges[t].first, ranges[t].second);
-    } catch (const std::system_error&) {  // no thread to be had: this one does it
-      columns(ranges[t].first, ranges[t].second);
-    }
-  }
-  columns(ranges.front().first, ranges.front().second);
-  for (std::thread& w : workers) w.join();
+  RunOnRanges(ColumnRanges(len, threads), columns);
 }
 
 std::vector<std::pair<size_t, size_t>> ErasureCode::ColumnRanges(size_t len, int threads) {
@@ -93,6 +83,33 @@ absl::Status ErasureCode::Encode(std::span<const uint8_t> data, std::span<uint8_
     std::memset(fragments[static_cast<size_t>(i)] + n, 0, len - n);
   }
   Run(len, k_, m_, encode_tables_, fragments.data(), fragments.data() + k_, threads);
+  return absl::OkStatus();
+}
+
+absl::Status ErasureCode::EncodeColumns(std::span<const uint8_t> data, size_t begin, size_t end,
+                                        std::span<uint8_t* const> fragments, int threads) const {
+  if (fragments.size() < static_cast<size_t>(k_) || fragments.size() > static_cast<size_t>(k_ + m_)) {
+    return absl::InvalidArgumentError(fmt::format("erasure code {}+{}: {} fragment buffers given, {} to {} needed", k_,
+                                                  m_, fragments.size(), k_, k_ + m_));
+  }
+  const size_t len = FragmentBytes(data.size());
+  if (begin > end || end > len) {
+    return absl::InvalidArgumentError(fmt::format(
+        "erasure code {}+{}: columns [{}, {}) are not within fragments of {} bytes", k_, m_, begin, end, len));
+  }
+  const size_t width = end - begin;
+  // Data fragment i's columns are the data's bytes [i * len + begin, i * len + end), those
+  // past its end zero (as Encode pads the last data fragments).
+  for (int i = 0; i < k_; ++i) {
+    const size_t from = std::min(data.size(), static_cast<size_t>(i) * len + begin);
+    const size_t n = std::min(width, data.size() - from);
+    if (n > 0) std::memcpy(fragments[static_cast<size_t>(i)], data.data() + from, n);
+    std::memset(fragments[static_cast<size_t>(i)] + n, 0, width - n);
+  }
+  // The parity rows asked for are the first rows of the tables (ec_init_tables lays them out
+  // row after row).
+  Run(width, k_, static_cast<int>(fragments.size()) - k_, encode_tables_, fragments.data(), fragments.data() + k_,
+      threads);
   return absl::OkStatus();
 }
 

@@ -40,6 +40,15 @@ class ErasureCode {
   // FragmentBytes(data.size()) each), on up to `threads` threads (each a range of columns).
   absl::Status Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments, int threads = 1) const;
 
+  // Columns [begin, end) of the first `fragments.size()` fragments of `data` (at least the k
+  // data fragments, at most all k + m), each into a buffer of end - begin bytes: exactly
+  // what Encode writes there. Reed-Solomon works column by column (byte j of every fragment
+  // is a function of byte j of the k data fragments alone), so the columns of a changed
+  // part of the data are coded from the new data alone (a patch, shard_fragments.h).
+  // InvalidArgument unless begin <= end <= FragmentBytes(data.size()).
+  absl::Status EncodeColumns(std::span<const uint8_t> data, size_t begin, size_t end,
+                             std::span<uint8_t* const> fragments, int threads = 1) const;
+
   // Rebuilds the `out.size()` bytes of data from any k distinct fragments (more are
   // ignored), each FragmentBytes(out.size()) long. A data fragment that already lies where
   // it belongs in `out` (fetched straight there) is not copied. InvalidArgument, naming what is wrong,

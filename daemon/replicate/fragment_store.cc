@@ -5,7 +5,7 @@
 #include <utility>
 
 #include "daemon/replicate/erasure_code.h"
-#include "format/checksum.h"
+#include "daemon/replicate/fragment_checksum.h"
 
 namespace ckpt::replicate {
 
@@ -53,9 +53,9 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
                                            bytes.size(), meta.data_bytes, meta.k, meta.m,
                                            ErasureCode::FragmentBytes(meta.data_bytes, static_cast<int>(meta.k))));
   }
-  if (const std::string sum = format::ChecksumOf(bytes.data(), bytes.size()); sum != meta.checksum) {
-    return absl::DataLossError(
-        fmt::format("{}: its bytes hash to {}, not {} (damaged on the way)", what, sum, meta.checksum));
+  if (!ChecksumMatches(bytes.data(), bytes.size(), meta.checksum)) {
+    return absl::DataLossError(fmt::format("{}: its bytes hash to {}, not {} (damaged on the way)", what,
+                                           ChecksumLike(bytes.data(), bytes.size(), meta.checksum), meta.checksum));
   }
   const StepKey key{id.job, id.owner, id.step};
   const size_t size = bytes.size();
@@ -95,6 +95,78 @@ absl::Status FragmentStore::Put(uid_t uid, const FragmentId& id, const FragmentM
   if (entry.fragment) used_ -= entry.fragment->bytes.size();  // sent again: the newer replaces it
   entry = Entry{std::move(fragment), std::move(*hold)};
   return absl::OkStatus();
+}
+
+absl::StatusOr<size_t> PatchBytes(const FragmentPatch& patch, size_t fragment_bytes) {
+  const uint64_t c = patch.chunk_bytes;
+  if (c < kMinChecksumChunkBytes || c > kMaxChecksumChunkBytes || c % 64 != 0) {
+    return absl::InvalidArgumentError(fmt::format("a patch in chunks of {} bytes (a multiple of 64 from {} to {})", c,
+                                                  kMinChecksumChunkBytes, kMaxChecksumChunkBytes));
+  }
+  const uint64_t count = (fragment_bytes + c - 1) / c;
+  size_t bytes = 0;
+  for (size_t i = 0; i < patch.chunks.size(); ++i) {
+    const uint32_t chunk = patch.chunks[i];
+    if (chunk >= count || (i > 0 && chunk <= patch.chunks[i - 1])) {
+      return absl::InvalidArgumentError(fmt::format(
+          "a patch's chunk {} is out of order or past the {} chunks of a fragment of {} bytes", chunk, count,
+          fragment_bytes));
+    }
+    bytes += static_cast<size_t>(std::min<uint64_t>(c, fragment_bytes - chunk * c));
+  }
+  return bytes;
+}
+
+absl::Status FragmentStore::PutPatch(uid_t uid, const FragmentId& id, const FragmentMeta& meta,
+                                     const FragmentPatch& patch, std::string_view bytes) {
+  const std::string what = fmt::format("fragment {} of job {} step {} rank {} from node {}, a patch of step {}",
+                                       id.index, id.job, id.step, id.rank, id.owner, patch.base_step);
+  if (meta.k < 1 || uint64_t{meta.k} + meta.m > static_cast<uint64_t>(kMaxFragments)) {
+    return absl::InvalidArgumentError(fmt::format("{}: no {}+{} code is kept here", what, meta.k, meta.m));
+  }
+  const size_t size = ErasureCode::FragmentBytes(meta.data_bytes, static_cast<int>(meta.k));
+  absl::StatusOr<size_t> expected = PatchBytes(patch, size);
+  if (!expected.ok()) return absl::InvalidArgumentError(fmt::format("{}: {}", what, std::string(expected.status().message())));
+  if (*expected != bytes.size()) {
+    return absl::DataLossError(fmt::format("{}: {} bytes sent for its chunks' {}", what, bytes.size(), *expected));
+  }
+  if (patch.base_step == id.step) return absl::InvalidArgumentError(fmt::format("{}: a patch of itself", what));
+  std::shared_ptr<const HeldFragment> base;
+  {
+    std::lock_guard lock(mu_);
+    auto step = steps_.find({id.job, id.owner, patch.base_step});
+    if (step == steps_.end() || !step->second.sealed) {
+      return absl::FailedPreconditionError(fmt::format("{}: that step is not {} here", what,
+                                                       step == steps_.end() ? "held" : "sealed"));
+    }
+    if (step->second.uid != uid) {
+      return absl::FailedPreconditionError(
+          fmt::format("{}: the base step is uid {}'s, not {}'s", what, step->second.uid, uid));
+    }
+    auto it = step->second.fragments.find({id.job, patch.base_step, id.owner, id.rank, id.index});
+    if (it == step->second.fragments.end()) {
+      return absl::FailedPreconditionError(fmt::format("{}: the base step's fragment is not held here", what));
+    }
+    base = it->second.fragment;
+  }
+  const FragmentMeta& was = base->meta;
+  if (was.k != meta.k || was.m != meta.m || was.data_bytes != meta.data_bytes || was.run != meta.run ||
+      base->bytes.size() != size) {
+    return absl::FailedPreconditionError(fmt::format(
+        "{}: the base fragment held here is {}+{} of {} bytes of run {}, not {}+{} of {} bytes of run {}", what, was.k,
+        was.m, was.data_bytes, was.run, meta.k, meta.m, meta.data_bytes, meta.run));
+  }
+  // The base stays whole and shared (a restore may be reading it): the new fragment is a
+  // copy with the changed chunks written over.
+  std::string patched = base->bytes;
+  size_t from = 0;
+  for (uint32_t chunk : patch.chunks) {
+    const size_t at = static_cast<size_t>(chunk) * patch.chunk_bytes;
+    const size_t n = std::min<size_t>(patch.chunk_bytes, size - at);
+    patched.replace(at, n, bytes.data() + from, n);
+    from += n;
+  }
+  return Put(uid, id, meta, std::move(patched));
 }
 
 absl::Status FragmentStore::Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,

@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,8 +44,24 @@ struct FragmentMeta {
   uint32_t m = 0;
   uint64_t data_bytes = 0;  // of the rank's shard, before coding (ErasureCode::FragmentBytes of it each)
   uint64_t run = 0;         // the run that saved the step (format::Manifest::run)
-  std::string checksum;     // "xxh3:<16 hex>" of the fragment's bytes
+  std::string checksum;     // of the fragment's bytes, "xxh3:" or "xxh3c:" (fragment_checksum.h)
 };
+
+// A fragment sent as a patch: the holder's fragment of the same owner, rank and index of
+// `base_step` (of the same coding, data_bytes and run, sealed there) with its chunks of
+// `chunk_bytes` listed in `chunks` replaced by the bytes sent (those chunks in order, the
+// fragment's last chunk shorter). The owner codes and sends only the columns that changed
+// since the base step (shard_fragments.h, CodePatch); the holder keeps a whole fragment.
+struct FragmentPatch {
+  uint64_t base_step = 0;
+  uint64_t chunk_bytes = 0;
+  std::vector<uint32_t> chunks;  // ascending, distinct
+};
+
+// The bytes a patch of a fragment of `fragment_bytes` carries; InvalidArgument naming what
+// is wrong for a chunk size out of range (fragment_checksum.h) or chunks out of range or
+// out of order.
+absl::StatusOr<size_t> PatchBytes(const FragmentPatch& patch, size_t fragment_bytes);
 
 struct HeldFragment {
   FragmentId id;
@@ -85,6 +102,14 @@ class FragmentStore {
   // ResourceExhausted, naming the budget or the share, when it does not fit. A fragment of
   // the same id is replaced. A step already sealed here takes no more fragments.
   absl::Status Put(uid_t uid, const FragmentId& id, const FragmentMeta& meta, std::string bytes);
+  // Keeps a fragment sent as a patch of the one held of `patch.base_step`: the base's bytes
+  // with the patch's chunks replaced by `bytes`, then as Put (its checksum checked over the
+  // result, counted in the budget like any fragment; the base stays until released).
+  // FailedPrecondition naming what is missing or different when the base is not held here,
+  // not sealed, or not of the same uid, coding, data_bytes and run; InvalidArgument for a
+  // malformed patch. Nothing is kept on any error.
+  absl::Status PutPatch(uid_t uid, const FragmentId& id, const FragmentMeta& meta, const FragmentPatch& patch,
+                        std::string_view bytes);
 
   // The owner's word that it sent `count` fragments of `step` here, once the step committed,
   // with its manifest of the step: once they are all held, the step is sealed (restorable).

@@ -19,6 +19,7 @@
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
 #include "daemon/replicate/fetch_channel.h"
+#include "daemon/replicate/fragment_checksum.h"
 #include "daemon/replicate/run_each.h"
 #include "daemon/replicate/shard_fragments.h"
 #include "format/checksum.h"
@@ -256,7 +257,7 @@ absl::StatusOr<daemon::ShardBytes> PeerShards::Shard(const std::string& job, uin
     });
     for (size_t i = 0; i < wave.size(); ++i) {
       // Every fragment checked where it landed: a damaged one is passed over for the next.
-      if (status[i].ok() && format::ChecksumOf(landed[i], fragment_bytes) != checksum[i]) {
+      if (status[i].ok() && !ChecksumMatches(landed[i], fragment_bytes, checksum[i])) {
         status[i] = absl::DataLossError("its bytes do not match its checksum");
       }
       if (status[i].ok()) {

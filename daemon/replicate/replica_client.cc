@@ -10,7 +10,7 @@
 #include "daemon/group/grpc_util.h"
 #include "daemon/replicate/erasure_code.h"
 #include "daemon/replicate/replica_service.h"
-#include "format/checksum.h"
+#include "daemon/replicate/fragment_checksum.h"
 
 namespace ckpt::replicate {
 namespace {
@@ -37,13 +37,20 @@ std::unique_ptr<grpc::ClientContext> ReplicaClient::Context(bool wait_for_ready)
   return ctx;
 }
 
-absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) {
+absl::Status ReplicaClient::Put(uid_t uid, const HeldFragment& f) { return Send(uid, f, nullptr); }
+
+absl::Status ReplicaClient::PutPatch(uid_t uid, const HeldFragment& f, const FragmentPatch& patch) {
+  return Send(uid, f, &patch);
+}
+
+absl::Status ReplicaClient::Send(uid_t uid, const HeldFragment& f, const FragmentPatch* patch) {
   auto ctx = Context(/*wait_for_ready=*/true);
   pb::PutFragmentReply reply;
   std::unique_ptr<grpc::ClientWriter<pb::FragmentChunk>> writer = stub_->PutFragment(ctx.get(), &reply);
   pb::FragmentChunk chunk;
   ToHeader(f.id, f.meta, chunk.mutable_header());
   chunk.mutable_header()->set_uid(static_cast<uint32_t>(uid));
+  if (patch != nullptr) ToPatchHeader(*patch, chunk.mutable_header());
   size_t offset = 0;
   do {
     const size_t n = std::min(chunk_bytes_, f.bytes.size() - offset);
@@ -174,7 +181,7 @@ absl::StatusOr<HeldFragment> ReplicaClient::Get(const FragmentId& id, uint32_t k
     return wrong;
   }
   CKPT_RETURN_IF_ERROR(group::FromGrpc(reader->Finish()));
-  if (!started || f.bytes.size() != expected || format::ChecksumOf(f.bytes.data(), f.bytes.size()) != f.meta.checksum) {
+  if (!started || f.bytes.size() != expected || !ChecksumMatches(f.bytes.data(), f.bytes.size(), f.meta.checksum)) {
     return absl::DataLossError(fmt::format("fragment {} of job {} step {} rank {} from the peer is not whole or not "
                                            "what its checksum says",
                                            id.index, id.job, id.step, id.rank));

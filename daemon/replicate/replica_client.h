@@ -34,6 +34,10 @@ class ReplicaClient {
 
   // Sends `fragment` for the peer to hold, counted in the share of `uid` (the job's owner).
   absl::Status Put(uid_t uid, const HeldFragment& fragment);
+  // Sends `fragment` as a patch of the peer's fragment of `patch.base_step`: its bytes are the
+  // patch's chunks only (ShardPatch), its checksum the whole new fragment's. The peer answers
+  // FAILED_PRECONDITION when it lacks the base (the caller sends the fragment whole).
+  absl::Status PutPatch(uid_t uid, const HeldFragment& fragment, const FragmentPatch& patch);
   absl::Status Seal(const std::string& job, uint64_t step, uint32_t owner, size_t count,
                     const std::string& manifest_json = {});
   // Every holder sealed `step`: the peer drops the owner's older steps of the job.
@@ -60,6 +64,7 @@ class ReplicaClient {
 
  private:
   std::unique_ptr<grpc::ClientContext> Context(bool wait_for_ready = false) const;
+  absl::Status Send(uid_t uid, const HeldFragment& fragment, const FragmentPatch* patch);
 
   std::unique_ptr<ckptd::replicas::v1::Replicas::Stub> stub_;
   const std::string token_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "daemon/group/grpc_util.h"
@@ -63,16 +64,26 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
       if (header_.k() < 1 || uint64_t{header_.k()} + header_.m() > static_cast<uint64_t>(kMaxFragments)) {
         return absl::InvalidArgumentError(fmt::format("no {}+{} code is kept here", header_.k(), header_.m()));
       }
-      expected_ = ErasureCode::FragmentBytes(header_.data_bytes(), static_cast<int>(header_.k()));
-      if (expected_ > service_.store().budget()) {
+      const size_t fragment = ErasureCode::FragmentBytes(header_.data_bytes(), static_cast<int>(header_.k()));
+      if (fragment > service_.store().budget()) {
         return absl::ResourceExhaustedError(fmt::format("a fragment of {} bytes is larger than --replica-bytes {}",
-                                                        expected_, service_.store().budget()));
+                                                        fragment, service_.store().budget()));
+      }
+      absl::StatusOr<std::optional<FragmentPatch>> patch = PatchFromHeader(header_, fragment);
+      if (!patch.ok()) return patch.status();
+      patch_ = std::move(*patch);
+      expected_ = fragment;
+      if (patch_) {
+        absl::StatusOr<size_t> bytes = PatchBytes(*patch_, fragment);
+        if (!bytes.ok()) return bytes.status();
+        expected_ = *bytes;
       }
       started_ = true;
-      // The whole fragment is held from here (one allocation, no regrowth): it counts against
-      // the budget until the store has it, with what the store holds already.
-      counted_ = expected_;
-      if (service_.receiving() += expected_;
+      // The bytes sent are held from here (one allocation, no regrowth), and a patch's whole
+      // fragment once built: they count against the budget until the store has it, with
+      // what the store holds already.
+      counted_ = expected_ + (patch_ ? fragment : 0);
+      if (service_.receiving() += counted_;
           service_.receiving() + service_.store().used() > service_.store().budget()) {
         return absl::ResourceExhaustedError(fmt::format(
             "fragments being received hold more than --replica-bytes {}: try again", service_.store().budget()));
@@ -105,6 +116,7 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
       return absl::DataLossError(fmt::format("the fragment ended after {} of its {} bytes", bytes_.size(), expected_));
     }
     auto [id, meta] = FromHeader(header_);
+    if (patch_) return service_.store().PutPatch(static_cast<uid_t>(header_.uid()), id, meta, *patch_, bytes_);
     return service_.store().Put(static_cast<uid_t>(header_.uid()), id, meta, std::move(bytes_));
   }
 
@@ -112,8 +124,9 @@ class PutReactor final : public grpc::ServerReadReactor<pb::FragmentChunk> {
   pb::FragmentChunk chunk_;
   pb::FragmentHeader header_;
   bool started_ = false;
-  size_t expected_ = 0;
+  size_t expected_ = 0;  // bytes sent: the fragment's, or its patch's
   size_t counted_ = 0;
+  std::optional<FragmentPatch> patch_;
   bool stalled_ = false;
   std::string bytes_;
 };
@@ -170,6 +183,33 @@ void ToHeader(const FragmentId& id, const FragmentMeta& meta, pb::FragmentHeader
   h->set_data_bytes(meta.data_bytes);
   h->set_run(meta.run);
   h->set_checksum(meta.checksum);
+}
+
+void ToPatchHeader(const FragmentPatch& patch, pb::FragmentHeader* h) {
+  h->set_patch_chunk_bytes(patch.chunk_bytes);
+  h->set_base_step(patch.base_step);
+  std::string bitmap(patch.chunks.empty() ? 0 : patch.chunks.back() / 8 + 1, '\0');
+  for (uint32_t c : patch.chunks) bitmap[c / 8] = static_cast<char>(bitmap[c / 8] | (1 << (c % 8)));
+  h->set_patch_chunks(std::move(bitmap));
+}
+
+absl::StatusOr<std::optional<FragmentPatch>> PatchFromHeader(const pb::FragmentHeader& h, size_t fragment_bytes) {
+  if (h.patch_chunk_bytes() == 0) return std::optional<FragmentPatch>();
+  FragmentPatch patch{h.base_step(), h.patch_chunk_bytes(), {}};
+  const std::string& bitmap = h.patch_chunks();
+  const uint64_t chunks = (fragment_bytes + h.patch_chunk_bytes() - 1) / h.patch_chunk_bytes();
+  if (bitmap.size() > (chunks + 7) / 8) {
+    return absl::InvalidArgumentError(fmt::format("a patch's bitmap of {} bytes is longer than a fragment of {} "
+                                                  "bytes in chunks of {} needs",
+                                                  bitmap.size(), fragment_bytes, h.patch_chunk_bytes()));
+  }
+  for (size_t byte = 0; byte < bitmap.size(); ++byte) {
+    for (int bit = 0; bit < 8; ++bit) {
+      if (static_cast<uint8_t>(bitmap[byte]) >> bit & 1) patch.chunks.push_back(static_cast<uint32_t>(byte * 8 + bit));
+    }
+  }
+  if (absl::StatusOr<size_t> bytes = PatchBytes(patch, fragment_bytes); !bytes.ok()) return bytes.status();
+  return std::optional<FragmentPatch>(std::move(patch));
 }
 
 std::pair<FragmentId, FragmentMeta> FromHeader(const pb::FragmentHeader& h) {

@@ -27,6 +27,11 @@ inline constexpr size_t kFragmentChunkBytes = size_t{2} << 20;
 // back.
 void ToHeader(const FragmentId& id, const FragmentMeta& meta, ckptd::replicas::v1::FragmentHeader* header);
 std::pair<FragmentId, FragmentMeta> FromHeader(const ckptd::replicas::v1::FragmentHeader& header);
+// A patch as it goes on the wire (its chunks as a bitmap), and back: nullopt for a whole
+// fragment; InvalidArgument for a bitmap that does not fit a fragment of `fragment_bytes`.
+void ToPatchHeader(const FragmentPatch& patch, ckptd::replicas::v1::FragmentHeader* header);
+absl::StatusOr<std::optional<FragmentPatch>> PatchFromHeader(const ckptd::replicas::v1::FragmentHeader& header,
+                                                             size_t fragment_bytes);
 
 // Whether the fragment a peer serves (`got`, `meta`: its header) is the one asked for, of
 // the caller's code (`k`; 0: any) and coding at most `max_data_bytes`: checked before any

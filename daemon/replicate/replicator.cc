@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <span>
 #include <utility>
 
 #include "common/log.h"
@@ -230,13 +231,15 @@ void Replicator::Loop() {
       }
     }
     absl::Status sent;
-    uint64_t bytes = 0;
+    Sent result;
     if (auto it = records_.find(key); it != records_.end() && it->second.status.state == StepReplication::State::kIncomplete) {
       sent = absl::AbortedError(it->second.status.why);
     } else {
+      std::shared_ptr<const Base> base;
+      if (auto b = bases_.find({shard.job, shard.rank}); b != bases_.end()) base = b->second;
       lock.unlock();
       try {
-        sent = Send(shard, *holders, bytes);
+        sent = Send(shard, *holders, base, result);
       } catch (const std::exception& e) {  // coding's buffers out of memory: this step only
         sent = absl::ResourceExhaustedError(fmt::format("coding the shard: {}", e.what()));
       }
@@ -247,7 +250,11 @@ void Replicator::Loop() {
     auto found_again = records_.find(key);
     if (found_again == records_.end()) continue;
     Record& done = found_again->second;
-    done.status.bytes_sent += bytes;
+    done.status.bytes_sent += result.bytes;
+    done.status.bytes_unchanged += result.unchanged;
+    metrics::Metrics().replication_sent_bytes.With({}).Add(static_cast<double>(result.bytes));
+    metrics::Metrics().replication_unchanged_bytes.With({}).Add(static_cast<double>(result.unchanged));
+    if (sent.ok() && result.next) done.coded[shard.rank] = result.next;
     if (!sent.ok()) {
       MarkIncompleteLocked(done, fmt::format("rank {}: {}", shard.rank, Message(sent)), metrics::ErrorCause(sent));
     }
@@ -271,27 +278,79 @@ absl::StatusOr<std::vector<Holder>> Replicator::WaitForHolders() {
   }
 }
 
-absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& holders, uint64_t& bytes_sent) {
+absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& holders,
+                              const std::shared_ptr<const Base>& base, Sent& sent) {
   for (const Holder& h : holders) {
     if (!h.alive) return absl::UnavailableError(fmt::format("peer node {} is not in the group now", h.node));
   }
+  const uint32_t self = peers_.options().self;
+  const std::span<const uint8_t> data{reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes};
+  auto next = std::make_shared<Base>();
+  next->step = shard.step;
+  next->run = shard.run;
+  next->data_bytes = shard.bytes;
+  for (const Holder& h : holders) next->holders.emplace_back(h.node, h.address);
+  const size_t each = code_.FragmentBytes(shard.bytes);
+  auto failed = [&](size_t i, const absl::Status& status) {
+    return Annotate(status, fmt::format("sending fragment {} to node {} ({})", i, holders[i].node, holders[i].address));
+  };
+  // Holders that are to get their fragment whole: all of them, but those that took a patch.
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < holders.size(); ++i) whole.push_back(i);
+  // A patch of the step the holders hold: only where it is the same run's shard of the same
+  // size, coded alike and held by the same holders (a holder that restarted has lost it).
+  if (base != nullptr && base->step != shard.step && base->run == shard.run && base->data_bytes == shard.bytes &&
+      base->holders == next->holders && base->sums.sums.size() == holders.size()) {
+    if (yield_) yield_();
+    absl::StatusOr<ShardPatch> patch =
+        CodePatch(code_, shard.job, shard.step, self, shard.rank, shard.run, data, holders.size(), base->sums, threads_);
+    if (!patch.ok()) {
+      Log().warn("[{}/r{} s{}] sent whole, not as a patch of step {}: {}", shard.job, shard.rank, shard.step,
+                 base->step, Message(patch.status()));
+    } else {
+      const FragmentPatch wire{base->step, patch->sums.chunk_bytes, patch->chunks};
+      if (yield_) yield_();
+      const std::vector<absl::Status> results = OnEachHolder(
+          holders, [&](size_t i, ReplicaClient& peer) { return peer.PutPatch(shard.uid, patch->fragments[i], wire); });
+      whole.clear();
+      for (size_t i = 0; i < holders.size(); ++i) {
+        const absl::Status& r = results[i];
+        if (r.ok()) {
+          sent.bytes += patch->fragments[i].bytes.size();
+          sent.unchanged += each - patch->fragments[i].bytes.size();
+          continue;
+        }
+        // A holder that is down or silent would not take the whole fragment either.
+        if (absl::IsUnavailable(r) || absl::IsDeadlineExceeded(r) || absl::IsUnauthenticated(r)) return failed(i, r);
+        // It lacks the base (it restarted, or dropped it), or the patch did not check out
+        // there: the fragment goes whole.
+        Log().info("[{}/r{} s{}] node {} took no patch of step {} ({}): fragment {} goes whole", shard.job,
+                   shard.rank, shard.step, holders[i].node, base->step, Message(r), i);
+        whole.push_back(i);
+      }
+      next->sums = std::move(patch->sums);
+      if (whole.empty()) {
+        sent.next = std::move(next);
+        return absl::OkStatus();
+      }
+    }
+  }
   if (yield_) yield_();
-  CKPT_ASSIGN_OR_RETURN(
-      std::vector<HeldFragment> fragments,
-      CodeShard(code_, shard.job, shard.step, peers_.options().self, shard.rank, shard.run,
-                {reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes}, threads_));
+  CKPT_ASSIGN_OR_RETURN(std::vector<HeldFragment> fragments,
+                        CodeShard(code_, shard.job, shard.step, self, shard.rank, shard.run, data, threads_));
+  if (next->sums.sums.empty()) next->sums = SumsOf(fragments, holders.size(), kPatchChunkBytes, threads_);
   // One thread per holder (OnEachHolder): each peer's link runs at its own speed, and a
   // stalled peer costs the call's timeout once, not once per holder.
   if (yield_) yield_();
+  std::vector<Holder> to;
+  for (size_t i : whole) to.push_back(holders[i]);
   const std::vector<absl::Status> results =
-      OnEachHolder(holders, [&](size_t i, ReplicaClient& peer) { return peer.Put(shard.uid, fragments[i]); });
-  for (size_t i = 0; i < holders.size(); ++i) {
-    if (!results[i].ok()) {
-      return Annotate(results[i], fmt::format("sending fragment {} to node {} ({})", i, holders[i].node,
-                                              holders[i].address));
-    }
-    bytes_sent += fragments[i].bytes.size();
+      OnEachHolder(to, [&](size_t j, ReplicaClient& peer) { return peer.Put(shard.uid, fragments[whole[j]]); });
+  for (size_t j = 0; j < whole.size(); ++j) {
+    if (!results[j].ok()) return failed(whole[j], results[j]);
+    sent.bytes += fragments[whole[j]].bytes.size();
   }
+  sent.next = std::move(next);
   return absl::OkStatus();
 }
 
@@ -349,18 +408,37 @@ void Replicator::Finish(const Key& key) {
     r.status.state = StepReplication::State::kReplicated;
     r.status.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.started).count();
     r.manifest_json.clear();
-    Log().info("[{} s{}] replicated: {} bytes of fragments to nodes {} in {:.1f} ms", key.first, key.second,
-               r.status.bytes_sent, fmt::join(nodes, ","), r.status.seconds * 1e3);
+    Log().info("[{} s{}] replicated: {} bytes of fragments to nodes {} ({} unchanged, not sent) in {:.1f} ms",
+               key.first, key.second, r.status.bytes_sent, fmt::join(nodes, ","), r.status.bytes_unchanged,
+               r.status.seconds * 1e3);
   }
   // Phase 2: every holder has the step, so each may drop the ones before. A holder that
   // misses this keeps an older step until the next release.
   results = OnEachHolder(holders, [&](size_t, ReplicaClient& peer) { return peer.Release(key.first, key.second, self); });
+  bool released = true;
   for (size_t i = 0; i < holders.size(); ++i) {
     if (!results[i].ok()) {
+      released = false;
       Log().warn("[{} s{}] node {} keeps this node's older steps: {}", key.first, key.second, holders[i].node,
                  Message(results[i]));
     }
   }
+  // The holders now hold exactly this step (the older ones went where the release went
+  // through): its shards are the bases of the next. Where a release failed, the holders hold
+  // different steps, and the next step goes whole.
+  std::lock_guard lock(mu_);
+  for (auto it = bases_.lower_bound({key.first, 0}); it != bases_.end() && it->first.first == key.first;) {
+    it = bases_.erase(it);
+  }
+  if (!released) return;
+  auto it = records_.find(key);
+  if (it == records_.end() || !it->second.committed_ranks) return;
+  for (uint32_t rank : *it->second.committed_ranks) {
+    if (auto coded = it->second.coded.find(rank); coded != it->second.coded.end()) {
+      bases_[{key.first, rank}] = coded->second;
+    }
+  }
+  it->second.coded.clear();
 }
 
 std::vector<absl::Status> Replicator::OnEachHolder(const std::vector<Holder>& holders,

@@ -28,6 +28,7 @@
 
 #include "daemon/replicate/erasure_code.h"
 #include "daemon/replicate/peer_directory.h"
+#include "daemon/replicate/shard_fragments.h"
 
 namespace ckpt::replicate {
 
@@ -39,6 +40,9 @@ struct StepReplication {
   State state = State::kSending;
   std::string why;          // kIncomplete: what stopped it
   uint64_t bytes_sent = 0;  // fragments' bytes, every holder's
+  // Fragments' bytes not sent: unchanged since the step the holders held, which they
+  // patched (every holder's). bytes_sent + bytes_unchanged: what whole fragments would be.
+  uint64_t bytes_unchanged = 0;
   double seconds = 0;       // from the first shard staged to the seal (kReplicated)
   double unix_time = 0;     // the step's commit time (its manifest's), once committed
 };
@@ -85,6 +89,21 @@ class Replicator {
     std::shared_ptr<const char> data;
     uint64_t bytes = 0;
   };
+  // What a rank's shard left at its holders, once its step is sealed and released at every
+  // one of them (so that they hold exactly that step): the next shard of the same run, size
+  // and holders is sent as a patch of it (only the column chunks that changed).
+  struct Base {
+    uint64_t step = 0;
+    uint64_t run = 0;
+    uint64_t data_bytes = 0;
+    std::vector<std::pair<uint32_t, std::string>> holders;  // node, address: by fragment index
+    FragmentSums sums;                                      // of the fragments sent
+  };
+  struct Sent {
+    uint64_t bytes = 0;
+    uint64_t unchanged = 0;
+    std::shared_ptr<const Base> next;  // what the shard leaves at the holders
+  };
   struct Record {
     StepReplication status;
     uint64_t run = 0;  // of its shards: a step of a newer run is newer whatever its number
@@ -95,13 +114,17 @@ class Replicator {
     std::string manifest_json;
     bool sealing = false;
     bool failed = false;  // did not commit
+    std::map<uint32_t, std::shared_ptr<const Base>> coded;  // by rank: the next step's base, once released
   };
 
   void Loop();
   // This node's holders, once the group's view has them all alive (or a few seconds on).
   absl::StatusOr<std::vector<Holder>> WaitForHolders();
   // Codes and sends one shard; the status names the holder that failed.
-  absl::Status Send(const Shard& shard, const std::vector<Holder>& holders, uint64_t& bytes_sent);
+  // `base` (may be null): what the holders hold of the rank, the shard is sent as a patch of
+  // it where it can be; a holder that refuses the patch gets its fragment whole.
+  absl::Status Send(const Shard& shard, const std::vector<Holder>& holders, const std::shared_ptr<const Base>& base,
+                    Sent& sent);
   // With mu_ held: the step is ready to seal (committed, every rank sent) or has failed.
   bool ReadyLocked(const Record& r) const;
   // Seals the step with every holder, then releases its older steps there; or, when it
@@ -124,6 +147,8 @@ class Replicator {
   std::deque<Shard> queue_;         // guarded by mu_
   std::deque<Key> to_finish_;       // guarded by mu_
   std::map<Key, Record> records_;   // guarded by mu_
+  // By job and rank: what the holders hold exactly (Base); guarded by mu_.
+  std::map<std::pair<std::string, uint32_t>, std::shared_ptr<const Base>> bases_;
   bool stopping_ = false;           // guarded by mu_
   std::optional<Key> sending_;      // the step a shard of which is being sent; guarded by mu_
   std::thread worker_;              // last: started once the rest is there

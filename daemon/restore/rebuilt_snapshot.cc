@@ -47,6 +47,13 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
   for (const auto& [name, tensor] : manifest.tensors) {
     for (const format::TensorShard& piece : tensor.shards) {
       if (piece.rank != rank) continue;
+      if (!piece.extents.empty()) {
+        // What the peers hold is the snapshot: every piece whole (SnapshotManifest).
+        return absl::FailedPreconditionError(fmt::format(
+            "step {}: rank {}'s piece of tensor {} is referenced in other steps' files, not placed in the rebuilt "
+            "shard (a manifest of the files on disk, not of the snapshot the peers hold)",
+            manifest.step, rank, name));
+      }
       if (!names.insert(name).second) {
         return absl::FailedPreconditionError(
             fmt::format("step {}: rank {} saved two pieces of tensor {}", manifest.step, rank, name));
@@ -87,6 +94,11 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
   snap->placements = std::move(placements);
   snap->tensor_count = snap->shard.entries.size();
   for (const auto& [name, blob] : saved->train_state) {
+    if (blob.step) {
+      return absl::FailedPreconditionError(fmt::format(
+          "step {}: rank {}'s train state {} is referenced in step {}'s file, not placed in the rebuilt shard",
+          manifest.step, rank, name, *blob.step));
+    }
     if (absl::Status s = CheckEntry(data, "train state " + name, blob.begin, blob.end, blob.checksum, manifest.step);
         !s.ok()) {
       return s;

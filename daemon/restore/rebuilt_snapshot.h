@@ -15,7 +15,9 @@
 namespace ckpt::daemon {
 
 // DataLoss naming the entry when a byte differs from what the manifest says was saved;
-// FailedPrecondition when the manifest does not describe the rank's shard as one region.
+// FailedPrecondition when the manifest does not describe the rank's shard as one region (a
+// piece or blob referenced in another step's file: an incremental step is sealed with
+// SnapshotManifest's manifest, never its own).
 absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manifest, uint32_t rank, ShardBytes data);
 
 }  // namespace ckpt::daemon

@@ -209,6 +209,8 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         "rank {} registers {} bytes but the staging budget (--staging-bytes) is {} bytes",
         req.rank(), s->registered_bytes_.load(), limits.staging_bytes));
   }
+  s->frozen_ = std::make_unique<FrozenTensors>(limits.frozen_check_every);
+  s->frozen_->Registered(s->tensors_, {});
 
   // Sealed and nameless: handed to the trainer as a descriptor (ControlFdServer), so the
   // trainer can map it read-write but never shrink it under the daemon.
@@ -267,6 +269,8 @@ absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorS
   rt.dtype = t.dtype();
   rt.shape = std::move(shape);
   rt.nbytes = t.nbytes();
+  rt.frozen = t.frozen();
+  rt.sparse = t.sparse();
   rt.placement.global_shape.assign(t.global_shape().begin(), t.global_shape().end());
   rt.placement.offset.assign(t.global_offset().begin(), t.global_offset().end());
   for (const auto& r : t.flat_ranges()) rt.placement.flat.push_back({r.begin(), r.end()});
@@ -320,8 +324,8 @@ absl::StatusOr<RegisteredTensor> Session::BuildTensor(const ::ckptd::v1::TensorS
 
 absl::StatusOr<uint64_t> Session::Update(const ::ckptd::v1::UpdateRequest& req, const Limits& limits,
                                          std::vector<UniqueFd> arenas) {
-  if (req.tensors_size() == 0 && req.removed_size() == 0) {
-    return absl::InvalidArgumentError("the update changes nothing (no tensors, none removed)");
+  if (req.tensors_size() == 0 && req.removed_size() == 0 && req.freeze_size() == 0 && req.thaw_size() == 0) {
+    return absl::InvalidArgumentError("the update changes nothing (no tensors, none removed, frozen or thawed)");
   }
   // A snapshot being staged reads the tensors: wait for it (briefly: a restore may hold the
   // session for minutes at its barrier, and a waiting update holds a server thread); the
@@ -375,6 +379,11 @@ absl::StatusOr<uint64_t> Session::Update(const ::ckptd::v1::UpdateRequest& req, 
         rank_, bytes, limits.staging_bytes));
   }
   tensors_ = std::move(*updated);
+  // A tensor given anew, or frozen (again: it may have changed while thawed, or in place),
+  // has bytes ckptd does not know: the next snapshot copies it from the trainer.
+  std::set<std::string> replaced(req.freeze().begin(), req.freeze().end());
+  for (const ::ckptd::v1::TensorSpec& t : req.tensors()) replaced.insert(t.name());
+  frozen_->Registered(tensors_, replaced);
   registered_bytes_ = bytes;
   tensor_count_ = tensors_.size();
   return bytes;
@@ -413,6 +422,22 @@ absl::StatusOr<std::vector<RegisteredTensor>> Session::Updated(const ::ckptd::v1
       *it = std::move(rt);  // replaced where it was: the shard keeps its order
     } else {
       out.push_back(std::move(rt));
+    }
+  }
+  // Frozen or thawed: only the flag changes (a tensor given anew above takes its spec's).
+  std::set<std::string> flagged;
+  for (const auto* names : {&req.freeze(), &req.thaw()}) {
+    const bool frozen = names == &req.freeze();
+    for (const std::string& name : *names) {
+      if (!flagged.insert(name).second) {
+        return absl::InvalidArgumentError(fmt::format("tensor {} is frozen or thawed twice in the update", name));
+      }
+      auto it = std::find_if(out.begin(), out.end(), [&](const RegisteredTensor& t) { return t.name == name; });
+      if (it == out.end()) {
+        return absl::InvalidArgumentError(fmt::format("tensor {} cannot be {}: it is not registered", name,
+                                                      frozen ? "frozen" : "thawed"));
+      }
+      it->frozen = frozen;
     }
   }
   if (out.empty()) return absl::InvalidArgumentError("the update would leave no tensor registered");
@@ -627,6 +652,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     persist.Submit(snap);
   };
   absl::StatusOr<StagedSnapshotPtr> staged;
+  // The frozen tensors' fill, after data_mu_: an update need not wait for a memcpy of a
+  // frozen base of many GB (the trainer was released before it; readers wait for `landed`).
+  Stager::FillLater fill;
   {
     std::lock_guard lock(data_mu_);
     // The trainer may write from here: after the copy, or, for a copy-on-write snapshot,
@@ -638,20 +666,32 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
           std::chrono::duration<double>(std::chrono::steady_clock::now() - taken).count());
       return true;
     };
-    staged = stager.Stage(view(command.ticket), command.step, std::move(*command.payload), submit, release);
+    staged = stager.Stage(view(command.ticket), command.step, std::move(*command.payload), submit, release, &fill);
+    if (staged.ok()) frozen_->Staged(*staged);
   }
+  if (fill) fill();
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()),
                   busy ? metrics::Cause::kBudget : metrics::Cause::kTrainer);
   }
+  for (const std::string& name : (*staged)->frozen_changed) {
+    // Saved by this step all the same (a check copies from the trainer): said so that the
+    // user learns a tensor registered frozen is not.
+    Log().warn("[{}/r{} s{}] frozen tensor {} changed in place since the last check: saved, and copied at "
+               "every snapshot from now on (freeze it again to stop)",
+               job_, rank_, command.step, name);
+    metrics.frozen_changes.With({}).Add();
+  }
+  metrics.frozen_filled_bytes.With({}).Add(static_cast<double>((*staged)->filled_bytes));
   events.SnapshotStaged(*staged, uid_);
   metrics.snapshots.With({"staged"}).Add();
   metrics.staging_seconds.With({}).Observe((*staged)->copy_seconds);
-  metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes));
-  Log().debug("[{}/r{} s{}] staged {} bytes; copy {:.1f} ms ({:.2f} GB/s)", job_, rank_, command.step,
-              (*staged)->shard.data_bytes, (*staged)->copy_seconds * 1e3,
-              (*staged)->shard.data_bytes / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
+  metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes - (*staged)->filled_bytes));
+  const uint64_t copied = (*staged)->shard.data_bytes - (*staged)->filled_bytes;
+  Log().debug("[{}/r{} s{}] staged {} bytes ({} of frozen tensors from the last snapshot); copy {:.1f} ms ({:.2f} GB/s)",
+              job_, rank_, command.step, (*staged)->shard.data_bytes, (*staged)->filled_bytes,
+              (*staged)->copy_seconds * 1e3, copied / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
 }
 
 void Session::SetRestoredTrainState(shm::SealedSegmentPtr state) {

@@ -24,6 +24,7 @@
 #include "daemon/session/arena_deposits.h"
 #include "daemon/session/peer_identity.h"
 #include "daemon/session/session_events.h"
+#include "daemon/staging/frozen_tensors.h"
 #include "daemon/staging/snapshot_sink.h"
 #include "daemon/staging/stager.h"
 #include "proto/trainer.pb.h"
@@ -45,6 +46,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
     // Where a snapshot payload too large for a ring slot was handed over (ArenaDeposits,
     // kind kPayload); null: such snapshots fail.
     ArenaDeposits* deposits = nullptr;
+    uint32_t frozen_check_every = 20;  // --frozen-check-every (0: never)
   };
 
   // Validates the request, maps the trainer's arenas and creates the control block.
@@ -93,8 +95,11 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   // As snapshot `ticket` sees it: the copy waits for that ticket's snapshot event.
   SessionView view(uint64_t ticket = 0) const {
     void* after = snapshot_events_.empty() ? nullptr : snapshot_events_[ticket % snapshot_events_.size()]->get();
-    return {job_, uid_, rank_, world_size_, &tensors_, after, write_protect_.get()};
+    return {job_, uid_, rank_, world_size_, &tensors_, after, write_protect_.get(), frozen_.get()};
   }
+  // A restore wrote the trainer's tensors (whatever it ended with): the next snapshot copies
+  // the frozen ones from the trainer. Under data_mutex().
+  void TensorsRestored() { frozen_->Invalidate(); }
   bool trainer_alive() const { return trainer_alive_.load(); }
   // Tells the trainer this daemon is alive (SessionRegistry's ticker, every 100 ms).
   // Also drops a restored train state left unfetched for kRestoredStateKept.
@@ -178,6 +183,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   std::vector<std::unique_ptr<cuda::IpcEvent>> snapshot_events_;
   static constexpr int kMaxSnapshotEvents = 64;
   std::vector<RegisteredTensor> tensors_;  // guarded by data_mu_ once started
+  std::unique_ptr<FrozenTensors> frozen_;  // guarded by data_mu_ once started
   std::atomic<size_t> tensor_count_{0};
   std::atomic<uint64_t> registered_bytes_{0};
   shm::SealedSegmentPtr control_;

@@ -24,10 +24,20 @@ void HotCache::Insert(const std::vector<StagedSnapshotPtr>& committed) {
 }
 
 StagedSnapshotPtr HotCache::Find(const std::string& job, uint32_t rank, uint64_t step) const {
-  std::lock_guard lock(mu_);
-  auto it = hot_.find({job, rank});
-  if (it == hot_.end() || it->second->step != step) return nullptr;
-  return it->second;
+  StagedSnapshotPtr found;
+  {
+    std::lock_guard lock(mu_);
+    auto it = hot_.find({job, rank});
+    if (it == hot_.end() || it->second->step != step) return nullptr;
+    found = it->second;
+  }
+  // An increment can commit before its frozen tensors are filled from the previous snapshot
+  // (a memory copy after the trainer's release): a reader waits for them, and a copy that
+  // failed is not in memory at all.
+  if (found->shard.landed != nullptr && !found->shard.landed->WaitFor(found->shard.data_bytes).ok()) {
+    return nullptr;
+  }
+  return found;
 }
 
 bool HotCache::EvictOne() {

@@ -20,7 +20,8 @@ class HotCache {
 
   // Keeps each snapshot unless a newer step of its (job, rank) is already held.
   void Insert(const std::vector<StagedSnapshotPtr>& committed);
-  // The snapshot of (job, rank) at `step`, if it is still in memory.
+  // The snapshot of (job, rank) at `step`, if it is still in memory, once every byte of it
+  // has landed.
   StagedSnapshotPtr Find(const std::string& job, uint32_t rank, uint64_t step) const;
   // Drops the oldest snapshot; false when there is none. Its block returns to the pool
   // when the last reader (a restore in progress) lets go.

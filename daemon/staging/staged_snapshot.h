@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/staging_pool.h"
+#include "daemon/staging/frozen_sums.h"
 #include "daemon/staging/staging_ledger.h"
 #include "daemon/staging/staged_shard.h"
 #include "format/manifest.h"
@@ -45,8 +46,29 @@ struct StagedSnapshot {
   std::shared_ptr<const void> rebuilt;
   StagingWatermark landed;  // how much of `block` the stager has filled
   StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
+  // Frozen tensors (daemon/staging/frozen_tensors.h), per tensor entry; empty when none is
+  // frozen. A filled entry's bytes are copied by the daemon from its previous snapshot after
+  // the trainer is released, and land last.
+  struct FrozenEntry {
+    bool frozen = false;
+    bool filled = false;      // from the previous snapshot, not from the trainer
+    uint64_t generation = 0;  // entries of one generation hold the same bytes (frozen_sums);
+                              // set once `own_landed` has
+  };
+  std::vector<FrozenEntry> frozen;
+  std::shared_ptr<FrozenSums> frozen_sums;  // the session's; null when `frozen` is empty
+  // Where the first filled entry begins (none: the largest value). `landed` stops there
+  // until every filled entry is in place; what the trainer gave beyond it (later tensors,
+  // the train state) has landed, with every generation set and the trainer released, once
+  // `own_landed` reaches 1. So an increment that references its frozen tensors is written
+  // without waiting for them.
+  uint64_t filled_from = UINT64_MAX;
+  StagingWatermark own_landed;
+  uint64_t filled_bytes = 0;                 // bytes filled instead of copied
+  std::vector<std::string> frozen_changed;  // frozen tensors a check found changed in place
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
+  std::vector<bool> sparse;  // per tensor entry, registered sparse (TensorSpec.sparse); empty: none
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
   double copy_seconds = 0;  // time the copy engine took
   std::weak_ptr<TicketSink> sink;

@@ -35,7 +35,7 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
 }
 
 absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager::Reserve(
-    const SessionView& session, size_t bytes, const std::string& context) {
+    const SessionView& session, size_t bytes, const std::string& context, FrozenPlan& frozen) {
   auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
   while (true) {
     absl::Status why;
@@ -45,6 +45,13 @@ absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager:
       auto block = pool_.Allocate(bytes);
       if (block.ok()) return std::make_pair(std::move(*block), std::move(*hold));
       hold->reset();
+      // The previous snapshot, kept for its frozen tensors, holds memory: given up first (its
+      // frozen tensors are then copied from the trainer), before other jobs' hot copies, of
+      // which evicting its own would free nothing while the plan holds it.
+      if (frozen.source) {
+        frozen.DropSource();
+        continue;
+      }
       if (hot_.EvictOne()) continue;
       why = absl::ResourceExhaustedError(fmt::format(
           "staging memory busy ({}; earlier snapshots are still being written)",
@@ -67,8 +74,15 @@ namespace {
 // lands only once the trainer has been released (Stage). A writer that has all but the last
 // byte cannot finish the shard, so a snapshot the trainer abandoned during the copy fails
 // there instead of being written, and committed, with torn tensors.
+// Nor past the first tensor the daemon fills from the previous snapshot (frozen), which lands
+// after the trainer's bytes.
 uint64_t HeldBack(const StagedSnapshot& snap, uint64_t landed) {
-  return snap.shard.data_bytes == 0 ? 0 : std::min(landed, snap.shard.data_bytes - 1);
+  return snap.shard.data_bytes == 0 ? 0 : std::min({landed, snap.shard.data_bytes - 1, snap.filled_from});
+}
+
+void FailSnapshot(StagedSnapshot& snap, const absl::Status& why) {
+  snap.landed.Fail(Message(why));
+  snap.own_landed.Fail(Message(why));
 }
 
 absl::Status Abandoned(std::string_view context) {
@@ -83,7 +97,7 @@ absl::Status Abandoned(std::string_view context) {
 absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint64_t step,
                                                 shm::SnapshotPayload payload,
                                                 const OnLaidOut& on_laid_out,
-                                                const OnReleased& on_released) {
+                                                const OnReleased& on_released, FillLater* fill_later) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
@@ -110,7 +124,9 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   for (const shm::NamedBlob& blob : payload.train_state) blobs.emplace_back(blob.name, blob.data.size());
   CKPT_RETURN_IF_ERROR(format::CheckUserFiles(blobs));
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);
-  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session, total, context));
+  // Taken before the block is reserved, so that making room cannot free the source first.
+  FrozenPlan frozen = session.frozen != nullptr ? session.frozen->Plan(tensors) : FrozenPlan{};
+  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session, total, context, frozen));
   cuda::StagingBlockPtr block = std::move(reserved.first);
 
   auto snap = std::make_shared<StagedSnapshot>();
@@ -125,12 +141,27 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     snap->placements.push_back(t.placement);
     offset += t.nbytes;
   }
+  if (std::any_of(tensors.begin(), tensors.end(), [](const RegisteredTensor& t) { return t.sparse; })) {
+    for (const RegisteredTensor& t : tensors) snap->sparse.push_back(t.sparse);
+  }
   for (const shm::NamedBlob& blob : payload.train_state) {
     snap->shard.entries.push_back({format::TrainStateKey(blob.name), "U8",
                                    {static_cast<int64_t>(blob.data.size())}, offset,
                                    offset + blob.data.size()});
     snap->train_state_names.push_back(blob.name);
     offset += blob.data.size();
+  }
+  if (!frozen.tensors.empty()) {
+    snap->frozen.resize(tensors.size());
+    snap->frozen_sums = session.frozen->sums();
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      snap->frozen[i].frozen = frozen.tensors[i].frozen;
+      snap->frozen[i].filled = frozen.tensors[i].fill;
+      if (frozen.tensors[i].fill) {
+        snap->filled_from = std::min(snap->filled_from, snap->shard.entries[i].begin);
+        snap->filled_bytes += tensors[i].nbytes;
+      }
+    }
   }
   snap->shard.rank = session.rank;
   snap->shard.data = block->data();
@@ -143,14 +174,14 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
 
   auto copy_started = std::chrono::steady_clock::now();
   bool released = false;
-  absl::Status copied = Annotate(CopyTensors(session, *snap, on_released, released), context);
+  absl::Status copied = Annotate(CopyTensors(session, *snap, frozen, on_released, released), context);
   if (!copied.ok()) {
-    snap->landed.Fail(Message(copied));
+    FailSnapshot(*snap, copied);
     return copied;
   }
   if (!released && on_released && !on_released()) {
     absl::Status abandoned = Abandoned(context);
-    snap->landed.Fail(Message(abandoned));
+    FailSnapshot(*snap, abandoned);
     return abandoned;
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
@@ -158,8 +189,54 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     const format::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
     std::memcpy(snap->block->data() + e.begin, payload.train_state[i].data.data(), e.end - e.begin);
   }
-  snap->landed.Advance(total);
+  if (!frozen.tensors.empty()) SetGenerations(*session.frozen, frozen, *snap);
+  snap->own_landed.Advance(1);
+  const bool later = frozen.any_fill() && fill_later != nullptr;
+  FillLater fill = [frozen = std::move(frozen), snap, total] {
+    if (frozen.any_fill()) Fill(frozen, *snap);
+    snap->landed.Advance(total);
+  };
+  if (later) {
+    *fill_later = std::move(fill);
+  } else {
+    fill();
+  }
   return snap;
+}
+
+void Stager::SetGenerations(FrozenTensors& state, const FrozenPlan& plan, StagedSnapshot& snap) {
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const FrozenPlan::Tensor& p = plan.tensors[i];
+    StagedSnapshot::FrozenEntry& f = snap.frozen[i];
+    if (!p.frozen) continue;
+    if (p.fill) {
+      f.generation = p.generation;
+      continue;
+    }
+    const format::TensorEntry& e = snap.shard.entries[i];
+    if (p.source_entry >= 0) {
+      // A check: the trainer's bytes against those last seen.
+      const format::TensorEntry& was = plan.source->shard.entries[p.source_entry];
+      if (std::memcmp(snap.block->data() + e.begin, plan.source->shard.data + was.begin, e.end - e.begin) == 0) {
+        f.generation = p.generation;
+        continue;
+      }
+      snap.frozen_changed.push_back(e.name);
+      state.ChangedInPlace(e.name);
+    }
+    f.generation = state.NewGeneration();
+  }
+}
+
+void Stager::Fill(const FrozenPlan& plan, StagedSnapshot& snap) {
+  // One thread, on the session's: the trainer is not waiting, and the writer of this very
+  // snapshot (which references these bytes rather than reads them) gets the other cores.
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (!plan.tensors[i].fill) continue;
+    const format::TensorEntry& e = snap.shard.entries[i];
+    const format::TensorEntry& was = plan.source->shard.entries[plan.tensors[i].source_entry];
+    std::memcpy(snap.block->data() + e.begin, plan.source->shard.data + was.begin, e.end - e.begin);
+  }
 }
 
 absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
@@ -173,14 +250,16 @@ absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot&
   return CopySplit(engine_, device_engines_, job, session.cuda_after);
 }
 
-absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap,
+absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap, const FrozenPlan& frozen,
                                  const OnReleased& on_released, bool& released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
+  // Frozen tensors filled from the previous snapshot are not the trainer's to copy.
+  auto filled = [&](size_t i) { return !frozen.tensors.empty() && frozen.tensors[i].fill; };
   std::vector<bool> cow(tensors.size(), false);
   if (session.write_protect != nullptr) {
     for (size_t i = 0; i < tensors.size(); ++i) {
-      cow[i] = !tensors[i].on_device && tensors[i].trainer_address != 0 && tensors[i].nbytes > 0;
+      cow[i] = !tensors[i].on_device && tensors[i].trainer_address != 0 && tensors[i].nbytes > 0 && !filled(i);
     }
   }
   if (std::find(cow.begin(), cow.end(), true) != cow.end()) {
@@ -188,7 +267,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
     std::vector<bool> rest(cow.size());
     std::vector<CowCopy::Region> regions;
     for (size_t i = 0; i < cow.size(); ++i) {
-      rest[i] = !cow[i];
+      rest[i] = !cow[i] && !filled(i);
       if (!cow[i]) continue;
       const format::TensorEntry& e = snap.shard.entries[i];
       regions.push_back({tensors[i].trainer_address, tensors[i].nbytes, tensors[i].data,
@@ -219,8 +298,8 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
   // host tensors are copied, writers hold back (they yield between their writes), and the
   // copy runs as one job (per-chunk barriers cost more than overlap gains on the host).
   // DMA copies do not need the CPU: snapshots of GPU tensors alone overlap with writing.
-  bool any_host = std::any_of(tensors.begin(), tensors.end(),
-                              [](const RegisteredTensor& t) { return !t.on_device; });
+  bool any_host = false;
+  for (size_t i = 0; i < tensors.size(); ++i) any_host = any_host || (!tensors[i].on_device && !filled(i));
   cuda::CopyPriority::Copying copying(any_host ? priority_ : nullptr);
   const uint64_t chunk_bytes = any_host ? std::max<uint64_t>(tensor_bytes, 1) : options_.chunk_bytes;
   size_t first = 0;  // the first tensor not wholly copied yet
@@ -231,7 +310,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
       const format::TensorEntry& e = snap.shard.entries[i];
       if (e.begin >= hi) break;
       const uint64_t a = std::max(lo, e.begin), b = std::min(hi, e.end);
-      if (b > a) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});
+      if (b > a && !filled(i)) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});
       if (e.end <= hi) first = i + 1;
     }
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, chunk, session.cuda_after));

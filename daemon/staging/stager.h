@@ -20,28 +20,14 @@
 #include "cuda/copy_priority.h"
 #include "cuda/staging_pool.h"
 #include "daemon/config.h"
+#include "daemon/staging/frozen_tensors.h"
 #include "daemon/staging/hot_cache.h"
+#include "daemon/staging/registered_tensor.h"
 #include "daemon/staging/progress_signal.h"
 #include "daemon/staging/write_protector.h"
 #include "shm/payload.h"
 
 namespace ckpt::daemon {
-
-// A buffer a trainer registered, as the daemon sees it (mapped into the daemon).
-struct RegisteredTensor {
-  std::string name;
-  std::string dtype;
-  std::vector<int64_t> shape;
-  uint64_t nbytes = 0;
-  char* data = nullptr;  // in a segment or CUDA allocation the owning session keeps mapped
-  bool on_device = false;  // a GPU buffer: copied by its device's CUDA engine
-  int device = -1;         // the daemon's ordinal of that device
-  const void* allocation = nullptr;  // that buffer's CUDA allocation (its mapping's base)
-  // Where the trainer sees `data`, when its arena is registered for write-protection
-  // (copy-on-write snapshots); 0 otherwise.
-  uint64_t trainer_address = 0;
-  TensorPlacement placement;
-};
 
 // What the stager and restorer need to know about a session.
 struct SessionView {
@@ -53,6 +39,9 @@ struct SessionView {
   void* cuda_after = nullptr;  // the trainer's snapshot event (cudaEvent_t), if any
   WriteProtector* write_protect = nullptr;  // copy-on-write snapshots of tensors that have a
                                             // trainer_address; null: copy before releasing
+  // The session's frozen tensors across snapshots (copied once, then filled from the last
+  // snapshot); null: every tensor is copied from the trainer at each snapshot.
+  FrozenTensors* frozen = nullptr;
 };
 
 class Stager {
@@ -93,19 +82,32 @@ class Stager {
   // Returns once every byte has landed. ResourceExhausted when staging memory cannot be had
   // under the --when-busy policy (then `on_laid_out` was not called). A copy error after
   // `on_laid_out` also fails the snapshot's watermark, so its writer stops.
+  // With `fill_later`, the frozen tensors filled from the previous snapshot are not: it
+  // returns once every other byte has landed and sets `*fill_later` (when there is any to
+  // fill) to what fills them and lands the rest, for the caller to run after it releases
+  // what it held around Stage (a fill reads none of the trainer's memory).
+  using FillLater = std::function<void()>;
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
                                           shm::SnapshotPayload payload,
                                           const OnLaidOut& on_laid_out = {},
-                                          const OnReleased& on_released = {});
+                                          const OnReleased& on_released = {},
+                                          FillLater* fill_later = nullptr);
 
  private:
   // The block, and the hold on the job's share, under the --when-busy policy.
+  // When memory is short the frozen plan's source is given up before the snapshot is.
   absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Reserve(
-      const SessionView& session, size_t bytes, const std::string& context);
+      const SessionView& session, size_t bytes, const std::string& context, FrozenPlan& frozen);
   // Copies the tensors, chunk by chunk, advancing the snapshot's watermark after each.
   // Tensors with a trainer_address go copy-on-write (then `on_released` is called early).
-  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap,
+  // Tensors the frozen plan fills are left out.
+  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap, const FrozenPlan& frozen,
                            const OnReleased& on_released, bool& released);
+  // Each frozen entry's generation: the source's when filled, or when a check found the
+  // trainer's bytes unchanged; a new one otherwise (changes found are named in the snapshot).
+  static void SetGenerations(FrozenTensors& state, const FrozenPlan& plan, StagedSnapshot& snap);
+  // The filled entries, copied from the plan's source (after the trainer was released).
+  static void Fill(const FrozenPlan& plan, StagedSnapshot& snap);
   // The host tensors selected by `only` (by index), in one job, without moving the watermark.
   absl::Status CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
                                const std::vector<bool>& only);

@@ -2,10 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 #include <stdexcept>
 
 #include <nlohmann/json.hpp>
+
+#include "format/json_text.h"
+#include "format/manifest.h"
 
 namespace ckpt::daemon::upload {
 namespace {
@@ -46,15 +50,23 @@ std::string Digest(const json& v, const char* name) {
 }  // namespace
 
 std::string PartReportJson(const PartReport& r) {
-  return json{{"format", "ckptd-upload-report"},
-              {"run", r.run},
-              {"node", r.node},
-              {"digest", r.digest},
-              {"ranks", r.ranks},
-              {"shard_bytes", r.shard_bytes},
-              {"part_bytes", r.part_bytes},
-              {"part_checksum", r.part_checksum}}
-      .dump();
+  json j{{"format", "ckptd-upload-report"},
+         {"run", r.run},
+         {"node", r.node},
+         {"digest", r.digest},
+         {"ranks", r.ranks},
+         {"shard_bytes", r.shard_bytes},
+         {"part_bytes", r.part_bytes},
+         {"part_checksum", r.part_checksum}};
+  if (!r.files.empty()) j["files"] = r.files;
+  if (r.step) j["step"] = *r.step;
+  if (r.increment) {
+    // The manifest's own JSON of it (format/increment.h), so both read it alike.
+    format::JsonText w;
+    format::WriteIncrement(w, *r.increment);
+    j["increment"] = json::parse(w.Take());
+  }
+  return j.dump();
 }
 
 absl::StatusOr<PartReport> ParsePartReport(const std::string& text, const std::string& source) {
@@ -83,6 +95,38 @@ absl::StatusOr<PartReport> ParsePartReport(const std::string& text, const std::s
       r.ranks.push_back(static_cast<uint32_t>(Unsigned(ranks[i], "ranks", std::numeric_limits<uint32_t>::max())));
       r.shard_bytes.push_back(Unsigned(bytes[i], "shard_bytes", std::numeric_limits<uint64_t>::max()));
       if (i > 0 && r.ranks[i] <= r.ranks[i - 1]) return bad("\"ranks\" are not strictly ascending");
+    }
+    if (auto files = j.find("files"); files != j.end()) {
+      if (!files->is_array() || files->size() != ranks.size()) {
+        return bad("\"files\" is not an array of one entry per rank");
+      }
+      for (size_t i = 0; i < files->size(); ++i) {
+        const json& f = (*files)[i];
+        if (!f.is_string() || (f.get<std::string>() != format::ShardFileName(r.ranks[i]) &&
+                               !format::IsTaggedShardFileName(f.get<std::string>(), r.ranks[i]))) {
+          return bad(fmt::format("\"files\"[{}] is not a shard file name of rank {}", i, r.ranks[i]));
+        }
+        r.files.push_back(f.get<std::string>());
+      }
+    } else {
+      // Written before files were reported: every step's files were untagged then.
+      for (uint32_t rank : r.ranks) r.files.push_back(format::ShardFileName(rank));
+    }
+    if (auto step = j.find("step"); step != j.end()) {
+      r.step = Unsigned(*step, "step", std::numeric_limits<uint64_t>::max());
+    }
+    if (auto inc = j.find("increment"); inc != j.end()) {
+      if (!r.step) return bad("an \"increment\" without its \"step\"");
+      if (!inc->is_object()) return bad("\"increment\" is not an object");
+      r.increment = format::ParseIncrement(*inc);
+      if (std::string why = format::IncrementProblem(*r.increment, *r.step, /*is_index=*/false); !why.empty()) {
+        return bad("\"increment\": " + why);
+      }
+      for (const format::Origin& o : r.increment->origins) {
+        if (!std::binary_search(r.ranks.begin(), r.ranks.end(), o.rank)) {
+          return bad(fmt::format("\"increment\" names an origin of rank {}, not one of the report's", o.rank));
+        }
+      }
     }
     return r;
   } catch (const std::exception& e) {  // BadReport, or nlohmann's type and key errors

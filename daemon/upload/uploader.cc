@@ -222,7 +222,9 @@ absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& s
   const std::string key = remote_.TempStepKey(m.job, m.step) + "/" + shard.file;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
                         local_.objects().Open(format::CheckpointStore::StepKey(m.job, m.step) + "/" + shard.file));
-  if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end()) {
+  // An incremental step's file holds only its own bytes, laid out from staging: not the
+  // staged data region, which may also still be filling (frozen tensors). From the disk.
+  if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end() && !m.increment) {
     in = MemoryFirst(std::move(in), it->second, &from_memory_);
   }
   // CopyFrom checks that every byte arrived. A copy that a gateway's outage cut short
@@ -233,6 +235,117 @@ absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& s
     progress_.bytes_done += n;
     return absl::OkStatus();
   }, ShardVersion(m, shard)).status();
+}
+
+std::map<format::StepRun, std::vector<format::Origin>> Uploader::OriginsToUpload(const format::Manifest& m) const {
+  std::map<format::StepRun, std::vector<format::Origin>> by_step;
+  if (!m.increment) return by_step;
+  std::set<uint32_t> ranks;
+  for (const format::ManifestShard* s : ShardsToUpload(m)) ranks.insert(s->rank);
+  for (const format::Origin& o : m.increment->origins) {
+    if (ranks.count(o.rank)) by_step[{o.step, o.run}].push_back(o);
+  }
+  return by_step;
+}
+
+absl::StatusOr<std::optional<std::string>> Uploader::RemoteOrigin(const std::string& job, const format::Origin& origin) {
+  // Beside the step's own files (published, retired or carried on an object store), or
+  // where a store that renames keeps carried ones.
+  std::vector<std::string> keys = {format::CheckpointStore::StepKey(job, origin.step) + "/" + origin.file,
+                                   remote_.CarriedFileKey(job, {origin.step, origin.run}, origin.file)};
+  for (const std::string& key : keys) {
+    const size_t slash = key.rfind('/');
+    CKPT_ASSIGN_OR_RETURN(const auto sizes, RemoteSizes(key.substr(0, slash)));
+    auto it = sizes.find(key.substr(slash + 1));
+    if (it != sizes.end() && it->second == origin.bytes) return std::optional<std::string>(key);
+  }
+  return std::optional<std::string>();
+}
+
+absl::Status Uploader::CarryOrigins(const format::Manifest& m) {
+  const uint32_t node = options_.node.value_or(0);
+  for (const auto& [step_run, origins] : OriginsToUpload(m)) {
+    std::vector<format::HeldFile> missing;
+    for (const format::Origin& o : origins) {
+      CKPT_ASSIGN_OR_RETURN(std::optional<std::string> there, RemoteOrigin(m.job, o));
+      if (!there) missing.push_back({o.file, o.bytes});
+    }
+    if (missing.empty()) continue;
+    {
+      std::lock_guard lock(mu_);
+      for (const format::HeldFile& f : missing) progress_.bytes_total += f.bytes;
+    }
+    // The record first: a kill before the files leaves nothing that no record names, and the
+    // remote retention keeps what it names while this step may still be published.
+    CKPT_RETURN_IF_ERROR(remote_.RecordCarried(m.job, step_run, node, m.step, missing));
+    for (const format::HeldFile& f : missing) {
+      // Where this node's disk keeps it: the step, or its held directory once retired here.
+      std::unique_ptr<storage::ObjectReader> in;
+      absl::Status opened = absl::NotFoundError("no key");
+      for (const std::string& key : format::OriginFileKeys({step_run.step, step_run.run, 0, f.file, f.bytes})) {
+        absl::StatusOr<std::unique_ptr<storage::ObjectReader>> o = local_.objects().Open(m.job + "/" + key);
+        if (o.ok()) {
+          in = std::move(*o);
+          break;
+        }
+        opened = o.status();
+      }
+      if (!in) {
+        return absl::DataLossError(fmt::format("step {} references {} of step {}, which this node no longer holds: {}",
+                                               m.step, f.file, step_run.step, Message(opened)));
+      }
+      if (in->size() != f.bytes) {
+        return absl::DataLossError(fmt::format("{} is {} bytes here; step {} references {}", in->name(), in->size(),
+                                               m.step, f.bytes));
+      }
+      CKPT_RETURN_IF_ERROR(remote_.objects()
+                               .CopyFrom(*in, remote_.CarriedFileKey(m.job, step_run, f.file),
+                                         [this](uint64_t n) {
+                                           std::lock_guard lock(mu_);
+                                           if (stopping_) return absl::CancelledError("ckptd is stopping");
+                                           progress_.bytes_done += n;
+                                           return absl::OkStatus();
+                                         },
+                                         fmt::format("carried/{:016x}/{}", step_run.run, f.bytes))
+                               .status());
+      Log().info("[{} s{}] carried {} of step {} ({} bytes) to the remote tier: it references it", m.job, m.step,
+                 f.file, step_run.step, f.bytes);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Uploader::CheckOrigins(const format::Manifest& m) {
+  std::vector<format::Origin> all;
+  for (const auto& [step_run, origins] : OriginsToUpload(m)) all.insert(all.end(), origins.begin(), origins.end());
+  return CheckOrigins(m, all);
+}
+
+absl::Status Uploader::CheckOrigins(const format::Manifest& m, const std::vector<format::Origin>& origins) {
+  // One listing per place a file may be (a step's prefix, or a store's held directory), not
+  // one per file: a publisher checks every rank's origins of a large group.
+  std::map<std::string, std::map<std::string, uint64_t>> listed;
+  for (const format::Origin& o : origins) {
+    bool there = false;
+    for (const std::string& key : {format::CheckpointStore::StepKey(m.job, o.step) + "/" + o.file,
+                                   remote_.CarriedFileKey(m.job, {o.step, o.run}, o.file)}) {
+      const size_t slash = key.rfind('/');
+      const std::string prefix = key.substr(0, slash);
+      if (!listed.count(prefix)) {
+        CKPT_ASSIGN_OR_RETURN(listed[prefix], RemoteSizes(prefix));
+      }
+      auto it = listed[prefix].find(key.substr(slash + 1));
+      if (it != listed[prefix].end() && it->second == o.bytes) {
+        there = true;
+        break;
+      }
+    }
+    if (!there) {
+      return absl::DataLossError(fmt::format("{} of step {}, which step {} references, is not in the remote tier "
+                                             "({} bytes)", o.file, o.step, m.step, o.bytes));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Uploader::CheckUploaded(const format::Manifest& manifest) {
@@ -260,7 +373,7 @@ bool AgreesWithWhole(const format::Manifest& manifest, const PartReport& r) {
   if (ranks != r.ranks) return false;
   for (size_t i = 0; i < r.ranks.size(); ++i) {
     const format::ManifestShard* shard = manifest.Shard(r.ranks[i]);
-    if (shard == nullptr || shard->bytes != r.shard_bytes[i]) return false;
+    if (shard == nullptr || shard->bytes != r.shard_bytes[i] || shard->file != r.files[i]) return false;
   }
   return true;
 }
@@ -297,13 +410,32 @@ absl::StatusOr<std::vector<PartReport>> Uploader::WaitForReports(const format::M
             (digest && r->digest != *digest) || !AgreesWithWhole(manifest, *r)) {
           continue;
         }
+        // A version 5 step's parts report their origins (pinned and checked before the index
+        // goes up), of this very step: a report without them cannot be indexed.
+        std::string unfit;
+        if (manifest.increment && !r->increment) {
+          unfit = "names no origins, but the step is incremental (written by an older ckptd?)";
+        } else if (!manifest.increment && r->increment) {
+          unfit = "names origins, but the step is not incremental here";
+        } else if (r->increment && r->step != manifest.step) {
+          unfit = fmt::format("is of step {}", r->step.value_or(0));
+        } else if (r->increment) {
+          unfit = format::IncrementProblem(*r->increment, manifest.step, /*is_index=*/false);
+        }
+        if (!unfit.empty()) {
+          if (warned_reports_.insert({manifest.job, manifest.step, r->node}).second) {
+            Log().warn("[{} s{}] node {}'s upload report {}: not indexed; waiting for another", manifest.job,
+                       manifest.step, r->node, unfit);
+          }
+          continue;
+        }
         auto there = [&](const std::string& file, uint64_t bytes) {
           auto it = sizes.find(file);
           return it != sizes.end() && it->second == bytes;
         };
         bool whole = there(format::ManifestPartFileName(r->node), r->part_bytes);
         for (size_t i = 0; i < r->ranks.size() && whole; ++i) {
-          whole = r->ranks[i] < held.size() && !held[r->ranks[i]] && there(format::ShardFileName(r->ranks[i]), r->shard_bytes[i]);
+          whole = r->ranks[i] < held.size() && !held[r->ranks[i]] && there(r->files[i], r->shard_bytes[i]);
         }
         if (!whole) continue;
         for (uint32_t rank : r->ranks) held[rank] = true;
@@ -380,6 +512,14 @@ absl::Status Uploader::Upload(Pending& p) {
     CKPT_ASSIGN_OR_RETURN(sizes, RemoteSizes(remote_.TempStepKey(m.job, m.step)));
   }
   attempted_.insert(attempt);
+  // An incremental step's origins: pinned in the remote retention once no removal of them is
+  // under way, so that what is found there now stays; then carried where missing.
+  std::vector<std::unique_ptr<persist::RetentionKeeper::Pin>> origin_pins;
+  if (m.increment && options_.remote_retention != nullptr) {
+    for (const format::StepRun& o : m.increment->origin_steps) {
+      origin_pins.push_back(persist::RetentionKeeper::Pin::AfterRemoval(*options_.remote_retention, m.job, o.step));
+    }
+  }
   std::vector<const format::ManifestShard*> todo;
   {
     std::lock_guard lock(mu_);
@@ -394,6 +534,7 @@ absl::Status Uploader::Upload(Pending& p) {
     }
   }
   const Clock::time_point start = Clock::now();
+  CKPT_RETURN_IF_ERROR(CarryOrigins(m));
   // Several files at once (each with the store's own parallel parts): one rank's file alone
   // rarely fills the link.
   std::atomic<size_t> next{0};
@@ -418,6 +559,7 @@ absl::Status Uploader::Upload(Pending& p) {
   if (!options_.node) {
     // One daemon, or a shared root's coordinator: every file is this node's to upload.
     CKPT_RETURN_IF_ERROR(CheckUploaded(m));
+    CKPT_RETURN_IF_ERROR(CheckOrigins(m));
     return PublishManifest(m, p.index);  // the manifest, last
   }
   // A group with node-local disks: the step goes up as an index and each node's own
@@ -425,12 +567,29 @@ absl::Status Uploader::Upload(Pending& p) {
   if (!options_.publishes) {
     // This node's part is there: its manifest, then the report that tells the publisher.
     if (!m.scope) return absl::FailedPreconditionError("this node's manifest of the step is not node-scoped");
+    CKPT_RETURN_IF_ERROR(CheckOrigins(m));  // what its ranks reference is there, carried or found
     CKPT_ASSIGN_OR_RETURN(std::string text, LocalManifestText(m));
     CKPT_RETURN_IF_ERROR(
         remote_.objects().Put(remote_.TempStepKey(m.job, m.step) + "/" + format::ManifestPartFileName(*options_.node), text));
     return remote_.objects().Put(ReportKey(m.job, m.step, *options_.node), PartReportJson(ReportOf(m, m.scope->digest, text)));
   }
   CKPT_ASSIGN_OR_RETURN(std::vector<PartReport> reports, WaitForReports(m, Clock::now() - start));
+  // The other nodes' origins, as this node's: pinned in the remote retention (a removal under
+  // way finishes first), then found there, so that none goes before the index that holds it
+  // is published. A node found its origins there before reporting; retention may have run
+  // since (a node restored an older step and references what no kept step does).
+  for (const PartReport& r : reports) {
+    if (!r.increment || options_.remote_retention == nullptr) continue;
+    for (const format::StepRun& o : r.increment->origin_steps) {
+      origin_pins.push_back(persist::RetentionKeeper::Pin::AfterRemoval(*options_.remote_retention, m.job, o.step));
+    }
+  }
+  CKPT_RETURN_IF_ERROR(CheckOrigins(m));
+  std::vector<format::Origin> theirs;
+  for (const PartReport& r : reports) {
+    if (r.increment) theirs.insert(theirs.end(), r.increment->origins.begin(), r.increment->origins.end());
+  }
+  CKPT_RETURN_IF_ERROR(CheckOrigins(m, theirs));
   if (reports.empty()) return PublishManifest(m, p.index);  // every rank of the step is this node's
   CKPT_RETURN_IF_ERROR(PublishIndex(m, reports));
   (void)remote_.objects().RemovePrefix(ReportPrefix(m.job, m.step));  // leftovers: RemoveOrphans
@@ -450,9 +609,14 @@ PartReport Uploader::ReportOf(const format::Manifest& part, const std::string& d
   for (const format::ManifestShard& s : part.shards) {
     r.ranks.push_back(s.rank);
     r.shard_bytes.push_back(s.bytes);
+    r.files.push_back(s.file);  // tagged in version 5: the name the part gives it
   }
   r.part_bytes = text.size();
   r.part_checksum = format::ManifestDigest(text);
+  if (part.increment) {
+    r.increment = part.increment;
+    r.step = part.step;
+  }
   return r;
 }
 
@@ -477,7 +641,12 @@ absl::Status Uploader::PublishIndex(const format::Manifest& m, const std::vector
     parts.push_back(ReportOf(mine, digest, text));
   }
   std::sort(parts.begin(), parts.end(), [](const PartReport& a, const PartReport& b) { return a.node < b.node; });
-  for (const PartReport& r : parts) format::AddToIndex(index, {r.node, r.ranks}, r.part_bytes, r.part_checksum);
+  for (const PartReport& r : parts) {
+    // In version 5 the index's origin steps are the union of its parts' (what the remote
+    // retention holds by); its own and referenced bytes, the whole step's, are every part's.
+    format::AddToIndex(index, {r.node, r.ranks}, r.part_bytes, r.part_checksum,
+                       r.increment ? r.increment->origin_steps : std::vector<format::StepRun>{});
+  }
   // What readers will check of it, before it is the step's commit marker: an index no reader
   // accepts would be a step that neither restores nor is ever cleaned up.
   CKPT_RETURN_IF_ERROR(format::ParseManifest(format::ManifestToJson(index), "the step's index").status());
@@ -623,6 +792,9 @@ void Uploader::Loop() {
                  progress_.bytes_total, SecondsSince(started), from_memory_.load());
       for (auto it = attempted_.begin(); it != attempted_.end();) {  // bounded by the queue
         it = std::get<0>(*it) == job && std::get<1>(*it) <= step ? attempted_.erase(it) : std::next(it);
+      }
+      for (auto it = warned_reports_.begin(); it != warned_reports_.end();) {
+        it = std::get<0>(*it) == job && std::get<1>(*it) <= step ? warned_reports_.erase(it) : std::next(it);
       }
       state.failures = 0;
       state.last_error.clear();

@@ -11,6 +11,14 @@
 // there. A failed attempt is retried with back-off (files already there are not sent
 // again) until it succeeds or a newer step replaces it. Unfinished remote steps older than
 // the newest published one are removed by the publisher.
+//
+// An incremental step (format version 5) goes up as its own files, read from the local disk
+// (they are not the staged snapshot), and the earlier steps' files it references that the
+// remote tier lacks, carried once each (docs/design/incremental.md, section 9); its manifest,
+// the same bytes as on disk, last. In a group with node-local disks each node carries its own
+// ranks' origins (a record per node) and reports them with its tagged files; the publisher
+// pins every node's origin steps in the remote retention and checks them in the remote tier
+// before the index, whose origin steps are the union of the parts', goes up.
 #pragma once
 
 #include <atomic>
@@ -83,6 +91,10 @@ class Uploader {
     // their newest committed step could pick different ones every time checkpoints commit
     // faster than they upload, and no step would ever be complete in the bucket.
     std::function<std::optional<uint64_t>(const std::string& job)> follow;
+    // The remote tier's retention (the publisher's): an incremental step's origins are pinned
+    // there while it is uploaded, so that what it references is neither deleted nor swept
+    // before its manifest is published. Null: no remote retention on this node.
+    persist::RetentionKeeper* remote_retention = nullptr;
   };
 
   // `uploaded` runs after a step is published remotely (remote retention); `on_error`
@@ -147,6 +159,18 @@ class Uploader {
   // the publisher waits for other nodes' files.
   absl::Status Upload(Pending& p);
   absl::Status CopyFile(const Pending& p, const format::ManifestShard& shard);
+  // An incremental step (format version 5): the files of earlier steps that this node's
+  // ranks reference and the remote tier lacks (by name and size) are carried there, each
+  // once, after a record of them (CheckpointStore::RecordCarried).
+  absl::Status CarryOrigins(const format::Manifest& m);
+  // Every origin file of this node's ranks of `m` is in the remote tier with its size.
+  absl::Status CheckOrigins(const format::Manifest& m);
+  // The same for `origins` (of `m`'s ranks on another node: its report's).
+  absl::Status CheckOrigins(const format::Manifest& m, const std::vector<format::Origin>& origins);
+  // This node's ranks' origins of `m`, by step.
+  std::map<format::StepRun, std::vector<format::Origin>> OriginsToUpload(const format::Manifest& m) const;
+  // Where the remote tier holds `origin`'s file, if it does with its size.
+  absl::StatusOr<std::optional<std::string>> RemoteOrigin(const std::string& job, const format::Origin& origin);
   // Where this node uploads every file of the step (one daemon, a shared root): each is
   // there with the size it has here.
   absl::Status CheckUploaded(const format::Manifest& manifest);
@@ -193,6 +217,8 @@ class Uploader {
   std::map<std::string, Published> last_uploaded_;
   // (job, step, run) this process has made an attempt at (the uploader's thread only).
   std::set<std::tuple<std::string, uint64_t, uint64_t>> attempted_;
+  // (job, step, node) whose report could not be indexed, said once (the thread's).
+  std::set<std::tuple<std::string, uint64_t, uint32_t>> warned_reports_;
   // The last attempt stopped at before_upload, which has no answer yet (the thread's).
   bool before_upload_waiting_ = false;
   std::thread thread_;

@@ -80,6 +80,9 @@ struct Flags {
   // Incremental checkpoints (--increments on): the share of each rank's state that changes
   // between two checkpoints (the first bytes of its first tensor); 0 skips the measure.
   double changed = 0.01;
+  // Global tensors each rank's state is split into: 8 large ones by default; a model's
+  // hundreds of a few MB each (--tensors 400) is what restores read one by one.
+  int tensors = 8;
 };
 
 [[noreturn]] void Die(const std::string& why) {
@@ -232,14 +235,14 @@ struct Rank {
   double register_seconds = 0;  // Register(): arenas handed over, mapped and pre-faulted by ckptd
 };
 
-// Registers the state of --ranks ranks of `bytes` each, as 8 global F32 tensors ("layer.k")
+// Registers the state of --ranks ranks of `bytes` each, as --tensors global F32 tensors ("layer.k")
 // split by rows over `world` ranks: evenly over --ranks as saved; over another world as
 // evenly as it goes (the resharding restore).
 std::vector<Rank> Connect(const Flags& f, const DaemonProcess& d, const std::string& job, uint64_t bytes,
                           int world = 0) {
   if (world == 0) world = f.ranks;
   std::vector<Rank> ranks(world);
-  const int pieces = bytes >= (8u << 20) ? 8 : 1;
+  const int pieces = bytes >= (uint64_t{1} << 20) * f.tensors ? f.tensors : 1;
   const auto global = static_cast<int64_t>(bytes / pieces / 4) * f.ranks;  // elements
   for (int r = 0; r < world; ++r) {
     const int64_t begin = global * r / world, end = global * (r + 1) / world;
@@ -394,6 +397,9 @@ int main(int argc, char** argv) {
   app.add_option("--rounds", f.rounds, "checkpoints timed (medians reported)")->capture_default_str();
   app.add_option("--latency-samples", f.latency_samples, "snapshot() calls per rank")->capture_default_str();
   app.add_option("--copy-threads", f.copy_threads)->capture_default_str();
+  app.add_option("--tensors", f.tensors, "global tensors per rank's state (each at least 1 MiB)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
   app.add_option("--io-threads", f.io_threads)->capture_default_str();
   app.add_option("--staging-chunk", f.staging_chunk, "ckptd's --staging-chunk")->capture_default_str();
   app.add_option("--root", f.root, "directory on the storage to measure (default: a temp dir)");

@@ -10,6 +10,9 @@ first, then each code asked for):
      replication sent and how long it took from staged to sealed;
   2. network bytes per step: the fragments every node sent, against the bytes it staged
      (a full mirror sends each byte once more, k+m/k copies stored in all);
+  3. with the last code, one trainer session per rank (job "bench-patch") saving two steps
+     4 KiB apart: the first goes whole, the second as a patch of the changed column chunks;
+     what each sent and took from staged to sealed (the hashing included);
 Then, with the last code, the time from "node lost" to "its ranks restored" for the same
 state: node 1 SIGKILLed and started again
   - with its root intact: its ranks restore from its disk;
@@ -83,7 +86,8 @@ class Group:
         if n == 0:
             flags += ["--group-addr", f"127.0.0.1:{self.port}"]
         if code:
-            flags += ["--replication", code]
+            # Two jobs' fragments (bench, bench-patch), each two steps while the next arrives.
+            flags += ["--replication", code, "--replica-bytes", str(max(8 * self.a.bytes_per_rank, 256 << 20))]
         log = os.path.join(self.work, f"node{n}", f"ckptd.{int(time.time() * 1000)}.log")
         self.daemons[n] = remote_bench.Daemon(self.a.ckptd, self.root(n), self.socket(n), self.remote, log, flags)
 
@@ -130,21 +134,21 @@ class Group:
             count += int(float(re.search(r"^ckptd_snapshot_seconds_count(?:\{\})? (\S+)$", text, re.M).group(1)))
         return total, count
 
-    def replication(self, n):
+    def replication(self, n, job="bench"):
         out = subprocess.run([self.a.ckptctl, "--socket", self.socket(n), "--json", "status"], capture_output=True,
                              text=True, check=True).stdout
         for j in json.loads(out).get("jobs", []):
-            if j.get("job") == "bench":
+            if j.get("job") == job:
                 return {int(r["step"]): r for r in j.get("replication", [])}
         return {}
 
 
-def settled(g, step, timeout=120):
+def settled(g, step, timeout=120, job="bench"):
     """Every node's replication of `step` as it ends (replicated or incomplete)."""
     deadline = time.monotonic() + timeout
     states = {}
     while time.monotonic() < deadline:
-        states = {n: g.replication(n) for n in range(g.a.nodes)}
+        states = {n: g.replication(n, job) for n in range(g.a.nodes)}
         if all(s.get(step, {}).get("state") in ("replicated", "incomplete") for s in states.values()):
             break
         time.sleep(0.1)
@@ -197,6 +201,41 @@ def loop(a, work, code):
     except BaseException:
         g.stop()
         raise
+
+
+def patched(g, a):
+    """One trainer session per rank (job "bench-patch") saves two steps, the second once the
+    first is replicated, changing only model.a's first 4 KiB in between (trainer_helper
+    --changed-bytes): the first goes whole, the second as a patch of the changed column
+    chunks. What each sent (the median node) and took from staged to sealed."""
+    go_on = os.path.join(g.work, "go-on")
+    procs = [subprocess.Popen([a.helper, "--socket", g.socket(n), "--job", "bench-patch", "--rank", str(n),
+                               "--world-size", str(a.nodes), "--seed", str(n + 7), "--bytes", str(a.bytes_per_rank),
+                               "save-steps", "--steps-list", "1,2", "--changed-bytes", "4096", "--then-wait-for", go_on],
+                              cwd=g.work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in range(a.nodes)]
+    try:
+        first = settled(g, 1, job="bench-patch")
+        with open(go_on, "w"):
+            pass
+        for n, p in enumerate(procs):
+            out, _ = p.communicate(timeout=600)
+            if p.returncode != 0:
+                raise SystemExit(f"rank {n} save-steps failed:\n{out}\n" + g.daemons[n].log()[-4000:])
+        second = settled(g, 2, job="bench-patch")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    result = {}
+    for name, states, step in (("whole", first, 1), ("patch", second, 2)):
+        steps = [s[step] for s in states.values() if s.get(step, {}).get("state") == "replicated"]
+        if len(steps) != a.nodes:
+            raise SystemExit(f"step {step} of bench-patch not replicated everywhere: {states}")
+        result[name] = {"bytes_sent_per_node": median([int(s.get("bytes_sent", 0)) for s in steps]),
+                        "replication_s": median([float(s.get("seconds", 0)) for s in steps])}
+    return result
 
 
 def evict(root):
@@ -284,6 +323,13 @@ def main():
             extra = "" if not code else (f" {r['bytes_sent_per_node_step'] / 2**20:>8.1f}Mi {r['sent_over_staged']:>11.2f}x "
                                          f"{1000 * r['replication_s']:>12.0f} ms")
             say(f"{r['code']:<12} {r['snapshot_ms_back_to_back']:>10.1f} ms {r['snapshot_ms_paced']:>6.1f} ms{extra}")
+        if codes:
+            r = report["patch"] = patched(g, a)
+            w, p = r["whole"], r["patch"]
+            say(f"one session, 4 KiB of each rank changed between two steps ({codes[-1]}): the first sent "
+                f"{w['bytes_sent_per_node'] / 2**20:.2f} MiB per node in {1000 * w['replication_s']:.0f} ms, the second "
+                f"(a patch) {p['bytes_sent_per_node'] / 2**20:.2f} MiB in {1000 * p['replication_s']:.0f} ms "
+                f"({p['bytes_sent_per_node'] / max(w['bytes_sent_per_node'], 1):.1%})")
         # The same state lost three ways: the last code's group, its last step.
         step = 1 + 2 * a.steps
         for name, wipe in (("disk", False), ("peer", True)):

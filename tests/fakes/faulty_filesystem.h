@@ -44,6 +44,7 @@ class FaultyFilesystem final : public Filesystem {
   // Behave like a filesystem without O_DIRECT support (tmpfs).
   void DisableDirectIo() { no_direct_ = true; }
   absl::StatusOr<UniqueFd> OpenForRead(const std::string& path) override {
+    if (before_open_for_read_) before_open_for_read_(path);
     return real_->OpenForRead(path);
   }
   absl::StatusOr<UniqueFd> OpenForDirectRead(const std::string& path) override {
@@ -95,6 +96,11 @@ class FaultyFilesystem final : public Filesystem {
   void BeforeRename(std::function<void(const std::string& from)> hook) {
     before_rename_ = std::move(hook);
   }
+  // Runs before every OpenForRead, likewise: a test changes the store between a listing
+  // and the reads that follow it.
+  void BeforeOpenForRead(std::function<void(const std::string& path)> hook) {
+    before_open_for_read_ = std::move(hook);
+  }
   absl::Status Rename(const std::string& from, const std::string& to) override {
     if (before_rename_) before_rename_(from);
     if (Trip(Op::kRename)) return ErrnoStatus(err_, "rename " + from);
@@ -137,6 +143,7 @@ class FaultyFilesystem final : public Filesystem {
   mutable std::mutex synced_mu_;
   std::vector<std::string> synced_dirs_;
   std::function<void(const std::string&)> before_rename_;
+  std::function<void(const std::string&)> before_open_for_read_;
 };
 
 }  // namespace ckpt::testing

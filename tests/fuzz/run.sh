@@ -5,6 +5,7 @@
 # added there is a regression test). Prints "fuzz NAME: passed (N runs)" or
 # "fuzz NAME: FAILED ..." per target, with the crashing input kept under
 # $CKPTD_FUZZ_ARTIFACTS (default /tmp/ckptd-fuzz-artifacts), and exits non-zero on any.
+# CKPTD_FUZZ_JOBS targets at once (default: the cores).
 # Long runs outside CI: CKPTD_FUZZ_SECONDS=3600 tests/fuzz/run.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,19 +28,35 @@ bin="$(bazel --output_base="$base" info --config=fuzz bazel-bin 2>/dev/null)/tes
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 mkdir -p "$artifacts"
-rc=0
-for n in "${names[@]}"; do
+# Runs one target and writes its verdict to $scratch/NAME.verdict (1 line, then the
+# sanitizer's lines on a failure).
+fuzz_one() {
+  local n=$1 log="$scratch/$1.log" runs
   mkdir -p "$scratch/$n"
   cp tests/fuzz/corpus/"$n"/* "$scratch/$n/"
-  log="$scratch/$n.log"
   if "$bin/$n" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
        -artifact_prefix="$artifacts/$n-" -print_final_stats=1 "$scratch/$n" >"$log" 2>&1; then
     runs=$(grep -oE 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -oE '[0-9]+$')
-    echo "fuzz $n: passed (${runs:-?} runs in ${seconds} s)"
+    echo "fuzz $n: passed (${runs:-?} runs in ${seconds} s)" >"$scratch/$n.verdict"
   else
-    echo "fuzz $n: FAILED (input kept under $artifacts; add it to tests/fuzz/corpus/$n/ once fixed)"
-    grep -aE "ERROR|SUMMARY|#[0-9]+ 0x|==[0-9]+==" "$log" | head -40
-    rc=1
+    { echo "fuzz $n: FAILED (input kept under $artifacts; add it to tests/fuzz/corpus/$n/ once fixed)"
+      grep -aE "ERROR|SUMMARY|#[0-9]+ 0x|==[0-9]+==" "$log" | head -40; } >"$scratch/$n.verdict"
   fi
+}
+# Each target is one process on one core: CKPTD_FUZZ_JOBS of them at once (default: the
+# machine's cores), so that the stage takes its per-target time about once per core, not
+# once per target.
+jobs=${CKPTD_FUZZ_JOBS:-$(nproc)}
+running=0
+for n in "${names[@]}"; do
+  fuzz_one "$n" &
+  running=$((running + 1))
+  if [ "$running" -ge "$jobs" ]; then wait -n; running=$((running - 1)); fi
+done
+wait
+rc=0
+for n in "${names[@]}"; do
+  cat "$scratch/$n.verdict"
+  grep -q "^fuzz $n: passed" "$scratch/$n.verdict" || rc=1
 done
 exit $rc

@@ -81,6 +81,10 @@ TEST_CASE("the remote tier stopped, a member lost, staging memory full: /metrics
   c.SaveAllCommitted(1);
   REQUIRE_WITHIN(c, 60s, "step 1 published remotely",
                  ValueOr(c.Metrics(0), Tier("ckptd_job_tier_step", "g", "remote")) == 1);
+  // The group's decision reaches node 0's view of it with a heartbeat, which under TSan can
+  // come after the upload.
+  REQUIRE_WITHIN(c, 30s, "step 1 global in node 0's view",
+                 ValueOr(c.Metrics(0), Tier("ckptd_job_tier_step", "g", "global")) == 1);
   std::string m0 = c.Metrics(0);
   INFO(m0);
   CHECK(ValueOr(m0, Tier("ckptd_job_tier_step", "g", "local")) == 1);

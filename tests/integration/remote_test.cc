@@ -16,8 +16,11 @@
 #include <filesystem>
 #include <sstream>
 
+#include "storage/filesystem.h"
+#include "storage/open_store.h"
 #include "tests/fakes/ceph_cluster.h"
 #include "tests/fakes/wait_until.h"
+#include "tests/integration/cluster.h"
 #include "tests/integration/common.h"
 #include "tests/integration/tcp_proxy.h"
 
@@ -573,4 +576,480 @@ TEST_CASE("the remote tier's own retention keeps the newest K uploaded steps") {
   RunResult local = d.Ctl({"--job", "reshard", "list"});
   CHECK(Contains(local.out, "reshard  5 "));
   CHECK(d.Stop() == 0);
+}
+
+namespace {
+
+// --increments on (issue 48, step 6): model.a is 4 MiB of the 8 MiB a rank saves, in chunks
+// of 64 KiB; only its first 4 KiB change from step to step.
+const std::vector<std::string> kIncData = {"--job", "inc", "--seed", "7", "--bytes", "8388608"};
+
+std::vector<std::string> Plus(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<std::string> IncrementFlags(const Bucket& b, std::vector<std::string> more) {
+  return Plus({"--remote", b.url, "--increments", "on", "--increment-chunk-bytes", "64K"}, more);
+}
+
+void SaveIncSteps(const Daemon& d, const TempDir& dir, const std::string& steps, bool restore_first) {
+  std::vector<std::string> args = Plus(kIncData, {"save-steps", "--steps-list", steps, "--changed-bytes", "4096"});
+  if (restore_first) args.push_back("--restore-first");
+  Process p(Helper(d, args), dir.path(), "save-" + steps);
+  const int rc = p.Wait();
+  INFO(p.Stdout() << p.Stderr() << d.Log());
+  REQUIRE(rc == 0);
+}
+
+void IncRestoresExactly(const Daemon& d, const TempDir& dir, uint64_t step, const std::string& source) {
+  RunResult r = Run(Helper(d, Plus(kIncData, {"check", "--changed-bytes", "4096"})), dir.path());
+  INFO(r.out << r.err << d.Log());
+  CHECK(r.exit_code == 0);
+  CHECK(Contains(r.out, fmt::format("restored step={} source={}", step, source)));
+  CHECK(Contains(r.out, "match"));
+}
+
+// The objects directly under `prefix` of the bucket, by name (what no ckptctl command shows:
+// held steps' records and files).
+std::map<std::string, uint64_t> BucketObjects(const Bucket& b, const std::string& prefix) {
+  auto store = ckpt::storage::OpenStore(b.url, ckpt::MakePosixFilesystem(), {b.endpoint, ""});
+  REQUIRE(store.ok());
+  auto listed = (*store)->List(prefix);
+  REQUIRE(listed.ok());
+  std::map<std::string, uint64_t> out;
+  for (const auto& e : *listed) {
+    if (!e.is_prefix) out[e.name] = e.bytes;
+  }
+  return out;
+}
+
+// Names in `objects` that start with `start`.
+int Count(const std::map<std::string, uint64_t>& objects, const std::string& start) {
+  int n = 0;
+  for (const auto& [name, bytes] : objects) n += name.rfind(start, 0) == 0 ? 1 : 0;
+  return n;
+}
+
+json BucketManifest(const Bucket& b, uint64_t step) {
+  auto store = ckpt::storage::OpenStore(b.url, ckpt::MakePosixFilesystem(), {b.endpoint, ""});
+  REQUIRE(store.ok());
+  auto text = (*store)->Get(fmt::format("inc/step-{:08d}/manifest.json", step), 64 << 20);
+  REQUIRE(text.ok());
+  return json::parse(*text, nullptr, false);
+}
+
+}  // namespace
+
+TEST_CASE("with --increments on the bucket holds each step's own files, its base once, retired by records; a lost disk restores bit-exact") {
+  const Bucket bucket = FreshBucket();
+  TempDir dir;
+  {
+    Daemon d(dir, IncrementFlags(bucket, {"--keep-last", "2", "--remote-keep-last", "1"}));
+    d.Start();
+    SaveIncSteps(d, dir, "10", false);
+    REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 10); }, 60s, 100ms));
+    // A resumed trainer: its saves reference step 10 (restored) and what they did not change.
+    SaveIncSteps(d, dir, "20,30,40", true);
+    INFO(d.Log());
+    REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 40); }, 60s, 100ms));
+    const json m = BucketManifest(bucket, 40);
+    CHECK(m["format_version"] == 5);
+    CHECK(m["increment"]["origin_steps"][0]["step"] == 10);
+    CHECK(uint64_t{m["increment"]["own_bytes"]} < (uint64_t{1} << 20));
+    // --remote-keep-last 1: step 10 left the listing but, referenced by 40, was retired: its
+    // record and its file stay; steps 20 and 30 (not referenced) are gone, if they went up.
+    REQUIRE(WaitUntil([&] { return !RemoteLists(dir, bucket, "inc", 10); }, 30s, 100ms));
+    const auto held = BucketObjects(bucket, "inc/step-00000010");
+    INFO(json(held).dump());
+    CHECK(Count(held, "held-") == 1);
+    CHECK(Count(held, "rank-00000.") == 1);
+    CHECK(held.count("manifest.json") == 0);
+    CHECK(WaitUntil([&] { return BucketObjects(bucket, "inc/step-00000020").empty() &&
+                                 BucketObjects(bucket, "inc/step-00000030").empty(); }, 30s, 100ms));
+    // The upload of 40 read its own file from disk: only its own bytes went (its file).
+    const auto own = BucketObjects(bucket, "inc/step-00000040");
+    CHECK(Count(own, "rank-00000.") == 1);
+    for (const auto& [name, bytes] : own) {
+      if (name.rfind("rank-", 0) == 0) CHECK(bytes == uint64_t{m["shards"][0]["bytes"]});
+    }
+    REQUIRE(d.Stop() == 0);
+    std::filesystem::remove_all(d.root());  // the node is lost, its disk with it
+  }
+  RunResult verified = Offline(dir, bucket, {"--job", "inc", "verify", "40"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(Contains(verified.out, "referenced in 1 files of earlier steps"));
+
+  TempDir replacement;
+  Daemon e(replacement, IncrementFlags(bucket, {"--keep-last", "2", "--remote-keep-last", "1"}));
+  e.Start();
+  IncRestoresExactly(e, replacement, 40, "remote");
+  // A new session that saves from scratch: once 60 is the one kept step, nothing references
+  // step 10 or 40 any more, and the bucket holds none of their objects.
+  SaveIncSteps(e, replacement, "50,60", false);
+  INFO(e.Log());
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 60); }, 60s, 100ms));
+  CHECK(WaitUntil([&] {
+    return BucketObjects(bucket, "inc/step-00000010").empty() && BucketObjects(bucket, "inc/step-00000040").empty();
+  }, 30s, 100ms));
+  CHECK(e.Stop() == 0);
+}
+
+TEST_CASE("with --increments on a step whose base never went up carries it once; a kill mid-upload loses nothing") {
+  const Bucket bucket = FreshBucket();
+  TcpProxy proxy("127.0.0.1", bucket.port);
+  ::setenv("AWS_ENDPOINT_URL_S3", ("http://" + proxy.address()).c_str(), 1);
+  TempDir dir;
+  Daemon d(dir, IncrementFlags(bucket, {"--keep-last", "1"}));
+  // The gateway refuses: nothing goes up while the steps commit locally.
+  proxy.Cut(TcpProxy::CutMode::kRefuse);
+  d.Start();
+  SaveIncSteps(d, dir, "10", false);
+  SaveIncSteps(d, dir, "20,30", true);
+  // Then it hangs, and the upload's next attempt waits on it.
+  proxy.Cut(TcpProxy::CutMode::kBlackhole);
+  REQUIRE(WaitUntil([&] {
+    json u = FirstUpload(d, "inc");
+    return U64(u["step"]) == 30 && u.value("state", "") == "uploading";
+  }, 30s, 100ms));
+  // Killed while it waits on the gateway; --keep-last 1 retired step 10 locally meanwhile.
+  d.Kill();
+  proxy.Heal();
+  d.Start();
+  INFO(d.Log());
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 30); }, 60s, 100ms));
+  // Step 10 was never uploaded as a step: its file was carried for 30, after a record.
+  CHECK_FALSE(RemoteLists(dir, bucket, "inc", 10));
+  const auto carried = BucketObjects(bucket, "inc/step-00000010");
+  INFO(json(carried).dump());
+  CHECK(Count(carried, "held-") == 1);
+  CHECK(Count(carried, "rank-00000.") == 1);
+  CHECK(Contains(d.Log(), "carried rank-00000."));
+  RunResult verified = Offline(dir, bucket, {"--job", "inc", "verify", "30"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  // The next step references 10 too: the bucket has it, so it is not carried again.
+  SaveIncSteps(d, dir, "40", true);
+  REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 40); }, 60s, 100ms));
+  CHECK(Count(BucketObjects(bucket, "inc/step-00000010"), "rank-00000.") == 1);
+  const std::string log = d.Log();
+  size_t carries = 0;
+  for (size_t at = log.find("carried rank-"); at != std::string::npos; at = log.find("carried rank-", at + 1)) ++carries;
+  CHECK(carries == 1);
+  REQUIRE(d.Stop() == 0);
+  std::filesystem::remove_all(d.root());
+  TempDir replacement;
+  Daemon e(replacement, IncrementFlags(bucket, {}));
+  e.Start();
+  IncRestoresExactly(e, replacement, 40, "remote");
+}
+
+TEST_CASE("direct mode with --increments on: steps reference their base in the bucket, retired by records; another node restores") {
+  const Bucket bucket = FreshBucket();
+  const std::vector<std::string> flags =
+      IncrementFlags(bucket, {"--remote-mode", "direct", "--keep-last", "1"});
+  TempDir dir;
+  {
+    Daemon d(dir, flags);
+    d.Start();
+    SaveIncSteps(d, dir, "10,20,30", false);
+    INFO(d.Log());
+    // Retention (--keep-last 1) retires 10 and deletes 20 in the bucket after 30 commits: an
+    // offline listing that meets a step as it goes is asked again (TSan made it meet one).
+    CHECK(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 30); }, 30s, 200ms));
+    const json m = BucketManifest(bucket, 30);
+    CHECK(m["increment"]["origin_steps"][0]["step"] == 10);
+    // --keep-last 1: 10 retired by a record (30 references it), 20 deleted.
+    REQUIRE(WaitUntil([&] { return !RemoteLists(dir, bucket, "inc", 10) && !RemoteLists(dir, bucket, "inc", 20); },
+                      30s, 100ms));
+    CHECK(WaitUntil([&] { return BucketObjects(bucket, "inc/step-00000020").empty(); }, 30s, 100ms));
+    const auto held = BucketObjects(bucket, "inc/step-00000010");
+    INFO(json(held).dump());
+    CHECK(Count(held, "held-") == 1);
+    CHECK(Count(held, "rank-00000.") == 1);
+    // A restart sweeps unfinished steps: never a held one.
+    REQUIRE(d.Stop() == 0);
+    d.Start();
+    CHECK(Count(BucketObjects(bucket, "inc/step-00000010"), "rank-00000.") == 1);
+    REQUIRE(d.Stop() == 0);
+  }
+  RunResult verified = Offline(dir, bucket, {"--job", "inc", "verify", "30"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  TempDir other;
+  Daemon e(other, flags);
+  e.Start();
+  IncRestoresExactly(e, other, 30, "remote");
+}
+
+namespace {
+
+// --increments on in a group with the remote tier (issue 48, step 6 for groups): job "g" of
+// cluster.h, each rank's 4 MB of tensors, model.a half of them in chunks of 64 KiB, only its
+// first 4 KiB changing from step to step.
+constexpr uint64_t kGroupRankBytes = 4'000'000;
+
+void GroupIncrements(ckpt::testing::cluster::Cluster& c, const Bucket& b, std::vector<std::string> more) {
+  c.bytes = kGroupRankBytes;
+  c.extra_flags = IncrementFlags(b, more);
+}
+
+// Every rank of the cluster saves `steps` in one session each, and each save commits.
+void GroupSaveSteps(ckpt::testing::cluster::Cluster& c, const std::string& steps, bool restore_first) {
+  std::vector<std::unique_ptr<Process>> savers;
+  for (uint32_t r = 0; r < c.world_size(); ++r) {
+    const int n = c.NodeOf(r);
+    std::vector<std::string> args =
+        Plus(c.RankArgs(r, 1), {"save-steps", "--steps-list", steps, "--changed-bytes", "4096"});
+    if (restore_first) args.push_back("--restore-first");
+    savers.push_back(std::make_unique<Process>(Helper(c.node(n), args), c.dir(n).path(),
+                                               fmt::format("steps-{}-r{}", steps, r)));
+  }
+  for (size_t r = 0; r < savers.size(); ++r) {
+    const int rc = savers[r]->Wait(ckpt::testing::cluster::kProcessBound);
+    INFO("rank " << r << ": " << savers[r]->Stdout() << savers[r]->Stderr() << c.Logs());
+    REQUIRE(rc == 0);
+  }
+}
+
+// Every rank restores at once and checks its bytes; node n's ranks must say `source[n]`
+// (empty: any source).
+void GroupRestoresExactly(ckpt::testing::cluster::Cluster& c, uint64_t step, const std::vector<std::string>& source) {
+  std::vector<std::unique_ptr<Process>> procs;
+  for (uint32_t r = 0; r < c.world_size(); ++r) {
+    const int n = c.NodeOf(r);
+    procs.push_back(std::make_unique<Process>(Helper(c.node(n), Plus(c.RankArgs(r, 1), {"check", "--changed-bytes", "4096"})),
+                                              c.dir(n).path(), fmt::format("check-r{}", r)));
+  }
+  for (uint32_t r = 0; r < c.world_size(); ++r) {
+    const int rc = procs[r]->Wait(ckpt::testing::cluster::kProcessBound);
+    INFO("rank " << r << ": " << procs[r]->Stdout() << procs[r]->Stderr() << c.Logs());
+    CHECK(rc == 0);
+    const std::string& from = source[c.NodeOf(r)];
+    CHECK(Contains(procs[r]->Stdout(), from.empty() ? fmt::format("restored step={} ", step)
+                                                    : fmt::format("restored step={} source={}", step, from)));
+    CHECK(Contains(procs[r]->Stdout(), "match"));
+  }
+}
+
+// The (step, run) pairs of a manifest's increment.origin_steps.
+std::set<std::pair<uint64_t, uint64_t>> OriginSteps(const json& manifest) {
+  std::set<std::pair<uint64_t, uint64_t>> out;
+  if (!manifest.contains("increment")) return out;
+  for (const json& s : manifest["increment"]["origin_steps"]) out.insert({U64(s["step"]), U64(s["run"])});
+  return out;
+}
+
+json BucketJson(const Bucket& b, const std::string& key) {
+  auto store = ckpt::storage::OpenStore(b.url, ckpt::MakePosixFilesystem(), {b.endpoint, ""});
+  REQUIRE(store.ok());
+  auto text = (*store)->Get(key, 64 << 20);
+  INFO(key);
+  REQUIRE(text.ok());
+  return json::parse(*text, nullptr, false);
+}
+
+// The bytes of the rank files (of any rank) directly under `prefix`.
+uint64_t RankFileBytes(const std::map<std::string, uint64_t>& objects) {
+  uint64_t bytes = 0;
+  for (const auto& [name, size] : objects) bytes += name.rfind("rank-", 0) == 0 ? size : 0;
+  return bytes;
+}
+
+}  // namespace
+
+TEST_CASE("a group with --increments on: each node uploads its ranks' own files, the index holds the union of "
+          "origins, a retired base stays held; a node that lost its disk restores bit-exact from the bucket") {
+  using ckpt::testing::cluster::Cluster;
+  const Bucket bucket = FreshBucket();
+  Cluster c({{0, 1}, {2}});
+  GroupIncrements(c, bucket, {"--keep-last", "2", "--remote-keep-last", "1"});
+  c.StartAll();
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "every node joined and alive", c.AllAlive());
+  const TempDir& dir = c.shared();
+  GroupSaveSteps(c, "10", false);
+  REQUIRE_WITHIN(c, 60s, "step 10 in the bucket", RemoteLists(dir, bucket, "g", 10));
+  // Resumed trainers: their saves reference step 10 (restored) where nothing changed.
+  GroupSaveSteps(c, "20,30,40", true);
+  REQUIRE_WITHIN(c, 60s, "step 40 in the bucket", RemoteLists(dir, bucket, "g", 40));
+  INFO(c.Logs());
+
+  // The step went up as an index and a part per node, version 5; the index's figures are the
+  // whole step's and its origin steps the union of its parts' (each node's ranks reference 10).
+  const json index = BucketJson(bucket, "g/step-00000040/manifest.json");
+  REQUIRE_FALSE(index.is_discarded());
+  CHECK(index["format_version"] == 5);
+  REQUIRE(index.contains("index"));
+  const uint64_t own = U64(index["increment"]["own_bytes"]);
+  const uint64_t referenced = U64(index["increment"]["referenced_bytes"]);
+  INFO("step 40: own " << own << ", referenced " << referenced);
+  CHECK(own * 10 < own + referenced);
+  CHECK(referenced > 3 * kGroupRankBytes * 8 / 10);
+  std::set<std::pair<uint64_t, uint64_t>> parts_steps;
+  for (int n = 0; n < c.num_nodes(); ++n) {
+    const json part = BucketJson(bucket, fmt::format("g/step-00000040/manifest-node-{:05d}.json", n));
+    REQUIRE_FALSE(part.is_discarded());
+    CHECK(U64(part["increment"]["own_bytes"]) == own);
+    CHECK(part["increment"]["origins"].size() == c.ranks(n).size());  // its own ranks' files of step 10
+    const auto steps = OriginSteps(part);
+    parts_steps.insert(steps.begin(), steps.end());
+  }
+  const auto index_steps = OriginSteps(index);
+  CHECK(index_steps == parts_steps);
+  REQUIRE(index_steps.size() == 1);
+  CHECK(index_steps.begin()->first == 10);
+
+  // Each rank's own file of step 40, tagged, went up, and only its own bytes: a small
+  // fraction of what step 10 uploaded.
+  const auto forty = BucketObjects(bucket, "g/step-00000040");
+  INFO(json(forty).dump());
+  for (uint32_t r = 0; r < c.world_size(); ++r) CHECK(Count(forty, fmt::format("rank-{:05d}.", r)) == 1);
+  CHECK(Count(forty, "rank-") == 3);
+  CHECK(RankFileBytes(forty) == own);
+  CHECK(BucketObjects(bucket, "g/.uploads/step-00000040").empty());  // the reports are gone
+
+  // --remote-keep-last 1: step 10 left the listing but stays held, its record and every
+  // rank's file kept (40 references them); 20 and 30 (not referenced) are gone.
+  REQUIRE_WITHIN(c, 30s, "step 10 retired remotely", !RemoteLists(dir, bucket, "g", 10));
+  const auto held = BucketObjects(bucket, "g/step-00000010");
+  INFO(json(held).dump());
+  CHECK(Count(held, "held-") >= 1);
+  CHECK(Count(held, "rank-") == 3);
+  CHECK(held.count("manifest.json") == 0);
+  CHECK(RankFileBytes(held) > 10 * own);
+  REQUIRE_WITHIN(c, 30s, "steps 20 and 30 gone from the bucket",
+                 BucketObjects(bucket, "g/step-00000020").empty() && BucketObjects(bucket, "g/step-00000030").empty());
+  RunResult verified = Offline(dir, bucket, {"--job", "g", "verify", "40"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(Contains(verified.out, "referenced in 3 files of earlier steps"));
+
+  // Node 1's machine is gone with its disk; its replacement restores its rank from the
+  // bucket, through the references to the held step, bit for bit.
+  c.Lose(1);
+  c.Start(1);
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "the replacement joined", c.AllAlive());
+  GroupRestoresExactly(c, 40, {"", "remote"});
+  // Resumed, the group goes on. The replacement's rank has no base on its empty disk (what it
+  // restored came from the bucket): its step 50 is full, node 0's references as before, and
+  // the index's origin steps are node 0's part's alone.
+  GroupSaveSteps(c, "50", true);
+  REQUIRE_WITHIN(c, 60s, "step 50 in the bucket", RemoteLists(dir, bucket, "g", 50));
+  const json index50 = BucketJson(bucket, "g/step-00000050/manifest.json");
+  const json part50_0 = BucketJson(bucket, "g/step-00000050/manifest-node-00000.json");
+  const json part50_1 = BucketJson(bucket, "g/step-00000050/manifest-node-00001.json");
+  CHECK(OriginSteps(part50_1).empty());
+  CHECK_FALSE(OriginSteps(part50_0).empty());
+  CHECK(OriginSteps(index50) == OriginSteps(part50_0));
+  RunResult fifty = Offline(dir, bucket, {"--job", "g", "verify", "50"});
+  INFO(fifty.out << fifty.err);
+  CHECK(fifty.exit_code == 0);
+  // Retention keeps what 50 references (held) and nothing 50 does not.
+  REQUIRE_WITHIN(c, 30s, "step 40 retired remotely", !RemoteLists(dir, bucket, "g", 40));
+  for (const auto& [step, run] : OriginSteps(index50)) {
+    INFO("step " << step);
+    CHECK(Count(BucketObjects(bucket, fmt::format("g/step-{:08d}", step)), "rank-") == 3);
+  }
+}
+
+TEST_CASE("a shared root with --remote and --increments on: the coordinator uploads each step's own files and "
+          "its base once; another machine restores from the bucket") {
+  using ckpt::testing::cluster::Cluster;
+  const Bucket bucket = FreshBucket();
+  Cluster c({{0}, {1}});
+  TempDir root;
+  GroupIncrements(c, bucket, {"--keep-last", "1"});
+  c.shared_root = root.path() + "/shared";
+  REQUIRE(std::filesystem::create_directories(c.shared_root));
+  // The coordinator publishes these steps as an index and a part per node (what a step of
+  // more than about 290,000 tensor pieces takes): the remote tier gets the same files.
+  ::setenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES", "1000", 1);
+  c.Start(0);
+  ::unsetenv("CKPTD_TEST_MAX_WHOLE_MANIFEST_BYTES");
+  c.Start(1);
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "every node joined and alive", c.AllAlive());
+  GroupSaveSteps(c, "10", false);
+  GroupSaveSteps(c, "20,30", true);
+  REQUIRE_WITHIN(c, 60s, "step 30 in the bucket", RemoteLists(c.shared(), bucket, "g", 30));
+  INFO(c.Logs());
+  CHECK(Contains(c.node(0).Log(), "published as an index and 2 node parts"));
+  const json m = BucketJson(bucket, "g/step-00000030/manifest.json");
+  REQUIRE_FALSE(m.is_discarded());
+  CHECK(m["format_version"] == 5);
+  CHECK(m.contains("index"));
+  REQUIRE(m["increment"]["origin_steps"].size() >= 1);
+  CHECK(m["increment"]["origin_steps"][0]["step"] == 10);
+  const auto thirty = BucketObjects(bucket, "g/step-00000030");
+  CHECK(Count(thirty, "rank-") == 2);
+  CHECK(RankFileBytes(thirty) == U64(m["increment"]["own_bytes"]));
+  // Step 10's files are in the bucket: uploaded as step 10, or carried for 30.
+  CHECK(Count(BucketObjects(bucket, "g/step-00000010"), "rank-") == 2);
+  RunResult verified = Offline(c.shared(), bucket, {"--job", "g", "verify", "30"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  for (int n = c.num_nodes() - 1; n >= 0; --n) CHECK(c.node(n).Stop() == 0);
+  // Another group whose shared root is empty restores step 30 from the bucket alone.
+  Cluster d({{0}, {1}});
+  GroupIncrements(d, bucket, {});
+  d.shared_root = root.path() + "/another";
+  REQUIRE(std::filesystem::create_directories(d.shared_root));
+  d.StartAll();
+  REQUIRE_WITHIN(d, ckpt::testing::cluster::kJoinBound, "the new group joined", d.AllAlive());
+  GroupRestoresExactly(d, 30, {"remote", "remote"});
+}
+
+TEST_CASE("a group with --increments on: a node carries its own ranks' base once, after a record of its own; "
+          "killed mid-upload and restarted, it loses nothing") {
+  using ckpt::testing::cluster::Cluster;
+  const Bucket bucket = FreshBucket();
+  // Node 1 reaches the gateway through a proxy the test cuts; node 0 directly.
+  TcpProxy proxy("127.0.0.1", bucket.port);
+  Cluster c({{0, 1}, {2}});
+  // Only step 30 is on the upload grid: steps 10 and 20 never go up as steps, and 30
+  // references 10 (retired locally by --keep-last 1), which every node carries for its ranks.
+  GroupIncrements(c, bucket, {"--keep-last", "1", "--upload-every-steps", "30"});
+  c.Start(0);
+  ::setenv("AWS_ENDPOINT_URL_S3", ("http://" + proxy.address()).c_str(), 1);
+  proxy.Cut(TcpProxy::CutMode::kRefuse);
+  c.Start(1);
+  ::setenv("AWS_ENDPOINT_URL_S3", bucket.endpoint.c_str(), 1);
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "every node joined and alive", c.AllAlive());
+  GroupSaveSteps(c, "10,20,30", false);
+  // Node 1's upload of its part of 30 hangs on the gateway; it is killed there.
+  proxy.Cut(TcpProxy::CutMode::kBlackhole);
+  REQUIRE_WITHIN(c, 30s, "node 1 uploading its part of step 30", [&] {
+    json u = FirstUpload(c.node(1), "g");
+    return U64(u["step"]) == 30 && u.value("state", "") == "uploading";
+  }());
+  c.node(1).Kill();
+  proxy.Heal();
+  CHECK_FALSE(RemoteLists(c.shared(), bucket, "g", 30));  // the coordinator waits for node 1's part
+  c.Start(1);  // straight to the gateway now
+  REQUIRE_WITHIN(c, 90s, "step 30 in the bucket", RemoteLists(c.shared(), bucket, "g", 30));
+  INFO(c.Logs());
+  // Step 10 never went up as a step: each node carried its own ranks' files of it, after a
+  // record of its own.
+  CHECK_FALSE(RemoteLists(c.shared(), bucket, "g", 10));
+  const auto carried = BucketObjects(bucket, "g/step-00000010");
+  INFO(json(carried).dump());
+  CHECK(Count(carried, "held-") == 2);
+  CHECK(Count(carried, "rank-") == 3);
+  for (int n = 0; n < 2; ++n) {
+    bool named = false;
+    for (const auto& [name, bytes] : carried) named |= name.find(fmt::format(".node-{}.json", n)) != std::string::npos;
+    CHECK(named);
+  }
+  CHECK(Contains(c.node(0).Log(), "carried rank-00000."));
+  CHECK(Contains(c.node(0).Log(), "carried rank-00001."));
+  CHECK(Contains(c.node(1).Log(), "carried rank-00002."));
+  CHECK(RankFileBytes(BucketObjects(bucket, "g/step-00000030")) * 10 < RankFileBytes(carried));
+  RunResult verified = Offline(c.shared(), bucket, {"--job", "g", "verify", "30"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  // Node 1's disk is lost: its rank comes back from the bucket through the carried base.
+  c.Lose(1);
+  c.Start(1);
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "the replacement joined", c.AllAlive());
+  GroupRestoresExactly(c, 30, {"", "remote"});
 }

@@ -9,6 +9,9 @@
 //           slice holds the end of one tensor and the start of the next)
 // plus a replicated tensor (every rank holds it whole), a scalar and a replicated
 // optimizer-state tensor ("optim.*", which exports of model weights leave out).
+// With --changed-rows W, the two 2-D tensors change from step to step: at step s, the W
+// global rows from (131 s) mod rows on (wrapping) hold other values, so that one session
+// saving --steps-list (--increments on) writes a chain of a full step and increments.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -29,9 +32,18 @@ struct Flags {
   uint64_t step = 5;
   int64_t rows = 3001, cols = 1024;
   bool wait_committed = false, has_step = false;
+  std::vector<uint64_t> steps_list;  // save: these steps, one after another, each committed
+  int64_t changed_rows = 0;
 };
 
-uint32_t Global(uint32_t t, uint64_t g) { return ckpt::testing::GlobalValue(t, g); }
+// The value of element `g` of global tensor `t` at `step`.
+uint32_t Global(const Flags& f, uint32_t t, uint64_t g, uint64_t step) {
+  const uint32_t v = ckpt::testing::GlobalValue(t, g);
+  if (f.changed_rows == 0 || t > 1) return v;
+  const int64_t row = static_cast<int64_t>(g) / f.cols, band = static_cast<int64_t>(step * 131 % f.rows);
+  const bool changed = (row - band + f.rows) % f.rows < f.changed_rows;
+  return changed ? v ^ (static_cast<uint32_t>(step) * 0x9E3779B1u | 1u) : v;
+}
 
 // [begin, end) of `n` split as evenly as possible over `parts`: the first n % parts get one more.
 std::pair<int64_t, int64_t> Split(int64_t n, uint32_t part, uint32_t parts) {
@@ -135,20 +147,26 @@ std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
 
 int Save(const Flags& f) {
   auto c = Connect(f);
-  for (const Piece& p : Setup(*c, f)) {
-    auto* data = static_cast<uint32_t*>(p.tensor->data);
-    ForEach(p, [&](int64_t i, uint64_t g) { data[i] = Global(p.id, g); });
-  }
-  auto ticket = c->Snapshot(f.step, {{"rank", std::to_string(f.rank)}},
-                            {{"note", fmt::format("rank={}", f.rank)}});
-  if (!ticket.ok()) {
-    std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
-    return 2;
-  }
-  auto done = f.wait_committed ? c->WaitCommitted(*ticket) : c->WaitStaged(*ticket);
-  if (!done.ok()) {
-    std::cout << "error: " << ckpt::Message(done.status()) << "\n";
-    return 3;
+  const std::vector<Piece> pieces = Setup(*c, f);
+  const std::vector<uint64_t> steps = f.steps_list.empty() ? std::vector<uint64_t>{f.step} : f.steps_list;
+  absl::StatusOr<ckpt::TicketStatus> done;
+  for (uint64_t step : steps) {
+    for (const Piece& p : pieces) {
+      auto* data = static_cast<uint32_t*>(p.tensor->data);
+      ForEach(p, [&](int64_t i, uint64_t g) { data[i] = Global(f, p.id, g, step); });
+    }
+    auto ticket = c->Snapshot(step, {{"rank", std::to_string(f.rank)}},
+                              {{"note", fmt::format("rank={}", f.rank)}});
+    if (!ticket.ok()) {
+      std::cout << "error: " << ckpt::Message(ticket.status()) << "\n";
+      return 2;
+    }
+    // The next step's values go in only once this one is staged (several steps: committed).
+    done = f.wait_committed || steps.size() > 1 ? c->WaitCommitted(*ticket) : c->WaitStaged(*ticket);
+    if (!done.ok()) {
+      std::cout << "error: " << ckpt::Message(done.status()) << "\n";
+      return 3;
+    }
   }
   std::cout << "saved " << ckpt::ToString(done->state) << " " << done->error << "\n";
   return 0;
@@ -183,7 +201,7 @@ int Check(const Flags& f) {
     const auto* data = static_cast<const uint32_t*>(p.tensor->data);
     int64_t bad = -1;
     ForEach(p, [&](int64_t i, uint64_t g) {
-      if (bad < 0 && data[i] != Global(p.id, g)) bad = i;
+      if (bad < 0 && data[i] != Global(f, p.id, g, r->step)) bad = i;
     });
     if (bad >= 0) {
       std::cout << "mismatch tensor=" << p.tensor->name << " element=" << bad << "\n";
@@ -210,6 +228,8 @@ int main(int argc, char** argv) {
   auto* save = app.add_subcommand("save");
   save->add_option("--step", f.step);
   save->add_flag("--wait-committed", f.wait_committed);
+  save->add_option("--steps-list", f.steps_list, "save these steps in turn (one session)")->delimiter(',');
+  app.add_option("--changed-rows", f.changed_rows, "rows of the 2-D tensors that change from step to step");
   auto* check = app.add_subcommand("check");
   check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
   check->add_option("--saved-world-size", f.saved_world_size)->required();

@@ -21,6 +21,7 @@
 #include <optional>
 #include <thread>
 #include <iostream>
+#include <iterator>
 
 #include "client/ckpt_client.h"
 #include "common/fd_passing.h"
@@ -28,6 +29,7 @@
 #include "proto/admin.grpc.pb.h"
 #include "proto/trainer.grpc.pb.h"
 #include "shm/arena.h"
+#include "tests/integration/sparse_table.h"
 
 namespace {
 
@@ -50,6 +52,24 @@ struct Flags {
   std::vector<uint64_t> steps_list;
   uint64_t changed_bytes = 0;
   bool restore_first = false;  // save-steps: restore the newest step first, as a resumed trainer
+  // save-steps: once the first step committed, wait for this file (at most 2 minutes) before
+  // the next ones: the test decides when the same session saves again.
+  std::string then_wait_for;
+  // Tensors registered frozen (Tensor::frozen). save-steps --poke-frozen-at S: from step S
+  // on, the first of them has its byte 0 changed in place (user code that should not have);
+  // check --poked: expect that byte so.
+  std::vector<std::string> frozen;
+  uint64_t poke_frozen_at = 0;
+  bool poked = false;
+  // An embedding-like table "emb.weight" of --table-rows rows of --row-bytes (F32), sharded
+  // by rows across ranks, registered after the other tensors when --table-rows is set; at
+  // every training step --sparse-rows % of its rows change, at random rows
+  // (tests/integration/sparse_table.h).
+  uint64_t table_rows = 0, row_bytes = 4096;
+  double sparse_rows = 0;
+  // save-loop: a snapshot every --save-every steps, --step-sleep-ms after each step.
+  uint64_t save_every = 5;
+  uint32_t step_sleep_ms = 0;
 };
 
 struct Spec {
@@ -82,6 +102,8 @@ std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
   ckpt::ClientOptions options{.socket = f.socket, .job = f.job, .rank = f.rank,
                               .world_size = f.world_size, .copy_on_write = f.copy_on_write};
   if (f.upload_every_steps != 0) options.upload = {.every_steps = f.upload_every_steps};
+  // Room for a large table beside the other tensors.
+  options.arena_bytes = std::max<size_t>(options.arena_bytes, f.bytes + f.table_rows * f.row_bytes + (1u << 20));
   auto c = ckpt::Client::Connect(options);
   if (!c.ok()) {
     std::cout << "error: " << ckpt::Message(c.status()) << "\n";
@@ -90,15 +112,24 @@ std::unique_ptr<ckpt::Client> Connect(const Flags& f) {
   return std::move(*c);
 }
 
-// The pattern every tensor holds, for `step` when only the first --changed-bytes of model.a
-// change (their bytes: the step number).
+// Setup's tensors: kSpecs, a scalar, a tiny one, then the table when there is one.
+constexpr size_t kTableIndex = std::size(kSpecs) + 2;
+
+// The pattern every tensor but the table holds, for `step` when only the first
+// --changed-bytes of model.a change (their bytes: the step number).
 void Fill(const std::vector<ckpt::Tensor*>& tensors, const Flags& f, uint64_t step) {
-  for (size_t t = 0; t < tensors.size(); ++t) {
+  for (size_t t = 0; t < std::min(tensors.size(), kTableIndex); ++t) {
     auto* p = static_cast<uint8_t*>(tensors[t]->data);
     for (size_t i = 0; i < tensors[t]->nbytes; ++i) p[i] = Pattern(f.seed, t, i);
   }
   if (f.changed_bytes != 0) {
     std::memset(tensors[0]->data, static_cast<int>(step & 0xff), std::min<size_t>(f.changed_bytes, tensors[0]->nbytes));
+  }
+  if (f.poke_frozen_at != 0 && step >= f.poke_frozen_at) {
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      if (tensors[t]->name != f.frozen.front()) continue;
+      static_cast<uint8_t*>(tensors[t]->data)[0] = static_cast<uint8_t>(~Pattern(f.seed, t, 0));
+    }
   }
 }
 
@@ -117,11 +148,53 @@ std::vector<ckpt::Tensor*> Setup(ckpt::Client& c, const Flags& f) {
   }
   out.push_back(*c.AllocateTensor("step_scalar", "F32", {}));
   out.push_back(*c.AllocateTensor("tiny", "U8", {3}));
+  if (f.table_rows != 0) {
+    const auto rows = static_cast<int64_t>(f.table_rows), cols = static_cast<int64_t>(f.row_bytes / 4);
+    auto t = c.AllocateTensor("emb.weight", "F32", {rows, cols}, {rows * f.world_size, cols},
+                              {rows * f.rank, 0});
+    if (!t.ok()) {
+      std::cout << "error: " << ckpt::Message(t.status()) << "\n";
+      std::exit(2);
+    }
+    out.push_back(*t);
+  }
+  for (const std::string& name : f.frozen) {
+    if (absl::Status s = c.Freeze(name); !s.ok()) {
+      std::cout << "error: " << ckpt::Message(s) << "\n";
+      std::exit(2);
+    }
+  }
   if (absl::Status s = c.Register(); !s.ok()) {
     std::cout << "error: " << ckpt::Message(s) << "\n";
     std::exit(2);
   }
   return out;
+}
+
+// The table of Setup's tensors, when there is one; its rows change per rank.
+std::optional<ckpt::testing::SparseTable> TableOf(const std::vector<ckpt::Tensor*>& tensors, const Flags& f) {
+  if (tensors.size() <= kTableIndex) return std::nullopt;
+  return ckpt::testing::SparseTable(tensors[kTableIndex]->data, f.table_rows, f.row_bytes, f.seed * 1000 + f.rank,
+                                    f.sparse_rows);
+}
+
+// "" when every tensor holds what it held at `step` (Fill's pattern, the table's content at
+// that step), else the first byte that does not ("mismatch tensor=... byte=...").
+std::string Mismatch(const std::vector<ckpt::Tensor*>& tensors, const Flags& f, uint64_t step) {
+  for (size_t t = 0; t < std::min(tensors.size(), kTableIndex); ++t) {
+    auto* p = static_cast<const uint8_t*>(tensors[t]->data);
+    for (size_t i = 0; i < tensors[t]->nbytes; ++i) {
+      uint8_t expected = t == 0 && i < f.changed_bytes ? static_cast<uint8_t>(step & 0xff) : Pattern(f.seed, t, i);
+      if (f.poked && i == 0 && tensors[t]->name == f.frozen.front()) expected = static_cast<uint8_t>(~expected);
+      if (p[i] != expected) return fmt::format("mismatch tensor={} byte={}", tensors[t]->name, i);
+    }
+  }
+  if (auto table = TableOf(tensors, f)) {
+    if (int64_t at = table->FirstMismatch(tensors[kTableIndex]->data, step); at >= 0) {
+      return fmt::format("mismatch tensor=emb.weight byte={}", at);
+    }
+  }
+  return "";
 }
 
 int Save(const Flags& f) {
@@ -190,8 +263,10 @@ int SaveSteps(const Flags& f) {
     }
     std::cout << fmt::format("restored step={} source={}", r->step, ckpt::RestoreSourceName(r->source)) << std::endl;
   }
+  auto table = TableOf(tensors, f);
   for (uint64_t step : f.steps_list) {
     Fill(tensors, f, step);
+    if (table) table->AdvanceTo(step);
     auto ticket = c->Snapshot(step, {{"seed", std::to_string(f.seed)}},
                               {{"note", fmt::format("seed={} rank={}", f.seed, f.rank)}});
     if (!ticket.ok()) {
@@ -204,6 +279,74 @@ int SaveSteps(const Flags& f) {
       return 5;
     }
     std::cout << "committed " << step << std::endl;
+    if (!f.then_wait_for.empty() && step == f.steps_list.front()) {
+      for (int i = 0; i < 6000 && ::access(f.then_wait_for.c_str(), F_OK) != 0; ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  return 0;
+}
+
+// A training loop for crash tests (kill_loop_test), the trainer_helper twin of
+// example_trainer: with --restore-first it restores the newest step and checks it bit for
+// bit ("resumed step=N source=S", exit 1 on a mismatch) or prints "starting at step 0";
+// then trains steps start+1 .. --steps, each --step-sleep-ms long, snapshotting every
+// --save-every with the content of that step (Fill's pattern, --changed-bytes of model.a
+// holding the step, the table's rows drawn so far), and prints "committed step=N" as each
+// commits. A ckptd that restarts is registered with again by Snapshot().
+int SaveLoop(const Flags& f) {
+  auto c = Connect(f);
+  auto tensors = Setup(*c, f);
+  auto table = TableOf(tensors, f);
+  uint64_t start = 0;
+  if (f.restore_first) {
+    auto r = c->Restore();
+    if (!r.ok()) {
+      std::cout << "error: restore failed: " << ckpt::Message(r.status()) << std::endl;
+      return 2;
+    }
+    if (r->found) {
+      if (std::string mismatch = Mismatch(tensors, f, r->step); !mismatch.empty()) {
+        std::cout << "restored step=" << r->step << ": " << mismatch << std::endl;
+        return 1;
+      }
+      start = r->step;
+      std::cout << fmt::format("resumed step={} source={}", start, ckpt::RestoreSourceName(r->source)) << std::endl;
+    } else {
+      std::cout << "starting at step 0" << std::endl;
+    }
+  }
+  std::map<uint64_t, uint64_t> outstanding;  // ticket -> step, until it ends
+  std::optional<uint64_t> last;
+  for (uint64_t step = start + 1; step <= f.steps; ++step) {
+    if (f.save_every != 0 && step % f.save_every == 0) {
+      // The buffers change only once the last snapshot is staged (or has failed).
+      if (last) (void)c->WaitStaged(*last);
+      Fill(tensors, f, step);
+      if (table) table->AdvanceTo(step);
+      const std::string session = c->session_id();
+      auto ticket = c->Snapshot(step, {{"seed", std::to_string(f.seed)}},
+                                {{"note", fmt::format("seed={} rank={}", f.seed, f.rank)}});
+      if (c->session_id() != session) outstanding.clear();  // tickets died with the old ckptd
+      last.reset();
+      if (ticket.ok()) {
+        last = *ticket;
+        outstanding[*ticket] = step;
+      }
+    }
+    for (auto it = outstanding.begin(); it != outstanding.end();) {
+      const ckpt::TicketStatus st = c->Poll(it->first);
+      if (st.state == ckpt::TicketState::kCommitted) {
+        std::cout << fmt::format("committed step={}", it->second) << std::endl;
+      } else if (st.state != ckpt::TicketState::kFailed && st.state != ckpt::TicketState::kRejected &&
+                 st.state != ckpt::TicketState::kAbandoned && st.state != ckpt::TicketState::kUnknown) {
+        ++it;
+        continue;
+      }
+      it = outstanding.erase(it);
+    }
+    if (f.step_sleep_ms) std::this_thread::sleep_for(std::chrono::milliseconds(f.step_sleep_ms));
   }
   return 0;
 }
@@ -343,15 +486,9 @@ int Check(const Flags& f) {
     std::cout << "mismatch train state: " << r->train_state["note"] << "\n";
     return 1;
   }
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    auto* p = static_cast<const uint8_t*>(tensors[t]->data);
-    for (size_t i = 0; i < tensors[t]->nbytes; ++i) {
-      const uint8_t expected = t == 0 && i < f.changed_bytes ? static_cast<uint8_t>(r->step & 0xff) : Pattern(f.seed, t, i);
-      if (p[i] != expected) {
-        std::cout << "mismatch tensor=" << tensors[t]->name << " byte=" << i << "\n";
-        return 1;
-      }
-    }
+  if (std::string mismatch = Mismatch(tensors, f, r->step); !mismatch.empty()) {
+    std::cout << mismatch << "\n";
+    return 1;
   }
   std::cout << "match\n";
   return 0;
@@ -774,6 +911,7 @@ int main(int argc, char** argv) {
   app.add_option("--bytes", f.bytes);
   app.add_option("--upload-every-steps", f.upload_every_steps, "the job's upload policy (0: the node's)");
   app.add_option("--as-uid", f.as_uid, "drop to this uid (and the same gid) first");
+  app.add_option("--frozen", f.frozen, "tensors registered frozen")->delimiter(',');
   app.add_option("--extra-gid", f.extra_gid, "with --as-uid: keep this supplementary group");
   auto* save = app.add_subcommand("save");
   save->add_flag("--bad-metadata", f.bad_metadata);
@@ -785,10 +923,23 @@ int main(int argc, char** argv) {
   auto* check = app.add_subcommand("check");
   check->add_option("--step", f.step)->each([&](const std::string&) { f.has_step = true; });
   check->add_option("--changed-bytes", f.changed_bytes, "model.a's first N bytes hold the restored step's number");
+  check->add_flag("--poked", f.poked, "the first --frozen tensor's byte 0 was changed in place (save-steps)");
+  app.add_option("--table-rows", f.table_rows, "also register emb.weight, a table of this many rows (per rank)");
+  app.add_option("--row-bytes", f.row_bytes, "its rows' size, a multiple of 8")->capture_default_str();
+  app.add_option("--sparse-rows", f.sparse_rows, "% of the table's rows (at random) changed per training step");
   auto* save_steps = app.add_subcommand("save-steps");
   save_steps->add_option("--steps-list", f.steps_list)->delimiter(',')->required();
   save_steps->add_option("--changed-bytes", f.changed_bytes);
+  save_steps->add_option("--then-wait-for", f.then_wait_for, "after the first step, wait for this file");
   save_steps->add_flag("--restore-first", f.restore_first);
+  save_steps->add_option("--poke-frozen-at", f.poke_frozen_at,
+                         "from this step on, change the first --frozen tensor in place");
+  auto* save_loop = app.add_subcommand("save-loop");
+  save_loop->add_option("--steps", f.steps);
+  save_loop->add_option("--save-every", f.save_every);
+  save_loop->add_option("--step-sleep-ms", f.step_sleep_ms);
+  save_loop->add_option("--changed-bytes", f.changed_bytes);
+  save_loop->add_flag("--restore-first", f.restore_first);
   auto* bad = app.add_subcommand("register-bad");
   bad->add_option("--case", f.bad_case)->required();
   auto* unknown = app.add_subcommand("unknown");
@@ -815,7 +966,7 @@ int main(int argc, char** argv) {
   flood->add_option("--count", f.count);
   flood->add_option("--hold-seconds", f.hold_seconds);
   for (auto* sub : {save, check, bad, unknown, rpc, health, add_cuda, register_at, hold, steal,
-                    admin_delete, flood, by_time, update, save_steps}) {
+                    admin_delete, flood, by_time, update, save_steps, save_loop}) {
     sub->fallthrough();
   }
   CLI11_PARSE(app, argc, argv);
@@ -839,6 +990,7 @@ int main(int argc, char** argv) {
   if (flood->parsed()) return FloodWaits(f);
   if (by_time->parsed()) return TrainByTime(f);
   if (save_steps->parsed()) return SaveSteps(f);
+  if (save_loop->parsed()) return SaveLoop(f);
   if (update->parsed()) return UpdateSession(f);
   return Health(f);
 }

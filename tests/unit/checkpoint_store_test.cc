@@ -172,6 +172,58 @@ TEST_CASE("start-up sweep removes unfinished and half-deleted steps only") {
   CHECK_FALSE(f.fs->Exists(f.store.TempStepDir("job", 20)));
 }
 
+TEST_CASE("a group node's record of what it prepared, left in a committed step by a crash just after the "
+          "commit, is no damage, and a group node's start removes it") {
+  Fixture f;
+  REQUIRE(f.Save(10).ok());
+  // What ckptd SIGKILLed between publishing step 10 and removing its record leaves.
+  const std::string record = CheckpointStore::StepKey("job", 10) + "/.prepared.json";
+  REQUIRE(f.store.objects().Put(record, "{}").ok());
+  CHECK(CheckpointStore::IsPreparedRecord(".prepared.json"));
+  CHECK_FALSE(CheckpointStore::IsPreparedRecord("rank-00000.safetensors"));
+  auto report = VerifyCheckpoint(f.store, "job", 10);
+  REQUIRE(report.ok());
+  INFO((report->problems.empty() ? "" : report->problems[0]));
+  CHECK(report->ok());
+  // Any other file there is still reported.
+  REQUIRE(f.store.objects().Put(CheckpointStore::StepKey("job", 10) + "/notes.txt", "x").ok());
+  CHECK_FALSE(VerifyCheckpoint(f.store, "job", 10)->ok());
+  REQUIRE(f.fs->RemoveTree(f.store.StepDir("job", 10) + "/notes.txt").ok());
+  // A single node never writes one and leaves it; a group node's start removes it.
+  CHECK(*f.store.RemoveStaleTemp(/*keep_step_tmp=*/false) == 0);
+  CHECK(*f.store.objects().Exists(record));
+  CHECK(*f.store.RemoveStaleTemp(/*keep_step_tmp=*/true) == 0);
+  CHECK_FALSE(*f.store.objects().Exists(record));
+  CHECK(*f.store.ListSteps("job") == std::vector<uint64_t>{10});
+  CHECK(VerifyCheckpoint(f.store, "job", 10)->ok());
+}
+
+TEST_CASE("a step removed while the job is being listed is left out of the listing, not reported as an error") {
+  Fixture f;
+  for (uint64_t step : {10, 20, 30}) REQUIRE(f.Save(step).ok());
+  // Retention removes step 20 just as the listing reads step 10's manifest.
+  bool removed = false;
+  f.fs->BeforeOpenForRead([&](const std::string& path) {
+    if (removed || path.find("step-00000010/manifest.json") == std::string::npos) return;
+    removed = true;
+    REQUIRE(f.store.Delete("job", 20).ok());
+  });
+  absl::StatusOr<std::vector<CheckpointSummary>> listed = ListCheckpoints(f.store, "job");
+  f.fs->BeforeOpenForRead({});
+  REQUIRE(removed);
+  REQUIRE(listed.ok());
+  REQUIRE(listed->size() == 2);
+  CHECK((*listed)[0].step == 10);
+  CHECK((*listed)[1].step == 30);
+  for (const CheckpointSummary& c : *listed) CHECK(c.error.empty());
+  // A step whose manifest is there but unreadable is still reported.
+  REQUIRE(f.store.objects().Put(CheckpointStore::StepKey("job", 30) + "/manifest.json", "{").ok());
+  listed = ListCheckpoints(f.store, "job");
+  REQUIRE(listed.ok());
+  REQUIRE(listed->size() == 2);
+  CHECK_FALSE((*listed)[1].error.empty());
+}
+
 TEST_CASE("a step directory without a manifest is not a checkpoint") {
   Fixture f;
   REQUIRE(f.fs->MakeDir(f.dir / "job/step-00000030").ok());

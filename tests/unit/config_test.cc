@@ -105,6 +105,25 @@ TEST_CASE("bad flags and combinations are refused naming the flag") {
   CHECK(Validate(direct).ok());
   direct.job_quota_bytes = 1 << 30;
   CHECK(ckpt::Message(Validate(direct)).find("--job-quota-bytes") != std::string::npos);
+  // --increments on with the remote tier, tiered or direct, on one node and in a group (every
+  // node's report carries its ranks' tagged files and origins).
+  Config inc;
+  inc.increments = true;
+  inc.remote = "s3://bucket/ckpt";
+  CHECK(Validate(inc).ok());
+  inc.remote_mode = RemoteMode::kDirect;
+  CHECK(Validate(inc).ok());
+  Config group_inc;
+  group_inc.increments = true;
+  group_inc.remote = "s3://bucket/ckpt";
+  group_inc.num_nodes = 3;
+  group_inc.node_rank = 1;
+  group_inc.coordinator = "10.0.0.1:7070";
+  group_inc.group_token_file = "/etc/ckptd/token";
+  INFO(ckpt::Message(Validate(group_inc)));
+  CHECK(Validate(group_inc).ok());
+  group_inc.remote_mode = RemoteMode::kDirect;
+  CHECK(ckpt::Message(Validate(group_inc)).find("--remote-mode direct is for one node") != std::string::npos);
 }
 
 TEST_CASE("durations take ms/s/m/h units; a bare number is seconds") {
@@ -238,4 +257,16 @@ TEST_CASE("ckptd --replication: a bad code exits 2 naming the flag, a good one i
   REQUIRE_FALSE(off.exit);
   CHECK(off.config.replication_k == 0);
   CHECK(off.config.replication_m == 0);
+}
+
+// Peers hold each rank's staged snapshot whole, increments or not (issue 48, step 7).
+TEST_CASE("--increments on goes with --replication") {
+  ParseResult both = Parse({"--num-nodes", "4", "--node-rank", "1", "--coordinator", "10.0.0.1:7070",
+                            "--group-token-file", "/etc/ckptd/token", "--replication", "2+1", "--increments", "on"});
+  REQUIRE_FALSE(both.exit);
+  CHECK(both.config.increments);
+  CHECK(both.config.replication_k == 2);
+  absl::Status valid = Validate(both.config);
+  INFO(valid);
+  CHECK(valid.ok());
 }

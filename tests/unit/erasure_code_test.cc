@@ -125,3 +125,48 @@ TEST_CASE("bad codes and bad fragments are refused, naming the problem") {
   std::vector<uint8_t*> two = {nullptr, nullptr};
   CHECK_THAT(ckpt::Message(code->Encode(data, two)), Catch::Contains("2 fragment buffers given, 3 needed"));
 }
+
+TEST_CASE("coding a range of columns writes exactly those columns of a full Encode, for every fragment count") {
+  for (auto [k, m] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {4, 2}, {3, 2}}) {
+    auto code = ErasureCode::Make(k, m);
+    REQUIRE(code.ok());
+    for (size_t bytes : {size_t{1}, size_t{100}, size_t{4096 * 3 + 17}, size_t{300'001}}) {
+      const std::vector<uint8_t> data = RandomBytes(bytes, static_cast<uint32_t>(bytes + k * 3 + m));
+      const Coded full = Encode(*code, data);
+      const size_t len = code->FragmentBytes(bytes);
+      // Unaligned ranges too: the first column, a middle run, the tail (into the padding).
+      for (auto [begin, end] : std::vector<std::pair<size_t, size_t>>{
+               {0, len}, {0, 1}, {len / 3, len / 3 + 7}, {len / 2, len}, {len - 1, len}, {len, len}}) {
+        for (int n = k; n <= k + m; ++n) {
+          INFO(k << "+" << m << ", " << bytes << " bytes, columns [" << begin << ", " << end << "), " << n
+                 << " fragments");
+          std::vector<std::vector<uint8_t>> out(static_cast<size_t>(n), std::vector<uint8_t>(end - begin, 0xee));
+          std::vector<uint8_t*> ptrs;
+          for (auto& f : out) ptrs.push_back(f.data());
+          REQUIRE(code->EncodeColumns(data, begin, end, ptrs, 2).ok());
+          for (int i = 0; i < n; ++i) {
+            const auto& whole = full.fragments[static_cast<size_t>(i)];
+            CHECK(out[static_cast<size_t>(i)] ==
+                  std::vector<uint8_t>(whole.begin() + static_cast<std::ptrdiff_t>(begin),
+                                       whole.begin() + static_cast<std::ptrdiff_t>(end)));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("coding columns refuses ranges past the fragments and too few or many buffers") {
+  auto code = ErasureCode::Make(2, 1);
+  REQUIRE(code.ok());
+  const std::vector<uint8_t> data = RandomBytes(1000, 5);
+  std::vector<uint8_t> a(64), b(64), c(64), d(64);
+  std::vector<uint8_t*> three = {a.data(), b.data(), c.data()};
+  const size_t len = code->FragmentBytes(data.size());
+  CHECK(absl::IsInvalidArgument(code->EncodeColumns(data, 0, len + 1, three)));
+  CHECK(absl::IsInvalidArgument(code->EncodeColumns(data, 10, 9, three)));
+  std::vector<uint8_t*> one = {a.data()};
+  CHECK(absl::IsInvalidArgument(code->EncodeColumns(data, 0, 64, one)));
+  std::vector<uint8_t*> four = {a.data(), b.data(), c.data(), d.data()};
+  CHECK(absl::IsInvalidArgument(code->EncodeColumns(data, 0, 64, four)));
+}

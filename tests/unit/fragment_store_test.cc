@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <span>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -11,6 +12,7 @@
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
 #include "daemon/replicate/fragment_store.h"
+#include "daemon/replicate/shard_fragments.h"
 #include "format/checksum.h"
 
 using ckpt::replicate::ErasureCode;
@@ -185,4 +187,150 @@ TEST_CASE("a job whose owner sent nothing for the idle lifetime is dropped, and 
   CHECK(store.Find(Id("old", 5, 2, 0)) == nullptr);
   CHECK(store.Find(Id("live", 1, 3, 0)) != nullptr);  // its owner was heard from within it
   CHECK(store.Held().size() == 2);
+}
+
+namespace {
+
+using ckpt::replicate::FragmentPatch;
+
+// A real 2+1 coding of a shard, step 5 sent whole and step 6 as a patch of it (chunks of 1 KiB).
+struct PatchedStep {
+  PatchedStep() {
+    auto code = ErasureCode::Make(2, 1);
+    REQUIRE(code.ok());
+    std::string before(kData, '\0');
+    for (size_t i = 0; i < before.size(); ++i) before[i] = static_cast<char>(i * 7 + (i >> 9));
+    std::string after = before;
+    after[100] ^= 1;    // chunk 0 of fragment 0
+    after[5'100] ^= 1;  // chunk 0 of fragment 1 (past its 5,056 bytes)
+    after[9'000] ^= 1;  // chunk 3 of fragment 1
+    auto as_bytes = [](const std::string& s) { return std::span(reinterpret_cast<const uint8_t*>(s.data()), s.size()); };
+    auto old = ckpt::replicate::CodeShard(*code, "j", 5, 2, 0, 7, as_bytes(before));
+    REQUIRE(old.ok());
+    base = (*old)[1];
+    auto sums = ckpt::replicate::SumsOf(*old, 2, 1024);
+    auto coded = ckpt::replicate::CodePatch(*code, "j", 6, 2, 0, 7, as_bytes(after), 2, sums);
+    REQUIRE(coded.ok());
+    REQUIRE(coded->chunks == std::vector<uint32_t>{0, 3});
+    patched = coded->fragments[1];
+    patch = FragmentPatch{5, 1024, coded->chunks};
+    auto full = ckpt::replicate::CodeShard(*code, "j", 6, 2, 0, 7, as_bytes(after));
+    REQUIRE(full.ok());
+    whole = (*full)[1].bytes;
+  }
+  ckpt::replicate::HeldFragment base;     // fragment 1 of step 5, whole
+  ckpt::replicate::HeldFragment patched;  // fragment 1 of step 6: its changed chunks
+  FragmentPatch patch;
+  std::string whole;  // fragment 1 of step 6, whole
+};
+
+}  // namespace
+
+TEST_CASE("a patch of a sealed base fragment is kept as the whole new fragment, counted like one") {
+  FragmentStore store(1 << 20, {});
+  PatchedStep p;
+  REQUIRE(store.Put(1000, p.base.id, p.base.meta, p.base.bytes).ok());
+  REQUIRE(store.Seal("j", 5, 2, 1).ok());
+  REQUIRE(p.patched.bytes.size() == 2 * 1024);  // chunks 0 and 3 (of 5, the last one 960 bytes)
+  const absl::Status put = store.PutPatch(1000, p.patched.id, p.patched.meta, p.patch, p.patched.bytes);
+  INFO(ckpt::Message(put));
+  REQUIRE(put.ok());
+  auto held = store.Find(p.patched.id);
+  REQUIRE(held != nullptr);
+  CHECK(held->bytes == p.whole);
+  CHECK(held->meta.checksum == p.patched.meta.checksum);
+  CHECK(store.Find(p.base.id)->bytes == p.base.bytes);  // the base stays until released
+  CHECK(store.used() == 2 * p.whole.size());
+  REQUIRE(store.Seal("j", 6, 2, 1).ok());
+  REQUIRE(store.Release("j", 6, 2).ok());
+  CHECK(store.Find(p.base.id) == nullptr);
+  CHECK(store.used() == p.whole.size());
+}
+
+TEST_CASE("a patch is refused, and nothing kept, without its base or against another one or when it does not check") {
+  FragmentStore store(1 << 20, {});
+  PatchedStep p;
+  auto refused = [&](const absl::Status& s, const char* says) {
+    INFO(ckpt::Message(s));
+    CHECK_FALSE(s.ok());
+    CHECK_THAT(ckpt::Message(s), Catch::Contains(says));
+    CHECK(store.Find(p.patched.id) == nullptr);
+  };
+  SECTION("no base held") {
+    refused(store.PutPatch(1000, p.patched.id, p.patched.meta, p.patch, p.patched.bytes), "not held");
+    CHECK(store.used() == 0);
+    CHECK(store.Held().empty());
+  }
+  SECTION("the base not sealed") {
+    REQUIRE(store.Put(1000, p.base.id, p.base.meta, p.base.bytes).ok());
+    const absl::Status s = store.PutPatch(1000, p.patched.id, p.patched.meta, p.patch, p.patched.bytes);
+    CHECK(absl::IsFailedPrecondition(s));
+    refused(s, "not sealed");
+  }
+  SECTION("with a base sealed") {
+    REQUIRE(store.Put(1000, p.base.id, p.base.meta, p.base.bytes).ok());
+    REQUIRE(store.Seal("j", 5, 2, 1).ok());
+    const size_t used = store.used();
+    SECTION("of another run") {
+      FragmentMeta meta = p.patched.meta;
+      meta.run = 8;
+      refused(store.PutPatch(1000, p.patched.id, meta, p.patch, p.patched.bytes), "run 7");
+    }
+    SECTION("of another size") {
+      FragmentMeta meta = p.patched.meta;
+      meta.data_bytes = kData - 1;  // the same fragment size: only the metadata differs
+      refused(store.PutPatch(1000, p.patched.id, meta, p.patch, p.patched.bytes), "of 10000 bytes");
+    }
+    SECTION("of another coding") {
+      FragmentMeta meta = p.patched.meta;
+      meta.m = 2;
+      refused(store.PutPatch(1000, p.patched.id, meta, p.patch, p.patched.bytes), "2+1");
+    }
+    SECTION("of another uid") {
+      refused(store.PutPatch(1001, p.patched.id, p.patched.meta, p.patch, p.patched.bytes), "uid 1000");
+    }
+    SECTION("of another index: the base fragment is not held") {
+      FragmentId id = p.patched.id;
+      id.index = 0;
+      refused(store.PutPatch(1000, id, p.patched.meta, p.patch, p.patched.bytes), "not held here");
+      CHECK(store.Find(id) == nullptr);
+    }
+    SECTION("of another base step") {
+      FragmentPatch patch = p.patch;
+      patch.base_step = 4;
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "not held");
+    }
+    SECTION("a changed byte: the checksum fails") {
+      std::string bytes = p.patched.bytes;
+      bytes[10] ^= 1;
+      const absl::Status s = store.PutPatch(1000, p.patched.id, p.patched.meta, p.patch, bytes);
+      CHECK(absl::IsDataLoss(s));
+      refused(s, "damaged on the way");
+    }
+    SECTION("the chunks listed wrong: the checksum fails or the size does not fit") {
+      FragmentPatch patch = p.patch;
+      patch.chunks = {0, 2};  // as many bytes, in the wrong place
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "damaged on the way");
+      patch.chunks = {0, 4};  // chunk 4 is the short last one
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "bytes sent");
+      patch.chunks = {3, 0};
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "out of order");
+      patch.chunks = {0, 9};
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "past the");
+      patch = p.patch;
+      patch.chunk_bytes = 1000;
+      refused(store.PutPatch(1000, p.patched.id, p.patched.meta, patch, p.patched.bytes), "chunks of 1000");
+    }
+    SECTION("over the budget") {
+      FragmentStore small(p.base.bytes.size() + 100, {});
+      REQUIRE(small.Put(1000, p.base.id, p.base.meta, p.base.bytes).ok());
+      REQUIRE(small.Seal("j", 5, 2, 1).ok());
+      const absl::Status s = small.PutPatch(1000, p.patched.id, p.patched.meta, p.patch, p.patched.bytes);
+      CHECK(absl::IsResourceExhausted(s));
+      CHECK(small.Find(p.patched.id) == nullptr);
+      CHECK(small.used() == p.base.bytes.size());
+    }
+    CHECK(store.used() == used);
+    CHECK(store.Held().size() == 1);
+  }
 }

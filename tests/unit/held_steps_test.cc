@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -52,10 +53,16 @@ struct Job {
 
   // Runs one retention pass (or an operator's delete) the way ckptd does, to the end. The
   // keeper reports errors on its own thread: collected, and checked here.
-  void Retain(uint32_t keep_last) {
+  // `after_each` runs on the keeper's thread after each step it removes, where a crash
+  // could stop the pass.
+  void Retain(uint32_t keep_last, std::function<void()> after_each = {}) {
     std::vector<std::string> errors;
     persist::RetentionKeeper keeper(
-        store, {keep_last, 0}, [&](const std::string& job, uint64_t step) { removed.emplace_back(job, step); },
+        store, {keep_last, 0},
+        [&](const std::string& job, uint64_t step) {
+          removed.emplace_back(job, step);
+          if (after_each) after_each();
+        },
         [&](const std::string& error) { errors.push_back(error); });
     keeper.Schedule(kJob);
     keeper.Stop();  // joins the keeper's thread: `errors` and `removed` are this thread's again
@@ -180,6 +187,42 @@ TEST_CASE("what a crash leaves, the next pass or start-up finishes: held steps a
   CHECK(j.Entries() == std::vector<std::string>{"step-00000030"});
 }
 
+// A pass removes its doomed steps one at a time, and ckptd may die between any two: the
+// steps still listed then must read back, so a doomed step goes before the doomed steps it
+// references (newest first), never after (the kill loop with increments found a listed step
+// whose origin an interrupted pass had deleted).
+TEST_CASE("a retention pass interrupted after any removal leaves every listed step readable") {
+  Job j;
+  j.Save(10, 0);  // full
+  j.Save(20, 5);  // references 10
+  j.Save(30, 9);  // references 10 and 20
+  j.Save(40, 0, /*full=*/true);
+  // Keep 1: 10, 20 and 30 are doomed, and nothing kept references them: all deleted.
+  std::vector<std::string> broken;  // listed steps that did not read back, after each removal
+  j.Retain(1, [&] {
+    for (uint64_t step : j.Steps()) {
+      std::string why;
+      absl::StatusOr<Manifest> m = j.store.LoadManifest(kJob, step);
+      if (!m.ok()) {
+        why = Message(m.status());
+      } else if (auto got = testing::ReadSavedPieces(j.store.objects(), CheckpointStore::StepKey(kJob, step), *m);
+                 !got.ok()) {
+        why = Message(got.status());
+      } else if (got->at("emb") != std::vector<std::string>{j.saved[step]}) {
+        why = "other bytes";
+      }
+      if (!why.empty()) {
+        broken.push_back("step " + std::to_string(step) + " after " + std::to_string(j.removed.size()) +
+                         " removals: " + why);
+      }
+    }
+  });
+  for (const std::string& b : broken) UNSCOPED_INFO(b);
+  CHECK(broken.empty());
+  CHECK(j.removed.size() == 3);
+  CHECK(j.Entries() == std::vector<std::string>{"step-00000040"});
+}
+
 TEST_CASE("held step directory names parse only as written") {
   StepRun h;
   CHECK(ParseHeldStepDirName(HeldStepDirName(1200, 0x18f3a9c2d4e5b6a7), &h));
@@ -190,4 +233,37 @@ TEST_CASE("held step directory names parse only as written") {
     INFO(bad);
     CHECK_FALSE(ParseHeldStepDirName(bad, &h));
   }
+}
+
+TEST_CASE("a step about to be published holds what it references: committed or held, pinned until published") {
+  Job j;
+  j.Save(10, 0);
+  j.Save(20, 5);
+  j.Save(30, 9);  // references 10 and 20
+  std::vector<std::string> errors;
+  persist::RetentionKeeper keeper(j.store, {1, 0}, [](const std::string&, uint64_t) {},
+                                  [&](const std::string& error) { errors.push_back(error); });
+  REQUIRE(keeper.DeleteStep(kJob, 20).ok());  // retired: 30 references it
+  {
+    // What a coordinator's step referencing 10 (committed) and 20 (held) pins.
+    absl::StatusOr<std::shared_ptr<void>> held = keeper.HoldSteps(kJob, {{10, kRun}, {20, kRun}});
+    REQUIRE(held.ok());
+    // Nothing kept references 20 once 30 goes, but the pin keeps it from the sweep; and 10
+    // from a delete.
+    REQUIRE(keeper.DeleteStep(kJob, 30).ok());
+    CHECK(j.Held() == std::vector<uint64_t>{20});
+    CHECK(keeper.DeleteStep(kJob, 10).status().code() == absl::StatusCode::kFailedPrecondition);
+    j.Save(40, 0, /*full=*/true);
+  }
+  // Unpinned, the next pass deletes 10 and sweeps 20.
+  keeper.Schedule(kJob);
+  keeper.Stop();
+  CHECK(errors.empty());
+  CHECK(j.Held().empty());
+  CHECK(j.Steps() == std::vector<uint64_t>{40});
+  // A step gone is named.
+  persist::RetentionKeeper again(j.store, {1, 0}, [](const std::string&, uint64_t) {}, [](const std::string&) {});
+  absl::StatusOr<std::shared_ptr<void>> gone = again.HoldSteps(kJob, {{10, kRun}});
+  REQUIRE_FALSE(gone.ok());
+  CHECK_THAT(Message(gone.status()), Catch::Contains("step 10 of job lora") && Catch::Contains("no longer on the store"));
 }

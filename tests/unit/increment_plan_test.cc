@@ -517,21 +517,44 @@ TEST_CASE("a piece written whole: more than half changed, too many extents, anot
     CHECK_FALSE(plan.pieces[0].whole);
     CHECK(plan.pieces[0].shard.extents.size() == 16);
   }
-  SECTION("more than max(64, chunks / 8) extents") {
-    // [800, 16] F32: 200 chunks; every 4th changed is 25% and 100 extents.
+  SECTION("more than max(64, chunks / 2) extents") {
+    // [800, 16] F32: 200 chunks; every 2nd changed is 50% and 200 extents, and writing the
+    // references between them again to fit in 100 would write them all: whole.
     Job job(1, kChunk, {{"emb", {"F32", {800, 16}}}, {"w", {"F32", {4, 4}}}});
     job.Save(10);
-    for (uint64_t c = 0; c < 200; c += 4) job.Change("emb", 0, c);
+    for (uint64_t c = 0; c < 200; c += 2) job.Change("emb", 0, c);
     RankWritePlan plan = job.Save(20)[0];
     CHECK(plan.pieces[0].whole);
-    CHECK(plan.pieces[0].why == "100 extents, more than 64");
+    CHECK(plan.pieces[0].why == "200 extents, more than 100");
     CHECK_FALSE(plan.pieces[1].whole);  // w, unchanged, referenced
     CHECK(plan.mode == WriteMode::kIncrement);
-    // 64 extents are allowed: 32 changed chunks, 2 extents each.
-    for (uint64_t c = 0; c < 64; c += 2) job.Change("emb", 0, c);
+    // 100 extents are allowed: 50 changed chunks, 2 extents each.
+    for (uint64_t c = 0; c < 100; c += 2) job.Change("emb", 0, c);
     plan = job.Save(30)[0];
     CHECK_FALSE(plan.pieces[0].whole);
-    CHECK(plan.pieces[0].shard.extents.size() == 64);
+    CHECK(plan.pieces[0].shard.extents.size() == 100);
+  }
+  SECTION("more extents than allowed, fewer with the shortest references written again") {
+    // 200 chunks: 0, 2, ..., 40 changed (20 references of one chunk between them), then 44,
+    // 48, ..., 196 (references of three): 120 extents. Writing the one-chunk references
+    // again leaves 80.
+    Job job(1, kChunk, {{"emb", {"F32", {800, 16}}}});
+    job.Save(10);
+    for (uint64_t c = 0; c <= 40; c += 2) job.Change("emb", 0, c);
+    for (uint64_t c = 44; c < 200; c += 4) job.Change("emb", 0, c);
+    const RankWritePlan plan = job.Save(20)[0];
+    CHECK_FALSE(plan.pieces[0].whole);
+    CHECK(plan.pieces[0].why == "80 extents (120 needed, more than 100: the shortest references written again)");
+    const std::vector<format::Extent>& extents = plan.pieces[0].shard.extents;
+    REQUIRE(extents.size() == 80);
+    CHECK(extents[0].chunk_begin == 0);
+    CHECK(extents[0].chunk_end == 41);  // chunks 0 to 40 in this step's file, as one run
+    CHECK_FALSE(extents[0].step.has_value());
+    CHECK(extents[1].step == 10);
+    CHECK(plan.changed_bytes == 60 * kChunk);  // what changed; 80 chunks written (Save reads it back)
+    uint64_t own = 0;
+    for (const format::Extent& e : extents) own += e.step ? 0 : e.chunk_end - e.chunk_begin;
+    CHECK(own == 80);
   }
   SECTION("another shape, a new tensor") {
     Job job(1, kChunk, {{"emb", {"F32", {64, 16}}}, {"w", {"F32", {4, 4}}}});

@@ -3,6 +3,7 @@
 // join them, and refuse any part that is not the one the index names.
 #include <catch2/catch.hpp>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -13,6 +14,7 @@
 #include "format/indexed_manifest.h"
 #include "format/manifest.h"
 #include "tests/fakes/four_rank_step.h"
+#include "tests/fakes/increment_chain.h"
 #include "tests/fakes/temp_dir.h"
 
 using namespace ckpt::format;
@@ -233,4 +235,45 @@ TEST_CASE("a reader of one rank of a step that is not indexed gets its manifest"
   REQUIRE(loaded.ok());
   CHECK_FALSE(from_index);
   CHECK(loaded->shards.size() == 4);
+}
+
+TEST_CASE("an incremental step (version 5) indexed reads back whole; its index holds every part's origin steps") {
+  ckpt::testing::TempDir dir;
+  constexpr int64_t kRows = 16, kCols = 8;
+  ckpt::testing::IncrementChain chain(dir.path(), "llm", 4, {{"emb", {"F32", {4 * kRows, kCols}}}},
+                                      kCols * 4 * 4);  // 4 chunks a piece
+  std::vector<std::vector<float>> emb(4, std::vector<float>(kRows * kCols, 1.f));
+  Manifest whole;
+  for (uint64_t step : {10u, 20u, 30u}) {
+    // Rank 0 changes a chunk at 20 and another at 30: its step 30 references steps 10 and
+    // 20, node 1's ranks (2 and 3) only step 10.
+    if (step == 20) emb[0][0] = 2.f;
+    if (step == 30) emb[0][kRows * kCols - 1] = 3.f;
+    ckpt::testing::IncrementChain::Step s;
+    for (uint32_t r = 0; r < 4; ++r) {
+      s.pieces["emb"].push_back(std::string(reinterpret_cast<const char*>(emb[r].data()), emb[r].size() * 4));
+      s.train_state.push_back({{"rng", "rng of step " + std::to_string(step)}});
+    }
+    whole = chain.Write(step, 0x18f3a9c2d4e5b600, s);
+  }
+  whole.nodes = {{0, {0, 1}}, {1, {2, 3}}};
+  REQUIRE(whole.increment->origin_steps.size() == 2);
+  REQUIRE(PartOf(whole, 1).increment->origin_steps.size() == 1);
+  // Published again as an index and its parts, as a coordinator on a shared root does.
+  CheckpointStore store{ckpt::MakePosixFilesystem(), dir.path()};
+  const std::string step_dir = dir / "llm/step-00000030";
+  std::filesystem::remove(step_dir + "/manifest.json");
+  std::filesystem::rename(step_dir, step_dir + ".tmp");
+  Manifest index = IndexHeader(PartOf(whole, 0));
+  for (uint32_t node : {0u, 1u}) REQUIRE(store.WriteManifestPart(PartOf(whole, node), index).ok());
+  REQUIRE(store.Commit(index).ok());
+  CHECK(index.increment->origin_steps == whole.increment->origin_steps);
+  CHECK(index.increment->origins.empty());  // the parts list them
+  CHECK(index.increment->own_bytes == whole.increment->own_bytes);
+  auto only = store.LoadManifest("llm", 30, CheckpointStore::Depth::kIndexOnly);
+  REQUIRE(only.ok());
+  CHECK(only->increment->origin_steps == whole.increment->origin_steps);
+  auto joined = store.LoadManifest("llm", 30);
+  REQUIRE(joined.ok());
+  CHECK(ManifestToJson(*joined) == ManifestToJson(whole));
 }

@@ -3,9 +3,13 @@
 #include <catch2/catch.hpp>
 
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "common/status.h"
 #include "format/part_structure.h"
+#include "tests/fakes/increment_chain.h"
+#include "tests/fakes/temp_dir.h"
 
 using namespace ckpt::format;
 
@@ -154,4 +158,94 @@ TEST_CASE("values whose checksums stayed on the node fit by their count, but can
     count_and_list.withheld = 8;
     CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, count_and_list)), Catch::Contains("not more than one"));
   }
+}
+
+namespace {
+
+using ckpt::testing::IncrementChain;
+
+std::string Floats(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+}
+
+// A job's steps 10 (full), 20 and 30 with increments (format version 5) in a world of 3,
+// and ranks 1 and 2 of each as one node's part: pieces written whole in one step and as
+// extents in another, own and referenced train state, shard sizes that differ each step.
+std::vector<Manifest> IncrementalParts(const std::string& root) {
+  constexpr int64_t kRows = 32, kCols = 8;
+  IncrementChain chain(root, "lora", 3, {{"emb", {"F32", {3 * kRows, kCols}}}, {"w", {"F32", {3, 4}}}},
+                       kCols * 4 * 4);  // 4 rows a chunk: 8 chunks a piece
+  std::vector<std::vector<float>> emb(3, std::vector<float>(kRows * kCols)), w(3, std::vector<float>(4));
+  std::vector<Manifest> parts;
+  for (uint64_t step : {10u, 20u, 30u}) {
+    if (step == 20) emb[1][3] += 1;                     // one chunk of rank 1's emb: extents
+    if (step == 30) emb[2].assign(kRows * kCols, 7.f);  // all of rank 2's emb: whole again
+    for (auto& piece : w) piece[0] += 1;                // "w" whole every step
+    IncrementChain::Step s;
+    for (uint32_t r = 0; r < 3; ++r) {
+      s.pieces["emb"].push_back(Floats(emb[r]));
+      s.pieces["w"].push_back(Floats(w[r]));
+      s.train_state.push_back({{"tok", std::string(100, 't')}, {"rng", "rng of step " + std::to_string(step)}});
+    }
+    Manifest part = chain.Write(step, 0x18f3a9c2d4e5b600, s);
+    RemoveRanks(part, [](uint32_t r) { return r == 0; });
+    REQUIRE(ParseManifest(ManifestToJson(part), "a part", ManifestScope::kPart).ok());
+    parts.push_back(std::move(part));
+  }
+  return parts;
+}
+
+}  // namespace
+
+TEST_CASE("a job's incremental parts keep one structure; where their bytes are travels as values") {
+  ckpt::testing::TempDir dir;
+  const std::vector<Manifest> parts = IncrementalParts(dir.path());
+  REQUIRE(parts[1].tensors.at("emb").shards[0].extents.size() > 1);  // rank 1: own and referenced chunks
+  REQUIRE(parts[1].Shard(1)->train_state.at("tok").step == 10u);
+  REQUIRE(parts[1].increment->origin_steps.size() == 1);
+
+  std::vector<SplitResult> splits;
+  for (const Manifest& part : parts) splits.push_back(SplitPart(part));
+  for (const SplitResult& split : splits) {
+    CHECK(split.structure->digest == splits[0].structure->digest);
+    CHECK(split.structure->incremental);
+    CHECK(split.structure->located_pieces == 4);  // 2 tensors x 2 ranks
+    CHECK(split.structure->located_blobs == 4);
+    REQUIRE(split.values.increment.has_value());
+  }
+  CHECK(splits[2].values.increment->origin_steps == parts[2].increment->origin_steps);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    // Each step's values on the first step's structure: that step's part exactly.
+    auto joined = JoinPart(*splits[0].structure, splits[i].values);
+    REQUIRE(joined.ok());
+    CHECK(ManifestToJson(*joined) == ManifestToJson(parts[i]));
+  }
+}
+
+TEST_CASE("incremental values that do not fit their structure are refused") {
+  ckpt::testing::TempDir dir;
+  const std::vector<Manifest> parts = IncrementalParts(dir.path());
+  SplitResult split = SplitPart(parts[1]);
+  PartValues short_places = split.values;
+  short_places.places.pop_back();
+  CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, short_places)),
+             Catch::Contains("do not describe 4 pieces and 4 train-state entries"));
+  PartValues no_increment = split.values;
+  no_increment.increment.reset();
+  CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, no_increment)), Catch::Contains("lack an increment"));
+  PartValues too_many_extents = split.values;
+  too_many_extents.places[0] = kMaxPieceChunks + 1;
+  CHECK_FALSE(CheckValuesFit(*split.structure, too_many_extents).ok());
+  // Withheld checksums leave the places behind too, and still fit by their count.
+  PartValues counted = split.values.WithChecksumsWithheld();
+  CHECK(counted.places.empty());
+  REQUIRE(counted.increment.has_value());
+  CHECK(counted.increment->origin_steps == split.values.increment->origin_steps);
+  CHECK(CheckValuesFit(*split.structure, counted).ok());
+  // A full-format structure takes no places.
+  SplitResult full = SplitPart(Part(100, "xxh3:00000000000000ab"));
+  CHECK_FALSE(full.structure->incremental);
+  PartValues placed = full.values;
+  placed.places = {0, 0, 16};
+  CHECK_FALSE(CheckValuesFit(*full.structure, placed).ok());
 }

@@ -104,6 +104,17 @@ class Group {
   }
 
   PeerDirectory& directory() { return *directory_; }
+  // Node `node` restarted: a new service on a new port, holding nothing.
+  void Restart(uint32_t node) {
+    auto fresh = std::make_unique<Peer>(size_t{64} << 20, ReplicaFaults{});
+    REQUIRE(fresh->server != nullptr);
+    std::unique_ptr<Peer> old;
+    {
+      std::lock_guard lock(mu_);
+      old = std::move(peers_.at(node));
+      peers_.at(node) = std::move(fresh);
+    }
+  }
   FragmentStore& store(uint32_t node) { return peers_.at(node)->store; }
   // Whether this node's view knows `node` at all (a replacement that has just joined may
   // not know its peers yet).
@@ -593,4 +604,141 @@ TEST_CASE("a step replicated under a later run after the job went back is report
   REQUIRE(shard.ok());
   CHECK(Bytes(*shard) == b0.copy);
   CHECK(replicator.Replicated(kJob, 8));
+}
+
+// Incremental replicas: a step whose shards are the same size, run and holders as the step
+// its holders hold is sent as a patch of it, only the column chunks that changed.
+namespace {
+
+// A rank's shard with a byte flipped at each of `at`.
+StagedBytes Changed(const StagedBytes& from, std::initializer_list<size_t> at) {
+  auto text = std::make_shared<std::string>(from.copy);
+  for (size_t i : at) (*text)[i] ^= 0x5a;
+  std::shared_ptr<const std::string> owner = text;
+  return {std::shared_ptr<const char>(owner, owner->data()), *owner};
+}
+
+// What a holder must hold of rank `rank`'s fragment `index` of `step`: the fragment a whole
+// coding of `data` makes, bit for bit.
+void CheckFragment(FragmentStore& store, const ErasureCode& code, uint64_t step, uint32_t rank, uint32_t index,
+                   const StagedBytes& data) {
+  auto full = CodeShard(code, kJob, step, 0, rank, kRun,
+                        {reinterpret_cast<const uint8_t*>(data.copy.data()), data.copy.size()});
+  REQUIRE(full.ok());
+  std::shared_ptr<const HeldFragment> held = store.Find({kJob, step, 0, rank, index});
+  INFO("rank " << rank << " fragment " << index << " of step " << step);
+  REQUIRE(held != nullptr);
+  CHECK(held->bytes == (*full)[index].bytes);
+}
+
+constexpr size_t kShardBytes = 4 << 20;  // 2 MiB fragments under k = 2: 8 chunks of 256 KiB
+
+}  // namespace
+
+TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fraction, rebuilt bit for bit") {
+  GroupOptions o;
+  o.nodes = 5;
+  o.k = 2;
+  o.m = 2;  // nodes 1, 2, 3 hold fragments 0, 1 (data) and 2 (parity)
+  Group group(o);
+  Replicator replicator(group.directory(), group.Code());
+  const ErasureCode code = group.Code();
+  const StagedBytes a0 = MakeShard(kShardBytes, 1), a1 = MakeShard(kShardBytes - 1001, 2);
+  Replicate(replicator, 5, a0, a1);
+  const StepReplication first = Settled(replicator, 5);
+  REQUIRE(first.state == State::kReplicated);
+  const uint64_t each = ErasureCode::FragmentBytes(kShardBytes, 2);
+  CHECK(first.bytes_sent == 3 * (each + ErasureCode::FragmentBytes(kShardBytes - 1001, 2)));
+  CHECK(first.bytes_unchanged == 0);
+
+  // Rank 0: a byte in its first column chunk and one in data fragment 1's chunk 4; rank 1:
+  // nothing changed at all.
+  const StagedBytes b0 = Changed(a0, {100, each + 4 * kPatchChunkBytes + 7});
+  Replicate(replicator, 6, b0, a1);
+  const StepReplication second = Settled(replicator, 6);
+  INFO("why: " << second.why);
+  REQUIRE(second.state == State::kReplicated);
+  // Two chunks of each of rank 0's three fragments: 1.5 MiB of the 12 MiB the step's
+  // fragments are.
+  CHECK(second.bytes_sent == 3 * 2 * kPatchChunkBytes);
+  CHECK(second.bytes_sent + second.bytes_unchanged == first.bytes_sent);
+  for (uint32_t node : {1u, 2u, 3u}) {
+    INFO("node " << node);
+    CHECK(WaitUntil([&] { return group.store(node).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
+    CheckFragment(group.store(node), code, 6, 0, node - 1, b0);
+    CheckFragment(group.store(node), code, 6, 1, node - 1, a1);
+    CHECK(group.store(node).used() == each + ErasureCode::FragmentBytes(kShardBytes - 1001, 2) + ManifestText(6).size());
+  }
+  // Rebuilt from the patched fragments, a parity one among them (fragment 0's holder lost).
+  group.SetAlive(1, false);
+  PeerShards shards(group.directory(), 2);
+  auto rebuilt = shards.Shard(kJob, 6, 0, kUid, kShardBytes);
+  INFO(rebuilt.status());
+  REQUIRE(rebuilt.ok());
+  CHECK(Bytes(*rebuilt) == b0.copy);
+  group.SetAlive(1, true);
+
+  SECTION("a step that did not commit is never the base: the next is a patch of the last sealed one") {
+    const StagedBytes c0 = MakeShard(kShardBytes, 9);  // all changed
+    replicator.Staged(kJob, 7, 0, kRun, kUid, c0.data, c0.size());
+    replicator.Staged(kJob, 7, 1, kRun, kUid, a1.data, a1.size());
+    replicator.Failed(kJob, 7);
+    REQUIRE(Settled(replicator, 7).state == State::kIncomplete);
+    const StagedBytes d0 = Changed(b0, {200});
+    Replicate(replicator, 8, d0, a1);
+    const StepReplication s = Settled(replicator, 8);
+    INFO("why: " << s.why);
+    REQUIRE(s.state == State::kReplicated);
+    CHECK(s.bytes_sent == 3 * kPatchChunkBytes);
+    CHECK(WaitUntil([&] { return group.store(3).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
+    CheckFragment(group.store(3), code, 8, 0, 2, d0);
+  }
+  SECTION("a shard of another size goes whole, the other rank's still as a patch") {
+    const StagedBytes c0 = MakeShard(kShardBytes + 64, 1);
+    Replicate(replicator, 7, c0, Changed(a1, {5}));
+    const StepReplication s = Settled(replicator, 7);
+    INFO("why: " << s.why);
+    REQUIRE(s.state == State::kReplicated);
+    CHECK(s.bytes_sent == 3 * (ErasureCode::FragmentBytes(kShardBytes + 64, 2) + kPatchChunkBytes));
+    CHECK(WaitUntil([&] { return group.store(2).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
+    CheckFragment(group.store(2), code, 7, 0, 1, c0);
+  }
+  SECTION("a step of another run goes whole") {
+    Replicate(replicator, 7, b0, a1, false, kRun + 1);
+    const StepReplication s = Settled(replicator, 7);
+    REQUIRE(s.state == State::kReplicated);
+    CHECK(s.bytes_sent == first.bytes_sent);
+    CHECK(s.bytes_unchanged == 0);
+  }
+  SECTION("a holder restarted (the holder set changed): every fragment goes whole") {
+    group.Restart(2);
+    Replicate(replicator, 7, Changed(b0, {1}), a1);
+    const StepReplication s = Settled(replicator, 7);
+    INFO("why: " << s.why);
+    REQUIRE(s.state == State::kReplicated);
+    CHECK(s.bytes_sent == first.bytes_sent);
+    CHECK(WaitUntil([&] { return group.store(2).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
+    CheckFragment(group.store(2), code, 7, 1, 1, a1);
+  }
+  SECTION("a holder that lost the base refuses the patch and gets its fragments whole; the others patch") {
+    group.store(3).DropJob(kJob);
+    const StagedBytes c0 = Changed(b0, {1});
+    Replicate(replicator, 7, c0, a1);
+    const StepReplication s = Settled(replicator, 7);
+    INFO("why: " << s.why);
+    REQUIRE(s.state == State::kReplicated);
+    // Nodes 1 and 2: one chunk of rank 0, nothing of rank 1; node 3: both fragments whole.
+    CHECK(s.bytes_sent == 2 * kPatchChunkBytes + first.bytes_sent / 3);
+    for (uint32_t node : {1u, 2u, 3u}) {
+      INFO("node " << node);
+      CHECK(WaitUntil([&] { return group.store(node).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
+      CheckFragment(group.store(node), code, 7, 0, node - 1, c0);
+      CheckFragment(group.store(node), code, 7, 1, node - 1, a1);
+    }
+    // And the step after is a patch everywhere again.
+    Replicate(replicator, 8, Changed(c0, {2}), a1);
+    const StepReplication next = Settled(replicator, 8);
+    REQUIRE(next.state == State::kReplicated);
+    CHECK(next.bytes_sent == 3 * kPatchChunkBytes);
+  }
 }

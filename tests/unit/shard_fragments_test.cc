@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "common/status.h"
+#include "daemon/replicate/fragment_checksum.h"
 #include "daemon/replicate/shard_fragments.h"
+#include "format/checksum.h"
 
 using namespace ckpt::replicate;
 
@@ -121,4 +123,141 @@ TEST_CASE("the peers holding a node's fragments survive any m nodes lost, the no
   CHECK(absl::IsInvalidArgument(FragmentHolders({{0, 1, 2}, {}}, 7, 2, 1).status()));
   CHECK(absl::IsInvalidArgument(FragmentHolders({{0, 1}, {}}, 0, 2, 1).status()));
   CHECK(absl::IsInvalidArgument(FragmentHolders({{0, 1}, {}}, 0, 2, 0).status()));
+}
+
+namespace {
+
+// Fragment `f` of the base step with `patch`'s changed chunks written over: what a holder builds.
+std::string Applied(const HeldFragment& base, const ShardPatch& patch, size_t index) {
+  std::string out = base.bytes;
+  const size_t c_bytes = patch.sums.chunk_bytes;
+  size_t from = 0;
+  for (uint32_t c : patch.chunks) {
+    const size_t at = c * c_bytes;
+    const size_t n = std::min(c_bytes, out.size() - at);
+    out.replace(at, n, patch.fragments[index].bytes, from, n);
+    from += n;
+  }
+  REQUIRE(from == patch.fragments[index].bytes.size());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a shard coded as a patch of the step before gives, applied, every fragment of the new shard bit for bit") {
+  for (auto [k, m] : std::vector<std::pair<int, int>>{{1, 1}, {2, 1}, {4, 2}}) {
+    auto code = ErasureCode::Make(k, m);
+    REQUIRE(code.ok());
+    const size_t count = static_cast<size_t>(k + m - 1);  // what the owner sends
+    // Chunks of 4 KiB here, so that a shard of ~1 MiB has many; unaligned sizes.
+    constexpr size_t kChunk = 4096;
+    for (size_t bytes : {size_t{1000}, size_t{(1 << 20) + 13}, size_t{3 * 4096 * 4 + 100}}) {
+      const std::vector<uint8_t> before = Data(bytes);
+      auto old = CodeShard(*code, "j", 5, 2, 0, 9, before);
+      REQUIRE(old.ok());
+      const FragmentSums base = SumsOf(*old, count, kChunk, 2);
+      REQUIRE(base.sums.size() == count);
+      const size_t each = code->FragmentBytes(bytes);
+      const size_t chunks = (each + kChunk - 1) / kChunk;
+      // The base's sums are its fragments' chunked checksums.
+      for (size_t i = 0; i < count; ++i) {
+        CHECK(ChecksumMatches((*old)[i].bytes.data(), (*old)[i].bytes.size(), ChunkedChecksum(base.sums[i], kChunk)));
+      }
+      struct Change {
+        const char* what;
+        std::vector<size_t> at;  // shard bytes changed
+      };
+      for (const Change& change : std::vector<Change>{
+               {"nothing", {}},
+               {"the first byte", {0}},
+               {"the last byte", {bytes - 1}},
+               {"a byte in the middle and one near the end", {bytes / 2, bytes - 200}},
+               {"every byte", {}}}) {
+        std::vector<uint8_t> after = before;
+        for (size_t at : change.at) after[at] ^= 0x5a;
+        const bool every = std::string(change.what) == "every byte";
+        if (every) {
+          for (auto& b : after) b = static_cast<uint8_t>(b + 1);
+        }
+        INFO(k << "+" << m << ", " << bytes << " bytes, changed: " << change.what);
+        auto patch = CodePatch(*code, "j", 6, 2, 0, 9, after, count, base, 2);
+        INFO(patch.status());
+        REQUIRE(patch.ok());
+        auto full = CodeShard(*code, "j", 6, 2, 0, 9, after);
+        REQUIRE(full.ok());
+        // Only the chunks where a byte changed (every data fragment's column chunk) are sent.
+        std::set<uint32_t> expected;
+        for (size_t at : change.at) expected.insert(static_cast<uint32_t>(at % each / kChunk));
+        if (every) {
+          for (size_t c = 0; c < chunks; ++c) expected.insert(static_cast<uint32_t>(c));
+        }
+        CHECK(std::set<uint32_t>(patch->chunks.begin(), patch->chunks.end()) == expected);
+        REQUIRE(patch->fragments.size() == count);
+        const FragmentSums whole_sums = SumsOf(*full, count, kChunk);
+        CHECK(patch->sums.sums == whole_sums.sums);
+        for (size_t i = 0; i < count; ++i) {
+          INFO("fragment " << i);
+          const HeldFragment& f = patch->fragments[i];
+          CHECK(f.id == FragmentId{"j", 6, 2, 0, static_cast<uint32_t>(i)});
+          CHECK(f.meta.k == static_cast<uint32_t>(k));
+          CHECK(f.meta.data_bytes == bytes);
+          CHECK(f.meta.run == 9);
+          CHECK(f.bytes.size() <= expected.size() * kChunk);
+          const std::string applied = Applied((*old)[i], *patch, i);
+          CHECK(applied == (*full)[i].bytes);
+          // Its chunked checksum holds over the whole new fragment, and over the old one only
+          // where that fragment's bytes did not change (a data fragment beside a changed one).
+          CHECK(ChecksumMatches(applied.data(), applied.size(), f.meta.checksum));
+          CHECK(ChecksumMatches((*old)[i].bytes.data(), (*old)[i].bytes.size(), f.meta.checksum) ==
+                ((*old)[i].bytes == (*full)[i].bytes));
+        }
+        // The new fragments rebuild the new shard, patched ones among them.
+        std::vector<std::shared_ptr<const HeldFragment>> held;
+        for (size_t i = 0; i < count; ++i) {
+          HeldFragment f = patch->fragments[i];
+          f.bytes = Applied((*old)[i], *patch, i);
+          held.push_back(std::make_shared<const HeldFragment>(std::move(f)));
+        }
+        if (held.size() >= static_cast<size_t>(k)) {
+          auto rebuilt = RebuildShard(held);
+          REQUIRE(rebuilt.ok());
+          CHECK(*rebuilt == std::string(after.begin(), after.end()));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a patch is refused against sums of another coding, size or count") {
+  auto code = ErasureCode::Make(2, 1);
+  REQUIRE(code.ok());
+  const std::vector<uint8_t> data = Data(100'000);
+  auto old = CodeShard(*code, "j", 5, 2, 0, 9, data);
+  REQUIRE(old.ok());
+  const FragmentSums base = SumsOf(*old, 2, 4096);
+  CHECK(CodePatch(*code, "j", 6, 2, 0, 9, data, 2, base).ok());
+  CHECK(absl::IsInvalidArgument(CodePatch(*code, "j", 6, 2, 0, 9, Data(200'000), 2, base).status()));
+  CHECK(absl::IsInvalidArgument(CodePatch(*code, "j", 6, 2, 0, 9, data, 3, base).status()));
+  auto other = ErasureCode::Make(4, 2);
+  REQUIRE(other.ok());
+  CHECK(absl::IsInvalidArgument(CodePatch(*other, "j", 6, 2, 0, 9, data, 2, base).status()));
+}
+
+TEST_CASE("a fragment's checksum in either form: matched over its bytes, malformed ones never match") {
+  const std::vector<uint8_t> d = Data(10'000);
+  const std::string whole = ckpt::format::ChecksumOf(d.data(), d.size());
+  CHECK(ChecksumMatches(d.data(), d.size(), whole));
+  const std::string chunked = ChunkedChecksum(ChunkSums(d.data(), d.size(), 1024), 1024);
+  CHECK(chunked.rfind("xxh3c:1024:", 0) == 0);
+  CHECK(ChecksumMatches(d.data(), d.size(), chunked));
+  CHECK(ChecksumLike(d.data(), d.size(), chunked) == chunked);
+  std::vector<uint8_t> changed = d;
+  changed[9'999] ^= 1;
+  CHECK_FALSE(ChecksumMatches(changed.data(), changed.size(), whole));
+  CHECK_FALSE(ChecksumMatches(changed.data(), changed.size(), chunked));
+  for (const char* bad : {"", "xxh3:", "xxh3c:1024:", "xxh3c:100:0123456789abcdef", "xxh3c:0:0123456789abcdef",
+                          "xxh3c:x:0123456789abcdef", "md5:0123456789abcdef", "xxh3c:1024:0123456789abcdeg"}) {
+    INFO(bad);
+    CHECK_FALSE(ChecksumMatches(d.data(), d.size(), bad));
+  }
 }

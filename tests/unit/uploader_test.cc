@@ -21,6 +21,7 @@
 #include "daemon/upload/upload_policy.h"
 #include "daemon/upload/uploader.h"
 #include "format/checkpoint_store.h"
+#include "format/increment.h"
 #include "format/indexed_manifest.h"
 #include "format/safetensors.h"
 #include "storage/filesystem.h"
@@ -471,4 +472,68 @@ TEST_CASE("an upload report is data from the bucket: a crafted one is refused, n
   CHECK_THAT(ckpt::Message(ParsePartReport(missing.dump(), "r").status()), Catch::Contains("no \"part_bytes\""));
   CHECK_FALSE(ParsePartReport("[1, 2]", "r").ok());
   CHECK_FALSE(ParsePartReport("{\"format\": ", "r").ok());
+}
+
+TEST_CASE("an upload report names each rank's file and a version 5 part's origins; an older report means untagged files") {
+  using ckpt::daemon::upload::ParsePartReport;
+  using ckpt::daemon::upload::PartReport;
+  using ckpt::daemon::upload::PartReportJson;
+  using ckpt::format::TaggedShardFileName;
+  PartReport r{7, 3, kDigest, {6, 7}, {100, 200}, 900, "xxh3:0123456789abcdef"};
+  r.files = {TaggedShardFileName(6, 0x18f3a9c2d4e5b6a8), TaggedShardFileName(7, 0x18f3a9c2d4e5b6a8)};
+  r.step = 30;
+  r.increment = ckpt::format::Increment{
+      4096, 1 << 20, {{10, 7}, {20, 7}},
+      {{10, 7, 6, TaggedShardFileName(6, 0x18f3a9c2d4e5b6a7), 5000}, {10, 7, 7, TaggedShardFileName(7, 0x18f3a9c2d4e5b6a7), 6000},
+       {20, 7, 7, TaggedShardFileName(7, 0x18f3a9c2d4e5b6a8), 7000}}};
+  auto parsed = ParsePartReport(PartReportJson(r), "node-3");
+  INFO(PartReportJson(r));
+  REQUIRE(parsed.ok());
+  CHECK(parsed->files == r.files);
+  CHECK(parsed->step == std::optional<uint64_t>(30));
+  REQUIRE(parsed->increment.has_value());
+  CHECK(parsed->increment->own_bytes == 4096);
+  CHECK(parsed->increment->referenced_bytes == (1 << 20));
+  CHECK(parsed->increment->origin_steps == r.increment->origin_steps);
+  CHECK(parsed->increment->origins == r.increment->origins);
+
+  // A report of a ckptd that reported no files (every step's files were untagged then) still
+  // parses, meaning those names; it has no increment.
+  auto doc = nlohmann::json::parse(PartReportJson(r));
+  auto old = doc;
+  old.erase("files");
+  old.erase("increment");
+  old.erase("step");
+  auto parsed_old = ParsePartReport(old.dump(), "node-3");
+  REQUIRE(parsed_old.ok());
+  CHECK(parsed_old->files == std::vector<std::string>{"rank-00006.safetensors", "rank-00007.safetensors"});
+  CHECK_FALSE(parsed_old->increment.has_value());
+
+  // What a crafted report may not say.
+  auto origin_of_other_rank = doc;
+  origin_of_other_rank["increment"]["origins"][0]["rank"] = 5;
+  origin_of_other_rank["increment"]["origins"][0]["file"] = TaggedShardFileName(5, 1);
+  auto increment_of_itself = doc;
+  increment_of_itself["step"] = 20;
+  auto no_step = doc;
+  no_step.erase("step");
+  auto unlisted_step = doc;
+  unlisted_step["increment"]["origin_steps"] = nlohmann::json::array({{{"step", 10}, {"run", 7}}});
+  for (auto [crafted, why] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {[&] { auto d = doc; d["files"] = nlohmann::json::array({"rank-00006.safetensors"}); return d; }(),
+            "one entry per rank"},
+           {[&] { auto d = doc; d["files"][1] = TaggedShardFileName(6, 1); return d; }(),
+            "\"files\"[1] is not a shard file name of rank 7"},
+           {[&] { auto d = doc; d["files"][0] = "../rank-00006.safetensors"; return d; }(), "of rank 6"},
+           {origin_of_other_rank, "names an origin of rank 5"},
+           {increment_of_itself, "step 20 itself"},
+           {no_step, "without its \"step\""},
+           {unlisted_step, "origin_steps are not the steps its origins name"},
+           {[&] { auto d = doc; d["increment"] = 5; return d; }(), "\"increment\" is not an object"},
+           {[&] { auto d = doc; d["increment"].erase("own_bytes"); return d; }(), "own_bytes"}}) {
+    auto refused = ParsePartReport(crafted.dump(), "node-3");
+    INFO(crafted.dump());
+    REQUIRE_FALSE(refused.ok());
+    CHECK_THAT(ckpt::Message(refused.status()), Catch::Contains(why) && Catch::Contains("node-3"));
+  }
 }

@@ -1,5 +1,6 @@
 """Fixtures: a real ckptd per test, started from the Bazel-built binary."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,19 @@ class Daemon:
         if not os.path.isdir(path):
             return []
         return sorted(int(d[5:]) for d in os.listdir(path) if d.startswith("step-") and "." not in d)
+
+
+def start_with_metrics(workdir, *extra):
+    """A ckptd with /metrics on a port of its choosing (daemon.metrics_port, from its log)."""
+    daemon = Daemon(workdir, ["--metrics-addr", "127.0.0.1:0", *extra]).start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", open(daemon.log).read())
+        if m:
+            daemon.metrics_port = int(m.group(1))
+            return daemon
+        time.sleep(0.02)
+    raise AssertionError("ckptd did not say where its metrics are:\n" + open(daemon.log).read())
 
 
 @pytest.fixture(autouse=True)

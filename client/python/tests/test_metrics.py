@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
-from conftest import Daemon
+from conftest import start_with_metrics as start
 
 # Every family docs/operators.md lists that a single node without a remote tier, a quota or
 # a group exports (the process_* ones are client_golang's); the others are scraped in
@@ -31,18 +31,6 @@ FAMILIES = {
     "process_cpu_seconds", "process_open_fds", "process_max_fds", "process_virtual_memory_bytes",
     "process_resident_memory_bytes", "process_start_time_seconds",
 }
-
-
-def start(workdir, *extra):
-    daemon = Daemon(workdir, ["--metrics-addr", "127.0.0.1:0", *extra]).start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", open(daemon.log).read())
-        if m:
-            daemon.metrics_port = int(m.group(1))
-            return daemon
-        time.sleep(0.02)
-    raise AssertionError("ckptd did not say where its metrics are:\n" + open(daemon.log).read())
 
 
 def scrape(daemon):

@@ -107,7 +107,7 @@ class CheckpointManager:
                  socket=None, interval_steps=None, interval_seconds=None, keep_last=None,
                  rank=None, world_size=None, arena_bytes=64 << 20, keep_latest_k=None,
                  daemon_timeout=120.0, save_on_sigterm=None, exclude_from_loading=(),
-                 copy_on_write=False, upload_every_steps=None, upload_interval_seconds=None):
+                 copy_on_write=False, upload_every_steps=None, upload_interval_seconds=None, frozen=True):
         if interval_steps is not None and interval_steps < 1:
             raise ValueError(f"interval_steps must be at least 1, not {interval_steps}")
         if interval_seconds is not None and interval_seconds <= 0:
@@ -177,6 +177,12 @@ class CheckpointManager:
         self._shapes_record = None  # the model tensors' global shapes, as a save records them
         self.restored_files = {}    # the files the last load() gave back (read_file)
         self.updates = 0            # partial re-registrations (_update_changed), for tests
+        # Parameters with requires_grad=False are registered frozen (docs/python.md, "Frozen
+        # parameters"); frozen=False copies every tensor at every save.
+        self.frozen = frozen
+        self._frozen = frozenset()  # registered tensors ckptd holds frozen (_sync_frozen)
+        self._frozen_versions = {}  # their torch version counters when last frozen
+        self._named_model_params = []
         self._closed = False
         self._install_hooks()
         # SIGTERM (preemption): the next maybe_save() saves and stages, then the stop goes on.
@@ -225,7 +231,7 @@ class CheckpointManager:
             log.warning("ckptd: no save decision for step %d: %s", step, e)
             return False
 
-    def save(self, step, blocking=False, ephemeral=False, files=None):
+    def save(self, step, blocking=False, ephemeral=False, files=None, full=False):
         """Queues a checkpoint of the current state as `step`.
 
         Returns at once (True) unless `blocking`, which waits until the checkpoint is
@@ -238,6 +244,10 @@ class CheckpointManager:
         part of the step, checksummed like its tensors; `ckptctl list` names them,
         `ckptctl export` writes them out, and load() gives them back (read_file). At most
         16 MiB per rank and step (docs/python.md, "Files with a checkpoint").
+
+        With `ckptd --increments on`, a `full` save writes every byte of the step (nothing
+        referenced in earlier steps) and starts a new --full-every cycle: a step to keep
+        on its own, before a release or a move.
         """
         self._check_open()
         stored_files = _files.encode(files)
@@ -248,10 +258,13 @@ class CheckpointManager:
             return False
         try:
             self._register_current_tensors()
+            self._sync_frozen()
             self._check_other_run(step)
             metadata = self._metadata()
             if ephemeral:
                 metadata["ckptd.ephemeral"] = "1"  # daemon/persist/retention.h
+            if full:
+                metadata["ckptd.full"] = "1"  # daemon/persist/increment_writer.h
             train_state = self._train_state(step)
             train_state.update(stored_files)
             ticket = self._client.snapshot(int(step), metadata, train_state)
@@ -405,6 +418,10 @@ class CheckpointManager:
         A load that raises leaves nothing registered with ckptd (the next save or load, or
         another CheckpointManager of the same job, registers afresh)."""
         self._check_open()
+        # Whatever this load writes (ckptd's restore, or another source straight into the
+        # registered memory), the frozen parameters' bytes change: the next save freezes them
+        # anew, so ckptd copies them once more.
+        self._frozen, self._frozen_versions = frozenset(), {}
         if on_shapes is not None and resize:
             raise ValueError("pass on_shapes= or resize=True, not both (resize=True is an on_shapes of its own)")
         if resize:
@@ -1068,6 +1085,8 @@ class CheckpointManager:
         if self._registered:
             self._client.unregister()
             self._client = self._connect()
+        self._frozen = frozenset()  # a new session: nothing frozen yet
+        sparse = self._sparse_names(parts)
         uses_cuda = uses_host = False
         for e, part in parts:
             t = part.tensor
@@ -1088,6 +1107,7 @@ class CheckpointManager:
                 # the load has just created, grew by the optimizer state for a moment).
                 e.tensor = part.tensor = part.relocate = None
             t = None
+        self._client.mark_sparse(sorted(sparse))
         self._client.register()
         self._uses_cuda, self._uses_host = uses_cuda, uses_host
         if uses_cuda:
@@ -1136,7 +1156,45 @@ class CheckpointManager:
         self.updates += 1
         return True
 
+    def _sparse_names(self, parts):
+        """Entries updated a few rows at a time: sparse embeddings' weights and their optimizer
+        state (SparseAdam's moments change at the rows a step touched). With ckptd
+        --increments on they are compared in small chunks."""
+        ids = _sparse_gradient_params(self.model, _parts.optimizers(self.optimizer))
+        params = {e.name for e, _ in parts if e.tensor is not None and id(e.tensor) in ids}
+        return {e.name for e, _ in parts
+                if e.name in params or any(e.name.startswith(f"optim.{n}.") for n in params)}
+
+    def _frozen_now(self):
+        """Registered parameters that do not train (requires_grad=False: a frozen base model,
+        layers frozen for a phase), with their version counters: ckptd copies them once and
+        then takes their bytes from its own copy, checking them every --frozen-check-every
+        snapshots (docs/python.md)."""
+        if not self.frozen:
+            return {}
+        return {name: p._version for name, p in self._named_model_params
+                if not p.requires_grad and name in self._registered_where}
+
+    def _sync_frozen(self):
+        """Tells ckptd which tensors are frozen when that changed since the last save (one
+        Update call, before the snapshot): a thaw takes effect at this very snapshot, and a
+        frozen parameter written in place since (its version counter moved: a load_state_dict,
+        an EMA update, a thaw, a step and a freeze between two saves) is frozen anew, which
+        makes ckptd copy it once more."""
+        versions = self._frozen_now()
+        now = frozenset(versions)
+        changed = sorted(n for n in now & self._frozen if versions[n] != self._frozen_versions.get(n))
+        if now == self._frozen and not changed:
+            return
+        anew = sorted(now - self._frozen) + changed
+        self._client.set_frozen(anew, False)  # thaw then freeze: always sent as a freeze
+        self._client.set_frozen(anew, True)
+        self._client.set_frozen(sorted(self._frozen - now), False)
+        self._client.update()
+        self._frozen, self._frozen_versions = now, versions
+
     def _note_registered(self):
+        self._named_model_params = list(_named_parameters(self.model))
         self._model_params = list(self.model.parameters())
         self._buffer_slots = [(module, leaf) for _, module, leaf in _persistent_buffers(self.model)]
         self._param_names = _param_names(self.model)
