@@ -489,12 +489,6 @@ absl::Status Validate(const Config& c) {
   if (c.increment_chunk_bytes < (uint64_t{64} << 10) || c.increment_chunk_bytes > (uint64_t{64} << 20)) {
     return bad(fmt::format("--increment-chunk-bytes {} is outside 64K to 64M", c.increment_chunk_bytes));
   }
-  // A group's tiered uploads carry referenced steps (each node its own ranks'); a group
-  // writing straight into the bucket retains there as a shared root would, untested so far.
-  if (c.increments && c.remote_mode == RemoteMode::kDirect && c.num_nodes > 1) {
-    return bad("--increments on with --remote-mode direct is for one node for now (a group's direct "
-               "steps are not tested with increments yet); use --remote-mode tiered");
-  }
   if (c.replication_k != 0) {
     const uint32_t members = c.replication_k + c.replication_m;
     if (c.num_nodes < members) {

@@ -181,6 +181,18 @@ class GrpcGroupServer final : public GroupServer {
 
   void Tick() {
     auto now = Clock::now();
+    // A ticker that woke far later than its period means this process did not run (CPU
+    // starved, throttled by a container's quota, paused): the heartbeats it did not read
+    // meanwhile say nothing of the members, so they are not counted against them.
+    const milliseconds stall_bound = std::max<milliseconds>(options_.group_timeout / 4, 10 * kTickPeriod);
+    if (last_tick_ != Clock::time_point{} && now - last_tick_ > stall_bound) {
+      const size_t given = state_->membership.Resumed(now);
+      Log().warn("the coordinator did not run for {:.1f} s (CPU starved or paused): {} members get {:.1f} s to be "
+                 "heard before any is marked lost",
+                 std::chrono::duration<double>(now - last_tick_).count(), given,
+                 std::chrono::duration<double>(options_.group_timeout / 2).count());
+    }
+    last_tick_ = now;
     state_->commits.Tick(now);
     state_->gathers.Expire(now);
     state_->uploads.DropStale(now);
@@ -211,6 +223,7 @@ class GrpcGroupServer final : public GroupServer {
   bool draining_ = false;   // long polls are to be failed, not waited on
   bool stopping_ = false;   // the ticker is to exit
   std::thread ticker_;
+  Clock::time_point last_tick_{};  // the ticker's own
 };
 
 }  // namespace

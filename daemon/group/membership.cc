@@ -120,6 +120,20 @@ std::vector<LostMember> Membership::Expire(Clock::time_point now) {
   return lost;
 }
 
+size_t Membership::Resumed(Clock::time_point now) {
+  const Clock::time_point grace_from = now - timeout_ / 2;
+  size_t given = 0;
+  std::lock_guard lock(mu_);
+  for (Member& m : members_) {
+    if (m.state != MemberState::kAlive || m.last_heard >= grace_from) continue;
+    m.last_heard = grace_from;
+    ++given;
+  }
+  // Deadlines only moved later: the next walk may come later too, but never misses one.
+  if (given > 0) next_expiry_ = Clock::time_point::min();
+  return given;
+}
+
 uint64_t Membership::VersionOf(uint32_t node) const {
   std::lock_guard lock(mu_);
   return node < members_.size() ? members_[node].changed_in : 0;

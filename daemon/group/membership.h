@@ -48,6 +48,12 @@ class Membership {
   absl::Status Heartbeat(uint32_t node, uint64_t incarnation);
   // Marks members silent for longer than the timeout as lost; returns them with why.
   std::vector<LostMember> Expire(Clock::time_point now);
+  // The coordinator itself did not run for a while (its ticker woke `stalled` late: CPU
+  // starved or throttled, the process paused): members' silence in that time is no
+  // evidence against them, since their heartbeats may be waiting to be read. Each alive
+  // member gets half a timeout from `now` to be heard before Expire may mark it lost.
+  // Returns how many members were given that grace.
+  size_t Resumed(Clock::time_point now);
   // The version of `node`'s last change (a join, a loss): orders what others learn of it.
   uint64_t VersionOf(uint32_t node) const;
   std::vector<MemberView> View() const;

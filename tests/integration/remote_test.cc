@@ -999,6 +999,61 @@ TEST_CASE("a shared root with --remote and --increments on: the coordinator uplo
   GroupRestoresExactly(d, 30, {"remote", "remote"});
 }
 
+TEST_CASE("a group in direct mode with --increments on: parts reference their base in the bucket, retired by a "
+          "record; another group with empty disks restores bit-exact") {
+  using ckpt::testing::cluster::Cluster;
+  const Bucket bucket = FreshBucket();
+  Cluster c({{0, 1}, {2}});
+  GroupIncrements(c, bucket, {"--remote-mode", "direct", "--keep-last", "1"});
+  c.StartAll();
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "every node joined and alive", c.AllAlive());
+  GroupSaveSteps(c, "10,20,30", false);
+  INFO(c.Logs());
+  // The bucket is the only tier: each step is committed there, as an index and a part per
+  // node, with no local copy.
+  REQUIRE(RemoteLists(c.shared(), bucket, "g", 30));
+  for (int n = 0; n < c.num_nodes(); ++n) CHECK_FALSE(std::filesystem::exists(c.StepDir(n, 30)));
+  const json index = BucketJson(bucket, "g/step-00000030/manifest.json");
+  REQUIRE_FALSE(index.is_discarded());
+  CHECK(index["format_version"] == 5);
+  const uint64_t own = U64(index["increment"]["own_bytes"]);
+  const uint64_t referenced = U64(index["increment"]["referenced_bytes"]);
+  INFO("step 30: own " << own << ", referenced " << referenced);
+  CHECK(own * 10 < own + referenced);
+  const auto origins = OriginSteps(index);
+  REQUIRE(origins.size() == 1);
+  CHECK(origins.begin()->first == 10);
+  const auto thirty = BucketObjects(bucket, "g/step-00000030");
+  INFO(json(thirty).dump());
+  CHECK(Count(thirty, "rank-") == 3);
+  CHECK(RankFileBytes(thirty) == own);
+  // --keep-last 1: step 10 retired (30 references it), its files kept; 20 gone.
+  REQUIRE_WITHIN(c, 30s, "steps 10 and 20 out of the listing",
+                 !RemoteLists(c.shared(), bucket, "g", 10) && !RemoteLists(c.shared(), bucket, "g", 20));
+  REQUIRE_WITHIN(c, 30s, "step 20's objects gone", BucketObjects(bucket, "g/step-00000020").empty());
+  const auto held = BucketObjects(bucket, "g/step-00000010");
+  INFO(json(held).dump());
+  CHECK(Count(held, "held-") >= 1);
+  CHECK(Count(held, "rank-") == 3);
+  CHECK(RankFileBytes(held) > 10 * own);
+  RunResult verified = Offline(c.shared(), bucket, {"--job", "g", "verify", "30"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
+  CHECK(Contains(verified.out, "referenced in 3 files of earlier steps"));
+  // A restart of the coordinator sweeps unfinished steps in the bucket, never a held one.
+  REQUIRE(c.node(0).Stop() == 0);
+  c.Start(0);
+  REQUIRE_WITHIN(c, ckpt::testing::cluster::kJoinBound, "the coordinator rejoined", c.AllAlive());
+  CHECK(Count(BucketObjects(bucket, "g/step-00000010"), "rank-") == 3);
+  for (int n = c.num_nodes() - 1; n >= 0; --n) CHECK(c.node(n).Stop() == 0);
+  // Another group, fresh disks, restores step 30 from the bucket through the retired base.
+  Cluster d({{0, 1}, {2}});
+  GroupIncrements(d, bucket, {"--remote-mode", "direct"});
+  d.StartAll();
+  REQUIRE_WITHIN(d, ckpt::testing::cluster::kJoinBound, "the new group joined", d.AllAlive());
+  GroupRestoresExactly(d, 30, {"remote", "remote"});
+}
+
 TEST_CASE("a group with --increments on: a node carries its own ranks' base once, after a record of its own; "
           "killed mid-upload and restarted, it loses nothing") {
   using ckpt::testing::cluster::Cluster;

@@ -424,6 +424,27 @@ TEST_CASE("membership: expiry skips its walk until a deadline can pass, and neve
   CHECK(again[0].node == 1);
 }
 
+TEST_CASE("membership: after the coordinator itself did not run, members get half a timeout to be heard") {
+  Membership m(3, 200ms);
+  bool restarted;
+  REQUIRE(m.Join(1, 3, "10.0.0.2:7000", 7, &restarted).ok());
+  REQUIRE(m.Join(2, 3, "10.0.0.3:7000", 8, &restarted).ok());
+  // The coordinator did not run for 300 ms: by the clock both members were silent for
+  // longer than the timeout, but nobody was reading their heartbeats.
+  std::this_thread::sleep_for(300ms);
+  const auto resumed = Clock::now();
+  CHECK(m.Resumed(resumed) == 2);
+  CHECK(m.Expire(resumed).empty());
+  CHECK(m.Expire(resumed + 90ms).empty());
+  REQUIRE(m.Heartbeat(1, 7).ok());  // node 1's waiting heartbeat is read; node 2 is gone
+  auto lost = m.Expire(resumed + 150ms);
+  REQUIRE(lost.size() == 1);
+  CHECK(lost[0].node == 2);
+  // A member heard since keeps its own deadline; a lost one stays lost.
+  CHECK(m.Resumed(Clock::now()) == 0);
+  CHECK(m.View()[2].state == MemberState::kLost);
+}
+
 TEST_CASE("membership: a silent member is lost and must join again") {
   Membership m(2, 100ms);
   bool restarted;

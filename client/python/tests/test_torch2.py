@@ -600,6 +600,102 @@ def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
     assert all(again_optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in again.parameters())
 
 
+def _wait_listed(bucket, job, step, log):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        listed = subprocess.run([CKPTCTL, "--job", job, "list", "--root", bucket], capture_output=True, text=True)
+        if listed.returncode == 0 and any(row.split()[:2] == [job, str(step)] for row in listed.stdout.splitlines()):
+            return listed.stdout
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never reached the bucket:\n{open(log).read()}")
+
+
+def test_a_frozen_base_goes_to_the_bucket_once_and_dcp_reads_increments_through_it(bucket, workdir):
+    """--increments on with the remote tier, written by ckptd itself from a PyTorch trainer: a
+    frozen base (requires_grad=False) and a small trained head. After the first step each
+    step uploads only what changed; --remote-keep-last 1 retires the base's step in the bucket
+    (a record, its files kept); DCP reads the newest step from the bucket through the
+    references, and a node that lost its disk resumes from it, bit for bit."""
+    import boto3
+    import torch.distributed.checkpoint as dcp
+    from ckptd.dcp import CkptdStorageReader
+    from conftest import Daemon
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.Linear(512, 4))
+        for layer in (m[0], m[2]):
+            layer.requires_grad_(False)  # the frozen base: 2 MiB of the 2.01 MiB of parameters
+        return m
+
+    model = make(0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    os.makedirs(os.path.join(workdir, "a"))
+    flags = ["--remote", bucket, "--increments", "on", "--increment-chunk-bytes", "64K"]
+    first = Daemon(os.path.join(workdir, "a"), flags + ["--keep-last", "1", "--remote-keep-last", "1"]).start()
+    try:
+        with CheckpointManager("frozen-s3", model, optimizer, socket=first.socket) as manager:
+            for step in (10, 20, 30):
+                model(torch.randn(5, 512)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                manager.save(step, blocking=True)
+                _wait_listed(bucket, "frozen-s3", step, first.log)
+            saved = {k: v.clone() for k, v in model.state_dict().items()}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            listed = subprocess.run([CKPTCTL, "--job", "frozen-s3", "list", "--root", bucket],
+                                    capture_output=True, text=True).stdout
+            steps = [row.split()[1] for row in listed.splitlines()[1:] if row.startswith("frozen-s3")]
+            if steps == ["30"]:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the bucket lists {listed}:\n{open(first.log).read()}")
+    finally:
+        first.stop()
+    shutil.rmtree(first.root)  # the node is lost, and its disk with it
+
+    name, prefix = bucket[len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3")
+
+    def objects(step):
+        listed = s3.list_objects_v2(Bucket=name, Prefix=f"{prefix}/frozen-s3/step-{step:08d}/")
+        return {o["Key"].rsplit("/", 1)[1]: o["Size"] for o in listed.get("Contents", [])}
+
+    thirty, ten = objects(30), objects(10)
+    own = sum(size for key, size in thirty.items() if key.startswith("rank-"))
+    base = sum(size for key, size in ten.items() if key.startswith("rank-"))
+    # Step 10 is retired (a record instead of its manifest), its file kept: 30 references it.
+    assert "manifest.json" not in ten and any(k.startswith("held-") for k in ten), ten
+    assert base > 2 << 20 and own * 10 < base, (own, base)
+    m = json.loads(s3.get_object(Bucket=name, Key=f"{prefix}/frozen-s3/step-00000030/manifest.json")["Body"].read())
+    assert m["format_version"] == 5
+    assert [o["step"] for o in m["increment"]["origin_steps"]] == [10]
+
+    # DCP reads step 30 straight from the bucket, through step 10's retired files.
+    other = make(2)
+    state = other.state_dict()
+    dcp.load(state, storage_reader=CkptdStorageReader(f"{bucket}/frozen-s3/step-00000030"))
+    for k, v in state.items():
+        assert equal_bits(v, saved[k]), k
+
+    # A new node with an empty disk resumes from the bucket.
+    os.makedirs(os.path.join(workdir, "b"))
+    second = Daemon(os.path.join(workdir, "b"), flags).start()
+    try:
+        fresh = make(1)
+        with CheckpointManager("frozen-s3", fresh, torch.optim.AdamW(
+                [p for p in fresh.parameters() if p.requires_grad], lr=1e-2), socket=second.socket) as manager:
+            assert manager.load() == 30
+            assert manager.restored["source"] == "remote"
+        for k, v in fresh.state_dict().items():
+            assert equal_bits(v, saved[k]), k
+    finally:
+        second.stop()
+
+
 def test_an_incremental_step_in_the_bucket_reads_through_its_references(bucket, workdir):
     """A version 5 chain of 2 ranks (written by hand: increment_chain.py) uploaded as ckptd's
     remote tier holds it: step 20's references are read from step 10's files under the same
