@@ -69,7 +69,7 @@ struct Tensor {
   // snapshots. Set it before Register(), or with Freeze()/Thaw() after.
   bool frozen = false;
   // Updated a few rows at a time (an embedding with sparse gradients): with ckptd
-  // --increments on, compared in chunks of about 16 KiB. Set before Register().
+  // --increments on, compared in chunks of about 1 KiB (at least a row). Set before Register().
   bool sparse = false;
 };
 

@@ -26,7 +26,7 @@ namespace ckpt::daemon {
 // The result stays format version 5 (an `increment` naming no origin, own bytes only): its
 // pieces keep their own `chunk_bytes` and chunk checksums, which versions 1-4 can only record
 // at the step-wide `checksum_chunk_bytes` (an increment's chunks are --increment-chunk-bytes,
-// 16 KiB for sparse tables), and its shards keep their tagged file names, which versions 1-4
+// 1 KiB for sparse tables), and its shards keep their tagged file names, which versions 1-4
 // refuse; a version 5 piece with a byte range and no extents is a piece written whole, which
 // ParseManifest accepts and RebuiltSnapshot reads as it reads versions 1-4.
 //

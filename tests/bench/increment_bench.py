@@ -18,7 +18,11 @@ ckptd checkpoint and DCP, measured in the same run on the same disk.
      this includes registering the model, which moves it into shared memory);
   3. a full fine-tune (every parameter trains, a smaller GPT-2 by default): increments on
      against off, where everything changes (the goal: at most 5% slower, no more bytes);
-  4. with --bucket, the LoRA fine-tune again with ckptd's remote tier (--remote on a Ceph S3
+  4. a sparse embedding table (nn.Embedding(sparse=True), SparseAdam), 1% of its rows at
+     random changed between checkpoints, in two shapes: an LLM's vocabulary (50257 x 1024,
+     4 KiB rows) and a recommender's table (1M x 64, 256 B rows): bytes written and time to
+     durable, increments on against off (ckptd cuts such tables in 16 KiB chunks);
+  5. with --bucket, the LoRA fine-tune again with ckptd's remote tier (--remote on a Ceph S3
      gateway this machine runs, tools/ceph.sh; an upload every step, --remote-keep-last 2):
      per checkpoint after the first, the bytes uploaded and the time from save() until the
      step is listed in the bucket; then the disk is lost, and a fresh ckptd on an empty root
@@ -147,7 +151,13 @@ def add_lora(torch, model, rank=16):
 
 def train(torch, params, optimizer):
     for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            # An embedding's sparse gradient: 1% of its rows, at random (a batch's lookups).
+            rows = torch.randperm(p.shape[0])[:max(1, p.shape[0] // 100)]
+            p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(len(rows), p.shape[1]) * 1e-3, p.shape,
+                                             check_invariants=False)
+        else:
+            p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -315,6 +325,7 @@ def main():
     ap.add_argument("--bucket", action="store_true",
                     help="also the LoRA fine-tune with the remote tier on a Ceph S3 gateway started here")
     ap.add_argument("--bucket-only", action="store_true", help="only that (implies --bucket)")
+    ap.add_argument("--sparse-only", action="store_true", help="only the sparse embedding tables")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.bucket = a.bucket or a.bucket_only
@@ -336,19 +347,36 @@ def main():
             params = list(model.parameters())
             return model, params, torch.optim.AdamW(params, lr=1e-4)
 
+        def table(rows, dim):
+            def make():
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Embedding(rows, dim, sparse=True))
+                params = list(model.parameters())
+                return model, params, torch.optim.SparseAdam(params, lr=1e-3)
+            return make
+
+        tables = {"vocabulary 50257 x 1024": table(5000 if a.quick else 50257, 1024),
+                  "recommender 1M x 64": table(20000 if a.quick else 1_000_000, 64)}
+
         probe = lora()[0]
         # Each storage once: the tied lm_head is the embedding's.
         full_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in probe.state_dict().values()}.values())
         del probe
         limit_gbps, _ = disk_limit(a.work, full_bytes)
         results = {"disk_limit_gbps": limit_gbps, "lora_model_bytes": full_bytes, "lora": {}, "full": {}}
-        if not a.bucket_only:
+        if not a.bucket_only and not a.sparse_only:
             results["lora"]["ckptd, increments"] = summary(
                 run_ckptd(a, torch, "lora inc", lora, inc, a.checkpoints, a.every))
             results["lora"]["ckptd, full"] = summary(run_ckptd(a, torch, "lora full", lora, [], a.checkpoints, a.every))
             results["lora"]["DCP"] = summary(run_dcp(a, torch, lora, a.checkpoints, a.every))
             results["full"]["ckptd, increments"] = summary(run_ckptd(a, torch, "full inc", full, inc, a.checkpoints, 1))
             results["full"]["ckptd, full"] = summary(run_ckptd(a, torch, "full full", full, [], a.checkpoints, 1))
+        results["sparse"] = {}
+        if not a.bucket_only:
+            for shape, make in tables.items():
+                results["sparse"][shape] = {
+                    "ckptd, increments": summary(run_ckptd(a, torch, "sparse inc", make, inc, a.checkpoints, 1)),
+                    "ckptd, full": summary(run_ckptd(a, torch, "sparse full", make, [], a.checkpoints, 1))}
         if a.bucket:
             s3 = start_bucket(a)
             # Three checkpoints each: the OSD keeps objects in RAM (memstore), a full LoRA one 1.4 GB.
@@ -381,15 +409,23 @@ def main():
     if a.bucket_only:
         print_bucket(results)
         return
-    lora_runs = results["lora"]
-    inc_r, full_r = lora_runs["ckptd, increments"], lora_runs["ckptd, full"]
-    print(f"\nLoRA: increments write {100 * inc_r['bytes'] / full_r['bytes']:.2f}% of a full checkpoint "
-          f"and are durable {full_r['durable_s'] / inc_r['durable_s']:.1f}x sooner "
-          f"({lora_runs['DCP']['durable_s'] / inc_r['durable_s']:.1f}x sooner than DCP)")
-    print_bucket(results)
-    f_inc, f_full = results["full"]["ckptd, increments"], results["full"]["ckptd, full"]
-    print(f"full fine-tune: increments take {100 * (f_inc['durable_s'] / f_full['durable_s'] - 1):+.1f}% to durable, "
-          f"{100 * (f_inc['bytes'] / f_full['bytes'] - 1):+.1f}% bytes")
+    if not a.sparse_only:
+        lora_runs = results["lora"]
+        inc_r, full_r = lora_runs["ckptd, increments"], lora_runs["ckptd, full"]
+        print(f"\nLoRA: increments write {100 * inc_r['bytes'] / full_r['bytes']:.2f}% of a full checkpoint "
+              f"and are durable {full_r['durable_s'] / inc_r['durable_s']:.1f}x sooner "
+              f"({lora_runs['DCP']['durable_s'] / inc_r['durable_s']:.1f}x sooner than DCP)")
+        print_bucket(results)
+        f_inc, f_full = results["full"]["ckptd, increments"], results["full"]["ckptd, full"]
+        print(f"full fine-tune: increments take {100 * (f_inc['durable_s'] / f_full['durable_s'] - 1):+.1f}% to "
+              f"durable, {100 * (f_inc['bytes'] / f_full['bytes'] - 1):+.1f}% bytes")
+    print("\nsparse embedding table, 1% of rows changed between checkpoints (table and SparseAdam's two moments; "
+          "medians after the first)")
+    print(f"  {'':26} {'full MB':>9} {'inc MB':>9} {'written':>8} {'full s':>8} {'inc s':>8}")
+    for shape, runs in results["sparse"].items():
+        s_inc, s_full = runs["ckptd, increments"], runs["ckptd, full"]
+        print(f"  {shape:26} {s_full['bytes'] / 1e6:9.1f} {s_inc['bytes'] / 1e6:9.2f} "
+              f"{100 * s_inc['bytes'] / s_full['bytes']:7.2f}% {s_full['durable_s']:8.3f} {s_inc['durable_s']:8.3f}")
 
 
 def print_bucket(results):

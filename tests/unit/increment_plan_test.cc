@@ -269,20 +269,24 @@ TEST_CASE("chunks: a piece up to the target is one chunk of its own size, one el
   CHECK(PieceChunkBytes({7}, 2, true, 4 << 20, false) == 14);
 }
 
-TEST_CASE("chunks: sparse tables get 16 KiB, at least one row") {
-  // GPT-2's embedding: rows of 4 KiB, 4 a chunk, 12,565 chunks (the design's figure).
+TEST_CASE("chunks: sparse tables get 1 KiB, at least one row") {
+  // GPT-2's embedding: rows of 4 KiB, one a chunk, 50,257 chunks (the design's figure).
   const uint64_t wte = PieceChunkBytes({50257, 1024}, 4, false, 4 << 20, true);
-  CHECK(wte == 16384);
-  CHECK(format::PieceChunks(uint64_t{50257} * 4096, wte) == 12565);
+  CHECK(wte == 4096);
+  CHECK(format::PieceChunks(uint64_t{50257} * 4096, wte) == 50257);
+  // A recommender's table: rows of 256 bytes, 4 a chunk.
+  CHECK(PieceChunkBytes({100'000, 64}, 4, false, 4 << 20, true) == 1024);
+  // Past 64 MiB the chunk count binds: 1M such rows, 16 a chunk.
+  CHECK(PieceChunkBytes({1'000'000, 64}, 4, false, 4 << 20, true) == 16 * 256);
   CHECK(PieceChunkBytes({100, 5000}, 4, false, 4 << 20, true) == 20000);  // one row, not cut
-  CHECK(PieceChunkBytes({1'000'000}, 4, false, 4 << 20, true) == 16384);
-  CHECK(PieceChunkBytes({1000}, 4, false, 4 << 20, true) == 4000);  // small: one chunk
+  CHECK(PieceChunkBytes({1'000'000}, 4, false, 4 << 20, true) == 1024);
+  CHECK(PieceChunkBytes({200}, 4, false, 4 << 20, true) == 800);  // small: one chunk
 }
 
 TEST_CASE("chunks: at most 65,536 a piece; the chunk grows to fit, in whole rows for row blocks") {
   // 8 GiB 1-D in 64 KiB windows would be 131,072 chunks.
   CHECK(PieceChunkBytes({int64_t{1} << 33}, 1, false, 64 << 10, false) == 128 << 10);
-  // Rows of 1 KiB, 16 a sparse chunk, 2^24 rows: 256 rows a chunk instead.
+  // Rows of 1 KiB, one a sparse chunk, 2^24 rows: 256 rows a chunk instead.
   CHECK(PieceChunkBytes({int64_t{1} << 24, 256}, 4, false, 4 << 20, true) == 256 * 1024);
   // Rows of 7 * 3 elements; the grown block is whole rows.
   const uint64_t odd = PieceChunkBytes({100'000'000, 7, 3}, 2, false, 64 << 10, false);
