@@ -633,7 +633,10 @@ void CheckFragment(FragmentStore& store, const ErasureCode& code, uint64_t step,
   CHECK(held->bytes == (*full)[index].bytes);
 }
 
-constexpr size_t kShardBytes = 4 << 20;  // 2 MiB fragments under k = 2: 8 chunks of 256 KiB
+// 1.5 MiB fragments under k = 2: 6 chunks of 256 KiB, each sent in one message (a fragment
+// of two messages, 4 MiB shards, made sends under TSan take tens of seconds, and one hang:
+// docs/design/incremental.md, "Open findings").
+constexpr size_t kShardBytes = 3 << 20;
 
 }  // namespace
 
@@ -670,7 +673,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   const StepReplication second = Settled(replicator, 6);
   INFO("why: " << second.why);
   REQUIRE(second.state == State::kReplicated);
-  // Two chunks of each of rank 0's three fragments: 1.5 MiB of the 12 MiB the step's
+  // Two chunks of each of rank 0's three fragments: 1.5 MiB of the 9 MiB the step's
   // fragments are.
   CHECK(second.bytes_sent == 3 * 2 * kPatchChunkBytes);
   CHECK(second.bytes_sent + second.bytes_unchanged == first.bytes_sent);

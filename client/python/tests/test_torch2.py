@@ -545,15 +545,7 @@ def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
             optimizer.step()
             manager.save(3, blocking=True)
             saved = {k: v.clone() for k, v in model.state_dict().items()}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            listed = subprocess.run([CKPTCTL, "--job", "remote", "list", "--root", bucket],
-                                    capture_output=True, text=True)
-            if listed.returncode == 0 and "remote  3 " in listed.stdout:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"step 3 never reached the bucket:\n{open(first.log).read()}")
+        _bucket_lists(bucket, "remote", first.log, lambda steps: 3 in steps, "step 3 never reached the bucket")
     finally:
         first.stop()
     shutil.rmtree(first.root)  # the node is lost, and its disk with it
@@ -600,14 +592,18 @@ def test_a_lost_node_resumes_from_the_bucket_and_dcp_reads_it(bucket, workdir):
     assert all(again_optimizer.state[p]["exp_avg"].abs().sum() > 0 for p in again.parameters())
 
 
-def _wait_listed(bucket, job, step, log):
+def _bucket_lists(bucket, job, log, done, what):
+    """Waits (60 s at most) until `done` holds of the steps `ckptctl list` shows of `job` in
+    the bucket (a list of step numbers); fails naming `what` and the daemon's log."""
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    while True:
         listed = subprocess.run([CKPTCTL, "--job", job, "list", "--root", bucket], capture_output=True, text=True)
-        if listed.returncode == 0 and any(row.split()[:2] == [job, str(step)] for row in listed.stdout.splitlines()):
-            return listed.stdout
+        steps = [int(row.split()[1]) for row in listed.stdout.splitlines() if row.split()[:1] == [job]]
+        if listed.returncode == 0 and done(steps):
+            return steps
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: the bucket lists {steps} ({listed.stderr}):\n{open(log).read()}")
         time.sleep(0.2)
-    raise AssertionError(f"step {step} never reached the bucket:\n{open(log).read()}")
 
 
 def test_a_frozen_base_goes_to_the_bucket_once_and_dcp_reads_increments_through_it(bucket, workdir):
@@ -641,18 +637,9 @@ def test_a_frozen_base_goes_to_the_bucket_once_and_dcp_reads_increments_through_
                 optimizer.step()
                 optimizer.zero_grad()
                 manager.save(step, blocking=True)
-                _wait_listed(bucket, "frozen-s3", step, first.log)
+                _bucket_lists(bucket, "frozen-s3", first.log, lambda steps: step in steps, f"step {step}")
             saved = {k: v.clone() for k, v in model.state_dict().items()}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            listed = subprocess.run([CKPTCTL, "--job", "frozen-s3", "list", "--root", bucket],
-                                    capture_output=True, text=True).stdout
-            steps = [row.split()[1] for row in listed.splitlines()[1:] if row.startswith("frozen-s3")]
-            if steps == ["30"]:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"the bucket lists {listed}:\n{open(first.log).read()}")
+        _bucket_lists(bucket, "frozen-s3", first.log, lambda steps: steps == [30], "--remote-keep-last 1")
     finally:
         first.stop()
     shutil.rmtree(first.root)  # the node is lost, and its disk with it
