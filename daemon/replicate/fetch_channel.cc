@@ -161,7 +161,12 @@ void FetchServer::Stop() {
     for (int fd : open_) ::shutdown(fd, SHUT_RDWR);
     closed = open_.size();
   }
-  if (closed > 0) Log().info("fragment fetch channel: stopping, {} open connection(s) closed", closed);
+  if (closed > 0 || refused_ > 0) {
+    // Refusals are not logged one by one (a flood of connections would flood the log too).
+    Log().info("fragment fetch channel: stopping, {} open connection(s) closed; {} refused at accept since the "
+               "start (over {} connections, or {} without a ticket)",
+               closed, refused_.load(), kMaxConnections, kMaxUnauthenticated);
+  }
   for (Worker& w : workers) w.thread.join();
 }
 
@@ -205,6 +210,7 @@ void FetchServer::AcceptLoop() {
     // that connect and send slowly (or nothing) never lock restores out of it.
     if (connections_.load() >= kMaxConnections || unauthenticated_.load() >= kMaxUnauthenticated) {
       ::close(fd);  // the client falls back to gRPC
+      ++refused_;
       continue;
     }
     ++connections_;
@@ -245,7 +251,12 @@ void FetchServer::Serve(int fd, std::chrono::steady_clock::time_point accepted, 
   char request[kRequestBytes];
   // The whole request by kRequestDeadline from the accept, not a timeout per read: a client
   // sending a byte every few seconds is dropped as surely as a silent one.
-  if (!ReadAllBy(fd, request, sizeof request, accepted + kRequestDeadline)) return;
+  if (!ReadAllBy(fd, request, sizeof request, accepted + kRequestDeadline)) {
+    Log().debug("fragment fetch channel: a connection dropped before its whole request, {} ms after its accept (errno {})",
+                std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - accepted).count(),
+                errno);
+    return;
+  }
   std::string job;
   uint32_t owner = 0;
   const std::string ticket(request, kFetchTicketBytes);

@@ -79,6 +79,7 @@ class FetchServer {
   std::atomic<bool> stopping_{false};
   std::atomic<int> connections_{0};
   std::atomic<int> unauthenticated_{0};  // of connections_: no ticket redeemed yet
+  std::atomic<uint64_t> refused_{0};      // closed at accept: over a bound (said at Stop)
   std::mutex mu_;
   struct Worker {
     std::thread thread;
