@@ -21,7 +21,7 @@ ckptd checkpoint and DCP, measured in the same run on the same disk.
   4. a sparse embedding table (nn.Embedding(sparse=True), SparseAdam), 1% of its rows at
      random changed between checkpoints, in two shapes: an LLM's vocabulary (50257 x 1024,
      4 KiB rows) and a recommender's table (1M x 64, 256 B rows): bytes written and time to
-     durable, increments on against off (ckptd cuts such tables in 16 KiB chunks);
+     durable, increments on against off (ckptd cuts such tables in 1 KiB chunks, at least a row);
   5. with --bucket, the LoRA fine-tune again with ckptd's remote tier (--remote on a Ceph S3
      gateway this machine runs, tools/ceph.sh; an upload every step, --remote-keep-last 2):
      per checkpoint after the first, the bytes uploaded and the time from save() until the

@@ -640,6 +640,14 @@ constexpr size_t kShardBytes = 3 << 20;
 
 }  // namespace
 
+// `step` settled replicated (why not, named otherwise); as it stands.
+StepReplication ReplicatedStep(const Replicator& r, uint64_t step) {
+  const StepReplication s = Settled(r, step);
+  INFO("step " << step << ": " << s.why);
+  REQUIRE(s.state == State::kReplicated);
+  return s;
+}
+
 // The fragment bytes every holder gets of both ranks, sent whole.
 uint64_t WholeBytes(const StagedBytes& rank0, const StagedBytes& rank1) { return 3 * PerHolder(rank0, rank1, 2); }
 
@@ -659,9 +667,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   const ErasureCode code = group.Code();
   const StagedBytes a0 = MakeShard(kShardBytes, 1), a1 = MakeShard(kShardBytes - 1001, 2);
   Replicate(replicator, 5, a0, a1);
-  const StepReplication first = Settled(replicator, 5);
-  INFO("why: " << first.why);
-  REQUIRE(first.state == State::kReplicated);
+  const StepReplication first = ReplicatedStep(replicator, 5);
   const uint64_t each = ErasureCode::FragmentBytes(kShardBytes, 2);
   CHECK(first.bytes_sent == WholeBytes(a0, a1));
   CHECK(first.bytes_unchanged == 0);
@@ -670,9 +676,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   // nothing changed at all.
   const StagedBytes b0 = Changed(a0, {100, each + 4 * kPatchChunkBytes + 7});
   Replicate(replicator, 6, b0, a1);
-  const StepReplication second = Settled(replicator, 6);
-  INFO("why: " << second.why);
-  REQUIRE(second.state == State::kReplicated);
+  const StepReplication second = ReplicatedStep(replicator, 6);
   // Two chunks of each of rank 0's three fragments: 1.5 MiB of the 9 MiB the step's
   // fragments are.
   CHECK(second.bytes_sent == 3 * 2 * kPatchChunkBytes);
@@ -701,9 +705,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   REQUIRE(Settled(replicator, 7).state == State::kIncomplete);
   const StagedBytes d0 = Changed(b0, {200});
   Replicate(replicator, 8, d0, a1);
-  const StepReplication patched = Settled(replicator, 8);
-  INFO("why: " << patched.why);
-  REQUIRE(patched.state == State::kReplicated);
+  const StepReplication patched = ReplicatedStep(replicator, 8);
   CHECK(patched.bytes_sent == 3 * kPatchChunkBytes);
   CHECK(WaitUntil([&] { return group.store(3).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
   CheckFragment(group.store(3), code, 8, 0, 2, d0);
@@ -711,9 +713,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   // A shard of another size goes whole, the other rank's still as a patch.
   const StagedBytes e0 = MakeShard(kShardBytes + 64, 1), e1 = Changed(a1, {5});
   Replicate(replicator, 9, e0, e1);
-  const StepReplication resized = Settled(replicator, 9);
-  INFO("why: " << resized.why);
-  REQUIRE(resized.state == State::kReplicated);
+  const StepReplication resized = ReplicatedStep(replicator, 9);
   CHECK(resized.bytes_sent == 3 * (ErasureCode::FragmentBytes(kShardBytes + 64, 2) + kPatchChunkBytes));
   CHECK(WaitUntil([&] { return group.store(2).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
   CheckFragment(group.store(2), code, 9, 0, 1, e0);
@@ -723,9 +723,7 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   group.store(3).DropJob(kJob);
   const StagedBytes f0 = Changed(e0, {1});
   Replicate(replicator, 10, f0, e1);
-  const StepReplication dropped = Settled(replicator, 10);
-  INFO("why: " << dropped.why);
-  REQUIRE(dropped.state == State::kReplicated);
+  const StepReplication dropped = ReplicatedStep(replicator, 10);
   // Nodes 1 and 2: one chunk of rank 0, nothing of rank 1; node 3: both fragments whole.
   CHECK(dropped.bytes_sent == 2 * kPatchChunkBytes + PerHolder(f0, e1, 2));
   for (uint32_t node : {1u, 2u, 3u}) {
@@ -737,27 +735,21 @@ TEST_CASE("a second step with a few changed bytes is sent as a patch: a small fr
   // And the step after is a patch everywhere again.
   const StagedBytes g0 = Changed(f0, {2});
   Replicate(replicator, 11, g0, e1);
-  const StepReplication again = Settled(replicator, 11);
-  INFO("why: " << again.why);
-  REQUIRE(again.state == State::kReplicated);
+  const StepReplication again = ReplicatedStep(replicator, 11);
   CHECK(again.bytes_sent == 3 * kPatchChunkBytes);
 
   // A holder restarted (the holder set changed): every fragment goes whole.
   group.Restart(2);
   const StagedBytes h0 = Changed(g0, {1});
   Replicate(replicator, 12, h0, e1);
-  const StepReplication restarted = Settled(replicator, 12);
-  INFO("why: " << restarted.why);
-  REQUIRE(restarted.state == State::kReplicated);
+  const StepReplication restarted = ReplicatedStep(replicator, 12);
   CHECK(restarted.bytes_sent == WholeBytes(h0, e1));
   CHECK(WaitUntil([&] { return group.store(2).Held(kJob, 0u).size() == 1; }, kWait, 10ms));
   CheckFragment(group.store(2), code, 12, 1, 1, e1);
 
   // A step of another run goes whole, even where nothing changed.
   Replicate(replicator, 13, h0, e1, false, kRun + 1);
-  const StepReplication rerun = Settled(replicator, 13);
-  INFO("why: " << rerun.why);
-  REQUIRE(rerun.state == State::kReplicated);
+  const StepReplication rerun = ReplicatedStep(replicator, 13);
   CHECK(rerun.bytes_sent == WholeBytes(h0, e1));
   CHECK(rerun.bytes_unchanged == 0);
 }
