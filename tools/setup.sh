@@ -73,3 +73,11 @@ if ! tools_ready; then
   .venv-tools/bin/pip install -q --disable-pip-version-check -r tools/wheel-tools-requirements.txt
   tools_ready || { echo "setup: .venv-tools does not hold tools/wheel-tools-requirements.txt after pip" >&2; exit 1; }
 fi
+
+# One Bazel output base per user for ckptd, whatever directory the checkout is in (Bazel's
+# default is one per directory: a fresh clone elsewhere, as CI makes, would build everything
+# again). .bazelrc imports this file; CKPTD_OUTPUT_BASE chooses another place, and a file
+# already there is left as it is.
+if [ ! -f .bazelrc.user ]; then
+  echo "startup --output_base=${CKPTD_OUTPUT_BASE:-$HOME/.cache/bazel_ckptd}" > .bazelrc.user
+fi
