@@ -22,6 +22,7 @@ fi
 # How long each stage took, printed before the last line (CI keeps the suite under 30 min).
 stage_times=()
 stage_start=$SECONDS
+stamp=$(mktemp /tmp/ckptd-test-stamp.XXXXXX)  # test logs newer than this are this run's
 stage_done() { stage_times+=("$1: $((SECONDS - stage_start)) s"); stage_start=$SECONDS; }
 
 bazel test //... -k --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python" "$@"
@@ -246,6 +247,23 @@ for entry in "${failed_logs[@]}"; do
   tail -n 40 "${entry#*|}" 2>/dev/null | cut -c1-400
 done
 
+# The slowest test targets of each build (Bazel's test.xml), so that a CI log, of which only
+# the end may be kept, says where the time went.
+slowest() {
+  local label=$1 logs=$2
+  [ -d "$logs" ] || return 0
+  local top
+  top=$(find "$logs" -name test.xml -newer "$stamp" 2>/dev/null | while read -r f; do
+          t=$(grep -o 'time="[0-9.]*"' "$f" | head -n 1 | tr -dc '0-9.')
+          rel=${f#"$logs"/}
+          echo "${t%.*} ${rel%/test.xml}"
+        done | sort -rn | head -n 5 | awk '{printf "%s%s %s s", (NR > 1 ? ", " : ""), $2, $1}')
+  [ -z "$top" ] || echo "slowest ($label): $top"
+}
+slowest plain "$main_logs"
+[ "${CKPTD_SKIP_ASAN:-0}" = 1 ] || slowest asan "$asan_logs"
+[ "${CKPTD_SKIP_TSAN:-0}" = 1 ] || slowest tsan "$tsan_logs"
+rm -f "$stamp"
 for t in "${stage_times[@]}"; do echo "stage $t"; done
 if { [ "$bazel_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ] || [ "$tsan_rc" -ne 0 ]; } && [ "$failed" -eq 0 ]; then
   failed=1  # a build itself failed
