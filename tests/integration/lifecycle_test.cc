@@ -122,14 +122,17 @@ TEST_CASE("a trainer SIGKILLed right after staged still gets its checkpoint comm
 }
 
 TEST_CASE("ckptd SIGKILLed during a write leaves the previous checkpoint intact and restorable") {
+  // 400 MB, a write of seconds to kill in the middle of; a quarter under the sanitizers,
+  // whose helper fills and checks it several times slower (80 s of the case under TSan).
+  const std::string state_bytes = kSanitizerSlowdown > 1 ? "100000000" : "400000000";
   TempDir dir;
   Daemon d(dir, {"--staging-bytes", "1G"});
   d.Start();
-  REQUIRE(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", "400000000", "save", "--step", "10",
+  REQUIRE(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", state_bytes, "save", "--step", "10",
                          "--wait-committed"}),
               dir.path())
               .exit_code == 0);
-  Process second(Helper(d, {"--job", "w", "--seed", "2", "--bytes", "400000000", "save", "--step", "20",
+  Process second(Helper(d, {"--job", "w", "--seed", "2", "--bytes", state_bytes, "save", "--step", "20",
                             "--wait-committed"}),
                  dir.path(), "second");
   REQUIRE(second.WaitForStdout("staged ticket="));
@@ -145,12 +148,12 @@ TEST_CASE("ckptd SIGKILLed during a write leaves the previous checkpoint intact 
   CHECK_FALSE(std::filesystem::exists(d.root() + "/w/step-00000020.tmp"));
   auto verify10 = d.Ctl({"--job", "w", "verify", "10"});
   CHECK(verify10.exit_code == 0);
-  auto c = Run(Helper(d, {"--job", "w", "--seed", committed ? "2" : "1", "--bytes", "400000000", "check"}),
+  auto c = Run(Helper(d, {"--job", "w", "--seed", committed ? "2" : "1", "--bytes", state_bytes, "check"}),
                dir.path());
   INFO(c.out);
   CHECK(c.exit_code == 0);
   CHECK(Contains(c.out, committed ? "restored step=20 source=disk" : "restored step=10 source=disk"));
-  CHECK(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", "400000000", "check", "--step", "10"}),
+  CHECK(Run(Helper(d, {"--job", "w", "--seed", "1", "--bytes", state_bytes, "check", "--step", "10"}),
             dir.path()).exit_code == 0);
 }
 
