@@ -18,6 +18,8 @@ ckptd checkpoint and DCP, measured in the same run on the same disk.
      this includes registering the model, which moves it into shared memory);
   3. a full fine-tune (every parameter trains, a smaller GPT-2 by default): increments on
      against off, where everything changes (the goal: at most 5% slower, no more bytes);
+     --full-only --rounds N runs only this, on and off in turn, the order swapped each round,
+     since one pair of runs on a disk whose speed drifts by 10% does not tell 5% apart;
   4. a sparse embedding table (nn.Embedding(sparse=True), SparseAdam), 1% of its rows at
      random changed between checkpoints, in two shapes: an LLM's vocabulary (50257 x 1024,
      4 KiB rows) and a recommender's table (1M x 64, 256 B rows): bytes written and time to
@@ -35,6 +37,7 @@ Prints a table, or one JSON object with --json; --quick runs a small model (CI).
   .venv/bin/python tests/bench/increment_bench.py --bin bazel-bin
 """
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -313,6 +316,38 @@ def summary(run):
     return out
 
 
+def full_rounds(a, torch, full, inc):
+    """The full fine-tune with increments on and off in turn, the order swapped each round (the
+    disk's speed drifts by about 10% here): each round's medians, and the medians of every
+    checkpoint after each run's first."""
+    rounds, every_run = [], {"on": [], "off": []}
+    for r in range(a.rounds):
+        order = (("on", inc), ("off", [])) if r % 2 == 0 else (("off", []), ("on", inc))
+        this = {}
+        for name, flags in order:
+            run = run_ckptd(a, torch, f"full {name} {r}", full, flags, a.checkpoints, 1)
+            this[name] = summary(run)
+            every_run[name] += run["checkpoints"][1:]
+            gc.collect()  # each run's models (in shared memory) go before the next is made
+        rounds.append(this)
+    median = lambda rows: sorted(r["durable_s"] for r in rows)[len(rows) // 2]  # noqa: E731
+    return {"rounds": rounds, "median_durable_s": {k: median(v) for k, v in every_run.items()},
+            "checkpoints": {k: len(v) for k, v in every_run.items()}}
+
+
+def print_rounds(results, limit_gbps):
+    print(f"disk limit: {limit_gbps:.2f} GB/s (dd, 2 streams, O_DIRECT, fsync)")
+    print(f"full fine-tune, increments on against off, {len(results['rounds'])} rounds (order swapped each round):")
+    for i, r in enumerate(results["rounds"]):
+        on, off = r["on"], r["off"]
+        print(f"  round {i + 1}: durable {on['durable_s']:.3f} s on, {off['durable_s']:.3f} s off "
+              f"({100 * (on['durable_s'] / off['durable_s'] - 1):+.1f}%); bytes {on['bytes'] / 1e6:.1f} MB on, "
+              f"{off['bytes'] / 1e6:.1f} MB off")
+    m = results["median_durable_s"]
+    print(f"  all {results['checkpoints']['on']} checkpoints after each run's first: median durable {m['on']:.3f} s on, "
+          f"{m['off']:.3f} s off ({100 * (m['on'] / m['off'] - 1):+.1f}%)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bin", default=os.path.join(REPO, "bazel-bin"), help="where Bazel put ckptd")
@@ -326,6 +361,9 @@ def main():
                     help="also the LoRA fine-tune with the remote tier on a Ceph S3 gateway started here")
     ap.add_argument("--bucket-only", action="store_true", help="only that (implies --bucket)")
     ap.add_argument("--sparse-only", action="store_true", help="only the sparse embedding tables")
+    ap.add_argument("--full-only", action="store_true",
+                    help="only the full fine-tune, increments on and off in turn for --rounds rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="--full-only: rounds of (on, off), the order swapped each round")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.bucket = a.bucket or a.bucket_only
@@ -358,13 +396,15 @@ def main():
         tables = {"vocabulary 50257 x 1024": table(5000 if a.quick else 50257, 1024),
                   "recommender 1M x 64": table(20000 if a.quick else 1_000_000, 64)}
 
-        probe = lora()[0]
+        probe = full()[0] if a.full_only else lora()[0]
         # Each storage once: the tied lm_head is the embedding's.
         full_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in probe.state_dict().values()}.values())
         del probe
         limit_gbps, _ = disk_limit(a.work, full_bytes)
         results = {"disk_limit_gbps": limit_gbps, "lora_model_bytes": full_bytes, "lora": {}, "full": {}}
-        if not a.bucket_only and not a.sparse_only:
+        if a.full_only:
+            results["rounds"] = full_rounds(a, torch, full, inc)
+        elif not a.bucket_only and not a.sparse_only:
             results["lora"]["ckptd, increments"] = summary(
                 run_ckptd(a, torch, "lora inc", lora, inc, a.checkpoints, a.every))
             results["lora"]["ckptd, full"] = summary(run_ckptd(a, torch, "lora full", lora, [], a.checkpoints, a.every))
@@ -372,7 +412,7 @@ def main():
             results["full"]["ckptd, increments"] = summary(run_ckptd(a, torch, "full inc", full, inc, a.checkpoints, 1))
             results["full"]["ckptd, full"] = summary(run_ckptd(a, torch, "full full", full, [], a.checkpoints, 1))
         results["sparse"] = {}
-        if not a.bucket_only:
+        if not a.bucket_only and not a.full_only:
             for shape, make in tables.items():
                 results["sparse"][shape] = {
                     "ckptd, increments": summary(run_ckptd(a, torch, "sparse inc", make, inc, a.checkpoints, 1)),
@@ -394,6 +434,9 @@ def main():
         shutil.rmtree(a.work, ignore_errors=True)
     if a.json:
         print(json.dumps(results, indent=2))
+        return
+    if a.full_only:
+        print_rounds(results["rounds"], limit_gbps)
         return
     print(f"disk limit: {limit_gbps:.2f} GB/s (dd, 2 streams, O_DIRECT, fsync, {full_bytes / 1e9:.2f} GB: "
           f"{full_bytes / limit_gbps / 1e9:.2f} s for a full LoRA checkpoint)")
