@@ -300,12 +300,17 @@ def start_bucket(a):
     return {"dir": ceph, "client": client, "bucket": env["CKPTD_TEST_BUCKET"]}
 
 
+def median_of(rows, key):
+    """The median of `key` over `rows` (the upper one of an even count)."""
+    return sorted(r[key] for r in rows)[len(rows) // 2]
+
+
 def summary(run):
     """Medians over the checkpoints after the first (whole in every case), and the slowest:
     with increments a session's second save is the one planned against a base it has not
     measured yet, which for a full fine-tune finds most changed (the saves after it stream)."""
     later = run["checkpoints"][1:] or run["checkpoints"]
-    median = lambda key: sorted(r[key] for r in later)[len(later) // 2]  # noqa: E731
+    median = lambda key: median_of(later, key)  # noqa: E731
     out = {"first_bytes": run["checkpoints"][0]["bytes"], "bytes": median("bytes"), "waited_s": median("waited_s"),
            "durable_s": median("durable_s"), "slowest_durable_s": max(r["durable_s"] for r in later),
            "restore_s": run["restore_s"]}
@@ -330,8 +335,7 @@ def full_rounds(a, torch, full, inc):
             every_run[name] += run["checkpoints"][1:]
             gc.collect()  # each run's models (in shared memory) go before the next is made
         rounds.append(this)
-    median = lambda rows: sorted(r["durable_s"] for r in rows)[len(rows) // 2]  # noqa: E731
-    return {"rounds": rounds, "median_durable_s": {k: median(v) for k, v in every_run.items()},
+    return {"rounds": rounds, "median_durable_s": {k: median_of(v, "durable_s") for k, v in every_run.items()},
             "checkpoints": {k: len(v) for k, v in every_run.items()}}
 
 
@@ -401,7 +405,7 @@ def main():
         full_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in probe.state_dict().values()}.values())
         del probe
         limit_gbps, _ = disk_limit(a.work, full_bytes)
-        results = {"disk_limit_gbps": limit_gbps, "lora_model_bytes": full_bytes, "lora": {}, "full": {}}
+        results = {"disk_limit_gbps": limit_gbps, ("full_model_bytes" if a.full_only else "lora_model_bytes"): full_bytes, "lora": {}, "full": {}}
         if a.full_only:
             results["rounds"] = full_rounds(a, torch, full, inc)
         elif not a.bucket_only and not a.sparse_only:

@@ -633,8 +633,8 @@ void CheckFragment(FragmentStore& store, const ErasureCode& code, uint64_t step,
   CHECK(held->bytes == (*full)[index].bytes);
 }
 
-// 2 MiB fragments under k = 2: 8 chunks of 256 KiB, sent in two messages (kFragmentChunkBytes
-// is 2 MiB; the header takes a few bytes of the first).
+// 2 MiB fragments under k = 2: 8 chunks of 256 KiB, one gRPC message each (kFragmentChunkBytes
+// is 2 MiB); step 9's shard, 64 bytes longer, makes fragments of two messages.
 constexpr size_t kShardBytes = 4 << 20;
 
 }  // namespace
