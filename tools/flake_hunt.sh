@@ -43,7 +43,7 @@ for build in $builds; do
     *) echo "unknown build '$build' (plain, asan, tsan)" >&2; exit 2 ;;
   esac
   out=$(bazel "${base[@]}" test "${config[@]}" --runs_per_test="$runs" -k \
-          --test_env=CKPTD_PYTHON="$PWD/.venv/bin/python" "${targets[@]}" 2>&1)
+          --test_env=CKPTD_PYTHON="$(cd .venv && pwd -P)/bin/python" "${targets[@]}" 2>&1)
   echo "$out" | tail -n 40
   for target in "${targets[@]}"; do
     # Bazel's summary: "//t:x  PASSED in ...", or "FAILED in 2 out of 5 in ..." / "FLAKY, failed in ...".

@@ -34,8 +34,12 @@ fi
 
 # The project's virtual environment: Debian's python3 and its packages, plus what
 # tools/venv-requirements.txt pins from PyPI (stock safetensors for the compatibility test,
-# PyTorch 2 for the Python suite; about 5.3 GB and 2 minutes on a fresh machine). Kept and
-# reused: nothing is fetched when the pinned versions are already there.
+# PyTorch 2 for the Python suite; about 5.3 GB and 2 minutes on a fresh machine). It lives
+# once per user and requirements, in ~/.cache/ckptd/venv-<hash of the requirements and the
+# interpreter> (CKPTD_VENV: elsewhere), and .venv in the checkout links to it: a second clone
+# (CI makes one for every run) installs nothing, and the tests see the same interpreter path
+# from every clone, so Bazel's cached results hold across them. A .venv that is a directory
+# of its own (made by hand) is used as it is.
 venv_ready() {
   .venv/bin/python - <<'PY' 2>/dev/null
 import importlib.metadata as md, re, sys
@@ -49,12 +53,19 @@ for line in open("tools/venv-requirements.txt"):
         sys.exit(1)
 PY
 }
+if [ ! -d .venv ] || [ -L .venv ]; then
+  venv_key=$( { cat tools/venv-requirements.txt; /usr/bin/python3 --version; } | sha256sum | cut -c1-12)
+  venv_dir=${CKPTD_VENV:-$HOME/.cache/ckptd/venv-$venv_key}
+  mkdir -p "$(dirname "$venv_dir")"
+  [ "$(readlink .venv 2>/dev/null)" = "$venv_dir" ] || ln -sfn "$venv_dir" .venv
+  exec 9>"$venv_dir.lock" && flock 9  # two clones setting up at once: one installs
+fi
 if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv (Debian python3 + system site packages)"
-  /usr/bin/python3 -m venv --system-site-packages .venv
+  echo "setup: creating $(readlink -f .venv) (Debian python3 + system site packages)"
+  /usr/bin/python3 -m venv --system-site-packages "$(readlink -f .venv)"
 fi
 if ! venv_ready; then
-  echo "setup: installing tools/venv-requirements.txt into .venv (PyTorch 2: about 2 minutes, 5 GB)"
+  echo "setup: installing tools/venv-requirements.txt into $(readlink -f .venv) (PyTorch 2: about 2 minutes, 5 GB)"
   .venv/bin/pip install -q --disable-pip-version-check -r tools/venv-requirements.txt
   venv_ready || { echo "setup: .venv does not hold tools/venv-requirements.txt after pip" >&2; exit 1; }
 fi
