@@ -1,5 +1,7 @@
 #include "daemon/persist/increment_writer.h"
 
+#include "daemon/persist/run_appender.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -18,7 +20,6 @@ namespace ckpt::persist {
 namespace {
 
 constexpr uint64_t kBlock = 4096;          // the data region starts aligned, as a full shard's
-constexpr uint64_t kWriteChunk = 32u << 20;
 
 using KnownSums = std::function<std::optional<daemon::FrozenChecksums>(uint64_t chunk_bytes)>;
 
@@ -178,10 +179,10 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
                   [&](const PlannedEntry& pe) { return !pe.train_state && snap.frozen[pe.index].filled; })) {
     CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
   }
-  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(key, header, [&](storage::ObjectWriter& object) -> absl::Status {
+  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(key, header, [&](RunAppender& appender) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       const size_t source = pe.train_state ? snap.tensor_count + pe.index : pe.index;
-      CKPT_RETURN_IF_ERROR(Append(object, shard.data + shard.entries[source].begin + pe.begin, pe.end - pe.begin));
+      CKPT_RETURN_IF_ERROR(appender.Add(shard.data + shard.entries[source].begin + pe.begin, pe.end - pe.begin));
     }
     return absl::OkStatus();
   }));
@@ -190,20 +191,14 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   return out;
 }
 
-absl::Status IncrementWriter::Append(storage::ObjectWriter& object, const char* from, uint64_t bytes) {
-  for (uint64_t off = 0; off < bytes; off += kWriteChunk) {
-    if (between_chunks_) between_chunks_();
-    CKPT_RETURN_IF_ERROR(object.Append(from + off, std::min(kWriteChunk, bytes - off)));
-  }
-  return absl::OkStatus();
-}
-
 absl::StatusOr<uint64_t> IncrementWriter::WriteFile(const std::string& key, const std::string& header,
-                                                    const std::function<absl::Status(storage::ObjectWriter&)>& body) {
+                                                    const std::function<absl::Status(RunAppender&)>& body) {
   absl::StatusOr<uint64_t> written = [&]() -> absl::StatusOr<uint64_t> {
     CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> object, store_.objects().Create(key));
     CKPT_RETURN_IF_ERROR(object->Append(header.data(), header.size()));
-    CKPT_RETURN_IF_ERROR(body(*object));
+    RunAppender appender(*object, between_chunks_);
+    CKPT_RETURN_IF_ERROR(body(appender));
+    CKPT_RETURN_IF_ERROR(appender.Flush());
     return object->Finish();
   }();
   if (written.ok()) return written;
@@ -236,7 +231,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
   const std::string header = HeaderOf(plan, shard.metadata);
   WrittenShard out;
   out.file = write.file;
-  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(dir + "/" + out.file, header, [&](storage::ObjectWriter& object) -> absl::Status {
+  CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(dir + "/" + out.file, header, [&](RunAppender& appender) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       if (pe.train_state) {
         if (shard.landed != nullptr) {
@@ -247,7 +242,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
         BlobToWrite& blob = write.train_state[pe.index];
         blob.checksum = format::Checksum64(shard.data + e.begin, blob.bytes);
         plan.train_state[blob.name].checksum = format::ChecksumText(blob.checksum);
-        CKPT_RETURN_IF_ERROR(Append(object, shard.data + e.begin, blob.bytes));
+        CKPT_RETURN_IF_ERROR(appender.Add(shard.data + e.begin, blob.bytes));
         continue;
       }
       // Each chunk hashed and appended while it is in cache, as a full shard's.
@@ -259,7 +254,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
         const auto [lo, hi] = format::ChunkSpan(piece.bytes, piece.chunk_bytes, c, c + 1);
         piece.chunk_checksums[c] = format::Checksum64(data + lo, hi - lo);
         whole.Update(data + lo, hi - lo);
-        CKPT_RETURN_IF_ERROR(Append(object, data + lo, hi - lo));
+        CKPT_RETURN_IF_ERROR(appender.Add(data + lo, hi - lo));
       }
       piece.checksum = whole.Finish();
       format::TensorShard& saved = plan.pieces[pe.index].shard;

@@ -25,6 +25,8 @@ namespace ckpt::persist {
 // (CheckpointManager.save(full=True)).
 inline constexpr char kFullSaveKey[] = "ckptd.full";
 
+class RunAppender;  // run_appender.h
+
 struct IncrementOptions {
   uint64_t chunk_bytes = kDefaultIncrementChunkBytes;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (0: never a rebase)
@@ -48,9 +50,10 @@ class IncrementWriter {
   absl::StatusOr<WrittenShard> Stream(const daemon::StagedSnapshot& snap, const std::string& dir,
                                       const RankBase* base, RankWrite write);
   // The header, then `body`; the file's bytes. Errors name the file.
+  // `body` appends the data region through a RunAppender, which writes contiguous runs of
+  // staging memory in large pieces.
   absl::StatusOr<uint64_t> WriteFile(const std::string& key, const std::string& header,
-                                     const std::function<absl::Status(storage::ObjectWriter&)>& body);
-  absl::Status Append(storage::ObjectWriter& object, const char* from, uint64_t bytes);
+                                     const std::function<absl::Status(RunAppender&)>& body);
   static bool MostlyChanged(const RankWritePlan& plan, const RankWrite& write);
 
   format::CheckpointStore& store_;
