@@ -165,7 +165,8 @@ ParseResult ParseFlags(int argc, char** argv) {
   std::string increments = "off", increment_chunk = "4M";
   app.add_option("--increments", increments,
                  "on: write only what changed since the rank's previous step, referencing the rest "
-                 "(format version 5; peers of --replication hold each step whole; --remote only with one node yet)")
+                 "(format version 5; peers of --replication hold each step whole; off: every step written whole, "
+                 "format version 4, as before)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   app.add_option("--increment-chunk-bytes", increment_chunk,

@@ -34,7 +34,7 @@ struct Config {
   uint64_t job_quota_bytes = 0;
   uint64_t keep_every = 0;
   // --increments on: steps written in format version 5, unchanged chunks referenced where an
-  // earlier step wrote them (docs/design/incremental.md); one node, local --root, for now.
+  // earlier step wrote them (docs/design/incremental.md), on every tier.
   bool increments = false;
   uint64_t increment_chunk_bytes = uint64_t{4} << 20;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (saves; 0: never)
