@@ -39,7 +39,7 @@ fi
 # interpreter> (CKPTD_VENV: elsewhere), and .venv in the checkout links to it: a second clone
 # (CI makes one for every run) installs nothing, and the tests see the same interpreter path
 # from every clone, so Bazel's cached results hold across them. A .venv that is a directory
-# of its own (made by hand) is used as it is.
+# of its own (made by hand) is used as it is; a .venv link is pointed here again.
 venv_ready() {
   .venv/bin/python - <<'PY' 2>/dev/null
 import importlib.metadata as md, re, sys

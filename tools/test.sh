@@ -19,7 +19,7 @@ if [ "$(id -u)" = 0 ] && [ "${CKPTD_KEEP_HUGEPAGES:-0}" != 1 ] && [ -w /proc/sys
   trap 'echo 0 > /proc/sys/vm/nr_hugepages' EXIT
 fi
 
-# How long each stage took, printed before the last line (CI keeps the suite under 30 min).
+# How long each stage took, printed before the last line (CI keeps the suite under 45 min).
 stage_times=()
 stage_start=$SECONDS
 stamp=$(mktemp /tmp/ckptd-test-stamp.XXXXXX)  # test logs newer than this are this run's
