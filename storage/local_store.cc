@@ -20,7 +20,8 @@ namespace ckpt::storage {
 namespace {
 
 constexpr uint64_t kBlock = 4096;               // O_DIRECT alignment
-constexpr uint64_t kBounceBytes = 8u << 20;     // copies of unaligned appends go through this
+constexpr uint64_t kBounceBytes = 8u << 20;     // small and unaligned appends are gathered here
+constexpr uint64_t kStraightBytes = 1u << 20;   // aligned appends this large are written as they are
 
 std::string ParentOf(const std::string& path) {
   return std::filesystem::path(path).parent_path().string();
@@ -37,70 +38,68 @@ class LocalObjectWriter final : public ObjectWriter {
       size_ += size;
       return absl::OkStatus();
     }
-    // A block an earlier append left partial is completed first (an incremental shard's
-    // runs start anywhere in staging memory: docs/design/incremental.md, section 5).
-    if (pending_ > 0) {
-      const size_t n = std::min<size_t>(size, kBlock - pending_);
+    while (size > 0) {
+      // A large run of aligned memory goes out straight from the caller's memory, after
+      // what was gathered before it (whole blocks only, or the file's offsets would not be).
+      if (size >= kStraightBytes && reinterpret_cast<uintptr_t>(data) % kBlock == 0 && pending_ % kBlock == 0) {
+        CKPT_RETURN_IF_ERROR(WriteGathered());
+        const size_t whole = size / kBlock * kBlock;
+        CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, whole, size_), path_));
+        size_ += whole;
+        data += whole;
+        size -= whole;
+        continue;  // a last partial block is gathered
+      }
+      // Anything else is gathered in an aligned buffer and written kBounceBytes at a time:
+      // O_DIRECT needs aligned memory, offsets and sizes, and an incremental shard's runs
+      // (changed chunks, often a block each, from anywhere in staging: docs/design/
+      // incremental.md, section 5) written one by one made thousands of synchronous writes
+      // where a full shard makes one per 32 MiB (docs/benchmarks.md, sparse tables).
+      if (!bounce_) bounce_ = AllocateAligned(kBounceBytes);
+      if (!bounce_) return absl::ResourceExhaustedError("no memory for an aligned write buffer");
+      const size_t n = std::min<size_t>(size, kBounceBytes - pending_);
       std::memcpy(bounce_.get() + pending_, data, n);
       pending_ += n;
       data += n;
       size -= n;
-      if (pending_ < kBlock) return absl::OkStatus();
-      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), kBlock, size_), path_));
-      size_ += kBlock;
-      pending_ = 0;
-      if (size == 0) return absl::OkStatus();
-    }
-    if (reinterpret_cast<uintptr_t>(data) % kBlock == 0) {
-      // Straight from the caller's memory, all but a last partial block.
-      const size_t whole = size / kBlock * kBlock;
-      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, whole, size_), path_));
-      size_ += whole;
-      data += whole;
-      size -= whole;
-      if (size == 0) return absl::OkStatus();
-    }
-    // O_DIRECT needs aligned memory, offsets and sizes: copy through an aligned buffer. A
-    // last partial block waits there for the next append, or for Finish(), which writes it
-    // padded with zeros and cuts the file back to its size.
-    if (!bounce_) bounce_ = AllocateAligned(kBounceBytes);
-    if (!bounce_) return absl::ResourceExhaustedError("no memory for an aligned write buffer");
-    for (size_t done = 0; done < size;) {
-      const size_t n = std::min<size_t>(kBounceBytes, size - done);
-      const size_t whole = n / kBlock * kBlock;
-      std::memcpy(bounce_.get(), data + done, n);
-      if (whole > 0) CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), whole, size_), path_));
-      size_ += whole;
-      if (whole < n) {  // only the last piece of the loop (kBounceBytes is whole blocks)
-        pending_ = n - whole;
-        std::memmove(bounce_.get(), bounce_.get() + whole, pending_);
-      }
-      done += n;
+      if (pending_ == kBounceBytes) CKPT_RETURN_IF_ERROR(WriteGathered());
     }
     return absl::OkStatus();
   }
 
   absl::StatusOr<uint64_t> Finish() override {
-    const bool padded = pending_ > 0;
-    if (padded) {
-      std::memset(bounce_.get() + pending_, 0, kBlock - pending_);
-      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), kBlock, size_), path_));
+    if (pending_ > 0) {
+      // The last partial block is written padded with zeros, and the file cut back.
+      const size_t padded = (pending_ + kBlock - 1) / kBlock * kBlock;
+      std::memset(bounce_.get() + pending_, 0, padded - pending_);
+      CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), padded, size_), path_));
       size_ += pending_;
+      if (padded != pending_) CKPT_RETURN_IF_ERROR(Annotate(fs_->Truncate(fd_.get(), size_), path_));
       pending_ = 0;
     }
-    if (padded) CKPT_RETURN_IF_ERROR(Annotate(fs_->Truncate(fd_.get(), size_), path_));
     CKPT_RETURN_IF_ERROR(Annotate(fs_->SyncFile(fd_.get()), path_));
     if (!direct_) fs_->DropFromCache(fd_.get());  // durable; never read back from the cache
     return size_;
   }
 
  private:
+  // Writes the whole blocks gathered; a last partial block moves to the buffer's start.
+  absl::Status WriteGathered() {
+    const size_t whole = pending_ / kBlock * kBlock;
+    if (whole == 0) return absl::OkStatus();
+    CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), bounce_.get(), whole, size_), path_));
+    size_ += whole;
+    pending_ -= whole;
+    if (pending_ > 0) std::memmove(bounce_.get(), bounce_.get() + whole, pending_);
+    return absl::OkStatus();
+  }
+
   FilesystemPtr fs_;  // shared: an object may outlive the store that made it
   const std::string path_;
   UniqueFd fd_;
   const bool direct_;
   uint64_t size_ = 0;   // written to the file; a multiple of kBlock until Finish()
-  size_t pending_ = 0;  // bytes of a partial block waiting at the start of bounce_
+  size_t pending_ = 0;  // bytes gathered at the start of bounce_, not written yet
   AlignedBuffer bounce_;
 };
 

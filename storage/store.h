@@ -27,10 +27,10 @@ namespace ckpt::storage {
 class ObjectWriter {
  public:
   virtual ~ObjectWriter() = default;
-  // Appends [data, data + size). Large appends of 4 KiB-aligned memory in multiples of
-  // 4 KiB are the fast path (the local store writes them with O_DIRECT, straight from the
-  // caller's memory); anything else is copied once. After an append whose size is not a
-  // multiple of 4 KiB only Finish() may follow.
+  // Appends [data, data + size), of any size and alignment. Large appends of 4 KiB-aligned
+  // memory are the fast path (the local store writes them with O_DIRECT, straight from the
+  // caller's memory); anything else is copied once, and small appends are gathered into
+  // larger writes, so an error may surface at a later Append or at Finish().
   virtual absl::Status Append(const char* data, size_t size) = 0;
   // Makes the object durable (local: fsync; S3: the upload completed); returns its size.
   virtual absl::StatusOr<uint64_t> Finish() = 0;

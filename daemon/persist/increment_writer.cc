@@ -1,7 +1,5 @@
 #include "daemon/persist/increment_writer.h"
 
-#include "daemon/persist/run_appender.h"
-
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,6 +10,7 @@
 #include "common/dtype.h"
 #include "common/log.h"
 #include "common/status.h"
+#include "daemon/persist/run_appender.h"
 #include "format/checksum.h"
 #include "format/increment.h"
 #include "format/safetensors.h"

@@ -9,13 +9,13 @@
 #include "common/status.h"
 #include "format/checksum.h"
 #include "format/manifest.h"
+#include "daemon/persist/run_appender.h"
 #include "daemon/persist/shard_writer.h"
 
 namespace ckpt::persist {
 namespace {
 
 constexpr uint64_t kBlock = 4096;              // O_DIRECT alignment; staging blocks match it
-constexpr uint64_t kWriteChunk = 32u << 20;
 
 // Checksums each entry of a shard's data region as the writer's position moves through it,
 // so that a large tensor is hashed chunk by chunk as it lands rather than in one pass first:
@@ -79,8 +79,8 @@ class StoreShardWriter final : public ShardWriter {
     absl::Status written = [&]() -> absl::Status {
       CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectWriter> object, store_->Create(key));
       CKPT_RETURN_IF_ERROR(object->Append(header.data(), header.size()));
-      for (uint64_t off = 0; off < shard.data_bytes; off += kWriteChunk) {
-        const uint64_t n = std::min(kWriteChunk, shard.data_bytes - off);
+      for (uint64_t off = 0; off < shard.data_bytes; off += kRunWriteBytes) {
+        const uint64_t n = std::min(kRunWriteBytes, shard.data_bytes - off);
         CKPT_RETURN_IF_ERROR(Landed(shard, checksums, off + n));
         CKPT_RETURN_IF_ERROR(object->Append(shard.data + off, n));
       }

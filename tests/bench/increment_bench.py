@@ -18,8 +18,9 @@ ckptd checkpoint and DCP, measured in the same run on the same disk.
      this includes registering the model, which moves it into shared memory);
   3. a full fine-tune (every parameter trains, a smaller GPT-2 by default): increments on
      against off, where everything changes (the goal: at most 5% slower, no more bytes);
-     --full-only --rounds N runs only this, on and off in turn, the order swapped each round,
-     since one pair of runs on a disk whose speed drifts by 10% does not tell 5% apart;
+     two daemons side by side, each checkpoint saved to both in turn (the order swapped each
+     time), since runs one after the other on a disk whose speed drifts by 10% do not tell
+     5% apart; --full-only runs only this;
   4. a sparse embedding table (nn.Embedding(sparse=True), SparseAdam), 1% of its rows at
      random changed between checkpoints, in two shapes: an LLM's vocabulary (50257 x 1024,
      4 KiB rows) and a recommender's table (1M x 64, 256 B rows): bytes written and time to
@@ -321,35 +322,63 @@ def summary(run):
     return out
 
 
-def full_rounds(a, torch, full, inc):
-    """The full fine-tune with increments on and off in turn, the order swapped each round (the
-    disk's speed drifts by about 10% here): each round's medians, and the medians of every
-    checkpoint after each run's first."""
-    rounds, every_run = [], {"on": [], "off": []}
-    for r in range(a.rounds):
-        order = (("on", inc), ("off", [])) if r % 2 == 0 else (("off", []), ("on", inc))
-        this = {}
-        for name, flags in order:
-            run = run_ckptd(a, torch, f"full {name} {r}", full, flags, a.checkpoints, 1)
-            this[name] = summary(run)
-            every_run[name] += run["checkpoints"][1:]
-            gc.collect()  # each run's models (in shared memory) go before the next is made
-        rounds.append(this)
-    return {"rounds": rounds, "median_durable_s": {k: median_of(v, "durable_s") for k, v in every_run.items()},
-            "checkpoints": {k: len(v) for k, v in every_run.items()}}
+def full_paired(a, torch, make, inc):
+    """The full fine-tune saved to two daemons side by side, increments on and off, in one
+    run: two models trained alike, each checkpoint saved to one daemon and committed, then to
+    the other, the order swapped every checkpoint. Run against run, this disk's speed drifts
+    by more than the 5% the goal is about; checkpoint against the next one, it does not, so
+    the ratio of each pair is the figure. Per pair: seconds to durable on and off."""
+    from ckptd.torch import CheckpointManager
+    sides = {}
+    try:
+        for name, flags in (("on", inc), ("off", [])):
+            root = os.path.join(a.work, f"paired_{name}")
+            model, params, optimizer = make()
+            sides[name] = {"root": root, "daemon": Daemon(os.path.join(a.bin, "daemon/ckptd"), root, flags, a.staging),
+                           "params": params, "optimizer": optimizer}
+            sides[name]["manager"] = CheckpointManager("bench", model, optimizer, socket=sides[name]["daemon"].socket)
+        pairs = []
+        for step in range(1, a.checkpoints + 1):
+            order = ("on", "off") if step % 2 else ("off", "on")
+            for name in order:
+                train(torch, sides[name]["params"], sides[name]["optimizer"])
+            pair = {"step": step, "first": order[0]}
+            for name in order:
+                manager = sides[name]["manager"]
+                t0 = time.monotonic()
+                manager.save(step)
+                manager.wait(committed=True)
+                pair[name] = time.monotonic() - t0
+                pair[name + "_bytes"] = step_bytes(sides[name]["root"], "bench", step)
+            pairs.append(pair)
+    finally:
+        for side in sides.values():
+            if "manager" in side:
+                side["manager"].close()
+            side["daemon"].stop()
+            shutil.rmtree(side["root"], ignore_errors=True)
+    # The first pair is whole on both sides; with increments the second is planned against a
+    # base not measured yet (every piece hashed, then written), the later ones streamed.
+    later = pairs[1:]
+    # Whichever daemon saves second in a pair is slower here (by 5-35%: the disk has just
+    # taken 1.5 GB), so the ratio is taken per order and the two combined (their geometric
+    # mean), which cancels that as the order alternates.
+    by_order = {first: median_of([{"r": p["on"] / p["off"]} for p in later if p["first"] == first], "r")
+                for first in ("on", "off")}
+    return {"pairs": pairs, "ratio_by_first": by_order, "ratio": (by_order["on"] * by_order["off"]) ** 0.5,
+            "median_durable_s": {k: median_of(later, k) for k in ("on", "off")},
+            "slower_in": sum(p["on"] > p["off"] for p in later)}
 
 
-def print_rounds(results, limit_gbps):
-    print(f"disk limit: {limit_gbps:.2f} GB/s (dd, 2 streams, O_DIRECT, fsync)")
-    print(f"full fine-tune, increments on against off, {len(results['rounds'])} rounds (order swapped each round):")
-    for i, r in enumerate(results["rounds"]):
-        on, off = r["on"], r["off"]
-        print(f"  round {i + 1}: durable {on['durable_s']:.3f} s on, {off['durable_s']:.3f} s off "
-              f"({100 * (on['durable_s'] / off['durable_s'] - 1):+.1f}%); bytes {on['bytes'] / 1e6:.1f} MB on, "
-              f"{off['bytes'] / 1e6:.1f} MB off")
-    m = results["median_durable_s"]
-    print(f"  all {results['checkpoints']['on']} checkpoints after each run's first: median durable {m['on']:.3f} s on, "
-          f"{m['off']:.3f} s off ({100 * (m['on'] / m['off'] - 1):+.1f}%)")
+def print_paired(paired):
+    later = paired["pairs"][1:]
+    m, r = paired["median_durable_s"], paired["ratio_by_first"]
+    print(f"full fine-tune, increments on against off, {len(later)} pairs of checkpoints after the first "
+          f"(each saved to both daemons in turn, the order swapped each pair):")
+    print(f"  median durable {m['on']:.3f} s on, {m['off']:.3f} s off; on against off {100 * (r['on'] - 1):+.1f}% "
+          f"when on saves first, {100 * (r['off'] - 1):+.1f}% when off does: {100 * (paired['ratio'] - 1):+.1f}% "
+          f"(on slower in {paired['slower_in']} of {len(later)}); bytes {median_of(later, 'on_bytes') / 1e6:.1f} MB on, "
+          f"{median_of(later, 'off_bytes') / 1e6:.1f} MB off")
 
 
 def main():
@@ -366,8 +395,7 @@ def main():
     ap.add_argument("--bucket-only", action="store_true", help="only that (implies --bucket)")
     ap.add_argument("--sparse-only", action="store_true", help="only the sparse embedding tables")
     ap.add_argument("--full-only", action="store_true",
-                    help="only the full fine-tune, increments on and off in turn for --rounds rounds")
-    ap.add_argument("--rounds", type=int, default=3, help="--full-only: rounds of (on, off), the order swapped each round")
+                    help="only the full fine-tune: --checkpoints pairs, increments on and off side by side")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     a.bucket = a.bucket or a.bucket_only
@@ -405,16 +433,15 @@ def main():
         full_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in probe.state_dict().values()}.values())
         del probe
         limit_gbps, _ = disk_limit(a.work, full_bytes)
-        results = {"disk_limit_gbps": limit_gbps, ("full_model_bytes" if a.full_only else "lora_model_bytes"): full_bytes, "lora": {}, "full": {}}
+        results = {"disk_limit_gbps": limit_gbps, ("full_model_bytes" if a.full_only else "lora_model_bytes"): full_bytes, "lora": {}}
         if a.full_only:
-            results["rounds"] = full_rounds(a, torch, full, inc)
+            results["paired"] = full_paired(a, torch, full, inc)
         elif not a.bucket_only and not a.sparse_only:
             results["lora"]["ckptd, increments"] = summary(
                 run_ckptd(a, torch, "lora inc", lora, inc, a.checkpoints, a.every))
             results["lora"]["ckptd, full"] = summary(run_ckptd(a, torch, "lora full", lora, [], a.checkpoints, a.every))
             results["lora"]["DCP"] = summary(run_dcp(a, torch, lora, a.checkpoints, a.every))
-            results["full"]["ckptd, increments"] = summary(run_ckptd(a, torch, "full inc", full, inc, a.checkpoints, 1))
-            results["full"]["ckptd, full"] = summary(run_ckptd(a, torch, "full full", full, [], a.checkpoints, 1))
+            results["paired"] = full_paired(a, torch, full, inc)
         results["sparse"] = {}
         if not a.bucket_only and not a.full_only:
             for shape, make in tables.items():
@@ -440,11 +467,12 @@ def main():
         print(json.dumps(results, indent=2))
         return
     if a.full_only:
-        print_rounds(results["rounds"], limit_gbps)
+        print(f"disk limit: {limit_gbps:.2f} GB/s (dd, 2 streams, O_DIRECT, fsync)")
+        print_paired(results["paired"])
         return
     print(f"disk limit: {limit_gbps:.2f} GB/s (dd, 2 streams, O_DIRECT, fsync, {full_bytes / 1e9:.2f} GB: "
           f"{full_bytes / limit_gbps / 1e9:.2f} s for a full LoRA checkpoint)")
-    for case, runs in (("LoRA fine-tune (frozen base)", results["lora"]), ("full fine-tune", results["full"])):
+    for case, runs in (("LoRA fine-tune (frozen base)", results["lora"]),):
         if not runs:
             continue
         print(f"\n{case}: per checkpoint after the first (medians; the slowest durable beside)")
@@ -463,9 +491,7 @@ def main():
               f"and are durable {full_r['durable_s'] / inc_r['durable_s']:.1f}x sooner "
               f"({lora_runs['DCP']['durable_s'] / inc_r['durable_s']:.1f}x sooner than DCP)")
         print_bucket(results)
-        f_inc, f_full = results["full"]["ckptd, increments"], results["full"]["ckptd, full"]
-        print(f"full fine-tune: increments take {100 * (f_inc['durable_s'] / f_full['durable_s'] - 1):+.1f}% to "
-              f"durable, {100 * (f_inc['bytes'] / f_full['bytes'] - 1):+.1f}% bytes")
+        print_paired(results["paired"])
     print("\nsparse embedding table, 1% of rows changed between checkpoints (table and SparseAdam's two moments; "
           "medians after the first)")
     print(f"  {'':26} {'full MB':>9} {'inc MB':>9} {'written':>8} {'full s':>8} {'inc s':>8}")

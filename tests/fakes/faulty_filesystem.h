@@ -30,6 +30,8 @@ class FaultyFilesystem final : public Filesystem {
   // Bytes passed to successful WriteAt (ReadAt) calls so far.
   uint64_t bytes_written() const { return bytes_written_; }
   uint64_t bytes_read() const { return bytes_read_; }
+  // Successful WriteAt calls so far.
+  uint64_t writes() const { return writes_; }
 
   absl::StatusOr<UniqueFd> CreateFile(const std::string& path) override {
     if (Trip(Op::kCreate)) return ErrnoStatus(err_, "create " + path);
@@ -61,7 +63,10 @@ class FaultyFilesystem final : public Filesystem {
   absl::Status WriteAt(int fd, const void* data, size_t size, uint64_t offset) override {
     if (Trip(Op::kWrite)) return ErrnoStatus(err_, "write");
     absl::Status s = real_->WriteAt(fd, data, size, offset);
-    if (s.ok()) bytes_written_ += size;
+    if (s.ok()) {
+      bytes_written_ += size;
+      ++writes_;
+    }
     return s;
   }
   absl::Status ReadAt(int fd, void* data, size_t size, uint64_t offset) override {
@@ -133,6 +138,7 @@ class FaultyFilesystem final : public Filesystem {
   FilesystemPtr real_;
   std::atomic<Op> op_{Op::kNone};
   std::atomic<uint64_t> bytes_written_{0};
+  std::atomic<uint64_t> writes_{0};
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<int> remaining_{0};
   int err_ = 0;

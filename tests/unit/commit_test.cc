@@ -319,7 +319,7 @@ TEMPLATE_TEST_CASE("one rank's failed write fails the step for every rank and ke
   f.writer.Open();
   uint64_t good = f.Submit(10, 0, 1);
   REQUIRE(f.sink->WaitFinal(good) == shm::kTicketCommitted);
-  f.fs->FailAfter(Op::kWrite, 1, ENOSPC);
+  f.fs->FailAfter(Op::kWrite, 0, ENOSPC);  // rank 0's shard: one write, gathered
   uint64_t a = f.Submit(20, 0, 2);
   CHECK(f.sink->WaitFinal(a) == shm::kTicketFailed);
   CHECK(f.sink->error(a).find("No space left") != std::string::npos);

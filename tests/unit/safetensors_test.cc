@@ -56,6 +56,28 @@ TEST_CASE("the header is JSON as the safetensors spec defines it") {
   CHECK_FALSE(j.contains("__metadata__"));  // omitted when empty
 }
 
+// The header is written as text directly (an ordered_json tree finds each key by a linear
+// search: quadratic in an increment's tens of thousands of entries); it must stay the text
+// that tree wrote, entries in data order, names escaped.
+TEST_CASE("the header's text is what an ordered JSON tree of the same entries would write") {
+  std::vector<TensorEntry> entries = {{"z.weight", "BF16", {4096, 1024}, 0, 8388608},
+                                      {"a \"quoted\"\\name\n\u00e9", "F32", {}, 8388608, 8388612},
+                                      {"__delta__.z.weight.3", "I8", {-1 + 2, 7}, 8388612, 8388619}};
+  const std::map<std::string, std::string> metadata = {{"step", "7"}, {"ckptd.run", "\t9"}};
+  for (const auto& meta : {metadata, std::map<std::string, std::string>{}}) {
+    nlohmann::ordered_json tree = nlohmann::ordered_json::object();
+    if (!meta.empty()) tree["__metadata__"] = meta;
+    for (const TensorEntry& t : entries) {
+      tree[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+    }
+    const std::string header = EncodeHeader(entries, meta, 4096);
+    CHECK(header.size() % 4096 == 0);
+    const std::string json = tree.dump();
+    CHECK(header.substr(8, json.size()) == json);
+    CHECK(header.find_first_not_of(' ', 8 + json.size()) == std::string::npos);  // padding only
+  }
+}
+
 TEST_CASE("a truncated shard is refused with the file named") {
   testing::TempDir dir;
   std::string header = EncodeHeader(TwoTensors(), {});

@@ -162,6 +162,53 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
   CHECK(Message(past).find("rank-00000.safetensors") != std::string::npos);
 }
 
+// An incremental shard appends its changed chunks one by one, each often a block, from all
+// over staging memory: written as they came, a sparse table's increment made ~30,000
+// synchronous O_DIRECT writes and took 3x a full checkpoint's time (docs/benchmarks.md).
+TEST_CASE("small appends to a local file are gathered into large writes, large aligned ones go straight") {
+  LocalDisk t;
+  auto writer = t.store->Create("job/step-00000001.tmp/rank-00000.safetensors");
+  REQUIRE(writer.ok());
+  const size_t source_bytes = 32u << 20;
+  std::unique_ptr<char, AlignedFree> source(static_cast<char*>(std::aligned_alloc(4096, source_bytes)));
+  std::vector<char> pattern = Unique(source_bytes, 7);
+  std::memcpy(source.get(), pattern.data(), source_bytes);
+  std::vector<char> all;
+  auto append = [&](const char* from, size_t n) {
+    REQUIRE((*writer)->Append(from, n).ok());
+    all.insert(all.end(), from, from + n);
+  };
+  std::vector<char> header = Pattern(4096, 8);
+  append(header.data(), header.size());                                      // unaligned memory
+  for (size_t i = 0; i < 3000; ++i) append(source.get() + 2 * i * 4096, 4096);  // every other block
+  append(source.get() + (30u << 20), 2u << 20);                              // a large aligned run
+  append(source.get() + 5, 10);                                              // a short tail
+  auto size = (*writer)->Finish();
+  REQUIRE(size.ok());
+  CHECK(*size == all.size());
+  // One write when 8 MiB were gathered, one for the rest gathered before the large run, the
+  // run itself, and the padded tail at Finish().
+  CHECK(t.fs->writes() == 4);
+  auto reader = t.store->Open("job/step-00000001.tmp/rank-00000.safetensors");
+  REQUIRE(reader.ok());
+  std::vector<char> got(all.size());
+  REQUIRE((*reader)->ReadAt(got.data(), got.size(), 0).ok());
+  CHECK(got == all);
+}
+
+TEST_CASE("a write of gathered appends that fails is returned by Finish, naming the file") {
+  LocalDisk t;
+  auto writer = t.store->Create("job/step-00000002.tmp/rank-00003.safetensors");
+  REQUIRE(writer.ok());
+  std::vector<char> bytes = Pattern(5000, 2);
+  t.fs->FailAfter(FaultyFilesystem::Op::kWrite, 0, ENOSPC);
+  REQUIRE((*writer)->Append(bytes.data(), bytes.size()).ok());  // gathered: nothing written yet
+  auto finished = (*writer)->Finish();
+  REQUIRE_FALSE(finished.ok());
+  CHECK(Message(finished.status()).find("rank-00003.safetensors") != std::string::npos);
+  CHECK(Message(finished.status()).find("No space left") != std::string::npos);
+}
+
 // S3 opens an object with one ranged GET (its size from Content-Range, its first bytes
 // kept): empty objects have no byte to range over, and a Get's limit must tell an object of
 // exactly that size from a larger one.
