@@ -364,8 +364,11 @@ def full_paired(a, torch, make, inc):
     # taken 1.5 GB), so the ratio is taken per order and the two combined (their geometric
     # mean), which cancels that as the order alternates.
     by_order = {first: median_of([{"r": p["on"] / p["off"]} for p in later if p["first"] == first], "r")
-                for first in ("on", "off")}
-    return {"pairs": pairs, "ratio_by_first": by_order, "ratio": (by_order["on"] * by_order["off"]) ** 0.5,
+                for first in ("on", "off") if any(p["first"] == first for p in later)}
+    ratio = 1.0
+    for r in by_order.values():
+        ratio *= r ** (1 / len(by_order))
+    return {"pairs": pairs, "ratio_by_first": by_order, "ratio": ratio,
             "median_durable_s": {k: median_of(later, k) for k in ("on", "off")},
             "slower_in": sum(p["on"] > p["off"] for p in later)}
 
@@ -375,8 +378,9 @@ def print_paired(paired):
     m, r = paired["median_durable_s"], paired["ratio_by_first"]
     print(f"full fine-tune, increments on against off, {len(later)} pairs of checkpoints after the first "
           f"(each saved to both daemons in turn, the order swapped each pair):")
-    print(f"  median durable {m['on']:.3f} s on, {m['off']:.3f} s off; on against off {100 * (r['on'] - 1):+.1f}% "
-          f"when on saves first, {100 * (r['off'] - 1):+.1f}% when off does: {100 * (paired['ratio'] - 1):+.1f}% "
+    by_first = ", ".join(f"{100 * (ratio - 1):+.1f}% when {first} saves first" for first, ratio in r.items())
+    print(f"  median durable {m['on']:.3f} s on, {m['off']:.3f} s off; on against off {by_first}: "
+          f"{100 * (paired['ratio'] - 1):+.1f}% "
           f"(on slower in {paired['slower_in']} of {len(later)}); bytes {median_of(later, 'on_bytes') / 1e6:.1f} MB on, "
           f"{median_of(later, 'off_bytes') / 1e6:.1f} MB off")
 
