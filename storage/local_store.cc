@@ -32,7 +32,23 @@ class LocalObjectWriter final : public ObjectWriter {
   LocalObjectWriter(FilesystemPtr fs, std::string path, UniqueFd fd, bool direct)
       : fs_(std::move(fs)), path_(std::move(path)), fd_(std::move(fd)), direct_(direct) {}
 
+  // The first failure is every later call's answer: a write that failed leaves the file
+  // short or the buffer unwritten, and no retry may append after it or finish it as whole.
   absl::Status Append(const char* data, size_t size) override {
+    CKPT_RETURN_IF_ERROR(failed_);
+    failed_ = AppendOnce(data, size);
+    return failed_;
+  }
+
+  absl::StatusOr<uint64_t> Finish() override {
+    CKPT_RETURN_IF_ERROR(failed_);
+    absl::StatusOr<uint64_t> size = FinishOnce();
+    failed_ = size.status();
+    return size;
+  }
+
+ private:
+  absl::Status AppendOnce(const char* data, size_t size) {
     if (!direct_) {
       CKPT_RETURN_IF_ERROR(Annotate(fs_->WriteAt(fd_.get(), data, size, size_), path_));
       size_ += size;
@@ -67,7 +83,7 @@ class LocalObjectWriter final : public ObjectWriter {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<uint64_t> Finish() override {
+  absl::StatusOr<uint64_t> FinishOnce() {
     if (pending_ > 0) {
       // The last partial block is written padded with zeros, and the file cut back.
       const size_t padded = (pending_ + kBlock - 1) / kBlock * kBlock;
@@ -82,7 +98,6 @@ class LocalObjectWriter final : public ObjectWriter {
     return size_;
   }
 
- private:
   // Writes the whole blocks gathered; a last partial block moves to the buffer's start.
   absl::Status WriteGathered() {
     const size_t whole = pending_ / kBlock * kBlock;
@@ -101,6 +116,7 @@ class LocalObjectWriter final : public ObjectWriter {
   uint64_t size_ = 0;   // written to the file; a multiple of kBlock until Finish()
   size_t pending_ = 0;  // bytes gathered at the start of bounce_, not written yet
   AlignedBuffer bounce_;
+  absl::Status failed_;
 };
 
 class LocalObjectReader final : public ObjectReader {

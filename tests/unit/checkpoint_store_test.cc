@@ -130,7 +130,9 @@ TEST_CASE("a failure at any stage of a save leaves the previous checkpoint intac
     int skip;
     int err;
   };
-  for (Case c : {Case{Op::kCreate, 0, EACCES}, Case{Op::kWrite, 1, ENOSPC}, Case{Op::kSync, 0, EIO},
+  // The shard's write (its small appends are gathered into one), then the manifest's.
+  for (Case c : {Case{Op::kCreate, 0, EACCES}, Case{Op::kWrite, 0, ENOSPC}, Case{Op::kWrite, 1, ENOSPC},
+                 Case{Op::kSync, 0, EIO},
                  Case{Op::kRename, 0, EIO}, Case{Op::kRename, 1, EXDEV}, Case{Op::kSyncDir, 0, EIO},
                  Case{Op::kMakeDir, 0, ENOSPC}}) {
     Fixture f;
