@@ -797,9 +797,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   }
   if (config.increments) {
     p->increment_bases = std::make_unique<persist::IncrementBases>();
-    p->increment_writer = std::make_unique<persist::IncrementWriter>(
-        *p->store, *p->increment_bases, *p->retention,
-        persist::IncrementOptions{config.increment_chunk_bytes, config.full_every}, yield_to_copies);
+    persist::IncrementOptions increment_options{config.increment_chunk_bytes, config.full_every};
+    // Test-only fault (CKPTD_FAULT=header-limit:N): headers over N bytes are too large, so that
+    // a test reaches with kilobytes what takes a 100 MB header (tests/integration/increment_test.cc).
+    if (const char* fault = std::getenv("CKPTD_FAULT"); fault != nullptr && std::string(fault).rfind("header-limit:", 0) == 0) {
+      increment_options.max_header_bytes = std::stoull(std::string(fault).substr(13));
+      log.warn("CKPTD_FAULT={}: safetensors headers over {} bytes are refused (a test's fault)", fault,
+               increment_options.max_header_bytes);
+    }
+    p->increment_writer = std::make_unique<persist::IncrementWriter>(*p->store, *p->increment_bases, *p->retention,
+                                                                     increment_options, yield_to_copies);
     log.info("increments on: each rank writes what changed since its previous step (chunks of about {} bytes; a "
              "rebase every {} saves)",
              config.increment_chunk_bytes, config.full_every);

@@ -42,6 +42,15 @@ std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
   return out + json;
 }
 
+absl::Status CheckHeaderFits(const std::string& encoded, size_t entries, const std::string& file, uint64_t limit) {
+  const uint64_t json_bytes = encoded.size() - 8;
+  if (json_bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(fmt::format(
+      "{}: its safetensors header would be {} bytes ({} entries), over the {} bytes safetensors readers accept; "
+      "register fewer tensors, or shorter names",
+      file, json_bytes, entries, limit));
+}
+
 absl::StatusOr<SafetensorsHeader> ReadHeader(const storage::ObjectReader& object) {
   const uint64_t file_size = object.size();
   const std::string& path = object.name();

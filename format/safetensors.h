@@ -37,6 +37,14 @@ std::string EncodeHeader(const std::vector<TensorEntry>& tensors,
                          const std::map<std::string, std::string>& metadata,
                          size_t alignment = 8);
 
+// The largest JSON header stock readers open (safetensors' MAX_HEADER_SIZE).
+inline constexpr uint64_t kMaxWrittenHeaderBytes = 100'000'000;
+// Ok when an EncodeHeader() result is within kMaxWrittenHeaderBytes; otherwise an error
+// naming `file`, the header's size and its entry count: a file with a larger header would
+// be written, committed, and then refused by every reader.
+absl::Status CheckHeaderFits(const std::string& encoded, size_t entries, const std::string& file,
+                             uint64_t limit = kMaxWrittenHeaderBytes);
+
 // Reads and validates the header of the open file `path` of `file_size` bytes: JSON shape,
 // known dtypes, sizes matching shapes, contiguous offsets covering the data region, and a
 // file that is neither truncated nor extended.

@@ -161,13 +161,23 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   PlanOptions plan_options;
   plan_options.rebase = base && RebaseDue(base->saves_since_full, options_.full_every);
   CKPT_ASSIGN_OR_RETURN(RankWritePlan plan, PlanRankWrite(base ? base->base.get() : nullptr, write, plan_options));
+  // The file as planned: its entries in order, each from where its source is in staging.
+  const std::string header = HeaderOf(plan, shard.metadata);
+  if (absl::Status fits = format::CheckHeaderFits(header, plan.entries.size(), write.file, options_.max_header_bytes);
+      !fits.ok()) {
+    // Changed runs scattered over many pieces (a sparse table's rows) can list more
+    // entries than a safetensors header may hold; the rank's pieces whole have far fewer.
+    log::Get(log::Component::kPersist)
+        .warn("[{} s{}] r{} written whole: {}", snap.job, snap.step, snap.rank, Message(fits));
+    RankWrite whole{snap.step, snap.rank, write.file, {}, {}};
+    CKPT_ASSIGN_OR_RETURN(WrittenShard out, Stream(snap, dir, base->base.get(), std::move(whole)));
+    out.base_pin = std::move(pin);
+    return out;
+  }
   bases_.Planned(snap.job, snap.rank, snap.session_started_unix_ns, snap.step, plan.mode,
                  MostlyChanged(plan, write));
   log::Get(log::Component::kPersist)
       .debug("[{} s{}] r{} {}", snap.job, snap.step, snap.rank, plan.reason);
-
-  // The file as planned: its entries in order, each from where its source is in staging.
-  const std::string header = HeaderOf(plan, shard.metadata);
   WrittenShard out;
   out.file = write.file;
   const std::string key = dir + "/" + out.file;
@@ -228,6 +238,9 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
   }
   CKPT_ASSIGN_OR_RETURN(RankWritePlan plan, PlanRankWrite(nullptr, write, {}));
   const std::string header = HeaderOf(plan, shard.metadata);
+  CKPT_RETURN_IF_ERROR(format::CheckHeaderFits(header, plan.entries.size(),
+                                               store_.objects().Describe(dir + "/" + write.file),
+                                               options_.max_header_bytes));
   WrittenShard out;
   out.file = write.file;
   CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(dir + "/" + out.file, header, [&](RunAppender& appender) -> absl::Status {

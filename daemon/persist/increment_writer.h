@@ -17,6 +17,7 @@
 #include "daemon/persist/shard_writer.h"
 #include "daemon/staging/staged_snapshot.h"
 #include "format/checkpoint_store.h"
+#include "format/safetensors.h"
 #include "storage/store.h"
 
 namespace ckpt::persist {
@@ -30,6 +31,8 @@ class RunAppender;  // run_appender.h
 struct IncrementOptions {
   uint64_t chunk_bytes = kDefaultIncrementChunkBytes;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (0: never a rebase)
+  // The largest safetensors header a file may have (tests lower it: CKPTD_FAULT=header-limit:N).
+  uint64_t max_header_bytes = format::kMaxWrittenHeaderBytes;
 };
 
 class IncrementWriter {

@@ -74,6 +74,7 @@ class StoreShardWriter final : public ShardWriter {
     // Padded to a block: the data region then starts aligned, and goes out from the
     // caller's memory as it is.
     const std::string header = format::EncodeHeader(shard.entries, shard.metadata, kBlock);
+    CKPT_RETURN_IF_ERROR(format::CheckHeaderFits(header, shard.entries.size(), store_->Describe(dir + "/" + out.file)));
     RunningChecksums checksums(shard, out);
     const std::string key = dir + "/" + out.file;
     absl::Status written = [&]() -> absl::Status {

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -242,6 +243,92 @@ TEST_CASE("an embedding table with 1% of its rows changed at random writes a few
   CHECK(r.exit_code == 0);
   CHECK(Contains(r.out, "restored step=4 source=disk"));
   CHECK(Contains(r.out, "match"));
+}
+
+namespace {
+
+// Rank 0's shard file in a step: its safetensors header's length (the first 8 bytes), with
+// the padding that aligns the data region (what readers' limits count).
+uint64_t HeaderBytes(const Daemon& d, uint64_t step) {
+  for (const auto& e : fs::directory_iterator(fmt::format("{}/inc/step-{:08d}", d.root(), step))) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("rank-00000.", 0) != 0 || e.path().extension() != ".safetensors") continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    unsigned char prefix[8] = {};
+    in.read(reinterpret_cast<char*>(prefix), 8);
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; --i) n = (n << 8) | prefix[i];
+    return n;
+  }
+  FAIL("no rank 0 shard in step " << step);
+  return 0;
+}
+
+}  // namespace
+
+// A safetensors header may hold 100,000,000 bytes (stock readers refuse more). An increment
+// of scattered changes lists an entry per changed run, so its header can pass that where
+// the rank's pieces whole would not: it is then written whole. A rank whose whole header is
+// too large fails its step, saying so, and loses nothing committed. (CKPTD_FAULT=
+// header-limit:N lowers the limit so that kilobytes reach it.)
+TEST_CASE("a step whose header would pass safetensors' limit is written whole, or fails saying why") {
+  TempDir dir;
+  const std::vector<std::string> flags = {"--increments", "on", "--increment-chunk-bytes", "64K", "--keep-last", "0"};
+  const std::vector<std::string> data = {"--job", "inc", "--seed", "7", "--bytes", "1048576", "--table-rows", "2048",
+                                         "--row-bytes", "16384", "--sparse-rows", "10"};
+  uint64_t whole = 0, increment = 0;
+  {
+    Daemon d(dir, flags);
+    d.Start();
+    Process p(Helper(d, With(data, {"save-steps", "--steps-list", "1,2"})), dir.path(), "measure");
+    REQUIRE(p.Wait() == 0);
+    whole = HeaderBytes(d, 1);
+    increment = HeaderBytes(d, 2);
+    INFO("headers: " << whole << " bytes whole, " << increment << " as an increment");
+    // A third of the table's 512 chunks changed, in over a hundred runs, an entry each (the
+    // headers are padded to 4 KiB blocks).
+    REQUIRE(increment >= whole + 4096);
+    REQUIRE(d.Stop() == 0);
+  }
+  struct Unset {
+    ~Unset() { ::unsetenv("CKPTD_FAULT"); }
+  } unset;
+  {
+    const uint64_t limit = (whole + increment) / 2;
+    ::setenv("CKPTD_FAULT", fmt::format("header-limit:{}", limit).c_str(), 1);
+    Daemon d(dir, flags);
+    d.Start();
+    Process p(Helper(d, With(data, {"save-steps", "--steps-list", "3,4,5"})), dir.path(), "whole");
+    REQUIRE(p.Wait() == 0);
+    INFO(d.Log());
+    CHECK(Contains(d.Log(), "[inc s4] r0 written whole: rank-00000."));
+    CHECK(Contains(d.Log(), fmt::format("over the {} bytes safetensors readers accept", limit)));
+    for (uint64_t step = 3; step <= 5; ++step) {
+      CHECK(HeaderBytes(d, step) <= limit);
+      CHECK(Manifest(d, step)["increment"]["referenced_bytes"] == 0);
+      CheckVerifies(d, step);
+    }
+    REQUIRE(d.Stop() == 0);
+  }
+  {
+    ::setenv("CKPTD_FAULT", fmt::format("header-limit:{}", whole / 2).c_str(), 1);
+    Daemon d(dir, flags);
+    d.Start();
+    Process p(Helper(d, With(data, {"save-steps", "--steps-list", "6"})), dir.path(), "too-large");
+    CHECK(p.Wait() == 5);
+    INFO(p.Stdout() << d.Log());
+    CHECK(Contains(p.Stdout(), "step 6 failed: "));
+    CHECK(Contains(p.Stdout(), "safetensors header would be"));
+    CHECK_FALSE(fs::exists(fmt::format("{}/inc/step-00000006", d.root())));
+    ::unsetenv("CKPTD_FAULT");
+    REQUIRE(d.Stop() == 0);
+    d.Start();
+    RunResult r = Run(Helper(d, With(data, {"check", "--step", "5"})), dir.path());
+    INFO(r.out << r.err << d.Log());
+    CHECK(r.exit_code == 0);
+    CHECK(Contains(r.out, "restored step=5 source=disk"));
+    CHECK(Contains(r.out, "match"));
+  }
 }
 
 // A full fine-tune: every byte changes at every step. After one save planned against a base

@@ -78,6 +78,18 @@ TEST_CASE("the header's text is what an ordered JSON tree of the same entries wo
   }
 }
 
+TEST_CASE("a header over safetensors' 100,000,000 bytes is refused before it is written, naming the file") {
+  CHECK(CheckHeaderFits(EncodeHeader(TwoTensors(), {}), 2, "rank-00000.safetensors").ok());
+  std::string at_limit(8 + kMaxWrittenHeaderBytes, ' ');
+  CHECK(CheckHeaderFits(at_limit, 1, "rank-00000.safetensors").ok());
+  at_limit.push_back(' ');
+  absl::Status over = CheckHeaderFits(at_limit, 170000, "/root/job/step-00000001.tmp/rank-00007.safetensors");
+  CHECK(absl::IsResourceExhausted(over));
+  CHECK(Message(over).find("rank-00007.safetensors") != std::string::npos);
+  CHECK(Message(over).find("100000001 bytes (170000 entries)") != std::string::npos);
+  CHECK(Message(over).find("over the 100000000 bytes safetensors readers accept") != std::string::npos);
+}
+
 TEST_CASE("a truncated shard is refused with the file named") {
   testing::TempDir dir;
   std::string header = EncodeHeader(TwoTensors(), {});
