@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <memory>
+#include <random>
 #include <set>
 #include <thread>
 #include <string>
@@ -21,18 +23,33 @@
 
 namespace ckpt::testing {
 
-// A port that was free a moment ago (a group's coordinator port must survive its restarts).
+// A port that was free a moment ago (a group's coordinator port must survive its restarts),
+// picked outside the kernel's ephemeral range: a port from a bind of port 0, once closed,
+// can be handed out again at once to another bind of port 0 (a daemon's own group
+// listener), and the daemon it was picked for then finds it taken ("cannot listen on
+// 127.0.0.1:45313: Address already in use", in CI under TSan). The Python twin:
+// client/python/tests/conftest.py, free_port.
 inline int PickFreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
-  socklen_t len = sizeof addr;
-  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  static std::mt19937 random{std::random_device{}()};
+  int lo = 32768, hi = 60999;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> lo >> hi;
+  const int first = lo > 11000 ? 10000 : hi + 1;
+  const int last = lo > 11000 ? lo - 1 : 65535;
+  REQUIRE(first < last);
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const int port = std::uniform_int_distribution<int>(first, last)(random);
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);  // free on every address a daemon may bind
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (free) return port;
+  }
+  FAIL("no free port in " << first << "-" << last);
+  return 0;
 }
 
 // GET http://127.0.0.1:port/path (HTTP/1.0: the server closes after the answer); the whole

@@ -62,6 +62,31 @@ class Daemon:
         return sorted(int(d[5:]) for d in os.listdir(path) if d.startswith("step-") and "." not in d)
 
 
+def free_port():
+    """A TCP port free when picked, outside the kernel's ephemeral range: a port from a bind of
+    port 0, once closed, can be handed out again at once to another bind of port 0 (a daemon's
+    own listener) before the process it was picked for binds it. The C++ twin:
+    tests/integration/common.h, PickFreePort."""
+    import random
+    import socket
+    lo, hi = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        pass
+    first, last = (10000, lo - 1) if lo > 11000 else (hi + 1, 65535)
+    for _ in range(1000):
+        port = random.randint(first, last)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{last}")
+
+
 def start_with_metrics(workdir, *extra):
     """A ckptd with /metrics on a port of its choosing (daemon.metrics_port, from its log)."""
     daemon = Daemon(workdir, ["--metrics-addr", "127.0.0.1:0", *extra]).start()

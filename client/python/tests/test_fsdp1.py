@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from conftest import CKPTCTL, PYTHONPATH
+from conftest import CKPTCTL, PYTHONPATH, free_port
 
 WORKER = "client/python/tests/fsdp1_worker.py"
 
@@ -30,13 +30,6 @@ def manifest(daemon, job, step):
 def equal_bits(a, b):
     return (a.dtype == b.dtype and a.shape == b.shape
             and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
-
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(daemon, job, mode, layout, out, world=2):

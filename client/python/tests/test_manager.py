@@ -18,7 +18,7 @@ import torch
 import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import Daemon, losses, run_example
+from conftest import Daemon, free_port, losses, run_example
 
 
 def make_training(seed=0, hidden=16):
@@ -944,9 +944,7 @@ def test_a_stalled_group_member_costs_its_python_and_cpp_trainers_only_missed_ch
     Python trainer (CheckpointManager) and a C++ one (example_trainer) on it: the coordinator
     marks it lost, neither trainer stops, raises or exits, and both jobs commit again once
     the member is back and has joined again."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     token = os.path.join(workdir, "token")
     with open(os.open(token, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write("a-group-token-of-enough-length-0123456789\n")

@@ -9,13 +9,7 @@ import socket
 import subprocess
 import time
 
-from conftest import CKPTCTL, CKPTD
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import CKPTCTL, CKPTD, free_port
 
 
 class NotifySocket:

@@ -6,7 +6,6 @@ Debian's PyTorch 1.13).
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import torch
 
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import CKPTCTL, PYTHONPATH
+from conftest import CKPTCTL, PYTHONPATH, free_port
 
 WORKER = "client/python/tests/dtensor_worker.py"
 
@@ -86,12 +85,6 @@ def test_mixed_precision_keeps_every_dtype(daemon):
         assert v.dtype == torch.bfloat16 and equal_bits(v, saved_model[k])
     for state in optimizer2.state.values():
         assert state["exp_avg"].dtype == torch.float32
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(daemon, job, mode, layout, out, world=2):

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import ckptd  # noqa: E402
 from ckptd.torch import CheckpointManager  # noqa: E402
 from ckptd.dcp import CkptdStorageReader  # noqa: E402
 
-from conftest import PYTHONPATH, Daemon, losses  # noqa: E402
+from conftest import PYTHONPATH, Daemon, free_port, losses  # noqa: E402
 from torchtitan_worker import export_digest  # noqa: E402
 
 WORKER = "client/python/tests/torchtitan_worker.py"
@@ -62,12 +61,6 @@ def assets(tmp_path_factory):
         for _ in range(300):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(4, 40)))}) + "\n")
     return {"tokenizer": str(tokenizer_dir), "data": str(data_dir), "cache": str(root / "hf-cache")}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(assets, dump, *checkpoint, job=None, socket_path=None, ranks=1, delay=0.0, steps=STEPS):
