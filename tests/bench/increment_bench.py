@@ -38,7 +38,6 @@ Prints a table, or one JSON object with --json; --quick runs a small model (CI).
   .venv/bin/python tests/bench/increment_bench.py --bin bazel-bin
 """
 import argparse
-import gc
 import json
 import os
 import shutil
@@ -327,7 +326,8 @@ def full_paired(a, torch, make, inc):
     run: two models trained alike, each checkpoint saved to one daemon and committed, then to
     the other, the order swapped every checkpoint. Run against run, this disk's speed drifts
     by more than the 5% the goal is about; checkpoint against the next one, it does not, so
-    the ratio of each pair is the figure. Per pair: seconds to durable on and off."""
+    the figure is the ratios of pairs (combined over the two orders, below). Per pair:
+    seconds to durable on and off."""
     from ckptd.torch import CheckpointManager
     sides = {}
     try:
