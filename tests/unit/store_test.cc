@@ -168,22 +168,21 @@ TEMPLATE_TEST_CASE("objects written from chunks of any alignment read back byte 
 // An incremental shard appends its changed chunks one by one, each often a block, from all
 // over staging memory: written as they came, a sparse table's increment made ~30,000
 // synchronous O_DIRECT writes and took 3x a full checkpoint's time (docs/benchmarks.md).
-// Whether files in `dir` open with O_DIRECT (ext4 and xfs do; tmpfs before Linux 6.6 does
-// not, and there the store writes through the page cache, each append at once).
-bool DirectIoIn(const std::string& dir) {
+// True, having said so, when files in `dir` do not open with O_DIRECT (ext4 and xfs do;
+// tmpfs before Linux 6.6 does not, and there the store writes through the page cache, each
+// append at once): a case about gathered O_DIRECT writes is skipped there.
+bool SkippedWithoutDirectIo(const std::string& dir) {
   const std::string probe = dir + "/direct-probe";
   const int fd = ::open(probe.c_str(), O_CREAT | O_WRONLY | O_DIRECT | O_CLOEXEC, 0600);
   if (fd >= 0) ::close(fd);
   ::unlink(probe.c_str());
-  return fd >= 0;
+  if (fd < 0) std::cout << "SKIPPED: the test's directory refuses O_DIRECT (" << dir << ")\n";
+  return fd < 0;
 }
 
 TEST_CASE("small appends to a local file are gathered into large writes, large aligned ones go straight") {
   LocalDisk t;
-  if (!DirectIoIn(t.dir.path())) {
-    std::cout << "SKIPPED: the test's directory refuses O_DIRECT (" << t.dir.path() << ")\n";
-    return;
-  }
+  if (SkippedWithoutDirectIo(t.dir.path())) return;
   auto writer = t.store->Create("job/step-00000001.tmp/rank-00000.safetensors");
   REQUIRE(writer.ok());
   const size_t source_bytes = 32u << 20;
@@ -215,10 +214,7 @@ TEST_CASE("small appends to a local file are gathered into large writes, large a
 
 TEST_CASE("a write of gathered appends that fails is returned by Finish, naming the file") {
   LocalDisk t;
-  if (!DirectIoIn(t.dir.path())) {
-    std::cout << "SKIPPED: the test's directory refuses O_DIRECT (" << t.dir.path() << ")\n";
-    return;
-  }
+  if (SkippedWithoutDirectIo(t.dir.path())) return;
   auto writer = t.store->Create("job/step-00000002.tmp/rank-00003.safetensors");
   REQUIRE(writer.ok());
   std::vector<char> bytes = Pattern(5000, 2);
