@@ -162,19 +162,19 @@ ParseResult ParseFlags(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--keep-every", c.keep_every, "also keep every step divisible by N (0: off)")
       ->capture_default_str();
-  std::string increments = "off", increment_chunk = "4M";
+  std::string increments = "on", increment_chunk = "4M";
   app.add_option("--increments", increments,
-                 "on: write only what changed since the rank's previous step, referencing the rest "
-                 "(format version 5; peers of --replication hold each step whole; off: every step written whole, "
-                 "format version 4, as before)")
+                 "on: write and upload only what changed since the rank's previous step, referencing the rest "
+                 "(format version 5; peers of --replication hold each step whole); off: every step's files whole "
+                 "(format version 4, what a ckptd without increments reads)")
       ->check(CLI::IsMember({"on", "off"}))
       ->capture_default_str();
   app.add_option("--increment-chunk-bytes", increment_chunk,
-                 "with --increments on: about how large the chunks compared with the previous step are "
+                 "with increments: about how large the chunks compared with the previous step are "
                  "(64K to 64M)")
       ->capture_default_str();
   app.add_option("--full-every", c.full_every,
-                 "with --increments on: every N-th save of a rank rewrites what it references in files "
+                 "with increments: every N-th save of a rank rewrites what it references in files "
                  "mostly dead (a rebase; 0: never)")
       ->capture_default_str();
   app.add_option("--frozen-check-every", c.frozen_check_every,

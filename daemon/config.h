@@ -35,7 +35,7 @@ struct Config {
   uint64_t keep_every = 0;
   // --increments on: steps written in format version 5, unchanged chunks referenced where an
   // earlier step wrote them (docs/design/incremental.md), on every tier.
-  bool increments = false;
+  bool increments = true;
   uint64_t increment_chunk_bytes = uint64_t{4} << 20;  // --increment-chunk-bytes
   uint32_t full_every = 20;                            // --full-every (saves; 0: never)
   // Every N-th snapshot of a session copies its frozen tensors from the trainer again and

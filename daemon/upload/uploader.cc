@@ -64,6 +64,26 @@ std::string ShardVersion(const format::Manifest& m, const format::ManifestShard&
   return fmt::format("{}/{}/{}/{}", m.run, m.unix_time, shard.bytes, sum.Finish());
 }
 
+// Whether `rank`'s file in `m` is its staged snapshot whole, in staging order: always up to
+// version 4; in an incremental step when it references nothing (a first save, or one whose
+// bytes mostly changed, which the writer streams whole). An increment's file holds only its
+// changed chunks, laid out anew, and its staging block may still be filling frozen tensors.
+bool HoldsWholeSnapshot(const format::Manifest& m, uint32_t rank) {
+  if (!m.increment) return true;
+  for (const auto& [name, tensor] : m.tensors) {
+    for (const format::TensorShard& piece : tensor.shards) {
+      if (piece.rank == rank && !piece.extents.empty()) return false;
+    }
+  }
+  for (const format::ManifestShard& shard : m.shards) {
+    if (shard.rank != rank) continue;
+    for (const auto& [name, entry] : shard.train_state) {
+      if (entry.step.has_value()) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 Uploader::Uploader(format::CheckpointStore& local, format::CheckpointStore& remote,
@@ -222,9 +242,8 @@ absl::Status Uploader::CopyFile(const Pending& p, const format::ManifestShard& s
   const std::string key = remote_.TempStepKey(m.job, m.step) + "/" + shard.file;
   CKPT_ASSIGN_OR_RETURN(std::unique_ptr<storage::ObjectReader> in,
                         local_.objects().Open(format::CheckpointStore::StepKey(m.job, m.step) + "/" + shard.file));
-  // An incremental step's file holds only its own bytes, laid out from staging: not the
-  // staged data region, which may also still be filling (frozen tensors). From the disk.
-  if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end() && !m.increment) {
+  // MemoryFirst checks too that the file's data region is as long as the staged one.
+  if (auto it = p.in_memory.find(shard.rank); it != p.in_memory.end() && HoldsWholeSnapshot(m, shard.rank)) {
     in = MemoryFirst(std::move(in), it->second, &from_memory_);
   }
   // CopyFrom checks that every byte arrived. A copy that a gateway's outage cut short

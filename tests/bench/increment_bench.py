@@ -321,7 +321,7 @@ def summary(run):
     return out
 
 
-def full_paired(a, torch, make, inc):
+def full_paired(a, torch, make, inc, whole):
     """The full fine-tune saved to two daemons side by side, increments on and off, in one
     run: two models trained alike, each checkpoint saved to one daemon and committed, then to
     the other, the order swapped every checkpoint. Run against run, this disk's speed drifts
@@ -331,7 +331,7 @@ def full_paired(a, torch, make, inc):
     from ckptd.torch import CheckpointManager
     sides = {}
     try:
-        for name, flags in (("on", inc), ("off", [])):
+        for name, flags in (("on", inc), ("off", whole)):
             root = os.path.join(a.work, f"paired_{name}")
             model, params, optimizer = make()
             sides[name] = {"root": root, "daemon": Daemon(os.path.join(a.bin, "daemon/ckptd"), root, flags, a.staging),
@@ -410,6 +410,7 @@ def main():
     if a.quick:
         a.checkpoints, a.every, a.staging = 3, 2, "1G"
     inc = ["--increments", "on"]
+    whole = ["--increments", "off"]  # today's full checkpoints (increments are ckptd's default)
     try:
         def lora():
             model = gpt2(torch, a.quick, medium=True)
@@ -439,26 +440,26 @@ def main():
         limit_gbps, _ = disk_limit(a.work, full_bytes)
         results = {"disk_limit_gbps": limit_gbps, ("full_model_bytes" if a.full_only else "lora_model_bytes"): full_bytes, "lora": {}}
         if a.full_only:
-            results["paired"] = full_paired(a, torch, full, inc)
+            results["paired"] = full_paired(a, torch, full, inc, whole)
         elif not a.bucket_only and not a.sparse_only:
             results["lora"]["ckptd, increments"] = summary(
                 run_ckptd(a, torch, "lora inc", lora, inc, a.checkpoints, a.every))
-            results["lora"]["ckptd, full"] = summary(run_ckptd(a, torch, "lora full", lora, [], a.checkpoints, a.every))
+            results["lora"]["ckptd, full"] = summary(run_ckptd(a, torch, "lora full", lora, whole, a.checkpoints, a.every))
             results["lora"]["DCP"] = summary(run_dcp(a, torch, lora, a.checkpoints, a.every))
-            results["paired"] = full_paired(a, torch, full, inc)
+            results["paired"] = full_paired(a, torch, full, inc, whole)
         results["sparse"] = {}
         if not a.bucket_only and not a.full_only:
             for shape, make in tables.items():
                 results["sparse"][shape] = {
                     "ckptd, increments": summary(run_ckptd(a, torch, "sparse inc", make, inc, a.checkpoints, 1)),
-                    "ckptd, full": summary(run_ckptd(a, torch, "sparse full", make, [], a.checkpoints, 1))}
+                    "ckptd, full": summary(run_ckptd(a, torch, "sparse full", make, whole, a.checkpoints, 1))}
         if a.bucket:
             s3 = start_bucket(a)
             # Three checkpoints each: the OSD keeps objects in RAM (memstore), a full LoRA one 1.4 GB.
             n = min(a.checkpoints, 3)
             results["bucket"] = {}
-            for name, flags in (("ckptd, increments", inc), ("ckptd, full", [])):
-                prefix = "bucket-inc" if flags else "bucket-full"
+            for name, flags in (("ckptd, increments", inc), ("ckptd, full", whole)):
+                prefix = "bucket-inc" if flags is inc else "bucket-full"
                 results["bucket"][name] = summary(run_bucket(a, torch, prefix, lora, flags, n, a.every, s3))
                 for key in bucket_bytes(s3["client"], s3["bucket"], prefix + "/"):
                     s3["client"].delete_object(Bucket=s3["bucket"], Key=key)

@@ -174,8 +174,10 @@ class Daemon:
         self.socket = socket
         # ckptd as deployed: staging memory prefaulted at start (a restore's bytes land in it;
         # untouched pages would fault under every GET).
+        # Whole checkpoints (--increments off): the figures are uploads and restores of every
+        # byte against the gateway's own limit; increment_bench measures increments.
         args = [binary, "--root", root, "--socket", socket, "--staging-bytes", STAGING_BYTES,
-                ] + (["--remote", remote] if remote else []) + list(extra)
+                "--increments", "off"] + (["--remote", remote] if remote else []) + list(extra)
         self.proc = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT)
         if SERVICE_CPUS:
             pin(self.proc.pid, SERVICE_CPUS)

@@ -150,14 +150,14 @@ TEST_CASE("a truncated shard: verify names file and tensor, restore refuses, not
   SaveOk(d, dir, "tr", 1, 10);
   SaveOk(d, dir, "tr", 2, 20);
   REQUIRE(d.Stop() == 0);  // restart so restore cannot use memory
-  std::string shard = d.root() + "/tr/step-00000020/rank-00000.safetensors";
+  std::string shard = ShardPath(d.root() + "/tr/step-00000020", 0);
   std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 1000);
   d.Start();
   auto v = d.Ctl({"--job", "tr", "verify", "20"});
   INFO(v.out << v.err);
   CHECK(v.exit_code == 3);
   CHECK(Contains(v.out, "DAMAGED"));
-  CHECK(Contains(v.out, "rank-00000.safetensors"));
+  CHECK(Contains(v.out, std::filesystem::path(shard).filename().string()));
   CHECK(Contains(v.out, "truncated"));
   CHECK(Contains(v.out, "tensor tiny in"));  // the last entry is the one cut short
   // Restoring step 20 by name is refused; the latest step falls back to step 10, saying why.
@@ -220,16 +220,18 @@ TEST_CASE("a shard as a symlink, unreadable (EIO) or with another dtype: restore
   }
   REQUIRE(d.Stop() == 0);  // restarted: nothing restores from memory
   auto shard = [&](const std::string& job, const char* step) {
-    return d.root() + "/" + job + "/step-000000" + step + "/rank-00000.safetensors";
+    return ShardPath(d.root() + "/" + job + "/step-000000" + step, 0);
   };
   // A symlink in the shard's place (here to step 10's own shard): never followed.
-  std::filesystem::remove(shard("sl", "20"));
-  std::filesystem::create_symlink(shard("sl", "10"), shard("sl", "20"));
+  const std::string symlinked = shard("sl", "20");
+  std::filesystem::remove(symlinked);
+  std::filesystem::create_symlink(shard("sl", "10"), symlinked);
   // The header says I32 where the manifest says F32: the same size, the same bytes, and
   // checksums that match, but not the tensor the manifest describes.
   EditHeader(shard("dt", "20"), R"("model.a":{"dtype":"F32")", R"("model.a":{"dtype":"I32")");
   // The disk fails to read step 20's data region (its header reads).
-  ::setenv("CKPTD_FAULT", "eio-reading:/eio/step-00000020/rank-00000.safetensors", 1);
+  const std::string eio = "eio-reading:/eio/step-00000020/" + std::filesystem::path(shard("eio", "20")).filename().string();
+  ::setenv("CKPTD_FAULT", eio.c_str(), 1);
   d.Start();
   ::unsetenv("CKPTD_FAULT");
   auto v = d.Ctl({"--job", "dt", "verify", "20"});
@@ -265,11 +267,11 @@ TEST_CASE("session updates: refused ones change nothing; a real one registers on
   CHECK(Contains(r.out, "update: ok"));
   CHECK(Contains(r.out, "step 2: committed"));
   // Step 1 as registered (no refused update left anything behind); step 2 as updated.
-  json one = SafetensorsHeader(d.root() + "/up/step-00000001/rank-00000.safetensors");
+  json one = SafetensorsHeader(ShardPath(d.root() + "/up/step-00000001", 0));
   CHECK(one.contains("model.b"));
   CHECK_FALSE(one.contains("extra.ok"));
   CHECK_FALSE(one.contains("extra.z"));
-  json two = SafetensorsHeader(d.root() + "/up/step-00000002/rank-00000.safetensors");
+  json two = SafetensorsHeader(ShardPath(d.root() + "/up/step-00000002", 0));
   CHECK_FALSE(two.contains("model.b"));
   REQUIRE(two.contains("extra.c"));
   CHECK(two["extra.c"]["shape"] == json::array({3}));
@@ -283,14 +285,14 @@ TEST_CASE("a bit-flipped shard: verify names tensor and file, restore refuses") 
   d.Start();
   SaveOk(d, dir, "bf", 3, 10);
   REQUIRE(d.Stop() == 0);
-  std::string shard = d.root() + "/bf/step-00000010/rank-00000.safetensors";
+  std::string shard = ShardPath(d.root() + "/bf/step-00000010", 0);
   FlipByte(shard, std::filesystem::file_size(shard) - 200000);  // inside the I64 tensor model.b
   d.Start();
   auto v = d.Ctl({"--job", "bf", "verify", "10"});
   INFO(v.out);
   CHECK(v.exit_code == 3);
   CHECK(Contains(v.out, "checksum mismatch"));
-  CHECK(Contains(v.out, "rank-00000.safetensors"));
+  CHECK(Contains(v.out, std::filesystem::path(shard).filename().string()));
   CHECK((Contains(v.out, "tensor model.b") || Contains(v.out, "tensor optim.c")));
   auto c = Run(Helper(d, {"--job", "bf", "--seed", "3", "--bytes", "1000000", "check"}), dir.path());
   CHECK(c.exit_code == 2);
@@ -318,11 +320,14 @@ TEST_CASE("verify finds extra, missing and swapped files, naming each; exit 3") 
   damaged({"notes.txt: a file the manifest does not list"});
   std::filesystem::remove(step + "/notes.txt");
   // Step 10's file in step 20's place: a valid shard, but not the one the manifest describes.
-  std::filesystem::copy_file(d.root() + "/sw/step-00000010/rank-00000.safetensors", step + "/rank-00000.safetensors",
+  // (One run saved both, so with increments their files have the same name too.)
+  const std::string shard = ShardPath(step, 0);
+  const std::string name = std::filesystem::path(shard).filename().string();
+  std::filesystem::copy_file(ShardPath(d.root() + "/sw/step-00000010", 0), shard,
                              std::filesystem::copy_options::overwrite_existing);
-  damaged({"checksum mismatch", "rank-00000.safetensors", "tensor model."});
-  std::filesystem::remove(step + "/rank-00000.safetensors");
-  damaged({"rank-00000.safetensors: missing (rank 0's shard)"});
+  damaged({"checksum mismatch", name, "tensor model."});
+  std::filesystem::remove(shard);
+  damaged({name + ": missing (rank 0's shard)"});
   CHECK(d.Ctl({"--job", "sw", "verify", "10"}).exit_code == 0);  // the other step is untouched
 }
 

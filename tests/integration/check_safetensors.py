@@ -16,8 +16,10 @@ def main() -> int:
     step_dir, dumps = sys.argv[1], sys.argv[2:]
     manifest = json.load(open(os.path.join(step_dir, "manifest.json")))
     assert manifest["world_size"] == len(dumps), manifest["world_size"]
+    # rank-00000.safetensors written whole, rank-00000.<run>.safetensors with increments
+    files = {shard["rank"]: shard["file"] for shard in manifest["shards"]}
     for rank, dump in enumerate(dumps):
-        path = os.path.join(step_dir, f"rank-{rank:05d}.safetensors")
+        path = os.path.join(step_dir, files[rank])
         tensors = load_file(path)  # the stock loader validates the whole file
         with safe_open(path, framework="pt") as f:
             assert f.metadata().get("seed"), f.metadata()

@@ -119,6 +119,20 @@ inline std::string Field(const std::string& text, const std::string& key) {
   return text.substr(start, end - start);
 }
 
+// Rank `rank`'s shard file in a committed step directory, as the step's manifest names it:
+// rank-00003.safetensors when written whole (--increments off), rank-00003.<run>.safetensors
+// with increments (the default). Fails the test when the manifest lists no such rank.
+inline std::string ShardPath(const std::string& step_dir, uint32_t rank) {
+  std::ifstream in(step_dir + "/manifest.json");
+  REQUIRE(in.good());
+  const nlohmann::json manifest = nlohmann::json::parse(in);
+  for (const nlohmann::json& shard : manifest.at("shards")) {
+    if (shard.at("rank").get<uint32_t>() == rank) return step_dir + "/" + shard.at("file").get<std::string>();
+  }
+  FAIL("the manifest of " << step_dir << " lists no rank " << rank);
+  return {};
+}
+
 inline bool Contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }

@@ -134,6 +134,9 @@ void CheckScopedManifests(Cluster& c, uint64_t step) {
 
 TEST_CASE("three daemons commit one step globally and restore it bit-exactly, hot then from disk") {
   Cluster c({{0, 1}, {2, 3}, {4}});
+  // The full layout (manifests of versions 3 and 4, rank-NNNNN.safetensors) is what this case
+  // checks; group_increment_test checks version 5's.
+  c.extra_flags = {"--increments", "off"};
   c.StartAll();
   REQUIRE_WITHIN(c, kJoinBound, "every node joined and alive", c.AllAlive());
   {
@@ -251,6 +254,9 @@ TEST_CASE("a shared root: a step too large for one manifest is published as an i
   // limit is 64 MiB: about 290,000 tensor pieces), so that this small step takes the path
   // of a large one.
   Cluster c({{0, 1}, {2, 3}, {4}});
+  // The full layout (manifests of versions 3 and 4, rank-NNNNN.safetensors) is what this case
+  // checks; group_increment_test checks version 5's.
+  c.extra_flags = {"--increments", "off"};
   TempDir shared_disk;
   c.shared_root = shared_disk / "root";
   REQUIRE(fs::create_directories(c.shared_root));
@@ -383,7 +389,7 @@ TEST_CASE("64 daemons commit a step together and every rank restores it") {
   CHECK(Contains(scrape, "\nckptd_group_members{state=\"alive\"} " + std::to_string(kNodes) + "\n"));
   for (uint32_t n = 0; n < kNodes; ++n) {
     INFO("node " << n);
-    CHECK(fs::exists(c.StepDir(static_cast<int>(n), 10) + "/" + ShardName(n)));
+    CHECK(fs::exists(ShardPath(c.StepDir(static_cast<int>(n), 10), n)));
   }
 }
 
@@ -574,6 +580,9 @@ std::vector<std::unique_ptr<Process>> SaveUntilTheCoordinatorExits(Cluster& c, u
 
 TEST_CASE("the coordinator dies between recording a commit and announcing it: after restart all nodes agree") {
   Cluster c({{0}, {1, 2}, {3}});
+  // The full layout (manifests of versions 3 and 4, rank-NNNNN.safetensors) is what this case
+  // checks; group_increment_test checks version 5's.
+  c.extra_flags = {"--increments", "off"};
   auto savers = SaveUntilTheCoordinatorExits(c, 10);
   std::string coordinator_log = c.node(0).Log();
   {
@@ -620,6 +629,9 @@ TEST_CASE("the coordinator dies between recording a commit and announcing it: af
 
 TEST_CASE("a shared root: the coordinator dies after recording an indexed step's commit; after restart it publishes the step") {
   Cluster c({{0}, {1, 2}, {3}});
+  // The full layout (manifests of versions 3 and 4, rank-NNNNN.safetensors) is what this case
+  // checks; group_increment_test checks version 5's.
+  c.extra_flags = {"--increments", "off"};
   TempDir shared_disk;
   c.shared_root = shared_disk / "root";
   REQUIRE(fs::create_directories(c.shared_root));

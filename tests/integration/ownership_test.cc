@@ -343,14 +343,13 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
   const std::string ckptctl = dir / "ckptctl";
   std::filesystem::copy_file(Runfile("client/ckptctl"), ckptctl);
   ::chmod(ckptctl.c_str(), 0755);
-  const std::string shard = d.root() + "/private/step-00000001/rank-00000.safetensors";
+  const std::string shard = ShardPath(d.root() + "/private/step-00000001", 0);
   REQUIRE(std::filesystem::exists(shard));
 
   // The attacker is in ckptd's group (here root's, gid 0: the daemon runs as root), as every
   // trainer user is in the documented set-up, so that it may reach the socket.
   auto steal = [&](uint64_t step) {
-    auto cat = RunAs(1001, "0", {"/bin/cat", d.root() + "/private/step-0000000" +
-                                     std::to_string(step) + "/rank-00000.safetensors"},
+    auto cat = RunAs(1001, "0", {"/bin/cat", ShardPath(d.root() + "/private/step-0000000" + std::to_string(step), 0)},
                      dir.path());
     INFO(cat.err);
     CHECK(cat.exit_code != 0);
@@ -428,9 +427,7 @@ TEST_CASE("no user reads another's checkpoints, even in ckptd's group; the owner
   save(2);
   steal(1);
   steal(2);
-  CHECK(RunAs(1000, "", {"/bin/cat", d.root() + "/private/step-00000002/rank-00000.safetensors"},
-              dir.path())
-            .exit_code == 0);
+  CHECK(RunAs(1000, "", {"/bin/cat", ShardPath(d.root() + "/private/step-00000002", 0)}, dir.path()).exit_code == 0);
 }
 
 TEST_CASE("a job directory deleted under a running ckptd comes back with its owner and access") {
@@ -448,8 +445,13 @@ TEST_CASE("a job directory deleted under a running ckptd comes back with its own
   REQUIRE(again.exit_code == 0);
   CHECK(Contains(d.Log(), "job gone: its directory was deleted under ckptd"));
   CHECK(std::filesystem::exists(d.root() + "/gone/.owner"));
-  const std::string shard = d.root() + "/gone/step-00000002/rank-00000.safetensors";
+  const std::string shard = ShardPath(d.root() + "/gone/step-00000002", 0);
   CHECK(RunAs(1000, "", {"/bin/cat", shard}, dir.path()).exit_code == 0);
+  // The same bytes as step 1, whose files went with the directory: step 2 holds them itself
+  // (with increments, it may not reference a step that is gone).
+  auto verified = d.Ctl({"--job", "gone", "verify", "2"});
+  INFO(verified.out << verified.err);
+  CHECK(verified.exit_code == 0);
   CHECK(RunAs(1001, "0", {"/bin/cat", shard}, dir.path()).exit_code != 0);
   // After a restart the owner still owns it (it was "no owner on record": locked out).
   CHECK(d.Stop() == 0);

@@ -1,4 +1,5 @@
 """Fixtures: a real ckptd per test, started from the Bazel-built binary."""
+import json
 import os
 import re
 import shutil
@@ -120,14 +121,34 @@ def workdir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def daemon(workdir):
-    d = Daemon(workdir).start()
+def _serve(d):
+    d.start()
     yield d
     d.stop()
     # Shown by pytest only when the test failed: what the daemon saw.
     with open(d.log, errors="replace") as log:
         print("---- ckptd log (last 200 lines) ----\n" + "".join(log.readlines()[-200:]))
+
+
+@pytest.fixture
+def daemon(workdir):
+    yield from _serve(Daemon(workdir))
+
+
+@pytest.fixture
+def whole_daemon(workdir):
+    """A ckptd that writes every step's files whole (--increments off, format version 4): for
+    tests that read a later step's values from its file with the stock safetensors library
+    (with increments that file holds only what changed)."""
+    yield from _serve(Daemon(workdir, ["--increments", "off"]))
+
+
+def shard_path(step_dir, rank):
+    """Rank `rank`'s shard file in a committed step directory, as its manifest names it:
+    rank-00000.safetensors written whole, rank-00000.<run>.safetensors with increments."""
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        files = {shard["rank"]: shard["file"] for shard in json.load(f)["shards"]}
+    return os.path.join(step_dir, files[rank])
 
 
 def run_example(*args, env=None, **kwargs):

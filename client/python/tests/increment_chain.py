@@ -168,6 +168,8 @@ def write_step(job_dir, step, run, tag, world_size, tensors, layout, train_state
                       "origin_steps": sorted({(o["step"], o["run"]) for o in origins}), "origins": origins},
         "shards": shards, "tensors": manifest_tensors}
     manifest["increment"]["origin_steps"] = [{"step": s, "run": r} for s, r in manifest["increment"]["origin_steps"]]
+    if not origins:
+        del manifest["increment"]["origins"]  # as ckptd writes a step that references nothing
     write_manifest(folder, manifest)
     record["manifest"] = manifest
     return record
@@ -191,7 +193,7 @@ def publish_as_index(folder, manifest, node_ranks):
                  increment={k: v for k, v in manifest["increment"].items() if k != "origins"},
                  index={"digest": digest_, "parts": [], "step_tensors": step_tensors, "step_bytes": step_bytes})
     for node, ranks in enumerate(node_ranks):
-        origins = [o for o in manifest["increment"]["origins"] if o["rank"] in ranks]
+        origins = [o for o in manifest["increment"].get("origins", []) if o["rank"] in ranks]
         steps = sorted({(o["step"], o["run"]) for o in origins})
         tensors = {}
         for name, t in manifest["tensors"].items():

@@ -10,7 +10,7 @@ import torch
 import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import CKPTCTL, ranks_in_threads
+from conftest import CKPTCTL, ranks_in_threads, shard_path
 
 CONFIG = "model:\n  layers: 2\nlr: 0.001\n"
 VOCAB = bytes(range(256)) * 40  # binary, 10 KiB
@@ -61,7 +61,7 @@ def test_files_saved_with_a_step_are_listed_verified_restored_and_exported(daemo
     # Verified with the step: a damaged byte of a file is named; a file put into the step
     # directory by hand is not one of the step's and fails the verify.
     assert ctl(daemon, "--job", "files", "verify", "1").returncode == 0
-    shard = os.path.join(step_dir(daemon, "files", 1), "rank-00000.safetensors")
+    shard = shard_path(step_dir(daemon, "files", 1), 0)
     with open(shard, "rb") as f:
         data_start = 8 + int.from_bytes(f.read(8), "little")
     flip_byte(shard, data_start + state["file/config.yaml"]["data_offsets"][0] + 3)

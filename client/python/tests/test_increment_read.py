@@ -59,7 +59,7 @@ def source():
     """A real step saved through ckptd (model, Adam, StepLR, a stored file), read back:
     (tensors, rank 0's train state, the scheduler's state, the RNG after the save)."""
     workdir = tempfile.mkdtemp(prefix="ckptd-py.", dir="/tmp")
-    daemon = Daemon(workdir).start()
+    daemon = Daemon(workdir, ["--increments", "off"]).start()  # a whole step to build chains from
     try:
         model, optimizer, scheduler = make(0)
         for _ in range(3):

@@ -18,7 +18,7 @@ import torch
 import ckptd
 from ckptd.torch import CheckpointError, CheckpointManager
 
-from conftest import Daemon, free_port, losses, run_example
+from conftest import Daemon, free_port, losses, run_example, shard_path
 
 
 def make_training(seed=0, hidden=16):
@@ -251,8 +251,10 @@ def test_two_ranks_on_one_node(daemon):
     for p, (out, err) in zip(ranks, outs):
         assert p.returncode == 0, err
     assert daemon.steps("pair") == [5, 10]
-    shards = sorted(os.listdir(os.path.join(daemon.root, "pair", "step-00000010")))
-    assert shards == ["manifest.json", "rank-00000.safetensors", "rank-00001.safetensors"]
+    step_dir = os.path.join(daemon.root, "pair", "step-00000010")
+    shards = sorted(os.listdir(step_dir))
+    assert shards == sorted(["manifest.json"] + [os.path.basename(shard_path(step_dir, r)) for r in range(2)])
+    assert shards[1].startswith("rank-00000.") and shards[2].startswith("rank-00001."), shards
     # Each rank gets its own state back.
     more = ["--socket", daemon.socket, "--steps", "12", "--save-every", "5", "--job", "pair", "--resume"]
     again = [run_example(*more, "--seed", str(r), env={"RANK": str(r), "WORLD_SIZE": "2"}) for r in range(2)]
@@ -360,7 +362,7 @@ def test_a_weights_only_save_in_another_dtype(daemon):
     assert set(tensors) == set(model.state_dict())  # no optimizer state
     assert tensors["0.weight"]["dtype"] == "BF16"
     assert tensors["1.num_batches_tracked"]["dtype"] == "I64"  # integers keep theirs
-    stored = load_file(os.path.join(step_dir, "rank-00000.safetensors"))["0.weight"]
+    stored = load_file(shard_path(step_dir, 0))["0.weight"]  # a first step: its file holds it all
     assert torch.equal(stored, model[0].weight.detach().to(torch.bfloat16))
 
 
@@ -398,7 +400,8 @@ def free_huge_pages():
 
 
 @pytest.mark.parametrize("copy_on_write", [False, True])
-def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(daemon, copy_on_write):
+def test_the_checkpoint_holds_the_values_before_the_next_optimizer_step(whole_daemon, copy_on_write):
+    daemon = whole_daemon  # each step's values read back from its own file
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))  # 128 MiB
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -620,7 +623,7 @@ def test_a_damaged_latest_step_falls_back_on_every_rank_with_a_warning(daemon):
         time.sleep(0.05)
     assert daemon.steps("damaged") == [2, 4]
     daemon.restart()  # from disk: memory holds no damage
-    _flip_a_data_byte(os.path.join(daemon.root, "damaged", "step-00000004", "rank-00001.safetensors"))
+    _flip_a_data_byte(shard_path(os.path.join(daemon.root, "damaged", "step-00000004"), 1))
 
     def load_all():
         out = {"errors": []}
@@ -658,7 +661,7 @@ def test_a_damaged_latest_step_falls_back_on_every_rank_with_a_warning(daemon):
         assert_same(out[("state", r)], states[(r, 2)])
 
     # With every step damaged, load() raises instead of starting over.
-    _flip_a_data_byte(os.path.join(daemon.root, "damaged", "step-00000002", "rank-00000.safetensors"))
+    _flip_a_data_byte(shard_path(os.path.join(daemon.root, "damaged", "step-00000002"), 0))
     out = load_all()
     assert len(out["errors"]) == 2
     assert all("every committed step is damaged" in e for e in out["errors"]), out["errors"]
@@ -678,7 +681,8 @@ def _embedding_step(model, optimizer):
     optimizer.step()
 
 
-def test_a_growing_embedding_table_registers_only_what_changed(daemon):
+def test_a_growing_embedding_table_registers_only_what_changed(whole_daemon):
+    daemon = whole_daemon  # step 2's shapes read back from its own file
     model, optimizer = _embedding_model(100)
     with CheckpointManager("growing", model, optimizer, socket=daemon.socket) as manager:
         _embedding_step(model, optimizer)
@@ -713,7 +717,8 @@ def test_a_growing_embedding_table_registers_only_what_changed(daemon):
     assert_same((fresh.state_dict(), fresh_optimizer.state_dict()), saved)
 
 
-def test_replaced_tensors_are_registered_again(daemon):
+def test_replaced_tensors_are_registered_again(whole_daemon):
+    daemon = whole_daemon  # step 2's values read back from its own file
     model, optimizer, scheduler = make_training()
     with CheckpointManager("replaced", model, optimizer, scheduler, socket=daemon.socket) as manager:
         train_step(model, optimizer, scheduler)

@@ -160,7 +160,8 @@ def test_list_checkpoints_shows_each_step_with_its_tiers_size_and_kind(daemon):
         manager.save_weights(3, dtype=torch.bfloat16)
         steps = manager.list_checkpoints()
         weights = manager.list_checkpoints("listed-weights")
-    assert [(c["step"], c["flags"]) for c in steps] == [(1, []), (2, ["ephemeral"])]
+    # Step 2 references what step 1 wrote of it that did not change (increments, the default).
+    assert [(c["step"], c["flags"]) for c in steps] == [(1, []), (2, ["increment", "ephemeral"])]
     assert all("local" in c["tiers"] and c["bytes"] >= 64 and c["world_size"] == 1 for c in steps)
     assert "memory" in steps[-1]["tiers"]
     assert [(c["step"], c["flags"]) for c in weights] == [(3, ["weights-only"])]

@@ -300,7 +300,7 @@ def test_dcp_loads_a_ckptd_checkpoint_without_a_daemon(daemon):
     target = {k: torch.full_like(v, 7.0) for k, v in saved.items()}
     with pytest.raises(dcp.api.CheckpointException) as error:
         dcp.load(target, storage_reader=CkptdStorageReader(step_dir))
-    assert "rank-00000.safetensors: tensor 2.weight: checksum mismatch" in str(error.value.failures[0])
+    assert f"{piece['file']}: tensor 2.weight: checksum mismatch" in str(error.value.failures[0])
     assert torch.all(target["2.weight"] == 7.0)
 
     # A crafted manifest (a piece claiming more bytes than its elements) is refused before
@@ -310,7 +310,7 @@ def test_dcp_loads_a_ckptd_checkpoint_without_a_daemon(daemon):
     crafted["tensors"]["0.bias"]["shards"][0]["data_offsets"][1] += 4096
     with open(os.path.join(step_dir, "manifest.json"), "w") as f:
         json.dump(crafted, f)
-    with pytest.raises(ValueError, match=r"tensor 0\.bias: data_offsets .* do not hold 8 elements"):
+    with pytest.raises(ValueError, match=r"tensor 0\.bias: rank 0's piece: data_offsets .* do not hold its 32 bytes"):
         CkptdStorageReader(step_dir).read_metadata()
 
 
@@ -348,8 +348,11 @@ def publish_as_index(step_dir):
         json.dump(index, f, indent=1, sort_keys=True)
 
 
-def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(daemon, workdir):
-    """Saved by 2 ranks as shards; DCP reshards it onto one process's plain tensors."""
+def test_dcp_assembles_a_tensor_parallel_checkpoint_into_whole_tensors(whole_daemon, workdir):
+    """Saved by 2 ranks as shards; DCP reshards it onto one process's plain tensors. Written
+    whole (format version 4): publish_as_index makes an index of that version of it
+    (test_increment_read.py reads version 5's)."""
+    daemon = whole_daemon
     import torch.distributed.checkpoint as dcp
     from ckptd.dcp import CkptdStorageReader
 

@@ -80,7 +80,8 @@ def _origins(manifest):
         raise ValueError('no "increment" table (every format version 5 manifest has one)')
     if not (_int(increment.get("own_bytes")) and _int(increment.get("referenced_bytes"))):
         raise ValueError("increment: own_bytes and referenced_bytes must be byte counts")
-    steps, origins = increment.get("origin_steps"), increment.get("origins")
+    # ckptd leaves `origins` out of a step that references nothing (a first or whole save).
+    steps, origins = increment.get("origin_steps"), increment.get("origins", [])
     if not isinstance(steps, list) or not isinstance(origins, list):
         raise ValueError("increment: origin_steps and origins must be lists")
     listed = set()

@@ -197,7 +197,7 @@ def _join_checked(index, read_text):
         joined["shards"].extend(part["shards"])
         if part_version == _INCREMENT_FORMAT_VERSION:
             # Ranks are disjoint across parts: so are their origins (one per step and rank).
-            mine = part["increment"]["origins"]
+            mine = part["increment"].get("origins", [])  # left out where a part references nothing
             if not isinstance(mine, list) or any(o.get("rank") not in holder["ranks"] for o in mine):
                 raise ValueError(f"{file}: origins of ranks that node {holder['node']}'s part does not hold")
             origins.extend(mine)
