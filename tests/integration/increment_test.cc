@@ -371,6 +371,33 @@ TEST_CASE("a rank whose bytes mostly change is streamed whole, and planned again
   CheckRestores(d, dir, 7, "disk");
 }
 
+// An operator's rm -rf of a job's directory under a running ckptd while one trainer saves on:
+// its next step's base went with the directory, which the writer sees (it checks that its
+// base is still committed before referencing it), so that step is written whole, verifies,
+// and restores bit-exact after a restart.
+TEST_CASE("a job directory deleted between two saves of one trainer: the next step references nothing") {
+  TempDir dir;
+  Daemon d(dir, kDaemonFlags);
+  d.Start();
+  const std::string go_on = dir.path() + "/go-on";
+  Process p(Helper(d, With(kData, {"save-steps", "--steps-list", "1,2", "--changed-bytes", "4096", "--then-wait-for",
+                                   go_on})),
+            dir.path(), "save-1,2");
+  // Told committed: step 1 is the trainer's base from here on.
+  REQUIRE(p.WaitForStdout("committed 1\n", 60s));
+  fs::remove_all(fmt::format("{}/inc", d.root()));
+  { std::ofstream(go_on) << "go"; }
+  REQUIRE(p.Wait() == 0);
+  const json two = Manifest(d, 2);
+  REQUIRE_FALSE(two.is_discarded());
+  CHECK(two["increment"]["referenced_bytes"].get<uint64_t>() == 0);
+  CHECK(two["increment"]["origin_steps"].empty());
+  CheckVerifies(d, 2);
+  REQUIRE(d.Stop() == 0);
+  d.Start();
+  CheckRestores(d, dir, 2, "disk");
+}
+
 // A retired step whose last referrer is gone (a retention pass ckptd died in, an operator's
 // rm) is removed when ckptd starts, not at the job's next commit, which may never come.
 TEST_CASE("a retired step that nothing references any more is removed when ckptd starts") {

@@ -447,8 +447,8 @@ TEST_CASE("a job directory deleted under a running ckptd comes back with its own
   CHECK(std::filesystem::exists(d.root() + "/gone/.owner"));
   const std::string shard = ShardPath(d.root() + "/gone/step-00000002", 0);
   CHECK(RunAs(1000, "", {"/bin/cat", shard}, dir.path()).exit_code == 0);
-  // The same bytes as step 1, whose files went with the directory: step 2 holds them itself
-  // (with increments, it may not reference a step that is gone).
+  // Step 2 verifies: nothing it needs went with the directory. (Each save here is a new
+  // trainer, so step 2 has no base to reference; increment_test covers a base that is gone.)
   auto verified = d.Ctl({"--job", "gone", "verify", "2"});
   INFO(verified.out << verified.err);
   CHECK(verified.exit_code == 0);

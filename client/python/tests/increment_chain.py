@@ -82,7 +82,7 @@ def write_step(job_dir, step, run, tag, world_size, tensors, layout, train_state
                 region = region.narrow(dim, o, n)
             data = tensor_bytes(region)
             cb = chunk_bytes_of(shape, itemsize)
-            count = -(-len(data) // cb)
+            count = 1 if len(data) <= cb else -(-len(data) // cb)  # an empty piece is one chunk, as in ckptd
             sums = [digest(data[c * cb:(c + 1) * cb]) for c in range(count)]
             piece = {"rank": rank, "offset": list(offset), "shape": list(shape), "chunk_bytes": cb,
                      "checksum": digest(data)}

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import increment_chain as chain  # noqa: E402
 from conftest import Daemon, same  # noqa: E402
 
+from ckptd import _increment  # noqa: E402
 from ckptd.torch import CheckpointError, CheckpointManager  # noqa: E402
 
 RUN = 0x18F3A9C2D4E5B6A7
@@ -181,6 +182,37 @@ def check_from_path(daemon, folder, source, new):
         assert scheduler.state_dict() == scheduler_state
         assert manager.restored_files == {"tokenizer.json": TOKENIZER}  # referenced in step 10
         assert torch.equal(torch.rand(2), rng_after)
+
+
+def test_an_unchanged_empty_piece_is_one_referenced_chunk(workdir):
+    """ckptd counts an empty piece (an empty GPU shard of an unevenly split tensor) as one
+    chunk (format/increment.cc, PieceChunks), so an unchanged one is a reference to chunks
+    [0, 1) of its base; the readers count it alike (they counted none, and refused every such
+    step)."""
+    from ckptd._references import PieceReader
+    from ckptd._step_files import _StepFiles
+
+    tensors = {"w": torch.arange(32, dtype=torch.float32).reshape(8, 4), "empty": torch.zeros(0, 4)}
+    whole = {name: [(0, (0, 0), tuple(t.shape))] for name, t in tensors.items()}
+    job = os.path.join(workdir, "chains", "empty")
+    os.makedirs(job)
+    ten = chain.write_step(job, 10, RUN, lambda r: RUN + r, 1, tensors, whole, {})
+    new = dict(tensors, w=tensors["w"] + 1.0)
+    chain.write_step(job, 20, RUN, lambda r: RUN + 0x100 + r, 1, new, whole, {}, base=ten)
+    folder = chain.step_dir(job, 20)
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    piece = manifest["tensors"]["empty"]["shards"][0]
+    assert [e["chunks"] for e in piece["extents"]] == [[0, 1]] and piece["extents"][0]["step"] == 10
+    files = _increment.check(manifest)
+    reader = PieceReader(_StepFiles(folder))
+    try:
+        reader.check_origins(files)
+        assert reader.piece("empty", "F32", piece, files[0]) == b""
+        w = reader.piece("w", "F32", manifest["tensors"]["w"]["shards"][0], files[0])
+        assert torch.equal(torch.frombuffer(w, dtype=torch.float32).reshape(8, 4), new["w"])
+    finally:
+        reader.close()
 
 
 def test_dcp_and_from_path_read_an_increment_bit_exact(daemon, source, steps):

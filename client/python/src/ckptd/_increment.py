@@ -117,7 +117,9 @@ def piece_bytes(piece, itemsize):
 
 
 def chunk_count(nbytes, chunk_bytes):
-    return -(-nbytes // chunk_bytes)
+    """A piece's chunks as ckptd counts them (format/increment.cc, PieceChunks): one for a
+    piece of at most one chunk, an empty one (an empty GPU shard) included."""
+    return 1 if nbytes <= chunk_bytes else -(-nbytes // chunk_bytes)
 
 
 def _check_piece(piece, itemsize, files):
