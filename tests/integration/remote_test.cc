@@ -625,6 +625,18 @@ std::map<std::string, uint64_t> BucketObjects(const Bucket& b, const std::string
 }
 
 // Names in `objects` that start with `start`.
+// How many bytes the upload of `job`'s `step` read from staging memory rather than the
+// node's disk, from the daemon's "in the remote tier" line; -1 without one.
+int64_t UploadedFromMemory(const Daemon& d, const std::string& job, uint64_t step) {
+  const std::string log = d.Log();
+  const size_t line = log.find(fmt::format("[{} s{}] in the remote tier", job, step));
+  if (line == std::string::npos) return -1;
+  const size_t end = log.find(" of them read from staging memory", line);
+  if (end == std::string::npos) return -1;
+  const size_t begin = log.rfind(", ", end);
+  return std::stoll(log.substr(begin + 2, end - begin - 2));
+}
+
 int Count(const std::map<std::string, uint64_t>& objects, const std::string& start) {
   int n = 0;
   for (const auto& [name, bytes] : objects) n += name.rfind(start, 0) == 0 ? 1 : 0;
@@ -649,6 +661,8 @@ TEST_CASE("with --increments on the bucket holds each step's own files, its base
     d.Start();
     SaveIncSteps(d, dir, "10", false);
     REQUIRE(WaitUntil([&] { return RemoteLists(dir, bucket, "inc", 10); }, 60s, 100ms));
+    // A first save references nothing: its file went up from staging memory.
+    CHECK(UploadedFromMemory(d, "inc", 10) > 0);
     // A resumed trainer: its saves reference step 10 (restored) and what they did not change.
     SaveIncSteps(d, dir, "20,30,40", true);
     INFO(d.Log());
@@ -667,7 +681,9 @@ TEST_CASE("with --increments on the bucket holds each step's own files, its base
     CHECK(held.count("manifest.json") == 0);
     CHECK(WaitUntil([&] { return BucketObjects(bucket, "inc/step-00000020").empty() &&
                                  BucketObjects(bucket, "inc/step-00000030").empty(); }, 30s, 100ms));
-    // The upload of 40 read its own file from disk: only its own bytes went (its file).
+    // The upload of 40 read its own file from disk (an increment's file is laid out anew,
+    // not its staging block): only its own bytes went (its file).
+    CHECK(UploadedFromMemory(d, "inc", 40) == 0);
     const auto own = BucketObjects(bucket, "inc/step-00000040");
     CHECK(Count(own, "rank-00000.") == 1);
     for (const auto& [name, bytes] : own) {
