@@ -30,26 +30,9 @@ stop() {
   rm -rf "$dir"
 }
 
-# A port free now, outside the kernel's ephemeral range: one from a bind of port 0 can be
-# handed out again at once to another process's bind of port 0 (an OSD's, a daemon's) before
-# the monitor or the gateway binds it (tests/integration/common.h, PickFreePort).
+# A port free now, outside the kernel's ephemeral range (tools/free_port.py says why).
 free_port() {
-  python3 - <<'PY'
-import random, socket
-lo, hi = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-first, last = (10000, lo - 1) if lo > 11000 else (hi + 1, 65535)
-for _ in range(1000):
-    port = random.randint(first, last)
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            continue
-        print(port)
-        break
-else:
-    raise SystemExit(f"no free port in {first}-{last}")
-PY
+  python3 "$(dirname "${BASH_SOURCE[0]}")/free_port.py"
 }
 
 wait_for() {  # wait_for SECONDS COMMAND...: retries COMMAND until it succeeds

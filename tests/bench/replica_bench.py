@@ -32,7 +32,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,17 +41,13 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import remote_bench  # noqa: E402  (the daemon wrapper and helpers the remote tier's bench uses)
 from remote_bench import gbps, median, parse_bytes  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+from free_port import free_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKEN = "replica-bench-group-token-0123456789abcdef"
 RESTORED = (r"\[{job}/r(\d+) s(\d+)\] restored \d+ tensors \((\d+) bytes, \d+ read from storage; \d+ skipped\) "
             r"from ([a-z' ]+) in ([\d.]+) ms")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Group:

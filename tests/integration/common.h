@@ -28,7 +28,7 @@ namespace ckpt::testing {
 // can be handed out again at once to another bind of port 0 (a daemon's own group
 // listener), and the daemon it was picked for then finds it taken ("cannot listen on
 // 127.0.0.1:45313: Address already in use", in CI under TSan). The Python twin:
-// client/python/tests/conftest.py, free_port.
+// tools/free_port.py (the Python tests and tools/ceph.sh).
 inline int PickFreePort() {
   static std::mt19937 random{std::random_device{}()};
   int lo = 32768, hi = 60999;

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 REPO = os.getcwd()  # the runfiles tree under `bazel test`, the repository root otherwise
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from free_port import free_port  # noqa: E402,F401  (the tests import it from here)
 CKPTD = os.environ.get("CKPTD_BIN") or next(
     (p for p in ("daemon/ckptd", "bazel-bin/daemon/ckptd") if os.path.exists(p)), "daemon/ckptd")
 CKPTCTL = os.environ.get("CKPTCTL_BIN") or next(
@@ -61,31 +63,6 @@ class Daemon:
         if not os.path.isdir(path):
             return []
         return sorted(int(d[5:]) for d in os.listdir(path) if d.startswith("step-") and "." not in d)
-
-
-def free_port():
-    """A TCP port free when picked, outside the kernel's ephemeral range: a port from a bind of
-    port 0, once closed, can be handed out again at once to another bind of port 0 (a daemon's
-    own listener) before the process it was picked for binds it. The C++ twin:
-    tests/integration/common.h, PickFreePort."""
-    import random
-    import socket
-    lo, hi = 32768, 60999
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(v) for v in f.read().split())
-    except (OSError, ValueError):
-        pass
-    first, last = (10000, lo - 1) if lo > 11000 else (hi + 1, 65535)
-    for _ in range(1000):
-        port = random.randint(first, last)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {first}-{last}")
 
 
 def start_with_metrics(workdir, *extra):
