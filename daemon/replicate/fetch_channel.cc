@@ -12,10 +12,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
+#include <thread>
 #include <utility>
 
 #include "common/log.h"
+#include "common/log_limiter.h"
 #include "common/status.h"
 #include "daemon/replicate/erasure_code.h"
 #include "proto/replicas.pb.h"
@@ -94,6 +97,13 @@ T GetLe(const char* p) {
   T v = 0;
   for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<unsigned char>(p[i])) << (8 * i);
   return v;
+}
+
+// The port of an accepted connection's peer: names it in the log beside what the client saw.
+int PeerPort(const sockaddr_storage& peer) {
+  if (peer.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&peer)->sin6_port);
+  if (peer.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&peer)->sin_port);
+  return 0;
 }
 
 // "host" of "host:port", brackets of an IPv6 literal taken off.
@@ -201,18 +211,37 @@ bool FetchServer::Redeem(const std::string& ticket, std::string& job, uint32_t& 
 }
 
 void FetchServer::AcceptLoop() {
+  // Out of descriptors, accept fails until some close: said at most every 10 s.
+  LogLimiter accept_errors(std::chrono::seconds(10));
   while (!stopping_) {
     pollfd p{listener_, POLLIN, 0};
     if (::poll(&p, 1, 200) <= 0) continue;
-    int fd = ::accept4(listener_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
+    sockaddr_storage peer{};
+    socklen_t peer_bytes = sizeof peer;
+    int fd = ::accept4(listener_, reinterpret_cast<sockaddr*>(&peer), &peer_bytes, SOCK_CLOEXEC);
+    if (fd < 0) {
+      const int error = errno;
+      if (error == EINTR || error == EAGAIN || error == ECONNABORTED) continue;  // the client left first
+      if (std::optional<uint64_t> held = accept_errors.Allow()) {
+        Log().warn("fragment fetch channel: accept: {}{}", std::strerror(error), HeldBack(*held));
+      }
+      // The connection stays queued: polling again at once would spin until a descriptor frees.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
+    const int peer_port = PeerPort(peer);
     // Connections that have not yet shown a ticket take at most half the channel: clients
     // that connect and send slowly (or nothing) never lock restores out of it.
     if (connections_.load() >= kMaxConnections || unauthenticated_.load() >= kMaxUnauthenticated) {
+      // One debug line each (a flood stays out of the info log; the stop line counts them).
+      Log().debug("fragment fetch channel: refused a connection from port {} ({} open, {} without a ticket)",
+                  peer_port, connections_.load(), unauthenticated_.load());
       ::close(fd);  // the client falls back to gRPC
       ++refused_;
       continue;
     }
+    Log().debug("fragment fetch channel: accepted a connection from port {} ({} open, {} without a ticket)", peer_port,
+                connections_.load(), unauthenticated_.load());
     ++connections_;
     ++unauthenticated_;
     std::lock_guard lock(mu_);
@@ -228,23 +257,25 @@ void FetchServer::AcceptLoop() {
     }
     auto done = std::make_shared<std::atomic<bool>>(false);
     const auto accepted = std::chrono::steady_clock::now();
-    workers_.push_back({std::thread([this, fd, done, accepted] {
+    workers_.push_back({std::thread([this, fd, peer_port, done, accepted] {
                           bool authenticated = false;
-                          Serve(fd, accepted, authenticated);
+                          Serve(fd, peer_port, accepted, authenticated);
+                          // Both counts go down before the close: a client that sees its
+                          // connection end and connects again finds the slot free.
                           if (!authenticated) --unauthenticated_;
+                          --connections_;
                           {
                             std::lock_guard lock(mu_);
                             open_.erase(fd);
                           }
                           ::close(fd);
-                          --connections_;
                           *done = true;
                         }),
                         done});
   }
 }
 
-void FetchServer::Serve(int fd, std::chrono::steady_clock::time_point accepted, bool& authenticated) {
+void FetchServer::Serve(int fd, int peer_port, std::chrono::steady_clock::time_point accepted, bool& authenticated) {
   SetTimeouts(fd, kServerIoTimeout);
   int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -252,7 +283,9 @@ void FetchServer::Serve(int fd, std::chrono::steady_clock::time_point accepted, 
   // The whole request by kRequestDeadline from the accept, not a timeout per read: a client
   // sending a byte every few seconds is dropped as surely as a silent one.
   if (!ReadAllBy(fd, request, sizeof request, accepted + kRequestDeadline)) {
-    Log().debug("fragment fetch channel: a connection dropped before its whole request, {} ms after its accept (errno {})",
+    Log().debug("fragment fetch channel: the connection from port {} dropped before its whole request, {} ms after "
+                "its accept (errno {})",
+                peer_port,
                 std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - accepted).count(),
                 errno);
     return;

@@ -60,9 +60,9 @@ class FetchServer {
  private:
   FetchServer(FragmentStore& store, int listener, int port, ReplicaFaults faults);
   void AcceptLoop();
-  // Serves one connection accepted at `accepted`; `authenticated` set once its ticket was
-  // redeemed (and unauthenticated_ counted down).
-  void Serve(int fd, std::chrono::steady_clock::time_point accepted, bool& authenticated);
+  // Serves one connection from `peer_port`, accepted at `accepted`; `authenticated` set once
+  // its ticket was redeemed (and unauthenticated_ counted down).
+  void Serve(int fd, int peer_port, std::chrono::steady_clock::time_point accepted, bool& authenticated);
   // The (job, owner) the ticket was issued for, if it is valid now.
   bool Redeem(const std::string& ticket, std::string& job, uint32_t& owner);
 

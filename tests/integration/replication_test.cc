@@ -6,17 +6,22 @@
 // and another fragment used; a peer that stops answering leaves a step "incomplete" (the
 // local commit never waits), the older replicas stay usable and the next step replicates
 // once it answers again. Every wait is bounded.
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <catch2/catch.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <map>
 #include <chrono>
 #include <mutex>
 #include <optional>
+#include <regex>
 #include <thread>
 #include <cstdlib>
 #include <filesystem>
@@ -115,10 +120,22 @@ void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
 
 // Clients of a daemon's fragment fetch port that never show a ticket: each connects and
 // sends a byte every `every`, on a thread of the test's, and notes when the daemon closed it.
+size_t Occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  return n;
+}
+
 class SlowClients {
  public:
   SlowClients(int port, int count, std::chrono::milliseconds every) : every_(every) {
-    for (int i = 0; i < count; ++i) clients_.push_back({ConnectTcp(port), {}});
+    for (int i = 0; i < count; ++i) {
+      Client c{ConnectTcp(port)};
+      sockaddr_in local{};
+      socklen_t local_bytes = sizeof local;
+      if (::getsockname(c.fd, reinterpret_cast<sockaddr*>(&local), &local_bytes) == 0) c.port = ntohs(local.sin_port);
+      clients_.push_back(c);
+    }
     started_ = std::chrono::steady_clock::now();
     thread_ = std::thread([this] { Run(); });
   }
@@ -131,15 +148,16 @@ class SlowClients {
   int Unconnected() const {
     return static_cast<int>(std::count_if(clients_.begin(), clients_.end(), [](const Client& c) { return c.fd < 0; }));
   }
-  // Why each closed one was found closed: "eof" or the errno's name, by count.
+  // Each closed one by its local port (the daemon's debug log names the same port: accepted,
+  // refused, dropped), how it was found closed ("eof" or the errno's name) and when.
   std::string Why() {
     std::lock_guard lock(mu_);
-    std::map<std::string, int> why;
-    for (const Client& c : clients_) {
-      if (c.closed) ++why[c.error == 0 ? std::string("eof") : std::string(strerrorname_np(c.error))];
-    }
     std::string out;
-    for (const auto& [w, n] : why) out += std::to_string(n) + " " + w + "; ";
+    for (const Client& c : clients_) {
+      if (!c.closed) continue;
+      const auto after = std::chrono::duration_cast<std::chrono::milliseconds>(*c.closed - started_).count();
+      out += fmt::format("port {} {} at {} ms; ", c.port, c.error == 0 ? "eof" : strerrorname_np(c.error), after);
+    }
     return out;
   }
   // How many the daemon has closed so far.
@@ -161,6 +179,7 @@ class SlowClients {
  private:
   struct Client {
     int fd;
+    int port = 0;  // its local port
     std::optional<std::chrono::steady_clock::time_point> closed;
     int error = 0;  // errno of the call that found it closed (0: end of stream)
   };
@@ -169,21 +188,25 @@ class SlowClients {
     while (!stop_) {
       const bool send_now = std::chrono::steady_clock::now() >= next_byte;
       if (send_now) next_byte += every_;
-      std::lock_guard lock(mu_);
-      for (Client& c : clients_) {
-        if (c.closed) continue;
-        char buf[64];
-        const ssize_t got = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
-        bool gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-        if (got < 0 && gone) c.error = errno;
-        if (!gone && send_now) {
-          const char byte = 'x';
-          gone = ::send(c.fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno != EAGAIN && errno != EWOULDBLOCK;
-          if (gone) c.error = errno;
-        }
-        if (gone) c.closed = std::chrono::steady_clock::now();
+      Poll(send_now);
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  // Reads what the daemon sent (nothing but an end), and sends a byte each `every_`.
+  void Poll(bool send_now) {
+    std::lock_guard lock(mu_);
+    for (Client& c : clients_) {
+      if (c.closed) continue;
+      char buf[64];
+      const ssize_t got = ::recv(c.fd, buf, sizeof buf, MSG_DONTWAIT);
+      bool gone = got == 0 || (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+      if (got < 0 && gone) c.error = errno;
+      if (!gone && send_now) {
+        const char byte = 'x';
+        gone = ::send(c.fd, &byte, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0 && errno != EAGAIN && errno != EWOULDBLOCK;
+        if (gone) c.error = errno;
       }
-      std::this_thread::sleep_for(20ms);  // (mu_ is released each round)
+      if (gone) c.closed = std::chrono::steady_clock::now();
     }
   }
 
@@ -215,18 +238,38 @@ TEST_CASE("slow clients of the fetch port: bounded, dropped by the request's dea
                    slow.Closed() == slow.size());
     CHECK(slow.LongestOpen() < 20s);
     CHECK(slow.LongestOpen() >= 9s);  // the others were kept to the deadline, not cut early
+    // The daemon's debug log names each connection by its port, as Why() does.
+    const std::string log = c.node(0).Log();
+    CHECK(Occurrences(log, "fragment fetch channel: accepted a connection from port") == 8);
+    CHECK(Occurrences(log, "fragment fetch channel: refused a connection from port") == 8);
+    // and dropped the 8 it accepted at their deadline, not before.
+    const std::regex dropped(R"(dropped before its whole request, (\d+) ms after its accept)");
+    std::vector<long> after_ms;
+    for (auto m = std::sregex_iterator(log.begin(), log.end(), dropped); m != std::sregex_iterator(); ++m) {
+      after_ms.push_back(std::stol((*m)[1]));
+    }
+    INFO("dropped after (ms): " << json(after_ms).dump());
+    CHECK(after_ms.size() == 8);
+    CHECK(std::all_of(after_ms.begin(), after_ms.end(), [](long ms) { return ms >= 9'900; }));
   }
   // The channel still serves: replication and a restore from peers need nothing else, but
   // the port accepts again.
   {
     // Open finding (docs/design/incremental.md): right after the first batch went, a new
-    // batch was now and then (1 run in 3 beside other tests) found closed within its first
-    // second, while the daemon logged no refusal of it and dropped 8 connections only at
-    // their deadline. Until that is understood the port must take a batch again within
-    // 30 s, each try named here.
+    // batch was now and then (1 run in 3 beside other tests, 2026-11-29) found closed within
+    // its first second, while the daemon logged no refusal of it and dropped 8 connections
+    // only at their deadline; 143 runs since, under loads up to 8 on 2 cores with packet
+    // captures, never did. Until that is understood the port must take a batch again within
+    // 30 s; each try names its clients by port, as the daemon's debug log does.
     std::unique_ptr<SlowClients> again;
     std::string tries;
     REQUIRE_WITHIN(c, 30s, "a batch of 8 held open for a second: " << tries, [&] {
+      // The last try's clients go first: left open they would hold every slot without a
+      // ticket, and this try would be refused whole.
+      if (again) {
+        again.reset();
+        std::this_thread::sleep_for(300ms);  // their workers see the end of stream
+      }
       again = std::make_unique<SlowClients>(fetch_port, 8, 2s);
       std::this_thread::sleep_for(1s);  // accepted, their workers reading
       tries += std::to_string(again->Unconnected()) + " could not connect, " + std::to_string(again->Closed()) +
