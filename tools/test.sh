@@ -33,6 +33,11 @@ venv_python="$(cd .venv && pwd -P)/bin/python"
 rerun=()
 [ "${CKPTD_RERUN_ALL:-0}" != 1 ] || rerun=(--nocache_test_results)
 
+# Every clone shares the output bases: runfiles that a deleted clone left behind are written
+# again from this one (tools/forget_stale_runfiles.py says why).
+forget_stale_runfiles() { [ ! -d "$1" ] || python3 tools/forget_stale_runfiles.py "$1"; }
+
+forget_stale_runfiles "$(bazel info output_base 2>/dev/null)"
 bazel test //... -k "${rerun[@]}" --test_env=CKPTD_PYTHON="$venv_python" "$@"
 bazel_rc=$?
 stage_done "bazel test //..."
@@ -45,6 +50,7 @@ asan_base="${CKPTD_ASAN_OUTPUT_BASE:-$HOME/.cache/bazel_asan}"
 asan_rc=0
 if [ "${CKPTD_SKIP_ASAN:-0}" != 1 ]; then
   # --symlink_prefix=/: leave the workspace's bazel-* links pointing at the main build.
+  forget_stale_runfiles "$asan_base"
   bazel --output_base="$asan_base" test --config=asan --symlink_prefix=/ //tests/integration/... -k \
     "${rerun[@]}" --test_env=CKPTD_PYTHON="$venv_python"
   asan_rc=$?
@@ -61,6 +67,7 @@ fi
 tsan_base="${CKPTD_TSAN_OUTPUT_BASE:-$HOME/.cache/bazel_tsan}"
 tsan_rc=0
 if [ "${CKPTD_SKIP_TSAN:-0}" != 1 ]; then
+  forget_stale_runfiles "$tsan_base"
   bazel --output_base="$tsan_base" test --config=tsan --symlink_prefix=/ //tests/unit/... //tests/integration/... -k \
     "${rerun[@]}" --test_env=CKPTD_PYTHON="$venv_python"
   tsan_rc=$?
