@@ -130,7 +130,8 @@ class SlowClients {
  public:
   SlowClients(int port, int count, std::chrono::milliseconds every) : every_(every) {
     for (int i = 0; i < count; ++i) {
-      Client c{ConnectTcp(port)};
+      Client c;
+      c.fd = ConnectTcp(port);
       sockaddr_in local{};
       socklen_t local_bytes = sizeof local;
       if (::getsockname(c.fd, reinterpret_cast<sockaddr*>(&local), &local_bytes) == 0) c.port = ntohs(local.sin_port);
@@ -178,7 +179,7 @@ class SlowClients {
 
  private:
   struct Client {
-    int fd;
+    int fd = -1;
     int port = 0;  // its local port
     std::optional<std::chrono::steady_clock::time_point> closed;
     int error = 0;  // errno of the call that found it closed (0: end of stream)
