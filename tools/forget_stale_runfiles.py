@@ -27,7 +27,6 @@ def stale(manifest):
 
 
 def main(output_base):
-    removed = 0
     for manifest in glob.glob(os.path.join(output_base, "execroot", "*", "bazel-out", "**", "*.runfiles_manifest"),
                               recursive=True):
         gone = stale(manifest)
@@ -36,8 +35,6 @@ def main(output_base):
         os.remove(manifest)
         shutil.rmtree(manifest[: -len("_manifest")], ignore_errors=True)
         print(f"{os.path.basename(manifest)}: named {gone}, which is gone; Bazel writes it again")
-        removed += 1
-    return removed
 
 
 if __name__ == "__main__":

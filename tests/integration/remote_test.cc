@@ -624,7 +624,6 @@ std::map<std::string, uint64_t> BucketObjects(const Bucket& b, const std::string
   return out;
 }
 
-// Names in `objects` that start with `start`.
 // How many bytes the upload of `job`'s `step` read from staging memory rather than the
 // node's disk, from the daemon's "in the remote tier" line; -1 without one.
 int64_t UploadedFromMemory(const Daemon& d, const std::string& job, uint64_t step) {
@@ -637,6 +636,7 @@ int64_t UploadedFromMemory(const Daemon& d, const std::string& job, uint64_t ste
   return std::stoll(log.substr(begin + 2, end - begin - 2));
 }
 
+// Names in `objects` that start with `start`.
 int Count(const std::map<std::string, uint64_t>& objects, const std::string& start) {
   int n = 0;
   for (const auto& [name, bytes] : objects) n += name.rfind(start, 0) == 0 ? 1 : 0;

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "tests/integration/cluster.h"
+#include "tests/integration/log_text.h"
 
 using namespace ckpt::testing;
 using namespace ckpt::testing::cluster;
@@ -120,12 +121,6 @@ void LoseAndReplace(Cluster& c, std::initializer_list<int> nodes) {
 
 // Clients of a daemon's fragment fetch port that never show a ticket: each connects and
 // sends a byte every `every`, on a thread of the test's, and notes when the daemon closed it.
-size_t Occurrences(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
-  return n;
-}
-
 class SlowClients {
  public:
   SlowClients(int port, int count, std::chrono::milliseconds every) : every_(every) {

@@ -13,6 +13,7 @@
 #include "tests/fakes/wait_until.h"
 #include "tests/integration/cluster.h"
 #include "tests/integration/common.h"
+#include "tests/integration/log_text.h"
 
 using namespace ckpt::testing;
 using namespace ckpt::testing::cluster;
@@ -57,12 +58,6 @@ std::string ErrorLine(const std::string& out) {
   return out.substr(at, end == std::string::npos ? std::string::npos : end - at);
 }
 
-size_t Count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
-
 const std::chrono::seconds kRestoreTimeoutS{std::stoi(kRestoreTimeout)};  // "10s" -> 10
 
 }  // namespace
@@ -99,7 +94,7 @@ TEST_CASE("the coordinator killed while ranks wait at the restore barrier: they 
   // Registered for the second time (the first was the save): each restores right after, and
   // its arrival reaches node 0 within milliseconds.
   REQUIRE_WITHIN(c, kProcessBound, "ranks 1 and 2 registered to restore",
-                 Count(c.node(1).Log(), "[g/r1] registered") == 2 && Count(c.node(2).Log(), "[g/r2] registered") == 2);
+                 Occurrences(c.node(1).Log(), "[g/r1] registered") == 2 && Occurrences(c.node(2).Log(), "[g/r2] registered") == 2);
   std::this_thread::sleep_for(1s);
   c.node(0).Kill();
   std::this_thread::sleep_for(2s);
