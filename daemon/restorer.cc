@@ -444,7 +444,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
       problems.push_back(std::move(*problem));
       continue;
     }
-    job.Add(t, {t.data, snap.shard.data + e.begin, t.nbytes});
+    job.Add(t, {t.data, snap.shard.Data(e), t.nbytes});
     result.bytes += t.nbytes;
   }
   if (!problems.empty()) return format::CannotRead(problems, snap.step);  // nothing copied yet
@@ -455,7 +455,7 @@ absl::Status Restorer::FromMemory(const SessionView& session, const RestoreSpec&
   for (size_t i = snap.tensor_count; i < snap.shard.entries.size(); ++i) {
     const format::TensorEntry& e = snap.shard.entries[i];
     result.train_state.push_back({snap.train_state_names[i - snap.tensor_count],
-                                  std::string(snap.shard.data + e.begin, e.end - e.begin)});
+                                  std::string(snap.shard.Data(e), e.end - e.begin)});
   }
   result.metadata = snap.shard.metadata;
   return absl::OkStatus();
@@ -556,7 +556,7 @@ absl::Status Restorer::FromPlan(const SessionView& session, const RestoreSpec& s
       [&](uint32_t rank) -> std::optional<format::MemoryShard> {
         StagedSnapshotPtr snap = hot_.Find(manifest.job, rank, manifest.step);
         if (!snap) return std::nullopt;
-        return format::MemoryShard{snap, snap->shard.data, &snap->shard.entries, snap->tensor_count,
+        return format::MemoryShard{snap, &snap->shard.region, &snap->shard.entries, snap->tensor_count,
                                    &snap->train_state_names};
       });
   CKPT_RETURN_IF_ERROR(reader.Open(plan->tensors));

@@ -406,7 +406,7 @@ absl::Status StartReplication(Server::Parts& p) {
       replicate::PeerOwners::Options{}));
   p.board.on_staged = [replicator = p.replicator.get()](const StagedSnapshotPtr& snap, uid_t uid) {
     replicator->Staged(snap->job, snap->step, snap->rank, snap->session_started_unix_ns, uid,
-                       std::shared_ptr<const char>(snap, snap->shard.data), snap->shard.data_bytes);
+                       std::shared_ptr<const ScatteredBytes>(snap, &snap->shard.region), snap->shard.data_bytes);
   };
   log::Get(log::Component::kGroup)
       .info("peer replicas {}+{}: this node's shards go to {} peers of its coding group; {} bytes held for peers; "
@@ -884,7 +884,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
         // The data regions go up from staging memory while the hot cache keeps them.
         std::map<uint32_t, upload::InMemoryShard> in_memory;
         for (const StagedSnapshotPtr& snap : local) {
-          in_memory[snap->rank] = {std::shared_ptr<const char>(snap, snap->shard.data),
+          in_memory[snap->rank] = {std::shared_ptr<const ScatteredBytes>(snap, &snap->shard.region),
                                    snap->shard.data_bytes};
         }
         parts->uploader->Committed(manifest, std::move(in_memory));

@@ -73,7 +73,7 @@ const char* PlanReader::InMemory(const TensorReadPlan& tensor, const ShardRead& 
   // written from: the piece is the snapshot's entry of its name and size.
   const bool same = manifest_.increment ? e->second->end - e->second->begin == read.entry_end - read.entry_begin
                                         : e->second->begin == read.entry_begin && e->second->end == read.entry_end;
-  return same ? hot.snapshot->data + e->second->begin : nullptr;
+  return same ? hot.snapshot->data->Contiguous(e->second->begin, e->second->end - e->second->begin) : nullptr;
 }
 
 absl::Status PlanReader::Open(const std::vector<TensorReadPlan>& tensors) {
@@ -257,8 +257,9 @@ absl::StatusOr<std::vector<NamedBytes>> PlanReader::TrainState(uint32_t rank) {
   if (const std::optional<MemoryShard>& snap = Hot(rank).snapshot) {
     for (size_t i = snap->tensor_count; i < snap->entries->size(); ++i) {
       const format::TensorEntry& e = (*snap->entries)[i];
-      state.push_back({(*snap->train_state_names)[i - snap->tensor_count],
-                       std::string(snap->data + e.begin, e.end - e.begin)});
+      std::string bytes(e.end - e.begin, '\0');
+      snap->data->CopyTo(e.begin, bytes.size(), bytes.data());
+      state.push_back({(*snap->train_state_names)[i - snap->tensor_count], std::move(bytes)});
     }
     return state;
   }

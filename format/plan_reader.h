@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "storage/store.h"
+#include "common/scattered_bytes.h"
 #include "format/manifest.h"
 #include "format/read_plan.h"
 #include "format/shard_reader.h"
@@ -26,7 +27,7 @@ namespace ckpt::format {
 // A saved rank's shard held in memory: its data region and entries, kept alive by `owner`.
 struct MemoryShard {
   std::shared_ptr<const void> owner;
-  const char* data = nullptr;
+  const ScatteredBytes* data = nullptr;  // each entry lies whole in one of its spans
   const std::vector<TensorEntry>* entries = nullptr;  // tensors, then train-state blobs
   size_t tensor_count = 0;
   const std::vector<std::string>* train_state_names = nullptr;  // per blob entry

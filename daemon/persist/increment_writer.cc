@@ -52,7 +52,7 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
     return piece;
   }
   CKPT_RETURN_IF_ERROR(wait());
-  const char* data = snap.shard.data + e.begin;
+  const char* data = snap.shard.Data(e);
   // One pass over memory: each chunk hashed on its own and into the whole while it is in cache.
   format::Checksum whole;
   for (uint64_t c = 0, n = format::PieceChunks(piece.bytes, piece.chunk_bytes); c < n; ++c) {
@@ -156,7 +156,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
     const format::TensorEntry& e = shard.entries[i];
     write.train_state.push_back({snap.train_state_names[i - snap.tensor_count], e.end - e.begin,
-                                 format::Checksum64(shard.data + e.begin, e.end - e.begin)});
+                                 format::Checksum64(shard.Data(e), e.end - e.begin)});
   }
   PlanOptions plan_options;
   plan_options.rebase = base && RebaseDue(base->saves_since_full, options_.full_every);
@@ -191,7 +191,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(key, header, [&](RunAppender& appender) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       const size_t source = pe.train_state ? snap.tensor_count + pe.index : pe.index;
-      CKPT_RETURN_IF_ERROR(appender.Add(shard.data + shard.entries[source].begin + pe.begin, pe.end - pe.begin));
+      CKPT_RETURN_IF_ERROR(appender.Add(shard.Data(shard.entries[source]) + pe.begin, pe.end - pe.begin));
     }
     return absl::OkStatus();
   }));
@@ -252,15 +252,15 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
         }
         const format::TensorEntry& e = shard.entries[snap.tensor_count + pe.index];
         BlobToWrite& blob = write.train_state[pe.index];
-        blob.checksum = format::Checksum64(shard.data + e.begin, blob.bytes);
+        blob.checksum = format::Checksum64(shard.Data(e), blob.bytes);
         plan.train_state[blob.name].checksum = format::ChecksumText(blob.checksum);
-        CKPT_RETURN_IF_ERROR(appender.Add(shard.data + e.begin, blob.bytes));
+        CKPT_RETURN_IF_ERROR(appender.Add(shard.Data(e), blob.bytes));
         continue;
       }
       // Each chunk hashed and appended while it is in cache, as a full shard's.
       CKPT_RETURN_IF_ERROR(WaitForEntry(snap, pe.index));
       PieceToWrite& piece = write.pieces[pe.index];
-      const char* data = shard.data + shard.entries[pe.index].begin;
+      const char* data = shard.Data(shard.entries[pe.index]);
       format::Checksum whole;
       for (uint64_t c = 0; c < piece.chunk_checksums.size(); ++c) {
         const auto [lo, hi] = format::ChunkSpan(piece.bytes, piece.chunk_bytes, c, c + 1);

@@ -34,8 +34,9 @@ class RunningChecksums {
         // Up to the next chunk boundary of the entry (its own offsets, not the file's).
         uint64_t boundary = e.begin + ((position_ - e.begin) / format::kChecksumChunkBytes + 1) * format::kChecksumChunkBytes;
         uint64_t stop = std::min({upto, e.end, boundary});
-        whole_.Update(shard_.data + position_, stop - position_);
-        if (chunked) chunk_.Update(shard_.data + position_, stop - position_);
+        const char* at = shard_.Data(e) + (position_ - e.begin);
+        whole_.Update(at, stop - position_);
+        if (chunked) chunk_.Update(at, stop - position_);
         position_ = stop;
         if (chunked && (stop == boundary || stop == e.end)) {
           out_.chunk_checksums[e.name].push_back(chunk_.Finish());
@@ -83,7 +84,13 @@ class StoreShardWriter final : public ShardWriter {
       for (uint64_t off = 0; off < shard.data_bytes; off += kRunWriteBytes) {
         const uint64_t n = std::min(kRunWriteBytes, shard.data_bytes - off);
         CKPT_RETURN_IF_ERROR(Landed(shard, checksums, off + n));
-        CKPT_RETURN_IF_ERROR(object->Append(shard.data + off, n));
+        // A window that crosses from one span of the region to the next (a snapshot's own
+        // bytes to its frozen block) goes out as one append per span.
+        absl::Status appended;
+        shard.region.ForEach(off, n, [&](const char* at, uint64_t len) {
+          if (appended.ok()) appended = object->Append(at, len);
+        });
+        CKPT_RETURN_IF_ERROR(appended);
       }
       CKPT_RETURN_IF_ERROR(Landed(shard, checksums, shard.data_bytes));  // empty entries at the end
       CKPT_ASSIGN_OR_RETURN(out.bytes, object->Finish());

@@ -68,7 +68,7 @@ std::vector<std::pair<size_t, size_t>> ErasureCode::ColumnRanges(size_t len, int
   return out;
 }
 
-absl::Status ErasureCode::Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments,
+absl::Status ErasureCode::Encode(const ScatteredBytes& data, std::span<uint8_t* const> fragments,
                                  int threads) const {
   if (fragments.size() != static_cast<size_t>(k_ + m_)) {
     return absl::InvalidArgumentError(
@@ -79,14 +79,14 @@ absl::Status ErasureCode::Encode(std::span<const uint8_t> data, std::span<uint8_
   for (int i = 0; i < k_; ++i) {
     const size_t begin = std::min(data.size(), static_cast<size_t>(i) * len);
     const size_t n = std::min(len, data.size() - begin);
-    if (n > 0) std::memcpy(fragments[static_cast<size_t>(i)], data.data() + begin, n);
+    data.CopyTo(begin, n, fragments[static_cast<size_t>(i)]);
     std::memset(fragments[static_cast<size_t>(i)] + n, 0, len - n);
   }
   Run(len, k_, m_, encode_tables_, fragments.data(), fragments.data() + k_, threads);
   return absl::OkStatus();
 }
 
-absl::Status ErasureCode::EncodeColumns(std::span<const uint8_t> data, size_t begin, size_t end,
+absl::Status ErasureCode::EncodeColumns(const ScatteredBytes& data, size_t begin, size_t end,
                                         std::span<uint8_t* const> fragments, int threads) const {
   if (fragments.size() < static_cast<size_t>(k_) || fragments.size() > static_cast<size_t>(k_ + m_)) {
     return absl::InvalidArgumentError(fmt::format("erasure code {}+{}: {} fragment buffers given, {} to {} needed", k_,
@@ -103,7 +103,7 @@ absl::Status ErasureCode::EncodeColumns(std::span<const uint8_t> data, size_t be
   for (int i = 0; i < k_; ++i) {
     const size_t from = std::min(data.size(), static_cast<size_t>(i) * len + begin);
     const size_t n = std::min(width, data.size() - from);
-    if (n > 0) std::memcpy(fragments[static_cast<size_t>(i)], data.data() + from, n);
+    data.CopyTo(from, n, fragments[static_cast<size_t>(i)]);
     std::memset(fragments[static_cast<size_t>(i)] + n, 0, width - n);
   }
   // The parity rows asked for are the first rows of the tables (ec_init_tables lays them out

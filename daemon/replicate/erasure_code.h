@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/scattered_bytes.h"
 
 namespace ckpt::replicate {
 
@@ -38,7 +39,12 @@ class ErasureCode {
 
   // Writes the k + m fragments of `data` into `fragments` (k + m buffers of
   // FragmentBytes(data.size()) each), on up to `threads` threads (each a range of columns).
-  absl::Status Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments, int threads = 1) const;
+  // `data` may lie in several places (a snapshot's own and frozen blocks): the data
+  // fragments are copied out of it first either way.
+  absl::Status Encode(const ScatteredBytes& data, std::span<uint8_t* const> fragments, int threads = 1) const;
+  absl::Status Encode(std::span<const uint8_t> data, std::span<uint8_t* const> fragments, int threads = 1) const {
+    return Encode(ScatteredBytes(reinterpret_cast<const char*>(data.data()), data.size()), fragments, threads);
+  }
 
   // Columns [begin, end) of the first `fragments.size()` fragments of `data` (at least the k
   // data fragments, at most all k + m), each into a buffer of end - begin bytes: exactly
@@ -46,8 +52,13 @@ class ErasureCode {
   // is a function of byte j of the k data fragments alone), so the columns of a changed
   // part of the data are coded from the new data alone (a patch, shard_fragments.h).
   // InvalidArgument unless begin <= end <= FragmentBytes(data.size()).
-  absl::Status EncodeColumns(std::span<const uint8_t> data, size_t begin, size_t end,
+  absl::Status EncodeColumns(const ScatteredBytes& data, size_t begin, size_t end,
                              std::span<uint8_t* const> fragments, int threads = 1) const;
+  absl::Status EncodeColumns(std::span<const uint8_t> data, size_t begin, size_t end,
+                             std::span<uint8_t* const> fragments, int threads = 1) const {
+    return EncodeColumns(ScatteredBytes(reinterpret_cast<const char*>(data.data()), data.size()), begin, end,
+                         fragments, threads);
+  }
 
   // Rebuilds the `out.size()` bytes of data from any k distinct fragments (more are
   // ignored), each FragmentBytes(out.size()) long. A data fragment that already lies where

@@ -54,7 +54,7 @@ void Replicator::Stop() {
 }
 
 void Replicator::Staged(const std::string& job, uint64_t step, uint32_t rank, uint64_t run, uid_t uid,
-                        std::shared_ptr<const char> data, uint64_t bytes) {
+                        std::shared_ptr<const ScatteredBytes> data, uint64_t bytes) {
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
@@ -284,7 +284,7 @@ absl::Status Replicator::Send(const Shard& shard, const std::vector<Holder>& hol
     if (!h.alive) return absl::UnavailableError(fmt::format("peer node {} is not in the group now", h.node));
   }
   const uint32_t self = peers_.options().self;
-  const std::span<const uint8_t> data{reinterpret_cast<const uint8_t*>(shard.data.get()), shard.bytes};
+  const ScatteredBytes& data = *shard.data;
   auto next = std::make_shared<Base>();
   next->step = shard.step;
   next->run = shard.run;

@@ -62,7 +62,7 @@ class Replicator {
   // is coded). `uid`: the job's owner, in whose share of the peers' memory it counts.
   // Queued shards of the job's older steps not yet sent are given up for it.
   void Staged(const std::string& job, uint64_t step, uint32_t rank, uint64_t run, uid_t uid,
-              std::shared_ptr<const char> data, uint64_t bytes);
+              std::shared_ptr<const ScatteredBytes> data, uint64_t bytes);
   // The step committed with these ranks on this node; `manifest_json` is this node's
   // manifest of it. Sealed with the holders once every rank's fragments are acknowledged.
   void Committed(const std::string& job, uint64_t step, std::vector<uint32_t> ranks, std::string manifest_json,
@@ -86,7 +86,7 @@ class Replicator {
     uint32_t rank = 0;
     uint64_t run = 0;
     uid_t uid = 0;
-    std::shared_ptr<const char> data;
+    std::shared_ptr<const ScatteredBytes> data;  // the staged data region
     uint64_t bytes = 0;
   };
   // What a rank's shard left at its holders, once its step is sealed and released at every

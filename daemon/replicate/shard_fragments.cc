@@ -14,7 +14,7 @@ namespace ckpt::replicate {
 
 absl::StatusOr<std::vector<HeldFragment>> CodeShard(const ErasureCode& code, const std::string& job, uint64_t step,
                                                     uint32_t owner, uint32_t rank, uint64_t run,
-                                                    std::span<const uint8_t> data, int threads) {
+                                                    const ScatteredBytes& data, int threads) {
   const int n = code.k() + code.m();
   const size_t each = code.FragmentBytes(data.size());
   std::vector<HeldFragment> out(static_cast<size_t>(n));
@@ -69,7 +69,7 @@ FragmentSums SumsOf(std::span<const HeldFragment> fragments, size_t count, size_
 }
 
 absl::StatusOr<ShardPatch> CodePatch(const ErasureCode& code, const std::string& job, uint64_t step, uint32_t owner,
-                                     uint32_t rank, uint64_t run, std::span<const uint8_t> data, size_t count,
+                                     uint32_t rank, uint64_t run, const ScatteredBytes& data, size_t count,
                                      const FragmentSums& base, int threads) {
   const size_t k = static_cast<size_t>(code.k());
   const size_t each = code.FragmentBytes(data.size());
@@ -90,7 +90,15 @@ absl::StatusOr<ShardPatch> CodePatch(const ErasureCode& code, const std::string&
       const size_t i = t / chunks, c = t % chunks;
       const size_t from = std::min(data.size(), i * each + c * c_bytes);
       const size_t size = std::min(c_bytes, each - c * c_bytes);
-      out.sums.sums[i][c] = PaddedSum(data.data() + from, std::min(size, data.size() - from), size);
+      const size_t have = std::min(size, data.size() - from);
+      if (const char* at = data.Contiguous(from, have)) {
+        out.sums.sums[i][c] = PaddedSum(at, have, size);
+        continue;
+      }
+      // A chunk across two places of the shard (its own bytes and a frozen block): gathered.
+      std::string gathered(have, '\0');
+      data.CopyTo(from, have, gathered.data());
+      out.sums.sums[i][c] = PaddedSum(gathered.data(), have, size);
     }
   });
   for (size_t c = 0; c < chunks; ++c) {

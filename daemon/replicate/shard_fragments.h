@@ -20,7 +20,13 @@ namespace ckpt::replicate {
 // saved by `run`: each with its id, its coding and the checksum of its bytes.
 absl::StatusOr<std::vector<HeldFragment>> CodeShard(const ErasureCode& code, const std::string& job, uint64_t step,
                                                     uint32_t owner, uint32_t rank, uint64_t run,
-                                                    std::span<const uint8_t> data, int threads = 1);
+                                                    const ScatteredBytes& data, int threads = 1);
+inline absl::StatusOr<std::vector<HeldFragment>> CodeShard(const ErasureCode& code, const std::string& job,
+                                                           uint64_t step, uint32_t owner, uint32_t rank, uint64_t run,
+                                                           std::span<const uint8_t> data, int threads = 1) {
+  return CodeShard(code, job, step, owner, rank, run,
+                   ScatteredBytes(reinterpret_cast<const char*>(data.data()), data.size()), threads);
+}
 
 // The columns a patch is cut in: fragment bytes per chunk. Chunk c of data fragment i is
 // the shard's bytes [i * F + c * C, i * F + (c + 1) * C) (F the fragment's size), and chunk
@@ -53,8 +59,14 @@ struct ShardPatch {
 // where any differs from the base are coded, from `data` alone. InvalidArgument when
 // `base` is not of this coding, size or count.
 absl::StatusOr<ShardPatch> CodePatch(const ErasureCode& code, const std::string& job, uint64_t step, uint32_t owner,
-                                     uint32_t rank, uint64_t run, std::span<const uint8_t> data, size_t count,
+                                     uint32_t rank, uint64_t run, const ScatteredBytes& data, size_t count,
                                      const FragmentSums& base, int threads = 1);
+inline absl::StatusOr<ShardPatch> CodePatch(const ErasureCode& code, const std::string& job, uint64_t step,
+                                            uint32_t owner, uint32_t rank, uint64_t run, std::span<const uint8_t> data,
+                                            size_t count, const FragmentSums& base, int threads = 1) {
+  return CodePatch(code, job, step, owner, rank, run,
+                   ScatteredBytes(reinterpret_cast<const char*>(data.data()), data.size()), count, base, threads);
+}
 
 // The shard back from the fragments at hand, all of one shard and one coding: each is
 // checked against its checksum first, and one that fails it is left out (another is used

@@ -107,7 +107,7 @@ absl::StatusOr<StagedSnapshotPtr> RebuiltSnapshot(const format::Manifest& manife
         {format::TrainStateKey(name), "U8", {static_cast<int64_t>(blob.end - blob.begin)}, blob.begin, blob.end});
     snap->train_state_names.push_back(name);
   }
-  snap->shard.data = shard.data.get();
+  snap->shard.region = ScatteredBytes(shard.data.get(), shard.size);
   snap->shard.data_bytes = shard.size;
   snap->rebuilt = std::move(shard.data);
   return snap;

@@ -164,7 +164,7 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     }
   }
   snap->shard.rank = session.rank;
-  snap->shard.data = block->data();
+  snap->shard.region = ScatteredBytes(block->data(), total);
   snap->shard.data_bytes = total;
   snap->shard.metadata = std::move(payload.metadata);
   snap->shard.landed = &snap->landed;
@@ -217,7 +217,7 @@ void Stager::SetGenerations(FrozenTensors& state, const FrozenPlan& plan, Staged
     if (p.source_entry >= 0) {
       // A check: the trainer's bytes against those last seen.
       const format::TensorEntry& was = plan.source->shard.entries[p.source_entry];
-      if (std::memcmp(snap.block->data() + e.begin, plan.source->shard.data + was.begin, e.end - e.begin) == 0) {
+      if (std::memcmp(snap.block->data() + e.begin, plan.source->shard.Data(was), e.end - e.begin) == 0) {
         f.generation = p.generation;
         continue;
       }
@@ -235,7 +235,7 @@ void Stager::Fill(const FrozenPlan& plan, StagedSnapshot& snap) {
     if (!plan.tensors[i].fill) continue;
     const format::TensorEntry& e = snap.shard.entries[i];
     const format::TensorEntry& was = plan.source->shard.entries[plan.tensors[i].source_entry];
-    std::memcpy(snap.block->data() + e.begin, plan.source->shard.data + was.begin, e.end - e.begin);
+    std::memcpy(snap.block->data() + e.begin, plan.source->shard.Data(was), e.end - e.begin);
   }
 }
 

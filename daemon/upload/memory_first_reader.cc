@@ -1,7 +1,6 @@
 #include "daemon/upload/memory_first_reader.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "common/status.h"
 #include "format/safetensors.h"
@@ -27,8 +26,8 @@ class MemoryFirstReader final : public storage::ObjectReader {
     if (head > 0) CKPT_RETURN_IF_ERROR(file_->ReadAt(out, head, offset));
     if (head == size) return absl::OkStatus();
     // Held for this copy only: the stager waits at most for one memcpy.
-    if (std::shared_ptr<const char> memory = memory_.data.lock()) {
-      std::memcpy(out + head, memory.get() + (offset + head - data_start_), size - head);
+    if (std::shared_ptr<const ScatteredBytes> memory = memory_.data.lock()) {
+      memory->CopyTo(offset + head - data_start_, size - head, out + head);
       if (from_memory_ != nullptr) *from_memory_ += size - head;
       return absl::OkStatus();
     }

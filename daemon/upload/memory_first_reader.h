@@ -14,14 +14,15 @@
 #include <cstdint>
 #include <memory>
 
+#include "common/scattered_bytes.h"
 #include "storage/store.h"
 
 namespace ckpt::daemon::upload {
 
 // A rank's staged snapshot of a step: its data region, `bytes` long, alive while the hot
-// cache keeps it (an aliasing pointer into the snapshot's staging block).
+// cache keeps it (an aliasing pointer into the snapshot).
 struct InMemoryShard {
-  std::weak_ptr<const char> data;
+  std::weak_ptr<const ScatteredBytes> data;
   uint64_t bytes = 0;
 };
 

@@ -39,8 +39,8 @@ struct Fixture {
     CKPT_RETURN_IF_ERROR(store.BeginStep("job", step));
     StagedShard shard;
     shard.rank = 0;
-    shard.data = reinterpret_cast<const char*>(data.data());
     shard.data_bytes = data.size() * sizeof(float);
+    shard.region = ScatteredBytes(reinterpret_cast<const char*>(data.data()), shard.data_bytes);
     shard.entries = {{"w", "F32", {1024}, 0, shard.data_bytes}};
     auto written = writer->Write(shard, store.TempStepKey("job", step));
     if (!written.ok()) {

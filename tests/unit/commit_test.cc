@@ -270,7 +270,7 @@ struct Fixture : Stages {
     snap->block = std::move(*pool->Allocate(64));
     std::fill_n(reinterpret_cast<float*>(snap->block->data()), 16, value);
     snap->shard.rank = rank;
-    snap->shard.data = snap->block->data();
+    snap->shard.region = ckpt::ScatteredBytes(snap->block->data(), 64);
     snap->shard.data_bytes = 64;
     snap->shard.entries = {{"w", "F32", {16}, 0, 64}};
     snap->tensor_count = 1;

@@ -82,7 +82,7 @@ struct Fixture {
   }
   std::string Bytes(const StagedSnapshotPtr& snap, size_t i) {
     const format::TensorEntry& e = snap->shard.entries[i];
-    return std::string(snap->shard.data + e.begin, e.end - e.begin);
+    return std::string(snap->shard.Data(e), e.end - e.begin);
   }
   bool CopiedFromTrainer(size_t i) { return engine.Copied(buffers[i].data()); }
 

@@ -208,12 +208,17 @@ TEST_CASE("a step read from ckptd's memory takes each piece by name and size, wh
   Manifest m = Load(c.store, 30);
   // The snapshot rank 0 was written from: its pieces in staging order (w before emb), which
   // is not the order of the step's own file.
-  std::string region = c.saved[30].pieces["w"][0] + c.saved[30].pieces["emb"][0];
+  // Each in a place of its own, as a frozen block's tensors are.
+  const std::string& w = c.saved[30].pieces["w"][0];
+  const std::string& emb = c.saved[30].pieces["emb"][0];
+  ckpt::ScatteredBytes region;
+  region.Append(w.data(), w.size());
+  region.Append(emb.data(), emb.size());
   std::vector<TensorEntry> entries = {{"w", "F32", {2, 4}, 0, 32}, {"emb", "F32", {kRows, kCols}, 32, region.size()}};
   std::vector<std::string> names;
   auto hot = [&](uint32_t rank) -> std::optional<MemoryShard> {
     if (rank != 0) return std::nullopt;
-    return MemoryShard{nullptr, region.data(), &entries, entries.size(), &names};
+    return MemoryShard{nullptr, &region, &entries, entries.size(), &names};
   };
   std::map<std::string, std::vector<std::string>> got;
   REQUIRE(ReadSaved(c.store, m, got, hot).ok());

@@ -119,7 +119,7 @@ TEST_CASE("a rebuilt shard becomes a snapshot of the rank's entries in data orde
   CHECK(snap.world_size == 2);
   CHECK(snap.shard.rank == 1);
   CHECK(snap.shard.metadata == std::map<std::string, std::string>{{"rank", "1"}});
-  CHECK(snap.shard.data == bytes.data.get());
+  CHECK(snap.shard.region.Contiguous(0, snap.shard.data_bytes) == bytes.data.get());
   CHECK(snap.shard.data_bytes == kDataBytes);
   CHECK(snap.rebuilt == bytes.data);
   CHECK(snap.block == nullptr);
@@ -155,7 +155,7 @@ TEST_CASE("a rebuilt shard becomes a snapshot of the rank's entries in data orde
   CHECK(snap.placements[1].offset.empty());
   CHECK(snap.placements[1].flat == std::vector<ElementRange>{{8, 16}});
   // The bytes served are the rebuilt ones.
-  CHECK(std::string(snap.shard.data + b.begin, b.end - b.begin) == data.substr(64, 32));
+  CHECK(std::string(snap.shard.Data(b), b.end - b.begin) == data.substr(64, 32));
 }
 
 TEST_CASE("a rebuilt shard whose bytes differ from the manifest's checksums is refused naming the entry") {

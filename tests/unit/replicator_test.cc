@@ -27,6 +27,7 @@
 #include "daemon/replicate/replica_service.h"
 #include "daemon/replicate/replicator.h"
 #include "tests/fakes/sanitizer_slowdown.h"
+#include "tests/fakes/split_region.h"
 #include "tests/fakes/wait_until.h"
 
 using namespace ckpt::replicate;
@@ -163,9 +164,10 @@ class Group {
 };
 
 // A rank's staged shard: the bytes the replicator is handed (kept alive through the aliasing
-// shared_ptr, as the daemon hands it a snapshot's staging block) and a copy to compare with.
+// shared_ptr, as the daemon hands it a snapshot's data region; in two places, as a snapshot
+// with frozen tensors holds it) and a copy to compare with.
 struct StagedBytes {
-  std::shared_ptr<const char> data;
+  std::shared_ptr<const ckpt::ScatteredBytes> data;
   std::string copy;
   uint64_t size() const { return copy.size(); }
 };
@@ -173,8 +175,7 @@ struct StagedBytes {
 StagedBytes MakeShard(size_t bytes, uint32_t seed) {
   auto text = std::make_shared<std::string>(bytes, '\0');
   for (size_t i = 0; i < bytes; ++i) (*text)[i] = static_cast<char>(i * (131 + seed) + (i >> 11) + seed * 7);
-  std::shared_ptr<const std::string> owner = text;
-  return {std::shared_ptr<const char>(owner, owner->data()), *owner};
+  return {ckpt::testing::SplitRegion(*text, bytes / 3), *text};
 }
 
 std::string ManifestText(uint64_t step) {
@@ -616,8 +617,7 @@ namespace {
 StagedBytes Changed(const StagedBytes& from, std::initializer_list<size_t> at) {
   auto text = std::make_shared<std::string>(from.copy);
   for (size_t i : at) (*text)[i] ^= 0x5a;
-  std::shared_ptr<const std::string> owner = text;
-  return {std::shared_ptr<const char>(owner, owner->data()), *owner};
+  return {ckpt::testing::SplitRegion(*text, text->size() / 3), *text};
 }
 
 // What a holder must hold of rank `rank`'s fragment `index` of `step`: the fragment a whole

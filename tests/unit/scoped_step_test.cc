@@ -56,7 +56,7 @@ struct TwoNodes {
     region += Rng(rank);
     StagedShard shard;
     shard.rank = rank;
-    shard.data = region.data();
+    shard.region = ScatteredBytes(region.data(), region.size());
     shard.data_bytes = region.size();
     const uint64_t row_bytes = kRow * sizeof(float);
     shard.entries = {{"w", "F32", {1, kRow}, 0, row_bytes},

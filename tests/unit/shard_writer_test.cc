@@ -38,6 +38,44 @@ std::string Slurp(const std::string& path) {
 
 }  // namespace
 
+TEST_CASE("a data region held in several places is written as the same file as one held in one") {
+  // Entries of sizes that put every boundary off the 4 KiB block, the middle one (as a frozen
+  // tensor is) in a block of its own, at an address congruent to its offset or not.
+  const uint64_t a = (13u << 20) + 5, b = (9u << 20) + 3, c = 4096 + 7, bytes = a + b + c;
+  auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
+  auto whole = std::move(*pool->Allocate(bytes));
+  for (uint64_t i = 0; i < bytes; ++i) whole->data()[i] = static_cast<char>(i * 13 + (i >> 12));
+  auto own = std::move(*pool->Allocate(a + c));
+  std::memcpy(own->data(), whole->data(), a);
+  std::memcpy(own->data() + a, whole->data() + a + b, c);
+  for (uint64_t shift : {a % 4096, uint64_t{0}}) {
+    auto frozen = std::move(*pool->Allocate(b + 4096));
+    std::memcpy(frozen->data() + shift, whole->data() + a, b);
+    StagedShard one, several;
+    for (StagedShard* s : {&one, &several}) {
+      s->rank = 1;
+      s->data_bytes = bytes;
+      s->entries = {{"a", "U8", {static_cast<int64_t>(a)}, 0, a},
+                    {"b", "U8", {static_cast<int64_t>(b)}, a, a + b},
+                    {"c", "U8", {static_cast<int64_t>(c)}, a + b, bytes}};
+    }
+    one.region = ScatteredBytes(whole->data(), bytes);
+    several.region.Append(own->data(), a);
+    several.region.Append(frozen->data() + shift, b);
+    several.region.Append(own->data() + a, c);
+    testing::TempDir one_dir, several_dir;
+    auto fs = std::make_shared<testing::FaultyFilesystem>(MakePosixFilesystem());
+    auto x = MakeShardWriter(storage::MakeLocalStore(fs, ""))->Write(one, one_dir.path());
+    auto y = MakeShardWriter(storage::MakeLocalStore(fs, ""))->Write(several, several_dir.path());
+    REQUIRE(x.ok());
+    REQUIRE(y.ok());
+    INFO("the frozen block's bytes " << shift << " bytes into it");
+    CHECK(x->checksums == y->checksums);
+    CHECK(x->chunk_checksums == y->chunk_checksums);
+    CHECK(Slurp(one_dir / x->file) == Slurp(several_dir / y->file));
+  }
+}
+
 TEST_CASE("direct and buffered shards are identical, aligned and valid") {
   for (uint64_t bytes : {uint64_t{4}, uint64_t{4096}, uint64_t{(40u << 20) + 12}, uint64_t{12345}}) {
     auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
@@ -45,7 +83,7 @@ TEST_CASE("direct and buffered shards are identical, aligned and valid") {
     for (uint64_t i = 0; i < bytes; ++i) block->data()[i] = static_cast<char>(i * 7 + 3);
     StagedShard shard;
     shard.rank = 3;
-    shard.data = block->data();
+    shard.region = ScatteredBytes(block->data(), bytes);
     shard.data_bytes = bytes;
     shard.entries = {{"a", "U8", {static_cast<int64_t>(bytes - 4)}, 0, bytes - 4},
                      {"b", "F32", {}, bytes - 4, bytes}};
@@ -78,7 +116,7 @@ TEST_CASE("a full disk during an O_DIRECT write is reported with the file named"
   auto pool = std::move(*cuda::StagingPool::Create(64 << 20, false));
   auto block = std::move(*pool->Allocate(40 << 20));
   StagedShard shard;
-  shard.data = block->data();
+  shard.region = ScatteredBytes(block->data(), 40 << 20);
   shard.data_bytes = 40 << 20;
   shard.entries = {{"w", "U8", {40 << 20}, 0, 40 << 20}};
   testing::TempDir dir;
@@ -104,7 +142,7 @@ TEST_CASE("a shard is written chunk by chunk as its data lands") {
     StagingWatermark landed;
     StagedShard shard;
     shard.rank = 0;
-    shard.data = block->data();
+    shard.region = ScatteredBytes(block->data(), kBytes);
     shard.data_bytes = kBytes;
     // Entries straddle the writer's chunks; an empty one sits at the end.
     shard.entries = {{"a", "U8", {50 << 20}, 0, 50u << 20},
@@ -148,7 +186,7 @@ TEST_CASE("a failed copy stops the writer with the copy's error") {
   auto block = std::move(*pool->Allocate(40u << 20));
   StagingWatermark landed;
   StagedShard shard;
-  shard.data = block->data();
+  shard.region = ScatteredBytes(block->data(), 40u << 20);
   shard.data_bytes = 40u << 20;
   shard.entries = {{"a", "U8", {40 << 20}, 0, 40u << 20}};
   shard.landed = &landed;
@@ -173,7 +211,7 @@ TEST_CASE("entries longer than a chunk get a checksum per chunk; a range read ch
   auto block = std::move(*pool->Allocate(bytes));
   for (uint64_t i = 0; i < bytes; ++i) block->data()[i] = static_cast<char>(i * 13 + 1);
   StagedShard shard;
-  shard.data = block->data();
+  shard.region = ScatteredBytes(block->data(), bytes);
   shard.data_bytes = bytes;
   shard.entries = {{"big", "U8", {static_cast<int64_t>(big)}, 0, big},
                    {"small", "U8", {4096}, big, bytes}};

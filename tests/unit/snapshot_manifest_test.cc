@@ -50,7 +50,7 @@ StagedSnapshotPtr Snapshot(const std::string& data) {
   snap->rank = 1;
   snap->world_size = 2;
   snap->shard.rank = 1;
-  snap->shard.data = data.data();
+  snap->shard.region = ckpt::ScatteredBytes(data.data(), data.size());
   snap->shard.data_bytes = data.size();
   snap->shard.entries = {{"w", "F32", {4, 8}, 0, 128},
                          {"emb", "F32", {16, 4}, 128, 384},

@@ -630,8 +630,8 @@ TEST_CASE("a checkpoint on S3: written in place, a step only once its manifest i
     std::iota(rows[r].begin(), rows[r].end(), static_cast<float>(r * cols));
     daemon::StagedShard shard;
     shard.rank = r;
-    shard.data = reinterpret_cast<const char*>(rows[r].data());
     shard.data_bytes = cols * sizeof(float);
+    shard.region = ScatteredBytes(reinterpret_cast<const char*>(rows[r].data()), shard.data_bytes);
     shard.entries = {{"w", "F32", {1, cols}, 0, shard.data_bytes}};
     auto written = writer->Write(shard, store.TempStepKey("job", 7));
     REQUIRE(written.ok());

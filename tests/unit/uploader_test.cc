@@ -26,6 +26,7 @@
 #include "format/safetensors.h"
 #include "storage/filesystem.h"
 #include "tests/fakes/faulty_filesystem.h"
+#include "tests/fakes/split_region.h"
 #include "tests/fakes/temp_dir.h"
 #include "tests/fakes/wait_until.h"
 
@@ -150,9 +151,12 @@ std::string ReadAll(ckpt::format::CheckpointStore& store, const std::string& key
   return bytes;
 }
 
-InMemoryShard Held(const std::shared_ptr<std::string>& data) {
-  return {std::shared_ptr<const char>(data, data->data()), data->size()};
+// `data` as a staged snapshot with frozen tensors holds it: in two places.
+std::shared_ptr<const ckpt::ScatteredBytes> InStaging(const std::string& data) {
+  return ckpt::testing::SplitRegion(data);
 }
+
+InMemoryShard Held(const std::shared_ptr<const ckpt::ScatteredBytes>& region) { return {region, region->size()}; }
 
 }  // namespace
 
@@ -169,7 +173,8 @@ TEST_CASE("a shard's data region is read from staging memory while it lasts, the
   std::atomic<uint64_t> from_memory{0};
   auto open = local.objects().Open(key);
   REQUIRE(open.ok());
-  std::unique_ptr<ckpt::storage::ObjectReader> reader = MemoryFirst(std::move(*open), Held(data), &from_memory);
+  auto staged = InStaging(*data);
+  std::unique_ptr<ckpt::storage::ObjectReader> reader = MemoryFirst(std::move(*open), Held(staged), &from_memory);
   std::string got(1 << 20, '\0');
   const uint64_t before = disk->bytes_read();
   // A read across the header's end: the header from the file, the rest from memory.
@@ -177,21 +182,26 @@ TEST_CASE("a shard's data region is read from staging memory while it lasts, the
   CHECK(got == file.substr(header - 100, got.size()));
   CHECK(disk->bytes_read() - before == 100);
   CHECK(from_memory == got.size() - 100);
+  // A read across the two places the region lies in, from memory too.
+  REQUIRE(reader->ReadAt(got.data(), got.size(), header + data->size() / 2 - 1000).ok());
+  CHECK(got == file.substr(header + data->size() / 2 - 1000, got.size()));
+  CHECK(disk->bytes_read() - before == 100);
+  CHECK(from_memory == 2 * got.size() - 100);
   // The stager took the memory back: the rest comes from the file, and is the same.
-  data.reset();
+  staged.reset();
   REQUIRE(reader->ReadAt(got.data(), got.size(), header + (1 << 20)).ok());
   CHECK(got == file.substr(header + (1 << 20), got.size()));
   CHECK(disk->bytes_read() - before == 100 + got.size());
-  CHECK(from_memory == got.size() - 100);
+  CHECK(from_memory == 2 * got.size() - 100);
 
   // Memory that is not this file's data region (another size) is never used.
   auto other = DataRegion((3 << 20) - 4096, 1);
   open = local.objects().Open(key);
   REQUIRE(open.ok());
-  reader = MemoryFirst(std::move(*open), Held(other), &from_memory);
+  reader = MemoryFirst(std::move(*open), Held(InStaging(*other)), &from_memory);
   REQUIRE(reader->ReadAt(got.data(), got.size(), header).ok());
   CHECK(got == file.substr(header, got.size()));
-  CHECK(from_memory == (1 << 20) - 100);
+  CHECK(from_memory == 2 * (1 << 20) - 100);
 }
 
 // One daemon's uploader over two local stores, the local one on a disk that counts reads.
@@ -220,7 +230,8 @@ TEST_CASE("an upload sends the data regions from staging memory, and from disk o
   auto hot = DataRegion(5 << 20, 2);
   ckpt::format::Manifest first = CommitShard(local, 1, *hot);
   uint64_t before = disk->bytes_read();
-  uploader.Committed(first, {{0, Held(hot)}});
+  auto hot_staged = InStaging(*hot);
+  uploader.Committed(first, {{0, Held(hot_staged)}});
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 1); }, 10s, 10ms));
   CHECK(disk->bytes_read() - before < 64 * 1024);  // the header and the manifest
   CHECK(ReadAll(remote, "j/step-00000001" + shard) == ReadAll(local, "j/step-00000001" + shard));
@@ -228,8 +239,9 @@ TEST_CASE("an upload sends the data regions from staging memory, and from disk o
   // Evicted before its upload began: every byte comes from the file.
   auto evicted = DataRegion(5 << 20, 3);
   ckpt::format::Manifest second = CommitShard(local, 2, *evicted);
-  InMemoryShard gone = Held(evicted);
-  evicted.reset();
+  auto evicted_staged = InStaging(*evicted);
+  InMemoryShard gone = Held(evicted_staged);
+  evicted_staged.reset();
   before = disk->bytes_read();
   uploader.Committed(second, {{0, gone}});
   REQUIRE(WaitUntil([&] { return remote.Committed("j", 2); }, 10s, 10ms));
