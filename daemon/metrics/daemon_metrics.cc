@@ -36,11 +36,13 @@ DaemonMetrics::DaemonMetrics()
       staged_bytes(registry.AddCounter(
           {"ckptd_staged_bytes_total",
            "Bytes copied from trainers into staging memory (registered buffers and train state; not frozen "
-           "tensors taken from the previous snapshot).",
+           "tensors shared with earlier snapshots).",
            {}})),
-      frozen_filled_bytes(registry.AddCounter(
+      frozen_shared_bytes(registry.AddCounter(
           {"ckptd_frozen_skipped_bytes_total",
-           "Bytes of frozen tensors not copied from trainers: taken from the session's previous snapshot.", {}})),
+           "Bytes of frozen tensors not copied from trainers: shared with the session's earlier snapshots, in the "
+           "frozen block one of them staged.",
+           {}})),
       frozen_changes(registry.AddCounter(
           {"ckptd_frozen_changes_total",
            "Frozen tensors that a periodic check (--frozen-check-every) found changed in place, and saved.", {}})),
@@ -91,7 +93,7 @@ DaemonMetrics::DaemonMetrics()
     restore_seconds.With({tier});
     restored_bytes.With({tier});
   }
-  for (auto* c : {&staged_bytes, &uploaded_bytes, &frozen_filled_bytes, &frozen_changes, &replication_sent_bytes,
+  for (auto* c : {&staged_bytes, &uploaded_bytes, &frozen_shared_bytes, &frozen_changes, &replication_sent_bytes,
                   &replication_unchanged_bytes}) {
     c->With({});
   }

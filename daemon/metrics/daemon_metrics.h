@@ -31,7 +31,7 @@ struct DaemonMetrics {
   Family<Histogram>& restore_seconds;  // {tier}: memory, disk, remote
   Family<Histogram>& upload_seconds;   // one step's files of this node to the remote tier
   Family<Counter>& staged_bytes;
-  Family<Counter>& frozen_filled_bytes;  // frozen tensors taken from the previous snapshot
+  Family<Counter>& frozen_shared_bytes;  // frozen tensors shared with earlier snapshots, not copied
   Family<Counter>& frozen_changes;       // frozen tensors a check found changed in place
   Family<Counter>& written_bytes;      // {tier}
   Family<Counter>& restored_bytes;     // {tier}

@@ -64,9 +64,6 @@ absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t 
   return piece;
 }
 
-// Waits until tensor entry `i`'s bytes are in staging memory. A frozen entry the daemon fills
-// from the previous snapshot lands last; the trainer's entries after the first such one, with
-// the train state, once `own_landed` says so.
 // The safetensors header of the own file `plan` lays out.
 std::string HeaderOf(const RankWritePlan& plan, const std::map<std::string, std::string>& metadata) {
   std::vector<format::TensorEntry> entries;
@@ -83,13 +80,19 @@ bool AskedFull(const daemon::StagedSnapshot& snap) {
   return it != snap.shard.metadata.end() && it->second == "1";
 }
 
+// Waits until tensor entry `i`'s bytes are in staging memory. A frozen entry shared with an
+// earlier snapshot was in place when the snapshot was laid out.
 absl::Status WaitForEntry(const daemon::StagedSnapshot& snap, size_t i) {
   const daemon::StagedShard& shard = snap.shard;
-  if (shard.landed == nullptr) return absl::OkStatus();
-  const format::TensorEntry& e = shard.entries[i];
-  const bool filled = !snap.frozen.empty() && snap.frozen[i].filled;
-  if (!filled && e.end > snap.filled_from) return snap.own_landed.WaitFor(1);
-  return shard.landed->WaitFor(e.end);
+  if (shard.landed == nullptr || (!snap.frozen.empty() && snap.frozen[i].shared)) return absl::OkStatus();
+  return shard.landed->WaitFor(shard.entries[i].end);
+}
+
+// Waits until frozen entry `i`'s generation is set: a shared entry's was when the snapshot was
+// laid out; a copied one's once every byte has landed (the stager sets it just before the last).
+absl::Status WaitForGeneration(const daemon::StagedSnapshot& snap, size_t i) {
+  if (snap.shard.landed == nullptr || snap.frozen[i].shared) return absl::OkStatus();
+  return snap.shard.landed->WaitFor(snap.shard.data_bytes);
 }
 
 }  // namespace
@@ -132,10 +135,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   // a piece whose are known is neither waited for nor read.
   const bool has_frozen = !snap.frozen.empty() && snap.frozen_sums != nullptr;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
-    // Generations are set once the trainer's bytes are all in.
-    if (has_frozen && snap.frozen[i].frozen && shard.landed != nullptr) {
-      CKPT_RETURN_IF_ERROR(snap.own_landed.WaitFor(1));
-    }
+    if (has_frozen && snap.frozen[i].frozen) CKPT_RETURN_IF_ERROR(WaitForGeneration(snap, i));
     const bool frozen = has_frozen && snap.frozen[i].frozen && snap.frozen[i].generation != 0;
     KnownSums known = [&](uint64_t chunk_bytes) -> std::optional<daemon::FrozenChecksums> {
       if (!frozen) return std::nullopt;
@@ -149,10 +149,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
     write.pieces.push_back(std::move(piece));
     if (between_chunks_) between_chunks_();
   }
-  if (shard.landed != nullptr) {
-    CKPT_RETURN_IF_ERROR(snap.filled_from < shard.data_bytes ? snap.own_landed.WaitFor(1)
-                                                            : shard.landed->WaitFor(shard.data_bytes));
-  }
+  if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
   for (size_t i = snap.tensor_count; i < shard.entries.size(); ++i) {
     const format::TensorEntry& e = shard.entries[i];
     write.train_state.push_back({snap.train_state_names[i - snap.tensor_count], e.end - e.begin,
@@ -181,13 +178,6 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   WrittenShard out;
   out.file = write.file;
   const std::string key = dir + "/" + out.file;
-  // Filled frozen entries land last: waited for only when the plan writes one (the first
-  // save of a session, a rebase, a base that went).
-  if (shard.landed != nullptr && snap.filled_from < shard.data_bytes &&
-      std::any_of(plan.entries.begin(), plan.entries.end(),
-                  [&](const PlannedEntry& pe) { return !pe.train_state && snap.frozen[pe.index].filled; })) {
-    CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
-  }
   CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(key, header, [&](RunAppender& appender) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       const size_t source = pe.train_state ? snap.tensor_count + pe.index : pe.index;
@@ -246,10 +236,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
   CKPT_ASSIGN_OR_RETURN(out.bytes, WriteFile(dir + "/" + out.file, header, [&](RunAppender& appender) -> absl::Status {
     for (const PlannedEntry& pe : plan.entries) {
       if (pe.train_state) {
-        if (shard.landed != nullptr) {
-          CKPT_RETURN_IF_ERROR(snap.filled_from < shard.data_bytes ? snap.own_landed.WaitFor(1)
-                                                                  : shard.landed->WaitFor(shard.data_bytes));
-        }
+        if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
         const format::TensorEntry& e = shard.entries[snap.tensor_count + pe.index];
         BlobToWrite& blob = write.train_state[pe.index];
         blob.checksum = format::Checksum64(shard.Data(e), blob.bytes);
@@ -276,9 +263,8 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
         for (uint64_t sum : piece.chunk_checksums) saved.chunk_checksums.push_back(format::ChecksumText(sum));
       }
       saved.checksum = piece.checksum;
-      // Generations are set once the trainer's bytes are all in (own_landed).
       const bool frozen = !snap.frozen.empty() && snap.frozen[pe.index].frozen;
-      if (frozen && shard.landed != nullptr) CKPT_RETURN_IF_ERROR(snap.own_landed.WaitFor(1));
+      if (frozen) CKPT_RETURN_IF_ERROR(WaitForGeneration(snap, pe.index));
       if (frozen && snap.frozen[pe.index].generation != 0) {
         snap.frozen_sums->Put(snap.frozen[pe.index].generation, piece.chunk_bytes,
                               {piece.chunk_checksums, piece.checksum});

@@ -652,9 +652,6 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     persist.Submit(snap);
   };
   absl::StatusOr<StagedSnapshotPtr> staged;
-  // The frozen tensors' fill, after data_mu_: an update need not wait for a memcpy of a
-  // frozen base of many GB (the trainer was released before it; readers wait for `landed`).
-  Stager::FillLater fill;
   {
     std::lock_guard lock(data_mu_);
     // The trainer may write from here: after the copy, or, for a copy-on-write snapshot,
@@ -666,10 +663,9 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
           std::chrono::duration<double>(std::chrono::steady_clock::now() - taken).count());
       return true;
     };
-    staged = stager.Stage(view(command.ticket), command.step, std::move(*command.payload), submit, release, &fill);
-    if (staged.ok()) frozen_->Staged(*staged);
+    staged = stager.Stage(view(command.ticket), command.step, std::move(*command.payload), submit, release);
+    if (staged.ok()) frozen_->Staged(**staged);
   }
-  if (fill) fill();
   if (!staged.ok()) {
     bool busy = absl::IsResourceExhausted(staged.status());
     return reject(busy ? shm::kTicketRejected : shm::kTicketFailed, Message(staged.status()),
@@ -683,14 +679,15 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
                job_, rank_, command.step, name);
     metrics.frozen_changes.With({}).Add();
   }
-  metrics.frozen_filled_bytes.With({}).Add(static_cast<double>((*staged)->filled_bytes));
+  metrics.frozen_shared_bytes.With({}).Add(static_cast<double>((*staged)->shared_bytes));
   events.SnapshotStaged(*staged, uid_);
   metrics.snapshots.With({"staged"}).Add();
   metrics.staging_seconds.With({}).Observe((*staged)->copy_seconds);
-  metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes - (*staged)->filled_bytes));
-  const uint64_t copied = (*staged)->shard.data_bytes - (*staged)->filled_bytes;
-  Log().debug("[{}/r{} s{}] staged {} bytes ({} of frozen tensors from the last snapshot); copy {:.1f} ms ({:.2f} GB/s)",
-              job_, rank_, command.step, (*staged)->shard.data_bytes, (*staged)->filled_bytes,
+  metrics.staged_bytes.With({}).Add(static_cast<double>((*staged)->shard.data_bytes - (*staged)->shared_bytes));
+  const uint64_t copied = (*staged)->shard.data_bytes - (*staged)->shared_bytes;
+  Log().debug("[{}/r{} s{}] staged {} bytes ({} of frozen tensors shared with earlier snapshots); copy {:.1f} ms "
+              "({:.2f} GB/s)",
+              job_, rank_, command.step, (*staged)->shard.data_bytes, (*staged)->shared_bytes,
               (*staged)->copy_seconds * 1e3, copied / std::max((*staged)->copy_seconds, 1e-9) / 1e9);
 }
 

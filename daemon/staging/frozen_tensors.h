@@ -1,11 +1,12 @@
 // A session's frozen tensors across its snapshots (docs/design/incremental.md, section 7).
 // A tensor registered frozen (TensorSpec.frozen, UpdateRequest.freeze) is copied from the
-// trainer once; later snapshots fill it from the session's previous snapshot, after the
-// trainer is released: no device-to-host copy, no trainer wait, and (frozen_sums.h) no
-// hashing. Every `check_every`-th snapshot copies frozen tensors from the trainer again and
-// compares them with the previous snapshot's, so that user code that changed one in place is
-// caught and saved. Bytes are tracked by generation: every snapshot entry of one generation
-// holds the same bytes. Used under the session's data mutex.
+// trainer once, into a frozen block (staged_snapshot.h); later snapshots share that block
+// instead of copying it: no device-to-host copy, no trainer wait, no host copy, its memory
+// paid once, and (frozen_sums.h) no hashing. Every `check_every`-th snapshot copies frozen
+// tensors from the trainer again, into a new block, and compares them with the last one, so
+// that user code that changed one in place is caught and saved. Bytes are tracked by
+// generation: every snapshot entry of one generation holds the same bytes. Used under the
+// session's data mutex.
 #pragma once
 
 #include <cstdint>
@@ -25,20 +26,16 @@ namespace ckpt::daemon {
 struct FrozenPlan {
   struct Tensor {
     bool frozen = false;
-    // The previous snapshot's entry of the same bytes: filled from there, or (a check)
-    // compared with the trainer's copy. -1: none (copied from the trainer, a new generation).
-    int64_t source_entry = -1;
-    bool fill = false;
-    uint64_t generation = 0;  // of the source entry's bytes
+    // Where its bytes were last staged, when they are known and laid out as now: shared
+    // from there, or (a check) compared with the trainer's copy. Null: copied from the
+    // trainer, a new generation. Held here while the snapshot is staged.
+    std::shared_ptr<const FrozenBlock> block;
+    const char* at = nullptr;
+    bool share = false;
+    uint64_t generation = 0;  // of the bytes at `at`
   };
-  StagedSnapshotPtr source;     // held while the snapshot is staged; null: no fills
   std::vector<Tensor> tensors;  // per registered tensor; empty: none frozen
   bool check = false;           // frozen tensors are copied from the trainer and compared
-
-  bool any_fill() const;
-  // Copies everything from the trainer instead (staging memory is short: the source's block
-  // is given back).
-  void DropSource();
 };
 
 class FrozenTensors {
@@ -56,17 +53,28 @@ class FrozenTensors {
   // A check found `name` changed in place although registered frozen: it is copied from the
   // trainer at every snapshot from now on, until it is frozen anew (Registered's `replaced`).
   void ChangedInPlace(const std::string& name) { changed_in_place_.insert(name); }
-  // `snap` staged whole: the next snapshot's source, its generations the tensors' now.
-  void Staged(const StagedSnapshotPtr& snap);
+  // `snap` staged whole: where its frozen tensors' bytes are, for the next snapshot.
+  void Staged(const StagedSnapshot& snap);
   const std::shared_ptr<FrozenSums>& sums() const { return sums_; }
 
  private:
+  // A frozen tensor's bytes as last staged. The block is held weakly: by the snapshots in
+  // flight and the hot copy. Once they are gone (the hot cache evicted it for room), the
+  // next snapshot copies the tensor from the trainer again.
+  struct Known {
+    uint64_t generation = 0;  // 0: bytes not known
+    std::weak_ptr<const FrozenBlock> block;
+    const char* at = nullptr;
+    std::string dtype;
+    std::vector<int64_t> shape;
+    uint64_t bytes = 0;
+  };
+
   const uint32_t check_every_;
   uint64_t last_generation_ = 0;
-  uint32_t fills_since_check_ = 0;
-  std::map<std::string, uint64_t> generations_;  // frozen tensors; 0: bytes not known
+  uint32_t shares_since_check_ = 0;
+  std::map<std::string, Known> known_;  // the frozen tensors
   std::set<std::string> changed_in_place_;
-  std::weak_ptr<StagedSnapshot> last_;  // alive while persist or the hot cache holds it
   std::shared_ptr<FrozenSums> sums_ = std::make_shared<FrozenSums>();
 };
 

@@ -31,9 +31,8 @@ StagedSnapshotPtr HotCache::Find(const std::string& job, uint32_t rank, uint64_t
     if (it == hot_.end() || it->second->step != step) return nullptr;
     found = it->second;
   }
-  // An increment can commit before its frozen tensors are filled from the previous snapshot
-  // (a memory copy after the trainer's release): a reader waits for them, and a copy that
-  // failed is not in memory at all.
+  // Every writer waits for the last byte before its step commits, so this wait is for form:
+  // what a snapshot whose copy failed holds is not in memory at all.
   if (found->shard.landed != nullptr && !found->shard.landed->WaitFor(found->shard.data_bytes).ok()) {
     return nullptr;
   }

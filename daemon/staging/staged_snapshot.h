@@ -35,6 +35,14 @@ struct TensorPlacement {
   std::vector<format::ElementRange> flat;
 };
 
+// A session's frozen tensors' bytes as one snapshot copied them from the trainer, shared by
+// the snapshots after it that find them unchanged (each holds it while in flight or hot): so
+// a frozen base costs its memory once, not once per snapshot in flight and in the hot copy.
+// It counts in the job's share of staging memory while the snapshot that copied it is in flight.
+struct FrozenBlock {
+  cuda::StagingBlockPtr block;
+};
+
 struct StagedSnapshot {
   std::string job;
   uint64_t step = 0;
@@ -47,24 +55,21 @@ struct StagedSnapshot {
   StagingWatermark landed;  // how much of `block` the stager has filled
   StagedShard shard;        // entries: tensors, then train-state blobs; landed -> `landed`
   // Frozen tensors (daemon/staging/frozen_tensors.h), per tensor entry; empty when none is
-  // frozen. A filled entry's bytes are copied by the daemon from its previous snapshot after
-  // the trainer is released, and land last.
+  // frozen. A frozen entry's bytes lie in a frozen block, not in `block`: one this snapshot
+  // copied them into from the trainer (its first snapshot with them, or a check), or one an
+  // earlier snapshot did, shared (neither copied nor waited for: in place when laid out).
   struct FrozenEntry {
     bool frozen = false;
-    bool filled = false;      // from the previous snapshot, not from the trainer
+    bool shared = false;      // in an earlier snapshot's frozen block
+    int block = -1;           // index in `frozen_blocks`; -1: not frozen
     uint64_t generation = 0;  // entries of one generation hold the same bytes (frozen_sums);
-                              // set once `own_landed` has
+                              // a shared entry's is set when laid out, a copied one's once
+                              // every byte has landed
   };
   std::vector<FrozenEntry> frozen;
+  std::vector<std::shared_ptr<const FrozenBlock>> frozen_blocks;  // those its entries lie in
   std::shared_ptr<FrozenSums> frozen_sums;  // the session's; null when `frozen` is empty
-  // Where the first filled entry begins (none: the largest value). `landed` stops there
-  // until every filled entry is in place; what the trainer gave beyond it (later tensors,
-  // the train state) has landed, with every generation set and the trainer released, once
-  // `own_landed` reaches 1. So an increment that references its frozen tensors is written
-  // without waiting for them.
-  uint64_t filled_from = UINT64_MAX;
-  StagingWatermark own_landed;
-  uint64_t filled_bytes = 0;                 // bytes filled instead of copied
+  uint64_t shared_bytes = 0;                // bytes of shared frozen entries (not copied)
   std::vector<std::string> frozen_changed;  // frozen tensors a check found changed in place
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry

@@ -13,6 +13,7 @@
 #include "format/manifest.h"
 #include "format/user_files.h"
 #include "daemon/staging/cow_copy.h"
+#include "daemon/staging/snapshot_layout.h"
 #include "shm/sealed_segment.h"
 
 namespace ckpt::daemon {
@@ -34,28 +35,38 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
   return job.host.empty() ? absl::OkStatus() : host.Copy(job.host);
 }
 
-absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Stager::Reserve(
-    const SessionView& session, size_t bytes, const std::string& context, FrozenPlan& frozen) {
+absl::StatusOr<Stager::Reserved> Stager::Reserve(const SessionView& session, const std::vector<size_t>& sizes,
+                                                 const std::string& context) {
   auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
+  size_t bytes = 0;
+  for (size_t n : sizes) bytes += n;
   while (true) {
     absl::Status why;
     absl::StatusOr<StagingLedger::HoldPtr> hold = StagingLedger::HoldPtr();
     if (options_.ledger != nullptr) hold = options_.ledger->Admit(session.uid, session.job, bytes);
     if (hold.ok()) {
-      auto block = pool_.Allocate(bytes);
-      if (block.ok()) return std::make_pair(std::move(*block), std::move(*hold));
-      hold->reset();
-      // The previous snapshot, kept for its frozen tensors, holds memory: given up first (its
-      // frozen tensors are then copied from the trainer), before other jobs' hot copies, of
-      // which evicting its own would free nothing while the plan holds it.
-      if (frozen.source) {
-        frozen.DropSource();
-        continue;
+      Reserved out;
+      absl::Status block = absl::OkStatus();
+      for (size_t n : sizes) {
+        absl::StatusOr<cuda::StagingBlockPtr> allocated = pool_.Allocate(n);
+        if (!allocated.ok()) {
+          block = allocated.status();
+          break;
+        }
+        out.blocks.push_back(std::move(*allocated));
       }
+      if (block.ok()) {
+        out.hold = std::move(*hold);
+        return out;
+      }
+      out.blocks.clear();
+      hold->reset();
+      // A frozen block this snapshot shares is held by its plan: evicting the hot copy that
+      // also holds it frees that copy's own block only, and the frozen one stays shared.
       if (hot_.EvictOne()) continue;
       why = absl::ResourceExhaustedError(fmt::format(
           "staging memory busy ({}; earlier snapshots are still being written)",
-          Message(block.status())));
+          Message(block)));
     } else {
       why = hold.status();
     }
@@ -74,15 +85,26 @@ namespace {
 // lands only once the trainer has been released (Stage). A writer that has all but the last
 // byte cannot finish the shard, so a snapshot the trainer abandoned during the copy fails
 // there instead of being written, and committed, with torn tensors.
-// Nor past the first tensor the daemon fills from the previous snapshot (frozen), which lands
-// after the trainer's bytes.
 uint64_t HeldBack(const StagedSnapshot& snap, uint64_t landed) {
-  return snap.shard.data_bytes == 0 ? 0 : std::min({landed, snap.shard.data_bytes - 1, snap.filled_from});
+  return snap.shard.data_bytes == 0 ? 0 : std::min(landed, snap.shard.data_bytes - 1);
 }
 
-void FailSnapshot(StagedSnapshot& snap, const absl::Status& why) {
-  snap.landed.Fail(Message(why));
-  snap.own_landed.Fail(Message(why));
+void FailSnapshot(StagedSnapshot& snap, const absl::Status& why) { snap.landed.Fail(Message(why)); }
+
+// A check (every tensor it would copy known and still staged) made a plain snapshot that
+// shares them: true, with `plan` and `places` changed so.
+bool PutOffCheck(FrozenPlan& plan, std::vector<EntryPlace>& places) {
+  if (!plan.check) return false;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (places[i] == EntryPlace::kFrozen && plan.tensors[i].block == nullptr) return false;
+  }
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    if (places[i] != EntryPlace::kFrozen) continue;
+    plan.tensors[i].share = true;
+    places[i] = EntryPlace::kShared;
+  }
+  plan.check = false;
+  return true;
 }
 
 absl::Status Abandoned(std::string_view context) {
@@ -97,7 +119,7 @@ absl::Status Abandoned(std::string_view context) {
 absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint64_t step,
                                                 shm::SnapshotPayload payload,
                                                 const OnLaidOut& on_laid_out,
-                                                const OnReleased& on_released, FillLater* fill_later) {
+                                                const OnReleased& on_released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   uint64_t total = 0;
   for (const RegisteredTensor& t : tensors) total += t.nbytes;
@@ -124,10 +146,6 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   for (const shm::NamedBlob& blob : payload.train_state) blobs.emplace_back(blob.name, blob.data.size());
   CKPT_RETURN_IF_ERROR(format::CheckUserFiles(blobs));
   std::string context = fmt::format("[{}/r{} s{}] snapshot", session.job, session.rank, step);
-  // Taken before the block is reserved, so that making room cannot free the source first.
-  FrozenPlan frozen = session.frozen != nullptr ? session.frozen->Plan(tensors) : FrozenPlan{};
-  CKPT_ASSIGN_OR_RETURN(auto reserved, Reserve(session, total, context, frozen));
-  cuda::StagingBlockPtr block = std::move(reserved.first);
 
   auto snap = std::make_shared<StagedSnapshot>();
   snap->job = session.job;
@@ -151,30 +169,83 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     snap->train_state_names.push_back(blob.name);
     offset += blob.data.size();
   }
+
+  // Where each entry goes (snapshot_layout.h). The plan holds the frozen blocks it shares,
+  // so making room below cannot free them.
+  FrozenPlan frozen = session.frozen != nullptr ? session.frozen->Plan(tensors) : FrozenPlan{};
+  std::vector<EntryPlace> places(snap->shard.entries.size(), EntryPlace::kOwn);
+  for (size_t i = 0; i < frozen.tensors.size(); ++i) {
+    if (!frozen.tensors[i].frozen) continue;
+    places[i] = frozen.tensors[i].share ? EntryPlace::kShared : EntryPlace::kFrozen;
+  }
+  // The own block and, for frozen tensors copied from the trainer, a new frozen block, both
+  // counted in the job's share while this snapshot is in flight (the frozen one once: the
+  // snapshots that share it later count only their own).
+  SnapshotLayout layout = LayOut(snap->shard.entries, places);
+  const bool copies_frozen = std::find(places.begin(), places.end(), EntryPlace::kFrozen) != places.end();
+  std::vector<size_t> sizes{layout.own_bytes};
+  if (copies_frozen) sizes.push_back(layout.frozen_bytes);
+  absl::StatusOr<Reserved> reserved = Reserve(session, sizes, context);
+  if (!reserved.ok() && copies_frozen && PutOffCheck(frozen, places)) {
+    // A check that finds no room for a new copy of the frozen tensors shares the last one
+    // instead; the next snapshot checks.
+    Log().info("[{}/r{} s{}] the check of frozen tensors is put off to the next snapshot: {}", session.job,
+               session.rank, step, Message(reserved.status()));
+    layout = LayOut(snap->shard.entries, places);
+    reserved = Reserve(session, {layout.own_bytes}, context);
+  }
+  CKPT_RETURN_IF_ERROR(reserved.status());
+  std::shared_ptr<FrozenBlock> new_frozen;
+  if (reserved->blocks.size() > 1) new_frozen = std::make_shared<FrozenBlock>(FrozenBlock{std::move(reserved->blocks[1])});
+  cuda::StagingBlockPtr own = std::move(reserved->blocks[0]);
+
+  // The region, and where the copy writes each entry (null: shared, in place already).
+  std::vector<char*> to(snap->shard.entries.size(), nullptr);
+  std::map<const FrozenBlock*, int> block_index;
+  auto index_of = [&](const std::shared_ptr<const FrozenBlock>& block) {
+    auto [it, added] = block_index.emplace(block.get(), static_cast<int>(snap->frozen_blocks.size()));
+    if (added) snap->frozen_blocks.push_back(block);
+    return it->second;
+  };
   if (!frozen.tensors.empty()) {
     snap->frozen.resize(tensors.size());
     snap->frozen_sums = session.frozen->sums();
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      snap->frozen[i].frozen = frozen.tensors[i].frozen;
-      snap->frozen[i].filled = frozen.tensors[i].fill;
-      if (frozen.tensors[i].fill) {
-        snap->filled_from = std::min(snap->filled_from, snap->shard.entries[i].begin);
-        snap->filled_bytes += tensors[i].nbytes;
-      }
+  }
+  for (size_t i = 0; i < snap->shard.entries.size(); ++i) {
+    const format::TensorEntry& e = snap->shard.entries[i];
+    const char* at = nullptr;
+    switch (places[i]) {
+      case EntryPlace::kOwn:
+        to[i] = own->data() + layout.offset[i];
+        at = to[i];
+        break;
+      case EntryPlace::kFrozen:
+        to[i] = new_frozen->block->data() + layout.offset[i];
+        at = to[i];
+        snap->frozen[i].block = index_of(new_frozen);
+        break;
+      case EntryPlace::kShared:
+        at = frozen.tensors[i].at;
+        snap->frozen[i].block = index_of(frozen.tensors[i].block);
+        snap->frozen[i].shared = true;
+        snap->frozen[i].generation = frozen.tensors[i].generation;
+        snap->shared_bytes += e.end - e.begin;
+        break;
     }
+    if (i < snap->frozen.size()) snap->frozen[i].frozen = frozen.tensors[i].frozen;
+    snap->shard.region.Append(at, e.end - e.begin);
   }
   snap->shard.rank = session.rank;
-  snap->shard.region = ScatteredBytes(block->data(), total);
   snap->shard.data_bytes = total;
   snap->shard.metadata = std::move(payload.metadata);
   snap->shard.landed = &snap->landed;
-  snap->block = std::move(block);
-  snap->in_flight = std::move(reserved.second);
+  snap->block = std::move(own);
+  snap->in_flight = std::move(reserved->hold);
   if (on_laid_out) on_laid_out(snap);
 
   auto copy_started = std::chrono::steady_clock::now();
   bool released = false;
-  absl::Status copied = Annotate(CopyTensors(session, *snap, frozen, on_released, released), context);
+  absl::Status copied = Annotate(CopyTensors(session, *snap, to, on_released, released), context);
   if (!copied.ok()) {
     FailSnapshot(*snap, copied);
     return copied;
@@ -186,38 +257,26 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
   }
   snap->copy_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
   for (size_t i = 0; i < payload.train_state.size(); ++i) {
-    const format::TensorEntry& e = snap->shard.entries[snap->tensor_count + i];
-    std::memcpy(snap->block->data() + e.begin, payload.train_state[i].data.data(), e.end - e.begin);
+    const size_t entry = snap->tensor_count + i;
+    const format::TensorEntry& e = snap->shard.entries[entry];
+    std::memcpy(to[entry], payload.train_state[i].data.data(), e.end - e.begin);
   }
-  if (!frozen.tensors.empty()) SetGenerations(*session.frozen, frozen, *snap);
-  snap->own_landed.Advance(1);
-  const bool later = frozen.any_fill() && fill_later != nullptr;
-  FillLater fill = [frozen = std::move(frozen), snap, total] {
-    if (frozen.any_fill()) Fill(frozen, *snap);
-    snap->landed.Advance(total);
-  };
-  if (later) {
-    *fill_later = std::move(fill);
-  } else {
-    fill();
-  }
+  // Before the last byte lands: a writer that waited for it reads the generations.
+  if (!frozen.tensors.empty()) SetGenerations(*session.frozen, frozen, to, *snap);
+  snap->landed.Advance(total);
   return snap;
 }
 
-void Stager::SetGenerations(FrozenTensors& state, const FrozenPlan& plan, StagedSnapshot& snap) {
+void Stager::SetGenerations(FrozenTensors& state, const FrozenPlan& plan, const std::vector<char*>& to,
+                            StagedSnapshot& snap) {
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     const FrozenPlan::Tensor& p = plan.tensors[i];
     StagedSnapshot::FrozenEntry& f = snap.frozen[i];
-    if (!p.frozen) continue;
-    if (p.fill) {
-      f.generation = p.generation;
-      continue;
-    }
+    if (!p.frozen || f.shared) continue;
     const format::TensorEntry& e = snap.shard.entries[i];
-    if (p.source_entry >= 0) {
+    if (p.block != nullptr) {
       // A check: the trainer's bytes against those last seen.
-      const format::TensorEntry& was = plan.source->shard.entries[p.source_entry];
-      if (std::memcmp(snap.block->data() + e.begin, plan.source->shard.Data(was), e.end - e.begin) == 0) {
+      if (std::memcmp(to[i], p.at, e.end - e.begin) == 0) {
         f.generation = p.generation;
         continue;
       }
@@ -228,38 +287,27 @@ void Stager::SetGenerations(FrozenTensors& state, const FrozenPlan& plan, Staged
   }
 }
 
-void Stager::Fill(const FrozenPlan& plan, StagedSnapshot& snap) {
-  // One thread, on the session's: the trainer is not waiting, and the writer of this very
-  // snapshot (which references these bytes rather than reads them) gets the other cores.
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    if (!plan.tensors[i].fill) continue;
-    const format::TensorEntry& e = snap.shard.entries[i];
-    const format::TensorEntry& was = plan.source->shard.entries[plan.tensors[i].source_entry];
-    std::memcpy(snap.block->data() + e.begin, plan.source->shard.Data(was), e.end - e.begin);
-  }
-}
-
-absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
+absl::Status Stager::CopyHostTensors(const SessionView& session, StagedSnapshot& snap, const std::vector<char*>& to,
                                      const std::vector<bool>& only) {
   SplitCopy job;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
     if (!only[i]) continue;
     const format::TensorEntry& e = snap.shard.entries[i];
-    job.Add((*session.tensors)[i], {snap.block->data() + e.begin, (*session.tensors)[i].data, e.end - e.begin});
+    job.Add((*session.tensors)[i], {to[i], (*session.tensors)[i].data, e.end - e.begin});
   }
   return CopySplit(engine_, device_engines_, job, session.cuda_after);
 }
 
-absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap, const FrozenPlan& frozen,
+absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& snap, const std::vector<char*>& to,
                                  const OnReleased& on_released, bool& released) {
   const std::vector<RegisteredTensor>& tensors = *session.tensors;
   const uint64_t tensor_bytes = snap.tensor_count == 0 ? 0 : snap.shard.entries[snap.tensor_count - 1].end;
-  // Frozen tensors filled from the previous snapshot are not the trainer's to copy.
-  auto filled = [&](size_t i) { return !frozen.tensors.empty() && frozen.tensors[i].fill; };
+  // Frozen tensors shared from an earlier snapshot are not the trainer's to copy.
+  auto shared = [&](size_t i) { return to[i] == nullptr; };
   std::vector<bool> cow(tensors.size(), false);
   if (session.write_protect != nullptr) {
     for (size_t i = 0; i < tensors.size(); ++i) {
-      cow[i] = !tensors[i].on_device && tensors[i].trainer_address != 0 && tensors[i].nbytes > 0 && !filled(i);
+      cow[i] = !tensors[i].on_device && tensors[i].trainer_address != 0 && tensors[i].nbytes > 0 && !shared(i);
     }
   }
   if (std::find(cow.begin(), cow.end(), true) != cow.end()) {
@@ -267,21 +315,19 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
     std::vector<bool> rest(cow.size());
     std::vector<CowCopy::Region> regions;
     for (size_t i = 0; i < cow.size(); ++i) {
-      rest[i] = !cow[i] && !filled(i);
+      rest[i] = !cow[i] && !shared(i);
       if (!cow[i]) continue;
-      const format::TensorEntry& e = snap.shard.entries[i];
-      regions.push_back({tensors[i].trainer_address, tensors[i].nbytes, tensors[i].data,
-                         snap.block->data() + e.begin});
+      regions.push_back({tensors[i].trainer_address, tensors[i].nbytes, tensors[i].data, to[i]});
     }
     // What cannot be write-protected (GPU tensors, small arenas) is copied first.
-    CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, rest));
+    CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, to, rest));
     const uint64_t page = std::max<uint64_t>(shm::HugePageSize(), 4096);
     CowCopy copy(*session.write_protect, std::move(regions),
                  (options_.cow_chunk_bytes + page - 1) / page * page);
     if (absl::Status protected_ = copy.Protect(); !protected_.ok()) {
       Log().warn("[{}/r{} s{}] copy-on-write unavailable for this snapshot, copying instead: {}",
                  session.job, session.rank, snap.step, Message(protected_));
-      CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, cow));
+      CKPT_RETURN_IF_ERROR(CopyHostTensors(session, snap, to, cow));
     } else {
       const bool kept = !on_released || on_released();
       released = true;
@@ -299,7 +345,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
   // copy runs as one job (per-chunk barriers cost more than overlap gains on the host).
   // DMA copies do not need the CPU: snapshots of GPU tensors alone overlap with writing.
   bool any_host = false;
-  for (size_t i = 0; i < tensors.size(); ++i) any_host = any_host || (!tensors[i].on_device && !filled(i));
+  for (size_t i = 0; i < tensors.size(); ++i) any_host = any_host || (!tensors[i].on_device && !shared(i));
   cuda::CopyPriority::Copying copying(any_host ? priority_ : nullptr);
   const uint64_t chunk_bytes = any_host ? std::max<uint64_t>(tensor_bytes, 1) : options_.chunk_bytes;
   size_t first = 0;  // the first tensor not wholly copied yet
@@ -310,7 +356,7 @@ absl::Status Stager::CopyTensors(const SessionView& session, StagedSnapshot& sna
       const format::TensorEntry& e = snap.shard.entries[i];
       if (e.begin >= hi) break;
       const uint64_t a = std::max(lo, e.begin), b = std::min(hi, e.end);
-      if (b > a && !filled(i)) chunk.Add(tensors[i], {snap.block->data() + a, tensors[i].data + (a - e.begin), b - a});
+      if (b > a && !shared(i)) chunk.Add(tensors[i], {to[i] + (a - e.begin), tensors[i].data + (a - e.begin), b - a});
       if (e.end <= hi) first = i + 1;
     }
     CKPT_RETURN_IF_ERROR(CopySplit(engine_, device_engines_, chunk, session.cuda_after));

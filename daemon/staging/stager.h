@@ -39,8 +39,8 @@ struct SessionView {
   void* cuda_after = nullptr;  // the trainer's snapshot event (cudaEvent_t), if any
   WriteProtector* write_protect = nullptr;  // copy-on-write snapshots of tensors that have a
                                             // trainer_address; null: copy before releasing
-  // The session's frozen tensors across snapshots (copied once, then filled from the last
-  // snapshot); null: every tensor is copied from the trainer at each snapshot.
+  // The session's frozen tensors across snapshots (copied once into a frozen block, then
+  // shared); null: every tensor is copied from the trainer at each snapshot.
   FrozenTensors* frozen = nullptr;
 };
 
@@ -82,34 +82,31 @@ class Stager {
   // Returns once every byte has landed. ResourceExhausted when staging memory cannot be had
   // under the --when-busy policy (then `on_laid_out` was not called). A copy error after
   // `on_laid_out` also fails the snapshot's watermark, so its writer stops.
-  // With `fill_later`, the frozen tensors filled from the previous snapshot are not: it
-  // returns once every other byte has landed and sets `*fill_later` (when there is any to
-  // fill) to what fills them and lands the rest, for the caller to run after it releases
-  // what it held around Stage (a fill reads none of the trainer's memory).
-  using FillLater = std::function<void()>;
   absl::StatusOr<StagedSnapshotPtr> Stage(const SessionView& session, uint64_t step,
                                           shm::SnapshotPayload payload,
                                           const OnLaidOut& on_laid_out = {},
-                                          const OnReleased& on_released = {},
-                                          FillLater* fill_later = nullptr);
+                                          const OnReleased& on_released = {});
 
  private:
-  // The block, and the hold on the job's share, under the --when-busy policy.
-  // When memory is short the frozen plan's source is given up before the snapshot is.
-  absl::StatusOr<std::pair<cuda::StagingBlockPtr, StagingLedger::HoldPtr>> Reserve(
-      const SessionView& session, size_t bytes, const std::string& context, FrozenPlan& frozen);
-  // Copies the tensors, chunk by chunk, advancing the snapshot's watermark after each.
-  // Tensors with a trainer_address go copy-on-write (then `on_released` is called early).
-  // Tensors the frozen plan fills are left out.
-  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap, const FrozenPlan& frozen,
+  // Blocks of `sizes`, and one hold on the job's share for them all, under the --when-busy
+  // policy.
+  struct Reserved {
+    std::vector<cuda::StagingBlockPtr> blocks;  // one per size, in order
+    StagingLedger::HoldPtr hold;
+  };
+  absl::StatusOr<Reserved> Reserve(const SessionView& session, const std::vector<size_t>& sizes,
+                                   const std::string& context);
+  // Copies the tensors, chunk by chunk, into `to` (per entry; null for frozen tensors shared
+  // from an earlier snapshot, which are left out), advancing the snapshot's watermark after
+  // each. Tensors with a trainer_address go copy-on-write (then `on_released` is called early).
+  absl::Status CopyTensors(const SessionView& session, StagedSnapshot& snap, const std::vector<char*>& to,
                            const OnReleased& on_released, bool& released);
-  // Each frozen entry's generation: the source's when filled, or when a check found the
+  // Each frozen entry's generation: the plan's when shared, or when a check found the
   // trainer's bytes unchanged; a new one otherwise (changes found are named in the snapshot).
-  static void SetGenerations(FrozenTensors& state, const FrozenPlan& plan, StagedSnapshot& snap);
-  // The filled entries, copied from the plan's source (after the trainer was released).
-  static void Fill(const FrozenPlan& plan, StagedSnapshot& snap);
+  static void SetGenerations(FrozenTensors& state, const FrozenPlan& plan, const std::vector<char*>& to,
+                             StagedSnapshot& snap);
   // The host tensors selected by `only` (by index), in one job, without moving the watermark.
-  absl::Status CopyHostTensors(const SessionView& session, StagedSnapshot& snap,
+  absl::Status CopyHostTensors(const SessionView& session, StagedSnapshot& snap, const std::vector<char*>& to,
                                const std::vector<bool>& only);
 
   cuda::StagingPool& pool_;

@@ -1,8 +1,9 @@
 // Frozen tensors (issue 48, item 2), real ckptd and real trainer processes: tensors registered
-// frozen are copied from the trainer once and then taken from ckptd's own copy (the metric
-// counts the bytes not copied), every --frozen-check-every-th snapshot copies them again, and
-// one changed in place by the trainer is saved at that check; restores from memory and from
-// disk give the trainer's bytes back exactly, with increments on and off.
+// frozen are copied from the trainer once and then shared from ckptd's own copy (the metric
+// counts the bytes not copied; staging memory holds them once), every --frozen-check-every-th
+// snapshot copies them again, and one changed in place by the trainer is saved at that check;
+// restores from memory and from disk give the trainer's bytes back exactly, with increments
+// on and off.
 #include <catch2/catch.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -118,5 +119,26 @@ TEST_CASE("a restored trainer's frozen tensors are copied from it again, not fro
   CHECK(Metric(port, "ckptd_frozen_skipped_bytes_total") == 2 * kFrozenBytes);  // steps 2 and 4
   // Step 3 references what steps 1 and 2 wrote (the restored step's own references, one hop).
   CHECK(Manifest(d, 3)["increment"]["own_bytes"] < (uint64_t{1} << 20));
+  CheckRestores(d, dir, 4, "memory", false);
+}
+
+TEST_CASE("a frozen base is held once in staging memory: the next snapshot shares it with the hot copy") {
+  TempDir dir;
+  const int port = PickFreePort();
+  // 8 MiB snapshots, half of them frozen: room for one whole snapshot and the trainer's half
+  // of the next (13 MiB), not for two whole ones, which would evict the hot copy for room.
+  Daemon d(dir, {"--staging-bytes", "13M", "--frozen-check-every", "0", "--metrics-addr", std::to_string(port)});
+  d.Start();
+  Process p(Helper(d, With(kData, {"save-steps", "--steps-list", "1,2,3,4", "--changed-bytes", "4096"})), dir.path(),
+            "save");
+  REQUIRE(p.Wait() == 0);
+  INFO(p.Stdout() << d.Log());
+  CHECK(Metric(port, "ckptd_frozen_skipped_bytes_total") == 3 * kFrozenBytes);
+  // Each snapshot fit beside the hot copy of the step before: none was evicted for room.
+  CHECK_FALSE(Contains(d.Log(), "evicted from memory"));
+  // Idle, the newest step's hot copy: its own 4 MiB and the frozen block's 4 MiB, once.
+  const double used = Metric(port, "ckptd_staging_bytes\\{state=\"used\"\\}");
+  CHECK(used >= 8 << 20);
+  CHECK(used < (8 << 20) + (64 << 10));
   CheckRestores(d, dir, 4, "memory", false);
 }

@@ -1,8 +1,9 @@
 // Frozen tensors (issue 48, item 2): the stager copies a frozen tensor from the trainer once,
-// then fills it from the session's previous snapshot after the trainer is released; every
-// --frozen-check-every-th snapshot copies and compares it again; a thaw, a restore, a buffer
-// registered anew or a previous snapshot gone make the next snapshot copy it. The copy
-// engine records each region, so "not copied from the trainer" is what the test sees.
+// into a frozen block that later snapshots share (the same bytes at the same address, its
+// memory paid once); every --frozen-check-every-th snapshot copies and compares it again,
+// into a new block; a thaw, a restore, a buffer registered anew or every snapshot holding the
+// block gone make the next snapshot copy it. The copy engine records each region, so "not
+// copied from the trainer" is what the test sees, and the pool's use what memory costs.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -67,16 +68,15 @@ struct Fixture {
     frozen.Registered(tensors, {});
   }
 
-  // One snapshot as a session takes it: planned, staged, then the next one's source, kept
-  // as the daemon's hot cache keeps a rank's newest committed snapshot.
-  // With `fill_later`, the fill is left to the caller (Stager::Stage's FillLater).
-  StagedSnapshotPtr Snapshot(uint64_t step, Stager::FillLater* fill_later = nullptr) {
+  // One snapshot as a session takes it: planned, staged, then kept as the daemon's hot cache
+  // keeps a rank's newest committed snapshot (and with it the frozen block it holds).
+  StagedSnapshotPtr Snapshot(uint64_t step) {
     engine.Forget();
     Stager stager(*pool, engine, hot, progress, {});
     SessionView view{"job", 0, 0, 1, &tensors, nullptr, nullptr, &frozen};
-    auto staged = stager.Stage(view, step, {}, {}, {}, fill_later);
+    auto staged = stager.Stage(view, step, {});
     REQUIRE(staged.ok());
-    frozen.Staged(*staged);
+    frozen.Staged(**staged);
     kept = *staged;
     return *staged;
   }
@@ -85,6 +85,10 @@ struct Fixture {
     return std::string(snap->shard.Data(e), e.end - e.begin);
   }
   bool CopiedFromTrainer(size_t i) { return engine.Copied(buffers[i].data()); }
+  const FrozenBlock* BlockOf(const StagedSnapshotPtr& snap, size_t i) {
+    const int b = snap->frozen[i].block;
+    return b < 0 ? nullptr : snap->frozen_blocks[static_cast<size_t>(b)].get();
+  }
 
   ProgressSignal progress;
   HotCache hot{progress};
@@ -98,62 +102,62 @@ struct Fixture {
 
 }  // namespace
 
-TEST_CASE("a frozen tensor is copied from the trainer once, then filled from the last snapshot") {
+TEST_CASE("a frozen tensor is copied from the trainer once, into a frozen block later snapshots share") {
   Fixture f(/*check_every=*/0);
   StagedSnapshotPtr first = f.Snapshot(1);
   CHECK(f.CopiedFromTrainer(0));
   CHECK(f.CopiedFromTrainer(1));
   REQUIRE(first->frozen.size() == 2);
   CHECK(first->frozen[0].frozen);
-  CHECK_FALSE(first->frozen[0].filled);
+  CHECK_FALSE(first->frozen[0].shared);
   CHECK(first->frozen[0].generation != 0);
   CHECK(first->frozen[1].generation == 0);  // not frozen
-  CHECK(first->filled_bytes == 0);
+  CHECK(first->frozen[1].block == -1);
+  CHECK(first->shared_bytes == 0);
+  REQUIRE(f.BlockOf(first, 0) != nullptr);
+  // The frozen tensor in a block of its own (10 pages), the rest in the snapshot's (1 page).
+  CHECK(first->block->size() == 4096);
+  CHECK(f.BlockOf(first, 0)->block->size() == 40960);
+  const char* base = first->shard.Data(first->shard.entries[0]);
 
+  std::vector<StagedSnapshotPtr> in_flight{first};
   for (uint64_t step = 2; step <= 4; ++step) {
     f.buffers[1].assign(f.buffers[1].size(), static_cast<char>('a' + step));  // trained
     StagedSnapshotPtr next = f.Snapshot(step);
+    in_flight.push_back(next);
     CHECK_FALSE(f.CopiedFromTrainer(0));
     CHECK(f.CopiedFromTrainer(1));
-    CHECK(next->frozen[0].filled);
+    CHECK(next->frozen[0].shared);
     CHECK(next->frozen[0].generation == first->frozen[0].generation);
-    CHECK(next->filled_bytes == 40000);
+    CHECK(next->shared_bytes == 40000);
+    // The same bytes, where the first snapshot staged them: shared, not copied.
+    CHECK(next->shard.Data(next->shard.entries[0]) == base);
+    CHECK(f.BlockOf(next, 0) == f.BlockOf(first, 0));
     CHECK(f.Bytes(next, 0) == f.buffers[0]);
     CHECK(f.Bytes(next, 1) == f.buffers[1]);
-    // The trainer's bytes come first; the filled ones after its release.
-    CHECK(next->filled_from == next->shard.entries[0].begin);
-    CHECK(next->own_landed.WaitFor(1).ok());
     CHECK(next->landed.WaitFor(next->shard.data_bytes).ok());
   }
+  // Four snapshots alive at once hold the frozen tensor once: its block and four pages.
+  CHECK(f.pool->used() == 40960 + 4 * 4096);
 }
 
-TEST_CASE("a fill left for later: the trainer's bytes land first, the frozen ones when the session runs the fill") {
+TEST_CASE("a frozen block lives while any snapshot holds it, and goes with the last") {
   Fixture f(/*check_every=*/0);
-  Stager::FillLater fill;
-  StagedSnapshotPtr first = f.Snapshot(1, &fill);
-  CHECK_FALSE(fill);  // nothing to fill: copied from the trainer, landed whole
-  CHECK(first->landed.WaitFor(first->shard.data_bytes).ok());
-
-  f.buffers[1].assign(f.buffers[1].size(), 'z');
-  StagedSnapshotPtr next = f.Snapshot(2, &fill);
-  REQUIRE(fill);
-  CHECK(next->own_landed.WaitFor(1).ok());
-  CHECK(f.Bytes(next, 1) == f.buffers[1]);
-  std::atomic<bool> landed{false};
-  std::thread reader([&] {
-    CHECK(next->landed.WaitFor(next->shard.data_bytes).ok());
-    landed = true;
-  });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  CHECK_FALSE(landed);  // a reader of the whole snapshot waits for the fill
-  // The fill reads the previous snapshot, not the trainer's memory, which may change now.
-  f.buffers[0].assign(f.buffers[0].size(), 'q');
-  fill();
-  reader.join();
-  CHECK(landed);
-  CHECK(f.Bytes(next, 0) == std::string(40000, 'a'));
-  CHECK(next->frozen[0].filled);
-  CHECK(next->frozen[0].generation == first->frozen[0].generation);
+  StagedSnapshotPtr first = f.Snapshot(1);
+  StagedSnapshotPtr second = f.Snapshot(2);
+  CHECK(second->frozen[0].shared);
+  // The snapshot that staged the block is written and evicted; the block stays with the one
+  // that shares it, and the next snapshot shares it too.
+  first.reset();
+  f.kept = second;
+  CHECK(f.pool->used() == 40960 + 4096);
+  StagedSnapshotPtr third = f.Snapshot(3);
+  CHECK_FALSE(f.CopiedFromTrainer(0));
+  CHECK(f.Bytes(third, 0) == f.buffers[0]);
+  second.reset();
+  third.reset();
+  f.kept.reset();
+  CHECK(f.pool->used() == 0);
 }
 
 TEST_CASE("every Nth snapshot checks frozen tensors and saves one changed in place") {
@@ -166,9 +170,10 @@ TEST_CASE("every Nth snapshot checks frozen tensors and saves one changed in pla
   // Between checks a snapshot has the bytes last seen: the window --frozen-check-every allows.
   CHECK_FALSE(f.CopiedFromTrainer(0));
   CHECK(f.Bytes(third, 0)[123] == 'a');
-  StagedSnapshotPtr check = f.Snapshot(4);  // two fills since the first: the third is due
+  StagedSnapshotPtr check = f.Snapshot(4);  // two shares since the first: the third is due
   CHECK(f.CopiedFromTrainer(0));
-  CHECK_FALSE(check->frozen[0].filled);
+  CHECK_FALSE(check->frozen[0].shared);
+  CHECK(f.BlockOf(check, 0) != f.BlockOf(first, 0));  // into a new block, the next ones' source
   CHECK(f.Bytes(check, 0) == f.buffers[0]);
   CHECK(check->frozen_changed == std::vector<std::string>{"t0"});
   CHECK(check->frozen[0].generation != generation);
@@ -181,9 +186,9 @@ TEST_CASE("every Nth snapshot checks frozen tensors and saves one changed in pla
   f.frozen.Registered(f.tensors, {"t0"});
   StagedSnapshotPtr again = f.Snapshot(6);
   CHECK(f.CopiedFromTrainer(0));
-  StagedSnapshotPtr filled = f.Snapshot(7);
+  StagedSnapshotPtr shared = f.Snapshot(7);
   CHECK_FALSE(f.CopiedFromTrainer(0));
-  CHECK(filled->frozen[0].generation == again->frozen[0].generation);
+  CHECK(shared->frozen[0].generation == again->frozen[0].generation);
   // A check that finds nothing keeps the generation (and so the known checksums).
   f.Snapshot(8);
   StagedSnapshotPtr quiet = f.Snapshot(9);
@@ -225,23 +230,44 @@ TEST_CASE("a restore, a buffer registered anew, a thaw or a lost snapshot makes 
     CHECK(copied_anew(4));
     CHECK_FALSE(copied_anew(5));
   }
-  SECTION("the previous snapshot is gone (written and evicted)") {
+  SECTION("every snapshot holding its block is gone (written and evicted)") {
     last.reset();
     f.kept.reset();
     CHECK(copied_anew(2));
   }
 }
 
-TEST_CASE("when staging memory is short the frozen source is given up, not the snapshot") {
-  // Room for one snapshot (43000 bytes, page-aligned blocks) but not two.
-  Fixture f(/*check_every=*/0, /*pool_bytes=*/48 << 10);
+TEST_CASE("when staging memory is short the hot copy is evicted, and its frozen block still shared") {
+  // Room for one snapshot's two blocks (11 pages) and nothing more.
+  Fixture f(/*check_every=*/0, /*pool_bytes=*/44 << 10);
   StagedSnapshotPtr first = f.Snapshot(1);
   f.hot.Insert({first});  // committed: the hot copy, as the daemon keeps it
   const std::string base = f.buffers[0];
   first.reset();
   f.kept.reset();
+  // The next snapshot's page is the hot copy's own: evicted for it. Its frozen block, which the
+  // snapshot shares, stays.
   StagedSnapshotPtr second = f.Snapshot(2);
-  CHECK(f.CopiedFromTrainer(0));
-  CHECK_FALSE(second->frozen[0].filled);
+  CHECK_FALSE(f.CopiedFromTrainer(0));
+  CHECK(second->frozen[0].shared);
   CHECK(f.Bytes(second, 0) == base);
+  CHECK(f.pool->used() == 44 << 10);
+}
+
+TEST_CASE("a check that finds no room for a new copy of the frozen tensors is put off, and the snapshot shares") {
+  // Room for the frozen block (10 pages) and two own blocks, not for a second frozen block.
+  Fixture f(/*check_every=*/2, /*pool_bytes=*/48 << 10);
+  StagedSnapshotPtr first = f.Snapshot(1);
+  StagedSnapshotPtr second = f.Snapshot(2);  // shares: the next one is a check
+  CHECK(second->frozen[0].shared);
+  first.reset();
+  for (uint64_t step : {3, 4}) {
+    StagedSnapshotPtr put_off = f.Snapshot(step);
+    CHECK_FALSE(f.CopiedFromTrainer(0));
+    CHECK(f.CopiedFromTrainer(1));
+    CHECK(put_off->frozen[0].shared);
+    CHECK(put_off->frozen_changed.empty());
+    CHECK(f.Bytes(put_off, 0) == f.buffers[0]);
+    second.reset();
+  }
 }
