@@ -953,6 +953,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const Config& config) {
   limits.allow_uids = config.allow_uids;
   limits.deposits = &p->arenas;
   limits.frozen_check_every = config.frozen_check_every;
+  limits.local_ranks = [parts = p.get()](const std::string& job) { return parts->sessions.RanksOf(job); };
   p->trainer_service = std::make_unique<TrainerService>(
       p->sessions, *p->stager, *p->writes, *p->retention, *p->restorer, p->board, limits,
       p->peers, *p->owners, p->arenas, *p->save_clock, *p->upload_policies,

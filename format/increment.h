@@ -24,9 +24,12 @@ namespace ckpt::format {
 // kinds without increments).
 inline constexpr int kManifestIncrementFormatVersion = 5;
 
-// A piece has at most this many chunks (its chunk grows to fit), so that its checksums and
-// extents stay a bounded part of a manifest.
+// ckptd cuts a piece into at most this many chunks (its chunk grows to fit), so that its
+// checksums and extents stay a bounded part of a manifest; a sparse table's piece may have
+// more, its share of a node's budget for them (daemon/persist/increment_chunks.h).
 inline constexpr uint64_t kMaxPieceChunks = 65536;
+// What a reader takes: no piece has more chunks (or extents).
+inline constexpr uint64_t kMaxReadPieceChunks = uint64_t{1} << 20;
 
 // A run of a piece's chunks [chunk_begin, chunk_end), stored one after another from byte `at`
 // of a file's data region: the piece's rank's own file in this step (no `step`: a

@@ -407,9 +407,9 @@ std::string PieceChunkProblem(const TensorShard& shard, const std::string& dtype
     return fmt::format("chunk_bytes {} is not a positive multiple of {}'s {} bytes", shard.chunk_bytes, dtype, *element);
   }
   const uint64_t chunks = PieceChunks(bytes, shard.chunk_bytes);
-  if (chunks > kMaxPieceChunks) {
+  if (chunks > kMaxReadPieceChunks) {
     return fmt::format("{} chunks of {} bytes, more than the {} a piece may have", chunks, shard.chunk_bytes,
-                       kMaxPieceChunks);
+                       kMaxReadPieceChunks);
   }
   if (shard.extents.empty()) return {};
   return ExtentsProblem(shard.extents, chunks, shard.rank, increment, step);

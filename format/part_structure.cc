@@ -155,7 +155,7 @@ absl::Status WalkPlaces(const std::vector<uint64_t>& places, size_t pieces, size
                                                   places.size(), pieces, blobs));
   };
   for (size_t i = 0; i < pieces; ++i) {
-    if (at >= places.size() || places[at] > kMaxPieceChunks) return bad();
+    if (at >= places.size() || places[at] > kMaxReadPieceChunks) return bad();
     const uint64_t n = places[at++];
     const uint64_t words = n == 0 ? 2 : 4 * n;
     if (places.size() - at < words) return bad();

@@ -63,9 +63,9 @@ absl::Status CheckPiece(const PieceToWrite& in, size_t* itemsize) {
                                                   in.name, in.chunk_bytes, in.dtype, *size));
   }
   const uint64_t chunks = format::PieceChunks(in.bytes, in.chunk_bytes);
-  if (chunks > format::kMaxPieceChunks) {
+  if (chunks > format::kMaxReadPieceChunks) {
     return absl::InvalidArgumentError(fmt::format("tensor {}: {} chunks, more than the {} a piece may have", in.name,
-                                                  chunks, format::kMaxPieceChunks));
+                                                  chunks, format::kMaxReadPieceChunks));
   }
   if (in.chunk_checksums.size() != chunks) {
     return absl::InvalidArgumentError(fmt::format("tensor {}: {} chunk checksums for {} chunks of {} bytes", in.name,

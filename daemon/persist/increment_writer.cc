@@ -22,8 +22,24 @@ constexpr uint64_t kBlock = 4096;          // the data region starts aligned, as
 
 using KnownSums = std::function<std::optional<daemon::FrozenChecksums>(uint64_t chunk_bytes)>;
 
+// How a snapshot's pieces are chunked: --increment-chunk-bytes, and what a sparse piece's
+// share of its node's budget of sparse chunks depends on (increment_chunks.h).
+struct ChunkPolicy {
+  uint64_t target = 0;
+  uint64_t rank_sparse_bytes = 0;  // of every sparse piece of the snapshot
+  uint32_t local_ranks = 1;
+};
+
+ChunkPolicy PolicyOf(const daemon::StagedSnapshot& snap, uint64_t target) {
+  ChunkPolicy policy{target, 0, std::max<uint32_t>(snap.local_ranks, 1)};
+  for (size_t i = 0; i < snap.sparse.size() && i < snap.tensor_count; ++i) {
+    if (snap.sparse[i]) policy.rank_sparse_bytes += snap.shard.entries[i].end - snap.shard.entries[i].begin;
+  }
+  return policy;
+}
+
 // The piece of tensor entry `i` without its checksums: placement and chunking.
-absl::StatusOr<PieceToWrite> PieceShape(const daemon::StagedSnapshot& snap, size_t i, uint64_t target) {
+absl::StatusOr<PieceToWrite> PieceShape(const daemon::StagedSnapshot& snap, size_t i, const ChunkPolicy& policy) {
   const format::TensorEntry& e = snap.shard.entries[i];
   const daemon::TensorPlacement& p = snap.placements[i];
   CKPT_ASSIGN_OR_RETURN(size_t itemsize, DTypeSize(e.dtype));
@@ -35,16 +51,19 @@ absl::StatusOr<PieceToWrite> PieceShape(const daemon::StagedSnapshot& snap, size
   if (p.flat.empty()) piece.offset = p.offset.empty() ? std::vector<int64_t>(e.shape.size(), 0) : p.offset;
   piece.bytes = e.end - e.begin;
   const bool sparse = i < snap.sparse.size() && snap.sparse[i];
-  piece.chunk_bytes = PieceChunkBytes(e.shape, itemsize, !p.flat.empty(), target, sparse);
+  piece.chunk_bytes =
+      PieceChunkBytes(e.shape, itemsize, !p.flat.empty(), policy.target, sparse,
+                      sparse ? SparsePieceMaxChunks(piece.bytes, policy.rank_sparse_bytes, policy.local_ranks)
+                             : format::kMaxPieceChunks);
   return piece;
 }
 
 // The piece of tensor entry `i` as the planner takes it: placement, chunking, checksums.
 // `known`: the checksums of a frozen piece's bytes in chunks of that size, when an earlier
 // snapshot's writer computed them: its bytes are then neither waited for (`wait`) nor read.
-absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t i, uint64_t target,
+absl::StatusOr<PieceToWrite> PieceOf(const daemon::StagedSnapshot& snap, size_t i, const ChunkPolicy& policy,
                                      const KnownSums& known, const std::function<absl::Status()>& wait) {
-  CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, target));
+  CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, policy));
   const format::TensorEntry& e = snap.shard.entries[i];
   if (std::optional<daemon::FrozenChecksums> sums = known(piece.chunk_bytes)) {
     piece.chunk_checksums = std::move(sums->chunks);
@@ -133,6 +152,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
   // next), and the file is written once every one has.
   // A frozen piece's checksums are computed once per generation of its bytes (frozen_sums.h):
   // a piece whose are known is neither waited for nor read.
+  const ChunkPolicy policy = PolicyOf(snap, options_.chunk_bytes);
   const bool has_frozen = !snap.frozen.empty() && snap.frozen_sums != nullptr;
   for (size_t i = 0; i < snap.tensor_count; ++i) {
     if (has_frozen && snap.frozen[i].frozen) CKPT_RETURN_IF_ERROR(WaitForGeneration(snap, i));
@@ -142,7 +162,7 @@ absl::StatusOr<WrittenShard> IncrementWriter::Write(const daemon::StagedSnapshot
       return snap.frozen_sums->Find(snap.frozen[i].generation, chunk_bytes);
     };
     CKPT_ASSIGN_OR_RETURN(PieceToWrite piece,
-                          PieceOf(snap, i, options_.chunk_bytes, known, [&] { return WaitForEntry(snap, i); }));
+                          PieceOf(snap, i, policy, known, [&] { return WaitForEntry(snap, i); }));
     if (frozen) {
       snap.frozen_sums->Put(snap.frozen[i].generation, piece.chunk_bytes, {piece.chunk_checksums, piece.checksum});
     }
@@ -217,8 +237,9 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
   const StagedShard& shard = snap.shard;
   // Laid out before a byte is hashed: every piece whole, in staging order, then the train
   // state (the planner with no base), with checksums filled in as the bytes go out.
+  const ChunkPolicy policy = PolicyOf(snap, options_.chunk_bytes);
   for (size_t i = 0; i < snap.tensor_count; ++i) {
-    CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, options_.chunk_bytes));
+    CKPT_ASSIGN_OR_RETURN(PieceToWrite piece, PieceShape(snap, i, policy));
     piece.chunk_checksums.assign(format::PieceChunks(piece.bytes, piece.chunk_bytes), 0);
     write.pieces.push_back(std::move(piece));
   }

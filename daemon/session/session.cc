@@ -210,6 +210,7 @@ absl::StatusOr<SessionPtr> Session::Create(const ::ckptd::v1::RegisterRequest& r
         req.rank(), s->registered_bytes_.load(), limits.staging_bytes));
   }
   s->frozen_ = std::make_unique<FrozenTensors>(limits.frozen_check_every);
+  s->local_ranks_ = limits.local_ranks;
   s->frozen_->Registered(s->tensors_, {});
 
   // Sealed and nameless: handed to the trainer as a descriptor (ControlFdServer), so the
@@ -643,6 +644,7 @@ void Session::HandleSnapshot(shm::Command command, Stager& stager, SnapshotSink&
     snap->ticket = command.ticket;
     snap->session_started = started_;
     snap->session_started_unix_ns = started_unix_ns_;
+    if (local_ranks_) snap->local_ranks = std::max<uint32_t>(local_ranks_(job_), 1);
     {
       std::lock_guard lock(ticket_mu_);
       ticket_steps_[command.ticket] = command.step;

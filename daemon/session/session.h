@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -47,6 +48,9 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
     // kind kPayload); null: such snapshots fail.
     ArenaDeposits* deposits = nullptr;
     uint32_t frozen_check_every = 20;  // --frozen-check-every (0: never)
+    // How many ranks of a job have a session on this daemon (StagedSnapshot::local_ranks);
+    // null: one.
+    std::function<uint32_t(const std::string& job)> local_ranks;
   };
 
   // Validates the request, maps the trainer's arenas and creates the control block.
@@ -184,6 +188,7 @@ class Session final : public TicketSink, public std::enable_shared_from_this<Ses
   static constexpr int kMaxSnapshotEvents = 64;
   std::vector<RegisteredTensor> tensors_;  // guarded by data_mu_ once started
   std::unique_ptr<FrozenTensors> frozen_;  // guarded by data_mu_ once started
+  std::function<uint32_t(const std::string&)> local_ranks_;  // Limits::local_ranks
   std::atomic<size_t> tensor_count_{0};
   std::atomic<uint64_t> registered_bytes_{0};
   shm::SealedSegmentPtr control_;

@@ -149,6 +149,13 @@ std::vector<SessionPtr> SessionRegistry::All() const {
   return all;
 }
 
+uint32_t SessionRegistry::RanksOf(const std::string& job) const {
+  std::lock_guard lock(mu_);
+  uint32_t n = 0;
+  for (const auto& [id, s] : sessions_) n += s->job() == job && !s->ended() ? 1 : 0;
+  return n;
+}
+
 void SessionRegistry::Clear() {
   std::map<std::string, SessionPtr> sessions;
   {

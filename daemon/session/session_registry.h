@@ -42,6 +42,8 @@ class SessionRegistry {
   // Removes and stops the session; NotFound if unknown.
   absl::Status Remove(const std::string& id);
   std::vector<SessionPtr> All() const;
+  // How many live sessions job `job` has here: its ranks on this node.
+  uint32_t RanksOf(const std::string& job) const;
   // Every session rejects new snapshots from now on (the start of shutdown).
   void RefuseNewSnapshots();
   // Stops and removes every session (shutdown).

@@ -74,6 +74,9 @@ struct StagedSnapshot {
   size_t tensor_count = 0;     // shard.entries[0, tensor_count) are tensors
   std::vector<TensorPlacement> placements;  // per tensor entry
   std::vector<bool> sparse;  // per tensor entry, registered sparse (TensorSpec.sparse); empty: none
+  // The job's ranks with a session on this node when it was taken: they share the node's
+  // budget of sparse chunks (persist/increment_chunks.h).
+  uint32_t local_ranks = 1;
   std::vector<std::string> train_state_names;  // per blob entry, without the key prefix
   double copy_seconds = 0;  // time the copy engine took
   std::weak_ptr<TicketSink> sink;

@@ -67,6 +67,7 @@ struct Flags {
   // (tests/integration/sparse_table.h).
   uint64_t table_rows = 0, row_bytes = 4096;
   double sparse_rows = 0;
+  bool table_sparse = false;  // --table-sparse: the table is registered sparse (TensorSpec.sparse)
   // save-loop: a snapshot every --save-every steps, --step-sleep-ms after each step.
   uint64_t save_every = 5;
   uint32_t step_sleep_ms = 0;
@@ -155,6 +156,12 @@ std::vector<ckpt::Tensor*> Setup(ckpt::Client& c, const Flags& f) {
     if (!t.ok()) {
       std::cout << "error: " << ckpt::Message(t.status()) << "\n";
       std::exit(2);
+    }
+    if (f.table_sparse) {
+      if (absl::Status s = c.MarkSparse("emb.weight"); !s.ok()) {
+        std::cout << "error: " << ckpt::Message(s) << "\n";
+        std::exit(2);
+      }
     }
     out.push_back(*t);
   }
@@ -927,6 +934,7 @@ int main(int argc, char** argv) {
   app.add_option("--table-rows", f.table_rows, "also register emb.weight, a table of this many rows (per rank)");
   app.add_option("--row-bytes", f.row_bytes, "its rows' size, a multiple of 8")->capture_default_str();
   app.add_option("--sparse-rows", f.sparse_rows, "% of the table's rows (at random) changed per training step");
+  app.add_flag("--table-sparse", f.table_sparse, "register the table sparse (chunked by its rows, about 1 KiB)");
   auto* save_steps = app.add_subcommand("save-steps");
   save_steps->add_option("--steps-list", f.steps_list)->delimiter(',')->required();
   save_steps->add_option("--changed-bytes", f.changed_bytes);

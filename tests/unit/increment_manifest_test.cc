@@ -165,11 +165,11 @@ TEST_CASE("chunk sizes fit their dtype and bound a piece's chunks; chunk checksu
   none["tensors"]["emb"]["shards"][1].erase("chunk_checksums");
   RefusedFor(none, "rank 1 lists 0 chunk checksums for an entry of 4 chunks");
   Manifest big = Sample();
-  big.tensors["emb"].global_shape = {2 * 65537, 4};
-  big.tensors["emb"].shards[1].offset = {65537, 0};
-  big.tensors["emb"].shards[1].shape = {65537, 4};
+  big.tensors["emb"].global_shape = {2 * 1048577, 4};
+  big.tensors["emb"].shards[1].offset = {1048577, 0};
+  big.tensors["emb"].shards[1].shape = {1048577, 4};
   big.tensors["emb"].shards.erase(big.tensors["emb"].shards.begin());
-  RefusedFor(Json(big), "65537 chunks of 16 bytes, more than the 65536 a piece may have");
+  RefusedFor(Json(big), "1048577 chunks of 16 bytes, more than the 1048576 a piece may have");
 }
 
 TEST_CASE("origins are listed once each, never the step itself, and origin_steps are theirs") {

@@ -283,6 +283,27 @@ TEST_CASE("chunks: sparse tables get 1 KiB, at least one row") {
   CHECK(PieceChunkBytes({200}, 4, false, 4 << 20, true) == 800);  // small: one chunk
 }
 
+TEST_CASE("chunks: a sparse piece's limit is its share of the node's budget, by size and by ranks") {
+  constexpr uint64_t kTable = uint64_t{1'000'000} * 256;  // 1M rows of 64 F32
+  // Alone on its node: the whole budget (a million chunks), so rows of 256 bytes get 1 KiB.
+  const uint64_t alone = SparsePieceMaxChunks(kTable, kTable, 1);
+  CHECK(alone == kSparseChunksPerNode);
+  CHECK(PieceChunkBytes({1'000'000, 64}, 4, false, 4 << 20, true, alone) == 1024);
+  // Eight ranks of the job on the node: an eighth each, 2 KiB.
+  const uint64_t eighth = SparsePieceMaxChunks(kTable, kTable, 8);
+  CHECK(eighth == kSparseChunksPerNode / 8);
+  CHECK(PieceChunkBytes({1'000'000, 64}, 4, false, 4 << 20, true, eighth) == 2048);
+  // Two tables on the rank share its part by size.
+  CHECK(SparsePieceMaxChunks(kTable, 4 * kTable, 1) == kSparseChunksPerNode / 4);
+  // Never fewer than a dense piece may have, never more than a reader takes; no overflow.
+  CHECK(SparsePieceMaxChunks(1024, uint64_t{1} << 40, 64) == format::kMaxPieceChunks);
+  CHECK(SparsePieceMaxChunks(uint64_t{1} << 44, uint64_t{1} << 44, 0) == format::kMaxReadPieceChunks);
+  CHECK(SparsePieceMaxChunks(uint64_t{1} << 44, 0, 1) == format::kMaxReadPieceChunks);
+  // A limit above what readers take is held to it.
+  CHECK(format::PieceChunks(uint64_t{1} << 34, PieceChunkBytes({int64_t{1} << 34}, 1, false, 1, true, uint64_t{1} << 40)) <=
+        format::kMaxReadPieceChunks);
+}
+
 TEST_CASE("chunks: at most 65,536 a piece; the chunk grows to fit, in whole rows for row blocks") {
   // 8 GiB 1-D in 64 KiB windows would be 131,072 chunks.
   CHECK(PieceChunkBytes({int64_t{1} << 33}, 1, false, 64 << 10, false) == 128 << 10);

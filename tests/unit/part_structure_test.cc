@@ -234,7 +234,7 @@ TEST_CASE("incremental values that do not fit their structure are refused") {
   no_increment.increment.reset();
   CHECK_THAT(ckpt::Message(CheckValuesFit(*split.structure, no_increment)), Catch::Contains("lack an increment"));
   PartValues too_many_extents = split.values;
-  too_many_extents.places[0] = kMaxPieceChunks + 1;
+  too_many_extents.places[0] = kMaxReadPieceChunks + 1;
   CHECK_FALSE(CheckValuesFit(*split.structure, too_many_extents).ok());
   // Withheld checksums leave the places behind too, and still fit by their count.
   PartValues counted = split.values.WithChecksumsWithheld();

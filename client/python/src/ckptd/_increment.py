@@ -10,7 +10,7 @@ from ckptd._step_files import _DIGEST, _check_file_name
 
 NEWEST_VERSION = 5   # the newest format version these readers understand
 INCREMENT_VERSION = 5
-MAX_CHUNKS = 65536   # a piece's chunk count at most (the chunk grows to fit)
+MAX_CHUNKS = 1 << 20  # a piece's chunk count at most (format/increment.h, kMaxReadPieceChunks)
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
             "BOOL": 1}
 
