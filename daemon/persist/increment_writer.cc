@@ -291,6 +291,10 @@ absl::StatusOr<WrittenShard> IncrementWriter::Stream(const daemon::StagedSnapsho
                               {piece.chunk_checksums, piece.checksum});
       }
     }
+    // The last byte lands only once the trainer is released (Stager): a snapshot it abandoned
+    // during the copy fails here, not committed with torn tensors, even when its last entries
+    // were never waited for (frozen ones shared from an earlier snapshot).
+    if (shard.landed != nullptr) CKPT_RETURN_IF_ERROR(shard.landed->WaitFor(shard.data_bytes));
     return absl::OkStatus();
   }));
   // How much changed since the base tells the rank's next save whether to plan or stream.

@@ -70,6 +70,10 @@ class StoreShardWriter final : public ShardWriter {
       : store_(std::move(store)), between_chunks_(std::move(between_chunks)) {}
 
   absl::StatusOr<WrittenShard> Write(const StagedShard& shard, const std::string& dir) override {
+    if (shard.region.size() != shard.data_bytes) {
+      return absl::InternalError(fmt::format("rank {}'s staged region holds {} bytes, not the {} of its data region",
+                                             shard.rank, shard.region.size(), shard.data_bytes));
+    }
     WrittenShard out;
     out.file = format::ShardFileName(shard.rank);
     // Padded to a block: the data region then starts aligned, and goes out from the

@@ -26,6 +26,7 @@ FrozenPlan FrozenTensors::Plan(const std::vector<RegisteredTensor>& tensors) {
   if (known_.empty()) return plan;
   plan.tensors.resize(tensors.size());
   plan.check = check_every_ != 0 && shares_since_check_ + 1 >= check_every_;
+  plan.force_check = plan.check && checks_put_off_ >= kChecksPutOffAtMost;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const RegisteredTensor& t = tensors[i];
     FrozenPlan::Tensor& p = plan.tensors[i];

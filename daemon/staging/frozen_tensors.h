@@ -36,6 +36,7 @@ struct FrozenPlan {
   };
   std::vector<Tensor> tensors;  // per registered tensor; empty: none frozen
   bool check = false;           // frozen tensors are copied from the trainer and compared
+  bool force_check = false;     // a check put off too often: it makes room as a snapshot does
 };
 
 class FrozenTensors {
@@ -53,6 +54,12 @@ class FrozenTensors {
   // A check found `name` changed in place although registered frozen: it is copied from the
   // trainer at every snapshot from now on, until it is frozen anew (Registered's `replaced`).
   void ChangedInPlace(const std::string& name) { changed_in_place_.insert(name); }
+  // A check found no room for a second copy of the frozen tensors and was put off: how many
+  // times in a row now. Past kChecksPutOffAtMost the next check makes room (evicts hot copies,
+  // waits under --when-busy=wait) as any snapshot does.
+  static constexpr uint32_t kChecksPutOffAtMost = 3;
+  uint32_t CheckPutOff() { return ++checks_put_off_; }
+  void CheckRan() { checks_put_off_ = 0; }
   // `snap` staged whole: where its frozen tensors' bytes are, for the next snapshot.
   void Staged(const StagedSnapshot& snap);
   const std::shared_ptr<FrozenSums>& sums() const { return sums_; }
@@ -73,6 +80,7 @@ class FrozenTensors {
   const uint32_t check_every_;
   uint64_t last_generation_ = 0;
   uint32_t shares_since_check_ = 0;
+  uint32_t checks_put_off_ = 0;
   std::map<std::string, Known> known_;  // the frozen tensors
   std::set<std::string> changed_in_place_;
   std::shared_ptr<FrozenSums> sums_ = std::make_shared<FrozenSums>();

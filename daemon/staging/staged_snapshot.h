@@ -38,9 +38,11 @@ struct TensorPlacement {
 // A session's frozen tensors' bytes as one snapshot copied them from the trainer, shared by
 // the snapshots after it that find them unchanged (each holds it while in flight or hot): so
 // a frozen base costs its memory once, not once per snapshot in flight and in the hot copy.
-// It counts in the job's share of staging memory while the snapshot that copied it is in flight.
 struct FrozenBlock {
   cuda::StagingBlockPtr block;
+  // Counts it in the job's share of staging memory for as long as it lives: snapshots in
+  // flight that share it cannot free it, whatever is evicted. Null without a ledger.
+  StagingLedger::HoldPtr hold;
 };
 
 struct StagedSnapshot {

@@ -36,7 +36,7 @@ absl::Status CopySplit(cuda::CopyEngine& host, const std::vector<cuda::CopyEngin
 }
 
 absl::StatusOr<Stager::Reserved> Stager::Reserve(const SessionView& session, const std::vector<size_t>& sizes,
-                                                 const std::string& context) {
+                                                 const std::string& context, bool make_room) {
   auto deadline = std::chrono::steady_clock::now() + options_.busy_wait;
   size_t bytes = 0;
   for (size_t n : sizes) bytes += n;
@@ -63,14 +63,14 @@ absl::StatusOr<Stager::Reserved> Stager::Reserve(const SessionView& session, con
       hold->reset();
       // A frozen block this snapshot shares is held by its plan: evicting the hot copy that
       // also holds it frees that copy's own block only, and the frozen one stays shared.
-      if (hot_.EvictOne()) continue;
+      if (make_room && hot_.EvictOne()) continue;
       why = absl::ResourceExhaustedError(fmt::format(
           "staging memory busy ({}; earlier snapshots are still being written)",
           Message(block)));
     } else {
       why = hold.status();
     }
-    if (options_.when_busy == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
+    if (!make_room || options_.when_busy == WhenBusy::kSkip || std::chrono::steady_clock::now() >= deadline) {
       return absl::ResourceExhaustedError(
           fmt::format("{} skipped: {}; --when-busy={}", context, Message(why),
                       options_.when_busy == WhenBusy::kSkip ? "skip" : "wait"));
@@ -91,20 +91,24 @@ uint64_t HeldBack(const StagedSnapshot& snap, uint64_t landed) {
 
 void FailSnapshot(StagedSnapshot& snap, const absl::Status& why) { snap.landed.Fail(Message(why)); }
 
-// A check (every tensor it would copy known and still staged) made a plain snapshot that
-// shares them: true, with `plan` and `places` changed so.
-bool PutOffCheck(FrozenPlan& plan, std::vector<EntryPlace>& places) {
+// Whether a snapshot is a check that could share instead: every frozen tensor it would copy
+// is known and still staged.
+bool CanPutOffCheck(const FrozenPlan& plan, const std::vector<EntryPlace>& places) {
   if (!plan.check) return false;
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     if (places[i] == EntryPlace::kFrozen && plan.tensors[i].block == nullptr) return false;
   }
+  return true;
+}
+
+// Makes a check (CanPutOffCheck) a plain snapshot that shares its frozen tensors.
+void PutOffCheck(FrozenPlan& plan, std::vector<EntryPlace>& places) {
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
     if (places[i] != EntryPlace::kFrozen) continue;
     plan.tensors[i].share = true;
     places[i] = EntryPlace::kShared;
   }
   plan.check = false;
-  return true;
 }
 
 absl::Status Abandoned(std::string_view context) {
@@ -179,24 +183,39 @@ absl::StatusOr<StagedSnapshotPtr> Stager::Stage(const SessionView& session, uint
     places[i] = frozen.tensors[i].share ? EntryPlace::kShared : EntryPlace::kFrozen;
   }
   // The own block and, for frozen tensors copied from the trainer, a new frozen block, both
-  // counted in the job's share while this snapshot is in flight (the frozen one once: the
-  // snapshots that share it later count only their own).
+  // admitted to the job's share at once; the frozen block's part then counts for as long as
+  // the block lives (the snapshots that share it later count only their own).
   SnapshotLayout layout = LayOut(snap->shard.entries, places);
   const bool copies_frozen = std::find(places.begin(), places.end(), EntryPlace::kFrozen) != places.end();
   std::vector<size_t> sizes{layout.own_bytes};
   if (copies_frozen) sizes.push_back(layout.frozen_bytes);
-  absl::StatusOr<Reserved> reserved = Reserve(session, sizes, context);
-  if (!reserved.ok() && copies_frozen && PutOffCheck(frozen, places)) {
-    // A check that finds no room for a new copy of the frozen tensors shares the last one
-    // instead; the next snapshot checks.
-    Log().info("[{}/r{} s{}] the check of frozen tensors is put off to the next snapshot: {}", session.job,
-               session.rank, step, Message(reserved.status()));
+  // A check that finds no room for a second copy of the frozen tensors shares the last one
+  // instead, and the next snapshot checks: it neither evicts hot copies nor waits for room
+  // to make one, until it has been put off FrozenTensors::kChecksPutOffAtMost times.
+  const bool can_put_off = copies_frozen && CanPutOffCheck(frozen, places);
+  absl::StatusOr<Reserved> reserved = Reserve(session, sizes, can_put_off ? context + "'s check of frozen tensors" : context,
+                                              !can_put_off || frozen.force_check);
+  if (!reserved.ok() && can_put_off) {
+    PutOffCheck(frozen, places);
+    const uint32_t times = session.frozen->CheckPutOff();
+    const std::string line =
+        fmt::format("{} ({} in a row): put off to the next snapshot", Message(reserved.status()), times);
+    if (frozen.force_check) {
+      Log().warn("{}; a frozen tensor changed in place goes unseen until one runs (raise --staging-bytes)", line);
+    } else {
+      Log().info("{}", line);
+    }
     layout = LayOut(snap->shard.entries, places);
     reserved = Reserve(session, {layout.own_bytes}, context);
+  } else if (reserved.ok() && frozen.check) {
+    session.frozen->CheckRan();
   }
   CKPT_RETURN_IF_ERROR(reserved.status());
   std::shared_ptr<FrozenBlock> new_frozen;
-  if (reserved->blocks.size() > 1) new_frozen = std::make_shared<FrozenBlock>(FrozenBlock{std::move(reserved->blocks[1])});
+  if (reserved->blocks.size() > 1) {
+    StagingLedger::HoldPtr hold = reserved->hold ? reserved->hold->Split(layout.frozen_bytes) : nullptr;
+    new_frozen = std::make_shared<FrozenBlock>(FrozenBlock{std::move(reserved->blocks[1]), std::move(hold)});
+  }
   cuda::StagingBlockPtr own = std::move(reserved->blocks[0]);
 
   // The region, and where the copy writes each entry (null: shared, in place already).

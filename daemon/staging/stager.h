@@ -94,8 +94,9 @@ class Stager {
     std::vector<cuda::StagingBlockPtr> blocks;  // one per size, in order
     StagingLedger::HoldPtr hold;
   };
+  // Without `make_room`: one try, evicting no hot copy and waiting for nothing.
   absl::StatusOr<Reserved> Reserve(const SessionView& session, const std::vector<size_t>& sizes,
-                                   const std::string& context);
+                                   const std::string& context, bool make_room = true);
   // Copies the tensors, chunk by chunk, into `to` (per entry; null for frozen tensors shared
   // from an earlier snapshot, which are left out), advancing the snapshot's watermark after
   // each. Tensors with a trainer_address go copy-on-write (then `on_released` is called early).

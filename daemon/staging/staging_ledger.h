@@ -42,6 +42,13 @@ class StagingLedger {
     ~Hold() { ledger_.Release(uid_, job_, bytes_); }
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
+    // `bytes` of this hold (at most all of them) as a hold of their own, released on its own:
+    // memory admitted with a snapshot that outlives it (a frozen block).
+    std::unique_ptr<Hold> Split(size_t bytes) {
+      bytes = bytes < bytes_ ? bytes : bytes_;
+      bytes_ -= bytes;
+      return std::make_unique<Hold>(ledger_, uid_, job_, bytes);
+    }
 
    private:
     StagingLedger& ledger_;

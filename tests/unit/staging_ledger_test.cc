@@ -100,3 +100,26 @@ TEST_CASE("a user's first snapshot always goes, however large") {
   huge->reset();
   CHECK(ledger.in_flight_of_user(1002) == 0);
 }
+
+TEST_CASE("part of a hold split off (a snapshot's frozen block) is released on its own") {
+  Registered r;
+  r.users = {{1000, {"lora"}}};
+  StagingLedger ledger(1000, r.Fn());
+  auto snapshot = ledger.Admit(1000, "lora", 600);
+  REQUIRE(snapshot.ok());
+  StagingLedger::HoldPtr frozen = (*snapshot)->Split(400);
+  CHECK(ledger.in_flight("lora") == 600);
+  snapshot->reset();  // the snapshot is committed; its frozen block lives on
+  CHECK(ledger.in_flight("lora") == 400);
+  CHECK(ledger.in_flight_of_user(1000) == 400);
+  frozen.reset();
+  CHECK(ledger.in_flight("lora") == 0);
+  // No more than the hold has.
+  auto small = ledger.Admit(1000, "lora", 10);
+  REQUIRE(small.ok());
+  StagingLedger::HoldPtr all = (*small)->Split(50);
+  small->reset();
+  CHECK(ledger.in_flight("lora") == 10);
+  all.reset();
+  CHECK(ledger.in_flight("lora") == 0);
+}
