@@ -26,7 +26,8 @@ void CollectNodeFigures(const NodeFigureSources& src, metrics::Exposition& out) 
   for (const auto& [job, bytes] : src.ledger.InFlightByJob()) by_job.push_back({{job}, static_cast<double>(bytes)});
   out.Samples({"ckptd_staging_bytes",
                "Staging memory: capacity (--staging-bytes), used (snapshots in flight and committed "
-               "copies kept for hot restore), in_flight (reserved by snapshots not yet committed or failed).",
+               "copies kept for hot restore), in_flight (reserved by snapshots not yet committed or failed, and by "
+               "the frozen blocks sessions share).",
                {"state"}},
               {{{"capacity"}, static_cast<double>(src.pool.capacity())},
                {{"used"}, static_cast<double>(src.pool.used())},
