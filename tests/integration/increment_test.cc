@@ -52,8 +52,11 @@ json Manifest(const Daemon& d, uint64_t step) {
   return json::parse(in, nullptr, false);
 }
 
-void CheckRestores(Daemon& d, const TempDir& dir, uint64_t step, const std::string& source) {
-  RunResult r = Run(Helper(d, With(kData, {"check", "--changed-bytes", "4096"})), dir.path());
+// A trainer_helper `check` (by default of kData's tensors) restores `step` from `source`,
+// bit-exact.
+void CheckRestores(Daemon& d, const TempDir& dir, uint64_t step, const std::string& source,
+                   const std::vector<std::string>& check = With(kData, {"check", "--changed-bytes", "4096"})) {
+  RunResult r = Run(Helper(d, check), dir.path());
   INFO(r.out << r.err << d.Log());
   CHECK(r.exit_code == 0);
   CHECK(Contains(r.out, fmt::format("restored step={} source={}", step, source)));
@@ -231,18 +234,10 @@ TEST_CASE("an embedding table with 1% of its rows changed at random writes a few
     CheckVerifies(d, step);
   }
   // Each step's table restores bit-exact: the rows of earlier steps come from their files.
-  RunResult r = Run(Helper(d, With(data, {"check"})), dir.path());
-  INFO(r.out << r.err << d.Log());
-  CHECK(r.exit_code == 0);
-  CHECK(Contains(r.out, "restored step=6 source=memory"));
-  CHECK(Contains(r.out, "match"));
+  CheckRestores(d, dir, 6, "memory", With(data, {"check"}));
   REQUIRE(d.Stop() == 0);
   d.Start();
-  r = Run(Helper(d, With(data, {"check", "--step", "4"})), dir.path());
-  INFO(r.out << r.err << d.Log());
-  CHECK(r.exit_code == 0);
-  CHECK(Contains(r.out, "restored step=4 source=disk"));
-  CHECK(Contains(r.out, "match"));
+  CheckRestores(d, dir, 4, "disk", With(data, {"check", "--step", "4"}));
 }
 
 // The same with a recommender's rows (256 bytes) in a table over 64 MiB, registered sparse:
@@ -270,11 +265,7 @@ TEST_CASE("a large sparse table of small rows keeps 1 KiB chunks, and writes a f
     CHECK(own < kTable * 6 / 100);
     CheckVerifies(d, step);
   }
-  RunResult r = Run(Helper(d, With(data, {"check"})), dir.path());
-  INFO(r.out << r.err << d.Log());
-  CHECK(r.exit_code == 0);
-  CHECK(Contains(r.out, "restored step=3 source=memory"));
-  CHECK(Contains(r.out, "match"));
+  CheckRestores(d, dir, 3, "memory", With(data, {"check"}));
 }
 
 namespace {
@@ -355,11 +346,7 @@ TEST_CASE("a step whose header would pass safetensors' limit is written whole, o
     ::unsetenv("CKPTD_FAULT");
     REQUIRE(d.Stop() == 0);
     d.Start();
-    RunResult r = Run(Helper(d, With(data, {"check", "--step", "5"})), dir.path());
-    INFO(r.out << r.err << d.Log());
-    CHECK(r.exit_code == 0);
-    CHECK(Contains(r.out, "restored step=5 source=disk"));
-    CHECK(Contains(r.out, "match"));
+    CheckRestores(d, dir, 5, "disk", With(data, {"check", "--step", "5"}));
   }
 }
 
@@ -387,10 +374,7 @@ TEST_CASE("a rank whose bytes mostly change is streamed whole, and planned again
     CHECK((m["increment"]["referenced_bytes"] == 0) == (step != 2));
     CheckVerifies(d, step);
   }
-  RunResult r = Run(Helper(d, With(dense, {"check"})), dir.path());
-  INFO(r.out << r.err);
-  CHECK(Contains(r.out, "restored step=4 source=memory"));
-  CHECK(Contains(r.out, "match"));
+  CheckRestores(d, dir, 4, "memory", With(dense, {"check"}));
   // The same session, now changing little: its next save (after one streamed) is planned.
   Process q(Helper(d, With(kData, {"save-steps", "--steps-list", "5,6,7", "--changed-bytes", "4096"})), dir.path(),
             "sparse");
